@@ -1,0 +1,47 @@
+"""policy-probes: forward and backward probes on the named parts of an RL policy."""
+
+from policy_probes.components import PolicyAutoBuilder, ProbeHandle
+from policy_probes.context import ComponentContext
+from policy_probes.hook_types import BackwardHookBuilder, HookBuilder, ProbeError, ProbeHook
+from policy_probes.layers import MLP, LinearSpec, MLPSpec
+from policy_probes.probes import (
+    FisherInformationState,
+    GradientFlowState,
+    ProbeState,
+    ReLUActivationState,
+    ReLUGradientFlowState,
+    SaturatedActivationState,
+    attach_fisher_information_hooks,
+    attach_gradient_flow_hooks,
+    attach_relu_activation_hooks,
+    attach_relu_gradient_flow_hooks,
+    attach_saturated_activation_hooks,
+)
+from policy_probes.stats_reporter import StatsReporter
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MLP",
+    "BackwardHookBuilder",
+    "ComponentContext",
+    "FisherInformationState",
+    "GradientFlowState",
+    "HookBuilder",
+    "LinearSpec",
+    "MLPSpec",
+    "PolicyAutoBuilder",
+    "ProbeError",
+    "ProbeHandle",
+    "ProbeHook",
+    "ProbeState",
+    "ReLUActivationState",
+    "ReLUGradientFlowState",
+    "SaturatedActivationState",
+    "StatsReporter",
+    "attach_fisher_information_hooks",
+    "attach_gradient_flow_hooks",
+    "attach_relu_activation_hooks",
+    "attach_relu_gradient_flow_hooks",
+    "attach_saturated_activation_hooks",
+]

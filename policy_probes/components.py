@@ -1,0 +1,350 @@
+"""PolicyAutoBuilder: a policy made of named components that probes can attach to.
+
+Names are addressable at every depth: ``actor_mlp`` is a top-level component and
+``actor_mlp.layer_0`` / ``actor_mlp.layer_0.linear`` are its submodules. Patterns may use
+globs: ``*`` matches within one dotted level (``actor_mlp.*`` selects ``actor_mlp.layer_0``
+and ``actor_mlp.layer_1`` but not ``actor_mlp.layer_0.linear``), ``**`` crosses levels,
+``?`` and ``[...]`` work as in :mod:`fnmatch`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from policy_probes.context import ComponentContext
+from policy_probes.hook_types import ProbeError, describe_type
+from policy_probes.layers import LinearSpec, MLPSpec
+
+GLOB_CHARS = set("*?[")
+
+# A policy's first component sees observations that do not require grad; torch then warns
+# on every backward that the full backward hook fires for outputs only, which is exactly
+# what the probes want.
+warnings.filterwarnings(
+    "ignore",
+    message="Full backward hook is firing when gradients are computed with respect to module outputs",
+)
+
+
+class ProbeHandle:
+    """Removes every torch hook one registration installed (the component hook and any
+    hooks a probe put on submodules). Usable as a context manager."""
+
+    def __init__(self, handles: Iterable[RemovableHandle], component: str) -> None:
+        self.handles = list(handles)
+        self.component = component
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+    def __enter__(self) -> ProbeHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+def glob_to_regex(pattern: str) -> re.Pattern[str]:
+    out, i = [], 0
+    while i < len(pattern):
+        c = pattern[i]
+        if pattern.startswith("**", i):
+            out.append(".*")
+            i += 2
+            continue
+        if c == "*":
+            out.append(r"[^.]*")
+        elif c == "?":
+            out.append(r"[^.]")
+        elif c == "[":
+            j = pattern.find("]", i + 1)
+            if j == -1:
+                out.append(re.escape(c))
+            else:
+                body = pattern[i + 1 : j]
+                if body.startswith("!"):
+                    body = "^" + body[1:]
+                out.append(f"[{body}]")
+                i = j
+        else:
+            out.append(re.escape(c))
+        i += 1
+    return re.compile("".join(out) + r"\Z")
+
+
+def output_kind(output: Any) -> str:
+    if isinstance(output, torch.Tensor):
+        return "tensor"
+    if isinstance(output, Mapping):
+        return "mapping"
+    if isinstance(output, tuple | list):
+        return "sequence"
+    return "object"
+
+
+class PolicyAutoBuilder(nn.Module):
+    """An ``nn.Module`` whose named parts can be probed.
+
+    Build one from a component spec (name -> ``nn.Module`` or a spec such as
+    :class:`~policy_probes.layers.MLPSpec`) and define ``forward`` in a subclass, or make
+    any existing module probe-able with :meth:`wrap`.
+    """
+
+    def __init__(self, spec: Mapping[str, nn.Module | MLPSpec | LinearSpec] | None = None) -> None:
+        super().__init__()
+        self._component_modules: OrderedDict[str, nn.Module] = OrderedDict()
+        self._output_kinds: dict[str, str] = {}
+        self._handles: list[ProbeHandle] = []
+        for name, part in (spec or {}).items():
+            module = part if isinstance(part, nn.Module) else part.build()
+            if "." in name or not name:
+                raise ValueError(f"component names must be non-empty and dot-free, got {name!r}")
+            self.add_module(name, module)
+            self._component_modules[name] = module
+
+    # ------------------------------------------------------------ construction
+    @classmethod
+    def wrap(
+        cls,
+        module: nn.Module,
+        components: Mapping[str, nn.Module | str] | None = None,
+        example_inputs: tuple[Any, ...] | None = None,
+    ) -> PolicyAutoBuilder:
+        """Make an existing module probe-able without changing it.
+
+        ``components`` maps names to submodules or dotted submodule paths of ``module``;
+        ``None`` takes every direct child under its attribute name (nested parts are then
+        addressable by dotted names). ``example_inputs`` (optional) runs one forward pass
+        under ``no_grad`` to learn what each component returns, so backward probes on
+        components that cannot carry a backward hook fail when attached.
+        """
+        wrapper = cls()
+        wrapper.module = module
+        if components is None:
+            components = {n: m for n, m in module.named_children()}
+            if not components:
+                components = {type(module).__name__.lower(): module}
+        owned = {id(m) for m in module.modules()}
+        for name, target in components.items():
+            if isinstance(target, str):
+                try:
+                    target = module.get_submodule(target)
+                except AttributeError:
+                    names = [n for n, _ in module.named_modules() if n]
+                    raise KeyError(
+                        f"{type(module).__name__} has no submodule {target!r} (for component "
+                        f"{name!r}); its submodules are {names}"
+                    ) from None
+            if not isinstance(target, nn.Module) or id(target) not in owned:
+                raise TypeError(f"component {name!r} must be a submodule of the wrapped module")
+            if "." in name or not name:
+                raise ValueError(f"component names must be non-empty and dot-free, got {name!r}")
+            wrapper._component_modules[name] = target
+        if example_inputs is not None:
+            wrapper.trace_outputs(*example_inputs)
+        return wrapper
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        inner = self._modules.get("module")
+        if inner is None:
+            raise NotImplementedError(f"{type(self).__name__} must define forward()")
+        return inner(*args, **kwargs)
+
+    # ------------------------------------------------------------------ names
+    @property
+    def components(self) -> OrderedDict[str, nn.Module]:
+        return OrderedDict(self._component_modules)
+
+    def component_names(self) -> list[str]:
+        """Every addressable name: components and their submodules at all depths."""
+        names: list[str] = []
+        for name, module in self._component_modules.items():
+            names.append(name)
+            names.extend(f"{name}.{sub}" for sub, _ in module.named_modules() if sub)
+        return names
+
+    def get_component(self, name: str) -> nn.Module:
+        top, _, rest = name.partition(".")
+        module = self._component_modules.get(top)
+        if module is not None:
+            if not rest:
+                return module
+            try:
+                return module.get_submodule(rest)
+            except AttributeError:
+                pass
+        raise KeyError(self._unknown_message(name))
+
+    def resolve(self, pattern: str) -> list[str]:
+        """Names matched by a name or glob; a pattern that matches nothing is a KeyError."""
+        if not GLOB_CHARS & set(pattern):
+            self.get_component(pattern)
+            return [pattern]
+        regex = glob_to_regex(pattern)
+        matched = [n for n in self.component_names() if regex.match(n)]
+        if not matched:
+            raise KeyError(self._unknown_message(pattern, glob=True))
+        return matched
+
+    def _unknown_message(self, name: str, glob: bool = False) -> str:
+        names = self.component_names()
+        close = difflib.get_close_matches(name, names, n=3, cutoff=0.5)
+        what = "glob pattern" if glob else "component"
+        hint = f" Closest: {', '.join(close)}." if close else ""
+        return f"unknown {what} {name!r}.{hint} Available components: {', '.join(names)}"
+
+    # ----------------------------------------------------------- output kinds
+    @torch.no_grad()
+    def trace_outputs(self, *args: Any, **kwargs: Any) -> dict[str, str]:
+        """Run one forward pass and record what every addressable part returns."""
+        kinds: dict[str, str] = {}
+        handles = []
+        for name in self.component_names():
+
+            def hook(_m: nn.Module, _i: Any, out: Any, name: str = name) -> None:
+                kinds.setdefault(name, output_kind(out))
+
+            handles.append(self.get_component(name).register_forward_hook(hook))
+        try:
+            self(*args, **kwargs)
+        finally:
+            for h in handles:
+                h.remove()
+        self._output_kinds.update(kinds)
+        return kinds
+
+    def output_kind(self, name: str) -> str:
+        """``tensor``, ``mapping``, ``sequence``, ``object`` or ``unknown`` (not traced)."""
+        return self._output_kinds.get(name, "unknown")
+
+    # ---------------------------------------------------------- registration
+    def register_component_hook_rule(self, *, component_name: str, hook: Callable) -> ProbeHandle:
+        """Attach ``hook`` as a forward hook ``(module, inputs, output)`` on one component."""
+        module = self.get_component(component_name)
+        handles = [module.register_forward_hook(hook)]
+        handles += _attach_extra(hook, module)
+        return self._keep(ProbeHandle(handles, component_name))
+
+    def register_component_backward_hook_rule(
+        self, *, component_name: str, hook: Callable
+    ) -> ProbeHandle:
+        """Attach ``hook`` as a full backward hook ``(module, grad_input, grad_output)``.
+
+        Components that return a tensor get ``register_full_backward_hook``. Components
+        that return a mapping, tuple or other object need the probe's ``extractor``: the
+        gradient of the extracted tensor is then delivered through a tensor hook with
+        ``grad_input=None``. Without one, attaching raises :class:`ProbeError` at once if
+        the output type is known (see :meth:`trace_outputs`), else on the first forward.
+        """
+        module = self.get_component(component_name)
+        _check_inplace(module, component_name)
+        extractor = getattr(hook, "extractor", None)
+        kind = self.output_kind(component_name)
+        if not getattr(hook, "component_hook", True):
+            handles = []  # the probe measures through the hooks its attach() installs
+        elif kind == "tensor" and extractor is None:
+            handles = [module.register_full_backward_hook(hook)]
+        elif kind in ("mapping", "sequence", "object") and extractor is None:
+            raise ProbeError(
+                f"backward probe on component {component_name!r} cannot fire: the component "
+                f"returns a {kind}, not a tensor, so autograd has no output to hook. Pass "
+                f"extractor=... to the builder to pick the tensor (for example "
+                f"extractor=lambda out: out['features'])."
+            )
+        else:
+            handles = [module.register_forward_hook(_grad_tap(hook, component_name, extractor))]
+        handles += _attach_extra(hook, module)
+        return self._keep(ProbeHandle(handles, component_name))
+
+    def attach(
+        self,
+        pattern: str,
+        builder: Callable[[str, ComponentContext], Callable | None],
+        context: ComponentContext,
+        *,
+        backward: bool = False,
+    ) -> list[ProbeHandle]:
+        """Resolve ``pattern``, call ``builder`` for each name, register what it returns."""
+        if not callable(builder):
+            raise TypeError(
+                f"hook builder for {pattern!r} must be callable (component_name, context) -> "
+                f"hook | None, got {describe_type(builder)}; did you forget the parentheses, "
+                f"e.g. attach_relu_activation_hooks()?"
+            )
+        names = self.resolve(pattern)
+        out = []
+        for name in names:
+            hook = builder(name, context)
+            if hook is None:
+                continue
+            if not callable(hook):
+                raise TypeError(
+                    f"builder {getattr(builder, '__name__', builder)!r} returned "
+                    f"{describe_type(hook)} for component {name!r}; a builder must return a "
+                    f"callable hook or None"
+                )
+            rule = (
+                self.register_component_backward_hook_rule
+                if backward
+                else self.register_component_hook_rule
+            )
+            out.append(rule(component_name=name, hook=hook))
+        return out
+
+    def _keep(self, handle: ProbeHandle) -> ProbeHandle:
+        self._handles.append(handle)
+        return handle
+
+    @property
+    def hook_handles(self) -> list[ProbeHandle]:
+        return [h for h in self._handles if h.handles]
+
+    def remove_hooks(self) -> None:
+        """Remove every hook registered through this builder."""
+        while self._handles:
+            self._handles.pop().remove()
+
+
+def _attach_extra(hook: Callable, module: nn.Module) -> list[RemovableHandle]:
+    attach = getattr(hook, "attach", None)
+    return list(attach(module)) if callable(attach) else []
+
+
+def _check_inplace(module: nn.Module, name: str) -> None:
+    for sub_name, sub in module.named_modules():
+        if getattr(sub, "inplace", False) is True:
+            where = f"{name}.{sub_name}" if sub_name else name
+            raise ProbeError(
+                f"backward probe on component {name!r}: {where} is {type(sub).__name__}"
+                f"(inplace=True); in-place activations overwrite the tensors a backward probe "
+                f"reads. Build it with inplace=False."
+            )
+
+
+def _grad_tap(hook: Callable, component: str, extractor: Callable | None) -> Callable:
+    """Forward hook that delivers the output gradient to ``hook`` through a tensor hook."""
+
+    def tap(module: nn.Module, _inputs: Any, output: Any) -> None:
+        tensor = extractor(output) if extractor is not None else output
+        if not isinstance(tensor, torch.Tensor):
+            via = "its extractor returned" if extractor is not None else "it returned"
+            raise ProbeError(
+                f"backward probe on component {component!r} cannot fire: {via} "
+                f"{describe_type(tensor)}, not a tensor. Pass extractor=... to the builder to "
+                f"pick the tensor whose gradient the probe should read."
+            )
+        if tensor.requires_grad and torch.is_grad_enabled():
+            tensor.register_hook(lambda g: hook(module, None, (g,)))
+
+    return tap

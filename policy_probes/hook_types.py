@@ -1,0 +1,143 @@
+"""The contract between hook builders, the closures they return, and the policy.
+
+A *builder* is ``(component_name, context) -> closure | None``. It gets or creates its
+tracker in ``context.model_metrics``, registers the component there, and returns a
+closure that updates the tracker, or ``None`` when the component is already registered.
+
+* :data:`HookBuilder` closures are forward hooks ``(module, inputs, output) -> None``.
+* :data:`BackwardHookBuilder` closures are backward hooks
+  ``(module, grad_input, grad_output) -> None``.
+
+The built-in closures are :class:`ProbeHook` objects. Besides being callable they carry
+``extractor`` (how to pick the tensor out of a non-tensor output), ``phases`` (when they
+record) and an optional :meth:`ProbeHook.attach` that installs hooks on submodules (the
+Fisher probe caches the input of every ``nn.Linear`` inside the component this way).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, TypeAlias
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from policy_probes.context import ComponentContext
+
+log = logging.getLogger("policy_probes")
+
+ForwardHook: TypeAlias = Callable[[nn.Module, tuple[Any, ...], Any], None]
+BackwardHook: TypeAlias = Callable[[nn.Module, Any, Any], None]
+HookBuilder: TypeAlias = Callable[[str, ComponentContext], ForwardHook | None]
+BackwardHookBuilder: TypeAlias = Callable[[str, ComponentContext], BackwardHook | None]
+Extractor: TypeAlias = Callable[[Any], torch.Tensor]
+
+
+class ProbeError(RuntimeError):
+    """A probe cannot work on the component it was attached to; the message says why."""
+
+
+def normalize_phases(phases: str | Iterable[str]) -> frozenset[str]:
+    """Accept ``"train"`` or ``("train", "rollout")``; reject empty selections."""
+    out = frozenset([phases] if isinstance(phases, str) else phases)
+    if not out:
+        raise ValueError("phases must name at least one phase, e.g. phases=('train',)")
+    return out
+
+
+def describe_type(obj: Any) -> str:
+    if isinstance(obj, Mapping):
+        return f"a mapping with keys {list(obj)[:8]}"
+    if isinstance(obj, tuple | list):
+        return f"a {type(obj).__name__} of {len(obj)} items"
+    return f"an object of type {type(obj).__name__}"
+
+
+class ProbeHook:
+    """Base of the closures returned by the built-in builders.
+
+    Subclasses implement :meth:`record` (forward) or :meth:`record_grad` (backward) with
+    detached tensors. The call path checks the phase (a string comparison, no tensor
+    work) and guards against faults: a probe that raises is disabled, reported once and
+    counted in ``context.probe_errors`` unless ``context.strict`` is set.
+    """
+
+    probe: str = "probe"
+    backward: bool = False
+    #: False when the probe measures only through the hooks :meth:`attach` installs
+    component_hook: bool = True
+
+    def __init__(
+        self,
+        component: str,
+        context: ComponentContext,
+        phases: Iterable[str] | str = ("train",),
+        extractor: Extractor | None = None,
+    ) -> None:
+        self.component = component
+        self.context = context
+        self.phases = normalize_phases(phases)
+        self.extractor = extractor
+        self.enabled = True
+        self.calls = 0
+
+    # ----------------------------------------------------------------- dispatch
+    def active(self) -> bool:
+        return self.enabled and self.context.phase in self.phases
+
+    def extract(self, output: Any) -> torch.Tensor:
+        """The tensor this probe reads from a component output."""
+        if self.extractor is not None:
+            out = self.extractor(output)
+            if not isinstance(out, torch.Tensor):
+                raise ProbeError(
+                    f"the extractor of probe {self.probe!r} on component {self.component!r} "
+                    f"returned {describe_type(out)}; it must return a torch.Tensor"
+                )
+            return out
+        if isinstance(output, torch.Tensor):
+            return output
+        raise ProbeError(
+            f"component {self.component!r} returned {describe_type(output)}, not a tensor; "
+            f"pass extractor=... to the builder of probe {self.probe!r} to pick the tensor "
+            f"(for example extractor=lambda out: out['features'])"
+        )
+
+    def __call__(self, module: nn.Module, first: Any, second: Any) -> None:
+        if not (self.enabled and self.context.phase in self.phases):
+            return
+        try:
+            self.calls += 1
+            with torch.no_grad():
+                if self.backward:
+                    grad = second[0] if isinstance(second, tuple | list) else second
+                    if grad is not None:
+                        self.record_grad(module, grad.detach())
+                else:
+                    self.record(module, self.extract(second).detach())
+        except Exception as exc:  # a probe must never take training down
+            self.fail(exc)
+
+    def fail(self, exc: BaseException) -> None:
+        key = f"{self.probe}/{self.component}"
+        if self.context.strict:
+            raise exc
+        self.enabled = False
+        msg = f"{type(exc).__name__}: {exc}"
+        self.context.probe_errors[key] = msg
+        log.error(
+            "probe %r on component %r raised and is disabled: %s", self.probe, self.component, msg
+        )
+
+    # ------------------------------------------------------------- subclasses
+    def record(self, module: nn.Module, output: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def record_grad(self, module: nn.Module, grad_output: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def attach(self, module: nn.Module) -> list[RemovableHandle]:
+        """Install extra hooks on submodules of the component; return their handles."""
+        return []

@@ -1,0 +1,105 @@
+"""Building blocks and component specs for policies made of named parts.
+
+An MLP built here names every hidden layer ``layer_<i>`` with children ``linear`` and
+``act``, so a probe can address ``actor_mlp`` (post-activation output of the last
+hidden layer), ``actor_mlp.layer_0`` (post-activation output of the first) or
+``actor_mlp.layer_0.linear`` (its pre-activation).
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable, Sequence
+from typing import Annotated, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+
+ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
+    "relu": nn.ReLU,
+    "tanh": nn.Tanh,
+    "sigmoid": nn.Sigmoid,
+    "gelu": nn.GELU,
+    "elu": nn.ELU,
+    "silu": nn.SiLU,
+    "leaky_relu": nn.LeakyReLU,
+    "identity": nn.Identity,
+}
+
+
+def make_activation(name: str) -> nn.Module:
+    """Return a fresh activation module by name; unknown names list the supported ones."""
+    try:
+        return ACTIVATIONS[name]()
+    except KeyError:
+        close = difflib.get_close_matches(name, ACTIVATIONS, n=3)
+        hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+        raise ValueError(
+            f"unsupported activation {name!r}; choose one of {sorted(ACTIVATIONS)}.{hint}"
+        ) from None
+
+
+class HiddenLayer(nn.Module):
+    """``act(linear(x))`` with both parts addressable by name."""
+
+    def __init__(self, in_features: int, out_features: int, activation: str) -> None:
+        super().__init__()
+        self.linear = nn.Linear(in_features, out_features)
+        self.act = make_activation(activation)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.linear(x))
+
+
+class MLP(nn.Module):
+    """Stack of :class:`HiddenLayer` blocks named ``layer_0``, ``layer_1``, ...
+
+    The output is the post-activation output of the last hidden layer, so a probe on
+    the whole MLP sees activations, not pre-activations.
+    """
+
+    def __init__(self, in_features: int, hidden_sizes: Sequence[int], activation: str) -> None:
+        super().__init__()
+        if not hidden_sizes:
+            raise ValueError("an MLP needs at least one hidden layer (hidden_sizes is empty)")
+        if any(int(h) <= 0 for h in hidden_sizes):
+            raise ValueError(f"hidden sizes must be positive, got {list(hidden_sizes)}")
+        make_activation(activation)  # validate the name before building anything
+        sizes = [in_features, *hidden_sizes]
+        for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
+            self.add_module(f"layer_{i}", HiddenLayer(a, int(b), activation))
+        self.out_features = int(sizes[-1])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.children():
+            x = layer(x)
+        return x
+
+
+class MLPSpec(BaseModel):
+    """A component that is an :class:`MLP`."""
+
+    model_config = ConfigDict(extra="forbid")
+    kind: Literal["mlp"] = "mlp"
+    in_features: int = Field(gt=0)
+    hidden_sizes: list[int] = Field(min_length=1)
+    activation: str = "relu"
+
+    def build(self) -> nn.Module:
+        return MLP(self.in_features, self.hidden_sizes, self.activation)
+
+
+class LinearSpec(BaseModel):
+    """A component that is one ``nn.Linear`` (a policy or value head)."""
+
+    model_config = ConfigDict(extra="forbid")
+    kind: Literal["linear"] = "linear"
+    in_features: int = Field(gt=0)
+    out_features: int = Field(gt=0)
+
+    def build(self) -> nn.Module:
+        return nn.Linear(self.in_features, self.out_features)
+
+
+ComponentSpec = Annotated[MLPSpec | LinearSpec, Field(discriminator="kind")]

@@ -1,0 +1,28 @@
+"""The built-in probes: one module per probe, its tracker beside its builder."""
+
+from policy_probes.probes.fisher import FisherInformationState, attach_fisher_information_hooks
+from policy_probes.probes.gradient_flow import GradientFlowState, attach_gradient_flow_hooks
+from policy_probes.probes.relu import ReLUActivationState, attach_relu_activation_hooks
+from policy_probes.probes.relu_gradient_flow import (
+    ReLUGradientFlowState,
+    attach_relu_gradient_flow_hooks,
+)
+from policy_probes.probes.saturation import (
+    SaturatedActivationState,
+    attach_saturated_activation_hooks,
+)
+from policy_probes.probes.state import ProbeState
+
+__all__ = [
+    "FisherInformationState",
+    "GradientFlowState",
+    "ProbeState",
+    "ReLUActivationState",
+    "ReLUGradientFlowState",
+    "SaturatedActivationState",
+    "attach_fisher_information_hooks",
+    "attach_gradient_flow_hooks",
+    "attach_relu_activation_hooks",
+    "attach_relu_gradient_flow_hooks",
+    "attach_saturated_activation_hooks",
+]

@@ -1,0 +1,243 @@
+"""Diagonal empirical Fisher information of a component (backward probe).
+
+The empirical Fisher of a parameter theta is the mean over samples of the squared
+per-sample gradient, F = (1/N) sum_i (d l_i / d theta)^2. Training losses are means over
+the minibatch, L = c * (1/n) sum_i l_i, where c is ``context.loss_scale`` (1 unless the
+loop scales the loss, e.g. for gradient accumulation). Autograd delivers
+g_i = dL/dy_i = (c/n) dl_i/dy_i, so the per-sample gradient is (n/c) g_i. With
+``loss_reduction="sum"`` (L = c * sum_i l_i) it is g_i / c.
+
+Per-parameter Fisher is computed exactly from cached layer inputs, never from
+per-sample gradient tensors and never from ``param.grad``:
+
+* ``nn.Linear`` (y = x W^T + b): F_W = f^2 sum_i (g_i^2)^T (x_i^2) / N, F_b = f^2 sum_i g_i^2 / N
+* ``nn.LayerNorm`` over the last dimension: F_w = f^2 sum_i (g_i * xhat_i)^2 / N,
+  F_b = f^2 sum_i g_i^2 / N, with xhat the normalised input
+
+where f is the per-sample factor above. Parameters of other module types inside the
+component are not covered; they are counted in ``unsupported_params`` and a warning
+names them when the probe is attached.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from policy_probes.context import ComponentContext
+from policy_probes.hook_types import BackwardHookBuilder, Extractor, ProbeHook
+from policy_probes.probes.state import COUNT, ProbeState, as_floats, as_rows, get_state, rates
+
+log = logging.getLogger("policy_probes")
+
+DEAD_PARAM_THRESHOLD = 1e-8
+
+
+class FisherInformationState(ProbeState):
+    """Sums of squared per-sample gradients: per output unit and per parameter entry."""
+
+    probe = "fisher"
+
+    def register_component(
+        self,
+        name: str,
+        *,
+        loss_reduction: str = "mean",
+        dead_threshold: float = DEAD_PARAM_THRESHOLD,
+        **extra: Any,
+    ) -> bool:
+        return super().register_component(
+            name, loss_reduction=loss_reduction, dead_threshold=dead_threshold, **extra
+        )
+
+    def sample_factor(self, component: str, rows: int, loss_scale: float) -> float:
+        """Factor turning the autograd gradient of one row into its per-sample gradient."""
+        scale = loss_scale if loss_scale else 1.0
+        if self.settings[component]["loss_reduction"] == "sum":
+            return 1.0 / scale
+        return rows / scale
+
+    def update(self, component: str, grad_output: torch.Tensor, loss_scale: float = 1.0) -> None:
+        """Per-unit Fisher of the component output from one backward pass."""
+        g = as_rows(grad_output.detach())
+        finite = torch.isfinite(g)
+        g = torch.where(finite, g, torch.zeros((), dtype=g.dtype, device=g.device))
+        f = self.sample_factor(component, g.shape[0], loss_scale)
+        self._add(component, "unit_sq", (g * g).sum(0, dtype=torch.float64) * (f * f))
+        self._add(component, "unit_count", finite.sum(0), COUNT)
+        self._add(component, "nonfinite", (~finite).sum(), COUNT)
+
+    def update_params(
+        self,
+        component: str,
+        sq_grads: dict[str, torch.Tensor],
+        samples: torch.Tensor,
+    ) -> None:
+        """Add per-parameter sums of squared per-sample gradients over ``samples`` samples."""
+        for name, value in sq_grads.items():
+            self._add(component, f"param:{name}", value)
+            self._add(component, f"param_samples:{name}", samples, COUNT)
+
+    def summarize(self, component: str, s: dict[str, torch.Tensor], cfg: dict[str, Any]) -> dict:
+        out: dict[str, Any] = {}
+        if "unit_sq" in s:
+            count = s["unit_count"]
+            out["unit"] = as_floats(rates(s["unit_sq"], count))
+            elements = int(count.sum()) + int(s["nonfinite"])
+            out["nonfinite_fraction"] = int(s["nonfinite"]) / elements if elements else 0.0
+            out["samples"] = float(int(count.max()) if count.numel() else 0)
+        flats = []
+        for key, total in s.items():
+            if not key.startswith("param:"):
+                continue
+            name = key.removeprefix("param:")
+            n = int(s[f"param_samples:{name}"])
+            fisher = total / n if n else torch.zeros_like(total)
+            flats.append(fisher.reshape(-1))
+            out[f"{name}.trace"] = float(fisher.sum())
+        if flats:
+            allf = torch.cat(flats)
+            out["trace"] = float(allf.sum())
+            out["mean"] = float(allf.mean())
+            out["max"] = float(allf.max())
+            out["dead_param_fraction"] = float((allf < cfg["dead_threshold"]).double().mean())
+        out["unsupported_params"] = float(len(cfg.get("unsupported", ())))
+        return out
+
+
+class FisherInformationHook(ProbeHook):
+    probe = "fisher"
+    backward = True
+
+    def __init__(self, tracker: FisherInformationState, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.tracker = tracker
+
+    def record_grad(self, module: nn.Module, grad_output: torch.Tensor) -> None:
+        self.tracker.update(self.component, grad_output, self.context.loss_scale)
+
+    # --------------------------------------------------------------- parameters
+    def attach(self, module: nn.Module) -> list[RemovableHandle]:
+        handles = []
+        covered: set[int] = set()
+        for sub_name, sub in module.named_modules():
+            prefix = f"{sub_name}." if sub_name else ""
+            if isinstance(sub, nn.Linear):
+                names = {"weight": f"{prefix}weight", "bias": f"{prefix}bias"}
+                handles.append(sub.register_forward_hook(self._linear_hook(names)))
+            elif isinstance(sub, nn.LayerNorm) and len(sub.normalized_shape) == 1:
+                names = {"weight": f"{prefix}weight", "bias": f"{prefix}bias"}
+                handles.append(sub.register_forward_hook(self._layer_norm_hook(names)))
+            else:
+                continue
+            covered.update(id(p) for p in sub.parameters(recurse=False))
+        unsupported = [n for n, p in module.named_parameters() if id(p) not in covered]
+        self.tracker.settings[self.component]["unsupported"] = unsupported
+        if unsupported:
+            log.warning(
+                "fisher probe on %r: no exact per-sample rule for parameters %s (only nn.Linear "
+                "and last-dimension nn.LayerNorm are covered); they are left out of the trace",
+                self.component,
+                unsupported,
+            )
+        return handles
+
+    def _tap(self, output: Any, compute: Any) -> None:
+        """Register ``compute(grad)`` on ``output`` if this forward pass will be backpropagated."""
+        if not (
+            self.enabled
+            and self.context.phase in self.phases
+            and isinstance(output, torch.Tensor)
+            and output.requires_grad
+            and torch.is_grad_enabled()
+        ):
+            return
+
+        def on_grad(grad: torch.Tensor) -> None:
+            if not self.enabled:
+                return
+            try:
+                with torch.no_grad():
+                    compute(grad.detach())
+            except Exception as exc:
+                self.fail(exc)
+
+        output.register_hook(on_grad)
+
+    def _rows_and_mask(
+        self, g: torch.Tensor, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+        g, x = as_rows(g), as_rows(x)
+        ok = torch.isfinite(g).all(1) & torch.isfinite(x).all(1)
+        zero = torch.zeros((), dtype=g.dtype, device=g.device)
+        g = torch.where(ok[:, None], g, zero)
+        x = torch.where(ok[:, None], x, zero)
+        f = self.tracker.sample_factor(self.component, g.shape[0], self.context.loss_scale)
+        return g, x, ok.sum(), f
+
+    def _linear_hook(self, names: dict[str, str]) -> Any:
+        def hook(mod: nn.Linear, inputs: tuple[Any, ...], output: Any) -> None:
+            x = inputs[0].detach()
+
+            def compute(grad: torch.Tensor) -> None:
+                g, xr, n, f = self._rows_and_mask(grad, x)
+                g2 = g * g
+                sq = {names["weight"]: (g2.T @ (xr * xr)).double() * (f * f)}
+                if mod.bias is not None:
+                    sq[names["bias"]] = g2.sum(0, dtype=torch.float64) * (f * f)
+                self.tracker.update_params(self.component, sq, n)
+
+            self._tap(output, compute)
+
+        return hook
+
+    def _layer_norm_hook(self, names: dict[str, str]) -> Any:
+        def hook(mod: nn.LayerNorm, inputs: tuple[Any, ...], output: Any) -> None:
+            x = inputs[0].detach()
+
+            def compute(grad: torch.Tensor) -> None:
+                xhat = F.layer_norm(x, mod.normalized_shape, eps=mod.eps)
+                g, xr, n, f = self._rows_and_mask(grad, xhat)
+                sq = {}
+                if mod.weight is not None:
+                    sq[names["weight"]] = ((g * xr) ** 2).sum(0, dtype=torch.float64) * (f * f)
+                if mod.bias is not None:
+                    sq[names["bias"]] = (g * g).sum(0, dtype=torch.float64) * (f * f)
+                self.tracker.update_params(self.component, sq, n)
+
+            self._tap(output, compute)
+
+        return hook
+
+
+def attach_fisher_information_hooks(
+    *,
+    loss_reduction: Literal["mean", "sum"] = "mean",
+    dead_threshold: float = DEAD_PARAM_THRESHOLD,
+    phases: Iterable[str] | str = ("train",),
+    extractor: Extractor | None = None,
+) -> BackwardHookBuilder:
+    """Backward-hook builder for :class:`FisherInformationState`.
+
+    ``loss_reduction`` says how the loss reduces over samples: ``"mean"`` (default,
+    per-sample gradient = rows x autograd gradient) or ``"sum"``.
+    """
+    if loss_reduction not in ("mean", "sum"):
+        raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+
+    def build(component_name: str, context: ComponentContext) -> FisherInformationHook | None:
+        tracker = get_state(context, "fisher", FisherInformationState)
+        if not tracker.register_component(
+            component_name, loss_reduction=loss_reduction, dead_threshold=dead_threshold
+        ):
+            return None
+        return FisherInformationHook(tracker, component_name, context, phases, extractor)
+
+    build.probe = "fisher"  # type: ignore[attr-defined]
+    return build

@@ -1,0 +1,108 @@
+"""Gradient-flow probe: how much gradient reaches each output unit of a component.
+
+Per backward pass p, per unit u, the RMS over samples of the output gradient as autograd
+delivers it: r_u(p) = sqrt(mean_i g_iu^2). Across the passes of the window an exponential
+moving average m_u = beta m_u + (1 - beta) r_u(p), bias-corrected by 1 - beta^k after k
+passes (as in Adam), smooths minibatch noise while following trends within an epoch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from policy_probes.context import ComponentContext
+from policy_probes.hook_types import BackwardHookBuilder, Extractor, ProbeHook
+from policy_probes.probes.state import COUNT, ProbeState, as_floats, as_rows, get_state
+
+BLOCKED_THRESHOLD = 1e-8
+
+
+class GradientFlowState(ProbeState):
+    """Bias-corrected EMA of per-unit gradient RMS across the backward passes of a window.
+
+    ``ema`` and ``passes`` are averaged (not summed) across processes: every rank runs the
+    same number of passes, so the mean of the per-rank EMAs is the EMA of the mean RMS.
+    """
+
+    probe = "gradient_flow"
+    mean_reduced = frozenset({"ema", "passes"})
+
+    def register_component(
+        self,
+        name: str,
+        *,
+        beta: float = 0.95,
+        blocked_threshold: float = BLOCKED_THRESHOLD,
+        **extra: Any,
+    ) -> bool:
+        return super().register_component(
+            name, beta=beta, blocked_threshold=blocked_threshold, **extra
+        )
+
+    def update(self, component: str, grad_output: torch.Tensor) -> None:
+        beta = self.settings[component]["beta"]
+        g = as_rows(grad_output.detach())
+        finite = torch.isfinite(g)
+        g = torch.where(finite, g, torch.zeros((), dtype=g.dtype, device=g.device))
+        count = finite.sum(0)
+        mean_sq = (g * g).sum(0, dtype=torch.float64) / count.clamp(min=1)
+        rms = mean_sq.sqrt()
+        ema = self._acc(component, "ema", rms, torch.float64)
+        ema.mul_(beta).add_(rms, alpha=1.0 - beta)
+        self._acc(component, "passes", mean_sq[0], torch.float64).add_(1.0)
+        self._add(component, "nonfinite", (~finite).sum(), COUNT)
+        self._add(component, "count", count, COUNT)
+
+    def summarize(self, component: str, s: dict[str, torch.Tensor], cfg: dict[str, Any]) -> dict:
+        k = float(s["passes"])
+        correction = 1.0 - cfg["beta"] ** k if k > 0 else 1.0
+        rms = s["ema"] / correction
+        finite_total = int(s["count"].sum())
+        elements = finite_total + int(s["nonfinite"])
+        return {
+            "rms": as_floats(rms),
+            "mean": float(rms.mean()),
+            "min": float(rms.min()),
+            "blocked_fraction": float((rms < cfg["blocked_threshold"]).double().mean()),
+            "passes": k,
+            "nonfinite_fraction": (elements - finite_total) / elements if elements else 0.0,
+        }
+
+
+class GradientFlowHook(ProbeHook):
+    probe = "gradient_flow"
+    backward = True
+
+    def __init__(self, tracker: GradientFlowState, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.tracker = tracker
+
+    def record_grad(self, module: nn.Module, grad_output: torch.Tensor) -> None:
+        self.tracker.update(self.component, grad_output)
+
+
+def attach_gradient_flow_hooks(
+    beta: float = 0.95,
+    *,
+    blocked_threshold: float = BLOCKED_THRESHOLD,
+    phases: Iterable[str] | str = ("train",),
+    extractor: Extractor | None = None,
+) -> BackwardHookBuilder:
+    """Backward-hook builder for :class:`GradientFlowState`."""
+    if not 0.0 <= beta < 1.0:
+        raise ValueError(f"beta must lie in [0, 1), got {beta}")
+
+    def build(component_name: str, context: ComponentContext) -> GradientFlowHook | None:
+        tracker = get_state(context, "gradient_flow", GradientFlowState)
+        if not tracker.register_component(
+            component_name, beta=beta, blocked_threshold=blocked_threshold
+        ):
+            return None
+        return GradientFlowHook(tracker, component_name, context, phases, extractor)
+
+    build.probe = "gradient_flow"  # type: ignore[attr-defined]
+    return build

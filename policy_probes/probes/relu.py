@@ -1,0 +1,121 @@
+"""ReLU activation probe: dead, dormant, rarely/always active units.
+
+Definitions (h the probed post-activation output, N samples in the window, U units):
+
+* ``active_rate[u]`` = fraction of samples with h_u > 0
+* ``dead_fraction`` = fraction of units with active_rate 0
+* ``dormant_fraction`` = ReDo tau-dormant fraction (Sokar et al., 2023): score
+  s_u = mean|h_u| / ((1/U) sum_k mean|h_k|), dormant when s_u <= tau
+* ``rarely_active_fraction`` (active_rate < 0.05), ``always_active_fraction`` (> 0.95)
+* ``zero_fraction`` = fraction of elements <= 0
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from policy_probes.context import ComponentContext
+from policy_probes.hook_types import Extractor, HookBuilder, ProbeHook
+from policy_probes.probes.state import COUNT, ProbeState, as_floats, as_rows, get_state, rates
+
+# ReDo divides by the layer mean plus a small constant; all-zero layers are all dormant.
+DORMANT_EPS = 1e-9
+
+
+class ReLUActivationState(ProbeState):
+    """Per-unit counts of positive elements and sums of |h| over the window."""
+
+    probe = "relu"
+
+    def register_component(
+        self,
+        name: str,
+        *,
+        tau: float = 0.025,
+        rarely_active: float = 0.05,
+        always_active: float = 0.95,
+        **extra: Any,
+    ) -> bool:
+        return super().register_component(
+            name, tau=tau, rarely_active=rarely_active, always_active=always_active, **extra
+        )
+
+    def update(self, component: str, h: torch.Tensor) -> None:
+        """Add a batch of activations (leading dims are samples, last dim units)."""
+        rows = as_rows(h.detach())
+        finite = torch.isfinite(rows)
+        clean = torch.where(finite, rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
+        self._add(component, "count", finite.sum(0), COUNT)
+        self._add(component, "active", (clean > 0).sum(0), COUNT)
+        self._add(component, "abs_sum", clean.abs().sum(0, dtype=torch.float64))
+        self._add(component, "nonpos", ((clean <= 0) & finite).sum(), COUNT)
+        self._add(component, "nonfinite", (~finite).sum(), COUNT)
+
+    def summarize(self, component: str, s: dict[str, torch.Tensor], cfg: dict[str, Any]) -> dict:
+        count = s["count"]
+        active_rate = rates(s["active"], count)
+        mean_abs = rates(s["abs_sum"], count)
+        seen = count > 0
+        units = int(seen.sum())
+        layer_mean = float(mean_abs[seen].mean()) if units else 0.0
+        score = mean_abs / (layer_mean + DORMANT_EPS)
+        finite_total = int(count.sum())
+        elements = finite_total + int(s["nonfinite"])
+
+        def frac(mask: torch.Tensor) -> float:
+            return float((mask & seen).sum()) / units if units else 0.0
+
+        return {
+            "active_rate": as_floats(active_rate),
+            "dead_fraction": frac(active_rate == 0),
+            "dormant_fraction": frac(score <= cfg["tau"]),
+            "rarely_active_fraction": frac(active_rate < cfg["rarely_active"]),
+            "always_active_fraction": frac(active_rate > cfg["always_active"]),
+            "zero_fraction": float(s["nonpos"]) / finite_total if finite_total else 0.0,
+            "nonfinite_fraction": (elements - finite_total) / elements if elements else 0.0,
+            "samples": float(int(count.max()) if count.numel() else 0),
+        }
+
+
+class ReLUActivationHook(ProbeHook):
+    probe = "relu"
+
+    def __init__(self, tracker: ReLUActivationState, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.tracker = tracker
+
+    def record(self, module: nn.Module, output: torch.Tensor) -> None:
+        self.tracker.update(self.component, output)
+
+
+def attach_relu_activation_hooks(
+    *,
+    tau: float = 0.025,
+    rarely_active: float = 0.05,
+    always_active: float = 0.95,
+    phases: Iterable[str] | str = ("train",),
+    extractor: Extractor | None = None,
+) -> HookBuilder:
+    """Forward-hook builder for :class:`ReLUActivationState`.
+
+    Attach it to a component whose output is post-activation (``actor_mlp`` of the
+    built-in policies, or ``actor_mlp.layer_0``); on a pre-activation (``...linear``) the
+    metrics describe the sign of the pre-activation instead.
+    """
+    if not tau >= 0:
+        raise ValueError(f"tau must be >= 0, got {tau}")
+
+    def build(component_name: str, context: ComponentContext) -> ReLUActivationHook | None:
+        tracker = get_state(context, "relu", ReLUActivationState)
+        if not tracker.register_component(
+            component_name, tau=tau, rarely_active=rarely_active, always_active=always_active
+        ):
+            return None
+        return ReLUActivationHook(tracker, component_name, context, phases, extractor)
+
+    build.probe = "relu"  # type: ignore[attr-defined]
+    return build

@@ -1,0 +1,136 @@
+"""ReLU gradient-flow probe: through which ReLU units does gradient actually pass?
+
+For every ``nn.ReLU`` inside the component (or the component itself when it is one), the
+gradient at the ReLU's input is dL/dy * 1[x > 0]. A unit passes gradient for a sample when
+that product is non-zero, i.e. when the unit was active (y = relu(x) > 0) and received a
+non-zero output gradient. ``pass_rate[u]`` is the fraction of samples for which it did;
+units with pass rate 0 over the whole window are ``blocked``: their incoming weights got
+no gradient from the probed loss at all.
+
+Functional ``F.relu`` calls are invisible to module hooks; the probe needs ``nn.ReLU``
+modules and refuses to attach to a component without one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from policy_probes.context import ComponentContext
+from policy_probes.hook_types import BackwardHookBuilder, Extractor, ProbeError, ProbeHook
+from policy_probes.probes.state import COUNT, ProbeState, as_floats, as_rows, get_state, rates
+
+
+class ReLUGradientFlowState(ProbeState):
+    """Per ReLU layer and unit: samples seen and samples that passed gradient."""
+
+    probe = "relu_gradient_flow"
+
+    def register_component(self, name: str, *, layers: Iterable[str] = (), **extra: Any) -> bool:
+        return super().register_component(name, layers=list(layers), **extra)
+
+    def update(
+        self, component: str, layer: str, grad_out: torch.Tensor, active: torch.Tensor
+    ) -> None:
+        """Add one backward pass through ReLU ``layer`` (its output gradient and mask)."""
+        g = as_rows(grad_out.detach())
+        finite = torch.isfinite(g)
+        passed = (g != 0) & as_rows(active) & finite
+        self._add(component, f"count:{layer}", finite.sum(0), COUNT)
+        self._add(component, f"passed:{layer}", passed.sum(0), COUNT)
+        self._add(component, f"nonfinite:{layer}", (~finite).sum(), COUNT)
+
+    def summarize(self, component: str, s: dict[str, torch.Tensor], cfg: dict[str, Any]) -> dict:
+        out: dict[str, Any] = {}
+        layers = [layer for layer in cfg["layers"] if f"count:{layer}" in s]
+        all_rates, finite_total, nonfinite = [], 0, 0
+        for layer in layers:
+            count = s[f"count:{layer}"]
+            rate = rates(s[f"passed:{layer}"], count)
+            all_rates.append(rate)
+            finite_total += int(count.sum())
+            nonfinite += int(s[f"nonfinite:{layer}"])
+            if len(cfg["layers"]) > 1:
+                out[f"{layer or '<self>'}.pass_rate"] = as_floats(rate)
+                out[f"{layer or '<self>'}.blocked_fraction"] = float((rate == 0).double().mean())
+        if not all_rates:
+            return out
+        rate = torch.cat(all_rates)
+        out["pass_rate"] = as_floats(rate)
+        out["mean_pass_rate"] = float(rate.mean())
+        out["blocked_fraction"] = float((rate == 0).double().mean())
+        elements = finite_total + nonfinite
+        out["nonfinite_fraction"] = nonfinite / elements if elements else 0.0
+        return out
+
+
+class ReLUGradientFlowHook(ProbeHook):
+    """Measures through tensor hooks on the output of every ``nn.ReLU`` inside the
+    component (installed by :meth:`attach`); no hook on the component itself is needed,
+    because the component's ``grad_input`` is the gradient at its input, not at its ReLUs.
+    ``calls`` counts the ReLU-level backward calls."""
+
+    probe = "relu_gradient_flow"
+    backward = True
+    component_hook = False
+
+    def __init__(self, tracker: ReLUGradientFlowState, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.tracker = tracker
+
+    def attach(self, module: nn.Module) -> list[RemovableHandle]:
+        relus = [(n, m) for n, m in module.named_modules() if isinstance(m, nn.ReLU)]
+        if not relus:
+            raise ProbeError(
+                f"relu_gradient_flow probe on component {self.component!r}: it holds no nn.ReLU "
+                f"module (functional relu calls cannot be hooked); attach it to a component built "
+                f"with nn.ReLU, or use attach_gradient_flow_hooks() instead"
+            )
+        self.tracker.settings[self.component]["layers"] = [n for n, _ in relus]
+        return [m.register_forward_hook(self._relu_hook(n)) for n, m in relus]
+
+    def _relu_hook(self, layer: str) -> Any:
+        def hook(_mod: nn.Module, _inputs: Any, output: Any) -> None:
+            if not (
+                self.enabled
+                and self.context.phase in self.phases
+                and output.requires_grad
+                and torch.is_grad_enabled()
+            ):
+                return
+            active = output.detach() > 0
+
+            def on_grad(grad: torch.Tensor) -> None:
+                if not self.enabled:
+                    return
+                self.calls += 1
+                try:
+                    with torch.no_grad():
+                        self.tracker.update(self.component, layer, grad, active)
+                except Exception as exc:
+                    self.fail(exc)
+
+            output.register_hook(on_grad)
+
+        return hook
+
+
+def attach_relu_gradient_flow_hooks(
+    *,
+    phases: Iterable[str] | str = ("train",),
+    extractor: Extractor | None = None,
+) -> BackwardHookBuilder:
+    """Backward-hook builder for :class:`ReLUGradientFlowState`."""
+
+    def build(component_name: str, context: ComponentContext) -> ReLUGradientFlowHook | None:
+        tracker = get_state(context, "relu_gradient_flow", ReLUGradientFlowState)
+        if not tracker.register_component(component_name):
+            return None
+        return ReLUGradientFlowHook(tracker, component_name, context, phases, extractor)
+
+    build.probe = "relu_gradient_flow"  # type: ignore[attr-defined]
+    return build

@@ -1,0 +1,123 @@
+"""Saturation probe for bounded activations (tanh, sigmoid).
+
+An element is saturated when |h| > t (tanh) or h < 1-t or h > t (sigmoid), t = 0.95 by
+default. Saturated units pass almost no gradient: the derivative 1-h^2 (tanh) or
+h(1-h) (sigmoid) is near zero there, which ``mean_derivative`` reports directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from policy_probes.context import ComponentContext
+from policy_probes.hook_types import Extractor, HookBuilder, ProbeHook
+from policy_probes.probes.state import COUNT, ProbeState, as_floats, as_rows, get_state, rates
+
+SATURATING = ("tanh", "sigmoid")
+
+
+class SaturatedActivationState(ProbeState):
+    """Per-unit counts of saturated elements and sums of the activation derivative."""
+
+    def __init__(self, activation: str = "tanh") -> None:
+        if activation not in SATURATING:
+            raise ValueError(
+                f"unsupported activation {activation!r} for the saturation probe; "
+                f"choose one of {list(SATURATING)}"
+            )
+        super().__init__()
+        self.activation = activation
+        self.probe = f"saturation_{activation}"
+
+    def register_component(
+        self, name: str, *, threshold: float = 0.95, unit_threshold: float = 0.99, **extra: Any
+    ) -> bool:
+        return super().register_component(
+            name, threshold=threshold, unit_threshold=unit_threshold, **extra
+        )
+
+    def update(self, component: str, h: torch.Tensor) -> None:
+        t = self.settings[component]["threshold"]
+        rows = as_rows(h.detach())
+        finite = torch.isfinite(rows)
+        clean = torch.where(finite, rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
+        if self.activation == "tanh":
+            saturated = clean.abs() > t
+            derivative = 1 - clean * clean
+        else:
+            saturated = (clean < 1 - t) | (clean > t)
+            derivative = clean * (1 - clean)
+        saturated &= finite
+        derivative = torch.where(finite, derivative, torch.zeros_like(derivative))
+        self._add(component, "count", finite.sum(0), COUNT)
+        self._add(component, "saturated", saturated.sum(0), COUNT)
+        self._add(component, "derivative_sum", derivative.sum(dtype=torch.float64))
+        self._add(component, "nonfinite", (~finite).sum(), COUNT)
+
+    def summarize(self, component: str, s: dict[str, torch.Tensor], cfg: dict[str, Any]) -> dict:
+        count = s["count"]
+        rate = rates(s["saturated"], count)
+        seen = count > 0
+        units = int(seen.sum())
+        finite_total = int(count.sum())
+        elements = finite_total + int(s["nonfinite"])
+        return {
+            "saturation_rate": as_floats(rate),
+            "saturated_fraction": float(s["saturated"].sum()) / finite_total
+            if finite_total
+            else 0.0,
+            "saturated_units_fraction": (
+                float(((rate >= cfg["unit_threshold"]) & seen).sum()) / units if units else 0.0
+            ),
+            "mean_derivative": float(s["derivative_sum"]) / finite_total if finite_total else 0.0,
+            "nonfinite_fraction": (elements - finite_total) / elements if elements else 0.0,
+            "samples": float(int(count.max()) if count.numel() else 0),
+        }
+
+
+class SaturatedActivationHook(ProbeHook):
+    def __init__(self, tracker: SaturatedActivationState, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.tracker = tracker
+        self.probe = tracker.probe
+
+    def record(self, module: nn.Module, output: torch.Tensor) -> None:
+        self.tracker.update(self.component, output)
+
+
+def attach_saturated_activation_hooks(
+    activation: str = "tanh",
+    *,
+    threshold: float = 0.95,
+    unit_threshold: float = 0.99,
+    phases: Iterable[str] | str = ("train",),
+    extractor: Extractor | None = None,
+) -> HookBuilder:
+    """Forward-hook builder for :class:`SaturatedActivationState`.
+
+    Attach to a component whose output is the tanh/sigmoid activation itself (for example
+    ``actor_mlp`` of a tanh policy).
+    """
+    if activation not in SATURATING:
+        raise ValueError(
+            f"unsupported activation {activation!r} for attach_saturated_activation_hooks; "
+            f"choose one of {list(SATURATING)}"
+        )
+    if not 0.0 < threshold < 1.0:
+        raise ValueError(f"threshold must lie in (0, 1), got {threshold}")
+    key = f"saturation_{activation}"
+
+    def build(component_name: str, context: ComponentContext) -> SaturatedActivationHook | None:
+        tracker = get_state(context, key, SaturatedActivationState, activation)
+        if not tracker.register_component(
+            component_name, threshold=threshold, unit_threshold=unit_threshold
+        ):
+            return None
+        return SaturatedActivationHook(tracker, component_name, context, phases, extractor)
+
+    build.probe = key  # type: ignore[attr-defined]
+    return build

@@ -1,0 +1,187 @@
+"""ProbeState: the common machinery of every tracker.
+
+A tracker holds, per registered component, a dict of accumulator tensors (sums and
+counts) that live on the device of the data they summarise. Hooks only add into them;
+:meth:`ProbeState.to_metrics` moves them to the host once per window. Because the state
+is sums and counts, :meth:`ProbeState.all_reduce` can add it across processes, so a
+distributed run reports statistics over the union of every rank's samples.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from policy_probes.context import ComponentContext
+
+# Accumulator dtypes: exact integer counts, double-precision sums.
+COUNT = torch.int64
+SUM = torch.float64
+
+
+class ProbeState:
+    """Base of the trackers. Subclasses set :attr:`probe` and implement ``update`` and
+    ``summarize``.
+
+    ``summarize(component, state, settings)`` receives the component's accumulators
+    already moved to the CPU and returns ``metric -> float | list[float]``.
+    """
+
+    probe: str = "probe"
+    #: accumulators that are averaged (not summed) across processes
+    mean_reduced: frozenset[str] = frozenset()
+
+    def __init__(self) -> None:
+        self.state: dict[str, dict[str, torch.Tensor]] = {}
+        self.settings: dict[str, dict[str, Any]] = {}
+
+    # ----------------------------------------------------------- components
+    def register_component(self, name: str, **settings: Any) -> bool:
+        """Register ``name``; return False (and change nothing) if it already is."""
+        if name in self.settings:
+            return False
+        self.settings[name] = dict(settings)
+        self.state[name] = {}
+        return True
+
+    def has_component(self, name: str) -> bool:
+        return name in self.settings
+
+    @property
+    def components(self) -> list[str]:
+        return list(self.settings)
+
+    # ----------------------------------------------------------- accumulation
+    def _acc(
+        self, component: str, key: str, like: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """The accumulator ``key`` of ``component``, allocated (zeros) on first use."""
+        st = self.state[component]
+        t = st.get(key)
+        if t is None:
+            t = st[key] = torch.zeros(like.shape, dtype=dtype, device=like.device)
+        return t
+
+    def _add(self, component: str, key: str, value: torch.Tensor, dtype: torch.dtype = SUM) -> None:
+        self._acc(component, key, value, dtype).add_(value)
+
+    # ----------------------------------------------------------- window
+    def reset(self) -> None:
+        """Start a new window: drop every accumulator (reallocated on the next update)."""
+        for st in self.state.values():
+            st.clear()
+
+    def all_reduce(self, group: Any = None) -> None:
+        """Add every accumulator across the processes of ``group`` (no-op when not
+        distributed). Ranks that saw no data for a key contribute zeros."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+            return
+        layout = sorted(
+            (c, k, tuple(t.shape), str(t.dtype))
+            for c, st in self.state.items()
+            for k, t in st.items()
+        )
+        layouts: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(layouts, layout, group=group)
+        union = sorted({entry for lay in layouts for entry in lay})
+        device = _reduce_device(group)
+        world = dist.get_world_size(group)
+        for comp, key, shape, dtype_name in union:
+            dtype = getattr(torch, dtype_name.removeprefix("torch."))
+            st = self.state.setdefault(comp, {})
+            t = st.get(key)
+            if t is None:
+                t = st[key] = torch.zeros(shape, dtype=dtype, device=device)
+            moved = t.to(device)
+            dist.all_reduce(moved, op=dist.ReduceOp.SUM, group=group)
+            if key in self.mean_reduced:
+                moved /= world
+            st[key] = moved.to(t.device)
+
+    # ----------------------------------------------------------- reporting
+    def key(self, component: str, metric: str) -> str:
+        return f"probes/{self.probe}/{component}/{metric}"
+
+    def to_metrics(self) -> dict[str, float | list[float]]:
+        """Flat ``probes/<probe>/<component>/<metric>`` dict for the current window.
+
+        Components that recorded nothing in the window report nothing.
+        """
+        out: dict[str, float | list[float]] = {}
+        for comp, st in self.state.items():
+            if not st:
+                continue
+            host = _to_host(st)
+            for metric, value in self.summarize(comp, host, self.settings[comp]).items():
+                out[self.key(comp, metric)] = value
+        return out
+
+    def summarize(
+        self, component: str, state: dict[str, torch.Tensor], settings: dict[str, Any]
+    ) -> dict[str, float | list[float]]:
+        raise NotImplementedError
+
+    def holds_graph(self) -> bool:
+        """True if any accumulator requires grad (it never should)."""
+        return any(
+            t.requires_grad or t.grad_fn is not None
+            for st in self.state.values()
+            for t in st.values()
+        )
+
+
+def _to_host(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One device-to-host transfer per dtype for all of a component's accumulators."""
+    out: dict[str, torch.Tensor] = {}
+    by_dtype: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
+    for k, t in state.items():
+        by_dtype.setdefault(t.dtype, []).append((k, t))
+    for items in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for _, t in items]).cpu()
+        offset = 0
+        for k, t in items:
+            n = t.numel()
+            out[k] = flat[offset : offset + n].reshape(t.shape)
+            offset += n
+    return out
+
+
+def _reduce_device(group: Any) -> torch.device:
+    backend = dist.get_backend(group)
+    if backend == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def get_state(context: ComponentContext, key: str, cls: type[ProbeState], *args: Any) -> Any:
+    """The tracker stored under ``key`` in ``context.model_metrics``, created with
+    ``cls(*args)`` if absent."""
+    tracker = context.model_metrics.get(key)
+    if tracker is None:
+        tracker = context.model_metrics[key] = cls(*args)
+    elif not isinstance(tracker, cls):
+        raise TypeError(
+            f"context.model_metrics[{key!r}] holds a {type(tracker).__name__}, expected {cls.__name__}"
+        )
+    return tracker
+
+
+def rates(count: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """count/total elementwise, 0 where total is 0 (never NaN)."""
+    total = total.to(torch.float64)
+    return torch.where(
+        total > 0, count.to(torch.float64) / total.clamp(min=1), torch.zeros_like(total)
+    )
+
+
+def as_floats(t: torch.Tensor) -> list[float]:
+    return [float(v) for v in t.reshape(-1).tolist()]
+
+
+def as_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as (samples, units): leading dimensions are samples, the last is units."""
+    if t.dim() == 0:
+        return t.reshape(1, 1)
+    return t.reshape(-1, t.shape[-1])

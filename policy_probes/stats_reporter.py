@@ -1,0 +1,34 @@
+"""StatsReporter: the single place where probe trackers become metrics."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from policy_probes.context import ComponentContext
+
+
+class StatsReporter:
+    """Reads every tracker in ``context.model_metrics`` at the end of a window.
+
+    :meth:`collect` all-reduces each tracker across processes (when
+    ``torch.distributed`` is initialised), calls ``to_metrics()`` then ``reset()``, and
+    returns one merged flat dict ``probes/<probe>/<component>/<metric>``. Probes disabled
+    after a fault appear as ``probes/errors/<probe>/<component> = 1.0``.
+    """
+
+    def __init__(self, context: ComponentContext, *, all_reduce: bool = True) -> None:
+        self.context = context
+        self.all_reduce = all_reduce
+
+    def collect(self) -> dict[str, Any]:
+        metrics: dict[str, Any] = {}
+        for tracker in self.context.model_metrics.values():
+            if not (hasattr(tracker, "to_metrics") and hasattr(tracker, "reset")):
+                continue
+            if self.all_reduce and hasattr(tracker, "all_reduce"):
+                tracker.all_reduce()
+            metrics.update(tracker.to_metrics())
+            tracker.reset()
+        for key in self.context.probe_errors:
+            metrics[f"probes/errors/{key}"] = 1.0
+        return metrics
