@@ -10,6 +10,7 @@ and ``actor_mlp.layer_1`` but not ``actor_mlp.layer_0.linear``), ``**`` crosses 
 from __future__ import annotations
 
 import difflib
+import inspect
 import re
 import warnings
 from collections import OrderedDict
@@ -282,6 +283,7 @@ class PolicyAutoBuilder(nn.Module):
                 f"hook | None, got {describe_type(builder)}; did you forget the parentheses, "
                 f"e.g. attach_relu_activation_hooks()?"
             )
+        _check_builder_signature(builder, pattern)
         names = self.resolve(pattern)
         out = []
         for name in names:
@@ -314,6 +316,19 @@ class PolicyAutoBuilder(nn.Module):
         """Remove every hook registered through this builder."""
         while self._handles:
             self._handles.pop().remove()
+
+
+def _check_builder_signature(builder: Callable, pattern: str) -> None:
+    try:
+        inspect.signature(builder).bind("component", ComponentContext())
+    except TypeError:
+        name = getattr(builder, "__name__", type(builder).__name__)
+        raise TypeError(
+            f"hook builder {name!r} for {pattern!r} must be callable as (component_name, "
+            f"context) -> hook | None; did you forget the parentheses, e.g. {name}()?"
+        ) from None
+    except ValueError:  # builtins without a signature: let the call decide
+        pass
 
 
 def _attach_extra(hook: Callable, module: nn.Module) -> list[RemovableHandle]:

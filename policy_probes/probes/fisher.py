@@ -84,6 +84,18 @@ class FisherInformationState(ProbeState):
             self._add(component, f"param:{name}", value)
             self._add(component, f"param_samples:{name}", samples, COUNT)
 
+    def param_fisher(self, component: str) -> dict[str, torch.Tensor]:
+        """Per-entry diagonal Fisher of every covered parameter for the current window, on
+        the host (for analysis; :meth:`to_metrics` reports summaries)."""
+        st = self.state[component]
+        out = {}
+        for key, total in st.items():
+            if key.startswith("param:"):
+                name = key.removeprefix("param:")
+                n = int(st[f"param_samples:{name}"])
+                out[name] = (total / max(n, 1)).cpu()
+        return out
+
     def summarize(self, component: str, s: dict[str, torch.Tensor], cfg: dict[str, Any]) -> dict:
         out: dict[str, Any] = {}
         if "unit_sq" in s:

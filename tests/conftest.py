@@ -1,0 +1,56 @@
+"""Shared fixtures: tiny probe-able policies and a clean torch setup."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from policy_probes import LinearSpec, MLPSpec, PolicyAutoBuilder
+
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+torch.set_num_threads(1)
+
+
+class TinyPolicy(PolicyAutoBuilder):
+    """actor_mlp -> actor_head, the layout of the built-in policies, small enough for
+    exact reference computations."""
+
+    def __init__(
+        self, obs: int = 5, hidden: tuple[int, ...] = (7, 6), act: int = 3, activation: str = "relu"
+    ):
+        super().__init__(
+            {
+                "actor_mlp": MLPSpec(
+                    in_features=obs, hidden_sizes=list(hidden), activation=activation
+                ),
+                "actor_head": LinearSpec(in_features=hidden[-1], out_features=act),
+            }
+        )
+        self.trace_outputs(torch.zeros(1, obs))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.actor_head(self.actor_mlp(x))
+
+
+def hook_counts(model: nn.Module) -> int:
+    """Number of torch hooks of every kind left on every module of ``model``."""
+    total = 0
+    for m in model.modules():
+        for attr in (
+            "_forward_hooks",
+            "_forward_pre_hooks",
+            "_backward_hooks",
+            "_backward_pre_hooks",
+        ):
+            total += len(getattr(m, attr))
+    return total
+
+
+@pytest.fixture
+def tiny_policy() -> TinyPolicy:
+    torch.manual_seed(0)
+    return TinyPolicy()

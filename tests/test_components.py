@@ -1,0 +1,247 @@
+"""PolicyAutoBuilder names and registration rules, builder contract, cleanup, faults."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import TinyPolicy, hook_counts
+from torch import nn
+
+from policy_probes import (
+    ComponentContext,
+    PolicyAutoBuilder,
+    ProbeError,
+    StatsReporter,
+    attach_fisher_information_hooks,
+    attach_gradient_flow_hooks,
+    attach_relu_activation_hooks,
+    attach_relu_gradient_flow_hooks,
+    attach_saturated_activation_hooks,
+)
+from policy_probes.layers import MLP
+
+ALL_FORWARD = (attach_relu_activation_hooks, lambda: attach_saturated_activation_hooks("tanh"))
+ALL_BACKWARD = (
+    attach_fisher_information_hooks,
+    attach_gradient_flow_hooks,
+    attach_relu_gradient_flow_hooks,
+)
+
+
+class DictBody(nn.Module):
+    """A component that returns a mapping, as many real policies do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = MLP(4, [6], "relu")
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"features": self.net(x), "aux": x.sum(-1)}
+
+
+class DictPolicy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = DictBody()
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x)["features"])
+
+
+def test_dotted_names_and_globs(tiny_policy: TinyPolicy) -> None:
+    names = tiny_policy.component_names()
+    assert names[:4] == [
+        "actor_mlp",
+        "actor_mlp.layer_0",
+        "actor_mlp.layer_0.linear",
+        "actor_mlp.layer_0.act",
+    ]
+    assert tiny_policy.resolve("actor_mlp.*") == ["actor_mlp.layer_0", "actor_mlp.layer_1"]
+    assert tiny_policy.resolve("actor_mlp.**.linear") == [
+        "actor_mlp.layer_0.linear",
+        "actor_mlp.layer_1.linear",
+    ]
+    assert tiny_policy.resolve("actor_*") == ["actor_mlp", "actor_head"]
+    assert list(tiny_policy.components) == ["actor_mlp", "actor_head"]
+    assert tiny_policy.get_component("actor_mlp.layer_1.act") is tiny_policy.actor_mlp.layer_1.act
+
+
+def test_unknown_names_list_available_and_closest(tiny_policy: TinyPolicy) -> None:
+    with pytest.raises(
+        KeyError,
+        match=r"unknown component 'actor_mpl'.*Closest: actor_mlp.*Available components: actor_mlp",
+    ):
+        tiny_policy.register_component_hook_rule(component_name="actor_mpl", hook=lambda *a: None)
+    with pytest.raises(KeyError, match=r"unknown glob pattern 'critic_\*'.*Available components"):
+        tiny_policy.attach("critic_*", attach_relu_activation_hooks(), ComponentContext())
+
+
+def test_builder_contract_errors(tiny_policy: TinyPolicy) -> None:
+    ctx = ComponentContext()
+    with pytest.raises(
+        TypeError,
+        match=r"must be callable as \(component_name, context\).*attach_relu_activation_hooks\(\)",
+    ):
+        tiny_policy.attach("actor_mlp", attach_relu_activation_hooks, ctx)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="must return a callable hook or None"):
+        tiny_policy.attach("actor_mlp", lambda name, c: 42, ctx)  # type: ignore[arg-type,return-value]
+    with pytest.raises(TypeError, match="must be callable"):
+        tiny_policy.attach("actor_mlp", "relu", ctx)  # type: ignore[arg-type]
+
+
+def test_second_registration_of_a_component_returns_none(tiny_policy: TinyPolicy) -> None:
+    ctx = ComponentContext()
+    builder = attach_relu_activation_hooks()
+    first = builder("actor_mlp", ctx)
+    assert callable(first)
+    assert builder("actor_mlp", ctx) is None
+    assert attach_relu_activation_hooks()("actor_mlp", ctx) is None  # same tracker, same component
+    assert len(tiny_policy.attach("actor_mlp", builder, ctx)) == 0
+
+
+def test_backward_probes_fire_on_tensor_output(tiny_policy: TinyPolicy) -> None:
+    ctx = ComponentContext()
+    hooks = []
+    for make in ALL_BACKWARD:
+        hook = make()("actor_mlp", ctx)
+        hooks.append(hook)
+        tiny_policy.register_component_backward_hook_rule(component_name="actor_mlp", hook=hook)
+    for _ in range(3):
+        F.cross_entropy(tiny_policy(torch.randn(8, 5)), torch.randint(0, 3, (8,))).backward()
+    # fisher and gradient_flow: one call per backward; relu_gradient_flow: one per ReLU per backward
+    assert [h.calls for h in hooks] == [3, 3, 6]
+    got = StatsReporter(ctx).collect()
+    assert got["probes/fisher/actor_mlp/samples"] == 24
+    assert got["probes/gradient_flow/actor_mlp/passes"] == 3
+
+
+def test_backward_probe_on_mapping_output_fails_at_attach_without_extractor() -> None:
+    model = PolicyAutoBuilder.wrap(DictPolicy(), example_inputs=(torch.zeros(1, 4),))
+    assert model.output_kind("body") == "mapping"
+    with pytest.raises(ProbeError, match="returns a mapping, not a tensor.*extractor"):
+        model.attach("body", attach_fisher_information_hooks(), ComponentContext(), backward=True)
+
+
+def test_backward_probe_on_untraced_mapping_output_fails_on_first_forward() -> None:
+    model = PolicyAutoBuilder.wrap(DictPolicy())
+    assert model.output_kind("body") == "unknown"
+    model.attach("body", attach_gradient_flow_hooks(), ComponentContext(), backward=True)
+    with pytest.raises(ProbeError, match="cannot fire: it returned a mapping"):
+        model(torch.zeros(2, 4))
+
+
+def test_probes_read_mapping_outputs_through_an_extractor() -> None:
+    torch.manual_seed(0)
+    policy = DictPolicy()
+    model = PolicyAutoBuilder.wrap(policy, example_inputs=(torch.zeros(1, 4),))
+    ctx = ComponentContext()
+    pick = lambda out: out["features"]  # noqa: E731
+    model.attach("body", attach_relu_activation_hooks(extractor=pick), ctx)
+    model.attach("body", attach_gradient_flow_hooks(extractor=pick), ctx, backward=True)
+    fisher = attach_fisher_information_hooks(extractor=pick)
+    model.attach("body", fisher, ctx, backward=True)
+    x, a = torch.randn(10, 4), torch.randint(0, 2, (10,))
+    F.cross_entropy(model(x), a).backward()
+    got = StatsReporter(ctx).collect()
+    model.remove_hooks()
+    h = policy.body(x)["features"].detach().requires_grad_(True)
+    (g,) = torch.autograd.grad(F.cross_entropy(policy.head(h), a), h)
+    assert got["probes/relu/body/active_rate"] == pytest.approx((h > 0).double().mean(0).tolist())
+    assert got["probes/gradient_flow/body/rms"] == pytest.approx(
+        g.double().pow(2).mean(0).sqrt().tolist(), rel=1e-5
+    )
+    assert got["probes/fisher/body/unit"] == pytest.approx(
+        (10 * g.double()).pow(2).mean(0).tolist(), rel=1e-5
+    )
+    assert got["probes/fisher/body/trace"] > 0  # the inner Linear layers are covered too
+
+
+def test_extractor_that_returns_no_tensor_disables_the_probe_with_a_clear_error() -> None:
+    model = PolicyAutoBuilder.wrap(DictPolicy())
+    ctx = ComponentContext()
+    model.attach(
+        "body", attach_relu_activation_hooks(extractor=lambda out: out["aux"].tolist()), ctx
+    )
+    model(torch.randn(3, 4))
+    assert (
+        "returned a list of 3 items; it must return a torch.Tensor" in ctx.probe_errors["relu/body"]
+    )
+    assert StatsReporter(ctx).collect()["probes/errors/relu/body"] == 1.0
+    ctx.strict = True
+    model.remove_hooks()
+    ctx2 = ComponentContext(strict=True)
+    model.attach(
+        "body", attach_relu_activation_hooks(extractor=lambda out: out["aux"].tolist()), ctx2
+    )
+    with pytest.raises(ProbeError, match="must return a torch.Tensor"):
+        model(torch.randn(3, 4))
+
+
+def test_forward_probe_on_mapping_without_extractor_names_the_fix() -> None:
+    model = PolicyAutoBuilder.wrap(DictPolicy())
+    ctx = ComponentContext()
+    model.attach("body", attach_relu_activation_hooks(), ctx)
+    out = model(torch.randn(3, 4))  # training goes on
+    assert out.shape == (3, 2)
+    assert "pass extractor=" in ctx.probe_errors["relu/body"]
+
+
+def test_inplace_relu_under_backward_probe_is_rejected() -> None:
+    net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(inplace=True), nn.Linear(4, 2))
+    model = PolicyAutoBuilder.wrap(net, {"body": net})
+    with pytest.raises(ProbeError, match=r"body\.1 is ReLU\(inplace=True\).*inplace=False"):
+        model.attach("body", attach_gradient_flow_hooks(), ComponentContext(), backward=True)
+
+
+def test_wrap_with_dotted_paths_and_discovery() -> None:
+    net = nn.Sequential(nn.Linear(3, 4), nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+    model = PolicyAutoBuilder.wrap(net, {"trunk": "1", "inp": net[0]})
+    assert model.components["trunk"] is net[1]
+    assert "trunk.1" in model.component_names()
+    discovered = PolicyAutoBuilder.wrap(net)
+    assert list(discovered.components) == ["0", "1"]
+    with pytest.raises(KeyError, match=r"no submodule 'nope'.*\['0', '1', '1.0', '1.1'\]"):
+        PolicyAutoBuilder.wrap(net, {"x": "nope"})
+    with pytest.raises(TypeError, match="must be a submodule"):
+        PolicyAutoBuilder.wrap(net, {"x": nn.Linear(1, 1)})
+    # wrapping changes nothing: the same outputs
+    x = torch.randn(2, 3)
+    assert torch.equal(model(x), net(x))
+
+
+def test_every_handle_removed_and_no_graph_kept(tiny_policy: TinyPolicy) -> None:
+    before = hook_counts(tiny_policy)
+    ctx = ComponentContext()
+    for make in ALL_FORWARD:
+        tiny_policy.attach("actor_mlp", make(), ctx)
+        tiny_policy.attach("actor_mlp.*", make(), ctx)
+    for make in ALL_BACKWARD:
+        tiny_policy.attach("actor_mlp", make(), ctx, backward=True)
+    assert hook_counts(tiny_policy) > before
+    for _ in range(2):
+        F.cross_entropy(tiny_policy(torch.randn(6, 5)), torch.randint(0, 3, (6,))).backward()
+    # no tracker holds a tensor that requires grad or references an autograd graph
+    for tracker in ctx.model_metrics.values():
+        assert not tracker.holds_graph()
+        for st in tracker.state.values():
+            for t in st.values():
+                assert t.grad_fn is None and not t.requires_grad
+    tiny_policy.remove_hooks()
+    assert hook_counts(tiny_policy) == before == 0
+    assert tiny_policy.hook_handles == []
+
+
+def test_one_handle_removes_its_submodule_hooks(tiny_policy: TinyPolicy) -> None:
+    (handle,) = tiny_policy.attach(
+        "actor_mlp", attach_fisher_information_hooks(), ComponentContext(), backward=True
+    )
+    assert hook_counts(tiny_policy) == 3  # the component hook and one per nn.Linear inside
+    handle.remove()
+    assert hook_counts(tiny_policy) == 0
+
+
+def test_unsupported_activation_name_is_rejected() -> None:
+    with pytest.raises(ValueError, match=r"unsupported activation 'rellu'.*Did you mean 'relu'"):
+        TinyPolicy(activation="rellu")

@@ -1,0 +1,197 @@
+"""Fisher probe against per-sample gradients from torch.func.vmap(torch.func.grad(...))."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import TinyPolicy
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+from policy_probes import (
+    ComponentContext,
+    FisherInformationState,
+    PolicyAutoBuilder,
+    StatsReporter,
+    attach_fisher_information_hooks,
+)
+
+REL = 1e-5
+
+
+def per_sample_loss(logits: torch.Tensor, action: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits, action, reduction="none")
+
+
+def reference_fisher(
+    policy: TinyPolicy, batches: list[tuple[torch.Tensor, torch.Tensor]]
+) -> tuple[dict, torch.Tensor]:
+    """Mean over all samples of squared per-sample gradients of l_i, for every parameter
+    of actor_mlp and for the actor_mlp output units."""
+    if isinstance(policy, PolicyAutoBuilder):
+        policy.remove_hooks()
+    mlp = policy.actor_mlp
+    params = {k: v.detach() for k, v in mlp.named_parameters()}
+
+    def loss_one(p: dict, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        h = functional_call(mlp, p, (x[None],))
+        return per_sample_loss(policy.actor_head(h), a[None])[0]
+
+    sq = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in params.items()}
+    unit_sq, n = None, 0
+    for x, a in batches:
+        grads = vmap(grad(loss_one), in_dims=(None, 0, 0))(params, x, a)
+        for k, g in grads.items():
+            sq[k] += (g.double() ** 2).sum(0)
+        h = mlp(x).detach().requires_grad_(True)
+        (gh,) = torch.autograd.grad(per_sample_loss(policy.actor_head(h), a).sum(), h)
+        unit_sq = (
+            (gh.double() ** 2).sum(0) if unit_sq is None else unit_sq + (gh.double() ** 2).sum(0)
+        )
+        n += x.shape[0]
+    return {k: v / n for k, v in sq.items()}, unit_sq / n
+
+
+def make_batches(sizes: tuple[int, ...]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(7)
+    return [(torch.randn(n, 5, generator=g), torch.randint(0, 3, (n,), generator=g)) for n in sizes]
+
+
+def check(got: dict, tracker_fisher: dict, ref: dict, ref_unit: torch.Tensor) -> None:
+    prefix = "probes/fisher/actor_mlp/"
+    assert got[prefix + "unit"] == pytest.approx(ref_unit.tolist(), rel=REL)
+    assert set(tracker_fisher) == set(ref)
+    for name, value in ref.items():
+        torch.testing.assert_close(tracker_fisher[name], value, rtol=REL, atol=1e-12)
+        assert got[prefix + f"{name}.trace"] == pytest.approx(value.sum().item(), rel=REL)
+    allf = torch.cat([v.reshape(-1) for v in ref.values()])
+    assert got[prefix + "trace"] == pytest.approx(allf.sum().item(), rel=REL)
+    assert got[prefix + "mean"] == pytest.approx(allf.mean().item(), rel=REL)
+    assert got[prefix + "max"] == pytest.approx(allf.max().item(), rel=REL)
+    assert got[prefix + "dead_param_fraction"] == pytest.approx(
+        (allf < 1e-8).double().mean().item()
+    )
+
+
+def run_and_collect(
+    policy: TinyPolicy, ctx: ComponentContext, batches, micro: int = 1
+) -> tuple[dict, dict]:
+    for x, a in batches:
+        n = x.shape[0]
+        for xs, as_ in zip(x.chunk(micro), a.chunk(micro), strict=True):
+            ctx.loss_scale = xs.shape[0] / n
+            loss = per_sample_loss(policy(xs), as_).mean() * ctx.loss_scale
+            loss.backward()
+    tracker = ctx.model_metrics["fisher"]
+    assert isinstance(tracker, FisherInformationState)
+    fisher = tracker.param_fisher("actor_mlp")
+    return StatsReporter(ctx).collect(), fisher
+
+
+@pytest.mark.parametrize("micro", [1, 3])
+def test_fisher_matches_vmap_per_sample_gradients(micro: int) -> None:
+    torch.manual_seed(0)
+    policy = TinyPolicy()
+    with torch.no_grad():  # one dead unit in layer 1: its incoming weights get zero Fisher
+        policy.actor_mlp.layer_1.linear.bias[0] = -50.0
+    ctx = ComponentContext()
+    policy.attach("actor_mlp", attach_fisher_information_hooks(), ctx, backward=True)
+    batches = make_batches((12, 9, 21))
+    got, fisher = run_and_collect(policy, ctx, batches, micro=micro)
+    ref, ref_unit = reference_fisher(policy, batches)
+    check(got, fisher, ref, ref_unit)
+    assert got["probes/fisher/actor_mlp/dead_param_fraction"] > 0
+    assert got["probes/fisher/actor_mlp/samples"] == 42
+
+
+def test_fisher_with_sum_reduction() -> None:
+    torch.manual_seed(4)
+    policy = TinyPolicy()
+    ctx = ComponentContext()
+    policy.attach(
+        "actor_mlp", attach_fisher_information_hooks(loss_reduction="sum"), ctx, backward=True
+    )
+    batches = make_batches((10, 6))
+    for x, a in batches:
+        per_sample_loss(policy(x), a).sum().backward()
+    fisher = ctx.model_metrics["fisher"].param_fisher("actor_mlp")
+    got = StatsReporter(ctx).collect()
+    ref, ref_unit = reference_fisher(policy, batches)
+    check(got, fisher, ref, ref_unit)
+
+
+def test_fisher_covers_nested_parameters_and_layer_norm() -> None:
+    """Parameters at every depth (not only direct children), LayerNorm exactly."""
+    torch.manual_seed(5)
+    body = nn.Sequential(
+        nn.Linear(5, 8), nn.LayerNorm(8), nn.Tanh(), nn.Sequential(nn.Linear(8, 6), nn.ReLU())
+    )
+    head = nn.Linear(6, 3)
+    model = PolicyAutoBuilder.wrap(
+        nn.Sequential(body, head), {"body": "0", "head": "1"}, example_inputs=(torch.zeros(1, 5),)
+    )
+    ctx = ComponentContext()
+    model.attach("body", attach_fisher_information_hooks(), ctx, backward=True)
+    batches = make_batches((11, 7))
+    for x, a in batches:
+        per_sample_loss(model(x), a).mean().backward()
+    fisher = ctx.model_metrics["fisher"].param_fisher("body")
+    got = StatsReporter(ctx).collect()
+    model.remove_hooks()
+    params = {k: v.detach() for k, v in body.named_parameters()}
+
+    def loss_one(p, x, a):
+        return per_sample_loss(head(functional_call(body, p, (x[None],))), a[None])[0]
+
+    sq = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in params.items()}
+    for x, a in batches:
+        for k, g in vmap(grad(loss_one), in_dims=(None, 0, 0))(params, x, a).items():
+            sq[k] += (g.double() ** 2).sum(0)
+    assert (
+        set(fisher)
+        == set(sq)
+        == {"0.weight", "0.bias", "1.weight", "1.bias", "3.0.weight", "3.0.bias"}
+    )
+    for k in sq:
+        torch.testing.assert_close(fisher[k], sq[k] / 18, rtol=REL, atol=1e-12)
+    assert got["probes/fisher/body/trace"] == pytest.approx(
+        sum(v.sum().item() for v in sq.values()) / 18, rel=REL
+    )
+    assert got["probes/fisher/body/unsupported_params"] == 0
+
+
+def test_fisher_never_reads_param_grad() -> None:
+    """Stale .grad values (never zeroed) must not leak into the Fisher."""
+    torch.manual_seed(6)
+    policy = TinyPolicy()
+    for p in policy.parameters():
+        p.grad = torch.full_like(p, 1e3)
+    ctx = ComponentContext()
+    policy.attach("actor_mlp", attach_fisher_information_hooks(), ctx, backward=True)
+    batches = make_batches((8,))
+    got, fisher = run_and_collect(policy, ctx, batches)
+    ref, ref_unit = reference_fisher(policy, batches)
+    check(got, fisher, ref, ref_unit)
+
+
+def test_fisher_excludes_nonfinite_samples() -> None:
+    torch.manual_seed(8)
+    policy = TinyPolicy()
+    ctx = ComponentContext()
+    policy.attach(
+        "actor_mlp", attach_fisher_information_hooks(loss_reduction="sum"), ctx, backward=True
+    )
+    x, a = make_batches((10,))[0]
+    x_bad = x.clone()
+    x_bad[3, 0] = float("nan")
+    per_sample_loss(policy(x_bad), a).sum().backward()  # sum: sample 3 only poisons itself
+    fisher = ctx.model_metrics["fisher"].param_fisher("actor_mlp")
+    got = StatsReporter(ctx).collect()
+    assert all(torch.isfinite(v).all() for v in fisher.values())
+    assert 0 < got["probes/fisher/actor_mlp/nonfinite_fraction"] < 1
+    keep = torch.tensor([i != 3 for i in range(10)])
+    ref, _ = reference_fisher(policy, [(x[keep], a[keep])])
+    # every layer drops the poisoned sample; the mean is over the 9 others
+    for name, value in ref.items():
+        torch.testing.assert_close(fisher[name], value, rtol=REL, atol=1e-12)
