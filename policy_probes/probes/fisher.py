@@ -66,27 +66,59 @@ class FisherInformationState(ProbeState):
     def update(self, component: str, grad_output: torch.Tensor, loss_scale: float = 1.0) -> None:
         """Per-unit Fisher of the component output from one backward pass."""
         g = as_rows(grad_output.detach())
-        finite = torch.isfinite(g)
-        g = torch.where(finite, g, torch.zeros((), dtype=g.dtype, device=g.device))
         f = self.sample_factor(component, g.shape[0], loss_scale)
-        self._add(component, "unit_sq", (g * g).sum(0, dtype=torch.float64) * (f * f))
-        self._add(component, "unit_count", finite.sum(0), COUNT)
-        self._add(component, "nonfinite", (~finite).sum(), COUNT)
+        self._push(component, "out", (g,), (f,))
 
-    def update_params(
+    def update_layer(
         self,
         component: str,
-        sq_grads: dict[str, torch.Tensor],
-        samples: torch.Tensor,
+        kind: str,
+        names: tuple[str | None, str | None],
+        x: torch.Tensor,
+        grad_output: torch.Tensor,
+        loss_scale: float = 1.0,
     ) -> None:
-        """Add per-parameter sums of squared per-sample gradients over ``samples`` samples."""
-        for name, value in sq_grads.items():
+        """One backward pass through a covered layer: its input (for ``nn.LayerNorm`` the
+        normalised input) and output gradient; ``names`` = (weight, bias) names or None."""
+        g = as_rows(grad_output.detach())
+        f = self.sample_factor(component, g.shape[0], loss_scale)
+        stream = f"{kind}:{names[0] or ''}:{names[1] or ''}"
+        self._push(component, stream, (as_rows(x.detach()), g), (None, f))
+
+    def consume(
+        self, component: str, stream: str, blocks: tuple[torch.Tensor, ...], segments: list[int]
+    ) -> None:
+        if stream == "out":
+            (g,) = blocks
+            finite = torch.isfinite(g)
+            g = torch.where(finite, g, torch.zeros((), dtype=g.dtype, device=g.device))
+            self._add(component, "unit_sq", (g * g).sum(0, dtype=torch.float64))
+            self._add(component, "unit_count", finite.sum(0), COUNT)
+            self._add(component, "nonfinite", (~finite).sum(), COUNT)
+            return
+        kind, weight, bias = stream.split(":")
+        x, g = blocks
+        ok = torch.isfinite(g).all(1) & torch.isfinite(x).all(1)  # drop whole samples
+        zero = torch.zeros((), dtype=g.dtype, device=g.device)
+        g = torch.where(ok[:, None], g, zero)
+        x = torch.where(ok[:, None], x, zero)
+        g2 = g * g
+        sq = {}
+        if kind == "linear":
+            sq[weight] = (g2.T @ (x * x)).double()
+        elif weight:  # layer_norm: d l / d w = g * xhat elementwise
+            sq[weight] = ((g * x) ** 2).sum(0, dtype=torch.float64)
+        if bias:
+            sq[bias] = g2.sum(0, dtype=torch.float64)
+        samples = ok.sum()
+        for name, value in sq.items():
             self._add(component, f"param:{name}", value)
             self._add(component, f"param_samples:{name}", samples, COUNT)
 
     def param_fisher(self, component: str) -> dict[str, torch.Tensor]:
         """Per-entry diagonal Fisher of every covered parameter for the current window, on
         the host (for analysis; :meth:`to_metrics` reports summaries)."""
+        self.flush()
         st = self.state[component]
         out = {}
         for key, total in st.items():
@@ -141,13 +173,16 @@ class FisherInformationHook(ProbeHook):
         for sub_name, sub in module.named_modules():
             prefix = f"{sub_name}." if sub_name else ""
             if isinstance(sub, nn.Linear):
-                names = {"weight": f"{prefix}weight", "bias": f"{prefix}bias"}
-                handles.append(sub.register_forward_hook(self._linear_hook(names)))
+                kind = "linear"
             elif isinstance(sub, nn.LayerNorm) and len(sub.normalized_shape) == 1:
-                names = {"weight": f"{prefix}weight", "bias": f"{prefix}bias"}
-                handles.append(sub.register_forward_hook(self._layer_norm_hook(names)))
+                kind = "layer_norm"
             else:
                 continue
+            names = (
+                f"{prefix}weight" if getattr(sub, "weight", None) is not None else None,
+                f"{prefix}bias" if getattr(sub, "bias", None) is not None else None,
+            )
+            handles.append(sub.register_forward_hook(self._layer_hook(kind, names)))
             covered.update(id(p) for p in sub.parameters(recurse=False))
         unsupported = [n for n, p in module.named_parameters() if id(p) not in covered]
         self.tracker.settings[self.component]["unsupported"] = unsupported
@@ -182,46 +217,18 @@ class FisherInformationHook(ProbeHook):
 
         output.register_hook(on_grad)
 
-    def _rows_and_mask(
-        self, g: torch.Tensor, x: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
-        g, x = as_rows(g), as_rows(x)
-        ok = torch.isfinite(g).all(1) & torch.isfinite(x).all(1)
-        zero = torch.zeros((), dtype=g.dtype, device=g.device)
-        g = torch.where(ok[:, None], g, zero)
-        x = torch.where(ok[:, None], x, zero)
-        f = self.tracker.sample_factor(self.component, g.shape[0], self.context.loss_scale)
-        return g, x, ok.sum(), f
-
-    def _linear_hook(self, names: dict[str, str]) -> Any:
-        def hook(mod: nn.Linear, inputs: tuple[Any, ...], output: Any) -> None:
+    def _layer_hook(self, kind: str, names: tuple[str | None, str | None]) -> Any:
+        def hook(mod: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
             x = inputs[0].detach()
+            if kind == "layer_norm":
+                if not self.active():
+                    return
+                x = F.layer_norm(x, mod.normalized_shape, eps=mod.eps)
 
             def compute(grad: torch.Tensor) -> None:
-                g, xr, n, f = self._rows_and_mask(grad, x)
-                g2 = g * g
-                sq = {names["weight"]: (g2.T @ (xr * xr)).double() * (f * f)}
-                if mod.bias is not None:
-                    sq[names["bias"]] = g2.sum(0, dtype=torch.float64) * (f * f)
-                self.tracker.update_params(self.component, sq, n)
-
-            self._tap(output, compute)
-
-        return hook
-
-    def _layer_norm_hook(self, names: dict[str, str]) -> Any:
-        def hook(mod: nn.LayerNorm, inputs: tuple[Any, ...], output: Any) -> None:
-            x = inputs[0].detach()
-
-            def compute(grad: torch.Tensor) -> None:
-                xhat = F.layer_norm(x, mod.normalized_shape, eps=mod.eps)
-                g, xr, n, f = self._rows_and_mask(grad, xhat)
-                sq = {}
-                if mod.weight is not None:
-                    sq[names["weight"]] = ((g * xr) ** 2).sum(0, dtype=torch.float64) * (f * f)
-                if mod.bias is not None:
-                    sq[names["bias"]] = (g * g).sum(0, dtype=torch.float64) * (f * f)
-                self.tracker.update_params(self.component, sq, n)
+                self.tracker.update_layer(
+                    self.component, kind, names, x, grad, self.context.loss_scale
+                )
 
             self._tap(output, compute)
 

@@ -44,18 +44,35 @@ class GradientFlowState(ProbeState):
         )
 
     def update(self, component: str, grad_output: torch.Tensor) -> None:
+        """Add one backward pass (all rows of one gradient delivery)."""
+        self._push(component, "g", (as_rows(grad_output.detach()),))
+
+    def consume(
+        self, component: str, stream: str, blocks: tuple[torch.Tensor, ...], segments: list[int]
+    ) -> None:
+        (g,) = blocks
         beta = self.settings[component]["beta"]
-        g = as_rows(grad_output.detach())
         finite = torch.isfinite(g)
         g = torch.where(finite, g, torch.zeros((), dtype=g.dtype, device=g.device))
-        count = finite.sum(0)
-        mean_sq = (g * g).sum(0, dtype=torch.float64) / count.clamp(min=1)
-        rms = mean_sq.sqrt()
-        ema = self._acc(component, "ema", rms, torch.float64)
-        ema.mul_(beta).add_(rms, alpha=1.0 - beta)
-        self._acc(component, "passes", mean_sq[0], torch.float64).add_(1.0)
+        sq = (g * g).to(torch.float64)
+        if len(set(segments)) == 1:  # equal passes: one reshape, no loop
+            p, n = len(segments), segments[0]
+            sums = sq.reshape(p, n, -1).sum(1)
+            counts = finite.reshape(p, n, -1).sum(1)
+        else:
+            sums = torch.stack([part.sum(0) for part in sq.split(segments)])
+            counts = torch.stack([part.sum(0) for part in finite.split(segments)])
+        rms = (sums / counts.clamp(min=1)).sqrt()  # (passes, units)
+        # m <- beta^P m + sum_p (1 - beta) beta^(P-1-p) r_p : the EMA over these P passes
+        p = rms.shape[0]
+        weights = (1.0 - beta) * beta ** torch.arange(
+            p - 1, -1, -1, dtype=torch.float64, device=g.device
+        )
+        ema = self._acc(component, "ema", rms[0], torch.float64)
+        ema.mul_(beta**p).add_(weights @ rms)
+        self._acc(component, "passes", rms[0, 0], torch.float64).add_(float(p))
         self._add(component, "nonfinite", (~finite).sum(), COUNT)
-        self._add(component, "count", count, COUNT)
+        self._add(component, "count", finite.sum(0), COUNT)
 
     def summarize(self, component: str, s: dict[str, torch.Tensor], cfg: dict[str, Any]) -> dict:
         k = float(s["passes"])

@@ -46,7 +46,12 @@ class ReLUActivationState(ProbeState):
 
     def update(self, component: str, h: torch.Tensor) -> None:
         """Add a batch of activations (leading dims are samples, last dim units)."""
-        rows = as_rows(h.detach())
+        self._push(component, "h", (as_rows(h.detach()),))
+
+    def consume(
+        self, component: str, stream: str, blocks: tuple[torch.Tensor, ...], segments: list[int]
+    ) -> None:
+        (rows,) = blocks
         finite = torch.isfinite(rows)
         clean = torch.where(finite, rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
         self._add(component, "count", finite.sum(0), COUNT)

@@ -34,15 +34,20 @@ class ReLUGradientFlowState(ProbeState):
         return super().register_component(name, layers=list(layers), **extra)
 
     def update(
-        self, component: str, layer: str, grad_out: torch.Tensor, active: torch.Tensor
+        self, component: str, layer: str, grad_out: torch.Tensor, relu_out: torch.Tensor
     ) -> None:
-        """Add one backward pass through ReLU ``layer`` (its output gradient and mask)."""
-        g = as_rows(grad_out.detach())
+        """Add one backward pass through ReLU ``layer``: its output gradient and output."""
+        self._push(component, layer, (as_rows(grad_out.detach()), as_rows(relu_out.detach())))
+
+    def consume(
+        self, component: str, stream: str, blocks: tuple[torch.Tensor, ...], segments: list[int]
+    ) -> None:
+        g, out = blocks
         finite = torch.isfinite(g)
-        passed = (g != 0) & as_rows(active) & finite
-        self._add(component, f"count:{layer}", finite.sum(0), COUNT)
-        self._add(component, f"passed:{layer}", passed.sum(0), COUNT)
-        self._add(component, f"nonfinite:{layer}", (~finite).sum(), COUNT)
+        passed = (g != 0) & (out > 0) & finite
+        self._add(component, f"count:{stream}", finite.sum(0), COUNT)
+        self._add(component, f"passed:{stream}", passed.sum(0), COUNT)
+        self._add(component, f"nonfinite:{stream}", (~finite).sum(), COUNT)
 
     def summarize(self, component: str, s: dict[str, torch.Tensor], cfg: dict[str, Any]) -> dict:
         out: dict[str, Any] = {}
@@ -102,7 +107,7 @@ class ReLUGradientFlowHook(ProbeHook):
                 and torch.is_grad_enabled()
             ):
                 return
-            active = output.detach() > 0
+            relu_out = output.detach()
 
             def on_grad(grad: torch.Tensor) -> None:
                 if not self.enabled:
@@ -110,7 +115,7 @@ class ReLUGradientFlowHook(ProbeHook):
                 self.calls += 1
                 try:
                     with torch.no_grad():
-                        self.tracker.update(self.component, layer, grad, active)
+                        self.tracker.update(self.component, layer, grad, relu_out)
                 except Exception as exc:
                     self.fail(exc)
 

@@ -41,8 +41,14 @@ class SaturatedActivationState(ProbeState):
         )
 
     def update(self, component: str, h: torch.Tensor) -> None:
+        """Add a batch of activations (leading dims are samples, last dim units)."""
+        self._push(component, "h", (as_rows(h.detach()),))
+
+    def consume(
+        self, component: str, stream: str, blocks: tuple[torch.Tensor, ...], segments: list[int]
+    ) -> None:
+        (rows,) = blocks
         t = self.settings[component]["threshold"]
-        rows = as_rows(h.detach())
         finite = torch.isfinite(rows)
         clean = torch.where(finite, rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
         if self.activation == "tanh":

@@ -1,10 +1,17 @@
 """ProbeState: the common machinery of every tracker.
 
 A tracker holds, per registered component, a dict of accumulator tensors (sums and
-counts) that live on the device of the data they summarise. Hooks only add into them;
-:meth:`ProbeState.to_metrics` moves them to the host once per window. Because the state
-is sums and counts, :meth:`ProbeState.all_reduce` can add it across processes, so a
-distributed run reports statistics over the union of every rank's samples.
+counts) that live on the device of the data they summarise. Because the state is sums
+and counts, :meth:`ProbeState.all_reduce` can add it across processes, so a distributed
+run reports statistics over the union of every rank's samples.
+
+Hooks do not reduce each minibatch themselves. They copy the rows they see into a
+preallocated :class:`~policy_probes.probes.row_buffer.RowBuffer` (one device copy per
+hook call, no allocation), and the tracker reduces the buffer into its accumulators when
+it is full or when the window is read. On small policies this turns a dozen tiny kernels
+per hook call into one, which is what keeps probe overhead near zero; the buffer's size
+is fixed (``buffer_elements`` per stream), so memory does not grow with the number of
+steps. :meth:`ProbeState.to_metrics` moves the accumulators to the host once per window.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from policy_probes.context import ComponentContext
+from policy_probes.probes.row_buffer import RowBuffer
 
 # Accumulator dtypes: exact integer counts, double-precision sums.
 COUNT = torch.int64
@@ -32,10 +40,13 @@ class ProbeState:
     probe: str = "probe"
     #: accumulators that are averaged (not summed) across processes
     mean_reduced: frozenset[str] = frozenset()
+    #: capacity of each row buffer, in elements (rows x columns); 4 MiB of float32
+    buffer_elements: int = 1 << 20
 
     def __init__(self) -> None:
         self.state: dict[str, dict[str, torch.Tensor]] = {}
         self.settings: dict[str, dict[str, Any]] = {}
+        self.buffers: dict[tuple[str, str], RowBuffer] = {}
 
     # ----------------------------------------------------------- components
     def register_component(self, name: str, **settings: Any) -> bool:
@@ -67,15 +78,62 @@ class ProbeState:
     def _add(self, component: str, key: str, value: torch.Tensor, dtype: torch.dtype = SUM) -> None:
         self._acc(component, key, value, dtype).add_(value)
 
+    # ----------------------------------------------------------- buffering
+    def _push(
+        self,
+        component: str,
+        stream: str,
+        blocks: tuple[torch.Tensor, ...],
+        scales: tuple[float | None, ...] | None = None,
+    ) -> None:
+        """Queue aligned row blocks (same number of rows) for :meth:`consume`.
+
+        ``scales`` multiplies a block while it is copied (``None`` = copy as is).
+        """
+        buf = self.buffers.get((component, stream))
+        if buf is None:
+            buf = self.buffers[(component, stream)] = RowBuffer(self.buffer_elements)
+        if not buf.accepts(blocks):
+            self._drain(component, stream, buf)
+            if not buf.reserve(blocks):  # larger than a whole buffer: reduce it directly
+                scaled = tuple(
+                    b if s is None else b * s
+                    for b, s in zip(blocks, scales or (None,) * len(blocks), strict=True)
+                )
+                self.consume(component, stream, scaled, [blocks[0].shape[0]])
+                return
+        buf.append(blocks, scales)
+
+    def _drain(self, component: str, stream: str, buf: RowBuffer) -> None:
+        if buf.rows:
+            self.consume(component, stream, buf.blocks(), buf.segments)
+            buf.clear()
+
+    def flush(self) -> None:
+        """Reduce every buffered row into the accumulators."""
+        for (component, stream), buf in self.buffers.items():
+            self._drain(component, stream, buf)
+
+    def consume(
+        self, component: str, stream: str, blocks: tuple[torch.Tensor, ...], segments: list[int]
+    ) -> None:
+        """Reduce buffered rows into accumulators. ``segments`` are the row counts of the
+        individual pushes (one per hook call), in order."""
+        raise NotImplementedError
+
     # ----------------------------------------------------------- window
     def reset(self) -> None:
-        """Start a new window: drop every accumulator (reallocated on the next update)."""
+        """Start a new window: drop every accumulator (reallocated on the next update)
+        and every buffered row (the buffers themselves are kept for reuse)."""
         for st in self.state.values():
             st.clear()
+        for buf in self.buffers.values():
+            buf.clear()
 
     def all_reduce(self, group: Any = None) -> None:
         """Add every accumulator across the processes of ``group`` (no-op when not
         distributed). Ranks that saw no data for a key contribute zeros."""
+        self.flush()
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
             return
         layout = sorted(
@@ -109,6 +167,7 @@ class ProbeState:
 
         Components that recorded nothing in the window report nothing.
         """
+        self.flush()
         out: dict[str, float | list[float]] = {}
         for comp, st in self.state.items():
             if not st:
@@ -122,6 +181,11 @@ class ProbeState:
         self, component: str, state: dict[str, torch.Tensor], settings: dict[str, Any]
     ) -> dict[str, float | list[float]]:
         raise NotImplementedError
+
+    def nbytes(self) -> int:
+        """Device memory held by accumulators and row buffers."""
+        acc = sum(t.numel() * t.element_size() for st in self.state.values() for t in st.values())
+        return acc + sum(b.nbytes for b in self.buffers.values())
 
     def holds_graph(self) -> bool:
         """True if any accumulator requires grad (it never should)."""
