@@ -23,7 +23,7 @@ from torch.utils.hooks import RemovableHandle
 
 from policy_probes.context import ComponentContext
 from policy_probes.hook_types import ProbeError, describe_type
-from policy_probes.layers import LinearSpec, MLPSpec
+from policy_probes.layers import LinearSpec, MLPSpec, build_component
 
 GLOB_CHARS = set("*?[")
 
@@ -36,11 +36,12 @@ warnings.filterwarnings(
 )
 
 
-class ProbeHandle:
-    """Removes every torch hook one registration installed (the component hook and any
-    hooks a probe put on submodules). Usable as a context manager."""
+class ProbeHandle(RemovableHandle):
+    """A ``RemovableHandle`` that removes every torch hook one registration installed
+    (the component hook and any hooks a probe put on submodules)."""
 
     def __init__(self, handles: Iterable[RemovableHandle], component: str) -> None:
+        super().__init__(OrderedDict())  # gives the handle an id; removal is ours
         self.handles = list(handles)
         self.component = component
 
@@ -48,12 +49,6 @@ class ProbeHandle:
         for h in self.handles:
             h.remove()
         self.handles.clear()
-
-    def __enter__(self) -> ProbeHandle:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.remove()
 
 
 def glob_to_regex(pattern: str) -> re.Pattern[str]:
@@ -108,7 +103,7 @@ class PolicyAutoBuilder(nn.Module):
         self._output_kinds: dict[str, str] = {}
         self._handles: list[ProbeHandle] = []
         for name, part in (spec or {}).items():
-            module = part if isinstance(part, nn.Module) else part.build()
+            module = build_component(name, part)
             if "." in name or not name:
                 raise ValueError(f"component names must be non-empty and dot-free, got {name!r}")
             self.add_module(name, module)
@@ -208,7 +203,11 @@ class PolicyAutoBuilder(nn.Module):
     # ----------------------------------------------------------- output kinds
     @torch.no_grad()
     def trace_outputs(self, *args: Any, **kwargs: Any) -> dict[str, str]:
-        """Run one forward pass and record what every addressable part returns."""
+        """Run one forward pass and record what every addressable part returns.
+
+        The pass runs in eval mode (no BatchNorm statistics update) with forked RNG
+        states, so tracing leaves the model and the random streams as they were.
+        """
         kinds: dict[str, str] = {}
         handles = []
         for name in self.component_names():
@@ -217,9 +216,13 @@ class PolicyAutoBuilder(nn.Module):
                 kinds.setdefault(name, output_kind(out))
 
             handles.append(self.get_component(name).register_forward_hook(hook))
+        modes = {m: m.training for m in self.modules()}
         try:
-            self(*args, **kwargs)
+            with torch.random.fork_rng(devices=[]):
+                self.eval()(*args, **kwargs)
         finally:
+            for m, mode in modes.items():
+                m.training = mode
             for h in handles:
                 h.remove()
         self._output_kinds.update(kinds)
@@ -296,12 +299,28 @@ class PolicyAutoBuilder(nn.Module):
                     f"{describe_type(hook)} for component {name!r}; a builder must return a "
                     f"callable hook or None"
                 )
+            direction = getattr(hook, "backward", None)
+            if direction is not None and direction != backward:
+                probe = getattr(hook, "probe", "probe")
+                want, call = (
+                    ("backward", "add_training_backward_hook / backward=True")
+                    if direction
+                    else ("forward", "add_training_hook / backward=False")
+                )
+                _forget(hook, name)
+                raise TypeError(
+                    f"the {probe!r} probe is a {want} probe; attach it to {name!r} with {call}"
+                )
             rule = (
                 self.register_component_backward_hook_rule
                 if backward
                 else self.register_component_hook_rule
             )
-            out.append(rule(component_name=name, hook=hook))
+            try:
+                out.append(rule(component_name=name, hook=hook))
+            except Exception:
+                _forget(hook, name)  # so a corrected builder can be attached in this context
+                raise
         return out
 
     def _keep(self, handle: ProbeHandle) -> ProbeHandle:
@@ -329,6 +348,12 @@ def _check_builder_signature(builder: Callable, pattern: str) -> None:
         ) from None
     except ValueError:  # builtins without a signature: let the call decide
         pass
+
+
+def _forget(hook: Callable, component: str) -> None:
+    tracker = getattr(hook, "tracker", None)
+    if tracker is not None and hasattr(tracker, "unregister_component"):
+        tracker.unregister_component(component)
 
 
 def _attach_extra(hook: Callable, module: nn.Module) -> list[RemovableHandle]:

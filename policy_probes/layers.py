@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Annotated, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 from torch import nn
 
 ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
@@ -103,3 +103,17 @@ class LinearSpec(BaseModel):
 
 
 ComponentSpec = Annotated[MLPSpec | LinearSpec, Field(discriminator="kind")]
+
+
+def build_component(name: str, part: object) -> nn.Module:
+    """An ``nn.Module``, a spec object, or a spec as a dict (``{"kind": "mlp", ...}``)."""
+    if isinstance(part, nn.Module):
+        return part
+    if isinstance(part, MLPSpec | LinearSpec):
+        return part.build()
+    if isinstance(part, dict):
+        return TypeAdapter(ComponentSpec).validate_python(part).build()
+    raise TypeError(
+        f"component {name!r} must be an nn.Module, an MLPSpec/LinearSpec or a dict with "
+        f"kind='mlp'|'linear', got {type(part).__name__}"
+    )

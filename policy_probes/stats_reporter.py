@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from policy_probes.context import ComponentContext
+
+log = logging.getLogger("policy_probes")
 
 
 class StatsReporter:
@@ -29,6 +32,21 @@ class StatsReporter:
                 tracker.all_reduce()
             metrics.update(tracker.to_metrics())
             tracker.reset()
+            self._take_errors(tracker)
         for key in self.context.probe_errors:
             metrics[f"probes/errors/{key}"] = 1.0
         return metrics
+
+    def _take_errors(self, tracker: Any) -> None:
+        """Move reduction failures of ``tracker`` into the context (fatal when strict)."""
+        errors = getattr(tracker, "errors", None)
+        if not errors:
+            return
+        for component, message in errors.items():
+            key = f"{tracker.probe}/{component}"
+            if self.context.strict:
+                raise RuntimeError(f"probe {key} failed: {message}")
+            if key not in self.context.probe_errors:
+                log.error("probe %s lost this window's data: %s", key, message)
+            self.context.probe_errors[key] = message
+        errors.clear()

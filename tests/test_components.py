@@ -245,3 +245,90 @@ def test_one_handle_removes_its_submodule_hooks(tiny_policy: TinyPolicy) -> None
 def test_unsupported_activation_name_is_rejected() -> None:
     with pytest.raises(ValueError, match=r"unsupported activation 'rellu'.*Did you mean 'relu'"):
         TinyPolicy(activation="rellu")
+
+
+def test_probe_attached_in_the_wrong_direction_is_rejected(tiny_policy: TinyPolicy) -> None:
+    ctx = ComponentContext()
+    with pytest.raises(
+        TypeError, match="'gradient_flow' probe is a backward probe.*add_training_backward_hook"
+    ):
+        tiny_policy.attach("actor_mlp", attach_gradient_flow_hooks(), ctx)
+    with pytest.raises(TypeError, match="'relu' probe is a forward probe.*add_training_hook"):
+        tiny_policy.attach("actor_mlp", attach_relu_activation_hooks(), ctx, backward=True)
+    # the failed attempts registered nothing: the right calls still attach
+    assert (
+        len(tiny_policy.attach("actor_mlp", attach_gradient_flow_hooks(), ctx, backward=True)) == 1
+    )
+    assert len(tiny_policy.attach("actor_mlp", attach_relu_activation_hooks(), ctx)) == 1
+
+
+def test_a_failed_attach_can_be_retried_with_a_fixed_builder() -> None:
+    model = PolicyAutoBuilder.wrap(DictPolicy(), example_inputs=(torch.zeros(1, 4),))
+    ctx = ComponentContext()
+    with pytest.raises(ProbeError):
+        model.attach("body", attach_gradient_flow_hooks(), ctx, backward=True)
+    handles = model.attach(
+        "body", attach_gradient_flow_hooks(extractor=lambda o: o["features"]), ctx, backward=True
+    )
+    assert len(handles) == 1
+    assert isinstance(handles[0], torch.utils.hooks.RemovableHandle)
+
+
+def test_a_component_that_changes_width_loses_the_window_but_not_the_run() -> None:
+    model = PolicyAutoBuilder.wrap(nn.Sequential(nn.Identity()), {"feat": "0"})
+    ctx = ComponentContext()
+    model.attach("feat", attach_relu_activation_hooks(), ctx)
+    model(torch.randn(3, 4))
+    model(torch.randn(3, 5))
+    metrics = StatsReporter(ctx).collect()
+    assert metrics["probes/errors/relu/feat"] == 1.0
+    assert "changed shape within a window" in ctx.probe_errors["relu/feat"]
+    model(torch.randn(6, 5))  # the next window works again
+    assert StatsReporter(ctx).collect()["probes/relu/feat/samples"] == 6
+    strict = ComponentContext(strict=True)
+    model.remove_hooks()
+    model.attach("feat", attach_relu_activation_hooks(), strict)
+    model(torch.randn(3, 4))
+    model(torch.randn(3, 5))
+    with pytest.raises(RuntimeError, match="changed shape"):
+        StatsReporter(strict).collect()
+
+
+def test_spec_as_dict_and_bad_spec() -> None:
+    model = PolicyAutoBuilder(
+        {"mlp": {"kind": "mlp", "in_features": 3, "hidden_sizes": [4], "activation": "tanh"}}
+    )
+    assert model.component_names() == [
+        "mlp",
+        "mlp.layer_0",
+        "mlp.layer_0.linear",
+        "mlp.layer_0.act",
+    ]
+    with pytest.raises(
+        TypeError, match="component 'x' must be an nn.Module, an MLPSpec/LinearSpec or a dict"
+    ):
+        PolicyAutoBuilder({"x": 3})
+
+
+def test_sigmoid_threshold_must_exceed_one_half() -> None:
+    with pytest.raises(ValueError, match=r"sigmoid saturation must lie in \(0.5, 1\)"):
+        attach_saturated_activation_hooks("sigmoid", threshold=0.3)
+
+
+def test_tracing_outputs_leaves_rng_and_modes_untouched() -> None:
+    class Sampling(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = nn.BatchNorm1d(3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.norm(x) + torch.randn_like(x)
+
+    net = Sampling()
+    torch.manual_seed(0)
+    expected = torch.rand(1)
+    torch.manual_seed(0)
+    PolicyAutoBuilder.wrap(net, {"norm": "norm"}, example_inputs=(torch.ones(4, 3) * 5,))
+    assert torch.equal(torch.rand(1), expected)  # the forward's randn_like drew from a fork
+    assert net.training
+    assert torch.equal(net.norm.running_mean, torch.zeros(3))  # traced in eval mode

@@ -221,7 +221,7 @@ class FisherInformationHook(ProbeHook):
         def hook(mod: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
             x = inputs[0].detach()
             if kind == "layer_norm":
-                if not self.active():
+                if not (self.active() and torch.is_grad_enabled() and output.requires_grad):
                     return
                 x = F.layer_norm(x, mod.normalized_shape, eps=mod.eps)
 

@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from policy_probes.context import ComponentContext
-from policy_probes.hook_types import BackwardHookBuilder, Extractor, ProbeError, ProbeHook
+from policy_probes.hook_types import BackwardHookBuilder, ProbeError, ProbeHook
 from policy_probes.probes.state import COUNT, ProbeState, as_floats, as_rows, get_state, rates
 
 
@@ -127,15 +127,17 @@ class ReLUGradientFlowHook(ProbeHook):
 def attach_relu_gradient_flow_hooks(
     *,
     phases: Iterable[str] | str = ("train",),
-    extractor: Extractor | None = None,
 ) -> BackwardHookBuilder:
-    """Backward-hook builder for :class:`ReLUGradientFlowState`."""
+    """Backward-hook builder for :class:`ReLUGradientFlowState`.
+
+    It reads the ``nn.ReLU`` modules inside the component, never the component's output,
+    so it takes no ``extractor``."""
 
     def build(component_name: str, context: ComponentContext) -> ReLUGradientFlowHook | None:
         tracker = get_state(context, "relu_gradient_flow", ReLUGradientFlowState)
         if not tracker.register_component(component_name):
             return None
-        return ReLUGradientFlowHook(tracker, component_name, context, phases, extractor)
+        return ReLUGradientFlowHook(tracker, component_name, context, phases)
 
     build.probe = "relu_gradient_flow"  # type: ignore[attr-defined]
     return build

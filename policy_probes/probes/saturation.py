@@ -113,8 +113,11 @@ def attach_saturated_activation_hooks(
             f"unsupported activation {activation!r} for attach_saturated_activation_hooks; "
             f"choose one of {list(SATURATING)}"
         )
-    if not 0.0 < threshold < 1.0:
-        raise ValueError(f"threshold must lie in (0, 1), got {threshold}")
+    low = 0.5 if activation == "sigmoid" else 0.0
+    if not low < threshold < 1.0:
+        raise ValueError(
+            f"threshold for {activation} saturation must lie in ({low}, 1), got {threshold}"
+        )
     key = f"saturation_{activation}"
 
     def build(component_name: str, context: ComponentContext) -> SaturatedActivationHook | None:

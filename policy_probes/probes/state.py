@@ -47,6 +47,8 @@ class ProbeState:
         self.state: dict[str, dict[str, torch.Tensor]] = {}
         self.settings: dict[str, dict[str, Any]] = {}
         self.buffers: dict[tuple[str, str], RowBuffer] = {}
+        #: component -> reason, for reductions that failed (reported by StatsReporter)
+        self.errors: dict[str, str] = {}
 
     # ----------------------------------------------------------- components
     def register_component(self, name: str, **settings: Any) -> bool:
@@ -56,6 +58,13 @@ class ProbeState:
         self.settings[name] = dict(settings)
         self.state[name] = {}
         return True
+
+    def unregister_component(self, name: str) -> None:
+        """Forget ``name`` (used when attaching its hook failed)."""
+        self.settings.pop(name, None)
+        self.state.pop(name, None)
+        for key in [k for k in self.buffers if k[0] == name]:
+            del self.buffers[key]
 
     def has_component(self, name: str) -> bool:
         return name in self.settings
@@ -76,7 +85,14 @@ class ProbeState:
         return t
 
     def _add(self, component: str, key: str, value: torch.Tensor, dtype: torch.dtype = SUM) -> None:
-        self._acc(component, key, value, dtype).add_(value)
+        acc = self._acc(component, key, value, dtype)
+        if acc.shape != value.shape:
+            raise ValueError(
+                f"probe {self.probe!r} on component {component!r}: the output changed shape "
+                f"within a window ({tuple(acc.shape)} -> {tuple(value.shape)} for {key!r}); "
+                f"a probed component must keep its number of units"
+            )
+        acc.add_(value)
 
     # ----------------------------------------------------------- buffering
     def _push(
@@ -110,9 +126,20 @@ class ProbeState:
             buf.clear()
 
     def flush(self) -> None:
-        """Reduce every buffered row into the accumulators."""
+        """Reduce every buffered row into the accumulators.
+
+        A component whose rows cannot be reduced (for example because its width changed
+        within a window) loses that window's data for the stream, and the reason is kept
+        in :attr:`errors` for :class:`~policy_probes.stats_reporter.StatsReporter` to
+        report; the other components are unaffected.
+        """
         for (component, stream), buf in self.buffers.items():
-            self._drain(component, stream, buf)
+            try:
+                self._drain(component, stream, buf)
+            except Exception as exc:  # a reduction must never take training down
+                buf.clear()
+                self.state[component].clear()
+                self.errors[component] = f"{type(exc).__name__}: {exc}"
 
     def consume(
         self, component: str, stream: str, blocks: tuple[torch.Tensor, ...], segments: list[int]
