@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from policy_probes.context import ComponentContext
-from policy_probes.hook_types import ProbeError, describe_type
+from policy_probes.hook_types import ProbeError, ProbeHook, describe_type
 from policy_probes.layers import LinearSpec, MLPSpec, build_component
 
 GLOB_CHARS = set("*?[")
@@ -243,13 +243,18 @@ class PolicyAutoBuilder(nn.Module):
     def register_component_backward_hook_rule(
         self, *, component_name: str, hook: Callable
     ) -> ProbeHandle:
-        """Attach ``hook`` as a full backward hook ``(module, grad_input, grad_output)``.
+        """Attach ``hook`` as a backward hook ``(module, grad_input, grad_output)``.
 
-        Components that return a tensor get ``register_full_backward_hook``. Components
-        that return a mapping, tuple or other object need the probe's ``extractor``: the
-        gradient of the extracted tensor is then delivered through a tensor hook with
-        ``grad_input=None``. Without one, attaching raises :class:`ProbeError` at once if
-        the output type is known (see :meth:`trace_outputs`), else on the first forward.
+        A plain callable on a component that returns a tensor gets
+        ``register_full_backward_hook``. The built-in probes (:class:`ProbeHook`), and any
+        hook on a component that returns a mapping, tuple or other object, are delivered
+        the output gradient through a tensor hook registered by a forward hook, with
+        ``grad_input=None``: that path costs one tensor hook per recorded pass, installs
+        nothing while the probe's phase is inactive (so rollouts and ``torch.func``
+        transforms run on the bare module), and needs no wrapping of the module's inputs
+        and outputs. Non-tensor outputs need the probe's ``extractor``; without one,
+        attaching raises :class:`ProbeError` at once if the output type is known (see
+        :meth:`trace_outputs`), else on the first forward.
         """
         module = self.get_component(component_name)
         _check_inplace(module, component_name)
@@ -257,7 +262,7 @@ class PolicyAutoBuilder(nn.Module):
         kind = self.output_kind(component_name)
         if not getattr(hook, "component_hook", True):
             handles = []  # the probe measures through the hooks its attach() installs
-        elif kind == "tensor" and extractor is None:
+        elif kind == "tensor" and extractor is None and not isinstance(hook, ProbeHook):
             handles = [module.register_full_backward_hook(hook)]
         elif kind in ("mapping", "sequence", "object") and extractor is None:
             raise ProbeError(
@@ -375,7 +380,11 @@ def _check_inplace(module: nn.Module, name: str) -> None:
 def _grad_tap(hook: Callable, component: str, extractor: Callable | None) -> Callable:
     """Forward hook that delivers the output gradient to ``hook`` through a tensor hook."""
 
+    active = getattr(hook, "active", None)
+
     def tap(module: nn.Module, _inputs: Any, output: Any) -> None:
+        if active is not None and not active():
+            return
         tensor = extractor(output) if extractor is not None else output
         if not isinstance(tensor, torch.Tensor):
             via = "its extractor returned" if extractor is not None else "it returned"

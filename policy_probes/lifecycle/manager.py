@@ -1,0 +1,481 @@
+"""HookManager: dispatches lifecycle hooks at the loop's hook points.
+
+At every firing the manager
+
+1. returns at once when no hook is selected (one attribute check);
+2. prepares only what active hooks declared they need (pre-epoch snapshot at PRE_EPOCH,
+   gradient accumulation and previous-step gradients at PRE_STEP);
+3. picks the hooks due at this point (points, loop_points windows, schedules);
+4. sets ``ComponentContext.phase = "hook"`` so module probes ignore the extra passes;
+5. runs the observers (under ``torch.no_grad``), then the interventions inside one
+   guardian checkpoint that is restored after each intervention in a ``finally``;
+   every global RNG is restored after each hook;
+6. namespaces the metrics ``hook_name/metric``, keeps them as the last metrics of the
+   point, and buffers step-point metrics until :meth:`HookManager.flush`.
+
+A hook that raises is logged (with its traceback the first time), reported as
+``hook_name/error = 1.0``, and training goes on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+import torch
+from torch import nn
+
+from policy_probes.context import ComponentContext
+from policy_probes.lifecycle.hook import TrainingHook
+from policy_probes.lifecycle.model_context import ModelDataContext
+from policy_probes.lifecycle.points import STEP_POINTS, EpochWindow, HookPoint
+from policy_probes.lifecycle.rng import RNGState, capture_rng_state, restore_rng_state
+from policy_probes.lifecycle.run_context import RunDataContext
+
+log = logging.getLogger("policy_probes.lifecycle")
+
+ModelContextSource = ModelDataContext | Callable[[], ModelDataContext] | None
+_CONTEXT_FIELDS = frozenset(f.name for f in dataclasses.fields(RunDataContext))
+_MANAGED_FIELDS = frozenset(
+    {"point", "epoch", "step", "loop", "grads", "prev_step_grads", "last_metrics"}
+)
+HOOK_PHASE = "hook"
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """The metrics of one step-point firing."""
+
+    point: HookPoint
+    epoch: int
+    step: int
+    metrics: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class StepFlush:
+    """What :meth:`HookManager.flush` returns: per-key means over the epoch's step
+    firings (``summary``) and every firing's own values (``records``), on the host."""
+
+    summary: dict[str, Any] = field(default_factory=dict)
+    records: list[StepRecord] = field(default_factory=list)
+
+
+class HookManager:
+    """Runs lifecycle hooks at hook points; see the module docstring for the protocol.
+
+    Args:
+        hooks: selected hook instances (see :func:`~policy_probes.lifecycle.registry.select_hooks`).
+        loop: loop type, for the hooks' ``loop_points``.
+        model, optimizer, scheduler, config, component_context: bound once here (or
+            with :meth:`bind`) and handed to every :class:`RunDataContext`.
+        offload_state: move the hooks' state tensors to the CPU between firings.
+        strict: re-raise hook exceptions instead of reporting them.
+    """
+
+    def __init__(
+        self,
+        hooks: Iterable[TrainingHook] = (),
+        *,
+        loop: str = "ppo",
+        model: nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any = None,
+        config: Any = None,
+        component_context: ComponentContext | None = None,
+        offload_state: bool = False,
+        strict: bool = False,
+    ) -> None:
+        self.hooks = list(hooks)
+        names = [h.name for h in self.hooks]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"hooks selected twice: {dupes}")
+        self.loop = loop
+        self.offload_state = offload_state
+        self.strict = strict
+        self._bound: dict[str, Any] = {}
+        self.bind(
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            config=config,
+            component_context=component_context,
+        )
+        self._by_point: dict[HookPoint, list[tuple[TrainingHook, EpochWindow]]] = {}
+        for hook in self.hooks:
+            for point, window in hook.points(loop).items():
+                self._by_point.setdefault(point, []).append((hook, window))
+        self.needs_grads = any(h.needs_grads for h in self.hooks)
+        self.needs_prev_step_grads = any(h.needs_prev_step_grads for h in self.hooks)
+        self.needs_pre_epoch_state = any(h.needs_pre_epoch_state for h in self.hooks)
+        self.last_metrics: dict[HookPoint, dict[str, Any]] = {}
+        self.errors: dict[str, int] = {}
+        self.error_messages: dict[str, str] = {}
+        self._records: list[StepRecord] = []
+        self._grad_sum: dict[str, torch.Tensor] | None = None
+        self._grad_steps = 0
+        self._grad_epoch: int | None = None
+        self._prev_grads: dict[str, torch.Tensor] | None = None
+        self._warned: set[str] = set()
+        if offload_state:
+            for h in self.hooks:
+                h.move_state("cpu")
+
+    # ----------------------------------------------------------------- set-up
+    def bind(self, **objects: Any) -> HookManager:
+        """Bind model, optimizer, scheduler, config or component_context (``None`` keeps
+        what was bound)."""
+        allowed = {"model", "optimizer", "scheduler", "config", "component_context"}
+        unknown = set(objects) - allowed
+        if unknown:
+            raise TypeError(f"bind() got {sorted(unknown)}; it accepts {sorted(allowed)}")
+        self._bound.update({k: v for k, v in objects.items() if v is not None})
+        return self
+
+    @property
+    def active(self) -> bool:
+        """True when at least one hook is selected."""
+        return bool(self.hooks)
+
+    def hooks_at(self, point: HookPoint) -> list[TrainingHook]:
+        return [h for h, _ in self._by_point.get(HookPoint.parse(point), ())]
+
+    # ------------------------------------------------------------------- fire
+    def fire(
+        self,
+        point: HookPoint | str,
+        *,
+        epoch: int,
+        step: int | None = None,
+        model_ctx: ModelContextSource = None,
+        **fields: Any,
+    ) -> dict[str, Any]:
+        """Run the hooks due at ``point``; return their namespaced metrics (host values).
+
+        At PRE_STEP/POST_STEP the metrics are buffered instead (call :meth:`flush` once
+        per epoch) and ``{}`` is returned; ``step`` (the global optimizer step) is
+        required there. ``model_ctx`` is a :class:`ModelDataContext` or a zero-argument
+        factory; it is used only when an intervention is due (or at PRE_EPOCH when a
+        hook needs the pre-epoch state). Other keyword arguments are
+        :class:`RunDataContext` fields (``batch``, ``loss``, ``stats``, ...).
+        """
+        if not self.hooks:
+            return {}
+        point = point if isinstance(point, HookPoint) else HookPoint.parse(point)
+        is_step = point in STEP_POINTS
+        if is_step and step is None:
+            raise ValueError(f"fire({point.name}) needs step=<global optimizer step>")
+        bad = set(fields) - _CONTEXT_FIELDS | (set(fields) & _MANAGED_FIELDS)
+        if bad:
+            raise TypeError(
+                f"fire() got unexpected field(s) {sorted(bad)}; RunDataContext fields it "
+                f"accepts: {sorted(_CONTEXT_FIELDS - _MANAGED_FIELDS)}"
+            )
+        ctx_fields = {**self._bound, **fields}
+        model: nn.Module | None = ctx_fields.get("model")
+        cache: list[ModelDataContext] = []
+
+        if point is HookPoint.PRE_EPOCH and self.needs_grads:
+            self._reset_grads(epoch)
+        if point is HookPoint.PRE_EPOCH and self.needs_pre_epoch_state:
+            mctx = self._model_ctx(model_ctx, cache)
+            if mctx is None:
+                self._warn_once(
+                    "pre_epoch",
+                    "a hook needs the pre-epoch state but fire(PRE_EPOCH) got no model_ctx",
+                )
+            else:
+                mctx.capture_pre_epoch()
+
+        current_grads = None
+        if point is HookPoint.PRE_STEP and (self.needs_grads or self.needs_prev_step_grads):
+            current_grads = self._live_grads(model)
+
+        due = [h for h, win in self._by_point.get(point, ()) if h.is_due(point, epoch, step, win)]
+        metrics: dict[str, Any] = {}
+        if due:
+            metrics = self._dispatch(
+                point, epoch, step, due, ctx_fields, current_grads, model_ctx, cache
+            )
+
+        if current_grads is not None:
+            self._after_step(epoch, current_grads)
+        if is_step:
+            if metrics:
+                self._records.append(StepRecord(point, epoch, int(step), metrics))
+            return {}
+        return _to_host(metrics)
+
+    def _dispatch(
+        self,
+        point: HookPoint,
+        epoch: int,
+        step: int | None,
+        due: list[TrainingHook],
+        ctx_fields: dict[str, Any],
+        current_grads: dict[str, torch.Tensor] | None,
+        model_ctx: ModelContextSource,
+        cache: list[ModelDataContext],
+    ) -> dict[str, Any]:
+        current: dict[str, Any] = {}
+        self.last_metrics[point] = current
+        run_ctx = RunDataContext(
+            point=point,
+            epoch=epoch,
+            step=step,
+            loop=self.loop,
+            grads=self._grads_for(point, current_grads),
+            prev_step_grads=MappingProxyType(self._prev_grads)
+            if self._prev_grads is not None
+            else None,
+            last_metrics=MappingProxyType(self.last_metrics),
+            **ctx_fields,
+        )
+        cc: ComponentContext | None = ctx_fields.get("component_context")
+        previous_phase = cc.phase if cc is not None else None
+        if cc is not None:
+            cc.phase = HOOK_PHASE
+        rng = capture_rng_state()
+        device = _device_of(ctx_fields.get("model"))
+        try:
+            observers = [h for h in due if not h.intervenes_at(point)]
+            interventions = [h for h in due if h.intervenes_at(point)]
+            for hook in observers:
+                self._run(hook, point, current, rng, device, lambda h=hook: _observe(h, run_ctx))
+            if interventions:
+                self._intervene(
+                    point, interventions, run_ctx, current, rng, device, model_ctx, cache
+                )
+        finally:
+            restore_rng_state(rng)
+            if cc is not None:
+                cc.phase = previous_phase
+        return current
+
+    def _intervene(
+        self,
+        point: HookPoint,
+        hooks: list[TrainingHook],
+        run_ctx: RunDataContext,
+        current: dict[str, Any],
+        rng: RNGState,
+        device: torch.device,
+        model_ctx: ModelContextSource,
+        cache: list[ModelDataContext],
+    ) -> None:
+        mctx = self._model_ctx(model_ctx, cache)
+        if mctx is None:
+            err = RuntimeError(
+                f"intervention due at {point.name} but fire() got no model_ctx; pass "
+                f"model_ctx=<ModelDataContext or factory>"
+            )
+            for hook in hooks:
+                self._fail(hook, point, err, current)
+            return
+        token = mctx.save_checkpoint(full=True)  # the guardian
+        try:
+            for hook in hooks:
+                try:
+                    self._run(
+                        hook, point, current, rng, device, lambda h=hook: h.intervene(run_ctx, mctx)
+                    )
+                finally:
+                    mctx.restore_checkpoint(token)
+        finally:
+            mctx.discard_checkpoint(token)
+
+    def _run(
+        self,
+        hook: TrainingHook,
+        point: HookPoint,
+        current: dict[str, Any],
+        rng: RNGState,
+        device: torch.device,
+        call: Callable[[], Any],
+    ) -> None:
+        try:
+            if self.offload_state:
+                hook.move_state(device)
+            out = call()
+            if out is None:
+                out = {}
+            if not isinstance(out, Mapping):
+                raise TypeError(
+                    f"returned {type(out).__name__}; a hook must return a dict of metrics"
+                )
+            prefix = f"{hook.name}/" if hook.namespaced else ""
+            for key, value in _flatten(out).items():
+                current[prefix + key] = value
+        except Exception as exc:
+            self._fail(hook, point, exc, current)
+        finally:
+            if self.offload_state:
+                hook.move_state("cpu")
+            restore_rng_state(rng)
+
+    def _fail(
+        self, hook: TrainingHook, point: HookPoint, exc: Exception, current: dict[str, Any]
+    ) -> None:
+        if self.strict:
+            raise exc
+        count = self.errors.get(hook.name, 0) + 1
+        self.errors[hook.name] = count
+        self.error_messages[hook.name] = f"{type(exc).__name__}: {exc}"
+        current[f"{hook.name}/error"] = 1.0
+        if count == 1:
+            log.error("hook %r raised at %s; training goes on", hook.name, point.name, exc_info=exc)
+        elif count & (count - 1) == 0:  # 2, 4, 8, ... to keep the log readable
+            log.warning(
+                "hook %r has raised %d times (last: %s)",
+                hook.name,
+                count,
+                self.error_messages[hook.name],
+            )
+
+    # ------------------------------------------------------------------ flush
+    def flush(self) -> StepFlush:
+        """Move the buffered step-point metrics to the host (one transfer per device) and
+        return them with their per-epoch means; call once per epoch."""
+        records, self._records = self._records, []
+        if not records:
+            return StepFlush()
+        host = _records_to_host(records)
+        sums: dict[str, list[Any]] = {}
+        for r in host:
+            for k, v in r.metrics.items():
+                sums.setdefault(k, []).append(v)
+        summary = {k: _mean(vs) for k, vs in sums.items()}
+        return StepFlush(summary={k: v for k, v in summary.items() if v is not None}, records=host)
+
+    # ---------------------------------------------------------- demand work
+    def _model_ctx(
+        self, source: ModelContextSource, cache: list[ModelDataContext]
+    ) -> ModelDataContext | None:
+        if cache:
+            return cache[0]
+        if source is None:
+            return None
+        mctx = source if isinstance(source, ModelDataContext) else source()
+        cache.append(mctx)
+        return mctx
+
+    @staticmethod
+    def _live_grads(model: nn.Module | None) -> dict[str, torch.Tensor]:
+        if model is None:
+            return {}
+        return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    def _grads_for(
+        self, point: HookPoint, current: dict[str, torch.Tensor] | None
+    ) -> Mapping[str, torch.Tensor] | None:
+        if not self.needs_grads:
+            return None
+        if point is HookPoint.PRE_STEP:
+            return MappingProxyType(current or {})
+        if self._grad_sum is None or not self._grad_steps:
+            return None
+        return MappingProxyType({n: g / self._grad_steps for n, g in self._grad_sum.items()})
+
+    def _reset_grads(self, epoch: int) -> None:
+        self._grad_sum, self._grad_steps, self._grad_epoch = None, 0, epoch
+
+    @torch.no_grad()
+    def _after_step(self, epoch: int, grads: dict[str, torch.Tensor]) -> None:
+        if self.needs_grads:
+            if self._grad_epoch != epoch:
+                self._reset_grads(epoch)
+            if self._grad_sum is None:
+                self._grad_sum = {n: g.detach().clone() for n, g in grads.items()}
+            else:
+                for n, g in grads.items():
+                    if n in self._grad_sum:
+                        self._grad_sum[n].add_(g)
+                    else:
+                        self._grad_sum[n] = g.detach().clone()
+            self._grad_steps += 1
+        if self.needs_prev_step_grads:
+            self._prev_grads = {n: g.detach().clone() for n, g in grads.items()}
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(message)
+
+
+def _observe(hook: TrainingHook, run_ctx: RunDataContext) -> Any:
+    with torch.no_grad():
+        return hook.compute(run_ctx)
+
+
+def _device_of(model: nn.Module | None) -> torch.device:
+    if model is not None:
+        for p in model.parameters():
+            return p.device
+    return torch.device("cpu")
+
+
+def _flatten(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in metrics.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            out.update(_flatten(v, key + "/"))
+        else:
+            out[key] = v
+    return out
+
+
+def _host_value(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        v = v.detach()
+        return (
+            float(v)
+            if v.numel() == 1 and v.dim() == 0
+            else [float(x) for x in v.reshape(-1).tolist()]
+        )
+    if hasattr(v, "item") and getattr(v, "ndim", None) == 0:  # numpy scalars
+        return v.item()
+    return v
+
+
+def _to_host(metrics: dict[str, Any]) -> dict[str, Any]:
+    return {k: _host_value(v) for k, v in metrics.items()}
+
+
+def _records_to_host(records: list[StepRecord]) -> list[StepRecord]:
+    # One concatenation and one transfer per device for all buffered tensors.
+    by_device: dict[torch.device, list[tuple[int, str, torch.Tensor]]] = {}
+    for i, r in enumerate(records):
+        for k, v in r.metrics.items():
+            if isinstance(v, torch.Tensor):
+                by_device.setdefault(v.device, []).append((i, k, v.detach()))
+    values: dict[tuple[int, str], Any] = {}
+    for items in by_device.values():
+        flat = torch.cat([t.reshape(-1).to(torch.float64) for _, _, t in items]).cpu().tolist()
+        offset = 0
+        for i, k, t in items:
+            n = t.numel()
+            chunk = flat[offset : offset + n]
+            values[(i, k)] = chunk[0] if t.dim() == 0 else chunk
+            offset += n
+    out = []
+    for i, r in enumerate(records):
+        m = {k: values.get((i, k), _host_value(v)) for k, v in r.metrics.items()}
+        out.append(StepRecord(r.point, r.epoch, r.step, m))
+    return out
+
+
+def _mean(values: list[Any]) -> Any:
+    nums = [v for v in values if isinstance(v, int | float) and not isinstance(v, bool)]
+    if len(nums) == len(values):
+        return math.fsum(nums) / len(nums)
+    lists = [v for v in values if isinstance(v, list)]
+    if len(lists) == len(values) and len({len(v) for v in lists}) == 1:
+        return [math.fsum(col) / len(col) for col in zip(*lists, strict=True)]
+    return values[-1]

@@ -1,0 +1,41 @@
+"""Grouping a model's parameters by layer and by component, for per-layer and
+per-component hook metrics."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from torch import nn
+
+
+def layer_groups(model: nn.Module, trainable: bool = True) -> OrderedDict[str, list[str]]:
+    """``layer -> parameter names``: a layer is the module that owns the parameter
+    (``actor_mlp.layer_0.linear`` owns ``.weight`` and ``.bias``); a parameter owned by
+    the model itself (a Gaussian ``log_std``) is its own group."""
+    out: OrderedDict[str, list[str]] = OrderedDict()
+    for name, p in model.named_parameters():
+        if trainable and not p.requires_grad:
+            continue
+        owner = name.rpartition(".")[0] or name
+        out.setdefault(owner, []).append(name)
+    return out
+
+
+def component_groups(model: nn.Module, trainable: bool = True) -> OrderedDict[str, list[str]]:
+    """``component -> parameter names``. For a
+    :class:`~policy_probes.components.PolicyAutoBuilder` the components are its named
+    components; otherwise the model's direct children. Parameters outside every
+    component (``log_std``) form a group named after themselves."""
+    comps = getattr(model, "components", None)
+    if not isinstance(comps, dict) or not comps:
+        comps = OrderedDict(model.named_children())
+    owner: dict[int, str] = {}
+    for comp, module in comps.items():
+        for p in module.parameters():
+            owner.setdefault(id(p), comp)
+    out: OrderedDict[str, list[str]] = OrderedDict()
+    for name, p in model.named_parameters():
+        if trainable and not p.requires_grad:
+            continue
+        out.setdefault(owner.get(id(p), name), []).append(name)
+    return out
