@@ -1,0 +1,217 @@
+"""Units x epochs heatmaps of per-unit probe vectors (active rate, Fisher, gradient RMS).
+
+One implementation with two consumers: the W&B sink logs these figures as images at each
+SNAPSHOT, and the local report embeds them as PNGs. Figures are built as
+``matplotlib.figure.Figure`` objects without pyplot, so no global backend or figure state
+is touched (safe inside training loops and threads). A column is one epoch, a row one unit,
+so a person sees which units died and when.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import matplotlib
+import numpy as np
+from matplotlib.colors import LogNorm, Normalize
+from matplotlib.figure import Figure
+
+
+@dataclass(frozen=True)
+class HeatmapSpec:
+    """How to draw the heatmap of one per-unit metric."""
+
+    probe: str
+    metric: str
+    title: str
+    colorbar: str
+    log: bool = False
+    #: draw exact zeros (e.g. dead units: active rate 0) in this colour
+    zero_color: str | None = None
+
+
+#: per-unit vectors that get a units x epochs heatmap, keyed by (probe, metric)
+HEATMAP_SPECS: dict[tuple[str, str], HeatmapSpec] = {
+    ("relu", "active_rate"): HeatmapSpec(
+        "relu", "active_rate", "ReLU active rate", "fraction of samples > 0", zero_color="red"
+    ),
+    ("fisher", "unit"): HeatmapSpec(
+        "fisher", "unit", "Fisher information per unit", "diagonal Fisher (log)", log=True
+    ),
+    ("gradient_flow", "rms"): HeatmapSpec(
+        "gradient_flow", "rms", "Gradient RMS per unit", "gradient RMS (log)", log=True
+    ),
+}
+
+
+def heatmap_spec(key: str) -> HeatmapSpec | None:
+    """The spec for a metric key ``probes/<probe>/<component>/<metric>``, else None."""
+    parts = key.split("/")
+    if len(parts) < 4 or parts[0] != "probes":
+        return None
+    return HEATMAP_SPECS.get((parts[1], parts[-1]))
+
+
+def component_of(key: str) -> str:
+    """``probes/<probe>/<component>/<metric>`` -> ``<component>`` (may contain dots)."""
+    return "/".join(key.split("/")[2:-1])
+
+
+class VectorHistory:
+    """The last ``max_epochs`` per-unit vectors of each heatmap metric, in memory.
+
+    Memory is bounded: O(keys x max_epochs x units).
+    """
+
+    def __init__(self, max_epochs: int = 1000) -> None:
+        self.max_epochs = max_epochs
+        self._data: dict[str, deque[tuple[int, list[float]]]] = {}
+
+    def add(self, key: str, epoch: int, vector: Sequence[float | None]) -> None:
+        hist = self._data.setdefault(key, deque(maxlen=self.max_epochs))
+        row = [math.nan if v is None else float(v) for v in vector]
+        if hist and hist[-1][0] == epoch:
+            hist[-1] = (epoch, row)  # a second emit of the same epoch replaces the first
+        else:
+            hist.append((epoch, row))
+
+    def tracked_keys(self) -> list[str]:
+        return list(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def matrix(self, key: str) -> tuple[np.ndarray, list[int]]:
+        return units_by_epochs(self._data.get(key, ()))
+
+
+def units_by_epochs(
+    rows: Iterable[tuple[int, Sequence[float | None]]],
+) -> tuple[np.ndarray, list[int]]:
+    """Stack ``(epoch, vector)`` rows into a ``units x epochs`` array (NaN where a vector is
+    shorter or an element is missing) and the list of epochs."""
+    rows = list(rows)
+    epochs = [int(e) for e, _ in rows]
+    units = max((len(v) for _, v in rows), default=0)
+    out = np.full((units, len(rows)), np.nan, dtype=np.float64)
+    for j, (_, vec) in enumerate(rows):
+        col = np.array([np.nan if v is None else float(v) for v in vec], dtype=np.float64)
+        out[: len(col), j] = col
+    out[~np.isfinite(out)] = np.nan
+    return out, epochs
+
+
+def heatmap_figure(
+    matrix: np.ndarray,
+    epochs: Sequence[int],
+    spec: HeatmapSpec,
+    component: str,
+    *,
+    figsize: tuple[float, float] = (7.0, 3.6),
+) -> Figure:
+    """A matplotlib Figure (no pyplot state) of one units x epochs heatmap."""
+    fig = Figure(figsize=figsize, dpi=100)
+    fixed_margins(fig)
+    ax = fig.add_subplot()
+    draw_heatmap(ax, matrix, epochs, spec, component)
+    return fig
+
+
+def draw_heatmap(
+    ax, matrix: np.ndarray, epochs: Sequence[int], spec: HeatmapSpec, component: str
+) -> None:
+    """Draw ``matrix`` (units x epochs) on ``ax`` with a colour bar."""
+    units, n = matrix.shape
+    cmap = matplotlib.colormaps["viridis"].with_extremes(bad="lightgrey")
+    data = np.ma.masked_invalid(matrix)
+    if spec.log:
+        positive = matrix[np.isfinite(matrix) & (matrix > 0)]
+        if positive.size:
+            vmax = float(positive.max())
+            vmin = max(float(positive.min()), vmax * 1e-8)
+        else:
+            vmin, vmax = 1e-12, 1.0
+        if vmin >= vmax:
+            vmin = vmax / 10
+        cmap = cmap.with_extremes(under="black")
+        data = np.ma.masked_invalid(np.where(matrix > 0, matrix, vmin * 0.5))
+        norm: Normalize = LogNorm(vmin=vmin, vmax=vmax, clip=False)
+    else:
+        if spec.zero_color is not None:
+            cmap = cmap.with_extremes(under=spec.zero_color)
+            norm = Normalize(vmin=1e-12, vmax=1.0)
+        else:
+            norm = Normalize(vmin=0.0, vmax=1.0)
+    first = epochs[0] if len(epochs) else 0
+    last = epochs[-1] if len(epochs) else 0
+    extent = (first - 0.5, last + 0.5, units - 0.5, -0.5)
+    img = ax.imshow(
+        data, aspect="auto", interpolation="nearest", cmap=cmap, norm=norm, extent=extent
+    )
+    cbar = ax.figure.colorbar(
+        img, ax=ax, extend="min" if (spec.log or spec.zero_color) else "neither"
+    )
+    cbar.set_label(spec.colorbar)
+    title = f"{spec.title}: {component}"
+    if spec.zero_color is not None and n:
+        dead_now = int(np.sum(matrix[:, -1] == 0))
+        title += f"  ({dead_now}/{units} units at 0 in epoch {last}, shown {spec.zero_color})"
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("unit")
+    ax.locator_params(axis="x", integer=True)
+    ax.locator_params(axis="y", integer=True)
+
+
+def fixed_margins(
+    fig: Figure,
+    rows: int = 1,
+    cols: int = 1,
+    *,
+    left: float = 0.75,
+    right: float = 0.15,
+    top: float = 0.45,
+    bottom: float = 0.55,
+    hgap: float = 0.85,
+    wgap: float = 0.75,
+) -> None:
+    """Margins and gaps in inches (matplotlib's layout engines cost ~0.5 s per figure;
+    fixed margins are enough for these regular grids). Call before adding axes."""
+    w, h = fig.get_size_inches()
+    axes_h = (h - top - bottom - hgap * (rows - 1)) / rows
+    axes_w = (w - left - right - wgap * (cols - 1)) / cols
+    fig.subplots_adjust(
+        left=left / w,
+        right=1 - right / w,
+        top=1 - top / h,
+        bottom=bottom / h,
+        hspace=hgap / max(axes_h, 1e-3),
+        wspace=wgap / max(axes_w, 1e-3),
+    )
+
+
+def render_heatmaps(history: VectorHistory) -> dict[str, tuple[bytes, str]]:
+    """PNG bytes and a caption of the heatmap of every tracked key, keyed
+    ``heatmaps/<probe>/<component>/<metric>`` (used by the W&B and TensorBoard sinks)."""
+    out: dict[str, tuple[bytes, str]] = {}
+    for key in history.tracked_keys():
+        spec = heatmap_spec(key)
+        matrix, epochs = history.matrix(key)
+        if spec is None or matrix.size == 0:
+            continue
+        component = component_of(key)
+        png = figure_png(heatmap_figure(matrix, epochs, spec, component))
+        caption = f"{spec.title}, {component}, epochs {epochs[0]}-{epochs[-1]}"
+        out["heatmaps/" + key.removeprefix("probes/")] = (png, caption)
+    return out
+
+
+def figure_png(fig: Figure) -> bytes:
+    """PNG bytes of a Figure."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()

@@ -1,0 +1,428 @@
+"""The local dashboard: ``policy-probes report RUN_DIR`` -> ``RUN_DIR/report.html``.
+
+Built from ``metrics.jsonl`` alone (plus ``config.json`` when present), so it works for any
+run, finished, interrupted or still going. One self-contained HTML file: every figure is a
+PNG drawn with matplotlib and embedded as base64, no network or external files needed.
+
+Sections (each only when the run recorded its metrics): returns, PPO losses and
+statistics, dead/dormant ReLU fractions per component, saturation, Fisher information,
+gradient flow, units x epochs heatmaps (ReLU active rate, per-unit Fisher, gradient RMS,
+the same figures the W&B sink logs at SNAPSHOT), and a table of every scalar's last, min
+and max value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import html
+import json
+import math
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from matplotlib.figure import Figure
+
+from policy_probes.heatmaps import (
+    HEATMAP_SPECS,
+    component_of,
+    draw_heatmap,
+    figure_png,
+    fixed_margins,
+    heatmap_spec,
+    units_by_epochs,
+)
+from policy_probes.sinks.base import is_finite_number
+from policy_probes.sinks.jsonl import METRICS_JSONL, iter_jsonl
+
+REPORT_HTML = "report.html"
+
+RETURN_KEYS = (
+    ("rollout/episode_return", "training episodes"),
+    ("eval/return_mean", "evaluation (deterministic)"),
+)
+TRAIN_KEYS = (
+    ("train/policy_loss", "policy loss", False),
+    ("train/value_loss", "value loss", True),
+    ("train/entropy", "entropy", False),
+    ("train/approx_kl", "approx KL", True),
+    ("train/clipfrac", "clip fraction", False),
+    ("train/explained_variance", "explained variance", False),
+    ("train/learning_rate", "learning rate", False),
+    ("train/grad_norm", "gradient norm (before clipping)", True),
+    ("perf/sps", "env steps per second", False),
+)
+#: (section title, [(probe, metric, panel title, log scale)])
+PROBE_SECTIONS: tuple[tuple[str, str, tuple[tuple[str, str, str, bool], ...]], ...] = (
+    (
+        "relu",
+        "Dead and dormant ReLU units",
+        (
+            ("relu", "dead_fraction", "dead fraction (active rate 0)", False),
+            ("relu", "dormant_fraction", "dormant fraction (ReDo, tau)", False),
+            ("relu", "rarely_active_fraction", "rarely active fraction (< 5%)", False),
+            ("relu", "zero_fraction", "zero fraction (elements <= 0)", False),
+        ),
+    ),
+    (
+        "saturation",
+        "Saturated activations",
+        (
+            ("saturation_tanh", "saturated_fraction", "tanh: saturated elements", False),
+            ("saturation_tanh", "saturated_units_fraction", "tanh: saturated units", False),
+            ("saturation_sigmoid", "saturated_fraction", "sigmoid: saturated elements", False),
+            ("saturation_sigmoid", "saturated_units_fraction", "sigmoid: saturated units", False),
+        ),
+    ),
+    (
+        "fisher",
+        "Fisher information",
+        (
+            ("fisher", "trace", "Fisher trace", True),
+            ("fisher", "max", "Fisher max (per parameter)", True),
+            ("fisher", "dead_param_fraction", "dead parameter fraction (Fisher < 1e-8)", False),
+        ),
+    ),
+    (
+        "gradients",
+        "Gradient flow",
+        (
+            ("gradient_flow", "mean", "gradient RMS, mean over units", True),
+            ("gradient_flow", "blocked_fraction", "blocked units (gradient RMS < 1e-8)", False),
+            (
+                "relu_gradient_flow",
+                "blocked_fraction",
+                "units no gradient passed through (ReLU)",
+                False,
+            ),
+        ),
+    ),
+)
+
+
+@dataclass
+class RunMetrics:
+    """The time series of one run, one value per epoch (the last emit of an epoch wins)."""
+
+    scalars: dict[str, dict[int, float]] = field(default_factory=lambda: defaultdict(dict))
+    vectors: dict[str, dict[int, list[float | None]]] = field(
+        default_factory=lambda: defaultdict(dict)
+    )
+    agent_step: dict[int, int] = field(default_factory=dict)
+    records: int = 0
+
+    @classmethod
+    def load(cls, path: Path) -> RunMetrics:
+        run = cls()
+        for rec in iter_jsonl(path):
+            epoch = rec.get("epoch")
+            if not isinstance(epoch, int):
+                continue
+            run.records += 1
+            if isinstance(rec.get("agent_step"), int):
+                run.agent_step[epoch] = rec["agent_step"]
+            for key, value in rec.items():
+                if key in ("epoch", "agent_step", "hook_point", "time") or key.startswith("_"):
+                    continue
+                if isinstance(value, list):
+                    run.vectors[key][epoch] = value
+                elif value is None:
+                    run.scalars[key].setdefault(epoch, math.nan)
+                elif is_finite_number(value):
+                    run.scalars[key][epoch] = float(value)
+        return run
+
+    def series(self, key: str) -> tuple[np.ndarray, np.ndarray]:
+        points = sorted(self.scalars.get(key, {}).items())
+        return np.array([e for e, _ in points]), np.array([v for _, v in points], dtype=float)
+
+    def components(self, probe: str, metric: str) -> list[str]:
+        prefix = f"probes/{probe}/"
+        suffix = f"/{metric}"
+        return sorted(
+            k[len(prefix) : -len(suffix)]
+            for k in self.scalars
+            if k.startswith(prefix) and k.endswith(suffix)
+        )
+
+    @property
+    def epochs(self) -> list[int]:
+        seen = {e for s in self.scalars.values() for e in s} | {
+            e for v in self.vectors.values() for e in v
+        }
+        return sorted(seen)
+
+
+# ---------------------------------------------------------------------- figures
+def _png_b64(fig: Figure) -> str:
+    return base64.b64encode(figure_png(fig)).decode("ascii")
+
+
+def _panel_grid(
+    n: int, cols: int = 2, height: float = 2.8, width: float = 5.2
+) -> tuple[Figure, list[Any]]:
+    cols = min(cols, n)
+    rows = math.ceil(n / cols)
+    fig = Figure(figsize=(width * cols, height * rows), dpi=100)
+    fixed_margins(fig, rows, cols, top=0.55, hgap=1.0)
+    axes = [fig.add_subplot(rows, cols, i + 1) for i in range(n)]
+    return fig, axes
+
+
+def _style(ax, title: str, log: bool = False, ylabel: str | None = None) -> None:
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("epoch", fontsize=9)
+    if ylabel:
+        ax.set_ylabel(ylabel, fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.tick_params(labelsize=8)
+    ax.locator_params(axis="x", integer=True)
+    if log:
+        ax.set_yscale("log")
+
+
+def _plot(ax, x: np.ndarray, y: np.ndarray, label: str | None = None, log: bool = False) -> None:
+    if log:
+        y = np.where(y > 0, y, np.nan)
+    marker = "o" if len(x) <= 30 else None
+    ax.plot(x, y, marker=marker, markersize=3, linewidth=1.5, label=label)
+
+
+def returns_figure(run: RunMetrics) -> Figure | None:
+    present = [(k, label) for k, label in RETURN_KEYS if k in run.scalars]
+    if not present:
+        return None
+    fig, (ax,) = _panel_grid(1, cols=1, height=3.4, width=10.4)
+    for key, label in present:
+        x, y = run.series(key)
+        _plot(ax, x, y, label=f"{label} ({key})")
+    _style(ax, "Episode return", ylabel="return")
+    ax.legend(fontsize=8)
+    return fig
+
+
+def training_figure(run: RunMetrics) -> Figure | None:
+    present = [(k, t, log) for k, t, log in TRAIN_KEYS if k in run.scalars]
+    if not present:
+        return None
+    fig, axes = _panel_grid(len(present), cols=3, height=2.5)
+    for ax, (key, title, log) in zip(axes, present, strict=True):
+        x, y = run.series(key)
+        _plot(ax, x, y, log=log)
+        _style(ax, f"{title}\n{key}", log=log)
+    return fig
+
+
+def probe_figure(run: RunMetrics, panels: Sequence[tuple[str, str, str, bool]]) -> Figure | None:
+    present = [p for p in panels if run.components(p[0], p[1])]
+    if not present:
+        return None
+    fig, axes = _panel_grid(len(present), cols=2, height=3.0)
+    for ax, (probe, metric, title, log) in zip(axes, present, strict=True):
+        for comp in run.components(probe, metric):
+            x, y = run.series(f"probes/{probe}/{comp}/{metric}")
+            _plot(ax, x, y, label=comp, log=log)
+        if not log and metric.endswith("fraction"):
+            ax.set_ylim(-0.03, 1.03)
+        _style(ax, title, log=log)
+        ax.legend(fontsize=8, title="component", title_fontsize=8)
+    return fig
+
+
+def heatmap_figures(run: RunMetrics, max_epochs: int | None = None) -> list[tuple[str, Figure]]:
+    """One units x epochs heatmap per component and per-unit metric of :data:`HEATMAP_SPECS`."""
+    out = []
+    order = {spec: i for i, spec in enumerate(HEATMAP_SPECS)}
+    keys = sorted(
+        (k for k in run.vectors if heatmap_spec(k) is not None),
+        key=lambda k: (order[(k.split("/")[1], k.split("/")[-1])], k),
+    )
+    for key in keys:
+        spec = heatmap_spec(key)
+        rows = sorted(run.vectors[key].items())
+        if max_epochs is not None:
+            rows = rows[-max_epochs:]
+        matrix, epochs = units_by_epochs(rows)
+        if matrix.size == 0:
+            continue
+        units = matrix.shape[0]
+        fig = Figure(figsize=(10.4, min(2.2 + 0.06 * units, 7.5)), dpi=100)
+        fixed_margins(fig)
+        draw_heatmap(fig.add_subplot(), matrix, epochs, spec, component_of(key))
+        out.append((key, fig))
+    return out
+
+
+# ---------------------------------------------------------------------- HTML
+CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px auto;max-width:1120px;
+color:#222;padding:0 16px}
+h1{font-size:22px;margin-bottom:4px} h2{font-size:17px;margin-top:32px;border-bottom:1px solid #ddd;
+padding-bottom:4px} .meta{color:#555;font-size:13px} img{max-width:100%;display:block;margin:8px 0}
+table{border-collapse:collapse;font-size:12px} td,th{padding:3px 8px;border-bottom:1px solid #eee;
+text-align:right} td:first-child,th:first-child{text-align:left;font-family:ui-monospace,monospace}
+details{margin:8px 0} pre{background:#f6f6f6;padding:8px;font-size:12px;overflow:auto;max-height:400px}
+.note{color:#777;font-size:13px}
+"""
+
+
+def _fmt(v: float) -> str:
+    if not math.isfinite(v):
+        return "-"
+    if v != 0 and (abs(v) >= 1e5 or abs(v) < 1e-3):
+        return f"{v:.3e}"
+    return f"{v:.4g}"
+
+
+def _img(fig: Figure, alt: str) -> str:
+    return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{_png_b64(fig)}">'
+
+
+def _scalar_table(run: RunMetrics) -> str:
+    rows = []
+    for key in sorted(run.scalars):
+        values = [v for _, v in sorted(run.scalars[key].items())]
+        finite = [v for v in values if math.isfinite(v)]
+        last = values[-1] if values else math.nan
+        lo = min(finite) if finite else math.nan
+        hi = max(finite) if finite else math.nan
+        rows.append(
+            f"<tr><td>{html.escape(key)}</td><td>{_fmt(last)}</td><td>{_fmt(lo)}</td>"
+            f"<td>{_fmt(hi)}</td><td>{len(values)}</td></tr>"
+        )
+    return (
+        "<table><tr><th>metric</th><th>last</th><th>min</th><th>max</th><th>epochs</th></tr>"
+        + "".join(rows)
+        + "</table>"
+    )
+
+
+def build_report(
+    run_dir: Path, out: Path | None = None, *, max_heatmap_epochs: int | None = 1000
+) -> Path:
+    """Write the HTML dashboard of ``run_dir`` (default ``run_dir/report.html``) and
+    return its path. Raises ``FileNotFoundError`` when the run has no metrics.jsonl."""
+    run_dir = Path(run_dir)
+    metrics_path = run_dir / METRICS_JSONL
+    if not metrics_path.is_file():
+        raise FileNotFoundError(
+            f"{metrics_path} not found: RUN_DIR must be a run directory written with the jsonl "
+            f"sink on (sinks.jsonl=true)"
+        )
+    run = RunMetrics.load(metrics_path)
+    out = Path(out) if out is not None else run_dir / REPORT_HTML
+    epochs = run.epochs
+
+    parts: list[str] = []
+    title = f"policy-probes report: {run_dir.resolve().name}"
+    steps = max(run.agent_step.values()) if run.agent_step else None
+    parts.append(f"<h1>{html.escape(title)}</h1>")
+    meta = [f"run directory <code>{html.escape(str(run_dir.resolve()))}</code>"]
+    if epochs:
+        meta.append(f"epochs {epochs[0]}-{epochs[-1]} ({len(epochs)})")
+    if steps is not None:
+        meta.append(f"{steps:,} environment steps")
+    meta.append(f"{run.records} records")
+    meta.append(f"generated {time.strftime('%Y-%m-%d %H:%M:%S')}")
+    parts.append(f'<p class="meta">{" &middot; ".join(meta)}</p>')
+    config_path = run_dir / "config.json"
+    if config_path.is_file():
+        try:
+            config_text = json.dumps(json.loads(config_path.read_text()), indent=2)
+        except (json.JSONDecodeError, OSError):
+            config_text = config_path.read_text(errors="replace")
+        parts.append(
+            f"<details><summary>configuration</summary><pre>{html.escape(config_text)}</pre></details>"
+        )
+
+    if not epochs:
+        parts.append('<p class="note">metrics.jsonl holds no epoch yet.</p>')
+    missing: list[str] = []
+
+    fig = returns_figure(run)
+    if fig is not None:
+        parts += ["<h2>Returns</h2>", _img(fig, "episode return per epoch")]
+    else:
+        missing.append("returns")
+    fig = training_figure(run)
+    if fig is not None:
+        parts += ["<h2>Losses and PPO statistics</h2>", _img(fig, "losses per epoch")]
+    else:
+        missing.append("losses")
+    for slug, section, panels in PROBE_SECTIONS:
+        fig = probe_figure(run, panels)
+        if fig is not None:
+            parts += [
+                f'<h2 id="{slug}">{html.escape(section)} per component</h2>',
+                _img(fig, section),
+            ]
+        else:
+            missing.append(section.lower())
+    heatmaps = heatmap_figures(run, max_heatmap_epochs)
+    if heatmaps:
+        parts.append('<h2 id="heatmaps">Units x epochs</h2>')
+        parts.append(
+            '<p class="note">One row per unit, one column per epoch. Red: ReLU units with active '
+            "rate 0 (dead) in that epoch; black: per-unit Fisher or gradient RMS of exactly 0; "
+            "grey: not recorded.</p>"
+        )
+        parts += [_img(f, key) for key, f in heatmaps]
+    else:
+        missing.append("per-unit heatmaps")
+    if missing:
+        parts.append(
+            f'<p class="note">Not recorded in this run: {html.escape(", ".join(missing))}.</p>'
+        )
+    if run.scalars:
+        parts += ["<h2>All scalar metrics</h2>", _scalar_table(run)]
+
+    document = (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        f"<title>{html.escape(title)}</title><style>{CSS}</style></head><body>\n"
+        + "\n".join(parts)
+        + "\n</body></html>\n"
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(document, encoding="utf-8")
+    tmp.replace(out)
+    return out
+
+
+# ---------------------------------------------------------------------- CLI
+def add_report_subcommand(subparsers: argparse._SubParsersAction) -> None:
+    """``policy-probes report RUN_DIR [--out FILE]``."""
+    p = subparsers.add_parser(
+        "report",
+        help="build the local HTML dashboard of a run",
+        description="Build RUN_DIR/report.html (self-contained, PNG figures) from RUN_DIR/metrics.jsonl.",
+    )
+    p.add_argument("run_dir", type=Path, help="run directory holding metrics.jsonl")
+    p.add_argument(
+        "--out", type=Path, default=None, help="output file (default RUN_DIR/report.html)"
+    )
+    p.add_argument(
+        "--max-heatmap-epochs",
+        type=int,
+        default=1000,
+        help="heatmaps show the last N epochs (default 1000)",
+    )
+    p.set_defaults(handler=report_command)
+
+
+def report_command(args: argparse.Namespace) -> int:
+    """Handler of ``report``: 0 on success, 2 when the run directory has no metrics."""
+    import sys
+
+    try:
+        path = build_report(args.run_dir, args.out, max_heatmap_epochs=args.max_heatmap_epochs)
+    except FileNotFoundError as exc:
+        print(f"policy-probes report: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"report written to {path}")
+    return 0

@@ -1,0 +1,203 @@
+"""ConsoleSink: the run's main figures in the terminal (rich).
+
+- A live view during training: one line per chosen metric with its latest value, a trend
+  arrow against the previous epoch and a sparkline of the recent epochs. It is a rich
+  ``Live`` on the console it is given; rich (>= 14) stacks it under a progress bar that is
+  already live on the same console, so pass the trainer's console to share the terminal.
+  Shown only on an interactive terminal.
+- At each SNAPSHOT emit (and once when the sink closes) a compact table of the main
+  figures: the chosen metrics plus the SNAPSHOT's own shallow scalar keys (for example
+  ``hessian/top_eigenvalue``). Per-unit vectors and deep keys (per-parameter Fisher, ...)
+  are left out; they are in the files and dashboards.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import deque
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from policy_probes.sinks.base import MetricSink, flatten_metrics, is_finite_number, to_plain
+from policy_probes.sinks.config import DEFAULT_CONSOLE_METRICS
+
+SPARK = "▁▂▃▄▅▆▇█"
+UP, DOWN, FLAT = "↑", "↓", "→"
+#: keys with at most this many '/'-separated parts count as shallow (shown at SNAPSHOT)
+SHALLOW_PARTS = 2
+
+
+def pattern_regex(pattern: str) -> re.Pattern[str]:
+    """A glob where ``*`` matches within one ``/``-separated part (``?`` one character)."""
+    out = []
+    for ch in pattern:
+        if ch == "*":
+            out.append("[^/]*")
+        elif ch == "?":
+            out.append("[^/]")
+        else:
+            out.append(re.escape(ch))
+    return re.compile("".join(out) + r"\Z")
+
+
+def trend_arrow(previous: float | None, current: float, rtol: float = 1e-3) -> str:
+    """↑ / ↓ when ``current`` moved by more than ``rtol`` (relative) from ``previous``, else →."""
+    if previous is None or not (math.isfinite(previous) and math.isfinite(current)):
+        return " "
+    if abs(current - previous) <= 1e-12 + rtol * abs(previous):
+        return FLAT
+    return UP if current > previous else DOWN
+
+
+def sparkline(values: Sequence[float]) -> str:
+    """Unicode sparkline of ``values`` (min to max of the shown window)."""
+    finite = [v for v in values if math.isfinite(v)]
+    if not finite:
+        return ""
+    lo, hi = min(finite), max(finite)
+    span = hi - lo
+    chars = []
+    for v in values:
+        if not math.isfinite(v):
+            chars.append(" ")
+        elif span <= 0:
+            chars.append(SPARK[len(SPARK) // 2])
+        else:
+            chars.append(SPARK[min(len(SPARK) - 1, int((v - lo) / span * len(SPARK)))])
+    return "".join(chars)
+
+
+def format_value(value: float | int) -> str:
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, int):
+        return f"{value:,}"
+    if value != 0 and (abs(value) >= 1e5 or abs(value) < 1e-3):
+        return f"{value:.3e}"
+    return f"{value:.4g}"
+
+
+class ConsoleSink(MetricSink):
+    """Rich console output: live trend view and SNAPSHOT tables."""
+
+    name = "console"
+
+    def __init__(
+        self,
+        console: Console | None = None,
+        metrics: Sequence[str] = DEFAULT_CONSOLE_METRICS,
+        live: bool = True,
+        history: int = 24,
+    ) -> None:
+        super().__init__()
+        self.console = console if console is not None else Console(stderr=True)
+        self.patterns = [pattern_regex(p) for p in metrics]
+        self.live_enabled = live
+        self.history = history
+        self._series: dict[str, deque[float]] = {}  # chosen metrics only, bounded
+        self._previous: dict[str, float] = {}
+        self._latest: dict[str, float | int] = {}
+        self._epoch_of: dict[str, int] = {}
+        self._snapshot: dict[str, float | int] = {}
+        self.epoch: int | None = None
+        self._live: Live | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ selection
+    def chosen(self, key: str) -> int | None:
+        """Index of the first pattern that selects ``key`` (its display order), else None."""
+        for i, regex in enumerate(self.patterns):
+            if regex.match(key):
+                return i
+        return None
+
+    # ------------------------------------------------------------------ emit
+    def emit(self, metrics: Mapping[str, Any], epoch: int, hook_point: str) -> None:
+        if epoch != self.epoch:
+            self._snapshot = {}
+        self.epoch = int(epoch)
+        for key, value in flatten_metrics(metrics).items():
+            value = to_plain(value)
+            if not is_finite_number(value):
+                continue  # vectors, None, NaN and strings are not shown
+            if self.chosen(key) is not None:
+                series = self._series.setdefault(key, deque(maxlen=self.history))
+                if self._epoch_of.get(key) == self.epoch:  # a second emit of this epoch
+                    series[-1] = float(value)
+                else:
+                    if key in self._latest:
+                        self._previous[key] = float(self._latest[key])
+                    series.append(float(value))
+                self._latest[key] = value
+                self._epoch_of[key] = self.epoch
+            elif hook_point == "SNAPSHOT" and key.count("/") < SHALLOW_PARTS:
+                self._snapshot[key] = value
+        if hook_point == "SNAPSHOT":
+            self.console.print(self.summary_table(title=f"snapshot, epoch {self.epoch}"))
+        if self.live_enabled and self.console.is_terminal and not self._closed:
+            if self._live is None:
+                self._live = Live(
+                    get_renderable=self.live_view,
+                    console=self.console,
+                    auto_refresh=False,
+                    transient=True,
+                )
+                self._live.start()
+            self._live.refresh()
+
+    # ------------------------------------------------------------------ renderables
+    def _ordered(self) -> list[str]:
+        return sorted(self._latest, key=lambda k: (self.chosen(k) or 0, k))
+
+    def summary_table(self, title: str | None = None) -> Table:
+        """Compact table of the chosen metrics (and the SNAPSHOT's shallow scalars)."""
+        step = self.run_context.get("agent_step")
+        caption = f"agent_step {step:,}" if isinstance(step, int) else None
+        table = Table(title=title, caption=caption, show_edge=False, pad_edge=False, expand=False)
+        table.add_column("metric", style="cyan", no_wrap=True)
+        table.add_column("value", justify="right", no_wrap=True)
+        table.add_column("", no_wrap=True)
+        for key in self._ordered():
+            value = self._latest[key]
+            table.add_row(
+                key, format_value(value), trend_arrow(self._previous.get(key), float(value))
+            )
+        for key in sorted(self._snapshot):
+            table.add_row(key, format_value(self._snapshot[key]), "")
+        return table
+
+    def live_view(self) -> Table:
+        """Live rows: metric, value, trend arrow, sparkline of recent epochs."""
+        table = Table.grid(padding=(0, 1))
+        table.add_column(style="cyan", no_wrap=True)
+        table.add_column(justify="right", no_wrap=True)
+        table.add_column(no_wrap=True)
+        table.add_column(style="dim", no_wrap=True)
+        for key in self._ordered():
+            value = self._latest[key]
+            arrow = trend_arrow(self._previous.get(key), float(value))
+            table.add_row(key, format_value(value), arrow, sparkline(list(self._series[key])))
+        return table
+
+    def __rich__(self) -> Group:
+        header = Text(
+            f"epoch {self.epoch}" if self.epoch is not None else "no epoch yet", style="bold"
+        )
+        return Group(header, self.live_view())
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
+        if self._latest:
+            self.console.print(self.summary_table(title=f"final, epoch {self.epoch}"))

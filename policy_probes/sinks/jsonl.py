@@ -1,0 +1,224 @@
+"""JSONLSink: ``run_dir/metrics.jsonl``, one JSON object per emit.
+
+Each line is ``{"epoch": .., "agent_step": .., "hook_point": .., "time": .., <metrics>}``
+with per-unit vectors kept as lists. A line is written with one ``write`` and flushed per
+emit; the file is fsynced at epoch end (POST_EPOCH emits and ``flush()``). Non-finite
+floats cannot be written as JSON: they become ``null`` and their keys are listed in the
+record's ``"_nonfinite"`` field.
+
+On open the file is appended to; a truncated last line (a crash in the middle of a write)
+is cut off first, so the file always holds whole records.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from policy_probes.sinks.base import MetricSink, flatten_metrics, to_plain
+
+logger = logging.getLogger("policy_probes.sinks")
+
+METRICS_JSONL = "metrics.jsonl"
+#: key of the record field listing the metrics whose values were NaN or infinite
+NONFINITE_KEY = "_nonfinite"
+
+
+class JSONLSink(MetricSink):
+    """Append-only JSON Lines file of every emit."""
+
+    name = "jsonl"
+
+    def __init__(self, run_dir: str | Path, filename: str = METRICS_JSONL) -> None:
+        super().__init__()
+        self.path = Path(run_dir) / filename
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        dropped = repair_truncated_tail(self.path)
+        if dropped:
+            logger.warning(
+                "%s ended in a truncated line (%d bytes, an interrupted write); it was removed",
+                self.path,
+                dropped,
+            )
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - held open
+        self._warned_nonfinite: set[str] = set()
+
+    def emit(self, metrics: Mapping[str, Any], epoch: int, hook_point: str) -> None:
+        record = make_record(metrics, epoch, hook_point, self.run_context.get("agent_step"))
+        for key in record.get(NONFINITE_KEY, ()):
+            if key not in self._warned_nonfinite:
+                self._warned_nonfinite.add(key)
+                logger.warning("metric %r has non-finite values; written as null", key)
+        self._file.write(json.dumps(record, allow_nan=False, separators=(",", ":")) + "\n")
+        self._file.flush()
+        if hook_point == "POST_EPOCH":
+            os.fsync(self._file.fileno())
+
+    def flush(self) -> None:
+        if not self._file.closed:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self.flush()
+            self._file.close()
+
+    def rewind(self, last_epoch: int) -> int:
+        """Drop records of epochs after ``last_epoch`` (a resumed run repeats them).
+
+        Returns the number of records dropped. The file is rewritten atomically.
+        """
+        self.flush()
+        self._file.close()
+        try:
+            return rewind_jsonl(self.path, last_epoch)
+        finally:
+            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+
+    def __repr__(self) -> str:
+        return f"JSONLSink({str(self.path)!r})"
+
+
+def make_record(
+    metrics: Mapping[str, Any], epoch: int, hook_point: str, agent_step: int | None
+) -> dict[str, Any]:
+    """The JSON record of one emit: reserved fields first, metrics flattened to plain
+    values, non-finite floats replaced by None and listed under ``"_nonfinite"``."""
+    record: dict[str, Any] = {
+        "epoch": int(epoch),
+        "agent_step": None if agent_step is None else int(agent_step),
+        "hook_point": str(hook_point),
+        "time": round(time.time(), 3),
+    }
+    nonfinite: list[str] = []
+    for key, value in flatten_metrics(metrics).items():
+        if key in record or key == NONFINITE_KEY:
+            continue  # the emit's own epoch/step/hook point win
+        value = to_plain(value)
+        clean, had_nonfinite = _finite_or_none(value)
+        if had_nonfinite:
+            nonfinite.append(key)
+        record[key] = clean
+    if nonfinite:
+        record[NONFINITE_KEY] = nonfinite
+    return record
+
+
+def _finite_or_none(value: Any) -> tuple[Any, bool]:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None, True
+    if isinstance(value, list):
+        bad = False
+        out = []
+        for v in value:
+            if isinstance(v, float) and not math.isfinite(v):
+                out.append(None)
+                bad = True
+            else:
+                out.append(v)
+        return out, bad
+    return value, False
+
+
+# ---------------------------------------------------------------------- file helpers
+def repair_truncated_tail(path: Path, chunk: int = 1 << 16) -> int:
+    """Cut an incomplete last line (no trailing newline) off ``path``.
+
+    Returns the number of bytes removed (0 when the file is absent, empty or whole).
+    Reads only the tail of the file, so it is cheap on large files.
+    """
+    try:
+        f = open(path, "rb+")  # noqa: SIM115
+    except FileNotFoundError:
+        return 0
+    with f:
+        size = f.seek(0, os.SEEK_END)
+        if size == 0:
+            return 0
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            return 0
+        pos = size
+        keep = 0
+        while pos > 0:
+            start = max(0, pos - chunk)
+            f.seek(start)
+            block = f.read(pos - start)
+            nl = block.rfind(b"\n")
+            if nl >= 0:
+                keep = start + nl + 1
+                break
+            pos = start
+        f.truncate(keep)
+        f.flush()
+        os.fsync(f.fileno())
+        return size - keep
+
+
+def iter_jsonl(path: str | Path) -> Iterator[dict[str, Any]]:
+    """Records of a metrics.jsonl file, one at a time. Lines that are not valid JSON
+    objects (a truncated tail) are skipped with a warning."""
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                logger.warning("%s:%d is not valid JSON (truncated write?); skipped", path, lineno)
+                continue
+            if isinstance(record, dict):
+                yield record
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """Every record of a metrics.jsonl file (see :func:`iter_jsonl`)."""
+    return list(iter_jsonl(path))
+
+
+def rewind_jsonl(path: str | Path, last_epoch: int) -> int:
+    """Rewrite ``path`` without the records of epochs after ``last_epoch``, streaming
+    through a temporary file and an atomic rename. Returns the number of records dropped."""
+    path = Path(path)
+    if not path.exists():
+        return 0
+    repair_truncated_tail(path)
+    tmp = path.with_name(path.name + ".tmp")
+    dropped = 0
+    with open(path, encoding="utf-8") as src, open(tmp, "w", encoding="utf-8") as dst:
+        for line in src:
+            try:
+                epoch = json.loads(line).get("epoch")
+            except (json.JSONDecodeError, AttributeError):
+                dropped += 1
+                continue
+            if isinstance(epoch, int) and epoch > last_epoch:
+                dropped += 1
+                continue
+            dst.write(line)
+        dst.flush()
+        os.fsync(dst.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+    return dropped
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make a rename inside ``directory`` durable (no-op where directories can't be opened)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

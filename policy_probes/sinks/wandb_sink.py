@@ -1,0 +1,219 @@
+"""WandbSink: one Weights & Biases run per training run, files under ``run_dir/wandb/``.
+
+- Mode: ``offline`` without an API key, ``online`` with one, ``disabled`` on request
+  (see :class:`~policy_probes.sinks.config.WandbConfig`). Offline runs are uploaded later
+  with ``wandb sync run_dir/wandb/offline-run-*``.
+- Step axes: ``epoch`` (every metric's x axis, via ``define_metric("*", step_metric="epoch")``)
+  and ``agent_step`` (environment steps), both logged with every row.
+- Scalars become series; per-unit vectors become one ``wandb.Histogram`` per epoch (never
+  one series per unit).
+- At SNAPSHOT emits (and every ``heatmap_every`` epochs, and when the run closes) a units x
+  epochs heatmap per component of the ReLU active rate, per-unit Fisher and gradient RMS
+  so far is logged as a ``wandb.Image`` under ``heatmaps/<probe>/<component>/<metric>``.
+- The run id is stored in ``run_dir/wandb/policy_probes_run_id`` and the run is opened with
+  ``resume="allow"``, so a resumed training run appends to the same W&B run.
+- Secrets never reach W&B: config keys that look like credentials are redacted, and the
+  API key is never read by this module.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import re
+import secrets
+import string
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from policy_probes.heatmaps import VectorHistory, heatmap_spec, render_heatmaps
+from policy_probes.sinks.base import (
+    MetricSink,
+    finite_values,
+    flatten_metrics,
+    is_finite_number,
+    to_plain,
+)
+from policy_probes.sinks.config import WandbConfig
+
+logger = logging.getLogger("policy_probes.sinks")
+
+RUN_ID_FILE = "policy_probes_run_id"
+_SECRET_KEY = re.compile(r"(api[_-]?key|token|secret|password|passwd|credential)", re.IGNORECASE)
+REDACTED = "<redacted>"
+
+
+class WandbSink(MetricSink):
+    """Metrics to a W&B run (offline by default on machines without an API key)."""
+
+    name = "wandb"
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        cfg: WandbConfig | None = None,
+        config: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        import wandb  # imported here: it is slow to import and optional at run time
+
+        self._wandb = wandb
+        self.cfg = cfg or WandbConfig()
+        self.run_dir = Path(run_dir)
+        self.mode = self.cfg.resolved_mode()
+        self.run_id = load_or_create_run_id(self.run_dir)
+        self.history = VectorHistory(self.cfg.heatmap_history)
+        self._last_heatmap_epoch: int | None = None
+        self._last_epoch: int | None = None
+        settings = wandb.Settings(
+            silent=True,
+            console="off",  # the trainer owns the terminal; no stdout capture
+            x_disable_stats=True,  # no system-metrics sampling thread
+            save_code=False,
+            x_save_requirements=False,
+        )
+        self.run = wandb.init(
+            dir=str(self.run_dir),
+            mode=self.mode,
+            project=self.cfg.project,
+            entity=self.cfg.entity,
+            group=self.cfg.group,
+            tags=list(self.cfg.tags) or None,
+            name=self.cfg.name or self.run_dir.resolve().name,
+            notes=self.cfg.notes,
+            config=redact_secrets(dict(config or {})),
+            id=self.run_id,
+            resume="allow",
+            reinit="create_new",  # never finish or hijack a run the user opened
+            settings=settings,
+        )
+        self.run.define_metric("epoch")
+        self.run.define_metric("agent_step")
+        self.run.define_metric("*", step_metric="epoch")
+
+    # ------------------------------------------------------------------ emit
+    def emit(self, metrics: Mapping[str, Any], epoch: int, hook_point: str) -> None:
+        wandb = self._wandb
+        epoch = int(epoch)
+        row: dict[str, Any] = {"epoch": epoch}
+        step = self.run_context.get("agent_step")
+        if step is not None:
+            row["agent_step"] = int(step)
+        for key, value in flatten_metrics(metrics).items():
+            if key in ("epoch", "agent_step", "hook_point"):
+                continue
+            value = to_plain(value)
+            if isinstance(value, list):
+                finite = finite_values(value)
+                if finite:
+                    row[key] = wandb.Histogram(finite)
+                if heatmap_spec(key) is not None:
+                    self.history.add(key, epoch, value)
+            elif isinstance(value, bool):
+                row[key] = int(value)
+            elif is_finite_number(value):
+                row[key] = value
+            # None, NaN/inf and strings are left out of W&B (JSONL keeps them)
+        self._last_epoch = epoch
+        every = self.cfg.heatmap_every
+        if hook_point == "SNAPSHOT" or (every is not None and epoch % every == 0):
+            row.update(self._heatmap_images(epoch))
+        self.run.log(row)
+
+    def _heatmap_images(self, epoch: int) -> dict[str, Any]:
+        """``heatmaps/...`` -> ``wandb.Image`` of every tracked per-unit metric so far."""
+        from PIL import Image
+
+        images = {
+            key: self._wandb.Image(Image.open(io.BytesIO(png)), caption=caption)
+            for key, (png, caption) in render_heatmaps(self.history).items()
+        }
+        self._last_heatmap_epoch = epoch
+        return images
+
+    # ------------------------------------------------------------------ lifecycle
+    def flush(self) -> None:
+        """W&B writes from its own service process; nothing is buffered here."""
+
+    def close(self) -> None:
+        """Log the final heatmaps (if new epochs came since the last ones) and finish."""
+        run = getattr(self, "run", None)
+        if run is None:
+            return
+        self.run = None
+        try:
+            if (
+                len(self.history)
+                and self._last_epoch is not None
+                and self._last_epoch != self._last_heatmap_epoch
+            ):
+                images = self._heatmap_images(self._last_epoch)
+                if images:
+                    run.log({"epoch": self._last_epoch, **images})
+        finally:
+            run.finish()
+            self._wait_for_service()
+
+    def _wait_for_service(self) -> None:
+        """Make the run's files complete before returning.
+
+        ``run.finish()`` only *informs* W&B's service process that the run is done; the
+        service closes the run's stream (and flushes ``run-<id>.wandb``) later, at the
+        latest at interpreter exit. When no other W&B run is active in this process we
+        tear the service down, which waits for every stream to be written; a later
+        ``wandb.init`` starts a new one. With another run active (for example one the
+        user opened) the file is completed by the service in the background instead.
+        """
+        wandb = self._wandb
+        try:
+            from wandb.sdk import wandb_setup
+
+            if wandb_setup.singleton().most_recent_active_run is None:
+                wandb.teardown()
+        except Exception as exc:  # noqa: BLE001 - never fail close() over this
+            logger.warning("could not wait for the W&B service to write the run: %s", exc)
+
+    def __repr__(self) -> str:
+        return f"WandbSink(mode={self.mode!r}, run_id={self.run_id!r})"
+
+
+def generate_run_id(length: int = 8) -> str:
+    """A random W&B run id (lowercase letters and digits, as W&B's own ids)."""
+    alphabet = string.ascii_lowercase + string.digits
+    return "".join(secrets.choice(alphabet) for _ in range(length))
+
+
+def load_or_create_run_id(run_dir: Path) -> str:
+    """The W&B run id stored in ``run_dir/wandb/policy_probes_run_id``, created on first use,
+    so resuming a training run resumes the same W&B run."""
+    path = run_dir / "wandb" / RUN_ID_FILE
+    try:
+        run_id = path.read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        run_id = ""
+    if run_id:
+        return run_id
+    run_id = generate_run_id()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(run_id + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return run_id
+
+
+def redact_secrets(config: Any) -> Any:
+    """A copy of ``config`` with values under credential-like keys (api_key, token, secret,
+    password) and any value equal to ``WANDB_API_KEY`` replaced by ``"<redacted>"``."""
+    key = os.environ.get("WANDB_API_KEY")
+    if isinstance(config, Mapping):
+        return {
+            k: REDACTED if _SECRET_KEY.search(str(k)) and v is not None else redact_secrets(v)
+            for k, v in config.items()
+        }
+    if isinstance(config, list | tuple):
+        return [redact_secrets(v) for v in config]
+    if key and isinstance(config, str) and key in config:
+        return config.replace(key, REDACTED)
+    return config

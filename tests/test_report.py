@@ -1,0 +1,116 @@
+"""The local report: built from a real training run's metrics.jsonl, self-contained,
+holding its figures; heatmaps show the dead units."""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import re
+
+import numpy as np
+import pytest
+from matplotlib.image import AxesImage
+from PIL import Image
+from sinks_support import DEAD_UNITS, emit_probe_run, tiny_cartpole
+
+from policy_probes.report import (
+    REPORT_HTML,
+    RunMetrics,
+    add_report_subcommand,
+    build_report,
+    heatmap_figures,
+)
+from policy_probes.sinks import JSONLSink, SinksConfig, read_jsonl
+
+IMG = re.compile(r'<img alt="([^"]*)" src="data:image/png;base64,([^"]+)">')
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("run")
+    tiny_cartpole(path, epochs=3, sinks=SinksConfig(console=False, csv=False, wandb=False)).invoke()
+    return path
+
+
+def test_report_of_a_real_run_holds_its_figures(run_dir):
+    out = build_report(run_dir)
+    assert out == run_dir / REPORT_HTML
+    page = out.read_text()
+    images = IMG.findall(page)
+    alts = [alt for alt, _ in images]
+    for section in (
+        "episode return per epoch",
+        "losses per epoch",
+        "Dead and dormant ReLU units",
+        "Saturated activations",
+        "Fisher information",
+        "Gradient flow",
+    ):
+        assert section in alts, section
+    records = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["hook_point"] == "POST_EPOCH"]
+    per_unit = sorted(
+        k
+        for k in records[-1]
+        if k.startswith("probes/")
+        and k.split("/")[1] in ("relu", "fisher", "gradient_flow")
+        and k.split("/")[-1] in ("active_rate", "unit", "rms")
+    )
+    assert sorted(alt for alt in alts if alt.startswith("probes/")) == per_unit
+    assert len(per_unit) == 6  # actor_mlp and critic_mlp x 3 per-unit metrics
+    for _, data in images:
+        png = Image.open(io.BytesIO(base64.b64decode(data)))
+        assert png.format == "PNG" and png.width >= 500 and png.height >= 200
+    # self-contained: nothing loaded from elsewhere
+    assert not re.search(r'(src|href)="(?!data:)', page)
+    # the scalar table holds the last value of each metric
+    last = records[-1]
+    row = re.search(r"<tr><td>train/value_loss</td><td>([^<]+)</td>", page)
+    assert row is not None and float(row.group(1)) == pytest.approx(
+        last["train/value_loss"], rel=1e-3
+    )
+    assert f"epochs {records[0]['epoch']}-{last['epoch']} (3)" in page
+    assert "configuration" in page  # config.json of the run
+
+
+def test_heatmap_marks_dead_units_red(tmp_path):
+    sink = JSONLSink(tmp_path)
+    emit_probe_run(sink, epochs=3)
+    sink.close()
+    run = RunMetrics.load(tmp_path / "metrics.jsonl")
+    figures = dict(heatmap_figures(run))
+    fig = figures["probes/relu/actor_mlp.layer_0/active_rate"]
+    (image,) = [a for a in fig.axes[0].get_children() if isinstance(a, AxesImage)]
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    expected = np.array([r["probes/relu/actor_mlp.layer_0/active_rate"] for r in records]).T
+    np.testing.assert_array_equal(np.asarray(image.get_array()), expected)
+    rgba = image.to_rgba(image.get_array())
+    red = np.all(rgba == (1.0, 0.0, 0.0, 1.0), axis=-1)
+    assert red.all(axis=1)[list(DEAD_UNITS)].all()
+    assert np.array_equal(red, expected == 0)
+
+
+def test_report_subcommand_and_missing_metrics(run_dir, tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    add_report_subcommand(parser.add_subparsers(dest="command"))
+    out = tmp_path / "elsewhere" / "r.html"
+    args = parser.parse_args(["report", str(run_dir), "--out", str(out)])
+    assert args.handler(args) == 0
+    assert out.is_file() and str(out) in capsys.readouterr().out
+    args = parser.parse_args(["report", str(tmp_path / "empty")])
+    assert args.handler(args) == 2
+    assert "metrics.jsonl" in capsys.readouterr().err
+
+
+def test_report_of_a_run_without_probes_says_what_is_missing(tmp_path):
+    sink = JSONLSink(tmp_path)
+    for epoch in range(3):
+        sink.set_run_context(agent_step=100 * (epoch + 1))
+        sink.emit(
+            {"rollout/episode_return": float(epoch), "train/value_loss": None}, epoch, "POST_EPOCH"
+        )
+    sink.close()
+    page = build_report(tmp_path).read_text()
+    assert [alt for alt, _ in IMG.findall(page)] == ["episode return per epoch", "losses per epoch"]
+    assert "Not recorded in this run:" in page and "per-unit heatmaps" in page
+    assert "300 environment steps" in page

@@ -1,0 +1,154 @@
+"""A sink that fails is reported once, switched off, and never stops training; the
+other sinks keep every epoch. Failures are real: a full disk (/dev/full), a path that is
+a directory, W&B online without an API key."""
+
+from __future__ import annotations
+
+import csv
+import logging
+import signal
+from pathlib import Path
+
+import pytest
+from sinks_support import emit_probe_run, tiny_cartpole
+
+from policy_probes.sinks import (
+    CSVSink,
+    JSONLSink,
+    MetricSink,
+    SinkGroup,
+    SinksConfig,
+    WandbConfig,
+    build_sink_group,
+    read_jsonl,
+)
+
+
+class FailsFromEpoch(MetricSink):
+    """A sink that raises from ``epoch`` on (a stand-in for any broken output)."""
+
+    name = "flaky"
+
+    def __init__(self, epoch: int) -> None:
+        super().__init__()
+        self.fail_from = epoch
+        self.calls: list[int] = []
+        self.flushes = 0
+
+    def emit(self, metrics, epoch, hook_point):
+        self.calls.append(epoch)
+        if epoch >= self.fail_from:
+            raise RuntimeError(f"output broke at epoch {epoch}")
+
+    def flush(self):
+        self.flushes += 1
+
+
+def sink_errors(caplog) -> list[logging.LogRecord]:
+    return [
+        r for r in caplog.records if r.name == "policy_probes.sinks" and r.levelno >= logging.ERROR
+    ]
+
+
+def csv_epochs(path: Path) -> list[int]:
+    with open(path, newline="") as f:
+        return [int(row["epoch"]) for row in csv.DictReader(f)]
+
+
+def test_failing_sink_is_reported_once_and_the_others_keep_every_epoch(tmp_path, caplog):
+    flaky = FailsFromEpoch(1)
+    group = SinkGroup([JSONLSink(tmp_path), flaky, CSVSink(tmp_path)])
+    emit_probe_run(group, epochs=4)
+    group.close()
+    assert flaky.calls == [0, 1]  # switched off after the first fault
+    assert list(group.failures) == ["flaky"]
+    assert "RuntimeError: output broke at epoch 1" in group.failures["flaky"]
+    errors = sink_errors(caplog)
+    assert len(errors) == 1 and "output broke at epoch 1" in errors[0].getMessage()
+    assert [r["epoch"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [0, 1, 2, 3]
+    assert csv_epochs(tmp_path / "metrics.csv") == [0, 1, 2, 3]
+
+
+def test_disk_full_switches_the_sink_off(tmp_path, caplog):
+    (tmp_path / "full.jsonl").symlink_to("/dev/full")  # every write fails with ENOSPC
+    group = SinkGroup([JSONLSink(tmp_path, filename="full.jsonl"), CSVSink(tmp_path)])
+    emit_probe_run(group, epochs=3)
+    group.close()
+    assert "No space left on device" in group.failures["jsonl"]
+    assert len(sink_errors(caplog)) == 1
+    assert csv_epochs(tmp_path / "metrics.csv") == [0, 1, 2]
+
+
+def test_sinks_that_cannot_start_are_left_out(tmp_path, monkeypatch, caplog):
+    (tmp_path / "metrics.csv").mkdir()  # the CSV path is not writable as a file
+    group = build_sink_group(
+        tmp_path,
+        SinksConfig(console=False, wandb=False),
+        WandbConfig(),
+        {},
+    )
+    assert [s.name for s in group] == ["jsonl"]
+    assert "could not start" in group.failures["csv"]
+    assert "IsADirectoryError" in group.failures["csv"]
+    emit_probe_run(group, epochs=2)
+    group.close()
+    assert [r["epoch"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [0, 1]
+    assert len(sink_errors(caplog)) == 1
+
+
+def test_training_goes_on_when_wandb_and_csv_cannot_start(tmp_path, monkeypatch):
+    # W&B online without any API key: wandb.init raises; a directory blocks metrics.csv
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("NETRC", str(tmp_path / "home" / "no-netrc"))
+    run_dir = tmp_path / "run"
+    (run_dir / "metrics.csv").mkdir(parents=True)
+    tool = tiny_cartpole(
+        run_dir,
+        epochs=3,
+        sinks=SinksConfig(console=False, csv=True, wandb=True),
+        wandb=WandbConfig(mode="online"),
+    )
+    result = tool.invoke()
+    assert result.epochs == 3
+    assert set(result.sink_failures) == {"csv", "wandb"}
+    assert "API key" in result.sink_failures["wandb"]
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["epoch"] for r in records if r["hook_point"] == "POST_EPOCH"] == [1, 2, 3]
+    assert all("probes/relu/actor_mlp/dead_fraction" in r for r in records)
+
+
+def test_close_and_flush_faults_are_isolated(tmp_path):
+    class BadClose(FailsFromEpoch):
+        name = "bad_close"
+
+        def close(self):
+            raise OSError("cannot close")
+
+    jsonl = JSONLSink(tmp_path)
+    group = SinkGroup([BadClose(99), jsonl])
+    group.emit({"x": 1.0}, 0, "POST_EPOCH")
+    group.close()
+    group.close()  # idempotent
+    assert "cannot close" in group.failures["bad_close"]
+    assert jsonl._file.closed
+    assert [r["x"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1.0]
+
+
+def test_signal_flushes_every_sink_then_chains_to_the_previous_handler(tmp_path):
+    flaky = FailsFromEpoch(99)
+    group = SinkGroup([flaky, JSONLSink(tmp_path)])
+    previous = signal.getsignal(signal.SIGINT)
+    restore = group.install_signal_flush()
+    try:
+        assert signal.getsignal(signal.SIGINT) == group._on_signal
+        group.emit({"x": 2.0}, 0, "POST_STEP")
+        with pytest.raises(KeyboardInterrupt):  # the default SIGINT handler still runs
+            signal.raise_signal(signal.SIGINT)
+        assert flaky.flushes == 1
+    finally:
+        restore()
+    assert signal.getsignal(signal.SIGINT) == previous
+    group.close()
+    assert [r["x"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [2.0]

@@ -1,0 +1,110 @@
+"""ConsoleSink: the SNAPSHOT table and the live view show the real values with trend
+arrows, hide vectors and deep keys, and share a console with a progress bar."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.progress import Progress
+from sinks_support import emit_probe_run, tiny_cartpole
+
+from policy_probes.sinks import ConsoleSink, SinksConfig, read_jsonl
+from policy_probes.sinks.console import DOWN, FLAT, UP, format_value, sparkline, trend_arrow
+
+
+def expected_arrow(prev: float, cur: float) -> str:
+    if abs(cur - prev) <= 1e-12 + 1e-3 * abs(prev):
+        return FLAT
+    return UP if cur > prev else DOWN
+
+
+def test_snapshot_table_shows_real_values_and_trends(tmp_path):
+    console = Console(record=True, width=160)
+    sink = ConsoleSink(console=console, live=False)
+    emitted = emit_probe_run(sink, epochs=3, snapshot_every=3)
+    sink.emit({"hessian/top_eigenvalue": 3.25, "hessian/per_layer/deep": 1.0}, 2, "SNAPSHOT")
+    text = console.export_text()
+    snapshot = text[text.index("snapshot, epoch 2") :]
+    (_, _, prev), (_, step, last) = emitted[-2], emitted[-1]
+    for key in (
+        "probes/relu/actor_mlp.layer_0/dead_fraction",
+        "probes/fisher/actor_mlp/trace",
+        "probes/saturation_tanh/critic_mlp/saturated_fraction",
+        "train/policy_loss",
+        "rollout/episode_return",
+    ):
+        line = next(ln for ln in snapshot.splitlines() if ln.lstrip().startswith(key + " "))
+        assert format_value(last[key]) in line, (key, line)
+        assert line.rstrip().endswith(expected_arrow(prev[key], last[key])), line
+    assert f"agent_step {step:,}" in snapshot
+    assert "hessian/top_eigenvalue" in snapshot and "3.25" in snapshot
+    # vectors, per-parameter Fisher and deep keys are hidden
+    for hidden in (
+        "active_rate",
+        "layer_1.linear.weight.trace",
+        "hessian/per_layer/deep",
+        "samples",
+    ):
+        assert hidden not in snapshot
+    sink.close()
+    assert "final, epoch 2" in console.export_text()
+
+
+def test_live_view_beside_a_progress_bar_on_one_console():
+    console = Console(record=True, width=140, force_terminal=True, color_system=None)
+    with Progress(console=console, auto_refresh=False) as progress:
+        task = progress.add_task("training", total=3)
+        sink = ConsoleSink(
+            console=console, metrics=["train/policy_loss", "probes/relu/*/dead_fraction"]
+        )
+        emitted = emit_probe_run(sink, epochs=3)
+        progress.update(task, completed=3)
+        progress.refresh()
+        assert sink._live is not None and sink._live.is_started
+        view = Console(width=140, record=True, color_system=None)
+        view.print(sink)
+        live_text = view.export_text()
+        sink.close()
+    losses = [m["train/policy_loss"] for _, _, m in emitted]
+    line = next(ln for ln in live_text.splitlines() if ln.startswith("train/policy_loss"))
+    assert format_value(losses[-1]) in line
+    assert expected_arrow(losses[-2], losses[-1]) in line
+    assert sparkline(losses) in line
+    assert "epoch 2" in live_text
+    assert "probes/fisher" not in live_text  # not chosen
+    out = console.export_text()
+    assert "training" in out and "final, epoch 2" in out
+
+
+def test_trend_and_sparkline_helpers():
+    assert trend_arrow(None, 1.0) == " "
+    assert (
+        trend_arrow(1.0, 1.0005) == FLAT
+        and trend_arrow(1.0, 1.1) == UP
+        and trend_arrow(1.0, 0.5) == DOWN
+    )
+    assert sparkline([0.0, 1.0, 0.5]) == "▁█▅"
+    assert sparkline([2.0, 2.0]) == "▅▅"
+    assert (
+        format_value(12345) == "12,345"
+        and format_value(0.5) == "0.5"
+        and format_value(1e-5) == "1.000e-05"
+    )
+
+
+def test_console_output_of_a_short_training_run(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "160")
+    tool = tiny_cartpole(tmp_path, epochs=2, sinks=SinksConfig(console=True, wandb=False))
+    tool.invoke()
+    text = capsys.readouterr().err
+    last = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if r["hook_point"] == "POST_EPOCH"][
+        -1
+    ]
+    final = text[text.index(f"final, epoch {last['epoch']}") :]
+    for key in (
+        "train/value_loss",
+        "probes/relu/critic_mlp/dead_fraction",
+        "probes/fisher/actor_mlp/trace",
+    ):
+        line = next(ln for ln in final.splitlines() if ln.lstrip().startswith(key + " "))
+        assert format_value(last[key]) in line, (key, line)
+    assert f"agent_step {last['agent_step']:,}" in final

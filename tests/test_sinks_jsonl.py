@@ -1,0 +1,117 @@
+"""JSONLSink: one record per emit with the real probe values, truncated-tail repair,
+non-finite handling, rewind for resumed runs."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import torch
+from sinks_support import emit_probe_run
+
+from policy_probes.sinks import JSONLSink, read_jsonl, repair_truncated_tail, rewind_jsonl
+
+
+def test_one_record_per_emit_with_epoch_step_and_values(tmp_path):
+    sink = JSONLSink(tmp_path)
+    emitted = emit_probe_run(sink, epochs=3, snapshot_every=2)
+    sink.close()
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    # POST_EPOCH for 0, 1, 2 and a SNAPSHOT after epoch 1
+    assert [(r["epoch"], r["hook_point"]) for r in records] == [
+        (0, "POST_EPOCH"),
+        (1, "POST_EPOCH"),
+        (1, "SNAPSHOT"),
+        (2, "POST_EPOCH"),
+    ]
+    posts = [r for r in records if r["hook_point"] == "POST_EPOCH"]
+    for rec, (epoch, step, metrics) in zip(posts, emitted, strict=True):
+        assert rec["epoch"] == epoch and rec["agent_step"] == step
+        assert set(metrics) <= set(rec)
+        for key, value in metrics.items():
+            assert rec[key] == value, key  # floats round-trip exactly, vectors stay lists
+        rate = rec["probes/relu/actor_mlp.layer_0/active_rate"]
+        assert isinstance(rate, list) and len(rate) == 12
+        # dead_fraction is the share of units with active_rate 0, from the stored vector
+        assert rec["probes/relu/actor_mlp.layer_0/dead_fraction"] == sum(r == 0 for r in rate) / 12
+
+
+def test_each_line_is_flushed_before_close(tmp_path):
+    sink = JSONLSink(tmp_path)
+    sink.set_run_context(agent_step=7)
+    sink.emit({"train/x": 1.25}, 0, "POST_STEP")
+    # another reader sees the record without close() or flush()
+    line = (tmp_path / "metrics.jsonl").read_text().splitlines()[0]
+    assert json.loads(line)["train/x"] == 1.25
+    sink.close()
+
+
+def test_nonfinite_nested_torch_and_numpy_values(tmp_path):
+    sink = JSONLSink(tmp_path)
+    sink.emit(
+        {
+            "a": float("nan"),
+            "b": [1.0, float("inf"), None],
+            "hessian": {"top": np.float32(2.5), "per_layer": {"l0": torch.tensor(3.0)}},
+            "t": torch.tensor([1.0, 2.0]),
+            "flag": True,
+            "n": np.int64(4),
+            "epoch": 99,  # the emit's own epoch wins
+        },
+        5,
+        "POST_EPOCH",
+    )
+    sink.close()
+    text = (tmp_path / "metrics.jsonl").read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    (rec,) = read_jsonl(tmp_path / "metrics.jsonl")
+    assert rec["epoch"] == 5 and rec["agent_step"] is None
+    assert rec["a"] is None and rec["b"] == [1.0, None, None]
+    assert sorted(rec["_nonfinite"]) == ["a", "b"]
+    assert rec["hessian/top"] == 2.5 and rec["hessian/per_layer/l0"] == 3.0
+    assert rec["t"] == [1.0, 2.0] and rec["flag"] is True and rec["n"] == 4
+
+
+def test_truncated_last_line_is_repaired_on_open(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    good = [json.dumps({"epoch": e, "x": e * 0.5}) for e in range(3)]
+    partial = '{"epoch": 3, "x": 1.'
+    path.write_text("\n".join(good) + "\n" + partial)
+    sink = JSONLSink(tmp_path)
+    sink.emit({"x": 9.0}, 3, "POST_EPOCH")
+    sink.close()
+    records = read_jsonl(path)
+    assert [r["epoch"] for r in records] == [0, 1, 2, 3]
+    assert records[-1]["x"] == 9.0
+    assert path.read_text().count("\n") == 4
+    # a whole file, or one without any newline, is handled too
+    assert repair_truncated_tail(path) == 0
+    lone = tmp_path / "lone.jsonl"
+    lone.write_text('{"epoch": 0')
+    assert repair_truncated_tail(lone) == len('{"epoch": 0') and lone.read_text() == ""
+
+
+def test_repair_reads_only_the_tail_of_a_large_file(tmp_path):
+    path = tmp_path / "big.jsonl"
+    line = json.dumps({"epoch": 1, "v": [0.5] * 200}) + "\n"
+    with open(path, "w") as f:
+        for _ in range(2000):
+            f.write(line)
+        f.write(line[:-7])
+    size = path.stat().st_size
+    dropped = repair_truncated_tail(path, chunk=256)
+    assert dropped == len(line) - 7 and path.stat().st_size == size - dropped
+    assert len(read_jsonl(path)) == 2000
+
+
+def test_rewind_drops_later_epochs(tmp_path):
+    sink = JSONLSink(tmp_path)
+    for epoch in range(5):
+        sink.emit({"x": float(epoch)}, epoch, "POST_EPOCH")
+    assert sink.rewind(2) == 2
+    sink.emit({"x": 30.0}, 3, "POST_EPOCH")
+    sink.close()
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [(r["epoch"], r["x"]) for r in records] == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 30.0)]
+    assert rewind_jsonl(tmp_path / "absent.jsonl", 0) == 0
+    assert all(1e9 < r["time"] < 1e11 for r in records)  # Unix seconds

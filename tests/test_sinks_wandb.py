@@ -1,0 +1,257 @@
+"""WandbSink: a real offline W&B run, read back from its run file with wandb's protobuf
+classes (no network, no mock of wandb)."""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from sinks_support import DEAD_UNITS, emit_probe_run, files_under, tiny_cartpole
+from wandb.proto import wandb_internal_pb2 as pb
+
+from policy_probes.sinks import (
+    JSONLSink,
+    SinkGroup,
+    SinksConfig,
+    WandbConfig,
+    WandbSink,
+    read_jsonl,
+)
+from policy_probes.sinks.config import api_key_configured
+from policy_probes.sinks.wandb_sink import RUN_ID_FILE, redact_secrets
+
+# The run file is a LevelDB-style log (https://github.com/google/leveldb/blob/main/doc/log_format.md):
+# a 7-byte header (":W&B", magic 0xBEE1, version), then 32 KiB blocks of chunks, each with a
+# 7-byte header (crc32 of type+data, length, type FULL/FIRST/MIDDLE/LAST). Each record is a
+# serialized wandb_internal_pb2.Record. wandb 0.31 ships no Python reader, so this is one.
+BLOCK, CHUNK_HEADER = 32768, 7
+FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
+
+
+def wandb_records(run_file: Path) -> list[pb.Record]:
+    data = run_file.read_bytes()
+    ident, magic, _version = struct.unpack("<4sHB", data[:7])
+    assert (ident, magic) == (b":W&B", 0xBEE1)
+    pos, pending, out = 7, b"", []
+    while pos + CHUNK_HEADER <= len(data):
+        left = BLOCK - pos % BLOCK
+        if left < CHUNK_HEADER:  # block trailer
+            pos += left
+            continue
+        crc, length, kind = struct.unpack("<IHB", data[pos : pos + CHUNK_HEADER])
+        if kind == 0:
+            pos += left
+            continue
+        chunk = data[pos + CHUNK_HEADER : pos + CHUNK_HEADER + length]
+        assert zlib.crc32(chunk, zlib.crc32(bytes([kind]))) & 0xFFFFFFFF == crc, "corrupt chunk"
+        pos += CHUNK_HEADER + length
+        if kind == FULL:
+            pending = chunk
+        elif kind == FIRST:
+            pending = chunk
+            continue
+        elif kind == MIDDLE:
+            pending += chunk
+            continue
+        else:
+            assert kind == LAST
+            pending += chunk
+        record = pb.Record()
+        record.ParseFromString(pending)
+        out.append(record)
+    return out
+
+
+def history_rows(records: list[pb.Record]) -> list[dict[str, Any]]:
+    rows = []
+    for r in records:
+        if r.WhichOneof("record_type") == "history":
+            rows.append(
+                {
+                    (i.key or "/".join(i.nested_key)): json.loads(i.value_json)
+                    for i in r.history.item
+                }
+            )
+    return rows
+
+
+def run_file(run_dir: Path) -> Path:
+    files = sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(files) == 1, files
+    return files[0]
+
+
+def test_offline_run_holds_dead_relu_and_fisher_series_histograms_heatmaps_and_config(tmp_path):
+    config = {"trainer": {"lr": 2.5e-4, "num_envs": 4}, "seed": 3}
+    cfg = WandbConfig(
+        mode="offline", project="pp-test", group="seeds", tags=["a", "b"], name="probe-run"
+    )
+    group = SinkGroup([JSONLSink(tmp_path), WandbSink(tmp_path, cfg, config)])
+    emit_probe_run(group, epochs=3, snapshot_every=3)
+    group.close()
+    assert group.failures == {}
+
+    jsonl = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if r["hook_point"] == "POST_EPOCH"]
+    assert [r["epoch"] for r in jsonl] == [0, 1, 2]
+    records = wandb_records(run_file(tmp_path))
+    rows = [row for row in history_rows(records) if "probes/fisher/actor_mlp/trace" in row]
+    assert len(rows) == 3
+
+    series = [
+        "probes/relu/actor_mlp/dead_fraction",
+        "probes/relu/actor_mlp.layer_0/dead_fraction",
+        "probes/relu/actor_mlp/dormant_fraction",
+        "probes/relu/actor_mlp/zero_fraction",
+        "probes/saturation_tanh/critic_mlp/saturated_fraction",
+        "probes/fisher/actor_mlp/trace",
+        "probes/fisher/actor_mlp/mean",
+        "probes/fisher/actor_mlp/max",
+        "probes/fisher/actor_mlp/dead_param_fraction",
+        "probes/gradient_flow/actor_mlp/mean",
+        "probes/gradient_flow/actor_mlp/blocked_fraction",
+        "train/policy_loss",
+    ]
+    for rec, row in zip(jsonl, rows, strict=True):
+        assert row["epoch"] == rec["epoch"]
+        assert row["agent_step"] == rec["agent_step"] == 128 * (rec["epoch"] + 1)
+        for key in series:
+            assert row[key] == rec[key], key
+        # the forced-dead units of layer_0 show in the series
+        assert rec["probes/relu/actor_mlp.layer_0/dead_fraction"] >= len(DEAD_UNITS) / 12
+        for key in (
+            "probes/relu/actor_mlp/active_rate",
+            "probes/fisher/actor_mlp/unit",
+            "probes/gradient_flow/actor_mlp/rms",
+            "probes/saturation_tanh/critic_mlp/saturation_rate",
+        ):
+            assert row[f"{key}/_type"] == "histogram"
+            expected, edges = np.histogram(np.array(rec[key]), bins=64)
+            assert row[f"{key}/values"] == expected.tolist(), key
+            np.testing.assert_allclose(row[f"{key}/bins"], edges, rtol=1e-6, atol=1e-12)
+        # never one series per unit
+        assert not any(k.startswith("probes/relu/actor_mlp/active_rate/0") for k in row)
+
+    # SNAPSHOT at the last epoch: one heatmap image per component and per-unit metric
+    images = [row for row in history_rows(records) if any(k.startswith("heatmaps/") for k in row)]
+    assert len(images) == 1 and images[0]["epoch"] == 2
+    for key in (
+        "heatmaps/relu/actor_mlp/active_rate",
+        "heatmaps/relu/actor_mlp.layer_0/active_rate",
+        "heatmaps/fisher/actor_mlp/unit",
+        "heatmaps/gradient_flow/actor_mlp/rms",
+    ):
+        assert images[0][f"{key}/_type"] == "image-file"
+        png = run_file(tmp_path).parent / "files" / images[0][f"{key}/path"]
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # config, group, tags, name; epoch is the step axis of every metric
+    run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
+    stored = {i.key: json.loads(i.value_json) for i in run.config.update}
+    assert stored["trainer"] == config["trainer"] and stored["seed"] == 3
+    assert (run.project, run.run_group, list(run.tags), run.display_name) == (
+        "pp-test",
+        "seeds",
+        ["a", "b"],
+        "probe-run",
+    )
+    metrics = [r.metric for r in records if r.WhichOneof("record_type") == "metric"]
+    assert any(m.glob_name == "*" and m.step_metric == "epoch" for m in metrics)
+    assert {m.name for m in metrics} >= {"epoch", "agent_step"}
+
+
+def test_api_key_never_reaches_run_files(tmp_path, monkeypatch):
+    secret = "local-" + "0123456789abcdef" * 3
+    monkeypatch.setenv("WANDB_API_KEY", secret)
+    config = {"wandb": {"api_key": secret}, "notes": f"key={secret}", "tokens": [1, 2]}
+    sink = WandbSink(tmp_path, WandbConfig(mode="offline"), config)
+    emit_probe_run(sink, epochs=1)
+    sink.close()
+    files = files_under(tmp_path)
+    assert any(p.suffix == ".wandb" for p in files)
+    for path in files:
+        assert secret.encode() not in path.read_bytes(), path
+    assert redact_secrets(config) == {
+        "wandb": {"api_key": "<redacted>"},
+        "notes": "key=<redacted>",
+        "tokens": "<redacted>",
+    }
+
+
+def test_resume_reuses_the_stored_run_id(tmp_path):
+    first = WandbSink(tmp_path, WandbConfig(mode="offline"), {})
+    first.emit({"train/x": 1.0}, 0, "POST_EPOCH")
+    first.close()
+    second = WandbSink(tmp_path, WandbConfig(mode="offline"), {})
+    second.emit({"train/x": 2.0}, 1, "POST_EPOCH")
+    second.close()
+    stored = (tmp_path / "wandb" / RUN_ID_FILE).read_text().strip()
+    assert first.run_id == second.run_id == stored
+    run_files = sorted((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert {p.name for p in run_files} == {f"run-{stored}.wandb"}
+
+
+def test_mode_resolution(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    assert not api_key_configured()
+    assert WandbConfig().resolved_mode() == "offline"
+    (tmp_path / "netrc").write_text("machine api.wandb.ai\n  login user\n  password abc\n")
+    (tmp_path / "netrc").chmod(0o600)
+    assert WandbConfig().resolved_mode() == "online"
+    (tmp_path / "netrc").unlink()
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    assert WandbConfig().resolved_mode() == "online"
+    assert WandbConfig(mode="disabled").resolved_mode() == "disabled"
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    assert WandbConfig().resolved_mode() == "offline"
+    with pytest.raises(ValueError, match="mode"):
+        WandbConfig(mode="sometimes")
+    with pytest.raises(ValueError, match="projct"):
+        WandbConfig(projct="x")
+
+
+def test_short_training_run_writes_an_offline_run_matching_metrics_jsonl(tmp_path):
+    tool = tiny_cartpole(
+        tmp_path,
+        epochs=3,
+        sinks=SinksConfig(console=False, csv=False, wandb=True),
+        wandb=WandbConfig(mode="offline", project="pp-e2e", group="cartpole"),
+    )
+    result = tool.invoke()
+    assert result.sink_failures == {}
+    jsonl = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if r["hook_point"] == "POST_EPOCH"]
+    assert len(jsonl) == 3
+    records = wandb_records(run_file(tmp_path))
+    rows = {row["epoch"]: row for row in history_rows(records) if "train/value_loss" in row}
+    assert sorted(rows) == [r["epoch"] for r in jsonl]
+    for rec in jsonl:
+        row = rows[rec["epoch"]]
+        assert row["agent_step"] == rec["agent_step"]
+        for comp in ("actor_mlp", "critic_mlp"):
+            for key in (
+                f"probes/relu/{comp}/dead_fraction",
+                f"probes/relu/{comp}/dormant_fraction",
+                f"probes/fisher/{comp}/trace",
+                f"probes/fisher/{comp}/dead_param_fraction",
+                f"probes/gradient_flow/{comp}/mean",
+            ):
+                assert row[key] == rec[key], key
+            for key in (f"probes/relu/{comp}/active_rate", f"probes/fisher/{comp}/unit"):
+                assert row[f"{key}/_type"] == "histogram"
+                assert sum(row[f"{key}/values"]) == len(rec[key]) == 64
+        assert row["train/value_loss"] == rec["train/value_loss"]
+    # heatmaps are logged when the run closes (this trainer emits no SNAPSHOT yet)
+    heat = [
+        row for row in history_rows(records) if "heatmaps/relu/actor_mlp/active_rate/_type" in row
+    ]
+    assert len(heat) == 1 and heat[0]["epoch"] == jsonl[-1]["epoch"]
+    run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
+    stored = {i.key: json.loads(i.value_json) for i in run.config.update}
+    assert stored["train_tool"]["trainer"]["total_timesteps"] == 512 * 3
+    assert stored["train_tool"]["wandb"]["project"] == "pp-e2e" and run.run_group == "cartpole"
