@@ -11,10 +11,11 @@ import torch
 
 
 class RowBuffer:
-    """Aligned column blocks of at most ``max_elements`` elements in all."""
+    """Aligned column blocks of at most ``max_rows`` rows and ``max_elements`` elements."""
 
-    def __init__(self, max_elements: int) -> None:
+    def __init__(self, max_elements: int, max_rows: int | None = None) -> None:
         self.max_elements = max_elements
+        self.max_rows = max_rows
         self.storage: list[torch.Tensor] = []
         self.capacity = 0
         self.rows = 0
@@ -38,6 +39,8 @@ class RowBuffer:
             return False
         width = sum(b.shape[1] for b in blocks)
         capacity = self.max_elements // max(width, 1)
+        if self.max_rows is not None:
+            capacity = min(capacity, self.max_rows)
         if blocks[0].shape[0] > capacity:
             return False
         layout = self._layout(blocks)

@@ -40,7 +40,9 @@ class ProbeState:
     probe: str = "probe"
     #: accumulators that are averaged (not summed) across processes
     mean_reduced: frozenset[str] = frozenset()
-    #: capacity of each row buffer, in elements (rows x columns); 4 MiB of float32
+    #: capacity of each row buffer: at most ``buffer_rows`` rows and ``buffer_elements``
+    #: elements (rows x columns); 2048 rows of 64 float32 units are 512 KiB
+    buffer_rows: int = 2048
     buffer_elements: int = 1 << 20
 
     def __init__(self) -> None:
@@ -108,7 +110,9 @@ class ProbeState:
         """
         buf = self.buffers.get((component, stream))
         if buf is None:
-            buf = self.buffers[(component, stream)] = RowBuffer(self.buffer_elements)
+            buf = self.buffers[(component, stream)] = RowBuffer(
+                self.buffer_elements, self.buffer_rows
+            )
         if not buf.accepts(blocks):
             self._drain(component, stream, buf)
             if not buf.reserve(blocks):  # larger than a whole buffer: reduce it directly

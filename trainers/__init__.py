@@ -1,0 +1,37 @@
+"""PPO trainer, TrainTool and trainer callbacks for policy-probes (depends on policy_probes)."""
+
+from trainers.callbacks import CallbackList, TrainerHook, TrainerState
+from trainers.checkpoint import CheckpointHook, load_checkpoint, restore_trainer
+from trainers.config import CheckpointConfig, EnvConfig, EvalConfig, PolicyConfig, PPOConfig
+from trainers.evaluation import EvaluationHook
+from trainers.metrics_hook import MetricsHook
+from trainers.policy import ActorCriticPolicy
+from trainers.ppo import PPOTrainer, ppo_loss
+from trainers.progress import ProgressHook
+from trainers.rollout import Minibatch, RolloutStorage, compute_gae
+from trainers.train_tool import TrainResult, TrainTool
+
+__all__ = [
+    "ActorCriticPolicy",
+    "CallbackList",
+    "CheckpointConfig",
+    "CheckpointHook",
+    "EnvConfig",
+    "EvalConfig",
+    "EvaluationHook",
+    "MetricsHook",
+    "Minibatch",
+    "PPOConfig",
+    "PPOTrainer",
+    "PolicyConfig",
+    "ProgressHook",
+    "RolloutStorage",
+    "TrainResult",
+    "TrainTool",
+    "TrainerHook",
+    "TrainerState",
+    "compute_gae",
+    "load_checkpoint",
+    "ppo_loss",
+    "restore_trainer",
+]

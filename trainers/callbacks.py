@@ -1,0 +1,185 @@
+"""Trainer lifecycle callbacks: :class:`TrainerHook`, :class:`TrainerState`, :class:`CallbackList`.
+
+Firing order (see ``docs/trainer.md``)::
+
+    on_new_training_run
+    for epoch in 1..num_epochs:
+        on_rollout_start
+        (collect num_steps x num_envs transitions, phase "rollout")
+        on_rollout_end
+        for update_epoch in 0..update_epochs-1:
+            for mb_idx in 0..num_minibatches-1:
+                (forward/backward/optimizer step, phase "train")
+                on_mb_end
+        on_train_phase_end          (scheduler already stepped)
+        on_epoch_end                (EvaluationHook, CheckpointHook, MetricsHook, ...)
+    on_training_end                 (also after an exception; state.error is set then)
+
+Hooks run in registration order. A hook that raises is logged with its traceback,
+recorded in ``state.hook_errors`` and training goes on, unless the hook sets
+``critical = True``. Only rank 0 runs a hook unless it sets ``run_on_all_ranks = True``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from policy_probes.context import ComponentContext
+    from trainers.ppo import PPOTrainer
+
+log = logging.getLogger("trainers")
+
+HOOK_METHODS = (
+    "on_new_training_run",
+    "on_rollout_start",
+    "on_rollout_end",
+    "on_mb_end",
+    "on_train_phase_end",
+    "on_epoch_end",
+    "on_training_end",
+)
+
+
+@dataclass
+class TrainerState:
+    """Everything a hook can read (and a few things it may set) during training.
+
+    Counters: ``epoch`` (1-based index of the current rollout+update cycle, 0 before the
+    first), ``num_epochs``, ``agent_step`` (environment steps so far, all envs),
+    ``update_epoch`` and ``mb_idx`` (position inside the update phase), ``optimizer_step``.
+    Statistics of the current epoch (host floats, filled once per epoch):
+    ``rollout_stats`` (episode return/length, SPS), ``loss_stats`` (policy/value loss,
+    entropy, KL, clipfrac, explained variance, learning rate), ``eval_scores`` (set by
+    :class:`~trainers.evaluation.EvaluationHook`), ``probe_metrics`` (StatsReporter output,
+    set by :class:`~trainers.metrics_hook.MetricsHook`), ``metrics`` (the merged dict
+    MetricsHook emitted). ``last_checkpoint`` is set by
+    :class:`~trainers.checkpoint.CheckpointHook`. A hook may set ``stop_training = True``
+    to end the run after the current epoch.
+    """
+
+    trainer: PPOTrainer
+    policy: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    context: ComponentContext
+    config: dict[str, Any]
+    run_dir: Path | None = None
+    epoch: int = 0
+    num_epochs: int = 0
+    agent_step: int = 0
+    update_epoch: int = 0
+    mb_idx: int = 0
+    optimizer_step: int = 0
+    rollout_stats: dict[str, float] = field(default_factory=dict)
+    loss_stats: dict[str, float] = field(default_factory=dict)
+    eval_scores: dict[str, float] = field(default_factory=dict)
+    probe_metrics: dict[str, Any] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)
+    last_checkpoint: Path | None = None
+    hook_errors: dict[str, str] = field(default_factory=dict)
+    stop_training: bool = False
+    error: BaseException | None = None
+
+
+class TrainerHook:
+    """Base class of trainer callbacks: override the methods you need.
+
+    Attributes:
+        critical: when True an exception in this hook stops training (re-raised).
+        run_on_all_ranks: when True the hook also runs on ranks other than 0.
+    """
+
+    critical: bool = False
+    run_on_all_ranks: bool = False
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__
+
+    def on_new_training_run(self, state: TrainerState) -> None:
+        """Once, after envs, policy and optimizer exist and before the first rollout."""
+
+    def on_rollout_start(self, state: TrainerState) -> None:
+        """Before collecting the rollout of ``state.epoch``."""
+
+    def on_rollout_end(self, state: TrainerState) -> None:
+        """After the rollout and GAE; ``state.rollout_stats`` holds its episode statistics."""
+
+    def on_mb_end(self, state: TrainerState) -> None:
+        """After each optimizer step; ``state.update_epoch`` and ``state.mb_idx`` say which."""
+
+    def on_train_phase_end(self, state: TrainerState) -> None:
+        """After the update phase; ``state.loss_stats`` holds its statistics."""
+
+    def on_epoch_end(self, state: TrainerState) -> None:
+        """Last call of each epoch (evaluation, checkpoints, metrics)."""
+
+    def on_training_end(self, state: TrainerState) -> None:
+        """Once, at the end, also when training failed (``state.error``) or was stopped."""
+
+
+def current_rank() -> int:
+    """Rank in the default process group, 0 when torch.distributed is not initialised."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return 0
+
+
+class CallbackList:
+    """Dispatches one lifecycle event to every hook in registration order with fault isolation."""
+
+    def __init__(self, hooks: Iterable[TrainerHook] = ()) -> None:
+        self.hooks: list[TrainerHook] = list(hooks)
+        for h in self.hooks:
+            self._check(h)
+
+    @staticmethod
+    def _check(hook: TrainerHook) -> None:
+        if not any(callable(getattr(hook, m, None)) for m in HOOK_METHODS):
+            raise TypeError(
+                f"{hook!r} is not a trainer hook: subclass trainers.TrainerHook and override "
+                f"one of {', '.join(HOOK_METHODS)}"
+            )
+
+    def append(self, hook: TrainerHook) -> None:
+        self._check(hook)
+        self.hooks.append(hook)
+
+    def __iter__(self):
+        return iter(self.hooks)
+
+    def __len__(self) -> int:
+        return len(self.hooks)
+
+    def fire(self, event: str, state: TrainerState) -> None:
+        """Call ``event`` on every hook that should run on this rank."""
+        if event not in HOOK_METHODS:
+            raise ValueError(f"unknown trainer event {event!r}; events are {HOOK_METHODS}")
+        rank = current_rank()
+        for hook in self.hooks:
+            if rank != 0 and not getattr(hook, "run_on_all_ranks", False):
+                continue
+            method = getattr(hook, event, None)
+            if method is None:
+                continue
+            try:
+                method(state)
+            except Exception as exc:
+                if getattr(hook, "critical", False):
+                    raise
+                name = getattr(hook, "name", type(hook).__name__)
+                state.hook_errors[f"{name}.{event}"] = f"{type(exc).__name__}: {exc}"
+                log.exception(
+                    "trainer hook %s raised in %s (epoch %d); training goes on",
+                    name,
+                    event,
+                    state.epoch,
+                )

@@ -1,0 +1,91 @@
+"""Gymnasium vector environments for training and evaluation.
+
+The stack, innermost first: the vector env (``sync``, ``async`` or the env's own batched
+implementation via ``gym.make_vec(..., vectorization_mode=...)``), episode statistics on
+the raw rewards (``RecordEpisodeStatistics``), then the optional action clipping and
+observation / reward normalisation wrappers. Every layer uses gymnasium's default
+``NEXT_STEP`` autoreset: after a step that ends an episode, the next ``step()`` returns
+the reset observation and ignores its action. The trainer relies on that and refuses any
+other mode.
+"""
+
+from __future__ import annotations
+
+import gymnasium as gym
+import numpy as np
+from gymnasium.vector import AutoresetMode, VectorEnv
+from gymnasium.wrappers import vector as vw
+
+from trainers.config import EnvConfig
+
+
+def make_vector_env(cfg: EnvConfig, num_envs: int | None = None, gamma: float = 0.99) -> VectorEnv:
+    """Build the wrapped vector env described by ``cfg`` (``num_envs`` overrides its count;
+    ``gamma`` is the discount of the return whose std scales rewards).
+
+    The env is not reset here; the caller seeds it with ``env.reset(seed=...)``.
+    """
+    n = cfg.num_envs if num_envs is None else num_envs
+    mode = None if cfg.vectorization == "auto" else cfg.vectorization
+    if mode == "vector_entry_point" and gym.spec(cfg.id).vector_entry_point is None:
+        raise ValueError(
+            f"environment {cfg.id!r} registers no vector_entry_point; use "
+            f"env.vectorization=sync or env.vectorization=async"
+        )
+    env = gym.make_vec(cfg.id, num_envs=n, vectorization_mode=mode, **cfg.kwargs)
+    autoreset = env.metadata.get("autoreset_mode", AutoresetMode.NEXT_STEP)
+    if autoreset != AutoresetMode.NEXT_STEP:
+        env.close()
+        raise ValueError(
+            f"environment {cfg.id!r} uses autoreset mode {autoreset}; the PPO trainer needs "
+            f"gymnasium's default AutoresetMode.NEXT_STEP"
+        )
+    env = vw.RecordEpisodeStatistics(env)
+    if isinstance(env.single_action_space, gym.spaces.Box):
+        env = vw.ClipAction(env)
+    elif not isinstance(env.single_action_space, gym.spaces.Discrete):
+        env.close()
+        raise ValueError(
+            f"environment {cfg.id!r} has action space {env.single_action_space}; the PPO "
+            f"trainer supports Discrete and Box actions"
+        )
+    if not isinstance(env.single_observation_space, gym.spaces.Box):
+        env.close()
+        raise ValueError(
+            f"environment {cfg.id!r} has observation space {env.single_observation_space}; "
+            f"the MLP policy needs a Box observation space"
+        )
+    if cfg.normalize_observation:
+        env = vw.NormalizeObservation(env)
+    if cfg.clip_observation is not None:
+        c = cfg.clip_observation
+        env = vw.TransformObservation(env, lambda obs: np.clip(obs, -c, c))
+    if cfg.normalize_reward:
+        env = vw.NormalizeReward(env, gamma=gamma)
+    if cfg.clip_reward is not None:
+        env = vw.ClipReward(env, -cfg.clip_reward, cfg.clip_reward)
+    return env
+
+
+def find_wrapper(env: VectorEnv, cls: type) -> VectorEnv | None:
+    """The outermost wrapper of type ``cls`` in ``env``'s stack, or None."""
+    while True:
+        if isinstance(env, cls):
+            return env
+        inner = getattr(env, "env", None)
+        if inner is None or inner is env:
+            return None
+        env = inner
+
+
+def copy_observation_normalization(src: VectorEnv, dst: VectorEnv) -> None:
+    """Give ``dst`` the running observation statistics of ``src`` and freeze them there
+    (evaluation envs must see observations scaled exactly as the policy was trained)."""
+    a = find_wrapper(src, vw.NormalizeObservation)
+    b = find_wrapper(dst, vw.NormalizeObservation)
+    if a is None or b is None:
+        return
+    b.obs_rms.mean = np.array(a.obs_rms.mean, copy=True)
+    b.obs_rms.var = np.array(a.obs_rms.var, copy=True)
+    b.obs_rms.count = a.obs_rms.count
+    b.update_running_mean = False

@@ -1,0 +1,381 @@
+"""PPO (Schulman et al. 2017) with the implementation details of Huang et al. 2022 / CleanRL.
+
+Read top to bottom: :func:`ppo_loss` is the clipped objective, :class:`PPOTrainer` the
+loop (collect a rollout, compute GAE, several update epochs of shuffled minibatches).
+Details that matter and where they are:
+
+* orthogonal init, separate actor/critic networks: ``trainers/policy.py``
+* Adam with eps 1e-5, linear learning-rate annealing: :meth:`PPOTrainer.__init__`
+* GAE with gymnasium's NEXT_STEP autoreset handled: ``trainers/rollout.py``
+* per-minibatch advantage normalisation: :func:`normalize_advantages`
+* clipped surrogate, clipped value loss, entropy bonus: :func:`ppo_loss`
+* global gradient clipping, gradient accumulation over micro-batches, target-KL early
+  stop: :meth:`PPOTrainer.train_minibatch` and :meth:`PPOTrainer.update`
+
+Per-step statistics stay on the device and are transferred once per epoch.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import torch
+from gymnasium.wrappers import vector as vw
+from torch import nn
+
+from policy_probes.context import ComponentContext
+from trainers.callbacks import CallbackList, TrainerHook, TrainerState
+from trainers.config import PPOConfig
+from trainers.envs import find_wrapper
+from trainers.policy import ActorCriticPolicy
+from trainers.rollout import Minibatch, RolloutStorage
+
+#: order of the statistics that ppo_loss returns stacked in one tensor
+LOSS_STATS = ("policy_loss", "value_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac")
+
+
+def normalize_advantages(batch: Minibatch) -> Minibatch:
+    """Advantages rescaled to mean 0, std 1 within the minibatch (before micro-batching)."""
+    adv = batch.advantages
+    adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+    return Minibatch(batch.obs, batch.actions, batch.logprobs, batch.values, adv, batch.returns)
+
+
+def ppo_loss(
+    policy: ActorCriticPolicy, batch: Minibatch, cfg: PPOConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The PPO loss on ``batch`` (advantages used as given) and its statistics.
+
+    Returns ``(loss, stats)`` where ``stats`` is a detached 1-D tensor ordered as
+    :data:`LOSS_STATS`. The loss is a mean over the batch's samples.
+    """
+    newlogprob, entropy, newvalue = policy.evaluate_actions(batch.obs, batch.actions)
+    logratio = newlogprob - batch.logprobs
+    ratio = logratio.exp()
+
+    # Clipped surrogate objective: max of the two pessimistic losses.
+    pg_loss1 = -batch.advantages * ratio
+    pg_loss2 = -batch.advantages * torch.clamp(ratio, 1 - cfg.clip_coef, 1 + cfg.clip_coef)
+    pg_loss = torch.max(pg_loss1, pg_loss2).mean()
+
+    # Value loss, clipped around the rollout's value estimate.
+    v_loss_unclipped = (newvalue - batch.returns).square()
+    if cfg.clip_vloss:
+        v_clipped = batch.values + torch.clamp(
+            newvalue - batch.values, -cfg.clip_coef, cfg.clip_coef
+        )
+        v_loss = 0.5 * torch.max(v_loss_unclipped, (v_clipped - batch.returns).square()).mean()
+    else:
+        v_loss = 0.5 * v_loss_unclipped.mean()
+
+    entropy_loss = entropy.mean()
+    loss = pg_loss - cfg.ent_coef * entropy_loss + cfg.vf_coef * v_loss
+
+    with torch.no_grad():
+        # KL estimators of http://joschu.net/blog/kl-approx.html (k1 and k3).
+        old_approx_kl = (-logratio).mean()
+        approx_kl = ((ratio - 1) - logratio).mean()
+        clipfrac = ((ratio - 1.0).abs() > cfg.clip_coef).float().mean()
+        stats = torch.stack(
+            [
+                pg_loss.detach(),
+                v_loss.detach(),
+                entropy_loss.detach(),
+                old_approx_kl,
+                approx_kl,
+                clipfrac,
+            ]
+        )
+    return loss, stats
+
+
+class PPOTrainer:
+    """The PPO loop over a gymnasium vector env and an :class:`ActorCriticPolicy`.
+
+    One *epoch* is one rollout of ``num_steps`` x ``num_envs`` steps followed by
+    ``update_epochs`` passes of ``num_minibatches`` minibatches over it.
+    ``context.phase`` is ``"rollout"`` while collecting and ``"train"`` while updating.
+    """
+
+    def __init__(
+        self,
+        envs: gym.vector.VectorEnv,
+        policy: ActorCriticPolicy,
+        cfg: PPOConfig,
+        *,
+        context: ComponentContext | None = None,
+        hooks: Iterable[TrainerHook] = (),
+        device: torch.device | str = "cpu",
+        seed: int = 0,
+        run_dir: Path | None = None,
+        config: dict[str, Any] | None = None,
+    ) -> None:
+        self.envs, self.policy, self.cfg = envs, policy, cfg
+        self.context = context if context is not None else ComponentContext()
+        self.hooks = hooks if isinstance(hooks, CallbackList) else CallbackList(hooks)
+        self.device = torch.device(device)
+        self.seed = seed
+        self.num_envs = envs.num_envs
+        self.batch_size = self.num_envs * cfg.num_steps
+        self.num_epochs = cfg.total_timesteps // self.batch_size
+        if self.num_epochs < 1:
+            raise ValueError(
+                f"trainer.total_timesteps={cfg.total_timesteps} is less than one rollout "
+                f"(env.num_envs * trainer.num_steps = {self.batch_size}); raise total_timesteps"
+            )
+        if cfg.num_minibatches * cfg.micro_batches * 2 > self.batch_size:
+            raise ValueError(
+                f"rollout of {self.batch_size} samples is too small for {cfg.num_minibatches} "
+                f"minibatches of {cfg.micro_batches} micro-batches (need at least 2 samples "
+                f"each); lower trainer.num_minibatches / trainer.micro_batches"
+            )
+
+        self.optimizer = torch.optim.Adam(
+            policy.parameters(), lr=cfg.learning_rate, eps=cfg.adam_eps
+        )
+        num_epochs = self.num_epochs
+        anneal = cfg.anneal_lr
+
+        def lr_factor(done_epochs: int) -> float:
+            # epoch i (1-based) trains with lr * (1 - (i - 1) / num_epochs)
+            return 1.0 - done_epochs / num_epochs if anneal else 1.0
+
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor)
+        self.storage = RolloutStorage(
+            cfg.num_steps,
+            self.num_envs,
+            policy.obs_dim,
+            policy.act_dim,
+            policy.discrete,
+            self.device,
+        )
+        # Own generators: action sampling and minibatch order never touch the global RNGs,
+        # so hooks that draw random numbers cannot change the trajectory.
+        self.sample_generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.shuffle_generator = torch.Generator().manual_seed(seed + 1)
+        self.state = TrainerState(
+            trainer=self,
+            policy=policy,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            context=self.context,
+            config=config or {},
+            run_dir=run_dir,
+            num_epochs=self.num_epochs,
+        )
+        self._next_obs: np.ndarray | None = None
+        self._prev_done = np.zeros(self.num_envs, dtype=bool)
+        self._episode_returns: list[np.ndarray] = []
+        self._episode_lengths: list[np.ndarray] = []
+        self._start_time = 0.0
+        self._trained_time = 0.0
+
+    # ================================================================== the loop
+    def train(self) -> TrainerState:
+        """Run all epochs; returns the final :class:`TrainerState`."""
+        state = self.state
+        self.hooks.fire("on_new_training_run", state)
+        try:
+            if self._next_obs is None:
+                self.reset_envs()
+            self._start_time = time.perf_counter()
+            while state.epoch < self.num_epochs and not state.stop_training:
+                state.epoch += 1
+                self.hooks.fire("on_rollout_start", state)
+                self.collect_rollout()
+                self.hooks.fire("on_rollout_end", state)
+                self.update()
+                self.scheduler.step()
+                self.hooks.fire("on_train_phase_end", state)
+                self.hooks.fire("on_epoch_end", state)
+        except BaseException as exc:
+            state.error = exc
+            raise
+        finally:
+            self._fire_training_end()
+        return state
+
+    def reset_envs(self) -> None:
+        """Seed and reset the environments (``train()`` does this on its first call)."""
+        self._next_obs, _ = self.envs.reset(seed=self.seed)
+        self.envs.action_space.seed(self.seed)
+        self._prev_done[:] = False
+
+    def _fire_training_end(self) -> None:
+        try:
+            self.hooks.fire("on_training_end", self.state)
+        except Exception:
+            if self.state.error is None:
+                raise
+            # a critical hook failing during cleanup must not hide the original error
+
+    # ================================================================== rollout
+    def collect_rollout(self) -> None:
+        """Fill the rollout storage with ``num_steps`` steps of every env, then GAE."""
+        cfg, st, state = self.cfg, self.storage, self.state
+        policy, envs, gen = self.policy, self.envs, self.sample_generator
+        n = self.num_envs
+        action_shape = (n, *policy.action_shape)
+        on_cpu = self.device.type == "cpu"
+        self.context.phase = "rollout"
+        t0 = time.perf_counter()
+        obs = self._next_obs
+        prev_done = self._prev_done
+        with torch.inference_mode():
+            for step in range(cfg.num_steps):
+                st.obs[step].copy_(torch.from_numpy(np.asarray(obs)).view(n, -1))
+                # The step after an episode end is the autoreset step: not a transition.
+                st.valid[step] = ~prev_done
+                action, logprob, value = policy.act(st.obs[step], gen)
+                st.actions[step] = action
+                st.logprobs[step] = logprob
+                st.values[step] = value
+                # The one host transfer the environment needs.
+                env_action = action.numpy() if on_cpu else action.cpu().numpy()
+                obs, reward, terminated, truncated, info = envs.step(
+                    env_action.reshape(action_shape)
+                )
+                st.rewards[step] = reward
+                st.terminated[step] = terminated
+                st.truncated[step] = truncated
+                prev_done = terminated | truncated
+                if "episode" in info:
+                    done = info["_episode"]
+                    self._episode_returns.append(info["episode"]["r"][done])
+                    self._episode_lengths.append(info["episode"]["l"][done])
+            # V(s_T) bootstraps the last step (the final observation if it ended an episode).
+            st.next_value.copy_(
+                policy.value(torch.from_numpy(np.asarray(obs)).view(n, -1).to(st.obs))
+            )
+        self._next_obs, self._prev_done = obs, prev_done
+        st.compute_returns(cfg.gamma, cfg.gae_lambda)
+        state.agent_step += self.batch_size
+        elapsed = time.perf_counter() - t0
+        state.rollout_stats = self._episode_stats()
+        state.rollout_stats["rollout_sps"] = self.batch_size / max(elapsed, 1e-9)
+        state.rollout_stats["valid_fraction"] = st.size / self.batch_size
+
+    def _episode_stats(self) -> dict[str, float]:
+        """Mean return and length of the episodes that ended during this rollout."""
+        if not self._episode_returns:
+            return {"episodes": 0.0}
+        r = np.concatenate(self._episode_returns).astype(np.float64)
+        ln = np.concatenate(self._episode_lengths).astype(np.float64)
+        self._episode_returns.clear()
+        self._episode_lengths.clear()
+        return {
+            "episodes": float(r.size),
+            "episode_return": float(r.mean()),
+            "episode_return_max": float(r.max()),
+            "episode_return_min": float(r.min()),
+            "episode_length": float(ln.mean()),
+        }
+
+    # ================================================================== update
+    def update(self) -> None:
+        """``update_epochs`` passes over the rollout in shuffled minibatches."""
+        cfg, state = self.cfg, self.state
+        t0 = time.perf_counter()
+        self.context.phase = "train"
+        lr = self.optimizer.param_groups[0]["lr"]
+        sums = torch.zeros(len(LOSS_STATS) + 1, device=self.device)
+        steps = 0
+        update_epochs_run = 0
+        for update_epoch in range(cfg.update_epochs):
+            state.update_epoch = update_epoch
+            order = self.storage.shuffled_order(self.shuffle_generator)
+            for mb_idx, batch in enumerate(self.storage.minibatches(order, cfg.num_minibatches)):
+                state.mb_idx = mb_idx
+                stats = self.train_minibatch(batch)
+                sums += stats
+                steps += 1
+                state.optimizer_step += 1
+                self.hooks.fire("on_mb_end", state)
+            update_epochs_run += 1
+            # Early stop on the last minibatch's KL (one host sync per update epoch).
+            if (
+                cfg.target_kl is not None
+                and float(stats[LOSS_STATS.index("approx_kl")]) > cfg.target_kl
+            ):
+                break
+        means = (sums / max(steps, 1)).tolist()  # the one transfer of the update phase
+        loss_stats = dict(zip((*LOSS_STATS, "grad_norm"), means, strict=True))
+        loss_stats["explained_variance"] = self.storage.explained_variance()
+        loss_stats["learning_rate"] = lr
+        loss_stats["update_epochs_run"] = float(update_epochs_run)
+        loss_stats["batch_size"] = float(self.storage.size)
+        state.loss_stats = loss_stats
+        self._trained_time = time.perf_counter() - self._start_time
+        state.rollout_stats["sps"] = state.agent_step / max(self._trained_time, 1e-9)
+        state.rollout_stats["update_seconds"] = time.perf_counter() - t0
+
+    def train_minibatch(self, batch: Minibatch) -> torch.Tensor:
+        """One optimizer step on ``batch``; returns its statistics (device tensor,
+        :data:`LOSS_STATS` then the pre-clip gradient norm).
+
+        With ``micro_batches = k`` the minibatch is split into k micro-batches whose
+        gradients accumulate: each backpropagates ``loss * (micro_size / minibatch_size)``
+        and ``context.loss_scale`` holds that factor while it runs (the Fisher probe
+        divides it out to recover per-sample gradients).
+        """
+        cfg = self.cfg
+        if cfg.norm_adv:
+            batch = normalize_advantages(batch)
+        self.optimizer.zero_grad(set_to_none=True)
+        micro = batch.split(cfg.micro_batches) if cfg.micro_batches > 1 else [batch]
+        n = len(batch)
+        stats = torch.zeros(len(LOSS_STATS), device=self.device)
+        try:
+            for part in micro:
+                scale = len(part) / n
+                self.context.loss_scale = scale
+                loss, part_stats = ppo_loss(self.policy, part, cfg)
+                (loss * scale if scale != 1.0 else loss).backward()
+                stats += part_stats * scale
+        finally:
+            self.context.loss_scale = 1.0
+        params = [p for p in self.policy.parameters() if p.grad is not None]
+        max_norm = cfg.max_grad_norm if cfg.max_grad_norm is not None else math.inf
+        grad_norm = nn.utils.clip_grad_norm_(params, max_norm)
+        self.optimizer.step()
+        return torch.cat([stats, grad_norm.detach().reshape(1).to(stats)])
+
+    # ================================================================== state
+    def normalization_state(self) -> dict[str, Any]:
+        """Running statistics of the observation/reward normalisation wrappers (tensors)."""
+        out: dict[str, Any] = {}
+        obs_norm = find_wrapper(self.envs, vw.NormalizeObservation)
+        if obs_norm is not None:
+            rms = obs_norm.obs_rms
+            out["obs_rms"] = {
+                "mean": torch.as_tensor(np.asarray(rms.mean, dtype=np.float64)),
+                "var": torch.as_tensor(np.asarray(rms.var, dtype=np.float64)),
+                "count": float(rms.count),
+            }
+        rew_norm = find_wrapper(self.envs, vw.NormalizeReward)
+        if rew_norm is not None:
+            rms = rew_norm.return_rms
+            out["return_rms"] = {
+                "mean": torch.as_tensor(np.asarray(rms.mean, dtype=np.float64)),
+                "var": torch.as_tensor(np.asarray(rms.var, dtype=np.float64)),
+                "count": float(rms.count),
+            }
+        return out
+
+    def load_normalization_state(self, state: dict[str, Any]) -> None:
+        for key, cls, attr in (
+            ("obs_rms", vw.NormalizeObservation, "obs_rms"),
+            ("return_rms", vw.NormalizeReward, "return_rms"),
+        ):
+            wrapper = find_wrapper(self.envs, cls)
+            if key in state and wrapper is not None:
+                rms = getattr(wrapper, attr)
+                rms.mean = state[key]["mean"].numpy().astype(np.asarray(rms.mean).dtype)
+                rms.var = state[key]["var"].numpy().astype(np.asarray(rms.var).dtype)
+                rms.count = state[key]["count"]

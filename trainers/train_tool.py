@@ -1,0 +1,310 @@
+"""TrainTool: one training run described as a pydantic model, and its result.
+
+A recipe builds a ``TrainTool``, adds probes with one line each, and returns it; the CLI
+(``policy-probes run``) applies ``key=value`` overrides and calls :meth:`TrainTool.invoke`::
+
+    cfg = TrainTool(env=EnvConfig(id="CartPole-v1"), policy=PolicyConfig(activation="relu"))
+    cfg.add_training_hook("actor_mlp", attach_relu_activation_hooks())
+    cfg.add_training_backward_hook("actor_mlp", attach_fisher_information_hooks())
+    result = cfg.invoke()
+
+Hook builders live in private attributes, so they are not part of the validated
+configuration (and survive ``model_copy(update=...)``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+
+from policy_probes.context import ComponentContext
+from policy_probes.sinks import SinkGroup, SinksConfig, WandbConfig, build_sink_group
+from trainers.callbacks import TrainerHook
+from trainers.checkpoint import CheckpointHook
+from trainers.config import CheckpointConfig, EnvConfig, EvalConfig, PolicyConfig, PPOConfig
+from trainers.envs import make_vector_env
+from trainers.evaluation import EvaluationHook
+from trainers.metrics_hook import MetricsHook
+from trainers.policy import ActorCriticPolicy
+from trainers.ppo import PPOTrainer
+
+log = logging.getLogger("trainers")
+
+HookBuilderFn = Callable[[str, ComponentContext], Any]
+
+
+@dataclass
+class TrainResult:
+    """What :meth:`TrainTool.invoke` returns."""
+
+    run_dir: Path
+    metrics: dict[str, Any]
+    policy: ActorCriticPolicy
+    epochs: int
+    agent_step: int
+    last_checkpoint: Path | None = None
+    eval_scores: dict[str, float] = field(default_factory=dict)
+    hook_errors: dict[str, str] = field(default_factory=dict)
+    sink_failures: dict[str, str] = field(default_factory=dict)
+
+    def output_files(self) -> list[Path]:
+        """Every file under the run directory (relative paths), for the user to find them."""
+        return sorted(p.relative_to(self.run_dir) for p in self.run_dir.rglob("*") if p.is_file())
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python ``random``, numpy and torch (CPU and CUDA)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(
+            "device=cuda requested but CUDA is not available; use device=cpu or device=auto"
+        )
+    return torch.device(device)
+
+
+class TrainTool(BaseModel):
+    """One PPO training run: environment, policy, hyperparameters, outputs, probes."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    name: str | None = Field(
+        None, description="Short run name; the default run_dir is runs/<name>-<seed>-<time>."
+    )
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    trainer: PPOConfig = Field(default_factory=PPOConfig)
+    evaluation: EvalConfig = Field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    sinks: SinksConfig = Field(default_factory=SinksConfig)
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    seed: int = Field(1, ge=0)
+    device: Literal["cpu", "cuda", "auto"] = Field(
+        "cpu", description="cpu is fastest for small MLPs; auto = cuda when available."
+    )
+    run_dir: Path | None = Field(
+        None, description="Output directory; default runs/<name>-<seed>-<time>."
+    )
+    torch_threads: int | None = Field(
+        None, gt=0, description="torch.set_num_threads for the run (1 is fastest for small MLPs)."
+    )
+    progress: bool = Field(False, description="Rich progress bar (the CLI switches it on).")
+    strict: bool = Field(
+        False, description="Probe faults stop training instead of disabling the probe."
+    )
+
+    _builders: list[tuple[str, HookBuilderFn, bool]] = PrivateAttr(default_factory=list)
+    _trainer_hooks: list[TrainerHook] = PrivateAttr(default_factory=list)
+    _launch: dict[str, Any] = PrivateAttr(default_factory=dict)
+
+    # ------------------------------------------------------------------ validation
+    @model_validator(mode="after")
+    def _check_batch_sizes(self) -> TrainTool:
+        t = self.trainer
+        batch = self.env.num_envs * t.num_steps
+        if t.total_timesteps < batch:
+            raise ValueError(
+                f"trainer.total_timesteps={t.total_timesteps} is smaller than one rollout "
+                f"(env.num_envs * trainer.num_steps = {batch}); raise total_timesteps or lower "
+                f"num_steps / num_envs"
+            )
+        if t.num_minibatches > batch:
+            raise ValueError(
+                f"trainer.num_minibatches={t.num_minibatches} is larger than the rollout batch "
+                f"(env.num_envs * trainer.num_steps = {batch}): the minibatch would be larger "
+                f"than the batch; lower num_minibatches"
+            )
+        minibatch = batch // t.num_minibatches
+        if minibatch < 2 * t.micro_batches:
+            raise ValueError(
+                f"minibatches of {minibatch} samples cannot be split into "
+                f"trainer.micro_batches={t.micro_batches} micro-batches of at least 2 samples; "
+                f"lower micro_batches or num_minibatches"
+            )
+        return self
+
+    # ------------------------------------------------------------------ probes and hooks
+    def _add(self, component_name: str, builder: HookBuilderFn, backward: bool) -> TrainTool:
+        if not isinstance(component_name, str) or not component_name:
+            raise TypeError(f"component_name must be a non-empty string, got {component_name!r}")
+        if not callable(builder):
+            raise TypeError(
+                f"hook builder for {component_name!r} must be callable (component_name, context)"
+                f" -> hook | None; did you forget the parentheses, e.g. "
+                f"attach_relu_activation_hooks()?"
+            )
+        for pattern, existing, _ in self._builders:
+            if pattern == component_name and existing is builder:
+                raise ValueError(
+                    f"this builder is already attached to {component_name!r}; create a new "
+                    f"builder to attach the same probe twice"
+                )
+        self._builders.append((component_name, builder, backward))
+        return self
+
+    def add_training_hook(self, component_name: str, builder: HookBuilderFn) -> TrainTool:
+        """Attach a forward-hook builder to a component name or glob; returns self."""
+        return self._add(component_name, builder, backward=False)
+
+    def add_training_backward_hook(self, component_name: str, builder: HookBuilderFn) -> TrainTool:
+        """Attach a backward-hook builder to a component name or glob; returns self."""
+        return self._add(component_name, builder, backward=True)
+
+    def add_trainer_hook(self, hook: TrainerHook) -> TrainTool:
+        """Add a :class:`TrainerHook` (runs after the built-in ones); returns self."""
+        if not isinstance(hook, TrainerHook):
+            raise TypeError(f"expected a trainers.TrainerHook, got {type(hook).__name__}")
+        self._trainer_hooks.append(hook)
+        return self
+
+    @property
+    def hook_builders(self) -> list[tuple[str, HookBuilderFn, bool]]:
+        """``(pattern, builder, backward)`` in the order they were added."""
+        return list(self._builders)
+
+    def record_launch(self, target: str, overrides: list[str]) -> None:
+        """Remember how the CLI built this run (written to ``config.json`` for ``resume``)."""
+        self._launch = {"target": target, "overrides": list(overrides)}
+
+    # ------------------------------------------------------------------ run
+    def resolved_config(self) -> dict[str, Any]:
+        """The configuration written to ``run_dir/config.json`` and given to the sinks."""
+        return {
+            "train_tool": self.model_dump(mode="json"),
+            "recipe": self._launch.get("target"),
+            "overrides": self._launch.get("overrides", []),
+            "probes": [
+                {
+                    "component": pattern,
+                    "builder": getattr(b, "probe", getattr(b, "__name__", type(b).__name__)),
+                    "backward": backward,
+                }
+                for pattern, b, backward in self._builders
+            ],
+        }
+
+    def default_run_dir(self) -> Path:
+        name = self.name
+        if name is None and self._launch.get("target"):
+            name = re.split(r"[.:/]", self._launch["target"].removesuffix(".train"))[-1]
+        if not name:
+            name = self.env.id
+        name = re.sub(r"[^A-Za-z0-9_.-]+", "-", name)
+        base = Path("runs") / f"{name}-{self.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
+        path, i = base, 1
+        while path.exists():
+            path, i = base.with_name(f"{base.name}-{i}"), i + 1
+        return path
+
+    def invoke(self) -> TrainResult:
+        """Build envs, policy, probes, sinks and trainer; train; always clean up.
+
+        Every builder is attached before the first environment step (an unknown component
+        name raises ``KeyError`` listing the available ones). Every hook handle is removed,
+        envs and sinks closed, also when training fails or is interrupted.
+        """
+        device = resolve_device(self.device)
+        if self.torch_threads is not None:
+            torch.set_num_threads(self.torch_threads)
+        run_dir = Path(self.run_dir) if self.run_dir is not None else self.default_run_dir()
+        run_dir.mkdir(parents=True, exist_ok=True)
+        config = self.resolved_config()
+        config["run_dir"] = str(run_dir)
+        (run_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+        seed_everything(self.seed)
+        envs = make_vector_env(self.env, gamma=self.trainer.gamma)
+        policy: ActorCriticPolicy | None = None
+        sinks: SinkGroup | None = None
+        hooks: list[TrainerHook] = []
+        try:
+            policy = ActorCriticPolicy(
+                envs.single_observation_space, envs.single_action_space, self.policy
+            ).to(device)
+            context = ComponentContext(strict=self.strict)
+            for pattern, builder, backward in self._builders:
+                policy.attach(pattern, builder, context, backward=backward)
+
+            console = None
+            if self.progress:
+                from rich.console import Console
+
+                console = Console()
+            sinks = build_sink_group(run_dir, self.sinks, self.wandb, config, console=console)
+            if self.evaluation.every_epochs > 0 or self.evaluation.at_end:
+                env_cfg, n_eval = self.env, self.evaluation.num_envs
+                hooks.append(
+                    EvaluationHook(
+                        lambda: make_vector_env(env_cfg, num_envs=n_eval),
+                        every_epochs=self.evaluation.every_epochs,
+                        episodes=self.evaluation.episodes,
+                        at_end=self.evaluation.at_end,
+                        seed=self.seed,
+                        max_steps=self.evaluation.max_steps,
+                    )
+                )
+            if self.checkpoint.every_epochs > 0 or self.checkpoint.at_end:
+                hooks.append(
+                    CheckpointHook(
+                        run_dir / "checkpoints",
+                        every_epochs=self.checkpoint.every_epochs,
+                        keep_last=self.checkpoint.keep_last,
+                        at_end=self.checkpoint.at_end,
+                    )
+                )
+            hooks.append(MetricsHook(sinks))
+            if self.progress:
+                from trainers.progress import ProgressHook
+
+                hooks.append(ProgressHook(console=console))
+            hooks.extend(self._trainer_hooks)
+
+            trainer = PPOTrainer(
+                envs,
+                policy,
+                self.trainer,
+                context=context,
+                hooks=hooks,
+                device=device,
+                seed=self.seed,
+                run_dir=run_dir,
+                config=config,
+            )
+            state = trainer.train()
+        finally:
+            if policy is not None:
+                policy.remove_hooks()
+            envs.close()
+            for hook in hooks:
+                if isinstance(hook, EvaluationHook) and hook.envs is not None:
+                    hook.envs.close()
+            if sinks is not None:
+                sinks.close()
+        return TrainResult(
+            run_dir=run_dir,
+            metrics=dict(state.metrics),
+            policy=policy,
+            epochs=state.epoch,
+            agent_step=state.agent_step,
+            last_checkpoint=state.last_checkpoint,
+            eval_scores=dict(state.eval_scores),
+            hook_errors=dict(state.hook_errors),
+            sink_failures=dict(sinks.failures),
+        )
