@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint format bench clean
+.PHONY: setup demo test lint format bench learning-check clean
 
 $(PY):
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) (or set PYTHON=...)"; exit 1; }
@@ -18,7 +18,10 @@ $(STAMP): $(PY) pyproject.toml constraints.txt
 setup: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m policy_probes.demo
+	$(PY) -m policy_probes.cli run recipes.cartpole.train trainer.total_timesteps=50000
+
+learning-check: $(STAMP)
+	$(PY) -m benchmarks.learning_check --jobs 2
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

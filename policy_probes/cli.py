@@ -30,6 +30,8 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from policy_probes.report import add_report_subcommand
+
 EXIT_USAGE = 2
 
 RUN_EPILOG = """\
@@ -332,7 +334,10 @@ def report_outputs(console: Any, result: Any) -> None:
 
 
 # ---------------------------------------------------------------------- entry point
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_run_subcommand]
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
+    add_run_subcommand,
+    add_report_subcommand,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,1 @@
+"""A/B benchmarks: every comparison runs both sides in one invocation, interleaved."""

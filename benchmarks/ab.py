@@ -1,0 +1,159 @@
+"""Interleaved A/B timing: A B A B ... in fresh subprocesses, median of paired ratios.
+
+Each measurement runs ``python -m benchmarks.cases CASE PARAMS`` in its own process (one
+torch thread, nothing shared with the other side) and reads back the JSON line the case
+prints: the seconds it spent in the timed region and what it did. Pairs are adjacent in
+time, so drifts of the machine (other load, thermal state) hit both sides alike; the
+median of the per-pair ratios is the reported figure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Side:
+    """One side of a comparison: a case of :mod:`benchmarks.cases` and its parameters."""
+
+    label: str
+    case: str
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Comparison:
+    name: str
+    a: Side
+    b: Side
+    target: str = ""
+    seconds_a: list[float] = field(default_factory=list)
+    seconds_b: list[float] = field(default_factory=list)
+    extra_a: list[dict] = field(default_factory=list)
+    extra_b: list[dict] = field(default_factory=list)
+
+    @property
+    def ratios(self) -> list[float]:
+        """b / a per adjacent pair (wall time: > 1 means B is slower)."""
+        return [b / a for a, b in zip(self.seconds_a, self.seconds_b, strict=False)]
+
+    @property
+    def median_ratio(self) -> float:
+        return statistics.median(self.ratios) if self.ratios else float("nan")
+
+    def row(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "a": asdict(self.a),
+            "b": asdict(self.b),
+            "target": self.target,
+            "median_seconds_a": statistics.median(self.seconds_a) if self.seconds_a else None,
+            "median_seconds_b": statistics.median(self.seconds_b) if self.seconds_b else None,
+            "ratios_b_over_a": self.ratios,
+            "median_ratio_b_over_a": self.median_ratio,
+            "extra_a": self.extra_a,
+            "extra_b": self.extra_b,
+        }
+
+
+def run_case(case: str, params: dict[str, Any], timeout: float = 900) -> dict[str, Any]:
+    """Run one measurement in a fresh interpreter and return its JSON result."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", WANDB_SILENT="true")
+    env.setdefault("WANDB_MODE", "offline")
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.cases", case, json.dumps(params)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(
+            f"case {case} {params} failed ({proc.returncode}):\n{proc.stderr[-3000:]}"
+        )
+    return json.loads(lines[-1])
+
+
+def interleave(comparisons: list[Comparison], repeats: int, log: Any = print) -> None:
+    """Fill every comparison with ``repeats`` A/B pairs, alternating which side goes first."""
+    for r in range(repeats):
+        for comp in comparisons:
+            order = (comp.a, comp.b) if r % 2 == 0 else (comp.b, comp.a)
+            results = {}
+            for side in order:
+                results[side.label] = run_case(side.case, side.params)
+            ra, rb = results[comp.a.label], results[comp.b.label]
+            comp.seconds_a.append(ra["seconds"])
+            comp.seconds_b.append(rb["seconds"])
+            comp.extra_a.append({k: v for k, v in ra.items() if k != "seconds"})
+            comp.extra_b.append({k: v for k, v in rb.items() if k != "seconds"})
+            log(
+                f"[{r + 1}/{repeats}] {comp.name}: {comp.a.label} {ra['seconds']:.3f}s  "
+                f"{comp.b.label} {rb['seconds']:.3f}s  ratio {rb['seconds'] / ra['seconds']:.3f}"
+            )
+
+
+def machine() -> dict[str, Any]:
+    import torch
+
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+    }
+
+
+def write_results(path: Path, title: str, comparisons: list[Comparison], **extra: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"title": title, "machine": machine(), "comparisons": [c.row() for c in comparisons]}
+    payload.update(extra)
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+
+
+def print_table(
+    title: str, comparisons: list[Comparison], ratio_label: str = "B/A wall time"
+) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in (
+        "comparison",
+        "A",
+        "B",
+        "median A (s)",
+        "median B (s)",
+        ratio_label,
+        "pairs",
+        "target",
+    ):
+        table.add_column(col)
+    for c in comparisons:
+        table.add_row(
+            c.name,
+            c.a.label,
+            c.b.label,
+            f"{statistics.median(c.seconds_a):.3f}",
+            f"{statistics.median(c.seconds_b):.3f}",
+            f"{c.median_ratio:.3f}",
+            str(len(c.ratios)),
+            c.target,
+        )
+    Console().print(table)
