@@ -1,0 +1,130 @@
+"""Exact save and restore of a vector environment's state, for bit-identical resume.
+
+Gymnasium has no state API, but the classic-control envs, their vector implementations
+and the standard wrappers keep their whole state in plain attributes: numpy arrays,
+numbers, ``np.random.Generator`` objects, deques. :func:`capture_env_state` walks the
+wrapper stack (and the sub-envs of a ``SyncVectorEnv``) and records those attributes as
+tensors and plain containers, so a checkpoint holding them still loads with
+``torch.load(weights_only=True)``; :func:`restore_env_state` writes them back into a
+freshly built env of the same configuration. An env whose state lives elsewhere (a physics
+engine, another process as in ``AsyncVectorEnv``) raises :class:`EnvStateError`, and the
+trainer then falls back to re-seeding.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import torch
+
+PLAIN = (bool, int, float, str, type(None))
+# Attributes that are configuration, caches of spaces or rendering handles, not state.
+SKIPPED = {"spec", "metadata", "render_mode", "env_fns", "_saved_kwargs", "_cached_spec"}
+# Env classes known to keep state outside plain attributes.
+OPAQUE = ("AsyncVectorEnv",)
+
+
+class EnvStateError(RuntimeError):
+    """The env's state cannot be captured exactly."""
+
+
+def _nodes(env: Any, path: str = "env") -> list[tuple[str, Any]]:
+    """Every env object of the stack, outermost first, with a stable path."""
+    out: list[tuple[str, Any]] = []
+    while env is not None:
+        name = type(env).__name__
+        if name in OPAQUE:
+            raise EnvStateError(
+                f"{name} keeps its environments in other processes; exact resume needs "
+                f"env.vectorization=sync or the env's own vector implementation"
+            )
+        out.append((path, env))
+        subs = getattr(env, "envs", None)
+        if isinstance(subs, list | tuple):
+            for i, sub in enumerate(subs):
+                out.extend(_nodes(sub, f"{path}.envs[{i}]"))
+        env, path = getattr(env, "env", None), f"{path}.env"
+    return out
+
+
+def _encode(value: Any) -> tuple[bool, Any]:
+    """``(ok, encoded)``: ok is False for values that are not plain state."""
+    if type(value) in PLAIN:  # exact types: np.float64 subclasses float but pickles as numpy
+        return True, {"plain": value}
+    if isinstance(value, np.random.Generator):
+        return True, {
+            "generator": type(value.bit_generator).__name__,
+            "state": value.bit_generator.state,
+        }
+    if isinstance(value, np.ndarray | np.generic):
+        arr = np.asarray(value)
+        if arr.dtype.kind not in "biuf":
+            return False, None
+        return True, {
+            "array": torch.from_numpy(arr.copy()),
+            "dtype": arr.dtype.str,
+            "scalar": isinstance(value, np.generic),
+        }
+    if isinstance(value, deque):
+        items = [_encode(v) for v in value]
+        if all(ok for ok, _ in items):
+            return True, {"deque": [e for _, e in items], "maxlen": value.maxlen}
+        return False, None
+    if isinstance(value, tuple | list):
+        items = [_encode(v) for v in value]
+        if all(ok for ok, _ in items):
+            return True, {"seq": [e for _, e in items], "tuple": isinstance(value, tuple)}
+        return False, None
+    return False, None
+
+
+def _decode(enc: dict[str, Any]) -> Any:
+    if "plain" in enc:
+        return enc["plain"]
+    if "generator" in enc:
+        bit_generator = getattr(np.random, enc["generator"])()
+        bit_generator.state = enc["state"]
+        return np.random.Generator(bit_generator)
+    if "array" in enc:
+        arr = enc["array"].numpy().astype(np.dtype(enc["dtype"]))
+        return arr[()] if enc["scalar"] else arr
+    if "deque" in enc:
+        return deque((_decode(e) for e in enc["deque"]), maxlen=enc["maxlen"])
+    items = [_decode(e) for e in enc["seq"]]
+    return tuple(items) if enc["tuple"] else items
+
+
+def capture_env_state(env: gym.vector.VectorEnv) -> dict[str, Any]:
+    """The plain-attribute state of every object in ``env``'s stack."""
+    nodes = {}
+    for path, obj in _nodes(env):
+        attrs = {}
+        for key, value in vars(obj).items():
+            if key in SKIPPED or isinstance(value, gym.Space):
+                continue
+            ok, enc = _encode(value)
+            if ok:
+                attrs[key] = enc
+        nodes[path] = {"class": type(obj).__name__, "attrs": attrs}
+    return nodes
+
+
+def restore_env_state(env: gym.vector.VectorEnv, state: dict[str, Any]) -> None:
+    """Write a :func:`capture_env_state` result into an env built the same way."""
+    nodes = dict(_nodes(env))
+    if set(nodes) != set(state):
+        raise EnvStateError(
+            f"the environment stack differs from the checkpoint's: {sorted(nodes)} vs "
+            f"{sorted(state)}; build it with the same env settings"
+        )
+    for path, saved in state.items():
+        obj = nodes[path]
+        if type(obj).__name__ != saved["class"]:
+            raise EnvStateError(
+                f"{path} is a {type(obj).__name__}, the checkpoint holds a {saved['class']}"
+            )
+        for key, enc in saved["attrs"].items():
+            setattr(obj, key, _decode(enc))
