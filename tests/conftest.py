@@ -8,7 +8,17 @@ import pytest
 import torch
 from torch import nn
 
-from policy_probes import LinearSpec, MLPSpec, PolicyAutoBuilder
+from policy_probes import (
+    ComponentContext,
+    LinearSpec,
+    MLPSpec,
+    PolicyAutoBuilder,
+    attach_fisher_information_hooks,
+    attach_gradient_flow_hooks,
+    attach_relu_activation_hooks,
+    attach_relu_gradient_flow_hooks,
+    attach_saturated_activation_hooks,
+)
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
@@ -34,6 +44,28 @@ class TinyPolicy(PolicyAutoBuilder):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.actor_head(self.actor_mlp(x))
+
+
+def attach_all_probes(
+    policy: PolicyAutoBuilder,
+    ctx: ComponentContext,
+    component: str = "actor_mlp",
+    *,
+    saturation: str | None = None,
+    saturation_component: str | None = None,
+) -> None:
+    """The ReLU probe, optionally a saturation probe, and the three backward probes."""
+    policy.attach(component, attach_relu_activation_hooks(), ctx)
+    if saturation is not None:
+        policy.attach(
+            saturation_component or component, attach_saturated_activation_hooks(saturation), ctx
+        )
+    for make in (
+        attach_fisher_information_hooks,
+        attach_gradient_flow_hooks,
+        attach_relu_gradient_flow_hooks,
+    ):
+        policy.attach(component, make(), ctx, backward=True)
 
 
 def hook_counts(model: nn.Module) -> int:

@@ -6,16 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TinyPolicy
+from conftest import TinyPolicy, attach_all_probes
 
 from policy_probes import (
     ComponentContext,
     StatsReporter,
-    attach_fisher_information_hooks,
-    attach_gradient_flow_hooks,
-    attach_relu_activation_hooks,
-    attach_relu_gradient_flow_hooks,
-    attach_saturated_activation_hooks,
 )
 
 SYNCING = {"item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__", "__index__"}
@@ -60,27 +55,13 @@ def test_all_probes_run_without_host_sync() -> None:
     torch.manual_seed(0)
     policy = TinyPolicy()
     ctx = ComponentContext()
-    policy.attach("actor_mlp", attach_relu_activation_hooks(), ctx)
-    policy.attach("actor_mlp.layer_0", attach_saturated_activation_hooks("tanh"), ctx)
-    for make in (
-        attach_fisher_information_hooks,
-        attach_gradient_flow_hooks,
-        attach_relu_gradient_flow_hooks,
-    ):
-        policy.attach("actor_mlp", make(), ctx, backward=True)
+    attach_all_probes(policy, ctx, saturation="tanh", saturation_component="actor_mlp.layer_0")
     x = torch.randn(4, 5)
     with ForbidHostSync() as baseline:  # the bare model: its own forward/backward
         policy.remove_hooks()
         train_steps(policy)
     ctx = ComponentContext()
-    policy.attach("actor_mlp", attach_relu_activation_hooks(), ctx)
-    policy.attach("actor_mlp.layer_0", attach_saturated_activation_hooks("tanh"), ctx)
-    for make in (
-        attach_fisher_information_hooks,
-        attach_gradient_flow_hooks,
-        attach_relu_gradient_flow_hooks,
-    ):
-        policy.attach("actor_mlp", make(), ctx, backward=True)
+    attach_all_probes(policy, ctx, saturation="tanh", saturation_component="actor_mlp.layer_0")
     with ForbidHostSync() as probed:
         train_steps(policy)
     assert baseline.calls == []

@@ -11,15 +11,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from conftest import TinyPolicy
+from conftest import TinyPolicy, attach_all_probes
 
 from policy_probes import (
     ComponentContext,
     StatsReporter,
-    attach_fisher_information_hooks,
-    attach_gradient_flow_hooks,
-    attach_relu_activation_hooks,
-    attach_relu_gradient_flow_hooks,
 )
 
 UNION_KEYS = (
@@ -51,13 +47,7 @@ def probed_policy() -> tuple[TinyPolicy, ComponentContext]:
     with torch.no_grad():
         policy.actor_mlp.layer_1.linear.bias[0] = -30.0
     ctx = ComponentContext()
-    policy.attach("actor_mlp", attach_relu_activation_hooks(), ctx)
-    for make in (
-        attach_fisher_information_hooks,
-        attach_gradient_flow_hooks,
-        attach_relu_gradient_flow_hooks,
-    ):
-        policy.attach("actor_mlp", make(), ctx, backward=True)
+    attach_all_probes(policy, ctx)
     return policy, ctx
 
 

@@ -7,16 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TinyPolicy
+from conftest import TinyPolicy, attach_all_probes
 
 from policy_probes import (
     ComponentContext,
     StatsReporter,
-    attach_fisher_information_hooks,
-    attach_gradient_flow_hooks,
-    attach_relu_activation_hooks,
-    attach_relu_gradient_flow_hooks,
-    attach_saturated_activation_hooks,
 )
 
 
@@ -24,14 +19,7 @@ def probed(buffer_elements: int | None) -> tuple[TinyPolicy, ComponentContext]:
     torch.manual_seed(0)
     policy = TinyPolicy()
     ctx = ComponentContext()
-    policy.attach("actor_mlp", attach_relu_activation_hooks(), ctx)
-    policy.attach("actor_mlp", attach_saturated_activation_hooks("sigmoid"), ctx)
-    for make in (
-        attach_fisher_information_hooks,
-        attach_gradient_flow_hooks,
-        attach_relu_gradient_flow_hooks,
-    ):
-        policy.attach("actor_mlp", make(), ctx, backward=True)
+    attach_all_probes(policy, ctx, saturation="sigmoid")
     if buffer_elements is not None:
         for tracker in ctx.model_metrics.values():
             tracker.buffer_elements = buffer_elements
