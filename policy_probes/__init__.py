@@ -17,6 +17,7 @@ from policy_probes.probes import (
     attach_relu_gradient_flow_hooks,
     attach_saturated_activation_hooks,
 )
+from policy_probes.session import ProbeSession
 from policy_probes.stats_reporter import StatsReporter
 
 __version__ = "0.1.0"
@@ -34,6 +35,7 @@ __all__ = [
     "ProbeError",
     "ProbeHandle",
     "ProbeHook",
+    "ProbeSession",
     "ProbeState",
     "ReLUActivationState",
     "ReLUGradientFlowState",

@@ -1,0 +1,350 @@
+"""Stable-Baselines3: probes on an SB3 policy through a callback.
+
+::
+
+    from stable_baselines3 import PPO
+    from policy_probes import attach_fisher_information_hooks, attach_relu_activation_hooks
+    from policy_probes.integrations.sb3 import ProbeCallback
+
+    model = PPO("MlpPolicy", "CartPole-v1", policy_kwargs=dict(activation_fn=nn.ReLU))
+    callback = ProbeCallback(
+        probes=[("actor_mlp", attach_relu_activation_hooks())],
+        backward_probes=[("actor_mlp", attach_fisher_information_hooks())],
+        run_dir="runs/sb3-ppo",
+    )
+    model.learn(100_000, callback=callback)
+
+What happens in one rollout/update cycle of an on-policy algorithm (PPO, A2C)::
+
+    _on_rollout_start   report the previous cycle (its train() has finished); phase "rollout"
+    rollout             policy forwards under no_grad: probes do not record
+    _on_rollout_end     phase "train"
+    dump_logs, train()  every minibatch forward/backward of the update is recorded
+    ... next _on_rollout_start, or _on_training_end for the last cycle: report
+
+Component names for ``ActorCriticPolicy`` (``MlpPolicy`` of PPO and A2C) are in
+:data:`SB3_COMPONENTS`; see ``docs/external.md``.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import numbers
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+try:
+    from stable_baselines3.common.callbacks import BaseCallback
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "policy_probes.integrations.sb3 needs Stable-Baselines3: pip install "
+        "policy-probes[sb3] (or pip install stable-baselines3)"
+    ) from exc
+
+from torch import nn
+
+from policy_probes.context import ComponentContext
+from policy_probes.lifecycle import preserved_rng
+from policy_probes.session import HookBuilderFn, ProbeSession, default_run_dir
+from policy_probes.sinks import SinksConfig, WandbConfig
+
+#: short names -> submodule paths of SB3's ``ActorCriticPolicy`` (PPO, A2C ``MlpPolicy``);
+#: a name is offered only when its path exists on the policy
+SB3_COMPONENTS: dict[str, str] = {
+    "features": "features_extractor",
+    "actor_features": "pi_features_extractor",
+    "critic_features": "vf_features_extractor",
+    "actor_mlp": "mlp_extractor.policy_net",
+    "critic_mlp": "mlp_extractor.value_net",
+    "actor_head": "action_net",
+    "critic_head": "value_net",
+}
+
+#: SB3 hyperparameters copied into the run config when the algorithm has them
+_HYPERPARAMETERS = (
+    "learning_rate",
+    "n_steps",
+    "batch_size",
+    "n_epochs",
+    "gamma",
+    "gae_lambda",
+    "ent_coef",
+    "vf_coef",
+    "max_grad_norm",
+    "clip_range",
+    "normalize_advantage",
+    "target_kl",
+    "n_envs",
+    "seed",
+    "device",
+    "policy_kwargs",
+)
+
+Probe = tuple[str, HookBuilderFn]
+
+
+def sb3_components(
+    policy: nn.Module, extra: Mapping[str, nn.Module | str] | None = None
+) -> dict[str, nn.Module | str]:
+    """Component names for an SB3 policy: every direct child under its attribute name
+    (so raw dotted paths such as ``mlp_extractor.policy_net.0`` resolve), the short names
+    of :data:`SB3_COMPONENTS` that exist on it, and ``extra`` (which wins)."""
+    out: dict[str, nn.Module | str] = {}
+    for name, child in policy._modules.items():  # every attribute, shared modules included
+        if child is not None:
+            out[name] = name
+    for alias, path in SB3_COMPONENTS.items():
+        try:
+            policy.get_submodule(path)
+        except AttributeError:
+            continue
+        out[alias] = path
+    out.update(extra or {})
+    return out
+
+
+class ProbeCallback(BaseCallback):
+    """Attach probes to an SB3 policy, record them during ``train()``, and report once
+    per rollout/update cycle to the sinks (JSONL, CSV, W&B, console).
+
+    Args:
+        probes: ``(pattern, builder)`` forward probes, e.g.
+            ``("actor_mlp", attach_relu_activation_hooks())``.
+        backward_probes: ``(pattern, builder)`` backward probes, e.g.
+            ``("actor_mlp", attach_fisher_information_hooks())``.
+        components: more component names (name -> submodule or dotted path); the SB3
+            names of :func:`sb3_components` are always there.
+        run_dir: where the sinks write; default ``runs/sb3-<algo>-<time>``.
+        sinks, wandb, config, strict, hooks, with_hooks, hook_config, snapshot_every: as in
+            :class:`~policy_probes.session.ProbeSession` (the run config also gets the
+            algorithm's hyperparameters under ``"sb3"``). Lifecycle observers get the
+            policy and its optimizer; interventions are not available (SB3's loss is
+            internal to ``train()``).
+        log_sb3: add SB3's own logger values of the cycle (``train/*``) and the episode
+            statistics (``rollout/ep_rew_mean``, ``rollout/ep_len_mean``) to each record.
+        verbose: SB3 verbosity; 1 prints the record's path once.
+
+    After ``learn()`` the session is closed (hooks removed, sinks closed) and
+    :attr:`history` holds every record. A later ``learn()`` with the same callback opens
+    a new session on the same ``run_dir`` and continues the cycle count.
+    """
+
+    def __init__(
+        self,
+        probes: Iterable[Probe] = (),
+        backward_probes: Iterable[Probe] = (),
+        *,
+        components: Mapping[str, nn.Module | str] | None = None,
+        run_dir: str | Path | None = None,
+        sinks: SinksConfig | None = None,
+        wandb: WandbConfig | None = None,
+        config: Mapping[str, Any] | None = None,
+        strict: bool = False,
+        hooks: Iterable[str] = (),
+        with_hooks: str | None = None,
+        hook_config: Mapping[str, Any] | Iterable[str] | None = None,
+        snapshot_every: int = 0,
+        log_sb3: bool = True,
+        verbose: int = 0,
+    ) -> None:
+        super().__init__(verbose)
+        self._probes: list[tuple[str, HookBuilderFn, bool]] = []
+        for pattern, builder in _pairs(probes, "probes"):
+            self._probes.append((pattern, builder, False))
+        for pattern, builder in _pairs(backward_probes, "backward_probes"):
+            self._probes.append((pattern, builder, True))
+        self.components = dict(components or {})
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.sinks_config = sinks
+        self.wandb_config = wandb
+        self.user_config = dict(config or {})
+        self.strict = strict
+        self.hook_selection = {
+            "hooks": list(hooks),
+            "with_hooks": with_hooks,
+            "hook_config": hook_config,
+        }
+        self.snapshot_every = snapshot_every
+        self.log_sb3 = log_sb3
+        self.session: ProbeSession | None = None
+        #: one dict per reported cycle (what was emitted)
+        self.history: list[dict[str, Any]] = []
+        self._trained = False  # a train() ran since the last report
+
+    # ------------------------------------------------------------------ probes
+    def add_training_hook(self, pattern: str, builder: HookBuilderFn) -> ProbeCallback:
+        """Add a forward probe (attached when ``learn()`` starts, or now if it runs)."""
+        return self._add(pattern, builder, backward=False)
+
+    def add_training_backward_hook(self, pattern: str, builder: HookBuilderFn) -> ProbeCallback:
+        """Add a backward probe (attached when ``learn()`` starts, or now if it runs)."""
+        return self._add(pattern, builder, backward=True)
+
+    def _add(self, pattern: str, builder: HookBuilderFn, backward: bool) -> ProbeCallback:
+        if self.session is not None and not self.session.closed:
+            self.session._attach(pattern, builder, backward)
+        self._probes.append((pattern, builder, backward))
+        return self
+
+    # --------------------------------------------------------------- callbacks
+    def _init_callback(self) -> None:
+        """Called by ``learn()`` before training: wrap the policy and attach the probes."""
+        if self.session is not None and not self.session.closed:
+            if self.session.module is self.model.policy:
+                return  # learn() called again while the session is open
+            self.session.close()
+        policy = self.model.policy
+        algo = type(self.model).__name__
+        run_dir = self.run_dir or default_run_dir(f"sb3-{algo.lower()}")
+        self.run_dir = run_dir
+        config = {"sb3": self._hyperparameters(), **self.user_config}
+        session = ProbeSession(
+            policy,
+            components=sb3_components(policy, self.components),
+            run_dir=run_dir,
+            sinks=self.sinks_config,
+            wandb=self.wandb_config,
+            config=config,
+            strict=self.strict,
+            optimizer=getattr(policy, "optimizer", None),
+            snapshot_every=self.snapshot_every,
+            start_epoch=len(self.history),
+            **self.hook_selection,
+        )
+        try:
+            self._trace(session)
+            for pattern, builder, backward in self._probes:
+                session._attach(pattern, builder, backward)
+        except BaseException:
+            session.close()
+            raise
+        session.set_phase("rollout")
+        self.session = session
+        self._trained = False
+        if self.verbose >= 1:
+            print(f"policy-probes: writing to {run_dir}")
+
+    def _on_rollout_start(self) -> None:
+        """The previous cycle's ``train()`` has finished: report it, then stop recording."""
+        self._report()
+        if self.session is not None:
+            self.session.set_phase("rollout")
+
+    def _on_rollout_end(self) -> None:
+        """SB3 calls ``train()`` next: record from here."""
+        if self.session is not None:
+            self.session.set_phase("train")
+            self._trained = True
+
+    def _on_step(self) -> bool:
+        return True
+
+    def _on_training_end(self) -> None:
+        """Report the last cycle and close the session (hooks removed, sinks closed)."""
+        try:
+            self._report()
+        finally:
+            self.close()
+
+    # ------------------------------------------------------------------ report
+    def _report(self) -> None:
+        if self.session is None or self.session.closed or not self._trained:
+            return
+        self._trained = False
+        if self.log_sb3:
+            self.session.log(self._sb3_values())
+        self.session.set_phase("rollout")
+        self.history.append(self.session.epoch_end(step=int(self.model.num_timesteps)))
+
+    def _sb3_values(self) -> dict[str, float]:
+        """SB3's logger values recorded since its last dump (``train()`` records its
+        ``train/*`` values after ``dump_logs`` ran, so they are all still there) and the
+        episode statistics over SB3's episode buffer, as ``dump_logs`` computes them."""
+        out: dict[str, float] = {}
+        logger = getattr(self.model, "_logger", None)
+        for key, value in dict(getattr(logger, "name_to_value", {}) or {}).items():
+            if isinstance(value, numbers.Real) and not isinstance(value, bool):
+                out[key] = float(value)
+        episodes = getattr(self.model, "ep_info_buffer", None)
+        if episodes:
+            out["rollout/ep_rew_mean"] = float(sum(e["r"] for e in episodes) / len(episodes))
+            out["rollout/ep_len_mean"] = float(sum(e["l"] for e in episodes) / len(episodes))
+        return out
+
+    # ----------------------------------------------------------------- helpers
+    def _trace(self, session: ProbeSession) -> None:
+        """Learn what each component returns with one forward pass on a sample
+        observation (no_grad, eval mode, every RNG restored), so that a backward probe on
+        a component that returns a tuple (``mlp_extractor``) fails when attached."""
+        policy = self.model.policy
+        try:
+            space = copy.deepcopy(policy.observation_space)  # keep the space's own RNG
+            obs, _ = policy.obs_to_tensor(space.sample())
+        except Exception:  # exotic spaces: kinds stay unknown, checked on first forward
+            return
+        was_training = policy.training
+        try:
+            with preserved_rng():
+                policy.train(False)
+                session.policy.trace_outputs(obs)
+        finally:
+            policy.train(was_training)
+
+    def _hyperparameters(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"algo": type(self.model).__name__}
+        out["policy"] = type(self.model.policy).__name__
+        for name in _HYPERPARAMETERS:
+            value = getattr(self.model, name, None)
+            if value is None:
+                continue
+            if callable(value):  # schedules
+                value = getattr(value, "__name__", type(value).__name__)
+            if not isinstance(value, bool | int | float | str):
+                value = str(value)
+            out[name] = value
+        return out
+
+    # ------------------------------------------------------------------- close
+    def close(self) -> None:
+        """Remove the hooks and close the sinks (done at the end of ``learn()``; call it
+        yourself, or use the callback as a context manager, if ``learn()`` may raise)."""
+        if self.session is not None:
+            self.session.close()
+
+    def __enter__(self) -> ProbeCallback:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _takes_name_and_context(builder: Any) -> bool:
+    try:
+        inspect.signature(builder).bind("component", ComponentContext())
+    except TypeError:
+        return False
+    except ValueError:  # no signature (builtins): let attach decide
+        pass
+    return True
+
+
+def _pairs(items: Iterable[Probe], what: str) -> list[Probe]:
+    out = []
+    for item in items:
+        if not (isinstance(item, tuple | list) and len(item) == 2 and isinstance(item[0], str)):
+            raise TypeError(
+                f"{what} must hold (pattern, builder) pairs such as ('actor_mlp', "
+                f"attach_relu_activation_hooks()), got {item!r}"
+            )
+        if not callable(item[1]) or not _takes_name_and_context(item[1]):
+            raise TypeError(
+                f"{what}: the builder for {item[0]!r} must be callable as (component_name, "
+                f"context); did you forget the parentheses, e.g. attach_relu_activation_hooks()?"
+            )
+        out.append((item[0], item[1]))
+    return out
+
+
+__all__ = ["SB3_COMPONENTS", "ProbeCallback", "sb3_components"]

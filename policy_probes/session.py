@@ -1,0 +1,514 @@
+"""ProbeSession: the probes, lifecycle observers and sinks, driven by any training loop.
+
+The built-in trainer owns its loop; most users already have one (a CleanRL-style script,
+Stable-Baselines3, their own code). A session gives such a loop the same probes, metrics
+and dashboards with a handful of calls::
+
+    with ProbeSession(agent, run_dir="runs/ppo", sinks=SinksConfig(console=False)) as session:
+        session.add_training_hook("actor.*", attach_relu_activation_hooks())
+        session.add_training_backward_hook("actor", attach_fisher_information_hooks())
+        for update in range(num_updates):
+            with session.phase("rollout"):
+                ...                             # collect experience (not recorded)
+            ...                                 # update epochs: probes record here
+            session.log({"train/value_loss": v_loss})
+            session.epoch_end(step=global_step) # one record per epoch to every sink
+
+Leaving the ``with`` block (normally or by an exception) removes every hook the session
+installed and flushes and closes the sinks. See ``docs/external.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from policy_probes.components import PolicyAutoBuilder, ProbeHandle
+from policy_probes.context import PHASES, ComponentContext
+from policy_probes.lifecycle import (
+    HookManager,
+    HookPoint,
+    InterventionHook,
+    LoopModelDataContext,
+    ModelDataContext,
+    TrainingHook,
+    preserved_rng,
+    select_hooks,
+    snapshot_due,
+)
+from policy_probes.sinks import SinkGroup, SinksConfig, WandbConfig, build_sink_group
+from policy_probes.sinks.base import to_plain
+from policy_probes.stats_reporter import StatsReporter
+
+log = logging.getLogger("policy_probes")
+
+#: the loop type lifecycle hooks see (``loop_points``) when a ProbeSession fires them
+LOOP = "external"
+
+HookBuilderFn = Callable[[str, ComponentContext], Any]
+
+
+def default_run_dir(name: str = "session") -> Path:
+    """``runs/<name>-<time>`` (with a numeric suffix if it exists already)."""
+    base = Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    path, i = base, 1
+    while path.exists():
+        path, i = base.with_name(f"{base.name}-{i}"), i + 1
+    return path
+
+
+class ProbeSession:
+    """Probes, lifecycle observers and metric sinks for a training loop you own.
+
+    Args:
+        model: the policy, any ``nn.Module``. A :class:`PolicyAutoBuilder` is used as is;
+            anything else is wrapped with :meth:`PolicyAutoBuilder.wrap` (the module itself
+            is not changed; hooks go on its submodules).
+        components: names for parts of ``model`` (``{"actor_mlp": "actor.0"}``), passed to
+            ``wrap``; ``None`` names every direct child after its attribute. Deeper parts
+            are always reachable by dotted names (``"actor.1"``).
+        example_inputs: positional arguments for one traced forward pass (under
+            ``no_grad``, with every RNG restored afterwards), so a backward probe on a
+            component that returns a tuple or mapping fails when attached.
+        run_dir: where the sinks write; default ``runs/session-<time>``.
+        sinks: which sinks to write (JSONL, CSV, W&B, console, TensorBoard).
+        wandb: the W&B run (``mode="offline"`` needs no account).
+        config: your run configuration; stored in ``run_dir/config.json`` and the W&B
+            run's config.
+        strict: a probe or lifecycle hook that raises stops training instead of being
+            disabled and reported.
+        hooks, with_hooks, hook_config: lifecycle hook selection as in the trainer
+            (``hooks=["norms", "adam_dynamics"]``, ``with_hooks="observers"``,
+            ``hook_config=["norms.per_layer=false"]``). See docs/external.md for what each
+            hook needs from the loop.
+        optimizer: the loop's optimizer (``adam_dynamics``, the learning rate, and the
+            interventions' checkpoints need it).
+        scheduler: its learning-rate scheduler, checkpointed with it by interventions.
+        loss_fn: ``loss_fn(model, minibatch) -> loss`` (mean over the minibatch), the exact
+            loss the loop trains with. With ``optimizer`` it enables the interventions
+            (``counterfactual``, ``policy_fisher``, ``hessian``), which also need the
+            epoch's data: :meth:`set_data` or :meth:`rollout_end`.
+        max_grad_norm, update_epochs, obs_key: how the loop updates (for replayed update
+            epochs) and where observations are in a minibatch.
+        model_context: a ready :class:`ModelDataContext` instead of ``loss_fn``.
+        snapshot_every: fire SNAPSHOT (``hessian``; heatmaps and the console table) every
+            N epochs; 0 never.
+        start_epoch: the index of the first epoch (to continue a count across sessions).
+        console: a rich ``Console`` for the console sink (to share with a progress bar).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        components: Mapping[str, nn.Module | str] | None = None,
+        example_inputs: tuple[Any, ...] | None = None,
+        run_dir: str | Path | None = None,
+        sinks: SinksConfig | None = None,
+        wandb: WandbConfig | None = None,
+        config: Mapping[str, Any] | None = None,
+        strict: bool = False,
+        hooks: Iterable[str] = (),
+        with_hooks: str | None = None,
+        hook_config: Mapping[str, Any] | Iterable[str] | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any = None,
+        loss_fn: Callable[[nn.Module, Any], Any] | None = None,
+        max_grad_norm: float | None = None,
+        update_epochs: int = 1,
+        obs_key: str = "obs",
+        model_context: ModelDataContext | None = None,
+        snapshot_every: int = 0,
+        start_epoch: int = 0,
+        console: Any = None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"ProbeSession needs a torch.nn.Module, got {type(model).__name__}")
+        self.module = model
+        self.policy = self._probeable(model, components, example_inputs)
+        self.context = ComponentContext(strict=strict)
+        self.optimizer = optimizer
+        self.snapshot_every = int(snapshot_every)
+        self.epoch = int(start_epoch)
+        self.agent_step: int | None = None
+        self.closed = False
+        self._handles: list[ProbeHandle] = []
+        self._builders: list[tuple[str, HookBuilderFn, bool]] = []
+        self._logged: dict[str, Any] = {}
+        self._sums: dict[str, tuple[Any, int]] = {}
+        self._pending: dict[str, Any] = {}
+        self._step = 0
+        self._rollout_seen = False
+
+        self.model_context = model_context
+        if self.model_context is None and loss_fn is not None:
+            if optimizer is None:
+                raise ValueError("loss_fn=... needs optimizer=... (interventions replay updates)")
+            self.model_context = LoopModelDataContext(
+                model,
+                optimizer,
+                loss_fn,
+                scheduler=scheduler,
+                max_grad_norm=max_grad_norm,
+                update_epochs=update_epochs,
+                obs_key=obs_key,
+            )
+        selected = select_hooks(hooks, with_hooks, hook_config)
+        self._check_hooks(selected)
+        self.hooks = HookManager(
+            selected,
+            loop=LOOP,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            config=dict(config or {}),
+            component_context=self.context,
+            strict=strict,
+        )
+        self._reporter_hook = any(h.name == "stats_reporter" for h in selected)
+
+        self.run_dir = Path(run_dir) if run_dir is not None else default_run_dir()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.config = {
+            "session": {
+                "model": type(model).__name__,
+                "components": list(self.policy.components),
+                "hooks": [h.name for h in selected],
+                "snapshot_every": self.snapshot_every,
+            },
+            **dict(config or {}),
+        }
+        self._write_config()
+        self.sinks: SinkGroup = build_sink_group(
+            self.run_dir,
+            sinks or SinksConfig(),
+            wandb or WandbConfig(),
+            self.config,
+            console=console,
+        )
+        self.sinks.set_run_context(run_dir=self.run_dir, config=self.config)
+        try:
+            self._fire_pre_epoch()
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ set-up
+    @staticmethod
+    def _probeable(
+        model: nn.Module,
+        components: Mapping[str, nn.Module | str] | None,
+        example_inputs: tuple[Any, ...] | None,
+    ) -> PolicyAutoBuilder:
+        if isinstance(model, PolicyAutoBuilder):
+            if components is not None:
+                raise ValueError(
+                    f"{type(model).__name__} is already a PolicyAutoBuilder with components "
+                    f"{list(model.components)}; drop components=..."
+                )
+            policy = model
+        else:
+            policy = PolicyAutoBuilder.wrap(model, components)
+        if example_inputs is not None:
+            if not isinstance(example_inputs, tuple):
+                raise TypeError("example_inputs must be a tuple of positional arguments")
+            with preserved_rng():  # a forward that samples must not move the loop's RNG
+                policy.trace_outputs(*example_inputs)
+        return policy
+
+    def _check_hooks(self, selected: Sequence[TrainingHook]) -> None:
+        for hook in selected:
+            if isinstance(hook, InterventionHook) and self.model_context is None:
+                raise ValueError(
+                    f"lifecycle hook {hook.name!r} is an intervention; a ProbeSession runs "
+                    f"interventions only with optimizer=... and loss_fn=(model, minibatch) -> "
+                    f"loss (or model_context=...), plus the epoch's data via "
+                    f"session.set_data(...) or session.rollout_end(...). Deselect it or pass them."
+                )
+            if hook.name == "adam_dynamics" and self.optimizer is None:
+                raise ValueError(
+                    "lifecycle hook 'adam_dynamics' reads the optimizer: pass optimizer=..."
+                )
+            if HookPoint.SNAPSHOT in hook.points(LOOP) and self.snapshot_every <= 0:
+                raise ValueError(
+                    f"lifecycle hook {hook.name!r} fires at SNAPSHOT; set snapshot_every=N "
+                    f"(every N epochs) or deselect it"
+                )
+
+    def _write_config(self) -> None:
+        try:
+            text = json.dumps(to_plain_config(self.config), indent=2)
+            (self.run_dir / "config.json").write_text(text + "\n")
+        except OSError as exc:  # the sinks report an unwritable run_dir themselves
+            log.error("could not write %s/config.json: %s", self.run_dir, exc)
+
+    # ------------------------------------------------------------------ probes
+    def add_training_hook(self, pattern: str, builder: HookBuilderFn) -> ProbeSession:
+        """Attach a forward probe builder to a component name or glob now; returns self.
+
+        An unknown name raises ``KeyError`` listing the available names."""
+        return self._attach(pattern, builder, backward=False)
+
+    def add_training_backward_hook(self, pattern: str, builder: HookBuilderFn) -> ProbeSession:
+        """Attach a backward probe builder to a component name or glob now; returns self."""
+        return self._attach(pattern, builder, backward=True)
+
+    def _attach(self, pattern: str, builder: HookBuilderFn, backward: bool) -> ProbeSession:
+        if self.closed:
+            raise RuntimeError("this ProbeSession is closed; start a new one to attach probes")
+        if not isinstance(pattern, str) or not pattern:
+            raise TypeError(f"component pattern must be a non-empty string, got {pattern!r}")
+        for existing_pattern, existing, _ in self._builders:
+            if existing_pattern == pattern and existing is builder:
+                raise ValueError(
+                    f"this builder is already attached to {pattern!r}; create a new builder "
+                    f"to attach the same probe twice"
+                )
+        self._handles.extend(self.policy.attach(pattern, builder, self.context, backward=backward))
+        self._builders.append((pattern, builder, backward))
+        return self
+
+    @property
+    def component_names(self) -> list[str]:
+        """Every name a probe can be attached to."""
+        return self.policy.component_names()
+
+    # ------------------------------------------------------------------ phases
+    @property
+    def current_phase(self) -> str:
+        return self.context.phase
+
+    def set_phase(self, name: str) -> None:
+        """``"rollout"`` while collecting experience, ``"train"`` while updating,
+        ``"eval"`` while evaluating. Probes record only in their ``phases``
+        (default ``("train",)``)."""
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"phase must be a non-empty string such as {PHASES}, got {name!r}")
+        if name not in PHASES:
+            log.warning(
+                "phase %r is not one of %s; probes record only in their phases", name, PHASES
+            )
+        self.context.phase = name
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Set the phase inside the block and restore the previous one afterwards."""
+        previous = self.context.phase
+        self.set_phase(name)
+        try:
+            yield
+        finally:
+            self.context.phase = previous
+
+    # ----------------------------------------------------------------- metrics
+    def log(self, metrics: Mapping[str, Any], *, reduce: Literal["last", "mean"] = "last") -> None:
+        """Add the loop's own scalars (losses, returns, ...) to the current epoch's record.
+
+        ``reduce="last"``: a key logged again replaces the earlier value. ``"mean"``: the
+        record holds the mean of every value logged under the key this epoch. Tensors are
+        kept as they are (no host synchronisation) and read once at :meth:`epoch_end`.
+        """
+        if reduce not in ("last", "mean"):
+            raise ValueError(f"reduce must be 'last' or 'mean', got {reduce!r}")
+        for key, value in metrics.items():
+            if isinstance(value, torch.Tensor):
+                value = value.detach()
+            if reduce == "last":
+                self._logged[key] = value
+                self._sums.pop(key, None)
+            else:
+                total, n = self._sums.get(key, (0.0, 0))
+                self._sums[key] = (total + value, n + 1)
+                self._logged.pop(key, None)
+
+    # --------------------------------------------------------- lifecycle points
+    def set_data(
+        self,
+        *,
+        minibatches: Sequence[Any] | None = None,
+        data: Any = None,
+        minibatch_size: int | None = None,
+    ) -> None:
+        """Give the interventions this epoch's data (see LoopModelDataContext.set_data)."""
+        if self.model_context is None:
+            raise RuntimeError(
+                "set_data() needs loss_fn=... and optimizer=... (or model_context=...)"
+            )
+        if not hasattr(self.model_context, "set_data"):
+            raise TypeError(f"{type(self.model_context).__name__} has no set_data()")
+        self.model_context.set_data(
+            minibatches=minibatches, data=data, minibatch_size=minibatch_size
+        )
+
+    def rollout_end(
+        self,
+        *,
+        observations: torch.Tensor | None = None,
+        minibatches: Sequence[Any] | None = None,
+        data: Any = None,
+        minibatch_size: int | None = None,
+    ) -> dict[str, Any]:
+        """Fire POST_ROLLOUT (``feature_rank``, ``policy_fisher``) after the rollout and
+        before the update; its metrics join this epoch's record. ``observations`` are the
+        rollout's observations, flat ``(samples, *obs_shape)``; the data arguments go to
+        :meth:`set_data` when given."""
+        self._rollout_seen = True
+        if minibatches is not None or data is not None:
+            self.set_data(minibatches=minibatches, data=data, minibatch_size=minibatch_size)
+        out = self.hooks.fire(
+            HookPoint.POST_ROLLOUT,
+            epoch=self.epoch,
+            observations=observations,
+            model_ctx=self.model_context,
+        )
+        self._pending.update(out)
+        return out
+
+    def pre_step(self, *, batch: Any = None, loss: torch.Tensor | None = None) -> None:
+        """Fire PRE_STEP: after ``loss.backward()``, before clipping and ``optimizer.step()``
+        (``norms`` reads the gradient norm here). Metrics are buffered on the device."""
+        self.hooks.fire(
+            HookPoint.PRE_STEP,
+            epoch=self.epoch,
+            step=self._step,
+            batch=batch,
+            loss=None if loss is None else loss.detach(),
+            model_ctx=self.model_context,
+        )
+
+    def post_step(self, *, batch: Any = None) -> None:
+        """Fire POST_STEP right after ``optimizer.step()`` and count the optimizer step."""
+        self.hooks.fire(
+            HookPoint.POST_STEP,
+            epoch=self.epoch,
+            step=self._step,
+            batch=batch,
+            model_ctx=self.model_context,
+        )
+        self._step += 1
+
+    def _fire_pre_epoch(self) -> None:
+        self.hooks.fire(HookPoint.PRE_EPOCH, epoch=self.epoch, model_ctx=self.model_context)
+
+    # --------------------------------------------------------------- epoch end
+    def epoch_end(self, step: int, **extra: Any) -> dict[str, Any]:
+        """Close the current epoch: collect the probes' trackers, fire the POST_EPOCH
+        observers, and emit one record (``epoch``, ``agent_step=step``, the metrics) to
+        every sink. ``extra`` are more metrics for the record
+        (``epoch_end(step, **{"rollout/episode_return": r})``). Returns the merged
+        metrics as host values (floats and lists)."""
+        if self.closed:
+            raise RuntimeError("this ProbeSession is closed")
+        self.agent_step = int(step)
+        logged = self._take_logged()
+        logged.update(extra)
+        metrics: dict[str, Any] = {}
+        if self.hooks.active:
+            if self.hooks.hooks_at(HookPoint.POST_ROLLOUT) and not self._rollout_seen:
+                log.warning(
+                    "lifecycle hooks %s fire at POST_ROLLOUT: call session.rollout_end("
+                    "observations=...) after each rollout",
+                    [h.name for h in self.hooks.hooks_at(HookPoint.POST_ROLLOUT)],
+                )
+                self._rollout_seen = True  # warn once
+            metrics.update(self._pending)
+            lr = None
+            if self.optimizer is not None and self.optimizer.param_groups:
+                lr = float(self.optimizer.param_groups[0]["lr"])
+            metrics.update(
+                self.hooks.fire(
+                    HookPoint.POST_EPOCH,
+                    epoch=self.epoch,
+                    agent_step=self.agent_step,
+                    stats=logged,
+                    learning_rate=lr,
+                    model_ctx=self.model_context,
+                )
+            )
+            metrics.update(self.hooks.flush().summary)
+            if not any(h.name == "training_metrics" for h in self.hooks.hooks):
+                metrics.update(logged)
+        else:
+            metrics.update(logged)
+        if not self._reporter_hook:
+            metrics.update(StatsReporter(self.context).collect())
+        metrics = {k: to_plain(v) for k, v in metrics.items()}
+        self._pending = {}
+        self.sinks.set_run_context(agent_step=self.agent_step)
+        self.sinks.emit(metrics, self.epoch, "POST_EPOCH")
+
+        if snapshot_due(self.epoch, self.snapshot_every):
+            snap = self.hooks.fire(
+                HookPoint.SNAPSHOT,
+                epoch=self.epoch,
+                agent_step=self.agent_step,
+                model_ctx=self.model_context,
+            )
+            snap = {k: to_plain(v) for k, v in snap.items()}
+            self.sinks.emit(snap, self.epoch, "SNAPSHOT")
+            metrics.update(snap)
+        self.epoch += 1
+        self._fire_pre_epoch()
+        return metrics
+
+    def _take_logged(self) -> dict[str, Any]:
+        out = dict(self._logged)
+        for key, (total, n) in self._sums.items():
+            out[key] = total / n
+        self._logged, self._sums = {}, {}
+        return out
+
+    # ------------------------------------------------------------------- close
+    def remove_hooks(self) -> None:
+        """Remove every torch hook this session installed (its trackers keep their data)."""
+        while self._handles:
+            self._handles.pop().remove()
+
+    def close(self) -> None:
+        """Remove every hook and flush and close the sinks. Idempotent. Metrics logged
+        since the last :meth:`epoch_end` are not emitted."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.remove_hooks()
+        finally:
+            self.sinks.close()
+
+    def __enter__(self) -> ProbeSession:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"ProbeSession(model={type(self.module).__name__}, run_dir={str(self.run_dir)!r}, "
+            f"epoch={self.epoch}, probes={len(self._builders)}, "
+            f"hooks={[h.name for h in self.hooks.hooks]}, closed={self.closed})"
+        )
+
+
+def to_plain_config(value: Any) -> Any:
+    """JSON-safe copy of a configuration (paths and other objects become strings)."""
+    if isinstance(value, Mapping):
+        return {str(k): to_plain_config(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [to_plain_config(v) for v in value]
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    return str(value)
