@@ -30,6 +30,13 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from policy_probes.lifecycle.cli import (
+    HookSelection,
+    add_hook_selection_arguments,
+    add_hooks_subcommand,
+    selection_from_args,
+)
+from policy_probes.lifecycle.registry import HookSelectionError, parse_hook_config
 from policy_probes.report import add_report_subcommand
 
 EXIT_USAGE = 2
@@ -43,8 +50,14 @@ overrides:
   as strings; pydantic then validates the whole configuration. An unknown key or a bad
   value exits with status 2 and says what to change.
 
+lifecycle hooks:
+  --hooks adds hooks to those the recipe selected, --with-hooks replaces its group keyword,
+  --hook-config entries override its hook parameters (`policy-probes hooks list`).
+
 examples:
   policy-probes run recipes.cartpole.train trainer.total_timesteps=50000 seed=3
+  policy-probes run recipes.cartpole.train --hooks norms,hessian --hook-config hessian.iters=30
+  policy-probes run recipes.cartpole.train --with-hooks observers snapshot_every=10
   policy-probes run my_recipes/walker.py:train --dry-run
   policy-probes run --list
 """
@@ -257,6 +270,7 @@ def add_run_subcommand(subparsers: argparse._SubParsersAction) -> None:
         "--package", default="recipes", help="recipe package for --list (default: recipes)"
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_hook_selection_arguments(p)
     p.set_defaults(handler=run_command)
 
 
@@ -274,6 +288,39 @@ def print_recipes(package: str) -> int:
     return 0
 
 
+HOOK_FIELDS = ("hooks", "with_hooks", "hook_config")
+
+
+def hook_overrides(tool: BaseModel, selection: HookSelection) -> list[str]:
+    """``key=value`` overrides that add the CLI's hook selection to the recipe's:
+    ``--hooks`` extends ``hooks``, ``--with-hooks`` replaces ``with_hooks``,
+    ``--hook-config`` entries are merged into ``hook_config`` (flat ``name.param`` keys)."""
+    if not (selection.hooks or selection.with_hooks or selection.hook_config):
+        return []
+    missing = [f for f in HOOK_FIELDS if f not in type(tool).model_fields]
+    if missing:
+        raise CLIError(
+            f"--hooks/--with-hooks/--hook-config need a configuration with the fields "
+            f"{', '.join(HOOK_FIELDS)}; {type(tool).__name__} lacks {', '.join(missing)}"
+        )
+    out = []
+    if selection.hooks:
+        merged = list(dict.fromkeys([*tool.hooks, *selection.hooks]))
+        out.append(f"hooks={json.dumps(merged)}")
+    if selection.with_hooks:
+        out.append(f"with_hooks={json.dumps(selection.with_hooks)}")
+    if selection.hook_config:
+        config = {
+            f"{hook}.{param}": value
+            for hook, params in parse_hook_config(tool.hook_config).items()
+            for param, value in params.items()
+        }
+        for hook, params in selection.hook_config.items():
+            config.update({f"{hook}.{param}": value for param, value in params.items()})
+        out.append(f"hook_config={json.dumps(config)}")
+    return out
+
+
 def run_command(args: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -286,8 +333,12 @@ def run_command(args: argparse.Namespace) -> int:
         raise CLIError(
             f"the first argument must be the recipe TARGET, got the override {args.target!r}"
         )
+    try:
+        selection = selection_from_args(args)
+    except HookSelectionError as exc:
+        raise CLIError(str(exc)) from None
     tool = build_from_recipe(args.target)
-    overrides = list(args.overrides)
+    overrides = list(args.overrides) + hook_overrides(tool, selection)
     user_set_progress = any(o.split("=", 1)[0].strip() == "progress" for o in overrides)
     effective = list(overrides)
     if "progress" in type(tool).model_fields and not user_set_progress:
@@ -337,6 +388,7 @@ def report_outputs(console: Any, result: Any) -> None:
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     add_run_subcommand,
     add_report_subcommand,
+    add_hooks_subcommand,
 ]
 
 
@@ -357,7 +409,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # `run TARGET --hooks x seed=3`: argparse stops collecting the key=value positionals
+    # at the first option, so overrides after an option arrive here.
+    if getattr(args, "overrides", None) is not None:
+        args.overrides += [e for e in extra if "=" in e and not e.startswith("-")]
+        extra = [e for e in extra if not ("=" in e and not e.startswith("-"))]
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(levelname)s %(name)s: %(message)s",

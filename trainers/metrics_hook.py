@@ -1,12 +1,25 @@
 """MetricsHook: one flat metrics dict per epoch, emitted to every sink.
 
-At each epoch end it turns the probe trackers into metrics (``StatsReporter.collect()``,
-which also resets them for the next window), merges them with the loss, rollout,
-performance and evaluation statistics of :class:`~trainers.callbacks.TrainerState`, stores
-the result in ``state.metrics`` and emits it with hook point ``"POST_EPOCH"`` to every
-sink. Keys: ``train/*`` (losses, KL, clipfrac, explained variance, learning rate, grad
-norm), ``rollout/*`` (episode return/length of episodes that ended in the rollout),
-``perf/*`` (SPS), ``eval/*`` (only in epochs with an evaluation), ``probes/*``.
+At each epoch end it asks the trainer to fire the lifecycle points POST_EPOCH and
+SNAPSHOT (:meth:`~trainers.ppo.PPOTrainer.fire_epoch_end_points`; the ``stats_reporter``
+hook among them turns the probe trackers into ``probes/*`` metrics and resets them for
+the next window), merges the hooks' metrics with the loss, rollout, performance and
+evaluation statistics of :class:`~trainers.callbacks.TrainerState`, stores the result in
+``state.metrics`` and emits, in this order:
+
+* one record per step point that reported metrics this epoch, hook point
+  ``"PRE_STEP"`` / ``"POST_STEP"``, holding that point's per-epoch means;
+* the epoch's main record, hook point ``"POST_EPOCH"``: trainer statistics and every
+  hook metric of the epoch (PRE_EPOCH, POST_ROLLOUT, POST_EPOCH, SNAPSHOT, and the
+  step-point means);
+* in SNAPSHOT epochs (every ``snapshot_every``), a ``"SNAPSHOT"`` record with the
+  SNAPSHOT hooks' metrics, which is what makes the console sink print its table and
+  the W&B sink log its heatmaps.
+
+Keys: ``train/*`` (losses, KL, clipfrac, explained variance, learning rate, grad norm),
+``rollout/*`` (episode return/length of episodes that ended in the rollout), ``perf/*``
+(SPS), ``eval/*`` (only in epochs with an evaluation), ``probes/*``, and
+``<hook_name>/<metric>`` of the lifecycle hooks.
 """
 
 from __future__ import annotations
@@ -15,7 +28,6 @@ from collections.abc import Iterable
 from typing import Any
 
 from policy_probes.sinks.base import MetricSink, SinkGroup
-from policy_probes.stats_reporter import StatsReporter
 from trainers.callbacks import TrainerHook, TrainerState
 
 ROLLOUT_KEYS = (
@@ -45,7 +57,8 @@ def epoch_metrics(state: TrainerState) -> dict[str, Any]:
 
 
 class MetricsHook(TrainerHook):
-    """Collects per-epoch metrics and emits them to ``sinks`` (fault-isolated)."""
+    """Collects per-epoch metrics (trainer statistics + lifecycle hooks) and emits them
+    to ``sinks`` (fault-isolated)."""
 
     def __init__(self, sinks: Iterable[MetricSink] | SinkGroup = ()) -> None:
         self.sinks = sinks if isinstance(sinks, SinkGroup) else SinkGroup(sinks)
@@ -56,12 +69,17 @@ class MetricsHook(TrainerHook):
         )
 
     def on_epoch_end(self, state: TrainerState) -> None:
-        state.probe_metrics = StatsReporter(state.context).collect()
+        hooks = state.trainer.fire_epoch_end_points()
         metrics = epoch_metrics(state)
-        metrics.update(state.probe_metrics)
+        metrics.update(hooks.metrics)
+        state.probe_metrics = {k: v for k, v in hooks.metrics.items() if k.startswith("probes/")}
         state.metrics = metrics
         self.sinks.set_run_context(agent_step=state.agent_step)
+        for point, values in hooks.steps.items():
+            self.sinks.emit(values, state.epoch, point)
         self.sinks.emit(metrics, state.epoch, "POST_EPOCH")
+        if hooks.snapshot is not None:
+            self.sinks.emit(hooks.snapshot, state.epoch, "SNAPSHOT")
 
     def on_training_end(self, state: TrainerState) -> None:
         self.sinks.flush()

@@ -14,13 +14,16 @@ tensor ops and samples from the trainer's own ``torch.Generator``.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import gymnasium as gym
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as torch_module
 
-from policy_probes.components import PolicyAutoBuilder
+from policy_probes.components import PolicyAutoBuilder, ProbeHandle
 from policy_probes.layers import LinearSpec, MLPSpec
 from trainers.config import PolicyConfig
 
@@ -92,12 +95,69 @@ class ActorCriticPolicy(PolicyAutoBuilder):
     def value(self, obs: torch.Tensor) -> torch.Tensor:
         return self.critic_head(self.critic_mlp(obs)).squeeze(-1)
 
+    # ------------------------------------------------------------------ hook-free path
+    def hooks_idle(self) -> bool:
+        """True when no hook on the policy would record right now.
+
+        Then :meth:`act` (with ``fast=True``) and :meth:`evaluate_actions` run the layers'
+        ``forward`` directly instead of going through ``nn.Module.__call__``, whose hook
+        dispatch is most of the cost of a small MLP on the CPU. Idle means: every hook
+        installed on the policy's modules was registered through the probe rules by a
+        probe whose ``active()`` is False now (for example a ``("train",)`` probe during
+        the rollout), and torch has no global module hooks. Any other hook keeps the
+        ordinary path, so it always fires.
+        """
+        if type(self).forward is not ActorCriticPolicy.forward or _global_module_hooks():
+            return False
+        owned = 0
+        for handle in self._handles:
+            if not handle.handles:
+                continue
+            active = getattr(getattr(handle, "probe", None), "active", None)
+            if active is None or active():
+                return False
+            owned += len(handle.handles)
+        installed = sum(
+            len(m._forward_hooks)
+            + len(m._forward_pre_hooks)
+            + len(m._backward_hooks)
+            + len(m._backward_pre_hooks)
+            for m in self.modules()
+        )
+        return installed == owned
+
+    def register_component_hook_rule(self, *, component_name: str, hook: Callable) -> ProbeHandle:
+        handle = super().register_component_hook_rule(component_name=component_name, hook=hook)
+        handle.probe = hook  # type: ignore[attr-defined]  # read by hooks_idle()
+        return handle
+
+    def register_component_backward_hook_rule(
+        self, *, component_name: str, hook: Callable
+    ) -> ProbeHandle:
+        handle = super().register_component_backward_hook_rule(
+            component_name=component_name, hook=hook
+        )
+        handle.probe = hook  # type: ignore[attr-defined]  # read by hooks_idle()
+        return handle
+
+    def _forward_direct(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward` without ``nn.Module.__call__`` (no hooks fire): same operations,
+        same result."""
+        return (
+            _linear(self.actor_head, _mlp(self.actor_mlp, obs)),
+            _linear(self.critic_head, _mlp(self.critic_mlp, obs)).squeeze(-1),
+        )
+
     # ------------------------------------------------------------------ distributions
     def act(
-        self, obs: torch.Tensor, generator: torch.Generator | None = None
+        self, obs: torch.Tensor, generator: torch.Generator | None = None, *, fast: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Sample ``(action, log_prob, value)``; one forward through both networks."""
-        out, value = self(obs)
+        """Sample ``(action, log_prob, value)``; one forward through both networks.
+
+        ``fast=True`` skips the module hook dispatch; pass it only when
+        :meth:`hooks_idle` is True (the trainer checks once per rollout).
+        """
+        out, value = self._forward_direct(obs) if fast else self(obs)
         if self.discrete:
             log_probs = torch.log_softmax(out, dim=-1)
             action = torch.multinomial(log_probs.exp(), 1, generator=generator).squeeze(-1)
@@ -111,8 +171,9 @@ class ActorCriticPolicy(PolicyAutoBuilder):
     def evaluate_actions(
         self, obs: torch.Tensor, action: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(log_prob, entropy, value)`` of given actions under the current parameters."""
-        out, value = self(obs)
+        """``(log_prob, entropy, value)`` of given actions under the current parameters
+        (through the hooks unless :meth:`hooks_idle`)."""
+        out, value = self._forward_direct(obs) if self.hooks_idle() else self(obs)
         if self.discrete:
             log_probs = torch.log_softmax(out, dim=-1)
             log_prob = log_probs.gather(-1, action.long().unsqueeze(-1)).squeeze(-1)
@@ -127,3 +188,25 @@ class ActorCriticPolicy(PolicyAutoBuilder):
         """Greedy action: argmax logits, or the Gaussian mean."""
         out = self.actor_head(self.actor_mlp(obs))
         return out.argmax(-1) if self.discrete else out
+
+
+def _linear(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, linear.weight, linear.bias)
+
+
+def _mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """An :class:`~policy_probes.layers.MLP` through its layers' ``forward`` methods."""
+    for layer in mlp.children():
+        x = layer.act.forward(_linear(layer.linear, x))
+    return x
+
+
+def _global_module_hooks() -> bool:
+    """True if torch has global module hooks (they must fire on every module call)."""
+    m = torch_module
+    return bool(
+        m._global_forward_hooks
+        or m._global_forward_pre_hooks
+        or m._global_backward_hooks
+        or m._global_backward_pre_hooks
+    )

@@ -12,7 +12,9 @@ Details that matter and where they are:
 * global gradient clipping, gradient accumulation over micro-batches, target-KL early
   stop: :meth:`PPOTrainer.train_minibatch` and :meth:`PPOTrainer.update`
 
-Per-step statistics stay on the device and are transferred once per epoch.
+Per-step statistics stay on the device and are transferred once per epoch. Lifecycle
+hooks (``docs/lifecycle.md``) fire at PRE_EPOCH, POST_ROLLOUT, PRE_STEP/POST_STEP
+(only when a selected hook fires there), POST_EPOCH and SNAPSHOT.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +33,13 @@ from gymnasium.wrappers import vector as vw
 from torch import nn
 
 from policy_probes.context import ComponentContext
+from policy_probes.lifecycle import STEP_POINTS, HookManager, HookPoint, TrainingHook, snapshot_due
+from policy_probes.lifecycle.hooks import StatsReporterHook
 from trainers.callbacks import CallbackList, TrainerHook, TrainerState
 from trainers.config import PPOConfig
 from trainers.envs import find_wrapper
+from trainers.metrics_hook import epoch_metrics
+from trainers.model_context import PPOModelDataContext
 from trainers.policy import ActorCriticPolicy
 from trainers.rollout import Minibatch, RolloutStorage
 
@@ -95,12 +102,36 @@ def ppo_loss(
     return loss, stats
 
 
+@dataclass
+class EpochHookMetrics:
+    """What the lifecycle hooks reported in one epoch (host values).
+
+    ``metrics``: PRE_EPOCH, POST_ROLLOUT, POST_EPOCH and SNAPSHOT metrics plus the
+    per-epoch means of the step points (the epoch's main record). ``snapshot``: the
+    SNAPSHOT metrics in epochs where SNAPSHOT fired, else ``None``. ``steps``: per step
+    point (``"PRE_STEP"``, ``"POST_STEP"``) the per-epoch means of its metrics.
+    ``complete``: POST_EPOCH has fired (the epoch's hooks are done).
+    """
+
+    epoch: int = 0
+    metrics: dict[str, Any] = field(default_factory=dict)
+    snapshot: dict[str, Any] | None = None
+    steps: dict[str, dict[str, Any]] = field(default_factory=dict)
+    complete: bool = False
+
+
 class PPOTrainer:
     """The PPO loop over a gymnasium vector env and an :class:`ActorCriticPolicy`.
 
     One *epoch* is one rollout of ``num_steps`` x ``num_envs`` steps followed by
     ``update_epochs`` passes of ``num_minibatches`` minibatches over it.
     ``context.phase`` is ``"rollout"`` while collecting and ``"train"`` while updating.
+
+    ``lifecycle_hooks`` (see :func:`policy_probes.lifecycle.select_hooks`) run through
+    :attr:`manager`; the ``stats_reporter`` hook is always added, because it is the one
+    path by which the probe trackers become metrics. ``snapshot_every`` paces SNAPSHOT
+    (0 = never); ``lifecycle_config`` is what hooks see as ``RunDataContext.config``
+    (TrainTool passes itself; default: the :class:`PPOConfig`).
     """
 
     def __init__(
@@ -115,6 +146,9 @@ class PPOTrainer:
         seed: int = 0,
         run_dir: Path | None = None,
         config: dict[str, Any] | None = None,
+        lifecycle_hooks: Iterable[TrainingHook] = (),
+        snapshot_every: int = 0,
+        lifecycle_config: Any = None,
     ) -> None:
         self.envs, self.policy, self.cfg = envs, policy, cfg
         self.context = context if context is not None else ComponentContext()
@@ -136,8 +170,10 @@ class PPOTrainer:
                 f"each); lower trainer.num_minibatches / trainer.micro_batches"
             )
 
+        # fused: one kernel per step for all parameters instead of a dozen ops per tensor
+        # (same Adam update; supported on CPU and CUDA for float parameters).
         self.optimizer = torch.optim.Adam(
-            policy.parameters(), lr=cfg.learning_rate, eps=cfg.adam_eps
+            policy.parameters(), lr=cfg.learning_rate, eps=cfg.adam_eps, fused=True
         )
         num_epochs = self.num_epochs
         anneal = cfg.anneal_lr
@@ -176,6 +212,35 @@ class PPOTrainer:
         self._start_time = 0.0
         self._trained_time = 0.0
 
+        # Lifecycle hooks. stats_reporter is always present (one metrics pipeline for the
+        # probes); the per-step fire() calls are skipped unless a hook fires at a step
+        # point or needs gradients, so an empty selection costs one bool check per step.
+        selected = list(lifecycle_hooks)
+        if not any(h.name == StatsReporterHook.name for h in selected):
+            selected.append(StatsReporterHook())
+        self.manager = HookManager(
+            selected,
+            loop="ppo",
+            model=policy,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            config=lifecycle_config if lifecycle_config is not None else cfg,
+            component_context=self.context,
+        )
+        if snapshot_every < 0:
+            raise ValueError(f"snapshot_every must be >= 0 (0 = never), got {snapshot_every}")
+        self.snapshot_every = snapshot_every
+        m = self.manager
+        self._fire_steps = bool(
+            any(m.hooks_at(p) for p in STEP_POINTS) or m.needs_grads or m.needs_prev_step_grads
+        )
+        self._fire_post_rollout = bool(m.hooks_at(HookPoint.POST_ROLLOUT))
+        self._model_data_context: PPOModelDataContext | None = None
+        #: True once a rollout and its advantages are in the storage (POST_ROLLOUT)
+        self.rollout_ready = False
+        #: this epoch's lifecycle metrics (filled by :meth:`fire_epoch_end_points`)
+        self.hook_metrics = EpochHookMetrics()
+
     # ================================================================== the loop
     def train(self) -> TrainerState:
         """Run all epochs; returns the final :class:`TrainerState`."""
@@ -187,13 +252,18 @@ class PPOTrainer:
             self._start_time = time.perf_counter()
             while state.epoch < self.num_epochs and not state.stop_training:
                 state.epoch += 1
+                self.fire_epoch_start_point()  # PRE_EPOCH
                 self.hooks.fire("on_rollout_start", state)
                 self.collect_rollout()
+                self.fire_rollout_point()  # POST_ROLLOUT
                 self.hooks.fire("on_rollout_end", state)
-                self.update()
+                self.update()  # PRE_STEP / POST_STEP around every optimizer step
                 self.scheduler.step()
                 self.hooks.fire("on_train_phase_end", state)
+                # EvaluationHook, CheckpointHook, then MetricsHook, which calls
+                # fire_epoch_end_points() (POST_EPOCH, SNAPSHOT) and emits the metrics.
                 self.hooks.fire("on_epoch_end", state)
+                self.fire_epoch_end_points()  # no-op when a callback already fired them
         except BaseException as exc:
             state.error = exc
             raise
@@ -206,6 +276,111 @@ class PPOTrainer:
         self._next_obs, _ = self.envs.reset(seed=self.seed)
         self.envs.action_space.seed(self.seed)
         self._prev_done[:] = False
+
+    # ================================================================== lifecycle hooks
+    def model_data_context(self) -> PPOModelDataContext:
+        """The :class:`PPOModelDataContext` interventions use (built on first use)."""
+        if self._model_data_context is None:
+            self._model_data_context = PPOModelDataContext(self)
+        return self._model_data_context
+
+    def _hook_epoch(self) -> int:
+        return self.state.epoch - 1  # hook epochs count from 0, TrainerState.epoch from 1
+
+    def fire_epoch_start_point(self) -> None:
+        """PRE_EPOCH: parameters as the last update left them, before the rollout."""
+        state = self.state
+        self.hook_metrics = EpochHookMetrics(epoch=state.epoch)
+        self.hook_metrics.metrics.update(
+            self.manager.fire(
+                HookPoint.PRE_EPOCH,
+                epoch=self._hook_epoch(),
+                step=state.optimizer_step,
+                agent_step=state.agent_step,
+                model_ctx=self.model_data_context,
+            )
+        )
+
+    def fire_rollout_point(self) -> None:
+        """POST_ROLLOUT: the rollout and its advantages are ready, no update yet."""
+        self.rollout_ready = True
+        if not self._fire_post_rollout:
+            return
+        state, st = self.state, self.storage
+        observations = st.obs.view(st.num_steps * st.num_envs, -1)[st.valid_indices]
+        self.hook_metrics.metrics.update(
+            self.manager.fire(
+                HookPoint.POST_ROLLOUT,
+                epoch=self._hook_epoch(),
+                step=state.optimizer_step,
+                agent_step=state.agent_step,
+                observations=observations,
+                stats={f"rollout/{k}": v for k, v in state.rollout_stats.items()},
+                model_ctx=self.model_data_context,
+            )
+        )
+
+    def _fire_step_point(self, point: HookPoint, batch: Minibatch, stats: torch.Tensor) -> None:
+        state = self.state
+        self.manager.fire(
+            point,
+            epoch=self._hook_epoch(),
+            step=state.optimizer_step,
+            agent_step=state.agent_step,
+            update_epoch=state.update_epoch,
+            minibatch=state.mb_idx,
+            batch=batch,
+            loss=self.loss_from_stats(stats),
+            learning_rate=self.optimizer.param_groups[0]["lr"],
+            model_ctx=self.model_data_context,
+        )
+
+    def fire_epoch_end_points(self) -> EpochHookMetrics:
+        """POST_EPOCH, then SNAPSHOT when due, then the flush of the step-point metrics;
+        once per epoch (later calls return the same result).
+
+        Runs after the update phase, the scheduler step and (when MetricsHook calls it
+        from ``on_epoch_end``) after EvaluationHook, so ``stats`` holds this epoch's
+        ``train/``, ``rollout/``, ``perf/`` and ``eval/`` statistics.
+        """
+        state, out = self.state, self.hook_metrics
+        if out.epoch == state.epoch and out.complete:
+            return out
+        if out.epoch != state.epoch:  # PRE_EPOCH did not fire (epoch driven by hand)
+            out = self.hook_metrics = EpochHookMetrics(epoch=state.epoch)
+        epoch = self._hook_epoch()
+        common = {
+            "epoch": epoch,
+            "step": state.optimizer_step,
+            "agent_step": state.agent_step,
+            "learning_rate": state.loss_stats.get("learning_rate"),
+            "model_ctx": self.model_data_context,
+        }
+        idle = self._only_idle_reporter()
+        if not idle:
+            out.metrics.update(
+                self.manager.fire(HookPoint.POST_EPOCH, stats=epoch_metrics(state), **common)
+            )
+        if snapshot_due(epoch, self.snapshot_every):
+            out.snapshot = {} if idle else self.manager.fire(HookPoint.SNAPSHOT, **common)
+            out.metrics.update(out.snapshot)
+        flushed = self.manager.flush()
+        out.metrics.update(flushed.summary)
+        out.steps = {point.value: values for point, values in flushed.by_point.items()}
+        out.complete = True
+        return out
+
+    def _only_idle_reporter(self) -> bool:
+        """No hook selected and no probe attached: the one hook, stats_reporter, would
+        report nothing, so its dispatch (~0.15 ms, mostly saving the RNG states) is
+        skipped."""
+        hooks, ctx = self.manager.hooks, self.context
+        return (
+            len(hooks) == 1
+            and hooks[0].name == StatsReporterHook.name
+            and not ctx.model_metrics
+            and not ctx.probe_errors
+        )
 
     def _fire_training_end(self) -> None:
         try:
@@ -227,15 +402,20 @@ class PPOTrainer:
         t0 = time.perf_counter()
         obs = self._next_obs
         prev_done = self._prev_done
+        # Skip nn.Module hook dispatch while no probe records in this phase (the default
+        # probes record in "train" only); checked once per rollout.
+        fast = policy.hooks_idle()
+        actions, logprobs, values = [], [], []
         with torch.inference_mode():
+            obs_steps = st.obs.unbind(0)  # views into the storage, one per step
             for step in range(cfg.num_steps):
-                st.obs[step].copy_(torch.from_numpy(np.asarray(obs)).view(n, -1))
+                obs_steps[step].copy_(torch.from_numpy(np.asarray(obs)).view(n, -1))
                 # The step after an episode end is the autoreset step: not a transition.
                 st.valid[step] = ~prev_done
-                action, logprob, value = policy.act(st.obs[step], gen)
-                st.actions[step] = action
-                st.logprobs[step] = logprob
-                st.values[step] = value
+                action, logprob, value = policy.act(obs_steps[step], gen, fast=fast)
+                actions.append(action)
+                logprobs.append(logprob)
+                values.append(value)
                 # The one host transfer the environment needs.
                 env_action = action.numpy() if on_cpu else action.cpu().numpy()
                 obs, reward, terminated, truncated, info = envs.step(
@@ -249,6 +429,9 @@ class PPOTrainer:
                     done = info["_episode"]
                     self._episode_returns.append(info["episode"]["r"][done])
                     self._episode_lengths.append(info["episode"]["l"][done])
+            torch.stack(actions, out=st.actions)
+            torch.stack(logprobs, out=st.logprobs)
+            torch.stack(values, out=st.values)
             # V(s_T) bootstraps the last step (the final observation if it ended an episode).
             st.next_value.copy_(
                 policy.value(torch.from_numpy(np.asarray(obs)).view(n, -1).to(st.obs))
@@ -292,17 +475,13 @@ class PPOTrainer:
             order = self.storage.shuffled_order(self.shuffle_generator)
             for mb_idx, batch in enumerate(self.storage.minibatches(order, cfg.num_minibatches)):
                 state.mb_idx = mb_idx
-                stats = self.train_minibatch(batch)
+                stats = self.train_minibatch(batch, fire_hooks=self._fire_steps)
                 sums += stats
                 steps += 1
                 state.optimizer_step += 1
                 self.hooks.fire("on_mb_end", state)
             update_epochs_run += 1
-            # Early stop on the last minibatch's KL (one host sync per update epoch).
-            if (
-                cfg.target_kl is not None
-                and float(stats[LOSS_STATS.index("approx_kl")]) > cfg.target_kl
-            ):
+            if self.kl_exceeds_target(stats):
                 break
         means = (sums / max(steps, 1)).tolist()  # the one transfer of the update phase
         loss_stats = dict(zip((*LOSS_STATS, "grad_norm"), means, strict=True))
@@ -315,9 +494,34 @@ class PPOTrainer:
         state.rollout_stats["sps"] = state.agent_step / max(self._trained_time, 1e-9)
         state.rollout_stats["update_seconds"] = time.perf_counter() - t0
 
-    def train_minibatch(self, batch: Minibatch) -> torch.Tensor:
+    def train_minibatch(self, batch: Minibatch, *, fire_hooks: bool = False) -> torch.Tensor:
         """One optimizer step on ``batch``; returns its statistics (device tensor,
         :data:`LOSS_STATS` then the pre-clip gradient norm).
+
+        With ``fire_hooks`` the lifecycle points PRE_STEP (gradients of every
+        micro-batch accumulated, before clipping) and POST_STEP (right after
+        ``optimizer.step()``) fire around the step.
+        """
+        stats = self.accumulate_gradients(batch)
+        if fire_hooks:
+            self._fire_step_point(HookPoint.PRE_STEP, batch, stats)
+        grad_norm = self.clip_and_step()
+        if fire_hooks:
+            self._fire_step_point(HookPoint.POST_STEP, batch, stats)
+        return torch.cat([stats, grad_norm.detach().reshape(1).to(stats)])
+
+    def minibatch_loss(
+        self, batch: Minibatch, policy: ActorCriticPolicy | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`ppo_loss` on ``batch`` with the trainer's advantage normalisation, in
+        one pass (no micro-batches): the loss the update minimises on that minibatch."""
+        if self.cfg.norm_adv:
+            batch = normalize_advantages(batch)
+        return ppo_loss(self.policy if policy is None else policy, batch, self.cfg)
+
+    def accumulate_gradients(self, batch: Minibatch) -> torch.Tensor:
+        """``zero_grad`` then backward of the PPO loss on ``batch``; returns the loss
+        statistics (:data:`LOSS_STATS`, a device tensor).
 
         With ``micro_batches = k`` the minibatch is split into k micro-batches whose
         gradients accumulate: each backpropagates ``loss * (micro_size / minibatch_size)``
@@ -340,11 +544,35 @@ class PPOTrainer:
                 stats += part_stats * scale
         finally:
             self.context.loss_scale = 1.0
+        return stats
+
+    def kl_exceeds_target(self, stats: torch.Tensor) -> bool:
+        """Target-KL early stop: the last minibatch's approx_kl is above ``target_kl``
+        (one host sync per update epoch, only when ``target_kl`` is set)."""
+        target = self.cfg.target_kl
+        return target is not None and float(stats[LOSS_STATS.index("approx_kl")]) > target
+
+    def loss_from_stats(self, stats: torch.Tensor) -> torch.Tensor:
+        """The minibatch loss recomposed from its statistics, as :func:`ppo_loss` composes
+        it (so the loop computes no extra tensor when no hook wants the loss)."""
+        i = LOSS_STATS.index
+        cfg = self.cfg
+        return (
+            stats[i("policy_loss")]
+            - cfg.ent_coef * stats[i("entropy")]
+            + cfg.vf_coef * stats[i("value_loss")]
+        )
+
+    def clip_and_step(self, step: bool = True) -> torch.Tensor:
+        """Global gradient-norm clipping, then ``optimizer.step()`` (when ``step``);
+        returns the gradient norm before clipping (device tensor)."""
+        cfg = self.cfg
         params = [p for p in self.policy.parameters() if p.grad is not None]
         max_norm = cfg.max_grad_norm if cfg.max_grad_norm is not None else math.inf
         grad_norm = nn.utils.clip_grad_norm_(params, max_norm)
-        self.optimizer.step()
-        return torch.cat([stats, grad_norm.detach().reshape(1).to(stats)])
+        if step:
+            self.optimizer.step()
+        return grad_norm
 
     # ================================================================== state
     def normalization_state(self) -> dict[str, Any]:

@@ -1,11 +1,14 @@
 """TrainTool: one training run described as a pydantic model, and its result.
 
-A recipe builds a ``TrainTool``, adds probes with one line each, and returns it; the CLI
-(``policy-probes run``) applies ``key=value`` overrides and calls :meth:`TrainTool.invoke`::
+A recipe builds a ``TrainTool``, adds probes with one line each, selects lifecycle hooks,
+and returns it; the CLI (``policy-probes run``) applies ``key=value`` overrides and calls
+:meth:`TrainTool.invoke`::
 
     cfg = TrainTool(env=EnvConfig(id="CartPole-v1"), policy=PolicyConfig(activation="relu"))
     cfg.add_training_hook("actor_mlp", attach_relu_activation_hooks())
     cfg.add_training_backward_hook("actor_mlp", attach_fisher_information_hooks())
+    cfg.hooks = ["norms", "hessian"]            # lifecycle hooks (docs/lifecycle.md)
+    cfg.hook_config = {"hessian.iters": 30}
     result = cfg.invoke()
 
 Hook builders live in private attributes, so they are not part of the validated
@@ -26,9 +29,10 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from policy_probes.context import ComponentContext
+from policy_probes.lifecycle import HookSelectionError, TrainingHook, select_hooks
 from policy_probes.sinks import SinkGroup, SinksConfig, WandbConfig, build_sink_group
 from trainers.callbacks import TrainerHook
 from trainers.checkpoint import CheckpointHook
@@ -109,12 +113,49 @@ class TrainTool(BaseModel):
     strict: bool = Field(
         False, description="Probe faults stop training instead of disabling the probe."
     )
+    hooks: list[str] = Field(
+        default_factory=list,
+        description="Lifecycle hooks (names or groups) to enable; `policy-probes hooks list`.",
+    )
+    with_hooks: str | None = Field(
+        None,
+        description="A hook group: none, minimal, observers, interventions, full, all, with_debug.",
+    )
+    hook_config: dict[str, Any] = Field(
+        default_factory=dict,
+        description='Hook parameters, "name.param" -> value (e.g. {"hessian.iters": 30}).',
+    )
+    snapshot_every: int = Field(
+        25,
+        ge=0,
+        description="Fire SNAPSHOT (expensive hooks such as hessian; the sinks' snapshot "
+        "table and heatmaps) every N epochs; 0 = never.",
+    )
 
     _builders: list[tuple[str, HookBuilderFn, bool]] = PrivateAttr(default_factory=list)
     _trainer_hooks: list[TrainerHook] = PrivateAttr(default_factory=list)
     _launch: dict[str, Any] = PrivateAttr(default_factory=dict)
 
     # ------------------------------------------------------------------ validation
+    @field_validator("hooks", mode="before")
+    @classmethod
+    def _split_hook_names(cls, v: Any) -> Any:
+        # `hooks=norms,hessian` on the command line arrives as one string
+        return [s.strip() for s in v.split(",") if s.strip()] if isinstance(v, str) else v
+
+    @model_validator(mode="after")
+    def _check_hooks(self) -> TrainTool:
+        self.lifecycle_hooks()  # unknown hooks, groups, parameters or values: clear error
+        return self
+
+    def lifecycle_hooks(self) -> list[TrainingHook]:
+        """Fresh instances of the selected lifecycle hooks (``hooks``, ``with_hooks``,
+        ``hook_config``); raises ``ValueError`` naming the valid choices."""
+        try:
+            return select_hooks(self.hooks, self.with_hooks, self.hook_config)
+        except HookSelectionError as exc:
+            raise ValueError(str(exc)) from None
+
     @model_validator(mode="after")
     def _check_batch_sizes(self) -> TrainTool:
         t = self.trainer
@@ -286,6 +327,9 @@ class TrainTool(BaseModel):
                 seed=self.seed,
                 run_dir=run_dir,
                 config=config,
+                lifecycle_hooks=self.lifecycle_hooks(),
+                snapshot_every=self.snapshot_every,
+                lifecycle_config=self,
             )
             state = trainer.train()
         finally:
@@ -305,6 +349,9 @@ class TrainTool(BaseModel):
             agent_step=state.agent_step,
             last_checkpoint=state.last_checkpoint,
             eval_scores=dict(state.eval_scores),
-            hook_errors=dict(state.hook_errors),
+            hook_errors={
+                **state.hook_errors,
+                **{f"lifecycle.{n}": m for n, m in trainer.manager.error_messages.items()},
+            },
             sink_failures=dict(sinks.failures),
         )

@@ -159,6 +159,7 @@ def hooks_describe_command(args: argparse.Namespace) -> int:
         "cost",
         "needs",
         "namespace",
+        "ranks",
     ):
         if key in info:
             value = info[key]

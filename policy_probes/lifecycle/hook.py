@@ -83,6 +83,9 @@ class TrainingHook:
         groups: the named groups besides observers/interventions/full it belongs to.
         order: dispatch rank within a firing (lower first; ties in registration order):
             observers 100, interventions 200, debug interventions 300 by default.
+        run_on_all_ranks: in a distributed run, hooks run on rank 0 only unless this is
+            True (the trainer callbacks' convention); set it for hooks that take part in
+            collectives (``stats_reporter`` all-reduces the probe trackers).
         Config: pydantic model of its parameters (extends :class:`HookConfig`).
     """
 
@@ -102,6 +105,7 @@ class TrainingHook:
     groups: ClassVar[tuple[str, ...]] = ()
     debug: ClassVar[bool] = False
     order: ClassVar[int] = 100
+    run_on_all_ranks: ClassVar[bool] = False
     Config: ClassVar[type[HookConfig]] = HookConfig
 
     def __init__(self, **params: Any) -> None:
@@ -170,6 +174,7 @@ class TrainingHook:
             ],
             "metrics": dict(cls.metrics),
             "namespace": f"{cls.name}/" if cls.namespaced else "(keys kept as returned)",
+            "ranks": "all ranks" if cls.run_on_all_ranks else "rank 0 only",
             "parameters": params,
         }
         if cls.loop_points is not None:

@@ -60,10 +60,13 @@ class StepRecord:
 @dataclass(frozen=True)
 class StepFlush:
     """What :meth:`HookManager.flush` returns: per-key means over the epoch's step
-    firings (``summary``) and every firing's own values (``records``), on the host."""
+    firings (``summary``), the same means per step point (``by_point``, for sinks that
+    record each point separately) and every firing's own values (``records``), on the
+    host."""
 
     summary: dict[str, Any] = field(default_factory=dict)
     records: list[StepRecord] = field(default_factory=list)
+    by_point: dict[HookPoint, dict[str, Any]] = field(default_factory=dict)
 
 
 class HookManager:
@@ -76,6 +79,9 @@ class HookManager:
             with :meth:`bind`) and handed to every :class:`RunDataContext`.
         offload_state: move the hooks' state tensors to the CPU between firings.
         strict: re-raise hook exceptions instead of reporting them.
+        rank: this process's rank (default: the ``torch.distributed`` rank, 0 when it is
+            not initialised). On ranks other than 0 only hooks with
+            ``run_on_all_ranks = True`` are kept.
     """
 
     def __init__(
@@ -90,8 +96,10 @@ class HookManager:
         component_context: ComponentContext | None = None,
         offload_state: bool = False,
         strict: bool = False,
+        rank: int | None = None,
     ) -> None:
-        self.hooks = list(hooks)
+        self.rank = current_rank() if rank is None else rank
+        self.hooks = [h for h in hooks if self.rank == 0 or h.run_on_all_ranks]
         names = [h.name for h in self.hooks]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
@@ -243,6 +251,7 @@ class HookManager:
             cc.phase = HOOK_PHASE
         rng = capture_rng_state()
         device = _device_of(ctx_fields.get("model"))
+        completed = False
         try:
             observers = [h for h in due if not h.intervenes_at(point)]
             interventions = [h for h in due if h.intervenes_at(point)]
@@ -252,8 +261,12 @@ class HookManager:
                 self._intervene(
                     point, interventions, run_ctx, current, rng, device, model_ctx, cache
                 )
+            # Every hook ran inside _run, which put the RNGs back after it (numpy's state
+            # round trip is ~35 us each way, so it is not done a second time here).
+            completed = True
         finally:
-            restore_rng_state(rng)
+            if not completed:
+                restore_rng_state(rng)
             if cc is not None:
                 cc.phase = previous_phase
         return current
@@ -346,12 +359,11 @@ class HookManager:
         if not records:
             return StepFlush()
         host = _records_to_host(records)
-        sums: dict[str, list[Any]] = {}
-        for r in host:
-            for k, v in r.metrics.items():
-                sums.setdefault(k, []).append(v)
-        summary = {k: _mean(vs) for k, vs in sums.items()}
-        return StepFlush(summary={k: v for k, v in summary.items() if v is not None}, records=host)
+        by_point = {
+            point: _summarise([r for r in host if r.point is point])
+            for point in dict.fromkeys(r.point for r in host)
+        }
+        return StepFlush(summary=_summarise(host), records=host, by_point=by_point)
 
     # ---------------------------------------------------------- demand work
     def _model_ctx(
@@ -469,6 +481,24 @@ def _records_to_host(records: list[StepRecord]) -> list[StepRecord]:
         m = {k: values.get((i, k), _host_value(v)) for k, v in r.metrics.items()}
         out.append(StepRecord(r.point, r.epoch, r.step, m))
     return out
+
+
+def _summarise(records: list[StepRecord]) -> dict[str, Any]:
+    """Per-key means over ``records`` (host values)."""
+    values: dict[str, list[Any]] = {}
+    for r in records:
+        for k, v in r.metrics.items():
+            values.setdefault(k, []).append(v)
+    means = {k: _mean(vs) for k, vs in values.items()}
+    return {k: v for k, v in means.items() if v is not None}
+
+
+def current_rank() -> int:
+    """Rank in the default process group; 0 when torch.distributed is not initialised."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return 0
 
 
 def _mean(values: list[Any]) -> Any:

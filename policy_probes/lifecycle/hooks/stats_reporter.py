@@ -30,6 +30,7 @@ class StatsReporterHook(TrainingHook):
     cost = "free"
     namespaced = False
     auto_include = True
+    run_on_all_ranks = True  # the all-reduce of the trackers is a collective
     order = 1
     groups = ("minimal",)
     Config = StatsReporterConfig

@@ -1,0 +1,142 @@
+"""PPOModelDataContext: what lifecycle interventions may do inside the PPO trainer.
+
+It is :class:`~policy_probes.lifecycle.LoopModelDataContext` pointed at the trainer's
+rollout storage and its update step, so a replayed update epoch is exactly the one the
+loop runs: the same minibatch split (``num_minibatches`` of the valid transitions),
+per-minibatch advantage normalisation, micro-batches with ``context.loss_scale``, global
+gradient clipping and Adam step (:meth:`PPOTrainer.accumulate_gradients` and
+:meth:`PPOTrainer.clip_and_step`), and the target-KL early stop. Nothing of the PPO update
+is written twice.
+
+An ``order`` is a tensor of flat rollout indices (``t * num_envs + env``), as
+:meth:`RolloutStorage.shuffled_order` returns; ``None`` is the natural order of the valid
+transitions. The action-distribution protocol uses the policy's own sampling and
+scoring: ``policy.act(obs)[0]`` and ``policy.evaluate_actions(obs, actions)[0]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from policy_probes.lifecycle import LoopModelDataContext
+from policy_probes.lifecycle.model_context import Grads
+
+if TYPE_CHECKING:
+    from trainers.ppo import PPOTrainer
+    from trainers.rollout import Minibatch
+
+
+class PPOModelDataContext(LoopModelDataContext):
+    """The :class:`~policy_probes.lifecycle.ModelDataContext` of one
+    :class:`~trainers.ppo.PPOTrainer` run (its policy, Adam, LR schedule and rollout).
+
+    Checkpoints also hold the trainer's own generators (action sampling, minibatch
+    order), so not even a hook that draws from them can change the trajectory.
+    """
+
+    def __init__(self, trainer: PPOTrainer) -> None:
+        cfg = trainer.cfg
+        super().__init__(
+            trainer.policy,
+            trainer.optimizer,
+            lambda policy, batch: trainer.minibatch_loss(batch, policy)[0],
+            scheduler=trainer.scheduler,
+            max_grad_norm=cfg.max_grad_norm,
+            update_epochs=cfg.update_epochs,
+            sample_fn=lambda policy, obs: policy.act(obs)[0],
+            log_prob_fn=lambda policy, obs, actions: policy.evaluate_actions(obs, actions)[0],
+        )
+        self.trainer = trainer
+        self.storage = trainer.storage
+        self._kl_stopped = False
+        self._last_stats: torch.Tensor | None = None
+        self._generators: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    # ------------------------------------------------------------ checkpoints
+    def _trainer_generators(self) -> tuple[torch.Generator, torch.Generator]:
+        return self.trainer.sample_generator, self.trainer.shuffle_generator
+
+    def save_checkpoint(self, full: bool = True) -> int:
+        token = super().save_checkpoint(full)
+        if full:
+            self._generators[token] = tuple(g.get_state() for g in self._trainer_generators())
+        return token
+
+    def restore_checkpoint(self, token: int) -> None:
+        super().restore_checkpoint(token)
+        saved = self._generators.get(token)
+        if saved is not None:
+            for gen, state in zip(self._trainer_generators(), saved, strict=True):
+                gen.set_state(state)
+        self._kl_stopped = False
+
+    def discard_checkpoint(self, token: int) -> None:
+        super().discard_checkpoint(token)
+        self._generators.pop(token, None)
+
+    def restore_pre_epoch(self) -> None:
+        super().restore_pre_epoch()
+        self._kl_stopped = False
+
+    # ------------------------------------------------------------------ data
+    def _require_data(self) -> None:
+        if not self.trainer.rollout_ready:
+            raise RuntimeError(
+                "no rollout yet: the PPO model context has data from POST_ROLLOUT of the "
+                "first epoch on (at PRE_EPOCH it holds the previous epoch's rollout); fire "
+                "the intervention at POST_ROLLOUT or later"
+            )
+
+    def set_data(self, **_: Any) -> None:
+        """The data is always the trainer's current rollout; nothing to set."""
+
+    def num_samples(self) -> int:
+        self._require_data()
+        return self.storage.size
+
+    def random_order(self, generator: torch.Generator | None = None) -> torch.Tensor:
+        self._require_data()
+        return self.storage.shuffled_order(generator)
+
+    def minibatches(self, order: Any = None) -> Iterator[Minibatch]:
+        self._require_data()
+        st = self.storage
+        idx = st.valid_indices if order is None else torch.as_tensor(order, device=st.device)
+        yield from st.minibatches(idx, self.trainer.cfg.num_minibatches)
+
+    def observations(self) -> torch.Tensor:
+        self._require_data()
+        st = self.storage
+        return st.obs.view(st.num_steps * st.num_envs, -1)[st.valid_indices]
+
+    # ---------------------------------------------------------- computations
+    def train_minibatch(self, batch: Minibatch, step: bool = True) -> list[torch.Tensor | None]:
+        """The trainer's own step on ``batch`` (micro-batches, clipping, Adam); returns
+        the gradients before clipping."""
+        trainer = self.trainer
+        self._last_stats = trainer.accumulate_gradients(batch)
+        grads = [None if p.grad is None else p.grad.detach().clone() for p in self._params()]
+        trainer.clip_and_step(step=step)
+        return grads
+
+    def _params(self) -> list[torch.nn.Parameter]:
+        return list(self.named_parameters().values())
+
+    def run_training_epoch(self, order: Any = None, step: bool = True) -> Grads:
+        """One update epoch as the loop runs it. Like the loop, once an epoch ends with
+        approx_kl above ``target_kl`` the update phase is over: further stepping epochs
+        do nothing (and return zero gradients) until a checkpoint or the pre-epoch state
+        is restored."""
+        if step and self._kl_stopped:
+            return {n: torch.zeros_like(p) for n, p in self.named_parameters().items()}
+        grads = super().run_training_epoch(order, step)
+        if (
+            step
+            and self._last_stats is not None
+            and self.trainer.kl_exceeds_target(self._last_stats)
+        ):
+            self._kl_stopped = True
+        return grads
