@@ -5,8 +5,9 @@ from trainers.checkpoint import CheckpointHook, load_checkpoint, restore_trainer
 from trainers.config import CheckpointConfig, EnvConfig, EvalConfig, PolicyConfig, PPOConfig
 from trainers.evaluation import EvaluationHook
 from trainers.metrics_hook import MetricsHook
+from trainers.model_context import PPOModelDataContext
 from trainers.policy import ActorCriticPolicy
-from trainers.ppo import PPOTrainer, ppo_loss
+from trainers.ppo import EpochHookMetrics, PPOTrainer, ppo_loss
 from trainers.progress import ProgressHook
 from trainers.rollout import Minibatch, RolloutStorage, compute_gae
 from trainers.train_tool import TrainResult, TrainTool
@@ -17,11 +18,13 @@ __all__ = [
     "CheckpointConfig",
     "CheckpointHook",
     "EnvConfig",
+    "EpochHookMetrics",
     "EvalConfig",
     "EvaluationHook",
     "MetricsHook",
     "Minibatch",
     "PPOConfig",
+    "PPOModelDataContext",
     "PPOTrainer",
     "PolicyConfig",
     "ProgressHook",
