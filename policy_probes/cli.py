@@ -30,6 +30,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from policy_probes.control_channel import COMMANDS, ControlError, send_command
 from policy_probes.lifecycle.cli import (
     HookSelection,
     add_hook_selection_arguments,
@@ -65,6 +66,15 @@ examples:
 
 class CLIError(Exception):
     """A usage error: printed without a traceback, exit status 2."""
+
+
+class RunEnded(Exception):
+    """The run stopped before its end on request (signal, ``ctl stop``) after writing a
+    checkpoint; the CLI prints the message and exits with ``exit_code``."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 # ---------------------------------------------------------------------- recipes
@@ -270,6 +280,11 @@ def add_run_subcommand(subparsers: argparse._SubParsersAction) -> None:
         "--package", default="recipes", help="recipe package for --list (default: recipes)"
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the run already in run_dir (its metrics, checkpoints, W&B files)",
+    )
     add_hook_selection_arguments(p)
     p.set_defaults(handler=run_command)
 
@@ -354,8 +369,9 @@ def run_command(args: argparse.Namespace) -> int:
         )
         console.print_json(json.dumps(resolved, default=str))
         return 0
-    result = tool.invoke()
-    report_outputs(console, result)
+    result = invoke_tool(tool, overwrite=args.overwrite)
+    if getattr(result, "rank", 0) == 0:  # under torchrun: one report, from rank 0
+        report_outputs(console, result)
     return 0
 
 
@@ -384,9 +400,122 @@ def report_outputs(console: Any, result: Any) -> None:
         console.print(f"[yellow]sink {name} was switched off: {reason}[/yellow]")
 
 
+# ---------------------------------------------------------------------- resume, ctl
+def invoke_tool(tool: BaseModel, **options: Any) -> Any:
+    """``tool.invoke(**options)`` for the options that are set (duck-typed: a tool whose
+    ``invoke`` lacks one is a usage error). A run directory conflict or an unusable
+    checkpoint (exceptions with ``usage_error = True``) is a usage error; a requested
+    stop (an exception with an ``exit_code``) becomes :class:`RunEnded`."""
+    wanted = {k: v for k, v in options.items() if v}
+    accepted = inspect.signature(tool.invoke).parameters
+    missing = [k for k in wanted if k not in accepted]
+    if missing:
+        raise CLIError(f"{type(tool).__name__}.invoke() does not support {', '.join(missing)}")
+    try:
+        return tool.invoke(**wanted)
+    except BaseException as exc:
+        if getattr(exc, "usage_error", False):
+            raise CLIError(str(exc)) from None
+        code = getattr(exc, "exit_code", None)
+        if isinstance(code, int) and not isinstance(exc, SystemExit):
+            raise RunEnded(str(exc), code) from None
+        raise
+
+
+def add_resume_subcommand(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "resume",
+        help="continue a run from its newest valid checkpoint",
+        description="Re-run the recipe recorded in RUN_DIR/config.json with its overrides "
+        "(plus new ones) and continue from the newest checkpoint that loads, appending to "
+        "the same metric files and W&B run (docs/run_control.md).",
+        epilog="example:\n  policy-probes resume runs/cartpole-1-20250101-120000 "
+        "trainer.total_timesteps=400000",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("run_dir", help="the run directory to continue")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="extra overrides")
+    p.add_argument("--checkpoint", help="this checkpoint file instead of the newest valid one")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(handler=resume_command)
+
+
+def resume_command(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    run_dir = Path(args.run_dir)
+    config_path = run_dir / "config.json"
+    if not config_path.is_file():
+        raise CLIError(f"{run_dir} holds no config.json; give the directory of a training run")
+    try:
+        config = json.loads(config_path.read_text())
+    except ValueError as exc:
+        raise CLIError(f"{config_path} is not valid JSON ({exc})") from None
+    target = config.get("recipe")
+    if not target:
+        raise CLIError(
+            f"{run_dir} was not started by `policy-probes run` (no recipe in config.json); "
+            f"resume it from Python with the same configuration: tool.invoke(resume=True)"
+        )
+    for item in args.overrides:
+        if item.partition("=")[0].strip() == "run_dir":
+            raise CLIError("resume continues in RUN_DIR; drop the run_dir override")
+    previous = [o for o in config.get("overrides", []) if o.partition("=")[0].strip() != "run_dir"]
+    overrides = [*previous, *args.overrides, f"run_dir={json.dumps(str(run_dir))}"]
+    tool = build_from_recipe(target)
+    effective = list(overrides)
+    user_set_progress = any(o.partition("=")[0].strip() == "progress" for o in overrides)
+    if "progress" in type(tool).model_fields and not user_set_progress:
+        effective.append(f"progress={'false' if args.no_progress else 'true'}")
+    tool = apply_overrides(tool, effective)
+    if callable(getattr(tool, "record_launch", None)):
+        tool.record_launch(target, overrides)
+    result = invoke_tool(tool, resume=args.checkpoint or True)
+    if getattr(result, "rank", 0) == 0:
+        report_outputs(Console(), result)
+    return 0
+
+
+def add_ctl_subcommand(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "ctl",
+        help="pause, resume, checkpoint or stop a running run",
+        description="Send a command to the run training in RUN_DIR; it is served at the "
+        "next minibatch boundary and acknowledged. pause: wait (no CPU) until resume; "
+        "checkpoint: write a checkpoint now; stop: checkpoint, flush and exit (status 0). "
+        "Exit status 0 when acknowledged, 1 otherwise.",
+    )
+    p.add_argument("run_dir", help="the run directory of the running run")
+    p.add_argument("command", choices=COMMANDS)
+    p.add_argument(
+        "--timeout", type=float, default=30.0, help="seconds to wait for the acknowledgement"
+    )
+    p.set_defaults(handler=ctl_command)
+
+
+def ctl_command(args: argparse.Namespace) -> int:
+    try:
+        ack = send_command(args.run_dir, args.command, timeout=args.timeout)
+    except ControlError as exc:
+        print(f"policy-probes ctl: {exc}", file=sys.stderr)
+        return 1
+    if ack is None:
+        print(
+            f"policy-probes ctl: {args.command} not acknowledged within {args.timeout:g} s (the "
+            f"run serves commands between minibatches; a long rollout, evaluation or a hung "
+            f"run delays it); the request was withdrawn unless the run had already taken it",
+            file=sys.stderr,
+        )
+        return 1
+    print(f"{'acknowledged' if ack.get('ok') else 'refused'}: {ack.get('message')}")
+    return 0 if ack.get("ok") else 1
+
+
 # ---------------------------------------------------------------------- entry point
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     add_run_subcommand,
+    add_resume_subcommand,
+    add_ctl_subcommand,
     add_report_subcommand,
     add_hooks_subcommand,
 ]
@@ -434,6 +563,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CLIError as exc:
         print(f"policy-probes: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except RunEnded as exc:
+        print(f"policy-probes: {exc}", file=sys.stderr)
+        return exc.exit_code
     except KeyboardInterrupt:
         print("policy-probes: interrupted", file=sys.stderr)
         return 130

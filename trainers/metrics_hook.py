@@ -58,7 +58,14 @@ def epoch_metrics(state: TrainerState) -> dict[str, Any]:
 
 class MetricsHook(TrainerHook):
     """Collects per-epoch metrics (trainer statistics + lifecycle hooks) and emits them
-    to ``sinks`` (fault-isolated)."""
+    to ``sinks`` (fault-isolated).
+
+    It runs on every rank: its POST_EPOCH firing all-reduces the probe trackers, a
+    collective that must come at the same place among every rank's hooks. Ranks other
+    than 0 get an empty sink group, so only rank 0 emits.
+    """
+
+    run_on_all_ranks = True
 
     def __init__(self, sinks: Iterable[MetricSink] | SinkGroup = ()) -> None:
         self.sinks = sinks if isinstance(sinks, SinkGroup) else SinkGroup(sinks)

@@ -19,9 +19,11 @@ hooks (``docs/lifecycle.md``) fire at PRE_EPOCH, POST_ROLLOUT, PRE_STEP/POST_STE
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,8 +31,10 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 import torch
+import torch.distributed as dist
 from gymnasium.wrappers import vector as vw
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from policy_probes.context import ComponentContext
 from policy_probes.lifecycle import STEP_POINTS, HookManager, HookPoint, TrainingHook, snapshot_due
@@ -54,15 +58,41 @@ def normalize_advantages(batch: Minibatch) -> Minibatch:
     return Minibatch(batch.obs, batch.actions, batch.logprobs, batch.values, adv, batch.returns)
 
 
+class EvaluateActions(nn.Module):
+    """``policy.evaluate_actions`` as a module's ``forward``.
+
+    DistributedDataParallel averages gradients only for passes through the forward of
+    the module it wraps, and the PPO loss needs ``evaluate_actions``, not the policy's
+    ``forward``; the trainer wraps this module instead (:meth:`PPOTrainer.wrap_ddp`).
+    Probes stay on the policy's own components, which this module calls unchanged.
+    """
+
+    def __init__(self, policy: ActorCriticPolicy) -> None:
+        super().__init__()
+        self.policy = policy
+
+    def forward(
+        self, obs: torch.Tensor, actions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.policy.evaluate_actions(obs, actions)
+
+
 def ppo_loss(
-    policy: ActorCriticPolicy, batch: Minibatch, cfg: PPOConfig
+    policy: ActorCriticPolicy,
+    batch: Minibatch,
+    cfg: PPOConfig,
+    *,
+    evaluate: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The PPO loss on ``batch`` (advantages used as given) and its statistics.
 
     Returns ``(loss, stats)`` where ``stats`` is a detached 1-D tensor ordered as
-    :data:`LOSS_STATS`. The loss is a mean over the batch's samples.
+    :data:`LOSS_STATS`. The loss is a mean over the batch's samples. ``evaluate``
+    replaces ``policy.evaluate_actions`` (the DDP-wrapped :class:`EvaluateActions` of a
+    multi-process run).
     """
-    newlogprob, entropy, newvalue = policy.evaluate_actions(batch.obs, batch.actions)
+    evaluate = policy.evaluate_actions if evaluate is None else evaluate
+    newlogprob, entropy, newvalue = evaluate(batch.obs, batch.actions)
     logratio = newlogprob - batch.logprobs
     ratio = logratio.exp()
 
@@ -118,6 +148,22 @@ class EpochHookMetrics:
     snapshot: dict[str, Any] | None = None
     steps: dict[str, dict[str, Any]] = field(default_factory=dict)
     complete: bool = False
+
+
+@dataclass
+class UpdateProgress:
+    """Where the update phase of the current epoch stands: the running sums of the loss
+    statistics, the update epoch, its minibatch order and the next minibatch. A mid-epoch
+    checkpoint saves it, so a resumed run trains on exactly the remaining minibatches."""
+
+    learning_rate: float
+    sums: torch.Tensor
+    update_epoch: int = 0
+    next_minibatch: int = 0
+    order: torch.Tensor | None = None
+    steps: int = 0
+    update_epochs_run: int = 0
+    last_stats: torch.Tensor | None = None
 
 
 class PPOTrainer:
@@ -211,6 +257,9 @@ class PPOTrainer:
         self._episode_lengths: list[np.ndarray] = []
         self._start_time = 0.0
         self._trained_time = 0.0
+        #: the update phase under way (set during update(); restored from a mid-epoch
+        #: checkpoint, in which case train() continues that epoch's update phase)
+        self.update_progress: UpdateProgress | None = None
 
         # Lifecycle hooks. stats_reporter is always present (one metrics pipeline for the
         # probes); the per-step fire() calls are skipped unless a hook fires at a step
@@ -249,19 +298,22 @@ class PPOTrainer:
         try:
             if self._next_obs is None:
                 self.reset_envs()
-            self._start_time = time.perf_counter()
-            while state.epoch < self.num_epochs and not state.stop_training:
-                state.epoch += 1
-                self.fire_epoch_start_point()  # PRE_EPOCH
-                self.hooks.fire("on_rollout_start", state)
-                self.collect_rollout()
-                self.fire_rollout_point()  # POST_ROLLOUT
-                self.hooks.fire("on_rollout_end", state)
+            self._start_time = time.perf_counter() - self._trained_time  # resumed: clock goes on
+            resuming_update = self.update_progress is not None  # mid-epoch checkpoint
+            while (state.epoch < self.num_epochs or resuming_update) and not state.stop_training:
+                if not resuming_update:
+                    state.epoch += 1
+                    self.fire_epoch_start_point()  # PRE_EPOCH
+                    self.hooks.fire("on_rollout_start", state)
+                    self.collect_rollout()
+                    self.fire_rollout_point()  # POST_ROLLOUT
+                    self.hooks.fire("on_rollout_end", state)
+                resuming_update = False
                 self.update()  # PRE_STEP / POST_STEP around every optimizer step
                 self.scheduler.step()
                 self.hooks.fire("on_train_phase_end", state)
-                # EvaluationHook, CheckpointHook, then MetricsHook, which calls
-                # fire_epoch_end_points() (POST_EPOCH, SNAPSHOT) and emits the metrics.
+                # EvaluationHook, MetricsHook, which calls fire_epoch_end_points()
+                # (POST_EPOCH, SNAPSHOT) and emits the metrics, then CheckpointHook.
                 self.hooks.fire("on_epoch_end", state)
                 self.fire_epoch_end_points()  # no-op when a callback already fired them
         except BaseException as exc:
@@ -466,28 +518,37 @@ class PPOTrainer:
         cfg, state = self.cfg, self.state
         t0 = time.perf_counter()
         self.context.phase = "train"
-        lr = self.optimizer.param_groups[0]["lr"]
-        sums = torch.zeros(len(LOSS_STATS) + 1, device=self.device)
-        steps = 0
-        update_epochs_run = 0
-        for update_epoch in range(cfg.update_epochs):
-            state.update_epoch = update_epoch
-            order = self.storage.shuffled_order(self.shuffle_generator)
-            for mb_idx, batch in enumerate(self.storage.minibatches(order, cfg.num_minibatches)):
+        if self.update_progress is None:  # else: resumed in the middle of this phase
+            self.update_progress = UpdateProgress(
+                learning_rate=self.optimizer.param_groups[0]["lr"],
+                sums=torch.zeros(len(LOSS_STATS) + 1, device=self.device),
+            )
+        p = self.update_progress
+        while p.update_epoch < cfg.update_epochs:
+            state.update_epoch = p.update_epoch
+            if p.order is None:
+                p.order = self.storage.shuffled_order(self.shuffle_generator)
+            batches = self.storage.minibatches(p.order, cfg.num_minibatches)
+            first = p.next_minibatch  # > 0 only when resumed mid-phase
+            for mb_idx, batch in enumerate(itertools.islice(batches, first, None), first):
                 state.mb_idx = mb_idx
                 stats = self.train_minibatch(batch, fire_hooks=self._fire_steps)
-                sums += stats
-                steps += 1
+                p.sums += stats
+                p.steps += 1
+                p.next_minibatch, p.last_stats = mb_idx + 1, stats
                 state.optimizer_step += 1
+                # a minibatch boundary: run control may checkpoint, pause or stop here
                 self.hooks.fire("on_mb_end", state)
-            update_epochs_run += 1
-            if self.kl_exceeds_target(stats):
+            p.update_epochs_run += 1
+            p.update_epoch, p.order, p.next_minibatch = p.update_epoch + 1, None, 0
+            if self.kl_exceeds_target(p.last_stats):
                 break
-        means = (sums / max(steps, 1)).tolist()  # the one transfer of the update phase
+        self.update_progress = None
+        means = (p.sums / max(p.steps, 1)).tolist()  # the one transfer of the update phase
         loss_stats = dict(zip((*LOSS_STATS, "grad_norm"), means, strict=True))
         loss_stats["explained_variance"] = self.storage.explained_variance()
-        loss_stats["learning_rate"] = lr
-        loss_stats["update_epochs_run"] = float(update_epochs_run)
+        loss_stats["learning_rate"] = p.learning_rate
+        loss_stats["update_epochs_run"] = float(p.update_epochs_run)
         loss_stats["batch_size"] = float(self.storage.size)
         state.loss_stats = loss_stats
         self._trained_time = time.perf_counter() - self._start_time
@@ -502,7 +563,7 @@ class PPOTrainer:
         micro-batch accumulated, before clipping) and POST_STEP (right after
         ``optimizer.step()``) fire around the step.
         """
-        stats = self.accumulate_gradients(batch)
+        stats = self.accumulate_gradients(batch, sync=True)
         if fire_hooks:
             self._fire_step_point(HookPoint.PRE_STEP, batch, stats)
         grad_norm = self.clip_and_step()
@@ -519,7 +580,31 @@ class PPOTrainer:
             batch = normalize_advantages(batch)
         return ppo_loss(self.policy if policy is None else policy, batch, self.cfg)
 
-    def accumulate_gradients(self, batch: Minibatch) -> torch.Tensor:
+    #: DistributedDataParallel around :class:`EvaluateActions` of the policy in a
+    #: multi-process run (:meth:`wrap_ddp`); None in a single process
+    ddp: DistributedDataParallel | None = None
+
+    def wrap_ddp(self, device_ids: list[int] | None = None) -> DistributedDataParallel:
+        """Average the loop's gradients over the processes of the default group.
+
+        Wraps :class:`EvaluateActions` of the policy in DistributedDataParallel (which
+        broadcasts rank 0's parameters, so every rank starts from the same policy). The
+        policy, its probes, the optimizer and the lifecycle hooks keep using the plain
+        module; only :meth:`accumulate_gradients` with ``sync=True`` (the loop's own
+        step) goes through DDP. Call it on every rank before :meth:`train`.
+        """
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "wrap_ddp() needs an initialised torch.distributed process group; launch with "
+                "torchrun (trainers.distributed.DistributedRun creates the group)"
+            )
+        # no buffer broadcast before every forward: the policy has no buffers to keep equal
+        self.ddp = DistributedDataParallel(
+            EvaluateActions(self.policy), device_ids=device_ids, forward_sync_buffers=False
+        )
+        return self.ddp
+
+    def accumulate_gradients(self, batch: Minibatch, *, sync: bool = False) -> torch.Tensor:
         """``zero_grad`` then backward of the PPO loss on ``batch``; returns the loss
         statistics (:data:`LOSS_STATS`, a device tensor).
 
@@ -527,8 +612,15 @@ class PPOTrainer:
         gradients accumulate: each backpropagates ``loss * (micro_size / minibatch_size)``
         and ``context.loss_scale`` holds that factor while it runs (the Fisher probe
         divides it out to recover per-sample gradients).
+
+        ``sync=True`` (the training loop's step) averages the gradients over all ranks
+        through DDP when :meth:`wrap_ddp` was called: micro-batches run under
+        ``no_sync()`` except the last, whose backward all-reduces the accumulated
+        gradients once. Lifecycle interventions call it with ``sync=False``; their extra
+        passes run on rank 0 alone and must not wait for the other ranks.
         """
         cfg = self.cfg
+        ddp = self.ddp if sync else None
         if cfg.norm_adv:
             batch = normalize_advantages(batch)
         self.optimizer.zero_grad(set_to_none=True)
@@ -536,14 +628,20 @@ class PPOTrainer:
         n = len(batch)
         stats = torch.zeros(len(LOSS_STATS), device=self.device)
         try:
-            for part in micro:
+            for i, part in enumerate(micro):
                 scale = len(part) / n
                 self.context.loss_scale = scale
-                loss, part_stats = ppo_loss(self.policy, part, cfg)
-                (loss * scale if scale != 1.0 else loss).backward()
+                last = i == len(micro) - 1
+                with ddp.no_sync() if ddp is not None and not last else nullcontext():
+                    loss, part_stats = ppo_loss(self.policy, part, cfg, evaluate=ddp)
+                    (loss * scale if scale != 1.0 else loss).backward()
                 stats += part_stats * scale
         finally:
             self.context.loss_scale = 1.0
+        if ddp is not None and cfg.target_kl is not None:
+            # the target-KL early stop must be the same decision on every rank
+            dist.all_reduce(stats)
+            stats /= dist.get_world_size()
         return stats
 
     def kl_exceeds_target(self, stats: torch.Tensor) -> bool:

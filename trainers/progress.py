@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch.distributed as dist
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -37,7 +38,9 @@ class ProgressHook(TrainerHook):
             console=self.console,
             transient=self.transient,
         )
-        total = state.num_epochs * state.trainer.batch_size
+        # agent_step counts every rank's steps in a distributed run
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        total = state.num_epochs * state.trainer.batch_size * world
         self.task = self.progress.add_task(
             "train",
             total=total,

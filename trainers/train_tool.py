@@ -37,11 +37,13 @@ from policy_probes.sinks import SinkGroup, SinksConfig, WandbConfig, build_sink_
 from trainers.callbacks import TrainerHook
 from trainers.checkpoint import CheckpointHook
 from trainers.config import CheckpointConfig, EnvConfig, EvalConfig, PolicyConfig, PPOConfig
+from trainers.distributed import DistributedRun, RankStatisticsHook, per_rank_config
 from trainers.envs import make_vector_env
 from trainers.evaluation import EvaluationHook
 from trainers.metrics_hook import MetricsHook
 from trainers.policy import ActorCriticPolicy
 from trainers.ppo import PPOTrainer
+from trainers.run_control import RunControl, prepare_run_dir, resume_trainer
 
 log = logging.getLogger("trainers")
 
@@ -61,6 +63,10 @@ class TrainResult:
     eval_scores: dict[str, float] = field(default_factory=dict)
     hook_errors: dict[str, str] = field(default_factory=dict)
     sink_failures: dict[str, str] = field(default_factory=dict)
+    #: this process's rank and the number of processes (0 and 1 outside torchrun); only
+    #: rank 0 writes outputs and has ``metrics``
+    rank: int = 0
+    world_size: int = 1
 
     def output_files(self) -> list[Path]:
         """Every file under the run directory (relative paths), for the user to find them."""
@@ -254,23 +260,55 @@ class TrainTool(BaseModel):
             path, i = base.with_name(f"{base.name}-{i}"), i + 1
         return path
 
-    def invoke(self) -> TrainResult:
+    def invoke(self, *, resume: bool | str | Path = False, overwrite: bool = False) -> TrainResult:
         """Build envs, policy, probes, sinks and trainer; train; always clean up.
+
+        A ``run_dir`` that already holds a run is refused unless ``overwrite`` (its outputs
+        are deleted first) or ``resume`` (``True``: continue from its newest valid
+        checkpoint; a path: from that checkpoint; ``docs/run_control.md``). SIGINT/SIGTERM
+        and ``policy-probes ctl stop`` end the run at a minibatch boundary with a
+        checkpoint by raising :class:`~trainers.run_control.RunStopped`.
 
         Every builder is attached before the first environment step (an unknown component
         name raises ``KeyError`` listing the available ones). Every hook handle is removed,
         envs and sinks closed, also when training fails or is interrupted.
+
+        Under torchrun every process calls it: the process group is created here and
+        destroyed at the end, DDP averages the gradients, each rank steps its own
+        environments, and rank 0 alone writes config, metrics, W&B and checkpoints
+        (``docs/distributed.md``).
         """
-        device = resolve_device(self.device)
+        with DistributedRun(resolve_device(self.device)) as dist_run:
+            return self._train(dist_run, resume=resume, overwrite=overwrite)
+
+    def _train(
+        self,
+        dist_run: DistributedRun,
+        *,
+        resume: bool | str | Path = False,
+        overwrite: bool = False,
+    ) -> TrainResult:
+        """:meth:`invoke` inside the process group ``dist_run`` (rank 0 of 1 when alone)."""
+        device = dist_run.device
         if self.torch_threads is not None:
             torch.set_num_threads(self.torch_threads)
         run_dir = Path(self.run_dir) if self.run_dir is not None else self.default_run_dir()
-        run_dir.mkdir(parents=True, exist_ok=True)
+        run_dir = dist_run.broadcast(run_dir)  # rank 0's choice (default names hold a time)
         config = self.resolved_config()
         config["run_dir"] = str(run_dir)
-        (run_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        resume_from = prepare_run_dir(
+            run_dir, resume=resume, overwrite=overwrite, main=dist_run.is_main
+        )
+        if resume_from is not None:
+            config["resumed_from"] = str(resume_from[0])
+        if dist_run.world_size > 1:
+            config["distributed"] = {"world_size": dist_run.world_size, "backend": dist_run.backend}
+        dist_run.barrier()  # every rank checked run_dir before rank 0 writes into it
+        if dist_run.is_main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
-        seed_everything(self.seed)
+        seed_everything(self.seed)  # same on every rank: same initial policy
         envs = make_vector_env(self.env, gamma=self.trainer.gamma)
         policy: ActorCriticPolicy | None = None
         sinks: SinkGroup | None = None
@@ -288,7 +326,12 @@ class TrainTool(BaseModel):
                 from rich.console import Console
 
                 console = Console()
-            sinks = build_sink_group(run_dir, self.sinks, self.wandb, config, console=console)
+            if dist_run.is_main:
+                sinks = build_sink_group(run_dir, self.sinks, self.wandb, config, console=console)
+            else:  # the other ranks emit nothing (MetricsHook runs on rank 0 only)
+                sinks = SinkGroup()
+            if dist_run.distributed:
+                hooks.append(RankStatisticsHook(dist_run.world_size))
             if self.evaluation.every_epochs > 0 or self.evaluation.at_end:
                 env_cfg, n_eval = self.env, self.evaluation.num_envs
                 hooks.append(
@@ -301,37 +344,43 @@ class TrainTool(BaseModel):
                         max_steps=self.evaluation.max_steps,
                     )
                 )
+            checkpointer = CheckpointHook(
+                run_dir / "checkpoints",
+                every_epochs=self.checkpoint.every_epochs,
+                keep_last=self.checkpoint.keep_last,
+                at_end=self.checkpoint.at_end,
+            )
+            hooks.append(MetricsHook(sinks))  # on every rank (see MetricsHook)
             if self.checkpoint.every_epochs > 0 or self.checkpoint.at_end:
-                hooks.append(
-                    CheckpointHook(
-                        run_dir / "checkpoints",
-                        every_epochs=self.checkpoint.every_epochs,
-                        keep_last=self.checkpoint.keep_last,
-                        at_end=self.checkpoint.at_end,
-                    )
-                )
-            hooks.append(MetricsHook(sinks))
+                hooks.append(checkpointer)  # after MetricsHook: never ahead of the metrics
             if self.progress:
                 from trainers.progress import ProgressHook
 
                 hooks.append(ProgressHook(console=console))
             hooks.extend(self._trainer_hooks)
+            run_control = RunControl(run_dir, checkpointer, sinks)  # signals, `ctl`
+            hooks.append(run_control)
 
             trainer = PPOTrainer(
                 envs,
                 policy,
-                self.trainer,
+                per_rank_config(self.trainer, dist_run.world_size, self.env.num_envs),
                 context=context,
                 hooks=hooks,
                 device=device,
-                seed=self.seed,
+                seed=dist_run.seed(self.seed, self.env.num_envs),  # distinct envs per rank
                 run_dir=run_dir,
                 config=config,
                 lifecycle_hooks=self.lifecycle_hooks(),
                 snapshot_every=self.snapshot_every,
                 lifecycle_config=self,
             )
-            state = trainer.train()
+            if dist_run.distributed:
+                trainer.wrap_ddp(dist_run.ddp_device_ids())
+            if resume_from is not None:
+                resume_trainer(trainer, sinks, resume_from, own_envs=dist_run.is_main)
+            with run_control.handling_signals():
+                state = trainer.train()
         finally:
             if policy is not None:
                 policy.remove_hooks()
@@ -354,4 +403,6 @@ class TrainTool(BaseModel):
                 **{f"lifecycle.{n}": m for n, m in trainer.manager.error_messages.items()},
             },
             sink_failures=dict(sinks.failures),
+            rank=dist_run.rank,
+            world_size=dist_run.world_size,
         )

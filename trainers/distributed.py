@@ -1,0 +1,294 @@
+"""Multi-process PPO on ``torch.distributed``: the process group, per-rank seeds, and the
+epoch statistics of all ranks.
+
+Launch with torchrun (``docs/distributed.md``)::
+
+    torchrun --nproc_per_node=4 -m policy_probes.cli run recipes.cartpole.train
+
+torchrun starts one process per rank and sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``MASTER_ADDR`` and ``MASTER_PORT``. :class:`DistributedRun` reads them, initialises the
+default process group (gloo for CPU training, nccl for CUDA), gives each rank its GPU,
+and destroys the group when the run ends. Without those variables it describes a single
+process (rank 0 of 1) and touches nothing, so a plain run is exactly what it was.
+
+Each rank steps its own environments (seeded by :func:`rank_seed`) and DDP averages the
+gradients (``PPOTrainer.wrap_ddp``). :class:`RankStatisticsHook` turns the per-rank
+rollout and loss statistics into global ones once per epoch and makes ``agent_step``
+count the steps of every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from trainers.callbacks import TrainerHook, TrainerState
+from trainers.config import PPOConfig
+
+log = logging.getLogger("trainers")
+
+#: environment variables torchrun sets for every worker
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+#: seed distance between ranks (larger when one rank has more envs, see rank_seed)
+RANK_SEED_STRIDE = 1000
+
+
+def launched_by_torchrun() -> bool:
+    """True when torchrun (or another launcher) set ``RANK`` and ``WORLD_SIZE``."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def backend_for(device: torch.device) -> str:
+    """nccl for CUDA training, gloo for the CPU."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def rank_seed(seed: int, rank: int, num_envs: int = 1) -> int:
+    """The seed of rank ``rank``'s environments, action sampling and minibatch order.
+
+    ``seed + rank * stride`` with ``stride = max(1000, num_envs)``: vector envs seed env
+    ``i`` with ``seed + i``, so ranks never share an environment seed. Rank 0 keeps
+    ``seed``, so a one-process run is the run it always was.
+    """
+    if rank < 0:
+        raise ValueError(f"rank must be >= 0, got {rank}")
+    return seed + rank * max(RANK_SEED_STRIDE, num_envs)
+
+
+def per_rank_config(cfg: PPOConfig, world_size: int, num_envs: int) -> PPOConfig:
+    """The PPO configuration one rank trains with: ``total_timesteps`` is the budget of
+    all ranks together (as in CleanRL's multi-GPU PPO), so each rank runs
+    ``total_timesteps // (world_size * num_envs * num_steps)`` epochs. Raises
+    ``ValueError`` when that is less than one epoch."""
+    if world_size == 1:
+        return cfg
+    rollout = world_size * num_envs * cfg.num_steps
+    if cfg.total_timesteps < rollout:
+        raise ValueError(
+            f"trainer.total_timesteps={cfg.total_timesteps} counts the steps of all "
+            f"{world_size} processes and is smaller than one rollout of all of them "
+            f"(world_size * env.num_envs * trainer.num_steps = {rollout}); raise "
+            f"total_timesteps or lower num_steps / num_envs"
+        )
+    return cfg.model_copy(update={"total_timesteps": cfg.total_timesteps // world_size})
+
+
+class DistributedRun:
+    """The process group of one training run, as a context manager.
+
+    ``with DistributedRun(device) as run:`` initialises the default process group when
+    the process was launched by torchrun and no group exists yet, and destroys it on
+    exit (also after an error). A group that already existed (a user who called
+    ``init_process_group`` before ``TrainTool.invoke``) is used and left alone. Outside
+    torchrun it is rank 0 of a world of 1 and does nothing.
+
+    Attributes: ``rank``, ``world_size``, ``local_rank``, ``device`` (for CUDA the GPU
+    ``cuda:<local_rank>``), ``owns_group`` (this object created the group).
+    """
+
+    def __init__(self, device: torch.device | str = "cpu", timeout_s: float | None = None) -> None:
+        self.requested_device = torch.device(device)
+        self.timeout_s = timeout_s
+        self.rank = 0
+        self.world_size = 1
+        self.local_rank = 0
+        self.device = self.requested_device
+        self.owns_group = False
+
+    # ------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> DistributedRun:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> DistributedRun:
+        """Join (or create) the process group; a no-op outside a distributed launch."""
+        if not dist.is_available():
+            if launched_by_torchrun() and int(os.environ["WORLD_SIZE"]) > 1:
+                raise RuntimeError(
+                    "launched with WORLD_SIZE > 1 but this torch build has no "
+                    "torch.distributed; install a torch build with distributed support"
+                )
+            return self
+        if not dist.is_initialized():
+            if not launched_by_torchrun():
+                return self
+            self._init_from_env()
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        if not self.owns_group:  # a group the caller created: its LOCAL_RANK or current GPU
+            default = torch.cuda.current_device() if torch.cuda.is_available() else 0
+            self.local_rank = int(os.environ.get("LOCAL_RANK", default))
+        if self.requested_device.type == "cuda":
+            self.device = torch.device("cuda", self.local_rank)
+            torch.cuda.set_device(self.device)
+        if self.world_size > 1:
+            log.info(
+                "distributed run: rank %d of %d (%s, device %s)",
+                self.rank,
+                self.world_size,
+                dist.get_backend(),
+                self.device,
+            )
+        return self
+
+    def _init_from_env(self) -> None:
+        missing = [v for v in TORCHRUN_VARS if v not in os.environ]
+        if missing:
+            raise RuntimeError(
+                f"RANK and WORLD_SIZE are set but {', '.join(missing)} is not; launch with "
+                f"torchrun (e.g. torchrun --nproc_per_node=2 -m policy_probes.cli run ...) "
+                f"or set every one of {', '.join(TORCHRUN_VARS)}"
+            )
+        self.local_rank = int(os.environ["LOCAL_RANK"])
+        backend = backend_for(self.requested_device)
+        if backend == "nccl":
+            if not torch.cuda.is_available():
+                raise RuntimeError(
+                    "device=cuda under torchrun but CUDA is not available; use device=cpu "
+                    "(gloo backend)"
+                )
+            if self.local_rank >= torch.cuda.device_count():
+                raise RuntimeError(
+                    f"LOCAL_RANK={self.local_rank} but only {torch.cuda.device_count()} GPU(s) "
+                    f"are visible; lower --nproc_per_node to the number of GPUs"
+                )
+            torch.cuda.set_device(self.local_rank)
+        kwargs: dict[str, Any] = {"backend": backend, "init_method": "env://"}
+        if self.timeout_s is not None:
+            kwargs["timeout"] = timedelta(seconds=self.timeout_s)
+        dist.init_process_group(**kwargs)
+        self.owns_group = True
+
+    def close(self) -> None:
+        """Destroy the process group if :meth:`start` created it."""
+        if self.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self.owns_group = False
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def distributed(self) -> bool:
+        """More than one process trains."""
+        return self.world_size > 1
+
+    @property
+    def backend(self) -> str | None:
+        """The process group's backend (``gloo``/``nccl``), None without a group."""
+        return dist.get_backend() if dist.is_available() and dist.is_initialized() else None
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the process that writes outputs (config, sinks, checkpoints)."""
+        return self.rank == 0
+
+    def ddp_device_ids(self) -> list[int] | None:
+        """``device_ids`` for DistributedDataParallel: the rank's GPU, None on the CPU."""
+        return [self.device.index or 0] if self.device.type == "cuda" else None
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Rank ``src``'s ``obj`` on every rank (picklable objects; identity when alone)."""
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def barrier(self) -> None:
+        """Wait for every rank (no-op when alone): e.g. all ranks have inspected the run
+        directory before rank 0 writes into it."""
+        if self.distributed:
+            dist.barrier()
+
+    def seed(self, seed: int, num_envs: int = 1) -> int:
+        """This rank's seed (:func:`rank_seed`)."""
+        return rank_seed(seed, self.rank, num_envs)
+
+
+def reduce_device() -> torch.device:
+    """Where collectives run: the current GPU for nccl, the CPU for gloo."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+# Rollout statistics: how each one combines across ranks.
+_EPISODE_MEANS = ("episode_return", "episode_length")  # weighted by each rank's episodes
+_SUMMED = ("episodes", "rollout_sps")
+_AVERAGED = ("sps", "update_seconds", "valid_fraction")
+_SUMMED_LOSS = ("batch_size",)
+
+
+class RankStatisticsHook(TrainerHook):
+    """Makes the statistics of a multi-process run describe all ranks together.
+
+    * ``on_rollout_start``: ``agent_step`` counts every rank's environment steps (each
+      rollout adds ``world_size x num_envs x num_steps``; the rollout adds its own share).
+    * ``on_train_phase_end`` (one all-reduce of a few floats): episode statistics over
+      the episodes of every rank (``episodes`` summed, ``episode_return``/``length``
+      means weighted by episodes, ``episode_return_max``/``min`` over ranks),
+      ``rollout_sps`` summed (global throughput), ``sps`` / ``update_seconds`` /
+      ``valid_fraction`` and every loss statistic averaged over ranks, ``batch_size``
+      summed.
+
+    It runs on every rank (the reduction is a collective) and before the other hooks.
+    """
+
+    run_on_all_ranks = True
+    critical = True  # a rank that skipped the collective would hang the others
+
+    def __init__(self, world_size: int) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.world_size = world_size
+
+    def on_rollout_start(self, state: TrainerState) -> None:
+        state.agent_step += (self.world_size - 1) * state.trainer.batch_size
+
+    def on_train_phase_end(self, state: TrainerState) -> None:
+        if self.world_size == 1:
+            return
+        rs, ls = state.rollout_stats, state.loss_stats
+        episodes = float(rs.get("episodes", 0.0))
+        loss_keys = sorted(ls)
+        sums = [episodes]
+        sums += [rs.get(k, 0.0) * episodes if episodes else 0.0 for k in _EPISODE_MEANS]
+        sums += [float(rs.get(k, 0.0)) for k in (*_SUMMED[1:], *_AVERAGED)]
+        sums += [float(ls[k]) for k in loss_keys]
+        extremes = [
+            rs.get("episode_return_max", -float("inf")),
+            -rs.get("episode_return_min", float("inf")),
+        ]
+        device = reduce_device()
+        total = torch.tensor(sums, dtype=torch.float64, device=device)
+        peak = torch.tensor(extremes, dtype=torch.float64, device=device)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        total_h, peak_h = total.tolist(), peak.tolist()  # once per epoch
+
+        n = self.world_size
+        all_episodes = total_h[0]
+        out = {"episodes": all_episodes}
+        if all_episodes > 0:
+            out.update({k: total_h[1 + i] / all_episodes for i, k in enumerate(_EPISODE_MEANS)})
+            out["episode_return_max"] = peak_h[0]
+            out["episode_return_min"] = -peak_h[1]
+        offset = 1 + len(_EPISODE_MEANS)
+        for i, k in enumerate((*_SUMMED[1:], *_AVERAGED)):
+            if k in rs:
+                value = total_h[offset + i]
+                out[k] = value if k in _SUMMED else value / n
+        for k in ("episode_return", "episode_length", "episode_return_max", "episode_return_min"):
+            rs.pop(k, None)  # a rank without episodes reports the global ones too
+        rs.update(out)
+        offset += len(_SUMMED) - 1 + len(_AVERAGED)
+        for i, k in enumerate(loss_keys):
+            value = total_h[offset + i]
+            ls[k] = value if k in _SUMMED_LOSS else value / n
