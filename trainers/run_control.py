@@ -1,0 +1,436 @@
+"""Run control: a clean stop on SIGINT/SIGTERM and the ``policy-probes ctl`` command channel.
+
+:class:`RunControl` is a trainer hook that acts at *minibatch boundaries* (after each
+optimizer step, ``on_mb_end``) and at epoch ends:
+
+* **Signals.** SIGINT or SIGTERM only sets a flag. At the next boundary (the minibatch
+  under way finishes first) the run writes a checkpoint, flushes every sink and raises
+  :class:`RunStopped`, whose ``exit_code`` is 130 (SIGINT) or 143 (SIGTERM); the CLI exits
+  with it. A second signal stops at once (``KeyboardInterrupt`` / the default action).
+* **Commands** (:mod:`policy_probes.control_channel`): ``checkpoint`` writes a checkpoint
+  now and goes on; ``pause`` waits (sleeping with backoff, no CPU) until ``resume``,
+  serving ``checkpoint`` and ``stop`` meanwhile; ``stop`` checkpoints, flushes and stops
+  (exit status 0). Each command is acknowledged in the channel.
+
+Checkpoints written at a minibatch boundary are mid-epoch checkpoints
+(:mod:`trainers.checkpoint`): ``policy-probes resume`` continues the interrupted update
+phase with the remaining minibatches, bit-identical to an uninterrupted run on CPU.
+
+In a ``torch.distributed`` run every rank runs this hook: rank 0 reads the channel, and
+each boundary's decision (the highest signal any rank received, rank 0's command) is
+all-reduced over a gloo group, so all ranks stop, pause and resume at the same
+minibatch; rank 0 writes the checkpoint.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from policy_probes.control_channel import (
+    COMMANDS,
+    Request,
+    acknowledge,
+    announce_run,
+    take_requests,
+    withdraw_run,
+)
+from policy_probes.sinks import SinkGroup
+from trainers.callbacks import TrainerHook, TrainerState, current_rank
+from trainers.checkpoint import CheckpointHook
+
+log = logging.getLogger("trainers")
+
+#: exit status of a run stopped by a signal (128 + the signal number, the shell convention)
+SIGNAL_EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
+#: exit status of a run stopped by ``policy-probes ctl RUN_DIR stop``
+CTL_STOP_EXIT_CODE = 0
+
+
+class RunStopped(BaseException):
+    """Training stopped on request (signal or ``ctl stop``) after writing a checkpoint.
+
+    A ``BaseException`` like ``KeyboardInterrupt``: a stop is not an error that
+    ``except Exception`` should swallow. ``exit_code`` is what the CLI exits with.
+    """
+
+    def __init__(self, message: str, exit_code: int, checkpoint: Path | None, epoch: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+        self.checkpoint = checkpoint
+        self.epoch = epoch
+
+
+class RunControl(TrainerHook):
+    """Serves signals and ``ctl`` commands at minibatch boundaries (see the module doc).
+
+    Args:
+        run_dir: the run directory (its ``control/`` folder is the command channel).
+        checkpointer: writes the checkpoints (the run's :class:`CheckpointHook`, also when
+            periodic checkpoints are off).
+        sinks: flushed before a stop.
+        poll_interval: seconds between looks at the channel while training (signals are
+            checked at every boundary; the look is a directory listing).
+        max_pause_poll: longest sleep between looks while paused.
+    """
+
+    critical = True  # RunStopped must leave the loop; other errors are bugs worth seeing
+    run_on_all_ranks = True
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        checkpointer: CheckpointHook,
+        sinks: SinkGroup | None = None,
+        *,
+        poll_interval: float = 0.05,
+        max_pause_poll: float = 0.25,
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.checkpointer = checkpointer
+        self.sinks = sinks
+        self.poll_interval = poll_interval
+        self.max_pause_poll = max_pause_poll
+        #: the first stop signal received (None: none)
+        self.signal: int | None = None
+        self._pending: collections.deque[Request] = collections.deque()
+        self._next_poll = 0.0
+        self._previous_handlers: dict[int, Any] = {}
+        self._group: Any = None
+        self._distributed = False
+        self.paused_seconds = 0.0
+
+    # ------------------------------------------------------------------ signals
+    @contextlib.contextmanager
+    def handling_signals(self) -> Iterator[RunControl]:
+        """Install the SIGINT/SIGTERM handlers for the ``with`` block (main thread only;
+        elsewhere signals keep their handlers and only ``ctl`` works)."""
+        main = threading.current_thread() is threading.main_thread()
+        if main:
+            for sig in SIGNAL_EXIT_CODES:
+                self._previous_handlers[sig] = signal.getsignal(sig)
+                signal.signal(sig, self._on_signal)
+        try:
+            yield self
+        finally:
+            if main:
+                self._restore_handlers()
+
+    def _restore_handlers(self) -> None:
+        for sig, handler in self._previous_handlers.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        self._previous_handlers.clear()
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if self.signal is not None:  # the second one: do not wait for the boundary
+            os.write(2, f"\n{name} again: stopping immediately, no checkpoint\n".encode())
+            self._restore_handlers()
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            signal.raise_signal(signum)
+            return
+        self.signal = signum
+        # os.write: logging is not safe inside a signal handler
+        os.write(
+            2,
+            f"\n{name}: finishing the current minibatch, then checkpoint and stop "
+            f"(send it again to stop at once)\n".encode(),
+        )
+
+    # ------------------------------------------------------------------ trainer hook
+    def on_new_training_run(self, state: TrainerState) -> None:
+        self._distributed = dist.is_available() and dist.is_initialized()
+        if self._distributed:
+            # decisions travel over gloo (CPU), never as a GPU sync
+            gloo = dist.get_backend() == "gloo"
+            self._group = None if gloo else dist.new_group(backend="gloo")
+        if current_rank() == 0:
+            announce_run(self.run_dir)
+
+    def on_mb_end(self, state: TrainerState) -> None:
+        if not self._distributed and self.signal is None:
+            now = time.monotonic()
+            if now < self._next_poll:
+                return
+            self._next_poll = now + self.poll_interval
+        self.serve(state)
+
+    def on_epoch_end(self, state: TrainerState) -> None:
+        self.serve(state)
+
+    def on_training_end(self, state: TrainerState) -> None:
+        if current_rank() == 0:
+            withdraw_run(self.run_dir)
+
+    # ------------------------------------------------------------------ serving
+    def _next_decision(self) -> tuple[int, Request | None]:
+        """This boundary's ``(signal or 0, request or None)``, the same on every rank."""
+        if current_rank() == 0:
+            self._pending.extend(take_requests(self.run_dir))
+        request = self._pending.popleft() if self._pending else None
+        signum = self.signal or 0
+        if not self._distributed:
+            return signum, request
+        code = COMMANDS.index(request.command) + 1 if request and request.command in COMMANDS else 0
+        decision = torch.tensor([signum, code], dtype=torch.int64)
+        dist.all_reduce(decision, op=dist.ReduceOp.MAX, group=self._group)
+        signum, code = (int(v) for v in decision.tolist())
+        if request is None and code:
+            request = Request(id="", command=COMMANDS[code - 1])  # another rank's view
+        return signum, request
+
+    def serve(self, state: TrainerState) -> None:
+        """Act on a pending signal and on every pending command."""
+        while True:
+            signum, request = self._next_decision()
+            if signum:
+                self.stop(state, signal.Signals(signum).name, SIGNAL_EXIT_CODES[signum])
+            if request is None:
+                return
+            self._handle(state, request)
+
+    def _handle(self, state: TrainerState, request: Request) -> None:
+        where = self._where(state)
+        if request.command == "checkpoint":
+            path, error = self._save(state)
+            if error is None:
+                self._ack(
+                    request, True, f"checkpoint written {where}: {path}", checkpoint=str(path)
+                )
+            else:
+                self._ack(request, False, f"checkpoint failed {where}: {error}")
+        elif request.command == "pause":
+            self._ack(
+                request,
+                True,
+                f"paused {where}; `policy-probes ctl {self.run_dir} resume` continues",
+            )
+            self._pause(state)
+        elif request.command == "resume":
+            self._ack(request, True, f"the run is not paused ({where})")
+        elif request.command == "stop":
+            self.stop(state, "`policy-probes ctl stop`", CTL_STOP_EXIT_CODE, request)
+        else:
+            self._ack(request, False, f"unknown command {request.command!r}; use {COMMANDS}")
+
+    def _pause(self, state: TrainerState) -> None:
+        """Wait until ``resume`` (or stop), sleeping with exponential backoff."""
+        t0 = time.monotonic()
+        delay = 0.01
+        log.warning("paused at epoch %d, optimizer step %d", state.epoch, state.optimizer_step)
+        try:
+            while True:
+                if current_rank() == 0:
+                    time.sleep(delay)  # the other ranks wait inside the all-reduce
+                delay = min(2 * delay, self.max_pause_poll)
+                signum, request = self._next_decision()
+                if signum:
+                    self.stop(state, signal.Signals(signum).name, SIGNAL_EXIT_CODES[signum])
+                if request is None:
+                    continue
+                delay = 0.01
+                if request.command == "resume":
+                    self._ack(request, True, f"resumed {self._where(state)}")
+                    return
+                if request.command == "pause":
+                    self._ack(request, True, f"already paused {self._where(state)}")
+                else:
+                    self._handle(state, request)
+        finally:
+            self.paused_seconds += time.monotonic() - t0
+            # time spent paused is not training time (perf/sps stays meaningful)
+            state.trainer._start_time += time.monotonic() - t0
+            log.warning("resumed after %.1f s", time.monotonic() - t0)
+
+    def stop(
+        self, state: TrainerState, reason: str, exit_code: int, request: Request | None = None
+    ) -> None:
+        """Checkpoint, flush the sinks and raise :class:`RunStopped`."""
+        path, error = self._save(state)
+        if self.sinks is not None:
+            self.sinks.flush()
+        where = self._where(state)
+        if error is None:
+            written = path if path is not None else "written by rank 0"
+            message = (
+                f"stopped by {reason} {where}; checkpoint {written}; continue with "
+                f"`policy-probes resume {self.run_dir}`"
+            )
+        else:
+            message = f"stopped by {reason} {where}; the checkpoint could not be written: {error}"
+        if request is not None:
+            self._ack(request, error is None, message, checkpoint=str(path) if path else None)
+        log.warning("%s", message)
+        raise RunStopped(message, exit_code, path, state.epoch)
+
+    # ------------------------------------------------------------------ helpers
+    def _save(self, state: TrainerState) -> tuple[Path | None, str | None]:
+        """Write a checkpoint on rank 0 (reusing this epoch's if it was just written)."""
+        if current_rank() != 0:
+            return None, None
+        trainer = state.trainer
+        if trainer.update_progress is None and self.checkpointer.saved_epoch == state.epoch:
+            return state.last_checkpoint, None
+        try:
+            return self.checkpointer.save(state), None
+        except Exception as exc:  # noqa: BLE001 - reported to the user, the run decides
+            log.exception("checkpoint failed at epoch %d", state.epoch)
+            return None, f"{type(exc).__name__}: {exc}"
+
+    def _ack(self, request: Request, ok: bool, message: str, **extra: Any) -> None:
+        if current_rank() == 0 and request.id:
+            try:
+                acknowledge(self.run_dir, request, ok, message, **extra)
+            except OSError as exc:
+                log.error("could not acknowledge %s: %s", request.command, exc)
+
+    @staticmethod
+    def _where(state: TrainerState) -> str:
+        trainer = state.trainer
+        p = trainer.update_progress
+        if p is None:
+            return f"at the end of epoch {state.epoch} (optimizer step {state.optimizer_step})"
+        return (
+            f"in epoch {state.epoch}, update epoch {p.update_epoch}, after minibatch "
+            f"{p.next_minibatch} (optimizer step {state.optimizer_step})"
+        )
+
+
+# ---------------------------------------------------------------------- run directories
+#: what a training run writes into its run_dir (``--overwrite`` removes exactly these)
+RUN_OUTPUTS = (
+    "config.json",
+    "metrics.jsonl",
+    "metrics.jsonl.tmp",
+    "metrics.csv",
+    "metrics.csv.tmp",
+    "checkpoints",
+    "wandb",
+    "tensorboard",
+    "control",
+    "report.html",
+)
+#: outputs whose presence means the directory already holds a run
+#: what a run leaves behind: files, and the checkpoints directory
+RUN_MARKERS = {
+    "config.json": Path.is_file,
+    "metrics.jsonl": Path.is_file,
+    "metrics.csv": Path.is_file,
+    "checkpoints": Path.is_dir,
+}
+
+
+class RunDirConflict(FileExistsError):
+    """``run_dir`` already holds a run and neither resume nor overwrite was asked for."""
+
+    usage_error = True  # the CLI prints it without a traceback (exit status 2)
+
+
+def prepare_run_dir(
+    run_dir: Path, *, resume: bool | str | Path = False, overwrite: bool = False, main: bool = True
+) -> tuple[Path, dict[str, Any]] | None:
+    """Check ``run_dir`` before a run starts; returns the checkpoint to resume from.
+
+    * a directory holding a run (config, metric files or checkpoints) is refused with
+      :class:`RunDirConflict` unless ``overwrite`` (its run outputs are deleted; on the
+      ``main`` process only) or ``resume``;
+    * ``resume=True``: the newest checkpoint that loads (an unreadable one is reported by
+      name and the previous one used), ``None`` when the run died before its first
+      checkpoint (its metric files are removed and it starts again: same seed, same
+      run); ``resume=PATH``: that checkpoint.
+    """
+    from trainers.checkpoint import (
+        CheckpointError,
+        list_checkpoints,
+        load_checkpoint,
+        newest_valid_checkpoint,
+        remove_stale_temp_files,
+    )
+
+    if resume and overwrite:
+        raise ValueError("resume and overwrite exclude each other; choose one")
+    run_dir = Path(run_dir)
+    held = [m for m, kind in RUN_MARKERS.items() if kind(run_dir / m)]
+    if resume:
+        directory = run_dir / "checkpoints"
+        if main and directory.is_dir():
+            remove_stale_temp_files(directory)
+        if resume is True:
+            if not list_checkpoints(directory):
+                # killed before its first checkpoint: the same seed replays the same run
+                log.warning(
+                    "no checkpoint in %s yet: the run starts again from its beginning", directory
+                )
+                if main:
+                    for name in ("metrics.jsonl", "metrics.csv", "tensorboard"):
+                        _remove(run_dir / name)
+                return None
+            try:
+                return newest_valid_checkpoint(directory)
+            except CheckpointError as exc:
+                raise CheckpointError(f"cannot resume {run_dir}: {exc}") from None
+        path = Path(resume)
+        return path, load_checkpoint(path)
+    if not held:
+        return None
+    if not overwrite:
+        raise RunDirConflict(
+            f"run_dir {str(run_dir)!r} already holds a run ({', '.join(held)}); choose another "
+            f"run_dir, continue it with `policy-probes resume {run_dir}`, or replace it with "
+            f"`policy-probes run ... --overwrite` (TrainTool.invoke(overwrite=True))"
+        )
+    if main:
+        for name in RUN_OUTPUTS:
+            _remove(run_dir / name)
+        log.warning("--overwrite: removed the previous run's outputs from %s", run_dir)
+    return None
+
+
+def _remove(target: Path) -> None:
+    if target.is_dir() and not target.is_symlink():
+        shutil.rmtree(target)
+    elif target.exists() or target.is_symlink():
+        target.unlink()
+
+
+def resume_trainer(
+    trainer: Any, sinks: SinkGroup, resume_from: tuple[Path, dict[str, Any]], *, own_envs: bool
+) -> None:
+    """Restore ``trainer`` from the checkpoint and rewind the metric files to it: records of
+    epochs after the checkpoint (written before a crash) are dropped, so every epoch
+    appears exactly once once the resumed run has rewritten them."""
+    from trainers.checkpoint import completed_epochs, restore_trainer
+
+    path, ckpt = resume_from
+    restore_trainer(trainer, ckpt, restore_envs=own_envs)
+    done = completed_epochs(ckpt)
+    for sink in sinks:
+        rewind = getattr(sink, "rewind", None)
+        if callable(rewind):
+            try:
+                dropped = rewind(done)
+            except Exception as exc:  # noqa: BLE001 - the sink group's isolation rule
+                log.error("could not rewind metric sink %s: %s", sink.name, exc)
+                continue
+            if dropped:
+                log.warning("%s: dropped %d records after epoch %d", sink.name, dropped, done)
+    log.warning(
+        "resuming from %s: epoch %d%s, optimizer step %d",
+        path,
+        ckpt["epoch"],
+        " (mid-epoch)" if ckpt.get("mid_epoch") else "",
+        ckpt["optimizer_step"],
+    )
