@@ -49,6 +49,15 @@ class Comparison:
         return [b / a for a, b in zip(self.seconds_a, self.seconds_b, strict=False)]
 
     @property
+    def cpu_ratios(self) -> list[float]:
+        """b / a of the CPU seconds per pair (where the cases report them)."""
+        return [
+            eb["cpu_seconds"] / ea["cpu_seconds"]
+            for ea, eb in zip(self.extra_a, self.extra_b, strict=False)
+            if "cpu_seconds" in ea and "cpu_seconds" in eb
+        ]
+
+    @property
     def median_ratio(self) -> float:
         return statistics.median(self.ratios) if self.ratios else float("nan")
 
@@ -62,13 +71,27 @@ class Comparison:
             "median_seconds_b": statistics.median(self.seconds_b) if self.seconds_b else None,
             "ratios_b_over_a": self.ratios,
             "median_ratio_b_over_a": self.median_ratio,
+            "cpu_ratios_b_over_a": self.cpu_ratios,
+            "median_cpu_ratio_b_over_a": (
+                statistics.median(self.cpu_ratios) if self.cpu_ratios else None
+            ),
             "extra_a": self.extra_a,
             "extra_b": self.extra_b,
         }
 
 
+#: run cases in this interpreter instead of a fresh one (``--inprocess``; smoke tests only:
+#: the sides then share imports, caches and allocator state, so timings are not comparable)
+IN_PROCESS = False
+
+
 def run_case(case: str, params: dict[str, Any], timeout: float = 900) -> dict[str, Any]:
     """Run one measurement in a fresh interpreter and return its JSON result."""
+    if IN_PROCESS:
+        from benchmarks import cases
+
+        cases.warm_imports(case)
+        return json.loads(json.dumps(cases.CASES[case](dict(cases.DEFAULTS, **params))))
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", WANDB_SILENT="true")
     env.setdefault("WANDB_MODE", "offline")
     proc = subprocess.run(
@@ -141,6 +164,7 @@ def print_table(
         "median A (s)",
         "median B (s)",
         ratio_label,
+        "CPU-time ratio",
         "pairs",
         "target",
     ):
@@ -153,7 +177,48 @@ def print_table(
             f"{statistics.median(c.seconds_a):.3f}",
             f"{statistics.median(c.seconds_b):.3f}",
             f"{c.median_ratio:.3f}",
+            f"{statistics.median(c.cpu_ratios):.3f}" if c.cpu_ratios else "-",
             str(len(c.ratios)),
             c.target,
         )
     Console().print(table)
+
+
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def parse_args(
+    description: str, default_repeats: int, default_out: str, argv: list[str] | None = None
+) -> Any:
+    """The command line every benchmark script shares: ``--quick``, ``--repeats``, ``--out``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny runs, one pair each (a smoke test of the script, not a measurement)",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=None, help=f"A/B pairs per comparison ({default_repeats})"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=RESULTS / default_out, help="where to write the JSON"
+    )
+    parser.add_argument(
+        "--inprocess",
+        action="store_true",
+        help="run the cases in this process (smoke tests; timings not comparable)",
+    )
+    args = parser.parse_args(argv)
+    if args.inprocess:
+        global IN_PROCESS
+        IN_PROCESS = True
+    if args.repeats is None:
+        args.repeats = 1 if args.quick else default_repeats
+    return args
+
+
+def summary(comparisons: list[Comparison]) -> dict[str, float]:
+    """``name -> median B/A ratio`` for the results JSON's quick-look section."""
+    return {c.name: c.median_ratio for c in comparisons}

@@ -6,10 +6,25 @@ Cases:
 * ``ours``: the built-in PPO trainer through :class:`trainers.TrainTool` (sinks, evaluation
   and checkpoints off unless asked), optionally with all five module probes on
   ``actor_mlp`` and ``critic_mlp`` and/or W&B's own ``wandb.watch(log="all", log_freq=1)``.
+* ``bare``: the bare loop: :class:`trainers.PPOTrainer` driven directly, with an empty
+  callback list and a fresh :class:`~policy_probes.context.ComponentContext`: no
+  TrainTool, no MetricsHook/StatsReporter, no sinks, no lifecycle manager, no run
+  directory. The reference of the empty-path benchmark.
 * ``sb3``: Stable-Baselines3 PPO with the same hyperparameters.
 
+``ours`` also takes ``lifecycle_hooks`` (names for ``TrainTool.hooks``) and
+``hook_config`` (``TrainTool.hook_config``) for the lifecycle-intervention benchmark, and
+``snapshot_every`` (``TrainTool.snapshot_every``; None keeps its default),
+``time_callbacks`` (time every trainer-callback dispatch: ``callback_seconds``) and
+``track_memory`` (default true: record the trackers' bytes after every epoch). Every
+``ours`` run also reports each epoch's update-phase seconds and, per lifecycle hook, the
+number of epochs in which it reported metrics (``lifecycle_fired``).
+
 The timed region is building the run and training it (``invoke()`` / ``PPO(...)`` +
-``learn()``); interpreter start and imports are outside it.
+``learn()``); interpreter start and imports are outside it. Each case reports the
+region's wall time (``seconds``, the measurement) and the CPU time of its process
+(``cpu_seconds``: less sensitive to other load on a shared machine; it leaves out
+other processes such as W&B's service).
 """
 
 from __future__ import annotations
@@ -34,6 +49,11 @@ DEFAULTS: dict[str, Any] = {
     "probes": False,
     "jsonl": False,
     "wandb_watch": False,
+    "track_memory": True,
+    "lifecycle_hooks": [],
+    "hook_config": {},
+    "snapshot_every": None,
+    "time_callbacks": False,
     "seed": 1,
 }
 
@@ -93,6 +113,11 @@ def ours(p: dict[str, Any]) -> dict[str, Any]:
         run_dir=run_dir,
         torch_threads=1,
     )
+    if p["lifecycle_hooks"]:
+        tool.hooks = list(p["lifecycle_hooks"])
+        tool.hook_config = dict(p["hook_config"])
+    if p["snapshot_every"] is not None:
+        tool.snapshot_every = p["snapshot_every"]
     if p["probes"]:
         for component, builder, backward in probe_builders():
             if backward:
@@ -100,14 +125,22 @@ def ours(p: dict[str, Any]) -> dict[str, Any]:
             else:
                 tool.add_training_hook(component, builder)
     memory: list[int] = []
+    update_seconds: list[float] = []
+    fired: dict[str, int] = {name: 0 for name in p["lifecycle_hooks"]}
 
-    class TrackerMemory(TrainerHook):
-        """Device bytes held by the probe trackers after each epoch's collection."""
+    class EpochRecorder(TrainerHook):
+        """Per epoch: device bytes held by the probe trackers after the collection, the
+        update phase's seconds, and which lifecycle hooks reported (fired)."""
 
         def on_epoch_end(self, state: Any) -> None:
-            memory.append(sum(t.nbytes() for t in state.context.model_metrics.values()))
+            if p["track_memory"]:
+                memory.append(sum(t.nbytes() for t in state.context.model_metrics.values()))
+            update_seconds.append(state.rollout_stats.get("update_seconds", float("nan")))
+            for name in fired:
+                if any(k.startswith(f"{name}/") for k in state.metrics):
+                    fired[name] += 1
 
-    tool.add_trainer_hook(TrackerMemory())
+    tool.add_trainer_hook(EpochRecorder())
     run = None
     if p["wandb_watch"]:
         import wandb
@@ -119,16 +152,73 @@ def ours(p: dict[str, Any]) -> dict[str, Any]:
                 wandb.watch(state.policy, log="all", log_freq=1)
 
         tool.add_trainer_hook(Watch())
-    t0 = time.perf_counter()
+    callback_time = [0.0, 0]
+    if p["time_callbacks"]:
+        from trainers.callbacks import CallbackList
+
+        fire = CallbackList.fire
+
+        def timed_fire(self: Any, event: str, state: Any) -> None:
+            t = time.perf_counter()
+            try:
+                fire(self, event, state)
+            finally:
+                callback_time[0] += time.perf_counter() - t
+                callback_time[1] += 1
+
+        CallbackList.fire = timed_fire  # this process only: the measurement instrument
+    t0, c0 = time.perf_counter(), time.process_time()
     result = tool.invoke()
-    seconds = time.perf_counter() - t0
+    seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
     if run is not None:
         run.finish()
     return {
         "seconds": seconds,
+        "cpu_seconds": cpu_seconds,
         "steps": result.agent_step,
         "sps": result.agent_step / seconds,
         "tracker_bytes_per_epoch": memory,
+        "update_seconds": update_seconds,
+        "lifecycle_fired": fired,
+        "callback_seconds": callback_time[0],
+        "callback_calls": callback_time[1],
+    }
+
+
+def bare(p: dict[str, Any]) -> dict[str, Any]:
+    from policy_probes.context import ComponentContext
+    from trainers import EnvConfig, PolicyConfig, PPOConfig
+    from trainers.envs import make_vector_env
+    from trainers.policy import ActorCriticPolicy
+    from trainers.ppo import PPOTrainer
+    from trainers.train_tool import seed_everything
+
+    cfg = PPOConfig(
+        total_timesteps=p["total_timesteps"],
+        num_steps=p["num_steps"],
+        num_minibatches=p["num_minibatches"],
+        update_epochs=p["update_epochs"],
+    )
+    t0, c0 = time.perf_counter(), time.process_time()
+    seed_everything(p["seed"])
+    envs = make_vector_env(
+        EnvConfig(id=p["env_id"], num_envs=p["num_envs"], vectorization=p["vectorization"]),
+        gamma=cfg.gamma,
+    )
+    policy = ActorCriticPolicy(
+        envs.single_observation_space,
+        envs.single_action_space,
+        PolicyConfig(hidden_sizes=[p["hidden"], p["hidden"]], activation=p["activation"]),
+    )
+    trainer = PPOTrainer(envs, policy, cfg, context=ComponentContext(), seed=p["seed"])
+    state = trainer.train()
+    seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
+    envs.close()
+    return {
+        "seconds": seconds,
+        "cpu_seconds": cpu_seconds,
+        "steps": state.agent_step,
+        "sps": state.agent_step / seconds,
     }
 
 
@@ -138,7 +228,7 @@ def sb3(p: dict[str, Any]) -> dict[str, Any]:
     from torch import nn
 
     lr = 2.5e-4
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     env = make_vec_env(p["env_id"], n_envs=p["num_envs"], seed=p["seed"])
     batch = p["num_envs"] * p["num_steps"]
     model = PPO(
@@ -163,17 +253,42 @@ def sb3(p: dict[str, Any]) -> dict[str, Any]:
         verbose=0,
     )
     model.learn(total_timesteps=p["total_timesteps"])
-    seconds = time.perf_counter() - t0
+    seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
     env.close()
-    return {"seconds": seconds, "steps": model.num_timesteps, "sps": model.num_timesteps / seconds}
+    return {
+        "seconds": seconds,
+        "cpu_seconds": cpu_seconds,
+        "steps": model.num_timesteps,
+        "sps": model.num_timesteps / seconds,
+    }
 
 
-CASES = {"ours": ours, "sb3": sb3}
+CASES = {"ours": ours, "bare": bare, "sb3": sb3}
+
+
+def warm_imports(case: str) -> None:
+    """Import what the timed region would otherwise import lazily, for both sides alike.
+
+    The first ``torch.optim`` optimizer construction imports ``torch._dynamo`` (about 1-2 s
+    on the benchmark machine); without this, both sides would spend that inside their
+    timed region and the ratio would measure import time, not training.
+    """
+    param = torch.zeros(1, requires_grad=True)
+    opt = torch.optim.Adam([param])
+    param.sum().backward()
+    opt.step()
+    if case == "sb3":
+        import stable_baselines3  # noqa: F401
+        from stable_baselines3.common.env_util import make_vec_env  # noqa: F401
+    else:
+        import trainers  # noqa: F401
+        from policy_probes import sinks  # noqa: F401
 
 
 def main() -> None:
     torch.set_num_threads(1)
     case = sys.argv[1]
+    warm_imports(case)
     params = dict(DEFAULTS)
     params.update(json.loads(sys.argv[2]) if len(sys.argv) > 2 else {})
     print(json.dumps(CASES[case](params)), flush=True)

@@ -32,7 +32,17 @@ from torch.utils.hooks import RemovableHandle
 
 from policy_probes.context import ComponentContext
 from policy_probes.hook_types import BackwardHookBuilder, Extractor, ProbeHook
-from policy_probes.probes.state import COUNT, ProbeState, as_floats, as_rows, get_state, rates
+from policy_probes.probes.state import (
+    COUNT,
+    SUM,
+    ProbeState,
+    as_floats,
+    as_rows,
+    column_counts,
+    get_state,
+    rates,
+    split_finite_,
+)
 
 log = logging.getLogger("policy_probes")
 
@@ -90,27 +100,32 @@ class FisherInformationState(ProbeState):
     ) -> None:
         if stream == "out":
             (g,) = blocks
-            finite = torch.isfinite(g)
-            g = torch.where(finite, g, torch.zeros((), dtype=g.dtype, device=g.device))
-            self._add(component, "unit_sq", (g * g).sum(0, dtype=torch.float64))
-            self._add(component, "unit_count", finite.sum(0), COUNT)
-            self._add(component, "nonfinite", (~finite).sum(), COUNT)
+            g, nonfinite = split_finite_(g, self.scratch(g))
+            count = g.shape[0] - column_counts(nonfinite)
+            self._add(component, "unit_sq", torch.mul(g, g, out=nonfinite).sum(0).to(SUM))
+            self._add(component, "unit_count", count, COUNT)
+            self._add(component, "nonfinite", g.numel() - count.sum(), COUNT)
             return
         kind, weight, bias = stream.split(":")
         x, g = blocks
-        ok = torch.isfinite(g).all(1) & torch.isfinite(x).all(1)  # drop whole samples
-        zero = torch.zeros((), dtype=g.dtype, device=g.device)
-        g = torch.where(ok[:, None], g, zero)
-        x = torch.where(ok[:, None], x, zero)
-        g2 = g * g
+        if x.element_size() < 4:
+            x, g = x.float(), g.float()
+        sx, sg = self.scratch(x, 0), self.scratch(g, 1)
+        # Drop whole samples with a non-finite input or gradient: a row of v * 0 sums to
+        # 0 when every entry is finite and to NaN otherwise (float ops, see split_finite_).
+        ok = torch.mul(g, 0.0, out=sg).sum(1).add_(torch.mul(x, 0.0, out=sx).sum(1))
+        ok = ok.add_(1.0).nan_to_num_(0.0, 0.0, 0.0)[:, None]
+        g = g.nan_to_num_(0.0, 0.0, 0.0).mul_(ok)
+        x = x.nan_to_num_(0.0, 0.0, 0.0).mul_(ok)
         sq = {}
+        if kind == "layer_norm" and weight:  # d l / d w = g * xhat elementwise
+            sq[weight] = torch.mul(g, x, out=sx).square_().sum(0).to(SUM)
+        g2 = torch.mul(g, g, out=sg)
         if kind == "linear":
-            sq[weight] = (g2.T @ (x * x)).double()
-        elif weight:  # layer_norm: d l / d w = g * xhat elementwise
-            sq[weight] = ((g * x) ** 2).sum(0, dtype=torch.float64)
+            sq[weight] = (g2.T @ torch.mul(x, x, out=sx)).to(SUM)
         if bias:
-            sq[bias] = g2.sum(0, dtype=torch.float64)
-        samples = ok.sum()
+            sq[bias] = g2.sum(0).to(SUM)
+        samples = ok.sum().to(COUNT)
         for name, value in sq.items():
             self._add(component, f"param:{name}", value)
             self._add(component, f"param_samples:{name}", samples, COUNT)

@@ -16,7 +16,14 @@ from torch import nn
 
 from policy_probes.context import ComponentContext
 from policy_probes.hook_types import BackwardHookBuilder, Extractor, ProbeHook
-from policy_probes.probes.state import COUNT, ProbeState, as_floats, as_rows, get_state
+from policy_probes.probes.state import (
+    COUNT,
+    ProbeState,
+    as_floats,
+    as_rows,
+    get_state,
+    split_finite_,
+)
 
 BLOCKED_THRESHOLD = 1e-8
 
@@ -52,17 +59,18 @@ class GradientFlowState(ProbeState):
     ) -> None:
         (g,) = blocks
         beta = self.settings[component]["beta"]
-        finite = torch.isfinite(g)
-        g = torch.where(finite, g, torch.zeros((), dtype=g.dtype, device=g.device))
-        sq = (g * g).to(torch.float64)
+        g, nonfinite = split_finite_(g, self.scratch(g))
+        sq = g.mul_(g)
         if len(set(segments)) == 1:  # equal passes: one reshape, no loop
             p, n = len(segments), segments[0]
             sums = sq.reshape(p, n, -1).sum(1)
-            counts = finite.reshape(p, n, -1).sum(1)
+            bad = nonfinite.reshape(p, n, -1).sum(1)
         else:
             sums = torch.stack([part.sum(0) for part in sq.split(segments)])
-            counts = torch.stack([part.sum(0) for part in finite.split(segments)])
-        rms = (sums / counts.clamp(min=1)).sqrt()  # (passes, units)
+            bad = torch.stack([part.sum(0) for part in nonfinite.split(segments)])
+        rows = torch.tensor(segments, dtype=bad.dtype, device=bad.device)[:, None]
+        counts = rows - bad  # finite samples per pass and unit
+        rms = (sums.to(torch.float64) / counts.to(torch.float64).clamp(min=1)).sqrt()
         # m <- beta^P m + sum_p (1 - beta) beta^(P-1-p) r_p : the EMA over these P passes
         p = rms.shape[0]
         weights = (1.0 - beta) * beta ** torch.arange(
@@ -71,8 +79,9 @@ class GradientFlowState(ProbeState):
         ema = self._acc(component, "ema", rms[0], torch.float64)
         ema.mul_(beta**p).add_(weights @ rms)
         self._acc(component, "passes", rms[0, 0], torch.float64).add_(float(p))
-        self._add(component, "nonfinite", (~finite).sum(), COUNT)
-        self._add(component, "count", finite.sum(0), COUNT)
+        finite = counts.sum(0).to(COUNT)
+        self._add(component, "nonfinite", g.numel() - finite.sum(), COUNT)
+        self._add(component, "count", finite, COUNT)
 
     def summarize(self, component: str, s: dict[str, torch.Tensor], cfg: dict[str, Any]) -> dict:
         k = float(s["passes"])

@@ -20,7 +20,18 @@ from torch import nn
 
 from policy_probes.context import ComponentContext
 from policy_probes.hook_types import Extractor, HookBuilder, ProbeHook
-from policy_probes.probes.state import COUNT, ProbeState, as_floats, as_rows, get_state, rates
+from policy_probes.probes.state import (
+    COUNT,
+    SUM,
+    ProbeState,
+    as_floats,
+    as_rows,
+    column_counts,
+    get_state,
+    indicator_,
+    rates,
+    split_finite_,
+)
 
 # ReDo divides by the layer mean plus a small constant; all-zero layers are all dormant.
 DORMANT_EPS = 1e-9
@@ -52,13 +63,16 @@ class ReLUActivationState(ProbeState):
         self, component: str, stream: str, blocks: tuple[torch.Tensor, ...], segments: list[int]
     ) -> None:
         (rows,) = blocks
-        finite = torch.isfinite(rows)
-        clean = torch.where(finite, rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
-        self._add(component, "count", finite.sum(0), COUNT)
-        self._add(component, "active", (clean > 0).sum(0), COUNT)
-        self._add(component, "abs_sum", clean.abs().sum(0, dtype=torch.float64))
-        self._add(component, "nonpos", ((clean <= 0) & finite).sum(), COUNT)
-        self._add(component, "nonfinite", (~finite).sum(), COUNT)
+        clean, nonfinite = split_finite_(rows, self.scratch(rows))
+        count = rows.shape[0] - column_counts(nonfinite)
+        abs_sum = torch.abs(clean, out=nonfinite).sum(0).to(SUM)
+        active = column_counts(indicator_(clean))
+        self._add(component, "count", count, COUNT)
+        self._add(component, "active", active, COUNT)
+        self._add(component, "abs_sum", abs_sum)
+        # finite elements that are <= 0, and non-finite ones, follow from the counts
+        self._add(component, "nonpos", count.sum() - active.sum(), COUNT)
+        self._add(component, "nonfinite", rows.numel() - count.sum(), COUNT)
 
     def summarize(self, component: str, s: dict[str, torch.Tensor], cfg: dict[str, Any]) -> dict:
         count = s["count"]

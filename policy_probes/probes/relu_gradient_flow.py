@@ -22,7 +22,17 @@ from torch.utils.hooks import RemovableHandle
 
 from policy_probes.context import ComponentContext
 from policy_probes.hook_types import BackwardHookBuilder, ProbeError, ProbeHook
-from policy_probes.probes.state import COUNT, ProbeState, as_floats, as_rows, get_state, rates
+from policy_probes.probes.state import (
+    COUNT,
+    ProbeState,
+    as_floats,
+    as_rows,
+    column_counts,
+    get_state,
+    indicator_,
+    rates,
+    split_finite_,
+)
 
 
 class ReLUGradientFlowState(ProbeState):
@@ -43,11 +53,15 @@ class ReLUGradientFlowState(ProbeState):
         self, component: str, stream: str, blocks: tuple[torch.Tensor, ...], segments: list[int]
     ) -> None:
         g, out = blocks
-        finite = torch.isfinite(g)
-        passed = (g != 0) & (out > 0) & finite
-        self._add(component, f"count:{stream}", finite.sum(0), COUNT)
-        self._add(component, f"passed:{stream}", passed.sum(0), COUNT)
-        self._add(component, f"nonfinite:{stream}", (~finite).sum(), COUNT)
+        g, nonfinite = split_finite_(g, self.scratch(g))  # a non-finite gradient never passes
+        count = g.shape[0] - column_counts(nonfinite)
+        if out.element_size() < 4:
+            out = out.float()
+        active = indicator_(out.nan_to_num_(0.0))  # NaN -> inactive, inf -> active
+        passed = g.abs_().sign_().mul_(active)  # g != 0 and the unit was active
+        self._add(component, f"count:{stream}", count, COUNT)
+        self._add(component, f"passed:{stream}", column_counts(passed), COUNT)
+        self._add(component, f"nonfinite:{stream}", g.numel() - count.sum(), COUNT)
 
     def summarize(self, component: str, s: dict[str, torch.Tensor], cfg: dict[str, Any]) -> dict:
         out: dict[str, Any] = {}

@@ -15,7 +15,18 @@ from torch import nn
 
 from policy_probes.context import ComponentContext
 from policy_probes.hook_types import Extractor, HookBuilder, ProbeHook
-from policy_probes.probes.state import COUNT, ProbeState, as_floats, as_rows, get_state, rates
+from policy_probes.probes.state import (
+    COUNT,
+    SUM,
+    ProbeState,
+    as_floats,
+    as_rows,
+    column_counts,
+    get_state,
+    indicator_,
+    rates,
+    split_finite_,
+)
 
 SATURATING = ("tanh", "sigmoid")
 
@@ -49,20 +60,24 @@ class SaturatedActivationState(ProbeState):
     ) -> None:
         (rows,) = blocks
         t = self.settings[component]["threshold"]
-        finite = torch.isfinite(rows)
-        clean = torch.where(finite, rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
+        clean, scratch = split_finite_(rows, self.scratch(rows))  # non-finite -> 0
+        nonfinite = column_counts(scratch)
+        count = rows.shape[0] - nonfinite
+        finite_total = count.sum()
+        sq_sum = torch.mul(clean, clean, out=scratch).sum().to(SUM)
         if self.activation == "tanh":
-            saturated = clean.abs() > t
-            derivative = 1 - clean * clean
-        else:
-            saturated = (clean < 1 - t) | (clean > t)
-            derivative = clean * (1 - clean)
-        saturated &= finite
-        derivative = torch.where(finite, derivative, torch.zeros_like(derivative))
-        self._add(component, "count", finite.sum(0), COUNT)
-        self._add(component, "saturated", saturated.sum(0), COUNT)
-        self._add(component, "derivative_sum", derivative.sum(dtype=torch.float64))
-        self._add(component, "nonfinite", (~finite).sum(), COUNT)
+            # sum over finite elements of 1 - h^2 (replaced elements add 0 to sq_sum)
+            derivative_sum = finite_total - sq_sum
+            saturated = column_counts(indicator_(clean.abs_().sub_(t)))
+        else:  # sigmoid: h (1 - h); t > 0.5, so the two tails are disjoint
+            derivative_sum = clean.sum().to(SUM) - sq_sum
+            low = column_counts(indicator_(torch.mul(clean, -1.0, out=scratch).add_(1 - t)))
+            high = column_counts(indicator_(clean.sub_(t)))
+            saturated = low - nonfinite + high  # a replaced 0 is below 1 - t: not saturated
+        self._add(component, "count", count, COUNT)
+        self._add(component, "saturated", saturated, COUNT)
+        self._add(component, "derivative_sum", derivative_sum)
+        self._add(component, "nonfinite", rows.numel() - finite_total, COUNT)
 
     def summarize(self, component: str, s: dict[str, torch.Tensor], cfg: dict[str, Any]) -> dict:
         count = s["count"]

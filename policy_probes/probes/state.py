@@ -16,6 +16,7 @@ steps. :meth:`ProbeState.to_metrics` moves the accumulators to the host once per
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -49,6 +50,7 @@ class ProbeState:
         self.state: dict[str, dict[str, torch.Tensor]] = {}
         self.settings: dict[str, dict[str, Any]] = {}
         self.buffers: dict[tuple[str, str], RowBuffer] = {}
+        self._scratch: dict[tuple[Any, ...], torch.Tensor] = {}
         #: component -> reason, for reductions that failed (reported by StatsReporter)
         self.errors: dict[str, str] = {}
 
@@ -116,13 +118,31 @@ class ProbeState:
         if not buf.accepts(blocks):
             self._drain(component, stream, buf)
             if not buf.reserve(blocks):  # larger than a whole buffer: reduce it directly
-                scaled = tuple(
-                    b if s is None else b * s
+                scaled = tuple(  # copies: consume() may overwrite its blocks
+                    b.clone() if s is None else b * s
                     for b, s in zip(blocks, scales or (None,) * len(blocks), strict=True)
                 )
                 self.consume(component, stream, scaled, [blocks[0].shape[0]])
                 return
         buf.append(blocks, scales)
+
+    def scratch(self, like: torch.Tensor, slot: int = 0) -> torch.Tensor:
+        """A reusable tensor shaped like ``like`` (contents undefined; half precision
+        widened to float32), for the temporaries of :meth:`consume`; ``slot`` tells apart
+        several needed at once. Allocated once per column layout at a full buffer's row
+        count (larger only for a single push bigger than a buffer), so its size does not
+        depend on how many rows a particular flush holds."""
+        dtype = like.dtype if like.element_size() >= 4 else torch.float32
+        rows, tail = like.shape[0], tuple(like.shape[1:])
+        key = (slot, tail, dtype, like.device)
+        t = self._scratch.get(key)
+        if t is None or t.shape[0] < rows:
+            width = max(math.prod(tail), 1)
+            full = min(self.buffer_rows, max(self.buffer_elements // width, 1))
+            t = self._scratch[key] = torch.empty(
+                (max(rows, full), *tail), dtype=dtype, device=like.device
+            )
+        return t[:rows]
 
     def _drain(self, component: str, stream: str, buf: RowBuffer) -> None:
         if buf.rows:
@@ -149,7 +169,13 @@ class ProbeState:
         self, component: str, stream: str, blocks: tuple[torch.Tensor, ...], segments: list[int]
     ) -> None:
         """Reduce buffered rows into accumulators. ``segments`` are the row counts of the
-        individual pushes (one per hook call), in order."""
+        individual pushes (one per hook call), in order.
+
+        The blocks are the tracker's own copies and are discarded afterwards, so
+        ``consume`` may overwrite them; with :meth:`scratch` for the remaining
+        temporaries a reduction allocates nothing of the buffer's size (allocating and
+        faulting in fresh megabyte-sized temporaries cost more than the arithmetic).
+        """
         raise NotImplementedError
 
     # ----------------------------------------------------------- window
@@ -214,9 +240,10 @@ class ProbeState:
         raise NotImplementedError
 
     def nbytes(self) -> int:
-        """Device memory held by accumulators and row buffers."""
+        """Device memory held by accumulators, row buffers and reduction scratch space."""
         acc = sum(t.numel() * t.element_size() for st in self.state.values() for t in st.values())
-        return acc + sum(b.nbytes for b in self.buffers.values())
+        scratch = sum(t.numel() * t.element_size() for t in self._scratch.values())
+        return acc + scratch + sum(b.nbytes for b in self.buffers.values())
 
     def holds_graph(self) -> bool:
         """True if any accumulator requires grad (it never should)."""
@@ -269,6 +296,33 @@ def rates(count: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
     return torch.where(
         total > 0, count.to(torch.float64) / total.clamp(min=1), torch.zeros_like(total)
     )
+
+
+def split_finite_(x: torch.Tensor, scratch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(clean, nonfinite)``: ``x`` with NaN/inf replaced by 0 **in place**, and a 0/1
+    indicator of the replaced elements written into ``scratch`` (same shape as ``x``).
+
+    Float arithmetic only (``x - x`` is NaN exactly where ``x`` is not finite): ops that
+    produce bool tensors are several times slower than float ops on the CPU, and the
+    reductions run over every buffered element. Half precision is widened to float32
+    first (a copy; ``scratch`` must then be float32), so counts and sums stay exact.
+    """
+    if x.element_size() < 4:
+        x = x.float()
+    nonfinite = torch.sub(x, x, out=scratch).nan_to_num_(1.0, 1.0, 1.0)
+    return x.nan_to_num_(0.0, 0.0, 0.0), nonfinite
+
+
+def indicator_(x: torch.Tensor) -> torch.Tensor:
+    """1.0 where ``x > 0``, else 0.0, **in place** (float, see :func:`split_finite_`);
+    ``x`` finite."""
+    return x.sign_().clamp_(min=0.0)
+
+
+def column_counts(indicators: torch.Tensor) -> torch.Tensor:
+    """Per-column sum of a 0/1 float matrix as exact int64 counts (float32 sums are exact
+    below 2**24, far above a row buffer's capacity)."""
+    return indicators.sum(0).to(COUNT)
 
 
 def as_floats(t: torch.Tensor) -> list[float]:

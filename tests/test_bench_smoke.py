@@ -1,0 +1,89 @@
+"""Smoke runs of the benchmark scripts (``--quick --inprocess``): every script runs end to
+end on tiny runs and writes a results JSON with its comparisons and extras. Timings are
+not checked (no timing assertions); one real subprocess measurement covers run_case."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from benchmarks import ab, empty_path, lifecycle_cost, probe_overhead, scaling, throughput
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _restore_in_process():
+    yield
+    ab.IN_PROCESS = False
+
+
+def run_script(module, tmp_path, name: str) -> dict:
+    out = tmp_path / f"{name}.json"
+    module.main(["--quick", "--inprocess", "--out", str(out)])
+    payload = json.loads(out.read_text())
+    assert payload["machine"]["torch"] == torch.__version__
+    for comp in payload["comparisons"]:
+        assert len(comp["ratios_b_over_a"]) == 1
+        ratio = comp["median_ratio_b_over_a"]
+        assert ratio > 0 and math.isfinite(ratio)
+        assert comp["ratios_b_over_a"][0] == pytest.approx(
+            comp["median_seconds_b"] / comp["median_seconds_a"]
+        )
+    return payload
+
+
+def names(payload: dict) -> list[str]:
+    return [c["name"] for c in payload["comparisons"]]
+
+
+def test_throughput_smoke(tmp_path):
+    payload = run_script(throughput, tmp_path, "throughput")
+    assert names(payload) == ["sync (headline)", "vector_entry_point"]
+    for comp in payload["comparisons"]:
+        assert comp["b"]["case"] == "sb3"
+        assert comp["extra_a"][0]["steps"] == comp["extra_b"][0]["steps"] == 512
+    assert payload["comparisons"][1]["a"]["params"]["vectorization"] == "vector_entry_point"
+    assert set(payload["speedup_over_sb3"]) == set(names(payload))
+
+
+def test_probe_overhead_smoke(tmp_path):
+    payload = run_script(probe_overhead, tmp_path, "probe_overhead")
+    probes, watch = payload["comparisons"]
+    assert probes["b"]["params"]["probes"] and probes["b"]["params"]["activation"] == "relu"
+    assert probes["extra_a"][0]["tracker_bytes_per_epoch"] == [0]  # nothing attached
+    assert probes["extra_b"][0]["tracker_bytes_per_epoch"][0] > 0
+    assert watch["b"]["params"]["wandb_watch"]
+
+
+def test_empty_path_smoke(tmp_path):
+    payload = run_script(empty_path, tmp_path, "empty_path")
+    (comp,) = payload["comparisons"]
+    assert 0 <= payload["callback_share"] < 1 and len(payload["callback_shares"]) == 1
+    assert comp["a"]["case"] == "bare" and comp["b"]["case"] == "ours"
+    assert comp["extra_a"][0]["steps"] == comp["extra_b"][0]["steps"] == 512
+
+
+def test_scaling_smoke(tmp_path):
+    payload = run_script(scaling, tmp_path, "scaling")
+    memory = payload["tracker_bytes_per_epoch"]
+    short, long = memory["1 epochs"], memory["2 epochs"]
+    assert len(short) == 1 and len(long) == 2
+    assert short[0] == long[0] == long[1] > 0  # independent of the number of steps
+
+
+def test_lifecycle_cost_smoke(tmp_path):
+    payload = run_script(lifecycle_cost, tmp_path, "lifecycle_cost")
+    cost = payload["cost_per_firing"]
+    for name in lifecycle_cost.HOOKS:
+        every = cost[f"{name} (every epoch)"]
+        assert every["firings"] == 2, name  # 2 epochs, fires in each
+        assert every["update_phase_equivalents"] is not None
+
+
+def test_run_case_uses_a_fresh_interpreter():
+    result = ab.run_case("bare", {"total_timesteps": 512})
+    assert result["steps"] == 512 and result["seconds"] > 0
