@@ -37,18 +37,57 @@ warnings.filterwarnings(
 
 
 class ProbeHandle(RemovableHandle):
-    """A ``RemovableHandle`` that removes every torch hook one registration installed
-    (the component hook and any hooks a probe put on submodules)."""
+    """A ``RemovableHandle`` for everything one registration installed (the component
+    hook and any hooks a probe put on submodules).
 
-    def __init__(self, handles: Iterable[RemovableHandle], component: str) -> None:
+    For a probe (a hook with ``phases`` and a ``context``) the handle follows the
+    context's phase: :meth:`sync` installs the torch hooks while the probe records in the
+    current phase and removes them otherwise, so modules run hook-free in phases where no
+    probe records. :meth:`remove` is final.
+    """
+
+    def __init__(
+        self,
+        handles: Iterable[RemovableHandle],
+        component: str,
+        install: Callable[[], list[RemovableHandle]] | None = None,
+        hook: Any = None,
+    ) -> None:
         super().__init__(OrderedDict())  # gives the handle an id; removal is ours
         self.handles = list(handles)
         self.component = component
+        self.hook = hook
+        self._install = install
 
-    def remove(self) -> None:
+    @property
+    def armed(self) -> bool:
+        return bool(self.handles)
+
+    def wanted(self) -> bool:
+        """Whether the probe records in its context's current phase."""
+        hook = self.hook
+        if hook is None or not hasattr(hook, "phases"):
+            return True
+        return bool(getattr(hook, "enabled", True)) and hook.context.phase in hook.phases
+
+    def sync(self) -> None:
+        """Install or remove the torch hooks to match :meth:`wanted`."""
+        if self._install is None:
+            return
+        if self.wanted():
+            if not self.handles:
+                self.handles = self._install()
+        elif self.handles:
+            self._disarm()
+
+    def _disarm(self) -> None:
         for h in self.handles:
             h.remove()
         self.handles.clear()
+
+    def remove(self) -> None:
+        self._install = None
+        self._disarm()
 
 
 def glob_to_regex(pattern: str) -> re.Pattern[str]:
@@ -102,6 +141,7 @@ class PolicyAutoBuilder(nn.Module):
         self._component_modules: OrderedDict[str, nn.Module] = OrderedDict()
         self._output_kinds: dict[str, str] = {}
         self._handles: list[ProbeHandle] = []
+        self._contexts: list[ComponentContext] = []
         for name, part in (spec or {}).items():
             module = build_component(name, part)
             if "." in name or not name:
@@ -236,9 +276,11 @@ class PolicyAutoBuilder(nn.Module):
     def register_component_hook_rule(self, *, component_name: str, hook: Callable) -> ProbeHandle:
         """Attach ``hook`` as a forward hook ``(module, inputs, output)`` on one component."""
         module = self.get_component(component_name)
-        handles = [module.register_forward_hook(hook)]
-        handles += _attach_extra(hook, module)
-        return self._keep(ProbeHandle(handles, component_name))
+
+        def install() -> list[RemovableHandle]:
+            return [module.register_forward_hook(hook), *_attach_extra(hook, module)]
+
+        return self._keep(ProbeHandle(install(), component_name, install, hook))
 
     def register_component_backward_hook_rule(
         self, *, component_name: str, hook: Callable
@@ -260,21 +302,25 @@ class PolicyAutoBuilder(nn.Module):
         _check_inplace(module, component_name)
         extractor = getattr(hook, "extractor", None)
         kind = self.output_kind(component_name)
-        if not getattr(hook, "component_hook", True):
-            handles = []  # the probe measures through the hooks its attach() installs
-        elif kind == "tensor" and extractor is None and not isinstance(hook, ProbeHook):
-            handles = [module.register_full_backward_hook(hook)]
-        elif kind in ("mapping", "sequence", "object") and extractor is None:
+        if kind in ("mapping", "sequence", "object") and extractor is None:
             raise ProbeError(
                 f"backward probe on component {component_name!r} cannot fire: the component "
                 f"returns a {kind}, not a tensor, so autograd has no output to hook. Pass "
                 f"extractor=... to the builder to pick the tensor (for example "
                 f"extractor=lambda out: out['features'])."
             )
-        else:
-            handles = [module.register_forward_hook(_grad_tap(hook, component_name, extractor))]
-        handles += _attach_extra(hook, module)
-        return self._keep(ProbeHandle(handles, component_name))
+
+        def install() -> list[RemovableHandle]:
+            if not getattr(hook, "component_hook", True):
+                handles = []  # the probe measures through the hooks its attach() installs
+            elif kind == "tensor" and extractor is None and not isinstance(hook, ProbeHook):
+                handles = [module.register_full_backward_hook(hook)]
+            else:
+                tap = _grad_tap(hook, component_name, extractor)
+                handles = [module.register_forward_hook(tap)]
+            return handles + _attach_extra(hook, module)
+
+        return self._keep(ProbeHandle(install(), component_name, install, hook))
 
     def attach(
         self,
@@ -330,16 +376,37 @@ class PolicyAutoBuilder(nn.Module):
 
     def _keep(self, handle: ProbeHandle) -> ProbeHandle:
         self._handles.append(handle)
+        context = getattr(handle.hook, "context", None)
+        if isinstance(context, ComponentContext):
+            context.add_phase_listener(self._sync_handles)
+            if context not in self._contexts:
+                self._contexts.append(context)
+        handle.sync()  # a probe that does not record in the current phase starts unarmed
         return handle
+
+    def _sync_handles(self, _phase: str) -> None:
+        for handle in self._handles:
+            handle.sync()
 
     @property
     def hook_handles(self) -> list[ProbeHandle]:
-        return [h for h in self._handles if h.handles]
+        """Handles of registrations that are still in place (armed or not)."""
+        return list(self._handles)
+
+    def hooks_installed(self) -> bool:
+        """True if any torch hook is installed on any module of this policy."""
+        return any(
+            m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+            for m in self.modules()
+        )
 
     def remove_hooks(self) -> None:
         """Remove every hook registered through this builder."""
         while self._handles:
             self._handles.pop().remove()
+        for context in self._contexts:
+            context.remove_phase_listener(self._sync_handles)
+        self._contexts.clear()
 
 
 def _check_builder_signature(builder: Callable, pattern: str) -> None:

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 PHASES = ("train", "rollout", "eval")
 
 
-@dataclass
 class ComponentContext:
     """Shared state between a training loop and the probes attached to a policy.
 
@@ -17,7 +16,11 @@ class ComponentContext:
             Builders get or create their tracker here; :class:`StatsReporter` reads them.
         phase: what the loop is doing now. Probes record only while ``phase`` is one of
             their ``phases`` (default ``("train",)``), so rollout inference never mixes
-            with training samples. Trainers set ``"rollout"`` while collecting experience.
+            with training samples. Trainers set ``"rollout"`` while collecting experience;
+            the lifecycle layer sets ``"hook"`` while its hooks run. Setting a new phase
+            notifies the policies the probes are attached to, which install the torch hooks
+            of the probes that record in it and remove the others, so a phase in which no
+            probe records runs the bare modules.
         loss_scale: the factor by which the loop multiplied the mean-reduced loss before
             ``backward()`` (for example ``1/k`` when a minibatch is split into ``k``
             micro-batches). The Fisher probe divides it out to recover per-sample
@@ -28,8 +31,45 @@ class ComponentContext:
             after raising.
     """
 
-    model_metrics: dict[str, Any] = field(default_factory=dict)
-    phase: str = "train"
-    loss_scale: float = 1.0
-    strict: bool = False
-    probe_errors: dict[str, str] = field(default_factory=dict)
+    def __init__(
+        self,
+        model_metrics: dict[str, Any] | None = None,
+        phase: str = "train",
+        loss_scale: float = 1.0,
+        strict: bool = False,
+        probe_errors: dict[str, str] | None = None,
+    ) -> None:
+        self.model_metrics: dict[str, Any] = {} if model_metrics is None else model_metrics
+        self._phase = phase
+        self.loss_scale = loss_scale
+        self.strict = strict
+        self.probe_errors: dict[str, str] = {} if probe_errors is None else probe_errors
+        self._phase_listeners: list[Callable[[str], None]] = []
+
+    @property
+    def phase(self) -> str:
+        return self._phase
+
+    @phase.setter
+    def phase(self, value: str) -> None:
+        if value == self._phase:
+            return
+        self._phase = value
+        for listener in self._phase_listeners:
+            listener(value)
+
+    def add_phase_listener(self, listener: Callable[[str], None]) -> None:
+        """Call ``listener(phase)`` whenever the phase changes (once per listener)."""
+        if listener not in self._phase_listeners:
+            self._phase_listeners.append(listener)
+
+    def remove_phase_listener(self, listener: Callable[[str], None]) -> None:
+        if listener in self._phase_listeners:
+            self._phase_listeners.remove(listener)
+
+    def __repr__(self) -> str:
+        return (
+            f"ComponentContext(phase={self._phase!r}, trackers={list(self.model_metrics)}, "
+            f"loss_scale={self.loss_scale}, strict={self.strict}, "
+            f"probe_errors={self.probe_errors})"
+        )

@@ -332,3 +332,30 @@ def test_tracing_outputs_leaves_rng_and_modes_untouched() -> None:
     assert torch.equal(torch.rand(1), expected)  # the forward's randn_like drew from a fork
     assert net.training
     assert torch.equal(net.norm.running_mean, torch.zeros(3))  # traced in eval mode
+
+
+def test_probes_install_their_hooks_only_in_phases_they_record(tiny_policy: TinyPolicy) -> None:
+    ctx = ComponentContext()
+    attach = tiny_policy.attach
+    attach("actor_mlp", attach_relu_activation_hooks(), ctx)
+    attach("actor_mlp", attach_fisher_information_hooks(), ctx, backward=True)
+    attach("actor_mlp.layer_0", attach_relu_activation_hooks(phases=("rollout",)), ctx)
+    # train: the relu and fisher hooks (1 + 1 component tap + 2 Linear taps); rollout probe off
+    assert hook_counts(tiny_policy) == 4
+    assert tiny_policy.hooks_installed()
+    ctx.phase = "rollout"
+    assert hook_counts(tiny_policy) == 1  # only the rollout probe's
+    ctx.phase = "eval"
+    assert hook_counts(tiny_policy) == 0
+    assert not tiny_policy.hooks_installed()
+    ctx.phase = "train"
+    assert hook_counts(tiny_policy) == 4
+    x, a = torch.randn(9, 5), torch.randint(0, 3, (9,))
+    F.cross_entropy(tiny_policy(x), a).backward()
+    got = StatsReporter(ctx).collect()
+    assert got["probes/relu/actor_mlp/samples"] == 9
+    assert got["probes/fisher/actor_mlp/samples"] == 9
+    assert "probes/relu/actor_mlp.layer_0/samples" not in got  # never armed in train
+    tiny_policy.remove_hooks()
+    ctx.phase = "rollout"  # a removed probe never comes back
+    assert hook_counts(tiny_policy) == 0

@@ -14,7 +14,6 @@ tensor ops and samples from the trainer's own ``torch.Generator``.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import gymnasium as gym
 import numpy as np
@@ -23,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as torch_module
 
-from policy_probes.components import PolicyAutoBuilder, ProbeHandle
+from policy_probes.components import PolicyAutoBuilder
 from policy_probes.layers import LinearSpec, MLPSpec
 from trainers.config import PolicyConfig
 
@@ -97,48 +96,21 @@ class ActorCriticPolicy(PolicyAutoBuilder):
 
     # ------------------------------------------------------------------ hook-free path
     def hooks_idle(self) -> bool:
-        """True when no hook on the policy would record right now.
+        """True when no torch hook is installed on the policy's modules, nor globally.
 
         Then :meth:`act` (with ``fast=True``) and :meth:`evaluate_actions` run the layers'
-        ``forward`` directly instead of going through ``nn.Module.__call__``, whose hook
-        dispatch is most of the cost of a small MLP on the CPU. Idle means: every hook
-        installed on the policy's modules was registered through the probe rules by a
-        probe whose ``active()`` is False now (for example a ``("train",)`` probe during
-        the rollout), and torch has no global module hooks. Any other hook keeps the
-        ordinary path, so it always fires.
+        ``forward`` directly instead of going through ``nn.Module.__call__``, whose
+        dispatch is a large part of a small MLP's cost on the CPU. Probes keep their torch
+        hooks installed only in the phases they record in (see
+        :class:`~policy_probes.components.ProbeHandle`), so with the default ``("train",)``
+        probes the rollout is hook-free; any hook that is installed keeps the ordinary
+        path, so it always fires.
         """
-        if type(self).forward is not ActorCriticPolicy.forward or _global_module_hooks():
-            return False
-        owned = 0
-        for handle in self._handles:
-            if not handle.handles:
-                continue
-            active = getattr(getattr(handle, "probe", None), "active", None)
-            if active is None or active():
-                return False
-            owned += len(handle.handles)
-        installed = sum(
-            len(m._forward_hooks)
-            + len(m._forward_pre_hooks)
-            + len(m._backward_hooks)
-            + len(m._backward_pre_hooks)
-            for m in self.modules()
+        return (
+            type(self).forward is ActorCriticPolicy.forward
+            and not _global_module_hooks()
+            and not self.hooks_installed()
         )
-        return installed == owned
-
-    def register_component_hook_rule(self, *, component_name: str, hook: Callable) -> ProbeHandle:
-        handle = super().register_component_hook_rule(component_name=component_name, hook=hook)
-        handle.probe = hook  # type: ignore[attr-defined]  # read by hooks_idle()
-        return handle
-
-    def register_component_backward_hook_rule(
-        self, *, component_name: str, hook: Callable
-    ) -> ProbeHandle:
-        handle = super().register_component_backward_hook_rule(
-            component_name=component_name, hook=hook
-        )
-        handle.probe = hook  # type: ignore[attr-defined]  # read by hooks_idle()
-        return handle
 
     def _forward_direct(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`forward` without ``nn.Module.__call__`` (no hooks fire): same operations,

@@ -200,8 +200,10 @@ class FisherInformationHook(ProbeHook):
             handles.append(sub.register_forward_hook(self._layer_hook(kind, names)))
             covered.update(id(p) for p in sub.parameters(recurse=False))
         unsupported = [n for n, p in module.named_parameters() if id(p) not in covered]
-        self.tracker.settings[self.component]["unsupported"] = unsupported
-        if unsupported:
+        settings = self.tracker.settings[self.component]
+        warned = "unsupported" in settings  # attach() runs again each time the probe re-arms
+        settings["unsupported"] = unsupported
+        if unsupported and not warned:
             log.warning(
                 "fisher probe on %r: no exact per-sample rule for parameters %s (only nn.Linear "
                 "and last-dimension nn.LayerNorm are covered); they are left out of the trace",
