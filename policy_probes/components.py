@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from policy_probes.context import ComponentContext
-from policy_probes.hook_types import ProbeError, ProbeHook, describe_type
+from policy_probes.hook_types import GuardedHook, ProbeError, ProbeHook, describe_type
 from policy_probes.layers import LinearSpec, MLPSpec, build_component
 
 GLOB_CHARS = set("*?[")
@@ -350,6 +350,9 @@ class PolicyAutoBuilder(nn.Module):
                     f"{describe_type(hook)} for component {name!r}; a builder must return a "
                     f"callable hook or None"
                 )
+            if not isinstance(hook, ProbeHook):
+                label = getattr(builder, "probe", getattr(builder, "__name__", "hook"))
+                hook = GuardedHook(hook, label, name, context)
             direction = getattr(hook, "backward", None)
             if direction is not None and direction != backward:
                 probe = getattr(hook, "probe", "probe")

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from policy_probes.atomic_write import write_text_atomic
+
 CONTROL_DIR = "control"
 RUN_FILE = "run.json"
 COMMANDS = ("pause", "resume", "checkpoint", "stop")
@@ -38,9 +40,7 @@ def control_dir(run_dir: str | Path) -> Path:
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     """Write ``data`` as JSON to ``path`` through a temporary file and a rename."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(data) + "\n")
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:

@@ -141,3 +141,38 @@ class ProbeHook:
     def attach(self, module: nn.Module) -> list[RemovableHandle]:
         """Install extra hooks on submodules of the component; return their handles."""
         return []
+
+
+class GuardedHook:
+    """A plain-function hook from a builder, under the same fault rule as
+    :class:`ProbeHook`: if it raises, it is disabled for the rest of the run, reported once
+    and counted in ``context.probe_errors`` (unless ``context.strict``)."""
+
+    def __init__(self, hook: Callable, probe: str, component: str, context: ComponentContext):
+        self.hook = hook
+        self.probe = probe
+        self.component = component
+        self.context = context
+        self.enabled = True
+
+    def __getattr__(self, name: str) -> Any:  # extractor, attach, component_hook, ...
+        return getattr(self.hook, name)
+
+    def __call__(self, *args: Any) -> Any:
+        if not self.enabled:
+            return None
+        try:
+            return self.hook(*args)
+        except Exception as exc:
+            if self.context.strict:
+                raise
+            self.enabled = False
+            msg = f"{type(exc).__name__}: {exc}"
+            self.context.probe_errors[f"{self.probe}/{self.component}"] = msg
+            log.error(
+                "hook %r on component %r raised and is disabled: %s",
+                self.probe,
+                self.component,
+                msg,
+            )
+            return None

@@ -32,6 +32,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from policy_probes.atomic_write import write_text_atomic
 from policy_probes.components import PolicyAutoBuilder, ProbeHandle
 from policy_probes.context import PHASES, ComponentContext
 from policy_probes.lifecycle import (
@@ -247,7 +248,7 @@ class ProbeSession:
     def _write_config(self) -> None:
         try:
             text = json.dumps(to_plain_config(self.config), indent=2)
-            (self.run_dir / "config.json").write_text(text + "\n")
+            write_text_atomic(self.run_dir / "config.json", text + "\n")
         except OSError as exc:  # the sinks report an unwritable run_dir themselves
             log.error("could not write %s/config.json: %s", self.run_dir, exc)
 

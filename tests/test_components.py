@@ -359,3 +359,26 @@ def test_probes_install_their_hooks_only_in_phases_they_record(tiny_policy: Tiny
     tiny_policy.remove_hooks()
     ctx.phase = "rollout"  # a removed probe never comes back
     assert hook_counts(tiny_policy) == 0
+
+
+def test_a_plain_function_hook_that_raises_is_disabled_not_fatal(tiny_policy: TinyPolicy) -> None:
+    calls = []
+
+    def build(component: str, context: ComponentContext):
+        def hook(module, inputs, output):
+            calls.append(component)
+            raise RuntimeError("unexpected output layout")
+
+        return hook
+
+    ctx = ComponentContext()
+    tiny_policy.attach("actor_mlp", build, ctx)
+    for _ in range(3):
+        assert tiny_policy(torch.randn(4, 5)).shape == (4, 3)  # the forward goes on
+    assert calls == ["actor_mlp"]  # disabled after the first fault
+    assert "unexpected output layout" in ctx.probe_errors["build/actor_mlp"]
+    assert StatsReporter(ctx).collect()["probes/errors/build/actor_mlp"] == 1.0
+    tiny_policy.remove_hooks()
+    tiny_policy.attach("actor_mlp", build, ComponentContext(strict=True))
+    with pytest.raises(RuntimeError, match="unexpected output layout"):
+        tiny_policy(torch.randn(4, 5))

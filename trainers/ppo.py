@@ -20,6 +20,7 @@ hooks (``docs/lifecycle.md``) fire at PRE_EPOCH, POST_ROLLOUT, PRE_STEP/POST_STE
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import time
 from collections.abc import Callable, Iterable
@@ -46,6 +47,8 @@ from trainers.metrics_hook import epoch_metrics
 from trainers.model_context import PPOModelDataContext
 from trainers.policy import ActorCriticPolicy
 from trainers.rollout import Minibatch, RolloutStorage
+
+log = logging.getLogger("trainers")
 
 #: order of the statistics that ppo_loss returns stacked in one tensor
 LOSS_STATS = ("policy_loss", "value_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac")
@@ -524,6 +527,10 @@ class PPOTrainer:
                 sums=torch.zeros(len(LOSS_STATS) + 1, device=self.device),
             )
         p = self.update_progress
+        # Every minibatch's statistics (device tensors, no sync) and where it ran, to find
+        # non-finite losses once per epoch without a per-step host transfer.
+        step_stats: list[torch.Tensor] = []
+        step_where: list[tuple[int, int, int]] = []
         while p.update_epoch < cfg.update_epochs:
             state.update_epoch = p.update_epoch
             if p.order is None:
@@ -533,6 +540,8 @@ class PPOTrainer:
             for mb_idx, batch in enumerate(itertools.islice(batches, first, None), first):
                 state.mb_idx = mb_idx
                 stats = self.train_minibatch(batch, fire_hooks=self._fire_steps)
+                step_stats.append(stats)
+                step_where.append((p.update_epoch, mb_idx, state.optimizer_step))
                 p.sums += stats
                 p.steps += 1
                 p.next_minibatch, p.last_stats = mb_idx + 1, stats
@@ -544,8 +553,29 @@ class PPOTrainer:
             if self.kl_exceeds_target(p.last_stats):
                 break
         self.update_progress = None
-        means = (p.sums / max(p.steps, 1)).tolist()  # the one transfer of the update phase
+        # [count, index of the first] of the minibatches whose loss is NaN or infinite
+        if step_stats:
+            bad = ~torch.isfinite(self.loss_from_stats(torch.stack(step_stats, 1)))
+            first = torch.where(bad.any(), bad.to(torch.uint8).argmax(), -1)
+            nonfinite = torch.stack([bad.sum(), first]).to(p.sums.dtype)
+        else:  # resumed from a checkpoint taken after the last minibatch
+            nonfinite = torch.tensor([0.0, -1.0], dtype=p.sums.dtype, device=p.sums.device)
+        # the one transfer of the update phase
+        *means, bad_steps, first_bad = torch.cat([p.sums / max(p.steps, 1), nonfinite]).tolist()
         loss_stats = dict(zip((*LOSS_STATS, "grad_norm"), means, strict=True))
+        loss_stats["nonfinite_loss_steps"] = bad_steps
+        if bad_steps:
+            update_epoch, minibatch, step = step_where[int(first_bad)]
+            log.warning(
+                "non-finite loss at epoch %d, update epoch %d, minibatch %d (step %d); "
+                "%d of this epoch's %d optimizer steps had a non-finite loss",
+                state.epoch,
+                update_epoch,
+                minibatch,
+                step,
+                int(bad_steps),
+                len(step_stats),
+            )
         loss_stats["explained_variance"] = self.storage.explained_variance()
         loss_stats["learning_rate"] = p.learning_rate
         loss_stats["update_epochs_run"] = float(p.update_epochs_run)

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
+from policy_probes.atomic_write import write_text_atomic
 from policy_probes.context import ComponentContext
 from policy_probes.lifecycle import HookSelectionError, TrainingHook, select_hooks
 from policy_probes.sinks import SinkGroup, SinksConfig, WandbConfig, build_sink_group
@@ -306,7 +307,8 @@ class TrainTool(BaseModel):
         dist_run.barrier()  # every rank checked run_dir before rank 0 writes into it
         if dist_run.is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+            # a crash never leaves a truncated config.json for `resume`
+            write_text_atomic(run_dir / "config.json", json.dumps(config, indent=2) + "\n")
 
         seed_everything(self.seed)  # same on every rank: same initial policy
         envs = make_vector_env(self.env, gamma=self.trainer.gamma)

@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from policy_probes.atomic_write import write_text_atomic
 from policy_probes.heatmaps import VectorHistory, heatmap_spec, render_heatmaps
 from policy_probes.sinks.base import (
     MetricSink,
@@ -197,9 +198,7 @@ def load_or_create_run_id(run_dir: Path) -> str:
         return run_id
     run_id = generate_run_id()
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(run_id + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    write_text_atomic(path, run_id + "\n")
     return run_id
 
 
