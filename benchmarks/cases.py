@@ -10,7 +10,9 @@ Cases:
   callback list and a fresh :class:`~policy_probes.context.ComponentContext`: no
   TrainTool, no MetricsHook/StatsReporter, no sinks, no lifecycle manager, no run
   directory. The reference of the empty-path benchmark.
-* ``sb3``: Stable-Baselines3 PPO with the same hyperparameters.
+* ``sb3``: Stable-Baselines3 PPO with the same hyperparameters, optionally
+  (``probe_callback``) with :class:`policy_probes.integrations.sb3.ProbeCallback` carrying
+  the same five probes on the actor and critic extractors.
 
 ``ours`` also takes ``lifecycle_hooks`` (names for ``TrainTool.hooks``) and
 ``hook_config`` (``TrainTool.hook_config``) for the lifecycle-intervention benchmark, and
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -80,7 +83,6 @@ def probe_builders() -> list[tuple[str, Any, bool]]:
 
 
 def ours(p: dict[str, Any]) -> dict[str, Any]:
-    import tempfile
 
     from policy_probes.sinks import SinksConfig, WandbConfig
     from trainers import (
@@ -252,15 +254,33 @@ def sb3(p: dict[str, Any]) -> dict[str, Any]:
         seed=p["seed"],
         verbose=0,
     )
-    model.learn(total_timesteps=p["total_timesteps"])
+    callback = None
+    if p.get("probe_callback"):
+        from policy_probes.integrations.sb3 import ProbeCallback
+        from policy_probes.sinks import SinksConfig, WandbConfig
+
+        builders = probe_builders()
+        callback = ProbeCallback(
+            probes=[(c, b) for c, b, backward in builders if not backward],
+            backward_probes=[(c, b) for c, b, backward in builders if backward],
+            run_dir=tempfile.mkdtemp(prefix="pp-bench-sb3-"),
+            sinks=SinksConfig(console=False, jsonl=True, csv=False, wandb=False),
+            wandb=WandbConfig(mode="disabled"),
+        )
+    model.learn(total_timesteps=p["total_timesteps"], callback=callback)
     seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
     env.close()
-    return {
+    out = {
         "seconds": seconds,
         "cpu_seconds": cpu_seconds,
         "steps": model.num_timesteps,
         "sps": model.num_timesteps / seconds,
     }
+    if callback is not None:
+        last = callback.history[-1] if callback.history else {}
+        out["records"] = len(callback.history)
+        out["probe_keys"] = sum(1 for k in last if k.startswith("probes/"))
+    return out
 
 
 CASES = {"ours": ours, "bare": bare, "sb3": sb3}

@@ -15,7 +15,14 @@ import sys
 
 from benchmarks.ab import ROOT
 
-SCRIPTS = ("throughput", "probe_overhead", "empty_path", "scaling", "lifecycle_cost")
+SCRIPTS = (
+    "throughput",
+    "probe_overhead",
+    "empty_path",
+    "scaling",
+    "lifecycle_cost",
+    "sb3_overhead",
+)
 
 
 def main() -> None:

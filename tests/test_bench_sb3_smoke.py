@@ -1,33 +1,22 @@
-"""Smoke run of benchmarks/sb3_overhead.py: it runs both sides and writes its JSON."""
+"""Smoke run of benchmarks/sb3_overhead.py: both sides run and the JSON holds the ratio."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "sb3_overhead.py"
+from benchmarks import sb3_overhead
 
 
 def test_sb3_overhead_quick_writes_a_positive_ratio(tmp_path):
     out = tmp_path / "sb3.json"
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    sb3_overhead.main(["--quick", "--out", str(out)])
     result = json.loads(out.read_text())
-    assert result["benchmark"] == "sb3_overhead"
-    assert result["repeats"] == 1 and len(result["ratios_b_over_a"]) == 1
-    assert result["median_ratio"] > 0
-    assert result["median_ratio"] == result["ratios_b_over_a"][0]
-    assert set(result["median_seconds"]) == {"A", "B"}
-    assert all(v > 0 for v in result["median_seconds"].values())
-    assert result["hyperparameters"]["num_envs"] == 4
-    assert result["records_per_run"] == 1024 // (4 * 128)  # one record per update cycle
-    assert result["probe_keys_per_record"] > 0
-    assert "machine" in result and result["machine"]["torch"]
+    (comp,) = result["comparisons"]
+    assert comp["a"]["case"] == comp["b"]["case"] == "sb3"
+    assert comp["b"]["params"]["probe_callback"] is True
+    assert len(comp["ratios_b_over_a"]) == 1 and comp["median_ratio_b_over_a"] > 0
+    (b,) = comp["extra_b"]
+    assert b["records"] == 1024 // (4 * 128)  # one record per rollout/update cycle
+    assert b["probe_keys"] > 0
+    assert "records" not in comp["extra_a"][0]
+    assert result["machine"]["torch"]
