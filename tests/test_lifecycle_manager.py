@@ -364,3 +364,29 @@ def test_epoch_point_values_reach_the_host_as_python_numbers() -> None:
     out = HookManager([Tensors()]).fire(P.POST_EPOCH, epoch=0)
     assert out == {"tensors/scalar": 2.5, "tensors/vector": [0.0, 1.0, 2.0], "tensors/np": 1.5}
     assert type(out["tensors/np"]) is float and not math.isnan(out["tensors/scalar"])
+
+
+def test_hooks_that_do_not_run_the_model_leave_the_probe_phase_alone() -> None:
+    seen: list[str] = []
+    changes: list[str] = []
+
+    class ReadsStateOnly(TrainingHook):
+        name = "reads_state"
+        runs_model = False
+
+        def compute(self, ctx: RunDataContext) -> dict[str, Any]:
+            seen.append(ctx.component_context.phase)
+            return {"x": 1.0}
+
+    cc = ComponentContext()
+    cc.add_phase_listener(changes.append)
+    HookManager([ReadsStateOnly()], component_context=cc).fire(P.POST_EPOCH, epoch=0)
+    assert seen == ["train"] and changes == []  # no disarm/re-arm of the probes' hooks
+    seen.clear()
+
+    class RunsModel(ReadsStateOnly):
+        name = "runs_model"
+        runs_model = True
+
+    HookManager([ReadsStateOnly(), RunsModel()], component_context=cc).fire(P.POST_EPOCH, epoch=0)
+    assert seen == ["hook", "hook"] and changes == ["hook", "train"]

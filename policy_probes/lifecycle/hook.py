@@ -86,6 +86,11 @@ class TrainingHook:
         run_on_all_ranks: in a distributed run, hooks run on rank 0 only unless this is
             True (the trainer callbacks' convention); set it for hooks that take part in
             collectives (``stats_reporter`` all-reduces the probe trackers).
+        runs_model: whether the hook runs forward or backward passes through the model.
+            While such a hook is dispatched the manager switches the component context to
+            the ``"hook"`` phase, so module probes neither record nor stay installed;
+            hooks that only read parameters, gradients, optimizer state or statistics set
+            it to False and the probes' hooks stay as they are.
         Config: pydantic model of its parameters (extends :class:`HookConfig`).
     """
 
@@ -106,6 +111,7 @@ class TrainingHook:
     debug: ClassVar[bool] = False
     order: ClassVar[int] = 100
     run_on_all_ranks: ClassVar[bool] = False
+    runs_model: ClassVar[bool] = True
     Config: ClassVar[type[HookConfig]] = HookConfig
 
     def __init__(self, **params: Any) -> None:

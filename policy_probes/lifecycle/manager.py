@@ -6,7 +6,8 @@ At every firing the manager
 2. prepares only what active hooks declared they need (pre-epoch snapshot at PRE_EPOCH,
    gradient accumulation and previous-step gradients at PRE_STEP);
 3. picks the hooks due at this point (points, loop_points windows, schedules);
-4. sets ``ComponentContext.phase = "hook"`` so module probes ignore the extra passes;
+4. sets ``ComponentContext.phase = "hook"`` while a due hook runs the model
+   (``runs_model``), so module probes ignore the extra passes;
 5. runs the observers (under ``torch.no_grad``), then the interventions inside one
    guardian checkpoint that is restored after each intervention in a ``finally``;
    every global RNG is restored after each hook;
@@ -246,6 +247,8 @@ class HookManager:
             **ctx_fields,
         )
         cc: ComponentContext | None = ctx_fields.get("component_context")
+        if cc is not None and not any(h.runs_model for h in due):
+            cc = None  # nothing runs the model: the probes' phase (and hooks) stay as they are
         previous_phase = cc.phase if cc is not None else None
         if cc is not None:
             cc.phase = HOOK_PHASE

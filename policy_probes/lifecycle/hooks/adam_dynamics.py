@@ -24,6 +24,7 @@ class AdamDynamicsHook(TrainingHook):
     decoupled weight decay of AdamW is not included). Read-only: no guardian needed."""
 
     name = "adam_dynamics"
+    runs_model = False  # reads state only; no passes through the model
     description = "Adam first/second moments, effective step, eps-dominated fraction"
     hook_points = (HookPoint.POST_EPOCH,)
     cost = "cheap"

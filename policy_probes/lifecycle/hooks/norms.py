@@ -41,6 +41,7 @@ class NormsHook(TrainingHook):
     update to the weights, distance from the weights at the first firing."""
 
     name = "norms"
+    runs_model = False  # reads state only; no passes through the model
     description = "gradient norm (pre-clip), weight norm, update/weight ratio, distance from init"
     hook_points = (HookPoint.PRE_EPOCH, HookPoint.PRE_STEP, HookPoint.POST_EPOCH)
     cost = "cheap"

@@ -25,6 +25,7 @@ class StatsReporterHook(TrainingHook):
     the keys the dashboards expect. Without a component context it reports nothing."""
 
     name = "stats_reporter"
+    runs_model = False  # reads state only; no passes through the model
     description = "module probe trackers (dead ReLUs, saturation, Fisher, gradient flow) -> metrics"
     hook_points = (HookPoint.POST_EPOCH,)
     cost = "free"

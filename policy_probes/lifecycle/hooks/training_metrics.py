@@ -16,6 +16,7 @@ class TrainingMetricsHook(TrainingHook):
     ``rollout/``, ``eval/``, ``perf/`` namespaces) plus ``train/learning_rate``."""
 
     name = "training_metrics"
+    runs_model = False  # reads state only; no passes through the model
     description = "losses, KL, clip fraction, explained variance, learning rate, returns, SPS"
     hook_points = (HookPoint.POST_EPOCH,)
     cost = "free"
