@@ -110,13 +110,13 @@ class ProbeHook:
             return
         try:
             self.calls += 1
-            with torch.no_grad():
-                if self.backward:
-                    grad = second[0] if isinstance(second, tuple | list) else second
-                    if grad is not None:
-                        self.record_grad(module, grad.detach())
-                else:
-                    self.record(module, self.extract(second).detach())
+            # detached tensors: the trackers' copies and reductions record no graph
+            if self.backward:
+                grad = second[0] if isinstance(second, tuple | list) else second
+                if grad is not None:
+                    self.record_grad(module, grad.detach())
+            else:
+                self.record(module, self.extract(second).detach())
         except Exception as exc:  # a probe must never take training down
             self.fail(exc)
 

@@ -1,8 +1,10 @@
 """RowBuffer: a fixed-size device buffer that hooks copy sample rows into.
 
-A hook call costs one copy (or one multiply when the rows are scaled on the way in) and
-no allocation; the tracker reduces the buffered rows in one go. Several aligned blocks
-(for example a layer's inputs and output gradients) share the row positions.
+A hook call costs one copy per block and no allocation; the tracker reduces the buffered
+rows in one go. Several aligned blocks (for example a layer's inputs and output
+gradients) share the row positions. Per-push scale factors are remembered and applied at
+:meth:`RowBuffer.apply_scales`, one multiply per run of pushes with the same factor
+(usually one per flush) instead of one per push.
 """
 
 from __future__ import annotations
@@ -20,18 +22,22 @@ class RowBuffer:
         self.capacity = 0
         self.rows = 0
         self.segments: list[int] = []
+        self.scales: list[tuple[float | None, ...] | None] = []
+        self.layout: tuple[tuple[int, torch.dtype, torch.device], ...] = ()
 
+    @staticmethod
     def _layout(
-        self, blocks: tuple[torch.Tensor, ...]
-    ) -> list[tuple[int, torch.dtype, torch.device]]:
-        return [(b.shape[1], b.dtype, b.device) for b in blocks]
+        blocks: tuple[torch.Tensor, ...],
+    ) -> tuple[tuple[int, torch.dtype, torch.device], ...]:
+        return tuple((b.shape[1], b.dtype, b.device) for b in blocks)
 
     def accepts(self, blocks: tuple[torch.Tensor, ...]) -> bool:
         """True if ``blocks`` fit behind the rows already buffered, in the same layout."""
         if not self.storage:
             return self.reserve(blocks)
-        same = self._layout(blocks) == [(s.shape[1], s.dtype, s.device) for s in self.storage]
-        return same and self.rows + blocks[0].shape[0] <= self.capacity
+        return (
+            self.rows + blocks[0].shape[0] <= self.capacity and self._layout(blocks) == self.layout
+        )
 
     def reserve(self, blocks: tuple[torch.Tensor, ...]) -> bool:
         """(Re)allocate an empty buffer for this layout; False if one push would not fit."""
@@ -44,12 +50,10 @@ class RowBuffer:
         if blocks[0].shape[0] > capacity:
             return False
         layout = self._layout(blocks)
-        if (
-            layout != [(s.shape[1], s.dtype, s.device) for s in self.storage]
-            or capacity != self.capacity
-        ):
+        if layout != self.layout or capacity != self.capacity:
             self.storage = [torch.empty((capacity, w), dtype=d, device=dev) for w, d, dev in layout]
             self.capacity = capacity
+            self.layout = layout
         return True
 
     def append(
@@ -57,14 +61,25 @@ class RowBuffer:
     ) -> None:
         n = blocks[0].shape[0]
         lo, hi = self.rows, self.rows + n
-        for i, (dst, src) in enumerate(zip(self.storage, blocks, strict=True)):
-            scale = scales[i] if scales is not None else None
-            if scale is None:
-                dst[lo:hi].copy_(src)
-            else:
-                torch.mul(src, scale, out=dst[lo:hi])
+        for dst, src in zip(self.storage, blocks, strict=True):
+            dst[lo:hi].copy_(src)
         self.rows = hi
         self.segments.append(n)
+        self.scales.append(scales)
+
+    def apply_scales(self) -> None:
+        """Multiply every pushed block by its push's scale, in place, one multiply per run
+        of consecutive pushes with the same scales."""
+        lo = 0
+        run_lo, run_scales = 0, None
+        for n, scales in [*zip(self.segments, self.scales, strict=True), (0, ())]:
+            if scales != run_scales:
+                for dst, s in zip(self.storage, run_scales or (), strict=False):
+                    if s is not None and s != 1.0 and lo > run_lo:
+                        dst[run_lo:lo].mul_(s)
+                run_lo, run_scales = lo, scales
+            lo += n
+        self.scales = [None] * len(self.segments)
 
     def blocks(self) -> tuple[torch.Tensor, ...]:
         return tuple(s[: self.rows] for s in self.storage)
@@ -72,6 +87,7 @@ class RowBuffer:
     def clear(self) -> None:
         self.rows = 0
         self.segments = []
+        self.scales = []
 
     @property
     def nbytes(self) -> int:

@@ -108,7 +108,8 @@ class ProbeState:
     ) -> None:
         """Queue aligned row blocks (same number of rows) for :meth:`consume`.
 
-        ``scales`` multiplies a block while it is copied (``None`` = copy as is).
+        ``scales`` multiplies a block by a per-push factor (``None`` = as is); the buffer
+        applies it when it is drained.
         """
         buf = self.buffers.get((component, stream))
         if buf is None:
@@ -146,6 +147,7 @@ class ProbeState:
 
     def _drain(self, component: str, stream: str, buf: RowBuffer) -> None:
         if buf.rows:
+            buf.apply_scales()
             self.consume(component, stream, buf.blocks(), buf.segments)
             buf.clear()
 
