@@ -55,6 +55,21 @@ def describe_type(obj: Any) -> str:
     return f"an object of type {type(obj).__name__}"
 
 
+def disable_after_fault(hook: Any, exc: BaseException) -> None:
+    """The fault rule shared by every probe hook: re-raise when ``context.strict``;
+    otherwise disable ``hook`` for the rest of the run, record the error under
+    ``"<probe>/<component>"`` in ``context.probe_errors`` and log it (once: a disabled
+    hook is never called into again)."""
+    if hook.context.strict:
+        raise exc
+    hook.enabled = False
+    msg = f"{type(exc).__name__}: {exc}"
+    hook.context.probe_errors[f"{hook.probe}/{hook.component}"] = msg
+    log.error(
+        "probe %r on component %r raised and is disabled: %s", hook.probe, hook.component, msg
+    )
+
+
 class ProbeHook:
     """Base of the closures returned by the built-in builders.
 
@@ -121,15 +136,8 @@ class ProbeHook:
             self.fail(exc)
 
     def fail(self, exc: BaseException) -> None:
-        key = f"{self.probe}/{self.component}"
-        if self.context.strict:
-            raise exc
-        self.enabled = False
-        msg = f"{type(exc).__name__}: {exc}"
-        self.context.probe_errors[key] = msg
-        log.error(
-            "probe %r on component %r raised and is disabled: %s", self.probe, self.component, msg
-        )
+        """Disable this probe after ``exc`` and report it once (re-raise when strict)."""
+        disable_after_fault(self, exc)
 
     # ------------------------------------------------------------- subclasses
     def record(self, module: nn.Module, output: torch.Tensor) -> None:
@@ -164,15 +172,5 @@ class GuardedHook:
         try:
             return self.hook(*args)
         except Exception as exc:
-            if self.context.strict:
-                raise
-            self.enabled = False
-            msg = f"{type(exc).__name__}: {exc}"
-            self.context.probe_errors[f"{self.probe}/{self.component}"] = msg
-            log.error(
-                "hook %r on component %r raised and is disabled: %s",
-                self.probe,
-                self.component,
-                msg,
-            )
+            disable_after_fault(self, exc)
             return None
