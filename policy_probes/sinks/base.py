@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import signal
 import threading
 from abc import ABC, abstractmethod
@@ -55,6 +56,28 @@ class MetricSink(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+class AppendFileSink(MetricSink):
+    """A sink that appends to one file, ``self.path``, held open between emits;
+    :meth:`flush` reaches the disk (``fsync``)."""
+
+    #: ``newline`` argument of ``open`` ("" for the csv module)
+    newline: str | None = None
+
+    def _open_append(self) -> None:
+        """(Re)open ``self.path`` for appending, e.g. after a rewrite replaced the file."""
+        self._file = open(self.path, "a", encoding="utf-8", newline=self.newline)  # noqa: SIM115
+
+    def flush(self) -> None:
+        if not self._file.closed:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self.flush()
+            self._file.close()
 
 
 class SinkGroup(MetricSink):

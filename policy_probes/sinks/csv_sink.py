@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from policy_probes.sinks.base import MetricSink, finite_values, flatten_metrics, to_plain
+from policy_probes.sinks.base import AppendFileSink, finite_values, flatten_metrics, to_plain
 from policy_probes.sinks.jsonl import fsync_dir, repair_truncated_tail
 
 logger = logging.getLogger("policy_probes.sinks")
@@ -29,10 +29,11 @@ METRICS_CSV = "metrics.csv"
 BASE_COLUMNS = ("epoch", "agent_step", "hook_point", "time")
 
 
-class CSVSink(MetricSink):
+class CSVSink(AppendFileSink):
     """Wide CSV of scalar metrics with atomic header growth."""
 
     name = "csv"
+    newline = ""
 
     def __init__(self, run_dir: str | Path, filename: str = METRICS_CSV) -> None:
         super().__init__()
@@ -48,8 +49,7 @@ class CSVSink(MetricSink):
             )
         self.columns: list[str] = read_header(self.path)
         self._index: dict[str, int] = {c: i for i, c in enumerate(self.columns)}
-        self._file = open(self.path, "a", encoding="utf-8", newline="")  # noqa: SIM115
-        self._writer = csv.writer(self._file)
+        self._open_append()
         #: number of header rewrites so far (for tests and diagnostics)
         self.rewrites = 0
 
@@ -97,22 +97,15 @@ class CSVSink(MetricSink):
                 self.tmp_path.unlink()
             raise
         finally:
-            self._file = open(self.path, "a", encoding="utf-8", newline="")  # noqa: SIM115
-            self._writer = csv.writer(self._file)
+            self._open_append()
         self.columns = columns
         self._index = {c: i for i, c in enumerate(columns)}
         self.rewrites += 1
 
     # ------------------------------------------------------------------ lifecycle
-    def flush(self) -> None:
-        if not self._file.closed:
-            self._file.flush()
-            os.fsync(self._file.fileno())
-
-    def close(self) -> None:
-        if not self._file.closed:
-            self.flush()
-            self._file.close()
+    def _open_append(self) -> None:
+        super()._open_append()
+        self._writer = csv.writer(self._file)
 
     def rewind(self, last_epoch: int) -> int:
         """Drop rows of epochs after ``last_epoch`` (atomic, streaming). Returns rows dropped."""
@@ -141,8 +134,7 @@ class CSVSink(MetricSink):
                 os.replace(self.tmp_path, self.path)
                 fsync_dir(self.path.parent)
         finally:
-            self._file = open(self.path, "a", encoding="utf-8", newline="")  # noqa: SIM115
-            self._writer = csv.writer(self._file)
+            self._open_append()
         return dropped
 
     def __repr__(self) -> str:

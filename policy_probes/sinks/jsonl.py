@@ -21,7 +21,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from policy_probes.sinks.base import MetricSink, flatten_metrics, to_plain
+from policy_probes.sinks.base import AppendFileSink, flatten_metrics, to_plain
 
 logger = logging.getLogger("policy_probes.sinks")
 
@@ -30,7 +30,7 @@ METRICS_JSONL = "metrics.jsonl"
 NONFINITE_KEY = "_nonfinite"
 
 
-class JSONLSink(MetricSink):
+class JSONLSink(AppendFileSink):
     """Append-only JSON Lines file of every emit."""
 
     name = "jsonl"
@@ -46,7 +46,7 @@ class JSONLSink(MetricSink):
                 self.path,
                 dropped,
             )
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - held open
+        self._open_append()
         self._warned_nonfinite: set[str] = set()
 
     def emit(self, metrics: Mapping[str, Any], epoch: int, hook_point: str) -> None:
@@ -60,16 +60,6 @@ class JSONLSink(MetricSink):
         if hook_point == "POST_EPOCH":
             os.fsync(self._file.fileno())
 
-    def flush(self) -> None:
-        if not self._file.closed:
-            self._file.flush()
-            os.fsync(self._file.fileno())
-
-    def close(self) -> None:
-        if not self._file.closed:
-            self.flush()
-            self._file.close()
-
     def rewind(self, last_epoch: int) -> int:
         """Drop records of epochs after ``last_epoch`` (a resumed run repeats them).
 
@@ -80,7 +70,7 @@ class JSONLSink(MetricSink):
         try:
             return rewind_jsonl(self.path, last_epoch)
         finally:
-            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+            self._open_append()
 
     def __repr__(self) -> str:
         return f"JSONLSink({str(self.path)!r})"
