@@ -86,3 +86,14 @@ def hook_counts(model: nn.Module) -> int:
 def tiny_policy() -> TinyPolicy:
     torch.manual_seed(0)
     return TinyPolicy()
+
+
+@pytest.fixture(scope="module")
+def recipe(tmp_path_factory) -> tuple[str, dict[str, torch.Tensor]]:
+    """The tiny run-control recipe's CLI target and the final parameters of an
+    uninterrupted run (``tests/run_control_support.py``)."""
+    from run_control_support import baseline_params, write_recipe
+
+    directory = tmp_path_factory.mktemp("recipe")
+    target = write_recipe(directory)
+    return target, baseline_params(target, directory / "baseline")

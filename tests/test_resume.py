@@ -18,12 +18,10 @@ from run_control_support import (
     EPOCHS,
     assert_each_epoch_once,
     assert_same_params,
-    baseline_params,
     kill,
     start_run,
     wait_for,
     wait_for_epoch,
-    write_recipe,
 )
 from wandb_reader import history_rows, wandb_records
 
@@ -38,13 +36,6 @@ from trainers.checkpoint import (
 from trainers.run_control import RunStopped
 
 torch.set_num_threads(1)
-
-
-@pytest.fixture(scope="module")
-def recipe(tmp_path_factory) -> tuple[str, dict[str, torch.Tensor]]:
-    directory = tmp_path_factory.mktemp("recipe")
-    target = write_recipe(directory)
-    return target, baseline_params(target, directory / "baseline")
 
 
 @pytest.fixture(scope="module")

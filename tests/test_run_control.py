@@ -16,27 +16,17 @@ import torch
 from run_control_support import (
     assert_each_epoch_once,
     assert_same_params,
-    baseline_params,
     epoch_lines,
     final_params,
     start_run,
     wait_for,
     wait_for_epoch,
-    write_recipe,
 )
 
 from policy_probes.cli import main
 from trainers.checkpoint import list_checkpoints, load_checkpoint
 
 torch.set_num_threads(1)
-
-
-@pytest.fixture(scope="module")
-def recipe(tmp_path_factory) -> tuple[str, dict[str, torch.Tensor]]:
-    """The tiny recipe's CLI target and the final parameters of an uninterrupted run."""
-    directory = tmp_path_factory.mktemp("recipe")
-    target = write_recipe(directory)
-    return target, baseline_params(target, directory / "baseline")
 
 
 def cpu_seconds(pid: int) -> float:
