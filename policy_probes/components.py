@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from policy_probes.context import ComponentContext
+from policy_probes.grad_tap import on_grad
 from policy_probes.hook_types import GuardedHook, ProbeError, ProbeHook, describe_type
 from policy_probes.layers import LinearSpec, MLPSpec, build_component
 
@@ -464,6 +465,6 @@ def _grad_tap(hook: Callable, component: str, extractor: Callable | None) -> Cal
                 f"pick the tensor whose gradient the probe should read."
             )
         if tensor.requires_grad and torch.is_grad_enabled():
-            tensor.register_hook(lambda g: hook(module, None, (g,)))
+            on_grad(tensor, lambda g: hook(module, None, (g,)))
 
     return tap

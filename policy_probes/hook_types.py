@@ -125,13 +125,13 @@ class ProbeHook:
             return
         try:
             self.calls += 1
-            # detached tensors: the trackers' copies and reductions record no graph
+            # detached tensors: trackers hold them until they reduce, without a graph
             if self.backward:
                 grad = second[0] if isinstance(second, tuple | list) else second
                 if grad is not None:
-                    self.record_grad(module, grad.detach())
+                    self.record_grad(module, _detached(grad))
             else:
-                self.record(module, self.extract(second).detach())
+                self.record(module, _detached(self.extract(second)))
         except Exception as exc:  # a probe must never take training down
             self.fail(exc)
 
@@ -149,6 +149,10 @@ class ProbeHook:
     def attach(self, module: nn.Module) -> list[RemovableHandle]:
         """Install extra hooks on submodules of the component; return their handles."""
         return []
+
+
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    return t.detach() if t.requires_grad else t
 
 
 class GuardedHook:

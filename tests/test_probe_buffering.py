@@ -1,6 +1,7 @@
 """Row buffering changes nothing but speed: the same metrics (to float32 rounding of the
 Fisher matmul) with a buffer that flushes mid-window (and one too small for a whole
-minibatch), and memory that does not grow with the number of steps."""
+minibatch), memory that does not grow with the number of steps, in-place changes of held
+rows detected, and one autograd hook per tensor however many probes read its gradient."""
 
 from __future__ import annotations
 
@@ -8,10 +9,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import TinyPolicy, attach_all_probes
+from torch import nn
 
 from policy_probes import (
     ComponentContext,
+    PolicyAutoBuilder,
     StatsReporter,
+    attach_relu_activation_hooks,
 )
 
 
@@ -53,3 +57,53 @@ def test_tracker_memory_does_not_grow_with_steps() -> None:
     train(policy, ctx, (16,) * 300)
     after_many = sum(t.nbytes() for t in ctx.model_metrics.values())
     assert after_few == after_many > 0
+
+
+def relu_metrics(ctx: ComponentContext) -> dict:
+    return StatsReporter(ctx).collect()
+
+
+def test_an_in_place_change_after_the_hook_loses_the_window_then_copies() -> None:
+    # Buffers hold the rows by reference; an in-place change before the reduction must be
+    # detected (not silently read), and later windows must be exact again.
+    model = PolicyAutoBuilder.wrap(nn.Sequential(nn.Identity()), {"feat": "0"})
+    ctx = ComponentContext()
+    model.attach("feat", attach_relu_activation_hooks(), ctx)
+    model(torch.tensor([[1.0, -1.0], [2.0, 3.0]])).mul_(-1.0)
+    metrics = relu_metrics(ctx)
+    assert metrics["probes/errors/relu/feat"] == 1.0
+    assert "modified in place" in ctx.probe_errors["relu/feat"]
+    assert "probes/relu/feat/active_rate" not in metrics  # the window's rows are lost
+    x = torch.tensor([[1.0, -1.0], [2.0, 3.0], [-4.0, 5.0]])
+    model(x.clone()).mul_(-1.0)  # copied at the push from now on
+    rates = relu_metrics(ctx)["probes/relu/feat/active_rate"]
+    assert rates == pytest.approx((x > 0).double().mean(0).tolist())
+
+
+def test_inference_tensors_are_copied_at_the_push() -> None:
+    model = PolicyAutoBuilder.wrap(nn.Sequential(nn.Identity()), {"feat": "0"})
+    ctx = ComponentContext()
+    model.attach("feat", attach_relu_activation_hooks(), ctx)
+    x = torch.tensor([[1.0, -1.0, 0.5], [2.0, 3.0, -0.5]])
+    with torch.inference_mode():
+        out = model(x.clone())
+        out.mul_(-1.0)  # inference tensors have no version counter to check
+    metrics = relu_metrics(ctx)
+    assert "relu/feat" not in ctx.probe_errors
+    assert metrics["probes/relu/feat/active_rate"] == pytest.approx(
+        (x > 0).double().mean(0).tolist()
+    )
+
+
+def test_probes_on_the_same_tensor_share_one_autograd_hook() -> None:
+    # fisher (per unit), gradient_flow and relu_gradient_flow (last ReLU) all read the
+    # gradient of actor_mlp's output: one tensor hook, fanned out.
+    policy, ctx = probed(None)
+    out = policy.actor_mlp(torch.randn(4, 5))
+    assert len(out._backward_hooks) == 1
+    h0 = policy.actor_mlp.layer_0.act(policy.actor_mlp.layer_0.linear(torch.randn(4, 5)))
+    assert len(h0._backward_hooks) == 1  # relu_gradient_flow's first ReLU alone
+    out.sum().backward()
+    tracker = ctx.model_metrics["gradient_flow"]
+    assert tracker.buffers[("actor_mlp", "g")].rows == 4
+    assert ctx.model_metrics["fisher"].buffers[("actor_mlp", "out")].rows == 4

@@ -31,6 +31,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from policy_probes.context import ComponentContext
+from policy_probes.grad_tap import on_grad
 from policy_probes.hook_types import BackwardHookBuilder, Extractor, ProbeHook
 from policy_probes.probes.state import (
     COUNT,
@@ -75,7 +76,7 @@ class FisherInformationState(ProbeState):
 
     def update(self, component: str, grad_output: torch.Tensor, loss_scale: float = 1.0) -> None:
         """Per-unit Fisher of the component output from one backward pass."""
-        g = as_rows(grad_output.detach())
+        g = as_rows(grad_output)
         f = self.sample_factor(component, g.shape[0], loss_scale)
         self._push(component, "out", (g,), (f,))
 
@@ -90,10 +91,10 @@ class FisherInformationState(ProbeState):
     ) -> None:
         """One backward pass through a covered layer: its input (for ``nn.LayerNorm`` the
         normalised input) and output gradient; ``names`` = (weight, bias) names or None."""
-        g = as_rows(grad_output.detach())
+        g = as_rows(grad_output)
         f = self.sample_factor(component, g.shape[0], loss_scale)
         stream = f"{kind}:{names[0] or ''}:{names[1] or ''}"
-        self._push(component, stream, (as_rows(x.detach()), g), (None, f))
+        self._push(component, stream, (as_rows(x), g), (None, f))
 
     def consume(
         self, component: str, stream: str, blocks: tuple[torch.Tensor, ...], segments: list[int]
@@ -223,24 +224,23 @@ class FisherInformationHook(ProbeHook):
         ):
             return
 
-        def on_grad(grad: torch.Tensor) -> None:
+        def record(grad: torch.Tensor) -> None:
             if not self.enabled:
                 return
             try:
-                with torch.no_grad():
-                    compute(grad.detach())
+                compute(grad)
             except Exception as exc:
                 self.fail(exc)
 
-        output.register_hook(on_grad)
+        on_grad(output, record)
 
     def _layer_hook(self, kind: str, names: tuple[str | None, str | None]) -> Any:
         def hook(mod: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
-            x = inputs[0].detach()
+            x = inputs[0]
             if kind == "layer_norm":
                 if not (self.active() and torch.is_grad_enabled() and output.requires_grad):
                     return
-                x = F.layer_norm(x, mod.normalized_shape, eps=mod.eps)
+                x = F.layer_norm(x.detach(), mod.normalized_shape, eps=mod.eps)
 
             def compute(grad: torch.Tensor) -> None:
                 self.tracker.update_layer(

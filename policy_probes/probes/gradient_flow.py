@@ -52,7 +52,7 @@ class GradientFlowState(ProbeState):
 
     def update(self, component: str, grad_output: torch.Tensor) -> None:
         """Add one backward pass (all rows of one gradient delivery)."""
-        self._push(component, "g", (as_rows(grad_output.detach()),))
+        self._push(component, "g", (as_rows(grad_output),))
 
     def consume(
         self, component: str, stream: str, blocks: tuple[torch.Tensor, ...], segments: list[int]

@@ -57,7 +57,7 @@ class ReLUActivationState(ProbeState):
 
     def update(self, component: str, h: torch.Tensor) -> None:
         """Add a batch of activations (leading dims are samples, last dim units)."""
-        self._push(component, "h", (as_rows(h.detach()),))
+        self._push(component, "h", (as_rows(h),))
 
     def consume(
         self, component: str, stream: str, blocks: tuple[torch.Tensor, ...], segments: list[int]

@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from policy_probes.context import ComponentContext
+from policy_probes.grad_tap import on_grad
 from policy_probes.hook_types import BackwardHookBuilder, ProbeError, ProbeHook
 from policy_probes.probes.state import (
     COUNT,
@@ -47,7 +48,7 @@ class ReLUGradientFlowState(ProbeState):
         self, component: str, layer: str, grad_out: torch.Tensor, relu_out: torch.Tensor
     ) -> None:
         """Add one backward pass through ReLU ``layer``: its output gradient and output."""
-        self._push(component, layer, (as_rows(grad_out.detach()), as_rows(relu_out.detach())))
+        self._push(component, layer, (as_rows(grad_out), as_rows(relu_out)))
 
     def consume(
         self, component: str, stream: str, blocks: tuple[torch.Tensor, ...], segments: list[int]
@@ -123,17 +124,16 @@ class ReLUGradientFlowHook(ProbeHook):
                 return
             relu_out = output.detach()
 
-            def on_grad(grad: torch.Tensor) -> None:
+            def record(grad: torch.Tensor) -> None:
                 if not self.enabled:
                     return
                 self.calls += 1
                 try:
-                    with torch.no_grad():
-                        self.tracker.update(self.component, layer, grad, relu_out)
+                    self.tracker.update(self.component, layer, grad, relu_out)
                 except Exception as exc:
                     self.fail(exc)
 
-            output.register_hook(on_grad)
+            on_grad(output, record)
 
         return hook
 

@@ -5,13 +5,15 @@ counts) that live on the device of the data they summarise. Because the state is
 and counts, :meth:`ProbeState.all_reduce` can add it across processes, so a distributed
 run reports statistics over the union of every rank's samples.
 
-Hooks do not reduce each minibatch themselves. They copy the rows they see into a
-preallocated :class:`~policy_probes.probes.row_buffer.RowBuffer` (one device copy per
-hook call, no allocation), and the tracker reduces the buffer into its accumulators when
-it is full or when the window is read. On small policies this turns a dozen tiny kernels
-per hook call into one, which is what keeps probe overhead near zero; the buffer's size
-is fixed (``buffer_elements`` per stream), so memory does not grow with the number of
-steps. :meth:`ProbeState.to_metrics` moves the accumulators to the host once per window.
+Hooks do not reduce each minibatch themselves. They hand the rows they see to a
+:class:`~policy_probes.probes.row_buffer.RowBuffer`, which holds them by reference (no
+tensor work in the hook at all), and the tracker reduces the buffer into its
+accumulators when it is full or when the window is read: one concatenation per block
+column, then one set of reduction kernels for all the buffered rows. On small policies
+this turns a dozen tiny kernels per hook call into none, which is what keeps probe
+overhead near zero; the buffer's size is fixed (``buffer_elements`` per stream), so
+memory does not grow with the number of steps. :meth:`ProbeState.to_metrics` moves the
+accumulators to the host once per window.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from policy_probes.context import ComponentContext
-from policy_probes.probes.row_buffer import RowBuffer
+from policy_probes.probes.row_buffer import InPlaceModified, RowBuffer
 
 # Accumulator dtypes: exact integer counts, double-precision sums.
 COUNT = torch.int64
@@ -117,7 +119,10 @@ class ProbeState:
                 self.buffer_elements, self.buffer_rows
             )
         if not buf.accepts(blocks):
-            self._drain(component, stream, buf)
+            try:
+                self._drain(component, stream, buf)
+            except InPlaceModified as exc:  # the buffer copies from now on; report, go on
+                self._lose_window(component, exc)
             if not buf.reserve(blocks):  # larger than a whole buffer: reduce it directly
                 scaled = tuple(  # copies: consume() may overwrite its blocks
                     b.clone() if s is None else b * s
@@ -147,9 +152,17 @@ class ProbeState:
 
     def _drain(self, component: str, stream: str, buf: RowBuffer) -> None:
         if buf.rows:
-            buf.apply_scales()
-            self.consume(component, stream, buf.blocks(), buf.segments)
-            buf.clear()
+            blocks, segments = buf.take()
+            self.consume(component, stream, blocks, segments)
+
+    def _lose_window(self, component: str, exc: Exception) -> None:
+        """Drop ``component``'s accumulators for this window and keep the reason for
+        :class:`~policy_probes.stats_reporter.StatsReporter`."""
+        for (comp, _), buf in self.buffers.items():
+            if comp == component:
+                buf.clear()
+        self.state[component].clear()
+        self.errors[component] = f"{type(exc).__name__}: {exc}"
 
     def flush(self) -> None:
         """Reduce every buffered row into the accumulators.
@@ -163,9 +176,7 @@ class ProbeState:
             try:
                 self._drain(component, stream, buf)
             except Exception as exc:  # a reduction must never take training down
-                buf.clear()
-                self.state[component].clear()
-                self.errors[component] = f"{type(exc).__name__}: {exc}"
+                self._lose_window(component, exc)
 
     def consume(
         self, component: str, stream: str, blocks: tuple[torch.Tensor, ...], segments: list[int]
@@ -173,7 +184,7 @@ class ProbeState:
         """Reduce buffered rows into accumulators. ``segments`` are the row counts of the
         individual pushes (one per hook call), in order.
 
-        The blocks are the tracker's own copies and are discarded afterwards, so
+        The blocks are the buffer's own copies (see :meth:`RowBuffer.take`), so
         ``consume`` may overwrite them; with :meth:`scratch` for the remaining
         temporaries a reduction allocates nothing of the buffer's size (allocating and
         faulting in fresh megabyte-sized temporaries cost more than the arithmetic).
@@ -332,7 +343,13 @@ def as_floats(t: torch.Tensor) -> list[float]:
 
 
 def as_rows(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as (samples, units): leading dimensions are samples, the last is units."""
+    """``t`` detached, as (samples, units): leading dimensions are samples, the last is
+    units. A 2-D tensor that needs no grad is returned as is (hooks call this on every
+    pass, and buffers hold the result, so it must not keep an autograd graph alive)."""
+    if t.requires_grad:
+        t = t.detach()
+    if t.dim() == 2:
+        return t
     if t.dim() == 0:
         return t.reshape(1, 1)
     return t.reshape(-1, t.shape[-1])

@@ -1,0 +1,41 @@
+"""One autograd tensor hook per tensor, shared by every probe that wants its gradient.
+
+Several probes often read the gradient of the same tensor: on an MLP component that ends
+in its activation, ``fisher`` (per-unit), ``gradient_flow`` and ``relu_gradient_flow``
+(last ReLU) all want the gradient of the component's output. Each
+``Tensor.register_hook`` costs a registration in the forward pass and a call from the
+autograd engine into Python in the backward pass, so :func:`on_grad` registers one hook
+per tensor and fans the gradient out to the subscribers, in subscription order. The
+subscriber list lives on the tensor itself, so it is freed with the tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+GradCallback = Callable[[torch.Tensor], None]
+
+_ATTR = "_policy_probes_grad_subscribers"
+
+
+def on_grad(tensor: torch.Tensor, callback: GradCallback) -> None:
+    """Call ``callback(grad)`` when the gradient of ``tensor`` is computed (``tensor``
+    must require grad). The callback must not modify ``grad`` or return anything; a
+    callback that raises propagates into ``backward()``, so probes guard their own."""
+    subscribers: list[GradCallback] | None = tensor.__dict__.get(_ATTR)
+    if subscribers is None:
+        subscribers = [callback]
+        setattr(tensor, _ATTR, subscribers)
+        tensor.register_hook(_fan_out(subscribers))
+    else:
+        subscribers.append(callback)
+
+
+def _fan_out(subscribers: list[GradCallback]) -> Callable[[torch.Tensor], None]:
+    def hook(grad: torch.Tensor) -> None:
+        for callback in subscribers:
+            callback(grad)
+
+    return hook
