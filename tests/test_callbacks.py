@@ -14,6 +14,8 @@ torch.set_num_threads(1)
 
 
 def tiny_tool(tmp_path, **kw) -> TrainTool:
+    # max_steps=500: CartPole-v1 truncates episodes at 500 steps, so both greedy evaluation
+    # episodes (one per env) end within max_steps whatever the tiny run's policy learned.
     return TrainTool(
         run_dir=tmp_path / "run",
         env={"num_envs": 2},
@@ -23,7 +25,7 @@ def tiny_tool(tmp_path, **kw) -> TrainTool:
             "num_minibatches": 2,
             "update_epochs": 2,
         },
-        evaluation={"every_epochs": 1, "episodes": 2, "num_envs": 2, "max_steps": 50},
+        evaluation={"every_epochs": 1, "episodes": 2, "num_envs": 2, "max_steps": 500},
         checkpoint={"every_epochs": 0, "at_end": False},
         sinks={"console": False, "csv": False, "wandb": False},
         **kw,

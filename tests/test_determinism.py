@@ -54,3 +54,34 @@ def test_probes_do_not_change_the_trajectory(tmp_path):
 def test_pendulum_two_runs_bit_identical(tmp_path):
     kw = {"total_timesteps": 2048, "num_minibatches": 4, "update_epochs": 2}
     assert_identical(run(pendulum, tmp_path, "a", **kw), run(pendulum, tmp_path, "b", **kw))
+
+
+def test_a_probe_recording_in_the_rollout_does_not_change_the_trajectory(tmp_path, monkeypatch):
+    """A probe that records during the rollout keeps its hooks installed there, so the
+    rollout takes the module path; without it the rollout takes the hook-free fast path
+    (stacked actor-critic forward). Both give the same run, bit for bit."""
+    from policy_probes import attach_relu_activation_hooks
+    from trainers.policy import ActorCriticPolicy
+
+    fast_rollouts = []
+    rollout_forward = ActorCriticPolicy.rollout_forward
+
+    def counted(self, example):
+        fast_rollouts.append(1)
+        return rollout_forward(self, example)
+
+    monkeypatch.setattr(ActorCriticPolicy, "rollout_forward", counted)
+
+    def probed_in_rollout():
+        tool = cartpole()
+        for component in ("actor_mlp", "critic_mlp.layer_0"):
+            tool.add_training_hook(
+                component, attach_relu_activation_hooks(phases=("rollout", "train"))
+            )
+        return tool
+
+    with_probe = run(probed_in_rollout, tmp_path, "r", total_timesteps=1024)
+    assert fast_rollouts == []  # hooks were installed in every rollout
+    without = run(cartpole, tmp_path, "n", probes=False, total_timesteps=1024)
+    assert len(fast_rollouts) == 2  # both rollouts hook-free
+    assert_identical(with_probe, without)

@@ -14,6 +14,7 @@ tensor ops and samples from the trainer's own ``torch.Generator``.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import gymnasium as gym
 import numpy as np
@@ -23,10 +24,13 @@ from torch import nn
 from torch.nn.modules import module as torch_module
 
 from policy_probes.components import PolicyAutoBuilder
-from policy_probes.layers import LinearSpec, MLPSpec
+from policy_probes.layers import HiddenLayer, LinearSpec, MLPSpec
 from trainers.config import PolicyConfig
 
 LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
+
+#: a policy forward without hooks: ``obs -> (logits or Gaussian mean, value)``
+Forward = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 class ActorCriticPolicy(PolicyAutoBuilder):
@@ -98,7 +102,7 @@ class ActorCriticPolicy(PolicyAutoBuilder):
     def hooks_idle(self) -> bool:
         """True when no torch hook is installed on the policy's modules, nor globally.
 
-        Then :meth:`act` (with ``fast=True``) and :meth:`evaluate_actions` run the layers'
+        Then :meth:`rollout_forward` and :meth:`evaluate_actions` run the layers'
         ``forward`` directly instead of going through ``nn.Module.__call__``, whose
         dispatch is a large part of a small MLP's cost on the CPU. Probes keep their torch
         hooks installed only in the phases they record in (see
@@ -109,7 +113,7 @@ class ActorCriticPolicy(PolicyAutoBuilder):
         return (
             type(self).forward is ActorCriticPolicy.forward
             and not _global_module_hooks()
-            and not self.hooks_installed()
+            and not _module_hooks(self)
         )
 
     def _forward_direct(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,20 +124,51 @@ class ActorCriticPolicy(PolicyAutoBuilder):
             _linear(self.critic_head, _mlp(self.critic_mlp, obs)).squeeze(-1),
         )
 
+    def rollout_forward(self, example: torch.Tensor) -> Forward:
+        """The forward for a rollout of hook-free steps: ``obs -> (logits or mean, value)``.
+
+        Call it once per rollout, under ``torch.inference_mode()`` and only when
+        :meth:`hooks_idle` (the parameters must not change while it is in use). On the
+        CPU, when actor and critic MLPs have the same hidden sizes and activation, both
+        are evaluated as one network (:class:`StackedMLPs`: about half the tensor ops per
+        step). That is used only if it reproduces :meth:`forward` bit for bit on
+        ``example`` (a batch of the rollout's shape): whether the stacked matrix products
+        round exactly like the separate ones depends on the BLAS kernels the shapes select,
+        so it is checked once per rollout here; otherwise the per-layer path
+        (:meth:`_forward_direct`, the same operations as the modules) is returned.
+        """
+        if example.device.type == "cpu":
+            stacked = StackedMLPs.build(self)
+            if stacked is not None and stacked.reproduces(self, example):
+                return stacked
+        return self._forward_direct
+
     # ------------------------------------------------------------------ distributions
     def act(
-        self, obs: torch.Tensor, generator: torch.Generator | None = None, *, fast: bool = False
+        self,
+        obs: torch.Tensor,
+        generator: torch.Generator | None = None,
+        *,
+        forward: Forward | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Sample ``(action, log_prob, value)``; one forward through both networks.
 
-        ``fast=True`` skips the module hook dispatch; pass it only when
-        :meth:`hooks_idle` is True (the trainer checks once per rollout).
+        ``forward`` replaces the module call (``self(obs)``): the trainer passes
+        :meth:`rollout_forward` for hook-free rollouts. Categorical actions are drawn by
+        inverse transform sampling: one uniform number per row, the first action whose
+        cumulative probability exceeds it (``searchsorted``; clamped to the last action
+        for the rare ``u`` above a cumulative sum that rounded below 1). Exact in
+        distribution and cheaper per step than ``torch.multinomial``.
         """
-        out, value = self._forward_direct(obs) if fast else self(obs)
+        out, value = self(obs) if forward is None else forward(obs)
         if self.discrete:
             log_probs = torch.log_softmax(out, dim=-1)
-            action = torch.multinomial(log_probs.exp(), 1, generator=generator).squeeze(-1)
-            return action, log_probs.gather(-1, action.unsqueeze(-1)).squeeze(-1), value
+            u = torch.rand(
+                (*out.shape[:-1], 1), generator=generator, device=out.device, dtype=out.dtype
+            )
+            cdf = log_probs.exp().cumsum(-1)
+            action = torch.searchsorted(cdf, u, right=True).clamp_(max=out.shape[-1] - 1)
+            return action.squeeze(-1), log_probs.gather(-1, action).squeeze(-1), value
         std = self.log_std.exp()
         noise = torch.randn(out.shape, generator=generator, device=out.device, dtype=out.dtype)
         action = out + std * noise
@@ -162,6 +197,82 @@ class ActorCriticPolicy(PolicyAutoBuilder):
         return out.argmax(-1) if self.discrete else out
 
 
+class StackedMLPs:
+    """Actor and critic MLPs of the same shape evaluated as one network (rollout steps).
+
+    The first hidden layer is one ``F.linear`` with both weight matrices concatenated
+    (``[B, 2h]``); every later hidden layer is one ``torch.baddbmm`` over the two halves
+    (``[2, B, h]``) with the weights stacked to ``[2, h_in, h_out]`` (transposed views of
+    ``[2, h_out, h_in]``, the layout ``F.linear`` uses); the activation runs once on both;
+    the heads are separate ``F.linear`` calls. That is about half the tensor ops of the two
+    networks. The stacked weights are copies, valid while the parameters do not change:
+    build it per rollout (:meth:`ActorCriticPolicy.rollout_forward`) and use it only after
+    :meth:`reproduces` confirmed it matches the module path bit for bit.
+    """
+
+    def __init__(
+        self,
+        first: tuple[torch.Tensor, torch.Tensor],
+        rest: list[tuple[torch.Tensor, torch.Tensor]],
+        activation: nn.Module,
+        actor_head: nn.Linear,
+        critic_head: nn.Linear,
+    ) -> None:
+        self.first, self.rest, self.activation = first, rest, activation
+        self.actor_head, self.critic_head = actor_head, critic_head
+
+    @classmethod
+    def build(cls, policy: ActorCriticPolicy) -> StackedMLPs | None:
+        """The stacked network of ``policy``, or None when the two MLPs differ in layer
+        sizes or activation (or are not the plain :class:`~policy_probes.layers.MLP`
+        layout of ``HiddenLayer(linear, act)`` blocks)."""
+        actor, critic = list(policy.actor_mlp.children()), list(policy.critic_mlp.children())
+        if not actor or len(actor) != len(critic):
+            return None
+        for a, c in zip(actor, critic, strict=True):
+            if not (type(a) is type(c) is HiddenLayer and type(a.linear) is type(c.linear)):
+                return None
+            if type(a.linear) is not nn.Linear or a.linear.bias is None or c.linear.bias is None:
+                return None
+            if a.linear.weight.shape != c.linear.weight.shape:
+                return None
+        # one elementwise, parameter-free activation, configured alike, on every layer
+        acts = [layer.act for layer in actor + critic]
+        if any(
+            type(m) is not type(acts[0]) or m.extra_repr() != acts[0].extra_repr() or m._parameters
+            for m in acts
+        ):
+            return None
+        first = (
+            torch.cat([actor[0].linear.weight, critic[0].linear.weight]),
+            torch.cat([actor[0].linear.bias, critic[0].linear.bias]),
+        )
+        rest = [
+            (
+                torch.stack([a.linear.weight, c.linear.weight]).transpose(1, 2),
+                torch.stack([a.linear.bias, c.linear.bias]).unsqueeze(1),
+            )
+            for a, c in zip(actor[1:], critic[1:], strict=True)
+        ]
+        return cls(first, rest, actor[0].act, policy.actor_head, policy.critic_head)
+
+    def __call__(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(logits or mean, value)`` for a ``[B, obs_dim]`` batch."""
+        act = self.activation.forward
+        h = act(F.linear(obs, *self.first))
+        h = h.view(obs.shape[0], 2, -1).transpose(0, 1)  # [2, B, h]: actor, critic
+        for weight, bias in self.rest:
+            h = act(torch.baddbmm(bias, h, weight))
+        return _linear(self.actor_head, h[0]), _linear(self.critic_head, h[1]).squeeze(-1)
+
+    def reproduces(self, policy: ActorCriticPolicy, example: torch.Tensor) -> bool:
+        """True if the stacked network gives exactly the module path's outputs on
+        ``example`` (one host sync)."""
+        out, value = self(example)
+        ref_out, ref_value = policy._forward_direct(example)
+        return torch.equal(out, ref_out) and torch.equal(value, ref_value)
+
+
 def _linear(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, linear.weight, linear.bias)
 
@@ -171,6 +282,23 @@ def _mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
     for layer in mlp.children():
         x = layer.act.forward(_linear(layer.linear, x))
     return x
+
+
+def _module_hooks(root: nn.Module) -> bool:
+    """True if a torch hook is installed on ``root`` or any of its submodules.
+
+    The same test as ``PolicyAutoBuilder.hooks_installed`` as an explicit walk, about half
+    the cost of the ``modules()`` generator (it runs once per minibatch).
+    """
+    stack = [root]
+    while stack:
+        m = stack.pop()
+        if m is None:
+            continue
+        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+            return True
+        stack.extend(m._modules.values())
+    return False
 
 
 def _global_module_hooks() -> bool:

@@ -456,18 +456,22 @@ class PPOTrainer:
         self.context.phase = "rollout"
         t0 = time.perf_counter()
         obs = self._next_obs
-        prev_done = self._prev_done
-        # Skip nn.Module hook dispatch while no probe records in this phase (the default
-        # probes record in "train" only); checked once per rollout.
-        fast = policy.hooks_idle()
         actions, logprobs, values = [], [], []
         with torch.inference_mode():
             obs_steps = st.obs.unbind(0)  # views into the storage, one per step
+            # On the CPU the env's observations are written straight into the storage's
+            # memory through a numpy view (no tensor ops per step).
+            obs_host = st.obs.numpy().reshape(cfg.num_steps, *obs.shape) if on_cpu else None
             for step in range(cfg.num_steps):
-                obs_steps[step].copy_(torch.from_numpy(np.asarray(obs)).view(n, -1))
-                # The step after an episode end is the autoreset step: not a transition.
-                st.valid[step] = ~prev_done
-                action, logprob, value = policy.act(obs_steps[step], gen, fast=fast)
+                if obs_host is not None:
+                    obs_host[step] = obs
+                else:
+                    obs_steps[step].copy_(torch.from_numpy(np.asarray(obs)).view(n, -1))
+                if step == 0:
+                    # Skip nn.Module hook dispatch while no probe records in this phase
+                    # (the default probes record in "train" only); checked once per rollout.
+                    forward = policy.rollout_forward(obs_steps[0]) if policy.hooks_idle() else None
+                action, logprob, value = policy.act(obs_steps[step], gen, forward=forward)
                 actions.append(action)
                 logprobs.append(logprob)
                 values.append(value)
@@ -479,7 +483,6 @@ class PPOTrainer:
                 st.rewards[step] = reward
                 st.terminated[step] = terminated
                 st.truncated[step] = truncated
-                prev_done = terminated | truncated
                 if "episode" in info:
                     done = info["_episode"]
                     self._episode_returns.append(info["episode"]["r"][done])
@@ -491,7 +494,11 @@ class PPOTrainer:
             st.next_value.copy_(
                 policy.value(torch.from_numpy(np.asarray(obs)).view(n, -1).to(st.obs))
             )
-        self._next_obs, self._prev_done = obs, prev_done
+        # The step after an episode end is the autoreset step: not a transition.
+        dones = st.terminated | st.truncated
+        st.valid[0] = ~self._prev_done
+        st.valid[1:] = ~dones[:-1]
+        self._next_obs, self._prev_done = obs, dones[-1].copy()
         st.compute_returns(cfg.gamma, cfg.gae_lambda)
         state.agent_step += self.batch_size
         elapsed = time.perf_counter() - t0
