@@ -107,3 +107,16 @@ def test_probes_on_the_same_tensor_share_one_autograd_hook() -> None:
     tracker = ctx.model_metrics["gradient_flow"]
     assert tracker.buffers[("actor_mlp", "g")].rows == 4
     assert ctx.model_metrics["fisher"].buffers[("actor_mlp", "out")].rows == 4
+
+
+def test_probes_reading_the_same_tensors_share_one_materialisation() -> None:
+    # relu, saturation and relu_gradient_flow (last ReLU) hold actor_mlp's output; the
+    # drain concatenates it once, into the first tracker's storage, for all three.
+    policy, ctx = probed(None)
+    train(policy, ctx, (12, 5))
+    trackers = ctx.model_metrics
+    assert trackers["relu"].buffers[("actor_mlp", "h")].storage  # materialised here
+    assert not trackers["saturation_sigmoid"].buffers[("actor_mlp", "h")].storage  # shared
+    # the gradient of the output: fisher's per-unit stream first, gradient_flow shares it
+    assert trackers["fisher"].buffers[("actor_mlp", "out")].storage
+    assert not trackers["gradient_flow"].buffers[("actor_mlp", "g")].storage

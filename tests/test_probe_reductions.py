@@ -113,9 +113,10 @@ def test_gradient_flow_passes_and_counts():
 def test_relu_gradient_flow_passed():
     g, out = messy(20, 6, 5), messy(20, 6, 6).clamp(min=0)
     out[9, 4] = float("nan")
+    out[3, 2] = float("inf")  # g[3, 2] is finite: a non-finite output does not pass
     st = flushed(ReLUGradientFlowState(), lambda t: t.update("c", "l", g, out))
     finite = torch.isfinite(g)
-    passed = (g != 0) & (torch.nan_to_num(out, 0.0) > 0) & finite
+    passed = (g != 0) & (torch.where(torch.isfinite(out), out, 0.0) > 0) & finite
     assert st["count:l"].tolist() == finite.sum(0).tolist()
     assert st["passed:l"].tolist() == passed.sum(0).tolist()
 

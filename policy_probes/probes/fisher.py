@@ -21,6 +21,7 @@ names them when the probe is attached.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Iterable
 from typing import Any, Literal
@@ -33,17 +34,8 @@ from torch.utils.hooks import RemovableHandle
 from policy_probes.context import ComponentContext
 from policy_probes.grad_tap import on_grad
 from policy_probes.hook_types import BackwardHookBuilder, Extractor, ProbeHook
-from policy_probes.probes.state import (
-    COUNT,
-    SUM,
-    ProbeState,
-    as_floats,
-    as_rows,
-    column_counts,
-    get_state,
-    rates,
-    split_finite_,
-)
+from policy_probes.probes.rows import COUNT, Rows
+from policy_probes.probes.state import SUM, ProbeState, as_floats, as_rows, get_state, rates
 
 log = logging.getLogger("policy_probes")
 
@@ -97,35 +89,48 @@ class FisherInformationState(ProbeState):
         self._push(component, stream, (as_rows(x), g), (None, f))
 
     def consume(
-        self, component: str, stream: str, blocks: tuple[torch.Tensor, ...], segments: list[int]
+        self,
+        component: str,
+        stream: str,
+        cols: tuple[Rows, ...],
+        segments: list[int],
+        scales: list[Any],
     ) -> None:
+        # every push's per-sample factor f (the gradient's last block); squared Fisher
+        # terms scale by f^2, applied to the reduced sums when one factor covers the rows
+        factors = [1.0 if s is None or s[-1] is None else s[-1] for s in scales]
         if stream == "out":
-            (g,) = blocks
-            g, nonfinite = split_finite_(g, self.scratch(g))
-            count = g.shape[0] - column_counts(nonfinite)
-            self._add(component, "unit_sq", torch.mul(g, g, out=nonfinite).sum(0).to(SUM))
+            (g,) = cols
+            count = g.finite_count()
+            if len(set(factors)) == 1:
+                unit_sq = g.square().sum(0).to(SUM) * factors[0] ** 2
+            else:
+                squares = [f * f for f in factors]
+                g2 = _scaled_rows(g.square(), segments, squares, self.scratch(g.clean))
+                unit_sq = g2.sum(0).to(SUM)
+            self._add(component, "unit_sq", unit_sq)
             self._add(component, "unit_count", count, COUNT)
-            self._add(component, "nonfinite", g.numel() - count.sum(), COUNT)
+            self._add(component, "nonfinite", g.nonfinite_total(), COUNT)
             return
         kind, weight, bias = stream.split(":")
-        x, g = blocks
-        if x.element_size() < 4:
-            x, g = x.float(), g.float()
-        sx, sg = self.scratch(x, 0), self.scratch(g, 1)
-        # Drop whole samples with a non-finite input or gradient: a row of v * 0 sums to
-        # 0 when every entry is finite and to NaN otherwise (float ops, see split_finite_).
-        ok = torch.mul(g, 0.0, out=sg).sum(1).add_(torch.mul(x, 0.0, out=sx).sum(1))
-        ok = ok.add_(1.0).nan_to_num_(0.0, 0.0, 0.0)[:, None]
-        g = g.nan_to_num_(0.0, 0.0, 0.0).mul_(ok)
-        x = x.nan_to_num_(0.0, 0.0, 0.0).mul_(ok)
+        x, g = cols
+        # Drop whole samples with a non-finite input or gradient: ok is 1.0 for a row
+        # whose entries are all finite, else 0.0 (x.clean and g.clean are finite).
+        ok = torch.add(x.row_nonfinite(), g.row_nonfinite()).sign_().neg_().add_(1.0)
+        gs = torch.mul(g.clean, ok[:, None], out=self.scratch(g.clean, 1))
+        one = len(set(factors)) == 1
+        if not one:
+            _scaled_rows(gs, segments, factors, gs)
+        f2 = factors[0] ** 2 if one else 1.0
         sq = {}
         if kind == "layer_norm" and weight:  # d l / d w = g * xhat elementwise
-            sq[weight] = torch.mul(g, x, out=sx).square_().sum(0).to(SUM)
-        g2 = torch.mul(g, g, out=sg)
+            gx = torch.mul(gs, x.clean, out=self.scratch(x.clean, 0))
+            sq[weight] = gx.square_().sum(0).to(SUM) * f2
+        g2 = gs.square_()
         if kind == "linear":
-            sq[weight] = (g2.T @ torch.mul(x, x, out=sx)).to(SUM)
+            sq[weight] = (g2.T @ x.square()).to(SUM) * f2
         if bias:
-            sq[bias] = g2.sum(0).to(SUM)
+            sq[bias] = g2.sum(0).to(SUM) * f2
         samples = ok.sum().to(COUNT)
         for name, value in sq.items():
             self._add(component, f"param:{name}", value)
@@ -277,3 +282,16 @@ def attach_fisher_information_hooks(
 
     build.probe = "fisher"  # type: ignore[attr-defined]
     return build
+
+
+def _scaled_rows(
+    rows: torch.Tensor, segments: list[int], factors: list[float], out: torch.Tensor
+) -> torch.Tensor:
+    """``rows`` with every push's rows multiplied by its factor (into ``out``, which may be
+    ``rows``): one multiply per run of pushes with the same factor."""
+    lo = 0
+    for f, run in itertools.groupby(zip(segments, factors, strict=True), key=lambda p: p[1]):
+        hi = lo + sum(n for n, _ in run)
+        torch.mul(rows[lo:hi], f, out=out[lo:hi])
+        lo = hi
+    return out

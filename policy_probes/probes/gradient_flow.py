@@ -16,14 +16,8 @@ from torch import nn
 
 from policy_probes.context import ComponentContext
 from policy_probes.hook_types import BackwardHookBuilder, Extractor, ProbeHook
-from policy_probes.probes.state import (
-    COUNT,
-    ProbeState,
-    as_floats,
-    as_rows,
-    get_state,
-    split_finite_,
-)
+from policy_probes.probes.rows import COUNT, Rows
+from policy_probes.probes.state import ProbeState, as_floats, as_rows, get_state
 
 BLOCKED_THRESHOLD = 1e-8
 
@@ -55,12 +49,17 @@ class GradientFlowState(ProbeState):
         self._push(component, "g", (as_rows(grad_output),))
 
     def consume(
-        self, component: str, stream: str, blocks: tuple[torch.Tensor, ...], segments: list[int]
+        self,
+        component: str,
+        stream: str,
+        cols: tuple[Rows, ...],
+        segments: list[int],
+        scales: list[Any],
     ) -> None:
-        (g,) = blocks
+        (drained,) = cols
         beta = self.settings[component]["beta"]
-        g, nonfinite = split_finite_(g, self.scratch(g))
-        sq = g.mul_(g)
+        g, nonfinite = drained.clean, drained.nonfinite
+        sq = drained.square()
         if len(set(segments)) == 1:  # equal passes: one reshape, no loop
             p, n = len(segments), segments[0]
             sums = sq.reshape(p, n, -1).sum(1)

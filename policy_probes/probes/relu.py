@@ -20,18 +20,8 @@ from torch import nn
 
 from policy_probes.context import ComponentContext
 from policy_probes.hook_types import Extractor, HookBuilder, ProbeHook
-from policy_probes.probes.state import (
-    COUNT,
-    SUM,
-    ProbeState,
-    as_floats,
-    as_rows,
-    column_counts,
-    get_state,
-    indicator_,
-    rates,
-    split_finite_,
-)
+from policy_probes.probes.rows import COUNT, Rows, column_counts
+from policy_probes.probes.state import SUM, ProbeState, as_floats, as_rows, get_state, rates
 
 # ReDo divides by the layer mean plus a small constant; all-zero layers are all dormant.
 DORMANT_EPS = 1e-9
@@ -60,19 +50,23 @@ class ReLUActivationState(ProbeState):
         self._push(component, "h", (as_rows(h),))
 
     def consume(
-        self, component: str, stream: str, blocks: tuple[torch.Tensor, ...], segments: list[int]
+        self,
+        component: str,
+        stream: str,
+        cols: tuple[Rows, ...],
+        segments: list[int],
+        scales: list[Any],
     ) -> None:
-        (rows,) = blocks
-        clean, nonfinite = split_finite_(rows, self.scratch(rows))
-        count = rows.shape[0] - column_counts(nonfinite)
-        abs_sum = torch.abs(clean, out=nonfinite).sum(0).to(SUM)
-        active = column_counts(indicator_(clean))
+        (h,) = cols
+        count = h.finite_count()
+        abs_sum = torch.abs(h.clean, out=self.scratch(h.clean)).sum(0).to(SUM)
+        active = column_counts(h.positive())
         self._add(component, "count", count, COUNT)
         self._add(component, "active", active, COUNT)
         self._add(component, "abs_sum", abs_sum)
         # finite elements that are <= 0, and non-finite ones, follow from the counts
         self._add(component, "nonpos", count.sum() - active.sum(), COUNT)
-        self._add(component, "nonfinite", rows.numel() - count.sum(), COUNT)
+        self._add(component, "nonfinite", h.nonfinite_total(), COUNT)
 
     def summarize(self, component: str, s: dict[str, torch.Tensor], cfg: dict[str, Any]) -> dict:
         count = s["count"]

@@ -3,7 +3,9 @@
 For every ``nn.ReLU`` inside the component (or the component itself when it is one), the
 gradient at the ReLU's input is dL/dy * 1[x > 0]. A unit passes gradient for a sample when
 that product is non-zero, i.e. when the unit was active (y = relu(x) > 0) and received a
-non-zero output gradient. ``pass_rate[u]`` is the fraction of samples for which it did;
+non-zero output gradient (non-finite outputs and gradients count as not passing, as the
+``relu`` probe counts a non-finite output as not active). ``pass_rate[u]`` is the
+fraction of samples for which it did;
 units with pass rate 0 over the whole window are ``blocked``: their incoming weights got
 no gradient from the probed loss at all.
 
@@ -23,17 +25,8 @@ from torch.utils.hooks import RemovableHandle
 from policy_probes.context import ComponentContext
 from policy_probes.grad_tap import on_grad
 from policy_probes.hook_types import BackwardHookBuilder, ProbeError, ProbeHook
-from policy_probes.probes.state import (
-    COUNT,
-    ProbeState,
-    as_floats,
-    as_rows,
-    column_counts,
-    get_state,
-    indicator_,
-    rates,
-    split_finite_,
-)
+from policy_probes.probes.rows import COUNT, Rows, column_counts
+from policy_probes.probes.state import ProbeState, as_floats, as_rows, get_state, rates
 
 
 class ReLUGradientFlowState(ProbeState):
@@ -51,18 +44,20 @@ class ReLUGradientFlowState(ProbeState):
         self._push(component, layer, (as_rows(grad_out), as_rows(relu_out)))
 
     def consume(
-        self, component: str, stream: str, blocks: tuple[torch.Tensor, ...], segments: list[int]
+        self,
+        component: str,
+        stream: str,
+        cols: tuple[Rows, ...],
+        segments: list[int],
+        scales: list[Any],
     ) -> None:
-        g, out = blocks
-        g, nonfinite = split_finite_(g, self.scratch(g))  # a non-finite gradient never passes
-        count = g.shape[0] - column_counts(nonfinite)
-        if out.element_size() < 4:
-            out = out.float()
-        active = indicator_(out.nan_to_num_(0.0))  # NaN -> inactive, inf -> active
-        passed = g.abs_().sign_().mul_(active)  # g != 0 and the unit was active
-        self._add(component, f"count:{stream}", count, COUNT)
+        g, out = cols
+        # g != 0 (finite: non-finite gradients are 0 in g.clean and never pass) and the
+        # unit was active (a finite output > 0)
+        passed = torch.abs(g.clean, out=self.scratch(g.clean)).sign_().mul_(out.positive())
+        self._add(component, f"count:{stream}", g.finite_count(), COUNT)
         self._add(component, f"passed:{stream}", column_counts(passed), COUNT)
-        self._add(component, f"nonfinite:{stream}", g.numel() - count.sum(), COUNT)
+        self._add(component, f"nonfinite:{stream}", g.nonfinite_total(), COUNT)
 
     def summarize(self, component: str, s: dict[str, torch.Tensor], cfg: dict[str, Any]) -> dict:
         out: dict[str, Any] = {}

@@ -2,24 +2,28 @@
 
 A hook call costs no tensor work at all: the buffer keeps a *reference* to each block the
 hook saw (the activation or gradient autograd produced anyway) and its version counter.
-When the tracker reduces, :meth:`RowBuffer.take` concatenates the held blocks once into
-a preallocated storage of the tracker's own (one ``torch.cat`` per block column instead
-of one copy per hook call), applies the per-push scale factors (one multiply per run of
-equal factors) and releases the references. Several aligned blocks (for example a
-layer's inputs and output gradients) share the row positions.
+When the trackers drain, :meth:`RowBuffer.take` concatenates the held blocks once per
+block column into preallocated storage of the buffer's own and splits them into finite
+values and a non-finite indicator (:class:`~policy_probes.probes.rows.Rows`); a column
+whose held tensors another tracker already materialised in the same
+:class:`~policy_probes.probes.rows.DrainRound` is shared instead. Several aligned blocks
+(for example a layer's inputs and output gradients) share the row positions; per-push
+scale factors are handed to the reduction, which applies them to its own results.
 
 Held tensors are not copied, so an in-place change between the hook and the reduction
 would be read instead of what the hook saw. Every block's ``_version`` is compared at
 :meth:`take`; a changed one raises :class:`InPlaceModified`, and from then on the buffer
 copies each push (``copy_pushes``), so later windows are exact again. The rows held are
-bounded (``max_rows`` rows, ``max_elements`` elements), so memory does not grow with the
-number of steps. Inference tensors (``torch.inference_mode``) have no version counter;
-they are copied at the push.
+bounded (``max_rows`` rows; ``max_elements`` elements in the widest block), so memory
+does not grow with the number of steps. Inference tensors (``torch.inference_mode``) have
+no version counter; they are copied at the push.
 """
 
 from __future__ import annotations
 
 import torch
+
+from policy_probes.probes.rows import DrainRound, Rows
 
 Layout = tuple[tuple[int, torch.dtype, torch.device], ...]
 
@@ -41,8 +45,9 @@ class RowBuffer:
         self.rows = 0
         self.capacity = 0
         self.layout: Layout = ()
-        #: the tracker's own copies of the rows, allocated once per layout at :meth:`take`
-        self.storage: list[torch.Tensor] = []
+        #: the buffer's own copies of the rows and their derived quantities, allocated once
+        #: per layout at :meth:`take`: (block column, slot) -> (capacity, width) tensor
+        self.storage: dict[tuple[int, int], torch.Tensor] = {}
         #: copy every push (set after an in-place change of a held block was detected)
         self.copy_pushes = False
 
@@ -63,7 +68,8 @@ class RowBuffer:
         would not fit (or rows are still held)."""
         if self.rows:
             return False
-        width = sum(b.shape[1] for b in blocks)
+        # the widest block sets the row count, so streams of one layer fill up together
+        width = max(b.shape[1] for b in blocks)
         capacity = self.max_elements // max(width, 1)
         if self.max_rows is not None:
             capacity = min(capacity, self.max_rows)
@@ -71,7 +77,7 @@ class RowBuffer:
             return False
         layout = self._layout(blocks)
         if layout != self.layout or capacity != self.capacity:
-            self.storage = []  # reallocated for the new layout at the next take()
+            self.storage = {}  # reallocated for the new layout at the next take()
             self.capacity, self.layout = capacity, layout
         return True
 
@@ -90,17 +96,15 @@ class RowBuffer:
         self.segments.append(blocks[0].shape[0])
         self.scales.append(scales)
 
-    def take(self) -> tuple[tuple[torch.Tensor, ...], list[int]]:
-        """The held rows as the buffer's own contiguous blocks, scaled, and the row count
-        of every push; the buffer is empty afterwards. The blocks are overwritten by the
-        next :meth:`take`, so the caller may reduce them in place."""
-        pending, versions, segments, scales = (
-            self.pending,
-            self.versions,
-            self.segments,
-            self.scales,
-        )
-        rows = self.rows
+    def take(
+        self, drain_round: DrainRound | None = None
+    ) -> tuple[tuple[Rows, ...], list[int], list[tuple[float | None, ...] | None]]:
+        """The held rows, one :class:`Rows` per block column (shared through
+        ``drain_round`` with other buffers that hold the same tensors), the row count of
+        every push and its scales; the buffer is empty afterwards. The rows stay valid
+        until this buffer's next :meth:`take`."""
+        pending, versions = self.pending, self.versions
+        segments, scales, rows = self.segments, self.scales, self.rows
         self.clear()
         for blocks, seen in zip(pending, versions, strict=True):
             if seen is not None and any(b._version != v for b, v in zip(blocks, seen, strict=True)):
@@ -111,17 +115,34 @@ class RowBuffer:
                     "the probe copies what it reads from now on. Use out-of-place ops on "
                     "probed outputs to keep the zero-copy path."
                 )
-        if not self.storage:
-            self.storage = [
-                torch.empty((self.capacity, w), dtype=d, device=dev) for w, d, dev in self.layout
-            ]
         out = []
-        for col, dst in enumerate(self.storage):
-            block = dst[:rows]
-            torch.cat([p[col] for p in pending], out=block)
-            out.append(block)
-        _apply_scales(out, segments, scales)
-        return tuple(out), segments
+        for col in range(len(self.layout)):
+            refs = [p[col] for p in pending]
+            shared = drain_round.get(refs) if drain_round is not None else None
+            if shared is None:
+                values = self._slot(col, 0)[:rows]
+                torch.cat(refs, out=values)
+                shared = Rows.split(
+                    values,
+                    self._slot(col, 1)[:rows],
+                    lambda k, col=col: self._slot(col, 2 + k)[:rows],
+                )
+                if drain_round is not None:
+                    drain_round.put(refs, shared)
+            out.append(shared)
+        return tuple(out), segments, scales
+
+    def _slot(self, col: int, slot: int) -> torch.Tensor:
+        """Storage ``slot`` of block column ``col`` (values, non-finite indicator, derived
+        quantities), allocated once per layout at the buffer's capacity; half precision
+        is widened to float32."""
+        key = (col, slot)
+        t = self.storage.get(key)
+        if t is None:
+            width, dtype, device = self.layout[col]
+            dtype = dtype if torch.empty((), dtype=dtype).element_size() >= 4 else torch.float32
+            t = self.storage[key] = torch.empty((self.capacity, width), dtype=dtype, device=device)
+        return t
 
     def clear(self) -> None:
         """Drop the held rows (the storage is kept for reuse)."""
@@ -134,29 +155,6 @@ class RowBuffer:
     @property
     def nbytes(self) -> int:
         """Bytes of the buffer's own storage plus the held blocks it keeps alive."""
-        own = sum(s.numel() * s.element_size() for s in self.storage)
-        if not self.storage:  # not yet allocated: count what take() will allocate
-            own = sum(
-                self.capacity * w * torch.empty((), dtype=d).element_size()
-                for w, d, _ in self.layout
-            )
+        own = sum(s.numel() * s.element_size() for s in self.storage.values())
         held = sum(b.numel() * b.element_size() for p in self.pending for b in p)
         return own + held
-
-
-def _apply_scales(
-    blocks: list[torch.Tensor],
-    segments: list[int],
-    scales: list[tuple[float | None, ...] | None],
-) -> None:
-    """Multiply every push's rows by its scale, in place, one multiply per run of
-    consecutive pushes with the same scales."""
-    lo = 0
-    run_lo, run_scales = 0, None
-    for n, push_scales in [*zip(segments, scales, strict=True), (0, ())]:
-        if push_scales != run_scales:
-            for dst, s in zip(blocks, run_scales or (), strict=False):
-                if s is not None and s != 1.0 and lo > run_lo:
-                    dst[run_lo:lo].mul_(s)
-            run_lo, run_scales = lo, push_scales
-        lo += n

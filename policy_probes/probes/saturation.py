@@ -15,17 +15,15 @@ from torch import nn
 
 from policy_probes.context import ComponentContext
 from policy_probes.hook_types import Extractor, HookBuilder, ProbeHook
+from policy_probes.probes.rows import COUNT, Rows, column_counts
 from policy_probes.probes.state import (
-    COUNT,
     SUM,
     ProbeState,
     as_floats,
     as_rows,
-    column_counts,
     get_state,
     indicator_,
     rates,
-    split_finite_,
 )
 
 SATURATING = ("tanh", "sigmoid")
@@ -56,28 +54,33 @@ class SaturatedActivationState(ProbeState):
         self._push(component, "h", (as_rows(h),))
 
     def consume(
-        self, component: str, stream: str, blocks: tuple[torch.Tensor, ...], segments: list[int]
+        self,
+        component: str,
+        stream: str,
+        cols: tuple[Rows, ...],
+        segments: list[int],
+        scales: list[Any],
     ) -> None:
-        (rows,) = blocks
+        (h,) = cols
         t = self.settings[component]["threshold"]
-        clean, scratch = split_finite_(rows, self.scratch(rows))  # non-finite -> 0
-        nonfinite = column_counts(scratch)
-        count = rows.shape[0] - nonfinite
+        clean, scratch = h.clean, self.scratch(h.clean)  # non-finite entries are 0
+        count = h.finite_count()
         finite_total = count.sum()
-        sq_sum = torch.mul(clean, clean, out=scratch).sum().to(SUM)
+        sq_sum = h.square().sum().to(SUM)
         if self.activation == "tanh":
             # sum over finite elements of 1 - h^2 (replaced elements add 0 to sq_sum)
             derivative_sum = finite_total - sq_sum
-            saturated = column_counts(indicator_(clean.abs_().sub_(t)))
+            saturated = column_counts(indicator_(torch.abs(clean, out=scratch).sub_(t)))
         else:  # sigmoid: h (1 - h); t > 0.5, so the two tails are disjoint
             derivative_sum = clean.sum().to(SUM) - sq_sum
             low = column_counts(indicator_(torch.mul(clean, -1.0, out=scratch).add_(1 - t)))
-            high = column_counts(indicator_(clean.sub_(t)))
-            saturated = low - nonfinite + high  # a replaced 0 is below 1 - t: not saturated
+            high = column_counts(indicator_(torch.sub(clean, t, out=scratch)))
+            # a replaced 0 is below 1 - t: not saturated
+            saturated = low - (h.num_rows - count) + high
         self._add(component, "count", count, COUNT)
         self._add(component, "saturated", saturated, COUNT)
         self._add(component, "derivative_sum", derivative_sum)
-        self._add(component, "nonfinite", rows.numel() - finite_total, COUNT)
+        self._add(component, "nonfinite", h.nonfinite_total(), COUNT)
 
     def summarize(self, component: str, s: dict[str, torch.Tensor], cfg: dict[str, Any]) -> dict:
         count = s["count"]

@@ -25,10 +25,11 @@ import torch
 import torch.distributed as dist
 
 from policy_probes.context import ComponentContext
-from policy_probes.probes.row_buffer import InPlaceModified, RowBuffer
+from policy_probes.probes.row_buffer import RowBuffer
+from policy_probes.probes.rows import COUNT as COUNT  # re-exported for custom trackers
+from policy_probes.probes.rows import DrainRound, Rows
 
-# Accumulator dtypes: exact integer counts, double-precision sums.
-COUNT = torch.int64
+# Accumulator dtype of sums (counts are int64: rows.COUNT).
 SUM = torch.float64
 
 
@@ -55,6 +56,8 @@ class ProbeState:
         self._scratch: dict[tuple[Any, ...], torch.Tensor] = {}
         #: component -> reason, for reductions that failed (reported by StatsReporter)
         self.errors: dict[str, str] = {}
+        #: the context whose trackers drain together (set by :func:`get_state`)
+        self.context: ComponentContext | None = None
 
     # ----------------------------------------------------------- components
     def register_component(self, name: str, **settings: Any) -> bool:
@@ -108,10 +111,11 @@ class ProbeState:
         blocks: tuple[torch.Tensor, ...],
         scales: tuple[float | None, ...] | None = None,
     ) -> None:
-        """Queue aligned row blocks (same number of rows) for :meth:`consume`.
+        """Hold aligned row blocks (same number of rows) for :meth:`consume`.
 
-        ``scales`` multiplies a block by a per-push factor (``None`` = as is); the buffer
-        applies it when it is drained.
+        ``scales`` are per-push factors of the blocks (``None`` = as is), handed to
+        :meth:`consume` with the rows. A full buffer drains every tracker of the context
+        (:meth:`drain`) before it takes the push.
         """
         buf = self.buffers.get((component, stream))
         if buf is None:
@@ -119,16 +123,16 @@ class ProbeState:
                 self.buffer_elements, self.buffer_rows
             )
         if not buf.accepts(blocks):
-            try:
-                self._drain(component, stream, buf)
-            except InPlaceModified as exc:  # the buffer copies from now on; report, go on
-                self._lose_window(component, exc)
-            if not buf.reserve(blocks):  # larger than a whole buffer: reduce it directly
-                scaled = tuple(  # copies: consume() may overwrite its blocks
-                    b.clone() if s is None else b * s
-                    for b, s in zip(blocks, scales or (None,) * len(blocks), strict=True)
-                )
-                self.consume(component, stream, scaled, [blocks[0].shape[0]])
+            self.drain()
+            if not buf.reserve(blocks):  # larger than a whole buffer: reduce it on its own
+                n, width = blocks[0].shape[0], max(b.shape[1] for b in blocks)
+                alone = RowBuffer(max(n * width, 1))
+                alone.reserve(blocks)
+                alone.append(blocks, scales)
+                try:
+                    self.consume(component, stream, *alone.take())
+                except Exception as exc:  # a reduction must never take training down
+                    self._lose_window(component, exc)
                 return
         buf.append(blocks, scales)
 
@@ -150,14 +154,36 @@ class ProbeState:
             )
         return t[:rows]
 
-    def _drain(self, component: str, stream: str, buf: RowBuffer) -> None:
-        if buf.rows:
-            blocks, segments = buf.take()
-            self.consume(component, stream, blocks, segments)
+    def drain(self) -> None:
+        """Reduce every held row of every tracker of this tracker's context (or of this
+        tracker alone, without a context) in one :class:`~policy_probes.probes.rows.DrainRound`,
+        so block columns that several probes hold are materialised once.
+
+        A component whose rows cannot be reduced (for example because its width changed
+        within a window, or a held tensor was changed in place) loses that window's data,
+        and the reason is kept in :attr:`errors` for
+        :class:`~policy_probes.stats_reporter.StatsReporter` to report; the other
+        components and trackers are unaffected.
+        """
+        drain_round = DrainRound()
+        peers = [self]
+        if self.context is not None:
+            peers = [t for t in self.context.model_metrics.values() if isinstance(t, ProbeState)]
+        for tracker in peers:
+            tracker._drain_buffers(drain_round)
+
+    def _drain_buffers(self, drain_round: DrainRound) -> None:
+        for (component, stream), buf in self.buffers.items():
+            if not buf.rows:
+                continue
+            try:
+                self.consume(component, stream, *buf.take(drain_round))
+            except Exception as exc:  # a reduction must never take training down
+                self._lose_window(component, exc)
 
     def _lose_window(self, component: str, exc: Exception) -> None:
-        """Drop ``component``'s accumulators for this window and keep the reason for
-        :class:`~policy_probes.stats_reporter.StatsReporter`."""
+        """Drop ``component``'s accumulators and held rows for this window and keep the
+        reason for :class:`~policy_probes.stats_reporter.StatsReporter`."""
         for (comp, _), buf in self.buffers.items():
             if comp == component:
                 buf.clear()
@@ -165,29 +191,24 @@ class ProbeState:
         self.errors[component] = f"{type(exc).__name__}: {exc}"
 
     def flush(self) -> None:
-        """Reduce every buffered row into the accumulators.
-
-        A component whose rows cannot be reduced (for example because its width changed
-        within a window) loses that window's data for the stream, and the reason is kept
-        in :attr:`errors` for :class:`~policy_probes.stats_reporter.StatsReporter` to
-        report; the other components are unaffected.
-        """
-        for (component, stream), buf in self.buffers.items():
-            try:
-                self._drain(component, stream, buf)
-            except Exception as exc:  # a reduction must never take training down
-                self._lose_window(component, exc)
+        """Reduce every held row into the accumulators (see :meth:`drain`)."""
+        self.drain()
 
     def consume(
-        self, component: str, stream: str, blocks: tuple[torch.Tensor, ...], segments: list[int]
+        self,
+        component: str,
+        stream: str,
+        cols: tuple[Rows, ...],
+        segments: list[int],
+        scales: list[tuple[float | None, ...] | None],
     ) -> None:
-        """Reduce buffered rows into accumulators. ``segments`` are the row counts of the
-        individual pushes (one per hook call), in order.
+        """Reduce drained rows into accumulators: one :class:`Rows` per block column
+        (finite values and non-finite indicator, **read-only**: other probes may share
+        them), the row count of every push in order, and every push's scales.
 
-        The blocks are the buffer's own copies (see :meth:`RowBuffer.take`), so
-        ``consume`` may overwrite them; with :meth:`scratch` for the remaining
-        temporaries a reduction allocates nothing of the buffer's size (allocating and
-        faulting in fresh megabyte-sized temporaries cost more than the arithmetic).
+        Temporaries go into :meth:`scratch`, so a reduction allocates nothing of the
+        buffer's size (allocating and faulting in fresh megabyte-sized temporaries cost
+        more than the arithmetic).
         """
         raise NotImplementedError
 
@@ -296,6 +317,7 @@ def get_state(context: ComponentContext, key: str, cls: type[ProbeState], *args:
     tracker = context.model_metrics.get(key)
     if tracker is None:
         tracker = context.model_metrics[key] = cls(*args)
+        tracker.context = context
     elif not isinstance(tracker, cls):
         raise TypeError(
             f"context.model_metrics[{key!r}] holds a {type(tracker).__name__}, expected {cls.__name__}"
@@ -311,31 +333,10 @@ def rates(count: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
     )
 
 
-def split_finite_(x: torch.Tensor, scratch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(clean, nonfinite)``: ``x`` with NaN/inf replaced by 0 **in place**, and a 0/1
-    indicator of the replaced elements written into ``scratch`` (same shape as ``x``).
-
-    Float arithmetic only (``x - x`` is NaN exactly where ``x`` is not finite): ops that
-    produce bool tensors are several times slower than float ops on the CPU, and the
-    reductions run over every buffered element. Half precision is widened to float32
-    first (a copy; ``scratch`` must then be float32), so counts and sums stay exact.
-    """
-    if x.element_size() < 4:
-        x = x.float()
-    nonfinite = torch.sub(x, x, out=scratch).nan_to_num_(1.0, 1.0, 1.0)
-    return x.nan_to_num_(0.0, 0.0, 0.0), nonfinite
-
-
 def indicator_(x: torch.Tensor) -> torch.Tensor:
-    """1.0 where ``x > 0``, else 0.0, **in place** (float, see :func:`split_finite_`);
-    ``x`` finite."""
+    """1.0 where ``x > 0``, else 0.0, **in place** (float ops, see
+    :mod:`~policy_probes.probes.rows`); ``x`` finite."""
     return x.sign_().clamp_(min=0.0)
-
-
-def column_counts(indicators: torch.Tensor) -> torch.Tensor:
-    """Per-column sum of a 0/1 float matrix as exact int64 counts (float32 sums are exact
-    below 2**24, far above a row buffer's capacity)."""
-    return indicators.sum(0).to(COUNT)
 
 
 def as_floats(t: torch.Tensor) -> list[float]:

@@ -1,0 +1,123 @@
+"""Drained rows, materialised once and shared by every probe that reads the same tensors.
+
+Several probes often read the very same tensors. On an MLP component ``relu``,
+``saturation`` and ``relu_gradient_flow`` (last ReLU) read its output; ``fisher``,
+``gradient_flow`` and ``relu_gradient_flow`` read the gradient of that output; ``fisher``
+(the next layer's input) and ``relu_gradient_flow`` read every hidden activation. The
+trackers of a context therefore drain together (:class:`DrainRound`, see
+:meth:`~policy_probes.probes.state.ProbeState.drain`): a block column whose held tensors
+are the same objects in every tracker is concatenated once, split once into finite values
+and a non-finite indicator, and its squares, positive indicators and counts are computed
+at most once, for all of them. That is the "one pass over the activation, not one per
+probe" of the fused design; each probe then adds only the reductions that are its own.
+
+Float arithmetic only (``x - x`` is NaN exactly where ``x`` is not finite): ops that
+produce bool tensors cost several times more than float ops on the CPU. Half precision is
+widened to float32 when it is materialised, so counts and sums stay exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+#: per-column counts are exact int64 (float32 sums of 0/1 are exact below 2**24, far
+#: above a buffer's capacity)
+COUNT = torch.int64
+
+
+class Rows:
+    """One block column of drained rows, ``(N, U)``: :attr:`clean` (the values, non-finite
+    entries replaced by 0) and :attr:`nonfinite` (1.0 at the replaced entries, else 0.0).
+
+    Both are read-only for the reductions (other probes may share them); the derived
+    quantities are computed on first use into storage that ``aux(slot)`` provides and
+    are cached for the rest of the round.
+    """
+
+    def __init__(
+        self,
+        clean: torch.Tensor,
+        nonfinite: torch.Tensor,
+        aux: Callable[[int], torch.Tensor],
+    ) -> None:
+        self.clean = clean
+        self.nonfinite = nonfinite
+        self._aux = aux
+        self._cache: dict[str, torch.Tensor] = {}
+
+    @classmethod
+    def split(
+        cls, values: torch.Tensor, nonfinite: torch.Tensor, aux: Callable[[int], torch.Tensor]
+    ) -> Rows:
+        """Split materialised ``values`` **in place** into finite values and an indicator
+        written into ``nonfinite`` (same shape)."""
+        torch.sub(values, values, out=nonfinite).nan_to_num_(1.0, 1.0, 1.0)
+        values.nan_to_num_(0.0, 0.0, 0.0)
+        return cls(values, nonfinite, aux)
+
+    @property
+    def num_rows(self) -> int:
+        return self.clean.shape[0]
+
+    def _cached(self, key: str, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+        t = self._cache.get(key)
+        if t is None:
+            t = self._cache[key] = compute()
+        return t
+
+    def finite_count(self) -> torch.Tensor:
+        """Finite entries per column (int64)."""
+        return self._cached("finite_count", lambda: self.num_rows - self.nonfinite.sum(0).to(COUNT))
+
+    def nonfinite_total(self) -> torch.Tensor:
+        """Non-finite entries in all (int64 scalar)."""
+        return self._cached(
+            "nonfinite_total", lambda: self.clean.numel() - self.finite_count().sum()
+        )
+
+    def square(self) -> torch.Tensor:
+        """``clean ** 2``."""
+        return self._cached("square", lambda: torch.mul(self.clean, self.clean, out=self._aux(0)))
+
+    def positive(self) -> torch.Tensor:
+        """1.0 where the value is finite and > 0, else 0.0."""
+        return self._cached(
+            "positive", lambda: torch.sign(self.clean, out=self._aux(1)).clamp_(min=0.0)
+        )
+
+    def row_nonfinite(self) -> torch.Tensor:
+        """Non-finite entries per row (float, exact)."""
+        return self._cached("row_nonfinite", lambda: self.nonfinite.sum(1))
+
+
+class DrainRound:
+    """The materialised columns of one drain, keyed by the memory the held tensors view.
+
+    Probes hold different tensor objects for the same data (each detaches the module
+    output on its own), so the key is every held tensor's data pointer, device, dtype,
+    shape and strides: two live tensors that agree on all of them show the same values
+    (their version counters were checked at :meth:`RowBuffer.take`). The round keeps the
+    held tensors alive until it ends, so no key's memory can be reused meanwhile.
+    """
+
+    def __init__(self) -> None:
+        self._rows: dict[tuple[Any, ...], tuple[Rows, Sequence[torch.Tensor]]] = {}
+
+    @staticmethod
+    def _key(refs: Sequence[torch.Tensor]) -> tuple[Any, ...]:
+        return tuple((t.data_ptr(), t.device, t.dtype, t.shape, t.stride()) for t in refs)
+
+    def get(self, refs: Sequence[torch.Tensor]) -> Rows | None:
+        hit = self._rows.get(self._key(refs))
+        return None if hit is None else hit[0]
+
+    def put(self, refs: Sequence[torch.Tensor], rows: Rows) -> None:
+        self._rows[self._key(refs)] = (rows, refs)
+
+
+def column_counts(indicators: torch.Tensor) -> torch.Tensor:
+    """Per-column sum of a 0/1 float matrix as exact int64 counts."""
+    return indicators.sum(0).to(COUNT)
