@@ -96,41 +96,37 @@ class FisherInformationState(ProbeState):
         segments: list[int],
         scales: list[Any],
     ) -> None:
-        # every push's per-sample factor f (the gradient's last block); squared Fisher
-        # terms scale by f^2, applied to the reduced sums when one factor covers the rows
-        factors = [1.0 if s is None or s[-1] is None else s[-1] for s in scales]
+        g = cols[-1]
+        # w: every row's per-sample factor f (the gradient block's push scale)
+        w = self.scratch(g.clean[:, 0], 1)
+        lo = 0
+        for f, run in itertools.groupby(zip(segments, scales, strict=True), key=_factor):
+            hi = lo + sum(n for n, _ in run)
+            w[lo:hi].fill_(f)
+            lo = hi
         if stream == "out":
-            (g,) = cols
-            count = g.finite_count()
-            if len(set(factors)) == 1:
-                unit_sq = g.square().sum(0).to(SUM) * factors[0] ** 2
-            else:
-                squares = [f * f for f in factors]
-                g2 = _scaled_rows(g.square(), segments, squares, self.scratch(g.clean))
-                unit_sq = g2.sum(0).to(SUM)
+            # sum_i (f_i g_i)^2 per unit: one matrix-vector product with f^2
+            unit_sq = torch.mv(g.square().T, w.square_()).to(SUM)
             self._add(component, "unit_sq", unit_sq)
-            self._add(component, "unit_count", count, COUNT)
+            self._add(component, "unit_count", g.finite_count(), COUNT)
             self._add(component, "nonfinite", g.nonfinite_total(), COUNT)
             return
         kind, weight, bias = stream.split(":")
-        x, g = cols
-        # Drop whole samples with a non-finite input or gradient: ok is 1.0 for a row
-        # whose entries are all finite, else 0.0 (x.clean and g.clean are finite).
+        x = cols[0]
+        # Drop whole samples with a non-finite input or gradient: the row weight is 0 for
+        # a row with any non-finite entry (x.clean and g.clean are finite).
         ok = torch.add(x.row_nonfinite(), g.row_nonfinite()).sign_().neg_().add_(1.0)
-        gs = torch.mul(g.clean, ok[:, None], out=self.scratch(g.clean, 1))
-        one = len(set(factors)) == 1
-        if not one:
-            _scaled_rows(gs, segments, factors, gs)
-        f2 = factors[0] ** 2 if one else 1.0
+        w.mul_(ok)
+        gs = torch.mul(g.clean, w[:, None], out=self.scratch(g.clean, 1))  # f g, 0 if dropped
         sq = {}
         if kind == "layer_norm" and weight:  # d l / d w = g * xhat elementwise
             gx = torch.mul(gs, x.clean, out=self.scratch(x.clean, 0))
-            sq[weight] = gx.square_().sum(0).to(SUM) * f2
+            sq[weight] = gx.square_().sum(0).to(SUM)
         g2 = gs.square_()
         if kind == "linear":
-            sq[weight] = (g2.T @ x.square()).to(SUM) * f2
+            sq[weight] = (g2.T @ x.square()).to(SUM)
         if bias:
-            sq[bias] = g2.sum(0).to(SUM) * f2
+            sq[bias] = g2.sum(0).to(SUM)
         samples = ok.sum().to(COUNT)
         for name, value in sq.items():
             self._add(component, f"param:{name}", value)
@@ -284,14 +280,7 @@ def attach_fisher_information_hooks(
     return build
 
 
-def _scaled_rows(
-    rows: torch.Tensor, segments: list[int], factors: list[float], out: torch.Tensor
-) -> torch.Tensor:
-    """``rows`` with every push's rows multiplied by its factor (into ``out``, which may be
-    ``rows``): one multiply per run of pushes with the same factor."""
-    lo = 0
-    for f, run in itertools.groupby(zip(segments, factors, strict=True), key=lambda p: p[1]):
-        hi = lo + sum(n for n, _ in run)
-        torch.mul(rows[lo:hi], f, out=out[lo:hi])
-        lo = hi
-    return out
+def _factor(push: tuple[int, Any]) -> float:
+    """The per-sample factor of one push (its gradient block's scale; 1 if none)."""
+    scales = push[1]
+    return 1.0 if scales is None or scales[-1] is None else float(scales[-1])

@@ -59,8 +59,12 @@ class RowBuffer:
         """True if ``blocks`` fit behind the rows already held, in the same layout."""
         if not self.rows:
             return self.reserve(blocks)
-        return (
-            self.rows + blocks[0].shape[0] <= self.capacity and self._layout(blocks) == self.layout
+        if self.rows + blocks[0].shape[0] > self.capacity or len(blocks) != len(self.layout):
+            return False
+        # width and dtype per block (a device change fails at the drain and is reported)
+        return all(
+            b.shape[1] == w and b.dtype == d
+            for b, (w, d, _) in zip(blocks, self.layout, strict=True)
         )
 
     def reserve(self, blocks: tuple[torch.Tensor, ...]) -> bool:

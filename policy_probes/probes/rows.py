@@ -19,7 +19,6 @@ widened to float32 when it is materialised, so counts and sums stay exact.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 
@@ -97,25 +96,33 @@ class DrainRound:
     """The materialised columns of one drain, keyed by the memory the held tensors view.
 
     Probes hold different tensor objects for the same data (each detaches the module
-    output on its own), so the key is every held tensor's data pointer, device, dtype,
-    shape and strides: two live tensors that agree on all of them show the same values
-    (their version counters were checked at :meth:`RowBuffer.take`). The round keeps the
+    output on its own), so the key is every held tensor's data pointer, and a hit must
+    also agree on device, dtype, shape and strides: two live tensors that agree on all of
+    them show the same values (their version counters were checked at
+    :meth:`RowBuffer.take`). The round keeps the
     held tensors alive until it ends, so no key's memory can be reused meanwhile.
     """
 
     def __init__(self) -> None:
-        self._rows: dict[tuple[Any, ...], tuple[Rows, Sequence[torch.Tensor]]] = {}
-
-    @staticmethod
-    def _key(refs: Sequence[torch.Tensor]) -> tuple[Any, ...]:
-        return tuple((t.data_ptr(), t.device, t.dtype, t.shape, t.stride()) for t in refs)
+        self._rows: dict[tuple[int, ...], tuple[Rows, Sequence[torch.Tensor]]] = {}
 
     def get(self, refs: Sequence[torch.Tensor]) -> Rows | None:
-        hit = self._rows.get(self._key(refs))
-        return None if hit is None else hit[0]
+        hit = self._rows.get(tuple(t.data_ptr() for t in refs))
+        if hit is None or not all(map(_same_view, refs, hit[1])):
+            return None
+        return hit[0]
 
     def put(self, refs: Sequence[torch.Tensor], rows: Rows) -> None:
-        self._rows[self._key(refs)] = (rows, refs)
+        self._rows.setdefault(tuple(t.data_ptr() for t in refs), (rows, refs))
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+        and a.device == b.device
+    )
 
 
 def column_counts(indicators: torch.Tensor) -> torch.Tensor:
