@@ -94,7 +94,11 @@ class ProbeState:
         return t
 
     def _add(self, component: str, key: str, value: torch.Tensor, dtype: torch.dtype = SUM) -> None:
-        acc = self._acc(component, key, value, dtype)
+        st = self.state[component]
+        acc = st.get(key)
+        if acc is None:  # first use in the window: a copy (one op, not zeros + add)
+            st[key] = value.to(dtype=dtype, copy=True)
+            return
         if acc.shape != value.shape:
             raise ValueError(
                 f"probe {self.probe!r} on component {component!r}: the output changed shape "
