@@ -60,15 +60,20 @@ class GradientFlowState(ProbeState):
         beta = self.settings[component]["beta"]
         g, nonfinite = drained.clean, drained.nonfinite
         sq = drained.square()
+        # finite samples per pass and unit = rows of the pass - its non-finite entries
+        # (built on the device from Python ints: no host-to-device copy in a hook)
         if len(set(segments)) == 1:  # equal passes: one reshape, no loop
             p, n = len(segments), segments[0]
             sums = sq.reshape(p, n, -1).sum(1)
-            bad = nonfinite.reshape(p, n, -1).sum(1)
+            counts = nonfinite.reshape(p, n, -1).sum(1).neg_().add_(n)
         else:
             sums = torch.stack([part.sum(0) for part in sq.split(segments)])
-            bad = torch.stack([part.sum(0) for part in nonfinite.split(segments)])
-        rows = torch.tensor(segments, dtype=bad.dtype, device=bad.device)[:, None]
-        counts = rows - bad  # finite samples per pass and unit
+            counts = torch.stack(
+                [
+                    part.sum(0).neg_().add_(n)
+                    for n, part in zip(segments, nonfinite.split(segments), strict=True)
+                ]
+            )
         rms = (sums.to(torch.float64) / counts.to(torch.float64).clamp(min=1)).sqrt()
         # m <- beta^P m + sum_p (1 - beta) beta^(P-1-p) r_p : the EMA over these P passes
         p = rms.shape[0]
