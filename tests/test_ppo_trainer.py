@@ -331,3 +331,49 @@ def test_vector_entry_point_missing_is_clear():
 
     with pytest.raises(ValueError, match="no vector_entry_point"):
         make_vector_env(EnvConfig(id="Pendulum-v1", vectorization="vector_entry_point"))
+
+
+def test_minibatches_are_the_gathered_rows_in_order():
+    """Gathering the rollout once in ``order`` and slicing gives exactly the minibatches
+    of gathering each one's indices."""
+    envs = make_boundary_envs()
+    trainer = make_trainer(envs, PPOConfig(total_timesteps=T * 3, num_steps=T))
+    trainer.reset_envs()
+    trainer.collect_rollout()
+    st = trainer.storage
+    order = st.shuffled_order(torch.Generator().manual_seed(3))
+    for k in (1, 3, 4):
+        got = list(st.minibatches(order, k))
+        want = [st.gather(idx) for idx in torch.tensor_split(order, k)]
+        assert len(got) == len(want) == k
+        for a, b in zip(got, want, strict=True):
+            for f in ("obs", "actions", "logprobs", "values", "advantages", "returns"):
+                assert torch.equal(getattr(a, f), getattr(b, f)), f
+    envs.close()
+
+
+@pytest.mark.parametrize("max_grad_norm", [0.05, 1e6, None])
+def test_clip_and_step_clips_exactly_like_clip_grad_norm(max_grad_norm):
+    envs = make_boundary_envs()
+    cfg = PPOConfig(total_timesteps=T * 3, num_steps=T, max_grad_norm=max_grad_norm)
+    trainer = make_trainer(envs, cfg, hidden=(16, 16))
+    reference = copy.deepcopy(trainer.policy)
+    torch.manual_seed(0)
+    for p, q in zip(trainer.policy.parameters(), reference.parameters(), strict=True):
+        p.grad = torch.randn_like(p)
+        q.grad = p.grad.clone()
+    norm = trainer.clip_and_step(step=False)
+    want = torch.nn.utils.clip_grad_norm_(
+        list(reference.parameters()), max_grad_norm if max_grad_norm is not None else math.inf
+    )
+    assert torch.equal(norm, want)
+    for p, q in zip(trainer.policy.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+    # the returned norm is that of all gradients as one vector; after clipping it is at
+    # most max_grad_norm
+    flat = torch.cat([p.grad.flatten() for p in trainer.policy.parameters()])
+    if max_grad_norm is None or max_grad_norm > float(norm):
+        torch.testing.assert_close(flat.norm(), norm)
+    else:
+        torch.testing.assert_close(flat.norm(), torch.tensor(max_grad_norm), rtol=1e-5, atol=0)
+    envs.close()

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from gymnasium.wrappers import vector as vw
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils._foreach_utils import _has_foreach_support
 
 from policy_probes.context import ComponentContext
 from policy_probes.lifecycle import STEP_POINTS, HookManager, HookPoint, TrainingHook, snapshot_due
@@ -100,8 +101,9 @@ def ppo_loss(
     ratio = logratio.exp()
 
     # Clipped surrogate objective: max of the two pessimistic losses.
-    pg_loss1 = -batch.advantages * ratio
-    pg_loss2 = -batch.advantages * torch.clamp(ratio, 1 - cfg.clip_coef, 1 + cfg.clip_coef)
+    neg_adv = -batch.advantages
+    pg_loss1 = neg_adv * ratio
+    pg_loss2 = neg_adv * torch.clamp(ratio, 1 - cfg.clip_coef, 1 + cfg.clip_coef)
     pg_loss = torch.max(pg_loss1, pg_loss2).mean()
 
     # Value loss, clipped around the rollout's value estimate.
@@ -120,18 +122,11 @@ def ppo_loss(
     with torch.no_grad():
         # KL estimators of http://joschu.net/blog/kl-approx.html (k1 and k3).
         old_approx_kl = (-logratio).mean()
-        approx_kl = ((ratio - 1) - logratio).mean()
-        clipfrac = ((ratio - 1.0).abs() > cfg.clip_coef).float().mean()
-        stats = torch.stack(
-            [
-                pg_loss.detach(),
-                v_loss.detach(),
-                entropy_loss.detach(),
-                old_approx_kl,
-                approx_kl,
-                clipfrac,
-            ]
-        )
+        ratio_m1 = ratio - 1
+        approx_kl = (ratio_m1 - logratio).mean()
+        clipfrac = (ratio_m1.abs() > cfg.clip_coef).float().mean()
+        # (stack under no_grad: the result is detached, no per-statistic detach needed)
+        stats = torch.stack([pg_loss, v_loss, entropy_loss, old_approx_kl, approx_kl, clipfrac])
     return loss, stats
 
 
@@ -660,8 +655,15 @@ class PPOTrainer:
         ddp = self.ddp if sync else None
         if cfg.norm_adv:
             batch = normalize_advantages(batch)
-        self.optimizer.zero_grad(set_to_none=True)
-        micro = batch.split(cfg.micro_batches) if cfg.micro_batches > 1 else [batch]
+        # optimizer.zero_grad(set_to_none=True) without its profiler and foreach bookkeeping
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = None
+        if cfg.micro_batches == 1:
+            loss, stats = ppo_loss(self.policy, batch, cfg, evaluate=ddp)
+            loss.backward()
+            return self._mean_stats_over_ranks(stats, ddp)
+        micro = batch.split(cfg.micro_batches)
         n = len(batch)
         stats = torch.zeros(len(LOSS_STATS), device=self.device)
         try:
@@ -675,7 +677,13 @@ class PPOTrainer:
                 stats += part_stats * scale
         finally:
             self.context.loss_scale = 1.0
-        if ddp is not None and cfg.target_kl is not None:
+        return self._mean_stats_over_ranks(stats, ddp)
+
+    def _mean_stats_over_ranks(
+        self, stats: torch.Tensor, ddp: DistributedDataParallel | None
+    ) -> torch.Tensor:
+        """``stats`` averaged over the ranks when the target-KL early stop needs it."""
+        if ddp is not None and self.cfg.target_kl is not None:
             # the target-KL early stop must be the same decision on every rank
             dist.all_reduce(stats)
             stats /= dist.get_world_size()
@@ -700,11 +708,24 @@ class PPOTrainer:
 
     def clip_and_step(self, step: bool = True) -> torch.Tensor:
         """Global gradient-norm clipping, then ``optimizer.step()`` (when ``step``);
-        returns the gradient norm before clipping (device tensor)."""
+        returns the gradient norm before clipping (device tensor).
+
+        When all gradients share one device and dtype with foreach kernels (the usual
+        case) the clipping is ``nn.utils.clip_grad_norm_``'s foreach computation written
+        out: the same ops in the same order, so the same result, without its per-call
+        grouping of the tensors by device and dtype (about half its cost at this size).
+        """
         cfg = self.cfg
-        params = [p for p in self.policy.parameters() if p.grad is not None]
         max_norm = cfg.max_grad_norm if cfg.max_grad_norm is not None else math.inf
-        grad_norm = nn.utils.clip_grad_norm_(params, max_norm)
+        params = [p for p in self.policy.parameters() if p.grad is not None]
+        grads = [p.grad for p in params]
+        one_kind = bool(grads) and len({(g.device, g.dtype) for g in grads}) == 1
+        if one_kind and _has_foreach_support(grads, grads[0].device):
+            with torch.no_grad():
+                grad_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+                torch._foreach_mul_(grads, torch.clamp(max_norm / (grad_norm + 1e-6), max=1.0))
+        else:
+            grad_norm = nn.utils.clip_grad_norm_(params, max_norm)
         if step:
             self.optimizer.step()
         return grad_norm
