@@ -105,6 +105,20 @@ def test_fisher_matches_vmap_per_sample_gradients(micro: int) -> None:
     assert got["probes/fisher/actor_mlp/samples"] == 42
 
 
+@pytest.mark.parametrize("activation", ["tanh", "sigmoid", "leaky_relu", "identity", "gelu", "elu"])
+def test_fisher_matches_vmap_for_every_activation(activation: str) -> None:
+    # relu/tanh/sigmoid/leaky_relu/identity layers form the Linear's output gradient from
+    # the activation's output and gradient; gelu and elu hook the Linear's output itself
+    torch.manual_seed(1)
+    policy = TinyPolicy(activation=activation)
+    ctx = ComponentContext()
+    policy.attach("actor_mlp", attach_fisher_information_hooks(), ctx, backward=True)
+    batches = make_batches((12, 9))
+    got, fisher = run_and_collect(policy, ctx, batches)
+    ref, ref_unit = reference_fisher(policy, batches)
+    check(got, fisher, ref, ref_unit)
+
+
 def test_fisher_with_sum_reduction() -> None:
     torch.manual_seed(4)
     policy = TinyPolicy()

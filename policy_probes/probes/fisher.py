@@ -34,6 +34,7 @@ from torch.utils.hooks import RemovableHandle
 from policy_probes.context import ComponentContext
 from policy_probes.grad_tap import on_grad
 from policy_probes.hook_types import BackwardHookBuilder, Extractor, ProbeHook
+from policy_probes.layers import HiddenLayer
 from policy_probes.probes.rows import COUNT, Rows
 from policy_probes.probes.state import SUM, ProbeState, as_floats, as_rows, get_state, rates
 
@@ -88,6 +89,26 @@ class FisherInformationState(ProbeState):
         stream = f"{kind}:{names[0] or ''}:{names[1] or ''}"
         self._push(component, stream, (as_rows(x), g), (None, f))
 
+    def update_through_activation(
+        self,
+        component: str,
+        activation: str,
+        names: tuple[str | None, str | None],
+        x: torch.Tensor,
+        act_out: torch.Tensor,
+        act_grad: torch.Tensor,
+        loss_scale: float = 1.0,
+    ) -> None:
+        """One backward pass through ``act(linear(x))`` with an elementwise ``activation``
+        whose derivative follows from its output (:data:`ACTIVATION_DERIVATIVES`): the
+        Linear's output gradient is ``act_grad * act'(act_out)``, formed at the drain. The
+        activation's output and its gradient are the tensors other probes read too, so no
+        autograd hook on the Linear's output is needed."""
+        g = as_rows(act_grad)
+        f = self.sample_factor(component, g.shape[0], loss_scale)
+        stream = f"linear@{activation}:{names[0] or ''}:{names[1] or ''}"
+        self._push(component, stream, (as_rows(x), as_rows(act_out), g), (None, None, f))
+
     def consume(
         self,
         component: str,
@@ -113,11 +134,20 @@ class FisherInformationState(ProbeState):
             return
         kind, weight, bias = stream.split(":")
         x = cols[0]
-        # Drop whole samples with a non-finite input or gradient: the row weight is 0 for
-        # a row with any non-finite entry (x.clean and g.clean are finite).
-        ok = torch.add(x.row_nonfinite(), g.row_nonfinite()).sign_().neg_().add_(1.0)
+        # Drop whole samples with a non-finite input or gradient (or activation output):
+        # the row weight is 0 for a row with any non-finite entry (.clean is finite).
+        bad = torch.add(x.row_nonfinite(), g.row_nonfinite())
+        if len(cols) == 3:
+            bad.add_(cols[1].row_nonfinite())
+        ok = bad.sign_().neg_().add_(1.0)
         w.mul_(ok)
-        gs = torch.mul(g.clean, w[:, None], out=self.scratch(g.clean, 1))  # f g, 0 if dropped
+        gs = self.scratch(g.clean, 1)
+        if kind.startswith("linear@"):  # the Linear's output gradient: g * act'(a)
+            _activation_derivative(kind.removeprefix("linear@"), cols[1], out=gs)
+            gs.mul_(g.clean).mul_(w[:, None])
+            kind = "linear"
+        else:
+            torch.mul(g.clean, w[:, None], out=gs)  # f g, 0 where dropped
         sq = {}
         if kind == "layer_norm" and weight:  # d l / d w = g * xhat elementwise
             gx = torch.mul(gs, x.clean, out=self.scratch(x.clean, 0))
@@ -188,7 +218,19 @@ class FisherInformationHook(ProbeHook):
         handles = []
         covered: set[int] = set()
         for sub_name, sub in module.named_modules():
+            activation = derivable_hidden_layer(sub)
+            if activation is None:
+                continue
+            prefix = f"{sub_name}.linear." if sub_name else "linear."
+            names = (f"{prefix}weight", f"{prefix}bias" if sub.linear.bias is not None else None)
+            handles.append(
+                sub.register_forward_hook(self._through_activation_hook(activation, names))
+            )
+            covered.update(id(p) for p in sub.linear.parameters(recurse=False))
+        for sub_name, sub in module.named_modules():
             prefix = f"{sub_name}." if sub_name else ""
+            if any(id(p) in covered for p in sub.parameters(recurse=False)):
+                continue
             if isinstance(sub, nn.Linear):
                 kind = "linear"
             elif isinstance(sub, nn.LayerNorm) and len(sub.normalized_shape) == 1:
@@ -234,6 +276,24 @@ class FisherInformationHook(ProbeHook):
                 self.fail(exc)
 
         on_grad(output, record)
+
+    def _through_activation_hook(
+        self, activation: str, names: tuple[str | None, str | None]
+    ) -> Any:
+        """Forward hook of a :class:`~policy_probes.layers.HiddenLayer`: its input and
+        output, and the gradient of its output (shared with other probes)."""
+
+        def hook(mod: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
+            x = inputs[0]
+
+            def compute(grad: torch.Tensor) -> None:
+                self.tracker.update_through_activation(
+                    self.component, activation, names, x, output, grad, self.context.loss_scale
+                )
+
+            self._tap(output, compute)
+
+        return hook
 
     def _layer_hook(self, kind: str, names: tuple[str | None, str | None]) -> Any:
         def hook(mod: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
@@ -284,3 +344,44 @@ def _factor(push: tuple[int, Any]) -> float:
     """The per-sample factor of one push (its gradient block's scale; 1 if none)."""
     scales = push[1]
     return 1.0 if scales is None or scales[-1] is None else float(scales[-1])
+
+
+#: activations whose derivative follows exactly from their output a: the Fisher of the
+#: Linear before them needs no autograd hook of its own (see update_through_activation)
+ACTIVATION_DERIVATIVES = ("relu", "tanh", "sigmoid", "identity", "leaky_relu")
+
+
+def derivable_hidden_layer(module: nn.Module) -> str | None:
+    """The activation name (``leaky_relu=<slope>`` for LeakyReLU) if ``module`` is a
+    :class:`~policy_probes.layers.HiddenLayer` computing ``act(linear(x))`` with an
+    activation of :data:`ACTIVATION_DERIVATIVES`, else None."""
+    if type(module).forward is not HiddenLayer.forward:
+        return None
+    act = module.act
+    if type(act) is nn.ReLU:
+        return "relu"
+    if type(act) is nn.Tanh:
+        return "tanh"
+    if type(act) is nn.Sigmoid:
+        return "sigmoid"
+    if type(act) is nn.Identity:
+        return "identity"
+    if type(act) is nn.LeakyReLU and act.negative_slope >= 0:
+        return f"leaky_relu={act.negative_slope!r}"
+    return None
+
+
+def _activation_derivative(activation: str, a: Rows, out: torch.Tensor) -> torch.Tensor:
+    """act'(z) from the finite activation output ``a`` (written into ``out``), exactly as
+    autograd forms it: relu 1[a > 0]; tanh 1 - a^2; sigmoid a - a^2; leaky_relu 1[a > 0]
+    (1 - slope) + slope; identity 1."""
+    if activation == "relu":
+        return out.copy_(a.positive())
+    if activation == "tanh":
+        return torch.mul(a.square(), -1.0, out=out).add_(1.0)
+    if activation == "sigmoid":
+        return torch.sub(a.clean, a.square(), out=out)
+    if activation == "identity":
+        return out.fill_(1.0)
+    slope = float(activation.removeprefix("leaky_relu="))
+    return torch.mul(a.positive(), 1.0 - slope, out=out).add_(slope)
