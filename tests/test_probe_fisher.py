@@ -209,3 +209,20 @@ def test_fisher_excludes_nonfinite_samples() -> None:
     # every layer drops the poisoned sample; the mean is over the 9 others
     for name, value in ref.items():
         torch.testing.assert_close(fisher[name], value, rtol=REL, atol=1e-12)
+
+
+def test_param_every_uses_every_kth_pass_for_parameters_and_every_pass_for_units() -> None:
+    torch.manual_seed(2)
+    policy = TinyPolicy()
+    ctx = ComponentContext()
+    policy.attach("actor_mlp", attach_fisher_information_hooks(param_every=3), ctx, backward=True)
+    batches = make_batches((12, 9, 21, 6, 10, 8, 7))
+    got, fisher = run_and_collect(policy, ctx, batches)
+    ref_params, _ = reference_fisher(policy, batches[::3])  # passes 0, 3 and 6
+    _, ref_unit = reference_fisher(policy, batches)
+    assert got["probes/fisher/actor_mlp/unit"] == pytest.approx(ref_unit.tolist(), rel=REL)
+    assert set(fisher) == set(ref_params)
+    for name, value in ref_params.items():
+        torch.testing.assert_close(fisher[name], value, rtol=REL, atol=1e-12)
+    with pytest.raises(ValueError, match="param_every must be an integer >= 1"):
+        attach_fisher_information_hooks(param_every=0)

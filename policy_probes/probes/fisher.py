@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any, Literal
 
 import torch
@@ -205,6 +205,8 @@ class FisherInformationState(ProbeState):
 class FisherInformationHook(ProbeHook):
     probe = "fisher"
     backward = True
+    #: per-parameter Fisher from every k-th backward pass of each layer
+    param_every: int = 1
 
     def __init__(self, tracker: FisherInformationState, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -256,8 +258,10 @@ class FisherInformationHook(ProbeHook):
             )
         return handles
 
-    def _tap(self, output: Any, compute: Any) -> None:
-        """Register ``compute(grad)`` on ``output`` if this forward pass will be backpropagated."""
+    def _recorded(self, output: Any, passes: Iterator[int]) -> bool:
+        """Whether this forward pass of a layer feeds the per-parameter Fisher: it will be
+        backpropagated in an active phase, and it is one of every ``param_every`` such
+        passes of the layer (``passes`` counts them)."""
         if not (
             self.enabled
             and self.context.phase in self.phases
@@ -265,7 +269,11 @@ class FisherInformationHook(ProbeHook):
             and output.requires_grad
             and torch.is_grad_enabled()
         ):
-            return
+            return False
+        return next(passes) % self.param_every == 0
+
+    def _tap(self, output: torch.Tensor, compute: Any) -> None:
+        """Register ``compute(grad)`` on ``output`` (a pass :meth:`_recorded` accepted)."""
 
         def record(grad: torch.Tensor) -> None:
             if not self.enabled:
@@ -283,7 +291,11 @@ class FisherInformationHook(ProbeHook):
         """Forward hook of a :class:`~policy_probes.layers.HiddenLayer`: its input and
         output, and the gradient of its output (shared with other probes)."""
 
+        passes = itertools.count()
+
         def hook(mod: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
+            if not self._recorded(output, passes):
+                return
             x = inputs[0]
 
             def compute(grad: torch.Tensor) -> None:
@@ -296,11 +308,13 @@ class FisherInformationHook(ProbeHook):
         return hook
 
     def _layer_hook(self, kind: str, names: tuple[str | None, str | None]) -> Any:
+        passes = itertools.count()
+
         def hook(mod: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
+            if not self._recorded(output, passes):
+                return
             x = inputs[0]
             if kind == "layer_norm":
-                if not (self.active() and torch.is_grad_enabled() and output.requires_grad):
-                    return
                 x = F.layer_norm(x.detach(), mod.normalized_shape, eps=mod.eps)
 
             def compute(grad: torch.Tensor) -> None:
@@ -317,16 +331,24 @@ def attach_fisher_information_hooks(
     *,
     loss_reduction: Literal["mean", "sum"] = "mean",
     dead_threshold: float = DEAD_PARAM_THRESHOLD,
+    param_every: int = 1,
     phases: Iterable[str] | str = ("train",),
     extractor: Extractor | None = None,
 ) -> BackwardHookBuilder:
     """Backward-hook builder for :class:`FisherInformationState`.
 
     ``loss_reduction`` says how the loss reduces over samples: ``"mean"`` (default,
-    per-sample gradient = rows x autograd gradient) or ``"sum"``.
+    per-sample gradient = rows x autograd gradient) or ``"sum"``. ``param_every = k``
+    computes the per-parameter Fisher from every k-th backward pass of each covered
+    layer (the mean over the rows of those passes: an unbiased estimate of the window's
+    Fisher; ``param_samples`` counts them); the per-unit Fisher of the output still uses
+    every pass. Its one extra weight-gradient-sized matmul per ``nn.Linear`` is the
+    probe's cost that grows with width, so wide layers may want ``param_every=4``.
     """
     if loss_reduction not in ("mean", "sum"):
         raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+    if not (isinstance(param_every, int) and param_every >= 1):
+        raise ValueError(f"param_every must be an integer >= 1, got {param_every!r}")
 
     def build(component_name: str, context: ComponentContext) -> FisherInformationHook | None:
         tracker = get_state(context, "fisher", FisherInformationState)
@@ -334,7 +356,9 @@ def attach_fisher_information_hooks(
             component_name, loss_reduction=loss_reduction, dead_threshold=dead_threshold
         ):
             return None
-        return FisherInformationHook(tracker, component_name, context, phases, extractor)
+        hook = FisherInformationHook(tracker, component_name, context, phases, extractor)
+        hook.param_every = param_every
+        return hook
 
     build.probe = "fisher"  # type: ignore[attr-defined]
     return build
