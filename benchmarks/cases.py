@@ -50,6 +50,7 @@ DEFAULTS: dict[str, Any] = {
     "activation": "tanh",
     "vectorization": "sync",
     "probes": False,
+    "fisher_param_every": 1,
     "jsonl": False,
     "wandb_watch": False,
     "track_memory": True,
@@ -61,7 +62,7 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
-def probe_builders() -> list[tuple[str, Any, bool]]:
+def probe_builders(fisher_param_every: int = 1) -> list[tuple[str, Any, bool]]:
     from policy_probes import (
         attach_fisher_information_hooks,
         attach_gradient_flow_hooks,
@@ -75,7 +76,7 @@ def probe_builders() -> list[tuple[str, Any, bool]]:
         out += [
             (component, attach_relu_activation_hooks(), False),
             (component, attach_saturated_activation_hooks("tanh"), False),
-            (component, attach_fisher_information_hooks(), True),
+            (component, attach_fisher_information_hooks(param_every=fisher_param_every), True),
             (component, attach_gradient_flow_hooks(), True),
             (component, attach_relu_gradient_flow_hooks(), True),
         ]
@@ -121,7 +122,7 @@ def ours(p: dict[str, Any]) -> dict[str, Any]:
     if p["snapshot_every"] is not None:
         tool.snapshot_every = p["snapshot_every"]
     if p["probes"]:
-        for component, builder, backward in probe_builders():
+        for component, builder, backward in probe_builders(p["fisher_param_every"]):
             if backward:
                 tool.add_training_backward_hook(component, builder)
             else:

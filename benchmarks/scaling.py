@@ -6,8 +6,8 @@ training step). Widths 64/256/1024 at minibatch 128; minibatch sizes 128/512/102
 at width 64 (4 minibatches per rollout, so the rollout grows to 4 x the minibatch:
 ``num_steps`` = minibatch with 4 envs); and width 256 x minibatch 4096. (Width 1024 x
 minibatch 4096 costs about a minute per run on one core; add it to ``grid`` on a
-faster machine.) Each run lasts
-20480 steps or at least 2 rollouts.
+faster machine.) Width 1024 also runs with ``attach_fisher_information_hooks(param_every=4)``.
+Each run lasts 20480 steps or at least 2 rollouts.
 
 Memory: the probe run's ``tracker_bytes_per_epoch`` (accumulators + row buffers after
 each epoch's collection) for a run and for a run four times longer; constant across
@@ -62,6 +62,18 @@ def comparisons(quick: bool) -> list[Comparison]:
                 target="<= 1.05",
             )
         )
+    # the per-parameter Fisher's extra matmul is the cost that grows with width:
+    # the same widest setting with the Fisher's parameters from every 4th pass
+    width, mb = (64, 128) if quick else (1024, 128)
+    p = setting(width, mb, quick)
+    out.append(
+        Comparison(
+            f"width {width}, minibatch {mb}, fisher param_every=4",
+            Side("no probes", "ours", dict(p)),
+            Side("probes", "ours", dict(p, probes=True, fisher_param_every=4)),
+            target="<= 1.05",
+        )
+    )
     return out
 
 
