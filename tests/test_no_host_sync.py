@@ -51,7 +51,10 @@ def train_steps(policy: TinyPolicy, steps: int = 3) -> None:
         F.cross_entropy(policy(x), a).backward()
 
 
-def test_all_probes_run_without_host_sync() -> None:
+@pytest.mark.parametrize("buffer_rows", [2048, 20])
+def test_all_probes_run_without_host_sync(buffer_rows: int) -> None:
+    # 20 rows: the buffers fill up every other step, so the drains (every tracker's
+    # reductions) run inside the hooks too
     torch.manual_seed(0)
     policy = TinyPolicy()
     ctx = ComponentContext()
@@ -59,16 +62,19 @@ def test_all_probes_run_without_host_sync() -> None:
     x = torch.randn(4, 5)
     with ForbidHostSync() as baseline:  # the bare model: its own forward/backward
         policy.remove_hooks()
-        train_steps(policy)
+        train_steps(policy, steps=5)
     ctx = ComponentContext()
     attach_all_probes(policy, ctx, saturation="tanh", saturation_component="actor_mlp.layer_0")
+    for tracker in ctx.model_metrics.values():
+        tracker.buffer_rows = buffer_rows
     with ForbidHostSync() as probed:
-        train_steps(policy)
+        train_steps(policy, steps=5)
     assert baseline.calls == []
     assert probed.calls == []
     assert not ctx.probe_errors
     metrics = StatsReporter(ctx).collect()  # the one transfer per window happens here
-    assert metrics["probes/fisher/actor_mlp/samples"] == 48
+    assert metrics["probes/fisher/actor_mlp/samples"] == 80
+    assert metrics["probes/relu/actor_mlp/samples"] == 80
     assert policy(x).shape == (4, 3)
 
 
