@@ -23,7 +23,12 @@ _ATTR = "_policy_probes_grad_subscribers"
 def on_grad(tensor: torch.Tensor, callback: GradCallback) -> None:
     """Call ``callback(grad)`` when the gradient of ``tensor`` is computed (``tensor``
     must require grad). The callback must not modify ``grad`` or return anything; a
-    callback that raises propagates into ``backward()``, so probes guard their own."""
+    callback that raises propagates into ``backward()``, so probes guard their own.
+
+    The callback must not hold ``tensor`` itself (hold ``tensor.detach()``): autograd
+    keeps the hook alive from C++, so a hook that refers back to its tensor forms a cycle
+    Python's garbage collector cannot see, and the tensor and its graph are never freed.
+    """
     subscribers: list[GradCallback] | None = tensor.__dict__.get(_ATTR)
     if subscribers is None:
         subscribers = [callback]

@@ -147,3 +147,20 @@ def test_probes_reading_the_same_tensors_share_one_materialisation() -> None:
     assert len(stored) == 5, stored
     assert ("relu", "h", 0) in stored  # the first tracker to drain stores the output
     assert ("saturation_sigmoid", "h", 0) not in stored
+
+
+def test_probes_keep_no_autograd_graph_alive() -> None:
+    # Hooks that referred back to the tensor they hook would form a cycle through the
+    # autograd graph (held from C++) that the garbage collector cannot free.
+    import gc
+
+    policy, ctx = probed(None)
+    train(policy, ctx, (12, 5, 9))
+    gc.collect()
+    hooked = [
+        o
+        for o in gc.get_objects()
+        if type(o) is torch.Tensor and hasattr(o, "_policy_probes_grad_subscribers")
+    ]
+    leaked = [tuple(o.shape) for o in hooked]
+    assert leaked == []

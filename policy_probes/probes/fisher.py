@@ -296,11 +296,13 @@ class FisherInformationHook(ProbeHook):
         def hook(mod: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
             if not self._recorded(output, passes):
                 return
-            x = inputs[0]
+            # detached: a closure the output's own gradient hook holds must not hold the
+            # output (autograd keeps hooks alive from C++, so that cycle is never freed)
+            x, out = inputs[0].detach(), output.detach()
 
             def compute(grad: torch.Tensor) -> None:
                 self.tracker.update_through_activation(
-                    self.component, activation, names, x, output, grad, self.context.loss_scale
+                    self.component, activation, names, x, out, grad, self.context.loss_scale
                 )
 
             self._tap(output, compute)
@@ -313,9 +315,9 @@ class FisherInformationHook(ProbeHook):
         def hook(mod: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
             if not self._recorded(output, passes):
                 return
-            x = inputs[0]
+            x = inputs[0].detach()  # the closure below must hold no autograd graph
             if kind == "layer_norm":
-                x = F.layer_norm(x.detach(), mod.normalized_shape, eps=mod.eps)
+                x = F.layer_norm(x, mod.normalized_shape, eps=mod.eps)
 
             def compute(grad: torch.Tensor) -> None:
                 self.tracker.update_layer(
