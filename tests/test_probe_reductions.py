@@ -129,3 +129,5 @@ def test_oversized_push_is_reduced_without_touching_the_input():
     st = flushed(tracker, lambda t: t.update("c", x))
     assert torch.equal(x.nan_to_num(9.0, 9.0, 9.0), before.nan_to_num(9.0, 9.0, 9.0))
     assert st["count"].sum().item() == 87
+    # the buffer grew to hold the push (it drains with the other probes' rows)
+    assert tracker.buffers[("c", "h")].capacity == 30

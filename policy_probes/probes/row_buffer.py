@@ -68,8 +68,10 @@ class RowBuffer:
         )
 
     def reserve(self, blocks: tuple[torch.Tensor, ...]) -> bool:
-        """Set an empty buffer's layout and capacity for ``blocks``; False if one push
-        would not fit (or rows are still held)."""
+        """Set an empty buffer's layout and capacity for ``blocks``; False if rows are
+        still held. A push larger than the capacity raises the capacity to it (never
+        lowered for the same layout), so it waits and drains with the other probes' rows
+        like any push: the buffer's storage is bounded by the largest single push."""
         if self.rows:
             return False
         # the widest block sets the row count, so streams of one layer fill up together
@@ -77,9 +79,10 @@ class RowBuffer:
         capacity = self.max_elements // max(width, 1)
         if self.max_rows is not None:
             capacity = min(capacity, self.max_rows)
-        if blocks[0].shape[0] > capacity:
-            return False
         layout = self._layout(blocks)
+        if layout == self.layout:
+            capacity = max(capacity, self.capacity)
+        capacity = max(capacity, blocks[0].shape[0])
         if layout != self.layout or capacity != self.capacity:
             self.storage = {}  # reallocated for the new layout at the next take()
             self.capacity, self.layout = capacity, layout

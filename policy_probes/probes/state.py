@@ -127,17 +127,8 @@ class ProbeState:
                 self.buffer_elements, self.buffer_rows
             )
         if not buf.accepts(blocks):
-            self.drain()
-            if not buf.reserve(blocks):  # larger than a whole buffer: reduce it on its own
-                n, width = blocks[0].shape[0], max(b.shape[1] for b in blocks)
-                alone = RowBuffer(max(n * width, 1))
-                alone.reserve(blocks)
-                alone.append(blocks, scales)
-                try:
-                    self.consume(component, stream, *alone.take())
-                except Exception as exc:  # a reduction must never take training down
-                    self._lose_window(component, exc)
-                return
+            self.drain()  # empties every buffer of the context, this one included
+            buf.reserve(blocks)
         buf.append(blocks, scales)
 
     def scratch(self, like: torch.Tensor, slot: int = 0) -> torch.Tensor:
