@@ -166,3 +166,25 @@ def test_stop_training_ends_after_the_epoch(tmp_path):
 def test_non_hook_rejected():
     with pytest.raises(TypeError, match="TrainerHook"):
         TrainTool().add_trainer_hook(object())
+
+
+def test_callback_list_dispatches_to_overriding_and_duck_typed_hooks_added_later() -> None:
+    from trainers.callbacks import CallbackList, TrainerHook, TrainerState
+
+    calls: list[str] = []
+
+    class EpochOnly(TrainerHook):
+        def on_epoch_end(self, state: TrainerState) -> None:
+            calls.append("epoch-only")
+
+    class DuckTyped:  # not a TrainerHook subclass: any object with the method works
+        def on_mb_end(self, state: TrainerState) -> None:
+            calls.append("duck")
+
+    hooks = CallbackList([EpochOnly()])
+    state = TrainerState(None, None, None, None, None, {})  # type: ignore[arg-type]
+    hooks.fire("on_mb_end", state)  # nobody listens yet (the listener list is cached)
+    hooks.append(DuckTyped())
+    hooks.fire("on_mb_end", state)
+    hooks.fire("on_epoch_end", state)
+    assert calls == ["duck", "epoch-only"]

@@ -140,6 +140,9 @@ class CallbackList:
         self.hooks: list[TrainerHook] = list(hooks)
         for h in self.hooks:
             self._check(h)
+        # event -> the hooks that implement it (TrainerHook's own no-op methods skipped):
+        # on_mb_end fires every minibatch, and most hooks do not override it
+        self._listeners: dict[str, list[TrainerHook]] = {}
 
     @staticmethod
     def _check(hook: TrainerHook) -> None:
@@ -152,6 +155,18 @@ class CallbackList:
     def append(self, hook: TrainerHook) -> None:
         self._check(hook)
         self.hooks.append(hook)
+        self._listeners.clear()
+
+    def _listening(self, event: str) -> list[TrainerHook]:
+        listeners = self._listeners.get(event)
+        if listeners is None:
+            noop = getattr(TrainerHook, event)
+            listeners = self._listeners[event] = [
+                h
+                for h in self.hooks
+                if callable(getattr(h, event, None)) and getattr(type(h), event, None) is not noop
+            ]
+        return listeners
 
     def __iter__(self):
         return iter(self.hooks)
@@ -163,15 +178,15 @@ class CallbackList:
         """Call ``event`` on every hook that should run on this rank."""
         if event not in HOOK_METHODS:
             raise ValueError(f"unknown trainer event {event!r}; events are {HOOK_METHODS}")
+        listeners = self._listening(event)
+        if not listeners:
+            return
         rank = current_rank()
-        for hook in self.hooks:
+        for hook in listeners:
             if rank != 0 and not getattr(hook, "run_on_all_ranks", False):
                 continue
-            method = getattr(hook, event, None)
-            if method is None:
-                continue
             try:
-                method(state)
+                getattr(hook, event)(state)
             except Exception as exc:
                 if getattr(hook, "critical", False):
                     raise
