@@ -164,6 +164,8 @@ class ProbeState:
         peers = [self]
         if self.context is not None:
             peers = [t for t in self.context.model_metrics.values() if isinstance(t, ProbeState)]
+            if self not in peers:  # taken out of the context: it still drains itself
+                peers.append(self)
         for tracker in peers:
             tracker._drain_buffers(drain_round)
 
