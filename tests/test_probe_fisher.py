@@ -226,3 +226,47 @@ def test_param_every_uses_every_kth_pass_for_parameters_and_every_pass_for_units
         torch.testing.assert_close(fisher[name], value, rtol=REL, atol=1e-12)
     with pytest.raises(ValueError, match="param_every must be an integer >= 1"):
         attach_fisher_information_hooks(param_every=0)
+
+
+def test_fisher_reads_sequential_linear_activation_pairs_through_the_activation() -> None:
+    # the layout of SB3's MLP extractors: Linear, activation, Linear, activation, ...
+    torch.manual_seed(6)
+    body = nn.Sequential(
+        nn.Linear(5, 8),
+        nn.Tanh(),
+        nn.Linear(8, 6),
+        nn.Sigmoid(),
+        nn.Linear(6, 7),
+        nn.LeakyReLU(0.1),
+    )
+    head = nn.Linear(7, 3)
+    model = PolicyAutoBuilder.wrap(
+        nn.Sequential(body, head), {"body": "0", "head": "1"}, example_inputs=(torch.zeros(1, 5),)
+    )
+    ctx = ComponentContext()
+    model.attach("body", attach_fisher_information_hooks(), ctx, backward=True)
+    batches = make_batches((11, 7))
+    for x, a in batches:
+        per_sample_loss(model(x), a).mean().backward()
+    tracker = ctx.model_metrics["fisher"]
+    streams = sorted(stream for _, stream in tracker.buffers)
+    assert streams == [
+        "linear@leaky_relu=0.1:4.weight:4.bias",
+        "linear@sigmoid:2.weight:2.bias",
+        "linear@tanh:0.weight:0.bias",
+        "out",
+    ]
+    fisher = tracker.param_fisher("body")
+    model.remove_hooks()
+    params = {k: v.detach() for k, v in body.named_parameters()}
+
+    def loss_one(p, x, a):
+        return per_sample_loss(head(functional_call(body, p, (x[None],))), a[None])[0]
+
+    sq = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in params.items()}
+    for x, a in batches:
+        for k, g in vmap(grad(loss_one), in_dims=(None, 0, 0))(params, x, a).items():
+            sq[k] += (g.double() ** 2).sum(0)
+    assert set(fisher) == set(sq)
+    for k in sq:
+        torch.testing.assert_close(fisher[k], sq[k] / 18, rtol=REL, atol=1e-12)

@@ -230,6 +230,14 @@ class FisherInformationHook(ProbeHook):
             )
             covered.update(id(p) for p in sub.linear.parameters(recurse=False))
         for sub_name, sub in module.named_modules():
+            for child, (linear, act, activation) in derivable_sequential_pairs(sub):
+                prefix = f"{sub_name}.{child}." if sub_name else f"{child}."
+                if any(id(p) in covered for p in linear.parameters(recurse=False)):
+                    continue
+                names = (f"{prefix}weight", f"{prefix}bias" if linear.bias is not None else None)
+                handles += self._sequential_pair_hooks(linear, act, activation, names)
+                covered.update(id(p) for p in linear.parameters(recurse=False))
+        for sub_name, sub in module.named_modules():
             prefix = f"{sub_name}." if sub_name else ""
             if any(id(p) in covered for p in sub.parameters(recurse=False)):
                 continue
@@ -309,6 +317,40 @@ class FisherInformationHook(ProbeHook):
 
         return hook
 
+    def _sequential_pair_hooks(
+        self,
+        linear: nn.Linear,
+        act: nn.Module,
+        activation: str,
+        names: tuple[str | None, str | None],
+    ) -> list[RemovableHandle]:
+        """Forward hooks of an ``nn.Sequential``'s Linear and the activation right after
+        it: the Linear's hook keeps its input and output, the activation's hook checks
+        that it received exactly that output and then reads the pair like a
+        :class:`~policy_probes.layers.HiddenLayer` (the same autograd hook as the other
+        probes on the activation's output)."""
+        seen: list[Any] = [None, None]  # the Linear's (input, output) of this pass
+        passes = itertools.count()
+
+        def linear_hook(mod: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
+            seen[0], seen[1] = inputs[0], output
+
+        def act_hook(mod: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
+            x, z = seen
+            seen[0] = seen[1] = None  # hold nothing past this pass
+            if z is None or inputs[0] is not z or not self._recorded(output, passes):
+                return
+            x, out = x.detach(), output.detach()  # no autograd graph in the closure
+
+            def compute(grad: torch.Tensor) -> None:
+                self.tracker.update_through_activation(
+                    self.component, activation, names, x, out, grad, self.context.loss_scale
+                )
+
+            self._tap(output, compute)
+
+        return [linear.register_forward_hook(linear_hook), act.register_forward_hook(act_hook)]
+
     def _layer_hook(self, kind: str, names: tuple[str | None, str | None]) -> Any:
         passes = itertools.count()
 
@@ -381,10 +423,14 @@ def derivable_hidden_layer(module: nn.Module) -> str | None:
     """The activation name (``leaky_relu=<slope>`` for LeakyReLU) if ``module`` is a
     :class:`~policy_probes.layers.HiddenLayer` computing ``act(linear(x))`` with an
     activation of :data:`ACTIVATION_DERIVATIVES`, else None."""
-    if type(module).forward is not HiddenLayer.forward:
+    if type(module).forward is not HiddenLayer.forward or type(module.linear) is not nn.Linear:
         return None
-    act = module.act
-    if type(act) is nn.ReLU:
+    return derivable_activation(module.act)
+
+
+def derivable_activation(act: nn.Module) -> str | None:
+    """The name under which :func:`_activation_derivative` knows ``act``, or None."""
+    if type(act) is nn.ReLU and not act.inplace:
         return "relu"
     if type(act) is nn.Tanh:
         return "tanh"
@@ -392,9 +438,26 @@ def derivable_hidden_layer(module: nn.Module) -> str | None:
         return "sigmoid"
     if type(act) is nn.Identity:
         return "identity"
-    if type(act) is nn.LeakyReLU and act.negative_slope >= 0:
+    if type(act) is nn.LeakyReLU and act.negative_slope >= 0 and not act.inplace:
         return f"leaky_relu={act.negative_slope!r}"
     return None
+
+
+def derivable_sequential_pairs(
+    module: nn.Module,
+) -> list[tuple[str, tuple[nn.Linear, nn.Module, str]]]:
+    """``(child name, (linear, activation module, activation name))`` for every
+    ``nn.Linear`` child of a plain ``nn.Sequential`` followed directly by a derivable
+    activation (e.g. SB3's MLP extractors)."""
+    if type(module).forward is not nn.Sequential.forward:
+        return []
+    children = list(module.named_children())
+    out = []
+    for (name, first), (_, second) in zip(children, children[1:], strict=False):
+        activation = derivable_activation(second)
+        if type(first) is nn.Linear and activation is not None:
+            out.append((name, (first, second, activation)))
+    return out
 
 
 def _activation_derivative(activation: str, a: Rows, out: torch.Tensor) -> torch.Tensor:
