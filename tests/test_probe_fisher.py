@@ -53,6 +53,23 @@ def reference_fisher(
     return {k: v / n for k, v in sq.items()}, unit_sq / n
 
 
+def body_squared_gradients(
+    body: nn.Module, head: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]
+) -> dict[str, torch.Tensor]:
+    """Sum over all samples of the squared per-sample gradient of every parameter of
+    ``body`` (``vmap`` of ``grad``), for the loss of ``head(body(x))``."""
+    params = {k: v.detach() for k, v in body.named_parameters()}
+
+    def loss_one(p: dict, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        return per_sample_loss(head(functional_call(body, p, (x[None],))), a[None])[0]
+
+    sq = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in params.items()}
+    for x, a in batches:
+        for k, g in vmap(grad(loss_one), in_dims=(None, 0, 0))(params, x, a).items():
+            sq[k] += (g.double() ** 2).sum(0)
+    return sq
+
+
 def make_batches(sizes: tuple[int, ...]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(7)
     return [(torch.randn(n, 5, generator=g), torch.randint(0, 3, (n,), generator=g)) for n in sizes]
@@ -153,15 +170,7 @@ def test_fisher_covers_nested_parameters_and_layer_norm() -> None:
     fisher = ctx.model_metrics["fisher"].param_fisher("body")
     got = StatsReporter(ctx).collect()
     model.remove_hooks()
-    params = {k: v.detach() for k, v in body.named_parameters()}
-
-    def loss_one(p, x, a):
-        return per_sample_loss(head(functional_call(body, p, (x[None],))), a[None])[0]
-
-    sq = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in params.items()}
-    for x, a in batches:
-        for k, g in vmap(grad(loss_one), in_dims=(None, 0, 0))(params, x, a).items():
-            sq[k] += (g.double() ** 2).sum(0)
+    sq = body_squared_gradients(body, head, batches)
     assert (
         set(fisher)
         == set(sq)
@@ -258,15 +267,7 @@ def test_fisher_reads_sequential_linear_activation_pairs_through_the_activation(
     ]
     fisher = tracker.param_fisher("body")
     model.remove_hooks()
-    params = {k: v.detach() for k, v in body.named_parameters()}
-
-    def loss_one(p, x, a):
-        return per_sample_loss(head(functional_call(body, p, (x[None],))), a[None])[0]
-
-    sq = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in params.items()}
-    for x, a in batches:
-        for k, g in vmap(grad(loss_one), in_dims=(None, 0, 0))(params, x, a).items():
-            sq[k] += (g.double() ** 2).sum(0)
+    sq = body_squared_gradients(body, head, batches)
     assert set(fisher) == set(sq)
     for k in sq:
         torch.testing.assert_close(fisher[k], sq[k] / 18, rtol=REL, atol=1e-12)
