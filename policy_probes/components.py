@@ -398,11 +398,25 @@ class PolicyAutoBuilder(nn.Module):
         return list(self._handles)
 
     def hooks_installed(self) -> bool:
-        """True if any torch hook is installed on any module of this policy."""
-        return any(
-            m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
-            for m in self.modules()
-        )
+        """True if any torch hook is installed on any module of this policy.
+
+        An explicit walk of ``_modules``, about half the cost of the ``modules()``
+        generator: trainers call it once per minibatch to pick the hook-free path.
+        """
+        stack: list[nn.Module | None] = [self]
+        while stack:
+            m = stack.pop()
+            if m is None:
+                continue
+            if (
+                m._forward_hooks
+                or m._forward_pre_hooks
+                or m._backward_hooks
+                or m._backward_pre_hooks
+            ):
+                return True
+            stack.extend(m._modules.values())
+        return False
 
     def remove_hooks(self) -> None:
         """Remove every hook registered through this builder."""

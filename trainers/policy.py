@@ -113,7 +113,7 @@ class ActorCriticPolicy(PolicyAutoBuilder):
         return (
             type(self).forward is ActorCriticPolicy.forward
             and not _global_module_hooks()
-            and not _module_hooks(self)
+            and not self.hooks_installed()
         )
 
     def _forward_direct(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -282,23 +282,6 @@ def _mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
     for layer in mlp.children():
         x = layer.act.forward(_linear(layer.linear, x))
     return x
-
-
-def _module_hooks(root: nn.Module) -> bool:
-    """True if a torch hook is installed on ``root`` or any of its submodules.
-
-    The same test as ``PolicyAutoBuilder.hooks_installed`` as an explicit walk, about half
-    the cost of the ``modules()`` generator (it runs once per minibatch).
-    """
-    stack = [root]
-    while stack:
-        m = stack.pop()
-        if m is None:
-            continue
-        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
-            return True
-        stack.extend(m._modules.values())
-    return False
 
 
 def _global_module_hooks() -> bool:
