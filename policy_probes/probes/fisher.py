@@ -302,20 +302,30 @@ class FisherInformationHook(ProbeHook):
         passes = itertools.count()
 
         def hook(mod: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
-            if not self._recorded(output, passes):
-                return
-            # detached: a closure the output's own gradient hook holds must not hold the
-            # output (autograd keeps hooks alive from C++, so that cycle is never freed)
-            x, out = inputs[0].detach(), output.detach()
-
-            def compute(grad: torch.Tensor) -> None:
-                self.tracker.update_through_activation(
-                    self.component, activation, names, x, out, grad, self.context.loss_scale
-                )
-
-            self._tap(output, compute)
+            if self._recorded(output, passes):
+                self._tap_through_activation(activation, names, inputs[0], output)
 
         return hook
+
+    def _tap_through_activation(
+        self,
+        activation: str,
+        names: tuple[str | None, str | None],
+        x: torch.Tensor,
+        output: torch.Tensor,
+    ) -> None:
+        """On the gradient of the activation's ``output``: the Linear's input ``x``, the
+        output and its gradient go to :meth:`FisherInformationState.update_through_activation`."""
+        # detached: a closure the output's own gradient hook holds must not hold the
+        # output (autograd keeps hooks alive from C++, so that cycle is never freed)
+        x, out = x.detach(), output.detach()
+
+        def compute(grad: torch.Tensor) -> None:
+            self.tracker.update_through_activation(
+                self.component, activation, names, x, out, grad, self.context.loss_scale
+            )
+
+        self._tap(output, compute)
 
     def _sequential_pair_hooks(
         self,
@@ -338,16 +348,8 @@ class FisherInformationHook(ProbeHook):
         def act_hook(mod: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
             x, z = seen
             seen[0] = seen[1] = None  # hold nothing past this pass
-            if z is None or inputs[0] is not z or not self._recorded(output, passes):
-                return
-            x, out = x.detach(), output.detach()  # no autograd graph in the closure
-
-            def compute(grad: torch.Tensor) -> None:
-                self.tracker.update_through_activation(
-                    self.component, activation, names, x, out, grad, self.context.loss_scale
-                )
-
-            self._tap(output, compute)
+            if z is not None and inputs[0] is z and self._recorded(output, passes):
+                self._tap_through_activation(activation, names, x, output)
 
         return [linear.register_forward_hook(linear_hook), act.register_forward_hook(act_hook)]
 
