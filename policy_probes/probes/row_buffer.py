@@ -125,18 +125,19 @@ class RowBuffer:
         out = []
         for col in range(len(self.layout)):
             refs = [p[col] for p in pending]
-            shared = drain_round.get(refs) if drain_round is not None else None
-            if shared is None:
+
+            def materialise(refs: list[torch.Tensor] = refs, col: int = col) -> Rows:
                 values = self._slot(col, 0)[:rows]
                 torch.cat(refs, out=values)
-                shared = Rows.split(
+                return Rows.split(
                     values,
                     self._slot(col, 1)[:rows],
-                    lambda k, col=col: self._slot(col, 2 + k)[:rows],
+                    lambda k: self._slot(col, 2 + k)[:rows],
                 )
-                if drain_round is not None:
-                    drain_round.put(refs, shared)
-            out.append(shared)
+
+            out.append(
+                materialise() if drain_round is None else drain_round.rows(refs, materialise)
+            )
         return tuple(out), segments, scales
 
     def _slot(self, col: int, slot: int) -> torch.Tensor:

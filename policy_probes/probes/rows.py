@@ -106,14 +106,16 @@ class DrainRound:
     def __init__(self) -> None:
         self._rows: dict[tuple[int, ...], tuple[Rows, Sequence[torch.Tensor]]] = {}
 
-    def get(self, refs: Sequence[torch.Tensor]) -> Rows | None:
-        hit = self._rows.get(tuple(t.data_ptr() for t in refs))
-        if hit is None or not all(map(_same_view, refs, hit[1])):
-            return None
-        return hit[0]
-
-    def put(self, refs: Sequence[torch.Tensor], rows: Rows) -> None:
-        self._rows.setdefault(tuple(t.data_ptr() for t in refs), (rows, refs))
+    def rows(self, refs: Sequence[torch.Tensor], materialise: Callable[[], Rows]) -> Rows:
+        """The round's :class:`Rows` of ``refs``, made by ``materialise()`` the first
+        time (and again, unshared, for a key whose views differ)."""
+        key = tuple(t.data_ptr() for t in refs)
+        hit = self._rows.get(key)
+        if hit is not None and all(map(_same_view, refs, hit[1])):
+            return hit[0]
+        made = materialise()
+        self._rows.setdefault(key, (made, refs))
+        return made
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
