@@ -17,7 +17,7 @@ Fisher probe caches the input of every ``nn.Linear`` inside the component this w
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import Any, TypeAlias
 
 import torch
@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from policy_probes.context import ComponentContext
+from policy_probes.outputs import describe_output, extractor_example
 
 log = logging.getLogger("policy_probes")
 
@@ -32,7 +33,9 @@ ForwardHook: TypeAlias = Callable[[nn.Module, tuple[Any, ...], Any], None]
 BackwardHook: TypeAlias = Callable[[nn.Module, Any, Any], None]
 HookBuilder: TypeAlias = Callable[[str, ComponentContext], ForwardHook | None]
 BackwardHookBuilder: TypeAlias = Callable[[str, ComponentContext], BackwardHook | None]
-Extractor: TypeAlias = Callable[[Any], torch.Tensor]
+#: a callable ``output -> tensor``, a key, a nested key or a tuple index (see
+#: :mod:`policy_probes.extractors`)
+Extractor: TypeAlias = Callable[[Any], torch.Tensor] | str | tuple[str, ...] | int
 
 
 class ProbeError(RuntimeError):
@@ -48,11 +51,9 @@ def normalize_phases(phases: str | Iterable[str]) -> frozenset[str]:
 
 
 def describe_type(obj: Any) -> str:
-    if isinstance(obj, Mapping):
-        return f"a mapping with keys {list(obj)[:8]}"
-    if isinstance(obj, tuple | list):
-        return f"a {type(obj).__name__} of {len(obj)} items"
-    return f"an object of type {type(obj).__name__}"
+    """A short description (keys, length or type), never the contents; see
+    :func:`policy_probes.outputs.describe_output`."""
+    return describe_output(obj)
 
 
 def disable_after_fault(hook: Any, exc: BaseException) -> None:
@@ -94,7 +95,9 @@ class ProbeHook:
         self.component = component
         self.context = context
         self.phases = normalize_phases(phases)
-        self.extractor = extractor
+        from policy_probes.extractors import as_extractor  # it imports ProbeError from here
+
+        self.extractor = as_extractor(extractor)
         self.enabled = True
         self.calls = 0
 
@@ -117,7 +120,7 @@ class ProbeHook:
         raise ProbeError(
             f"component {self.component!r} returned {describe_type(output)}, not a tensor; "
             f"pass extractor=... to the builder of probe {self.probe!r} to pick the tensor "
-            f"(for example extractor=lambda out: out['features'])"
+            f"(for example {extractor_example(output)})"
         )
 
     def __call__(self, module: nn.Module, first: Any, second: Any) -> None:

@@ -127,7 +127,12 @@ def test_backward_probe_on_mapping_output_fails_at_attach_without_extractor() ->
 def test_backward_probe_on_untraced_mapping_output_fails_on_first_forward() -> None:
     model = PolicyAutoBuilder.wrap(DictPolicy())
     assert model.output_kind("body") == "unknown"
-    model.attach("body", attach_gradient_flow_hooks(), ComponentContext(), backward=True)
+    ctx = ComponentContext()
+    model.attach("body", attach_gradient_flow_hooks(), ctx, backward=True)
+    assert model(torch.zeros(2, 4)).shape == (2, 2)  # the probe fault rule: training goes on
+    assert "cannot fire: it returned a mapping" in ctx.probe_errors["gradient_flow/body"]
+    model.remove_hooks()
+    model.attach("body", attach_gradient_flow_hooks(), ComponentContext(strict=True), backward=True)
     with pytest.raises(ProbeError, match="cannot fire: it returned a mapping"):
         model(torch.zeros(2, 4))
 

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from policy_probes.context import ComponentContext
+from policy_probes.extractors import as_extractor
 from policy_probes.hook_types import BackwardHookBuilder, Extractor, ProbeHook
 from policy_probes.probes.rows import COUNT, Rows
 from policy_probes.probes.state import ProbeState, as_floats, as_rows, get_state
@@ -125,6 +126,8 @@ def attach_gradient_flow_hooks(
     """Backward-hook builder for :class:`GradientFlowState`."""
     if not 0.0 <= beta < 1.0:
         raise ValueError(f"beta must lie in [0, 1), got {beta}")
+
+    extractor = as_extractor(extractor)
 
     def build(component_name: str, context: ComponentContext) -> GradientFlowHook | None:
         tracker = get_state(context, "gradient_flow", GradientFlowState)

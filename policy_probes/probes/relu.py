@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from policy_probes.context import ComponentContext
+from policy_probes.extractors import as_extractor
 from policy_probes.hook_types import Extractor, HookBuilder, ProbeHook
 from policy_probes.probes.rows import COUNT, Rows, column_counts
 from policy_probes.probes.state import SUM, ProbeState, as_floats, as_rows, get_state, rates
@@ -121,6 +122,8 @@ def attach_relu_activation_hooks(
     """
     if not tau >= 0:
         raise ValueError(f"tau must be >= 0, got {tau}")
+
+    extractor = as_extractor(extractor)
 
     def build(component_name: str, context: ComponentContext) -> ReLUActivationHook | None:
         tracker = get_state(context, "relu", ReLUActivationState)

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from policy_probes.context import ComponentContext
+from policy_probes.extractors import as_extractor
 from policy_probes.hook_types import Extractor, HookBuilder, ProbeHook
 from policy_probes.probes.rows import COUNT, Rows, column_counts
 from policy_probes.probes.state import (
@@ -137,6 +138,8 @@ def attach_saturated_activation_hooks(
             f"threshold for {activation} saturation must lie in ({low}, 1), got {threshold}"
         )
     key = f"saturation_{activation}"
+
+    extractor = as_extractor(extractor)
 
     def build(component_name: str, context: ComponentContext) -> SaturatedActivationHook | None:
         tracker = get_state(context, key, SaturatedActivationState, activation)
