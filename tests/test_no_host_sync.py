@@ -103,3 +103,41 @@ def test_detector_sees_calls_inside_backward_hooks(backward: bool) -> None:
         train_steps(policy, steps=1)
     assert mode.calls == ["tolist"]
     assert len(seen) == 1
+
+
+def test_key_and_index_extractors_on_tensordict_and_tuple_outputs_run_without_host_sync() -> None:
+    tensordict = pytest.importorskip("tensordict")
+    from tensordict.nn import TensorDictModule
+
+    from policy_probes import (
+        PolicyAutoBuilder,
+        attach_fisher_information_hooks,
+        attach_gradient_flow_hooks,
+        attach_relu_activation_hooks,
+    )
+
+    class Pair(torch.nn.Module):
+        def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return h, h.sum(-1)
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.ReLU())
+    body = TensorDictModule(net, in_keys=["obs"], out_keys=[("next", "hidden")])
+    pair, head = Pair(), torch.nn.Linear(6, 3)
+    model = PolicyAutoBuilder.wrap(torch.nn.ModuleDict({"body": body, "pair": pair, "head": head}))
+    ctx = ComponentContext()
+    key = ("next", "hidden")
+    model.attach("body", attach_relu_activation_hooks(extractor=key), ctx)
+    model.attach("body", attach_fisher_information_hooks(extractor=key), ctx, backward=True)
+    model.attach("pair", attach_gradient_flow_hooks(extractor=0), ctx, backward=True)
+    with ForbidHostSync() as probed:
+        for _ in range(3):
+            td = tensordict.TensorDict({"obs": torch.randn(16, 5)}, batch_size=[16])
+            h = pair(body(td)["next", "hidden"])[0]
+            F.cross_entropy(head(h), torch.randint(0, 3, (16,))).backward()
+    assert probed.calls == []
+    assert not ctx.probe_errors
+    metrics = StatsReporter(ctx).collect()
+    assert metrics["probes/relu/body/samples"] == 48
+    assert metrics["probes/fisher/body/samples"] == 48
+    assert metrics["probes/gradient_flow/pair/passes"] == 3
