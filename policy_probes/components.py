@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from policy_probes.context import ComponentContext
-from policy_probes.extractors import as_extractor
+from policy_probes.extractors import as_extractor, gradient_target
 from policy_probes.grad_tap import on_grad
 from policy_probes.hook_types import (
     GuardedHook,
@@ -481,7 +481,12 @@ INPLACE_OVERWRITING = (
     nn.Hardsigmoid,
     nn.Hardswish,
     nn.Threshold,
-    nn.modules.dropout._DropoutNd,
+    nn.Dropout,
+    nn.Dropout1d,
+    nn.Dropout2d,
+    nn.Dropout3d,
+    nn.AlphaDropout,
+    nn.FeatureAlphaDropout,
 )
 
 
@@ -505,17 +510,7 @@ def _grad_tap(hook: Callable, component: str, extractor: Callable | None) -> Cal
         if (active is not None and not active()) or not getattr(hook, "enabled", True):
             return
         try:
-            tensor = extractor(output) if extractor is not None else output
-            if not isinstance(tensor, torch.Tensor):
-                via = "its extractor returned" if extractor is not None else "it returned"
-                example = (
-                    "extractor=..." if extractor is not None else extractor_example(output, module)
-                )
-                raise ProbeError(
-                    f"backward probe on component {component!r} cannot fire: {via} "
-                    f"{describe_type(tensor)}, not a tensor. Pass {example} to the builder "
-                    f"to pick the tensor whose gradient the probe should read."
-                )
+            tensor = gradient_target(output, extractor, component, module)
         except Exception as exc:
             if not hasattr(hook, "context"):
                 raise

@@ -18,8 +18,16 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, TypeAlias
 
+import torch
+
 from policy_probes.hook_types import Extractor, ProbeError
-from policy_probes.outputs import describe_output, format_keys, is_tensordict, output_keys
+from policy_probes.outputs import (
+    describe_output,
+    extractor_example,
+    format_keys,
+    is_tensordict,
+    output_keys,
+)
 
 Key: TypeAlias = str | tuple[str, ...]
 
@@ -84,6 +92,23 @@ def as_extractor(spec: Extractor | None) -> Callable[[Any], Any] | None:
     if isinstance(spec, tuple) and spec and all(isinstance(k, str) and k for k in spec):
         return KeyExtractor(spec[0] if len(spec) == 1 else spec)
     raise TypeError(_bad_spec(spec))
+
+
+def gradient_target(
+    output: Any, extractor: Callable[[Any], Any] | None, component: str, module: Any = None
+) -> torch.Tensor:
+    """The tensor whose gradient a backward probe on ``component`` reads from ``output``;
+    :class:`ProbeError` naming the keys and a fitting ``extractor=`` if it is none."""
+    tensor = extractor(output) if extractor is not None else output
+    if isinstance(tensor, torch.Tensor):
+        return tensor
+    via = "its extractor returned" if extractor is not None else "it returned"
+    example = "extractor=..." if extractor is not None else extractor_example(output, module)
+    raise ProbeError(
+        f"backward probe on component {component!r} cannot fire: {via} "
+        f"{describe_output(tensor)}, not a tensor. Pass {example} to the builder to pick "
+        f"the tensor whose gradient the probe should read."
+    )
 
 
 def _bad_spec(spec: Any) -> str:

@@ -176,3 +176,95 @@ def test_torchrl_ppo_loop_records_match_independent_computation(tmp_path) -> Non
         assert not any(k.startswith("probes/errors/") for k in rec)
         for key in ("train/loss_objective", "train/loss_critic", "norms/grad_norm"):
             assert isinstance(rec[key], float)
+
+
+def test_tanh_normal_actor_is_probed_through_its_tensordict_keys(tmp_path) -> None:
+    """A continuous ProbabilisticActor (TanhNormal over NormalParamExtractor's loc and
+    scale) on Pendulum: the Fisher probe sits on the TensorDictModule and reads "loc"."""
+    from tensordict.nn import NormalParamExtractor, TensorDictModule
+    from torchrl.envs import GymEnv
+    from torchrl.envs.utils import ExplorationType, set_exploration_type
+    from torchrl.modules import ProbabilisticActor, TanhNormal, ValueOperator
+    from torchrl.objectives import ClipPPOLoss
+    from torchrl.objectives.value import GAE
+
+    from policy_probes import (
+        ProbeError,
+        attach_fisher_information_hooks,
+        attach_relu_activation_hooks,
+    )
+    from policy_probes.session import ProbeSession
+    from policy_probes.sinks import SinksConfig, WandbConfig
+
+    torch.manual_seed(0)
+    env = GymEnv("Pendulum-v1")
+    env.set_seed(0)
+    net = nn.Sequential(nn.Linear(3, 16), nn.ReLU(), nn.Linear(16, 2), NormalParamExtractor())
+    box = env.action_spec.space
+    actor = ProbabilisticActor(
+        TensorDictModule(net, in_keys=["observation"], out_keys=["loc", "scale"]),
+        in_keys=["loc", "scale"],
+        distribution_class=TanhNormal,
+        distribution_kwargs={"low": box.low, "high": box.high},
+        spec=env.action_spec,
+        return_log_prob=True,
+    )
+    critic = ValueOperator(
+        nn.Sequential(nn.Linear(3, 16), nn.Tanh(), nn.Linear(16, 1)), in_keys=["observation"]
+    )
+    loss_module = ClipPPOLoss(actor, critic)
+    optimizer = torch.optim.Adam(loss_module.parameters(), lr=1e-3)
+    with torch.no_grad(), set_exploration_type(ExplorationType.RANDOM):
+        data = env.rollout(96, actor, break_when_any_done=False)
+        GAE(gamma=0.99, lmbda=0.95, value_network=critic)(data)
+
+    cap = Capture({"actor_mlp.1": net[1]}, {"actor_mlp.0": net[0], "actor_mlp.2": net[2]})
+    cap.grad["loc"] = []
+
+    def loc_grad(_m, _i, out):
+        if torch.is_grad_enabled():
+            out[0].register_hook(lambda g: cap.grad["loc"].append(g.detach().clone()))
+
+    cap.handles.append(net[3].register_forward_hook(loc_grad))
+    with ProbeSession(
+        actor,
+        components={"policy": "module.0", "actor_mlp": "module.0.module"},
+        example_inputs=(data[:2].clone(),),  # traced: TensorDict outputs are known
+        run_dir=tmp_path,
+        sinks=SinksConfig(console=False, wandb=False),
+        wandb=WandbConfig(mode="disabled"),
+    ) as session:
+        with pytest.raises(ProbeError, match=r"TensorDict with keys .*Pass extractor=\"loc\""):
+            session.add_training_backward_hook("policy", attach_fisher_information_hooks())
+        session.add_training_hook("actor_mlp.1", attach_relu_activation_hooks())
+        fisher = attach_fisher_information_hooks(extractor="loc")
+        session.add_training_backward_hook("policy", fisher)
+        for idx in torch.randperm(96).split(32):
+            out = loss_module(data[idx])
+            loss = out["loss_objective"] + out["loss_critic"] + out["loss_entropy"]
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        rec = session.epoch_end(step=96)
+    cap.remove()
+
+    assert not any(k.startswith("probes/errors/") for k in rec)
+    h = torch.cat(cap.out["actor_mlp.1"]).double()
+    assert rec["probes/relu/actor_mlp.1/samples"] == 96 == h.shape[0]
+    assert rec["probes/relu/actor_mlp.1/active_rate"] == pytest.approx(
+        (h > 0).double().mean(0).tolist()
+    )
+    assert len(cap.grad["loc"]) == 3
+    unit = torch.cat(per_sample(cap.grad["loc"])).square().mean(0)
+    torch.testing.assert_close(
+        torch.tensor(rec["probes/fisher/policy/unit"], dtype=torch.float64),
+        unit,
+        rtol=1e-5,
+        atol=1e-12,
+    )
+    trace = 0.0
+    for layer in ("0", "2"):
+        g = torch.cat(per_sample(cap.grad[f"actor_mlp.{layer}"]))
+        x = torch.cat(cap.inp[f"actor_mlp.{layer}"]).double()
+        trace += float(torch.einsum("iu,iv->uv", g.square(), x.square()).sum() + g.square().sum())
+    assert rec["probes/fisher/policy/trace"] == pytest.approx(trace / 96, rel=1e-5)
