@@ -7,7 +7,7 @@ wrapper stack (and the sub-envs of a ``SyncVectorEnv``) and records those attrib
 tensors and plain containers, so a checkpoint holding them still loads with
 ``torch.load(weights_only=True)``; :func:`restore_env_state` writes them back into a
 freshly built env of the same configuration. An env whose state lives elsewhere (a physics
-engine, another process as in ``AsyncVectorEnv``) raises :class:`EnvStateError`, and the
+engine, another process as in ``AsyncVectorEnv``, the ALE emulator of ``AtariEnv``) raises :class:`EnvStateError`, and the
 trainer then falls back to re-seeding.
 """
 
@@ -23,8 +23,13 @@ import torch
 PLAIN = (bool, int, float, str, type(None))
 # Attributes that are configuration, caches of spaces or rendering handles, not state.
 SKIPPED = {"spec", "metadata", "render_mode", "env_fns", "_saved_kwargs", "_cached_spec"}
-# Env classes known to keep state outside plain attributes.
-OPAQUE = ("AsyncVectorEnv",)
+# Env classes known to keep state outside plain attributes, and what to do about it.
+OPAQUE = {
+    "AsyncVectorEnv": "keeps its environments in other processes; exact resume needs "
+    "env.vectorization=sync or the env's own vector implementation",
+    "AtariEnv": "keeps the game's state in the ALE emulator, which is not captured; a resumed "
+    "Atari run re-seeds its environments",
+}
 
 
 class EnvStateError(RuntimeError):
@@ -37,10 +42,7 @@ def _nodes(env: Any, path: str = "env") -> list[tuple[str, Any]]:
     while env is not None:
         name = type(env).__name__
         if name in OPAQUE:
-            raise EnvStateError(
-                f"{name} keeps its environments in other processes; exact resume needs "
-                f"env.vectorization=sync or the env's own vector implementation"
-            )
+            raise EnvStateError(f"{name} {OPAQUE[name]}")
         out.append((path, env))
         subs = getattr(env, "envs", None)
         if isinstance(subs, list | tuple):
