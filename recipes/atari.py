@@ -63,6 +63,13 @@ def train() -> TrainTool:
         checkpoint=CheckpointConfig(every_epochs=250),
         device="auto",
     )
+    return add_probes(cfg)
+
+
+def add_probes(cfg: TrainTool) -> TrainTool:
+    """The recipe's probes on a NatureCNN policy (the benchmarks attach the same set):
+    ReLU activations of every encoder layer; Fisher information and gradient flow of
+    every encoder layer and both heads."""
     cfg.add_training_hook(ENCODER_LAYERS, attach_relu_activation_hooks())
     for pattern in (ENCODER_LAYERS, *HEADS):
         cfg.add_training_backward_hook(pattern, attach_fisher_information_hooks())
