@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -17,18 +19,24 @@ import torch.nn.functional as F
 from test_no_host_sync import ForbidHostSync
 
 from policy_probes import ComponentContext
+from policy_probes.sinks import SinksConfig, WandbConfig
 from trainers import (
     AtariConfig,
+    CheckpointConfig,
     CNNActorCriticPolicy,
     EnvConfig,
+    EvalConfig,
     PolicyConfig,
     PPOConfig,
     PPOTrainer,
+    TrainerHook,
     TrainTool,
+    load_checkpoint,
     make_policy,
 )
-from trainers.env_state import EnvStateError, capture_env_state
+from trainers.env_state import EnvStateError, capture_env_state, restore_env_state
 from trainers.envs import make_vector_env
+from trainers.run_control import RunStopped
 
 ROOT = Path(__file__).resolve().parent.parent
 BREAKOUT = "ALE/Breakout-v5"
@@ -193,14 +201,93 @@ def test_atari_env_errors():
         AtariConfig(screen_size=32)
 
 
-def test_atari_env_state_refused_clearly():
-    envs = make_vector_env(EnvConfig(id=BREAKOUT, num_envs=1))
+NOT_STICKY = {"repeat_action_probability": 0.0}
+
+
+def test_atari_env_state_restores_the_emulator_exactly():
+    cfg = EnvConfig(id=BREAKOUT, num_envs=2, clip_reward=1.0, kwargs=NOT_STICKY)
+    a, b = make_vector_env(cfg), make_vector_env(cfg)
+    try:
+        rng = np.random.default_rng(0)
+        a.reset(seed=5)
+        for _ in range(30):
+            a.step(rng.integers(0, 4, 2))
+        buffer = io.BytesIO()
+        torch.save(capture_env_state(a), buffer)
+        buffer.seek(0)
+        state = torch.load(buffer, weights_only=True)
+        b.reset(seed=99)
+        restore_env_state(b, state)
+        ends = 0
+        for _ in range(400):  # several episode ends: noop resets draw from np_random
+            actions = rng.integers(0, 4, 2)
+            obs_a, r_a, term_a, trunc_a, _ = a.step(actions)
+            obs_b, r_b, term_b, trunc_b, _ = b.step(actions)
+            assert np.array_equal(obs_a, obs_b) and np.array_equal(r_a, r_b)
+            assert np.array_equal(term_a, term_b) and np.array_equal(trunc_a, trunc_b)
+            ends += int(term_a.sum())
+        assert ends >= 2
+    finally:
+        a.close()
+        b.close()
+
+
+def test_atari_env_state_refused_clearly_with_sticky_actions():
+    envs = make_vector_env(EnvConfig(id=BREAKOUT, num_envs=1))  # v5 default: 0.25
     try:
         envs.reset(seed=0)
-        with pytest.raises(EnvStateError, match=r"AtariEnv keeps the game's state in the ALE"):
+        with pytest.raises(EnvStateError, match=r"repeat_action_probability=0.25\).*=0.0"):
             capture_env_state(envs)
     finally:
         envs.close()
+
+
+class InterruptAt(TrainerHook):
+    """SIGINT to this process after optimizer step ``step`` (an in-process Ctrl-C: the run
+    checkpoints mid-epoch, rollout storage included, and stops)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_mb_end(self, state):
+        if state.optimizer_step == self.step:
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+def small_atari_tool(run_dir: Path) -> TrainTool:
+    from recipes.atari import add_probes
+
+    tool = TrainTool(
+        env=EnvConfig(id=BREAKOUT, num_envs=2, clip_reward=1.0, kwargs=NOT_STICKY),
+        policy=PolicyConfig(encoder="nature_cnn"),
+        trainer=PPOConfig(total_timesteps=192, num_steps=32, num_minibatches=4, update_epochs=1),
+        evaluation=EvalConfig(every_epochs=0, at_end=False),
+        checkpoint=CheckpointConfig(every_epochs=0, at_end=True),
+        sinks=SinksConfig(console=False, jsonl=True, csv=False, wandb=False),
+        wandb=WandbConfig(mode="disabled"),
+        run_dir=run_dir,
+        torch_threads=1,
+        seed=4,
+    )
+    return add_probes(tool)
+
+
+def test_atari_run_interrupted_mid_epoch_resumes_exactly(tmp_path: Path):
+    plain = small_atari_tool(tmp_path / "plain").invoke()
+    tool = small_atari_tool(tmp_path / "run")
+    # epoch 2 of 3 (4 steps per epoch), after its 2nd minibatch: epoch 3's rollout then
+    # runs on the restored environments
+    tool.add_trainer_hook(InterruptAt(5))
+    with pytest.raises(RunStopped) as info:
+        tool.invoke()
+    ckpt = load_checkpoint(info.value.checkpoint)
+    assert ckpt["mid_epoch"] and ckpt["env"]["state"] is not None
+    resumed = small_atari_tool(tmp_path / "run").invoke(resume=True)
+    assert resumed.agent_step == plain.agent_step == 192
+    for (name, p), (_, q) in zip(
+        plain.policy.state_dict().items(), resumed.policy.state_dict().items(), strict=True
+    ):
+        assert torch.equal(p, q), name
 
 
 # ---------------------------------------------------------------------- rollout
