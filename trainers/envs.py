@@ -2,13 +2,13 @@
 
 The stack, innermost first: for ALE ids (``ALE/Breakout-v5``, ...) each sub-env is
 ``AtariPreprocessing`` and ``FrameStackObservation`` around the game made with
-``frameskip=1`` (:func:`atari_wrappers`); then the vector env (``sync``, ``async`` or the env's own batched
-implementation via ``gym.make_vec(..., vectorization_mode=...)``), episode statistics on
-the raw rewards (``RecordEpisodeStatistics``), then the optional action clipping and
-observation / reward normalisation wrappers. Every layer uses gymnasium's default
-``NEXT_STEP`` autoreset: after a step that ends an episode, the next ``step()`` returns
-the reset observation and ignores its action. The trainer relies on that and refuses any
-other mode.
+``frameskip=1`` (:func:`atari_wrappers`); then the vector env (``sync``, ``async`` or the
+env's own batched implementation via ``gym.make_vec(..., vectorization_mode=...)``),
+episode statistics on the raw rewards (``RecordEpisodeStatistics``), then the optional
+action clipping and observation / reward normalisation wrappers. Every layer uses
+gymnasium's default ``NEXT_STEP`` autoreset: after a step that ends an episode, the next
+``step()`` returns the reset observation and ignores its action. The trainer relies on
+that and refuses any other mode.
 """
 
 from __future__ import annotations
