@@ -6,6 +6,8 @@ Cases:
 * ``ours``: the built-in PPO trainer through :class:`trainers.TrainTool` (sinks, evaluation
   and checkpoints off unless asked), optionally with all five module probes on
   ``actor_mlp`` and ``critic_mlp`` and/or W&B's own ``wandb.watch(log="all", log_freq=1)``.
+  With ``encoder="nature_cnn"`` (and an ALE ``env_id``) the policy is the NatureCNN
+  actor-critic and the probes are those of ``recipes/atari.py`` (:func:`recipes.atari.add_probes`).
 * ``bare``: the bare loop: :class:`trainers.PPOTrainer` driven directly, with an empty
   callback list and a fresh :class:`~policy_probes.context.ComponentContext`: no
   TrainTool, no MetricsHook/StatsReporter, no sinks, no lifecycle manager, no run
@@ -48,6 +50,8 @@ DEFAULTS: dict[str, Any] = {
     "update_epochs": 4,
     "hidden": 64,
     "activation": "tanh",
+    "encoder": "none",
+    "clip_reward": None,
     "vectorization": "sync",
     "probes": False,
     "fisher_param_every": 1,
@@ -98,8 +102,17 @@ def ours(p: dict[str, Any]) -> dict[str, Any]:
 
     run_dir = tempfile.mkdtemp(prefix="pp-bench-")
     tool = TrainTool(
-        env=EnvConfig(id=p["env_id"], num_envs=p["num_envs"], vectorization=p["vectorization"]),
-        policy=PolicyConfig(hidden_sizes=[p["hidden"], p["hidden"]], activation=p["activation"]),
+        env=EnvConfig(
+            id=p["env_id"],
+            num_envs=p["num_envs"],
+            vectorization=p["vectorization"],
+            clip_reward=p["clip_reward"],
+        ),
+        policy=PolicyConfig(
+            hidden_sizes=[p["hidden"], p["hidden"]],
+            activation=p["activation"],
+            encoder=p["encoder"],
+        ),
         trainer=PPOConfig(
             total_timesteps=p["total_timesteps"],
             num_steps=p["num_steps"],
@@ -121,7 +134,11 @@ def ours(p: dict[str, Any]) -> dict[str, Any]:
         tool.hook_config = dict(p["hook_config"])
     if p["snapshot_every"] is not None:
         tool.snapshot_every = p["snapshot_every"]
-    if p["probes"]:
+    if p["probes"] and p["encoder"] == "nature_cnn":
+        from recipes.atari import add_probes
+
+        add_probes(tool)
+    elif p["probes"]:
         for component, builder, backward in probe_builders(p["fisher_param_every"]):
             if backward:
                 tool.add_training_backward_hook(component, builder)
@@ -192,7 +209,7 @@ def bare(p: dict[str, Any]) -> dict[str, Any]:
     from policy_probes.context import ComponentContext
     from trainers import EnvConfig, PolicyConfig, PPOConfig
     from trainers.envs import make_vector_env
-    from trainers.policy import ActorCriticPolicy
+    from trainers.policy import make_policy
     from trainers.ppo import PPOTrainer
     from trainers.train_tool import seed_everything
 
@@ -205,13 +222,22 @@ def bare(p: dict[str, Any]) -> dict[str, Any]:
     t0, c0 = time.perf_counter(), time.process_time()
     seed_everything(p["seed"])
     envs = make_vector_env(
-        EnvConfig(id=p["env_id"], num_envs=p["num_envs"], vectorization=p["vectorization"]),
+        EnvConfig(
+            id=p["env_id"],
+            num_envs=p["num_envs"],
+            vectorization=p["vectorization"],
+            clip_reward=p["clip_reward"],
+        ),
         gamma=cfg.gamma,
     )
-    policy = ActorCriticPolicy(
+    policy = make_policy(
         envs.single_observation_space,
         envs.single_action_space,
-        PolicyConfig(hidden_sizes=[p["hidden"], p["hidden"]], activation=p["activation"]),
+        PolicyConfig(
+            hidden_sizes=[p["hidden"], p["hidden"]],
+            activation=p["activation"],
+            encoder=p["encoder"],
+        ),
     )
     trainer = PPOTrainer(envs, policy, cfg, context=ComponentContext(), seed=p["seed"])
     state = trainer.train()
