@@ -57,7 +57,9 @@ def test_report_of_a_real_run_holds_its_figures(run_dir):
         and k.split("/")[-1] in ("active_rate", "unit", "rms")
     )
     assert sorted(alt for alt in alts if alt.startswith("probes/")) == per_unit
-    assert len(per_unit) == 6  # actor_mlp and critic_mlp x 3 per-unit metrics
+    # actor_mlp and critic_mlp: fisher per unit, and relu active rate and gradient RMS of
+    # the component and of each of its two layers (per_layer=True)
+    assert len(per_unit) == 14
     for _, data in images:
         png = Image.open(io.BytesIO(base64.b64decode(data)))
         assert png.format == "PNG" and png.width >= 500 and png.height >= 200
