@@ -276,3 +276,26 @@ def test_activation_layers_are_hidden_layers_or_activation_modules() -> None:
     assert activation_layers(policy.actor_mlp.layer_0) == []  # the component is the layer
     seq = nn.Sequential(nn.Linear(2, 2), nn.GELU(), nn.Sequential(nn.Linear(2, 2), nn.SiLU()))
     assert [layer.name for layer in activation_layers(seq)] == ["1", "2.1"]
+
+
+class SharedReLUBody(nn.Module):
+    """One nn.ReLU instance applied after both Linear layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l0, self.l1, self.act = nn.Linear(5, 4), nn.Linear(4, 4), nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.l1(self.act(self.l0(x))))
+
+
+def test_an_activation_module_run_twice_per_forward_is_refused_not_mixed() -> None:
+    torch.manual_seed(0)
+    policy = PolicyAutoBuilder.wrap(nn.Sequential(SharedReLUBody(), nn.Linear(4, 3)), {"body": "0"})
+    ctx = ComponentContext()
+    policy.attach("body", attach_relu_activation_hooks(), ctx)
+    got = train(policy, ctx, data())
+    assert "runs more than once" in ctx.probe_errors["relu/body.act"]
+    assert got["probes/errors/relu/body.act"] == 1.0
+    assert not [k for k in got if k.startswith("probes/relu/body.act/")]  # nothing mixed
+    assert got["probes/relu/body/samples"] == 9 + 4 + 13  # the component itself goes on

@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from policy_probes.context import ComponentContext
-from policy_probes.hook_types import Extractor, ProbeHook
+from policy_probes.hook_types import Extractor, ProbeError, ProbeHook, log
 from policy_probes.layers import HiddenLayer
 from policy_probes.probes.layout import (
     ACTIVATION_MODULES,
@@ -104,6 +104,8 @@ class LayeredProbeHook(ProbeHook):
         self.channels_first = layout == "channels_first"
         self.layers: list[ProbedLayer] | None = None
         self._layer_handles: dict[str, RemovableHandle] = {}
+        #: layers read in the component's current forward (a module run twice is refused)
+        self._seen: set[str] = set()
 
     def selects(self, layer: ActivationLayer) -> bool:
         """Whether this probe reads ``layer`` (every activation layer by default)."""
@@ -126,7 +128,32 @@ class LayeredProbeHook(ProbeHook):
             for layer in self.layers
             if self.tracker.owns(layer.component, self)
         }
-        return list(self._layer_handles.values())
+        if not self._layer_handles:
+            return []
+        return [
+            module.register_forward_pre_hook(self._start_forward),
+            *self._layer_handles.values(),
+        ]
+
+    def _start_forward(self, _module: nn.Module, _inputs: Any) -> None:
+        self._seen.clear()
+
+    def _refuse_reused(self, layer: ProbedLayer) -> None:
+        """Stop reading a layer module that runs more than once per forward of the
+        component (one activation module applied after several layers): its uses would
+        mix into one layer's statistics. Reported like a probe fault, for that layer only."""
+        msg = (
+            f"{layer.component} runs more than once in one forward of {self.component!r} (the "
+            f"same module applied at several places), so its outputs cannot be told apart as "
+            f"one layer; it is no longer read per layer. Give each layer its own activation "
+            f"module, or attach with per_layer=False"
+        )
+        if self.context.strict:
+            raise ProbeError(msg)
+        self.release(layer.component)
+        self.tracker.unregister_component(layer.component)
+        self.context.probe_errors[f"{self.probe}/{layer.component}"] = msg
+        log.error("probe %r: %s", self.probe, msg)
 
     def release(self, name: str) -> None:
         """Stop reading layer ``name`` (another registration took it over)."""
@@ -153,6 +180,10 @@ class LayeredProbeHook(ProbeHook):
                 and self.tracker.owns(layer.component, self)
             ):
                 return
+            if layer.component in self._seen:
+                self._refuse_reused(layer)
+                return
+            self._seen.add(layer.component)
             try:
                 self.record_layer(layer, output)
             except Exception as exc:  # a probe must never take training down
