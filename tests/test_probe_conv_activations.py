@@ -250,3 +250,21 @@ def test_unknown_layout_is_rejected() -> None:
             make(layout="nchw")
     with pytest.raises(ValueError, match="layout must be one of"):
         attach_saturated_activation_hooks("tanh", layout="NCHW")
+
+
+def test_an_extracted_tensor_is_channels_first_only_when_asked() -> None:
+    torch.manual_seed(0)
+    policy = ConvPolicy(1, size=7)  # encoder output (B, 4 channels, length 5)
+    ctx = ComponentContext()
+    pick = lambda out: out  # noqa: E731 - the extractor sees the same tensor
+    policy.attach("encoder", attach_relu_activation_hooks(extractor=pick, per_layer=False), ctx)
+    policy.attach(
+        "encoder.3", attach_relu_activation_hooks(extractor=pick, layout="channels_first"), ctx
+    )
+    data = batches(policy, (3, 2))
+    got = train(policy, ctx, data)
+    with torch.no_grad():
+        h1 = torch.cat([policy.layers(x)["h1"] for x, _ in data])
+    last = h1.double().reshape(-1, h1.shape[-1]).numpy().T  # "auto": channels last, 5 units
+    assert_metrics(got, "probes/relu/encoder/", relu_reference(last, last.shape[1]))
+    assert_metrics(got, "probes/relu/encoder.3/", relu_reference(per_channel(h1), 5))

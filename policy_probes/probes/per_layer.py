@@ -113,7 +113,10 @@ class LayeredProbeHook(ProbeHook):
 
     def attach(self, module: nn.Module) -> list[RemovableHandle]:
         if self.layers is None:
-            self.channels_first = self.resolve(module, "")
+            # an extracted tensor need not be laid out as the module's output: "auto"
+            # reads it channels last, an explicit layout is taken as given
+            auto_extracted = self.extractor is not None and self.layout == "auto"
+            self.channels_first = False if auto_extracted else self.resolve(module, "")
             layers = []
             for layer in activation_layers(module) if self.per_layer else []:
                 name = f"{self.component}.{layer.name}"
