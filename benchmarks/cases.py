@@ -55,6 +55,7 @@ DEFAULTS: dict[str, Any] = {
     "vectorization": "sync",
     "probes": False,
     "fisher_param_every": 1,
+    "per_layer": True,
     "jsonl": False,
     "wandb_watch": False,
     "track_memory": True,
@@ -66,7 +67,9 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
-def probe_builders(fisher_param_every: int = 1) -> list[tuple[str, Any, bool]]:
+def probe_builders(
+    fisher_param_every: int = 1, per_layer: bool = True
+) -> list[tuple[str, Any, bool]]:
     from policy_probes import (
         attach_fisher_information_hooks,
         attach_gradient_flow_hooks,
@@ -78,11 +81,11 @@ def probe_builders(fisher_param_every: int = 1) -> list[tuple[str, Any, bool]]:
     out = []
     for component in ("actor_mlp", "critic_mlp"):
         out += [
-            (component, attach_relu_activation_hooks(), False),
-            (component, attach_saturated_activation_hooks("tanh"), False),
+            (component, attach_relu_activation_hooks(per_layer=per_layer), False),
+            (component, attach_saturated_activation_hooks("tanh", per_layer=per_layer), False),
             (component, attach_fisher_information_hooks(param_every=fisher_param_every), True),
-            (component, attach_gradient_flow_hooks(), True),
-            (component, attach_relu_gradient_flow_hooks(), True),
+            (component, attach_gradient_flow_hooks(per_layer=per_layer), True),
+            (component, attach_relu_gradient_flow_hooks(per_layer=per_layer), True),
         ]
     return out
 
@@ -139,7 +142,7 @@ def ours(p: dict[str, Any]) -> dict[str, Any]:
 
         add_probes(tool)
     elif p["probes"]:
-        for component, builder, backward in probe_builders(p["fisher_param_every"]):
+        for component, builder, backward in probe_builders(p["fisher_param_every"], p["per_layer"]):
             if backward:
                 tool.add_training_backward_hook(component, builder)
             else:

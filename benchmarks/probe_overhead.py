@@ -7,6 +7,12 @@ backward), against the same run without probes. The policy uses ReLU: the
 relu_gradient_flow probe needs ``nn.ReLU`` modules and refuses to attach to the default
 tanh policy. Everything else is the throughput benchmark's CartPole setup.
 
+The third row prices per-layer reporting: the same five probes with ``per_layer=False``
+(the component outputs only) against the default ``per_layer=True`` (also every hidden
+layer inside actor_mlp and critic_mlp: relu, gradient_flow and relu_gradient_flow on
+layer_0 and layer_1; saturation_tanh finds no tanh layer in the ReLU policy).
+``python -m benchmarks.per_layer_overhead`` runs that row alone.
+
 The reference row is W&B's ``wandb.watch(policy, log="all", log_freq=1)`` (offline mode)
 on the same trainer, with no probes, over 4096 steps instead of 20480 (it is slow).
 
@@ -30,7 +36,7 @@ from benchmarks.ab import (
 )
 
 #: ``--only`` keys, in the order the comparisons run
-KEYS = ["mlp", "wandb", "atari"]
+KEYS = ["mlp", "per_layer", "wandb", "atari"]
 
 
 def comparisons(quick: bool, only: list[str] | None = None) -> list[Comparison]:
@@ -54,6 +60,7 @@ def comparisons(quick: bool, only: list[str] | None = None) -> list[Comparison]:
             Side("probes", "ours", dict(base, probes=True)),
             target="<= 1.05",
         ),
+        "per_layer": per_layer_comparison(quick),
         "wandb": Comparison(
             "wandb.watch(log='all', log_freq=1)",
             Side("no probes", "ours", dict(short)),
@@ -68,6 +75,17 @@ def comparisons(quick: bool, only: list[str] | None = None) -> list[Comparison]:
         ),
     }
     return [comps[k] for k in (only or KEYS)]
+
+
+def per_layer_comparison(quick: bool) -> Comparison:
+    """Five probes x 2 components, per_layer off (A) against on (B, the default)."""
+    base = {"total_timesteps": 512 if quick else 20_480, "activation": "relu", "probes": True}
+    return Comparison(
+        "five probes: per_layer off -> on",
+        Side("per_layer=False", "ours", dict(base, per_layer=False)),
+        Side("per_layer=True", "ours", dict(base, per_layer=True)),
+        target="cost reported",
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

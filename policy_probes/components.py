@@ -367,6 +367,8 @@ class PolicyAutoBuilder(nn.Module):
             if not isinstance(hook, ProbeHook):
                 label = getattr(builder, "probe", getattr(builder, "__name__", "hook"))
                 hook = GuardedHook(hook, label, name, context)
+            else:
+                hook.locate = self.get_component
             direction = getattr(hook, "backward", None)
             if direction is not None and direction != backward:
                 probe = getattr(hook, "probe", "probe")

@@ -84,6 +84,9 @@ class ProbeHook:
     backward: bool = False
     #: False when the probe measures only through the hooks :meth:`attach` installs
     component_hook: bool = True
+    #: dotted name -> module of the policy the probe is attached to (set by
+    #: ``PolicyAutoBuilder.attach``), so a probe can look at the modules around its component
+    locate: Callable[[str], nn.Module] | None = None
 
     def __init__(
         self,

@@ -52,7 +52,8 @@ def test_throughput_smoke(tmp_path):
 
 def test_probe_overhead_smoke(tmp_path):
     payload = run_script(probe_overhead, tmp_path, "probe_overhead")
-    probes, watch, atari = payload["comparisons"]
+    probes, per_layer, watch, atari = payload["comparisons"]
+    assert not per_layer["a"]["params"]["per_layer"] and per_layer["b"]["params"]["per_layer"]
     assert probes["b"]["params"]["probes"] and probes["b"]["params"]["activation"] == "relu"
     assert probes["extra_a"][0]["tracker_bytes_per_epoch"] == [0]  # nothing attached
     assert probes["extra_b"][0]["tracker_bytes_per_epoch"][0] > 0

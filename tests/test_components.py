@@ -345,8 +345,10 @@ def test_probes_install_their_hooks_only_in_phases_they_record(tiny_policy: Tiny
     attach("actor_mlp", attach_relu_activation_hooks(), ctx)
     attach("actor_mlp", attach_fisher_information_hooks(), ctx, backward=True)
     attach("actor_mlp.layer_0", attach_relu_activation_hooks(phases=("rollout",)), ctx)
-    # train: the relu and fisher hooks (1 + 1 component tap + 2 Linear taps); rollout probe off
-    assert hook_counts(tiny_policy) == 4
+    # train: the relu hooks (the component, and per layer a forward pre-hook and a
+    # forward hook on it and layer_1's: the explicit rollout probe took layer_0 over) and
+    # fisher's (1 component tap + 2 Linear taps); the rollout probe is off
+    assert hook_counts(tiny_policy) == 7
     assert tiny_policy.hooks_installed()
     ctx.phase = "rollout"
     assert hook_counts(tiny_policy) == 1  # only the rollout probe's
@@ -354,7 +356,7 @@ def test_probes_install_their_hooks_only_in_phases_they_record(tiny_policy: Tiny
     assert hook_counts(tiny_policy) == 0
     assert not tiny_policy.hooks_installed()
     ctx.phase = "train"
-    assert hook_counts(tiny_policy) == 4
+    assert hook_counts(tiny_policy) == 7
     x, a = torch.randn(9, 5), torch.randint(0, 3, (9,))
     F.cross_entropy(tiny_policy(x), a).backward()
     got = StatsReporter(ctx).collect()

@@ -7,10 +7,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import TinyPolicy, attach_all_probes
+from torch import nn
 
 from policy_probes import (
     ComponentContext,
+    PolicyAutoBuilder,
     StatsReporter,
+    attach_gradient_flow_hooks,
+    attach_relu_activation_hooks,
+    attach_relu_gradient_flow_hooks,
+    attach_saturated_activation_hooks,
 )
 
 SYNCING = {"item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__", "__index__"}
@@ -76,6 +82,38 @@ def test_all_probes_run_without_host_sync(buffer_rows: int) -> None:
     assert metrics["probes/fisher/actor_mlp/samples"] == 80
     assert metrics["probes/relu/actor_mlp/samples"] == 80
     assert policy(x).shape == (4, 3)
+
+
+@pytest.mark.parametrize("buffer_elements", [1 << 20, 300])
+def test_conv_and_per_layer_probes_run_without_host_sync(buffer_elements: int) -> None:
+    # channels-first views of conv outputs, per-layer hooks on every ReLU of the encoder
+    # and of the MLP trunk; 300 elements: drains (the strided row copies) inside the hooks
+    torch.manual_seed(0)
+    encoder = nn.Sequential(nn.Conv2d(2, 4, 3), nn.ReLU(), nn.Conv2d(4, 3, 1), nn.Tanh())
+    model = nn.Sequential(encoder, nn.Flatten(), nn.Linear(3 * 16, 8), nn.ReLU(), nn.Linear(8, 3))
+    policy = PolicyAutoBuilder.wrap(model, {"encoder": "0", "trunk": model})
+    ctx = ComponentContext()
+    for name in ("encoder", "trunk"):
+        policy.attach(name, attach_relu_activation_hooks(), ctx)
+        policy.attach(name, attach_saturated_activation_hooks("tanh"), ctx)
+        policy.attach(name, attach_gradient_flow_hooks(), ctx, backward=True)
+        policy.attach(name, attach_relu_gradient_flow_hooks(), ctx, backward=True)
+    for tracker in ctx.model_metrics.values():
+        tracker.buffer_elements = buffer_elements
+    g = torch.Generator().manual_seed(1)
+    with ForbidHostSync() as probed:
+        for n in (5, 3, 6):
+            x, a = torch.randn(n, 2, 6, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
+            F.cross_entropy(policy(x), a).backward()
+    assert probed.calls == []
+    assert not ctx.probe_errors
+    metrics = StatsReporter(ctx).collect()
+    assert not [k for k in metrics if k.startswith("probes/errors/")]
+    assert len(metrics["probes/relu/encoder.1/active_rate"]) == 4  # channels
+    assert metrics["probes/relu/encoder.1/samples"] == 14  # batch rows
+    assert metrics["probes/gradient_flow/trunk.0.1/passes"] == 3
+    assert len(metrics["probes/saturation_tanh/encoder/saturation_rate"]) == 3
+    assert len(metrics["probes/relu_gradient_flow/trunk.3/pass_rate"]) == 8
 
 
 def test_the_detector_catches_a_syncing_hook() -> None:
