@@ -419,6 +419,13 @@ def report_outputs(console: Any, result: Any) -> None:
         )
     for name, reason in (getattr(result, "sink_failures", None) or {}).items():
         console.print(f"[yellow]sink {name} was switched off: {reason}[/yellow]")
+    steps = []
+    if (Path(run_dir) / "metrics.jsonl").is_file():
+        steps.append(f"policy-probes report {run_dir}      # HTML dashboard: report.html")
+    if any((Path(run_dir) / "wandb").glob("offline-run-*")):
+        steps.append(f"wandb sync {run_dir}/wandb/offline-run-*      # upload the W&B run")
+    if steps:
+        console.print("next:\n" + "\n".join(f"  {s}" for s in steps), soft_wrap=True, markup=False)
 
 
 # ---------------------------------------------------------------------- resume, ctl

@@ -33,9 +33,11 @@ class NonFiniteInputError(RuntimeError):
 
 
 class NonFiniteParametersError(RuntimeError):
-    """The policy's parameters are no longer finite; no checkpoint is written."""
+    """The policy's parameters are no longer finite; no checkpoint is written. ``fatal``:
+    raised from a trainer hook (the checkpoint hook), it ends the run anyway."""
 
     exit_code = NONFINITE_EXIT_CODE
+    fatal = True
 
 
 def rollout_inputs_finite(obs: torch.Tensor, rewards: np.ndarray, next_obs: Any) -> bool:

@@ -11,7 +11,13 @@
   epochs heatmap per component of the ReLU active rate, per-unit Fisher and gradient RMS
   so far is logged as a ``wandb.Image`` under ``heatmaps/<probe>/<component>/<metric>``.
 - The run id is stored in ``run_dir/wandb/policy_probes_run_id`` and the run is opened with
-  ``resume="allow"``, so a resumed training run appends to the same W&B run.
+  ``resume="allow"``, so a resumed training run appends to the same W&B run. Each
+  ``wandb.init`` writes its own run folder; the sink reads back the earlier folders of its
+  run id (:mod:`.wandb_history`), logs only epochs beyond the last one they hold (a run
+  killed after its last checkpoint logged some epochs that the resumed run trains again),
+  logs from ``metrics.jsonl`` the epochs they lack (rows W&B had not written when the
+  process was killed), and continues their ``_step``: what ``wandb sync`` uploads has
+  every epoch once on one increasing step axis.
 - Secrets never reach W&B: config keys that look like credentials are redacted, and the
   API key is never read by this module.
 """
@@ -38,10 +44,14 @@ from policy_probes.sinks.base import (
     to_plain,
 )
 from policy_probes.sinks.config import WandbConfig
+from policy_probes.sinks.jsonl import METRICS_JSONL, NONFINITE_KEY, iter_jsonl
+from policy_probes.sinks.wandb_history import run_history_position
 
 logger = logging.getLogger("policy_probes.sinks")
 
 RUN_ID_FILE = "policy_probes_run_id"
+#: the fields of a metrics.jsonl record that are not metrics
+_JSONL_FIELDS = {"epoch", "agent_step", "hook_point", "time", NONFINITE_KEY}
 _SECRET_KEY = re.compile(r"(api[_-]?key|token|secret|password|passwd|credential)", re.IGNORECASE)
 REDACTED = "<redacted>"
 
@@ -64,7 +74,13 @@ class WandbSink(MetricSink):
         self.cfg = cfg or WandbConfig()
         self.run_dir = Path(run_dir)
         self.mode = self.cfg.resolved_mode()
+        continued = (self.run_dir / "wandb" / RUN_ID_FILE).is_file()  # a resumed run
         self.run_id = load_or_create_run_id(self.run_dir)
+        # read before wandb.init creates this process's run folder
+        position = run_history_position(self.run_dir / "wandb", self.run_id)
+        #: epochs up to this one are in W&B already (logged before a crash): not again
+        self.skip_through: int | None = position.last_epoch
+        self._step = position.next_step
         self.history = VectorHistory(self.cfg.heatmap_history)
         self._last_heatmap_epoch: int | None = None
         self._last_epoch: int | None = None
@@ -93,6 +109,8 @@ class WandbSink(MetricSink):
         self.run.define_metric("epoch")
         self.run.define_metric("agent_step")
         self.run.define_metric("*", step_metric="epoch")
+        if continued:
+            self._backfill(self.run_dir / METRICS_JSONL)
 
     # ------------------------------------------------------------------ emit
     def emit(self, metrics: Mapping[str, Any], epoch: int, hook_point: str) -> None:
@@ -117,11 +135,51 @@ class WandbSink(MetricSink):
             elif is_finite_number(value):
                 row[key] = value
             # None, NaN/inf and strings are left out of W&B (JSONL keeps them)
+        if self.skip_through is not None and epoch <= self.skip_through:
+            return  # W&B holds this epoch already (the heatmap history still has it)
         self._last_epoch = epoch
         every = self.cfg.heatmap_every
         if hook_point == "SNAPSHOT" or (every is not None and epoch % every == 0):
             row.update(self._heatmap_images(epoch))
-        self.run.log(row)
+        self._log(row)
+
+    def _backfill(self, path: Path) -> None:
+        """Log the records of ``metrics.jsonl`` that W&B lacks (epochs after the last one
+        its run files hold: a ``kill -9`` can take W&B's unwritten rows with it), so the
+        continued run holds every epoch once; those epochs are then not logged again."""
+        if not path.is_file():
+            return
+        records = [
+            r
+            for r in iter_jsonl(path)
+            if isinstance(r.get("epoch"), int)
+            and (self.skip_through is None or r["epoch"] > self.skip_through)
+        ]
+        if not records:
+            return
+        saved = self.run_context.get("agent_step")
+        try:
+            for record in records:
+                self.run_context["agent_step"] = record.get("agent_step")
+                metrics = {k: v for k, v in record.items() if k not in _JSONL_FIELDS}
+                self.emit(metrics, record["epoch"], record.get("hook_point", "POST_EPOCH"))
+        finally:
+            self.run_context["agent_step"] = saved
+        first, last = records[0]["epoch"], max(r["epoch"] for r in records)
+        self.skip_through = last
+        logger.warning(
+            "W&B run %s lacked epochs %d-%d (not written before the previous process ended); "
+            "logged them from %s",
+            self.run_id,
+            first,
+            last,
+            path,
+        )
+
+    def _log(self, row: dict[str, Any]) -> None:
+        """One history row on the next step (explicit: the step continues across resumes)."""
+        self.run.log(row, step=self._step)
+        self._step += 1
 
     def _heatmap_images(self, epoch: int) -> dict[str, Any]:
         """``heatmaps/...`` -> ``wandb.Image`` of every tracked per-unit metric so far."""
@@ -152,7 +210,8 @@ class WandbSink(MetricSink):
             ):
                 images = self._heatmap_images(self._last_epoch)
                 if images:
-                    run.log({"epoch": self._last_epoch, **images})
+                    run.log({"epoch": self._last_epoch, **images}, step=self._step)
+                    self._step += 1
         finally:
             run.finish()
             self._wait_for_service()
