@@ -18,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from run_control_support import (
@@ -41,7 +42,12 @@ from policy_probes.run_lock import LOCK_FILE, RunDirLock, RunDirLocked, lock_own
 from policy_probes.sinks import SinksConfig, WandbConfig, read_jsonl
 from trainers import TrainerHook, TrainTool
 from trainers.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
-from trainers.nonfinite_guard import NonFiniteInputError, NonFiniteParametersError
+from trainers.nonfinite_guard import (
+    NonFiniteInputError,
+    NonFiniteParametersError,
+    describe_nonfinite_input,
+    rollout_inputs_finite,
+)
 
 torch.set_num_threads(1)
 
@@ -586,3 +592,34 @@ def test_nan_guard_is_not_fooled_by_finite_runs(tmp_path):
     assert result.epochs == 2 and math.isfinite(result.metrics["train/policy_loss"])
     assert all(bool(torch.isfinite(p).all()) for p in result.policy.parameters())
     assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == ["epoch_000002.pt"]
+
+
+def test_the_rollout_check_and_its_message_on_hand_made_rollouts():
+    obs = torch.full((4, 2, 3), 3e38)  # finite, but their sum overflows float32
+    rewards, last = np.zeros((4, 2), dtype=np.float32), np.zeros((2, 3), dtype=np.float32)
+    assert rollout_inputs_finite(obs, rewards, last)
+    assert rollout_inputs_finite(torch.zeros(4, 2, 3, dtype=torch.uint8), rewards, last)
+    obs = torch.zeros(4, 2, 3)
+    obs[2, 1, 0] = float("inf")
+    rewards[3, 0] = float("nan")  # later than the observation: the observation is named
+    assert not rollout_inputs_finite(obs, rewards, last)
+    text = describe_nonfinite_input(
+        obs, rewards, last, epoch=7, agent_step=100, last_checkpoint=None
+    )
+    assert "from env 1: observation feature 0 = inf at epoch 7, rollout step 2" in text
+    assert "(agent step 105)" in text and "no checkpoint was written" in text  # 100 + 2*2 + 1
+    obs[2, 1, 0] = 0.0
+    last[0, 2] = float("nan")  # the bootstrap observation comes after every stored step
+    text = describe_nonfinite_input(
+        obs, rewards, last, epoch=7, agent_step=100, last_checkpoint=None
+    )
+    assert "from env 0: reward = nan at epoch 7, rollout step 3" in text
+    rewards[3, 0] = 0.0
+    assert not rollout_inputs_finite(obs, rewards, last)
+    text = describe_nonfinite_input(
+        obs, rewards, last, epoch=7, agent_step=100, last_checkpoint=None
+    )
+    assert (
+        "observation feature 2 = nan" in text
+        and "the observation after the rollout's last step" in text
+    )

@@ -42,8 +42,14 @@ class NonFiniteParametersError(RuntimeError):
 
 def rollout_inputs_finite(obs: torch.Tensor, rewards: np.ndarray, next_obs: Any) -> bool:
     """Whether every stored observation, reward and the bootstrap observation is finite
-    (one device reduction, read once)."""
-    finite = bool(torch.isfinite(obs).all())
+    (one device reduction, read once; integer observations such as pixels always are)."""
+    # a finite sum means every element is finite (a NaN or inf makes the sum NaN or inf);
+    # only a sum that overflowed needs the elementwise check
+    finite = (
+        not obs.is_floating_point()
+        or bool(torch.isfinite(obs.sum(dtype=torch.float64)))
+        or bool(torch.isfinite(obs).all())
+    )
     return finite and bool(np.isfinite(rewards).all()) and bool(np.isfinite(next_obs).all())
 
 
