@@ -400,6 +400,7 @@ def resume_trainer(
 
     path, ckpt = resume_from
     restore_trainer(trainer, ckpt, restore_envs=own_envs)
+    trainer.state.last_checkpoint = path  # the newest finite one until the run writes more
     done = completed_epochs(ckpt)
     for sink in sinks:
         rewind = getattr(sink, "rewind", None)
