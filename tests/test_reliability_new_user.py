@@ -39,7 +39,7 @@ from policy_probes.cli import main
 from policy_probes.probes.relu import attach_relu_activation_hooks
 from policy_probes.run_dir import RunDirConflict
 from policy_probes.run_lock import LOCK_FILE, RunDirLock, RunDirLocked, lock_owner
-from policy_probes.sinks import SinksConfig, WandbConfig, read_jsonl
+from policy_probes.sinks import JSONLSink, SinksConfig, WandbConfig, read_jsonl
 from trainers import TrainerHook, TrainTool
 from trainers.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
 from trainers.nonfinite_guard import (
@@ -107,6 +107,7 @@ def test_a_live_run_refuses_resume_run_and_session_then_its_stale_lock_is_taken_
         assert_one_line_error(resumed, "is in use by a live run", f"pid {proc.pid}", "ctl")
         # `policy-probes run` into the same run_dir, and a ProbeSession there
         assert main(["run", target, f"run_dir={run_dir}", "--no-progress"]) == 2
+        assert main(["run", target, f"run_dir={run_dir}", "--overwrite"]) == 2  # not deleted
         with pytest.raises(RunDirLocked, match=f"pid {proc.pid}"):
             ProbeSession(nn.Linear(2, 2), run_dir=run_dir, **NO_WANDB)
         assert proc.poll() is None  # none of them disturbed the live run
@@ -512,6 +513,15 @@ def test_hook_config_and_cli_arguments_out_of_range_exit_2(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["ctl", str(tmp_path), "stop", "--timeout", "0"])
     assert exc.value.code == 2
+    # report --out where no file can be written
+    sink = JSONLSink(tmp_path)
+    sink.emit({"train/value_loss": 1.0}, 0, "POST_EPOCH")
+    sink.close()
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    capsys.readouterr()
+    assert main(["report", str(tmp_path), "--out", str(blocker / "report.html")]) == 2
+    assert "cannot write the report" in capsys.readouterr().err
 
 
 class Anything:
