@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
+
+import torch
+
+log = logging.getLogger("policy_probes")
 
 PHASES = ("train", "rollout", "eval")
 
@@ -29,6 +34,10 @@ class ComponentContext:
             disabled, reported once, and counted in :attr:`probe_errors`.
         probe_errors: ``"<probe>/<component>" -> message`` for every probe disabled
             after raising.
+        infer_phase: set by a loop that has not said what it is doing (a
+            ``ProbeSession`` before its first ``set_phase``): forward passes without
+            gradients (``torch.no_grad()``, ``torch.inference_mode()``) are then taken for
+            rollout or evaluation passes, and forward probes do not record them.
     """
 
     def __init__(
@@ -45,6 +54,8 @@ class ComponentContext:
         self.strict = strict
         self.probe_errors: dict[str, str] = {} if probe_errors is None else probe_errors
         self._phase_listeners: list[Callable[[str], None]] = []
+        self.infer_phase = False
+        self._inferred_once = False
 
     @property
     def phase(self) -> str:
@@ -57,6 +68,21 @@ class ComponentContext:
         self._phase = value
         for listener in self._phase_listeners:
             listener(value)
+
+    def inference_pass(self) -> bool:
+        """Whether the forward pass under way is inferred not to be training: no phase set
+        (:attr:`infer_phase`) and gradients off. A host-side flag check, no tensor work.
+        The first such pass is logged once."""
+        if not self.infer_phase or torch.is_grad_enabled():
+            return False
+        if not self._inferred_once:
+            self._inferred_once = True
+            log.warning(
+                "no phase set: forward passes without gradients (torch.no_grad / "
+                "inference_mode) are taken as rollout passes and not recorded by forward "
+                "probes; call set_phase('rollout'/'train') to say it explicitly"
+            )
+        return True
 
     def add_phase_listener(self, listener: Callable[[str], None]) -> None:
         """Call ``listener(phase)`` whenever the phase changes (once per listener)."""

@@ -144,7 +144,7 @@ def test_detector_sees_calls_inside_backward_hooks(backward: bool) -> None:
 
 
 def test_key_and_index_extractors_on_tensordict_and_tuple_outputs_run_without_host_sync() -> None:
-    tensordict = pytest.importorskip("tensordict")
+    import tensordict
     from tensordict.nn import TensorDictModule
 
     from policy_probes import (
@@ -179,3 +179,32 @@ def test_key_and_index_extractors_on_tensordict_and_tuple_outputs_run_without_ho
     assert metrics["probes/relu/body/samples"] == 48
     assert metrics["probes/fisher/body/samples"] == 48
     assert metrics["probes/gradient_flow/pair/passes"] == 3
+
+
+def test_phase_inference_runs_without_host_sync() -> None:
+    """A loop that set no phase (``infer_phase``, as a ProbeSession before set_phase):
+    forwards under no_grad / inference_mode are skipped by a flag check, training
+    passes are recorded, and neither touches the host."""
+    torch.manual_seed(0)
+    policy = TinyPolicy()
+    ctx = ComponentContext()
+    ctx.infer_phase = True
+    attach_all_probes(policy, ctx)
+    with ForbidHostSync() as probed:
+        with torch.no_grad():
+            policy(torch.randn(7, 5))
+        with torch.inference_mode():
+            policy(torch.randn(9, 5))
+        train_steps(policy, steps=2)
+    assert probed.calls == []
+    metrics = StatsReporter(ctx).collect()
+    assert metrics["probes/relu/actor_mlp/samples"] == 32  # the two training passes only
+    assert metrics["probes/fisher/actor_mlp/samples"] == 32
+    # control: with the phase set explicitly ("train"), the no_grad forwards count too
+    policy.remove_hooks()
+    ctx = ComponentContext()
+    attach_all_probes(policy, ctx)
+    with torch.no_grad():
+        policy(torch.randn(7, 5))
+    train_steps(policy, steps=2)
+    assert StatsReporter(ctx).collect()["probes/relu/actor_mlp/samples"] == 32 + 7
