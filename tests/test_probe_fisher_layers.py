@@ -1,0 +1,382 @@
+"""Fisher probe on conv, embedding, norm, recurrent and attention layers, against
+per-sample gradients from torch.func.vmap(torch.func.grad(...)) (body_squared_gradients)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import pytest
+import torch
+from test_probe_fisher import body_squared_gradients, per_sample_loss
+from torch import nn
+from torch.nn.utils.rnn import pack_padded_sequence
+
+from policy_probes import (
+    ComponentContext,
+    PolicyAutoBuilder,
+    StatsReporter,
+    attach_fisher_information_hooks,
+)
+
+REL = 1e-5
+
+Batches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def image_batches(shape: tuple[int, ...], sizes: tuple[int, ...], seed: int = 3) -> Batches:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(n, *shape, generator=g), torch.randint(0, 3, (n,), generator=g)) for n in sizes
+    ]
+
+
+def probe_fisher(
+    body: nn.Module,
+    head: nn.Module,
+    batches: Batches,
+    *,
+    micro: int = 1,
+    reduction: str = "mean",
+    **settings: object,
+) -> tuple[dict[str, torch.Tensor], dict]:
+    """Train ``head(body(x))`` on ``batches`` (each split into ``micro`` micro-batches
+    scaled by ``context.loss_scale``) with the Fisher probe on ``body``; its per-entry
+    Fisher and the window's metrics."""
+    model = PolicyAutoBuilder.wrap(
+        nn.Sequential(body, head), {"body": "0", "head": "1"}, example_inputs=(batches[0][0][:2],)
+    )
+    ctx = ComponentContext()
+    builder = attach_fisher_information_hooks(loss_reduction=reduction, **settings)
+    model.attach("body", builder, ctx, backward=True)
+    for x, a in batches:
+        for xs, as_ in zip(x.chunk(micro), a.chunk(micro), strict=True):
+            losses = per_sample_loss(model(xs), as_)
+            if reduction == "mean":
+                ctx.loss_scale = xs.shape[0] / x.shape[0]
+                (losses.mean() * ctx.loss_scale).backward()
+            else:
+                losses.sum().backward()
+    assert not ctx.probe_errors
+    fisher = ctx.model_metrics["fisher"].param_fisher("body")
+    metrics = StatsReporter(ctx).collect()
+    model.remove_hooks()
+    return fisher, metrics
+
+
+def loop_squared_gradients(body: nn.Module, head: nn.Module, batches: Batches) -> dict:
+    """Sum over all samples of the squared per-sample gradient of every parameter of
+    ``body``, one autograd call per sample (for modules whose fused kernels vmap cannot
+    batch, e.g. nn.GRU creating its own hidden state)."""
+    names, params = zip(*body.named_parameters(), strict=True)
+    sq = {k: torch.zeros_like(p, dtype=torch.float64) for k, p in zip(names, params, strict=True)}
+    for x, a in batches:
+        for i in range(x.shape[0]):
+            loss = per_sample_loss(head(body(x[i : i + 1])), a[i : i + 1])[0]
+            for k, g in zip(names, torch.autograd.grad(loss, params), strict=True):
+                sq[k] += g.double() ** 2
+    return sq
+
+
+def assert_matches_reference(
+    body: nn.Module,
+    head: nn.Module,
+    batches: Batches,
+    fisher: dict,
+    metrics: dict,
+    reference: Callable[[nn.Module, nn.Module, Batches], dict] = body_squared_gradients,
+) -> None:
+    sq = reference(body, head, batches)
+    n = sum(x.shape[0] for x, _ in batches)
+    assert set(fisher) == set(sq)
+    for name, value in sq.items():
+        assert value.abs().sum() > 0, name  # a rule that sees nothing would pass otherwise
+        torch.testing.assert_close(fisher[name], value / n, rtol=REL, atol=1e-12)
+    total = sum(v.sum().item() for v in sq.values()) / n
+    assert metrics["probes/fisher/body/trace"] == pytest.approx(total, rel=REL)
+    assert metrics["probes/fisher/body/unsupported_params"] == 0
+
+
+CONVS = {
+    "conv2d": lambda: nn.Conv2d(3, 4, 3),
+    "conv2d_stride_pad": lambda: nn.Conv2d(3, 4, (3, 2), stride=(2, 1), padding=(1, 2)),
+    "conv2d_dilation_groups_nobias": lambda: nn.Conv2d(
+        4, 6, 3, dilation=2, groups=2, padding=1, bias=False
+    ),
+    "conv2d_reflect": lambda: nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect"),
+    "conv2d_circular_same": lambda: nn.Conv2d(3, 4, 4, padding="same", padding_mode="circular"),
+    "conv2d_replicate_stride": lambda: nn.Conv2d(3, 2, 3, stride=2, padding=1,
+                                                 padding_mode="replicate"),
+    "conv2d_same_even": lambda: nn.Conv2d(3, 4, 4, padding="same"),
+    "conv2d_depthwise": lambda: nn.Conv2d(4, 8, 3, groups=4),
+}  # fmt: skip
+CONV1DS = {
+    "conv1d": lambda: nn.Conv1d(3, 4, 3),
+    "conv1d_stride_dilation_groups": lambda: nn.Conv1d(
+        4, 6, 3, stride=2, dilation=2, padding=2, groups=2
+    ),
+    "conv1d_reflect_nobias": lambda: nn.Conv1d(3, 5, 3, padding=1, padding_mode="reflect",
+                                               bias=False),
+    "conv1d_same_circular": lambda: nn.Conv1d(3, 4, 4, padding="same", padding_mode="circular"),
+}  # fmt: skip
+
+
+def conv_model(conv: nn.Module, in_shape: tuple[int, ...]) -> tuple[nn.Module, nn.Module]:
+    body = nn.Sequential(conv, nn.Tanh(), nn.Flatten())
+    with torch.no_grad():
+        width = body(torch.zeros(1, *in_shape)).shape[1]
+    return body, nn.Linear(width, 3)
+
+
+@pytest.mark.parametrize("name", list(CONVS) + list(CONV1DS))
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_conv_fisher_matches_vmap(name: str, reduction: str) -> None:
+    torch.manual_seed(0)
+    conv = (CONVS | CONV1DS)[name]()
+    in_shape = (conv.in_channels, 7, 6) if name in CONVS else (conv.in_channels, 9)
+    body, head = conv_model(conv, in_shape)
+    batches = image_batches(in_shape, (10, 7))
+    fisher, metrics = probe_fisher(body, head, batches, reduction=reduction)
+    assert_matches_reference(body, head, batches, fisher, metrics)
+
+
+def test_stacked_convs_with_micro_batches_and_small_chunks() -> None:
+    """NatureCNN's layout (conv, ReLU, conv, ReLU, flatten, linear); the minibatch split
+    into micro-batches (context.loss_scale) and chunks smaller than the batch give the
+    same Fisher as one pass with no chunking."""
+    torch.manual_seed(1)
+    body = nn.Sequential(
+        nn.Conv2d(2, 4, 4, stride=2),
+        nn.ReLU(),
+        nn.Conv2d(4, 6, 3, stride=1),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(6 * 2 * 2, 8),
+        nn.ReLU(),
+    )
+    head = nn.Linear(8, 3)
+    batches = image_batches((2, 10, 10), (12, 8))
+    whole, metrics = probe_fisher(body, head, batches)
+    assert_matches_reference(body, head, batches, whole, metrics)
+    chunked, _ = probe_fisher(body, head, batches, micro=4, chunk_bytes=1)  # one sample a chunk
+    for name, value in whole.items():
+        torch.testing.assert_close(chunked[name], value, rtol=REL, atol=1e-12)
+
+
+def index_batches(vocab: int, positions: int, sizes: tuple[int, ...]) -> Batches:
+    g = torch.Generator().manual_seed(5)
+    return [
+        (
+            torch.randint(0, vocab, (n, positions), generator=g),
+            torch.randint(0, 3, (n,), generator=g),
+        )
+        for n in sizes
+    ]
+
+
+@pytest.mark.parametrize("padding_idx", [None, 0])
+@pytest.mark.parametrize("chunk_bytes", [1, 1 << 26])
+def test_embedding_fisher_with_repeated_indices_and_padding(
+    padding_idx: int | None, chunk_bytes: int
+) -> None:
+    torch.manual_seed(2)
+    body = nn.Sequential(nn.Embedding(6, 4, padding_idx=padding_idx), nn.Tanh(), nn.Flatten())
+    head = nn.Linear(5 * 4, 3)
+    batches = index_batches(6, 5, (9, 6))  # 5 positions from 6 indices: many repeats
+    assert any(len(set(row.tolist())) < 5 for row in batches[0][0])
+    assert any(0 in row.tolist() for row in batches[0][0])
+    fisher, metrics = probe_fisher(body, head, batches, chunk_bytes=chunk_bytes)
+    if padding_idx is not None:  # the padding row never gets a gradient
+        assert fisher["0.weight"][padding_idx].abs().sum() == 0
+        fisher["0.weight"][padding_idx] = 0.0
+    sq = body_squared_gradients(body, head, batches)
+    n = 15
+    for name, value in sq.items():
+        torch.testing.assert_close(fisher[name], value / n, rtol=REL, atol=1e-12)
+    assert metrics["probes/fisher/body/unsupported_params"] == 0
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_layer_norm_over_two_trailing_dims_and_group_norm(reduction: str) -> None:
+    torch.manual_seed(3)
+    body = nn.Sequential(
+        nn.Conv2d(2, 6, 3),
+        nn.GroupNorm(3, 6),
+        nn.Tanh(),
+        nn.LayerNorm((6, 4, 4)),  # affine over (C, H, W): every entry its own weight
+        nn.Flatten(2),
+        nn.LayerNorm((6, 16)),
+        nn.Flatten(),
+    )
+    with torch.no_grad():  # affine parameters away from their (1, 0) start
+        for m in (body[1], body[3], body[5]):
+            m.weight.normal_()
+            m.bias.normal_()
+    head = nn.Linear(96, 3)
+    batches = image_batches((2, 6, 6), (8, 5))
+    fisher, metrics = probe_fisher(body, head, batches, reduction=reduction, chunk_bytes=2000)
+    assert_matches_reference(body, head, batches, fisher, metrics)
+
+
+class Recurrent(nn.Module):
+    """(batch, time, features) -> mean hidden state over time, through an RNN module of
+    either batch layout, or through an RNN cell stepped over time (one pass a step)."""
+
+    def __init__(self, rnn: nn.Module) -> None:
+        super().__init__()
+        self.rnn = rnn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.rnn, nn.RNNCellBase):
+            state, hs = None, []
+            for t in range(x.shape[1]):
+                state = self.rnn(x[:, t], state)
+                hs.append(state[0] if isinstance(state, tuple) else state)
+            return torch.stack(hs, 1).mean(1)
+        if not self.rnn.batch_first:
+            x = x.transpose(0, 1)
+        out, _ = self.rnn(x)
+        return out.mean(1 if self.rnn.batch_first else 0)
+
+
+RNNS = {
+    "lstm": lambda: nn.LSTM(4, 5),
+    "lstm_batch_first_2_layers": lambda: nn.LSTM(4, 5, num_layers=2, batch_first=True),
+    "lstm_bidirectional_proj": lambda: nn.LSTM(4, 6, proj_size=3, bidirectional=True),
+    "gru": lambda: nn.GRU(4, 5),
+    "gru_batch_first": lambda: nn.GRU(4, 5, batch_first=True),
+    "lstm_cell": lambda: nn.LSTMCell(4, 5),
+    "gru_cell": lambda: nn.GRUCell(4, 5),
+}
+
+
+@pytest.mark.parametrize("name", list(RNNS))
+def test_recurrent_layers_through_the_generic_route(name: str) -> None:
+    torch.manual_seed(4)
+    rnn = RNNS[name]()
+    body = Recurrent(rnn)
+    with torch.no_grad():
+        width = body(torch.zeros(1, 3, 4)).shape[-1]
+    head = nn.Linear(width, 3)
+    batches = image_batches((3, 4), (9, 6))
+    fisher, metrics = probe_fisher(body, head, batches)
+    assert_matches_reference(body, head, batches, fisher, metrics, loop_squared_gradients)
+
+
+@pytest.mark.parametrize(("micro", "reduction", "chunk_bytes"), [(3, "mean", 1), (1, "sum", 1)])
+def test_generic_route_micro_batches_sum_loss_and_chunks(
+    micro: int, reduction: str, chunk_bytes: int
+) -> None:
+    torch.manual_seed(5)
+    body = Recurrent(nn.LSTM(4, 5))
+    head = nn.Linear(5, 3)
+    batches = image_batches((3, 4), (9, 6))
+    fisher, metrics = probe_fisher(
+        body, head, batches, micro=micro, reduction=reduction, chunk_bytes=chunk_bytes
+    )
+    assert_matches_reference(body, head, batches, fisher, metrics)
+
+
+class Attention(nn.Module):
+    def __init__(self, batch_first: bool) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(4, 2, batch_first=batch_first)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.attn.batch_first:
+            x = x.transpose(0, 1)
+        out, _ = self.attn(x, x, x)
+        return out.mean(1 if self.attn.batch_first else 0)
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_multihead_attention_through_the_generic_route(batch_first: bool) -> None:
+    """out_proj is an nn.Linear the attention's forward never calls: it must go through
+    the attention's generic unit, not a Linear hook that would never fire."""
+    torch.manual_seed(6)
+    body = Attention(batch_first)
+    head = nn.Linear(4, 3)
+    batches = image_batches((3, 4), (7, 5))
+    fisher, metrics = probe_fisher(body, head, batches)
+    assert "attn.out_proj.weight" in fisher
+    assert_matches_reference(body, head, batches, fisher, metrics)
+
+
+class Scaled(nn.Module):
+    """A user layer with a parameter of its own around a Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, 6))
+        self.linear = nn.Linear(5, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(x) * self.gain)
+
+
+def test_generic_off_lists_uncovered_parameters_by_name(caplog: pytest.LogCaptureFixture) -> None:
+    torch.manual_seed(7)
+    body = nn.Sequential(Recurrent(nn.GRU(4, 5)), nn.Linear(5, 4))
+    head = nn.Linear(4, 3)
+    batches = image_batches((3, 4), (6,))
+    with caplog.at_level(logging.WARNING, logger="policy_probes"):
+        fisher, metrics = probe_fisher(body, head, batches, generic="off")
+    gru = body[0].rnn
+    expected = {f"0.rnn.{k}": p.numel() for k, p in gru.named_parameters()}
+    listed = {
+        k.removeprefix("probes/fisher/body/uncovered/"): v
+        for k, v in metrics.items()
+        if k.startswith("probes/fisher/body/uncovered/")
+    }
+    assert listed == expected
+    assert metrics["probes/fisher/body/unsupported_params"] == 4
+    assert set(fisher) == {"1.weight", "1.bias"}
+    assert "generic='auto' covers them" in caplog.text
+    # with the default the same model is covered entirely, exactly
+    fisher, metrics = probe_fisher(body, head, batches)
+    assert_matches_reference(body, head, batches, fisher, metrics, loop_squared_gradients)
+
+
+def test_user_layer_with_own_parameter_goes_generic_as_a_whole() -> None:
+    torch.manual_seed(8)
+    body = nn.Sequential(Scaled(), nn.Linear(6, 4))
+    head = nn.Linear(4, 3)
+    batches = image_batches((5,), (7, 4))
+    fisher, metrics = probe_fisher(body, head, batches, micro=2)
+    assert set(fisher) == {"0.gain", "0.linear.weight", "0.linear.bias", "1.weight", "1.bias"}
+    assert_matches_reference(body, head, batches, fisher, metrics)
+
+
+class Packed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(4, 5, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lengths = torch.full((x.shape[0],), x.shape[1])
+        _, (h, _) = self.lstm(pack_padded_sequence(x, lengths, batch_first=True))
+        return h[-1]
+
+
+def test_a_module_the_generic_route_cannot_split_is_reported_and_listed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    torch.manual_seed(9)
+    body = nn.Sequential(Packed(), nn.Linear(5, 4))
+    head = nn.Linear(4, 3)
+    batches = image_batches((3, 4), (6, 5))
+    with caplog.at_level(logging.WARNING, logger="policy_probes"):
+        fisher, metrics = probe_fisher(body, head, batches)
+    assert "PackedSequence" in caplog.text and "pass padded tensors instead" in caplog.text
+    assert set(fisher) == {"1.weight", "1.bias"}  # the rest of the probe carries on
+    lstm = body[0].lstm
+    for k, p in lstm.named_parameters():
+        assert metrics[f"probes/fisher/body/uncovered/0.lstm.{k}"] == p.numel()
+    assert metrics["probes/fisher/body/unsupported_params"] == 4
+
+
+def test_builder_rejects_bad_generic_and_chunk_settings() -> None:
+    with pytest.raises(ValueError, match="generic must be 'auto' or 'off'"):
+        attach_fisher_information_hooks(generic="on")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="chunk_bytes must be an integer >= 1"):
+        attach_fisher_information_hooks(chunk_bytes=0)
