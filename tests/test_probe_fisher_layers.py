@@ -380,3 +380,39 @@ def test_builder_rejects_bad_generic_and_chunk_settings() -> None:
         attach_fisher_information_hooks(generic="on")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="chunk_bytes must be an integer >= 1"):
         attach_fisher_information_hooks(chunk_bytes=0)
+
+
+def test_sb3_nature_cnn_is_covered_entirely() -> None:
+    """The issue's encoder: SB3's NatureCNN (CnnPolicy) had every conv parameter left
+    out; now every parameter is in the Fisher, exactly."""
+    from gymnasium import spaces
+    from stable_baselines3.common.torch_layers import NatureCNN
+
+    torch.manual_seed(10)
+    space = spaces.Box(0.0, 1.0, (2, 36, 36))
+    body = NatureCNN(space, features_dim=8, normalized_image=True)
+    head = nn.Linear(8, 3)
+    batches = [(torch.rand(n, 2, 36, 36), torch.randint(0, 3, (n,))) for n in (6, 4)]
+    fisher, metrics = probe_fisher(body, head, batches, chunk_bytes=1 << 16)
+    assert_matches_reference(body, head, batches, fisher, metrics)
+    conv = sum(v.sum().item() for k, v in fisher.items() if k.startswith("cnn."))
+    assert metrics["probes/fisher/body/trace"] > conv > 0
+
+
+@pytest.mark.parametrize("layer", ["conv", "lstm"])
+def test_a_sample_with_a_non_finite_input_is_dropped(layer: str) -> None:
+    torch.manual_seed(11)
+    if layer == "conv":
+        body, head = conv_model(nn.Conv2d(2, 3, 3, padding=1), (2, 5, 5))
+        x, a = image_batches((2, 5, 5), (7,))[0]
+    else:
+        body, head = Recurrent(nn.LSTM(4, 5, batch_first=True)), nn.Linear(5, 3)
+        x, a = image_batches((3, 4), (7,))[0]
+    bad = x.clone()
+    bad[2].view(-1)[1] = float("nan")
+    # sum: sample 2 only poisons itself (its own loss and gradient)
+    fisher, metrics = probe_fisher(body, head, [(bad, a)], reduction="sum")
+    keep = torch.arange(7) != 2
+    sq = loop_squared_gradients(body, head, [(x[keep], a[keep])])
+    for name, value in sq.items():
+        torch.testing.assert_close(fisher[name], value / 6, rtol=REL, atol=1e-12)
