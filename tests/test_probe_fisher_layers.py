@@ -416,3 +416,59 @@ def test_a_sample_with_a_non_finite_input_is_dropped(layer: str) -> None:
     sq = loop_squared_gradients(body, head, [(x[keep], a[keep])])
     for name, value in sq.items():
         torch.testing.assert_close(fisher[name], value / 6, rtol=REL, atol=1e-12)
+
+
+class LSTMNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(4, 5, batch_first=True)
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.lstm(x)[0].mean(1))
+
+
+class LSTMOutput(nn.Module):
+    """The LSTM's output sequence alone (for the reference)."""
+
+    def __init__(self, lstm: nn.LSTM) -> None:
+        super().__init__()
+        self.lstm = lstm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lstm(x)[0]
+
+
+def test_component_that_is_itself_an_lstm() -> None:
+    """The layout of a recurrent policy's ``lstm_actor`` component: the probed module
+    is the generic unit itself, its tuple output read through ``extractor``."""
+    torch.manual_seed(12)
+    net = LSTMNet()
+    model = PolicyAutoBuilder.wrap(net, {"lstm": "lstm"})
+    ctx = ComponentContext()
+    builder = attach_fisher_information_hooks(extractor=lambda out: out[0])
+    model.attach("lstm", builder, ctx, backward=True)
+    batches = image_batches((3, 4), (6, 5))
+    for x, a in batches:
+        per_sample_loss(model(x), a).mean().backward()
+    assert not ctx.probe_errors
+    fisher = ctx.model_metrics["fisher"].param_fisher("lstm")
+    model.remove_hooks()
+    sq = loop_squared_gradients(LSTMOutput(net.lstm), lambda h: net.head(h.mean(1)), batches)
+    assert set(fisher) == {k.removeprefix("lstm.") for k in sq}
+    for name, value in sq.items():
+        torch.testing.assert_close(
+            fisher[name.removeprefix("lstm.")], value / 11, rtol=REL, atol=1e-12
+        )
+
+
+def test_param_every_counts_backwards_on_the_generic_route() -> None:
+    """A cell stepped over time makes several passes per backward; param_every=2 keeps
+    every other backward with all of its steps (the per-sample sum over steps)."""
+    torch.manual_seed(13)
+    body, head = Recurrent(nn.GRUCell(4, 5)), nn.Linear(5, 3)
+    batches = image_batches((3, 4), (6, 5, 7, 4))
+    fisher, _ = probe_fisher(body, head, batches, param_every=2)
+    sq = loop_squared_gradients(body, head, batches[::2])
+    for name, value in sq.items():
+        torch.testing.assert_close(fisher[name], value / 13, rtol=REL, atol=1e-12)

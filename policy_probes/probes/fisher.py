@@ -105,8 +105,8 @@ class FisherInformationState(ProbeState):
         grad_output: torch.Tensor,
         loss_scale: float = 1.0,
     ) -> None:
-        """One backward pass through a covered layer: its input (for ``nn.LayerNorm`` the
-        normalised input) and output gradient; ``names`` = (weight, bias) names or None."""
+        """One backward pass through an ``nn.Linear``: its input and output gradient;
+        ``names`` = (weight, bias) names or None."""
         g = as_rows(grad_output)
         f = self.sample_factor(component, g.shape[0], loss_scale)
         stream = f"{kind}:{names[0] or ''}:{names[1] or ''}"
@@ -376,7 +376,7 @@ class FisherInformationHook(ProbeHook):
         reduced together (a cell stepped over time: the per-sample gradient is the sum
         over steps). A module whose inputs cannot be split is reported once, listed as
         uncovered and no longer recorded; the rest of the probe carries on."""
-        passes = itertools.count()
+        backwards = itertools.count()
         gave_up: list[bool] = [False]
         pending: list[Call] = []  # passes of the running backward, by arrival
         loss_scale: list[float] = [1.0]
@@ -384,7 +384,8 @@ class FisherInformationHook(ProbeHook):
         def reduce_pending() -> None:
             calls = list(pending)
             pending.clear()
-            if not self.enabled:
+            # param_every counts backwards here: all passes of one backward belong together
+            if not self.enabled or next(backwards) % self.param_every:
                 return
             try:
                 by_batch: dict[int, list[Call]] = {}
@@ -396,7 +397,7 @@ class FisherInformationHook(ProbeHook):
                 self.fail(exc)
 
         def hook(mod: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            if gave_up[0] or not self._recorded(output, passes):
+            if gave_up[0] or not self._recorded(output, None):
                 return
             try:
                 layout = batch_layout(mod, args, kwargs, output)
@@ -421,13 +422,16 @@ class FisherInformationHook(ProbeHook):
             def arrived(grads: Any) -> None:
                 if not self.enabled:
                     return
-                full: list[torch.Tensor | None] = [None] * width
-                for i, g in zip(tapped, grads, strict=True):
-                    full[i] = g
-                if not pending:  # first pass of this backward: reduce when it ends
-                    loss_scale[0] = self.context.loss_scale
-                    torch.autograd.Variable._execution_engine.queue_callback(reduce_pending)
-                pending.append(Call(layout, full))
+                try:
+                    full: list[torch.Tensor | None] = [None] * width
+                    for i, g in zip(tapped, grads, strict=True):
+                        full[i] = g
+                    if not pending:  # first pass of this backward: reduce when it ends
+                        loss_scale[0] = self.context.loss_scale
+                        torch.autograd.Variable._execution_engine.queue_callback(reduce_pending)
+                    pending.append(Call(layout, full))
+                except Exception as exc:
+                    self.fail(exc)
 
             torch.autograd.graph.register_multi_grad_hook(
                 [outs[i] for i in tapped], arrived, mode="all"
@@ -449,10 +453,10 @@ class FisherInformationHook(ProbeHook):
             list(sizes),
         )
 
-    def _recorded(self, output: Any, passes: Iterator[int]) -> bool:
+    def _recorded(self, output: Any, passes: Iterator[int] | None) -> bool:
         """Whether this forward pass of a layer feeds the per-parameter Fisher: it will be
         backpropagated in an active phase, and it is one of every ``param_every`` such
-        passes of the layer (``passes`` counts them)."""
+        passes of the layer (``passes`` counts them; None: no sampling here)."""
         if not (
             self.enabled
             and self.context.phase in self.phases
@@ -460,7 +464,7 @@ class FisherInformationHook(ProbeHook):
             and _carries_grad(output)
         ):
             return False
-        return next(passes) % self.param_every == 0
+        return passes is None or next(passes) % self.param_every == 0
 
     def _tap(self, output: torch.Tensor, compute: Any) -> None:
         """Register ``compute(grad)`` on ``output`` (a pass :meth:`_recorded` accepted)."""
