@@ -472,3 +472,28 @@ def test_param_every_counts_backwards_on_the_generic_route() -> None:
     sq = loop_squared_gradients(body, head, batches[::2])
     for name, value in sq.items():
         torch.testing.assert_close(fisher[name], value / 13, rtol=REL, atol=1e-12)
+
+
+def test_dropout_and_batch_norm_are_listed_with_the_reason(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """No exact per-sample gradient: a re-run draws new dropout masks, and batch norm
+    mixes the batch into every sample's gradient. Both are listed, the rest is exact."""
+    torch.manual_seed(14)
+    rnn = Recurrent(nn.LSTM(4, 5, num_layers=2, dropout=0.3, batch_first=True))
+    body = nn.Sequential(rnn, nn.BatchNorm1d(5), nn.Linear(5, 4))
+    head = nn.Linear(4, 3)
+    batches = image_batches((3, 4), (6, 5))
+    with caplog.at_level(logging.WARNING, logger="policy_probes"):
+        fisher, metrics = probe_fisher(body, head, batches)
+    assert "applies dropout in training mode" in caplog.text
+    assert "batch norm" in caplog.text
+    assert set(fisher) == {"2.weight", "2.bias"}
+    listed = {
+        k.removeprefix("probes/fisher/body/uncovered/")
+        for k in metrics
+        if k.startswith("probes/fisher/body/uncovered/")
+    }
+    expected = {f"0.rnn.{k}" for k, _ in rnn.rnn.named_parameters()} | {"1.weight", "1.bias"}
+    assert listed == expected
+    assert metrics["probes/fisher/body/uncovered/1.weight"] == 5

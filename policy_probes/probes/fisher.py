@@ -364,7 +364,8 @@ class FisherInformationHook(ProbeHook):
                 list(uncovered),
                 "generic='auto' covers them through torch.func"
                 if settings["generic"] == "off"
-                else "their modules have no forward of their own or a batch-dependent gradient",
+                else "their modules have no forward of their own (nn.ParameterList) or a "
+                "batch-dependent gradient (batch norm, scale_grad_by_freq)",
             )
         return handles
 
@@ -650,8 +651,11 @@ def _owns_uncovered_parameters(module: nn.Module) -> bool:
 def _generic_capable(module: nn.Module) -> bool:
     """Whether the generic route can take ``module``: it has a forward of its own (not a
     parameter holder such as ``nn.ParameterList``) and no batch-dependent gradient
-    (``nn.Embedding(scale_grad_by_freq=True)``)."""
+    (``nn.Embedding(scale_grad_by_freq=True)``, batch norm: one sample's gradient
+    depends on the rest of the batch, so it has no per-sample gradient to square)."""
     if type(module).forward is nn.Module.forward:
+        return False
+    if isinstance(module, nn.modules.batchnorm._BatchNorm):
         return False
     return not (isinstance(module, nn.Embedding) and module.scale_grad_by_freq)
 

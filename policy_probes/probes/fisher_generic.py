@@ -52,6 +52,12 @@ def batch_layout(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> L
             f"{type(module).__name__} received a PackedSequence, which the generic Fisher "
             f"route cannot split into samples; pass padded tensors instead"
         )
+    if module.training and _has_dropout(module):
+        raise ProbeError(
+            f"{type(module).__name__} applies dropout in training mode; re-run on single "
+            f"samples it would draw new masks, so its per-sample gradients are not those of "
+            f"the training pass. Set its dropout to 0 to cover it"
+        )
     args, kwargs = tuple(args), dict(kwargs)
     if isinstance(module, nn.RNNBase | nn.RNNCellBase):
         return _rnn_layout(module, args, kwargs, output)
@@ -76,6 +82,19 @@ def batch_layout(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> L
             )
         out_dims.append(0 if isinstance(t, torch.Tensor) else None)
     return Layout(leaves, spec, in_dims, out_dims, n)
+
+
+def _has_dropout(module: nn.Module) -> bool:
+    """Dropout with p > 0 anywhere in ``module``: a dropout layer, or the ``dropout``
+    setting of a stacked RNN or an attention block."""
+    for m in module.modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
+            return True
+        if isinstance(m, nn.RNNBase) and m.dropout > 0 and m.num_layers > 1:
+            return True
+        if isinstance(m, nn.MultiheadAttention) and m.dropout > 0:
+            return True
+    return False
 
 
 def _batched(t: Any, n: int, dim: int) -> bool:
@@ -168,6 +187,8 @@ def per_sample_squares(
     passes of one backward over the same samples (an RNN cell stepped over time): a
     sample's gradient is the sum over them, squared afterwards."""
     params = {k: p.detach() for k, p in module.named_parameters()}
+    # copies of the buffers: a forward that updates one in place updates the copy
+    params.update({k: b.clone() for k, b in module.named_buffers()})
     n = calls[0].layout.batch
     plans = []  # per call: leaves, batched leaf positions, gradient positions, scaled grads
     for call in calls:
