@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from pathlib import Path
 
+import gymnasium as gym
+import numpy as np
 import pytest
 import torch
 from test_probe_fisher import body_squared_gradients, per_sample_loss
@@ -497,3 +500,47 @@ def test_dropout_and_batch_norm_are_listed_with_the_reason(
     expected = {f"0.rnn.{k}" for k, _ in rnn.rnn.named_parameters()} | {"1.weight", "1.bias"}
     assert listed == expected
     assert metrics["probes/fisher/body/uncovered/1.weight"] == 5
+
+
+class TinyImageEnv(gym.Env):
+    """36 x 36 grey frames (the smallest NatureCNN takes), 3 actions, 8-step episodes."""
+
+    observation_space = gym.spaces.Box(0, 255, (36, 36, 1), np.uint8)
+    action_space = gym.spaces.Discrete(3)
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple:
+        super().reset(seed=seed)
+        self.t = 0
+        return self.observation_space.sample(), {}
+
+    def step(self, action: int) -> tuple:
+        self.t += 1
+        reward = float(action == 1)
+        return self.observation_space.sample(), reward, self.t >= 8, False, {}
+
+
+def test_sb3_cnn_policy_features_fisher_covers_the_convolutions(tmp_path: Path) -> None:
+    """The issue's run: PPO("CnnPolicy") with the Fisher probe on ``features``; every
+    parameter of the encoder is covered and the convolutions are in the trace."""
+    from stable_baselines3 import PPO
+
+    from policy_probes.integrations.sb3 import ProbeCallback
+    from policy_probes.sinks import SinksConfig, read_jsonl
+
+    env = TinyImageEnv()
+    env.observation_space.seed(0)
+    model = PPO("CnnPolicy", env, n_steps=16, batch_size=16, n_epochs=1, device="cpu", seed=0)
+    callback = ProbeCallback(
+        backward_probes=[("features", attach_fisher_information_hooks())],
+        run_dir=tmp_path,
+        sinks=SinksConfig(console=False, wandb=False),
+    )
+    model.learn(16, callback=callback)
+    (rec,) = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if r["hook_point"] == "POST_EPOCH"]
+    prefix = "probes/fisher/features/"
+    assert rec[prefix + "unsupported_params"] == 0
+    names = [n for n, _ in model.policy.features_extractor.named_parameters()]
+    traces = {n: rec[f"{prefix}{n}.trace"] for n in names}
+    assert all(v > 0 for v in traces.values())
+    assert rec[prefix + "trace"] == pytest.approx(sum(traces.values()), rel=1e-9)
+    assert sum(v for n, v in traces.items() if n.startswith("cnn.")) > 0

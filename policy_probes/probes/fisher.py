@@ -342,8 +342,8 @@ class FisherInformationHook(ProbeHook):
             if id(sub) in inside or any(id(p) in covered for p in sub.parameters(recurse=False)):
                 continue
             kind = "linear" if _is_linear(sub) else closed_form_rule(sub)
-            if kind is None:
-                continue
+            if kind is None or next(sub.parameters(recurse=False), None) is None:
+                continue  # no rule, or nothing to learn (a norm without affine parameters)
             names = (
                 f"{prefix}weight" if getattr(sub, "weight", None) is not None else None,
                 f"{prefix}bias" if getattr(sub, "bias", None) is not None else None,
