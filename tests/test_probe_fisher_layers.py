@@ -306,15 +306,17 @@ def test_multihead_attention_through_the_generic_route(batch_first: bool) -> Non
 
 
 class Scaled(nn.Module):
-    """A user layer with a parameter of its own around a Linear."""
+    """A user layer with a parameter of its own around a Linear, and buffers."""
 
     def __init__(self) -> None:
         super().__init__()
         self.gain = nn.Parameter(torch.linspace(0.5, 1.5, 6))
         self.linear = nn.Linear(5, 6)
+        self.register_buffer("offset", torch.linspace(-0.2, 0.2, 6))
+        self.register_buffer("version", torch.zeros((), dtype=torch.long))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.linear(x) * self.gain)
+        return torch.tanh(self.linear(x) * self.gain + self.offset)
 
 
 def test_generic_off_lists_uncovered_parameters_by_name(caplog: pytest.LogCaptureFixture) -> None:

@@ -187,8 +187,9 @@ def per_sample_squares(
     passes of one backward over the same samples (an RNN cell stepped over time): a
     sample's gradient is the sum over them, squared afterwards."""
     params = {k: p.detach() for k, p in module.named_parameters()}
-    # copies of the buffers: a forward that updates one in place updates the copy
-    params.update({k: b.clone() for k, b in module.named_buffers()})
+    # copies of the buffers (not differentiated): a forward that updates one in place
+    # updates the copy
+    buffers = {k: b.clone() for k, b in module.named_buffers()}
     n = calls[0].layout.batch
     plans = []  # per call: leaves, batched leaf positions, gradient positions, scaled grads
     for call in calls:
@@ -212,7 +213,7 @@ def per_sample_squares(
             for i, x in zip(batched_at, x_call, strict=True):
                 leaves[i] = x.unsqueeze(lay.in_dims[i])  # a batch of one sample
             args, kwargs = tree_unflatten(leaves, lay.spec)
-            outs = tree_flatten(functional_call(module, p, args, kwargs))[0]
+            outs = tree_flatten(functional_call(module, (p, buffers), args, kwargs))[0]
             for i, g in zip(g_at, g_call, strict=True):
                 term = (outs[i] * g.unsqueeze(lay.out_dims[i])).sum()
                 total = term if total is None else total + term
