@@ -546,3 +546,55 @@ def test_sb3_cnn_policy_features_fisher_covers_the_convolutions(tmp_path: Path) 
     assert all(v > 0 for v in traces.values())
     assert rec[prefix + "trace"] == pytest.approx(sum(traces.values()), rel=1e-9)
     assert sum(v for n, v in traces.items() if n.startswith("cnn.")) > 0
+
+
+class ChannelsLast(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x.contiguous(memory_format=torch.channels_last)).flatten(1)
+
+
+LAYOUTS = {
+    # channels_last: vmap cannot clone to that format, so the loop reference
+    "conv_channels_last": lambda: (
+        ChannelsLast(),
+        nn.Linear(100, 3),
+        image_batches((3, 7, 7), (5, 4)),
+        loop_squared_gradients,
+    ),
+    "embedding_1d_indices": lambda: (
+        nn.Sequential(nn.Embedding(7, 4), nn.Tanh()),
+        nn.Linear(4, 3),
+        [(torch.randint(0, 7, (9,)), torch.randint(0, 3, (9,)))],
+        body_squared_gradients,
+    ),
+    "layer_norm_without_bias": lambda: (
+        nn.Sequential(nn.Linear(5, 6), nn.LayerNorm(6, bias=False), nn.Tanh()),
+        nn.Linear(6, 3),
+        image_batches((5,), (8,)),
+        body_squared_gradients,
+    ),
+    "group_norm_on_features": lambda: (
+        nn.Sequential(nn.Linear(5, 6), nn.GroupNorm(2, 6), nn.Tanh()),
+        nn.Linear(6, 3),
+        image_batches((5,), (8,)),
+        body_squared_gradients,
+    ),
+    "conv3d_generic": lambda: (
+        nn.Sequential(nn.Conv3d(2, 3, 2), nn.Tanh(), nn.Flatten()),
+        nn.Linear(24, 3),
+        image_batches((2, 3, 3, 3), (6,)),
+        body_squared_gradients,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_more_layouts(name: str) -> None:
+    torch.manual_seed(15)
+    body, head, batches, reference = LAYOUTS[name]()
+    fisher, metrics = probe_fisher(body, head, batches)
+    assert_matches_reference(body, head, batches, fisher, metrics, reference)
