@@ -245,9 +245,16 @@ class Recurrent(nn.Module):
 RNNS = {
     "lstm": lambda: nn.LSTM(4, 5),
     "lstm_batch_first_2_layers": lambda: nn.LSTM(4, 5, num_layers=2, batch_first=True),
+    "lstm_bidirectional_2_layers_no_bias": lambda: nn.LSTM(
+        4, 5, num_layers=2, bidirectional=True, bias=False
+    ),
+    # projections: the torch.func route (the others: the gate-gradient rule)
     "lstm_bidirectional_proj": lambda: nn.LSTM(4, 6, proj_size=3, bidirectional=True),
     "gru": lambda: nn.GRU(4, 5),
     "gru_batch_first": lambda: nn.GRU(4, 5, batch_first=True),
+    "gru_bidirectional_2_layers": lambda: nn.GRU(4, 5, num_layers=2, bidirectional=True),
+    "rnn_tanh": lambda: nn.RNN(4, 5, num_layers=2),
+    "rnn_relu_batch_first": lambda: nn.RNN(4, 5, nonlinearity="relu", batch_first=True),
     "lstm_cell": lambda: nn.LSTMCell(4, 5),
     "gru_cell": lambda: nn.GRUCell(4, 5),
 }
@@ -598,3 +605,25 @@ def test_more_layouts(name: str) -> None:
     body, head, batches, reference = LAYOUTS[name]()
     fisher, metrics = probe_fisher(body, head, batches)
     assert_matches_reference(body, head, batches, fisher, metrics, reference)
+
+
+class TwoCalls(nn.Module):
+    """One LSTM over two halves of each sample's sequence, with the final state of the
+    first as the initial state of the second: two passes of the unit per backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(4, 5, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first, state = self.lstm(x[:, :2])
+        second, _ = self.lstm(x[:, 2:], state)
+        return torch.cat([first, second], 1).mean(1)
+
+
+def test_an_rnn_called_twice_per_forward_sums_each_samples_gradient() -> None:
+    torch.manual_seed(16)
+    body, head = TwoCalls(), nn.Linear(5, 3)
+    batches = image_batches((5, 4), (7, 6))
+    fisher, metrics = probe_fisher(body, head, batches, micro=2)
+    assert_matches_reference(body, head, batches, fisher, metrics, loop_squared_gradients)

@@ -26,6 +26,7 @@ from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from policy_probes.hook_types import ProbeError
+from policy_probes.probes.fisher_rnn import gate_rule_applies, rnn_per_sample_squares
 from policy_probes.probes.fisher_rules import chunks
 from policy_probes.probes.state import SUM
 
@@ -185,7 +186,11 @@ def per_sample_squares(
     """``sum_i w_i^2 (sum_calls d <y_i, g_i> / d theta)^2`` for every parameter of
     ``module`` (``w``: one weight per sample, 0 for a dropped sample). ``calls`` are the
     passes of one backward over the same samples (an RNN cell stepped over time): a
-    sample's gradient is the sum over them, squared afterwards."""
+    sample's gradient is the sum over them, squared afterwards. ``nn.LSTM``/``nn.GRU``/
+    ``nn.RNN`` take the faster, equally exact gate-gradient rule of
+    :mod:`~policy_probes.probes.fisher_rnn`."""
+    if gate_rule_applies(module):
+        return rnn_per_sample_squares(module, calls, w, chunk_bytes)
     params = {k: p.detach() for k, p in module.named_parameters()}
     # copies of the buffers (not differentiated): a forward that updates one in place
     # updates the copy
