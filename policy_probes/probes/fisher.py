@@ -17,7 +17,8 @@ per-sample gradient tensors and never from ``param.grad``:
 where f is the per-sample factor above. Every other parametrised module (``nn.LSTM``,
 ``nn.GRU``, the RNN cells, ``nn.MultiheadAttention``, user layers) goes through the exact
 ``torch.func`` route of :mod:`policy_probes.probes.fisher_generic` unless
-``generic="off"``. Parameters neither covers are listed by name
+``generic="off"`` (``nn.LSTM``/``nn.GRU``/``nn.RNN`` there take the gate-gradient rule
+of :mod:`policy_probes.probes.fisher_rnn`). Parameters neither covers are listed by name
 (``uncovered/<name>`` = number of entries) and counted in ``unsupported_params``.
 """
 
