@@ -110,7 +110,8 @@ def test_detector_sees_calls_inside_backward_hooks(backward: bool) -> None:
 
 class ConvLSTMBody(nn.Module):
     """A conv encoder (closed-form conv and GroupNorm rules) feeding an LSTM (generic
-    torch.func route) and a Linear."""
+    route, gate-gradient rule), a GRU cell (generic route through torch.func) and a
+    Linear."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -118,13 +119,14 @@ class ConvLSTMBody(nn.Module):
             nn.Conv2d(2, 4, 3, stride=2), nn.GroupNorm(2, 4), nn.ReLU(), nn.Flatten()
         )
         self.lstm = nn.LSTM(64, 6, batch_first=True)
+        self.cell = nn.GRUCell(6, 6)
         self.out = nn.Linear(6, 5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n, t = x.shape[:2]
         feats = self.conv(x.reshape(n * t, *x.shape[2:])).reshape(n, t, -1)
         out, _ = self.lstm(feats)
-        return torch.tanh(self.out(out[:, -1]))
+        return torch.tanh(self.out(self.cell(out[:, -1], out[:, 0])))
 
 
 @pytest.mark.parametrize("buffer_rows", [2048, 20])
