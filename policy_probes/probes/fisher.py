@@ -84,6 +84,11 @@ class FisherInformationState(ProbeState):
             **extra,
         )
 
+    def unregister_component(self, name: str) -> None:
+        super().unregister_component(name)
+        for key in [k for k in self.rules if k[0] == name]:
+            del self.rules[key]
+
     def sample_factor(self, component: str, rows: int, loss_scale: float) -> float:
         """Factor turning the autograd gradient of one row into its per-sample gradient."""
         scale = loss_scale if loss_scale else 1.0
