@@ -17,9 +17,11 @@ GRU). Layers with ``proj_size`` go through the ``torch.func`` route instead.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from policy_probes.probes.fisher_rules import chunks
@@ -53,12 +55,36 @@ def _cell(
     return (torch.tanh(pre) if module.nonlinearity == "tanh" else torch.relu(pre)), None
 
 
+@dataclass
+class _Direction:
+    """One layer and direction of a re-run: its parameters' name suffix, its input
+    ``x`` (time, batch, features), and per time step the previous hidden state and the
+    two pre-activations (``ax`` for all steps at once)."""
+
+    suffix: str
+    x: torch.Tensor
+    ax: torch.Tensor
+    prev: list[torch.Tensor]
+    ah: list[torch.Tensor]
+
+
+@dataclass
+class _GateGrads:
+    """A direction's per-step tensors stacked in time order, with the gradients of its
+    pre-activations: all the per-sample weight gradients need."""
+
+    suffix: str
+    x: torch.Tensor
+    prev: torch.Tensor
+    dax: torch.Tensor
+    dah: torch.Tensor
+
+
 def _rerun(
     module: nn.Module, x: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list[dict[str, Any]]]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list[_Direction]]:
     """The layer re-run on ``x`` (time, batch, features) from ``h0``/``c0`` (layers x
-    directions, batch, hidden): its output, h_n, c_n and, per (layer, direction), the
-    tensors the per-sample gradients need (inputs, previous states, pre-activations)."""
+    directions, batch, hidden): its output, h_n, c_n and every :class:`_Direction`."""
     dirs = 2 if module.bidirectional else 1
     steps = x.shape[0]
     saved, h_n, c_n = [], [], []
@@ -70,34 +96,20 @@ def _rerun(
             w_ih, w_hh = getattr(module, "weight_ih" + sfx), getattr(module, "weight_hh" + sfx)
             b_ih = getattr(module, "bias_ih" + sfx) if module.bias else None
             b_hh = getattr(module, "bias_hh" + sfx) if module.bias else None
-            ax = torch.nn.functional.linear(layer_in, w_ih.detach(), _detach(b_ih))
-            k = layer * dirs + d
-            h = h0[k]
-            c = c0[k] if c0 is not None else None
-            order = range(steps - 1, -1, -1) if d else range(steps)
-            prev, ahs, hs = [], [], [None] * steps
-            for t in order:
-                ah = torch.nn.functional.linear(h, w_hh.detach(), _detach(b_hh))
-                prev.append(h)
-                ahs.append(ah)
-                h, c = _cell(module, ax[t], ah, h, c)
+            ax = F.linear(layer_in, w_ih.detach(), _detach(b_ih))
+            h, c = h0[layer * dirs + d], None if c0 is None else c0[layer * dirs + d]
+            step = _Direction(sfx, layer_in.detach(), ax, [h] * steps, [h] * steps)
+            hs = [h] * steps
+            for t in range(steps - 1, -1, -1) if d else range(steps):
+                step.prev[t] = h.detach()
+                step.ah[t] = F.linear(h, w_hh.detach(), _detach(b_hh))
+                h, c = _cell(module, ax[t], step.ah[t], h, c)
                 hs[t] = h
             h_n.append(h)
             if c is not None:
                 c_n.append(c)
             outs.append(torch.stack(hs))
-            time = list(order)
-            saved.append(
-                {
-                    "suffix": sfx,
-                    "x": layer_in.detach(),
-                    "ax": ax,
-                    # per step in processing order; reindexed to time order below
-                    "prev": [p.detach() for p in prev],
-                    "ah": ahs,
-                    "time": time,
-                }
-            )
+            saved.append(step)
         layer_in = torch.cat(outs, -1) if dirs == 2 else outs[0]
     return layer_in, torch.stack(h_n), torch.stack(c_n) if c_n else None, saved
 
@@ -106,76 +118,67 @@ def _detach(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.detach()
 
 
+def _gate_grads(module: nn.Module, call: Any, w: torch.Tensor) -> list[_GateGrads]:
+    """Re-run one pass (``call``: inputs, h_0 and c_0, output gradients) and
+    backpropagate ``<outputs, w g>`` to every pre-activation."""
+    lstm = isinstance(module, nn.LSTM)
+    lay = call.layout
+    x, h0 = lay.leaves[0], lay.leaves[1]
+    c0 = lay.leaves[2] if lstm else None
+    g_out, g_h = call.grads[0], call.grads[1]
+    g_c = call.grads[2] if lstm else None
+    if module.batch_first:  # the re-run is time-major
+        x = x.transpose(0, 1)
+        g_out = None if g_out is None else g_out.transpose(0, 1)
+    with torch.enable_grad():
+        # leaves that require grad: every pre-activation is then in the graph
+        x, h0 = x.detach().requires_grad_(), h0.detach().requires_grad_()
+        c0 = None if c0 is None else c0.detach().requires_grad_()
+        out, h_n, c_n, saved = _rerun(module, x, h0, c0)
+        total = 0
+        for y, g in ((out, g_out), (h_n, g_h), (c_n, g_c)):  # batch: dim 1 of each
+            if g is not None and y is not None:
+                total = total + (y * (g * w.to(g.dtype).view(1, -1, 1))).sum()
+        wanted = [t for s in saved for t in (s.ax, *s.ah)]
+        grads = torch.autograd.grad(total, wanted, allow_unused=True)
+    out_grads, pos = [], 0
+    for s in saved:
+        own = (s.ax, *s.ah)
+        mine = grads[pos : pos + len(own)]
+        pos += len(own)
+        got = [torch.zeros_like(t) if g is None else g for g, t in zip(mine, own, strict=True)]
+        out_grads.append(
+            _GateGrads(s.suffix, s.x, torch.stack(s.prev), got[0], torch.stack(got[1:]))
+        )
+    return out_grads
+
+
 def rnn_per_sample_squares(
     module: nn.Module, calls: Sequence[Any], w: torch.Tensor, chunk_bytes: int
 ) -> dict[str, torch.Tensor]:
     """Same contract as :func:`~policy_probes.probes.fisher_generic.per_sample_squares`
     for a module :func:`gate_rule_applies` to; ``calls`` hold layouts made by
     ``batch_layout`` (input, then h_0 and c_0 for an LSTM)."""
-    lstm = isinstance(module, nn.LSTM)
-    per_call = []  # per call: the saved tensors of every (layer, direction) with gradients
-    for call in calls:
-        lay = call.layout
-        x, h0 = lay.leaves[0], lay.leaves[1]
-        c0 = lay.leaves[2] if lstm else None
-        if module.batch_first:
-            x = x.transpose(0, 1)
-        with torch.enable_grad():
-            # leaves that require grad: every pre-activation is then in the graph
-            x, h0 = x.detach().requires_grad_(), h0.detach().requires_grad_()
-            c0 = None if c0 is None else c0.detach().requires_grad_()
-            out, h_n, c_n, saved = _rerun(module, x, h0, c0)
-            g_out, g_h = call.grads[0], call.grads[1]
-            g_c = call.grads[2] if lstm else None
-            if g_out is not None and module.batch_first:
-                g_out = g_out.transpose(0, 1)
-            terms = []
-            for y, g, bdim in ((out, g_out, 1), (h_n, g_h, 1), (c_n, g_c, 1)):
-                if g is None or y is None:
-                    continue
-                shape = [1] * g.dim()
-                shape[bdim] = -1
-                terms.append((y * (g * w.to(g.dtype).view(shape))).sum())
-            wanted = [t for s in saved for t in (s["ax"], *s["ah"])]
-            grads = torch.autograd.grad(sum(terms), wanted, allow_unused=True)
-        pos = 0
-        for s in saved:
-            s["dax"] = _zeros_if_none(grads[pos], s["ax"])
-            s["dah"] = [
-                _zeros_if_none(g, a) for g, a in zip(grads[pos + 1 :], s["ah"], strict=False)
-            ]
-            pos += 1 + len(s["ah"])
-            # time order for the contractions: stacked (time, batch, .) tensors
-            order = sorted(range(len(s["time"])), key=s["time"].__getitem__)
-            s["dah"] = torch.stack([s["dah"][i] for i in order])
-            s["prev"] = torch.stack([s["prev"][i] for i in order])
-            del s["ax"], s["ah"]
-        per_call.append(saved)
-    n = w.shape[0]
-    first = per_call[0]
-    width = sum(s["dax"].shape[-1] * (s["x"].shape[-1] + s["prev"].shape[-1]) for s in first)
+    per_call = [_gate_grads(module, call, w) for call in calls]
+    width = sum(d.dax.shape[-1] * (d.x.shape[-1] + d.prev.shape[-1]) for d in per_call[0])
     acc: dict[str, torch.Tensor] = {}
-    for lo, hi in chunks(n, 3 * width * w.element_size(), chunk_bytes):
-        for j, s0 in enumerate(first):
-            grads_ = {}
-            for saved in per_call:
-                s = saved[j]
-                b = slice(lo, hi)
+    for lo, hi in chunks(w.shape[0], 3 * width * w.element_size(), chunk_bytes):
+        b = slice(lo, hi)
+        for j, first in enumerate(per_call[0]):
+            sample_grads: dict[str, torch.Tensor] = {}  # summed over the calls
+            for directions in per_call:
+                d = directions[j]
                 pieces = {
-                    "weight_ih": torch.einsum("tbg,tbi->bgi", s["dax"][:, b], s["x"][:, b]),
-                    "weight_hh": torch.einsum("tbg,tbi->bgi", s["dah"][:, b], s["prev"][:, b]),
+                    "weight_ih": torch.einsum("tbg,tbi->bgi", d.dax[:, b], d.x[:, b]),
+                    "weight_hh": torch.einsum("tbg,tbi->bgi", d.dah[:, b], d.prev[:, b]),
                 }
                 if module.bias:
-                    pieces["bias_ih"] = s["dax"][:, b].sum(0)
-                    pieces["bias_hh"] = s["dah"][:, b].sum(0)
+                    pieces["bias_ih"] = d.dax[:, b].sum(0)
+                    pieces["bias_hh"] = d.dah[:, b].sum(0)
                 for k, v in pieces.items():
-                    grads_[k] = grads_[k] + v if k in grads_ else v
-            for k, v in grads_.items():
-                name = k + s0["suffix"]
+                    sample_grads[k] = sample_grads[k] + v if k in sample_grads else v
+            for k, v in sample_grads.items():
+                name = k + first.suffix
                 sq = v.square().sum(0).to(SUM)
                 acc[name] = acc[name].add_(sq) if name in acc else sq
     return acc
-
-
-def _zeros_if_none(g: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-    return torch.zeros_like(like) if g is None else g
