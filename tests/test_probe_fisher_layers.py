@@ -627,3 +627,25 @@ def test_an_rnn_called_twice_per_forward_sums_each_samples_gradient() -> None:
     batches = image_batches((5, 4), (7, 6))
     fisher, metrics = probe_fisher(body, head, batches, micro=2)
     assert_matches_reference(body, head, batches, fisher, metrics, loop_squared_gradients)
+
+
+class InPlaceAfter(nn.Module):
+    """A GRU cell whose output is changed in place right after it (a hook on that
+    tensor would never be called)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cell = nn.GRUCell(4, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.cell(x[:, 0], x[:, 1, :1].expand(-1, 5).contiguous())
+        h[:, 0] = 0.0
+        return h.mul_(2.0)
+
+
+def test_in_place_ops_on_a_generic_units_output_keep_it_covered() -> None:
+    torch.manual_seed(17)
+    body, head = InPlaceAfter(), nn.Linear(5, 3)
+    batches = image_batches((2, 4), (6, 5))
+    fisher, metrics = probe_fisher(body, head, batches)
+    assert_matches_reference(body, head, batches, fisher, metrics, loop_squared_gradients)

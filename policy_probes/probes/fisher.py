@@ -41,6 +41,7 @@ from policy_probes.hook_types import BackwardHookBuilder, Extractor, ProbeError,
 from policy_probes.layers import HiddenLayer
 from policy_probes.probes.fisher_generic import (
     Call,
+    OutputTap,
     batch_layout,
     clean,
     per_sample_squares,
@@ -420,11 +421,6 @@ class FisherInformationHook(ProbeHook):
             tapped = [
                 i for i, t in enumerate(outs) if isinstance(t, torch.Tensor) and t.requires_grad
             ]
-            # the module returns aliases of its outputs: their gradients are what flows in
-            # from outside only (an LSTM cell's c also reaches its h inside the module,
-            # and c's own gradient would count that path twice)
-            for i in tapped:
-                outs[i] = outs[i].view_as(outs[i])
 
             def arrived(grads: Any) -> None:
                 if not self.enabled:
@@ -440,9 +436,13 @@ class FisherInformationHook(ProbeHook):
                 except Exception as exc:
                     self.fail(exc)
 
-            torch.autograd.graph.register_multi_grad_hook(
-                [outs[i] for i in tapped], arrived, mode="all"
-            )
+            # the module returns copies of its outputs from one autograd node: their
+            # gradients are what flows in from outside only (an LSTM cell's c also reaches
+            # its h inside the module; c's own gradient would count that path twice), and
+            # in-place ops on them downstream leave that node's gradients intact
+            copies = OutputTap.apply(arrived, *(outs[i] for i in tapped))
+            for i, t in zip(tapped, copies, strict=True):
+                outs[i] = t
             return tree_unflatten(outs, spec)
 
         return hook

@@ -171,6 +171,24 @@ def _attention_layout(
     return Layout(leaves, spec, in_dims, out_dims[: len(tree_flatten(output)[0])], n)
 
 
+class OutputTap(torch.autograd.Function):
+    """Identity on the output tensors of one pass of a module, as copies from one node:
+    its backward hands the gradients of all of them at once (None where none flowed) to
+    ``callback``. Being copies, in-place ops on them downstream do not hide this node's
+    gradients (a hook on a tensor modified in place is never called)."""
+
+    @staticmethod
+    def forward(ctx: Any, callback: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.callback = callback
+        ctx.set_materialize_grads(False)
+        return tuple(t.clone() for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        ctx.callback(grads)
+        return (None, *grads)
+
+
 @dataclass
 class Call:
     """One pass of the module whose output gradients arrived: ``layout`` (inputs split
