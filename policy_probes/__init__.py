@@ -3,7 +3,7 @@
 from policy_probes.components import PolicyAutoBuilder, ProbeHandle
 from policy_probes.context import ComponentContext
 from policy_probes.hook_types import BackwardHookBuilder, HookBuilder, ProbeError, ProbeHook
-from policy_probes.layers import MLP, LinearSpec, MLPSpec
+from policy_probes.layers import MLP, ConvLayer, HiddenLayer, LinearSpec, MLPSpec
 from policy_probes.probes import (
     FisherInformationState,
     GradientFlowState,
@@ -26,8 +26,10 @@ __all__ = [
     "MLP",
     "BackwardHookBuilder",
     "ComponentContext",
+    "ConvLayer",
     "FisherInformationState",
     "GradientFlowState",
+    "HiddenLayer",
     "HookBuilder",
     "LinearSpec",
     "MLPSpec",

@@ -52,6 +52,25 @@ class HiddenLayer(nn.Module):
         return self.act(self.linear(x))
 
 
+class ConvLayer(nn.Module):
+    """``act(conv(x))`` with both parts addressable by name: the convolutional counterpart
+    of :class:`HiddenLayer` (a 2-d convolution, unpadded)."""
+
+    def __init__(
+        self, in_channels: int, out_channels: int, kernel_size: int, stride: int, activation: str
+    ) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(in_channels, out_channels, kernel_size, stride)
+        self.act = make_activation(activation)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.conv(x))
+
+
+#: blocks ``act(layer(x))`` whose output is their ``.act``'s: one activation layer each
+LAYER_BLOCKS = (HiddenLayer, ConvLayer)
+
+
 class MLP(nn.Module):
     """Stack of :class:`HiddenLayer` blocks named ``layer_0``, ``layer_1``, ...
 

@@ -1,10 +1,12 @@
 """Breakout (ALE) from pixels: PPO with a NatureCNN encoder, CleanRL ``ppo_atari.py``
 hyperparameters, and probes on every encoder layer and both heads.
 
-The probes: dead/dormant ReLU units of each encoder layer (``encoder.conv_0`` ...
-``encoder.fc``, post-activation), and Fisher information and gradient flow of each
-encoder layer and of ``actor_head`` and ``critic_head``. The heads are linear (logits and
-value), so the ReLU probe stays on the encoder. Another game: ``env.id=ALE/Pong-v5``.
+The probes sit on the ``encoder`` component and report per layer (the activation
+probes' default): dead/dormant ReLU channels of each conv layer and units of the fc layer
+(``probes/relu/encoder.conv_0/...`` ... ``encoder.fc``), and gradient flow likewise; the
+Fisher information of every encoder parameter (``conv_0.conv.weight.trace``, ...) and of
+``actor_head`` and ``critic_head``. The heads are linear (logits and value), so the ReLU
+probe stays on the encoder. Another game: ``env.id=ALE/Pong-v5``.
 
     policy-probes run recipes.atari.train trainer.total_timesteps=100000 seed=3
 """
@@ -24,8 +26,8 @@ from trainers import (
     TrainTool,
 )
 
-#: every encoder layer (conv_0, conv_1, conv_2, fc), each post-activation
-ENCODER_LAYERS = "encoder.*"
+#: the NatureCNN component; its layers (conv_0, conv_1, conv_2, fc) are reported per layer
+ENCODER = "encoder"
 HEADS = ("actor_head", "critic_head")
 
 
@@ -68,10 +70,11 @@ def train() -> TrainTool:
 
 def add_probes(cfg: TrainTool) -> TrainTool:
     """The recipe's probes on a NatureCNN policy (the benchmarks attach the same set):
-    ReLU activations of every encoder layer; Fisher information and gradient flow of
-    every encoder layer and both heads."""
-    cfg.add_training_hook(ENCODER_LAYERS, attach_relu_activation_hooks())
-    for pattern in (ENCODER_LAYERS, *HEADS):
+    ReLU activations of the encoder and each of its layers (per channel on the conv
+    layers); Fisher information and gradient flow of the encoder (per layer) and both
+    heads."""
+    cfg.add_training_hook(ENCODER, attach_relu_activation_hooks())
+    for pattern in (ENCODER, *HEADS):
         cfg.add_training_backward_hook(pattern, attach_fisher_information_hooks())
         cfg.add_training_backward_hook(pattern, attach_gradient_flow_hooks(beta=0.95))
     return cfg

@@ -370,10 +370,35 @@ def test_atari_recipe_runs_from_cli(tmp_path: Path):
     assert [r["agent_step"] for r in epochs] == [128, 256]
     last = epochs[-1]
     assert last["train/batch_size"] == 128.0
-    layers = ["encoder.conv_0", "encoder.conv_1", "encoder.conv_2", "encoder.fc"]
-    for name in layers:
-        assert 0.0 <= last[f"probes/relu/{name}/dead_fraction"] <= 1.0
+    # per layer, per channel on the conv layers: one active rate per channel or unit
+    widths = {"encoder.conv_0": 32, "encoder.conv_1": 64, "encoder.conv_2": 64, "encoder.fc": 512}
+    for name, width in widths.items():
+        assert len(last[f"probes/relu/{name}/active_rate"]) == width
+        assert 0.0 <= last[f"probes/relu/{name}/dormant_fraction"] <= 1.0
         assert last[f"probes/gradient_flow/{name}/mean"] > 0.0
-    for name in ("actor_head", "critic_head", "encoder.fc"):
+    # the component's output is its fc layer's: the two keys hold the same statistics
+    assert last["probes/relu/encoder/active_rate"] == last["probes/relu/encoder.fc/active_rate"]
+    assert not any(k.endswith(".act/dead_fraction") for k in last)  # a block is one layer
+    # every encoder parameter has an exact Fisher (the convs included), and the heads'
+    assert last["probes/fisher/encoder/unsupported_params"] == 0.0
+    for i in range(3):
+        assert last[f"probes/fisher/encoder/conv_{i}.conv.weight.trace"] > 0.0
+    parts = [k for k in last if k.startswith("probes/fisher/encoder/") and k.endswith(".trace")]
+    total = sum(last[k] for k in parts)
+    assert last["probes/fisher/encoder/trace"] == pytest.approx(total, rel=1e-9)
+    for name in ("actor_head", "critic_head"):
         assert last[f"probes/fisher/{name}/trace"] > 0.0
         assert last[f"probes/gradient_flow/{name}/mean"] > 0.0
+    # the local report shows the CNN's dead/dormant units per layer, one line per layer
+    report = subprocess.run(
+        [sys.executable, "-m", "policy_probes.cli", "report", str(run_dir)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert report.returncode == 0, report.stderr[-3000:]
+    page = (run_dir / "report.html").read_text()
+    assert 'id="relu-layers"' in page
+    assert "per layer: encoder" in page

@@ -315,3 +315,30 @@ def test_layer_module_called_outside_the_component_is_not_read(tiny_policy: Tiny
         h0 = torch.cat([mlp_layers(tiny_policy, x)["h0"] for x, _ in batches])
     check(got, "probes/relu/actor_mlp.layer_0/", relu_reference(units(h0)))
     assert not ctx.probe_errors
+
+
+def test_conv_layer_blocks_are_one_layer_each_read_per_channel() -> None:
+    """A ConvLayer (``act(conv(x))``, the conv counterpart of HiddenLayer) is one layer,
+    reported under its own name like a HiddenLayer, never again as ``<block>.act``."""
+    from policy_probes.layers import ConvLayer
+
+    torch.manual_seed(3)
+    enc = nn.Sequential(ConvLayer(2, 4, 3, 1, "relu"), ConvLayer(4, 5, 2, 2, "relu"))
+    policy = PolicyAutoBuilder.wrap(nn.Sequential(enc, nn.Flatten()), {"enc": "0"})
+    ctx = ComponentContext(strict=True)
+    policy.attach("enc", attach_relu_activation_hooks(), ctx)
+    xs = [torch.randn(n, 2, 9, 9) for n in (3, 5)]
+    outs: dict[str, list[torch.Tensor]] = {"0": [], "1": []}
+    for x in xs:
+        h0 = enc[0](x)  # a reference pass outside the component is not recorded
+        outs["0"].append(h0.detach())
+        outs["1"].append(enc[1](h0).detach())
+        policy(x)
+    got = StatsReporter(ctx).collect()
+    assert not any(k.startswith("probes/relu/enc.0.act/") for k in got)
+    for name, hs in outs.items():
+        h = torch.cat(hs)  # (B, C, H, W) -> channels x (sample, position) elements
+        per_channel = h.movedim(1, 0).reshape(h.shape[1], -1).double().numpy()
+        ref = relu_reference(per_channel)
+        ref["samples"] = h.shape[0]
+        check(got, f"probes/relu/enc.{name}/", ref)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from policy_probes.layers import HiddenLayer, make_activation
+from policy_probes.layers import ConvLayer, HiddenLayer
 
 #: (out_channels, kernel_size, stride) of the three convolutions
 NATURE_CONVS = ((32, 8, 4), (64, 4, 2), (64, 3, 1))
@@ -25,21 +25,6 @@ PIXEL_MAX = 255.0
 def conv_output_size(size: int, kernel: int, stride: int) -> int:
     """Spatial size after an unpadded convolution."""
     return (size - kernel) // stride + 1
-
-
-class ConvLayer(nn.Module):
-    """``act(conv(x))`` with both parts addressable by name (the conv counterpart of
-    :class:`~policy_probes.layers.HiddenLayer`)."""
-
-    def __init__(
-        self, in_channels: int, out_channels: int, kernel_size: int, stride: int, activation: str
-    ) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(in_channels, out_channels, kernel_size, stride)
-        self.act = make_activation(activation)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.act(self.conv(x))
 
 
 class NatureCNN(nn.Module):

@@ -5,8 +5,8 @@ and, with ``per_layer=True`` (the default of the activation and gradient-flow pr
 the output of every activation layer inside it, each under its own name
 ``<component>.<layer>``: keys ``probes/<probe>/actor_mlp.layer_0/<metric>`` beside
 ``probes/<probe>/actor_mlp/<metric>``. An *activation layer* is a
-:class:`~policy_probes.layers.HiddenLayer` (its ``.act`` child is the same layer and is
-not counted again) or an activation module (:data:`~policy_probes.probes.layout.ACTIVATION_MODULES`).
+:class:`~policy_probes.layers.HiddenLayer` or :class:`~policy_probes.layers.ConvLayer`
+(its ``.act`` child is the same layer and is not counted again) or an activation module (:data:`~policy_probes.probes.layout.ACTIVATION_MODULES`).
 
 The component's output is often the last layer's output: both keys are reported, and the
 tensor is materialised once at the drain (:class:`~policy_probes.probes.rows.DrainRound`
@@ -27,7 +27,7 @@ from torch.utils.hooks import RemovableHandle
 
 from policy_probes.context import ComponentContext
 from policy_probes.hook_types import Extractor, ProbeError, ProbeHook, log
-from policy_probes.layers import HiddenLayer
+from policy_probes.layers import LAYER_BLOCKS
 from policy_probes.probes.layout import (
     ACTIVATION_MODULES,
     check_layout,
@@ -54,12 +54,12 @@ def activation_layers(component: nn.Module) -> list[ActivationLayer]:
     """The activation layers strictly inside ``component``, in registration order."""
     out: list[ActivationLayer] = []
     covered: set[int] = set()
-    if isinstance(component, HiddenLayer):
+    if isinstance(component, LAYER_BLOCKS):
         covered.add(id(component.act))  # the component itself is that layer
     for name, module in component.named_modules():
         if not name or id(module) in covered:
             continue
-        if isinstance(module, HiddenLayer):
+        if isinstance(module, LAYER_BLOCKS):
             covered.add(id(module.act))
             out.append(ActivationLayer(name, module, module.act, f"{name}.act"))
         elif isinstance(module, ACTIVATION_MODULES):
