@@ -25,6 +25,7 @@ from policy_probes.context import ComponentContext
 from policy_probes.grad_tap import on_grad
 from policy_probes.hook_types import GuardedHook, ProbeError, ProbeHook, describe_type
 from policy_probes.layers import LinearSpec, MLPSpec, build_component
+from policy_probes.recurrent import default_extractor
 
 GLOB_CHARS = set("*?[")
 
@@ -301,7 +302,7 @@ class PolicyAutoBuilder(nn.Module):
         """
         module = self.get_component(component_name)
         _check_inplace(module, component_name)
-        extractor = getattr(hook, "extractor", None)
+        extractor = getattr(hook, "extractor", None) or default_extractor(module)
         kind = self.output_kind(component_name)
         if kind in ("mapping", "sequence", "object") and extractor is None:
             raise ProbeError(
@@ -479,6 +480,11 @@ def _grad_tap(hook: Callable, component: str, extractor: Callable | None) -> Cal
                 f"pick the tensor whose gradient the probe should read."
             )
         if tensor.requires_grad and torch.is_grad_enabled():
-            on_grad(tensor, lambda g: hook(module, None, (g,)))
+            if isinstance(hook, ProbeHook):  # binds the row-mask rows of this pass now
+                callback = hook.grad_callback(module, tensor)
+                if callback is not None:
+                    on_grad(tensor, callback)
+            else:
+                on_grad(tensor, lambda g: hook(module, None, (g,)))
 
     return tap

@@ -25,6 +25,8 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from policy_probes.context import ComponentContext
+from policy_probes.recurrent import default_extractor
+from policy_probes.row_mask import bound_weight, pushing_with
 
 log = logging.getLogger("policy_probes")
 
@@ -102,8 +104,9 @@ class ProbeHook:
     def active(self) -> bool:
         return self.enabled and self.context.phase in self.phases
 
-    def extract(self, output: Any) -> torch.Tensor:
-        """The tensor this probe reads from a component output."""
+    def extract(self, output: Any, module: nn.Module | None = None) -> torch.Tensor:
+        """The tensor this probe reads from a component output: the extractor's, else the
+        output itself, else the recurrent default for ``module`` (``policy_probes.recurrent``)."""
         if self.extractor is not None:
             out = self.extractor(output)
             if not isinstance(out, torch.Tensor):
@@ -114,6 +117,9 @@ class ProbeHook:
             return out
         if isinstance(output, torch.Tensor):
             return output
+        default = default_extractor(module)
+        if default is not None:
+            return default(output)
         raise ProbeError(
             f"component {self.component!r} returned {describe_type(output)}, not a tensor; "
             f"pass extractor=... to the builder of probe {self.probe!r} to pick the tensor "
@@ -131,9 +137,28 @@ class ProbeHook:
                 if grad is not None:
                     self.record_grad(module, _detached(grad))
             else:
-                self.record(module, _detached(self.extract(second)))
+                tensor = self.extract(second, module)
+                weight = bound_weight(self.context, tensor, module, self.component, id(self))
+                with pushing_with(self.context, weight):
+                    self.record(module, _detached(tensor))
         except Exception as exc:  # a probe must never take training down
             self.fail(exc)
+
+    def grad_callback(self, module: nn.Module, tensor: torch.Tensor) -> Callable | None:
+        """The gradient hook for ``tensor``, an output of ``module`` in this forward pass:
+        it delivers the gradient to this probe with the row-mask rows of ``tensor`` bound
+        now (per-step calls count in forward order). None if the probe failed here."""
+        try:
+            weight = bound_weight(self.context, tensor, module, self.component, id(self))
+        except Exception as exc:
+            self.fail(exc)
+            return None
+
+        def deliver(grad: torch.Tensor) -> None:
+            with pushing_with(self.context, weight):
+                self(module, None, (grad,))
+
+        return deliver
 
     def fail(self, exc: BaseException) -> None:
         """Disable this probe after ``exc`` and report it once (re-raise when strict)."""

@@ -103,3 +103,51 @@ def test_detector_sees_calls_inside_backward_hooks(backward: bool) -> None:
         train_steps(policy, steps=1)
     assert mode.calls == ["tolist"]
     assert len(seen) == 1
+
+
+@pytest.mark.parametrize("buffer_rows", [2048, 5])
+def test_masked_rows_and_recurrent_cores_run_without_host_sync(buffer_rows: int) -> None:
+    """Row masks (flat on an MLP; (batch, time) on an LSTM called at once and per step,
+    and on an LSTM cell) add no host synchronisation, drains inside the hooks included."""
+    from test_recurrent import SeqNet, masked_mean_loss, sequences
+
+    from policy_probes import (
+        PolicyAutoBuilder,
+        attach_fisher_information_hooks,
+        attach_gradient_flow_hooks,
+        attach_relu_activation_hooks,
+        attach_saturated_activation_hooks,
+    )
+
+    torch.manual_seed(0)
+    policy = TinyPolicy()
+    ctx = ComponentContext()
+    attach_all_probes(policy, ctx, saturation="tanh", saturation_component="actor_mlp.layer_0")
+    nets = [SeqNet("lstm"), SeqNet("lstm_cell")]
+    for i, net in enumerate(nets):
+        wrapped = PolicyAutoBuilder.wrap(net, {f"core{i}": "core"})
+        wrapped.attach(f"core{i}", attach_relu_activation_hooks(), ctx)
+        wrapped.attach(f"core{i}", attach_saturated_activation_hooks("tanh"), ctx)
+        for make in (attach_fisher_information_hooks, attach_gradient_flow_hooks):
+            wrapped.attach(f"core{i}", make(), ctx, backward=True)
+    for tracker in ctx.model_metrics.values():
+        tracker.buffer_rows = buffer_rows
+    x, a, mask = sequences()
+    masks = [(torch.arange(16) % 3 != 0).float() for _ in range(5)]
+    with ForbidHostSync() as probed:
+        for m in masks:
+            ctx.row_mask = m
+            x1, a1 = torch.randn(16, 5), torch.randint(0, 3, (16,))
+            (F.cross_entropy(policy(x1), a1, reduction="none") * m).sum().div(10).backward()
+        for per_step in (False, True):
+            for net in nets:
+                net.per_step = per_step
+                ctx.row_mask = mask
+                masked_mean_loss(net(x), a, mask).backward()
+    assert probed.calls == []
+    assert not ctx.probe_errors
+    metrics = StatsReporter(ctx).collect()
+    assert metrics["probes/relu/actor_mlp/samples"] == 5 * 10
+    assert metrics["probes/fisher/actor_mlp/samples"] == 5 * 10
+    assert metrics["probes/relu/core0/samples"] == 2 * int(mask.sum())
+    assert metrics["probes/fisher/core1/samples"] == 2 * int(mask.sum())

@@ -37,6 +37,8 @@ from policy_probes.hook_types import BackwardHookBuilder, Extractor, ProbeHook
 from policy_probes.layers import HiddenLayer
 from policy_probes.probes.rows import COUNT, Rows
 from policy_probes.probes.state import SUM, ProbeState, as_floats, as_rows, get_state, rates
+from policy_probes.probes.weighted import Weighted
+from policy_probes.row_mask import bound_weight, loss_samples, pushing_with
 
 log = logging.getLogger("policy_probes")
 
@@ -60,17 +62,24 @@ class FisherInformationState(ProbeState):
             name, loss_reduction=loss_reduction, dead_threshold=dead_threshold, **extra
         )
 
-    def sample_factor(self, component: str, rows: int, loss_scale: float) -> float:
-        """Factor turning the autograd gradient of one row into its per-sample gradient."""
+    def sample_factor(
+        self, component: str, rows: int, loss_scale: float, like: torch.Tensor | None = None
+    ) -> float | torch.Tensor:
+        """Factor turning the autograd gradient of one row into its per-sample gradient.
+        A mean loss averages over :func:`~policy_probes.row_mask.loss_samples` samples:
+        ``context.loss_samples``, else the kept rows of the row mask (a device tensor),
+        else ``rows``."""
         scale = loss_scale if loss_scale else 1.0
         if self.settings[component]["loss_reduction"] == "sum":
             return 1.0 / scale
+        if self.context is not None and like is not None:
+            return loss_samples(self.context, rows, like) / scale
         return rows / scale
 
     def update(self, component: str, grad_output: torch.Tensor, loss_scale: float = 1.0) -> None:
         """Per-unit Fisher of the component output from one backward pass."""
         g = as_rows(grad_output)
-        f = self.sample_factor(component, g.shape[0], loss_scale)
+        f = self.sample_factor(component, g.shape[0], loss_scale, g)
         self._push(component, "out", (g,), (f,))
 
     def update_layer(
@@ -85,7 +94,7 @@ class FisherInformationState(ProbeState):
         """One backward pass through a covered layer: its input (for ``nn.LayerNorm`` the
         normalised input) and output gradient; ``names`` = (weight, bias) names or None."""
         g = as_rows(grad_output)
-        f = self.sample_factor(component, g.shape[0], loss_scale)
+        f = self.sample_factor(component, g.shape[0], loss_scale, g)
         stream = f"{kind}:{names[0] or ''}:{names[1] or ''}"
         self._push(component, stream, (as_rows(x), g), (None, f))
 
@@ -105,7 +114,7 @@ class FisherInformationState(ProbeState):
         activation's output and its gradient are the tensors other probes read too, so no
         autograd hook on the Linear's output is needed."""
         g = as_rows(act_grad)
-        f = self.sample_factor(component, g.shape[0], loss_scale)
+        f = self.sample_factor(component, g.shape[0], loss_scale, g)
         stream = f"linear@{activation}:{names[0] or ''}:{names[1] or ''}"
         self._push(component, stream, (as_rows(x), as_rows(act_out), g), (None, None, f))
 
@@ -116,21 +125,27 @@ class FisherInformationState(ProbeState):
         cols: tuple[Rows, ...],
         segments: list[int],
         scales: list[Any],
+        weight: torch.Tensor | None = None,
     ) -> None:
         g = cols[-1]
         # w: every row's per-sample factor f (the gradient block's push scale)
         w = self.scratch(g.clean[:, 0], 1)
         lo = 0
-        for f, run in itertools.groupby(zip(segments, scales, strict=True), key=_factor):
+        for _, run in itertools.groupby(zip(segments, scales, strict=True), key=_factor_key):
+            run = list(run)
             hi = lo + sum(n for n, _ in run)
-            w[lo:hi].fill_(f)
+            w[lo:hi].fill_(_factor(run[0]))
             lo = hi
+        mask = weight  # the row mask's rows (``weight`` names a parameter below)
+        if mask is not None:  # masked rows: factor 0 (and not counted below)
+            w.mul_(mask.to(w.dtype))
         if stream == "out":
             # sum_i (f_i g_i)^2 per unit: one matrix-vector product with f^2
             unit_sq = torch.mv(g.square().T, w.square_()).to(SUM)
             self._add(component, "unit_sq", unit_sq)
-            self._add(component, "unit_count", g.finite_count(), COUNT)
-            self._add(component, "nonfinite", g.nonfinite_total(), COUNT)
+            kept = Weighted(g, mask)  # rows the row mask keeps (all without one)
+            self._add(component, "unit_count", kept.finite_count(), COUNT)
+            self._add(component, "nonfinite", kept.nonfinite_total(), COUNT)
             return
         kind, weight, bias = stream.split(":")
         x = cols[0]
@@ -140,6 +155,8 @@ class FisherInformationState(ProbeState):
         if len(cols) == 3:
             bad.add_(cols[1].row_nonfinite())
         ok = bad.sign_().neg_().add_(1.0)
+        if mask is not None:  # masked rows are not samples
+            ok.mul_(mask.to(ok.dtype))
         w.mul_(ok)
         gs = self.scratch(g.clean, 1)
         if kind.startswith("linear@"):  # the Linear's output gradient: g * act'(a)
@@ -280,14 +297,21 @@ class FisherInformationHook(ProbeHook):
             return False
         return next(passes) % self.param_every == 0
 
-    def _tap(self, output: torch.Tensor, compute: Any) -> None:
-        """Register ``compute(grad)`` on ``output`` (a pass :meth:`_recorded` accepted)."""
+    def _tap(self, output: torch.Tensor, compute: Any, layer: Any = None) -> None:
+        """Register ``compute(grad)`` on ``output`` (a pass :meth:`_recorded` accepted),
+        with the row-mask rows of ``output`` bound now (``layer`` tells layers apart)."""
+        try:
+            weight = bound_weight(self.context, output, None, self.component, (id(self), layer))
+        except Exception as exc:
+            self.fail(exc)
+            return
 
         def record(grad: torch.Tensor) -> None:
             if not self.enabled:
                 return
             try:
-                compute(grad)
+                with pushing_with(self.context, weight):
+                    compute(grad)
             except Exception as exc:
                 self.fail(exc)
 
@@ -325,7 +349,7 @@ class FisherInformationHook(ProbeHook):
                 self.component, activation, names, x, out, grad, self.context.loss_scale
             )
 
-        self._tap(output, compute)
+        self._tap(output, compute, names)
 
     def _sequential_pair_hooks(
         self,
@@ -368,7 +392,7 @@ class FisherInformationHook(ProbeHook):
                     self.component, kind, names, x, grad, self.context.loss_scale
                 )
 
-            self._tap(output, compute)
+            self._tap(output, compute, names)
 
         return hook
 
@@ -410,10 +434,20 @@ def attach_fisher_information_hooks(
     return build
 
 
-def _factor(push: tuple[int, Any]) -> float:
-    """The per-sample factor of one push (its gradient block's scale; 1 if none)."""
+def _factor(push: tuple[int, Any]) -> float | torch.Tensor:
+    """The per-sample factor of one push (its gradient block's scale; 1 if none): a
+    float, or a 0-dim device tensor under a row mask (never read on the host)."""
     scales = push[1]
-    return 1.0 if scales is None or scales[-1] is None else float(scales[-1])
+    if scales is None or scales[-1] is None:
+        return 1.0
+    f = scales[-1]
+    return f if isinstance(f, torch.Tensor) else float(f)
+
+
+def _factor_key(push: tuple[int, Any]) -> Any:
+    """Groups pushes with the same factor without comparing tensors (no host sync)."""
+    f = _factor(push)
+    return ("tensor", id(f)) if isinstance(f, torch.Tensor) else f
 
 
 #: activations whose derivative follows exactly from their output a: the Fisher of the

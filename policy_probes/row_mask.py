@@ -1,0 +1,171 @@
+"""Row masks: rows the loss leaves out (padded sequence steps) are left out of every probe.
+
+A loop whose loss masks rows (RecurrentPPO pads its sequences to one length and averages
+the loss over the real steps only) states the mask around its forward and backward::
+
+    with session.row_mask(mask):     # mask: (rows,) or (batch, time), 1 = the loss uses it
+        loss = masked_mean(...)
+        loss.backward()
+
+Every built-in tracker then weighs each row by its mask entry at the drain: sums become
+sums over the kept rows and counts become numbers of kept rows, so a masked row changes
+no statistic and no ``samples`` count. Nothing is indexed in a hook (no boolean indexing,
+no ``nonzero``): the hook binds a *view* of the mask to the rows it pushes, and the
+buffer multiplies at the drain (see :meth:`RowMask.weight_for`).
+
+How a mask lines up with a probed tensor (all leading dimensions are rows):
+
+* the tensor has as many rows as the mask has entries: the mask read in the tensor's
+  row order (row-major flattening of ``(batch, time)``, i.e. batch-major), except the
+  output sequence of an ``nn.LSTM``/``nn.GRU``/``nn.RNN`` with ``batch_first=False``,
+  whose rows are time-major ``(time, batch)``: it reads the transposed mask;
+* a 2-D ``(batch, time)`` mask and a tensor of ``batch`` rows (a per-step call: an
+  ``nn.LSTMCell`` in a loop, or an ``nn.LSTM`` fed one step at a time): the k-th call of
+  the module inside the ``row_mask`` block reads column ``k``;
+* anything else is an error that says which shapes to pass.
+
+The per-sample factor of the Fisher probe (the number of samples the loss averages over)
+comes from :func:`loss_samples`: ``context.loss_samples`` when the loop states it, else
+the number of kept rows of the mask, else the rows of the pass (the rule without masks).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+#: recurrent modules whose output sequence is time-major unless ``batch_first``
+SEQUENCE_MODULES = (nn.LSTM, nn.GRU, nn.RNN)
+
+_serials = itertools.count()
+
+
+class RowMask:
+    """A 0/1 row mask held as float weights, with the step counters of per-step calls.
+
+    ``mask`` is ``(rows,)`` or ``(batch, time)``, bool or numeric (non-zero = kept). The
+    float copy is made once here, on the mask's device; hooks only take views of it.
+    """
+
+    def __init__(self, mask: torch.Tensor) -> None:
+        if not isinstance(mask, torch.Tensor):
+            raise TypeError(
+                f"row_mask needs a torch.Tensor of 0/1 per row (1 = the loss uses the row), "
+                f"got {type(mask).__name__}"
+            )
+        if mask.dim() not in (1, 2) or mask.numel() == 0:
+            raise ValueError(
+                f"row_mask needs a non-empty mask of shape (rows,) or (batch, time), got shape "
+                f"{tuple(mask.shape)}; reshape it, e.g. mask.reshape(n_sequences, -1)"
+            )
+        if mask.is_complex():
+            raise TypeError("row_mask needs a bool or real mask, got a complex tensor")
+        #: tells masks apart (ids of freed objects are reused): one per row_mask block
+        self.serial = next(_serials)
+        self.shape = tuple(mask.shape)
+        self.weights = (mask.detach() != 0).to(torch.float32)
+        self._flat = self.weights.reshape(-1)
+        self._steps: dict[Any, int] = {}
+        self._on: dict[torch.device, RowMask] = {}
+        self._kept: torch.Tensor | None = None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def kept(self) -> torch.Tensor:
+        """Number of kept rows, a 0-dim float tensor on the mask's device (no sync)."""
+        if self._kept is None:
+            self._kept = self._flat.sum()
+        return self._kept
+
+    def on(self, device: torch.device) -> RowMask:
+        """This mask on ``device`` (copied once per device)."""
+        if device == self.weights.device:
+            return self
+        other = self._on.get(device)
+        if other is None:
+            other = self._on[device] = RowMask(self.weights.to(device))
+            other._steps = self._steps  # one step count per module, on every device
+        return other
+
+    def weight_for(
+        self, tensor: torch.Tensor, module: nn.Module | None, component: str, key: Any
+    ) -> torch.Tensor:
+        """The mask entries of ``tensor``'s rows (a view, ``(rows,)``), aligned as the
+        module docstring says. ``key`` identifies the caller for per-step calls (each
+        hook counts the calls it sees)."""
+        mask = self.on(tensor.device)
+        lead = tuple(tensor.shape[:-1])
+        rows = math.prod(lead)
+        if rows == self.numel:
+            if (
+                len(self.shape) == 2
+                and isinstance(module, SEQUENCE_MODULES)
+                and not module.batch_first
+                and tensor.dim() == 3
+            ):
+                return mask.weights.T.reshape(-1)  # (time, batch) rows
+            return mask._flat
+        if len(self.shape) == 2 and rows == self.shape[0]:
+            step = self._steps.get(key, 0)
+            if step >= self.shape[1]:
+                raise ValueError(
+                    f"component {component!r} was called {step + 1} times inside one "
+                    f"row_mask block, but the (batch, time) mask {self.shape} has "
+                    f"{self.shape[1]} steps; enter a new row_mask block per minibatch"
+                )
+            self._steps[key] = step + 1
+            return mask.weights[:, step]
+        raise ValueError(
+            f"row_mask: the mask has shape {self.shape} ({self.numel} rows) but component "
+            f"{component!r} produced a tensor with {rows} rows (shape {tuple(tensor.shape)}, "
+            f"every dimension but the last is a row). Pass one mask entry per row of the "
+            f"minibatch, shape ({rows},) in the order the rows are flattened, or a (batch, "
+            f"time) mask for sequences (a per-step call of batch rows reads one column)"
+        )
+
+
+def bound_weight(
+    context: Any, tensor: torch.Tensor, module: nn.Module | None, component: str, key: Any
+) -> torch.Tensor | None:
+    """The mask rows of ``tensor`` under ``context.row_mask`` (None without a mask).
+    Call it when the tensor is produced (the forward), so per-step calls count in order."""
+    mask = getattr(context, "row_mask", None)
+    if mask is None:
+        return None
+    return mask.weight_for(tensor, module, component, key)
+
+
+@contextmanager
+def pushing_with(context: Any, weight: torch.Tensor | None) -> Iterator[None]:
+    """Within the block, pushes of the context's trackers carry ``weight`` (the mask rows
+    a hook bound when its tensor was produced; see :meth:`ProbeState._push`)."""
+    if weight is None:
+        yield
+        return
+    previous = context.push_weight
+    context.push_weight = weight
+    try:
+        yield
+    finally:
+        context.push_weight = previous
+
+
+def loss_samples(context: Any, rows: int, like: torch.Tensor) -> float | torch.Tensor:
+    """How many samples the loss averages over: ``context.loss_samples`` if the loop set
+    it, else the kept rows of ``context.row_mask`` (a device tensor, no sync), else
+    ``rows`` (the rows of the pass)."""
+    stated = getattr(context, "loss_samples", None)
+    if stated is not None:
+        return stated
+    mask = getattr(context, "row_mask", None)
+    if mask is not None:
+        return mask.on(like.device).kept()
+    return rows
