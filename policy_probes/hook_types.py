@@ -139,8 +139,11 @@ class ProbeHook:
             else:
                 tensor = self.extract(second, module)
                 weight = bound_weight(self.context, tensor, module, self.component, id(self))
-                with pushing_with(self.context, weight):
+                if weight is None:
                     self.record(module, _detached(tensor))
+                else:
+                    with pushing_with(self.context, weight):
+                        self.record(module, _detached(tensor))
         except Exception as exc:  # a probe must never take training down
             self.fail(exc)
 
@@ -153,6 +156,8 @@ class ProbeHook:
         except Exception as exc:
             self.fail(exc)
             return None
+        if weight is None:
+            return lambda grad: self(module, None, (grad,))
 
         def deliver(grad: torch.Tensor) -> None:
             with pushing_with(self.context, weight):

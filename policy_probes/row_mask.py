@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -143,19 +141,24 @@ def bound_weight(
     return mask.weight_for(tensor, module, component, key)
 
 
-@contextmanager
-def pushing_with(context: Any, weight: torch.Tensor | None) -> Iterator[None]:
+class pushing_with:  # noqa: N801 - used like a function: ``with pushing_with(ctx, w):``
     """Within the block, pushes of the context's trackers carry ``weight`` (the mask rows
-    a hook bound when its tensor was produced; see :meth:`ProbeState._push`)."""
-    if weight is None:
-        yield
-        return
-    previous = context.push_weight
-    context.push_weight = weight
-    try:
-        yield
-    finally:
-        context.push_weight = previous
+    a hook bound when its tensor was produced; see :meth:`ProbeState._push`); ``None``
+    leaves the pushes as they are. A plain class: hooks enter it on every pass."""
+
+    __slots__ = ("context", "previous", "weight")
+
+    def __init__(self, context: Any, weight: torch.Tensor | None) -> None:
+        self.context = context
+        self.weight = weight
+
+    def __enter__(self) -> None:
+        self.previous = self.context.push_weight
+        if self.weight is not None:
+            self.context.push_weight = self.weight
+
+    def __exit__(self, *exc: object) -> None:
+        self.context.push_weight = self.previous
 
 
 def loss_samples(context: Any, rows: int, like: torch.Tensor) -> float | torch.Tensor:

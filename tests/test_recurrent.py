@@ -206,6 +206,40 @@ def test_masked_rows_need_no_host_sync_to_be_left_out() -> None:
         assert small[key] == pytest.approx(value, rel=REL), key
 
 
+def test_session_row_mask_block_and_stated_loss_samples(tmp_path) -> None:
+    from policy_probes import ProbeSession
+    from policy_probes.sinks import SinksConfig
+
+    torch.manual_seed(0)
+    policy = TinyPolicy()
+    x, a, m = masked_batches()[0]
+    keep = m.bool()
+    hk = policy.actor_mlp(x[keep]).detach().requires_grad_(True)
+    (gh,) = torch.autograd.grad(per_sample_loss(policy.actor_head(hk), a[keep]).sum(), hk)
+    with ProbeSession(policy, run_dir=tmp_path, sinks=SinksConfig(console=False)) as session:
+        session.add_training_hook("actor_mlp", attach_relu_activation_hooks())
+        session.add_training_backward_hook("actor_mlp", attach_fisher_information_hooks())
+        with session.row_mask(m):
+            ((per_sample_loss(policy(x), a) * m).sum() / m.sum()).backward()
+        assert session.context.row_mask is None  # the block restores the previous mask
+        record = session.epoch_end(step=1)
+        assert record["probes/relu/actor_mlp/samples"] == int(keep.sum())
+        unit = gh.double().square().mean(0)
+        assert record["probes/fisher/actor_mlp/unit"] == pytest.approx(unit.tolist(), rel=REL)
+        # the loss averages over 2x the kept rows (e.g. the other half is another
+        # micro-batch): stated in the block, the per-sample factor doubles
+        n = 2 * int(keep.sum())
+        with session.row_mask(m, loss_samples=n):
+            ((per_sample_loss(policy(x), a) * m).sum() / n).backward()
+        assert session.context.loss_samples is None
+        record = session.epoch_end(step=2)
+        assert record["probes/fisher/actor_mlp/unit"] == pytest.approx(unit.tolist(), rel=REL)
+        session.set_loss_samples(n)
+        assert session.context.loss_samples == n
+        with pytest.raises(ValueError, match="positive number of samples"):
+            session.set_loss_samples(0)
+
+
 # ---------------------------------------------------------------- recurrent cores
 T, B, F_IN, H = 4, 3, 3, 5
 
@@ -568,3 +602,47 @@ def lstm_calls_by_minibatch(
             out.append(lstm.out["lstm"][j : j + calls])
         j += calls
     return out
+
+
+def test_a_custom_tracker_without_weight_gets_every_row_and_a_warning(caplog) -> None:
+    from policy_probes import ProbeHook, ProbeState
+    from policy_probes.probes.state import COUNT, as_rows, get_state
+
+    class RowCount(ProbeState):
+        probe = "row_count"
+
+        def update(self, component: str, h: torch.Tensor) -> None:
+            self._push(component, "h", (as_rows(h),))
+
+        def consume(self, component, stream, cols, segments, scales) -> None:
+            self._add(component, "rows", torch.tensor(cols[0].num_rows), COUNT)
+
+        def summarize(self, component, s, settings) -> dict:
+            return {"rows": float(s["rows"])}
+
+    class RowCountHook(ProbeHook):
+        probe = "row_count"
+
+        def record(self, module: nn.Module, output: torch.Tensor) -> None:
+            self.tracker.update(self.component, output)
+
+    def build(name: str, context: ComponentContext) -> RowCountHook | None:
+        tracker = get_state(context, "row_count", RowCount)
+        if not tracker.register_component(name):
+            return None
+        hook = RowCountHook(name, context)
+        hook.tracker = tracker
+        return hook
+
+    torch.manual_seed(0)
+    policy = TinyPolicy()
+    ctx = ComponentContext()
+    policy.attach("actor_mlp", build, ctx)
+    policy.attach("actor_mlp", attach_relu_activation_hooks(), ctx)
+    ctx.row_mask = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0])
+    with torch.no_grad():
+        policy(torch.randn(5, 5))
+    got = StatsReporter(ctx).collect()
+    assert got["probes/row_count/actor_mlp/rows"] == 5
+    assert got["probes/relu/actor_mlp/samples"] == 2
+    assert "consume() takes no weight" in caplog.text

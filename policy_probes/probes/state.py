@@ -18,6 +18,9 @@ accumulators to the host once per window.
 
 from __future__ import annotations
 
+import functools
+import inspect
+import logging
 import math
 from typing import Any
 
@@ -31,6 +34,8 @@ from policy_probes.probes.rows import DrainRound, Rows
 
 # Accumulator dtype of sums (counts are int64: rows.COUNT).
 SUM = torch.float64
+
+log = logging.getLogger("policy_probes")
 
 
 class ProbeState:
@@ -193,7 +198,7 @@ class ProbeState:
                 continue
             try:
                 cols, segments, scales, weight = buf.take(drain_round)
-                if weight is None:
+                if weight is None or not _takes_weight(type(self)):
                     self.consume(component, stream, cols, segments, scales)
                 else:  # masked rows: the built-in trackers weigh each row
                     self.consume(component, stream, cols, segments, scales, weight=weight)
@@ -308,6 +313,24 @@ class ProbeState:
             for st in self.state.values()
             for t in st.values()
         )
+
+
+@functools.cache
+def _takes_weight(cls: type) -> bool:
+    """Whether ``cls.consume`` accepts ``weight=`` (row masks); a custom tracker without it
+    gets every row, and a warning once."""
+    try:
+        takes = "weight" in inspect.signature(cls.consume).parameters
+    except (TypeError, ValueError):
+        takes = False
+    if not takes:
+        log.warning(
+            "tracker %s: consume() takes no weight=..., so it counts the rows a row mask "
+            "leaves out; accept weight=None and reduce with policy_probes.probes.weighted."
+            "Weighted to honour masks",
+            cls.__name__,
+        )
+    return takes
 
 
 def _to_host(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
