@@ -95,6 +95,8 @@ def test_masked_rows_are_left_out_of_every_probe(reduction: str, micro: int) -> 
     ctx = ComponentContext()
     policy.attach("actor_mlp", attach_relu_activation_hooks(), ctx)
     policy.attach("actor_mlp.layer_0.linear", attach_saturated_activation_hooks("tanh"), ctx)
+    sigmoid = attach_saturated_activation_hooks("sigmoid", threshold=0.6)
+    policy.attach("actor_mlp.layer_1.linear", sigmoid, ctx)
     policy.attach(
         "actor_mlp", attach_fisher_information_hooks(loss_reduction=reduction), ctx, backward=True
     )
@@ -130,6 +132,7 @@ def test_masked_rows_are_left_out_of_every_probe(reduction: str, micro: int) -> 
     with torch.no_grad():
         h = mlp(xk).double()
         z = mlp.layer_0.linear(xk).double()
+        z1 = mlp.layer_1.linear(mlp.layer_0(xk)).double()
     # relu: the kept rows' activations
     active = (h > 0).double().mean(0)
     p = "probes/relu/actor_mlp/"
@@ -142,6 +145,10 @@ def test_masked_rows_are_left_out_of_every_probe(reduction: str, micro: int) -> 
     assert got[p + "saturation_rate"] == pytest.approx(rate.tolist(), rel=REL)
     assert got[p + "mean_derivative"] == pytest.approx(float((1 - z**2).mean()), rel=REL)
     assert got[p + "samples"] == n
+    p = "probes/saturation_sigmoid/actor_mlp.layer_1.linear/"
+    rate = ((z1 < 0.4) | (z1 > 0.6)).double().mean(0)
+    assert got[p + "saturation_rate"] == pytest.approx(rate.tolist(), rel=REL)
+    assert got[p + "mean_derivative"] == pytest.approx(float((z1 - z1**2).mean()), rel=REL)
     # fisher: per-sample gradients of l_i, kept rows only
     hk = mlp(xk).detach().requires_grad_(True)
     (gh,) = torch.autograd.grad(per_sample_loss(policy.actor_head(hk), ak).sum(), hk)
@@ -496,18 +503,23 @@ def test_recurrent_ppo_reads_its_padding_mask_and_matches_plain_hooks(tmp_path) 
     from policy_probes.integrations.sb3 import ProbeCallback
     from policy_probes.sinks import SinksConfig
 
-    model = RecurrentPPO(
-        "MlpLstmPolicy",
-        make_vec_env("CartPole-v1", n_envs=N_ENVS, seed=0),
-        n_steps=N_STEPS,
-        batch_size=BATCH,
-        n_epochs=N_EPOCHS,
-        policy_kwargs=dict(
-            activation_fn=nn.ReLU, lstm_hidden_size=8, net_arch=dict(pi=[8], vf=[8])
-        ),
-        device="cpu",
-        seed=0,
-    )
+    def recurrent_ppo() -> RecurrentPPO:
+        return RecurrentPPO(
+            "MlpLstmPolicy",
+            make_vec_env("CartPole-v1", n_envs=N_ENVS, seed=0),
+            n_steps=N_STEPS,
+            batch_size=BATCH,
+            n_epochs=N_EPOCHS,
+            policy_kwargs=dict(
+                activation_fn=nn.ReLU, lstm_hidden_size=8, net_arch=dict(pi=[8], vf=[8])
+            ),
+            device="cpu",
+            seed=0,
+        )
+
+    bare = recurrent_ppo()
+    bare.learn(CYCLES * ROWS)
+    model = recurrent_ppo()
     policy = model.policy
     # independent records: each training minibatch's mask (from the buffer itself) and
     # plain torch hooks on the LSTM, the actor MLP and the action head
@@ -548,6 +560,10 @@ def test_recurrent_ppo_reads_its_padding_mask_and_matches_plain_hooks(tmp_path) 
     lstm.remove()
     rec.remove()
     assert "get" not in vars(buffer)  # the callback's wrapper is gone with its session
+    # tracing, probing and masking changed nothing in SB3's trajectory
+    bare_state = bare.policy.state_dict()
+    for name, p in policy.state_dict().items():
+        assert torch.equal(p, bare_state[name]), name
     assert len(callback.history) == CYCLES
     assert len(masks) == len(rec.out["head"]) == len(rec.grad["head"])
     assert sum(int((~m).sum()) for _, m in masks) > 0  # the minibatches had padding

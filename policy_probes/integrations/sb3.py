@@ -206,7 +206,7 @@ class ProbeCallback(BaseCallback):
         if self.session is not None and not self.session.closed:
             if self.session.module is self.model.policy:
                 return  # learn() called again while the session is open
-            self.session.close()
+            self.close()
         policy = self.model.policy
         algo = type(self.model).__name__
         run_dir = self.run_dir or default_run_dir(f"sb3-{algo.lower()}")
