@@ -53,7 +53,7 @@ class ComponentContext:
         self.strict = strict
         self.probe_errors: dict[str, str] = {} if probe_errors is None else probe_errors
         self._phase_listeners: list[Callable[[str], None]] = []
-        self.loss_samples: float | Any = None
+        self.loss_samples: Any = None  # float or a 0-dim tensor
         self._row_mask: Any = None
         #: the mask rows the hook now pushing bound to its tensor (see row_mask.pushing_with)
         self.push_weight: Any = None

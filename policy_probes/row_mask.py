@@ -72,6 +72,7 @@ class RowMask:
         self._steps: dict[Any, int] = {}
         self._on: dict[torch.device, RowMask] = {}
         self._kept: torch.Tensor | None = None
+        self._time_major: torch.Tensor | None = None
 
     @property
     def numel(self) -> int:
@@ -109,7 +110,9 @@ class RowMask:
                 and not module.batch_first
                 and tensor.dim() == 3
             ):
-                return mask.weights.T.reshape(-1)  # (time, batch) rows
+                if mask._time_major is None:  # (time, batch) rows; one copy per mask
+                    mask._time_major = mask.weights.T.reshape(-1)
+                return mask._time_major
             return mask._flat
         if len(self.shape) == 2 and rows == self.shape[0]:
             step = self._steps.get(key, 0)

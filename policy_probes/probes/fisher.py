@@ -73,7 +73,8 @@ class FisherInformationState(ProbeState):
         if self.settings[component]["loss_reduction"] == "sum":
             return 1.0 / scale
         if self.context is not None and like is not None:
-            return loss_samples(self.context, rows, like) / scale
+            n = loss_samples(self.context, rows, like)
+            return n if scale == 1.0 else n / scale  # a mask's count: no kernel per push
         return rows / scale
 
     def update(self, component: str, grad_output: torch.Tensor, loss_scale: float = 1.0) -> None:

@@ -231,7 +231,7 @@ class ProbeState:
         them), the row count of every push in order, and every push's scales. When a row
         mask was set, ``weight=`` (``(N,)`` of 0/1) is passed too: sums must then be over
         the rows of weight 1 and counts must count only them (see
-        :class:`~policy_probes.row_mask.Weighted`).
+        :class:`~policy_probes.probes.weighted.Weighted`).
 
         Temporaries go into :meth:`scratch`, so a reduction allocates nothing of the
         buffer's size (allocating and faulting in fresh megabyte-sized temporaries cost
