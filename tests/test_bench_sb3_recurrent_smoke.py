@@ -1,0 +1,28 @@
+"""Smoke run of benchmarks/sb3_recurrent_overhead.py (in process): both sides run
+RecurrentPPO, the callback side reports its probes, and the JSON holds the ratio."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks import ab, sb3_recurrent_overhead
+
+
+def test_sb3_recurrent_overhead_quick_writes_a_positive_ratio(tmp_path):
+    out = tmp_path / "sb3_recurrent.json"
+    try:
+        sb3_recurrent_overhead.main(["--quick", "--inprocess", "--out", str(out)])
+    finally:
+        ab.IN_PROCESS = False
+    result = json.loads(out.read_text())
+    (comp,) = result["comparisons"]
+    assert comp["a"]["params"]["recurrent"] is comp["b"]["params"]["recurrent"] is True
+    assert len(comp["ratios_b_over_a"]) == 1 and comp["median_ratio_b_over_a"] > 0
+    (b,) = comp["extra_b"]
+    assert b["records"] == 1  # 512 steps = one rollout/update cycle of 4 envs x 128 steps
+    # per MLP (2 hidden ReLU layers): relu 8 + saturation 6 + fisher 12 (unit,
+    # nonfinite_fraction, samples, 4 parameter traces, trace, mean, max,
+    # dead_param_fraction, unsupported_params) + gradient_flow 6 + relu_gradient_flow 8;
+    # per LSTM: relu 8 + saturation 6 + fisher 4 (no covered parameters) + gradient_flow 6
+    assert b["probe_keys"] == 2 * (8 + 6 + 12 + 6 + 8) + 2 * (8 + 6 + 4 + 6)
+    assert "records" not in comp["extra_a"][0]
