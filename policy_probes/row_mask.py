@@ -10,8 +10,9 @@ the loss over the real steps only) states the mask around its forward and backwa
 Every built-in tracker then weighs each row by its mask entry at the drain: sums become
 sums over the kept rows and counts become numbers of kept rows, so a masked row changes
 no statistic and no ``samples`` count. Nothing is indexed in a hook (no boolean indexing,
-no ``nonzero``): the hook binds a *view* of the mask to the rows it pushes, and the
-buffer multiplies at the drain (see :meth:`RowMask.weight_for`).
+no ``nonzero``): the hook binds a view of the mask to the rows it pushes, the buffer
+holds it with them, and the trackers weigh the rows when they drain (see
+:meth:`RowMask.weight_for` and :class:`~policy_probes.probes.weighted.Weighted`).
 
 How a mask lines up with a probed tensor (all leading dimensions are rows):
 
@@ -97,8 +98,8 @@ class RowMask:
     def weight_for(
         self, tensor: torch.Tensor, module: nn.Module | None, component: str, key: Any
     ) -> torch.Tensor:
-        """The mask entries of ``tensor``'s rows (a view, ``(rows,)``), aligned as the
-        module docstring says. ``key`` identifies the caller for per-step calls (each
+        """The mask entries of ``tensor``'s rows, ``(rows,)``: a view of the mask (for
+        time-major rows a copy made once per mask), aligned as the module docstring says. ``key`` identifies the caller for per-step calls (each
         hook counts the calls it sees)."""
         mask = self.on(tensor.device)
         lead = tuple(tensor.shape[:-1])
