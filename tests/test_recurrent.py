@@ -260,6 +260,7 @@ class SeqNet(nn.Module):
         self.core = {
             "lstm": lambda: nn.LSTM(F_IN, H),
             "gru": lambda: nn.GRU(F_IN, H),
+            "rnn": lambda: nn.RNN(F_IN, H),
             "lstm_batch_first": lambda: nn.LSTM(F_IN, H, batch_first=True),
             "lstm_cell": lambda: nn.LSTMCell(F_IN, H),
             "gru_cell": lambda: nn.GRUCell(F_IN, H),
@@ -353,8 +354,8 @@ def reference(net: SeqNet, x, a, mask) -> dict:
     return {"h": h, "g": g, "n": n}
 
 
-KINDS = ["lstm", "gru", "lstm_batch_first", "lstm_cell", "gru_cell"]
-CALLS = [(k, False) for k in KINDS[:3]] + [(k, True) for k in KINDS]
+KINDS = ["lstm", "gru", "rnn", "lstm_batch_first", "lstm_cell", "gru_cell"]
+CALLS = [(k, False) for k in KINDS[:4]] + [(k, True) for k in KINDS]
 
 
 @pytest.mark.parametrize(("kind", "per_step"), CALLS)
