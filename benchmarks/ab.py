@@ -188,9 +188,15 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 
 def parse_args(
-    description: str, default_repeats: int, default_out: str, argv: list[str] | None = None
+    description: str,
+    default_repeats: int,
+    default_out: str,
+    argv: list[str] | None = None,
+    comparison_keys: list[str] | None = None,
 ) -> Any:
-    """The command line every benchmark script shares: ``--quick``, ``--repeats``, ``--out``."""
+    """The command line every benchmark script shares: ``--quick``, ``--repeats``, ``--out``;
+    with ``comparison_keys`` also ``--only KEY,...`` (``args.only``: the keys chosen, all
+    by default)."""
     import argparse
 
     parser = argparse.ArgumentParser(description=description)
@@ -210,7 +216,18 @@ def parse_args(
         action="store_true",
         help="run the cases in this process (smoke tests; timings not comparable)",
     )
+    if comparison_keys:
+        parser.add_argument(
+            "--only",
+            default=",".join(comparison_keys),
+            help=f"comma-separated subset of the comparisons {comparison_keys}",
+        )
     args = parser.parse_args(argv)
+    if comparison_keys:
+        args.only = [k.strip() for k in args.only.split(",") if k.strip()]
+        unknown = sorted(set(args.only) - set(comparison_keys))
+        if unknown:
+            parser.error(f"unknown comparison(s) {unknown}; choose from {comparison_keys}")
     if args.inprocess:
         global IN_PROCESS
         IN_PROCESS = True

@@ -6,6 +6,8 @@ Cases:
 * ``ours``: the built-in PPO trainer through :class:`trainers.TrainTool` (sinks, evaluation
   and checkpoints off unless asked), optionally with all five module probes on
   ``actor_mlp`` and ``critic_mlp`` and/or W&B's own ``wandb.watch(log="all", log_freq=1)``.
+  With ``encoder="nature_cnn"`` (and an ALE ``env_id``) the policy is the NatureCNN
+  actor-critic and the probes are those of ``recipes/atari.py`` (:func:`recipes.atari.add_probes`).
 * ``bare``: the bare loop: :class:`trainers.PPOTrainer` driven directly, with an empty
   callback list and a fresh :class:`~policy_probes.context.ComponentContext`: no
   TrainTool, no MetricsHook/StatsReporter, no sinks, no lifecycle manager, no run
@@ -51,9 +53,12 @@ DEFAULTS: dict[str, Any] = {
     "update_epochs": 4,
     "hidden": 64,
     "activation": "tanh",
+    "encoder": "none",
+    "clip_reward": None,
     "vectorization": "sync",
     "probes": False,
     "fisher_param_every": 1,
+    "per_layer": True,
     "jsonl": False,
     "wandb_watch": False,
     "track_memory": True,
@@ -65,7 +70,9 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
-def probe_builders(fisher_param_every: int = 1) -> list[tuple[str, Any, bool]]:
+def probe_builders(
+    fisher_param_every: int = 1, per_layer: bool = True
+) -> list[tuple[str, Any, bool]]:
     from policy_probes import (
         attach_fisher_information_hooks,
         attach_gradient_flow_hooks,
@@ -77,11 +84,11 @@ def probe_builders(fisher_param_every: int = 1) -> list[tuple[str, Any, bool]]:
     out = []
     for component in ("actor_mlp", "critic_mlp"):
         out += [
-            (component, attach_relu_activation_hooks(), False),
-            (component, attach_saturated_activation_hooks("tanh"), False),
+            (component, attach_relu_activation_hooks(per_layer=per_layer), False),
+            (component, attach_saturated_activation_hooks("tanh", per_layer=per_layer), False),
             (component, attach_fisher_information_hooks(param_every=fisher_param_every), True),
-            (component, attach_gradient_flow_hooks(), True),
-            (component, attach_relu_gradient_flow_hooks(), True),
+            (component, attach_gradient_flow_hooks(per_layer=per_layer), True),
+            (component, attach_relu_gradient_flow_hooks(per_layer=per_layer), True),
         ]
     return out
 
@@ -121,8 +128,17 @@ def ours(p: dict[str, Any]) -> dict[str, Any]:
 
     run_dir = tempfile.mkdtemp(prefix="pp-bench-")
     tool = TrainTool(
-        env=EnvConfig(id=p["env_id"], num_envs=p["num_envs"], vectorization=p["vectorization"]),
-        policy=PolicyConfig(hidden_sizes=[p["hidden"], p["hidden"]], activation=p["activation"]),
+        env=EnvConfig(
+            id=p["env_id"],
+            num_envs=p["num_envs"],
+            vectorization=p["vectorization"],
+            clip_reward=p["clip_reward"],
+        ),
+        policy=PolicyConfig(
+            hidden_sizes=[p["hidden"], p["hidden"]],
+            activation=p["activation"],
+            encoder=p["encoder"],
+        ),
         trainer=PPOConfig(
             total_timesteps=p["total_timesteps"],
             num_steps=p["num_steps"],
@@ -144,8 +160,12 @@ def ours(p: dict[str, Any]) -> dict[str, Any]:
         tool.hook_config = dict(p["hook_config"])
     if p["snapshot_every"] is not None:
         tool.snapshot_every = p["snapshot_every"]
-    if p["probes"]:
-        for component, builder, backward in probe_builders(p["fisher_param_every"]):
+    if p["probes"] and p["encoder"] == "nature_cnn":
+        from recipes.atari import add_probes
+
+        add_probes(tool)
+    elif p["probes"]:
+        for component, builder, backward in probe_builders(p["fisher_param_every"], p["per_layer"]):
             if backward:
                 tool.add_training_backward_hook(component, builder)
             else:
@@ -215,7 +235,7 @@ def bare(p: dict[str, Any]) -> dict[str, Any]:
     from policy_probes.context import ComponentContext
     from trainers import EnvConfig, PolicyConfig, PPOConfig
     from trainers.envs import make_vector_env
-    from trainers.policy import ActorCriticPolicy
+    from trainers.policy import make_policy
     from trainers.ppo import PPOTrainer
     from trainers.train_tool import seed_everything
 
@@ -228,13 +248,22 @@ def bare(p: dict[str, Any]) -> dict[str, Any]:
     t0, c0 = time.perf_counter(), time.process_time()
     seed_everything(p["seed"])
     envs = make_vector_env(
-        EnvConfig(id=p["env_id"], num_envs=p["num_envs"], vectorization=p["vectorization"]),
+        EnvConfig(
+            id=p["env_id"],
+            num_envs=p["num_envs"],
+            vectorization=p["vectorization"],
+            clip_reward=p["clip_reward"],
+        ),
         gamma=cfg.gamma,
     )
-    policy = ActorCriticPolicy(
+    policy = make_policy(
         envs.single_observation_space,
         envs.single_action_space,
-        PolicyConfig(hidden_sizes=[p["hidden"], p["hidden"]], activation=p["activation"]),
+        PolicyConfig(
+            hidden_sizes=[p["hidden"], p["hidden"]],
+            activation=p["activation"],
+            encoder=p["encoder"],
+        ),
     )
     trainer = PPOTrainer(envs, policy, cfg, context=ComponentContext(), seed=p["seed"])
     state = trainer.train()

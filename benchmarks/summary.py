@@ -14,7 +14,14 @@ from pathlib import Path
 
 from benchmarks.ab import RESULTS
 
-FILES = ("throughput", "probe_overhead", "scaling", "empty_path", "lifecycle_cost")
+FILES = (
+    "throughput",
+    "probe_overhead",
+    "probe_overhead_atari",
+    "scaling",
+    "empty_path",
+    "lifecycle_cost",
+)
 
 
 def table(payload: dict) -> list[str]:

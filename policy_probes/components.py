@@ -22,9 +22,17 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from policy_probes.context import ComponentContext
+from policy_probes.extractors import as_extractor, gradient_target
 from policy_probes.grad_tap import on_grad
-from policy_probes.hook_types import GuardedHook, ProbeError, ProbeHook, describe_type
+from policy_probes.hook_types import (
+    GuardedHook,
+    ProbeError,
+    ProbeHook,
+    describe_type,
+    disable_after_fault,
+)
 from policy_probes.layers import LinearSpec, MLPSpec, build_component
+from policy_probes.outputs import extractor_example
 from policy_probes.recurrent import default_extractor
 
 GLOB_CHARS = set("*?[")
@@ -142,6 +150,8 @@ class PolicyAutoBuilder(nn.Module):
         super().__init__()
         self._component_modules: OrderedDict[str, nn.Module] = OrderedDict()
         self._output_kinds: dict[str, str] = {}
+        # name -> (short description, extractor example) of traced non-tensor outputs
+        self._output_notes: dict[str, tuple[str, str]] = {}
         self._handles: list[ProbeHandle] = []
         self._contexts: list[ComponentContext] = []
         for name, part in (spec or {}).items():
@@ -251,11 +261,13 @@ class PolicyAutoBuilder(nn.Module):
         states, so tracing leaves the model and the random streams as they were.
         """
         kinds: dict[str, str] = {}
+        notes: dict[str, tuple[str, str]] = {}
         handles = []
         for name in self.component_names():
 
-            def hook(_m: nn.Module, _i: Any, out: Any, name: str = name) -> None:
-                kinds.setdefault(name, output_kind(out))
+            def hook(m: nn.Module, _i: Any, out: Any, name: str = name) -> None:
+                if kinds.setdefault(name, output_kind(out)) != "tensor":
+                    notes.setdefault(name, (describe_type(out), extractor_example(out, m)))
 
             handles.append(self.get_component(name).register_forward_hook(hook))
         modes = {m: m.training for m in self.modules()}
@@ -268,6 +280,7 @@ class PolicyAutoBuilder(nn.Module):
             for h in handles:
                 h.remove()
         self._output_kinds.update(kinds)
+        self._output_notes.update(notes)
         return kinds
 
     def output_kind(self, name: str) -> str:
@@ -302,14 +315,15 @@ class PolicyAutoBuilder(nn.Module):
         """
         module = self.get_component(component_name)
         _check_inplace(module, component_name)
-        extractor = getattr(hook, "extractor", None) or default_extractor(module)
+        # the recurrent default applies only when the builder gives no extractor
+        extractor = as_extractor(getattr(hook, "extractor", None)) or default_extractor(module)
         kind = self.output_kind(component_name)
         if kind in ("mapping", "sequence", "object") and extractor is None:
+            seen, example = self._output_notes.get(component_name, (kind, "extractor=..."))
             raise ProbeError(
                 f"backward probe on component {component_name!r} cannot fire: the component "
-                f"returns a {kind}, not a tensor, so autograd has no output to hook. Pass "
-                f"extractor=... to the builder to pick the tensor (for example "
-                f"extractor=lambda out: out['features'])."
+                f"returns a {kind}, not a tensor ({seen}). Pass {example} to the builder to "
+                f"pick the tensor."
             )
 
         def install() -> list[RemovableHandle]:
@@ -355,6 +369,8 @@ class PolicyAutoBuilder(nn.Module):
             if not isinstance(hook, ProbeHook):
                 label = getattr(builder, "probe", getattr(builder, "__name__", "hook"))
                 hook = GuardedHook(hook, label, name, context)
+            else:
+                hook.locate = self.get_component
             direction = getattr(hook, "backward", None)
             if direction is not None and direction != backward:
                 probe = getattr(hook, "probe", "probe")
@@ -452,9 +468,35 @@ def _attach_extra(hook: Callable, module: nn.Module) -> list[RemovableHandle]:
     return list(attach(module)) if callable(attach) else []
 
 
+#: torch modules whose ``inplace=True`` overwrites their input, the activation a backward
+#: probe reads; ``inplace`` on other modules (a TensorDictModule writing its outputs into
+#: the input TensorDict) says nothing about activations
+INPLACE_OVERWRITING = (
+    nn.ReLU,
+    nn.ReLU6,
+    nn.LeakyReLU,
+    nn.RReLU,
+    nn.ELU,
+    nn.CELU,
+    nn.SELU,
+    nn.SiLU,
+    nn.Mish,
+    nn.Hardtanh,
+    nn.Hardsigmoid,
+    nn.Hardswish,
+    nn.Threshold,
+    nn.Dropout,
+    nn.Dropout1d,
+    nn.Dropout2d,
+    nn.Dropout3d,
+    nn.AlphaDropout,
+    nn.FeatureAlphaDropout,
+)
+
+
 def _check_inplace(module: nn.Module, name: str) -> None:
     for sub_name, sub in module.named_modules():
-        if getattr(sub, "inplace", False) is True:
+        if isinstance(sub, INPLACE_OVERWRITING) and sub.inplace is True:
             where = f"{name}.{sub_name}" if sub_name else name
             raise ProbeError(
                 f"backward probe on component {name!r}: {where} is {type(sub).__name__}"
@@ -469,16 +511,15 @@ def _grad_tap(hook: Callable, component: str, extractor: Callable | None) -> Cal
     active = getattr(hook, "active", None)
 
     def tap(module: nn.Module, _inputs: Any, output: Any) -> None:
-        if active is not None and not active():
+        if (active is not None and not active()) or not getattr(hook, "enabled", True):
             return
-        tensor = extractor(output) if extractor is not None else output
-        if not isinstance(tensor, torch.Tensor):
-            via = "its extractor returned" if extractor is not None else "it returned"
-            raise ProbeError(
-                f"backward probe on component {component!r} cannot fire: {via} "
-                f"{describe_type(tensor)}, not a tensor. Pass extractor=... to the builder to "
-                f"pick the tensor whose gradient the probe should read."
-            )
+        try:
+            tensor = gradient_target(output, extractor, component, module)
+        except Exception as exc:
+            if not hasattr(hook, "context"):
+                raise
+            disable_after_fault(hook, exc)  # the probe fault rule; re-raised when strict
+            return
         if tensor.requires_grad and torch.is_grad_enabled():
             if isinstance(hook, ProbeHook):  # binds the row-mask rows of this pass now
                 callback = hook.grad_callback(module, tensor)

@@ -17,7 +17,7 @@ Fisher probe caches the input of every ``nn.Linear`` inside the component this w
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import Any, TypeAlias
 
 import torch
@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from policy_probes.context import ComponentContext
+from policy_probes.outputs import describe_output, extractor_example
 from policy_probes.recurrent import default_extractor
 from policy_probes.row_mask import bound_weight, pushing_with
 
@@ -34,7 +35,9 @@ ForwardHook: TypeAlias = Callable[[nn.Module, tuple[Any, ...], Any], None]
 BackwardHook: TypeAlias = Callable[[nn.Module, Any, Any], None]
 HookBuilder: TypeAlias = Callable[[str, ComponentContext], ForwardHook | None]
 BackwardHookBuilder: TypeAlias = Callable[[str, ComponentContext], BackwardHook | None]
-Extractor: TypeAlias = Callable[[Any], torch.Tensor]
+#: a callable ``output -> tensor``, a key, a nested key or a tuple index (see
+#: :mod:`policy_probes.extractors`)
+Extractor: TypeAlias = Callable[[Any], torch.Tensor] | str | tuple[str, ...] | int
 
 
 class ProbeError(RuntimeError):
@@ -50,11 +53,9 @@ def normalize_phases(phases: str | Iterable[str]) -> frozenset[str]:
 
 
 def describe_type(obj: Any) -> str:
-    if isinstance(obj, Mapping):
-        return f"a mapping with keys {list(obj)[:8]}"
-    if isinstance(obj, tuple | list):
-        return f"a {type(obj).__name__} of {len(obj)} items"
-    return f"an object of type {type(obj).__name__}"
+    """A short description (keys, length or type), never the contents; see
+    :func:`policy_probes.outputs.describe_output`."""
+    return describe_output(obj)
 
 
 def disable_after_fault(hook: Any, exc: BaseException) -> None:
@@ -85,6 +86,12 @@ class ProbeHook:
     backward: bool = False
     #: False when the probe measures only through the hooks :meth:`attach` installs
     component_hook: bool = True
+    #: dotted name -> module of the policy the probe is attached to (set by
+    #: ``PolicyAutoBuilder.attach``), so a probe can look at the modules around its component
+    locate: Callable[[str], nn.Module] | None = None
+    #: whether the component's output is read with its units on axis 1 (conv layouts,
+    #: set by the probes that take ``layout=``); the row mask is bound per sample then
+    channels_first: bool = False
 
     def __init__(
         self,
@@ -96,7 +103,9 @@ class ProbeHook:
         self.component = component
         self.context = context
         self.phases = normalize_phases(phases)
-        self.extractor = extractor
+        from policy_probes.extractors import as_extractor  # it imports ProbeError from here
+
+        self.extractor = as_extractor(extractor)
         self.enabled = True
         self.calls = 0
 
@@ -123,7 +132,7 @@ class ProbeHook:
         raise ProbeError(
             f"component {self.component!r} returned {describe_type(output)}, not a tensor; "
             f"pass extractor=... to the builder of probe {self.probe!r} to pick the tensor "
-            f"(for example extractor=lambda out: out['features'])"
+            f"(for example {extractor_example(output)})"
         )
 
     def __call__(self, module: nn.Module, first: Any, second: Any) -> None:
@@ -138,7 +147,9 @@ class ProbeHook:
                     self.record_grad(module, _detached(grad))
             else:
                 tensor = self.extract(second, module)
-                weight = bound_weight(self.context, tensor, module, self.component, id(self))
+                weight = bound_weight(
+                    self.context, tensor, module, self.component, id(self), self.channels_first
+                )
                 if weight is None:
                     self.record(module, _detached(tensor))
                 else:
@@ -152,7 +163,9 @@ class ProbeHook:
         it delivers the gradient to this probe with the row-mask rows of ``tensor`` bound
         now (per-step calls count in forward order). None if the probe failed here."""
         try:
-            weight = bound_weight(self.context, tensor, module, self.component, id(self))
+            weight = bound_weight(
+                self.context, tensor, module, self.component, id(self), self.channels_first
+            )
         except Exception as exc:
             self.fail(exc)
             return None

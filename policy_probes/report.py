@@ -6,7 +6,8 @@ PNG drawn with matplotlib and embedded as base64, no network or external files n
 
 Sections (each only when the run recorded its metrics): returns, PPO losses and
 statistics, dead/dormant ReLU fractions per component, saturation, Fisher information,
-gradient flow, units x epochs heatmaps (ReLU active rate, per-unit Fisher, gradient RMS,
+gradient flow, the same per layer (one figure per component, one line per activation
+layer inside it: :mod:`~policy_probes.layer_figures`), units x epochs heatmaps (ReLU active rate, per-unit Fisher, gradient RMS,
 the same figures the W&B sink logs at SNAPSHOT), and a table of every scalar's last, min
 and max value.
 """
@@ -36,6 +37,12 @@ from policy_probes.heatmaps import (
     fixed_margins,
     heatmap_spec,
     units_by_epochs,
+)
+from policy_probes.layer_figures import (
+    LAYER_SECTIONS,
+    is_layer_metric,
+    layer_figures,
+    layer_groups,
 )
 from policy_probes.sinks.base import is_finite_number
 from policy_probes.sinks.jsonl import METRICS_JSONL, iter_jsonl
@@ -141,14 +148,20 @@ class RunMetrics:
         points = sorted(self.scalars.get(key, {}).items())
         return np.array([e for e, _ in points]), np.array([v for _, v in points], dtype=float)
 
-    def components(self, probe: str, metric: str) -> list[str]:
+    def components(self, probe: str, metric: str, layers: bool = True) -> list[str]:
+        """Names with a ``probes/<probe>/<name>/<metric>`` series; ``layers=False``
+        leaves out the layers of another recorded name (see :func:`layer_groups`)."""
         prefix = f"probes/{probe}/"
         suffix = f"/{metric}"
-        return sorted(
+        names = sorted(
             k[len(prefix) : -len(suffix)]
             for k in self.scalars
             if k.startswith(prefix) and k.endswith(suffix)
         )
+        if layers:
+            return names
+        inner = {layer for group in layer_groups(names).values() for layer in group}
+        return [n for n in names if n not in inner]
 
     @property
     def epochs(self) -> list[int]:
@@ -219,12 +232,13 @@ def training_figure(run: RunMetrics) -> Figure | None:
 
 
 def probe_figure(run: RunMetrics, panels: Sequence[tuple[str, str, str, bool]]) -> Figure | None:
+    """One panel per metric, one line per component (its layers are drawn per layer)."""
     present = [p for p in panels if run.components(p[0], p[1])]
     if not present:
         return None
     fig, axes = _panel_grid(len(present), cols=2, height=3.0)
     for ax, (probe, metric, title, log) in zip(axes, present, strict=True):
-        for comp in run.components(probe, metric):
+        for comp in run.components(probe, metric, layers=False):
             x, y = run.series(f"probes/{probe}/{comp}/{metric}")
             _plot(ax, x, y, label=comp, log=log)
         if not log and metric.endswith("fraction"):
@@ -363,6 +377,14 @@ def build_report(
             ]
         else:
             missing.append(section.lower())
+    per_layer = layer_figures(
+        {k: sorted(v.items()) for k, v in run.scalars.items() if is_layer_metric(k)}
+    )
+    for slug, section, _ in LAYER_SECTIONS:
+        figures = [(comp, f) for s, comp, f in per_layer if s == slug]
+        if figures:
+            parts.append(f'<h2 id="{slug}-layers">{html.escape(section)} per layer</h2>')
+            parts += [_img(f, f"{section} per layer: {comp}") for comp, f in figures]
     heatmaps = heatmap_figures(run, max_heatmap_epochs)
     if heatmaps:
         parts.append('<h2 id="heatmaps">Units x epochs</h2>')

@@ -23,6 +23,11 @@ How a mask lines up with a probed tensor (all leading dimensions are rows):
 * a 2-D ``(batch, time)`` mask and a tensor of ``batch`` rows (a per-step call: an
   ``nn.LSTMCell`` in a loop, or an ``nn.LSTM`` fed one step at a time): the k-th call of
   the module inside the ``row_mask`` block reads column ``k``;
+* a conv output read per channel (``layout``, :mod:`policy_probes.probes.layout`):
+  ``(B, C, *spatial)`` has one mask row per sample ``B`` (matched by the rules above,
+  with ``B`` as the rows); each sample's entry is expanded over its positions, in the row
+  order of the ``(B, *spatial, C)`` rows the probes read, so every statistic is over the
+  positions of the kept samples and ``samples`` counts kept samples;
 * anything else is an error that says which shapes to pass.
 
 The per-sample factor of the Fisher probe (the number of samples the loss averages over)
@@ -96,13 +101,36 @@ class RowMask:
         return other
 
     def weight_for(
-        self, tensor: torch.Tensor, module: nn.Module | None, component: str, key: Any
+        self,
+        tensor: torch.Tensor,
+        module: nn.Module | None,
+        component: str,
+        key: Any,
+        channels_first: bool = False,
     ) -> torch.Tensor:
         """The mask entries of ``tensor``'s rows, ``(rows,)``: a view of the mask (for
-        time-major rows a copy made once per mask), aligned as the module docstring says. ``key`` identifies the caller for per-step calls (each
-        hook counts the calls it sees)."""
+        time-major rows a copy made once per mask), aligned as the module docstring says.
+        ``key`` identifies the caller for per-step calls (each hook counts the calls it
+        sees). With ``channels_first`` (a conv output ``(B, C, *spatial)`` read per
+        channel) the mask has one entry per sample ``B`` and the result is the view
+        ``(B, positions)`` of it expanded over each sample's positions: the row order of
+        the ``(B, *spatial, C)`` view the probes push."""
+        if channels_first and tensor.dim() >= 3:
+            per_sample = math.prod(tensor.shape[2:])
+            weight = self._sample_weight(tensor, (tensor.shape[0],), None, component, key)
+            return weight[:, None].expand(-1, per_sample)
+        return self._sample_weight(tensor, tuple(tensor.shape[:-1]), module, component, key)
+
+    def _sample_weight(
+        self,
+        tensor: torch.Tensor,
+        lead: tuple[int, ...],
+        module: nn.Module | None,
+        component: str,
+        key: Any,
+    ) -> torch.Tensor:
+        """The mask entries of the ``lead`` sample rows of ``tensor``."""
         mask = self.on(tensor.device)
-        lead = tuple(tensor.shape[:-1])
         rows = math.prod(lead)
         if rows == self.numel:
             if (
@@ -128,21 +156,33 @@ class RowMask:
         raise ValueError(
             f"row_mask: the mask has shape {self.shape} ({self.numel} rows) but component "
             f"{component!r} produced a tensor with {rows} rows (shape {tuple(tensor.shape)}, "
-            f"every dimension but the last is a row). Pass one mask entry per row of the "
+            f"{_row_rule(tensor, lead)}). Pass one mask entry per row of the "
             f"minibatch, shape ({rows},) in the order the rows are flattened, or a (batch, "
             f"time) mask for sequences (a per-step call of batch rows reads one column)"
         )
 
 
+def _row_rule(tensor: torch.Tensor, lead: tuple[int, ...]) -> str:
+    if len(lead) == 1 and tensor.dim() >= 3:
+        return "read per channel: one row per sample, axis 0"
+    return "every dimension but the last is a row"
+
+
 def bound_weight(
-    context: Any, tensor: torch.Tensor, module: nn.Module | None, component: str, key: Any
+    context: Any,
+    tensor: torch.Tensor,
+    module: nn.Module | None,
+    component: str,
+    key: Any,
+    channels_first: bool = False,
 ) -> torch.Tensor | None:
-    """The mask rows of ``tensor`` under ``context.row_mask`` (None without a mask).
+    """The mask rows of ``tensor`` under ``context.row_mask`` (None without a mask), for
+    a tensor read with its units on the last axis, or on axis 1 with ``channels_first``.
     Call it when the tensor is produced (the forward), so per-step calls count in order."""
     mask = getattr(context, "row_mask", None)
     if mask is None:
         return None
-    return mask.weight_for(tensor, module, component, key)
+    return mask.weight_for(tensor, module, component, key, channels_first)
 
 
 class pushing_with:  # noqa: N801 - used like a function: ``with pushing_with(ctx, w):``

@@ -20,9 +20,11 @@ def test_sb3_recurrent_overhead_quick_writes_a_positive_ratio(tmp_path):
     assert len(comp["ratios_b_over_a"]) == 1 and comp["median_ratio_b_over_a"] > 0
     (b,) = comp["extra_b"]
     assert b["records"] == 1  # 512 steps = one rollout/update cycle of 4 envs x 128 steps
-    # per MLP (2 hidden ReLU layers): relu 8 + saturation 6 + fisher 12 (unit,
-    # nonfinite_fraction, samples, 4 parameter traces, trace, mean, max,
-    # dead_param_fraction, unsupported_params) + gradient_flow 6 + relu_gradient_flow 8;
-    # per LSTM: relu 8 + saturation 6 + fisher 4 (no covered parameters) + gradient_flow 6
-    assert b["probe_keys"] == 2 * (8 + 6 + 12 + 6 + 8) + 2 * (8 + 6 + 4 + 6)
+    # per MLP (2 hidden ReLU layers, each also reported per layer): relu 8 x 3 +
+    # saturation 6 (no tanh layer) + fisher 12 (unit, nonfinite_fraction, samples, 4
+    # parameter traces, trace, mean, max, dead_param_fraction, unsupported_params) +
+    # gradient_flow 6 x 3 + relu_gradient_flow 4 x 3; per LSTM (no activation layer
+    # inside, so no per-layer keys): relu 8 + saturation 6 + fisher 4 (no covered
+    # parameters) + gradient_flow 6
+    assert b["probe_keys"] == 2 * (8 * 3 + 6 + 12 + 6 * 3 + 4 * 3) + 2 * (8 + 6 + 4 + 6)
     assert "records" not in comp["extra_a"][0]

@@ -52,11 +52,26 @@ def test_throughput_smoke(tmp_path):
 
 def test_probe_overhead_smoke(tmp_path):
     payload = run_script(probe_overhead, tmp_path, "probe_overhead")
-    probes, watch = payload["comparisons"]
+    probes, per_layer, watch, atari = payload["comparisons"]
+    assert not per_layer["a"]["params"]["per_layer"] and per_layer["b"]["params"]["per_layer"]
     assert probes["b"]["params"]["probes"] and probes["b"]["params"]["activation"] == "relu"
     assert probes["extra_a"][0]["tracker_bytes_per_epoch"] == [0]  # nothing attached
     assert probes["extra_b"][0]["tracker_bytes_per_epoch"][0] > 0
     assert watch["b"]["params"]["wandb_watch"]
+    assert atari["b"]["params"]["encoder"] == "nature_cnn" and atari["b"]["params"]["probes"]
+    assert atari["extra_a"][0]["tracker_bytes_per_epoch"] == [0]
+    assert atari["extra_b"][0]["tracker_bytes_per_epoch"][0] > 0
+    assert atari["extra_a"][0]["steps"] == atari["extra_b"][0]["steps"] == 128
+
+
+def test_probe_overhead_only_subset(tmp_path):
+    out = tmp_path / "atari.json"
+    probe_overhead.main(["--quick", "--inprocess", "--only", "atari", "--out", str(out)])
+    assert [c["name"] for c in json.loads(out.read_text())["comparisons"]] == [
+        "atari recipe probes (NatureCNN)"
+    ]
+    with pytest.raises(SystemExit):
+        probe_overhead.main(["--quick", "--inprocess", "--only", "cnn"])
 
 
 def test_empty_path_smoke(tmp_path):

@@ -127,7 +127,12 @@ def test_backward_probe_on_mapping_output_fails_at_attach_without_extractor() ->
 def test_backward_probe_on_untraced_mapping_output_fails_on_first_forward() -> None:
     model = PolicyAutoBuilder.wrap(DictPolicy())
     assert model.output_kind("body") == "unknown"
-    model.attach("body", attach_gradient_flow_hooks(), ComponentContext(), backward=True)
+    ctx = ComponentContext()
+    model.attach("body", attach_gradient_flow_hooks(), ctx, backward=True)
+    assert model(torch.zeros(2, 4)).shape == (2, 2)  # the probe fault rule: training goes on
+    assert "cannot fire: it returned a mapping" in ctx.probe_errors["gradient_flow/body"]
+    model.remove_hooks()
+    model.attach("body", attach_gradient_flow_hooks(), ComponentContext(strict=True), backward=True)
     with pytest.raises(ProbeError, match="cannot fire: it returned a mapping"):
         model(torch.zeros(2, 4))
 
@@ -340,8 +345,10 @@ def test_probes_install_their_hooks_only_in_phases_they_record(tiny_policy: Tiny
     attach("actor_mlp", attach_relu_activation_hooks(), ctx)
     attach("actor_mlp", attach_fisher_information_hooks(), ctx, backward=True)
     attach("actor_mlp.layer_0", attach_relu_activation_hooks(phases=("rollout",)), ctx)
-    # train: the relu and fisher hooks (1 + 1 component tap + 2 Linear taps); rollout probe off
-    assert hook_counts(tiny_policy) == 4
+    # train: the relu hooks (the component, and per layer a forward pre-hook and a
+    # forward hook on it and layer_1's: the explicit rollout probe took layer_0 over) and
+    # fisher's (1 component tap + 2 Linear taps); the rollout probe is off
+    assert hook_counts(tiny_policy) == 7
     assert tiny_policy.hooks_installed()
     ctx.phase = "rollout"
     assert hook_counts(tiny_policy) == 1  # only the rollout probe's
@@ -349,7 +356,7 @@ def test_probes_install_their_hooks_only_in_phases_they_record(tiny_policy: Tiny
     assert hook_counts(tiny_policy) == 0
     assert not tiny_policy.hooks_installed()
     ctx.phase = "train"
-    assert hook_counts(tiny_policy) == 4
+    assert hook_counts(tiny_policy) == 7
     x, a = torch.randn(9, 5), torch.randint(0, 3, (9,))
     F.cross_entropy(tiny_policy(x), a).backward()
     got = StatsReporter(ctx).collect()

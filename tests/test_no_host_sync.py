@@ -7,10 +7,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import TinyPolicy, attach_all_probes
+from torch import nn
 
 from policy_probes import (
     ComponentContext,
+    PolicyAutoBuilder,
     StatsReporter,
+    attach_gradient_flow_hooks,
+    attach_relu_activation_hooks,
+    attach_relu_gradient_flow_hooks,
+    attach_saturated_activation_hooks,
 )
 
 SYNCING = {"item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__", "__index__"}
@@ -76,6 +82,44 @@ def test_all_probes_run_without_host_sync(buffer_rows: int) -> None:
     assert metrics["probes/fisher/actor_mlp/samples"] == 80
     assert metrics["probes/relu/actor_mlp/samples"] == 80
     assert policy(x).shape == (4, 3)
+
+
+@pytest.mark.parametrize(
+    ("buffer_elements", "masked"), [(1 << 20, False), (300, False), (300, True)]
+)
+def test_conv_and_per_layer_probes_run_without_host_sync(
+    buffer_elements: int, masked: bool
+) -> None:
+    # channels-first views of conv outputs, per-layer hooks on every ReLU of the encoder
+    # and of the MLP trunk; 300 elements: drains (the strided row copies) inside the hooks;
+    # masked: every other sample left out (mask rows expanded over conv positions)
+    torch.manual_seed(0)
+    encoder = nn.Sequential(nn.Conv2d(2, 4, 3), nn.ReLU(), nn.Conv2d(4, 3, 1), nn.Tanh())
+    model = nn.Sequential(encoder, nn.Flatten(), nn.Linear(3 * 16, 8), nn.ReLU(), nn.Linear(8, 3))
+    policy = PolicyAutoBuilder.wrap(model, {"encoder": "0", "trunk": model})
+    ctx = ComponentContext()
+    for name in ("encoder", "trunk"):
+        policy.attach(name, attach_relu_activation_hooks(), ctx)
+        policy.attach(name, attach_saturated_activation_hooks("tanh"), ctx)
+        policy.attach(name, attach_gradient_flow_hooks(), ctx, backward=True)
+        policy.attach(name, attach_relu_gradient_flow_hooks(), ctx, backward=True)
+    for tracker in ctx.model_metrics.values():
+        tracker.buffer_elements = buffer_elements
+    g = torch.Generator().manual_seed(1)
+    with ForbidHostSync() as probed:
+        for n in (5, 3, 6):
+            x, a = torch.randn(n, 2, 6, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
+            ctx.row_mask = (torch.arange(n) % 2 == 0).float() if masked else None
+            F.cross_entropy(policy(x), a).backward()
+    assert probed.calls == []
+    assert not ctx.probe_errors
+    metrics = StatsReporter(ctx).collect()
+    assert not [k for k in metrics if k.startswith("probes/errors/")]
+    assert len(metrics["probes/relu/encoder.1/active_rate"]) == 4  # channels
+    assert metrics["probes/relu/encoder.1/samples"] == (8 if masked else 14)  # batch rows
+    assert metrics["probes/gradient_flow/trunk.0.1/passes"] == 3
+    assert len(metrics["probes/saturation_tanh/encoder/saturation_rate"]) == 3
+    assert len(metrics["probes/relu_gradient_flow/trunk.3/pass_rate"]) == 8
 
 
 def test_the_detector_catches_a_syncing_hook() -> None:
@@ -151,3 +195,41 @@ def test_masked_rows_and_recurrent_cores_run_without_host_sync(buffer_rows: int)
     assert metrics["probes/fisher/actor_mlp/samples"] == 5 * 10
     assert metrics["probes/relu/core0/samples"] == 2 * int(mask.sum())
     assert metrics["probes/fisher/core1/samples"] == 2 * int(mask.sum())
+
+
+def test_key_and_index_extractors_on_tensordict_and_tuple_outputs_run_without_host_sync() -> None:
+    tensordict = pytest.importorskip("tensordict")
+    from tensordict.nn import TensorDictModule
+
+    from policy_probes import (
+        PolicyAutoBuilder,
+        attach_fisher_information_hooks,
+        attach_gradient_flow_hooks,
+        attach_relu_activation_hooks,
+    )
+
+    class Pair(torch.nn.Module):
+        def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return h, h.sum(-1)
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.ReLU())
+    body = TensorDictModule(net, in_keys=["obs"], out_keys=[("next", "hidden")])
+    pair, head = Pair(), torch.nn.Linear(6, 3)
+    model = PolicyAutoBuilder.wrap(torch.nn.ModuleDict({"body": body, "pair": pair, "head": head}))
+    ctx = ComponentContext()
+    key = ("next", "hidden")
+    model.attach("body", attach_relu_activation_hooks(extractor=key), ctx)
+    model.attach("body", attach_fisher_information_hooks(extractor=key), ctx, backward=True)
+    model.attach("pair", attach_gradient_flow_hooks(extractor=0), ctx, backward=True)
+    with ForbidHostSync() as probed:
+        for _ in range(3):
+            td = tensordict.TensorDict({"obs": torch.randn(16, 5)}, batch_size=[16])
+            h = pair(body(td)["next", "hidden"])[0]
+            F.cross_entropy(head(h), torch.randint(0, 3, (16,))).backward()
+    assert probed.calls == []
+    assert not ctx.probe_errors
+    metrics = StatsReporter(ctx).collect()
+    assert metrics["probes/relu/body/samples"] == 48
+    assert metrics["probes/fisher/body/samples"] == 48
+    assert metrics["probes/gradient_flow/pair/passes"] == 3

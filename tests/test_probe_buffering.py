@@ -125,9 +125,10 @@ def test_probes_on_the_same_tensor_share_one_autograd_hook() -> None:
 
 
 def test_probes_reading_the_same_tensors_share_one_materialisation() -> None:
-    # Five probes on a 2-layer ReLU MLP hold 14 block columns, but only five distinct
-    # tensors per pass: the input, the two ReLU outputs and their gradients (fisher reads
-    # its Linear layers through them). A drain materialises each once.
+    # Five probes on a 2-layer ReLU MLP hold 18 block columns (14, plus relu and
+    # gradient_flow per layer on layer_0 and layer_1), but only five distinct tensors per
+    # pass: the input, the two ReLU outputs and their gradients (fisher reads its Linear
+    # layers through them). A drain materialises each once.
     policy, ctx = probed(None)
     train(policy, ctx, (12, 5))
     columns = [
@@ -143,7 +144,7 @@ def test_probes_reading_the_same_tensors_share_one_materialisation() -> None:
         for col, slot in buf.storage
         if slot == 0
     ]
-    assert len(columns) == 14
+    assert len(columns) == 18
     assert len(stored) == 5, stored
     assert ("relu", "h", 0) in stored  # the first tracker to drain stores the output
     assert ("saturation_sigmoid", "h", 0) not in stored

@@ -76,7 +76,7 @@ def test_relu_gradient_flow_matches_gradient_at_relu_inputs() -> None:
     with torch.no_grad():
         policy.actor_mlp.layer_0.linear.bias[1] = -100.0  # never active: blocks its gradient
     ctx = ComponentContext()
-    probe_builder = attach_relu_gradient_flow_hooks()
+    probe_builder = attach_relu_gradient_flow_hooks(per_layer=False)  # the per-ReLU keys
     policy.attach("actor_mlp", probe_builder, ctx, backward=True)
     data = batches((9, 14))
     for x, a in data:

@@ -177,16 +177,51 @@ def test_masked_rows_are_left_out_of_every_probe(reduction: str, micro: int) -> 
     p = "probes/gradient_flow/actor_mlp/"
     assert got[p + "rms"] == pytest.approx(ema_reference(rms).tolist(), rel=REL)
     assert got[p + "passes"] == len(rms)
-    # relu gradient flow: kept rows where the ReLU output is > 0 and its gradient != 0
-    p = "probes/relu_gradient_flow/actor_mlp/"
+    # per layer (probes/<probe>/actor_mlp.layer_k/...): each hidden layer's output over
+    # exactly the kept rows of every pass (boolean indexing of the plain-hook captures)
     for layer in acts:
+        name = layer.removesuffix(".act")
         outs, grads = rec.out[layer], rec.grad[layer]
+        kept_out = torch.cat([o[k] for o, k in zip(outs, pass_masks, strict=True)]).double()
+        p = f"probes/relu/actor_mlp.{name}/"
+        assert got[p + "active_rate"] == pytest.approx(
+            (kept_out > 0).double().mean(0).tolist(), rel=REL
+        )
+        assert got[p + "zero_fraction"] == pytest.approx(
+            float((kept_out <= 0).double().mean()), rel=REL
+        )
+        assert got[p + "samples"] == n
+        layer_rms = [
+            g[k].double().square().mean(0).sqrt()
+            for g, k in zip(grads, pass_masks, strict=True)
+            if k.any()
+        ]
+        p = f"probes/gradient_flow/actor_mlp.{name}/"
+        assert got[p + "rms"] == pytest.approx(ema_reference(layer_rms).tolist(), rel=REL)
+        assert got[p + "passes"] == len(layer_rms)
+        # relu gradient flow: kept rows where the ReLU output is > 0 and its gradient != 0
         passed = torch.cat(
             [((g != 0) & (o > 0))[k] for o, g, k in zip(outs, grads, pass_masks, strict=True)]
         )
-        assert got[p + f"{layer}.pass_rate"] == pytest.approx(
-            passed.double().mean(0).tolist(), rel=REL
-        )
+        p = f"probes/relu_gradient_flow/actor_mlp.{name}/"
+        assert got[p + "pass_rate"] == pytest.approx(passed.double().mean(0).tolist(), rel=REL)
+    p = "probes/relu_gradient_flow/actor_mlp/"
+    assert got[p + "pass_rate"] == pytest.approx(
+        torch.cat(
+            [
+                torch.cat(
+                    [
+                        ((g != 0) & (o > 0))[k]
+                        for o, g, k in zip(rec.out[a], rec.grad[a], pass_masks, strict=True)
+                    ]
+                )
+                .double()
+                .mean(0)
+                for a in acts
+            ]
+        ).tolist(),
+        rel=REL,
+    )
 
 
 def test_masked_rows_need_no_host_sync_to_be_left_out() -> None:

@@ -14,12 +14,15 @@ from matplotlib.image import AxesImage
 from PIL import Image
 from sinks_support import DEAD_UNITS, emit_probe_run, tiny_cartpole
 
+from policy_probes.layer_figures import is_layer_metric, layer_figures, layer_groups
 from policy_probes.report import (
+    PROBE_SECTIONS,
     REPORT_HTML,
     RunMetrics,
     add_report_subcommand,
     build_report,
     heatmap_figures,
+    probe_figure,
 )
 from policy_probes.sinks import JSONLSink, SinksConfig, read_jsonl
 
@@ -57,7 +60,9 @@ def test_report_of_a_real_run_holds_its_figures(run_dir):
         and k.split("/")[-1] in ("active_rate", "unit", "rms")
     )
     assert sorted(alt for alt in alts if alt.startswith("probes/")) == per_unit
-    assert len(per_unit) == 6  # actor_mlp and critic_mlp x 3 per-unit metrics
+    # actor_mlp and critic_mlp: fisher per unit, and relu active rate and gradient RMS of
+    # the component and of each of its two layers (per_layer=True)
+    assert len(per_unit) == 14
     for _, data in images:
         png = Image.open(io.BytesIO(base64.b64decode(data)))
         assert png.format == "PNG" and png.width >= 500 and png.height >= 200
@@ -70,6 +75,13 @@ def test_report_of_a_real_run_holds_its_figures(run_dir):
         last["train/value_loss"], rel=1e-3
     )
     assert f"epochs {records[0]['epoch']}-{last['epoch']} (3)" in page
+    # per layer: a section per probe, one figure per component, after the per-component ones
+    for section in ("Dead and dormant ReLU units", "Gradient flow"):
+        slug = "relu" if section.startswith("Dead") else "gradients"
+        assert f'<h2 id="{slug}-layers">{section} per layer</h2>' in page
+        for component in ("actor_mlp", "critic_mlp"):
+            assert f"{section} per layer: {component}" in alts
+    assert page.index('id="relu"') < page.index('id="relu-layers"') < page.index('id="heatmaps"')
     assert "configuration" in page  # config.json of the run
 
 
@@ -114,3 +126,36 @@ def test_report_of_a_run_without_probes_says_what_is_missing(tmp_path):
     assert [alt for alt, _ in IMG.findall(page)] == ["episode return per epoch", "losses per epoch"]
     assert "Not recorded in this run:" in page and "per-unit heatmaps" in page
     assert "300 environment steps" in page
+
+
+def test_per_layer_figures_draw_each_layer_series_and_component_figures_leave_layers_out(
+    run_dir,
+):
+    run = RunMetrics.load(run_dir / "metrics.jsonl")
+    series = {k: sorted(v.items()) for k, v in run.scalars.items() if is_layer_metric(k)}
+    figures = {(slug, comp): fig for slug, comp, fig in layer_figures(series)}
+    fig = figures[("relu", "actor_mlp")]
+    dead, dormant = fig.axes[0], fig.axes[1]
+    assert dead.get_title() == "dead fraction (active rate 0): actor_mlp"
+    assert [line.get_label() for line in dead.get_lines()] == ["layer_0", "layer_1"]
+    for ax, metric in ((dead, "dead_fraction"), (dormant, "dormant_fraction")):
+        for line in ax.get_lines():
+            key = f"probes/relu/actor_mlp.{line.get_label()}/{metric}"
+            epochs, values = run.series(key)
+            assert list(line.get_xdata()) == list(epochs)
+            np.testing.assert_array_equal(line.get_ydata(), values)
+    # the per-component figure: one line per component, its layers are drawn per layer
+    per_component = probe_figure(run, PROBE_SECTIONS[0][2])
+    assert [line.get_label() for line in per_component.axes[0].get_lines()] == [
+        "actor_mlp",
+        "critic_mlp",
+    ]
+
+
+def test_layer_groups_nest_names_under_the_longest_recorded_prefix():
+    names = ["trunk", "trunk.0.1", "trunk.0.3", "trunk.2", "enc", "enc.10", "enc.9", "head"]
+    assert layer_groups(names) == {
+        "enc": ["enc.9", "enc.10"],
+        "trunk": ["trunk.0.1", "trunk.0.3", "trunk.2"],
+    }
+    assert layer_groups(["actor_mlp.layer_0", "actor_mlp.layer_1"]) == {}  # no parent recorded

@@ -45,8 +45,11 @@ def test_scalars_histograms_and_heatmaps_read_back(tmp_path):
         [
             "heatmaps/relu/actor_mlp/active_rate",
             "heatmaps/relu/actor_mlp.layer_0/active_rate",
+            "heatmaps/relu/actor_mlp.layer_1/active_rate",  # per layer of actor_mlp
             "heatmaps/fisher/actor_mlp/unit",
             "heatmaps/gradient_flow/actor_mlp/rms",
+            "heatmaps/gradient_flow/actor_mlp.layer_0/rms",
+            "heatmaps/gradient_flow/actor_mlp.layer_1/rms",
         ]
     )
     (img,) = acc.Images("heatmaps/fisher/actor_mlp/unit")

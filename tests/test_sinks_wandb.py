@@ -41,6 +41,9 @@ def test_offline_run_holds_dead_relu_and_fisher_series_histograms_heatmaps_and_c
     series = [
         "probes/relu/actor_mlp/dead_fraction",
         "probes/relu/actor_mlp.layer_0/dead_fraction",
+        "probes/relu/actor_mlp.layer_1/dead_fraction",  # per layer of actor_mlp
+        "probes/gradient_flow/actor_mlp.layer_0/mean",
+        "probes/gradient_flow/actor_mlp.layer_1/blocked_fraction",
         "probes/relu/actor_mlp/dormant_fraction",
         "probes/relu/actor_mlp/zero_fraction",
         "probes/saturation_tanh/critic_mlp/saturated_fraction",
@@ -80,10 +83,14 @@ def test_offline_run_holds_dead_relu_and_fisher_series_histograms_heatmaps_and_c
         "heatmaps/relu/actor_mlp.layer_0/active_rate",
         "heatmaps/fisher/actor_mlp/unit",
         "heatmaps/gradient_flow/actor_mlp/rms",
+        "layers/relu/actor_mlp",  # one line per layer: dead and dormant fractions
+        "layers/gradients/actor_mlp",
     ):
         assert images[0][f"{key}/_type"] == "image-file"
         png = run_file(tmp_path).parent / "files" / images[0][f"{key}/path"]
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert images[0]["layers/saturation/critic_mlp/_type"] == "image-file"  # its tanh layer
+    assert not [k for k in images[0] if k.startswith("layers/fisher")]  # fisher: per parameter
 
     # config, group, tags, name; epoch is the step axis of every metric
     run = next(r.run for r in records if r.WhichOneof("record_type") == "run")

@@ -2,11 +2,20 @@
 
 from trainers.callbacks import CallbackList, TrainerHook, TrainerState
 from trainers.checkpoint import CheckpointHook, load_checkpoint, restore_trainer
-from trainers.config import CheckpointConfig, EnvConfig, EvalConfig, PolicyConfig, PPOConfig
+from trainers.cnn_policy import CNNActorCriticPolicy
+from trainers.config import (
+    AtariConfig,
+    CheckpointConfig,
+    EnvConfig,
+    EvalConfig,
+    PolicyConfig,
+    PPOConfig,
+)
 from trainers.evaluation import EvaluationHook
 from trainers.metrics_hook import MetricsHook
 from trainers.model_context import PPOModelDataContext
-from trainers.policy import ActorCriticPolicy
+from trainers.nature_cnn import NatureCNN
+from trainers.policy import ActorCriticPolicy, make_policy
 from trainers.ppo import EpochHookMetrics, PPOTrainer, ppo_loss
 from trainers.progress import ProgressHook
 from trainers.rollout import Minibatch, RolloutStorage, compute_gae
@@ -14,6 +23,8 @@ from trainers.train_tool import TrainResult, TrainTool
 
 __all__ = [
     "ActorCriticPolicy",
+    "AtariConfig",
+    "CNNActorCriticPolicy",
     "CallbackList",
     "CheckpointConfig",
     "CheckpointHook",
@@ -23,6 +34,7 @@ __all__ = [
     "EvaluationHook",
     "MetricsHook",
     "Minibatch",
+    "NatureCNN",
     "PPOConfig",
     "PPOModelDataContext",
     "PPOTrainer",
@@ -35,6 +47,7 @@ __all__ = [
     "TrainerState",
     "compute_gae",
     "load_checkpoint",
+    "make_policy",
     "ppo_loss",
     "restore_trainer",
 ]

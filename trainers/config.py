@@ -18,6 +18,49 @@ from policy_probes.layers import ACTIVATIONS
 
 VectorizationMode = Literal["auto", "sync", "async", "vector_entry_point"]
 
+#: entry point of the Arcade Learning Environment's single-game env (ale-py)
+ALE_ENTRY_POINT = "ale_py.env:AtariEnv"
+
+
+def register_ale_envs() -> bool:
+    """Register ale-py's Atari ids (``ALE/Breakout-v5``, ...) with gymnasium; False when
+    ale-py is not installed."""
+    try:
+        import ale_py
+    except ImportError:
+        return False
+    gym.register_envs(ale_py)
+    return True
+
+
+def is_atari(env_id: str) -> bool:
+    """True for an id registered by ale-py (every ALE game and version)."""
+    return gym.spec(env_id).entry_point == ALE_ENTRY_POINT
+
+
+class AtariConfig(BaseModel):
+    """Preprocessing of ALE environments (Mnih et al. 2015; Machado et al. 2018), applied
+    to every ``ALE/...`` id: gymnasium's ``AtariPreprocessing`` on an env made with
+    ``frameskip=1``, then ``FrameStackObservation``. Observations are uint8 frames of
+    shape ``(frame_stack, screen_size, screen_size)``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    noop_max: int = Field(30, ge=0, description="Up to N random no-op actions after reset.")
+    frame_skip: int = Field(
+        4,
+        gt=0,
+        description="Repeat each action N frames; the observation is the max of the "
+        "last two (the env itself is made with frameskip=1).",
+    )
+    screen_size: int = Field(84, ge=36, description="Square grayscale frames of this size.")
+    terminal_on_life_loss: bool = Field(
+        False,
+        description="End the episode (terminated) when a life is lost; the next reset restarts "
+        "the game, and episode statistics are then per life.",
+    )
+    frame_stack: int = Field(4, gt=0, description="Stack the last N frames as channels.")
+
 
 class EnvConfig(BaseModel):
     """Gymnasium vector environments for training (and, with the same settings, evaluation)."""
@@ -44,6 +87,9 @@ class EnvConfig(BaseModel):
     kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Keyword arguments for the environment constructor."
     )
+    atari: AtariConfig = Field(
+        default_factory=AtariConfig, description="Preprocessing of ALE ids (ignored otherwise)."
+    )
 
     @field_validator("id")
     @classmethod
@@ -51,6 +97,8 @@ class EnvConfig(BaseModel):
         try:
             gym.spec(v)
         except Exception:  # gymnasium raises several error types for unknown ids
+            if _retry_with_ale(v):
+                return v
             close = difflib.get_close_matches(v, list(gym.registry), n=3, cutoff=0.5)
             hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
             raise ValueError(
@@ -60,10 +108,30 @@ class EnvConfig(BaseModel):
         return v
 
 
+def _retry_with_ale(env_id: str) -> bool:
+    """True if ``env_id`` is known once ale-py's ids are registered (done lazily: importing
+    ale-py costs time that non-Atari runs need not pay)."""
+    if not register_ale_envs():
+        return False
+    try:
+        gym.spec(env_id)
+    except Exception:
+        return False
+    return True
+
+
 class PolicyConfig(BaseModel):
-    """The MLP actor-critic (see ``docs/policies.md`` for its component names)."""
+    """The actor-critic (see ``docs/policies.md`` for its component names): separate MLPs
+    on vector observations, or a shared NatureCNN encoder on pixels."""
 
     model_config = ConfigDict(extra="forbid")
+
+    encoder: Literal["none", "nature_cnn"] = Field(
+        "none",
+        description="none: actor and critic MLPs on the flat observation; nature_cnn: a shared "
+        "NatureCNN encoder on uint8 (C, H, W) frames with linear actor and critic heads "
+        "(hidden_sizes and activation then do not apply).",
+    )
 
     hidden_sizes: list[int] = Field(
         default_factory=lambda: [64, 64], min_length=1, description="Actor hidden layer sizes."

@@ -6,9 +6,13 @@ numbers, ``np.random.Generator`` objects, deques. :func:`capture_env_state` walk
 wrapper stack (and the sub-envs of a ``SyncVectorEnv``) and records those attributes as
 tensors and plain containers, so a checkpoint holding them still loads with
 ``torch.load(weights_only=True)``; :func:`restore_env_state` writes them back into a
-freshly built env of the same configuration. An env whose state lives elsewhere (a physics
-engine, another process as in ``AsyncVectorEnv``) raises :class:`EnvStateError`, and the
-trainer then falls back to re-seeding.
+freshly built env of the same configuration. An ale-py ``AtariEnv`` keeps the game in
+its emulator: that state (system RNG included) is saved through ALE's own
+``cloneState`` / ``restoreState`` as bytes; it lacks the action that sticky actions
+repeat, so only games with ``repeat_action_probability=0`` are captured. An env whose
+state lives elsewhere (a physics engine, another process as in ``AsyncVectorEnv``, a
+sticky-action ALE game) raises :class:`EnvStateError`, and the trainer then falls back
+to re-seeding.
 """
 
 from __future__ import annotations
@@ -97,8 +101,33 @@ def _decode(enc: dict[str, Any]) -> Any:
     return tuple(items) if enc["tuple"] else items
 
 
+def _is_ale(obj: Any) -> bool:
+    """An ale-py ``AtariEnv`` (by module and name: ale-py need not be installed)."""
+    return type(obj).__name__ == "AtariEnv" and type(obj).__module__.startswith("ale_py")
+
+
+def _capture_emulator(obj: Any) -> torch.Tensor:
+    """The ALE emulator's state (RAM, frame counters, system RNG) as uint8 bytes."""
+    sticky = obj.ale.getFloat("repeat_action_probability")
+    if sticky > 0:
+        raise EnvStateError(
+            f"AtariEnv uses sticky actions (repeat_action_probability={sticky:g}) and ALE's "
+            f"saved state does not hold the action being repeated; exact resume needs "
+            f"env.kwargs.repeat_action_probability=0.0"
+        )
+    state = obj.ale.cloneState(include_rng=True)
+    return torch.from_numpy(np.frombuffer(state.__getstate__(), dtype=np.uint8).copy())
+
+
+def _restore_emulator(obj: Any, data: torch.Tensor) -> None:
+    from ale_py import ALEState
+
+    obj.ale.restoreState(ALEState(data.numpy().tobytes()))
+
+
 def capture_env_state(env: gym.vector.VectorEnv) -> dict[str, Any]:
-    """The plain-attribute state of every object in ``env``'s stack."""
+    """The plain-attribute state of every object in ``env``'s stack (and the emulator
+    state of ALE games)."""
     nodes = {}
     for path, obj in _nodes(env):
         attrs = {}
@@ -109,6 +138,8 @@ def capture_env_state(env: gym.vector.VectorEnv) -> dict[str, Any]:
             if ok:
                 attrs[key] = enc
         nodes[path] = {"class": type(obj).__name__, "attrs": attrs}
+        if _is_ale(obj):
+            nodes[path]["emulator"] = _capture_emulator(obj)
     return nodes
 
 
@@ -128,3 +159,5 @@ def restore_env_state(env: gym.vector.VectorEnv, state: dict[str, Any]) -> None:
             )
         for key, enc in saved["attrs"].items():
             setattr(obj, key, _decode(enc))
+        if "emulator" in saved:
+            _restore_emulator(obj, saved["emulator"])

@@ -1,22 +1,45 @@
 """Gymnasium vector environments for training and evaluation.
 
-The stack, innermost first: the vector env (``sync``, ``async`` or the env's own batched
-implementation via ``gym.make_vec(..., vectorization_mode=...)``), episode statistics on
-the raw rewards (``RecordEpisodeStatistics``), then the optional action clipping and
-observation / reward normalisation wrappers. Every layer uses gymnasium's default
-``NEXT_STEP`` autoreset: after a step that ends an episode, the next ``step()`` returns
-the reset observation and ignores its action. The trainer relies on that and refuses any
-other mode.
+The stack, innermost first: for ALE ids (``ALE/Breakout-v5``, ...) each sub-env is
+``AtariPreprocessing`` and ``FrameStackObservation`` around the game made with
+``frameskip=1`` (:func:`atari_wrappers`); then the vector env (``sync``, ``async`` or the
+env's own batched implementation via ``gym.make_vec(..., vectorization_mode=...)``),
+episode statistics on the raw rewards (``RecordEpisodeStatistics``), then the optional
+action clipping and observation / reward normalisation wrappers. Every layer uses
+gymnasium's default ``NEXT_STEP`` autoreset: after a step that ends an episode, the next
+``step()`` returns the reset observation and ignores its action. The trainer relies on
+that and refuses any other mode.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
 
 import gymnasium as gym
 import numpy as np
 from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.wrappers import vector as vw
 
-from trainers.config import EnvConfig
+from trainers.config import AtariConfig, EnvConfig, is_atari
+
+
+def atari_wrappers(cfg: AtariConfig) -> list[Callable[[gym.Env], gym.Env]]:
+    """The per-env preprocessing of an ALE game: no-op starts, frame skip with max-pooling
+    of the last two frames, grayscale resize, optional life-loss termination, frame
+    stacking (the reset frame repeated to fill the stack)."""
+    return [
+        partial(
+            gym.wrappers.AtariPreprocessing,
+            noop_max=cfg.noop_max,
+            frame_skip=cfg.frame_skip,
+            screen_size=cfg.screen_size,
+            terminal_on_life_loss=cfg.terminal_on_life_loss,
+            grayscale_obs=True,
+            scale_obs=False,  # uint8 frames: the policy scales by 1/255
+        ),
+        partial(gym.wrappers.FrameStackObservation, stack_size=cfg.frame_stack),
+    ]
 
 
 def make_vector_env(cfg: EnvConfig, num_envs: int | None = None, gamma: float = 0.99) -> VectorEnv:
@@ -32,7 +55,29 @@ def make_vector_env(cfg: EnvConfig, num_envs: int | None = None, gamma: float = 
             f"environment {cfg.id!r} registers no vector_entry_point; use "
             f"env.vectorization=sync or env.vectorization=async"
         )
-    env = gym.make_vec(cfg.id, num_envs=n, vectorization_mode=mode, **cfg.kwargs)
+    if is_atari(cfg.id):
+        if mode == "vector_entry_point":
+            raise ValueError(
+                f"environment {cfg.id!r}: ale-py's own vector env does its preprocessing in C++ "
+                f"and cannot take env.atari's wrappers; use env.vectorization=sync or async"
+            )
+        if cfg.kwargs.get("frameskip", 1) != 1:
+            raise ValueError(
+                f"environment {cfg.id!r}: env.kwargs.frameskip={cfg.kwargs['frameskip']!r}; "
+                f"the game is made with frameskip=1 and AtariPreprocessing skips frames: set "
+                f"env.atari.frame_skip instead"
+            )
+        # frame skipping is AtariPreprocessing's (max of the last two frames), not the game's
+        kwargs = {**cfg.kwargs, "frameskip": 1}
+        env = gym.make_vec(
+            cfg.id,
+            num_envs=n,
+            vectorization_mode=mode or "sync",
+            wrappers=atari_wrappers(cfg.atari),
+            **kwargs,
+        )
+    else:
+        env = gym.make_vec(cfg.id, num_envs=n, vectorization_mode=mode, **cfg.kwargs)
     autoreset = env.metadata.get("autoreset_mode", AutoresetMode.NEXT_STEP)
     if autoreset != AutoresetMode.NEXT_STEP:
         env.close()
@@ -53,7 +98,7 @@ def make_vector_env(cfg: EnvConfig, num_envs: int | None = None, gamma: float = 
         env.close()
         raise ValueError(
             f"environment {cfg.id!r} has observation space {env.single_observation_space}; "
-            f"the MLP policy needs a Box observation space"
+            f"the policy needs a Box observation space"
         )
     if cfg.normalize_observation:
         env = vw.NormalizeObservation(env)

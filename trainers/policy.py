@@ -33,8 +33,43 @@ LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 Forward = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
+def action_dims(action_space: gym.spaces.Space) -> tuple[bool, int, tuple[int, ...]]:
+    """``(discrete, act_dim, action_shape)``: ``act_dim`` is the number of logits or of
+    Gaussian mean entries, ``action_shape`` that of one action (``()`` when discrete)."""
+    if isinstance(action_space, gym.spaces.Discrete):
+        return True, int(action_space.n), ()
+    if isinstance(action_space, gym.spaces.Box):
+        return False, int(np.prod(action_space.shape)), tuple(action_space.shape)
+    raise ValueError(f"unsupported action space {action_space}; use Discrete or Box")
+
+
+def make_policy(
+    observation_space: gym.spaces.Space,
+    action_space: gym.spaces.Space,
+    cfg: PolicyConfig | None = None,
+) -> ActorCriticPolicy:
+    """The policy ``cfg.encoder`` selects: :class:`ActorCriticPolicy` (``none``) or
+    :class:`~trainers.cnn_policy.CNNActorCriticPolicy` (``nature_cnn``)."""
+    cfg = cfg or PolicyConfig()
+    if cfg.encoder == "nature_cnn":
+        from trainers.cnn_policy import CNNActorCriticPolicy  # it subclasses this module's
+
+        return CNNActorCriticPolicy(observation_space, action_space, cfg)
+    shape = getattr(observation_space, "shape", None) or ()
+    if len(shape) == 3 and getattr(observation_space, "dtype", None) == np.uint8:
+        raise ValueError(
+            f"observation space {observation_space} looks like stacked image frames; the MLP "
+            f"policy would flatten {int(np.prod(shape))} pixels into its first layer. Set "
+            f"policy.encoder=nature_cnn"
+        )
+    return ActorCriticPolicy(observation_space, action_space, cfg)
+
+
 class ActorCriticPolicy(PolicyAutoBuilder):
     """MLP actor-critic for a flat Box observation space and Discrete or Box actions."""
+
+    #: dtype of the observations in the rollout storage (what the first layer reads)
+    obs_dtype: torch.dtype = torch.float32
 
     def __init__(
         self,
@@ -44,15 +79,7 @@ class ActorCriticPolicy(PolicyAutoBuilder):
     ) -> None:
         cfg = cfg or PolicyConfig()
         obs_dim = int(np.prod(observation_space.shape))
-        self.discrete = isinstance(action_space, gym.spaces.Discrete)
-        if self.discrete:
-            act_dim = int(action_space.n)
-            self.action_shape: tuple[int, ...] = ()
-        elif isinstance(action_space, gym.spaces.Box):
-            act_dim = int(np.prod(action_space.shape))
-            self.action_shape = tuple(action_space.shape)
-        else:
-            raise ValueError(f"unsupported action space {action_space}; use Discrete or Box")
+        self.discrete, act_dim, self.action_shape = action_dims(action_space)
         critic_sizes = cfg.critic_hidden_sizes or cfg.hidden_sizes
         critic_act = cfg.critic_activation or cfg.activation
         super().__init__(

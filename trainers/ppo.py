@@ -233,6 +233,7 @@ class PPOTrainer:
             policy.act_dim,
             policy.discrete,
             self.device,
+            obs_dtype=policy.obs_dtype,
         )
         # Own generators: action sampling and minibatch order never touch the global RNGs,
         # so hooks that draw random numbers cannot change the trajectory.

@@ -90,11 +90,13 @@ class RolloutStorage:
         act_dim: int,
         discrete: bool,
         device: torch.device | str = "cpu",
+        obs_dtype: torch.dtype = torch.float32,
     ) -> None:
         self.num_steps, self.num_envs = num_steps, num_envs
         self.device = torch.device(device)
         T, N = num_steps, num_envs
-        self.obs = torch.zeros((T, N, obs_dim), device=self.device)
+        # flat observations in the dtype the policy reads (uint8 pixels for a CNN policy)
+        self.obs = torch.zeros((T, N, obs_dim), dtype=obs_dtype, device=self.device)
         if discrete:
             self.actions = torch.zeros((T, N), dtype=torch.long, device=self.device)
         else:

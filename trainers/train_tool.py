@@ -42,7 +42,7 @@ from trainers.distributed import DistributedRun, RankStatisticsHook, per_rank_co
 from trainers.envs import make_vector_env
 from trainers.evaluation import EvaluationHook
 from trainers.metrics_hook import MetricsHook
-from trainers.policy import ActorCriticPolicy
+from trainers.policy import ActorCriticPolicy, make_policy
 from trainers.ppo import PPOTrainer
 from trainers.run_control import RunControl, prepare_run_dir, resume_trainer
 
@@ -316,7 +316,7 @@ class TrainTool(BaseModel):
         sinks: SinkGroup | None = None
         hooks: list[TrainerHook] = []
         try:
-            policy = ActorCriticPolicy(
+            policy = make_policy(
                 envs.single_observation_space, envs.single_action_space, self.policy
             ).to(device)
             context = ComponentContext(strict=self.strict)

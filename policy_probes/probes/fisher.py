@@ -32,6 +32,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from policy_probes.context import ComponentContext
+from policy_probes.extractors import as_extractor
 from policy_probes.grad_tap import on_grad
 from policy_probes.hook_types import BackwardHookBuilder, Extractor, ProbeHook
 from policy_probes.layers import HiddenLayer
@@ -420,6 +421,8 @@ def attach_fisher_information_hooks(
         raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
     if not (isinstance(param_every, int) and param_every >= 1):
         raise ValueError(f"param_every must be an integer >= 1, got {param_every!r}")
+
+    extractor = as_extractor(extractor)
 
     def build(component_name: str, context: ComponentContext) -> FisherInformationHook | None:
         tracker = get_state(context, "fisher", FisherInformationState)

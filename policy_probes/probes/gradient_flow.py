@@ -15,10 +15,15 @@ import torch
 from torch import nn
 
 from policy_probes.context import ComponentContext
-from policy_probes.hook_types import BackwardHookBuilder, Extractor, ProbeHook
+from policy_probes.extractors import as_extractor
+from policy_probes.grad_tap import on_grad
+from policy_probes.hook_types import BackwardHookBuilder, Extractor
+from policy_probes.probes.layout import as_unit_rows, check_layout
+from policy_probes.probes.per_layer import LayeredProbeHook, ProbedLayer
 from policy_probes.probes.rows import COUNT, Rows
-from policy_probes.probes.state import ProbeState, as_floats, as_rows, get_state
+from policy_probes.probes.state import ProbeState, as_floats, get_state
 from policy_probes.probes.weighted import Weighted
+from policy_probes.row_mask import pushing_with
 
 BLOCKED_THRESHOLD = 1e-8
 
@@ -45,13 +50,17 @@ class GradientFlowState(ProbeState):
             name, beta=beta, blocked_threshold=blocked_threshold, **extra
         )
 
-    def update(self, component: str, grad_output: torch.Tensor) -> None:
-        """Add one backward pass (all rows of one gradient delivery). Under a row mask,
-        every delivery inside one ``row_mask`` block is one pass (an LSTM called once per
-        step delivers one gradient per step): the push's scale is the block's serial."""
+    def update(
+        self, component: str, grad_output: torch.Tensor, channels_first: bool = False
+    ) -> None:
+        """Add one backward pass (all rows of one gradient delivery; with
+        ``channels_first`` the units are on axis 1 and every sample and position is a row).
+        Under a row mask, every delivery inside one ``row_mask`` block is one pass (an LSTM
+        called once per step delivers one gradient per step): the push's scale is the
+        block's serial."""
         mask = self.context.row_mask if self.context is not None else None
         scales = None if mask is None else (mask.serial,)
-        self._push(component, "g", (as_rows(grad_output),), scales)
+        self._push(component, "g", (as_unit_rows(grad_output, channels_first),), scales)
 
     def consume(
         self,
@@ -151,16 +160,29 @@ def _passes(segments: list[int], scales: list[Any]) -> list[int]:
     return out
 
 
-class GradientFlowHook(ProbeHook):
+class GradientFlowHook(LayeredProbeHook):
     probe = "gradient_flow"
     backward = True
 
-    def __init__(self, tracker: GradientFlowState, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.tracker = tracker
-
     def record_grad(self, module: nn.Module, grad_output: torch.Tensor) -> None:
-        self.tracker.update(self.component, grad_output)
+        self.tracker.update(self.component, grad_output, self.channels_first)
+
+    def record_layer(self, layer: ProbedLayer, output: torch.Tensor) -> None:
+        """Subscribe to the gradient of ``layer``'s output (one shared tensor hook)."""
+        if not (output.requires_grad and torch.is_grad_enabled()):
+            return
+        weight = self.context.push_weight  # the mask rows bound to this output, or None
+
+        def record(grad: torch.Tensor) -> None:
+            if not self.enabled:
+                return
+            try:
+                with pushing_with(self.context, weight):
+                    self.tracker.update(layer.component, grad, layer.channels_first)
+            except Exception as exc:  # a probe must never take training down
+                self.fail(exc)
+
+        on_grad(output, record)
 
 
 def attach_gradient_flow_hooks(
@@ -169,10 +191,20 @@ def attach_gradient_flow_hooks(
     blocked_threshold: float = BLOCKED_THRESHOLD,
     phases: Iterable[str] | str = ("train",),
     extractor: Extractor | None = None,
+    layout: str = "auto",
+    per_layer: bool = True,
 ) -> BackwardHookBuilder:
-    """Backward-hook builder for :class:`GradientFlowState`."""
+    """Backward-hook builder for :class:`GradientFlowState`.
+
+    ``layout``: where the units are (per channel on conv outputs,
+    :mod:`~policy_probes.probes.layout`); ``per_layer``: also report the gradient at the
+    output of every activation layer inside the component
+    (:mod:`~policy_probes.probes.per_layer`)."""
     if not 0.0 <= beta < 1.0:
         raise ValueError(f"beta must lie in [0, 1), got {beta}")
+    check_layout(layout)
+
+    extractor = as_extractor(extractor)
 
     def build(component_name: str, context: ComponentContext) -> GradientFlowHook | None:
         tracker = get_state(context, "gradient_flow", GradientFlowState)
@@ -180,7 +212,9 @@ def attach_gradient_flow_hooks(
             component_name, beta=beta, blocked_threshold=blocked_threshold
         ):
             return None
-        return GradientFlowHook(tracker, component_name, context, phases, extractor)
+        return GradientFlowHook(
+            tracker, component_name, context, phases, extractor, layout=layout, per_layer=per_layer
+        )
 
     build.probe = "gradient_flow"  # type: ignore[attr-defined]
     return build

@@ -19,9 +19,12 @@ import torch
 from torch import nn
 
 from policy_probes.context import ComponentContext
-from policy_probes.hook_types import Extractor, HookBuilder, ProbeHook
+from policy_probes.extractors import as_extractor
+from policy_probes.hook_types import Extractor, HookBuilder
+from policy_probes.probes.layout import as_unit_rows, check_layout, positions
+from policy_probes.probes.per_layer import LayeredProbeHook, ProbedLayer
 from policy_probes.probes.rows import COUNT, Rows
-from policy_probes.probes.state import SUM, ProbeState, as_floats, as_rows, get_state, rates
+from policy_probes.probes.state import SUM, ProbeState, as_floats, get_state, rates
 from policy_probes.probes.weighted import Weighted
 
 # ReDo divides by the layer mean plus a small constant; all-zero layers are all dormant.
@@ -46,9 +49,12 @@ class ReLUActivationState(ProbeState):
             name, tau=tau, rarely_active=rarely_active, always_active=always_active, **extra
         )
 
-    def update(self, component: str, h: torch.Tensor) -> None:
-        """Add a batch of activations (leading dims are samples, last dim units)."""
-        self._push(component, "h", (as_rows(h),))
+    def update(self, component: str, h: torch.Tensor, channels_first: bool = False) -> None:
+        """Add a batch of activations: units on the last axis (leading dims are samples),
+        or on axis 1 with ``channels_first`` (every sample and position is a row)."""
+        if channels_first and h.dim() >= 3:
+            self.settings[component]["positions"] = positions(h, channels_first)
+        self._push(component, "h", (as_unit_rows(h, channels_first),))
 
     def consume(
         self,
@@ -93,19 +99,26 @@ class ReLUActivationState(ProbeState):
             "always_active_fraction": frac(active_rate > cfg["always_active"]),
             "zero_fraction": float(s["nonpos"]) / finite_total if finite_total else 0.0,
             "nonfinite_fraction": (elements - finite_total) / elements if elements else 0.0,
-            "samples": float(int(count.max()) if count.numel() else 0),
+            "samples": samples(count, cfg),
         }
 
 
-class ReLUActivationHook(ProbeHook):
+def samples(count: torch.Tensor, cfg: dict[str, Any]) -> float:
+    """Batch rows recorded: the largest per-unit count of finite values, divided by the
+    positions per sample of a channels-first output (its spatial size)."""
+    rows = int(count.max()) if count.numel() else 0
+    per_sample = cfg.get("positions", 1)
+    return float(rows) if per_sample == 1 else rows / per_sample
+
+
+class ReLUActivationHook(LayeredProbeHook):
     probe = "relu"
 
-    def __init__(self, tracker: ReLUActivationState, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.tracker = tracker
-
     def record(self, module: nn.Module, output: torch.Tensor) -> None:
-        self.tracker.update(self.component, output)
+        self.tracker.update(self.component, output, self.channels_first)
+
+    def record_layer(self, layer: ProbedLayer, output: torch.Tensor) -> None:
+        self.tracker.update(layer.component, output, layer.channels_first)
 
 
 def attach_relu_activation_hooks(
@@ -115,15 +128,23 @@ def attach_relu_activation_hooks(
     always_active: float = 0.95,
     phases: Iterable[str] | str = ("train",),
     extractor: Extractor | None = None,
+    layout: str = "auto",
+    per_layer: bool = True,
 ) -> HookBuilder:
     """Forward-hook builder for :class:`ReLUActivationState`.
 
     Attach it to a component whose output is post-activation (``actor_mlp`` of the
     built-in policies, or ``actor_mlp.layer_0``); on a pre-activation (``...linear``) the
-    metrics describe the sign of the pre-activation instead.
+    metrics describe the sign of the pre-activation instead. ``layout`` says where the
+    units are (:mod:`~policy_probes.probes.layout`: per channel on conv outputs);
+    ``per_layer`` also reports every activation layer inside the component
+    (:mod:`~policy_probes.probes.per_layer`).
     """
     if not tau >= 0:
         raise ValueError(f"tau must be >= 0, got {tau}")
+    check_layout(layout)
+
+    extractor = as_extractor(extractor)
 
     def build(component_name: str, context: ComponentContext) -> ReLUActivationHook | None:
         tracker = get_state(context, "relu", ReLUActivationState)
@@ -131,7 +152,9 @@ def attach_relu_activation_hooks(
             component_name, tau=tau, rarely_active=rarely_active, always_active=always_active
         ):
             return None
-        return ReLUActivationHook(tracker, component_name, context, phases, extractor)
+        return ReLUActivationHook(
+            tracker, component_name, context, phases, extractor, layout=layout, per_layer=per_layer
+        )
 
     build.probe = "relu"  # type: ignore[attr-defined]
     return build

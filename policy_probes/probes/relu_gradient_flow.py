@@ -25,8 +25,10 @@ from torch.utils.hooks import RemovableHandle
 from policy_probes.context import ComponentContext
 from policy_probes.grad_tap import on_grad
 from policy_probes.hook_types import BackwardHookBuilder, ProbeError, ProbeHook
+from policy_probes.probes.layout import as_unit_rows, check_layout, resolve_channels_first
+from policy_probes.probes.per_layer import activation_layers
 from policy_probes.probes.rows import COUNT, Rows
-from policy_probes.probes.state import ProbeState, as_floats, as_rows, get_state, rates
+from policy_probes.probes.state import ProbeState, as_floats, get_state, rates
 from policy_probes.probes.weighted import Weighted
 from policy_probes.row_mask import bound_weight, pushing_with
 
@@ -36,14 +38,36 @@ class ReLUGradientFlowState(ProbeState):
 
     probe = "relu_gradient_flow"
 
-    def register_component(self, name: str, *, layers: Iterable[str] = (), **extra: Any) -> bool:
-        return super().register_component(name, layers=list(layers), **extra)
+    def register_component(
+        self,
+        name: str,
+        *,
+        layers: Iterable[str] = (),
+        layer_names: dict[str, str] | None = None,
+        **extra: Any,
+    ) -> bool:
+        """``layers``: the ReLU modules' paths inside the component; ``layer_names``:
+        ReLU path -> name of the layer it is reported under (``<name>.<layer>`` keys),
+        for the ReLUs reported per layer."""
+        return super().register_component(
+            name, layers=list(layers), layer_names=dict(layer_names or {}), **extra
+        )
 
     def update(
-        self, component: str, layer: str, grad_out: torch.Tensor, relu_out: torch.Tensor
+        self,
+        component: str,
+        layer: str,
+        grad_out: torch.Tensor,
+        relu_out: torch.Tensor,
+        channels_first: bool = False,
     ) -> None:
-        """Add one backward pass through ReLU ``layer``: its output gradient and output."""
-        self._push(component, layer, (as_rows(grad_out), as_rows(relu_out)))
+        """Add one backward pass through ReLU ``layer``: its output gradient and output
+        (with ``channels_first``, units on axis 1 and every sample and position a row)."""
+        self._push(
+            component,
+            layer,
+            (as_unit_rows(grad_out, channels_first), as_unit_rows(relu_out, channels_first)),
+        )
 
     def consume(
         self,
@@ -73,7 +97,16 @@ class ReLUGradientFlowState(ProbeState):
             all_rates.append(rate)
             finite_total += int(count.sum())
             nonfinite += int(s[f"nonfinite:{layer}"])
-            if len(cfg["layers"]) > 1:
+            named = cfg["layer_names"].get(layer)
+            if named is not None:  # per layer: probes/<probe>/<component>.<layer>/<metric>
+                layer_elements = int(count.sum()) + int(s[f"nonfinite:{layer}"])
+                out[(named, "pass_rate")] = as_floats(rate)
+                out[(named, "mean_pass_rate")] = float(rate.mean())
+                out[(named, "blocked_fraction")] = float((rate == 0).double().mean())
+                out[(named, "nonfinite_fraction")] = (
+                    int(s[f"nonfinite:{layer}"]) / layer_elements if layer_elements else 0.0
+                )
+            elif len(cfg["layers"]) > 1 and not cfg.get("per_layer", False):
                 out[f"{layer or '<self>'}.pass_rate"] = as_floats(rate)
                 out[f"{layer or '<self>'}.blocked_fraction"] = float((rate == 0).double().mean())
         if not all_rates:
@@ -97,22 +130,48 @@ class ReLUGradientFlowHook(ProbeHook):
     backward = True
     component_hook = False
 
-    def __init__(self, tracker: ReLUGradientFlowState, *args: Any, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        tracker: ReLUGradientFlowState,
+        *args: Any,
+        layout: str = "auto",
+        per_layer: bool = True,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.tracker = tracker
+        self.layout = check_layout(layout)
+        self.per_layer = per_layer
+        #: (ReLU path inside the component, module, channels first), resolved at attach
+        self.relus: list[tuple[str, nn.Module, bool]] | None = None
 
     def attach(self, module: nn.Module) -> list[RemovableHandle]:
-        relus = [(n, m) for n, m in module.named_modules() if isinstance(m, nn.ReLU)]
-        if not relus:
-            raise ProbeError(
-                f"relu_gradient_flow probe on component {self.component!r}: it holds no nn.ReLU "
-                f"module (functional relu calls cannot be hooked); attach it to a component built "
-                f"with nn.ReLU, or use attach_gradient_flow_hooks() instead"
-            )
-        self.tracker.settings[self.component]["layers"] = [n for n, _ in relus]
-        return [m.register_forward_hook(self._relu_hook(n)) for n, m in relus]
+        if self.relus is None:
+            relus = [(n, m) for n, m in module.named_modules() if isinstance(m, nn.ReLU)]
+            if not relus:
+                raise ProbeError(
+                    f"relu_gradient_flow probe on component {self.component!r}: it holds no "
+                    f"nn.ReLU module (functional relu calls cannot be hooked); attach it to a "
+                    f"component built with nn.ReLU, or use attach_gradient_flow_hooks() instead"
+                )
+            settings = self.tracker.settings[self.component]
+            settings["layers"] = [n for n, _ in relus]
+            if self.per_layer:  # a HiddenLayer's ReLU is reported under the HiddenLayer
+                settings["layer_names"] = {
+                    layer.act_name: layer.name
+                    for layer in activation_layers(module)
+                    if isinstance(layer.act, nn.ReLU)
+                }
+            self.relus = [(n, m, self._channels_first(module, n)) for n, m in relus]
+        return [m.register_forward_hook(self._relu_hook(n, cf)) for n, m, cf in self.relus]
 
-    def _relu_hook(self, layer: str) -> Any:
+    def _channels_first(self, module: nn.Module, sub: str) -> bool:
+        if self.locate is not None:
+            name = f"{self.component}.{sub}" if sub else self.component
+            return resolve_channels_first(self.layout, self.locate, name)
+        return resolve_channels_first(self.layout, module.get_submodule, sub)
+
+    def _relu_hook(self, layer: str, channels_first: bool) -> Any:
         def hook(_mod: nn.Module, _inputs: Any, output: Any) -> None:
             if not (
                 self.enabled
@@ -124,7 +183,7 @@ class ReLUGradientFlowHook(ProbeHook):
             relu_out = output.detach()
             try:  # the row-mask rows of this pass, bound in forward order
                 weight = bound_weight(
-                    self.context, relu_out, None, self.component, (id(self), layer)
+                    self.context, relu_out, None, self.component, (id(self), layer), channels_first
                 )
             except Exception as exc:
                 self.fail(exc)
@@ -136,7 +195,7 @@ class ReLUGradientFlowHook(ProbeHook):
                 self.calls += 1
                 try:
                     with pushing_with(self.context, weight):
-                        self.tracker.update(self.component, layer, grad, relu_out)
+                        self.tracker.update(self.component, layer, grad, relu_out, channels_first)
                 except Exception as exc:
                     self.fail(exc)
 
@@ -148,17 +207,24 @@ class ReLUGradientFlowHook(ProbeHook):
 def attach_relu_gradient_flow_hooks(
     *,
     phases: Iterable[str] | str = ("train",),
+    layout: str = "auto",
+    per_layer: bool = True,
 ) -> BackwardHookBuilder:
     """Backward-hook builder for :class:`ReLUGradientFlowState`.
 
     It reads the ``nn.ReLU`` modules inside the component, never the component's output,
-    so it takes no ``extractor``."""
+    so it takes no ``extractor``. ``layout``: where the units are (per channel after a
+    conv, :mod:`~policy_probes.probes.layout`); ``per_layer``: report each ReLU layer under
+    ``<component>.<layer>`` (else as ``<relu path>.pass_rate`` metrics of the component)."""
+    check_layout(layout)
 
     def build(component_name: str, context: ComponentContext) -> ReLUGradientFlowHook | None:
         tracker = get_state(context, "relu_gradient_flow", ReLUGradientFlowState)
-        if not tracker.register_component(component_name):
+        if not tracker.register_component(component_name, per_layer=per_layer):
             return None
-        return ReLUGradientFlowHook(tracker, component_name, context, phases)
+        return ReLUGradientFlowHook(
+            tracker, component_name, context, phases, layout=layout, per_layer=per_layer
+        )
 
     build.probe = "relu_gradient_flow"  # type: ignore[attr-defined]
     return build

@@ -6,7 +6,9 @@ When the trackers drain, :meth:`RowBuffer.take` concatenates the held blocks onc
 block column into preallocated storage of the buffer's own and splits them into finite
 values and a non-finite indicator (:class:`~policy_probes.probes.rows.Rows`); a column
 whose held tensors another tracker already materialised in the same
-:class:`~policy_probes.probes.rows.DrainRound` is shared instead. Several aligned blocks
+:class:`~policy_probes.probes.rows.DrainRound` is shared instead. A block is ``(rows, columns)``,
+or ``(..., columns)`` with every leading dimension a row (a channels-first view of a conv
+output, ``(B, *spatial, C)``, made rows by the copy at :meth:`take`). Several aligned blocks
 (for example a layer's inputs and output gradients) share the row positions; per-push
 scale factors are handed to the reduction, which applies them to its own results.
 A push may carry a row weight (the mask entries of its rows, see
@@ -25,11 +27,18 @@ no version counter; they are copied at the push.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from policy_probes.probes.rows import DrainRound, Rows
 
 Layout = tuple[tuple[int, torch.dtype, torch.device], ...]
+
+
+def block_rows(block: torch.Tensor) -> int:
+    """Rows of a block: every dimension but the last (the columns) counts rows."""
+    return math.prod(block.shape[:-1])
 
 
 class InPlaceModified(RuntimeError):
@@ -58,17 +67,17 @@ class RowBuffer:
 
     @staticmethod
     def _layout(blocks: tuple[torch.Tensor, ...]) -> Layout:
-        return tuple((b.shape[1], b.dtype, b.device) for b in blocks)
+        return tuple((b.shape[-1], b.dtype, b.device) for b in blocks)
 
     def accepts(self, blocks: tuple[torch.Tensor, ...]) -> bool:
         """True if ``blocks`` fit behind the rows already held, in the same layout."""
         if not self.rows:
             return self.reserve(blocks)
-        if self.rows + blocks[0].shape[0] > self.capacity or len(blocks) != len(self.layout):
+        if self.rows + block_rows(blocks[0]) > self.capacity or len(blocks) != len(self.layout):
             return False
         # width and dtype per block (a device change fails at the drain and is reported)
         return all(
-            b.shape[1] == w and b.dtype == d
+            b.shape[-1] == w and b.dtype == d
             for b, (w, d, _) in zip(blocks, self.layout, strict=True)
         )
 
@@ -80,14 +89,14 @@ class RowBuffer:
         if self.rows:
             return False
         # the widest block sets the row count, so streams of one layer fill up together
-        width = max(b.shape[1] for b in blocks)
+        width = max(b.shape[-1] for b in blocks)
         capacity = self.max_elements // max(width, 1)
         if self.max_rows is not None:
             capacity = min(capacity, self.max_rows)
         layout = self._layout(blocks)
         if layout == self.layout:
             capacity = max(capacity, self.capacity)
-        capacity = max(capacity, blocks[0].shape[0])
+        capacity = max(capacity, block_rows(blocks[0]))
         if layout != self.layout or capacity != self.capacity:
             self.storage = {}  # reallocated for the new layout at the next take()
             self.capacity, self.layout = capacity, layout
@@ -107,8 +116,9 @@ class RowBuffer:
             seen = tuple(b._version for b in blocks)
         self.pending.append(blocks)
         self.versions.append(seen)
-        self.rows += blocks[0].shape[0]
-        self.segments.append(blocks[0].shape[0])
+        rows = block_rows(blocks[0])
+        self.rows += rows
+        self.segments.append(rows)
         self.scales.append(scales)
         self.weights.append(weight)
 
@@ -143,7 +153,14 @@ class RowBuffer:
 
             def materialise(refs: list[torch.Tensor] = refs, col: int = col) -> Rows:
                 values = self._slot(col, 0)[:rows]
-                torch.cat(refs, out=values)
+                if all(r.dim() == 2 for r in refs):
+                    torch.cat(refs, out=values)
+                else:  # channels-first views (B, *spatial, C): one strided copy per push
+                    start = 0
+                    for r in refs:
+                        n = block_rows(r)
+                        values[start : start + n].view(r.shape).copy_(r)
+                        start += n
                 return Rows.split(
                     values,
                     self._slot(col, 1)[:rows],
@@ -172,8 +189,8 @@ class RowBuffer:
         for n, w in zip(segments, weights, strict=True):
             if w is None:
                 col[lo : lo + n].fill_(1.0)
-            else:
-                col[lo : lo + n].copy_(w)
+            else:  # (rows,), or (samples, positions) expanded over a conv output's positions
+                col[lo : lo + n].view(w.shape).copy_(w)
             lo += n
         return col
 

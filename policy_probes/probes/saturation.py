@@ -14,13 +14,16 @@ import torch
 from torch import nn
 
 from policy_probes.context import ComponentContext
-from policy_probes.hook_types import Extractor, HookBuilder, ProbeHook
+from policy_probes.extractors import as_extractor
+from policy_probes.hook_types import Extractor, HookBuilder
+from policy_probes.probes.layout import as_unit_rows, check_layout, positions
+from policy_probes.probes.per_layer import ActivationLayer, LayeredProbeHook, ProbedLayer
+from policy_probes.probes.relu import samples
 from policy_probes.probes.rows import COUNT, Rows
 from policy_probes.probes.state import (
     SUM,
     ProbeState,
     as_floats,
-    as_rows,
     get_state,
     indicator_,
     rates,
@@ -28,6 +31,8 @@ from policy_probes.probes.state import (
 from policy_probes.probes.weighted import Weighted
 
 SATURATING = ("tanh", "sigmoid")
+#: the activation module of each kind (the layers a per-layer saturation probe reads)
+SATURATING_MODULES: dict[str, type[nn.Module]] = {"tanh": nn.Tanh, "sigmoid": nn.Sigmoid}
 
 
 class SaturatedActivationState(ProbeState):
@@ -50,9 +55,12 @@ class SaturatedActivationState(ProbeState):
             name, threshold=threshold, unit_threshold=unit_threshold, **extra
         )
 
-    def update(self, component: str, h: torch.Tensor) -> None:
-        """Add a batch of activations (leading dims are samples, last dim units)."""
-        self._push(component, "h", (as_rows(h),))
+    def update(self, component: str, h: torch.Tensor, channels_first: bool = False) -> None:
+        """Add a batch of activations: units on the last axis (leading dims are samples),
+        or on axis 1 with ``channels_first`` (every sample and position is a row)."""
+        if channels_first and h.dim() >= 3:
+            self.settings[component]["positions"] = positions(h, channels_first)
+        self._push(component, "h", (as_unit_rows(h, channels_first),))
 
     def consume(
         self,
@@ -102,18 +110,24 @@ class SaturatedActivationState(ProbeState):
             ),
             "mean_derivative": float(s["derivative_sum"]) / finite_total if finite_total else 0.0,
             "nonfinite_fraction": (elements - finite_total) / elements if elements else 0.0,
-            "samples": float(int(count.max()) if count.numel() else 0),
+            "samples": samples(count, cfg),
         }
 
 
-class SaturatedActivationHook(ProbeHook):
+class SaturatedActivationHook(LayeredProbeHook):
     def __init__(self, tracker: SaturatedActivationState, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.tracker = tracker
+        super().__init__(tracker, *args, **kwargs)
         self.probe = tracker.probe
 
+    def selects(self, layer: ActivationLayer) -> bool:
+        """Only layers of this probe's activation (tanh or sigmoid)."""
+        return isinstance(layer.act, SATURATING_MODULES[self.tracker.activation])
+
     def record(self, module: nn.Module, output: torch.Tensor) -> None:
-        self.tracker.update(self.component, output)
+        self.tracker.update(self.component, output, self.channels_first)
+
+    def record_layer(self, layer: ProbedLayer, output: torch.Tensor) -> None:
+        self.tracker.update(layer.component, output, layer.channels_first)
 
 
 def attach_saturated_activation_hooks(
@@ -123,12 +137,17 @@ def attach_saturated_activation_hooks(
     unit_threshold: float = 0.99,
     phases: Iterable[str] | str = ("train",),
     extractor: Extractor | None = None,
+    layout: str = "auto",
+    per_layer: bool = True,
 ) -> HookBuilder:
     """Forward-hook builder for :class:`SaturatedActivationState`.
 
     Attach to a component whose output is the tanh/sigmoid activation itself (for example
-    ``actor_mlp`` of a tanh policy).
+    ``actor_mlp`` of a tanh policy). ``layout``: where the units are (per channel on conv
+    outputs, :mod:`~policy_probes.probes.layout`); ``per_layer``: also report every
+    ``activation`` layer inside the component (:mod:`~policy_probes.probes.per_layer`).
     """
+    check_layout(layout)
     if activation not in SATURATING:
         raise ValueError(
             f"unsupported activation {activation!r} for attach_saturated_activation_hooks; "
@@ -141,13 +160,17 @@ def attach_saturated_activation_hooks(
         )
     key = f"saturation_{activation}"
 
+    extractor = as_extractor(extractor)
+
     def build(component_name: str, context: ComponentContext) -> SaturatedActivationHook | None:
         tracker = get_state(context, key, SaturatedActivationState, activation)
         if not tracker.register_component(
             component_name, threshold=threshold, unit_threshold=unit_threshold
         ):
             return None
-        return SaturatedActivationHook(tracker, component_name, context, phases, extractor)
+        return SaturatedActivationHook(
+            tracker, component_name, context, phases, extractor, layout=layout, per_layer=per_layer
+        )
 
     build.probe = key  # type: ignore[attr-defined]
     return build

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from policy_probes.context import ComponentContext
-from policy_probes.probes.row_buffer import RowBuffer
+from policy_probes.probes.row_buffer import RowBuffer, block_rows
 from policy_probes.probes.rows import COUNT as COUNT  # re-exported for custom trackers
 from policy_probes.probes.rows import DrainRound, Rows
 
@@ -57,6 +57,9 @@ class ProbeState:
     def __init__(self) -> None:
         self.state: dict[str, dict[str, torch.Tensor]] = {}
         self.settings: dict[str, dict[str, Any]] = {}
+        #: component -> the hook that registered it for a layer of its own component
+        #: (:meth:`claim_component`); a builder attached to that name takes it over
+        self.claimed: dict[str, Any] = {}
         self.buffers: dict[tuple[str, str], RowBuffer] = {}
         self._scratch: dict[tuple[Any, ...], torch.Tensor] = {}
         #: component -> reason, for reductions that failed (reported by StatsReporter)
@@ -66,16 +69,40 @@ class ProbeState:
 
     # ----------------------------------------------------------- components
     def register_component(self, name: str, **settings: Any) -> bool:
-        """Register ``name``; return False (and change nothing) if it already is."""
+        """Register ``name``; return False (and change nothing) if it already is, unless
+        a per-layer probe only claimed it (:meth:`claim_component`): then this
+        registration replaces the claim and its settings."""
         if name in self.settings:
-            return False
+            owner = self.claimed.pop(name, None)
+            if owner is None:
+                return False
+            self.unregister_component(name)
+            release = getattr(owner, "release", None)
+            if callable(release):
+                release(name)  # the claimer stops reading it
         self.settings[name] = dict(settings)
         self.state[name] = {}
         return True
 
+    def claim_component(self, name: str, owner: Any, **settings: Any) -> bool:
+        """Register ``name`` for ``owner``, a hook that reads it as a layer inside its
+        own component; False if ``name`` is registered already. The claim lasts until a
+        builder registers ``name`` itself (:meth:`register_component`)."""
+        if name in self.settings:
+            return False
+        self.settings[name] = dict(settings)
+        self.state[name] = {}
+        self.claimed[name] = owner
+        return True
+
+    def owns(self, name: str, owner: Any) -> bool:
+        """Whether ``owner`` still holds its claim on ``name``."""
+        return self.claimed.get(name) is owner
+
     def unregister_component(self, name: str) -> None:
         """Forget ``name`` (used when attaching its hook failed)."""
         self.settings.pop(name, None)
+        self.claimed.pop(name, None)
         self.state.pop(name, None)
         for key in [k for k in self.buffers if k[0] == name]:
             del self.buffers[key]
@@ -146,10 +173,10 @@ class ProbeState:
         weight = context.push_weight
         if weight is None and context.row_mask is not None:
             weight = context.row_mask.weight_for(rows, None, component, (id(self), stream))
-        if weight is not None and weight.shape[0] != rows.shape[0]:
+        if weight is not None and weight.numel() != block_rows(rows):
             raise ValueError(
                 f"probe {self.probe!r} on component {component!r}: the row mask bound to this "
-                f"pass has {weight.shape[0]} rows, the pushed tensor {rows.shape[0]}; "
+                f"pass has {weight.numel()} rows, the pushed tensor {block_rows(rows)}; "
                 f"pass a row mask with one entry per row of the minibatch"
             )
         return weight
@@ -283,7 +310,9 @@ class ProbeState:
     def to_metrics(self) -> dict[str, float | list[float]]:
         """Flat ``probes/<probe>/<component>/<metric>`` dict for the current window.
 
-        Components that recorded nothing in the window report nothing.
+        Components that recorded nothing in the window report nothing. A ``summarize``
+        key ``(layer, metric)`` is a metric of a layer inside the component, reported as
+        ``probes/<probe>/<component>.<layer>/<metric>``.
         """
         self.flush()
         out: dict[str, float | list[float]] = {}
@@ -292,7 +321,10 @@ class ProbeState:
                 continue
             host = _to_host(st)
             for metric, value in self.summarize(comp, host, self.settings[comp]).items():
-                out[self.key(comp, metric)] = value
+                if isinstance(metric, tuple):
+                    out[self.key(f"{comp}.{metric[0]}", metric[1])] = value
+                else:
+                    out[self.key(comp, metric)] = value
         return out
 
     def summarize(

@@ -10,6 +10,14 @@
 - At SNAPSHOT emits (and every ``heatmap_every`` epochs, and when the run closes) a units x
   epochs heatmap per component of the ReLU active rate, per-unit Fisher and gradient RMS
   so far is logged as a ``wandb.Image`` under ``heatmaps/<probe>/<component>/<metric>``.
+- Per-layer keys ``probes/<probe>/<component>.<layer>/<metric>`` are logged as they are,
+  beside ``probes/<probe>/<component>/<metric>``: with the workspace's panel grouping set
+  to all segments, W&B makes one section per ``probes/<probe>/<name>`` prefix, so a
+  component's section is followed by one section per layer. At the same emits as the
+  heatmaps, one figure per probe section and component with one line per layer over the
+  epochs so far (:mod:`~policy_probes.layer_figures`: dead/dormant fractions, saturated
+  units, gradient flow) is logged as a ``wandb.Image`` under ``layers/<section>/<component>``,
+  the "which layer is dying" view in one panel.
 - The run id is stored in ``run_dir/wandb/policy_probes_run_id`` and the run is opened with
   ``resume="allow"``, so a resumed training run appends to the same W&B run.
 - Secrets never reach W&B: config keys that look like credentials are redacted, and the
@@ -29,7 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from policy_probes.atomic_write import write_text_atomic
-from policy_probes.heatmaps import VectorHistory, heatmap_spec, render_heatmaps
+from policy_probes.heatmaps import VectorHistory, figure_png, heatmap_spec, render_heatmaps
+from policy_probes.layer_figures import ScalarHistory, is_layer_metric, layer_figures
 from policy_probes.sinks.base import (
     MetricSink,
     finite_values,
@@ -66,6 +75,7 @@ class WandbSink(MetricSink):
         self.mode = self.cfg.resolved_mode()
         self.run_id = load_or_create_run_id(self.run_dir)
         self.history = VectorHistory(self.cfg.heatmap_history)
+        self.layer_history = ScalarHistory(self.cfg.heatmap_history)
         self._last_heatmap_epoch: int | None = None
         self._last_epoch: int | None = None
         settings = wandb.Settings(
@@ -116,6 +126,8 @@ class WandbSink(MetricSink):
                 row[key] = int(value)
             elif is_finite_number(value):
                 row[key] = value
+                if is_layer_metric(key):
+                    self.layer_history.add(key, epoch, float(value))
             # None, NaN/inf and strings are left out of W&B (JSONL keeps them)
         self._last_epoch = epoch
         every = self.cfg.heatmap_every
@@ -131,6 +143,12 @@ class WandbSink(MetricSink):
             key: self._wandb.Image(Image.open(io.BytesIO(png)), caption=caption)
             for key, (png, caption) in render_heatmaps(self.history).items()
         }
+        for slug, component, fig in layer_figures(self.layer_history.series()):
+            caption = f"{slug} per layer of {component}, up to epoch {epoch}"
+            png = figure_png(fig)
+            images[f"layers/{slug}/{component}"] = self._wandb.Image(
+                Image.open(io.BytesIO(png)), caption=caption
+            )
         self._last_heatmap_epoch = epoch
         return images
 
@@ -146,7 +164,7 @@ class WandbSink(MetricSink):
         self.run = None
         try:
             if (
-                len(self.history)
+                (len(self.history) or len(self.layer_history))
                 and self._last_epoch is not None
                 and self._last_epoch != self._last_heatmap_epoch
             ):

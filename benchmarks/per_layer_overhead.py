@@ -1,0 +1,29 @@
+"""The cost of per-layer reporting alone: the per_layer row of benchmarks.probe_overhead.
+
+Five probes on actor_mlp and critic_mlp of the CartPole ReLU policy, every training step,
+``per_layer=False`` (A) against ``per_layer=True`` (B, the default), A/B interleaved.
+
+    python -m benchmarks.per_layer_overhead [--quick] [--repeats N] [--out PATH]
+"""
+
+from __future__ import annotations
+
+from benchmarks.ab import interleave, parse_args, print_table, write_results
+from benchmarks.probe_overhead import per_layer_comparison
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(__doc__.splitlines()[0], 3, "per_layer_overhead.json", argv)
+    comps = [per_layer_comparison(args.quick)]
+    interleave(comps, args.repeats)
+    print_table("per-layer reporting (wall time on / off)", comps)
+    write_results(
+        args.out,
+        "per-layer overhead: t(per_layer=True)/t(per_layer=False)",
+        comps,
+        overhead={c.name: c.median_ratio for c in comps},
+    )
+
+
+if __name__ == "__main__":
+    main()

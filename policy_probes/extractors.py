@@ -1,0 +1,139 @@
+"""Extractors: how a probe picks the tensor it reads out of a component's output.
+
+The ``extractor`` argument of every builder may be
+
+* a callable ``output -> torch.Tensor`` (``extractor=lambda out: out.features``);
+* a key of a mapping or TensorDict output (``extractor="hidden"``), or a nested key as a
+  tuple of strings (``extractor=("next", "hidden")``, TensorDict's own spelling; a plain
+  mapping of mappings is walked level by level);
+* an index into a tuple or list output (``extractor=0`` for ``(output, hidden_state)``).
+
+:func:`as_extractor` turns the argument into a callable when the builder is created, so a
+wrong type is a ``TypeError`` before training starts. A key or index that does not match
+the output raises :class:`ProbeError` from the hook, under the probe fault rule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, TypeAlias
+
+import torch
+
+from policy_probes.hook_types import Extractor, ProbeError
+from policy_probes.outputs import (
+    describe_output,
+    extractor_example,
+    format_keys,
+    is_tensordict,
+    output_keys,
+)
+
+Key: TypeAlias = str | tuple[str, ...]
+
+
+class KeyExtractor:
+    """Reads ``output[key]`` from a mapping or TensorDict output."""
+
+    def __init__(self, key: Key) -> None:
+        self.key = key
+
+    def __call__(self, output: Any) -> Any:
+        if not isinstance(output, Mapping):
+            raise ProbeError(
+                f"extractor={self.key!r} reads a key, but the component returned "
+                f"{describe_output(output)}"
+            )
+        value = _lookup(output, self.key)
+        if value is None:
+            raise ProbeError(
+                f"extractor={self.key!r}: no such key in the component's output; its keys "
+                f"are {format_keys(output_keys(output))}"
+            )
+        return value
+
+    def __repr__(self) -> str:
+        return f"KeyExtractor({self.key!r})"
+
+
+class IndexExtractor:
+    """Reads ``output[index]`` from a tuple or list output."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def __call__(self, output: Any) -> Any:
+        if not isinstance(output, tuple | list):
+            raise ProbeError(
+                f"extractor={self.index} reads an index, but the component returned "
+                f"{describe_output(output)}"
+            )
+        if not -len(output) <= self.index < len(output):
+            raise ProbeError(
+                f"extractor={self.index} is out of range: the component returned "
+                f"{describe_output(output)}"
+            )
+        return output[self.index]
+
+    def __repr__(self) -> str:
+        return f"IndexExtractor({self.index})"
+
+
+def as_extractor(spec: Extractor | None) -> Callable[[Any], Any] | None:
+    """The callable for a builder's ``extractor`` argument (``None`` stays ``None``)."""
+    if spec is None or callable(spec):
+        return spec
+    if isinstance(spec, bool):  # an int subclass, but never meant as an index
+        raise TypeError(_bad_spec(spec))
+    if isinstance(spec, int):
+        return IndexExtractor(spec)
+    if isinstance(spec, str) and spec:
+        return KeyExtractor(spec)
+    if isinstance(spec, tuple) and spec and all(isinstance(k, str) and k for k in spec):
+        return KeyExtractor(spec[0] if len(spec) == 1 else spec)
+    raise TypeError(_bad_spec(spec))
+
+
+def gradient_target(
+    output: Any, extractor: Callable[[Any], Any] | None, component: str, module: Any = None
+) -> torch.Tensor:
+    """The tensor whose gradient a backward probe on ``component`` reads from ``output``;
+    :class:`ProbeError` naming the keys and a fitting ``extractor=`` if it is none."""
+    tensor = extractor(output) if extractor is not None else output
+    if isinstance(tensor, torch.Tensor):
+        return tensor
+    via = "its extractor returned" if extractor is not None else "it returned"
+    example = "extractor=..." if extractor is not None else extractor_example(output, module)
+    raise ProbeError(
+        f"backward probe on component {component!r} cannot fire: {via} "
+        f"{describe_output(tensor)}, not a tensor. Pass {example} to the builder to pick "
+        f"the tensor whose gradient the probe should read."
+    )
+
+
+def _bad_spec(spec: Any) -> str:
+    return (
+        f'extractor must be a callable output -> tensor, a key (extractor="hidden"), a '
+        f'nested key (extractor=("next", "hidden")) or a tuple index (extractor=0); got '
+        f"{type(spec).__name__} {spec!r:.60}"
+    )
+
+
+def _lookup(output: Mapping, key: Key) -> Any:
+    """``output[key]`` or ``None`` when absent; nested keys through TensorDict's own
+    lookup, or level by level in plain mappings."""
+    if is_tensordict(output):
+        try:
+            return output.get(key, None)
+        except (KeyError, ValueError, TypeError):  # a nested key through a tensor leaf
+            return None
+    if key in output:
+        return output[key]
+    if not isinstance(key, tuple):
+        return None
+    value: Any = output
+    for part in key:
+        if not isinstance(value, Mapping) or part not in value:
+            return None
+        value = value[part]
+    return value

@@ -1,0 +1,165 @@
+"""Per-layer figures: one line per layer of a component over epochs, so "which layer is
+dying" is one look.
+
+A probe attached with ``per_layer=True`` reports ``probes/<probe>/<component>/<metric>``
+and ``probes/<probe>/<component>.<layer>/<metric>`` for every activation layer inside the
+component. These figures put a component's layers side by side: one figure per probe
+section and component, one panel per metric, one line per layer. One implementation with
+two consumers, as :mod:`~policy_probes.heatmaps`: the local report embeds them and the
+W&B sink logs them as images under ``layers/<section>/<component>``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+
+import numpy as np
+from matplotlib.figure import Figure
+
+from policy_probes.heatmaps import fixed_margins
+
+#: (section slug, section title, [(probe, metric, panel title, log scale)])
+LAYER_SECTIONS: tuple[tuple[str, str, tuple[tuple[str, str, str, bool], ...]], ...] = (
+    (
+        "relu",
+        "Dead and dormant ReLU units",
+        (
+            ("relu", "dead_fraction", "dead fraction (active rate 0)", False),
+            ("relu", "dormant_fraction", "dormant fraction (ReDo, tau)", False),
+        ),
+    ),
+    (
+        "saturation",
+        "Saturated activations",
+        (
+            ("saturation_tanh", "saturated_units_fraction", "tanh: saturated units", False),
+            ("saturation_sigmoid", "saturated_units_fraction", "sigmoid: saturated units", False),
+        ),
+    ),
+    (
+        "gradients",
+        "Gradient flow",
+        (
+            ("gradient_flow", "mean", "gradient RMS, mean over units", True),
+            ("gradient_flow", "blocked_fraction", "blocked units (gradient RMS < 1e-8)", False),
+            (
+                "relu_gradient_flow",
+                "blocked_fraction",
+                "units no gradient passed through (ReLU)",
+                False,
+            ),
+        ),
+    ),
+)
+
+_PANELS = {(probe, metric) for _, _, panels in LAYER_SECTIONS for probe, metric, _, _ in panels}
+
+Series = Sequence[tuple[int, float]]
+
+
+def is_layer_metric(key: str) -> bool:
+    """Whether ``probes/<probe>/<name>/<metric>`` is a metric the per-layer figures draw."""
+    parts = key.split("/")
+    return len(parts) == 4 and parts[0] == "probes" and (parts[1], parts[3]) in _PANELS
+
+
+def _natural(name: str) -> list:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+def layer_groups(names: Iterable[str]) -> dict[str, list[str]]:
+    """``component -> [its layers]`` among ``names``: a name is a layer of the longest
+    other name that is a dotted prefix of it (``actor_mlp.layer_0`` of ``actor_mlp``).
+    Components without a recorded layer are left out; layers in natural order."""
+    names = set(names)
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        parts = name.split(".")
+        for cut in range(len(parts) - 1, 0, -1):
+            parent = ".".join(parts[:cut])
+            if parent in names:
+                groups.setdefault(parent, []).append(name)
+                break
+    return {c: sorted(layers, key=_natural) for c, layers in sorted(groups.items())}
+
+
+def layer_figures(series: Mapping[str, Series]) -> list[tuple[str, str, Figure]]:
+    """``(section slug, component, figure)`` for every section and component with
+    layers, from ``key -> [(epoch, value)]`` of the ``probes/...`` scalar keys."""
+    out = []
+    for slug, _title, panels in LAYER_SECTIONS:
+        names = {
+            k.split("/")[2]
+            for k in series
+            if any(k.startswith(f"probes/{p}/") and k.endswith(f"/{m}") for p, m, _, _ in panels)
+        }
+        for component, layers in layer_groups(names).items():
+            present = [
+                (probe, metric, title, log)
+                for probe, metric, title, log in panels
+                if any(f"probes/{probe}/{layer}/{metric}" in series for layer in layers)
+            ]
+            if present:
+                out.append((slug, component, _figure(series, component, layers, present)))
+    return out
+
+
+def _figure(
+    series: Mapping[str, Series],
+    component: str,
+    layers: list[str],
+    panels: list[tuple[str, str, str, bool]],
+) -> Figure:
+    cols = min(2, len(panels))
+    rows = math.ceil(len(panels) / cols)
+    fig = Figure(figsize=(5.2 * cols, 3.0 * rows), dpi=100)
+    fixed_margins(fig, rows, cols, top=0.55, hgap=1.0)
+    for i, (probe, metric, title, log) in enumerate(panels):
+        ax = fig.add_subplot(rows, cols, i + 1)
+        for layer in layers:
+            points = series.get(f"probes/{probe}/{layer}/{metric}")
+            if not points:
+                continue
+            x = np.array([e for e, _ in points])
+            y = np.array([v for _, v in points], dtype=float)
+            if log:
+                y = np.where(y > 0, y, np.nan)
+            marker = "o" if len(x) <= 30 else None
+            label = layer[len(component) + 1 :]
+            ax.plot(x, y, marker=marker, markersize=3, linewidth=1.5, label=label)
+        if log:
+            ax.set_yscale("log")
+        elif metric.endswith("fraction"):
+            ax.set_ylim(-0.03, 1.03)
+        ax.set_title(f"{title}: {component}", fontsize=10)
+        ax.set_xlabel("epoch", fontsize=9)
+        ax.grid(True, alpha=0.3)
+        ax.tick_params(labelsize=8)
+        ax.locator_params(axis="x", integer=True)
+        ax.legend(fontsize=8, title="layer", title_fontsize=8)
+    return fig
+
+
+class ScalarHistory:
+    """The last ``max_epochs`` values of each per-layer figure metric, in memory (the
+    W&B sink's counterpart of the report's metrics.jsonl)."""
+
+    def __init__(self, max_epochs: int = 1000) -> None:
+        self.max_epochs = max_epochs
+        self._data: dict[str, deque[tuple[int, float]]] = {}
+
+    def add(self, key: str, epoch: int, value: float) -> None:
+        hist = self._data.setdefault(key, deque(maxlen=self.max_epochs))
+        if hist and hist[-1][0] == epoch:
+            hist[-1] = (epoch, value)  # a second emit of the same epoch replaces the first
+        else:
+            hist.append((epoch, value))
+
+    def series(self) -> dict[str, list[tuple[int, float]]]:
+        return {k: list(v) for k, v in self._data.items()}
+
+    def __len__(self) -> int:
+        return len(self._data)

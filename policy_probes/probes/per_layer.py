@@ -1,0 +1,223 @@
+"""Per-layer probing: every activation layer inside a component, reported beside it.
+
+A probe attached to ``actor_mlp`` reads the component's output (the last hidden layer)
+and, with ``per_layer=True`` (the default of the activation and gradient-flow probes),
+the output of every activation layer inside it, each under its own name
+``<component>.<layer>``: keys ``probes/<probe>/actor_mlp.layer_0/<metric>`` beside
+``probes/<probe>/actor_mlp/<metric>``. An *activation layer* is a
+:class:`~policy_probes.layers.HiddenLayer` (its ``.act`` child is the same layer and is
+not counted again) or an activation module (:data:`~policy_probes.probes.layout.ACTIVATION_MODULES`).
+
+The component's output is often the last layer's output: both keys are reported, and the
+tensor is materialised once at the drain (:class:`~policy_probes.probes.rows.DrainRound`
+shares block columns that hold the same memory). A layer probed under its own name in
+the same context (``actor_mlp.layer_0`` or ``actor_mlp.*`` attached before or after
+``actor_mlp``) is left to that registration and its settings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from policy_probes.context import ComponentContext
+from policy_probes.hook_types import Extractor, ProbeError, ProbeHook, log
+from policy_probes.layers import HiddenLayer
+from policy_probes.probes.layout import (
+    ACTIVATION_MODULES,
+    check_layout,
+    output_channels_first,
+    resolve_channels_first,
+)
+from policy_probes.row_mask import bound_weight, pushing_with
+
+
+@dataclass(frozen=True)
+class ActivationLayer:
+    """One activation layer inside a component."""
+
+    #: dotted path inside the component (``"layer_0"``, ``"cnn.1"``)
+    name: str
+    #: the module whose output is the layer's activation
+    module: nn.Module
+    #: the activation module itself (the ``.act`` of a HiddenLayer)
+    act: nn.Module
+    #: dotted path of :attr:`act` inside the component
+    act_name: str
+
+
+def activation_layers(component: nn.Module) -> list[ActivationLayer]:
+    """The activation layers strictly inside ``component``, in registration order."""
+    out: list[ActivationLayer] = []
+    covered: set[int] = set()
+    if isinstance(component, HiddenLayer):
+        covered.add(id(component.act))  # the component itself is that layer
+    for name, module in component.named_modules():
+        if not name or id(module) in covered:
+            continue
+        if isinstance(module, HiddenLayer):
+            covered.add(id(module.act))
+            out.append(ActivationLayer(name, module, module.act, f"{name}.act"))
+        elif isinstance(module, ACTIVATION_MODULES):
+            out.append(ActivationLayer(name, module, module, name))
+    return out
+
+
+@dataclass(frozen=True)
+class ProbedLayer:
+    """A layer a hook reads: its tracker component name, module and layout."""
+
+    component: str
+    module: nn.Module
+    channels_first: bool
+
+
+class LayeredProbeHook(ProbeHook):
+    """A probe hook on a component's output and, with ``per_layer``, on the output of
+    every activation layer inside it that :meth:`selects`.
+
+    The layers and every layout are resolved once, at the first :meth:`attach` (later
+    attaches, when the phase re-arms the hooks, reinstall the same hooks). Subclasses
+    implement :meth:`record_layer`; the component's own output goes through
+    :meth:`record` / :meth:`record_grad` as for every :class:`ProbeHook`.
+    """
+
+    def __init__(
+        self,
+        tracker: Any,
+        component: str,
+        context: ComponentContext,
+        phases: Iterable[str] | str = ("train",),
+        extractor: Extractor | None = None,
+        *,
+        layout: str = "auto",
+        per_layer: bool = True,
+    ) -> None:
+        super().__init__(component, context, phases, extractor)
+        self.tracker = tracker
+        self.layout = check_layout(layout)
+        self.per_layer = per_layer
+        self.channels_first = layout == "channels_first"
+        self.layers: list[ProbedLayer] | None = None
+        self._layer_handles: dict[str, RemovableHandle] = {}
+        #: layers read in the component's current forward (a module run twice is refused)
+        self._seen: set[str] = set()
+        #: inside a forward of the component: a layer module called on its own (outside
+        #: the component, e.g. by a reference computation) is not this component's layer
+        self._inside = False
+
+    def selects(self, layer: ActivationLayer) -> bool:
+        """Whether this probe reads ``layer`` (every activation layer by default)."""
+        return True
+
+    def attach(self, module: nn.Module) -> list[RemovableHandle]:
+        if self.layers is None:
+            # an extracted tensor need not be laid out as the module's output: "auto"
+            # reads it channels last, an explicit layout is taken as given
+            auto_extracted = self.extractor is not None and self.layout == "auto"
+            self.channels_first = False if auto_extracted else self.resolve(module, "")
+            layers = []
+            for layer in activation_layers(module) if self.per_layer else []:
+                name = f"{self.component}.{layer.name}"
+                if not self.selects(layer) or not self.tracker.claim_component(
+                    name, self, **self.tracker.settings[self.component]
+                ):
+                    continue  # not this probe's kind of layer, or probed on its own
+                layers.append(ProbedLayer(name, layer.module, self.resolve(module, layer.name)))
+            self.layers = layers
+        self._layer_handles = {
+            layer.component: layer.module.register_forward_hook(self._layer_hook(layer))
+            for layer in self.layers
+            if self.tracker.owns(layer.component, self)
+        }
+        if not self._layer_handles:
+            return []
+        return [
+            module.register_forward_pre_hook(self._start_forward),
+            module.register_forward_hook(self._end_forward),
+            *self._layer_handles.values(),
+        ]
+
+    def _start_forward(self, _module: nn.Module, _inputs: Any) -> None:
+        self._seen.clear()
+        self._inside = True
+
+    def _end_forward(self, _module: nn.Module, _inputs: Any, _output: Any) -> None:
+        self._inside = False
+
+    def _refuse_reused(self, layer: ProbedLayer) -> None:
+        """Stop reading a layer module that runs more than once per forward of the
+        component (one activation module applied after several layers): its uses would
+        mix into one layer's statistics. Reported like a probe fault, for that layer only."""
+        msg = (
+            f"{layer.component} runs more than once in one forward of {self.component!r} (the "
+            f"same module applied at several places), so its outputs cannot be told apart as "
+            f"one layer; it is no longer read per layer. Give each layer its own activation "
+            f"module, or attach with per_layer=False"
+        )
+        if self.context.strict:
+            raise ProbeError(msg)
+        self.release(layer.component)
+        self.tracker.unregister_component(layer.component)
+        self.context.probe_errors[f"{self.probe}/{layer.component}"] = msg
+        log.error("probe %r: %s", self.probe, msg)
+
+    def release(self, name: str) -> None:
+        """Stop reading layer ``name`` (another registration took it over)."""
+        handle = self._layer_handles.pop(name, None)
+        if handle is not None:
+            handle.remove()
+
+    def resolve(self, module: nn.Module, sub: str) -> bool:
+        """Whether the output of ``sub`` inside the component (``""``: the component) is
+        read channels first (see :mod:`~policy_probes.probes.layout`)."""
+        if self.locate is not None:  # the policy: "auto" can look beyond the component
+            name = f"{self.component}.{sub}" if sub else self.component
+            return resolve_channels_first(self.layout, self.locate, name)
+        if self.layout == "auto" and not sub:
+            return bool(output_channels_first(module))
+        return resolve_channels_first(self.layout, module.get_submodule, sub)
+
+    def _layer_hook(self, layer: ProbedLayer) -> Callable[[nn.Module, Any, Any], None]:
+        def hook(_module: nn.Module, _inputs: Any, output: Any) -> None:
+            if not (
+                self._inside
+                and self.enabled
+                and self.context.phase in self.phases
+                and isinstance(output, torch.Tensor)
+                and self.tracker.owns(layer.component, self)
+            ):
+                return
+            if layer.component in self._seen:
+                self._refuse_reused(layer)
+                return
+            self._seen.add(layer.component)
+            try:
+                # the row-mask rows of this layer's output, bound in forward order as the
+                # component hook binds its own (per-step calls count per layer)
+                weight = bound_weight(
+                    self.context,
+                    output,
+                    layer.module,
+                    layer.component,
+                    (id(self), layer.component),
+                    layer.channels_first,
+                )
+                with pushing_with(self.context, weight):
+                    self.record_layer(layer, output)
+            except Exception as exc:  # a probe must never take training down
+                self.fail(exc)
+
+        return hook
+
+    def record_layer(self, layer: ProbedLayer, output: torch.Tensor) -> None:
+        """Read one forward output of ``layer`` (not detached: see the subclasses). Under
+        a row mask it is called inside :class:`~policy_probes.row_mask.pushing_with` with
+        the mask rows of ``output``, so pushes made now carry them; a probe that pushes
+        later (from a gradient hook) keeps ``context.push_weight`` for then."""
+        raise NotImplementedError

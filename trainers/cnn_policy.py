@@ -1,0 +1,115 @@
+"""The pixel actor-critic: a NatureCNN encoder shared by a linear actor head and a linear
+critic head (CleanRL ``ppo_atari.py``).
+
+Components (see ``docs/policies.md``): ``encoder`` (:class:`~trainers.nature_cnn.NatureCNN`,
+its layers ``encoder.conv_<i>`` and ``encoder.fc`` addressable), ``actor_head`` (logits or
+Gaussian mean) and ``critic_head`` (state value), both reading the encoder's 512 features.
+Observations stay uint8 in the rollout storage; the encoder scales them by 1/255. The
+action distributions are the MLP policy's (:class:`~trainers.policy.ActorCriticPolicy`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import gymnasium as gym
+import numpy as np
+import torch
+from torch import nn
+
+from policy_probes.components import PolicyAutoBuilder
+from policy_probes.layers import LinearSpec
+from trainers.config import PolicyConfig
+from trainers.nature_cnn import NatureCNN
+from trainers.policy import ActorCriticPolicy, Forward, action_dims
+
+
+def image_shape(observation_space: gym.spaces.Space) -> tuple[int, int, int]:
+    """``(C, H, W)`` of a uint8 image Box space; a clear error for anything else."""
+    shape = getattr(observation_space, "shape", None) or ()
+    if (
+        not isinstance(observation_space, gym.spaces.Box)
+        or len(shape) != 3
+        or observation_space.dtype != np.uint8
+    ):
+        raise ValueError(
+            f"policy.encoder=nature_cnn needs uint8 image observations of shape (C, H, W) "
+            f"(Atari ids such as ALE/Breakout-v5 give (4, 84, 84)); this environment's "
+            f"observation space is {observation_space}. Use policy.encoder=none for vector "
+            f"observations"
+        )
+    return int(shape[0]), int(shape[1]), int(shape[2])
+
+
+class CNNActorCriticPolicy(ActorCriticPolicy):
+    """NatureCNN actor-critic for uint8 ``(C, H, W)`` frames and Discrete or Box actions."""
+
+    obs_dtype = torch.uint8
+
+    def __init__(
+        self,
+        observation_space: gym.spaces.Box,
+        action_space: gym.spaces.Space,
+        cfg: PolicyConfig | None = None,
+    ) -> None:
+        cfg = cfg or PolicyConfig(encoder="nature_cnn")
+        shape = image_shape(observation_space)
+        self.discrete, act_dim, self.action_shape = action_dims(action_space)
+        encoder = NatureCNN(shape)
+        # Not ActorCriticPolicy.__init__: that one builds the actor and critic MLPs.
+        PolicyAutoBuilder.__init__(
+            self,
+            {
+                "encoder": encoder,
+                "actor_head": LinearSpec(in_features=encoder.out_features, out_features=act_dim),
+                "critic_head": LinearSpec(in_features=encoder.out_features, out_features=1),
+            },
+        )
+        self.obs_shape = shape
+        self.obs_dim = int(np.prod(shape))
+        self.act_dim = act_dim
+        if not self.discrete:
+            self.log_std = nn.Parameter(torch.full((act_dim,), float(cfg.init_log_std)))
+        self.reset_parameters()
+        self.trace_outputs(torch.zeros(1, *shape, dtype=torch.uint8))
+
+    def reset_parameters(self) -> None:
+        """Orthogonal init as CleanRL ``ppo_atari.py``: gain sqrt(2) on every convolution
+        and the 512-unit layer, 0.01 on the policy head, 1.0 on the value head, zero
+        biases."""
+        for m in self.encoder.modules():
+            if isinstance(m, nn.Conv2d | nn.Linear):
+                nn.init.orthogonal_(m.weight, math.sqrt(2))
+                nn.init.zeros_(m.bias)
+        nn.init.orthogonal_(self.actor_head.weight, 0.01)
+        nn.init.zeros_(self.actor_head.bias)
+        nn.init.orthogonal_(self.critic_head.weight, 1.0)
+        nn.init.zeros_(self.critic_head.bias)
+
+    # ------------------------------------------------------------------ networks
+    def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(logits or Gaussian mean, value)`` for a batch of frames (``(B, C, H, W)`` or
+        flattened ``(B, C*H*W)``, raw pixel values)."""
+        features = self.encoder(obs)
+        return self.actor_head(features), self.critic_head(features).squeeze(-1)
+
+    def value(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.critic_head(self.encoder(obs)).squeeze(-1)
+
+    def deterministic_action(self, obs: torch.Tensor) -> torch.Tensor:
+        out = self.actor_head(self.encoder(obs))
+        return out.argmax(-1) if self.discrete else out
+
+    # ------------------------------------------------------------------ module path only
+    def hooks_idle(self) -> bool:
+        """Always False: rollouts and updates go through the modules (hooks fire). The
+        hook-free shortcuts of the MLP policy (:class:`~trainers.policy.StackedMLPs`,
+        direct ``forward`` calls) save module dispatch, a small cost next to convolutions."""
+        return False
+
+    def rollout_forward(self, example: torch.Tensor) -> Forward:
+        """The module path (see :meth:`hooks_idle`)."""
+        return self
+
+    def _forward_direct(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self(obs)
