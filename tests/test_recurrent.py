@@ -364,6 +364,7 @@ def run_probes(net: SeqNet, x, a, mask, per_step: bool) -> dict:
     got = StatsReporter(ctx).collect()
     policy.remove_hooks()
     assert not ctx.probe_errors
+    assert not [k for k in got if "/core." in k]  # per-layer: no activation layer inside
     return got
 
 
