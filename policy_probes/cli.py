@@ -22,6 +22,7 @@ import json
 import logging
 import pkgutil
 import sys
+import traceback
 import types
 import typing
 from collections.abc import Callable, Sequence
@@ -39,6 +40,12 @@ from policy_probes.lifecycle.cli import (
 )
 from policy_probes.lifecycle.registry import HookSelectionError, parse_hook_config
 from policy_probes.report import add_report_subcommand
+from policy_probes.user_errors import (
+    SETUP_ERROR_TYPES,
+    is_usage_error,
+    one_line,
+    positive_float,
+)
 
 EXIT_USAGE = 2
 
@@ -123,8 +130,14 @@ def load_recipe(target: str) -> Callable[[], Any]:
 
 
 def build_from_recipe(target: str) -> BaseModel:
-    """Call the recipe and check that it returned a TrainTool-like model."""
-    tool = load_recipe(target)()
+    """Call the recipe and check that it returned a TrainTool-like model. A recipe that
+    raises one of the configuration errors (a builder passed without its parentheses, a
+    bad value) is a usage error naming the recipe."""
+    recipe = load_recipe(target)
+    try:
+        tool = recipe()
+    except SETUP_ERROR_TYPES as exc:
+        raise CLIError(f"recipe {target}: {one_line(exc)}") from exc
     if not (isinstance(tool, BaseModel) and callable(getattr(tool, "invoke", None))):
         raise CLIError(
             f"recipe {target} returned {type(tool).__name__}; a recipe must return a "
@@ -274,7 +287,12 @@ def add_run_subcommand(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("target", nargs="?", help="package.module.function or path/to/file.py:function")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="configuration overrides")
-    p.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="build the policy, attach the probes, check run_dir, print the resolved config "
+        "and exit (fails where the run would fail before its first step)",
+    )
     p.add_argument("--list", action="store_true", help="list the recipes found in --package")
     p.add_argument(
         "--package", default="recipes", help="recipe package for --list (default: recipes)"
@@ -367,6 +385,9 @@ def run_command(args: argparse.Namespace) -> int:
             if callable(getattr(tool, "resolved_config", None))
             else tool.model_dump(mode="json")
         )
+        check = getattr(tool, "check_setup", None)
+        if callable(check):
+            resolved["attached"] = call_tool(check, overwrite=args.overwrite)
         console.print_json(json.dumps(resolved, default=str))
         return 0
     result = invoke_tool(tool, overwrite=args.overwrite)
@@ -398,9 +419,27 @@ def report_outputs(console: Any, result: Any) -> None:
         )
     for name, reason in (getattr(result, "sink_failures", None) or {}).items():
         console.print(f"[yellow]sink {name} was switched off: {reason}[/yellow]")
+    steps = []
+    if (Path(run_dir) / "metrics.jsonl").is_file():
+        steps.append(f"policy-probes report {run_dir}      # HTML dashboard: report.html")
+    if any((Path(run_dir) / "wandb").glob("offline-run-*")):
+        steps.append(f"wandb sync {run_dir}/wandb/offline-run-*      # upload the W&B run")
+    if steps:
+        console.print("next:\n" + "\n".join(f"  {s}" for s in steps), soft_wrap=True, markup=False)
 
 
 # ---------------------------------------------------------------------- resume, ctl
+def call_tool(method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``method(...)`` with the tool's usage errors (exceptions tagged ``usage_error``:
+    unknown components, builder mistakes, a run_dir in use ...) as :class:`CLIError`."""
+    try:
+        return method(*args, **kwargs)
+    except Exception as exc:
+        if is_usage_error(exc):
+            raise CLIError(one_line(exc)) from exc
+        raise
+
+
 def invoke_tool(tool: BaseModel, **options: Any) -> Any:
     """``tool.invoke(**options)`` for the options that are set (duck-typed: a tool whose
     ``invoke`` lacks one is a usage error). A run directory conflict or an unusable
@@ -414,11 +453,11 @@ def invoke_tool(tool: BaseModel, **options: Any) -> Any:
     try:
         return tool.invoke(**wanted)
     except BaseException as exc:
-        if getattr(exc, "usage_error", False):
-            raise CLIError(str(exc)) from None
+        if is_usage_error(exc):
+            raise CLIError(one_line(exc)) from exc
         code = getattr(exc, "exit_code", None)
         if isinstance(code, int) and not isinstance(exc, SystemExit):
-            raise RunEnded(str(exc), code) from None
+            raise RunEnded(one_line(exc), code) from None
         raise
 
 
@@ -488,7 +527,10 @@ def add_ctl_subcommand(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("run_dir", help="the run directory of the running run")
     p.add_argument("command", choices=COMMANDS)
     p.add_argument(
-        "--timeout", type=float, default=30.0, help="seconds to wait for the acknowledgement"
+        "--timeout",
+        type=positive_float,
+        default=30.0,
+        help="seconds to wait for the acknowledgement (> 0)",
     )
     p.set_defaults(handler=ctl_command)
 
@@ -561,11 +603,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             return EXIT_USAGE
         return handler(args)
     except CLIError as exc:
+        if args.verbose and exc.__cause__ is not None:
+            traceback.print_exception(exc.__cause__, file=sys.stderr)
         print(f"policy-probes: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except RunEnded as exc:
         print(f"policy-probes: {exc}", file=sys.stderr)
         return exc.exit_code
+    except Exception as exc:
+        if not is_usage_error(exc):
+            raise
+        if args.verbose:
+            traceback.print_exception(exc, file=sys.stderr)
+        print(f"policy-probes: error: {one_line(exc)}", file=sys.stderr)
+        return EXIT_USAGE
     except KeyboardInterrupt:
         print("policy-probes: interrupted", file=sys.stderr)
         return 130

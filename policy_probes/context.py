@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
+
+import torch
+
+log = logging.getLogger("policy_probes")
 
 PHASES = ("train", "rollout", "eval")
 
@@ -37,6 +42,10 @@ class ComponentContext:
             disabled, reported once, and counted in :attr:`probe_errors`.
         probe_errors: ``"<probe>/<component>" -> message`` for every probe disabled
             after raising.
+        infer_phase: set by a loop that has not said what it is doing (a
+            ``ProbeSession`` before its first ``set_phase``): forward passes without
+            gradients (``torch.no_grad()``, ``torch.inference_mode()``) are then taken for
+            rollout or evaluation passes, and forward probes do not record them.
     """
 
     def __init__(
@@ -57,6 +66,8 @@ class ComponentContext:
         self._row_mask: Any = None
         #: the mask rows the hook now pushing bound to its tensor (see row_mask.pushing_with)
         self.push_weight: Any = None
+        self.infer_phase = False
+        self._inferred_once = False
 
     @property
     def row_mask(self) -> Any:
@@ -82,6 +93,21 @@ class ComponentContext:
         self._phase = value
         for listener in self._phase_listeners:
             listener(value)
+
+    def inference_pass(self) -> bool:
+        """Whether the forward pass under way is inferred not to be training: no phase set
+        (:attr:`infer_phase`) and gradients off. A host-side flag check, no tensor work.
+        The first such pass is logged once."""
+        if not self.infer_phase or torch.is_grad_enabled():
+            return False
+        if not self._inferred_once:
+            self._inferred_once = True
+            log.warning(
+                "no phase set: forward passes without gradients (torch.no_grad / "
+                "inference_mode) are taken as rollout passes and not recorded by forward "
+                "probes; call set_phase('rollout'/'train') to say it explicitly"
+            )
+        return True
 
     def add_phase_listener(self, listener: Callable[[str], None]) -> None:
         """Call ``listener(phase)`` whenever the phase changes (once per listener)."""

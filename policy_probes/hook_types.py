@@ -111,7 +111,11 @@ class ProbeHook:
 
     # ----------------------------------------------------------------- dispatch
     def active(self) -> bool:
-        return self.enabled and self.context.phase in self.phases
+        """Records now: enabled, in one of its phases, and (forward probes) not in a pass
+        the context infers to be a rollout (:meth:`ComponentContext.inference_pass`)."""
+        if not (self.enabled and self.context.phase in self.phases):
+            return False
+        return self.backward or not self.context.inference_pass()
 
     def extract(self, output: Any, module: nn.Module | None = None) -> torch.Tensor:
         """The tensor this probe reads from a component output: the extractor's, else the
@@ -136,7 +140,7 @@ class ProbeHook:
         )
 
     def __call__(self, module: nn.Module, first: Any, second: Any) -> None:
-        if not (self.enabled and self.context.phase in self.phases):
+        if not self.active():
             return
         try:
             self.calls += 1

@@ -46,6 +46,7 @@ from policy_probes.layer_figures import (
 )
 from policy_probes.sinks.base import is_finite_number
 from policy_probes.sinks.jsonl import METRICS_JSONL, iter_jsonl
+from policy_probes.user_errors import positive_int
 
 REPORT_HTML = "report.html"
 
@@ -320,7 +321,12 @@ def build_report(
     run_dir: Path, out: Path | None = None, *, max_heatmap_epochs: int | None = 1000
 ) -> Path:
     """Write the HTML dashboard of ``run_dir`` (default ``run_dir/report.html``) and
-    return its path. Raises ``FileNotFoundError`` when the run has no metrics.jsonl."""
+    return its path. Raises ``FileNotFoundError`` when the run has no metrics.jsonl and
+    ``ValueError`` when ``max_heatmap_epochs`` is not None or >= 1."""
+    if max_heatmap_epochs is not None and max_heatmap_epochs < 1:
+        raise ValueError(
+            f"max_heatmap_epochs must be >= 1 (or None for every epoch), got {max_heatmap_epochs}"
+        )
     run_dir = Path(run_dir)
     metrics_path = run_dir / METRICS_JSONL
     if not metrics_path.is_file():
@@ -430,7 +436,7 @@ def add_report_subcommand(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--max-heatmap-epochs",
-        type=int,
+        type=positive_int,
         default=1000,
         help="heatmaps show the last N epochs (default 1000)",
     )
@@ -445,6 +451,13 @@ def report_command(args: argparse.Namespace) -> int:
         path = build_report(args.run_dir, args.out, max_heatmap_epochs=args.max_heatmap_epochs)
     except FileNotFoundError as exc:
         print(f"policy-probes report: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # --out in a missing or read-only directory
+        print(
+            f"policy-probes report: error: cannot write the report ({exc}); choose a writable "
+            f"--out",
+            file=sys.stderr,
+        )
         return 2
     print(f"report written to {path}")
     return 0

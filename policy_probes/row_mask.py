@@ -121,6 +121,34 @@ class RowMask:
             return weight[:, None].expand(-1, per_sample)
         return self._sample_weight(tensor, tuple(tensor.shape[:-1]), module, component, key)
 
+    def per_sample(
+        self,
+        tensor: torch.Tensor,
+        samples: int,
+        rows: int,
+        module: nn.Module | None,
+        component: str,
+        key: Any,
+    ) -> torch.Tensor:
+        """The mask entries of ``samples`` samples that each hold ``rows / samples`` rows
+        (a conv's or embedding's positions, an ``nn.LSTM``'s steps), ``(samples,)``: a
+        sample is kept when any of its rows is (its gradient sums its rows, and a masked
+        row adds nothing when the loss masks it). A mask of one entry per sample is read
+        as is; a mask of one entry per row is read in the module's row order, batch-major
+        for a 2-D ``(batch, time)`` mask; a per-step call reads one column."""
+        mask = self.on(tensor.device)
+        if self.numel == samples:
+            return mask._flat
+        if self.numel == rows and rows % samples == 0:
+            if (
+                len(self.shape) == 1
+                and isinstance(module, SEQUENCE_MODULES)
+                and not module.batch_first
+            ):  # a flat mask in the rows' (time, batch) order
+                return mask._flat.view(-1, samples).amax(0)
+            return mask._flat.view(samples, -1).amax(1)
+        return self._sample_weight(tensor, (samples,), module, component, key)
+
     def _sample_weight(
         self,
         tensor: torch.Tensor,
@@ -183,6 +211,24 @@ def bound_weight(
     if mask is None:
         return None
     return mask.weight_for(tensor, module, component, key, channels_first)
+
+
+def bound_sample_weight(
+    context: Any,
+    tensor: torch.Tensor,
+    samples: int,
+    rows: int,
+    module: nn.Module | None,
+    component: str,
+    key: Any,
+) -> torch.Tensor | None:
+    """The mask entries of the ``samples`` samples of a pass whose Fisher counts one
+    sample per batch index (:meth:`RowMask.per_sample`), None without a mask. Call it in
+    the forward, like :func:`bound_weight`."""
+    mask = getattr(context, "row_mask", None)
+    if mask is None:
+        return None
+    return mask.per_sample(tensor, samples, rows, module, component, key)
 
 
 class pushing_with:  # noqa: N801 - used like a function: ``with pushing_with(ctx, w):``

@@ -46,8 +46,11 @@ from policy_probes.lifecycle import (
     select_hooks,
     snapshot_due,
 )
+from policy_probes.run_dir import RunDirConflict, held_outputs, make_run_dir, remove_outputs
+from policy_probes.run_lock import RunDirLock
 from policy_probes.sinks import SinkGroup, SinksConfig, WandbConfig, build_sink_group
 from policy_probes.sinks.base import to_plain
+from policy_probes.sinks.jsonl import iter_jsonl
 from policy_probes.stats_reporter import StatsReporter
 
 log = logging.getLogger("policy_probes")
@@ -103,7 +106,13 @@ class ProbeSession:
         model_context: a ready :class:`ModelDataContext` instead of ``loss_fn``.
         snapshot_every: fire SNAPSHOT (``hessian``; heatmaps and the console table) every
             N epochs; 0 never.
-        start_epoch: the index of the first epoch (to continue a count across sessions).
+        resume: continue the run already in ``run_dir``: the sinks append, and epochs go
+            on after the last one in its ``metrics.jsonl``.
+        overwrite: replace the run already in ``run_dir`` (its metric files, config,
+            W&B files are deleted first). Without either, a ``run_dir`` that holds a run
+            is refused (``RunDirConflict``), so two runs never interleave in one file.
+        start_epoch: the index of the first epoch (default 0, or on ``resume`` the epoch
+            after the last recorded one; an earlier one drops the later records first).
         console: a rich ``Console`` for the console sink (to share with a progress bar).
     """
 
@@ -129,7 +138,9 @@ class ProbeSession:
         obs_key: str = "obs",
         model_context: ModelDataContext | None = None,
         snapshot_every: int = 0,
-        start_epoch: int = 0,
+        resume: bool = False,
+        overwrite: bool = False,
+        start_epoch: int | None = None,
         console: Any = None,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -139,7 +150,7 @@ class ProbeSession:
         self.context = ComponentContext(strict=strict)
         self.optimizer = optimizer
         self.snapshot_every = int(snapshot_every)
-        self.epoch = int(start_epoch)
+        self.epoch = 0
         self.agent_step: int | None = None
         self.closed = False
         self._handles: list[ProbeHandle] = []
@@ -177,8 +188,22 @@ class ProbeSession:
         )
         self._reporter_hook = any(h.name == "stats_reporter" for h in selected)
 
+        if resume and overwrite:
+            raise ValueError("resume=True and overwrite=True exclude each other; choose one")
         self.run_dir = Path(run_dir) if run_dir is not None else default_run_dir()
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        make_run_dir(self.run_dir)
+        self._lock = RunDirLock(self.run_dir).acquire()  # released by close()
+        try:
+            last_epoch = self._claim_run_dir(resume, overwrite)
+        except BaseException:
+            self._lock.release()
+            raise
+        if start_epoch is not None:
+            self.epoch = int(start_epoch)
+        elif last_epoch is not None:
+            self.epoch = last_epoch + 1
+        # no set_phase() yet: forwards without gradients are not training passes
+        self.context.infer_phase = True
         self.config = {
             "session": {
                 "model": type(model).__name__,
@@ -189,15 +214,21 @@ class ProbeSession:
             **dict(config or {}),
         }
         self._write_config()
-        self.sinks: SinkGroup = build_sink_group(
-            self.run_dir,
-            sinks or SinksConfig(),
-            wandb or WandbConfig(),
-            self.config,
-            console=console,
-        )
+        try:
+            self.sinks: SinkGroup = build_sink_group(
+                self.run_dir,
+                sinks or SinksConfig(),
+                wandb or WandbConfig(),
+                self.config,
+                console=console,
+            )
+        except BaseException:
+            self._lock.release()
+            raise
         self.sinks.set_run_context(run_dir=self.run_dir, config=self.config)
         try:
+            if last_epoch is not None and self.epoch <= last_epoch:
+                self._rewind(self.epoch - 1)
             self._fire_pre_epoch()
         except BaseException:
             self.close()
@@ -244,6 +275,39 @@ class ProbeSession:
                     f"lifecycle hook {hook.name!r} fires at SNAPSHOT; set snapshot_every=N "
                     f"(every N epochs) or deselect it"
                 )
+
+    def _claim_run_dir(self, resume: bool, overwrite: bool) -> int | None:
+        """Refuse a run_dir holding a run unless ``resume``/``overwrite``; returns the
+        last epoch recorded there when resuming (None: none)."""
+        held = held_outputs(self.run_dir)
+        if not held:
+            return None
+        if overwrite:
+            remove_outputs(self.run_dir)
+            log.warning("overwrite=True: removed the previous run's outputs from %s", self.run_dir)
+            return None
+        if not resume:
+            raise RunDirConflict(
+                f"run_dir {str(self.run_dir)!r} already holds a run ({', '.join(held)}); pass "
+                f"resume=True to continue it, overwrite=True to replace it, or choose another "
+                f"run_dir"
+            )
+        path = self.run_dir / "metrics.jsonl"
+        if not path.is_file():
+            return None
+        epochs = [r["epoch"] for r in iter_jsonl(path) if isinstance(r.get("epoch"), int)]
+        return max(epochs) if epochs else None
+
+    def _rewind(self, last_epoch: int) -> None:
+        """Drop the sinks' records after ``last_epoch`` (a resume from an earlier epoch)."""
+        for sink in self.sinks:
+            rewind = getattr(sink, "rewind", None)
+            if callable(rewind):
+                dropped = rewind(last_epoch)
+                if dropped:
+                    log.warning(
+                        "%s: dropped %d records after epoch %d", sink.name, dropped, last_epoch
+                    )
 
     def _write_config(self) -> None:
         try:
@@ -298,6 +362,7 @@ class ProbeSession:
             log.warning(
                 "phase %r is not one of %s; probes record only in their phases", name, PHASES
             )
+        self.context.infer_phase = False  # the loop says what it does from now on
         self.context.phase = name
 
     @contextmanager
@@ -510,7 +575,10 @@ class ProbeSession:
         try:
             self.remove_hooks()
         finally:
-            self.sinks.close()
+            try:
+                self.sinks.close()
+            finally:
+                self._lock.release()
 
     def __enter__(self) -> ProbeSession:
         return self

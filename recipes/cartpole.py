@@ -1,8 +1,9 @@
 """CartPole-v1 with CleanRL's PPO defaults, a ReLU policy and all five probes.
 
 The probes watch the post-activation outputs of ``actor_mlp`` and ``critic_mlp``:
-dead/dormant ReLU units, saturation (for a ReLU network: units stuck above 0.95),
-Fisher information, gradient flow and ReLU gradient pass rates.
+dead/dormant ReLU units, Fisher information, gradient flow and ReLU gradient pass rates.
+(The saturation probe is for bounded activations: ``recipes.cartpole_tanh``; on a ReLU
+network its ``saturation_tanh`` keys would read as saturated tanh units.)
 
     policy-probes run recipes.cartpole.train trainer.total_timesteps=50000 seed=3
 """
@@ -13,7 +14,6 @@ from policy_probes.probes.fisher import attach_fisher_information_hooks
 from policy_probes.probes.gradient_flow import attach_gradient_flow_hooks
 from policy_probes.probes.relu import attach_relu_activation_hooks
 from policy_probes.probes.relu_gradient_flow import attach_relu_gradient_flow_hooks
-from policy_probes.probes.saturation import attach_saturated_activation_hooks
 from trainers import EnvConfig, EvalConfig, PolicyConfig, PPOConfig, TrainTool
 
 PROBED = ("actor_mlp", "critic_mlp")
@@ -22,7 +22,7 @@ PROBED = ("actor_mlp", "critic_mlp")
 def train() -> TrainTool:
     """CleanRL ``ppo.py`` CartPole hyperparameters (4 envs x 128 steps, 4 minibatches,
     4 update epochs, lr 2.5e-4 annealed, gamma 0.99, lambda 0.95, clip 0.2, ent 0.01,
-    vf 0.5, 64-64 hidden) with ReLU activations, 200k steps."""
+    vf 0.5, 64-64 hidden) with ReLU activations, 200k steps; the four probes for ReLU networks."""
     cfg = TrainTool(
         name="cartpole",
         env=EnvConfig(id="CartPole-v1", num_envs=4),
@@ -46,7 +46,6 @@ def train() -> TrainTool:
     )
     for component in PROBED:
         cfg.add_training_hook(component, attach_relu_activation_hooks())
-        cfg.add_training_hook(component, attach_saturated_activation_hooks(activation="tanh"))
         cfg.add_training_backward_hook(component, attach_fisher_information_hooks())
         cfg.add_training_backward_hook(component, attach_gradient_flow_hooks(beta=0.95))
         cfg.add_training_backward_hook(component, attach_relu_gradient_flow_hooks())

@@ -113,7 +113,7 @@ def files_under(path: Path) -> list[Path]:
 
 
 def tiny_cartpole(run_dir: Path, epochs: int = 3, **sections: Any):
-    """The CartPole recipe (all five probes on actor_mlp and critic_mlp) shrunk to
+    """The CartPole recipe (its four ReLU probes on actor_mlp and critic_mlp) shrunk to
     ``epochs`` epochs of 4 x 128 steps, no evaluation, no checkpoints; ``sections``
     update fields (e.g. ``wandb=WandbConfig(...)``)."""
     from recipes.cartpole import train

@@ -47,7 +47,7 @@ def test_overrides_apply_validate_and_keep_builders():
     )
     assert new.trainer.total_timesteps == 1000 and new.policy.activation == "tanh" and new.seed == 3
     assert new.policy.hidden_sizes == [32, 32] and new.env.kwargs == {"max_episode_steps": 100}
-    assert len(new.hook_builders) == len(tool.hook_builders) == 10
+    assert len(new.hook_builders) == len(tool.hook_builders) == 8
     assert tool.trainer.total_timesteps == 200_000  # the original is untouched
 
 

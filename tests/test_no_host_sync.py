@@ -13,6 +13,7 @@ from policy_probes import (
     ComponentContext,
     PolicyAutoBuilder,
     StatsReporter,
+    attach_fisher_information_hooks,
     attach_gradient_flow_hooks,
     attach_relu_activation_hooks,
     attach_relu_gradient_flow_hooks,
@@ -198,7 +199,7 @@ def test_masked_rows_and_recurrent_cores_run_without_host_sync(buffer_rows: int)
 
 
 def test_key_and_index_extractors_on_tensordict_and_tuple_outputs_run_without_host_sync() -> None:
-    tensordict = pytest.importorskip("tensordict")
+    import tensordict
     from tensordict.nn import TensorDictModule
 
     from policy_probes import (
@@ -233,3 +234,74 @@ def test_key_and_index_extractors_on_tensordict_and_tuple_outputs_run_without_ho
     assert metrics["probes/relu/body/samples"] == 48
     assert metrics["probes/fisher/body/samples"] == 48
     assert metrics["probes/gradient_flow/pair/passes"] == 3
+
+
+def test_phase_inference_runs_without_host_sync() -> None:
+    """A loop that set no phase (``infer_phase``, as a ProbeSession before set_phase):
+    forwards under no_grad / inference_mode are skipped by a flag check, training
+    passes are recorded, and neither touches the host."""
+    torch.manual_seed(0)
+    policy = TinyPolicy()
+    ctx = ComponentContext()
+    ctx.infer_phase = True
+    attach_all_probes(policy, ctx)
+    with ForbidHostSync() as probed:
+        with torch.no_grad():
+            policy(torch.randn(7, 5))
+        with torch.inference_mode():
+            policy(torch.randn(9, 5))
+        train_steps(policy, steps=2)
+    assert probed.calls == []
+    metrics = StatsReporter(ctx).collect()
+    assert metrics["probes/relu/actor_mlp/samples"] == 32  # the two training passes only
+    assert metrics["probes/fisher/actor_mlp/samples"] == 32
+    # control: with the phase set explicitly ("train"), the no_grad forwards count too
+    policy.remove_hooks()
+    ctx = ComponentContext()
+    attach_all_probes(policy, ctx)
+    with torch.no_grad():
+        policy(torch.randn(7, 5))
+    train_steps(policy, steps=2)
+    assert StatsReporter(ctx).collect()["probes/relu/actor_mlp/samples"] == 32 + 7
+
+
+class ConvLSTMBody(nn.Module):
+    """A conv encoder (closed-form conv and GroupNorm rules) feeding an LSTM (generic
+    route, gate-gradient rule), a GRU cell (generic route through torch.func) and a
+    Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Sequential(
+            nn.Conv2d(2, 4, 3, stride=2), nn.GroupNorm(2, 4), nn.ReLU(), nn.Flatten()
+        )
+        self.lstm = nn.LSTM(64, 6, batch_first=True)
+        self.cell = nn.GRUCell(6, 6)
+        self.out = nn.Linear(6, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, t = x.shape[:2]
+        feats = self.conv(x.reshape(n * t, *x.shape[2:])).reshape(n, t, -1)
+        out, _ = self.lstm(feats)
+        return torch.tanh(self.out(self.cell(out[:, -1], out[:, 0])))
+
+
+@pytest.mark.parametrize("buffer_rows", [2048, 20])
+def test_conv_and_lstm_fisher_run_without_host_sync(buffer_rows: int) -> None:
+    torch.manual_seed(0)
+    body = ConvLSTMBody()
+    model = PolicyAutoBuilder.wrap(nn.Sequential(body, nn.Linear(5, 3)), {"body": "0"})
+    ctx = ComponentContext()
+    model.attach("body", attach_fisher_information_hooks(chunk_bytes=4096), ctx, backward=True)
+    ctx.model_metrics["fisher"].buffer_rows = buffer_rows
+    with ForbidHostSync() as probed:
+        for _ in range(4):
+            x, a = torch.randn(8, 3, 2, 9, 9), torch.randint(0, 3, (8,))
+            F.cross_entropy(model(x), a).backward()
+    assert probed.calls == []
+    assert not ctx.probe_errors
+    fisher = ctx.model_metrics["fisher"].param_fisher("body")
+    metrics = StatsReporter(ctx).collect()
+    assert metrics["probes/fisher/body/unsupported_params"] == 0
+    assert set(fisher) == {n for n, _ in body.named_parameters()}
+    assert all(v.sum() > 0 for v in fisher.values())

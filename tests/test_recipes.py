@@ -24,7 +24,7 @@ def short(tool: TrainTool, tmp_path, **trainer) -> TrainTool:
     return tool
 
 
-def test_cartpole_recipe_defaults_and_all_five_probes(tmp_path):
+def test_cartpole_recipe_defaults_and_its_four_relu_network_probes(tmp_path):
     tool = cartpole.train()
     assert isinstance(tool, TrainTool)
     t = tool.trainer
@@ -43,12 +43,13 @@ def test_cartpole_recipe_defaults_and_all_five_probes(tmp_path):
     for comp in ("actor_mlp", "critic_mlp"):
         for key in (
             f"probes/relu/{comp}/dead_fraction",
-            f"probes/saturation_tanh/{comp}/saturated_fraction",
             f"probes/fisher/{comp}/trace",
             f"probes/gradient_flow/{comp}/mean",
             f"probes/relu_gradient_flow/{comp}/blocked_fraction",
         ):
             assert key in m, key
+        # saturation is the tanh recipe's: no saturation_tanh keys for a ReLU network
+        assert not any(k.startswith("probes/saturation") for k in m)
         assert len(m[f"probes/relu/{comp}/active_rate"]) == 64
         assert 0.0 <= m[f"probes/relu/{comp}/dead_fraction"] <= 1.0
         assert m[f"probes/fisher/{comp}/trace"] > 0.0

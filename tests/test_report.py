@@ -15,6 +15,7 @@ from PIL import Image
 from sinks_support import DEAD_UNITS, emit_probe_run, tiny_cartpole
 
 from policy_probes.layer_figures import is_layer_metric, layer_figures, layer_groups
+from policy_probes.probes.saturation import attach_saturated_activation_hooks
 from policy_probes.report import (
     PROBE_SECTIONS,
     REPORT_HTML,
@@ -32,7 +33,11 @@ IMG = re.compile(r'<img alt="([^"]*)" src="data:image/png;base64,([^"]+)">')
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("run")
-    tiny_cartpole(path, epochs=3, sinks=SinksConfig(console=False, csv=False, wandb=False)).invoke()
+    tool = tiny_cartpole(path, epochs=3, sinks=SinksConfig(console=False, csv=False, wandb=False))
+    # the ReLU recipe has no saturation probe; one here (its |h| > 0.95 count read on ReLU
+    # outputs) gives the report its saturation figure to draw
+    tool.add_training_hook("critic_mlp", attach_saturated_activation_hooks("tanh"))
+    tool.invoke()
     return path
 
 

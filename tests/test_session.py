@@ -296,7 +296,8 @@ def test_wrapped_components_and_policy_autobuilder_models(tmp_path):
     policy = TinyPolicy()
     with pytest.raises(ValueError, match="drop components"):
         ProbeSession(policy, components={"x": "actor_mlp"}, run_dir=tmp_path, **NO_WANDB)
-    with ProbeSession(policy, run_dir=tmp_path, **NO_WANDB) as s:
+    # a second run: its own run_dir (the first one's is refused, test_session_reliability)
+    with ProbeSession(policy, run_dir=tmp_path / "second", **NO_WANDB) as s:
         assert s.policy is policy
 
 

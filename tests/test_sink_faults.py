@@ -136,15 +136,30 @@ def test_close_and_flush_faults_are_isolated(tmp_path):
     assert [r["x"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1.0]
 
 
-def test_signal_flushes_every_sink_then_chains_to_the_previous_handler(tmp_path):
+@pytest.fixture
+def sigint_handler():
+    """Sets SIGINT's handler for a test and restores the one the process had: under
+    ``nohup`` or as a background job SIGINT starts out ignored (SIG_IGN), not Python's
+    ``default_int_handler``, so a test must not assume either."""
+    original = signal.getsignal(signal.SIGINT)
+
+    def use(handler):
+        signal.signal(signal.SIGINT, handler)
+        return handler
+
+    yield use
+    signal.signal(signal.SIGINT, original)
+
+
+def test_signal_flushes_every_sink_then_chains_to_the_previous_handler(tmp_path, sigint_handler):
+    previous = sigint_handler(signal.default_int_handler)  # as in an interactive shell
     flaky = FailsFromEpoch(99)
     group = SinkGroup([flaky, JSONLSink(tmp_path)])
-    previous = signal.getsignal(signal.SIGINT)
     restore = group.install_signal_flush()
     try:
         assert signal.getsignal(signal.SIGINT) == group._on_signal
         group.emit({"x": 2.0}, 0, "POST_STEP")
-        with pytest.raises(KeyboardInterrupt):  # the default SIGINT handler still runs
+        with pytest.raises(KeyboardInterrupt):  # the previous SIGINT handler still runs
             signal.raise_signal(signal.SIGINT)
         assert flaky.flushes == 1
     finally:
@@ -152,3 +167,19 @@ def test_signal_flushes_every_sink_then_chains_to_the_previous_handler(tmp_path)
     assert signal.getsignal(signal.SIGINT) == previous
     group.close()
     assert [r["x"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [2.0]
+
+
+def test_signal_flush_keeps_an_ignored_sigint_ignored(tmp_path, sigint_handler):
+    sigint_handler(signal.SIG_IGN)  # as under nohup or in a background job
+    flaky = FailsFromEpoch(99)
+    group = SinkGroup([flaky, JSONLSink(tmp_path)])
+    restore = group.install_signal_flush()
+    try:
+        group.emit({"x": 3.0}, 0, "POST_STEP")
+        signal.raise_signal(signal.SIGINT)  # flushed; nothing raised, the process goes on
+        assert flaky.flushes == 1
+    finally:
+        restore()
+    assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    group.close()
+    assert [r["x"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [3.0]

@@ -198,3 +198,52 @@ def test_short_training_run_writes_an_offline_run_matching_metrics_jsonl(tmp_pat
     stored = {i.key: json.loads(i.value_json) for i in run.config.update}
     assert stored["train_tool"]["trainer"]["total_timesteps"] == 512 * 3
     assert stored["train_tool"]["wandb"]["project"] == "pp-e2e" and run.run_group == "cartpole"
+
+
+def _emit_records(group: SinkGroup, records: list[tuple[int, str]]) -> None:
+    for epoch, hook_point in records:
+        group.set_run_context(agent_step=100 * epoch)
+        value = float(epoch) if hook_point == "POST_EPOCH" else -float(epoch)
+        group.emit({f"x/{hook_point.lower()}": value}, epoch, hook_point)
+
+
+@pytest.mark.parametrize(
+    ("held", "checkpoint"),
+    [
+        (3, 2),  # W&B lost epoch 2's second record and all of epoch 3: backfill, then new
+        (5, 2),  # W&B holds epoch 3's first record beyond the checkpoint: skip just that one
+        (6, 3),  # W&B holds everything up to the checkpoint: nothing backfilled or skipped
+    ],
+)
+def test_resume_lines_wandb_up_with_jsonl_by_records_not_epochs(tmp_path, held, checkpoint):
+    """A kill can leave W&B holding an epoch in part (its first hook point's row). The
+    resumed run must log every record once, in order, on one increasing step axis."""
+    cfg = WandbConfig(mode="offline", project="pp-resume")
+    sequence = [(e, hp) for e in (1, 2, 3, 4) for hp in ("PRE_STEP", "POST_EPOCH")]
+    # the killed process: metrics.jsonl got 6 records, W&B only the first `held`
+    jsonl = JSONLSink(tmp_path)
+    for epoch, hook_point in sequence[:6]:
+        jsonl.emit({f"x/{hook_point.lower()}": 0.0}, epoch, hook_point)
+    jsonl.close()
+    first = WandbSink(tmp_path, cfg)
+    _emit_records(SinkGroup([first]), sequence[:held])
+    first.close()
+    # the resumed process: rewound to the checkpoint, then it emits what follows it
+    group = SinkGroup([JSONLSink(tmp_path), WandbSink(tmp_path, cfg)])
+    for sink in group:
+        sink.rewind(checkpoint)
+    done = sum(1 for epoch, _ in sequence if epoch <= checkpoint)
+    _emit_records(group, sequence[done:])
+    group.close()
+    rows = [
+        row
+        for f in sorted((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+        for row in history_rows(wandb_records(f))
+    ]
+    got = [
+        (row["epoch"], "POST_EPOCH" if "x/post_epoch" in row else "PRE_STEP")
+        for row in rows
+        if "x/post_epoch" in row or "x/pre_step" in row
+    ]
+    assert got == sequence
+    assert [row["_step"] for row in rows] == list(range(len(rows)))

@@ -8,6 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from tensordict import TensorDict
+from tensordict.nn import TensorDictModule, TensorDictSequential
 from torch import nn
 
 from policy_probes import (
@@ -21,10 +23,6 @@ from policy_probes import (
     attach_saturated_activation_hooks,
 )
 from policy_probes.hook_types import describe_type
-
-tensordict = pytest.importorskip("tensordict")
-from tensordict import TensorDict  # noqa: E402
-from tensordict.nn import TensorDictModule, TensorDictSequential  # noqa: E402
 
 OBS, HIDDEN, ACT = 4, 6, 3
 

@@ -12,13 +12,11 @@ from typing import Any
 
 import pytest
 import torch
+import torchrl  # noqa: F401  (the torchrl extra: the suite runs this test for real)
 from conftest import hook_counts
 from torch import nn
 
-pytest.importorskip("torchrl")
-pytest.importorskip("gymnasium")
-
-from policy_probes.sinks import read_jsonl  # noqa: E402
+from policy_probes.sinks import read_jsonl
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "external.md"
 HEADER = "# torchrl_ppo_with_probes.py"

@@ -17,7 +17,9 @@ Firing order (see ``docs/trainer.md``)::
 
 Hooks run in registration order. A hook that raises is logged with its traceback,
 recorded in ``state.hook_errors`` and training goes on, unless the hook sets
-``critical = True``. Only rank 0 runs a hook unless it sets ``run_on_all_ranks = True``.
+``critical = True`` (or the exception sets ``fatal = True``, as a checkpoint refused for
+non-finite parameters does). Only rank 0 runs a hook unless it sets
+``run_on_all_ranks = True``.
 """
 
 from __future__ import annotations
@@ -188,7 +190,8 @@ class CallbackList:
             try:
                 getattr(hook, event)(state)
             except Exception as exc:
-                if getattr(hook, "critical", False):
+                # critical hooks, and errors that mean the run cannot go on, end it
+                if getattr(hook, "critical", False) or getattr(exc, "fatal", False):
                     raise
                 name = getattr(hook, "name", type(hook).__name__)
                 state.hook_errors[f"{name}.{event}"] = f"{type(exc).__name__}: {exc}"

@@ -41,6 +41,7 @@ import torch
 from policy_probes.sinks.jsonl import fsync_dir
 from trainers.callbacks import TrainerHook, TrainerState
 from trainers.env_state import EnvStateError, capture_env_state, restore_env_state
+from trainers.nonfinite_guard import check_finite_parameters
 
 if TYPE_CHECKING:
     from trainers.ppo import PPOTrainer
@@ -413,8 +414,9 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
         raise
     except Exception as exc:  # truncated zip, bad pickle, unsafe global: all "unreadable"
         raise CheckpointError(
-            f"checkpoint {path} is unreadable ({type(exc).__name__}: {exc}); it is truncated "
-            f"or corrupted (a crash while it was written?); delete it to use an older one"
+            f"checkpoint {path} is unreadable ({load_failure_reason(exc)}); it is truncated, "
+            f"corrupted (a crash while it was written?) or holds objects a checkpoint never "
+            f"holds; delete it to use an older one"
         ) from None
     missing = [
         k for k in ("format", "epoch", "policy") if not isinstance(ckpt, dict) or k not in ckpt
@@ -422,6 +424,17 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     if missing:
         raise CheckpointError(f"checkpoint {path} is not a training checkpoint (lacks {missing})")
     return ckpt
+
+
+def load_failure_reason(exc: BaseException) -> str:
+    """Why ``torch.load`` failed, in one line and without torch's advice to retry with
+    ``weights_only=False`` (which would run whatever code the file carries)."""
+    text = str(exc)
+    unpickler = re.search(r"WeightsUnpickler error: ([^\n]*?\.)(?: Please use|\n|$)", text)
+    if unpickler:
+        return f"{type(exc).__name__}: {unpickler.group(1)}"
+    first = re.split(r"(?<=\.)\s|\n", text.strip(), maxsplit=1)[0]
+    return f"{type(exc).__name__}: {first}"
 
 
 def atomic_save(obj: Any, path: Path) -> None:
@@ -512,8 +525,11 @@ class CheckpointHook(TrainerHook):
         self.saved_epoch = -1
 
     def save(self, state: TrainerState) -> Path:
-        """Write the trainer's state now (mid-epoch while its update phase is under way)."""
+        """Write the trainer's state now (mid-epoch while its update phase is under way).
+        Non-finite parameters are never written: :class:`NonFiniteParametersError`
+        (the run stops; the directory keeps its last finite checkpoint)."""
         trainer = state.trainer
+        check_finite_parameters(trainer.policy, state.epoch)
         mid = trainer.update_progress is not None
         path = self.directory / checkpoint_name(state.epoch, state.optimizer_step if mid else None)
         atomic_save(trainer_checkpoint(trainer), path)

@@ -45,6 +45,11 @@ from trainers.config import PPOConfig
 from trainers.envs import find_wrapper
 from trainers.metrics_hook import epoch_metrics
 from trainers.model_context import PPOModelDataContext
+from trainers.nonfinite_guard import (
+    NonFiniteInputError,
+    describe_nonfinite_input,
+    rollout_inputs_finite,
+)
 from trainers.policy import ActorCriticPolicy
 from trainers.rollout import Minibatch, RolloutStorage
 
@@ -488,6 +493,19 @@ class PPOTrainer:
             # V(s_T) bootstraps the last step (the final observation if it ended an episode).
             st.next_value.copy_(
                 policy.value(torch.from_numpy(np.asarray(obs)).view(n, -1).to(st.obs))
+            )
+        # What the envs returned enters training only if finite (one read per rollout).
+        if not rollout_inputs_finite(st.obs, st.rewards, obs):
+            raise NonFiniteInputError(
+                describe_nonfinite_input(
+                    st.obs,
+                    st.rewards,
+                    obs,
+                    epoch=state.epoch,
+                    agent_step=state.agent_step,
+                    last_checkpoint=state.last_checkpoint,
+                    normalized=find_wrapper(envs, vw.NormalizeObservation) is not None,
+                )
             )
         # The step after an episode end is the autoreset step: not a transition.
         dones = st.terminated | st.truncated

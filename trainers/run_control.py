@@ -47,6 +47,13 @@ from policy_probes.control_channel import (
     take_requests,
     withdraw_run,
 )
+from policy_probes.run_dir import (  # noqa: F401 - RUN_OUTPUTS, RUN_MARKERS: public names
+    RUN_MARKERS,
+    RUN_OUTPUTS,
+    RunDirConflict,
+    held_outputs,
+    remove_outputs,
+)
 from policy_probes.sinks import SinkGroup
 from trainers.callbacks import TrainerHook, TrainerState, current_rank
 from trainers.checkpoint import CheckpointHook
@@ -310,35 +317,6 @@ class RunControl(TrainerHook):
 
 
 # ---------------------------------------------------------------------- run directories
-#: what a training run writes into its run_dir (``--overwrite`` removes exactly these)
-RUN_OUTPUTS = (
-    "config.json",
-    "metrics.jsonl",
-    "metrics.jsonl.tmp",
-    "metrics.csv",
-    "metrics.csv.tmp",
-    "checkpoints",
-    "wandb",
-    "tensorboard",
-    "control",
-    "report.html",
-)
-#: outputs whose presence means the directory already holds a run
-#: what a run leaves behind: files, and the checkpoints directory
-RUN_MARKERS = {
-    "config.json": Path.is_file,
-    "metrics.jsonl": Path.is_file,
-    "metrics.csv": Path.is_file,
-    "checkpoints": Path.is_dir,
-}
-
-
-class RunDirConflict(FileExistsError):
-    """``run_dir`` already holds a run and neither resume nor overwrite was asked for."""
-
-    usage_error = True  # the CLI prints it without a traceback (exit status 2)
-
-
 def prepare_run_dir(
     run_dir: Path, *, resume: bool | str | Path = False, overwrite: bool = False, main: bool = True
 ) -> tuple[Path, dict[str, Any]] | None:
@@ -363,7 +341,7 @@ def prepare_run_dir(
     if resume and overwrite:
         raise ValueError("resume and overwrite exclude each other; choose one")
     run_dir = Path(run_dir)
-    held = [m for m, kind in RUN_MARKERS.items() if kind(run_dir / m)]
+    held = held_outputs(run_dir)
     if resume:
         directory = run_dir / "checkpoints"
         if main and directory.is_dir():
@@ -383,6 +361,13 @@ def prepare_run_dir(
             except CheckpointError as exc:
                 raise CheckpointError(f"cannot resume {run_dir}: {exc}") from None
         path = Path(resume)
+        if not path.is_file():
+            available = [str(p) for p in list_checkpoints(directory)]
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} does not exist; give one of "
+                f"{available or 'none: this run has no checkpoints'} (or drop --checkpoint to "
+                f"use the newest valid one)"
+            )
         return path, load_checkpoint(path)
     if not held:
         return None
@@ -393,8 +378,7 @@ def prepare_run_dir(
             f"`policy-probes run ... --overwrite` (TrainTool.invoke(overwrite=True))"
         )
     if main:
-        for name in RUN_OUTPUTS:
-            _remove(run_dir / name)
+        remove_outputs(run_dir)
         log.warning("--overwrite: removed the previous run's outputs from %s", run_dir)
     return None
 
@@ -416,6 +400,7 @@ def resume_trainer(
 
     path, ckpt = resume_from
     restore_trainer(trainer, ckpt, restore_envs=own_envs)
+    trainer.state.last_checkpoint = path  # the newest finite one until the run writes more
     done = completed_epochs(ckpt)
     for sink in sinks:
         rewind = getattr(sink, "rewind", None)

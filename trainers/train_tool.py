@@ -34,7 +34,10 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
 from policy_probes.atomic_write import write_text_atomic
 from policy_probes.context import ComponentContext
 from policy_probes.lifecycle import HookSelectionError, TrainingHook, select_hooks
+from policy_probes.run_dir import check_run_dir_path, make_run_dir
+from policy_probes.run_lock import RunDirLock, RunDirLocked, refuse_if_locked
 from policy_probes.sinks import SinkGroup, SinksConfig, WandbConfig, build_sink_group
+from policy_probes.user_errors import SETUP_ERROR_TYPES, mark_usage_error
 from trainers.callbacks import TrainerHook
 from trainers.checkpoint import CheckpointHook
 from trainers.config import CheckpointConfig, EnvConfig, EvalConfig, PolicyConfig, PPOConfig
@@ -261,11 +264,48 @@ class TrainTool(BaseModel):
             path, i = base.with_name(f"{base.name}-{i}"), i + 1
         return path
 
+    def check_setup(self, *, overwrite: bool = False) -> dict[str, list[str]]:
+        """Everything a run checks before its first environment step, without writing
+        anything (``policy-probes run --dry-run``): the device, the run directory (not a
+        file, not held by a live run, holding no other run unless ``overwrite``), the
+        environment, the policy, and every probe attached to its components. Returns the
+        components each probe pattern resolved to. Errors are those :meth:`invoke` would
+        raise, tagged as usage errors."""
+        try:
+            resolve_device(self.device)
+            if self.run_dir is not None:
+                run_dir = Path(self.run_dir)
+                check_run_dir_path(run_dir)
+                refuse_if_locked(run_dir)
+                prepare_run_dir(run_dir, overwrite=overwrite, main=False)  # reads only
+            seed_everything(self.seed)
+            envs = make_vector_env(self.env, gamma=self.trainer.gamma)
+            try:
+                policy = ActorCriticPolicy(
+                    envs.single_observation_space, envs.single_action_space, self.policy
+                )
+                context = ComponentContext(strict=self.strict)
+                attached: dict[str, list[str]] = {}
+                try:
+                    for pattern, builder, backward in self._builders:
+                        handles = policy.attach(pattern, builder, context, backward=backward)
+                        attached.setdefault(pattern, []).extend(h.component for h in handles)
+                finally:
+                    policy.remove_hooks()
+            finally:
+                envs.close()
+        except SETUP_ERROR_TYPES as exc:
+            mark_usage_error(exc)
+            raise
+        return attached
+
     def invoke(self, *, resume: bool | str | Path = False, overwrite: bool = False) -> TrainResult:
         """Build envs, policy, probes, sinks and trainer; train; always clean up.
 
-        A ``run_dir`` that already holds a run is refused unless ``overwrite`` (its outputs
-        are deleted first) or ``resume`` (``True``: continue from its newest valid
+        The run holds ``run_dir/run.lock`` while it runs: a second run, resume or
+        ProbeSession into the same directory is refused naming this one
+        (:mod:`policy_probes.run_lock`). A ``run_dir`` that already holds a run is refused
+        unless ``overwrite`` (its outputs are deleted first) or ``resume`` (``True``: continue from its newest valid
         checkpoint; a path: from that checkpoint; ``docs/run_control.md``). SIGINT/SIGTERM
         and ``policy-probes ctl stop`` end the run at a minibatch boundary with a
         checkpoint by raising :class:`~trainers.run_control.RunStopped`.
@@ -279,42 +319,73 @@ class TrainTool(BaseModel):
         environments, and rank 0 alone writes config, metrics, W&B and checkpoints
         (``docs/distributed.md``).
         """
-        with DistributedRun(resolve_device(self.device)) as dist_run:
-            return self._train(dist_run, resume=resume, overwrite=overwrite)
+        try:
+            device = resolve_device(self.device)
+        except ValueError as exc:
+            mark_usage_error(exc)
+            raise
+        with DistributedRun(device) as dist_run:
+            run_dir = Path(self.run_dir) if self.run_dir is not None else self.default_run_dir()
+            run_dir = dist_run.broadcast(run_dir)  # rank 0's choice (default names hold a time)
+            lock = RunDirLock(run_dir)
+            refusal: str | None = None
+            if dist_run.is_main:
+                try:
+                    make_run_dir(run_dir)
+                    lock.acquire()
+                except (RunDirLocked, OSError) as exc:
+                    if not dist_run.distributed:
+                        raise
+                    refusal = str(exc)
+            refusal = dist_run.broadcast(refusal)  # every rank stops, not only rank 0
+            if refusal is not None:
+                raise RunDirLocked(refusal)
+            try:
+                return self._train(dist_run, run_dir, resume=resume, overwrite=overwrite)
+            finally:
+                lock.release()
 
     def _train(
         self,
         dist_run: DistributedRun,
+        run_dir: Path,
         *,
         resume: bool | str | Path = False,
         overwrite: bool = False,
     ) -> TrainResult:
-        """:meth:`invoke` inside the process group ``dist_run`` (rank 0 of 1 when alone)."""
+        """:meth:`invoke` inside the process group ``dist_run`` (rank 0 of 1 when alone),
+        holding the lock on ``run_dir``. Errors raised before the first environment step
+        are the configuration's (unknown component, builder mistakes, a checkpoint that
+        does not fit): they are tagged as usage errors, and ``config.json`` is written
+        only once the run starts, so a failed start or resume leaves the run as it was."""
         device = dist_run.device
         if self.torch_threads is not None:
             torch.set_num_threads(self.torch_threads)
-        run_dir = Path(self.run_dir) if self.run_dir is not None else self.default_run_dir()
-        run_dir = dist_run.broadcast(run_dir)  # rank 0's choice (default names hold a time)
         config = self.resolved_config()
         config["run_dir"] = str(run_dir)
-        resume_from = prepare_run_dir(
-            run_dir, resume=resume, overwrite=overwrite, main=dist_run.is_main
-        )
+        try:
+            resume_from = prepare_run_dir(
+                run_dir, resume=resume, overwrite=overwrite, main=dist_run.is_main
+            )
+        except SETUP_ERROR_TYPES as exc:
+            mark_usage_error(exc)
+            raise
         if resume_from is not None:
             config["resumed_from"] = str(resume_from[0])
         if dist_run.world_size > 1:
             config["distributed"] = {"world_size": dist_run.world_size, "backend": dist_run.backend}
         dist_run.barrier()  # every rank checked run_dir before rank 0 writes into it
-        if dist_run.is_main:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            # a crash never leaves a truncated config.json for `resume`
-            write_text_atomic(run_dir / "config.json", json.dumps(config, indent=2) + "\n")
 
         seed_everything(self.seed)  # same on every rank: same initial policy
-        envs = make_vector_env(self.env, gamma=self.trainer.gamma)
+        try:
+            envs = make_vector_env(self.env, gamma=self.trainer.gamma)
+        except SETUP_ERROR_TYPES as exc:
+            mark_usage_error(exc)
+            raise
         policy: ActorCriticPolicy | None = None
         sinks: SinkGroup | None = None
         hooks: list[TrainerHook] = []
+        training = False
         try:
             policy = make_policy(
                 envs.single_observation_space, envs.single_action_space, self.policy
@@ -381,8 +452,17 @@ class TrainTool(BaseModel):
                 trainer.wrap_ddp(dist_run.ddp_device_ids())
             if resume_from is not None:
                 resume_trainer(trainer, sinks, resume_from, own_envs=dist_run.is_main)
+            if dist_run.is_main:
+                # written once the run starts (a failed start or resume changes nothing);
+                # atomically: a crash never leaves a truncated config.json for `resume`
+                write_text_atomic(run_dir / "config.json", json.dumps(config, indent=2) + "\n")
+            training = True
             with run_control.handling_signals():
                 state = trainer.train()
+        except SETUP_ERROR_TYPES as exc:
+            if not training:
+                mark_usage_error(exc)
+            raise
         finally:
             if policy is not None:
                 policy.remove_hooks()

@@ -223,6 +223,7 @@ class ProbeCallback(BaseCallback):
             optimizer=getattr(policy, "optimizer", None),
             snapshot_every=self.snapshot_every,
             start_epoch=len(self.history),
+            resume=bool(self.history),  # a later learn(): this callback's own run goes on
             **self.hook_selection,
         )
         try:

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from policy_probes.lifecycle.points import (
     ALWAYS,
@@ -57,8 +57,17 @@ class HookConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     schedule: str | None = None
     epochs: str | None = None
-    min_epoch: int | None = None
-    max_epoch: int | None = None
+    min_epoch: int | None = Field(None, ge=0)
+    max_epoch: int | None = Field(None, ge=0)
+
+    @model_validator(mode="after")
+    def _window_not_empty(self) -> HookConfig:
+        lo, hi = self.min_epoch, self.max_epoch
+        if lo is not None and hi is not None and lo > hi:
+            raise ValueError(
+                f"min_epoch={lo} is after max_epoch={hi}: the hook would never fire; swap them"
+            )
+        return self
 
 
 class TrainingHook:

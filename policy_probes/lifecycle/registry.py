@@ -227,6 +227,8 @@ def select_hooks(
         except ValidationError as exc:
             problems = "; ".join(
                 f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']} (got {e.get('input')!r})"
+                if e["loc"]
+                else e["msg"].removeprefix("Value error, ")
                 for e in exc.errors()
             )
             raise HookSelectionError(f"bad configuration for hook {name!r}: {problems}") from None

@@ -11,35 +11,53 @@ Per-parameter Fisher is computed exactly from cached layer inputs, never from
 per-sample gradient tensors and never from ``param.grad``:
 
 * ``nn.Linear`` (y = x W^T + b): F_W = f^2 sum_i (g_i^2)^T (x_i^2) / N, F_b = f^2 sum_i g_i^2 / N
-* ``nn.LayerNorm`` over the last dimension: F_w = f^2 sum_i (g_i * xhat_i)^2 / N,
-  F_b = f^2 sum_i g_i^2 / N, with xhat the normalised input
+* ``nn.Conv1d``/``nn.Conv2d``, ``nn.Embedding``, ``nn.LayerNorm`` (any shape) and
+  ``nn.GroupNorm``: the closed-form rules of :mod:`policy_probes.probes.fisher_rules`
 
-where f is the per-sample factor above. Parameters of other module types inside the
-component are not covered; they are counted in ``unsupported_params`` and a warning
-names them when the probe is attached.
+where f is the per-sample factor above. Every other parametrised module (``nn.LSTM``,
+``nn.GRU``, the RNN cells, ``nn.MultiheadAttention``, user layers) goes through the exact
+``torch.func`` route of :mod:`policy_probes.probes.fisher_generic` unless
+``generic="off"`` (``nn.LSTM``/``nn.GRU``/``nn.RNN`` there take the gate-gradient rule
+of :mod:`policy_probes.probes.fisher_rnn`). Parameters neither covers are listed by name
+(``uncovered/<name>`` = number of entries) and counted in ``unsupported_params``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections.abc import Iterable, Iterator
 from typing import Any, Literal
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
 from policy_probes.context import ComponentContext
 from policy_probes.extractors import as_extractor
 from policy_probes.grad_tap import on_grad
-from policy_probes.hook_types import BackwardHookBuilder, Extractor, ProbeHook
+from policy_probes.hook_types import BackwardHookBuilder, Extractor, ProbeError, ProbeHook
 from policy_probes.layers import HiddenLayer
+from policy_probes.probes.fisher_generic import (
+    Call,
+    OutputTap,
+    batch_layout,
+    clean,
+    per_sample_squares,
+    row_finite,
+)
+from policy_probes.probes.fisher_rules import CHUNK_BYTES, LayerRule, closed_form_rule, layer_rows
 from policy_probes.probes.rows import COUNT, Rows
 from policy_probes.probes.state import SUM, ProbeState, as_floats, as_rows, get_state, rates
 from policy_probes.probes.weighted import Weighted
-from policy_probes.row_mask import bound_weight, loss_samples, pushing_with
+from policy_probes.row_mask import (
+    bound_sample_weight,
+    bound_weight,
+    loss_samples,
+    pushing_with,
+)
 
 log = logging.getLogger("policy_probes")
 
@@ -51,17 +69,34 @@ class FisherInformationState(ProbeState):
 
     probe = "fisher"
 
+    def __init__(self) -> None:
+        super().__init__()
+        #: (component, stream) -> the closed-form rule reducing that stream's rows
+        self.rules: dict[tuple[str, str], LayerRule] = {}
+
     def register_component(
         self,
         name: str,
         *,
         loss_reduction: str = "mean",
         dead_threshold: float = DEAD_PARAM_THRESHOLD,
+        chunk_bytes: int = CHUNK_BYTES,
+        generic: str = "auto",
         **extra: Any,
     ) -> bool:
         return super().register_component(
-            name, loss_reduction=loss_reduction, dead_threshold=dead_threshold, **extra
+            name,
+            loss_reduction=loss_reduction,
+            dead_threshold=dead_threshold,
+            chunk_bytes=chunk_bytes,
+            generic=generic,
+            **extra,
         )
+
+    def unregister_component(self, name: str) -> None:
+        super().unregister_component(name)
+        for key in [k for k in self.rules if k[0] == name]:
+            del self.rules[key]
 
     def sample_factor(
         self, component: str, rows: int, loss_scale: float, like: torch.Tensor | None = None
@@ -93,12 +128,79 @@ class FisherInformationState(ProbeState):
         grad_output: torch.Tensor,
         loss_scale: float = 1.0,
     ) -> None:
-        """One backward pass through a covered layer: its input (for ``nn.LayerNorm`` the
-        normalised input) and output gradient; ``names`` = (weight, bias) names or None."""
+        """One backward pass through an ``nn.Linear``: its input and output gradient;
+        ``names`` = (weight, bias) names or None."""
         g = as_rows(grad_output)
         f = self.sample_factor(component, g.shape[0], loss_scale, g)
         stream = f"{kind}:{names[0] or ''}:{names[1] or ''}"
         self._push(component, stream, (as_rows(x), g), (None, f))
+
+    def update_rule(
+        self,
+        component: str,
+        stream: str,
+        rule: LayerRule,
+        x: torch.Tensor,
+        grad_output: torch.Tensor,
+        loss_scale: float = 1.0,
+    ) -> None:
+        """One backward pass through a layer with a closed-form ``rule``: the rows it
+        reads (one per sample, see :func:`~policy_probes.probes.fisher_rules.layer_rows`)
+        and the output gradient, flattened to as many rows."""
+        self.rules[(component, stream)] = rule
+        g = grad_output.detach().reshape(x.shape[0], -1)
+        f = self.sample_factor(component, g.shape[0], loss_scale, g)
+        self._push(component, stream, (x, g), (None, f))
+
+    def update_generic(
+        self,
+        component: str,
+        module: nn.Module,
+        names: dict[str, str],
+        calls: list[Call],
+        loss_scale: float = 1.0,
+    ) -> None:
+        """The passes of one backward through a module on the generic route, over the
+        same samples (see :func:`~policy_probes.probes.fisher_generic.per_sample_squares`).
+        Reduced right away (``torch.func`` needs the module, not rows): samples with a
+        non-finite input or gradient in any pass get weight 0, the others their
+        per-sample factor. Under a row mask a sample is kept when any of its rows is in
+        any pass (each pass bound its samples' mask entries, ``Call.weight``); masked
+        samples get weight 0 and are not counted."""
+        n = calls[0].layout.batch
+        like = next((g for c in calls for g in c.grads if g is not None), None)
+        f = self.sample_factor(component, n, loss_scale, like)
+        checks = []
+        for call in calls:
+            lay = call.layout
+            checks += [
+                (t, d) for t, d in zip(lay.leaves, lay.in_dims, strict=True) if d is not None
+            ]
+            checks += [
+                (g, d) for g, d in zip(call.grads, lay.out_dims, strict=True) if g is not None
+            ]
+        ok = row_finite(checks, n)
+        kept = None
+        for call in calls:
+            if call.weight is not None:
+                cw = call.weight.to(ok.dtype)
+                kept = cw if kept is None else torch.maximum(kept, cw)
+        if kept is not None:
+            ok = ok * kept
+        w = ok * f  # the per-row weight of this backward
+        calls = [
+            Call(
+                dataclasses.replace(c.layout, leaves=[clean(t) for t in c.layout.leaves]),
+                [clean(g) for g in c.grads],
+                c.weight,
+            )
+            for c in calls
+        ]
+        samples = ok.sum().to(COUNT)
+        chunk = self.settings[component]["chunk_bytes"]
+        for local, value in per_sample_squares(module, calls, w, chunk).items():
+            self._add(component, f"param:{names[local]}", value)
+            self._add(component, f"param_samples:{names[local]}", samples, COUNT)
 
     def update_through_activation(
         self,
@@ -149,7 +251,8 @@ class FisherInformationState(ProbeState):
             self._add(component, "unit_count", kept.finite_count(), COUNT)
             self._add(component, "nonfinite", kept.nonfinite_total(), COUNT)
             return
-        kind, weight, bias = stream.split(":")
+        kind, weight, bias = stream.split(":")[:3]
+        rule = self.rules.get((component, stream))
         x = cols[0]
         # Drop whole samples with a non-finite input or gradient (or activation output):
         # the row weight is 0 for a row with any non-finite entry (.clean is finite).
@@ -167,15 +270,13 @@ class FisherInformationState(ProbeState):
             kind = "linear"
         else:
             torch.mul(g.clean, w[:, None], out=gs)  # f g, 0 where dropped
-        sq = {}
-        if kind == "layer_norm" and weight:  # d l / d w = g * xhat elementwise
-            gx = torch.mul(gs, x.clean, out=self.scratch(x.clean, 0))
-            sq[weight] = gx.square_().sum(0).to(SUM)
-        g2 = gs.square_()
-        if kind == "linear":
-            sq[weight] = (g2.T @ x.square()).to(SUM)
-        if bias:
-            sq[bias] = g2.sum(0).to(SUM)
+        if rule is not None:
+            sq = rule.squares(x.clean, gs, self.settings[component]["chunk_bytes"])
+        else:  # nn.Linear
+            g2 = gs.square_()
+            sq = {weight: (g2.T @ x.square()).to(SUM)}
+            if bias:
+                sq[bias] = g2.sum(0).to(SUM)
         samples = ok.sum().to(COUNT)
         for name, value in sq.items():
             self._add(component, f"param:{name}", value)
@@ -217,7 +318,10 @@ class FisherInformationState(ProbeState):
             out["mean"] = float(allf.mean())
             out["max"] = float(allf.max())
             out["dead_param_fraction"] = float((allf < cfg["dead_threshold"]).double().mean())
-        out["unsupported_params"] = float(len(cfg.get("unsupported", ())))
+        uncovered = cfg.get("uncovered", {})
+        for name, entries in uncovered.items():
+            out[f"uncovered/{name}"] = float(entries)
+        out["unsupported_params"] = float(len(uncovered))
         return out
 
 
@@ -238,9 +342,26 @@ class FisherInformationHook(ProbeHook):
     def attach(self, module: nn.Module) -> list[RemovableHandle]:
         handles = []
         covered: set[int] = set()
+        settings = self.tracker.settings[self.component]
+        uncovered: dict[str, int] = {}
+        # generic units first: a unit's whole subtree goes through torch.func (its
+        # forward may use a child's parameters without calling the child, e.g. the
+        # out_proj of nn.MultiheadAttention), so no closed-form hook inside it
+        inside: set[int] = set()
+        for sub_name, sub in module.named_modules():
+            if id(sub) in inside or not _owns_uncovered_parameters(sub):
+                continue
+            prefix = f"{sub_name}." if sub_name else ""
+            if settings["generic"] == "auto" and _generic_capable(sub):
+                names = {k: f"{prefix}{k}" for k, _ in sub.named_parameters()}
+                sizes = {f"{prefix}{k}": p.numel() for k, p in sub.named_parameters()}
+                hook = self._generic_hook(sub, names, sizes)
+                handles.append(sub.register_forward_hook(hook, with_kwargs=True))
+                covered.update(id(p) for p in sub.parameters())
+                inside.update(id(m) for m in sub.modules())
         for sub_name, sub in module.named_modules():
             activation = derivable_hidden_layer(sub)
-            if activation is None:
+            if activation is None or id(sub) in inside:
                 continue
             prefix = f"{sub_name}.linear." if sub_name else "linear."
             names = (f"{prefix}weight", f"{prefix}bias" if sub.linear.bias is not None else None)
@@ -249,6 +370,8 @@ class FisherInformationHook(ProbeHook):
             )
             covered.update(id(p) for p in sub.linear.parameters(recurse=False))
         for sub_name, sub in module.named_modules():
+            if id(sub) in inside:
+                continue
             for child, (linear, act, activation) in derivable_sequential_pairs(sub):
                 prefix = f"{sub_name}.{child}." if sub_name else f"{child}."
                 if any(id(p) in covered for p in linear.parameters(recurse=False)):
@@ -258,52 +381,159 @@ class FisherInformationHook(ProbeHook):
                 covered.update(id(p) for p in linear.parameters(recurse=False))
         for sub_name, sub in module.named_modules():
             prefix = f"{sub_name}." if sub_name else ""
-            if any(id(p) in covered for p in sub.parameters(recurse=False)):
+            if id(sub) in inside or any(id(p) in covered for p in sub.parameters(recurse=False)):
                 continue
-            if isinstance(sub, nn.Linear):
-                kind = "linear"
-            elif isinstance(sub, nn.LayerNorm) and len(sub.normalized_shape) == 1:
-                kind = "layer_norm"
-            else:
-                continue
+            kind = "linear" if _is_linear(sub) else closed_form_rule(sub)
+            if kind is None or next(sub.parameters(recurse=False), None) is None:
+                continue  # no rule, or nothing to learn (a norm without affine parameters)
             names = (
                 f"{prefix}weight" if getattr(sub, "weight", None) is not None else None,
                 f"{prefix}bias" if getattr(sub, "bias", None) is not None else None,
             )
             handles.append(sub.register_forward_hook(self._layer_hook(kind, names)))
             covered.update(id(p) for p in sub.parameters(recurse=False))
-        unsupported = [n for n, p in module.named_parameters() if id(p) not in covered]
-        settings = self.tracker.settings[self.component]
-        warned = "unsupported" in settings  # attach() runs again each time the probe re-arms
-        settings["unsupported"] = unsupported
-        if unsupported and not warned:
+        for name, p in module.named_parameters():
+            if id(p) not in covered:
+                uncovered[name] = p.numel()
+        warned = "uncovered" in settings  # attach() runs again each time the probe re-arms
+        settings["uncovered"] = uncovered
+        settings["unsupported"] = list(uncovered)
+        if uncovered and not warned:
             log.warning(
-                "fisher probe on %r: no exact per-sample rule for parameters %s (only nn.Linear "
-                "and last-dimension nn.LayerNorm are covered); they are left out of the trace",
+                "fisher probe on %r: parameters %s are left out of the Fisher (listed under "
+                "uncovered/<name>); %s",
                 self.component,
-                unsupported,
+                list(uncovered),
+                "generic='auto' covers them through torch.func"
+                if settings["generic"] == "off"
+                else "their modules have no forward of their own (nn.ParameterList) or a "
+                "batch-dependent gradient (batch norm, scale_grad_by_freq)",
             )
         return handles
 
-    def _recorded(self, output: Any, passes: Iterator[int]) -> bool:
+    def _generic_hook(self, module: nn.Module, names: dict[str, str], sizes: dict[str, int]) -> Any:
+        """Forward hook of a module on the generic route: its inputs split into samples
+        (:func:`~policy_probes.probes.fisher_generic.batch_layout`) and, once every
+        output leaf's gradient is known (one multi-grad hook), the pass joins the
+        backward's other passes of the module; at the end of the backward they are
+        reduced together (a cell stepped over time: the per-sample gradient is the sum
+        over steps). A module whose inputs cannot be split is reported once, listed as
+        uncovered and no longer recorded; the rest of the probe carries on."""
+        backwards = itertools.count()
+        gave_up: list[bool] = [False]
+        pending: list[Call] = []  # passes of the running backward, by arrival
+        loss_scale: list[float] = [1.0]
+
+        def reduce_pending() -> None:
+            calls = list(pending)
+            pending.clear()
+            # param_every counts backwards here: all passes of one backward belong together
+            if not self.enabled or next(backwards) % self.param_every:
+                return
+            try:
+                by_batch: dict[int, list[Call]] = {}
+                for call in calls:
+                    by_batch.setdefault(call.layout.batch, []).append(call)
+                for group in by_batch.values():
+                    self.tracker.update_generic(self.component, module, names, group, loss_scale[0])
+            except Exception as exc:
+                self.fail(exc)
+
+        def hook(mod: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            if gave_up[0] or not self._recorded(output, None):
+                return
+            try:
+                layout = batch_layout(mod, args, kwargs, output)
+            except ProbeError as exc:
+                gave_up[0] = True
+                self._give_up(sizes, exc)
+                return
+            layout.leaves = [
+                t.detach() if isinstance(t, torch.Tensor) else t for t in layout.leaves
+            ]
+            try:
+                weight = _generic_sample_weight(
+                    self.context, mod, layout, output, self.component, (id(self), id(mod))
+                )
+            except Exception as exc:
+                self.fail(exc)
+                return
+            outs, spec = tree_flatten(output)
+            width = len(outs)  # the closure must not hold the outputs themselves
+            tapped = [
+                i for i, t in enumerate(outs) if isinstance(t, torch.Tensor) and t.requires_grad
+            ]
+
+            def arrived(grads: Any) -> None:
+                if not self.enabled:
+                    return
+                try:
+                    full: list[torch.Tensor | None] = [None] * width
+                    for i, g in zip(tapped, grads, strict=True):
+                        full[i] = g
+                    if not pending:  # first pass of this backward: reduce when it ends
+                        loss_scale[0] = self.context.loss_scale
+                        torch.autograd.Variable._execution_engine.queue_callback(reduce_pending)
+                    pending.append(Call(layout, full, weight))
+                except Exception as exc:
+                    self.fail(exc)
+
+            # the module returns copies of its outputs from one autograd node: their
+            # gradients are what flows in from outside only (an LSTM cell's c also reaches
+            # its h inside the module; c's own gradient would count that path twice), and
+            # in-place ops on them downstream leave that node's gradients intact
+            copies = OutputTap.apply(arrived, *(outs[i] for i in tapped))
+            for i, t in zip(tapped, copies, strict=True):
+                outs[i] = t
+            return tree_unflatten(outs, spec)
+
+        return hook
+
+    def _give_up(self, sizes: dict[str, int], exc: ProbeError) -> None:
+        """List a generic unit's parameters (name -> entries) as uncovered after ``exc``
+        said why."""
+        settings = self.tracker.settings[self.component]
+        settings["uncovered"].update(sizes)
+        settings["unsupported"] = list(settings["uncovered"])
+        log.warning(
+            "fisher probe on %r: %s; parameters %s are left out (uncovered/<name>)",
+            self.component,
+            exc,
+            list(sizes),
+        )
+
+    def _recorded(self, output: Any, passes: Iterator[int] | None) -> bool:
         """Whether this forward pass of a layer feeds the per-parameter Fisher: it will be
         backpropagated in an active phase, and it is one of every ``param_every`` such
-        passes of the layer (``passes`` counts them)."""
+        passes of the layer (``passes`` counts them; None: no sampling here)."""
         if not (
             self.enabled
             and self.context.phase in self.phases
-            and isinstance(output, torch.Tensor)
-            and output.requires_grad
             and torch.is_grad_enabled()
+            and _carries_grad(output)
         ):
             return False
-        return next(passes) % self.param_every == 0
+        return passes is None or next(passes) % self.param_every == 0
 
-    def _tap(self, output: torch.Tensor, compute: Any, layer: Any = None) -> None:
+    def _tap(
+        self,
+        output: torch.Tensor,
+        compute: Any,
+        layer: Any = None,
+        samples: tuple[int, int] | None = None,
+    ) -> None:
         """Register ``compute(grad)`` on ``output`` (a pass :meth:`_recorded` accepted),
-        with the row-mask rows of ``output`` bound now (``layer`` tells layers apart)."""
+        with the row-mask rows of ``output`` bound now (``layer`` tells layers apart).
+        ``samples = (samples, rows)``: the pushed rows are samples holding ``rows``
+        mask rows in all (a closed-form rule), see :meth:`RowMask.per_sample`."""
+        key = (id(self), layer)
         try:
-            weight = bound_weight(self.context, output, None, self.component, (id(self), layer))
+            if samples is None:
+                weight = bound_weight(self.context, output, None, self.component, key)
+            else:
+                weight = bound_sample_weight(
+                    self.context, output, samples[0], samples[1], None, self.component, key
+                )
         except Exception as exc:
             self.fail(exc)
             return
@@ -380,20 +610,34 @@ class FisherInformationHook(ProbeHook):
         return [linear.register_forward_hook(linear_hook), act.register_forward_hook(act_hook)]
 
     def _layer_hook(self, kind: str, names: tuple[str | None, str | None]) -> Any:
+        """Forward hook of an ``nn.Linear`` or of a layer with a closed-form rule
+        (:func:`~policy_probes.probes.fisher_rules.closed_form_rule`): what the rule
+        needs of the input, and the gradient of the output."""
         passes = itertools.count()
 
         def hook(mod: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
             if not self._recorded(output, passes):
                 return
             x = inputs[0].detach()  # the closure below must hold no autograd graph
-            if kind == "layer_norm":
-                x = F.layer_norm(x, mod.normalized_shape, eps=mod.eps)
+            if kind == "linear":
 
-            def compute(grad: torch.Tensor) -> None:
-                self.tracker.update_layer(
-                    self.component, kind, names, x, grad, self.context.loss_scale
-                )
+                def compute(grad: torch.Tensor) -> None:
+                    self.tracker.update_layer(
+                        self.component, kind, names, x, grad, self.context.loss_scale
+                    )
 
+            else:
+                rule, rows, shape = layer_rows(kind, mod, names, x, output.detach())
+                stream = f"{kind}:{names[0] or ''}:{names[1] or ''}:{shape}"
+
+                def compute(grad: torch.Tensor) -> None:
+                    self.tracker.update_rule(
+                        self.component, stream, rule, rows, grad, self.context.loss_scale
+                    )
+
+                n = rows.shape[0]
+                self._tap(output, compute, names, (n, n * _positions(kind, mod, rows, output)))
+                return
             self._tap(output, compute, names)
 
         return hook
@@ -404,6 +648,8 @@ def attach_fisher_information_hooks(
     loss_reduction: Literal["mean", "sum"] = "mean",
     dead_threshold: float = DEAD_PARAM_THRESHOLD,
     param_every: int = 1,
+    generic: Literal["auto", "off"] = "auto",
+    chunk_bytes: int = CHUNK_BYTES,
     phases: Iterable[str] | str = ("train",),
     extractor: Extractor | None = None,
 ) -> BackwardHookBuilder:
@@ -416,18 +662,32 @@ def attach_fisher_information_hooks(
     Fisher; ``param_samples`` counts them); the per-unit Fisher of the output still uses
     every pass. Its one extra weight-gradient-sized matmul per ``nn.Linear`` is the
     probe's cost that grows with width, so wide layers may want ``param_every=4``.
+
+    ``generic="auto"`` (default) covers every parametrised module without a closed-form
+    rule (recurrent layers, attention, user layers) exactly through ``torch.func``
+    (several times a plain backward of that module); ``"off"`` leaves them out, listed
+    under ``uncovered/<name>``. ``chunk_bytes`` bounds the temporaries of one chunk of
+    samples in the conv, embedding, norm and generic rules (default 64 MiB).
     """
     if loss_reduction not in ("mean", "sum"):
         raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
     if not (isinstance(param_every, int) and param_every >= 1):
         raise ValueError(f"param_every must be an integer >= 1, got {param_every!r}")
+    if generic not in ("auto", "off"):
+        raise ValueError(f"generic must be 'auto' or 'off', got {generic!r}")
+    if not (isinstance(chunk_bytes, int) and chunk_bytes >= 1):
+        raise ValueError(f"chunk_bytes must be an integer >= 1 (bytes), got {chunk_bytes!r}")
 
     extractor = as_extractor(extractor)
 
     def build(component_name: str, context: ComponentContext) -> FisherInformationHook | None:
         tracker = get_state(context, "fisher", FisherInformationState)
         if not tracker.register_component(
-            component_name, loss_reduction=loss_reduction, dead_threshold=dead_threshold
+            component_name,
+            loss_reduction=loss_reduction,
+            dead_threshold=dead_threshold,
+            chunk_bytes=chunk_bytes,
+            generic=generic,
         ):
             return None
         hook = FisherInformationHook(tracker, component_name, context, phases, extractor)
@@ -452,6 +712,68 @@ def _factor_key(push: tuple[int, Any]) -> Any:
     """Groups pushes with the same factor without comparing tensors (no host sync)."""
     f = _factor(push)
     return ("tensor", id(f)) if isinstance(f, torch.Tensor) else f
+
+
+def _positions(kind: str, module: nn.Module, rows: torch.Tensor, output: torch.Tensor) -> int:
+    """Positions summed inside one sample of a closed-form rule (a row mask may give one
+    entry per position): conv output positions, embedding indices, group-norm positions
+    per channel; 1 for LayerNorm, whose rows are the samples."""
+    n = rows.shape[0]
+    if kind == "conv":
+        return output.numel() // max(n * module.out_channels, 1)
+    if kind == "embedding":
+        return rows.shape[1]
+    if kind == "group_norm":
+        return rows.shape[1] // module.num_channels
+    return 1
+
+
+def _generic_sample_weight(
+    context: ComponentContext,
+    module: nn.Module,
+    layout: Any,
+    output: Any,
+    component: str,
+    key: Any,
+) -> torch.Tensor | None:
+    """The row-mask entries of the samples of one pass on the generic route (None without
+    a mask): a sample holds the rows of the first output along its batch dimension (an
+    ``nn.LSTM``'s steps), kept when any of them is."""
+    if getattr(context, "row_mask", None) is None:
+        return None
+    first = tree_flatten(output)[0][0]
+    rows = first.numel() // max(first.shape[-1], 1) if first.dim() > 1 else first.numel()
+    return bound_sample_weight(context, first, layout.batch, rows, module, component, key)
+
+
+def _carries_grad(output: Any) -> bool:
+    """Whether ``output`` (a tensor or a nest of them) has a tensor that requires grad."""
+    if isinstance(output, torch.Tensor):
+        return output.requires_grad
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(output)[0])
+
+
+def _is_linear(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
+
+
+def _owns_uncovered_parameters(module: nn.Module) -> bool:
+    """Whether ``module`` holds parameters of its own that no closed-form rule covers."""
+    if _is_linear(module) or closed_form_rule(module) is not None:
+        return False
+    return next(module.parameters(recurse=False), None) is not None
+
+
+def _generic_capable(module: nn.Module) -> bool:
+    """Whether the generic route can take ``module``: it has a forward of its own (not a
+    parameter holder such as ``nn.ParameterList``) and no batch-dependent gradient
+    (``nn.Embedding(scale_grad_by_freq=True)``, batch norm: one sample's gradient
+    depends on the rest of the batch, so it has no per-sample gradient to square)."""
+    if type(module).forward is nn.Module.forward:
+        return False
+    if isinstance(module, nn.modules.batchnorm._BatchNorm):
+        return False
+    return not (isinstance(module, nn.Embedding) and module.scale_grad_by_freq)
 
 
 #: activations whose derivative follows exactly from their output a: the Fisher of the

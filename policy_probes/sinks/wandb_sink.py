@@ -19,7 +19,13 @@
   units, gradient flow) is logged as a ``wandb.Image`` under ``layers/<section>/<component>``,
   the "which layer is dying" view in one panel.
 - The run id is stored in ``run_dir/wandb/policy_probes_run_id`` and the run is opened with
-  ``resume="allow"``, so a resumed training run appends to the same W&B run.
+  ``resume="allow"``, so a resumed training run appends to the same W&B run. Each
+  ``wandb.init`` writes its own run folder; the sink reads back the earlier folders of its
+  run id (:mod:`.wandb_history`), logs only epochs beyond the last one they hold (a run
+  killed after its last checkpoint logged some epochs that the resumed run trains again),
+  logs from ``metrics.jsonl`` the epochs they lack (rows W&B had not written when the
+  process was killed), and continues their ``_step``: what ``wandb sync`` uploads has
+  every epoch once on one increasing step axis.
 - Secrets never reach W&B: config keys that look like credentials are redacted, and the
   API key is never read by this module.
 """
@@ -47,10 +53,14 @@ from policy_probes.sinks.base import (
     to_plain,
 )
 from policy_probes.sinks.config import WandbConfig
+from policy_probes.sinks.jsonl import METRICS_JSONL, NONFINITE_KEY, iter_jsonl
+from policy_probes.sinks.wandb_history import run_history_position
 
 logger = logging.getLogger("policy_probes.sinks")
 
 RUN_ID_FILE = "policy_probes_run_id"
+#: the fields of a metrics.jsonl record that are not metrics
+_JSONL_FIELDS = {"epoch", "agent_step", "hook_point", "time", NONFINITE_KEY}
 _SECRET_KEY = re.compile(r"(api[_-]?key|token|secret|password|passwd|credential)", re.IGNORECASE)
 REDACTED = "<redacted>"
 
@@ -73,7 +83,20 @@ class WandbSink(MetricSink):
         self.cfg = cfg or WandbConfig()
         self.run_dir = Path(run_dir)
         self.mode = self.cfg.resolved_mode()
+        continued = (self.run_dir / "wandb" / RUN_ID_FILE).is_file()  # a resumed run
         self.run_id = load_or_create_run_id(self.run_dir)
+        # read before wandb.init creates this process's run folder
+        position = run_history_position(self.run_dir / "wandb", self.run_id)
+        #: epochs up to this one are in W&B already (logged before a crash): not again
+        #: (the rule when metrics.jsonl is not there to count records against)
+        self.skip_through: int | None = None
+        #: records W&B holds from earlier processes of this run; how many of the next
+        #: emits repeat them (settled by :meth:`_settle_resume` at the first rewind or emit)
+        self._held_records = position.records
+        self._held_last_epoch = position.last_epoch
+        self._skip_emits = 0
+        self._unsettled = continued
+        self._step = position.next_step
         self.history = VectorHistory(self.cfg.heatmap_history)
         self.layer_history = ScalarHistory(self.cfg.heatmap_history)
         self._last_heatmap_epoch: int | None = None
@@ -106,6 +129,8 @@ class WandbSink(MetricSink):
 
     # ------------------------------------------------------------------ emit
     def emit(self, metrics: Mapping[str, Any], epoch: int, hook_point: str) -> None:
+        if self._unsettled:
+            self._settle_resume(None)
         wandb = self._wandb
         epoch = int(epoch)
         row: dict[str, Any] = {"epoch": epoch}
@@ -129,11 +154,73 @@ class WandbSink(MetricSink):
                 if is_layer_metric(key):
                     self.layer_history.add(key, epoch, float(value))
             # None, NaN/inf and strings are left out of W&B (JSONL keeps them)
+        if self._skip_emits > 0:  # W&B holds this record already (the histories keep it)
+            self._skip_emits -= 1
+            return
+        if self.skip_through is not None and epoch <= self.skip_through:
+            return  # W&B holds this epoch already (the heatmap history still has it)
         self._last_epoch = epoch
         every = self.cfg.heatmap_every
         if hook_point == "SNAPSHOT" or (every is not None and epoch % every == 0):
             row.update(self._heatmap_images(epoch))
-        self.run.log(row)
+        self._log(row)
+
+    def rewind(self, last_epoch: int) -> int:
+        """A resume from the checkpoint of ``last_epoch``: W&B cannot drop rows, so the
+        records it holds beyond that epoch are skipped when the resumed run emits them
+        again (see :meth:`_settle_resume`). Returns 0 (no rows dropped)."""
+        if self._unsettled:
+            self._settle_resume(last_epoch)
+        return 0
+
+    def _settle_resume(self, last_epoch: int | None) -> None:
+        """Line W&B up with ``metrics.jsonl`` once, when a resumed run starts.
+
+        Both sinks get the same records in the same order, and the JSONL sink writes and
+        syncs each one before W&B's service has written it, so W&B holds the first N
+        records of the run. The resumed run continues after the records of epochs up to
+        ``last_epoch`` (the checkpoint; None: all of them), K of them, emitting exactly
+        what the killed run emitted next. So: N < K, log the JSONL records N+1..K that a
+        ``kill -9`` took from W&B; N > K, skip the next N - K emits, which W&B holds.
+        Counting records, not epochs, keeps an epoch that W&B holds only in part (its
+        first hook point's row) whole."""
+        self._unsettled = False
+        path = self.run_dir / METRICS_JSONL
+        if not path.is_file():  # nothing to count against: skip whole epochs W&B has
+            self.skip_through = self._held_last_epoch
+            return
+        records = [
+            r
+            for r in iter_jsonl(path)
+            if isinstance(r.get("epoch"), int) and (last_epoch is None or r["epoch"] <= last_epoch)
+        ]
+        held = self._held_records
+        if held >= len(records):
+            self._skip_emits = held - len(records)
+            return
+        missing = records[held:]
+        saved = self.run_context.get("agent_step")
+        try:
+            for record in missing:
+                self.run_context["agent_step"] = record.get("agent_step")
+                metrics = {k: v for k, v in record.items() if k not in _JSONL_FIELDS}
+                self.emit(metrics, record["epoch"], record.get("hook_point", "POST_EPOCH"))
+        finally:
+            self.run_context["agent_step"] = saved
+        logger.warning(
+            "W&B run %s lacked %d records of epochs %d-%d (not written before the previous "
+            "process ended); logged them from %s",
+            self.run_id,
+            len(missing),
+            missing[0]["epoch"],
+            missing[-1]["epoch"],
+            path,
+        )
+
+    def _log(self, row: dict[str, Any]) -> None:
+        """One history row on the next step (explicit: the step continues across resumes)."""
+        self.run.log(row, step=self._step)
+        self._step += 1
 
     def _heatmap_images(self, epoch: int) -> dict[str, Any]:
         """``heatmaps/...`` -> ``wandb.Image`` of every tracked per-unit metric so far."""
@@ -170,7 +257,8 @@ class WandbSink(MetricSink):
             ):
                 images = self._heatmap_images(self._last_epoch)
                 if images:
-                    run.log({"epoch": self._last_epoch, **images})
+                    run.log({"epoch": self._last_epoch, **images}, step=self._step)
+                    self._step += 1
         finally:
             run.finish()
             self._wait_for_service()

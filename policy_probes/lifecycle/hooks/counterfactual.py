@@ -11,6 +11,7 @@ import math
 from typing import Any
 
 import torch
+from pydantic import Field
 
 from policy_probes.lifecycle.hook import HookConfig, InterventionHook
 from policy_probes.lifecycle.model_context import ModelDataContext
@@ -20,9 +21,9 @@ from policy_probes.lifecycle.run_context import RunDataContext
 
 
 class CounterfactualConfig(HookConfig):
-    replays: int = 2
-    update_epochs: int | None = None
-    seed: int = 0
+    replays: int = Field(2, ge=1, description="replayed update phases (at least 1)")
+    update_epochs: int | None = Field(None, ge=1, description="None = the loop's own")
+    seed: int = Field(0, ge=0)
 
 
 def _flat(params: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from pydantic import field_validator
+from pydantic import Field, field_validator
 from torch import nn
 
 from policy_probes.lifecycle.hook import HookConfig, TrainingHook
@@ -26,9 +26,9 @@ from policy_probes.lifecycle.run_context import RunDataContext
 
 class FeatureRankConfig(HookConfig):
     components: list[str] | None = None
-    max_samples: int = 1024
-    delta: float = 0.01
-    epsilon: float = 0.01
+    max_samples: int = Field(1024, ge=2, description="observations used (at least 2)")
+    delta: float = Field(0.01, gt=0, lt=1, description="srank threshold, in (0, 1)")
+    epsilon: float = Field(0.01, gt=0, description="feature_rank threshold, > 0")
 
     @field_validator("components", mode="before")
     @classmethod

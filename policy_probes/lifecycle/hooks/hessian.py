@@ -13,6 +13,7 @@ import math
 from typing import Any
 
 import torch
+from pydantic import Field
 
 from policy_probes.lifecycle.hook import HookConfig, InterventionHook
 from policy_probes.lifecycle.model_context import ModelDataContext, batch_size
@@ -22,10 +23,10 @@ from policy_probes.lifecycle.run_context import RunDataContext
 
 
 class HessianConfig(HookConfig):
-    iters: int = 20
-    tol: float = 1e-3
-    trace_samples: int = 10
-    max_batches: int | None = None
+    iters: int = Field(20, ge=1, description="power-iteration steps (at least 1)")
+    tol: float = Field(1e-3, gt=0, description="relative change that stops the iteration")
+    trace_samples: int = Field(10, ge=0, description="Hutchinson probes; 0 = no trace")
+    max_batches: int | None = Field(None, ge=1, description="minibatches in the loss; None = all")
     warm_start: bool = True
 
 

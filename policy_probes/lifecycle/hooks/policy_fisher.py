@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from typing import Any, Literal
 
 import torch
+from pydantic import Field
 from torch import nn
 from torch.distributions import Distribution
 
@@ -30,9 +31,9 @@ log = logging.getLogger("policy_probes.lifecycle")
 
 
 class PolicyFisherConfig(HookConfig):
-    max_samples: int = 256
+    max_samples: int = Field(256, ge=1, description="observations used (at least 1)")
     method: Literal["auto", "vmap", "loop"] = "auto"
-    chunk_size: int | None = None
+    chunk_size: int | None = Field(None, ge=1, description="vmap chunk; None = all at once")
 
 
 @contextlib.contextmanager

@@ -1,0 +1,184 @@
+"""Per-sample Fisher of ``nn.LSTM``, ``nn.GRU`` and ``nn.RNN`` from their gate gradients.
+
+A recurrent layer's weights act on every step through two pre-activations,
+``A^x_t = x_t W_ih^T + b_ih`` and ``A^h_t = h_{t-1} W_hh^T + b_hh``. With their
+gradients for the whole batch (one ordinary backward through a re-run of the layer),
+the per-sample weight gradients are contractions over time,
+
+    d l_b / d W_ih = sum_t dA^x_t[b] (x) x_t[b],   d l_b / d b_ih = sum_t dA^x_t[b]
+    d l_b / d W_hh = sum_t dA^h_t[b] (x) h_{t-1}[b], d l_b / d b_hh = sum_t dA^h_t[b]
+
+one batched matmul per weight and chunk of samples, instead of ``vmap`` materialising
+one gradient per sample and step. The re-run follows PyTorch's cell equations (gate
+order i, f, g, o for the LSTM; r, z, n with ``n = tanh(A^x_n + r * A^h_n)`` for the
+GRU). Layers with ``proj_size`` go through the ``torch.func`` route instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from policy_probes.probes.fisher_rules import chunks
+from policy_probes.probes.state import SUM
+
+
+def gate_rule_applies(module: nn.Module) -> bool:
+    """Whether :func:`rnn_per_sample_squares` covers ``module``: a plain ``nn.LSTM``
+    (without projections), ``nn.GRU`` or ``nn.RNN``."""
+    kinds = (nn.LSTM, nn.GRU, nn.RNN)
+    if type(module) not in kinds:
+        return False
+    return not getattr(module, "proj_size", 0)
+
+
+def _cell(
+    module: nn.Module, ax: torch.Tensor, ah: torch.Tensor, h: torch.Tensor, c: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One step of ``module``'s cell from its two pre-activations."""
+    if isinstance(module, nn.LSTM):
+        i, f, g, o = (ax + ah).chunk(4, -1)
+        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+        return torch.sigmoid(o) * torch.tanh(c), c
+    if isinstance(module, nn.GRU):
+        xr, xz, xn = ax.chunk(3, -1)
+        hr, hz, hn = ah.chunk(3, -1)
+        r, z = torch.sigmoid(xr + hr), torch.sigmoid(xz + hz)
+        n = torch.tanh(xn + r * hn)
+        return (1 - z) * n + z * h, None
+    pre = ax + ah
+    return (torch.tanh(pre) if module.nonlinearity == "tanh" else torch.relu(pre)), None
+
+
+@dataclass
+class _Direction:
+    """One layer and direction of a re-run: its parameters' name suffix, its input
+    ``x`` (time, batch, features), and per time step the previous hidden state and the
+    two pre-activations (``ax`` for all steps at once)."""
+
+    suffix: str
+    x: torch.Tensor
+    ax: torch.Tensor
+    prev: list[torch.Tensor]
+    ah: list[torch.Tensor]
+
+
+@dataclass
+class _GateGrads:
+    """A direction's per-step tensors stacked in time order, with the gradients of its
+    pre-activations: all the per-sample weight gradients need."""
+
+    suffix: str
+    x: torch.Tensor
+    prev: torch.Tensor
+    dax: torch.Tensor
+    dah: torch.Tensor
+
+
+def _rerun(
+    module: nn.Module, x: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list[_Direction]]:
+    """The layer re-run on ``x`` (time, batch, features) from ``h0``/``c0`` (layers x
+    directions, batch, hidden): its output, h_n, c_n and every :class:`_Direction`."""
+    dirs = 2 if module.bidirectional else 1
+    steps = x.shape[0]
+    saved, h_n, c_n = [], [], []
+    layer_in = x
+    for layer in range(module.num_layers):
+        outs = []
+        for d in range(dirs):
+            sfx = f"_l{layer}" + ("_reverse" if d else "")
+            w_ih, w_hh = getattr(module, "weight_ih" + sfx), getattr(module, "weight_hh" + sfx)
+            b_ih = getattr(module, "bias_ih" + sfx) if module.bias else None
+            b_hh = getattr(module, "bias_hh" + sfx) if module.bias else None
+            ax = F.linear(layer_in, w_ih.detach(), _detach(b_ih))
+            h, c = h0[layer * dirs + d], None if c0 is None else c0[layer * dirs + d]
+            step = _Direction(sfx, layer_in.detach(), ax, [h] * steps, [h] * steps)
+            hs = [h] * steps
+            for t in range(steps - 1, -1, -1) if d else range(steps):
+                step.prev[t] = h.detach()
+                step.ah[t] = F.linear(h, w_hh.detach(), _detach(b_hh))
+                h, c = _cell(module, ax[t], step.ah[t], h, c)
+                hs[t] = h
+            h_n.append(h)
+            if c is not None:
+                c_n.append(c)
+            outs.append(torch.stack(hs))
+            saved.append(step)
+        layer_in = torch.cat(outs, -1) if dirs == 2 else outs[0]
+    return layer_in, torch.stack(h_n), torch.stack(c_n) if c_n else None, saved
+
+
+def _detach(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach()
+
+
+def _gate_grads(module: nn.Module, call: Any, w: torch.Tensor) -> list[_GateGrads]:
+    """Re-run one pass (``call``: inputs, h_0 and c_0, output gradients) and
+    backpropagate ``<outputs, w g>`` to every pre-activation."""
+    lstm = isinstance(module, nn.LSTM)
+    lay = call.layout
+    x, h0 = lay.leaves[0], lay.leaves[1]
+    c0 = lay.leaves[2] if lstm else None
+    g_out, g_h = call.grads[0], call.grads[1]
+    g_c = call.grads[2] if lstm else None
+    if module.batch_first:  # the re-run is time-major
+        x = x.transpose(0, 1)
+        g_out = None if g_out is None else g_out.transpose(0, 1)
+    with torch.enable_grad():
+        # leaves that require grad: every pre-activation is then in the graph
+        x, h0 = x.detach().requires_grad_(), h0.detach().requires_grad_()
+        c0 = None if c0 is None else c0.detach().requires_grad_()
+        out, h_n, c_n, saved = _rerun(module, x, h0, c0)
+        total = 0
+        for y, g in ((out, g_out), (h_n, g_h), (c_n, g_c)):  # batch: dim 1 of each
+            if g is not None and y is not None:
+                total = total + (y * (g * w.to(g.dtype).view(1, -1, 1))).sum()
+        wanted = [t for s in saved for t in (s.ax, *s.ah)]
+        grads = torch.autograd.grad(total, wanted, allow_unused=True)
+    out_grads, pos = [], 0
+    for s in saved:
+        own = (s.ax, *s.ah)
+        mine = grads[pos : pos + len(own)]
+        pos += len(own)
+        got = [torch.zeros_like(t) if g is None else g for g, t in zip(mine, own, strict=True)]
+        out_grads.append(
+            _GateGrads(s.suffix, s.x, torch.stack(s.prev), got[0], torch.stack(got[1:]))
+        )
+    return out_grads
+
+
+def rnn_per_sample_squares(
+    module: nn.Module, calls: Sequence[Any], w: torch.Tensor, chunk_bytes: int
+) -> dict[str, torch.Tensor]:
+    """Same contract as :func:`~policy_probes.probes.fisher_generic.per_sample_squares`
+    for a module :func:`gate_rule_applies` to; ``calls`` hold layouts made by
+    ``batch_layout`` (input, then h_0 and c_0 for an LSTM)."""
+    per_call = [_gate_grads(module, call, w) for call in calls]
+    width = sum(d.dax.shape[-1] * (d.x.shape[-1] + d.prev.shape[-1]) for d in per_call[0])
+    acc: dict[str, torch.Tensor] = {}
+    for lo, hi in chunks(w.shape[0], 3 * width * w.element_size(), chunk_bytes):
+        b = slice(lo, hi)
+        for j, first in enumerate(per_call[0]):
+            sample_grads: dict[str, torch.Tensor] = {}  # summed over the calls
+            for directions in per_call:
+                d = directions[j]
+                pieces = {
+                    "weight_ih": torch.einsum("tbg,tbi->bgi", d.dax[:, b], d.x[:, b]),
+                    "weight_hh": torch.einsum("tbg,tbi->bgi", d.dah[:, b], d.prev[:, b]),
+                }
+                if module.bias:
+                    pieces["bias_ih"] = d.dax[:, b].sum(0)
+                    pieces["bias_hh"] = d.dah[:, b].sum(0)
+                for k, v in pieces.items():
+                    sample_grads[k] = sample_grads[k] + v if k in sample_grads else v
+            for k, v in sample_grads.items():
+                name = k + first.suffix
+                sq = v.square().sum(0).to(SUM)
+                acc[name] = acc[name].add_(sq) if name in acc else sq
+    return acc

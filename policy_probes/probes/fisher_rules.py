@@ -1,0 +1,221 @@
+"""Closed-form per-sample Fisher rules of the layers policies use, applied at the drain.
+
+A rule knows one layer's geometry. The hook holds, per backward pass, the layer's input
+(for the norms: the normalised input) and the gradient of its output, each flattened to
+one row per sample; at the drain :meth:`LayerRule.squares` receives those rows, the
+gradient already multiplied by the per-row weight ``w`` (the per-sample factor, 0 for a
+dropped row), and returns ``sum_i (d l_i / d theta)^2`` for each parameter. Samples are
+processed in chunks of at most ``chunk_bytes`` of temporaries, so a large batch of
+images never materialises more than that.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from policy_probes.probes.state import SUM
+
+#: default bound on the temporaries of one chunk of samples (bytes)
+CHUNK_BYTES = 64 << 20
+
+Names = tuple[str | None, str | None]
+
+
+def chunks(rows: int, per_sample_bytes: int, chunk_bytes: int) -> Iterator[tuple[int, int]]:
+    """``(lo, hi)`` row ranges whose temporaries stay within ``chunk_bytes`` (at least
+    one sample per chunk)."""
+    step = max(1, chunk_bytes // max(per_sample_bytes, 1))
+    for lo in range(0, rows, step):
+        yield lo, min(lo + step, rows)
+
+
+@dataclass(frozen=True)
+class LayerRule:
+    """Geometry of one layer and the names of its (weight, bias)."""
+
+    names: Names
+
+    def squares(
+        self, x: torch.Tensor, gw: torch.Tensor, chunk_bytes: int
+    ) -> dict[str, torch.Tensor]:
+        """Per parameter, the sum over rows of the squared per-sample gradient, from the
+        rows of the input ``x`` and of the weighted output gradient ``gw``."""
+        raise NotImplementedError
+
+
+def _accumulate(acc: dict[str, torch.Tensor], name: str | None, value: torch.Tensor) -> None:
+    if name is None:
+        return
+    if name in acc:
+        acc[name].add_(value)
+    else:
+        acc[name] = value.to(SUM)
+
+
+@dataclass(frozen=True)
+class ConvRule(LayerRule):
+    """``nn.Conv1d`` / ``nn.Conv2d``: per sample and group, the weight gradient is the
+    output gradient contracted with the im2col columns of the (padded) input over output
+    positions; the bias gradient is the output gradient summed over positions."""
+
+    in_shape: tuple[int, ...]  # (C, L) or (C, H, W) of one sample
+    out_shape: tuple[int, ...]
+    weight_shape: tuple[int, ...]
+    kernel: tuple[int, ...]
+    stride: tuple[int, ...]
+    dilation: tuple[int, ...]
+    pad: tuple[int, ...]  # F.pad order (last dimension first), both sides
+    pad_mode: str
+    groups: int
+
+    @classmethod
+    def of(
+        cls, conv: nn.Conv1d | nn.Conv2d, names: Names, x: torch.Tensor, out: torch.Tensor
+    ) -> ConvRule:
+        """The rule of one pass: batched input ``x`` and output ``out``."""
+        return cls(
+            names,
+            tuple(x.shape[1:]),
+            tuple(out.shape[1:]),
+            tuple(conv.weight.shape),
+            tuple(conv.kernel_size),
+            tuple(conv.stride),
+            tuple(conv.dilation),
+            tuple(conv._reversed_padding_repeated_twice),
+            "constant" if conv.padding_mode == "zeros" else conv.padding_mode,
+            conv.groups,
+        )
+
+    def squares(
+        self, x: torch.Tensor, gw: torch.Tensor, chunk_bytes: int
+    ) -> dict[str, torch.Tensor]:
+        one_d = len(self.kernel) == 1
+        kernel = (1, *self.kernel) if one_d else self.kernel
+        stride = (1, *self.stride) if one_d else self.stride
+        dilation = (1, *self.dilation) if one_d else self.dilation
+        c_out, positions = self.out_shape[0], math.prod(self.out_shape[1:])
+        g, width = self.groups, math.prod(self.weight_shape[1:])  # C_in/groups * k
+        cols = self.in_shape[0] * math.prod(self.kernel) * positions
+        per_sample = x.element_size() * (cols + 2 * c_out * width + math.prod(self.in_shape) * 2)
+        acc: dict[str, torch.Tensor] = {}
+        weight, bias = self.names
+        for lo, hi in chunks(x.shape[0], per_sample, chunk_bytes):
+            n = hi - lo
+            xc = x[lo:hi].view(n, *self.in_shape)
+            if any(self.pad):
+                xc = F.pad(xc, self.pad, mode=self.pad_mode)
+            if one_d:
+                xc = xc.unsqueeze(2)
+            unfolded = F.unfold(xc, kernel, dilation=dilation, stride=stride)
+            gc = gw[lo:hi].view(n, g, c_out // g, positions)
+            if weight is not None:
+                per = torch.einsum("ngol,ngkl->ngok", gc, unfolded.view(n, g, width, positions))
+                _accumulate(acc, weight, per.square_().sum(0).view(self.weight_shape))
+            if bias is not None:
+                _accumulate(acc, bias, gc.sum(-1).square_().sum(0).view(c_out))
+        return acc
+
+
+@dataclass(frozen=True)
+class EmbeddingRule(LayerRule):
+    """``nn.Embedding``: the per-sample gradient of row k is the sum of the output
+    gradients at the positions of that sample whose index is k (none at ``padding_idx``).
+    Its square is formed without the (rows, num_embeddings, dim) tensor:
+    ``sum_{l: idx_l = k} g_l * S_l`` with ``S_l = sum_{l': idx_l' = idx_l} g_l'``."""
+
+    num_embeddings: int
+    dim: int
+    padding_idx: int | None
+
+    def squares(
+        self, x: torch.Tensor, gw: torch.Tensor, chunk_bytes: int
+    ) -> dict[str, torch.Tensor]:
+        positions = x.shape[1]
+        per_sample = 4 * (positions * positions + 3 * positions * self.dim)
+        out = torch.zeros(self.num_embeddings, self.dim, dtype=SUM, device=gw.device)
+        for lo, hi in chunks(x.shape[0], per_sample, chunk_bytes):
+            idx = x[lo:hi].long()
+            gc = gw[lo:hi].view(hi - lo, positions, self.dim)
+            if self.padding_idx is not None:
+                gc = gc * (idx != self.padding_idx).to(gc.dtype)[..., None]
+            same = (idx[:, :, None] == idx[:, None, :]).to(gc.dtype)
+            per_row = torch.bmm(same, gc).mul_(gc)  # g_l * S_l
+            out.index_add_(0, idx.reshape(-1), per_row.reshape(-1, self.dim).to(SUM))
+        return {self.names[0]: out} if self.names[0] is not None else {}
+
+
+@dataclass(frozen=True)
+class NormRule(LayerRule):
+    """``nn.LayerNorm`` (any ``normalized_shape``) and ``nn.GroupNorm``, from the
+    normalised input ``xhat``: per sample ``d l / d w = sum_positions g * xhat`` and
+    ``d l / d b = sum_positions g`` for each affine entry. ``channels`` entries, each
+    summing ``positions`` values of a sample (LayerNorm: every entry is its own
+    position, ``positions = 1``; GroupNorm: a channel's spatial positions)."""
+
+    shape: tuple[int, ...]  # the affine parameters' shape
+    positions: int
+
+    def squares(
+        self, x: torch.Tensor, gw: torch.Tensor, chunk_bytes: int
+    ) -> dict[str, torch.Tensor]:
+        weight, bias = self.names
+        channels = math.prod(self.shape)
+        per_sample = 3 * x.element_size() * channels * self.positions
+        acc: dict[str, torch.Tensor] = {}
+        for lo, hi in chunks(x.shape[0], per_sample, chunk_bytes):
+            gc = gw[lo:hi].view(hi - lo, channels, self.positions)
+            if weight is not None:
+                gx = torch.mul(gc, x[lo:hi].view_as(gc)).sum(-1)
+                _accumulate(acc, weight, gx.square_().sum(0).view(self.shape))
+            if bias is not None:
+                _accumulate(acc, bias, gc.sum(-1).square_().sum(0).view(self.shape))
+        return acc
+
+
+def closed_form_rule(module: nn.Module) -> str | None:
+    """The kind of closed-form rule for ``module``'s own parameters, or None: standard
+    layers whose ``forward`` is not overridden (a subclass may compute anything)."""
+    for kind, cls in (
+        ("conv", nn.Conv1d),
+        ("conv", nn.Conv2d),
+        ("embedding", nn.Embedding),
+        ("layer_norm", nn.LayerNorm),
+        ("group_norm", nn.GroupNorm),
+    ):
+        if isinstance(module, cls) and type(module).forward is cls.forward:
+            if kind == "embedding" and module.scale_grad_by_freq:
+                return None  # the batch's index counts scale every sample's gradient
+            return kind
+    return None
+
+
+def layer_rows(
+    kind: str, module: nn.Module, names: Names, x: torch.Tensor, out: torch.Tensor
+) -> tuple[LayerRule, torch.Tensor, str]:
+    """For one forward pass (input ``x``, output ``out``) of a covered layer: its rule,
+    the rows to hold for the drain (input or normalised input, one row per sample; the
+    output gradient is held as as many rows) and a key telling per-sample shapes apart."""
+    if kind == "conv":
+        if x.dim() == len(module.kernel_size) + 1:  # unbatched input: one sample
+            x, out = x.unsqueeze(0), out.unsqueeze(0)
+        rule: LayerRule = ConvRule.of(module, names, x, out)
+        return rule, x.reshape(x.shape[0], -1), "x".join(map(str, x.shape[1:]))
+    if kind == "embedding":  # samples along dim 0, their positions after it
+        rows = x.reshape(x.shape[0], -1) if x.dim() > 1 else x.reshape(-1, 1)
+        rule = EmbeddingRule(names, module.num_embeddings, module.embedding_dim, module.padding_idx)
+        return rule, rows, str(rows.shape[1])
+    if kind == "layer_norm":  # samples: every leading dimension
+        shape = tuple(module.normalized_shape)
+        xhat = F.layer_norm(x, shape, eps=module.eps)
+        return NormRule(names, shape, 1), xhat.reshape(-1, math.prod(shape)), ""
+    # group_norm: (N, C, *)
+    xhat = F.group_norm(x, module.num_groups, eps=module.eps)
+    positions = math.prod(x.shape[2:])
+    rule = NormRule(names, (module.num_channels,), positions)
+    return rule, xhat.reshape(x.shape[0], -1), str(positions)

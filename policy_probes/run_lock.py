@@ -1,0 +1,184 @@
+"""RunDirLock: one live run per run directory.
+
+A training run (``policy-probes run``/``resume``, ``TrainTool.invoke``, a
+:class:`~policy_probes.session.ProbeSession`) holds ``run_dir/run.lock`` while it runs.
+The file says who holds it (pid, host, process start time, command line); it is created
+with ``O_EXCL``, so of two processes starting at once exactly one gets it, and removed
+when the run ends, whichever way it ends short of ``kill -9``. A lock left behind by a
+killed process is *stale*: on the same host its pid no longer runs (``os.kill(pid, 0)``)
+or now belongs to a younger process (pid reuse, seen through the start time in
+``/proc``); a stale lock is taken over with a warning. A lock from another host cannot
+be checked from here and is refused with the path to delete if that run is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+log = logging.getLogger("policy_probes")
+
+LOCK_FILE = "run.lock"
+
+
+class RunDirLocked(RuntimeError):
+    """``run_dir`` is in use by a live run; the message names it."""
+
+    usage_error = True  # the CLI prints it without a traceback (exit status 2)
+
+
+def _process_start_ticks(pid: int) -> int | None:
+    """Start time of ``pid`` in clock ticks since boot (Linux ``/proc``), else None."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # the command name (field 2) may hold spaces and parentheses: split after the last ')'
+    fields = text.rpartition(")")[2].split()
+    try:
+        return int(fields[19])  # field 22 of the whole line
+    except (IndexError, ValueError):
+        return None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by another user
+        return True
+    except OSError:
+        return False
+    return True
+
+
+def lock_owner(run_dir: str | Path) -> dict[str, Any] | None:
+    """What ``run_dir/run.lock`` says about its holder (None: no lock or unreadable)."""
+    try:
+        data = json.loads((Path(run_dir) / LOCK_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def lock_is_live(owner: dict[str, Any]) -> bool:
+    """Whether the process recorded in a lock still runs (True when it cannot be checked:
+    another host)."""
+    if owner.get("host") != socket.gethostname():
+        return True
+    pid = owner.get("pid")
+    if not isinstance(pid, int) or not _pid_alive(pid):
+        return False
+    recorded, now = owner.get("start_ticks"), _process_start_ticks(pid)
+    return recorded is None or now is None or recorded == now
+
+
+def describe_owner(owner: dict[str, Any]) -> str:
+    started = owner.get("started")
+    when = (
+        time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started))
+        if isinstance(started, int | float)
+        else "an unknown time"
+    )
+    command = owner.get("command") or "?"
+    return f"pid {owner.get('pid')} on {owner.get('host')} since {when} ({command})"
+
+
+def locked_message(run_dir: str | Path, owner: dict[str, Any]) -> str:
+    """Why ``run_dir`` is refused: who holds it and what to do."""
+    path = Path(run_dir) / LOCK_FILE
+    hint = (
+        f"if that run is gone, delete {path}"
+        if owner.get("host") != socket.gethostname()
+        else f"wait for it to finish, stop it with `policy-probes ctl {run_dir} stop`, or "
+        f"choose another run_dir"
+    )
+    return f"run_dir {str(run_dir)!r} is in use by a live run: {describe_owner(owner)}; {hint}"
+
+
+def refuse_if_locked(run_dir: str | Path) -> None:
+    """Raise :class:`RunDirLocked` when a live run holds ``run_dir`` (changes nothing)."""
+    owner = lock_owner(run_dir)
+    if owner is not None and lock_is_live(owner):
+        raise RunDirLocked(locked_message(run_dir, owner))
+
+
+class RunDirLock:
+    """The lock on ``run_dir`` (see the module doc). Use as a context manager or call
+    :meth:`acquire` / :meth:`release`; ``release`` is idempotent."""
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / LOCK_FILE
+        self.held = False
+
+    def acquire(self) -> RunDirLock:
+        """Take the lock, replacing a stale one; raise :class:`RunDirLocked` naming the
+        live owner otherwise."""
+        me = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": time.time(),
+            "start_ticks": _process_start_ticks(os.getpid()),
+            "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])[:300],
+        }
+        for _ in range(3):  # a stale lock removed between our two looks: try again
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                owner = lock_owner(self.run_dir)
+                if owner is None:
+                    # being written this instant, or garbage left by a crash mid-write
+                    time.sleep(0.05)
+                    owner = lock_owner(self.run_dir)
+                if (
+                    owner is not None
+                    and owner.get("pid") == me["pid"]
+                    and (owner.get("host") == me["host"])
+                ):
+                    raise RunDirLocked(
+                        f"run_dir {str(self.run_dir)!r} is already in use by this process "
+                        f"(another TrainTool.invoke or ProbeSession still open); close it first"
+                    ) from None
+                if owner is not None and lock_is_live(owner):
+                    raise RunDirLocked(locked_message(self.run_dir, owner)) from None
+                what = describe_owner(owner) if owner else "unreadable"
+                log.warning("removing the stale lock %s (%s: not running)", self.path, what)
+                with contextlib.suppress(FileNotFoundError):
+                    self.path.unlink()
+                continue
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(json.dumps(me) + "\n")
+            self.held = True
+            return self
+        raise RunDirLocked(f"could not take the lock {self.path}; another process keeps taking it")
+
+    def release(self) -> None:
+        """Remove the lock if this object holds it (and the file is still ours)."""
+        if not self.held:
+            return
+        self.held = False
+        owner = lock_owner(self.run_dir)
+        if owner is None or owner.get("pid") == os.getpid():
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+
+    def __enter__(self) -> RunDirLock:
+        return self.acquire()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()

@@ -1,0 +1,77 @@
+"""User errors: exceptions whose message is the whole story for the person at the keyboard.
+
+An exception raised while a run is being set up (a recipe naming an unknown component, a
+builder passed without its parentheses, ``device=cuda`` on a machine without CUDA, a
+``run_dir`` that cannot be written) is the user's to fix, not a bug: the command line
+prints its message on one line and exits with status 2, without a traceback. Such an
+exception keeps its type (a ``KeyError`` stays a ``KeyError`` for Python callers) and is
+tagged with ``usage_error = True``, the attribute the CLI looks for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+
+from pydantic import ValidationError
+
+from policy_probes.hook_types import ProbeError
+
+#: the exception types that mean "the configuration is wrong" when raised during set-up
+SETUP_ERROR_TYPES: tuple[type[BaseException], ...] = (
+    KeyError,
+    TypeError,
+    ValueError,
+    ProbeError,
+    OSError,
+)
+
+
+def mark_usage_error(exc: BaseException) -> BaseException:
+    """Tag ``exc`` as the user's to fix (the CLI prints it without a traceback); returns it."""
+    with contextlib.suppress(AttributeError):  # a type with __slots__: left untagged
+        exc.usage_error = True  # type: ignore[attr-defined]
+    return exc
+
+
+def is_usage_error(exc: BaseException) -> bool:
+    return bool(getattr(exc, "usage_error", False))
+
+
+def one_line(exc: BaseException) -> str:
+    """The exception's message on one line (``KeyError`` without its quotes; a multi-line
+    message, such as pydantic's, joined with ``; ``)."""
+    if isinstance(exc, KeyError) and len(exc.args) == 1 and isinstance(exc.args[0], str):
+        text = exc.args[0]
+    else:
+        text = str(exc)
+    if isinstance(exc, ValidationError):
+        text = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or '<config>'}: {err['msg']}"
+            for err in exc.errors()
+        )
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return "; ".join(lines) or type(exc).__name__
+
+
+def positive_int(text: str) -> int:
+    """argparse ``type=``: an integer >= 1 (argparse exits 2 naming the option otherwise)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse ``type=``: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
