@@ -18,8 +18,9 @@ How a mask lines up with a probed tensor (all leading dimensions are rows):
 
 * the tensor has as many rows as the mask has entries: the mask read in the tensor's
   row order (row-major flattening of ``(batch, time)``, i.e. batch-major), except the
-  output sequence of an ``nn.LSTM``/``nn.GRU``/``nn.RNN`` with ``batch_first=False``,
-  whose rows are time-major ``(time, batch)``: it reads the transposed mask;
+  output sequence of an ``nn.LSTM``/``nn.GRU``/``nn.RNN``/``nn.MultiheadAttention`` with
+  ``batch_first=False``, whose rows are time-major ``(time, batch)``: it reads the
+  transposed mask;
 * a 2-D ``(batch, time)`` mask and a tensor of ``batch`` rows (a per-step call: an
   ``nn.LSTMCell`` in a loop, or an ``nn.LSTM`` fed one step at a time): the k-th call of
   the module inside the ``row_mask`` block reads column ``k``;
@@ -44,8 +45,8 @@ from typing import Any
 import torch
 from torch import nn
 
-#: recurrent modules whose output sequence is time-major unless ``batch_first``
-SEQUENCE_MODULES = (nn.LSTM, nn.GRU, nn.RNN)
+#: sequence modules whose output is time-major unless ``batch_first``
+SEQUENCE_MODULES = (nn.LSTM, nn.GRU, nn.RNN, nn.MultiheadAttention)
 
 _serials = itertools.count()
 
