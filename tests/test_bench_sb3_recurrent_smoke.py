@@ -24,7 +24,7 @@ def test_sb3_recurrent_overhead_quick_writes_a_positive_ratio(tmp_path):
     # saturation 6 (no tanh layer) + fisher 12 (unit, nonfinite_fraction, samples, 4
     # parameter traces, trace, mean, max, dead_param_fraction, unsupported_params) +
     # gradient_flow 6 x 3 + relu_gradient_flow 4 x 3; per LSTM (no activation layer
-    # inside, so no per-layer keys): relu 8 + saturation 6 + fisher 4 (no covered
-    # parameters) + gradient_flow 6
-    assert b["probe_keys"] == 2 * (8 * 3 + 6 + 12 + 6 * 3 + 4 * 3) + 2 * (8 + 6 + 4 + 6)
+    # inside, so no per-layer keys): relu 8 + saturation 6 + fisher 12 (its 4 weights
+    # on the gate-gradient rule, as for an MLP) + gradient_flow 6
+    assert b["probe_keys"] == 2 * (8 * 3 + 6 + 12 + 6 * 3 + 4 * 3) + 2 * (8 + 6 + 12 + 6)
     assert "records" not in comp["extra_a"][0]

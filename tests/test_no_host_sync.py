@@ -286,8 +286,12 @@ class ConvLSTMBody(nn.Module):
         return torch.tanh(self.out(self.cell(out[:, -1], out[:, 0])))
 
 
+@pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("buffer_rows", [2048, 20])
-def test_conv_and_lstm_fisher_run_without_host_sync(buffer_rows: int) -> None:
+def test_conv_and_lstm_fisher_run_without_host_sync(buffer_rows: int, masked: bool) -> None:
+    """The closed-form, gate-gradient and torch.func routes, also under a (batch, time)
+    row mask (per frame on the conv rules, per sequence on the LSTM, one column on the
+    cell and the Linear)."""
     torch.manual_seed(0)
     body = ConvLSTMBody()
     model = PolicyAutoBuilder.wrap(nn.Sequential(body, nn.Linear(5, 3)), {"body": "0"})
@@ -297,7 +301,10 @@ def test_conv_and_lstm_fisher_run_without_host_sync(buffer_rows: int) -> None:
     with ForbidHostSync() as probed:
         for _ in range(4):
             x, a = torch.randn(8, 3, 2, 9, 9), torch.randint(0, 3, (8,))
+            if masked:
+                ctx.row_mask = (torch.arange(24).reshape(8, 3) % 4 != 1).float()
             F.cross_entropy(model(x), a).backward()
+        ctx.row_mask = None
     assert probed.calls == []
     assert not ctx.probe_errors
     fisher = ctx.model_metrics["fisher"].param_fisher("body")

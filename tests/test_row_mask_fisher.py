@@ -15,6 +15,7 @@ import pytest
 import torch
 from test_probe_fisher import per_sample_loss
 from torch import nn
+from torch.func import functional_call
 
 from policy_probes import (
     ComponentContext,
@@ -292,3 +293,92 @@ def test_a_mask_that_fits_no_sample_layout_disables_the_probe_with_the_shapes() 
     policy.remove_hooks()
     assert "fisher/body" in ctx.probe_errors
     assert "(5,)" in ctx.probe_errors["fisher/body"]
+
+
+def test_recurrent_ppo_lstm_weights_get_their_masked_fisher(tmp_path) -> None:
+    """RecurrentPPO with the Fisher probe on lstm_actor: the LSTM's weights are covered
+    (not unsupported) and their Fisher is, per sequence with a real step, the square of
+    (real steps x the vector-Jacobian product of every LSTM call of the minibatch),
+    re-run here on each sequence alone with plain autograd."""
+    from sb3_contrib import RecurrentPPO
+    from stable_baselines3.common.env_util import make_vec_env
+
+    from policy_probes.integrations.sb3 import ProbeCallback
+    from policy_probes.sinks import SinksConfig
+
+    model = RecurrentPPO(
+        "MlpLstmPolicy",
+        make_vec_env("CartPole-v1", n_envs=2, seed=0),
+        n_steps=16,
+        batch_size=16,
+        n_epochs=1,
+        policy_kwargs=dict(lstm_hidden_size=6, net_arch=dict(pi=[8], vf=[8])),
+        device="cpu",
+        seed=0,
+    )
+    lstm = model.policy.lstm_actor
+    masks: list[torch.Tensor] = []
+    plain_get_samples = model.rollout_buffer._get_samples
+
+    def get_samples(*args, **kwargs):
+        sample = plain_get_samples(*args, **kwargs)
+        masks.append(sample.mask.reshape(sample.lstm_states.pi[0].shape[1], -1).bool())
+        return sample
+
+    model.rollout_buffer._get_samples = get_samples
+    calls: list[dict] = []  # every training call: inputs, states and output gradients
+
+    def record(_m, args, out) -> None:
+        if not out[0].requires_grad:
+            return
+        call = {
+            "x": args[0].detach(),
+            "hx": [h.detach() for h in args[1]],
+            "g": [None] * 3,
+            "params": {k: q.detach().clone() for k, q in lstm.named_parameters()},
+        }
+        for i, t in enumerate((out[0], *out[1])):  # None: no gradient reached it
+            t.register_hook(lambda g, i=i: call["g"].__setitem__(i, g))
+        calls.append(call)
+
+    handle = lstm.register_forward_hook(record)  # before the probe's: the plain outputs
+    callback = ProbeCallback(
+        backward_probes=[("lstm_actor", attach_fisher_information_hooks())],
+        run_dir=tmp_path / "run",
+        sinks=SinksConfig(console=False),
+        strict=True,
+    )
+    model.learn(32, callback=callback)
+    handle.remove()
+    record_ = callback.history[-1]
+    p = "probes/fisher/lstm_actor/"
+    assert record_[p + "unsupported_params"] == 0
+    assert masks and sum(int((~m).sum()) for m in masks) > 0  # padded steps were there
+
+    names = [k for k, _ in lstm.named_parameters()]
+    sq = {k: torch.zeros_like(q, dtype=torch.float64) for k, q in lstm.named_parameters()}
+    n, j = 0, 0
+    for m in masks:
+        steps = m.shape[1]
+        k = 1 if calls[j]["x"].shape[0] == steps else steps
+        group, j = calls[j : j + k], j + k
+        for s in range(m.shape[0]):
+            if not m[s].any():
+                continue
+            total = 0.0
+            # the parameters of this minibatch's forward (the optimiser steps after it)
+            params = {k: q.requires_grad_(True) for k, q in group[0]["params"].items()}
+            for c in group:
+                hx = tuple(h[:, s : s + 1] for h in c["hx"])
+                out, (h, cc) = functional_call(lstm, params, (c["x"][:, s : s + 1], hx))
+                for t, g in zip((out, h, cc), c["g"], strict=True):
+                    if g is not None:
+                        total = total + (t * g[:, s : s + 1]).sum()
+            grads = torch.autograd.grad(total * m.sum(), [params[k] for k in names])
+            for name, gr in zip(names, grads, strict=True):
+                sq[name] += gr.double() ** 2
+            n += 1
+    assert j == len(calls)
+    for name, value in sq.items():
+        assert value.abs().sum() > 0, name
+        assert record_[f"{p}{name}.trace"] == pytest.approx(value.sum().item() / n, rel=REL)
