@@ -14,7 +14,10 @@ Cases:
   directory. The reference of the empty-path benchmark.
 * ``sb3``: Stable-Baselines3 PPO with the same hyperparameters, optionally
   (``probe_callback``) with :class:`policy_probes.integrations.sb3.ProbeCallback` carrying
-  the same five probes on the actor and critic extractors.
+  the same five probes on the actor and critic extractors. With ``recurrent``:
+  sb3-contrib's ``RecurrentPPO`` (``MlpLstmPolicy``, LSTMs of ``hidden`` units), whose
+  callback adds relu, saturation, Fisher and gradient flow on ``lstm_actor`` and
+  ``lstm_critic`` and reads the padding masks of every minibatch.
 
 ``ours`` also takes ``lifecycle_hooks`` (names for ``TrainTool.hooks``) and
 ``hook_config`` (``TrainTool.hook_config``) for the lifecycle-intervention benchmark, and
@@ -86,6 +89,26 @@ def probe_builders(
             (component, attach_fisher_information_hooks(param_every=fisher_param_every), True),
             (component, attach_gradient_flow_hooks(per_layer=per_layer), True),
             (component, attach_relu_gradient_flow_hooks(per_layer=per_layer), True),
+        ]
+    return out
+
+
+def recurrent_probe_builders() -> list[tuple[str, Any, bool]]:
+    """The probes that apply to an LSTM's output, on RecurrentPPO's two LSTMs."""
+    from policy_probes import (
+        attach_fisher_information_hooks,
+        attach_gradient_flow_hooks,
+        attach_relu_activation_hooks,
+        attach_saturated_activation_hooks,
+    )
+
+    out = []
+    for component in ("lstm_actor", "lstm_critic"):
+        out += [
+            (component, attach_relu_activation_hooks(), False),
+            (component, attach_saturated_activation_hooks("tanh"), False),
+            (component, attach_fisher_information_hooks(), True),
+            (component, attach_gradient_flow_hooks(), True),
         ]
     return out
 
@@ -259,12 +282,18 @@ def sb3(p: dict[str, Any]) -> dict[str, Any]:
     from stable_baselines3.common.env_util import make_vec_env
     from torch import nn
 
+    algo, policy, extra = PPO, "MlpPolicy", {}
+    if p.get("recurrent"):
+        from sb3_contrib import RecurrentPPO
+
+        algo, policy, extra = RecurrentPPO, "MlpLstmPolicy", {"lstm_hidden_size": p["hidden"]}
+
     lr = 2.5e-4
     t0, c0 = time.perf_counter(), time.process_time()
     env = make_vec_env(p["env_id"], n_envs=p["num_envs"], seed=p["seed"])
     batch = p["num_envs"] * p["num_steps"]
-    model = PPO(
-        "MlpPolicy",
+    model = algo(
+        policy,
         env,
         n_steps=p["num_steps"],
         batch_size=batch // p["num_minibatches"],
@@ -279,6 +308,7 @@ def sb3(p: dict[str, Any]) -> dict[str, Any]:
         policy_kwargs={
             "net_arch": {"pi": [p["hidden"]] * 2, "vf": [p["hidden"]] * 2},
             "activation_fn": nn.ReLU if p["activation"] == "relu" else nn.Tanh,
+            **extra,
         },
         device="cpu",
         seed=p["seed"],
@@ -290,6 +320,8 @@ def sb3(p: dict[str, Any]) -> dict[str, Any]:
         from policy_probes.sinks import SinksConfig, WandbConfig
 
         builders = probe_builders()
+        if p.get("recurrent"):
+            builders += recurrent_probe_builders()
         callback = ProbeCallback(
             probes=[(c, b) for c, b, backward in builders if not backward],
             backward_probes=[(c, b) for c, b, backward in builders if backward],
@@ -328,6 +360,7 @@ def warm_imports(case: str) -> None:
     param.sum().backward()
     opt.step()
     if case == "sb3":
+        import sb3_contrib  # noqa: F401
         import stable_baselines3  # noqa: F401
         from stable_baselines3.common.env_util import make_vec_env  # noqa: F401
     else:

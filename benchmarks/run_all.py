@@ -22,6 +22,7 @@ SCRIPTS = (
     "scaling",
     "lifecycle_cost",
     "sb3_overhead",
+    "sb3_recurrent_overhead",
 )
 
 

@@ -33,6 +33,7 @@ from policy_probes.hook_types import (
 )
 from policy_probes.layers import LinearSpec, MLPSpec, build_component
 from policy_probes.outputs import extractor_example
+from policy_probes.recurrent import default_extractor
 
 GLOB_CHARS = set("*?[")
 
@@ -314,7 +315,8 @@ class PolicyAutoBuilder(nn.Module):
         """
         module = self.get_component(component_name)
         _check_inplace(module, component_name)
-        extractor = as_extractor(getattr(hook, "extractor", None))
+        # the recurrent default applies only when the builder gives no extractor
+        extractor = as_extractor(getattr(hook, "extractor", None)) or default_extractor(module)
         kind = self.output_kind(component_name)
         if kind in ("mapping", "sequence", "object") and extractor is None:
             seen, example = self._output_notes.get(component_name, (kind, "extractor=..."))
@@ -519,6 +521,11 @@ def _grad_tap(hook: Callable, component: str, extractor: Callable | None) -> Cal
             disable_after_fault(hook, exc)  # the probe fault rule; re-raised when strict
             return
         if tensor.requires_grad and torch.is_grad_enabled():
-            on_grad(tensor, lambda g: hook(module, None, (g,)))
+            if isinstance(hook, ProbeHook):  # binds the row-mask rows of this pass now
+                callback = hook.grad_callback(module, tensor)
+                if callback is not None:
+                    on_grad(tensor, callback)
+            else:
+                on_grad(tensor, lambda g: hook(module, None, (g,)))
 
     return tap

@@ -30,6 +30,14 @@ class ComponentContext:
             ``backward()`` (for example ``1/k`` when a minibatch is split into ``k``
             micro-batches). The Fisher probe divides it out to recover per-sample
             gradients.
+        loss_samples: how many samples the loss averages over, when that is not the rows
+            of one probed pass (an LSTM cell called once per step: the loss averages over
+            ``steps x batch`` rows). ``None`` (default): the kept rows of :attr:`row_mask`
+            when a mask is set, else the rows of each pass. The Fisher probe's per-sample
+            factor is ``loss_samples / loss_scale``.
+        row_mask: the :class:`~policy_probes.row_mask.RowMask` of the rows the loss uses
+            (set it with ``ProbeSession.row_mask(mask)`` or assign a tensor); ``None``:
+            every row counts. See ``policy_probes/row_mask.py`` for how it aligns.
         strict: when True a probe that raises stops training; otherwise the probe is
             disabled, reported once, and counted in :attr:`probe_errors`.
         probe_errors: ``"<probe>/<component>" -> message`` for every probe disabled
@@ -54,8 +62,25 @@ class ComponentContext:
         self.strict = strict
         self.probe_errors: dict[str, str] = {} if probe_errors is None else probe_errors
         self._phase_listeners: list[Callable[[str], None]] = []
+        self.loss_samples: Any = None  # float or a 0-dim tensor
+        self._row_mask: Any = None
+        #: the mask rows the hook now pushing bound to its tensor (see row_mask.pushing_with)
+        self.push_weight: Any = None
         self.infer_phase = False
         self._inferred_once = False
+
+    @property
+    def row_mask(self) -> Any:
+        return self._row_mask
+
+    @row_mask.setter
+    def row_mask(self, mask: Any) -> None:
+        """A tensor (wrapped in a RowMask), a RowMask, or None (every row counts)."""
+        from policy_probes.row_mask import RowMask
+
+        if mask is not None and not isinstance(mask, RowMask):
+            mask = RowMask(mask)
+        self._row_mask = mask
 
     @property
     def phase(self) -> str:

@@ -26,6 +26,8 @@ from torch.utils.hooks import RemovableHandle
 
 from policy_probes.context import ComponentContext
 from policy_probes.outputs import describe_output, extractor_example
+from policy_probes.recurrent import default_extractor
+from policy_probes.row_mask import bound_weight, pushing_with
 
 log = logging.getLogger("policy_probes")
 
@@ -87,6 +89,9 @@ class ProbeHook:
     #: dotted name -> module of the policy the probe is attached to (set by
     #: ``PolicyAutoBuilder.attach``), so a probe can look at the modules around its component
     locate: Callable[[str], nn.Module] | None = None
+    #: whether the component's output is read with its units on axis 1 (conv layouts,
+    #: set by the probes that take ``layout=``); the row mask is bound per sample then
+    channels_first: bool = False
 
     def __init__(
         self,
@@ -112,8 +117,9 @@ class ProbeHook:
             return False
         return self.backward or not self.context.inference_pass()
 
-    def extract(self, output: Any) -> torch.Tensor:
-        """The tensor this probe reads from a component output."""
+    def extract(self, output: Any, module: nn.Module | None = None) -> torch.Tensor:
+        """The tensor this probe reads from a component output: the extractor's, else the
+        output itself, else the recurrent default for ``module`` (``policy_probes.recurrent``)."""
         if self.extractor is not None:
             out = self.extractor(output)
             if not isinstance(out, torch.Tensor):
@@ -124,6 +130,9 @@ class ProbeHook:
             return out
         if isinstance(output, torch.Tensor):
             return output
+        default = default_extractor(module)
+        if default is not None:
+            return default(output)
         raise ProbeError(
             f"component {self.component!r} returned {describe_type(output)}, not a tensor; "
             f"pass extractor=... to the builder of probe {self.probe!r} to pick the tensor "
@@ -141,9 +150,37 @@ class ProbeHook:
                 if grad is not None:
                     self.record_grad(module, _detached(grad))
             else:
-                self.record(module, _detached(self.extract(second)))
+                tensor = self.extract(second, module)
+                weight = bound_weight(
+                    self.context, tensor, module, self.component, id(self), self.channels_first
+                )
+                if weight is None:
+                    self.record(module, _detached(tensor))
+                else:
+                    with pushing_with(self.context, weight):
+                        self.record(module, _detached(tensor))
         except Exception as exc:  # a probe must never take training down
             self.fail(exc)
+
+    def grad_callback(self, module: nn.Module, tensor: torch.Tensor) -> Callable | None:
+        """The gradient hook for ``tensor``, an output of ``module`` in this forward pass:
+        it delivers the gradient to this probe with the row-mask rows of ``tensor`` bound
+        now (per-step calls count in forward order). None if the probe failed here."""
+        try:
+            weight = bound_weight(
+                self.context, tensor, module, self.component, id(self), self.channels_first
+            )
+        except Exception as exc:
+            self.fail(exc)
+            return None
+        if weight is None:
+            return lambda grad: self(module, None, (grad,))
+
+        def deliver(grad: torch.Tensor) -> None:
+            with pushing_with(self.context, weight):
+                self(module, None, (grad,))
+
+        return deliver
 
     def fail(self, exc: BaseException) -> None:
         """Disable this probe after ``exc`` and report it once (re-raise when strict)."""

@@ -375,6 +375,33 @@ class ProbeSession:
         finally:
             self.context.phase = previous
 
+    # --------------------------------------------------------------- row masks
+    @contextmanager
+    def row_mask(
+        self, mask: torch.Tensor | None, *, loss_samples: float | torch.Tensor | None = None
+    ) -> Iterator[None]:
+        """Leave out of every probe the rows the loss masks, for the forward and backward
+        inside the block. ``mask`` is ``(rows,)`` or ``(batch, time)``, 1 (or True) where
+        the loss uses the row; ``None`` keeps every row. ``loss_samples`` is how many
+        samples the loss averages over (default: the kept rows). How the mask lines up with
+        each probed tensor (time-major LSTM outputs, per-step calls): ``docs/external.md``."""
+        previous = (self.context.row_mask, self.context.loss_samples)
+        self.context.row_mask = mask  # a fresh RowMask: per-step counts start at 0
+        if loss_samples is not None:
+            self.context.loss_samples = loss_samples
+        try:
+            yield
+        finally:
+            self.context.row_mask, self.context.loss_samples = previous
+
+    def set_loss_samples(self, n: float | torch.Tensor | None) -> None:
+        """State how many samples the loss averages over (the Fisher probe's per-sample
+        factor), until changed; ``None`` restores the default (the kept rows of the row
+        mask, else the rows of each probed pass)."""
+        if n is not None and not isinstance(n, torch.Tensor) and not n > 0:
+            raise ValueError(f"loss_samples must be a positive number of samples, got {n!r}")
+        self.context.loss_samples = n
+
     # ----------------------------------------------------------------- metrics
     def log(self, metrics: Mapping[str, Any], *, reduce: Literal["last", "mean"] = "last") -> None:
         """Add the loop's own scalars (losses, returns, ...) to the current epoch's record.

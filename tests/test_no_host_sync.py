@@ -85,10 +85,15 @@ def test_all_probes_run_without_host_sync(buffer_rows: int) -> None:
     assert policy(x).shape == (4, 3)
 
 
-@pytest.mark.parametrize("buffer_elements", [1 << 20, 300])
-def test_conv_and_per_layer_probes_run_without_host_sync(buffer_elements: int) -> None:
+@pytest.mark.parametrize(
+    ("buffer_elements", "masked"), [(1 << 20, False), (300, False), (300, True)]
+)
+def test_conv_and_per_layer_probes_run_without_host_sync(
+    buffer_elements: int, masked: bool
+) -> None:
     # channels-first views of conv outputs, per-layer hooks on every ReLU of the encoder
-    # and of the MLP trunk; 300 elements: drains (the strided row copies) inside the hooks
+    # and of the MLP trunk; 300 elements: drains (the strided row copies) inside the hooks;
+    # masked: every other sample left out (mask rows expanded over conv positions)
     torch.manual_seed(0)
     encoder = nn.Sequential(nn.Conv2d(2, 4, 3), nn.ReLU(), nn.Conv2d(4, 3, 1), nn.Tanh())
     model = nn.Sequential(encoder, nn.Flatten(), nn.Linear(3 * 16, 8), nn.ReLU(), nn.Linear(8, 3))
@@ -105,13 +110,14 @@ def test_conv_and_per_layer_probes_run_without_host_sync(buffer_elements: int) -
     with ForbidHostSync() as probed:
         for n in (5, 3, 6):
             x, a = torch.randn(n, 2, 6, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
+            ctx.row_mask = (torch.arange(n) % 2 == 0).float() if masked else None
             F.cross_entropy(policy(x), a).backward()
     assert probed.calls == []
     assert not ctx.probe_errors
     metrics = StatsReporter(ctx).collect()
     assert not [k for k in metrics if k.startswith("probes/errors/")]
     assert len(metrics["probes/relu/encoder.1/active_rate"]) == 4  # channels
-    assert metrics["probes/relu/encoder.1/samples"] == 14  # batch rows
+    assert metrics["probes/relu/encoder.1/samples"] == (8 if masked else 14)  # batch rows
     assert metrics["probes/gradient_flow/trunk.0.1/passes"] == 3
     assert len(metrics["probes/saturation_tanh/encoder/saturation_rate"]) == 3
     assert len(metrics["probes/relu_gradient_flow/trunk.3/pass_rate"]) == 8
@@ -142,6 +148,54 @@ def test_detector_sees_calls_inside_backward_hooks(backward: bool) -> None:
         train_steps(policy, steps=1)
     assert mode.calls == ["tolist"]
     assert len(seen) == 1
+
+
+@pytest.mark.parametrize("buffer_rows", [2048, 5])
+def test_masked_rows_and_recurrent_cores_run_without_host_sync(buffer_rows: int) -> None:
+    """Row masks (flat on an MLP; (batch, time) on an LSTM called at once and per step,
+    and on an LSTM cell) add no host synchronisation, drains inside the hooks included."""
+    from test_recurrent import SeqNet, masked_mean_loss, sequences
+
+    from policy_probes import (
+        PolicyAutoBuilder,
+        attach_fisher_information_hooks,
+        attach_gradient_flow_hooks,
+        attach_relu_activation_hooks,
+        attach_saturated_activation_hooks,
+    )
+
+    torch.manual_seed(0)
+    policy = TinyPolicy()
+    ctx = ComponentContext()
+    attach_all_probes(policy, ctx, saturation="tanh", saturation_component="actor_mlp.layer_0")
+    nets = [SeqNet("lstm"), SeqNet("lstm_cell")]
+    for i, net in enumerate(nets):
+        wrapped = PolicyAutoBuilder.wrap(net, {f"core{i}": "core"})
+        wrapped.attach(f"core{i}", attach_relu_activation_hooks(), ctx)
+        wrapped.attach(f"core{i}", attach_saturated_activation_hooks("tanh"), ctx)
+        for make in (attach_fisher_information_hooks, attach_gradient_flow_hooks):
+            wrapped.attach(f"core{i}", make(), ctx, backward=True)
+    for tracker in ctx.model_metrics.values():
+        tracker.buffer_rows = buffer_rows
+    x, a, mask = sequences()
+    masks = [(torch.arange(16) % 3 != 0).float() for _ in range(5)]
+    with ForbidHostSync() as probed:
+        for m in masks:
+            ctx.row_mask = m
+            x1, a1 = torch.randn(16, 5), torch.randint(0, 3, (16,))
+            (F.cross_entropy(policy(x1), a1, reduction="none") * m).sum().div(10).backward()
+        for per_step in (False, True):
+            for net in nets:
+                net.per_step = per_step
+                ctx.row_mask = mask
+                masked_mean_loss(net(x), a, mask).backward()
+    assert probed.calls == []
+    assert not ctx.probe_errors
+    metrics = StatsReporter(ctx).collect()
+    assert metrics["probes/relu/actor_mlp/samples"] == 5 * 10
+    assert metrics["probes/fisher/actor_mlp/samples"] == 5 * 10
+    assert metrics["probes/relu/core0/samples"] == 2 * int(mask.sum())
+    assert metrics["probes/fisher/core1/samples"] == 2 * int(mask.sum())
 
 
 def test_key_and_index_extractors_on_tensordict_and_tuple_outputs_run_without_host_sync() -> None:
@@ -232,8 +286,12 @@ class ConvLSTMBody(nn.Module):
         return torch.tanh(self.out(self.cell(out[:, -1], out[:, 0])))
 
 
+@pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("buffer_rows", [2048, 20])
-def test_conv_and_lstm_fisher_run_without_host_sync(buffer_rows: int) -> None:
+def test_conv_and_lstm_fisher_run_without_host_sync(buffer_rows: int, masked: bool) -> None:
+    """The closed-form, gate-gradient and torch.func routes, also under a (batch, time)
+    row mask (per frame on the conv rules, per sequence on the LSTM, one column on the
+    cell and the Linear)."""
     torch.manual_seed(0)
     body = ConvLSTMBody()
     model = PolicyAutoBuilder.wrap(nn.Sequential(body, nn.Linear(5, 3)), {"body": "0"})
@@ -243,7 +301,10 @@ def test_conv_and_lstm_fisher_run_without_host_sync(buffer_rows: int) -> None:
     with ForbidHostSync() as probed:
         for _ in range(4):
             x, a = torch.randn(8, 3, 2, 9, 9), torch.randint(0, 3, (8,))
+            if masked:
+                ctx.row_mask = (torch.arange(24).reshape(8, 3) % 4 != 1).float()
             F.cross_entropy(model(x), a).backward()
+        ctx.row_mask = None
     assert probed.calls == []
     assert not ctx.probe_errors
     fisher = ctx.model_metrics["fisher"].param_fisher("body")

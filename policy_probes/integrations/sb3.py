@@ -24,12 +24,20 @@ What happens in one rollout/update cycle of an on-policy algorithm (PPO, A2C)::
 
 Component names for ``ActorCriticPolicy`` (``MlpPolicy`` of PPO and A2C) are in
 :data:`SB3_COMPONENTS`; see ``docs/external.md``.
+
+sb3-contrib's ``RecurrentPPO`` works the same way: its LSTMs are the components
+``lstm_actor`` and ``lstm_critic`` (probes read their output sequence, see
+:mod:`policy_probes.recurrent`), and the padded steps of its sequence minibatches, which
+its loss masks out, are left out of every probe: the callback reads each minibatch's
+``mask`` from the rollout buffer and sets it as the session's row mask while ``train()``
+uses that minibatch.
 """
 
 from __future__ import annotations
 
 import copy
 import inspect
+import logging
 import numbers
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -43,6 +51,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         "policy-probes[sb3] (or pip install stable-baselines3)"
     ) from exc
 
+import torch
 from torch import nn
 
 from policy_probes.context import ComponentContext
@@ -83,6 +92,8 @@ _HYPERPARAMETERS = (
 )
 
 Probe = tuple[str, HookBuilderFn]
+
+log = logging.getLogger("policy_probes")
 
 
 def sb3_components(
@@ -172,6 +183,7 @@ class ProbeCallback(BaseCallback):
         #: one dict per reported cycle (what was emitted)
         self.history: list[dict[str, Any]] = []
         self._trained = False  # a train() ran since the last report
+        self._masked_buffer: Any = None
 
     # ------------------------------------------------------------------ probes
     def add_training_hook(self, pattern: str, builder: HookBuilderFn) -> ProbeCallback:
@@ -194,7 +206,7 @@ class ProbeCallback(BaseCallback):
         if self.session is not None and not self.session.closed:
             if self.session.module is self.model.policy:
                 return  # learn() called again while the session is open
-            self.session.close()
+            self.close()
         policy = self.model.policy
         algo = type(self.model).__name__
         run_dir = self.run_dir or default_run_dir(f"sb3-{algo.lower()}")
@@ -223,6 +235,7 @@ class ProbeCallback(BaseCallback):
             raise
         session.set_phase("rollout")
         self.session = session
+        self._mask_minibatches(session)
         self._trained = False
         if self.verbose >= 1:
             print(f"policy-probes: writing to {run_dir}")
@@ -278,20 +291,52 @@ class ProbeCallback(BaseCallback):
     def _trace(self, session: ProbeSession) -> None:
         """Learn what each component returns with one forward pass on a sample
         observation (no_grad, eval mode, every RNG restored), so that a backward probe on
-        a component that returns a tuple (``mlp_extractor``) fails when attached."""
+        a component that returns a tuple (``mlp_extractor``) fails when attached. A
+        recurrent policy (``RecurrentPPO``) also gets zero LSTM states and an episode
+        start; a policy whose ``forward`` needs arguments the callback cannot make is not
+        traced (its components' output kinds are then checked on the first forward)."""
         policy = self.model.policy
         try:
             space = copy.deepcopy(policy.observation_space)  # keep the space's own RNG
             obs, _ = policy.obs_to_tensor(space.sample())
+            args = _forward_args(policy, obs)
         except Exception:  # exotic spaces: kinds stay unknown, checked on first forward
             return
         was_training = policy.training
         try:
             with preserved_rng():
                 policy.train(False)
-                session.policy.trace_outputs(obs)
+                session.policy.trace_outputs(*args)
+        except TypeError as exc:
+            log.warning(
+                "policy-probes: not tracing %s (%s); a backward probe on a component that "
+                "returns a tuple or mapping fails at its first forward instead of when attached",
+                type(policy).__name__,
+                exc,
+            )
         finally:
             policy.train(was_training)
+
+    def _mask_minibatches(self, session: ProbeSession) -> None:
+        """Set each minibatch's ``mask`` (recurrent rollout buffers: 0 at padded steps)
+        as the session's row mask while ``train()`` uses it. The buffer's ``get`` is
+        wrapped for this session (an instance attribute, removed by :meth:`close`)."""
+        buffer = getattr(self.model, "rollout_buffer", None)
+        get = getattr(buffer, "get", None)
+        if buffer is None or get is None or "get" in vars(buffer):
+            return
+
+        def masked_get(*args: Any, **kwargs: Any) -> Any:
+            for sample in get(*args, **kwargs):
+                mask = getattr(sample, "mask", None)
+                if not isinstance(mask, torch.Tensor) or session.closed:
+                    yield sample
+                    continue
+                with session.row_mask(_sequence_mask(mask, sample)):
+                    yield sample
+
+        buffer.get = masked_get
+        self._masked_buffer = buffer
 
     def _hyperparameters(self) -> dict[str, Any]:
         out: dict[str, Any] = {"algo": type(self.model).__name__}
@@ -311,6 +356,10 @@ class ProbeCallback(BaseCallback):
     def close(self) -> None:
         """Remove the hooks and close the sinks (done at the end of ``learn()``; call it
         yourself, or use the callback as a context manager, if ``learn()`` may raise)."""
+        buffer = getattr(self, "_masked_buffer", None)
+        if buffer is not None:
+            vars(buffer).pop("get", None)
+            self._masked_buffer = None
         if self.session is not None:
             self.session.close()
 
@@ -319,6 +368,32 @@ class ProbeCallback(BaseCallback):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _forward_args(policy: nn.Module, obs: Any) -> tuple[Any, ...]:
+    """Arguments for one forward of ``policy`` on a single observation ``obs``."""
+    shape = getattr(policy, "lstm_hidden_state_shape", None)
+    if shape is None:
+        return (obs,)
+    from sb3_contrib.common.recurrent.type_aliases import RNNStates
+
+    device = next(policy.parameters()).device
+
+    def zeros() -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.zeros(shape, device=device), torch.zeros(shape, device=device)
+
+    return obs, RNNStates(zeros(), zeros()), torch.ones(1, device=device)
+
+
+def _sequence_mask(mask: torch.Tensor, sample: Any) -> torch.Tensor:
+    """A recurrent minibatch's flat mask as ``(sequences, steps)`` (its rows are the
+    padded sequences one after the other), so per-step LSTM calls read one column."""
+    states = getattr(sample, "lstm_states", None)
+    pi = getattr(states, "pi", None)
+    if pi is None:
+        return mask
+    n_seq = pi[0].shape[1]
+    return mask.reshape(n_seq, -1) if n_seq and mask.numel() % n_seq == 0 else mask
 
 
 def _takes_name_and_context(builder: Any) -> bool:

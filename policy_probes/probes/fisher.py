@@ -51,6 +51,13 @@ from policy_probes.probes.fisher_generic import (
 from policy_probes.probes.fisher_rules import CHUNK_BYTES, LayerRule, closed_form_rule, layer_rows
 from policy_probes.probes.rows import COUNT, Rows
 from policy_probes.probes.state import SUM, ProbeState, as_floats, as_rows, get_state, rates
+from policy_probes.probes.weighted import Weighted
+from policy_probes.row_mask import (
+    bound_sample_weight,
+    bound_weight,
+    loss_samples,
+    pushing_with,
+)
 
 log = logging.getLogger("policy_probes")
 
@@ -91,17 +98,25 @@ class FisherInformationState(ProbeState):
         for key in [k for k in self.rules if k[0] == name]:
             del self.rules[key]
 
-    def sample_factor(self, component: str, rows: int, loss_scale: float) -> float:
-        """Factor turning the autograd gradient of one row into its per-sample gradient."""
+    def sample_factor(
+        self, component: str, rows: int, loss_scale: float, like: torch.Tensor | None = None
+    ) -> float | torch.Tensor:
+        """Factor turning the autograd gradient of one row into its per-sample gradient.
+        A mean loss averages over :func:`~policy_probes.row_mask.loss_samples` samples:
+        ``context.loss_samples``, else the kept rows of the row mask (a device tensor),
+        else ``rows``."""
         scale = loss_scale if loss_scale else 1.0
         if self.settings[component]["loss_reduction"] == "sum":
             return 1.0 / scale
+        if self.context is not None and like is not None:
+            n = loss_samples(self.context, rows, like)
+            return n if scale == 1.0 else n / scale  # a mask's count: no kernel per push
         return rows / scale
 
     def update(self, component: str, grad_output: torch.Tensor, loss_scale: float = 1.0) -> None:
         """Per-unit Fisher of the component output from one backward pass."""
         g = as_rows(grad_output)
-        f = self.sample_factor(component, g.shape[0], loss_scale)
+        f = self.sample_factor(component, g.shape[0], loss_scale, g)
         self._push(component, "out", (g,), (f,))
 
     def update_layer(
@@ -116,7 +131,7 @@ class FisherInformationState(ProbeState):
         """One backward pass through an ``nn.Linear``: its input and output gradient;
         ``names`` = (weight, bias) names or None."""
         g = as_rows(grad_output)
-        f = self.sample_factor(component, g.shape[0], loss_scale)
+        f = self.sample_factor(component, g.shape[0], loss_scale, g)
         stream = f"{kind}:{names[0] or ''}:{names[1] or ''}"
         self._push(component, stream, (as_rows(x), g), (None, f))
 
@@ -134,7 +149,7 @@ class FisherInformationState(ProbeState):
         and the output gradient, flattened to as many rows."""
         self.rules[(component, stream)] = rule
         g = grad_output.detach().reshape(x.shape[0], -1)
-        f = self.sample_factor(component, g.shape[0], loss_scale)
+        f = self.sample_factor(component, g.shape[0], loss_scale, g)
         self._push(component, stream, (x, g), (None, f))
 
     def update_generic(
@@ -149,9 +164,12 @@ class FisherInformationState(ProbeState):
         same samples (see :func:`~policy_probes.probes.fisher_generic.per_sample_squares`).
         Reduced right away (``torch.func`` needs the module, not rows): samples with a
         non-finite input or gradient in any pass get weight 0, the others their
-        per-sample factor."""
+        per-sample factor. Under a row mask a sample is kept when any of its rows is in
+        any pass (each pass bound its samples' mask entries, ``Call.weight``); masked
+        samples get weight 0 and are not counted."""
         n = calls[0].layout.batch
-        f = self.sample_factor(component, n, loss_scale)
+        like = next((g for c in calls for g in c.grads if g is not None), None)
+        f = self.sample_factor(component, n, loss_scale, like)
         checks = []
         for call in calls:
             lay = call.layout
@@ -162,11 +180,19 @@ class FisherInformationState(ProbeState):
                 (g, d) for g, d in zip(call.grads, lay.out_dims, strict=True) if g is not None
             ]
         ok = row_finite(checks, n)
+        kept = None
+        for call in calls:
+            if call.weight is not None:
+                cw = call.weight.to(ok.dtype)
+                kept = cw if kept is None else torch.maximum(kept, cw)
+        if kept is not None:
+            ok = ok * kept
         w = ok * f  # the per-row weight of this backward
         calls = [
             Call(
                 dataclasses.replace(c.layout, leaves=[clean(t) for t in c.layout.leaves]),
                 [clean(g) for g in c.grads],
+                c.weight,
             )
             for c in calls
         ]
@@ -192,7 +218,7 @@ class FisherInformationState(ProbeState):
         activation's output and its gradient are the tensors other probes read too, so no
         autograd hook on the Linear's output is needed."""
         g = as_rows(act_grad)
-        f = self.sample_factor(component, g.shape[0], loss_scale)
+        f = self.sample_factor(component, g.shape[0], loss_scale, g)
         stream = f"linear@{activation}:{names[0] or ''}:{names[1] or ''}"
         self._push(component, stream, (as_rows(x), as_rows(act_out), g), (None, None, f))
 
@@ -203,21 +229,27 @@ class FisherInformationState(ProbeState):
         cols: tuple[Rows, ...],
         segments: list[int],
         scales: list[Any],
+        weight: torch.Tensor | None = None,
     ) -> None:
         g = cols[-1]
         # w: every row's per-sample factor f (the gradient block's push scale)
         w = self.scratch(g.clean[:, 0], 1)
         lo = 0
-        for f, run in itertools.groupby(zip(segments, scales, strict=True), key=_factor):
+        for _, run in itertools.groupby(zip(segments, scales, strict=True), key=_factor_key):
+            run = list(run)
             hi = lo + sum(n for n, _ in run)
-            w[lo:hi].fill_(f)
+            w[lo:hi].fill_(_factor(run[0]))
             lo = hi
+        mask = weight  # the row mask's rows (``weight`` names a parameter below)
+        if mask is not None:  # masked rows: factor 0 (and not counted below)
+            w.mul_(mask.to(w.dtype))
         if stream == "out":
             # sum_i (f_i g_i)^2 per unit: one matrix-vector product with f^2
             unit_sq = torch.mv(g.square().T, w.square_()).to(SUM)
             self._add(component, "unit_sq", unit_sq)
-            self._add(component, "unit_count", g.finite_count(), COUNT)
-            self._add(component, "nonfinite", g.nonfinite_total(), COUNT)
+            kept = Weighted(g, mask)  # rows the row mask keeps (all without one)
+            self._add(component, "unit_count", kept.finite_count(), COUNT)
+            self._add(component, "nonfinite", kept.nonfinite_total(), COUNT)
             return
         kind, weight, bias = stream.split(":")[:3]
         rule = self.rules.get((component, stream))
@@ -228,6 +260,8 @@ class FisherInformationState(ProbeState):
         if len(cols) == 3:
             bad.add_(cols[1].row_nonfinite())
         ok = bad.sign_().neg_().add_(1.0)
+        if mask is not None:  # masked rows are not samples
+            ok.mul_(mask.to(ok.dtype))
         w.mul_(ok)
         gs = self.scratch(g.clean, 1)
         if kind.startswith("linear@"):  # the Linear's output gradient: g * act'(a)
@@ -417,6 +451,13 @@ class FisherInformationHook(ProbeHook):
             layout.leaves = [
                 t.detach() if isinstance(t, torch.Tensor) else t for t in layout.leaves
             ]
+            try:
+                weight = _generic_sample_weight(
+                    self.context, mod, layout, output, self.component, (id(self), id(mod))
+                )
+            except Exception as exc:
+                self.fail(exc)
+                return
             outs, spec = tree_flatten(output)
             width = len(outs)  # the closure must not hold the outputs themselves
             tapped = [
@@ -433,7 +474,7 @@ class FisherInformationHook(ProbeHook):
                     if not pending:  # first pass of this backward: reduce when it ends
                         loss_scale[0] = self.context.loss_scale
                         torch.autograd.Variable._execution_engine.queue_callback(reduce_pending)
-                    pending.append(Call(layout, full))
+                    pending.append(Call(layout, full, weight))
                 except Exception as exc:
                     self.fail(exc)
 
@@ -474,14 +515,35 @@ class FisherInformationHook(ProbeHook):
             return False
         return passes is None or next(passes) % self.param_every == 0
 
-    def _tap(self, output: torch.Tensor, compute: Any) -> None:
-        """Register ``compute(grad)`` on ``output`` (a pass :meth:`_recorded` accepted)."""
+    def _tap(
+        self,
+        output: torch.Tensor,
+        compute: Any,
+        layer: Any = None,
+        samples: tuple[int, int] | None = None,
+    ) -> None:
+        """Register ``compute(grad)`` on ``output`` (a pass :meth:`_recorded` accepted),
+        with the row-mask rows of ``output`` bound now (``layer`` tells layers apart).
+        ``samples = (samples, rows)``: the pushed rows are samples holding ``rows``
+        mask rows in all (a closed-form rule), see :meth:`RowMask.per_sample`."""
+        key = (id(self), layer)
+        try:
+            if samples is None:
+                weight = bound_weight(self.context, output, None, self.component, key)
+            else:
+                weight = bound_sample_weight(
+                    self.context, output, samples[0], samples[1], None, self.component, key
+                )
+        except Exception as exc:
+            self.fail(exc)
+            return
 
         def record(grad: torch.Tensor) -> None:
             if not self.enabled:
                 return
             try:
-                compute(grad)
+                with pushing_with(self.context, weight):
+                    compute(grad)
             except Exception as exc:
                 self.fail(exc)
 
@@ -519,7 +581,7 @@ class FisherInformationHook(ProbeHook):
                 self.component, activation, names, x, out, grad, self.context.loss_scale
             )
 
-        self._tap(output, compute)
+        self._tap(output, compute, names)
 
     def _sequential_pair_hooks(
         self,
@@ -573,7 +635,10 @@ class FisherInformationHook(ProbeHook):
                         self.component, stream, rule, rows, grad, self.context.loss_scale
                     )
 
-            self._tap(output, compute)
+                n = rows.shape[0]
+                self._tap(output, compute, names, (n, n * _positions(kind, mod, rows, output)))
+                return
+            self._tap(output, compute, names)
 
         return hook
 
@@ -633,10 +698,52 @@ def attach_fisher_information_hooks(
     return build
 
 
-def _factor(push: tuple[int, Any]) -> float:
-    """The per-sample factor of one push (its gradient block's scale; 1 if none)."""
+def _factor(push: tuple[int, Any]) -> float | torch.Tensor:
+    """The per-sample factor of one push (its gradient block's scale; 1 if none): a
+    float, or a 0-dim device tensor under a row mask (never read on the host)."""
     scales = push[1]
-    return 1.0 if scales is None or scales[-1] is None else float(scales[-1])
+    if scales is None or scales[-1] is None:
+        return 1.0
+    f = scales[-1]
+    return f if isinstance(f, torch.Tensor) else float(f)
+
+
+def _factor_key(push: tuple[int, Any]) -> Any:
+    """Groups pushes with the same factor without comparing tensors (no host sync)."""
+    f = _factor(push)
+    return ("tensor", id(f)) if isinstance(f, torch.Tensor) else f
+
+
+def _positions(kind: str, module: nn.Module, rows: torch.Tensor, output: torch.Tensor) -> int:
+    """Positions summed inside one sample of a closed-form rule (a row mask may give one
+    entry per position): conv output positions, embedding indices, group-norm positions
+    per channel; 1 for LayerNorm, whose rows are the samples."""
+    n = rows.shape[0]
+    if kind == "conv":
+        return output.numel() // max(n * module.out_channels, 1)
+    if kind == "embedding":
+        return rows.shape[1]
+    if kind == "group_norm":
+        return rows.shape[1] // module.num_channels
+    return 1
+
+
+def _generic_sample_weight(
+    context: ComponentContext,
+    module: nn.Module,
+    layout: Any,
+    output: Any,
+    component: str,
+    key: Any,
+) -> torch.Tensor | None:
+    """The row-mask entries of the samples of one pass on the generic route (None without
+    a mask): a sample holds the rows of the first output along its batch dimension (an
+    ``nn.LSTM``'s steps), kept when any of them is."""
+    if getattr(context, "row_mask", None) is None:
+        return None
+    first = tree_flatten(output)[0][0]
+    rows = first.numel() // max(first.shape[-1], 1) if first.dim() > 1 else first.numel()
+    return bound_sample_weight(context, first, layout.batch, rows, module, component, key)
 
 
 def _carries_grad(output: Any) -> bool:

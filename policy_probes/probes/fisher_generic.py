@@ -192,10 +192,13 @@ class OutputTap(torch.autograd.Function):
 @dataclass
 class Call:
     """One pass of the module whose output gradients arrived: ``layout`` (inputs split
-    into samples) and the gradient of every output leaf (None: none)."""
+    into samples), the gradient of every output leaf (None: none) and the row-mask
+    entries of its samples."""
 
     layout: Layout
     grads: list[torch.Tensor | None]
+    #: the row-mask entries of its samples (None: no mask), see RowMask.per_sample
+    weight: torch.Tensor | None = None
 
 
 def per_sample_squares(

@@ -22,6 +22,8 @@ from policy_probes.probes.layout import as_unit_rows, check_layout
 from policy_probes.probes.per_layer import LayeredProbeHook, ProbedLayer
 from policy_probes.probes.rows import COUNT, Rows
 from policy_probes.probes.state import ProbeState, as_floats, get_state
+from policy_probes.probes.weighted import Weighted
+from policy_probes.row_mask import pushing_with
 
 BLOCKED_THRESHOLD = 1e-8
 
@@ -52,8 +54,13 @@ class GradientFlowState(ProbeState):
         self, component: str, grad_output: torch.Tensor, channels_first: bool = False
     ) -> None:
         """Add one backward pass (all rows of one gradient delivery; with
-        ``channels_first`` the units are on axis 1 and every sample and position is a row)."""
-        self._push(component, "g", (as_unit_rows(grad_output, channels_first),))
+        ``channels_first`` the units are on axis 1 and every sample and position is a row).
+        Under a row mask, every delivery inside one ``row_mask`` block is one pass (an LSTM
+        called once per step delivers one gradient per step): the push's scale is the
+        block's serial."""
+        mask = self.context.row_mask if self.context is not None else None
+        scales = None if mask is None else (mask.serial,)
+        self._push(component, "g", (as_unit_rows(grad_output, channels_first),), scales)
 
     def consume(
         self,
@@ -62,11 +69,16 @@ class GradientFlowState(ProbeState):
         cols: tuple[Rows, ...],
         segments: list[int],
         scales: list[Any],
+        weight: torch.Tensor | None = None,
     ) -> None:
         (drained,) = cols
         beta = self.settings[component]["beta"]
         g, nonfinite = drained.clean, drained.nonfinite
         sq = drained.square()
+        segments = _passes(segments, scales)
+        if weight is not None:
+            self._consume_masked(component, drained, segments, weight, beta)
+            return
         # finite samples per pass and unit = rows of the pass - its non-finite entries
         # (built on the device from Python ints: no host-to-device copy in a hook)
         if len(set(segments)) == 1:  # equal passes: one reshape, no loop
@@ -94,6 +106,30 @@ class GradientFlowState(ProbeState):
         self._add(component, "nonfinite", g.numel() - finite.sum(), COUNT)
         self._add(component, "count", finite, COUNT)
 
+    def _consume_masked(
+        self, component: str, drained: Rows, segments: list[int], weight: torch.Tensor, beta: float
+    ) -> None:
+        """:meth:`consume` under a row mask: each pass's RMS is over its kept rows, and a
+        pass whose rows are all masked leaves the EMA and ``passes`` unchanged."""
+        w = weight.to(drained.clean.dtype)[:, None]
+        sq = torch.mul(drained.square(), w, out=self.scratch(drained.clean))
+        nonfinite = torch.mul(drained.nonfinite, w, out=self.scratch(drained.clean, 1))
+        kept = Weighted(drained, weight).segment_sums(segments)  # kept rows per pass
+        sums = torch.stack([part.sum(0) for part in sq.split(segments)]).to(torch.float64)
+        bad = torch.stack([part.sum(0) for part in nonfinite.split(segments)])
+        counts = bad.to(torch.float64).neg_().add_(kept[:, None])
+        rms = (sums / counts.clamp(min=1)).sqrt()
+        valid = kept.sign()  # 1 for a pass with a kept row
+        later = valid.flip(0).cumsum(0).flip(0).sub_(valid)  # counted passes after each
+        weights = torch.pow(beta, later).mul_(valid).mul_(1.0 - beta)
+        ema = self._acc(component, "ema", rms[0], torch.float64)
+        ema.mul_(torch.pow(beta, valid.sum())).add_(weights @ rms)
+        self._acc(component, "passes", rms[0, 0], torch.float64).add_(valid.sum())
+        finite = counts.sum(0).round_().to(COUNT)
+        total = kept.sum().round_().to(COUNT) * drained.clean.shape[1]
+        self._add(component, "nonfinite", total - finite.sum(), COUNT)
+        self._add(component, "count", finite, COUNT)
+
     def summarize(self, component: str, s: dict[str, torch.Tensor], cfg: dict[str, Any]) -> dict:
         k = float(s["passes"])
         correction = 1.0 - cfg["beta"] ** k if k > 0 else 1.0
@@ -110,6 +146,20 @@ class GradientFlowState(ProbeState):
         }
 
 
+def _passes(segments: list[int], scales: list[Any]) -> list[int]:
+    """Rows per pass: consecutive pushes of one ``row_mask`` block are one pass."""
+    out: list[int] = []
+    previous = None
+    for n, scale in zip(segments, scales, strict=True):
+        block = None if scale is None else scale[0]
+        if block is not None and block == previous:
+            out[-1] += n
+        else:
+            out.append(n)
+        previous = block
+    return out
+
+
 class GradientFlowHook(LayeredProbeHook):
     probe = "gradient_flow"
     backward = True
@@ -121,12 +171,14 @@ class GradientFlowHook(LayeredProbeHook):
         """Subscribe to the gradient of ``layer``'s output (one shared tensor hook)."""
         if not (output.requires_grad and torch.is_grad_enabled()):
             return
+        weight = self.context.push_weight  # the mask rows bound to this output, or None
 
         def record(grad: torch.Tensor) -> None:
             if not self.enabled:
                 return
             try:
-                self.tracker.update(layer.component, grad, layer.channels_first)
+                with pushing_with(self.context, weight):
+                    self.tracker.update(layer.component, grad, layer.channels_first)
             except Exception as exc:  # a probe must never take training down
                 self.fail(exc)
 

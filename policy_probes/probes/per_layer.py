@@ -34,6 +34,7 @@ from policy_probes.probes.layout import (
     output_channels_first,
     resolve_channels_first,
 )
+from policy_probes.row_mask import bound_weight, pushing_with
 
 
 @dataclass(frozen=True)
@@ -197,12 +198,26 @@ class LayeredProbeHook(ProbeHook):
                 return
             self._seen.add(layer.component)
             try:
-                self.record_layer(layer, output)
+                # the row-mask rows of this layer's output, bound in forward order as the
+                # component hook binds its own (per-step calls count per layer)
+                weight = bound_weight(
+                    self.context,
+                    output,
+                    layer.module,
+                    layer.component,
+                    (id(self), layer.component),
+                    layer.channels_first,
+                )
+                with pushing_with(self.context, weight):
+                    self.record_layer(layer, output)
             except Exception as exc:  # a probe must never take training down
                 self.fail(exc)
 
         return hook
 
     def record_layer(self, layer: ProbedLayer, output: torch.Tensor) -> None:
-        """Read one forward output of ``layer`` (not detached: see the subclasses)."""
+        """Read one forward output of ``layer`` (not detached: see the subclasses). Under
+        a row mask it is called inside :class:`~policy_probes.row_mask.pushing_with` with
+        the mask rows of ``output``, so pushes made now carry them; a probe that pushes
+        later (from a gradient hook) keeps ``context.push_weight`` for then."""
         raise NotImplementedError

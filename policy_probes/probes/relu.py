@@ -23,8 +23,9 @@ from policy_probes.extractors import as_extractor
 from policy_probes.hook_types import Extractor, HookBuilder
 from policy_probes.probes.layout import as_unit_rows, check_layout, positions
 from policy_probes.probes.per_layer import LayeredProbeHook, ProbedLayer
-from policy_probes.probes.rows import COUNT, Rows, column_counts
+from policy_probes.probes.rows import COUNT, Rows
 from policy_probes.probes.state import SUM, ProbeState, as_floats, get_state, rates
+from policy_probes.probes.weighted import Weighted
 
 # ReDo divides by the layer mean plus a small constant; all-zero layers are all dormant.
 DORMANT_EPS = 1e-9
@@ -62,17 +63,19 @@ class ReLUActivationState(ProbeState):
         cols: tuple[Rows, ...],
         segments: list[int],
         scales: list[Any],
+        weight: torch.Tensor | None = None,
     ) -> None:
         (h,) = cols
-        count = h.finite_count()
-        abs_sum = torch.abs(h.clean, out=self.scratch(h.clean)).sum(0).to(SUM)
-        active = column_counts(h.positive())
+        kept = Weighted(h, weight)  # rows the row mask keeps (all without one)
+        count = kept.finite_count()
+        abs_sum = kept.sums(torch.abs(h.clean, out=self.scratch(h.clean))).to(SUM)
+        active = kept.counts(h.positive())
         self._add(component, "count", count, COUNT)
         self._add(component, "active", active, COUNT)
         self._add(component, "abs_sum", abs_sum)
         # finite elements that are <= 0, and non-finite ones, follow from the counts
         self._add(component, "nonpos", count.sum() - active.sum(), COUNT)
-        self._add(component, "nonfinite", h.nonfinite_total(), COUNT)
+        self._add(component, "nonfinite", kept.nonfinite_total(), COUNT)
 
     def summarize(self, component: str, s: dict[str, torch.Tensor], cfg: dict[str, Any]) -> dict:
         count = s["count"]

@@ -27,8 +27,10 @@ from policy_probes.grad_tap import on_grad
 from policy_probes.hook_types import BackwardHookBuilder, ProbeError, ProbeHook
 from policy_probes.probes.layout import as_unit_rows, check_layout, resolve_channels_first
 from policy_probes.probes.per_layer import activation_layers
-from policy_probes.probes.rows import COUNT, Rows, column_counts
+from policy_probes.probes.rows import COUNT, Rows
 from policy_probes.probes.state import ProbeState, as_floats, get_state, rates
+from policy_probes.probes.weighted import Weighted
+from policy_probes.row_mask import bound_weight, pushing_with
 
 
 class ReLUGradientFlowState(ProbeState):
@@ -74,14 +76,16 @@ class ReLUGradientFlowState(ProbeState):
         cols: tuple[Rows, ...],
         segments: list[int],
         scales: list[Any],
+        weight: torch.Tensor | None = None,
     ) -> None:
         g, out = cols
         # g != 0 (finite: non-finite gradients are 0 in g.clean and never pass) and the
         # unit was active (a finite output > 0)
         passed = torch.abs(g.clean, out=self.scratch(g.clean)).sign_().mul_(out.positive())
-        self._add(component, f"count:{stream}", g.finite_count(), COUNT)
-        self._add(component, f"passed:{stream}", column_counts(passed), COUNT)
-        self._add(component, f"nonfinite:{stream}", g.nonfinite_total(), COUNT)
+        kept = Weighted(g, weight)  # rows the row mask keeps (all without one)
+        self._add(component, f"count:{stream}", kept.finite_count(), COUNT)
+        self._add(component, f"passed:{stream}", kept.counts(passed), COUNT)
+        self._add(component, f"nonfinite:{stream}", kept.nonfinite_total(), COUNT)
 
     def summarize(self, component: str, s: dict[str, torch.Tensor], cfg: dict[str, Any]) -> dict:
         out: dict[str, Any] = {}
@@ -177,13 +181,21 @@ class ReLUGradientFlowHook(ProbeHook):
             ):
                 return
             relu_out = output.detach()
+            try:  # the row-mask rows of this pass, bound in forward order
+                weight = bound_weight(
+                    self.context, relu_out, None, self.component, (id(self), layer), channels_first
+                )
+            except Exception as exc:
+                self.fail(exc)
+                return
 
             def record(grad: torch.Tensor) -> None:
                 if not self.enabled:
                     return
                 self.calls += 1
                 try:
-                    self.tracker.update(self.component, layer, grad, relu_out, channels_first)
+                    with pushing_with(self.context, weight):
+                        self.tracker.update(self.component, layer, grad, relu_out, channels_first)
                 except Exception as exc:
                     self.fail(exc)
 

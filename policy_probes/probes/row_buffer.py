@@ -11,6 +11,10 @@ or ``(..., columns)`` with every leading dimension a row (a channels-first view 
 output, ``(B, *spatial, C)``, made rows by the copy at :meth:`take`). Several aligned blocks
 (for example a layer's inputs and output gradients) share the row positions; per-push
 scale factors are handed to the reduction, which applies them to its own results.
+A push may carry a row weight (the mask entries of its rows, see
+:mod:`policy_probes.row_mask`), held by reference like the blocks; :meth:`RowBuffer.take`
+hands the reduction one weight per row (1 for pushes without one), or None when no push
+of the window carried one.
 
 Held tensors are not copied, so an in-place change between the hook and the reduction
 would be read instead of what the hook saw. Every block's ``_version`` is compared at
@@ -51,6 +55,7 @@ class RowBuffer:
         self.versions: list[tuple[int, ...] | None] = []
         self.segments: list[int] = []
         self.scales: list[tuple[float | None, ...] | None] = []
+        self.weights: list[torch.Tensor | None] = []
         self.rows = 0
         self.capacity = 0
         self.layout: Layout = ()
@@ -98,7 +103,10 @@ class RowBuffer:
         return True
 
     def append(
-        self, blocks: tuple[torch.Tensor, ...], scales: tuple[float | None, ...] | None
+        self,
+        blocks: tuple[torch.Tensor, ...],
+        scales: tuple[float | None, ...] | None,
+        weight: torch.Tensor | None = None,
     ) -> None:
         if self.copy_pushes or any(b.is_inference() for b in blocks):
             # inference tensors have no version counter to check: hold a copy instead
@@ -112,15 +120,22 @@ class RowBuffer:
         self.rows += rows
         self.segments.append(rows)
         self.scales.append(scales)
+        self.weights.append(weight)
 
     def take(
         self, drain_round: DrainRound | None = None
-    ) -> tuple[tuple[Rows, ...], list[int], list[tuple[float | None, ...] | None]]:
+    ) -> tuple[
+        tuple[Rows, ...],
+        list[int],
+        list[tuple[float | None, ...] | None],
+        torch.Tensor | None,
+    ]:
         """The held rows, one :class:`Rows` per block column (shared through
         ``drain_round`` with other buffers that hold the same tensors), the row count of
-        every push and its scales; the buffer is empty afterwards. The rows stay valid
-        until this buffer's next :meth:`take`."""
-        pending, versions = self.pending, self.versions
+        every push, its scales, and the rows' weights (None if no push had one); the
+        buffer is empty afterwards. The rows stay valid until this buffer's next
+        :meth:`take`."""
+        pending, versions, weights = self.pending, self.versions, self.weights
         segments, scales, rows = self.segments, self.scales, self.rows
         self.clear()
         for blocks, seen in zip(pending, versions, strict=True):
@@ -155,7 +170,29 @@ class RowBuffer:
             out.append(
                 materialise() if drain_round is None else drain_round.rows(refs, materialise)
             )
-        return tuple(out), segments, scales
+        return tuple(out), segments, scales, self._weight_column(weights, segments, rows)
+
+    def _weight_column(
+        self, weights: list[torch.Tensor | None], segments: list[int], rows: int
+    ) -> torch.Tensor | None:
+        """Every held row's weight, in the buffer's own storage (None if none was given)."""
+        if all(w is None for w in weights):
+            return None
+        key = (-1, 0)
+        col = self.storage.get(key)
+        if col is None:
+            col = self.storage[key] = torch.empty(
+                self.capacity, dtype=torch.float32, device=self.layout[0][2]
+            )
+        col = col[:rows]
+        lo = 0
+        for n, w in zip(segments, weights, strict=True):
+            if w is None:
+                col[lo : lo + n].fill_(1.0)
+            else:  # (rows,), or (samples, positions) expanded over a conv output's positions
+                col[lo : lo + n].view(w.shape).copy_(w)
+            lo += n
+        return col
 
     def _slot(self, col: int, slot: int) -> torch.Tensor:
         """Storage ``slot`` of block column ``col`` (values, non-finite indicator, derived
@@ -176,6 +213,7 @@ class RowBuffer:
         self.versions = []
         self.segments = []
         self.scales = []
+        self.weights = []
 
     @property
     def nbytes(self) -> int:

@@ -19,7 +19,7 @@ from policy_probes.hook_types import Extractor, HookBuilder
 from policy_probes.probes.layout import as_unit_rows, check_layout, positions
 from policy_probes.probes.per_layer import ActivationLayer, LayeredProbeHook, ProbedLayer
 from policy_probes.probes.relu import samples
-from policy_probes.probes.rows import COUNT, Rows, column_counts
+from policy_probes.probes.rows import COUNT, Rows
 from policy_probes.probes.state import (
     SUM,
     ProbeState,
@@ -28,6 +28,7 @@ from policy_probes.probes.state import (
     indicator_,
     rates,
 )
+from policy_probes.probes.weighted import Weighted
 
 SATURATING = ("tanh", "sigmoid")
 #: the activation module of each kind (the layers a per-layer saturation probe reads)
@@ -68,27 +69,29 @@ class SaturatedActivationState(ProbeState):
         cols: tuple[Rows, ...],
         segments: list[int],
         scales: list[Any],
+        weight: torch.Tensor | None = None,
     ) -> None:
         (h,) = cols
         t = self.settings[component]["threshold"]
         clean, scratch = h.clean, self.scratch(h.clean)  # non-finite entries are 0
-        count = h.finite_count()
+        kept = Weighted(h, weight)  # rows the row mask keeps (all without one)
+        count = kept.finite_count()
         finite_total = count.sum()
-        sq_sum = h.square().sum().to(SUM)
+        sq_sum = kept.sums(h.square()).sum().to(SUM)
         if self.activation == "tanh":
             # sum over finite elements of 1 - h^2 (replaced elements add 0 to sq_sum)
             derivative_sum = finite_total - sq_sum
-            saturated = column_counts(indicator_(torch.abs(clean, out=scratch).sub_(t)))
+            saturated = kept.counts(indicator_(torch.abs(clean, out=scratch).sub_(t)))
         else:  # sigmoid: h (1 - h); t > 0.5, so the two tails are disjoint
-            derivative_sum = clean.sum().to(SUM) - sq_sum
-            low = column_counts(indicator_(torch.mul(clean, -1.0, out=scratch).add_(1 - t)))
-            high = column_counts(indicator_(torch.sub(clean, t, out=scratch)))
+            derivative_sum = kept.sums(clean).sum().to(SUM) - sq_sum
+            low = kept.counts(indicator_(torch.mul(clean, -1.0, out=scratch).add_(1 - t)))
+            high = kept.counts(indicator_(torch.sub(clean, t, out=scratch)))
             # a replaced 0 is below 1 - t: not saturated
-            saturated = low - (h.num_rows - count) + high
+            saturated = low - (kept.num_rows - count) + high
         self._add(component, "count", count, COUNT)
         self._add(component, "saturated", saturated, COUNT)
         self._add(component, "derivative_sum", derivative_sum)
-        self._add(component, "nonfinite", h.nonfinite_total(), COUNT)
+        self._add(component, "nonfinite", kept.nonfinite_total(), COUNT)
 
     def summarize(self, component: str, s: dict[str, torch.Tensor], cfg: dict[str, Any]) -> dict:
         count = s["count"]

@@ -18,6 +18,9 @@ accumulators to the host once per window.
 
 from __future__ import annotations
 
+import functools
+import inspect
+import logging
 import math
 from typing import Any
 
@@ -25,12 +28,14 @@ import torch
 import torch.distributed as dist
 
 from policy_probes.context import ComponentContext
-from policy_probes.probes.row_buffer import RowBuffer
+from policy_probes.probes.row_buffer import RowBuffer, block_rows
 from policy_probes.probes.rows import COUNT as COUNT  # re-exported for custom trackers
 from policy_probes.probes.rows import DrainRound, Rows
 
 # Accumulator dtype of sums (counts are int64: rows.COUNT).
 SUM = torch.float64
+
+log = logging.getLogger("policy_probes")
 
 
 class ProbeState:
@@ -146,8 +151,11 @@ class ProbeState:
 
         ``scales`` are per-push factors of the blocks (``None`` = as is), handed to
         :meth:`consume` with the rows. A full buffer drains every tracker of the context
-        (:meth:`drain`) before it takes the push.
+        (:meth:`drain`) before it takes the push. Under a row mask the push carries the
+        mask rows its hook bound (``context.push_weight``), or else the mask aligned with
+        the rows by count (see :mod:`policy_probes.row_mask`).
         """
+        weight = self._row_weight(component, stream, blocks[0])
         buf = self.buffers.get((component, stream))
         if buf is None:
             buf = self.buffers[(component, stream)] = RowBuffer(
@@ -156,7 +164,22 @@ class ProbeState:
         if not buf.accepts(blocks):
             self.drain()  # empties every buffer of the context, this one included
             buf.reserve(blocks)
-        buf.append(blocks, scales)
+        buf.append(blocks, scales, weight)
+
+    def _row_weight(self, component: str, stream: str, rows: torch.Tensor) -> torch.Tensor | None:
+        context = self.context
+        if context is None:
+            return None
+        weight = context.push_weight
+        if weight is None and context.row_mask is not None:
+            weight = context.row_mask.weight_for(rows, None, component, (id(self), stream))
+        if weight is not None and weight.numel() != block_rows(rows):
+            raise ValueError(
+                f"probe {self.probe!r} on component {component!r}: the row mask bound to this "
+                f"pass has {weight.numel()} rows, the pushed tensor {block_rows(rows)}; "
+                f"pass a row mask with one entry per row of the minibatch"
+            )
+        return weight
 
     def scratch(self, like: torch.Tensor, slot: int = 0) -> torch.Tensor:
         """A reusable tensor shaped like ``like`` (contents undefined; half precision
@@ -201,7 +224,11 @@ class ProbeState:
             if not buf.rows:
                 continue
             try:
-                self.consume(component, stream, *buf.take(drain_round))
+                cols, segments, scales, weight = buf.take(drain_round)
+                if weight is None or not _takes_weight(type(self)):
+                    self.consume(component, stream, cols, segments, scales)
+                else:  # masked rows: the built-in trackers weigh each row
+                    self.consume(component, stream, cols, segments, scales, weight=weight)
             except Exception as exc:  # a reduction must never take training down
                 self._lose_window(component, exc)
 
@@ -228,7 +255,10 @@ class ProbeState:
     ) -> None:
         """Reduce drained rows into accumulators: one :class:`Rows` per block column
         (finite values and non-finite indicator, **read-only**: other probes may share
-        them), the row count of every push in order, and every push's scales.
+        them), the row count of every push in order, and every push's scales. When a row
+        mask was set, ``weight=`` (``(N,)`` of 0/1) is passed too: sums must then be over
+        the rows of weight 1 and counts must count only them (see
+        :class:`~policy_probes.probes.weighted.Weighted`).
 
         Temporaries go into :meth:`scratch`, so a reduction allocates nothing of the
         buffer's size (allocating and faulting in fresh megabyte-sized temporaries cost
@@ -315,6 +345,24 @@ class ProbeState:
             for st in self.state.values()
             for t in st.values()
         )
+
+
+@functools.cache
+def _takes_weight(cls: type) -> bool:
+    """Whether ``cls.consume`` accepts ``weight=`` (row masks); a custom tracker without it
+    gets every row, and a warning once."""
+    try:
+        takes = "weight" in inspect.signature(cls.consume).parameters
+    except (TypeError, ValueError):
+        takes = False
+    if not takes:
+        log.warning(
+            "tracker %s: consume() takes no weight=..., so it counts the rows a row mask "
+            "leaves out; accept weight=None and reduce with policy_probes.probes.weighted."
+            "Weighted to honour masks",
+            cls.__name__,
+        )
+    return takes
 
 
 def _to_host(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -1,0 +1,50 @@
+"""SB3 RecurrentPPO overhead: sb3-contrib's RecurrentPPO with the ProbeCallback against it
+without the callback.
+
+Both sides train ``RecurrentPPO("MlpLstmPolicy")`` on CartPole-v1 with the hyperparameters
+of the SB3 overhead benchmark (4 envs x 128 steps, minibatches of 128, 4 update epochs,
+64-unit LSTMs and 64-64 ReLU actor and critic MLPs, CPU, one torch thread). Side B adds
+``ProbeCallback`` with the five module probes on ``actor_mlp`` and ``critic_mlp`` and
+relu, saturation, Fisher and gradient flow on ``lstm_actor`` and ``lstm_critic``, which
+also reads the padding mask of every minibatch (the row-mask path of every probe).
+Same A/B harness as the other benchmarks (:mod:`benchmarks.ab`).
+
+    python -m benchmarks.sb3_recurrent_overhead [--quick] [--repeats N] [--out PATH]
+"""
+
+from __future__ import annotations
+
+from benchmarks.ab import Comparison, Side, interleave, parse_args, print_table, write_results
+
+
+def comparisons(quick: bool) -> list[Comparison]:
+    base = {
+        "total_timesteps": 512 if quick else 4096,
+        "activation": "relu",
+        "recurrent": True,
+    }
+    return [
+        Comparison(
+            "SB3 RecurrentPPO + ProbeCallback (18 probes, masked rows)",
+            Side("recurrent ppo", "sb3", dict(base)),
+            Side("recurrent ppo + ProbeCallback", "sb3", dict(base, probe_callback=True)),
+            target="<= 1.05 (as for our trainer)",
+        )
+    ]
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(__doc__.splitlines()[0], 3, "sb3_recurrent_overhead.json", argv)
+    comps = comparisons(args.quick)
+    interleave(comps, args.repeats)
+    print_table("RecurrentPPO overhead of the ProbeCallback (wall time with / without)", comps)
+    write_results(
+        args.out,
+        "sb3 recurrent overhead: t(B)/t(A)",
+        comps,
+        overhead={c.name: c.median_ratio for c in comps},
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""Column reductions of drained rows weighted by a row mask (see :mod:`policy_probes.row_mask`).
+
+Trackers reduce drained rows with plain column sums and counts; under a row mask the same
+reductions become sums over the kept rows and numbers of kept rows. :class:`Weighted`
+gives both forms behind one interface, so a tracker's ``consume`` reads the same with and
+without a mask (without one it is exactly the unweighted code, cached counts included).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from policy_probes.probes.rows import COUNT, Rows, column_counts
+
+
+class Weighted:
+    """Column reductions of drained rows weighted by the rows' mask entries ``weight``
+    (``(N,)`` of 0/1, or None for all rows): sums over kept rows, counts of kept rows."""
+
+    def __init__(self, rows: Rows, weight: torch.Tensor | None) -> None:
+        self.rows = rows
+        self.weight = weight
+
+    def _w(self, like: torch.Tensor) -> torch.Tensor:
+        assert self.weight is not None
+        w = self.weight
+        return w if w.dtype == like.dtype else w.to(like.dtype)
+
+    @property
+    def num_rows(self) -> int | torch.Tensor:
+        """Kept rows (an int without a mask)."""
+        if self.weight is None:
+            return self.rows.num_rows
+        return self.weight.sum().to(COUNT)
+
+    def sums(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-column sum over kept rows of ``x`` (N, U)."""
+        if self.weight is None:
+            return x.sum(0)
+        return torch.mv(x.T, self._w(x))
+
+    def counts(self, indicators: torch.Tensor) -> torch.Tensor:
+        """Per-column number of kept rows where a 0/1 ``indicators`` is 1 (int64)."""
+        if self.weight is None:
+            return column_counts(indicators)
+        return self.sums(indicators).round_().to(COUNT)
+
+    def finite_count(self) -> torch.Tensor:
+        """Finite entries per column among kept rows (int64)."""
+        if self.weight is None:
+            return self.rows.finite_count()
+        return self.num_rows - self.counts(self.rows.nonfinite)
+
+    def nonfinite_total(self) -> torch.Tensor:
+        """Non-finite entries among kept rows (int64 scalar)."""
+        if self.weight is None:
+            return self.rows.nonfinite_total()
+        return self.counts(self.rows.nonfinite).sum()
+
+    def segment_sums(self, segments: list[int]) -> torch.Tensor:
+        """Kept rows per push (float64, ``(len(segments),)``)."""
+        assert self.weight is not None
+        w = self.weight.to(torch.float64)
+        if len(set(segments)) == 1:
+            return w.reshape(len(segments), -1).sum(1)
+        return torch.stack([part.sum() for part in w.split(segments)])

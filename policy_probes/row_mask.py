@@ -1,0 +1,265 @@
+"""Row masks: rows the loss leaves out (padded sequence steps) are left out of every probe.
+
+A loop whose loss masks rows (RecurrentPPO pads its sequences to one length and averages
+the loss over the real steps only) states the mask around its forward and backward::
+
+    with session.row_mask(mask):     # mask: (rows,) or (batch, time), 1 = the loss uses it
+        loss = masked_mean(...)
+        loss.backward()
+
+Every built-in tracker then weighs each row by its mask entry at the drain: sums become
+sums over the kept rows and counts become numbers of kept rows, so a masked row changes
+no statistic and no ``samples`` count. Nothing is indexed in a hook (no boolean indexing,
+no ``nonzero``): the hook binds a view of the mask to the rows it pushes, the buffer
+holds it with them, and the trackers weigh the rows when they drain (see
+:meth:`RowMask.weight_for` and :class:`~policy_probes.probes.weighted.Weighted`).
+
+How a mask lines up with a probed tensor (all leading dimensions are rows):
+
+* the tensor has as many rows as the mask has entries: the mask read in the tensor's
+  row order (row-major flattening of ``(batch, time)``, i.e. batch-major), except the
+  output sequence of an ``nn.LSTM``/``nn.GRU``/``nn.RNN``/``nn.MultiheadAttention`` with
+  ``batch_first=False``, whose rows are time-major ``(time, batch)``: it reads the
+  transposed mask;
+* a 2-D ``(batch, time)`` mask and a tensor of ``batch`` rows (a per-step call: an
+  ``nn.LSTMCell`` in a loop, or an ``nn.LSTM`` fed one step at a time): the k-th call of
+  the module inside the ``row_mask`` block reads column ``k``;
+* a conv output read per channel (``layout``, :mod:`policy_probes.probes.layout`):
+  ``(B, C, *spatial)`` has one mask row per sample ``B`` (matched by the rules above,
+  with ``B`` as the rows); each sample's entry is expanded over its positions, in the row
+  order of the ``(B, *spatial, C)`` rows the probes read, so every statistic is over the
+  positions of the kept samples and ``samples`` counts kept samples;
+* anything else is an error that says which shapes to pass.
+
+The per-sample factor of the Fisher probe (the number of samples the loss averages over)
+comes from :func:`loss_samples`: ``context.loss_samples`` when the loop states it, else
+the number of kept rows of the mask, else the rows of the pass (the rule without masks).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+#: sequence modules whose output is time-major unless ``batch_first``
+SEQUENCE_MODULES = (nn.LSTM, nn.GRU, nn.RNN, nn.MultiheadAttention)
+
+_serials = itertools.count()
+
+
+class RowMask:
+    """A 0/1 row mask held as float weights, with the step counters of per-step calls.
+
+    ``mask`` is ``(rows,)`` or ``(batch, time)``, bool or numeric (non-zero = kept). The
+    float copy is made once here, on the mask's device; hooks only take views of it.
+    """
+
+    def __init__(self, mask: torch.Tensor) -> None:
+        if not isinstance(mask, torch.Tensor):
+            raise TypeError(
+                f"row_mask needs a torch.Tensor of 0/1 per row (1 = the loss uses the row), "
+                f"got {type(mask).__name__}"
+            )
+        if mask.dim() not in (1, 2) or mask.numel() == 0:
+            raise ValueError(
+                f"row_mask needs a non-empty mask of shape (rows,) or (batch, time), got shape "
+                f"{tuple(mask.shape)}; reshape it, e.g. mask.reshape(n_sequences, -1)"
+            )
+        if mask.is_complex():
+            raise TypeError("row_mask needs a bool or real mask, got a complex tensor")
+        #: tells masks apart (ids of freed objects are reused): one per row_mask block
+        self.serial = next(_serials)
+        self.shape = tuple(mask.shape)
+        self.weights = (mask.detach() != 0).to(torch.float32)
+        self._flat = self.weights.reshape(-1)
+        self._steps: dict[Any, int] = {}
+        self._on: dict[torch.device, RowMask] = {}
+        self._kept: torch.Tensor | None = None
+        self._time_major: torch.Tensor | None = None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def kept(self) -> torch.Tensor:
+        """Number of kept rows, a 0-dim float tensor on the mask's device (no sync)."""
+        if self._kept is None:
+            self._kept = self._flat.sum()
+        return self._kept
+
+    def on(self, device: torch.device) -> RowMask:
+        """This mask on ``device`` (copied once per device)."""
+        if device == self.weights.device:
+            return self
+        other = self._on.get(device)
+        if other is None:
+            other = self._on[device] = RowMask(self.weights.to(device))
+            other._steps = self._steps  # one step count per module, on every device
+        return other
+
+    def weight_for(
+        self,
+        tensor: torch.Tensor,
+        module: nn.Module | None,
+        component: str,
+        key: Any,
+        channels_first: bool = False,
+    ) -> torch.Tensor:
+        """The mask entries of ``tensor``'s rows, ``(rows,)``: a view of the mask (for
+        time-major rows a copy made once per mask), aligned as the module docstring says.
+        ``key`` identifies the caller for per-step calls (each hook counts the calls it
+        sees). With ``channels_first`` (a conv output ``(B, C, *spatial)`` read per
+        channel) the mask has one entry per sample ``B`` and the result is the view
+        ``(B, positions)`` of it expanded over each sample's positions: the row order of
+        the ``(B, *spatial, C)`` view the probes push."""
+        if channels_first and tensor.dim() >= 3:
+            per_sample = math.prod(tensor.shape[2:])
+            weight = self._sample_weight(tensor, (tensor.shape[0],), None, component, key)
+            return weight[:, None].expand(-1, per_sample)
+        return self._sample_weight(tensor, tuple(tensor.shape[:-1]), module, component, key)
+
+    def per_sample(
+        self,
+        tensor: torch.Tensor,
+        samples: int,
+        rows: int,
+        module: nn.Module | None,
+        component: str,
+        key: Any,
+    ) -> torch.Tensor:
+        """The mask entries of ``samples`` samples that each hold ``rows / samples`` rows
+        (a conv's or embedding's positions, an ``nn.LSTM``'s steps), ``(samples,)``: a
+        sample is kept when any of its rows is (its gradient sums its rows, and a masked
+        row adds nothing when the loss masks it). A mask of one entry per sample is read
+        as is; a mask of one entry per row is read in the module's row order, batch-major
+        for a 2-D ``(batch, time)`` mask; a per-step call reads one column."""
+        mask = self.on(tensor.device)
+        if self.numel == samples:
+            return mask._flat
+        if self.numel == rows and rows % samples == 0:
+            if (
+                len(self.shape) == 1
+                and isinstance(module, SEQUENCE_MODULES)
+                and not module.batch_first
+            ):  # a flat mask in the rows' (time, batch) order
+                return mask._flat.view(-1, samples).amax(0)
+            return mask._flat.view(samples, -1).amax(1)
+        return self._sample_weight(tensor, (samples,), module, component, key)
+
+    def _sample_weight(
+        self,
+        tensor: torch.Tensor,
+        lead: tuple[int, ...],
+        module: nn.Module | None,
+        component: str,
+        key: Any,
+    ) -> torch.Tensor:
+        """The mask entries of the ``lead`` sample rows of ``tensor``."""
+        mask = self.on(tensor.device)
+        rows = math.prod(lead)
+        if rows == self.numel:
+            if (
+                len(self.shape) == 2
+                and isinstance(module, SEQUENCE_MODULES)
+                and not module.batch_first
+                and tensor.dim() == 3
+            ):
+                if mask._time_major is None:  # (time, batch) rows; one copy per mask
+                    mask._time_major = mask.weights.T.reshape(-1)
+                return mask._time_major
+            return mask._flat
+        if len(self.shape) == 2 and rows == self.shape[0]:
+            step = self._steps.get(key, 0)
+            if step >= self.shape[1]:
+                raise ValueError(
+                    f"component {component!r} was called {step + 1} times inside one "
+                    f"row_mask block, but the (batch, time) mask {self.shape} has "
+                    f"{self.shape[1]} steps; enter a new row_mask block per minibatch"
+                )
+            self._steps[key] = step + 1
+            return mask.weights[:, step]
+        raise ValueError(
+            f"row_mask: the mask has shape {self.shape} ({self.numel} rows) but component "
+            f"{component!r} produced a tensor with {rows} rows (shape {tuple(tensor.shape)}, "
+            f"{_row_rule(tensor, lead)}). Pass one mask entry per row of the "
+            f"minibatch, shape ({rows},) in the order the rows are flattened, or a (batch, "
+            f"time) mask for sequences (a per-step call of batch rows reads one column)"
+        )
+
+
+def _row_rule(tensor: torch.Tensor, lead: tuple[int, ...]) -> str:
+    if len(lead) == 1 and tensor.dim() >= 3:
+        return "read per channel: one row per sample, axis 0"
+    return "every dimension but the last is a row"
+
+
+def bound_weight(
+    context: Any,
+    tensor: torch.Tensor,
+    module: nn.Module | None,
+    component: str,
+    key: Any,
+    channels_first: bool = False,
+) -> torch.Tensor | None:
+    """The mask rows of ``tensor`` under ``context.row_mask`` (None without a mask), for
+    a tensor read with its units on the last axis, or on axis 1 with ``channels_first``.
+    Call it when the tensor is produced (the forward), so per-step calls count in order."""
+    mask = getattr(context, "row_mask", None)
+    if mask is None:
+        return None
+    return mask.weight_for(tensor, module, component, key, channels_first)
+
+
+def bound_sample_weight(
+    context: Any,
+    tensor: torch.Tensor,
+    samples: int,
+    rows: int,
+    module: nn.Module | None,
+    component: str,
+    key: Any,
+) -> torch.Tensor | None:
+    """The mask entries of the ``samples`` samples of a pass whose Fisher counts one
+    sample per batch index (:meth:`RowMask.per_sample`), None without a mask. Call it in
+    the forward, like :func:`bound_weight`."""
+    mask = getattr(context, "row_mask", None)
+    if mask is None:
+        return None
+    return mask.per_sample(tensor, samples, rows, module, component, key)
+
+
+class pushing_with:  # noqa: N801 - used like a function: ``with pushing_with(ctx, w):``
+    """Within the block, pushes of the context's trackers carry ``weight`` (the mask rows
+    a hook bound when its tensor was produced; see :meth:`ProbeState._push`); ``None``
+    leaves the pushes as they are. A plain class: hooks enter it on every pass."""
+
+    __slots__ = ("context", "previous", "weight")
+
+    def __init__(self, context: Any, weight: torch.Tensor | None) -> None:
+        self.context = context
+        self.weight = weight
+
+    def __enter__(self) -> None:
+        self.previous = self.context.push_weight
+        if self.weight is not None:
+            self.context.push_weight = self.weight
+
+    def __exit__(self, *exc: object) -> None:
+        self.context.push_weight = self.previous
+
+
+def loss_samples(context: Any, rows: int, like: torch.Tensor) -> float | torch.Tensor:
+    """How many samples the loss averages over: ``context.loss_samples`` if the loop set
+    it, else the kept rows of ``context.row_mask`` (a device tensor, no sync), else
+    ``rows`` (the rows of the pass)."""
+    stated = getattr(context, "loss_samples", None)
+    if stated is not None:
+        return stated
+    mask = getattr(context, "row_mask", None)
+    if mask is not None:
+        return mask.on(like.device).kept()
+    return rows
