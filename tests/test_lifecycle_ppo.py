@@ -331,7 +331,6 @@ def make_trainer(micro_batches: int = 1) -> PPOTrainer:
     trainer = PPOTrainer(envs, policy, cfg, seed=0)
     trainer.reset_envs()
     trainer.collect_rollout()
-    trainer.fire_rollout_point()
     return trainer
 
 

@@ -184,7 +184,8 @@ class ProbeCallback(BaseCallback):
 
     def _add(self, pattern: str, builder: HookBuilderFn, backward: bool) -> ProbeCallback:
         if self.session is not None and not self.session.closed:
-            self.session._attach(pattern, builder, backward)
+            attach = _attach_method(self.session, backward)
+            attach(pattern, builder)
         self._probes.append((pattern, builder, backward))
         return self
 
@@ -217,7 +218,7 @@ class ProbeCallback(BaseCallback):
         try:
             self._trace(session)
             for pattern, builder, backward in self._probes:
-                session._attach(pattern, builder, backward)
+                _attach_method(session, backward)(pattern, builder)
         except BaseException:
             session.close()
             raise
@@ -319,6 +320,10 @@ class ProbeCallback(BaseCallback):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _attach_method(session: ProbeSession, backward: bool) -> Any:
+    return session.add_training_backward_hook if backward else session.add_training_hook
 
 
 def _takes_name_and_context(builder: Any) -> bool:
