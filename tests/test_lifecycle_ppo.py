@@ -141,7 +141,7 @@ def test_every_intervention_including_the_corrupting_debug_hook_is_undone(baseli
 
 
 class Capture(TrainerHook):
-    """Copies what the tests recompute independently (runs after MetricsHook)."""
+    """Copies what the tests recompute independently (runs after the epoch's records)."""
 
     def __init__(self) -> None:
         self.init: dict[str, torch.Tensor] = {}

@@ -362,9 +362,9 @@ class CheckpointHook(TrainerHook):
     """Saves ``run_dir/checkpoints/epoch_<NNNNNN>.pt`` every ``every_epochs`` epochs and at
     the end of training (also after an early stop); keeps the newest ``keep_last``.
 
-    Register it after :class:`~trainers.metrics_hook.MetricsHook`: a checkpoint then
-    never gets ahead of the metric files, which a resume rewinds to the checkpoint's
-    epoch. :meth:`save` is also what run control calls mid-epoch.
+    It runs at ``on_epoch_end``, after the epoch's records were written
+    (``session.epoch_end``): a checkpoint never gets ahead of the metric files, which a
+    resume rewinds to the checkpoint's epoch. :meth:`save` is also what run control calls mid-epoch.
     """
 
     def __init__(
