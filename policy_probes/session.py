@@ -537,32 +537,29 @@ class ProbeSession:
         (``norms`` reads the gradient norm here). Metrics are buffered on the device.
         ``step``: the loop's global optimizer step (default: the session's count);
         ``fields``: more ``RunDataContext`` fields (``update_epoch``, ``minibatch``, ...)."""
-        if step is not None:
-            self._step = int(step)
-        self.hooks.fire(
-            HookPoint.PRE_STEP,
-            epoch=self.epoch,
-            step=self._step,
-            batch=batch,
-            loss=None if loss is None else loss.detach(),
-            model_ctx=self.model_context,
-            **fields,
-        )
+        if loss is not None:
+            fields["loss"] = loss.detach()
+        self._fire_step(HookPoint.PRE_STEP, batch, step, fields)
 
     def post_step(self, *, batch: Any = None, step: int | None = None, **fields: Any) -> None:
         """Fire POST_STEP right after ``optimizer.step()`` and count the optimizer step
         (``step`` and ``fields`` as in :meth:`pre_step`)."""
+        self._fire_step(HookPoint.POST_STEP, batch, step, fields)
+        self._step += 1
+
+    def _fire_step(
+        self, point: HookPoint, batch: Any, step: int | None, fields: dict[str, Any]
+    ) -> None:
         if step is not None:
             self._step = int(step)
         self.hooks.fire(
-            HookPoint.POST_STEP,
+            point,
             epoch=self.epoch,
             step=self._step,
             batch=batch,
             model_ctx=self.model_context,
             **fields,
         )
-        self._step += 1
 
     def epoch_start(self, **fields: Any) -> dict[str, Any]:
         """Fire PRE_EPOCH for the current epoch (once; later calls in the same epoch do

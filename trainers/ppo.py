@@ -72,6 +72,11 @@ ROLLOUT_KEYS = (
     "valid_fraction",
 )
 PERF_KEYS = ("sps", "rollout_sps", "update_seconds")
+#: (state key, wrapper class, attribute) of the running statistics a checkpoint keeps
+NORMALIZATION_WRAPPERS = (
+    ("obs_rms", vw.NormalizeObservation, "obs_rms"),
+    ("return_rms", vw.NormalizeReward, "return_rms"),
+)
 
 
 def normalize_advantages(batch: Minibatch) -> Minibatch:
@@ -705,29 +710,19 @@ class PPOTrainer:
     def normalization_state(self) -> dict[str, Any]:
         """Running statistics of the observation/reward normalisation wrappers (tensors)."""
         out: dict[str, Any] = {}
-        obs_norm = find_wrapper(self.envs, vw.NormalizeObservation)
-        if obs_norm is not None:
-            rms = obs_norm.obs_rms
-            out["obs_rms"] = {
-                "mean": torch.as_tensor(np.asarray(rms.mean, dtype=np.float64)),
-                "var": torch.as_tensor(np.asarray(rms.var, dtype=np.float64)),
-                "count": float(rms.count),
-            }
-        rew_norm = find_wrapper(self.envs, vw.NormalizeReward)
-        if rew_norm is not None:
-            rms = rew_norm.return_rms
-            out["return_rms"] = {
-                "mean": torch.as_tensor(np.asarray(rms.mean, dtype=np.float64)),
-                "var": torch.as_tensor(np.asarray(rms.var, dtype=np.float64)),
-                "count": float(rms.count),
-            }
+        for key, cls, attr in NORMALIZATION_WRAPPERS:
+            wrapper = find_wrapper(self.envs, cls)
+            if wrapper is not None:
+                rms = getattr(wrapper, attr)
+                out[key] = {
+                    "mean": torch.as_tensor(np.asarray(rms.mean, dtype=np.float64)),
+                    "var": torch.as_tensor(np.asarray(rms.var, dtype=np.float64)),
+                    "count": float(rms.count),
+                }
         return out
 
     def load_normalization_state(self, state: dict[str, Any]) -> None:
-        for key, cls, attr in (
-            ("obs_rms", vw.NormalizeObservation, "obs_rms"),
-            ("return_rms", vw.NormalizeReward, "return_rms"),
-        ):
+        for key, cls, attr in NORMALIZATION_WRAPPERS:
             wrapper = find_wrapper(self.envs, cls)
             if key in state and wrapper is not None:
                 rms = getattr(wrapper, attr)
