@@ -10,8 +10,8 @@ Cases:
   actor-critic and the probes are those of ``recipes/atari.py`` (:func:`recipes.atari.add_probes`).
 * ``bare``: the bare loop: :class:`trainers.PPOTrainer` driven directly, with an empty
   callback list and a fresh :class:`~policy_probes.context.ComponentContext`: no
-  TrainTool, no MetricsHook/StatsReporter, no sinks, no lifecycle manager, no run
-  directory. The reference of the empty-path benchmark.
+  TrainTool, no sinks (its session has an empty sink group and only the idle
+  ``stats_reporter``), no run directory. The reference of the empty-path benchmark.
 * ``sb3``: Stable-Baselines3 PPO with the same hyperparameters, optionally
   (``probe_callback``) with :class:`policy_probes.integrations.sb3.ProbeCallback` carrying
   the same five probes on the actor and critic extractors. With ``recurrent``:
@@ -22,7 +22,8 @@ Cases:
 ``ours`` also takes ``lifecycle_hooks`` (names for ``TrainTool.hooks``) and
 ``hook_config`` (``TrainTool.hook_config``) for the lifecycle-intervention benchmark, and
 ``snapshot_every`` (``TrainTool.snapshot_every``; None keeps its default),
-``time_callbacks`` (time every trainer-callback dispatch: ``callback_seconds``) and
+``time_callbacks`` (time every trainer-callback dispatch and the trainer's session
+calls: ``callback_seconds``) and
 ``track_memory`` (default true: record the trackers' bytes after every epoch). Every
 ``ours`` run also reports each epoch's update-phase seconds and, per lifecycle hook, the
 number of epochs in which it reported metrics (``lifecycle_fired``).
@@ -200,19 +201,25 @@ def ours(p: dict[str, Any]) -> dict[str, Any]:
         tool.add_trainer_hook(Watch())
     callback_time = [0.0, 0]
     if p["time_callbacks"]:
+        from policy_probes.session import ProbeSession
         from trainers.callbacks import CallbackList
 
-        fire = CallbackList.fire
+        def timed(method: Any) -> Any:
+            def call(*args: Any, **kwargs: Any) -> Any:
+                t = time.perf_counter()
+                try:
+                    return method(*args, **kwargs)
+                finally:
+                    callback_time[0] += time.perf_counter() - t
+                    callback_time[1] += 1
 
-        def timed_fire(self: Any, event: str, state: Any) -> None:
-            t = time.perf_counter()
-            try:
-                fire(self, event, state)
-            finally:
-                callback_time[0] += time.perf_counter() - t
-                callback_time[1] += 1
+            return call
 
-        CallbackList.fire = timed_fire  # this process only: the measurement instrument
+        # this process only: the measurement instrument (trainer callbacks, and the
+        # session calls through which the trainer reaches probes, hooks and sinks)
+        CallbackList.fire = timed(CallbackList.fire)
+        for name in ("epoch_start", "rollout_end", "pre_step", "post_step", "epoch_end"):
+            setattr(ProbeSession, name, timed(getattr(ProbeSession, name)))
     t0, c0 = time.perf_counter(), time.process_time()
     result = tool.invoke()
     seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0

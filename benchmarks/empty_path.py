@@ -1,8 +1,8 @@
 """Benchmark 4: the empty path (target: <= 1.01x).
 
 A: the bare loop (case ``bare``): ``PPOTrainer.train()`` called directly with an empty
-callback list and a fresh ``ComponentContext``; no TrainTool, no MetricsHook or
-StatsReporter, no sinks, no lifecycle manager, no run directory.
+callback list and a fresh ``ComponentContext``; no TrainTool, no sinks (the trainer's
+session has an empty sink group and only the idle ``stats_reporter``), no run directory.
 B: the same training through ``TrainTool.invoke()`` with all of that machinery present
 and nothing attached (no probes, no lifecycle hooks, every sink off, no evaluation or
 checkpoints): what a user pays for the toolkit before switching anything on.
@@ -12,8 +12,9 @@ Both sides use the same ``ActorCriticPolicy`` (a ``PolicyAutoBuilder``), so its
 
 Because a 1 % difference is far below the run-to-run noise of a shared machine, the
 script also measures the machinery directly: a run of B with every trainer-callback
-dispatch timed (``time_callbacks``), reported as the share of the run's wall time spent
-in callbacks (MetricsHook, StatsReporter, the sinks, the lifecycle manager's points).
+dispatch and session call timed (``time_callbacks``), reported as the share of the run's
+wall time spent in them (the session's epoch points, StatsReporter, the sinks, the
+lifecycle manager's points, the callbacks).
 
     python -m benchmarks.empty_path [--quick] [--repeats N] [--out PATH]
 """

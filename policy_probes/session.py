@@ -114,6 +114,26 @@ class ProbeSession:
         start_epoch: the index of the first epoch (default 0, or on ``resume`` the epoch
             after the last recorded one; an earlier one drops the later records first).
         console: a rich ``Console`` for the console sink (to share with a progress bar).
+
+    For a loop that builds its own parts (the built-in trainer does; ``docs/trainer.md``):
+
+        context: the :class:`ComponentContext` whose trackers the session reports (probes
+            attached to ``model`` with it before the session exists are reported too).
+        sink_group: sinks the loop built and owns. The session then leaves ``run_dir``
+            alone (no claim, lock or ``config.json``: the loop did that), emits to these
+            sinks and does not close them.
+        lifecycle_hooks: hook instances instead of names (``hooks``/``with_hooks``).
+        loop: the loop type the hooks see (``loop_points``); default ``"external"``.
+        loop_config: what hooks see as ``RunDataContext.config`` (default: ``config``).
+        explicit_epoch_start: the loop calls :meth:`epoch_start` at the start of every
+            epoch (so a resumed loop fires PRE_EPOCH after :meth:`load_state_dict`);
+            by default the session fires PRE_EPOCH when built and after each epoch_end.
+        record_epoch_offset: added to the epoch (counted from 0, as hooks see it) in the
+            records; the built-in trainer numbers its records from 1.
+        step_records: also write one record per step point that reported this epoch
+            (``PRE_STEP``/``POST_STEP``, that point's per-epoch means) before the epoch's
+            record; the means are in the epoch's record either way. The built-in
+            trainer writes them; off by default, so a CSV holds one row per epoch.
     """
 
     def __init__(
@@ -142,14 +162,26 @@ class ProbeSession:
         overwrite: bool = False,
         start_epoch: int | None = None,
         console: Any = None,
+        context: ComponentContext | None = None,
+        sink_group: SinkGroup | None = None,
+        lifecycle_hooks: Iterable[TrainingHook] = (),
+        loop: str = LOOP,
+        loop_config: Any = None,
+        explicit_epoch_start: bool = False,
+        record_epoch_offset: int = 0,
+        step_records: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"ProbeSession needs a torch.nn.Module, got {type(model).__name__}")
         self.module = model
         self.policy = self._probeable(model, components, example_inputs)
-        self.context = ComponentContext(strict=strict)
+        self.context = context if context is not None else ComponentContext(strict=strict)
         self.optimizer = optimizer
         self.snapshot_every = int(snapshot_every)
+        self.loop = loop
+        self.explicit_epoch_start = explicit_epoch_start
+        self.record_epoch_offset = int(record_epoch_offset)
+        self.step_records = step_records
         self.epoch = 0
         self.agent_step: int | None = None
         self.closed = False
@@ -160,6 +192,8 @@ class ProbeSession:
         self._pending: dict[str, Any] = {}
         self._step = 0
         self._rollout_seen = False
+        self._epoch_started = False
+        self._owns_run_dir = sink_group is None
 
         self.model_context = model_context
         if self.model_context is None and loss_fn is not None:
@@ -174,20 +208,23 @@ class ProbeSession:
                 update_epochs=update_epochs,
                 obs_key=obs_key,
             )
-        selected = select_hooks(hooks, with_hooks, hook_config)
+        selected = self._selection(hooks, with_hooks, hook_config, lifecycle_hooks)
         self._check_hooks(selected)
         self.hooks = HookManager(
             selected,
-            loop=LOOP,
+            loop=loop,
             model=model,
             optimizer=optimizer,
             scheduler=scheduler,
-            config=dict(config or {}),
+            config=loop_config if loop_config is not None else dict(config or {}),
             component_context=self.context,
             strict=strict,
         )
         self._reporter_hook = any(h.name == "stats_reporter" for h in selected)
 
+        if sink_group is not None:
+            self._use_loop_sinks(sink_group, run_dir, config, start_epoch)
+            return
         if resume and overwrite:
             raise ValueError("resume=True and overwrite=True exclude each other; choose one")
         self.run_dir = Path(run_dir) if run_dir is not None else default_run_dir()
@@ -229,12 +266,46 @@ class ProbeSession:
         try:
             if last_epoch is not None and self.epoch <= last_epoch:
                 self._rewind(self.epoch - 1)
-            self._fire_pre_epoch()
+            if not self.explicit_epoch_start:
+                self.epoch_start()
         except BaseException:
             self.close()
             raise
 
+    def _use_loop_sinks(
+        self,
+        sinks: SinkGroup,
+        run_dir: str | Path | None,
+        config: Mapping[str, Any] | None,
+        start_epoch: int | None,
+    ) -> None:
+        """Set-up with sinks the loop built: the loop owns the run directory."""
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.epoch = int(start_epoch or 0)
+        self.config = dict(config or {})
+        self.sinks = sinks
+        self.sinks.set_run_context(run_dir=self.run_dir, config=self.config)
+        if not self.explicit_epoch_start:
+            self.epoch_start()
+
     # ------------------------------------------------------------------ set-up
+    @staticmethod
+    def _selection(
+        names: Iterable[str],
+        with_hooks: str | None,
+        hook_config: Mapping[str, Any] | Iterable[str] | None,
+        instances: Iterable[TrainingHook],
+    ) -> list[TrainingHook]:
+        instances = list(instances)
+        if not instances:
+            return select_hooks(names, with_hooks, hook_config)
+        if list(names) or with_hooks or hook_config:
+            raise ValueError(
+                "pass lifecycle hooks either by name (hooks=, with_hooks=, hook_config=) or "
+                "as instances (lifecycle_hooks=), not both"
+            )
+        return instances
+
     @staticmethod
     def _probeable(
         model: nn.Module,
@@ -270,7 +341,7 @@ class ProbeSession:
                 raise ValueError(
                     "lifecycle hook 'adam_dynamics' reads the optimizer: pass optimizer=..."
                 )
-            if HookPoint.SNAPSHOT in hook.points(LOOP) and self.snapshot_every <= 0:
+            if HookPoint.SNAPSHOT in hook.points(self.loop) and self.snapshot_every <= 0:
                 raise ValueError(
                     f"lifecycle hook {hook.name!r} fires at SNAPSHOT; set snapshot_every=N "
                     f"(every N epochs) or deselect it"
@@ -449,109 +520,203 @@ class ProbeSession:
         minibatches: Sequence[Any] | None = None,
         data: Any = None,
         minibatch_size: int | None = None,
+        **fields: Any,
     ) -> dict[str, Any]:
         """Fire POST_ROLLOUT (``feature_rank``, ``policy_fisher``) after the rollout and
         before the update; its metrics join this epoch's record. ``observations`` are the
         rollout's observations, flat ``(samples, *obs_shape)``; the data arguments go to
-        :meth:`set_data` when given."""
+        :meth:`set_data` when given. ``fields`` are more ``RunDataContext`` fields for the
+        hooks (``agent_step``, ``stats``, ...)."""
         self._rollout_seen = True
         if minibatches is not None or data is not None:
             self.set_data(minibatches=minibatches, data=data, minibatch_size=minibatch_size)
         out = self.hooks.fire(
             HookPoint.POST_ROLLOUT,
             epoch=self.epoch,
+            step=self._step,
             observations=observations,
             model_ctx=self.model_context,
+            **fields,
         )
         self._pending.update(out)
         return out
 
-    def pre_step(self, *, batch: Any = None, loss: torch.Tensor | None = None) -> None:
-        """Fire PRE_STEP: after ``loss.backward()``, before clipping and ``optimizer.step()``
-        (``norms`` reads the gradient norm here). Metrics are buffered on the device."""
-        self.hooks.fire(
-            HookPoint.PRE_STEP,
-            epoch=self.epoch,
-            step=self._step,
-            batch=batch,
-            loss=None if loss is None else loss.detach(),
-            model_ctx=self.model_context,
-        )
+    @property
+    def optimizer_step(self) -> int:
+        """The loop's optimizer steps so far (what step points and epoch points see as
+        ``step``). :meth:`post_step` advances it; a loop that does not call
+        :meth:`post_step` at every step sets it before the epoch points."""
+        return self._step
 
-    def post_step(self, *, batch: Any = None) -> None:
-        """Fire POST_STEP right after ``optimizer.step()`` and count the optimizer step."""
-        self.hooks.fire(
-            HookPoint.POST_STEP,
-            epoch=self.epoch,
-            step=self._step,
-            batch=batch,
-            model_ctx=self.model_context,
-        )
+    @optimizer_step.setter
+    def optimizer_step(self, value: int) -> None:
+        self._step = int(value)
+
+    def pre_step(
+        self,
+        *,
+        batch: Any = None,
+        loss: torch.Tensor | None = None,
+        step: int | None = None,
+        **fields: Any,
+    ) -> None:
+        """Fire PRE_STEP: after ``loss.backward()``, before clipping and ``optimizer.step()``
+        (``norms`` reads the gradient norm here). Metrics are buffered on the device.
+        ``step``: the loop's global optimizer step (default: the session's count);
+        ``fields``: more ``RunDataContext`` fields (``update_epoch``, ``minibatch``, ...)."""
+        if loss is not None:
+            fields["loss"] = loss.detach()
+        self._fire_step(HookPoint.PRE_STEP, batch, step, fields)
+
+    def post_step(self, *, batch: Any = None, step: int | None = None, **fields: Any) -> None:
+        """Fire POST_STEP right after ``optimizer.step()`` and count the optimizer step
+        (``step`` and ``fields`` as in :meth:`pre_step`)."""
+        self._fire_step(HookPoint.POST_STEP, batch, step, fields)
         self._step += 1
 
-    def _fire_pre_epoch(self) -> None:
-        self.hooks.fire(HookPoint.PRE_EPOCH, epoch=self.epoch, model_ctx=self.model_context)
+    def _fire_step(
+        self, point: HookPoint, batch: Any, step: int | None, fields: dict[str, Any]
+    ) -> None:
+        if step is not None:
+            self._step = int(step)
+        self.hooks.fire(
+            point,
+            epoch=self.epoch,
+            step=self._step,
+            batch=batch,
+            model_ctx=self.model_context,
+            **fields,
+        )
+
+    def epoch_start(self, **fields: Any) -> dict[str, Any]:
+        """Fire PRE_EPOCH for the current epoch (once; later calls in the same epoch do
+        nothing); its metrics join this epoch's record. A session fires it itself unless
+        built with ``explicit_epoch_start=True``. ``fields`` are more ``RunDataContext``
+        fields (``agent_step``, ...)."""
+        if self._epoch_started:
+            return {}
+        self._epoch_started = True
+        out = self.hooks.fire(
+            HookPoint.PRE_EPOCH,
+            epoch=self.epoch,
+            step=self._step,
+            model_ctx=self.model_context,
+            **fields,
+        )
+        self._pending.update(out)
+        return out
 
     # --------------------------------------------------------------- epoch end
     def epoch_end(self, step: int, **extra: Any) -> dict[str, Any]:
-        """Close the current epoch: collect the probes' trackers, fire the POST_EPOCH
-        observers, and emit one record (``epoch``, ``agent_step=step``, the metrics) to
-        every sink. ``extra`` are more metrics for the record
-        (``epoch_end(step, **{"rollout/episode_return": r})``). Returns the merged
-        metrics as host values (floats and lists)."""
+        """Close the current epoch and emit its records to every sink; returns the
+        epoch's metrics as host values (floats and lists).
+
+        ``step`` is the agent step (environment steps so far); ``extra`` are more metrics
+        for the record (``epoch_end(step, **{"rollout/episode_return": r})``). The order
+        is the same for every loop (``docs/external.md``): POST_EPOCH fires (the
+        ``stats_reporter`` collects the probes' trackers), SNAPSHOT fires when due, and
+        the buffered step-point metrics are read; then (with ``step_records``) one record
+        per step point that reported (``PRE_STEP``, ``POST_STEP``: that point's per-epoch
+        means), the epoch's ``POST_EPOCH`` record (everything), and in SNAPSHOT epochs a
+        ``SNAPSHOT`` record.
+        """
         if self.closed:
             raise RuntimeError("this ProbeSession is closed")
         self.agent_step = int(step)
         logged = self._take_logged()
         logged.update(extra)
-        metrics: dict[str, Any] = {}
-        if self.hooks.active:
-            if self.hooks.hooks_at(HookPoint.POST_ROLLOUT) and not self._rollout_seen:
-                log.warning(
-                    "lifecycle hooks %s fire at POST_ROLLOUT: call session.rollout_end("
-                    "observations=...) after each rollout",
-                    [h.name for h in self.hooks.hooks_at(HookPoint.POST_ROLLOUT)],
-                )
-                self._rollout_seen = True  # warn once
+        metrics, snapshot, steps = self._fire_epoch_points(logged)
+        self._emit(metrics, snapshot, steps)
+        self._pending = {}
+        self.epoch += 1
+        self._epoch_started = False
+        if not self.explicit_epoch_start:
+            self.epoch_start()
+        return metrics
+
+    def _fire_epoch_points(
+        self, logged: dict[str, Any]
+    ) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, dict[str, Any]]]:
+        """POST_EPOCH, SNAPSHOT (when due) and the step-point flush: the epoch's metrics,
+        the SNAPSHOT metrics (None when not due) and the per-point step means."""
+        metrics = dict(logged)
+        snapshot: dict[str, Any] | None = None
+        steps: dict[str, dict[str, Any]] = {}
+        if self.hooks.active and not self._idle_reporter():
+            self._warn_missing_rollout_end()
             metrics.update(self._pending)
-            lr = None
-            if self.optimizer is not None and self.optimizer.param_groups:
-                lr = float(self.optimizer.param_groups[0]["lr"])
+            common = {"epoch": self.epoch, "step": self._step, "agent_step": self.agent_step}
             metrics.update(
                 self.hooks.fire(
                     HookPoint.POST_EPOCH,
-                    epoch=self.epoch,
-                    agent_step=self.agent_step,
                     stats=logged,
-                    learning_rate=lr,
+                    learning_rate=self._epoch_learning_rate(logged),
                     model_ctx=self.model_context,
+                    **common,
                 )
             )
-            metrics.update(self.hooks.flush().summary)
-            if not any(h.name == "training_metrics" for h in self.hooks.hooks):
-                metrics.update(logged)
-        else:
-            metrics.update(logged)
+            if snapshot_due(self.epoch, self.snapshot_every):
+                snapshot = self.hooks.fire(
+                    HookPoint.SNAPSHOT, model_ctx=self.model_context, **common
+                )
+                metrics.update(snapshot)
+            flushed = self.hooks.flush()
+            metrics.update(flushed.summary)
+            steps = {point.value: values for point, values in flushed.by_point.items()}
+        elif snapshot_due(self.epoch, self.snapshot_every):
+            snapshot = {}
         if not self._reporter_hook:
             metrics.update(StatsReporter(self.context).collect())
-        metrics = {k: to_plain(v) for k, v in metrics.items()}
-        self._pending = {}
-        self.sinks.set_run_context(agent_step=self.agent_step)
-        self.sinks.emit(metrics, self.epoch, "POST_EPOCH")
+        plain = {k: to_plain(v) for k, v in metrics.items()}
+        if snapshot is not None:
+            snapshot = {k: to_plain(v) for k, v in snapshot.items()}
+        return plain, snapshot, steps
 
-        if snapshot_due(self.epoch, self.snapshot_every):
-            snap = self.hooks.fire(
-                HookPoint.SNAPSHOT,
-                epoch=self.epoch,
-                agent_step=self.agent_step,
-                model_ctx=self.model_context,
+    def _emit(
+        self,
+        metrics: dict[str, Any],
+        snapshot: dict[str, Any] | None,
+        steps: dict[str, dict[str, Any]],
+    ) -> None:
+        """The epoch's records, in the documented order."""
+        epoch = self.epoch + self.record_epoch_offset
+        self.sinks.set_run_context(agent_step=self.agent_step)
+        for point, values in steps.items() if self.step_records else ():
+            self.sinks.emit(values, epoch, point)
+        self.sinks.emit(metrics, epoch, "POST_EPOCH")
+        if snapshot is not None:
+            self.sinks.emit(snapshot, epoch, "SNAPSHOT")
+
+    def _idle_reporter(self) -> bool:
+        """Only the ``stats_reporter`` hook, and no probe to report: its dispatch (~0.15
+        ms, mostly saving the RNG states) would report nothing, so it is skipped."""
+        hooks, ctx = self.hooks.hooks, self.context
+        return (
+            len(hooks) == 1
+            and hooks[0].name == "stats_reporter"
+            and not ctx.model_metrics
+            and not ctx.probe_errors
+            and not self._pending
+        )
+
+    def _epoch_learning_rate(self, logged: Mapping[str, Any]) -> float | None:
+        """The rate the epoch trained with: the logged ``train/learning_rate`` when the
+        loop logs one (its scheduler may have stepped already), else the optimizer's."""
+        lr = logged.get("train/learning_rate")
+        if lr is not None:
+            return float(lr)
+        if self.optimizer is not None and self.optimizer.param_groups:
+            return float(self.optimizer.param_groups[0]["lr"])
+        return None
+
+    def _warn_missing_rollout_end(self) -> None:
+        if self.hooks.hooks_at(HookPoint.POST_ROLLOUT) and not self._rollout_seen:
+            log.warning(
+                "lifecycle hooks %s fire at POST_ROLLOUT: call session.rollout_end("
+                "observations=...) after each rollout",
+                [h.name for h in self.hooks.hooks_at(HookPoint.POST_ROLLOUT)],
             )
-            snap = {k: to_plain(v) for k, v in snap.items()}
-            self.sinks.emit(snap, self.epoch, "SNAPSHOT")
-            metrics.update(snap)
-        self.epoch += 1
-        self._fire_pre_epoch()
-        return metrics
+            self._rollout_seen = True  # warn once
 
     def _take_logged(self) -> dict[str, Any]:
         out = dict(self._logged)
@@ -559,6 +724,56 @@ class ProbeSession:
             out[key] = total / n
         self._logged, self._sums = {}, {}
         return out
+
+    # ------------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        """The session's state (tensors and plain containers), for a checkpoint: the
+        epoch and step counters, what was logged or reported this epoch so far, the
+        lifecycle hooks' state (:meth:`HookManager.state_dict`) and every tracker's sums
+        and counts (``ProbeState.state_dict``). Probes, hooks and sinks are
+        configuration: a resumed loop builds them again and then loads this."""
+        return {
+            "epoch": self.epoch,
+            "optimizer_step": self._step,
+            "agent_step": self.agent_step,
+            "epoch_started": self._epoch_started,
+            "pending": dict(self._pending),
+            "logged": dict(self._logged),
+            "sums": {k: [total, n] for k, (total, n) in self._sums.items()},
+            "hooks": self.hooks.state_dict(),
+            "trackers": {
+                name: tracker.state_dict()
+                for name, tracker in self.context.model_metrics.items()
+                if hasattr(tracker, "state_dict")
+            },
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any], *, trackers: bool = True) -> None:
+        """Inverse of :meth:`state_dict`. ``trackers=False`` keeps the trackers as they
+        are (ranks other than 0 of a distributed run: the saved sums are rank 0's, and
+        the all-reduce would count them twice)."""
+        self.epoch = int(state["epoch"])
+        self._step = int(state["optimizer_step"])
+        agent_step = state.get("agent_step")
+        self.agent_step = None if agent_step is None else int(agent_step)
+        self._epoch_started = bool(state.get("epoch_started", False))
+        self._pending = dict(state.get("pending") or {})
+        self._logged = dict(state.get("logged") or {})
+        self._sums = {k: (v[0], int(v[1])) for k, v in (state.get("sums") or {}).items()}
+        self.hooks.load_state_dict(state.get("hooks") or {})
+        for name, saved in (state.get("trackers") or {}).items() if trackers else ():
+            tracker = self.context.model_metrics.get(name)
+            if tracker is None:
+                log.warning(
+                    "the saved state holds tracker %r, which this run does not attach", name
+                )
+                continue
+            tracker.load_state_dict(saved, device=self._device())
+
+    def _device(self) -> torch.device:
+        for p in self.module.parameters():
+            return p.device
+        return torch.device("cpu")
 
     # ------------------------------------------------------------------- close
     def remove_hooks(self) -> None:
@@ -575,10 +790,11 @@ class ProbeSession:
         try:
             self.remove_hooks()
         finally:
-            try:
-                self.sinks.close()
-            finally:
-                self._lock.release()
+            if self._owns_run_dir:  # else the loop closes the sinks it built
+                try:
+                    self.sinks.close()
+                finally:
+                    self._lock.release()
 
     def __enter__(self) -> ProbeSession:
         return self
@@ -593,7 +809,8 @@ class ProbeSession:
 
     def __repr__(self) -> str:
         return (
-            f"ProbeSession(model={type(self.module).__name__}, run_dir={str(self.run_dir)!r}, "
+            f"ProbeSession(model={type(self.module).__name__}, "
+            f"run_dir={None if self.run_dir is None else str(self.run_dir)!r}, "
             f"epoch={self.epoch}, probes={len(self._builders)}, "
             f"hooks={[h.name for h in self.hooks.hooks]}, closed={self.closed})"
         )

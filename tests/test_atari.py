@@ -302,7 +302,7 @@ def test_rollout_stores_uint8_frames_and_their_values():
     )
     try:
         trainer.reset_envs()
-        first = np.array(trainer._next_obs, copy=True)
+        first = np.array(trainer.next_obs, copy=True)
         trainer.collect_rollout()
         st = trainer.storage
         assert st.obs.dtype == torch.uint8 and st.obs.shape == (6, 2, 4 * 84 * 84)

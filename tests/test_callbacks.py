@@ -99,7 +99,7 @@ def test_firing_order_and_state_fields(tmp_path):
     }
     assert rec.snapshots["rollout"]["valid_fraction"] <= 1.0
     assert rec.snapshots["eval"]["epoch"] == 2.0 and rec.snapshots["eval"]["episodes"] == 2.0
-    # MetricsHook ran before the user hook and its dict is in state.metrics
+    # the epoch's record was written before the user hook and is in state.metrics
     assert rec.snapshots["metrics"]["eval/return_mean"] == rec.snapshots["eval"]["return_mean"]
     assert rec.snapshots["metrics"]["train/policy_loss"] == rec.snapshots["loss"]["policy_loss"]
     policy, optimizer, trainer_policy, num_epochs = rec.snapshots["objects"]

@@ -141,7 +141,7 @@ def test_every_intervention_including_the_corrupting_debug_hook_is_undone(baseli
 
 
 class Capture(TrainerHook):
-    """Copies what the tests recompute independently (runs after MetricsHook)."""
+    """Copies what the tests recompute independently (runs after the epoch's records)."""
 
     def __init__(self) -> None:
         self.init: dict[str, torch.Tensor] = {}
@@ -331,7 +331,6 @@ def make_trainer(micro_batches: int = 1) -> PPOTrainer:
     trainer = PPOTrainer(envs, policy, cfg, seed=0)
     trainer.reset_envs()
     trainer.collect_rollout()
-    trainer.fire_rollout_point()
     return trainer
 
 

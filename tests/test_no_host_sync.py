@@ -312,3 +312,43 @@ def test_conv_and_lstm_fisher_run_without_host_sync(buffer_rows: int, masked: bo
     assert metrics["probes/fisher/body/unsupported_params"] == 0
     assert set(fisher) == {n for n, _ in body.named_parameters()}
     assert all(v.sum() > 0 for v in fisher.values())
+
+
+def test_session_step_points_run_without_host_sync(tmp_path) -> None:
+    """The step path every driver takes (the built-in trainer's minibatch loop included):
+    ``session.pre_step`` / ``post_step`` with a step-point hook selected buffer the
+    hook's metrics on the device; the host sees them once, at ``epoch_end``."""
+    from policy_probes import ProbeSession
+    from policy_probes.sinks import SinksConfig, WandbConfig
+
+    torch.manual_seed(0)
+    policy = TinyPolicy()
+    opt = torch.optim.SGD(policy.parameters(), lr=1e-3)  # Adam's step reads its count
+    with ProbeSession(
+        policy,
+        run_dir=tmp_path,
+        sinks=SinksConfig(console=False, csv=False, wandb=False),
+        wandb=WandbConfig(mode="disabled"),
+        optimizer=opt,
+        hooks=["norms"],
+    ) as session:
+        attach_all_probes(policy, session.context)
+        session.set_phase("train")
+        grads = []
+        with ForbidHostSync() as probed:
+            for step in range(3):
+                x, a = torch.randn(16, 5), torch.randint(0, 3, (16,))
+                loss = F.cross_entropy(policy(x), a)
+                opt.zero_grad()
+                loss.backward()
+                session.pre_step(loss=loss, step=step, update_epoch=0, minibatch=step)
+                opt.step()
+                session.post_step(step=step)
+                grads.append(torch.cat([p.grad.reshape(-1) for p in policy.parameters()]))
+        assert probed.calls == []
+        metrics = session.epoch_end(step=48)
+    assert session.optimizer_step == 3
+    assert metrics["probes/relu/actor_mlp/samples"] == 48
+    # norms' PRE_STEP gradient norm, averaged over the epoch's steps
+    expected = sum(float(g.norm()) for g in grads) / len(grads)
+    assert metrics["norms/grad_norm"] == pytest.approx(expected, rel=1e-5)

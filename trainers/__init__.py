@@ -12,11 +12,10 @@ from trainers.config import (
     PPOConfig,
 )
 from trainers.evaluation import EvaluationHook
-from trainers.metrics_hook import MetricsHook
 from trainers.model_context import PPOModelDataContext
 from trainers.nature_cnn import NatureCNN
 from trainers.policy import ActorCriticPolicy, make_policy
-from trainers.ppo import EpochHookMetrics, PPOTrainer, ppo_loss
+from trainers.ppo import PPOTrainer, ppo_loss
 from trainers.progress import ProgressHook
 from trainers.rollout import Minibatch, RolloutStorage, compute_gae
 from trainers.train_tool import TrainResult, TrainTool
@@ -29,10 +28,8 @@ __all__ = [
     "CheckpointConfig",
     "CheckpointHook",
     "EnvConfig",
-    "EpochHookMetrics",
     "EvalConfig",
     "EvaluationHook",
-    "MetricsHook",
     "Minibatch",
     "NatureCNN",
     "PPOConfig",

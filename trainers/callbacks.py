@@ -4,15 +4,18 @@ Firing order (see ``docs/trainer.md``)::
 
     on_new_training_run
     for epoch in 1..num_epochs:
+        (session.epoch_start: PRE_EPOCH)
         on_rollout_start
-        (collect num_steps x num_envs transitions, phase "rollout")
+        (collect num_steps x num_envs transitions, phase "rollout"; GAE)
+        (session.rollout_end: POST_ROLLOUT)
         on_rollout_end
         for update_epoch in 0..update_epochs-1:
             for mb_idx in 0..num_minibatches-1:
                 (forward/backward/optimizer step, phase "train")
                 on_mb_end
-        on_train_phase_end          (scheduler already stepped)
-        on_epoch_end                (EvaluationHook, CheckpointHook, MetricsHook, ...)
+        on_train_phase_end          (scheduler already stepped; EvaluationHook evaluates)
+        (session.epoch_end: POST_EPOCH, SNAPSHOT, the epoch's records; state.metrics)
+        on_epoch_end                (CheckpointHook, ProgressHook, RunControl, ...)
     on_training_end                 (also after an exception; state.error is set then)
 
 Hooks run in registration order. A hook that raises is logged with its traceback,
@@ -28,14 +31,12 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from policy_probes.context import ComponentContext
-    from trainers.ppo import PPOTrainer
+from policy_probes.context import ComponentContext
 
 log = logging.getLogger("trainers")
 
@@ -60,14 +61,15 @@ class TrainerState:
     Statistics of the current epoch (host floats, filled once per epoch):
     ``rollout_stats`` (episode return/length, SPS), ``loss_stats`` (policy/value loss,
     entropy, KL, clipfrac, explained variance, learning rate), ``eval_scores`` (set by
-    :class:`~trainers.evaluation.EvaluationHook`), ``probe_metrics`` (StatsReporter output,
-    set by :class:`~trainers.metrics_hook.MetricsHook`), ``metrics`` (the merged dict
-    MetricsHook emitted). ``last_checkpoint`` is set by
+    :class:`~trainers.evaluation.EvaluationHook`), ``metrics`` (the epoch's record, as
+    ``session.epoch_end`` returned it) and ``probe_metrics`` (its ``probes/*`` part), both
+    set before ``on_epoch_end``. ``last_checkpoint`` is set by
     :class:`~trainers.checkpoint.CheckpointHook`. A hook may set ``stop_training = True``
-    to end the run after the current epoch.
+    to end the run after the current epoch. ``trainer`` is the
+    :class:`~trainers.ppo.PPOTrainer` (typed ``Any``: this module does not import it).
     """
 
-    trainer: PPOTrainer
+    trainer: Any
     policy: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: Any

@@ -1,22 +1,29 @@
 """Checkpoints: the full training state, written atomically, read safely, resumed exactly.
 
-A checkpoint is a plain dict of tensors and Python containers, so it loads with
-``torch.load(path, weights_only=True)`` (no arbitrary code runs on load). It holds what an
-exact continuation needs (``docs/run_control.md``):
+A checkpoint is built from the ``state_dict()`` protocol (as in torch and Lightning):
+:meth:`PPOTrainer.state_dict` (which holds :meth:`ProbeSession.state_dict`, which holds
+:meth:`HookManager.state_dict` and every tracker's ``state_dict()``), made a plain dict
+of tensors and Python containers, so it loads with ``torch.load(path, weights_only=True)``
+(no arbitrary code runs on load). Layout of format 3 (``docs/run_control.md``):
 
-* model, optimizer and scheduler state dicts; the counters (epoch, agent and optimizer steps);
-* every RNG: torch CPU and CUDA, numpy, Python ``random``, the trainer's sample/shuffle
-  generators;
-* the vector env's state (:mod:`trainers.env_state`; envs it cannot capture, such as
-  ``AsyncVectorEnv``, are re-seeded on resume with a warning), the trainer's pending
-  observation and done flags, its episode accumulators, the running statistics of the
-  normalisation wrappers;
-* the lifecycle hooks' state (e.g. ``norms`` keeps the initial weights) and the hook
-  manager's carried gradients, and the evaluation counter (evaluation start states);
-* for a *mid-epoch* checkpoint (written at a minibatch boundary by ``ctl checkpoint``,
-  ``ctl stop`` or a signal): the rollout storage, the position in the update phase
-  (:class:`~trainers.ppo.UpdateProgress`), the epoch's rollout statistics, lifecycle
-  metrics so far and the probe trackers' accumulators.
+* ``format``; the counters ``epoch``, ``num_epochs``, ``agent_step``, ``optimizer_step``,
+  ``seed``; ``policy``, ``optimizer``, ``scheduler`` state dicts;
+* ``rng`` (torch CPU and CUDA, numpy, Python ``random``) and ``trainer_rng`` (the
+  trainer's sample/shuffle generators);
+* ``env`` (the vector env's state, :mod:`trainers.env_state`; envs it cannot capture,
+  such as ``AsyncVectorEnv``, are re-seeded on resume with a warning), ``next_obs``,
+  ``prev_done``, ``episodes``, ``normalization``, ``trained_seconds``;
+* ``session``: the epoch counters, the epoch's metrics so far, the lifecycle hooks'
+  state (e.g. ``norms`` keeps the initial weights) and the hook manager's carried
+  gradients and buffered step records, the probe trackers' sums and counts;
+* ``trainer_hooks``: callbacks with a ``state_dict`` (the evaluation counter);
+* ``mid_epoch`` (a checkpoint written at a minibatch boundary by ``ctl checkpoint``,
+  ``ctl stop`` or a signal; None otherwise): the position in the update phase
+  (:class:`~trainers.ppo.UpdateProgress`), the rollout storage and its statistics;
+* ``config``: the run configuration (JSON).
+
+Formats 1 and 2 are read through :func:`upgrade_checkpoint`; anything else fails with
+one :class:`CheckpointError` naming the formats this version reads.
 
 Files: ``epoch_<E>.pt`` after epoch E completed; ``epoch_<E>-step_<S>.pt`` in the middle
 of epoch E at optimizer step S (it sorts after ``epoch_<E-1>.pt``, before ``epoch_<E>.pt``).
@@ -40,7 +47,6 @@ import torch
 
 from policy_probes.sinks.jsonl import fsync_dir
 from trainers.callbacks import TrainerHook, TrainerState
-from trainers.env_state import EnvStateError, capture_env_state, restore_env_state
 from trainers.nonfinite_guard import check_finite_parameters
 
 if TYPE_CHECKING:
@@ -48,9 +54,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("trainers")
 
-CHECKPOINT_FORMAT = 2
-#: formats :func:`restore_trainer` reads (1: no env/lifecycle state, envs re-seeded)
-READABLE_FORMATS = (1, 2)
+CHECKPOINT_FORMAT = 3
+#: formats :func:`restore_trainer` reads (2: before the state_dict protocol; 1: no
+#: env/lifecycle state, envs re-seeded)
+READABLE_FORMATS = (1, 2, 3)
 #: test hook: ``SECONDS`` or ``SECONDS@FILENAME``: sleep inside :func:`atomic_save` between
 #: writing the temporary file and renaming it (for every file, or that one)
 SLOW_SAVE_ENV = "POLICY_PROBES_TEST_CHECKPOINT_SLEEP"
@@ -139,121 +146,38 @@ def restore_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-# ---------------------------------------------------------------------- parts of the state
-def _env_state(trainer: PPOTrainer) -> dict[str, Any]:
-    """The vector env's state, or why it could not be captured."""
-    try:
-        return {"state": capture_env_state(trainer.envs), "reason": None}
-    except EnvStateError as exc:
-        return {"state": None, "reason": str(exc)}
-
-
-def _lifecycle_state(trainer: PPOTrainer) -> dict[str, Any]:
-    """Each lifecycle hook's ``state`` plus what the hook manager carries across steps."""
-    manager = trainer.manager
-    hooks: dict[str, Any] = {}
-    for hook in manager.hooks:
-        if not hook.state:
-            continue
-        try:
-            hooks[hook.name] = to_plain_state(hook.state, f"lifecycle hook {hook.name!r} state")
-        except TypeError as exc:
-            log.warning("%s; that hook restarts from an empty state on resume", exc)
-    carried: dict[str, Any] = {}
-    for attr in ("_prev_grads", "_grad_sum", "_grad_steps", "_grad_epoch"):
-        value = getattr(manager, attr, None)
-        if value is not None:
-            carried[attr] = to_plain_state(value, f"hook manager {attr}")
-    try:
-        carried["last_metrics"] = to_plain_state(getattr(manager, "last_metrics", {}))
-    except TypeError as exc:
-        log.warning("%s; hooks see no previous metrics right after a resume", exc)
-    return {"hooks": hooks, "manager": carried}
-
-
-def _mid_epoch_state(trainer: PPOTrainer) -> dict[str, Any]:
-    """The state of an epoch interrupted in its update phase."""
-    p = trainer.update_progress
-    assert p is not None
-    st = trainer.storage
-    storage = {
-        k: to_plain_state(v, f"rollout storage {k}")
-        for k, v in vars(st).items()
-        if isinstance(v, torch.Tensor | np.ndarray)
-    }
-    trackers = {}
-    for name, tracker in trainer.context.model_metrics.items():
-        tracker.flush()  # buffered rows into the accumulators
-        trackers[name] = {
-            "state": to_plain_state(tracker.state, f"tracker {name}"),
-            "errors": dict(getattr(tracker, "errors", {})),
-        }
-    steps = []
-    for r in getattr(trainer.manager, "_records", []):
-        steps.append(
-            {"point": r.point.value, "epoch": r.epoch, "step": r.step, "metrics": r.metrics}
-        )
-    hm = trainer.hook_metrics
-    return {
-        "update": {
-            "learning_rate": p.learning_rate,
-            "sums": p.sums,
-            "update_epoch": p.update_epoch,
-            "next_minibatch": p.next_minibatch,
-            "order": p.order,
-            "steps": p.steps,
-            "update_epochs_run": p.update_epochs_run,
-            "last_stats": p.last_stats,
-        },
-        "storage": storage,
-        "rollout_stats": to_plain_state(trainer.state.rollout_stats),
-        "hook_metrics": to_plain_state({"epoch": hm.epoch, "metrics": hm.metrics}),
-        "step_records": to_plain_state(steps, "lifecycle step records"),
-        "trackers": trackers,
-    }
-
-
+# ---------------------------------------------------------------------- checkpoints
 def trainer_checkpoint(trainer: PPOTrainer) -> dict[str, Any]:
-    """Everything needed to continue ``trainer`` exactly (see the module docstring).
+    """Everything needed to continue ``trainer`` exactly: :meth:`PPOTrainer.state_dict`
+    as plain containers, the process-wide RNG states, the run configuration and the
+    format number (see the module docstring).
 
     Called at an epoch end or, while :attr:`PPOTrainer.update_progress` is set, at a
     minibatch boundary (then the checkpoint is a mid-epoch one).
     """
-    s = trainer.state
-    ckpt: dict[str, Any] = {
+    state = dict(trainer.state_dict())
+    session = dict(state.pop("session"))
+    manager = dict(session.pop("hooks"))
+    hooks = {}
+    for name, hook_state in manager.pop("hooks").items():
+        try:
+            hooks[name] = to_plain_state(hook_state, f"lifecycle hook {name!r} state")
+        except TypeError as exc:
+            log.warning("%s; that hook restarts from an empty state on resume", exc)
+    try:
+        manager["last_metrics"] = to_plain_state(manager["last_metrics"])
+    except TypeError as exc:
+        log.warning("%s; hooks see no previous metrics right after a resume", exc)
+        manager["last_metrics"] = {}
+    manager = {"hooks": hooks, **to_plain_state(manager, "hook manager state")}
+    session = {"hooks": manager, **to_plain_state(session, "session state")}
+    return {
         "format": CHECKPOINT_FORMAT,
-        "epoch": s.epoch,
-        "num_epochs": s.num_epochs,
-        "agent_step": s.agent_step,
-        "optimizer_step": s.optimizer_step,
-        "seed": trainer.seed,
-        "policy": trainer.policy.state_dict(),
-        "optimizer": trainer.optimizer.state_dict(),
-        "scheduler": trainer.scheduler.state_dict(),
+        **to_plain_state(state, "trainer state"),
+        "session": session,
         "rng": capture_rng_state(),
-        "trainer_rng": {
-            "sample": trainer.sample_generator.get_state(),
-            "shuffle": trainer.shuffle_generator.get_state(),
-        },
-        "normalization": trainer.normalization_state(),
-        "env": _env_state(trainer),
-        "next_obs": to_plain_state(trainer._next_obs),
-        "prev_done": to_plain_state(trainer._prev_done),
-        "episodes": {
-            "returns": to_plain_state(trainer._episode_returns),
-            "lengths": to_plain_state(trainer._episode_lengths),
-        },
-        "trained_seconds": float(trainer._trained_time),
-        "lifecycle": _lifecycle_state(trainer),
-        "trainer_hooks": {
-            type(h).__name__: {"evaluations": h.evaluations}
-            for h in trainer.hooks
-            if type(h).__name__ == "EvaluationHook"
-        },
-        "mid_epoch": None if trainer.update_progress is None else _mid_epoch_state(trainer),
-        "config": json.dumps(s.config, default=str),
+        "config": json.dumps(trainer.state.config, default=str),
     }
-    return ckpt
 
 
 def completed_epochs(ckpt: dict[str, Any]) -> int:
@@ -269,138 +193,68 @@ def restore_trainer(
 
     ``restore_envs=False`` re-seeds the environments instead of restoring the saved ones
     (ranks other than 0 of a distributed run: the checkpoint holds rank 0's envs).
+    Older formats (:data:`READABLE_FORMATS`) are read through :func:`upgrade_checkpoint`.
     """
-    if ckpt.get("format") not in READABLE_FORMATS:
-        raise CheckpointError(
-            f"unsupported checkpoint format {ckpt.get('format')!r} (this version reads "
-            f"{READABLE_FORMATS})"
-        )
+    ckpt = upgrade_checkpoint(ckpt)
     try:
-        trainer.policy.load_state_dict(ckpt["policy"])
-        trainer.optimizer.load_state_dict(ckpt["optimizer"])
-    except (RuntimeError, ValueError, KeyError) as exc:
-        raise CheckpointError(
-            f"the checkpoint does not fit this run's policy/optimizer ({exc}); resume with the "
-            f"configuration it was written with (policy sizes, activations, environment)"
-        ) from None
-    trainer.scheduler.load_state_dict(ckpt["scheduler"])
+        trainer.load_state_dict(ckpt, restore_envs=restore_envs)
+    except ValueError as exc:
+        raise CheckpointError(str(exc).replace("the saved state", "the checkpoint")) from None
     restore_rng_state(ckpt["rng"])
-    trainer.sample_generator.set_state(ckpt["trainer_rng"]["sample"])
-    trainer.shuffle_generator.set_state(ckpt["trainer_rng"]["shuffle"])
-    s = trainer.state
-    s.epoch, s.agent_step, s.optimizer_step = (
-        ckpt["epoch"],
-        ckpt["agent_step"],
-        ckpt["optimizer_step"],
-    )
-    if restore_envs:
-        _restore_envs(trainer, ckpt)
-    else:
-        _reseed_envs(trainer, ckpt, "the checkpoint holds another rank's environments")
-    trainer.load_normalization_state(ckpt["normalization"])
-    trainer._trained_time = float(ckpt.get("trained_seconds", 0.0))
-    _restore_lifecycle(trainer, ckpt.get("lifecycle") or {})
-    for hook in trainer.hooks:
-        saved = (ckpt.get("trainer_hooks") or {}).get(type(hook).__name__)
-        if saved and type(hook).__name__ == "EvaluationHook":
-            hook.evaluations = int(saved["evaluations"])
-    if ckpt.get("mid_epoch"):
-        # another rank's probe sums would be counted twice by the all-reduce
-        _restore_mid_epoch(trainer, ckpt["mid_epoch"], trackers=restore_envs)
 
 
-def _restore_envs(trainer: PPOTrainer, ckpt: dict[str, Any]) -> None:
-    env = ckpt.get("env") or {"state": None, "reason": "checkpoint format 1 holds no env state"}
-    if env["state"] is not None and ckpt.get("next_obs") is not None:
-        trainer.envs.reset(seed=trainer.seed)  # builds every lazily created attribute
-        restore_env_state(trainer.envs, env["state"])
-        trainer._next_obs = ckpt["next_obs"].numpy()
-        trainer._prev_done = ckpt["prev_done"].numpy().copy()
-        episodes = ckpt.get("episodes") or {}
-        trainer._episode_returns = [t.numpy() for t in episodes.get("returns", [])]
-        trainer._episode_lengths = [t.numpy() for t in episodes.get("lengths", [])]
-        return
-    _reseed_envs(trainer, ckpt, f"the environment state was not saved ({env['reason']})")
+def upgrade_checkpoint(ckpt: dict[str, Any]) -> dict[str, Any]:
+    """``ckpt`` in the current format (:data:`CHECKPOINT_FORMAT`).
 
-
-def _reseed_envs(trainer: PPOTrainer, ckpt: dict[str, Any], why: str) -> None:
-    seed = trainer.seed + ckpt["agent_step"]
-    log.warning(
-        "%s: the environments are re-seeded with seed %d, so the resumed run is not "
-        "bit-identical to an uninterrupted one",
-        why,
-        seed,
-    )
-    trainer._next_obs, _ = trainer.envs.reset(seed=seed)
-    trainer._prev_done[:] = False
-
-
-def _restore_lifecycle(trainer: PPOTrainer, saved: dict[str, Any]) -> None:
-    manager = trainer.manager
-    device = trainer.device
-    for hook in manager.hooks:
-        if hook.name in saved.get("hooks", {}):
-            hook.state = saved["hooks"][hook.name]
-            if not getattr(manager, "offload_state", False):
-                hook.move_state(device)
-    carried = saved.get("manager", {})
-    for attr in ("_prev_grads", "_grad_sum"):
-        if attr in carried:
-            setattr(manager, attr, {k: v.to(device) for k, v in carried[attr].items()})
-    for attr in ("_grad_steps", "_grad_epoch"):
-        if attr in carried:
-            setattr(manager, attr, carried[attr])
-    if "last_metrics" in carried:
-        from policy_probes.lifecycle import HookPoint
-
-        manager.last_metrics = {HookPoint(k): v for k, v in carried["last_metrics"].items()}
-
-
-def _restore_mid_epoch(trainer: PPOTrainer, mid: dict[str, Any], *, trackers: bool) -> None:
-    from policy_probes.lifecycle import HookPoint
-    from policy_probes.lifecycle.manager import StepRecord
-    from trainers.ppo import EpochHookMetrics, UpdateProgress
-
-    device = trainer.device
-    u = mid["update"]
-    trainer.update_progress = UpdateProgress(
-        learning_rate=u["learning_rate"],
-        sums=u["sums"].to(device),
-        update_epoch=u["update_epoch"],
-        next_minibatch=u["next_minibatch"],
-        order=None if u["order"] is None else u["order"].to(device),
-        steps=u["steps"],
-        update_epochs_run=u["update_epochs_run"],
-        last_stats=None if u["last_stats"] is None else u["last_stats"].to(device),
-    )
-    st = trainer.storage
-    for key, value in mid["storage"].items():
-        current = getattr(st, key)
-        if isinstance(current, np.ndarray):
-            setattr(st, key, value.numpy().astype(current.dtype, copy=True))
-        elif current.shape == value.shape:
-            current.copy_(value)
-        else:
-            setattr(st, key, value.to(device))
-    trainer.state.rollout_stats = dict(mid["rollout_stats"])
-    trainer.hook_metrics = EpochHookMetrics(
-        epoch=mid["hook_metrics"]["epoch"], metrics=dict(mid["hook_metrics"]["metrics"])
-    )
-    trainer.rollout_ready = True
-    if hasattr(trainer.manager, "_records"):
-        trainer.manager._records = [
-            StepRecord(HookPoint(r["point"]), r["epoch"], r["step"], r["metrics"])
-            for r in mid["step_records"]
-        ]
-    for name, saved in mid["trackers"].items() if trackers else ():
-        tracker = trainer.context.model_metrics.get(name)
-        if tracker is None:
-            log.warning("checkpoint holds tracker %r, which this run does not attach", name)
-            continue
-        tracker.reset()
-        for component, accumulators in saved["state"].items():
-            tracker.state[component] = {k: v.to(device) for k, v in accumulators.items()}
-        getattr(tracker, "errors", {}).update(saved["errors"])
+    Format 2 (before the state_dict protocol) kept the hook manager's carried gradients
+    under ``lifecycle`` and the epoch's lifecycle metrics, step records and tracker sums
+    in ``mid_epoch``; format 1 had no env or lifecycle state (its envs are re-seeded).
+    Any other dict raises :class:`CheckpointError` naming the formats this version reads.
+    """
+    fmt = ckpt.get("format") if isinstance(ckpt, dict) else None
+    if fmt not in READABLE_FORMATS:
+        raise CheckpointError(
+            f"unsupported checkpoint format {fmt!r}: this version reads formats "
+            f"{READABLE_FORMATS} written by policy-probes' trainer; it is a newer or foreign "
+            f"file"
+        )
+    if fmt == CHECKPOINT_FORMAT:
+        return ckpt
+    old = dict(ckpt)
+    lifecycle = old.pop("lifecycle", None) or {}
+    carried = lifecycle.get("manager") or {}
+    mid = old.get("mid_epoch") or None
+    manager = {
+        "hooks": lifecycle.get("hooks") or {},
+        "grad_sum": carried.get("_grad_sum"),
+        "grad_steps": carried.get("_grad_steps", 0),
+        "grad_epoch": carried.get("_grad_epoch"),
+        "prev_grads": carried.get("_prev_grads"),
+        "last_metrics": carried.get("last_metrics") or {},
+        "records": (mid or {}).get("step_records") or [],
+    }
+    old["session"] = {
+        # a mid-epoch checkpoint is inside epoch E (hooks count from 0: E - 1)
+        "epoch": old["epoch"] - 1 if mid else old["epoch"],
+        "optimizer_step": old["optimizer_step"],
+        "agent_step": old["agent_step"],
+        "epoch_started": bool(mid),
+        "pending": dict((mid or {}).get("hook_metrics", {}).get("metrics") or {}),
+        "logged": {},
+        "sums": {},
+        "hooks": manager,
+        "trackers": dict((mid or {}).get("trackers") or {}),
+    }
+    if mid:
+        old["mid_epoch"] = {k: mid[k] for k in ("update", "storage", "rollout_stats")}
+    old.setdefault("env", {"state": None, "reason": "checkpoint format 1 holds no env state"})
+    old.setdefault("next_obs", None)
+    old.setdefault("prev_done", None)
+    old.setdefault("episodes", {"returns": [], "lengths": []})
+    old.setdefault("trained_seconds", 0.0)
+    old.setdefault("trainer_hooks", {})
+    old["format"] = CHECKPOINT_FORMAT
+    return old
 
 
 # ---------------------------------------------------------------------- files
@@ -508,9 +362,9 @@ class CheckpointHook(TrainerHook):
     """Saves ``run_dir/checkpoints/epoch_<NNNNNN>.pt`` every ``every_epochs`` epochs and at
     the end of training (also after an early stop); keeps the newest ``keep_last``.
 
-    Register it after :class:`~trainers.metrics_hook.MetricsHook`: a checkpoint then
-    never gets ahead of the metric files, which a resume rewinds to the checkpoint's
-    epoch. :meth:`save` is also what run control calls mid-epoch.
+    It runs at ``on_epoch_end``, after the epoch's records were written
+    (``session.epoch_end``): a checkpoint never gets ahead of the metric files, which a
+    resume rewinds to the checkpoint's epoch. :meth:`save` is also what run control calls mid-epoch.
     """
 
     def __init__(

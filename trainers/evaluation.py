@@ -96,7 +96,8 @@ class EvaluationHook(TrainerHook):
         self.envs: gym.vector.VectorEnv | None = None
         self.evaluations = 0
 
-    def on_epoch_end(self, state: TrainerState) -> None:
+    def on_train_phase_end(self, state: TrainerState) -> None:
+        # before the epoch's record is written, which reports the scores as eval/*
         due = self.every_epochs > 0 and state.epoch % self.every_epochs == 0
         last = self.at_end and (state.epoch == state.num_epochs or state.stop_training)
         if due or last:
@@ -127,6 +128,13 @@ class EvaluationHook(TrainerHook):
         scores["epoch"] = float(state.epoch)
         state.eval_scores = scores
         return scores
+
+    def state_dict(self) -> dict[str, int]:
+        """The evaluation count (it picks each evaluation's start states)."""
+        return {"evaluations": self.evaluations}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.evaluations = int(state["evaluations"])
 
     def on_training_end(self, state: TrainerState) -> None:
         if self.envs is not None:

@@ -12,9 +12,12 @@ Details that matter and where they are:
 * global gradient clipping, gradient accumulation over micro-batches, target-KL early
   stop: :meth:`PPOTrainer.train_minibatch` and :meth:`PPOTrainer.update`
 
-Per-step statistics stay on the device and are transferred once per epoch. Lifecycle
-hooks (``docs/lifecycle.md``) fire at PRE_EPOCH, POST_ROLLOUT, PRE_STEP/POST_STEP
-(only when a selected hook fires there), POST_EPOCH and SNAPSHOT.
+Per-step statistics stay on the device and are transferred once per epoch. The probes,
+lifecycle hooks (``docs/lifecycle.md``) and sinks are driven through a
+:class:`~policy_probes.session.ProbeSession`, with the same calls as any other loop
+(``docs/external.md``): ``epoch_start`` (PRE_EPOCH), phases, ``rollout_end``
+(POST_ROLLOUT), ``pre_step``/``post_step`` (only when a selected hook fires there) and
+``epoch_end`` (POST_EPOCH, SNAPSHOT and the epoch's records).
 """
 
 from __future__ import annotations
@@ -23,9 +26,9 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,12 +41,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from policy_probes.context import ComponentContext
-from policy_probes.lifecycle import STEP_POINTS, HookManager, HookPoint, TrainingHook, snapshot_due
+from policy_probes.lifecycle import STEP_POINTS, HookManager, HookPoint, TrainingHook
 from policy_probes.lifecycle.hooks import StatsReporterHook
+from policy_probes.session import ProbeSession
+from policy_probes.sinks import SinkGroup
 from trainers.callbacks import CallbackList, TrainerHook, TrainerState
 from trainers.config import PPOConfig
+from trainers.env_state import EnvStateError, capture_env_state, restore_env_state
 from trainers.envs import find_wrapper
-from trainers.metrics_hook import epoch_metrics
 from trainers.model_context import PPOModelDataContext
 from trainers.nonfinite_guard import (
     NonFiniteInputError,
@@ -57,6 +62,21 @@ log = logging.getLogger("trainers")
 
 #: order of the statistics that ppo_loss returns stacked in one tensor
 LOSS_STATS = ("policy_loss", "value_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac")
+#: rollout statistics reported as ``rollout/*`` and ``perf/*``
+ROLLOUT_KEYS = (
+    "episode_return",
+    "episode_length",
+    "episodes",
+    "episode_return_max",
+    "episode_return_min",
+    "valid_fraction",
+)
+PERF_KEYS = ("sps", "rollout_sps", "update_seconds")
+#: (state key, wrapper class, attribute) of the running statistics a checkpoint keeps
+NORMALIZATION_WRAPPERS = (
+    ("obs_rms", vw.NormalizeObservation, "obs_rms"),
+    ("return_rms", vw.NormalizeReward, "return_rms"),
+)
 
 
 def normalize_advantages(batch: Minibatch) -> Minibatch:
@@ -135,24 +155,6 @@ def ppo_loss(
 
 
 @dataclass
-class EpochHookMetrics:
-    """What the lifecycle hooks reported in one epoch (host values).
-
-    ``metrics``: PRE_EPOCH, POST_ROLLOUT, POST_EPOCH and SNAPSHOT metrics plus the
-    per-epoch means of the step points (the epoch's main record). ``snapshot``: the
-    SNAPSHOT metrics in epochs where SNAPSHOT fired, else ``None``. ``steps``: per step
-    point (``"PRE_STEP"``, ``"POST_STEP"``) the per-epoch means of its metrics.
-    ``complete``: POST_EPOCH has fired (the epoch's hooks are done).
-    """
-
-    epoch: int = 0
-    metrics: dict[str, Any] = field(default_factory=dict)
-    snapshot: dict[str, Any] | None = None
-    steps: dict[str, dict[str, Any]] = field(default_factory=dict)
-    complete: bool = False
-
-
-@dataclass
 class UpdateProgress:
     """Where the update phase of the current epoch stands: the running sums of the loss
     statistics, the update epoch, its minibatch order and the next minibatch. A mid-epoch
@@ -175,11 +177,14 @@ class PPOTrainer:
     ``update_epochs`` passes of ``num_minibatches`` minibatches over it.
     ``context.phase`` is ``"rollout"`` while collecting and ``"train"`` while updating.
 
-    ``lifecycle_hooks`` (see :func:`policy_probes.lifecycle.select_hooks`) run through
-    :attr:`manager`; the ``stats_reporter`` hook is always added, because it is the one
+    The probes (attached to ``policy`` with ``context``), ``lifecycle_hooks`` (see
+    :func:`policy_probes.lifecycle.select_hooks`) and ``sinks`` are driven through
+    :attr:`session`, a :class:`~policy_probes.session.ProbeSession` (its hook manager is
+    :attr:`manager`); the ``stats_reporter`` hook is always added, because it is the one
     path by which the probe trackers become metrics. ``snapshot_every`` paces SNAPSHOT
     (0 = never); ``lifecycle_config`` is what hooks see as ``RunDataContext.config``
-    (TrainTool passes itself; default: the :class:`PPOConfig`).
+    (TrainTool passes itself; default: the :class:`PPOConfig`). ``sinks`` receive the
+    epoch's records (none: the records are only returned, in ``state.metrics``).
     """
 
     def __init__(
@@ -197,6 +202,7 @@ class PPOTrainer:
         lifecycle_hooks: Iterable[TrainingHook] = (),
         snapshot_every: int = 0,
         lifecycle_config: Any = None,
+        sinks: SinkGroup | None = None,
     ) -> None:
         self.envs, self.policy, self.cfg = envs, policy, cfg
         self.context = context if context is not None else ComponentContext()
@@ -254,71 +260,89 @@ class PPOTrainer:
             run_dir=run_dir,
             num_epochs=self.num_epochs,
         )
-        self._next_obs: np.ndarray | None = None
-        self._prev_done = np.zeros(self.num_envs, dtype=bool)
-        self._episode_returns: list[np.ndarray] = []
-        self._episode_lengths: list[np.ndarray] = []
-        self._start_time = 0.0
-        self._trained_time = 0.0
+        #: the observation the next rollout starts from and which envs just finished
+        self.next_obs: np.ndarray | None = None
+        self.prev_done = np.zeros(self.num_envs, dtype=bool)
+        #: returns and lengths of the episodes that ended in the rollout under way
+        self.episode_returns: list[np.ndarray] = []
+        self.episode_lengths: list[np.ndarray] = []
+        #: seconds of training so far (rollouts and updates; pauses excluded)
+        self.trained_seconds = 0.0
+        self._clock_start = 0.0
         #: the update phase under way (set during update(); restored from a mid-epoch
         #: checkpoint, in which case train() continues that epoch's update phase)
         self.update_progress: UpdateProgress | None = None
+        #: True once a rollout and its advantages are in the storage (POST_ROLLOUT)
+        self.rollout_ready = False
+        self._model_data_context: PPOModelDataContext | None = None
 
-        # Lifecycle hooks. stats_reporter is always present (one metrics pipeline for the
-        # probes); the per-step fire() calls are skipped unless a hook fires at a step
-        # point or needs gradients, so an empty selection costs one bool check per step.
+        # stats_reporter is always present (one metrics pipeline for the probes)
         selected = list(lifecycle_hooks)
         if not any(h.name == StatsReporterHook.name for h in selected):
             selected.append(StatsReporterHook())
-        self.manager = HookManager(
-            selected,
-            loop="ppo",
-            model=policy,
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
-            config=lifecycle_config if lifecycle_config is not None else cfg,
-            component_context=self.context,
-        )
         if snapshot_every < 0:
             raise ValueError(f"snapshot_every must be >= 0 (0 = never), got {snapshot_every}")
+        self.session = ProbeSession(
+            policy,
+            context=self.context,
+            sink_group=sinks if sinks is not None else SinkGroup(),
+            run_dir=run_dir,
+            config=self.state.config,
+            lifecycle_hooks=selected,
+            loop="ppo",
+            loop_config=lifecycle_config if lifecycle_config is not None else cfg,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            model_context=self.model_data_context,
+            snapshot_every=snapshot_every,
+            explicit_epoch_start=True,  # after a resume, PRE_EPOCH fires on the loaded state
+            record_epoch_offset=1,  # records number epochs from 1, hooks from 0
+            step_records=True,
+        )
         self.snapshot_every = snapshot_every
+        #: the lifecycle hook manager (``session.hooks``)
+        self.manager: HookManager = self.session.hooks
+        # The per-step points are skipped unless a hook fires there or needs gradients,
+        # so an empty selection costs one bool check per step.
         m = self.manager
         self._fire_steps = bool(
             any(m.hooks_at(p) for p in STEP_POINTS) or m.needs_grads or m.needs_prev_step_grads
         )
         self._fire_post_rollout = bool(m.hooks_at(HookPoint.POST_ROLLOUT))
-        self._model_data_context: PPOModelDataContext | None = None
-        #: True once a rollout and its advantages are in the storage (POST_ROLLOUT)
-        self.rollout_ready = False
-        #: this epoch's lifecycle metrics (filled by :meth:`fire_epoch_end_points`)
-        self.hook_metrics = EpochHookMetrics()
 
     # ================================================================== the loop
     def train(self) -> TrainerState:
         """Run all epochs; returns the final :class:`TrainerState`."""
-        state = self.state
+        state, session = self.state, self.session
         self.hooks.fire("on_new_training_run", state)
+        session.sinks.set_run_context(agent_step=state.agent_step)
         try:
-            if self._next_obs is None:
+            if self.next_obs is None:
                 self.reset_envs()
-            self._start_time = time.perf_counter() - self._trained_time  # resumed: clock goes on
+            self._clock_start = time.perf_counter() - self.trained_seconds  # resumed: goes on
             resuming_update = self.update_progress is not None  # mid-epoch checkpoint
             while (state.epoch < self.num_epochs or resuming_update) and not state.stop_training:
                 if not resuming_update:
                     state.epoch += 1
-                    self.fire_epoch_start_point()  # PRE_EPOCH
+                    session.optimizer_step = state.optimizer_step
+                    session.epoch_start(agent_step=state.agent_step)  # PRE_EPOCH
                     self.hooks.fire("on_rollout_start", state)
-                    self.collect_rollout()
-                    self.fire_rollout_point()  # POST_ROLLOUT
+                    session.set_phase("rollout")
+                    self.collect_rollout()  # rollout and GAE
+                    self.rollout_end()  # POST_ROLLOUT
                     self.hooks.fire("on_rollout_end", state)
                 resuming_update = False
-                self.update()  # PRE_STEP / POST_STEP around every optimizer step
+                session.set_phase("train")
+                self.update()  # the minibatch loop; PRE_STEP / POST_STEP around each step
                 self.scheduler.step()
-                self.hooks.fire("on_train_phase_end", state)
-                # EvaluationHook, MetricsHook, which calls fire_epoch_end_points()
-                # (POST_EPOCH, SNAPSHOT) and emits the metrics, then CheckpointHook.
-                self.hooks.fire("on_epoch_end", state)
-                self.fire_epoch_end_points()  # no-op when a callback already fired them
+                self.hooks.fire("on_train_phase_end", state)  # evaluation, rank statistics
+                session.optimizer_step = state.optimizer_step
+                # POST_EPOCH, SNAPSHOT and the epoch's records (docs/trainer.md)
+                state.metrics = session.epoch_end(state.agent_step, **self.epoch_statistics())
+                state.probe_metrics = {
+                    k: v for k, v in state.metrics.items() if k.startswith("probes/")
+                }
+                self.hooks.fire("on_epoch_end", state)  # checkpoints, progress, run control
         except BaseException as exc:
             state.error = exc
             raise
@@ -328,9 +352,41 @@ class PPOTrainer:
 
     def reset_envs(self) -> None:
         """Seed and reset the environments (``train()`` does this on its first call)."""
-        self._next_obs, _ = self.envs.reset(seed=self.seed)
+        self.next_obs, _ = self.envs.reset(seed=self.seed)
         self.envs.action_space.seed(self.seed)
-        self._prev_done[:] = False
+        self.prev_done[:] = False
+
+    def rollout_end(self) -> None:
+        """POST_ROLLOUT: the rollout and its advantages are ready, no update yet."""
+        if not self._fire_post_rollout:
+            return
+        state, st = self.state, self.storage
+        self.session.rollout_end(
+            observations=st.obs.view(st.num_steps * st.num_envs, -1)[st.valid_indices],
+            agent_step=state.agent_step,
+            stats={f"rollout/{k}": v for k, v in state.rollout_stats.items()},
+        )
+
+    def epoch_statistics(self) -> dict[str, Any]:
+        """The trainer's own statistics of the epoch as ``section/name`` keys: ``train/*``
+        (losses, KL, clipfrac, explained variance, learning rate, grad norm),
+        ``rollout/*`` (episodes that ended in the rollout), ``perf/*`` (SPS), ``eval/*``
+        (epochs with an evaluation) and ``trainer/hook_errors``."""
+        state = self.state
+        rs = state.rollout_stats
+        out: dict[str, Any] = {f"train/{k}": v for k, v in state.loss_stats.items()}
+        out.update({f"rollout/{k}": rs[k] for k in ROLLOUT_KEYS if k in rs})
+        out.update({f"perf/{k}": rs[k] for k in PERF_KEYS if k in rs})
+        if state.eval_scores.get("epoch") == float(state.epoch):
+            out.update({f"eval/{k}": v for k, v in state.eval_scores.items() if k != "epoch"})
+        if state.hook_errors:
+            out["trainer/hook_errors"] = float(len(state.hook_errors))
+        return out
+
+    def exclude_from_clock(self, seconds: float) -> None:
+        """Leave ``seconds`` (a pause) out of the training time, so ``perf/sps`` stays
+        the speed of training."""
+        self._clock_start += seconds
 
     # ================================================================== lifecycle hooks
     def model_data_context(self) -> PPOModelDataContext:
@@ -339,106 +395,21 @@ class PPOTrainer:
             self._model_data_context = PPOModelDataContext(self)
         return self._model_data_context
 
-    def _hook_epoch(self) -> int:
-        return self.state.epoch - 1  # hook epochs count from 0, TrainerState.epoch from 1
-
-    def fire_epoch_start_point(self) -> None:
-        """PRE_EPOCH: parameters as the last update left them, before the rollout."""
+    def _step_fields(self, batch: Minibatch, stats: torch.Tensor) -> dict[str, Any]:
         state = self.state
-        self.hook_metrics = EpochHookMetrics(epoch=state.epoch)
-        self.hook_metrics.metrics.update(
-            self.manager.fire(
-                HookPoint.PRE_EPOCH,
-                epoch=self._hook_epoch(),
-                step=state.optimizer_step,
-                agent_step=state.agent_step,
-                model_ctx=self.model_data_context,
-            )
-        )
-
-    def fire_rollout_point(self) -> None:
-        """POST_ROLLOUT: the rollout and its advantages are ready, no update yet."""
-        self.rollout_ready = True
-        if not self._fire_post_rollout:
-            return
-        state, st = self.state, self.storage
-        observations = st.obs.view(st.num_steps * st.num_envs, -1)[st.valid_indices]
-        self.hook_metrics.metrics.update(
-            self.manager.fire(
-                HookPoint.POST_ROLLOUT,
-                epoch=self._hook_epoch(),
-                step=state.optimizer_step,
-                agent_step=state.agent_step,
-                observations=observations,
-                stats={f"rollout/{k}": v for k, v in state.rollout_stats.items()},
-                model_ctx=self.model_data_context,
-            )
-        )
-
-    def _fire_step_point(self, point: HookPoint, batch: Minibatch, stats: torch.Tensor) -> None:
-        state = self.state
-        self.manager.fire(
-            point,
-            epoch=self._hook_epoch(),
-            step=state.optimizer_step,
-            agent_step=state.agent_step,
-            update_epoch=state.update_epoch,
-            minibatch=state.mb_idx,
-            batch=batch,
-            loss=self.loss_from_stats(stats),
-            learning_rate=self.optimizer.param_groups[0]["lr"],
-            model_ctx=self.model_data_context,
-        )
-
-    def fire_epoch_end_points(self) -> EpochHookMetrics:
-        """POST_EPOCH, then SNAPSHOT when due, then the flush of the step-point metrics;
-        once per epoch (later calls return the same result).
-
-        Runs after the update phase, the scheduler step and (when MetricsHook calls it
-        from ``on_epoch_end``) after EvaluationHook, so ``stats`` holds this epoch's
-        ``train/``, ``rollout/``, ``perf/`` and ``eval/`` statistics.
-        """
-        state, out = self.state, self.hook_metrics
-        if out.epoch == state.epoch and out.complete:
-            return out
-        if out.epoch != state.epoch:  # PRE_EPOCH did not fire (epoch driven by hand)
-            out = self.hook_metrics = EpochHookMetrics(epoch=state.epoch)
-        epoch = self._hook_epoch()
-        common = {
-            "epoch": epoch,
+        return {
+            "batch": batch,
+            "loss": self.loss_from_stats(stats),
             "step": state.optimizer_step,
             "agent_step": state.agent_step,
-            "learning_rate": state.loss_stats.get("learning_rate"),
-            "model_ctx": self.model_data_context,
+            "update_epoch": state.update_epoch,
+            "minibatch": state.mb_idx,
+            "learning_rate": self.optimizer.param_groups[0]["lr"],
         }
-        idle = self._only_idle_reporter()
-        if not idle:
-            out.metrics.update(
-                self.manager.fire(HookPoint.POST_EPOCH, stats=epoch_metrics(state), **common)
-            )
-        if snapshot_due(epoch, self.snapshot_every):
-            out.snapshot = {} if idle else self.manager.fire(HookPoint.SNAPSHOT, **common)
-            out.metrics.update(out.snapshot)
-        flushed = self.manager.flush()
-        out.metrics.update(flushed.summary)
-        out.steps = {point.value: values for point, values in flushed.by_point.items()}
-        out.complete = True
-        return out
-
-    def _only_idle_reporter(self) -> bool:
-        """No hook selected and no probe attached: the one hook, stats_reporter, would
-        report nothing, so its dispatch (~0.15 ms, mostly saving the RNG states) is
-        skipped."""
-        hooks, ctx = self.manager.hooks, self.context
-        return (
-            len(hooks) == 1
-            and hooks[0].name == StatsReporterHook.name
-            and not ctx.model_metrics
-            and not ctx.probe_errors
-        )
 
     def _fire_training_end(self) -> None:
         try:
+            self.session.sinks.flush()
             self.hooks.fire("on_training_end", self.state)
         except Exception:
             if self.state.error is None:
@@ -453,9 +424,8 @@ class PPOTrainer:
         n = self.num_envs
         action_shape = (n, *policy.action_shape)
         on_cpu = self.device.type == "cpu"
-        self.context.phase = "rollout"
         t0 = time.perf_counter()
-        obs = self._next_obs
+        obs = self.next_obs
         actions, logprobs, values = [], [], []
         with torch.inference_mode():
             obs_steps = st.obs.unbind(0)  # views into the storage, one per step
@@ -485,8 +455,8 @@ class PPOTrainer:
                 st.truncated[step] = truncated
                 if "episode" in info:
                     done = info["_episode"]
-                    self._episode_returns.append(info["episode"]["r"][done])
-                    self._episode_lengths.append(info["episode"]["l"][done])
+                    self.episode_returns.append(info["episode"]["r"][done])
+                    self.episode_lengths.append(info["episode"]["l"][done])
             torch.stack(actions, out=st.actions)
             torch.stack(logprobs, out=st.logprobs)
             torch.stack(values, out=st.values)
@@ -509,10 +479,11 @@ class PPOTrainer:
             )
         # The step after an episode end is the autoreset step: not a transition.
         dones = st.terminated | st.truncated
-        st.valid[0] = ~self._prev_done
+        st.valid[0] = ~self.prev_done
         st.valid[1:] = ~dones[:-1]
-        self._next_obs, self._prev_done = obs, dones[-1].copy()
-        st.compute_returns(cfg.gamma, cfg.gae_lambda)
+        self.next_obs, self.prev_done = obs, dones[-1].copy()
+        st.compute_returns(cfg.gamma, cfg.gae_lambda)  # GAE
+        self.rollout_ready = True
         state.agent_step += self.batch_size
         elapsed = time.perf_counter() - t0
         state.rollout_stats = self._episode_stats()
@@ -521,12 +492,12 @@ class PPOTrainer:
 
     def _episode_stats(self) -> dict[str, float]:
         """Mean return and length of the episodes that ended during this rollout."""
-        if not self._episode_returns:
+        if not self.episode_returns:
             return {"episodes": 0.0}
-        r = np.concatenate(self._episode_returns).astype(np.float64)
-        ln = np.concatenate(self._episode_lengths).astype(np.float64)
-        self._episode_returns.clear()
-        self._episode_lengths.clear()
+        r = np.concatenate(self.episode_returns).astype(np.float64)
+        ln = np.concatenate(self.episode_lengths).astype(np.float64)
+        self.episode_returns.clear()
+        self.episode_lengths.clear()
         return {
             "episodes": float(r.size),
             "episode_return": float(r.mean()),
@@ -540,7 +511,6 @@ class PPOTrainer:
         """``update_epochs`` passes over the rollout in shuffled minibatches."""
         cfg, state = self.cfg, self.state
         t0 = time.perf_counter()
-        self.context.phase = "train"
         if self.update_progress is None:  # else: resumed in the middle of this phase
             self.update_progress = UpdateProgress(
                 learning_rate=self.optimizer.param_groups[0]["lr"],
@@ -559,7 +529,14 @@ class PPOTrainer:
             first = p.next_minibatch  # > 0 only when resumed mid-phase
             for mb_idx, batch in enumerate(itertools.islice(batches, first, None), first):
                 state.mb_idx = mb_idx
-                stats = self.train_minibatch(batch, fire_hooks=self._fire_steps)
+                # zero_grad, loss, backward (micro-batches, DDP all-reduce)
+                loss_stats = self.accumulate_gradients(batch, sync=True)
+                if self._fire_steps:
+                    self.session.pre_step(**self._step_fields(batch, loss_stats))
+                grad_norm = self.clip_and_step()  # global norm clipping, optimizer.step()
+                if self._fire_steps:
+                    self.session.post_step(**self._step_fields(batch, loss_stats))
+                stats = torch.cat([loss_stats, grad_norm.detach().reshape(1).to(loss_stats)])
                 step_stats.append(stats)
                 step_where.append((p.update_epoch, mb_idx, state.optimizer_step))
                 p.sums += stats
@@ -601,24 +578,15 @@ class PPOTrainer:
         loss_stats["update_epochs_run"] = float(p.update_epochs_run)
         loss_stats["batch_size"] = float(self.storage.size)
         state.loss_stats = loss_stats
-        self._trained_time = time.perf_counter() - self._start_time
-        state.rollout_stats["sps"] = state.agent_step / max(self._trained_time, 1e-9)
+        self.trained_seconds = time.perf_counter() - self._clock_start
+        state.rollout_stats["sps"] = state.agent_step / max(self.trained_seconds, 1e-9)
         state.rollout_stats["update_seconds"] = time.perf_counter() - t0
 
-    def train_minibatch(self, batch: Minibatch, *, fire_hooks: bool = False) -> torch.Tensor:
-        """One optimizer step on ``batch``; returns its statistics (device tensor,
-        :data:`LOSS_STATS` then the pre-clip gradient norm).
-
-        With ``fire_hooks`` the lifecycle points PRE_STEP (gradients of every
-        micro-batch accumulated, before clipping) and POST_STEP (right after
-        ``optimizer.step()``) fire around the step.
-        """
+    def train_minibatch(self, batch: Minibatch) -> torch.Tensor:
+        """One optimizer step on ``batch`` outside the loop (no lifecycle points); returns
+        its statistics (device tensor, :data:`LOSS_STATS` then the pre-clip gradient norm)."""
         stats = self.accumulate_gradients(batch, sync=True)
-        if fire_hooks:
-            self._fire_step_point(HookPoint.PRE_STEP, batch, stats)
         grad_norm = self.clip_and_step()
-        if fire_hooks:
-            self._fire_step_point(HookPoint.POST_STEP, batch, stats)
         return torch.cat([stats, grad_norm.detach().reshape(1).to(stats)])
 
     def minibatch_loss(
@@ -742,32 +710,145 @@ class PPOTrainer:
     def normalization_state(self) -> dict[str, Any]:
         """Running statistics of the observation/reward normalisation wrappers (tensors)."""
         out: dict[str, Any] = {}
-        obs_norm = find_wrapper(self.envs, vw.NormalizeObservation)
-        if obs_norm is not None:
-            rms = obs_norm.obs_rms
-            out["obs_rms"] = {
-                "mean": torch.as_tensor(np.asarray(rms.mean, dtype=np.float64)),
-                "var": torch.as_tensor(np.asarray(rms.var, dtype=np.float64)),
-                "count": float(rms.count),
-            }
-        rew_norm = find_wrapper(self.envs, vw.NormalizeReward)
-        if rew_norm is not None:
-            rms = rew_norm.return_rms
-            out["return_rms"] = {
-                "mean": torch.as_tensor(np.asarray(rms.mean, dtype=np.float64)),
-                "var": torch.as_tensor(np.asarray(rms.var, dtype=np.float64)),
-                "count": float(rms.count),
-            }
+        for key, cls, attr in NORMALIZATION_WRAPPERS:
+            wrapper = find_wrapper(self.envs, cls)
+            if wrapper is not None:
+                rms = getattr(wrapper, attr)
+                out[key] = {
+                    "mean": torch.as_tensor(np.asarray(rms.mean, dtype=np.float64)),
+                    "var": torch.as_tensor(np.asarray(rms.var, dtype=np.float64)),
+                    "count": float(rms.count),
+                }
         return out
 
     def load_normalization_state(self, state: dict[str, Any]) -> None:
-        for key, cls, attr in (
-            ("obs_rms", vw.NormalizeObservation, "obs_rms"),
-            ("return_rms", vw.NormalizeReward, "return_rms"),
-        ):
+        for key, cls, attr in NORMALIZATION_WRAPPERS:
             wrapper = find_wrapper(self.envs, cls)
             if key in state and wrapper is not None:
                 rms = getattr(wrapper, attr)
                 rms.mean = state[key]["mean"].numpy().astype(np.asarray(rms.mean).dtype)
                 rms.var = state[key]["var"].numpy().astype(np.asarray(rms.var).dtype)
                 rms.count = state[key]["count"]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything an exact continuation of this run needs, except the process-wide
+        RNGs (a checkpoint adds those: :mod:`trainers.checkpoint`): counters, policy,
+        optimizer, scheduler, the trainer's generators, the normalisation statistics, the
+        envs' state (or why it could not be captured), the pending observation, done
+        flags and episode accumulators, the training time, the session
+        (:meth:`ProbeSession.state_dict`: lifecycle hooks, trackers, the epoch's metrics
+        so far), the trainer callbacks that have a ``state_dict``, and while the update
+        phase is under way (:attr:`update_progress`) its position, the rollout storage
+        and the rollout statistics (``mid_epoch``; None at an epoch boundary).
+        Values are tensors, numpy arrays and plain containers."""
+        s = self.state
+        try:
+            env: dict[str, Any] = {"state": capture_env_state(self.envs), "reason": None}
+        except EnvStateError as exc:
+            env = {"state": None, "reason": str(exc)}
+        return {
+            "epoch": s.epoch,
+            "num_epochs": s.num_epochs,
+            "agent_step": s.agent_step,
+            "optimizer_step": s.optimizer_step,
+            "seed": self.seed,
+            "policy": self.policy.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "trainer_rng": {
+                "sample": self.sample_generator.get_state(),
+                "shuffle": self.shuffle_generator.get_state(),
+            },
+            "normalization": self.normalization_state(),
+            "env": env,
+            "next_obs": self.next_obs,
+            "prev_done": self.prev_done,
+            "episodes": {"returns": self.episode_returns, "lengths": self.episode_lengths},
+            "trained_seconds": float(self.trained_seconds),
+            "session": self.session.state_dict(),
+            "trainer_hooks": {
+                type(h).__name__: h.state_dict() for h in self.hooks if hasattr(h, "state_dict")
+            },
+            "mid_epoch": None if self.update_progress is None else self._mid_epoch_state(),
+        }
+
+    def _mid_epoch_state(self) -> dict[str, Any]:
+        p = self.update_progress
+        assert p is not None
+        return {
+            "update": vars(p).copy(),
+            "storage": self.storage.state_dict(),
+            "rollout_stats": dict(self.state.rollout_stats),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any], *, restore_envs: bool = True) -> None:
+        """Inverse of :meth:`state_dict` into a trainer built with the same configuration.
+
+        ``restore_envs=False`` re-seeds the environments instead of restoring the saved
+        ones and keeps the probe trackers empty (ranks other than 0 of a distributed run:
+        the state holds rank 0's envs and probe sums). Envs whose state was not saved are
+        re-seeded too, with a warning: that run is not bit-identical to an uninterrupted
+        one. Raises ``ValueError`` when the policy or optimizer does not fit."""
+        try:
+            self.policy.load_state_dict(state["policy"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as exc:
+            raise ValueError(
+                f"the saved state does not fit this run's policy/optimizer ({exc}); resume "
+                f"with the configuration it was written with (policy sizes, activations, "
+                f"environment)"
+            ) from None
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.sample_generator.set_state(state["trainer_rng"]["sample"])
+        self.shuffle_generator.set_state(state["trainer_rng"]["shuffle"])
+        s = self.state
+        s.epoch, s.agent_step = int(state["epoch"]), int(state["agent_step"])
+        s.optimizer_step = int(state["optimizer_step"])
+        if not restore_envs:
+            self._reseed_envs("the saved state holds another rank's environments")
+        elif state["env"]["state"] is None or state["next_obs"] is None:
+            self._reseed_envs(f"the environment state was not saved ({state['env']['reason']})")
+        else:
+            self.envs.reset(seed=self.seed)  # builds every lazily created attribute
+            restore_env_state(self.envs, state["env"]["state"])
+            self.next_obs = _numpy(state["next_obs"])
+            self.prev_done = _numpy(state["prev_done"]).astype(bool)
+            episodes = state["episodes"]
+            self.episode_returns = [_numpy(r) for r in episodes["returns"]]
+            self.episode_lengths = [_numpy(n) for n in episodes["lengths"]]
+        self.load_normalization_state(state["normalization"])
+        self.trained_seconds = float(state["trained_seconds"])
+        self.session.load_state_dict(state["session"], trackers=restore_envs)
+        for hook in self.hooks:
+            saved = state["trainer_hooks"].get(type(hook).__name__)
+            if saved is not None and hasattr(hook, "load_state_dict"):
+                hook.load_state_dict(saved)
+        mid = state["mid_epoch"]
+        self.update_progress = None
+        if mid:
+            u = dict(mid["update"])
+            for key in ("sums", "order", "last_stats"):
+                if u[key] is not None:
+                    u[key] = u[key].to(self.device)
+            self.update_progress = UpdateProgress(**u)
+            self.storage.load_state_dict(mid["storage"])
+            s.rollout_stats = dict(mid["rollout_stats"])
+            self.rollout_ready = True
+
+    def _reseed_envs(self, why: str) -> None:
+        seed = self.seed + self.state.agent_step
+        log.warning(
+            "%s: the environments are re-seeded with seed %d, so the resumed run is not "
+            "bit-identical to an uninterrupted one",
+            why,
+            seed,
+        )
+        self.next_obs, _ = self.envs.reset(seed=seed)
+        self.prev_done[:] = False
+
+
+def _numpy(value: np.ndarray | torch.Tensor) -> np.ndarray:
+    """A numpy copy of a saved array (a tensor once it went through a checkpoint)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().numpy().copy()
+    return np.array(value, copy=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
+from typing import Any
 
 import numpy as np
 import torch
@@ -130,6 +131,23 @@ class RolloutStorage:
         self.valid_indices = torch.from_numpy(np.flatnonzero(self.valid.reshape(-1))).to(
             self.device
         )
+
+    def state_dict(self) -> dict[str, torch.Tensor | np.ndarray]:
+        """The rollout's buffers (a mid-epoch checkpoint resumes its update phase on them)."""
+        return {k: v for k, v in vars(self).items() if isinstance(v, torch.Tensor | np.ndarray)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Inverse of :meth:`state_dict` (tensors or numpy arrays, any device)."""
+        for key, value in state.items():
+            current = getattr(self, key)
+            if isinstance(current, np.ndarray):
+                if isinstance(value, torch.Tensor):
+                    value = value.cpu().numpy()
+                setattr(self, key, np.array(value, dtype=current.dtype, copy=True))
+            elif current.shape == value.shape:
+                current.copy_(torch.as_tensor(value))
+            else:  # valid_indices: its length is the rollout's
+                setattr(self, key, torch.as_tensor(value).to(self.device))
 
     def gather(self, idx: torch.Tensor) -> Minibatch:
         """The transitions at flat indices ``idx`` (``t * num_envs + env``)."""

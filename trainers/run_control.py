@@ -259,7 +259,7 @@ class RunControl(TrainerHook):
         finally:
             self.paused_seconds += time.monotonic() - t0
             # time spent paused is not training time (perf/sps stays meaningful)
-            state.trainer._start_time += time.monotonic() - t0
+            state.trainer.exclude_from_clock(time.monotonic() - t0)
             log.warning("resumed after %.1f s", time.monotonic() - t0)
 
     def stop(

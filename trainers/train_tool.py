@@ -44,7 +44,6 @@ from trainers.config import CheckpointConfig, EnvConfig, EvalConfig, PolicyConfi
 from trainers.distributed import DistributedRun, RankStatisticsHook, per_rank_config
 from trainers.envs import make_vector_env
 from trainers.evaluation import EvaluationHook
-from trainers.metrics_hook import MetricsHook
 from trainers.policy import ActorCriticPolicy, make_policy
 from trainers.ppo import PPOTrainer
 from trainers.run_control import RunControl, prepare_run_dir, resume_trainer
@@ -401,7 +400,7 @@ class TrainTool(BaseModel):
                 console = Console()
             if dist_run.is_main:
                 sinks = build_sink_group(run_dir, self.sinks, self.wandb, config, console=console)
-            else:  # the other ranks emit nothing (MetricsHook runs on rank 0 only)
+            else:  # the other ranks emit nothing (their session has no sink)
                 sinks = SinkGroup()
             if dist_run.distributed:
                 hooks.append(RankStatisticsHook(dist_run.world_size))
@@ -423,9 +422,9 @@ class TrainTool(BaseModel):
                 keep_last=self.checkpoint.keep_last,
                 at_end=self.checkpoint.at_end,
             )
-            hooks.append(MetricsHook(sinks))  # on every rank (see MetricsHook)
             if self.checkpoint.every_epochs > 0 or self.checkpoint.at_end:
-                hooks.append(checkpointer)  # after MetricsHook: never ahead of the metrics
+                # on_epoch_end comes after the epoch's records: never ahead of the metrics
+                hooks.append(checkpointer)
             if self.progress:
                 from trainers.progress import ProgressHook
 
@@ -447,6 +446,7 @@ class TrainTool(BaseModel):
                 lifecycle_hooks=self.lifecycle_hooks(),
                 snapshot_every=self.snapshot_every,
                 lifecycle_config=self,
+                sinks=sinks,
             )
             if dist_run.distributed:
                 trainer.wrap_ddp(dist_run.ddp_device_ids())

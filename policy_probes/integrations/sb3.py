@@ -196,7 +196,8 @@ class ProbeCallback(BaseCallback):
 
     def _add(self, pattern: str, builder: HookBuilderFn, backward: bool) -> ProbeCallback:
         if self.session is not None and not self.session.closed:
-            self.session._attach(pattern, builder, backward)
+            attach = _attach_method(self.session, backward)
+            attach(pattern, builder)
         self._probes.append((pattern, builder, backward))
         return self
 
@@ -229,7 +230,7 @@ class ProbeCallback(BaseCallback):
         try:
             self._trace(session)
             for pattern, builder, backward in self._probes:
-                session._attach(pattern, builder, backward)
+                _attach_method(session, backward)(pattern, builder)
         except BaseException:
             session.close()
             raise
@@ -394,6 +395,10 @@ def _sequence_mask(mask: torch.Tensor, sample: Any) -> torch.Tensor:
         return mask
     n_seq = pi[0].shape[1]
     return mask.reshape(n_seq, -1) if n_seq and mask.numel() % n_seq == 0 else mask
+
+
+def _attach_method(session: ProbeSession, backward: bool) -> Any:
+    return session.add_training_backward_hook if backward else session.add_training_hook
 
 
 def _takes_name_and_context(builder: Any) -> bool:

@@ -368,6 +368,55 @@ class HookManager:
         }
         return StepFlush(summary=_summarise(host), records=host, by_point=by_point)
 
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs to fire on as this one would (tensors and plain
+        containers): every hook's ``state`` (hooks with an empty state are left out), the
+        gradients carried across steps (the epoch's sum for ``needs_grads`` hooks, the
+        previous step's for ``needs_prev_step_grads``), the last metrics per point and
+        the step-point metrics buffered since the last :meth:`flush`. Selection and
+        hook settings are configuration, not state."""
+        return {
+            "hooks": {h.name: h.state for h in self.hooks if h.state},
+            "grad_sum": self._grad_sum,
+            "grad_steps": self._grad_steps,
+            "grad_epoch": self._grad_epoch,
+            "prev_grads": self._prev_grads,
+            "last_metrics": {p.value: dict(m) for p, m in self.last_metrics.items()},
+            "records": [
+                {"point": r.point.value, "epoch": r.epoch, "step": r.step, "metrics": r.metrics}
+                for r in self._records
+            ],
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Inverse of :meth:`state_dict`. Tensors move to the model's device (hook state
+        stays on the CPU with ``offload_state``); a saved hook this selection lacks is
+        ignored, a selected hook the state lacks keeps its fresh state."""
+        device = _device_of(self._bound.get("model"))
+        hook_device = torch.device("cpu") if self.offload_state else device
+        saved_hooks = state.get("hooks") or {}
+        for hook in self.hooks:
+            if hook.name in saved_hooks:
+                hook.state = saved_hooks[hook.name]
+                hook.move_state(hook_device)
+
+        def moved(grads: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
+            return None if grads is None else {n: g.to(device) for n, g in grads.items()}
+
+        self._grad_sum = moved(state.get("grad_sum"))
+        self._grad_steps = int(state.get("grad_steps", 0))
+        epoch = state.get("grad_epoch")
+        self._grad_epoch = None if epoch is None else int(epoch)
+        self._prev_grads = moved(state.get("prev_grads"))
+        self.last_metrics = {
+            HookPoint(p): dict(m) for p, m in (state.get("last_metrics") or {}).items()
+        }
+        self._records = [
+            StepRecord(HookPoint(r["point"]), int(r["epoch"]), int(r["step"]), dict(r["metrics"]))
+            for r in state.get("records") or ()
+        ]
+
     # ---------------------------------------------------------- demand work
     def _model_ctx(
         self, source: ModelContextSource, cache: list[ModelDataContext]

@@ -32,6 +32,8 @@ from policy_probes.probes.row_buffer import RowBuffer, block_rows
 from policy_probes.probes.rows import COUNT as COUNT  # re-exported for custom trackers
 from policy_probes.probes.rows import DrainRound, Rows
 
+log = logging.getLogger("policy_probes")
+
 # Accumulator dtype of sums (counts are int64: rows.COUNT).
 SUM = torch.float64
 
@@ -302,6 +304,38 @@ class ProbeState:
             if key in self.mean_reduced:
                 moved /= world
             st[key] = moved.to(t.device)
+
+    # ----------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The window so far: every component's accumulators (sums and counts, held rows
+        reduced first) and the reduction failures. Settings are configuration: a resumed
+        run attaches the same probes, then loads this."""
+        self.flush()
+        return {
+            "state": {c: dict(st) for c, st in self.state.items()},
+            "errors": dict(self.errors),
+        }
+
+    def load_state_dict(
+        self, state: dict[str, Any], device: torch.device | str | None = None
+    ) -> None:
+        """Replace the window with a saved one; ``device``: where the accumulators go
+        (the probed model's device; default: where they were saved). A saved component
+        this tracker does not probe is skipped with a warning."""
+        self.reset()
+        for component, accumulators in state["state"].items():
+            if component not in self.state:
+                log.warning(
+                    "%s: the saved state holds component %r, which this run does not probe; "
+                    "skipped",
+                    type(self).__name__,
+                    component,
+                )
+                continue
+            self.state[component] = {
+                k: v if device is None else v.to(device) for k, v in accumulators.items()
+            }
+        self.errors.update(state.get("errors") or {})
 
     # ----------------------------------------------------------- reporting
     def key(self, component: str, metric: str) -> str:
