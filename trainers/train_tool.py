@@ -36,7 +36,9 @@ from policy_probes.context import ComponentContext
 from policy_probes.lifecycle import HookSelectionError, TrainingHook, select_hooks
 from policy_probes.run_dir import check_run_dir_path, make_run_dir
 from policy_probes.run_lock import RunDirLock, RunDirLocked, refuse_if_locked
+from policy_probes.runnable import runnable
 from policy_probes.sinks import SinkGroup, SinksConfig, WandbConfig, build_sink_group
+from policy_probes.torch_internals import quiet_output_only_backward_hooks
 from policy_probes.user_errors import SETUP_ERROR_TYPES, mark_usage_error
 from trainers.callbacks import TrainerHook
 from trainers.checkpoint import CheckpointHook
@@ -94,6 +96,7 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+@runnable  # the contract `policy-probes run` relies on (policy_probes.runnable)
 class TrainTool(BaseModel):
     """One PPO training run: environment, policy, hyperparameters, outputs, probes."""
 
@@ -299,6 +302,7 @@ class TrainTool(BaseModel):
             raise
         return attached
 
+    @quiet_output_only_backward_hooks()
     def invoke(self, *, resume: bool | str | Path = False, overwrite: bool = False) -> TrainResult:
         """Build envs, policy, probes, sinks and trainer; train; always clean up.
 

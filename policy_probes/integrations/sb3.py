@@ -58,6 +58,7 @@ from policy_probes.context import ComponentContext
 from policy_probes.lifecycle import preserved_rng
 from policy_probes.session import HookBuilderFn, ProbeSession, default_run_dir
 from policy_probes.sinks import SinksConfig, WandbConfig
+from policy_probes.torch_internals import child_modules
 
 #: short names -> submodule paths of SB3's ``ActorCriticPolicy`` (PPO, A2C ``MlpPolicy``);
 #: a name is offered only when its path exists on the policy
@@ -103,7 +104,7 @@ def sb3_components(
     (so raw dotted paths such as ``mlp_extractor.policy_net.0`` resolve), the short names
     of :data:`SB3_COMPONENTS` that exist on it, and ``extra`` (which wins)."""
     out: dict[str, nn.Module | str] = {}
-    for name, child in policy._modules.items():  # every attribute, shared modules included
+    for name, child in child_modules(policy):  # every attribute, shared modules included
         if child is not None:
             out[name] = name
     for alias, path in SB3_COMPONENTS.items():

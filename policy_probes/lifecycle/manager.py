@@ -75,7 +75,8 @@ class HookManager:
 
     Args:
         hooks: selected hook instances (see :func:`~policy_probes.lifecycle.registry.select_hooks`).
-        loop: loop type, for the hooks' ``loop_points``.
+        loop: the driver's loop type, for the hooks' ``loop_points`` (required: the
+            built-in trainer passes ``"ppo"``, ProbeSession ``"external"``).
         model, optimizer, scheduler, config, component_context: bound once here (or
             with :meth:`bind`) and handed to every :class:`RunDataContext`.
         offload_state: move the hooks' state tensors to the CPU between firings.
@@ -89,7 +90,7 @@ class HookManager:
         self,
         hooks: Iterable[TrainingHook] = (),
         *,
-        loop: str = "ppo",
+        loop: str,
         model: nn.Module | None = None,
         optimizer: torch.optim.Optimizer | None = None,
         scheduler: Any = None,

@@ -32,7 +32,6 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
 from policy_probes.context import ComponentContext
@@ -58,6 +57,7 @@ from policy_probes.row_mask import (
     loss_samples,
     pushing_with,
 )
+from policy_probes.torch_internals import queue_after_backward, tree_flatten, tree_unflatten
 
 log = logging.getLogger("policy_probes")
 
@@ -473,7 +473,7 @@ class FisherInformationHook(ProbeHook):
                         full[i] = g
                     if not pending:  # first pass of this backward: reduce when it ends
                         loss_scale[0] = self.context.loss_scale
-                        torch.autograd.Variable._execution_engine.queue_callback(reduce_pending)
+                        queue_after_backward(reduce_pending)
                     pending.append(Call(layout, full, weight))
                 except Exception as exc:
                     self.fail(exc)

@@ -32,6 +32,7 @@ from torch import nn
 from torch.nn.modules import activation, batchnorm, conv, dropout, instancenorm, pooling
 
 from policy_probes.probes.state import as_rows
+from policy_probes.torch_internals import child_modules
 
 Layout = Literal["auto", "channels_first", "channels_last"]
 LAYOUTS: tuple[str, ...] = ("auto", "channels_first", "channels_last")
@@ -129,7 +130,7 @@ def resolve_channels_first(
             parent = lookup(".".join(parts[:-1]))
         except (KeyError, AttributeError):  # above the top of what lookup knows
             break
-        siblings = list(parent._modules.items())
+        siblings = child_modules(parent)
         names = [n for n, _ in siblings]
         if parts[-1] not in names:  # not a registered child: nothing to go by
             break
