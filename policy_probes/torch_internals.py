@@ -28,6 +28,7 @@ __all__ = [
     "conv_padding",
     "global_module_hooks_installed",
     "hooks_set_aside",
+    "in_backward_pass",
     "init_unbound_handle",
     "module_hook_count",
     "module_hooks_installed",
@@ -144,6 +145,12 @@ def queue_after_backward(callback: Callable[[], None]) -> None:
     """Run ``callback`` once the current ``backward()`` has finished (call from inside a
     backward hook only: torch refuses outside a backward pass)."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def in_backward_pass() -> bool:
+    """True while autograd runs a backward pass on this thread (inside a tensor or
+    module backward hook)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def conv_padding(conv: nn.Conv1d | nn.Conv2d | nn.Conv3d) -> tuple[int, ...]:

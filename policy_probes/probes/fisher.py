@@ -327,6 +327,7 @@ class FisherInformationState(ProbeState):
 
 class FisherInformationHook(ProbeHook):
     probe = "fisher"
+    builder_name = "attach_fisher_information_hooks()"
     backward = True
     #: per-parameter Fisher from every k-th backward pass of each layer
     param_every: int = 1
@@ -339,7 +340,20 @@ class FisherInformationHook(ProbeHook):
         self.tracker.update(self.component, grad_output, self.context.loss_scale)
 
     # --------------------------------------------------------------- parameters
+    def plain_call_gaps(self, module: nn.Module) -> str:
+        """The parametrised layers inside the component: the per-parameter Fisher
+        (``trace``, ``mean``, ``param.*`` keys) reads their inputs through forward hooks."""
+        params = [name for name, _ in module.named_parameters()]
+        if not params:
+            return ""
+        return (
+            f"the layers holding its parameters ({', '.join(params)}): the per-parameter "
+            f"Fisher (trace, mean, max, dead_param_fraction) reads their inputs through "
+            f"hooks of their own"
+        )
+
     def attach(self, module: nn.Module) -> list[RemovableHandle]:
+        self.attached = True
         handles = []
         covered: set[int] = set()
         settings = self.tracker.settings[self.component]

@@ -113,6 +113,7 @@ def samples(count: torch.Tensor, cfg: dict[str, Any]) -> float:
 
 class ReLUActivationHook(LayeredProbeHook):
     probe = "relu"
+    builder_name = "attach_relu_activation_hooks()"
 
     def record(self, module: nn.Module, output: torch.Tensor) -> None:
         self.tracker.update(self.component, output, self.channels_first)

@@ -127,6 +127,7 @@ class ReLUGradientFlowHook(ProbeHook):
     ``calls`` counts the ReLU-level backward calls."""
 
     probe = "relu_gradient_flow"
+    builder_name = "attach_relu_gradient_flow_hooks()"
     backward = True
     component_hook = False
 
@@ -145,7 +146,18 @@ class ReLUGradientFlowHook(ProbeHook):
         #: (ReLU path inside the component, module, channels first), resolved at attach
         self.relus: list[tuple[str, nn.Module, bool]] | None = None
 
+    def record_grad(self, module: nn.Module, grad_output: torch.Tensor) -> None:
+        """Nothing: the gradient at the component's output is not what this probe reads
+        (a closure registered directly after :meth:`attach` is called here)."""
+
+    def plain_call_gaps(self, module: nn.Module) -> str:
+        return (
+            "the nn.ReLU modules inside it: this probe reads the gradient at every ReLU's "
+            "output through hooks on those modules, never the component's own gradient"
+        )
+
     def attach(self, module: nn.Module) -> list[RemovableHandle]:
+        self.attached = True
         if self.relus is None:
             relus = [(n, m) for n, m in module.named_modules() if isinstance(m, nn.ReLU)]
             if not relus:

@@ -115,6 +115,8 @@ class SaturatedActivationState(ProbeState):
 
 
 class SaturatedActivationHook(LayeredProbeHook):
+    builder_name = "attach_saturated_activation_hooks()"
+
     def __init__(self, tracker: SaturatedActivationState, *args: Any, **kwargs: Any) -> None:
         super().__init__(tracker, *args, **kwargs)
         self.probe = tracker.probe
