@@ -7,6 +7,7 @@ closure that updates the tracker, or ``None`` when the component is already regi
 * :data:`HookBuilder` closures are forward hooks ``(module, inputs, output) -> None``.
 * :data:`BackwardHookBuilder` closures are backward hooks
   ``(module, grad_input, grad_output) -> None``.
+* :data:`ProbeBuilder` is either.
 
 The built-in closures are :class:`ProbeHook` objects. Besides being callable they carry
 ``extractor`` (how to pick the tensor out of a non-tensor output), ``phases`` (when they
@@ -43,6 +44,9 @@ ForwardHook: TypeAlias = Callable[[nn.Module, tuple[Any, ...], Any], None]
 BackwardHook: TypeAlias = Callable[[nn.Module, Any, Any], None]
 HookBuilder: TypeAlias = Callable[[str, ComponentContext], ForwardHook | None]
 BackwardHookBuilder: TypeAlias = Callable[[str, ComponentContext], BackwardHook | None]
+#: a builder of either direction (what ``add_training_hook`` and
+#: ``add_training_backward_hook`` take)
+ProbeBuilder: TypeAlias = HookBuilder | BackwardHookBuilder
 #: a callable ``output -> tensor``, a key, a nested key or a tuple index (see
 #: :mod:`policy_probes.extractors`)
 Extractor: TypeAlias = Callable[[Any], torch.Tensor] | str | tuple[str, ...] | int

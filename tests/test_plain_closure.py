@@ -14,19 +14,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from policy_probes import (
-    ComponentContext,
-    LinearSpec,
-    MLPSpec,
-    PolicyAutoBuilder,
-    StatsReporter,
-    attach_fisher_information_hooks,
-    attach_gradient_flow_hooks,
-    attach_relu_activation_hooks,
-    attach_relu_gradient_flow_hooks,
-    attach_saturated_activation_hooks,
-)
+from policy_probes import ComponentContext, PolicyAutoBuilder, StatsReporter
 from policy_probes.hook_types import ProbeError
+from policy_probes.layers import LinearSpec, MLPSpec
+from policy_probes.probes.fisher import attach_fisher_information_hooks
+from policy_probes.probes.gradient_flow import attach_gradient_flow_hooks
+from policy_probes.probes.relu import attach_relu_activation_hooks
+from policy_probes.probes.relu_gradient_flow import attach_relu_gradient_flow_hooks
+from policy_probes.probes.saturation import attach_saturated_activation_hooks
 
 
 class Net(PolicyAutoBuilder):

@@ -55,8 +55,10 @@ import torch
 from torch import nn
 
 from policy_probes.context import ComponentContext
+from policy_probes.hook_types import ProbeBuilder
 from policy_probes.lifecycle import preserved_rng
-from policy_probes.session import HookBuilderFn, ProbeSession, default_run_dir
+from policy_probes.run_dir import default_run_dir
+from policy_probes.session import ProbeSession
 from policy_probes.sinks import SinksConfig, WandbConfig
 from policy_probes.torch_internals import child_modules
 
@@ -92,7 +94,7 @@ _HYPERPARAMETERS = (
     "policy_kwargs",
 )
 
-Probe = tuple[str, HookBuilderFn]
+Probe = tuple[str, ProbeBuilder]
 
 log = logging.getLogger("policy_probes")
 
@@ -162,7 +164,7 @@ class ProbeCallback(BaseCallback):
         verbose: int = 0,
     ) -> None:
         super().__init__(verbose)
-        self._probes: list[tuple[str, HookBuilderFn, bool]] = []
+        self._probes: list[tuple[str, ProbeBuilder, bool]] = []
         for pattern, builder in _pairs(probes, "probes"):
             self._probes.append((pattern, builder, False))
         for pattern, builder in _pairs(backward_probes, "backward_probes"):
@@ -187,15 +189,15 @@ class ProbeCallback(BaseCallback):
         self._masked_buffer: Any = None
 
     # ------------------------------------------------------------------ probes
-    def add_training_hook(self, pattern: str, builder: HookBuilderFn) -> ProbeCallback:
+    def add_training_hook(self, pattern: str, builder: ProbeBuilder) -> ProbeCallback:
         """Add a forward probe (attached when ``learn()`` starts, or now if it runs)."""
         return self._add(pattern, builder, backward=False)
 
-    def add_training_backward_hook(self, pattern: str, builder: HookBuilderFn) -> ProbeCallback:
+    def add_training_backward_hook(self, pattern: str, builder: ProbeBuilder) -> ProbeCallback:
         """Add a backward probe (attached when ``learn()`` starts, or now if it runs)."""
         return self._add(pattern, builder, backward=True)
 
-    def _add(self, pattern: str, builder: HookBuilderFn, backward: bool) -> ProbeCallback:
+    def _add(self, pattern: str, builder: ProbeBuilder, backward: bool) -> ProbeCallback:
         if self.session is not None and not self.session.closed:
             self.session._attach(pattern, builder, backward)
         self._probes.append((pattern, builder, backward))
