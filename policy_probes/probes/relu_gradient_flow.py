@@ -157,7 +157,6 @@ class ReLUGradientFlowHook(ProbeHook):
         )
 
     def attach(self, module: nn.Module) -> list[RemovableHandle]:
-        self.attached = True
         if self.relus is None:
             relus = [(n, m) for n, m in module.named_modules() if isinstance(m, nn.ReLU)]
             if not relus:
@@ -175,6 +174,7 @@ class ReLUGradientFlowHook(ProbeHook):
                     if isinstance(layer.act, nn.ReLU)
                 }
             self.relus = [(n, m, self._channels_first(module, n)) for n, m in relus]
+        self.attached = True
         return [m.register_forward_hook(self._relu_hook(n, cf)) for n, m, cf in self.relus]
 
     def _channels_first(self, module: nn.Module, sub: str) -> bool:
