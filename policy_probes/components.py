@@ -24,7 +24,7 @@ from policy_probes.context import ComponentContext
 from policy_probes.extractors import as_extractor, gradient_target
 from policy_probes.grad_tap import on_grad
 from policy_probes.hook_types import (
-    GuardedHook,
+    GuardedClosure,
     ProbeError,
     ProbeHook,
     describe_type,
@@ -360,7 +360,7 @@ class PolicyAutoBuilder(nn.Module):
                 )
             if not isinstance(hook, ProbeHook):
                 label = getattr(builder, "probe", getattr(builder, "__name__", "hook"))
-                hook = GuardedHook(hook, label, name, context)
+                hook = GuardedClosure(hook, label, name, context)
             else:
                 hook.locate = self.get_component
             direction = getattr(hook, "backward", None)

@@ -296,8 +296,8 @@ def _detached(t: torch.Tensor) -> torch.Tensor:
     return t.detach() if t.requires_grad else t
 
 
-class GuardedHook:
-    """A plain-function hook from a builder, under the same fault rule as
+class GuardedClosure:
+    """A plain-function closure from a builder, under the same fault rule as
     :class:`ProbeHook`: if it raises, it is disabled for the rest of the run, reported once
     and counted in ``context.probe_errors`` (unless ``context.strict``)."""
 
