@@ -229,14 +229,19 @@ class ProbeHook:
                     f"{want[1]}, or {self._attach_advice()}"
                 )
             gaps = self.plain_call_gaps(module)
+            if not gaps:  # attach() now installs nothing and resolves layouts, settings
+                late = self.attach(module)
+                for handle in late:  # a subclass whose gaps do not say what it hooks
+                    handle.remove()
+                gaps = "the submodules its attach() hooks" if late else ""
             if gaps:
+                self.attached = False
                 raise ProbeError(
                     f"probe {self.probe!r} on component {self.component!r} was registered "
                     f"directly as a torch hook, which cannot see {gaps}. "
                     f"{self._attach_advice(capital=True)}, or call closure.attach(module) "
                     f"once before the first forward and keep the handles it returns"
                 )
-            self.attach(module)  # installs nothing here (no gaps): resolves settings
             self.attached = True
         if not (self.backward and first is not None):
             return

@@ -22,6 +22,7 @@ from policy_probes.probes.gradient_flow import attach_gradient_flow_hooks
 from policy_probes.probes.relu import attach_relu_activation_hooks
 from policy_probes.probes.relu_gradient_flow import attach_relu_gradient_flow_hooks
 from policy_probes.probes.saturation import attach_saturated_activation_hooks
+from policy_probes.torch_internals import module_hook_count
 
 
 class Net(PolicyAutoBuilder):
@@ -241,3 +242,27 @@ def test_plain_backward_refuses_a_row_mask_and_an_extractor() -> None:
     policy, ctx, _ = plain_policy(make, "mlp", True, "relu")
     with pytest.raises(ProbeError, match="has an extractor; a full backward hook receives"):
         F.cross_entropy(policy(x), a).backward()
+
+
+def test_a_custom_probe_whose_attach_hooks_submodules_is_refused_plain() -> None:
+    """A user's ProbeHook subclass that hooks submodules in attach() but does not say so
+    in plain_call_gaps(): the late hooks are removed again and the first call refuses."""
+    from policy_probes.hook_types import ProbeHook
+
+    seen: list[torch.Tensor] = []
+
+    class FirstLayer(ProbeHook):
+        probe = "first_layer"
+
+        def record(self, module: nn.Module, output: torch.Tensor) -> None:
+            seen.append(output)
+
+        def attach(self, module: nn.Module) -> list:
+            self.attached = True
+            return [module.layer_0.register_forward_hook(lambda *_: None)]
+
+    policy, ctx = Net(), ComponentContext()
+    policy.mlp.register_forward_hook(FirstLayer("mlp", ctx))
+    with pytest.raises(ProbeError, match="which cannot see the submodules its attach\\(\\) hooks"):
+        policy(torch.randn(2, 5))
+    assert seen == [] and module_hook_count(policy.mlp.layer_0) == 0
