@@ -65,8 +65,9 @@ overrides:
   key=value pairs with dotted keys into the recipe's configuration, for example
     trainer.total_timesteps=200000 env.num_envs=8 policy.activation=tanh seed=3
     run_dir=runs/cp3 wandb.mode=offline policy.hidden_sizes=[128,128]
-  Values are parsed as JSON (numbers, true/false, null, lists, objects), otherwise taken
-  as strings; pydantic then validates the whole configuration. An unknown key or a bad
+  Values are parsed as JSON (numbers, true/false, null, lists, objects), then as Python's
+  True/False/None, otherwise taken as strings (--hook-config values alike); pydantic then
+  validates the whole configuration. An unknown key or a bad
   value exits with status 2 and says what to change.
 
 lifecycle hooks:
