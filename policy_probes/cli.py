@@ -2,9 +2,10 @@
 
 ``policy-probes run TARGET [key=value ...]`` loads a recipe (``package.module.function``
 or ``path/to/file.py:function``), calls it, applies the overrides to the configuration it
-returns, and trains. The recipe must return a pydantic model with an ``invoke()`` method
+returns, and trains. The recipe must return a :class:`~policy_probes.runnable.Runnable`
 (a ``trainers.TrainTool``); this module never imports ``trainers`` itself, so the toolkit
-stays independent of the built-in trainer.
+stays independent of the built-in trainer. Overrides are parsed by
+:mod:`policy_probes.overrides`.
 
 Each subcommand is one ``add_<name>_subcommand(subparsers)`` function registered in
 :data:`SUBCOMMANDS`; adding a subcommand means writing one such function.
@@ -13,7 +14,6 @@ Each subcommand is one ``add_<name>_subcommand(subparsers)`` function registered
 from __future__ import annotations
 
 import argparse
-import copy
 import difflib
 import importlib
 import importlib.util
@@ -23,13 +23,11 @@ import logging
 import pkgutil
 import sys
 import traceback
-import types
-import typing
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from policy_probes.control_channel import COMMANDS, ControlError, send_command
 from policy_probes.lifecycle.cli import (
@@ -39,9 +37,19 @@ from policy_probes.lifecycle.cli import (
     selection_from_args,
 )
 from policy_probes.lifecycle.registry import HookSelectionError, parse_hook_config
+from policy_probes.overrides import apply_overrides, check_key, parse_value, valid_keys
 from policy_probes.report import add_report_subcommand
+from policy_probes.runnable import (
+    Runnable,
+    RunResult,
+    describe_contract,
+    result_problems,
+    returns_runnable,
+    runnable_problems,
+)
 from policy_probes.user_errors import (
     SETUP_ERROR_TYPES,
+    CLIError,
     is_usage_error,
     one_line,
     positive_float,
@@ -49,13 +57,17 @@ from policy_probes.user_errors import (
 
 EXIT_USAGE = 2
 
+#: the override engine's names, importable from here as before (policy_probes.overrides)
+__all__ = ["CLIError", "apply_overrides", "check_key", "main", "parse_value", "valid_keys"]
+
 RUN_EPILOG = """\
 overrides:
   key=value pairs with dotted keys into the recipe's configuration, for example
     trainer.total_timesteps=200000 env.num_envs=8 policy.activation=tanh seed=3
     run_dir=runs/cp3 wandb.mode=offline policy.hidden_sizes=[128,128]
-  Values are parsed as JSON (numbers, true/false, null, lists, objects), otherwise taken
-  as strings; pydantic then validates the whole configuration. An unknown key or a bad
+  Values are parsed as JSON (numbers, true/false, null, lists, objects), then as Python's
+  True/False/None, otherwise taken as strings (--hook-config values alike); pydantic then
+  validates the whole configuration. An unknown key or a bad
   value exits with status 2 and says what to change.
 
 lifecycle hooks:
@@ -69,10 +81,6 @@ examples:
   policy-probes run my_recipes/walker.py:train --dry-run
   policy-probes run --list
 """
-
-
-class CLIError(Exception):
-    """A usage error: printed without a traceback, exit status 2."""
 
 
 class RunEnded(Exception):
@@ -130,35 +138,27 @@ def load_recipe(target: str) -> Callable[[], Any]:
 
 
 def build_from_recipe(target: str) -> BaseModel:
-    """Call the recipe and check that it returned a TrainTool-like model. A recipe that
-    raises one of the configuration errors (a builder passed without its parentheses, a
-    bad value) is a usage error naming the recipe."""
+    """Call the recipe and check that it returned a :class:`Runnable` pydantic model. A
+    recipe that raises one of the configuration errors (a builder passed without its
+    parentheses, a bad value) is a usage error naming the recipe."""
     recipe = load_recipe(target)
     try:
         tool = recipe()
     except SETUP_ERROR_TYPES as exc:
         raise CLIError(f"recipe {target}: {one_line(exc)}") from exc
-    if not (isinstance(tool, BaseModel) and callable(getattr(tool, "invoke", None))):
+    problems = runnable_problems(tool)
+    if problems:
+        name = type(tool).__name__
         raise CLIError(
-            f"recipe {target} returned {type(tool).__name__}; a recipe must return a "
-            f"TrainTool (a pydantic model with an invoke() method)"
+            f"recipe {target} returned {name}; {describe_contract()}; {name} {'; '.join(problems)}"
         )
     return tool
 
 
-def _returns_train_tool(fn: Callable) -> bool:
-    try:
-        ann = inspect.signature(fn).return_annotation
-    except (TypeError, ValueError):
-        return False
-    if isinstance(ann, str):
-        return ann.split(".")[-1].strip("'\"") == "TrainTool"
-    return getattr(ann, "__name__", None) == "TrainTool"
-
-
 def find_recipes(package: str = "recipes") -> list[tuple[str, str]]:
     """``(target, first docstring line)`` of every function in ``package``'s modules whose
-    return annotation is ``TrainTool``. Modules are imported; functions are not called."""
+    return annotation is a :class:`Runnable` class (``TrainTool``). Modules are imported;
+    functions are not called."""
     try:
         pkg = importlib.import_module(package)
     except ModuleNotFoundError as exc:
@@ -172,108 +172,10 @@ def find_recipes(package: str = "recipes") -> list[tuple[str, str]]:
             found.append((f"{name}.*", f"[import failed: {type(exc).__name__}: {exc}]"))
             continue
         for fname, fn in inspect.getmembers(module, inspect.isfunction):
-            if fn.__module__ == module.__name__ and _returns_train_tool(fn):
+            if fn.__module__ == module.__name__ and returns_runnable(fn):
                 paragraph = (inspect.getdoc(fn) or "").strip().split("\n\n")[0]
                 found.append((f"{name}.{fname}", " ".join(paragraph.split())))
     return found
-
-
-# ---------------------------------------------------------------------- overrides
-def parse_value(text: str) -> Any:
-    """JSON first (numbers, true/false, null, lists, objects), then Python-style
-    True/False/None, else the string itself."""
-    try:
-        return json.loads(text)
-    except ValueError:
-        pass
-    return {"True": True, "False": False, "None": None}.get(text, text)
-
-
-def _model_class(annotation: Any) -> type[BaseModel] | None:
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in typing.get_args(annotation):
-        cls = _model_class(arg)
-        if cls is not None:
-            return cls
-    return None
-
-
-def _is_mapping(annotation: Any) -> bool:
-    origin = typing.get_origin(annotation)
-    if origin in (dict, typing.Union, types.UnionType):
-        return origin is dict or any(_is_mapping(a) for a in typing.get_args(annotation))
-    return annotation is dict
-
-
-def valid_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
-    """Every dotted key an override may set (``env.kwargs.*`` style for free-form dicts)."""
-    out: list[str] = []
-    for name, info in model.model_fields.items():
-        key = f"{prefix}{name}"
-        sub = _model_class(info.annotation)
-        if sub is not None:
-            out.append(key)
-            out.extend(valid_keys(sub, key + "."))
-        elif _is_mapping(info.annotation):
-            out.extend([key, key + ".*"])
-        else:
-            out.append(key)
-    return out
-
-
-def check_key(model: type[BaseModel], key: str) -> None:
-    """Raise :class:`CLIError` naming the closest valid keys if ``key`` is unknown."""
-    current: type[BaseModel] | None = model
-    parts = key.split(".")
-    for i, part in enumerate(parts):
-        fields = current.model_fields if current is not None else {}
-        if part not in fields:
-            keys = [k for k in valid_keys(model) if not k.endswith(".*")]
-            close = difflib.get_close_matches(key, keys, n=4, cutoff=0.5)
-            hint = f" Closest valid keys: {', '.join(close)}." if close else ""
-            raise CLIError(f"unknown configuration key {key!r}.{hint} (--dry-run shows all keys)")
-        annotation = fields[part].annotation
-        if _is_mapping(annotation) and _model_class(annotation) is None:
-            return  # free-form dict: any sub-key
-        current = _model_class(annotation)
-        if current is None and i < len(parts) - 1:
-            raise CLIError(
-                f"configuration key {'.'.join(parts[: i + 1])!r} has no sub-keys (in {key!r})"
-            )
-
-
-def apply_overrides(tool: BaseModel, overrides: Sequence[str]) -> BaseModel:
-    """A new, fully re-validated model with ``key=value`` overrides applied.
-
-    Private attributes (the hook builders a recipe added) are carried over.
-    """
-    data = tool.model_dump()
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        key = key.strip()
-        if not sep or not key:
-            raise CLIError(f"override {item!r} must look like key=value (e.g. seed=3)")
-        check_key(type(tool), key)
-        node = data
-        *path, leaf = key.split(".")
-        for part in path:
-            if not isinstance(node.get(part), dict):
-                node[part] = {}
-            node = node[part]
-        node[leaf] = parse_value(raw)
-    try:
-        new = type(tool).model_validate(data)
-    except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or '<config>'}: {err['msg']}"
-            for err in exc.errors()
-        )
-        raise CLIError(f"invalid configuration after overrides: {problems}") from None
-    private = getattr(tool, "__pydantic_private__", None)
-    if private:
-        object.__setattr__(new, "__pydantic_private__", copy.copy(private))
-    return new
 
 
 # ---------------------------------------------------------------------- run
@@ -355,9 +257,6 @@ def hook_overrides(tool: BaseModel, selection: HookSelection) -> list[str]:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
-    console = Console()
     if args.list:
         return print_recipes(args.package)
     if not args.target:
@@ -370,35 +269,60 @@ def run_command(args: argparse.Namespace) -> int:
         selection = selection_from_args(args)
     except HookSelectionError as exc:
         raise CLIError(str(exc)) from None
-    tool = build_from_recipe(args.target)
-    overrides = list(args.overrides) + hook_overrides(tool, selection)
-    user_set_progress = any(o.split("=", 1)[0].strip() == "progress" for o in overrides)
-    effective = list(overrides)
-    if "progress" in type(tool).model_fields and not user_set_progress:
-        effective.append(f"progress={'false' if args.no_progress else 'true'}")
-    tool = apply_overrides(tool, effective)
-    if callable(getattr(tool, "record_launch", None)):
-        tool.record_launch(args.target, overrides)
+    tool = prepare_tool(args.target, args.overrides, args.no_progress, selection)
     if args.dry_run:
-        resolved = (
-            tool.resolved_config()
-            if callable(getattr(tool, "resolved_config", None))
-            else tool.model_dump(mode="json")
-        )
-        check = getattr(tool, "check_setup", None)
-        if callable(check):
-            resolved["attached"] = call_tool(check, overwrite=args.overwrite)
-        console.print_json(json.dumps(resolved, default=str))
+        from rich.console import Console
+
+        resolved = tool.resolved_config()
+        resolved["attached"] = call_tool(tool.check_setup, overwrite=args.overwrite)
+        Console().print_json(json.dumps(resolved, default=str))
         return 0
-    result = invoke_tool(tool, overwrite=args.overwrite)
-    if getattr(result, "rank", 0) == 0:  # under torchrun: one report, from rank 0
-        report_outputs(console, result)
+    return run_tool(tool, overwrite=args.overwrite)
+
+
+def prepare_tool(
+    target: str,
+    overrides: Sequence[str],
+    no_progress: bool,
+    selection: HookSelection | None = None,
+) -> Runnable:
+    """The recipe's tool with ``overrides`` (and the CLI's hook selection) applied and
+    the launch recorded: what ``run`` and ``resume`` both train. ``progress`` follows
+    ``--no-progress`` unless an override sets it."""
+    tool = build_from_recipe(target)
+    overrides = list(overrides)
+    if selection is not None:
+        overrides += hook_overrides(tool, selection)
+    effective = list(overrides)
+    user_set_progress = any(o.partition("=")[0].strip() == "progress" for o in overrides)
+    if "progress" in type(tool).model_fields and not user_set_progress:
+        effective.append(f"progress={'false' if no_progress else 'true'}")
+    tool = apply_overrides(tool, effective)
+    tool.record_launch(target, overrides)
+    return tool
+
+
+def run_tool(tool: Runnable, **options: Any) -> int:
+    """Train ``tool`` and, on rank 0 (one report under torchrun), say where the outputs are."""
+    from rich.console import Console
+
+    result = invoke_tool(tool, **options)
+    missing = result_problems(result)
+    if missing:
+        print(
+            f"policy-probes: {type(tool).__name__}.invoke() returned {type(result).__name__} "
+            f"without {', '.join(missing)} (policy_probes.runnable.RunResult); its outputs "
+            f"are not listed",
+            file=sys.stderr,
+        )
+    elif result.rank == 0:
+        report_outputs(Console(), result)
     return 0
 
 
-def report_outputs(console: Any, result: Any) -> None:
+def report_outputs(console: Any, result: RunResult) -> None:
     """Tell the user where the run's outputs are."""
-    run_dir = getattr(result, "run_dir", None)
+    run_dir = result.run_dir
     if run_dir is None:
         return
     console.print(f"\n[bold]run directory:[/bold] {run_dir}", soft_wrap=True)
@@ -408,16 +332,16 @@ def report_outputs(console: Any, result: Any) -> None:
             console.print(f"  {entry}/  ({count} files)", soft_wrap=True)
         else:
             console.print(f"  {entry}", soft_wrap=True)
-    last = getattr(result, "last_checkpoint", None)
+    last = result.last_checkpoint
     if last is not None:
         console.print(f"last checkpoint: {last}", soft_wrap=True)
-    scores = getattr(result, "eval_scores", None) or {}
+    scores = result.eval_scores or {}
     if "return_mean" in scores:
         console.print(
             f"final evaluation: mean return {scores['return_mean']:.1f} over "
             f"{int(scores.get('episodes', 0))} episodes"
         )
-    for name, reason in (getattr(result, "sink_failures", None) or {}).items():
+    for name, reason in (result.sink_failures or {}).items():
         console.print(f"[yellow]sink {name} was switched off: {reason}[/yellow]")
     steps = []
     if (Path(run_dir) / "metrics.jsonl").is_file():
@@ -440,16 +364,11 @@ def call_tool(method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         raise
 
 
-def invoke_tool(tool: BaseModel, **options: Any) -> Any:
-    """``tool.invoke(**options)`` for the options that are set (duck-typed: a tool whose
-    ``invoke`` lacks one is a usage error). A run directory conflict or an unusable
-    checkpoint (exceptions with ``usage_error = True``) is a usage error; a requested
-    stop (an exception with an ``exit_code``) becomes :class:`RunEnded`."""
+def invoke_tool(tool: Runnable, **options: Any) -> RunResult:
+    """``tool.invoke(**options)`` for the options that are set. A run directory conflict
+    or an unusable checkpoint (exceptions with ``usage_error = True``) is a usage error; a
+    requested stop (an exception with an ``exit_code``) becomes :class:`RunEnded`."""
     wanted = {k: v for k, v in options.items() if v}
-    accepted = inspect.signature(tool.invoke).parameters
-    missing = [k for k in wanted if k not in accepted]
-    if missing:
-        raise CLIError(f"{type(tool).__name__}.invoke() does not support {', '.join(missing)}")
     try:
         return tool.invoke(**wanted)
     except BaseException as exc:
@@ -480,8 +399,6 @@ def add_resume_subcommand(subparsers: argparse._SubParsersAction) -> None:
 
 
 def resume_command(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
     run_dir = Path(args.run_dir)
     config_path = run_dir / "config.json"
     if not config_path.is_file():
@@ -501,18 +418,8 @@ def resume_command(args: argparse.Namespace) -> int:
             raise CLIError("resume continues in RUN_DIR; drop the run_dir override")
     previous = [o for o in config.get("overrides", []) if o.partition("=")[0].strip() != "run_dir"]
     overrides = [*previous, *args.overrides, f"run_dir={json.dumps(str(run_dir))}"]
-    tool = build_from_recipe(target)
-    effective = list(overrides)
-    user_set_progress = any(o.partition("=")[0].strip() == "progress" for o in overrides)
-    if "progress" in type(tool).model_fields and not user_set_progress:
-        effective.append(f"progress={'false' if args.no_progress else 'true'}")
-    tool = apply_overrides(tool, effective)
-    if callable(getattr(tool, "record_launch", None)):
-        tool.record_launch(target, overrides)
-    result = invoke_tool(tool, resume=args.checkpoint or True)
-    if getattr(result, "rank", 0) == 0:
-        report_outputs(Console(), result)
-    return 0
+    tool = prepare_tool(target, overrides, args.no_progress)
+    return run_tool(tool, resume=args.checkpoint or True)
 
 
 def add_ctl_subcommand(subparsers: argparse._SubParsersAction) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import difflib
 import inspect
 import re
-import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -25,7 +24,7 @@ from policy_probes.context import ComponentContext
 from policy_probes.extractors import as_extractor, gradient_target
 from policy_probes.grad_tap import on_grad
 from policy_probes.hook_types import (
-    GuardedHook,
+    GuardedClosure,
     ProbeError,
     ProbeHook,
     describe_type,
@@ -34,16 +33,9 @@ from policy_probes.hook_types import (
 from policy_probes.layers import LinearSpec, MLPSpec, build_component
 from policy_probes.outputs import extractor_example
 from policy_probes.recurrent import default_extractor
+from policy_probes.torch_internals import init_unbound_handle, module_hooks_installed
 
 GLOB_CHARS = set("*?[")
-
-# A policy's first component sees observations that do not require grad; torch then warns
-# on every backward that the full backward hook fires for outputs only, which is exactly
-# what the probes want.
-warnings.filterwarnings(
-    "ignore",
-    message="Full backward hook is firing when gradients are computed with respect to module outputs",
-)
 
 
 class ProbeHandle(RemovableHandle):
@@ -63,7 +55,7 @@ class ProbeHandle(RemovableHandle):
         install: Callable[[], list[RemovableHandle]] | None = None,
         hook: Any = None,
     ) -> None:
-        super().__init__(OrderedDict())  # gives the handle an id; removal is ours
+        init_unbound_handle(self)  # gives the handle an id; removal is ours
         self.handles = list(handles)
         self.component = component
         self.hook = hook
@@ -368,7 +360,7 @@ class PolicyAutoBuilder(nn.Module):
                 )
             if not isinstance(hook, ProbeHook):
                 label = getattr(builder, "probe", getattr(builder, "__name__", "hook"))
-                hook = GuardedHook(hook, label, name, context)
+                hook = GuardedClosure(hook, label, name, context)
             else:
                 hook.locate = self.get_component
             direction = getattr(hook, "backward", None)
@@ -415,25 +407,9 @@ class PolicyAutoBuilder(nn.Module):
         return list(self._handles)
 
     def hooks_installed(self) -> bool:
-        """True if any torch hook is installed on any module of this policy.
-
-        An explicit walk of ``_modules``, about half the cost of the ``modules()``
-        generator: trainers call it once per minibatch to pick the hook-free path.
-        """
-        stack: list[nn.Module | None] = [self]
-        while stack:
-            m = stack.pop()
-            if m is None:
-                continue
-            if (
-                m._forward_hooks
-                or m._forward_pre_hooks
-                or m._backward_hooks
-                or m._backward_pre_hooks
-            ):
-                return True
-            stack.extend(m._modules.values())
-        return False
+        """True if any torch hook is installed on any module of this policy (trainers
+        call it once per minibatch to pick the hook-free path)."""
+        return module_hooks_installed(self)
 
     def remove_hooks(self) -> None:
         """Remove every hook registered through this builder."""

@@ -15,6 +15,8 @@ from collections.abc import Callable
 
 import torch
 
+from policy_probes.torch_internals import set_tensor_slot, tensor_slot
+
 GradCallback = Callable[[torch.Tensor], None]
 
 _ATTR = "_policy_probes_grad_subscribers"
@@ -29,10 +31,10 @@ def on_grad(tensor: torch.Tensor, callback: GradCallback) -> None:
     keeps the hook alive from C++, so a hook that refers back to its tensor forms a cycle
     Python's garbage collector cannot see, and the tensor and its graph are never freed.
     """
-    subscribers: list[GradCallback] | None = tensor.__dict__.get(_ATTR)
+    subscribers: list[GradCallback] | None = tensor_slot(tensor, _ATTR)
     if subscribers is None:
         subscribers = [callback]
-        setattr(tensor, _ATTR, subscribers)
+        set_tensor_slot(tensor, _ATTR, subscribers)
         tensor.register_hook(_fan_out(subscribers))
     else:
         subscribers.append(callback)

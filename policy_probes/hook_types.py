@@ -7,11 +7,19 @@ closure that updates the tracker, or ``None`` when the component is already regi
 * :data:`HookBuilder` closures are forward hooks ``(module, inputs, output) -> None``.
 * :data:`BackwardHookBuilder` closures are backward hooks
   ``(module, grad_input, grad_output) -> None``.
+* :data:`ProbeBuilder` is either.
 
 The built-in closures are :class:`ProbeHook` objects. Besides being callable they carry
 ``extractor`` (how to pick the tensor out of a non-tensor output), ``phases`` (when they
 record) and an optional :meth:`ProbeHook.attach` that installs hooks on submodules (the
 Fisher probe caches the input of every ``nn.Linear`` inside the component this way).
+
+A closure may also be registered directly, ``module.register_forward_hook(closure)`` or
+``module.register_full_backward_hook(closure)``: it then computes the same metrics as
+through ``PolicyAutoBuilder.attach``, or, where it would need the hooks :meth:`attach`
+installs (layers inside the component, the Fisher's per-parameter part), a row mask, or
+an extractor on a gradient, it raises :class:`ProbeError` at its first call naming
+what to call instead (see :meth:`ProbeHook.check_plain_call`).
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from policy_probes.context import ComponentContext
 from policy_probes.outputs import describe_output, extractor_example
 from policy_probes.recurrent import default_extractor
 from policy_probes.row_mask import bound_weight, pushing_with
+from policy_probes.torch_internals import in_backward_pass
 
 log = logging.getLogger("policy_probes")
 
@@ -35,6 +44,9 @@ ForwardHook: TypeAlias = Callable[[nn.Module, tuple[Any, ...], Any], None]
 BackwardHook: TypeAlias = Callable[[nn.Module, Any, Any], None]
 HookBuilder: TypeAlias = Callable[[str, ComponentContext], ForwardHook | None]
 BackwardHookBuilder: TypeAlias = Callable[[str, ComponentContext], BackwardHook | None]
+#: a builder of either direction (what ``add_training_hook`` and
+#: ``add_training_backward_hook`` take)
+ProbeBuilder: TypeAlias = HookBuilder | BackwardHookBuilder
 #: a callable ``output -> tensor``, a key, a nested key or a tuple index (see
 #: :mod:`policy_probes.extractors`)
 Extractor: TypeAlias = Callable[[Any], torch.Tensor] | str | tuple[str, ...] | int
@@ -92,6 +104,10 @@ class ProbeHook:
     #: whether the component's output is read with its units on axis 1 (conv layouts,
     #: set by the probes that take ``layout=``); the row mask is bound per sample then
     channels_first: bool = False
+    #: the public builder that makes this closure (named in error messages)
+    builder_name: str = "the probe's attach_*_hooks()"
+    #: True once :meth:`attach` has run on the component (``PolicyAutoBuilder.attach``
+    #: runs it before the first forward); False: the closure was registered directly
 
     def __init__(
         self,
@@ -108,6 +124,7 @@ class ProbeHook:
         self.extractor = as_extractor(extractor)
         self.enabled = True
         self.calls = 0
+        self.attached = False
 
     # ----------------------------------------------------------------- dispatch
     def active(self) -> bool:
@@ -142,6 +159,8 @@ class ProbeHook:
     def __call__(self, module: nn.Module, first: Any, second: Any) -> None:
         if not self.active():
             return
+        if not self.attached or (self.backward and first is not None):
+            self.check_plain_call(module, first, second)  # registered as a torch hook
         try:
             self.calls += 1
             # detached tensors: trackers hold them until they reduce, without a graph
@@ -182,6 +201,84 @@ class ProbeHook:
 
         return deliver
 
+    # ------------------------------------------------------- plain registration
+    def check_plain_call(self, module: nn.Module, first: Any, second: Any) -> None:
+        """A call from a torch hook the user registered with this closure directly
+        (``PolicyAutoBuilder.attach`` runs :meth:`attach` first, and delivers backward
+        probes the gradient with ``grad_input=None``). At the first such call: refuse
+        the wrong direction and a component whose measurement needs the hooks
+        :meth:`attach` installs before the forward (:meth:`plain_call_gaps`); otherwise
+        run :meth:`attach` now, which installs nothing then and resolves what it would
+        (layouts, settings), so the metrics are those of the attached probe. Backward
+        calls also need what the gradient tap does: no extractor, one output tensor, and
+        (checked on every call) no row mask.
+
+        Raises :class:`ProbeError` (outside the probe fault rule: this is a set-up
+        mistake, like an unknown component at attach, not a fault of the probe)."""
+        if not self.attached:
+            if in_backward_pass() != self.backward:
+                want = (
+                    ("backward", "module.register_full_backward_hook(closure)")
+                    if self.backward
+                    else ("forward", "module.register_forward_hook(closure)")
+                )
+                raise ProbeError(
+                    f"probe {self.probe!r} on component {self.component!r} is a {want[0]} "
+                    f"probe but was registered as a "
+                    f"{'forward' if self.backward else 'backward'} hook; register it with "
+                    f"{want[1]}, or {self._attach_advice()}"
+                )
+            gaps = self.plain_call_gaps(module)
+            if not gaps:  # attach() now installs nothing and resolves layouts, settings
+                late = self.attach(module)
+                for handle in late:  # a subclass whose gaps do not say what it hooks
+                    handle.remove()
+                gaps = "the submodules its attach() hooks" if late else ""
+            if gaps:
+                self.attached = False
+                raise ProbeError(
+                    f"probe {self.probe!r} on component {self.component!r} was registered "
+                    f"directly as a torch hook, which cannot see {gaps}. "
+                    f"{self._attach_advice(capital=True)}, or call closure.attach(module) "
+                    f"once before the first forward and keep the handles it returns"
+                )
+            self.attached = True
+        if not (self.backward and first is not None):
+            return
+        if self.extractor is not None:
+            raise ProbeError(
+                f"probe {self.probe!r} on component {self.component!r} has an extractor; a "
+                f"full backward hook receives the gradients of the module's output tensors, "
+                f"not of what the extractor picks. {self._attach_advice(capital=True)}"
+            )
+        if len(second) != 1:
+            raise ProbeError(
+                f"probe {self.probe!r} on component {self.component!r}: the module returns "
+                f"{len(second)} tensors, so a full backward hook cannot tell which gradient "
+                f"to read. {self._attach_advice(capital=True)} with extractor=... picking "
+                f"the tensor"
+            )
+        if self.context.row_mask is not None:
+            raise ProbeError(
+                f"probe {self.probe!r} on component {self.component!r}: a row mask is set, "
+                f"and a full backward hook cannot tell which of the gradient's rows belong "
+                f"to which forward pass. {self._attach_advice(capital=True)}"
+            )
+
+    def plain_call_gaps(self, module: nn.Module) -> str:
+        """What this probe measures through hooks :meth:`attach` installs on submodules
+        of ``module`` (empty: nothing, the closure alone sees everything it reports)."""
+        return ""
+
+    def _attach_advice(self, capital: bool = False) -> str:
+        backward = ", backward=True" if self.backward else ""
+        session = "add_training_backward_hook" if self.backward else "add_training_hook"
+        return (
+            f"{'A' if capital else 'a'}ttach it with policy.attach({self.component!r}, {self.builder_name}, "
+            f"context{backward}) (PolicyAutoBuilder; ProbeSession, TrainTool and "
+            f"ProbeCallback: {session}({self.component!r}, {self.builder_name}))"
+        )
+
     def fail(self, exc: BaseException) -> None:
         """Disable this probe after ``exc`` and report it once (re-raise when strict)."""
         disable_after_fault(self, exc)
@@ -194,7 +291,9 @@ class ProbeHook:
         raise NotImplementedError
 
     def attach(self, module: nn.Module) -> list[RemovableHandle]:
-        """Install extra hooks on submodules of the component; return their handles."""
+        """Install extra hooks on submodules of the component; return their handles.
+        Subclasses that override it set :attr:`attached`."""
+        self.attached = True
         return []
 
 
@@ -202,8 +301,8 @@ def _detached(t: torch.Tensor) -> torch.Tensor:
     return t.detach() if t.requires_grad else t
 
 
-class GuardedHook:
-    """A plain-function hook from a builder, under the same fault rule as
+class GuardedClosure:
+    """A plain-function closure from a builder, under the same fault rule as
     :class:`ProbeHook`: if it raises, it is disabled for the rest of the run, reported once
     and counted in ``context.probe_errors`` (unless ``context.strict``)."""
 

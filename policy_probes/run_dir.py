@@ -10,6 +10,7 @@ continue the run (resume) or to replace it (overwrite).
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 
 #: what a training run writes into its run_dir (overwrite removes exactly these)
@@ -87,4 +88,13 @@ def make_run_dir(run_dir: str | Path) -> Path:
         )
         error.usage_error = True  # type: ignore[attr-defined]
         raise error from None
+    return path
+
+
+def default_run_dir(name: str = "session") -> Path:
+    """``runs/<name>-<time>`` (with a numeric suffix if it exists already)."""
+    base = Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    path, i = base, 1
+    while path.exists():
+        path, i = base.with_name(f"{base.name}-{i}"), i + 1
     return path

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -35,6 +34,7 @@ from torch import nn
 from policy_probes.atomic_write import write_text_atomic
 from policy_probes.components import PolicyAutoBuilder, ProbeHandle
 from policy_probes.context import PHASES, ComponentContext
+from policy_probes.hook_types import ProbeBuilder
 from policy_probes.lifecycle import (
     HookManager,
     HookPoint,
@@ -46,7 +46,13 @@ from policy_probes.lifecycle import (
     select_hooks,
     snapshot_due,
 )
-from policy_probes.run_dir import RunDirConflict, held_outputs, make_run_dir, remove_outputs
+from policy_probes.run_dir import (
+    RunDirConflict,
+    default_run_dir,
+    held_outputs,
+    make_run_dir,
+    remove_outputs,
+)
 from policy_probes.run_lock import RunDirLock
 from policy_probes.sinks import SinkGroup, SinksConfig, WandbConfig, build_sink_group
 from policy_probes.sinks.base import to_plain
@@ -58,16 +64,8 @@ log = logging.getLogger("policy_probes")
 #: the loop type lifecycle hooks see (``loop_points``) when a ProbeSession fires them
 LOOP = "external"
 
-HookBuilderFn = Callable[[str, ComponentContext], Any]
-
-
-def default_run_dir(name: str = "session") -> Path:
-    """``runs/<name>-<time>`` (with a numeric suffix if it exists already)."""
-    base = Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    path, i = base, 1
-    while path.exists():
-        path, i = base.with_name(f"{base.name}-{i}"), i + 1
-    return path
+#: kept for imports of the earlier name; see :data:`policy_probes.hook_types.ProbeBuilder`
+HookBuilderFn = ProbeBuilder
 
 
 class ProbeSession:
@@ -186,7 +184,7 @@ class ProbeSession:
         self.agent_step: int | None = None
         self.closed = False
         self._handles: list[ProbeHandle] = []
-        self._builders: list[tuple[str, HookBuilderFn, bool]] = []
+        self._builders: list[tuple[str, ProbeBuilder, bool]] = []
         self._logged: dict[str, Any] = {}
         self._sums: dict[str, tuple[Any, int]] = {}
         self._pending: dict[str, Any] = {}
@@ -382,23 +380,23 @@ class ProbeSession:
 
     def _write_config(self) -> None:
         try:
-            text = json.dumps(to_plain_config(self.config), indent=2)
+            text = json.dumps(to_plain(self.config), indent=2)
             write_text_atomic(self.run_dir / "config.json", text + "\n")
         except OSError as exc:  # the sinks report an unwritable run_dir themselves
             log.error("could not write %s/config.json: %s", self.run_dir, exc)
 
     # ------------------------------------------------------------------ probes
-    def add_training_hook(self, pattern: str, builder: HookBuilderFn) -> ProbeSession:
+    def add_training_hook(self, pattern: str, builder: ProbeBuilder) -> ProbeSession:
         """Attach a forward probe builder to a component name or glob now; returns self.
 
         An unknown name raises ``KeyError`` listing the available names."""
         return self._attach(pattern, builder, backward=False)
 
-    def add_training_backward_hook(self, pattern: str, builder: HookBuilderFn) -> ProbeSession:
+    def add_training_backward_hook(self, pattern: str, builder: ProbeBuilder) -> ProbeSession:
         """Attach a backward probe builder to a component name or glob now; returns self."""
         return self._attach(pattern, builder, backward=True)
 
-    def _attach(self, pattern: str, builder: HookBuilderFn, backward: bool) -> ProbeSession:
+    def _attach(self, pattern: str, builder: ProbeBuilder, backward: bool) -> ProbeSession:
         if self.closed:
             raise RuntimeError("this ProbeSession is closed; start a new one to attach probes")
         if not isinstance(pattern, str) or not pattern:
@@ -814,14 +812,3 @@ class ProbeSession:
             f"epoch={self.epoch}, probes={len(self._builders)}, "
             f"hooks={[h.name for h in self.hooks.hooks]}, closed={self.closed})"
         )
-
-
-def to_plain_config(value: Any) -> Any:
-    """JSON-safe copy of a configuration (paths and other objects become strings)."""
-    if isinstance(value, Mapping):
-        return {str(k): to_plain_config(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [to_plain_config(v) for v in value]
-    if value is None or isinstance(value, bool | int | float | str):
-        return value
-    return str(value)

@@ -28,6 +28,12 @@ SETUP_ERROR_TYPES: tuple[type[BaseException], ...] = (
 )
 
 
+class CLIError(Exception):
+    """A usage error: the command line prints it without a traceback, exit status 2."""
+
+    usage_error = True
+
+
 def mark_usage_error(exc: BaseException) -> BaseException:
     """Tag ``exc`` as the user's to fix (the CLI prints it without a traceback); returns it."""
     with contextlib.suppress(AttributeError):  # a type with __slots__: left untagged

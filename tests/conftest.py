@@ -19,6 +19,7 @@ from policy_probes import (
     attach_relu_gradient_flow_hooks,
     attach_saturated_activation_hooks,
 )
+from policy_probes.torch_internals import module_hook_count
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
@@ -70,16 +71,7 @@ def attach_all_probes(
 
 def hook_counts(model: nn.Module) -> int:
     """Number of torch hooks of every kind left on every module of ``model``."""
-    total = 0
-    for m in model.modules():
-        for attr in (
-            "_forward_hooks",
-            "_forward_pre_hooks",
-            "_backward_hooks",
-            "_backward_pre_hooks",
-        ):
-            total += len(getattr(m, attr))
-    return total
+    return module_hook_count(model)
 
 
 @pytest.fixture

@@ -165,7 +165,12 @@ def run_training(
         model, opt, ppo_loss, scheduler=sched, max_grad_norm=0.5, update_epochs=update_epochs
     )
     manager = HookManager(
-        hooks or [], model=model, optimizer=opt, scheduler=sched, component_context=context
+        hooks or [],
+        model=model,
+        optimizer=opt,
+        scheduler=sched,
+        component_context=context,
+        loop="ppo",
     )
     history: list[dict[str, Any]] = []
     step = 0

@@ -136,3 +136,150 @@ def test_console_script_help():
 @pytest.mark.parametrize("argv", [[], ["run"]])
 def test_missing_target_is_usage_error(argv, capsys):
     assert main(argv) == 2
+
+
+FAKE_RECIPE = '''
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pydantic import BaseModel, PrivateAttr
+
+CALLS = []
+
+
+@dataclass
+class Result:
+    run_dir: Path
+    last_checkpoint: Path | None = None
+    eval_scores: dict = field(default_factory=dict)
+    sink_failures: dict = field(default_factory=dict)
+    rank: int = 0
+
+
+class Tool(BaseModel):
+    """A trainer that is not trainers.TrainTool: the CLI drives it through the protocol."""
+
+    run_dir: str = "unset"
+    lr: float = 0.1
+    progress: bool = False
+    _launch: dict = PrivateAttr(default_factory=dict)
+
+    def invoke(self, *, resume=False, overwrite=False):
+        CALLS.append({"lr": self.lr, "progress": self.progress, "resume": resume,
+                      "launch": dict(self._launch)})
+        Path(self.run_dir).mkdir(parents=True, exist_ok=True)
+        (Path(self.run_dir) / "config.json").write_text(json.dumps(self.resolved_config()))
+        return Result(Path(self.run_dir))
+
+    def record_launch(self, target, overrides):
+        self._launch = {"recipe": target, "overrides": list(overrides)}
+
+    def resolved_config(self):
+        return {"tool": self.model_dump(), **self._launch}
+
+    def check_setup(self, *, overwrite=False):
+        return {}
+
+
+class Partial(BaseModel):
+    def invoke(self, *, resume=False, overwrite=False):
+        return None
+
+
+def train() -> Tool:
+    return Tool()
+
+
+def partial() -> Partial:
+    return Partial()
+'''
+
+
+def test_a_runnable_that_is_not_train_tool_runs_and_resumes_through_one_path(tmp_path, capsys):
+    import sys
+
+    pkg = tmp_path / "fakepkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "fake.py").write_text(FAKE_RECIPE)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        from fakepkg import fake
+
+        run_dir = tmp_path / "run"
+        assert main(["run", "fakepkg.fake.train", "lr=0.5", f"run_dir={run_dir}"]) == 0
+        assert main(["resume", str(run_dir), "lr = 0.25", "--no-progress"]) == 0
+        assert [c["lr"] for c in fake.CALLS] == [0.5, 0.25]
+        assert [c["progress"] for c in fake.CALLS] == [True, False]
+        assert [c["resume"] for c in fake.CALLS] == [False, True]
+        assert fake.CALLS[1]["launch"] == {
+            "recipe": "fakepkg.fake.train",
+            "overrides": ["lr=0.5", "lr = 0.25", f'run_dir="{run_dir}"'],
+        }
+        assert f"run directory: {run_dir}" in capsys.readouterr().out
+        assert main(["run", "--list", "--package", "fakepkg"]) == 0  # by protocol, not by name
+        listed = capsys.readouterr().out
+        assert "fakepkg.fake.train" in listed and "fakepkg.fake.partial" not in listed
+        assert main(["run", "fakepkg.fake.partial"]) == 2
+        assert capsys.readouterr().err == (
+            "policy-probes: error: recipe fakepkg.fake.partial returned Partial; a recipe must "
+            "return a TrainTool or another Runnable (policy_probes.runnable: a pydantic model "
+            "with invoke(), record_launch(), resolved_config(), check_setup()); Partial has no "
+            "record_launch(), resolved_config(), check_setup()\n"
+        )
+    finally:
+        sys.path.remove(str(tmp_path))
+        for name in [m for m in sys.modules if m.startswith("fakepkg")]:
+            del sys.modules[name]
+
+
+def test_runnable_decorator_checks_the_class_when_it_is_defined():
+    from pydantic import BaseModel
+
+    from policy_probes.runnable import Runnable, runnable
+    from trainers import TrainTool
+
+    assert isinstance(TrainTool(), Runnable)
+    with pytest.raises(TypeError, match=r"NoResume is not a Runnable: it has no record_launch"):
+
+        @runnable
+        class NoResume(BaseModel):
+            def invoke(self) -> None: ...
+
+    with pytest.raises(TypeError, match="has an invoke\\(\\) without the resume and overwrite"):
+
+        @runnable
+        class Bare(BaseModel):
+            def invoke(self) -> None: ...
+            def record_launch(self, target, overrides) -> None: ...
+            def resolved_config(self) -> dict: ...
+            def check_setup(self, *, overwrite=False) -> dict: ...
+
+
+def test_one_value_rule_for_overrides_and_hook_config():
+    """Both former parsers in one rule: JSON, then Python's True/False/None, else the
+    stripped text; --hook-config values follow it too (before, "True" stayed a string)."""
+    from policy_probes.lifecycle.registry import parse_hook_config
+    from policy_probes.overrides import parse_value as engine_parse_value
+
+    assert engine_parse_value is parse_value
+    cases = {
+        "3": 3,
+        " 2.5e-4 ": 2.5e-4,
+        "true": True,
+        "True": True,
+        "None": None,
+        "null": None,
+        '{"a": [1, 2]}': {"a": [1, 2]},
+        " runs/x ": "runs/x",
+        "tanh": "tanh",
+        "'q'": "'q'",
+    }
+    for text, value in cases.items():
+        assert parse_value(text) == value and type(parse_value(text)) is type(value), text
+    assert parse_value(7) == 7  # configuration given from Python: as it is
+    parsed = parse_hook_config(["hessian.iters= 30", "norms.enabled=True", "x.name=a b"])
+    assert parsed == {"hessian": {"iters": 30}, "norms": {"enabled": True}, "x": {"name": "a b"}}
+    with pytest.raises(ValueError, match=r"hook config 'hessian' must look like name.param=value"):
+        parse_hook_config(["hessian"])

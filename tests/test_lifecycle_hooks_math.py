@@ -93,7 +93,7 @@ def test_hessian_top_eigenvalue_and_hutchinson_trace_match_the_dense_hessian() -
     samples = 400
     hook = HessianHook(iters=1000, tol=1e-9, trace_samples=samples, warm_start=False)
     torch.manual_seed(0)
-    out = HookManager([hook]).fire(P.SNAPSHOT, epoch=0, model_ctx=mctx)
+    out = HookManager([hook], loop="ppo").fire(P.SNAPSHOT, epoch=0, model_ctx=mctx)
     assert out["hessian/top_eigenvalue"] == pytest.approx(top, rel=1e-4)
     assert out["hessian/loss"] == pytest.approx(mctx.compute_loss().item(), rel=1e-6)
     # Rademacher probes: Var[z^T H z] = 2 * sum_{i != j} H_ij^2
@@ -132,7 +132,7 @@ def test_policy_fisher_matches_an_explicit_per_sample_computation(
     mctx = context_for(model, data)
     hook = PolicyFisherHook(max_samples=16, method=method)
     torch.manual_seed(3)
-    out = HookManager([hook], component_context=cc).fire(
+    out = HookManager([hook], component_context=cc, loop="ppo").fire(
         P.POST_ROLLOUT, epoch=0, observations=data["obs"], model_ctx=mctx
     )
     assert "policy_fisher/error" not in out
@@ -188,7 +188,7 @@ def test_feature_rank_matches_numpy_svd_formulas(activation: str) -> None:
         obs=2 if activation == "identity" else 4, hidden=(12, 10), activation=activation
     )
     obs = torch.randn(300, model.actor_mlp.layer_0.linear.in_features) * 3
-    out = HookManager([FeatureRankHook(max_samples=1000)], model=model).fire(
+    out = HookManager([FeatureRankHook(max_samples=1000)], model=model, loop="ppo").fire(
         P.POST_ROLLOUT, epoch=0, observations=obs
     )
     for comp in ("actor_mlp", "critic_mlp"):  # heads are left out by default
@@ -205,7 +205,7 @@ def test_feature_rank_matches_numpy_svd_formulas(activation: str) -> None:
 def test_norms_match_manual_norms() -> None:
     model = tiny()
     hook = NormsHook()
-    manager = HookManager([hook], model=model)
+    manager = HookManager([hook], model=model, loop="ppo")
     init = {n: p.detach().clone() for n, p in model.named_parameters()}
     manager.fire(P.PRE_EPOCH, epoch=0)
     grads = []
@@ -271,7 +271,9 @@ def test_adam_dynamics_match_the_adam_recurrences_and_the_last_update() -> None:
     v_hat = np.concatenate([x.ravel() for x in v]) / (1 - b2**t)
     step = lr * m_hat / (np.sqrt(v_hat) + eps)
     theta = np.concatenate([p.detach().double().numpy().ravel() for p in params])
-    out = HookManager([AdamDynamicsHook()], model=model, optimizer=opt).fire(P.POST_EPOCH, epoch=0)
+    out = HookManager([AdamDynamicsHook()], model=model, optimizer=opt, loop="ppo").fire(
+        P.POST_EPOCH, epoch=0
+    )
     assert out["adam_dynamics/m_abs_mean"] == pytest.approx(np.abs(m_hat).mean(), rel=1e-5)
     assert out["adam_dynamics/v_mean"] == pytest.approx(v_hat.mean(), rel=1e-5)
     assert out["adam_dynamics/step_rms"] == pytest.approx(np.sqrt((step**2).mean()), rel=1e-5)
@@ -289,7 +291,9 @@ def test_adam_dynamics_match_the_adam_recurrences_and_the_last_update() -> None:
     )
     assert out["adam_dynamics/step_abs_mean"] == pytest.approx(np.abs(applied).mean(), rel=1e-4)
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
-    bad = HookManager([AdamDynamicsHook()], model=model, optimizer=sgd).fire(P.POST_EPOCH, epoch=0)
+    bad = HookManager([AdamDynamicsHook()], model=model, optimizer=sgd, loop="ppo").fire(
+        P.POST_EPOCH, epoch=0
+    )
     assert bad == {"adam_dynamics/error": 1.0}
 
 
@@ -298,7 +302,7 @@ def test_counterfactual_matches_a_manual_replay_of_the_update_phase() -> None:
     model = tiny(activation="relu")
     data = rollout_data(n=24)
     mctx = context_for(model, data, mb=8, max_grad_norm=0.5, update_epochs=2)
-    manager = HookManager([CounterfactualHook(replays=2, seed=5)], model=model)
+    manager = HookManager([CounterfactualHook(replays=2, seed=5)], model=model, loop="ppo")
     manager.fire(P.PRE_EPOCH, epoch=4, model_ctx=mctx)
     twin = copy.deepcopy(model)
     twin_opt = torch.optim.Adam(twin.parameters(), lr=1e-2)
@@ -362,7 +366,9 @@ def test_training_metrics_and_stats_reporter_keep_their_own_keys() -> None:
     obs = torch.randn(50, 3)
     with torch.no_grad():
         h = model.actor_mlp(obs)
-    manager = HookManager(select_hooks(["training_metrics"]), model=model, component_context=cc)
+    manager = HookManager(
+        select_hooks(["training_metrics"]), model=model, component_context=cc, loop="ppo"
+    )
     stats = {"train/policy_loss": 0.25, "rollout/episode_return": 17.0}
     out = manager.fire(P.POST_EPOCH, epoch=0, stats=stats, learning_rate=3e-4)
     assert out["train/policy_loss"] == 0.25 and out["rollout/episode_return"] == 17.0

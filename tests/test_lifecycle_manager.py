@@ -62,7 +62,7 @@ def make_setup(
         return mctx
 
     manager = HookManager(
-        hooks, model=model, optimizer=opt, component_context=ComponentContext(), **kw
+        hooks, model=model, optimizer=opt, component_context=ComponentContext(), **kw, loop="ppo"
     )
     manager.factory = factory  # type: ignore[attr-defined]
     return manager, mctx, model, built
@@ -127,7 +127,7 @@ def test_step_schedule_and_buffering_flush_once_per_epoch() -> None:
                 "nested": {"y": 2.0},
             }
 
-    manager = HookManager([StepHook()])
+    manager = HookManager([StepHook()], loop="ppo")
     for step in range(12):
         assert manager.fire(P.POST_STEP, epoch=0, step=step) == {}  # buffered, not returned
     flushed = manager.flush()
@@ -159,7 +159,7 @@ def test_metrics_are_namespaced_unless_the_hook_opts_out_and_last_metrics_are_sh
             earlier = ctx.last_metrics[P.POST_EPOCH]
             return {"double": 2 * earlier["rec/value"] + earlier["train/loss"]}
 
-    manager = HookManager([Recorder(), Raw(), Reader()])
+    manager = HookManager([Recorder(), Raw(), Reader()], loop="ppo")
     out = manager.fire(P.POST_EPOCH, epoch=3)
     assert out == {"rec/value": 3.0, "train/loss": 1.5, "reader/double": 7.5}
     assert manager.last_metrics[P.POST_EPOCH] == out
@@ -202,14 +202,14 @@ def test_a_raising_hook_is_reported_and_the_others_still_run() -> None:
         def compute(self, ctx: RunDataContext) -> Any:
             return 3.0
 
-    manager = HookManager([Broken(), NotADict(), Recorder()])
+    manager = HookManager([Broken(), NotADict(), Recorder()], loop="ppo")
     for epoch in range(3):
         out = manager.fire(P.POST_EPOCH, epoch=epoch)
         assert out == {"broken/error": 1.0, "notadict/error": 1.0, "rec/value": float(epoch)}
     assert manager.errors == {"broken": 3, "notadict": 3}
     assert "ZeroDivisionError: boom" in manager.error_messages["broken"]
     with pytest.raises(ZeroDivisionError):
-        HookManager([Broken()], strict=True).fire(P.POST_EPOCH, epoch=0)
+        HookManager([Broken()], strict=True, loop="ppo").fire(P.POST_EPOCH, epoch=0)
 
 
 def test_every_rng_is_restored_after_each_hook_and_phase_is_hook_during_dispatch() -> None:
@@ -223,7 +223,7 @@ def test_every_rng_is_restored_after_each_hook_and_phase_is_hook_during_dispatch
             return {"t": float(torch.rand(())), "n": float(np.random.rand()), "p": random.random()}
 
     cc = ComponentContext()
-    manager = HookManager([Greedy()], component_context=cc)
+    manager = HookManager([Greedy()], component_context=cc, loop="ppo")
     torch.manual_seed(1)
     np.random.seed(1)
     random.seed(1)
@@ -271,7 +271,7 @@ def test_the_debug_hook_really_corrupts_everything_when_run_without_a_guardian()
     params = [p.detach().clone() for p in model.parameters()]
     exp_avg = opt.state[next(model.parameters())]["exp_avg"].clone()
     rng = capture_rng_state()
-    ctx = RunDataContext(point=P.POST_EPOCH, epoch=0, model=model, optimizer=opt)
+    ctx = RunDataContext(point=P.POST_EPOCH, epoch=0, model=model, optimizer=opt, loop="ppo")
     with pytest.raises(RuntimeError, match="deliberate"):
         DebugCorruptHook().intervene(ctx, mctx)
     assert torch.isnan(next(model.parameters())).all()
@@ -338,20 +338,20 @@ def test_offload_moves_hook_state_to_cpu_between_firings() -> None:
 
     hook = Stateful()
     hook.state["buf"] = torch.ones(3)
-    manager = HookManager([hook], offload_state=True, model=nn.Linear(2, 2))
+    manager = HookManager([hook], offload_state=True, model=nn.Linear(2, 2), loop="ppo")
     manager.fire(P.POST_EPOCH, epoch=0)
     assert moves == ["cpu", "cpu", "cpu"]  # at start, to the model device, back to cpu
     assert hook.state["buf"].device.type == "cpu"
 
 
 def test_unknown_fields_and_duplicate_hooks_are_clear_errors() -> None:
-    manager = HookManager([Recorder()])
+    manager = HookManager([Recorder()], loop="ppo")
     with pytest.raises(TypeError, match="unexpected field.*'lossy'.*accepts"):
         manager.fire(P.POST_EPOCH, epoch=0, lossy=1.0)
     with pytest.raises(TypeError, match="'grads'"):
         manager.fire(P.POST_EPOCH, epoch=0, grads={})
     with pytest.raises(ValueError, match="selected twice"):
-        HookManager([Recorder(), Recorder()])
+        HookManager([Recorder(), Recorder()], loop="ppo")
 
 
 def test_epoch_point_values_reach_the_host_as_python_numbers() -> None:
@@ -361,7 +361,7 @@ def test_epoch_point_values_reach_the_host_as_python_numbers() -> None:
         def compute(self, ctx: RunDataContext) -> dict[str, Any]:
             return {"scalar": torch.tensor(2.5), "vector": torch.arange(3.0), "np": np.float32(1.5)}
 
-    out = HookManager([Tensors()]).fire(P.POST_EPOCH, epoch=0)
+    out = HookManager([Tensors()], loop="ppo").fire(P.POST_EPOCH, epoch=0)
     assert out == {"tensors/scalar": 2.5, "tensors/vector": [0.0, 1.0, 2.0], "tensors/np": 1.5}
     assert type(out["tensors/np"]) is float and not math.isnan(out["tensors/scalar"])
 
@@ -380,7 +380,7 @@ def test_hooks_that_do_not_run_the_model_leave_the_probe_phase_alone() -> None:
 
     cc = ComponentContext()
     cc.add_phase_listener(changes.append)
-    HookManager([ReadsStateOnly()], component_context=cc).fire(P.POST_EPOCH, epoch=0)
+    HookManager([ReadsStateOnly()], component_context=cc, loop="ppo").fire(P.POST_EPOCH, epoch=0)
     assert seen == ["train"] and changes == []  # no disarm/re-arm of the probes' hooks
     seen.clear()
 
@@ -388,5 +388,7 @@ def test_hooks_that_do_not_run_the_model_leave_the_probe_phase_alone() -> None:
         name = "runs_model"
         runs_model = True
 
-    HookManager([ReadsStateOnly(), RunsModel()], component_context=cc).fire(P.POST_EPOCH, epoch=0)
+    HookManager([ReadsStateOnly(), RunsModel()], component_context=cc, loop="ppo").fire(
+        P.POST_EPOCH, epoch=0
+    )
     assert seen == ["hook", "hook"] and changes == ["hook", "train"]

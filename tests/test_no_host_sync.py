@@ -352,3 +352,34 @@ def test_session_step_points_run_without_host_sync(tmp_path) -> None:
     # norms' PRE_STEP gradient norm, averaged over the epoch's steps
     expected = sum(float(g.norm()) for g in grads) / len(grads)
     assert metrics["norms/grad_norm"] == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("buffer_rows", [2048, 20])
+def test_plain_registered_closures_run_without_host_sync(buffer_rows: int) -> None:
+    """Closures registered directly with register_forward_hook / register_full_backward_hook
+    (tests/test_plain_closure.py): their first-call check and every later call, drains
+    inside the hooks included, add no host synchronisation."""
+    torch.manual_seed(0)
+    policy = TinyPolicy()
+    ctx = ComponentContext()
+    mlp, head = policy.actor_mlp, policy.actor_head
+    mlp.register_forward_hook(attach_relu_activation_hooks(per_layer=False)("actor_mlp", ctx))
+    closures = [
+        attach_gradient_flow_hooks(per_layer=False)("actor_mlp", ctx),
+        attach_fisher_information_hooks()("actor_mlp", ctx),
+        attach_relu_gradient_flow_hooks()("actor_mlp", ctx),
+    ]
+    handles = [h for c in closures[1:] for h in c.attach(mlp)]  # per-parameter, ReLU hooks
+    for closure in closures:
+        mlp.register_full_backward_hook(closure)
+    head.register_full_backward_hook(attach_gradient_flow_hooks()("actor_head", ctx))
+    for tracker in ctx.model_metrics.values():
+        tracker.buffer_rows = buffer_rows
+    with ForbidHostSync() as probed:
+        train_steps(policy, steps=5)
+    metrics = StatsReporter(ctx).collect()
+    assert (probed.calls, ctx.probe_errors, len(handles) > 0) == ([], {}, True)
+    assert metrics["probes/relu/actor_mlp/samples"] == metrics["probes/fisher/actor_mlp/samples"]
+    assert metrics["probes/relu/actor_mlp/samples"] == 80
+    assert metrics["probes/gradient_flow/actor_head/passes"] == 5
+    assert len(metrics["probes/relu_gradient_flow/actor_mlp.layer_1/pass_rate"]) == 6

@@ -10,6 +10,7 @@ from pydantic import ValidationError
 
 from policy_probes.probes.fisher import attach_fisher_information_hooks
 from policy_probes.probes.relu import attach_relu_activation_hooks
+from policy_probes.torch_internals import module_hook_count
 from trainers import TrainerHook, TrainTool
 from trainers.checkpoint import capture_rng_state, load_checkpoint, restore_rng_state
 
@@ -34,13 +35,7 @@ def tiny_tool(tmp_path, epochs=2, **kw) -> TrainTool:
 
 
 def hooks_on(policy: torch.nn.Module) -> int:
-    return sum(
-        len(m._forward_hooks)
-        + len(m._backward_hooks)
-        + len(m._forward_pre_hooks)
-        + len(m._backward_pre_hooks)
-        for m in policy.modules()
-    )
+    return module_hook_count(policy)
 
 
 def test_validation_errors_are_clear():

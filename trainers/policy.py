@@ -21,10 +21,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.modules import module as torch_module
 
 from policy_probes.components import PolicyAutoBuilder
 from policy_probes.layers import HiddenLayer, LinearSpec, MLPSpec
+from policy_probes.torch_internals import global_module_hooks_installed
 from trainers.config import PolicyConfig
 
 LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
@@ -139,7 +139,7 @@ class ActorCriticPolicy(PolicyAutoBuilder):
         """
         return (
             type(self).forward is ActorCriticPolicy.forward
-            and not _global_module_hooks()
+            and not global_module_hooks_installed()
             and not self.hooks_installed()
         )
 
@@ -266,7 +266,9 @@ class StackedMLPs:
         # one elementwise, parameter-free activation, configured alike, on every layer
         acts = [layer.act for layer in actor + critic]
         if any(
-            type(m) is not type(acts[0]) or m.extra_repr() != acts[0].extra_repr() or m._parameters
+            type(m) is not type(acts[0])
+            or m.extra_repr() != acts[0].extra_repr()
+            or any(True for _ in m.parameters(recurse=False))
             for m in acts
         ):
             return None
@@ -309,14 +311,3 @@ def _mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
     for layer in mlp.children():
         x = layer.act.forward(_linear(layer.linear, x))
     return x
-
-
-def _global_module_hooks() -> bool:
-    """True if torch has global module hooks (they must fire on every module call)."""
-    m = torch_module
-    return bool(
-        m._global_forward_hooks
-        or m._global_forward_pre_hooks
-        or m._global_backward_hooks
-        or m._global_backward_pre_hooks
-    )

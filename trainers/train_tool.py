@@ -21,8 +21,6 @@ import json
 import logging
 import random
 import re
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -33,10 +31,13 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
 
 from policy_probes.atomic_write import write_text_atomic
 from policy_probes.context import ComponentContext
+from policy_probes.hook_types import ProbeBuilder
 from policy_probes.lifecycle import HookSelectionError, TrainingHook, select_hooks
-from policy_probes.run_dir import check_run_dir_path, make_run_dir
+from policy_probes.run_dir import check_run_dir_path, default_run_dir, make_run_dir
 from policy_probes.run_lock import RunDirLock, RunDirLocked, refuse_if_locked
+from policy_probes.runnable import runnable
 from policy_probes.sinks import SinkGroup, SinksConfig, WandbConfig, build_sink_group
+from policy_probes.torch_internals import quiet_output_only_backward_hooks
 from policy_probes.user_errors import SETUP_ERROR_TYPES, mark_usage_error
 from trainers.callbacks import TrainerHook
 from trainers.checkpoint import CheckpointHook
@@ -49,8 +50,6 @@ from trainers.ppo import PPOTrainer
 from trainers.run_control import RunControl, prepare_run_dir, resume_trainer
 
 log = logging.getLogger("trainers")
-
-HookBuilderFn = Callable[[str, ComponentContext], Any]
 
 
 @dataclass
@@ -93,6 +92,7 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+@runnable  # the contract `policy-probes run` relies on (policy_probes.runnable)
 class TrainTool(BaseModel):
     """One PPO training run: environment, policy, hyperparameters, outputs, probes."""
 
@@ -141,7 +141,7 @@ class TrainTool(BaseModel):
         "table and heatmaps) every N epochs; 0 = never.",
     )
 
-    _builders: list[tuple[str, HookBuilderFn, bool]] = PrivateAttr(default_factory=list)
+    _builders: list[tuple[str, ProbeBuilder, bool]] = PrivateAttr(default_factory=list)
     _trainer_hooks: list[TrainerHook] = PrivateAttr(default_factory=list)
     _launch: dict[str, Any] = PrivateAttr(default_factory=dict)
 
@@ -191,7 +191,7 @@ class TrainTool(BaseModel):
         return self
 
     # ------------------------------------------------------------------ probes and hooks
-    def _add(self, component_name: str, builder: HookBuilderFn, backward: bool) -> TrainTool:
+    def _add(self, component_name: str, builder: ProbeBuilder, backward: bool) -> TrainTool:
         if not isinstance(component_name, str) or not component_name:
             raise TypeError(f"component_name must be a non-empty string, got {component_name!r}")
         if not callable(builder):
@@ -209,11 +209,11 @@ class TrainTool(BaseModel):
         self._builders.append((component_name, builder, backward))
         return self
 
-    def add_training_hook(self, component_name: str, builder: HookBuilderFn) -> TrainTool:
+    def add_training_hook(self, component_name: str, builder: ProbeBuilder) -> TrainTool:
         """Attach a forward-hook builder to a component name or glob; returns self."""
         return self._add(component_name, builder, backward=False)
 
-    def add_training_backward_hook(self, component_name: str, builder: HookBuilderFn) -> TrainTool:
+    def add_training_backward_hook(self, component_name: str, builder: ProbeBuilder) -> TrainTool:
         """Attach a backward-hook builder to a component name or glob; returns self."""
         return self._add(component_name, builder, backward=True)
 
@@ -225,7 +225,7 @@ class TrainTool(BaseModel):
         return self
 
     @property
-    def hook_builders(self) -> list[tuple[str, HookBuilderFn, bool]]:
+    def hook_builders(self) -> list[tuple[str, ProbeBuilder, bool]]:
         """``(pattern, builder, backward)`` in the order they were added."""
         return list(self._builders)
 
@@ -257,11 +257,7 @@ class TrainTool(BaseModel):
         if not name:
             name = self.env.id
         name = re.sub(r"[^A-Za-z0-9_.-]+", "-", name)
-        base = Path("runs") / f"{name}-{self.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
-        path, i = base, 1
-        while path.exists():
-            path, i = base.with_name(f"{base.name}-{i}"), i + 1
-        return path
+        return default_run_dir(f"{name}-{self.seed}")
 
     def check_setup(self, *, overwrite: bool = False) -> dict[str, list[str]]:
         """Everything a run checks before its first environment step, without writing
@@ -298,6 +294,7 @@ class TrainTool(BaseModel):
             raise
         return attached
 
+    @quiet_output_only_backward_hooks()
     def invoke(self, *, resume: bool | str | Path = False, overwrite: bool = False) -> TrainResult:
         """Build envs, policy, probes, sinks and trainer; train; always clean up.
 

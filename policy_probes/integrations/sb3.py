@@ -55,9 +55,12 @@ import torch
 from torch import nn
 
 from policy_probes.context import ComponentContext
+from policy_probes.hook_types import ProbeBuilder
 from policy_probes.lifecycle import preserved_rng
-from policy_probes.session import HookBuilderFn, ProbeSession, default_run_dir
+from policy_probes.run_dir import default_run_dir
+from policy_probes.session import ProbeSession
 from policy_probes.sinks import SinksConfig, WandbConfig
+from policy_probes.torch_internals import child_modules
 
 #: short names -> submodule paths of SB3's ``ActorCriticPolicy`` (PPO, A2C ``MlpPolicy``);
 #: a name is offered only when its path exists on the policy
@@ -91,7 +94,7 @@ _HYPERPARAMETERS = (
     "policy_kwargs",
 )
 
-Probe = tuple[str, HookBuilderFn]
+Probe = tuple[str, ProbeBuilder]
 
 log = logging.getLogger("policy_probes")
 
@@ -103,7 +106,7 @@ def sb3_components(
     (so raw dotted paths such as ``mlp_extractor.policy_net.0`` resolve), the short names
     of :data:`SB3_COMPONENTS` that exist on it, and ``extra`` (which wins)."""
     out: dict[str, nn.Module | str] = {}
-    for name, child in policy._modules.items():  # every attribute, shared modules included
+    for name, child in child_modules(policy):  # every attribute, shared modules included
         if child is not None:
             out[name] = name
     for alias, path in SB3_COMPONENTS.items():
@@ -161,7 +164,7 @@ class ProbeCallback(BaseCallback):
         verbose: int = 0,
     ) -> None:
         super().__init__(verbose)
-        self._probes: list[tuple[str, HookBuilderFn, bool]] = []
+        self._probes: list[tuple[str, ProbeBuilder, bool]] = []
         for pattern, builder in _pairs(probes, "probes"):
             self._probes.append((pattern, builder, False))
         for pattern, builder in _pairs(backward_probes, "backward_probes"):
@@ -186,15 +189,15 @@ class ProbeCallback(BaseCallback):
         self._masked_buffer: Any = None
 
     # ------------------------------------------------------------------ probes
-    def add_training_hook(self, pattern: str, builder: HookBuilderFn) -> ProbeCallback:
+    def add_training_hook(self, pattern: str, builder: ProbeBuilder) -> ProbeCallback:
         """Add a forward probe (attached when ``learn()`` starts, or now if it runs)."""
         return self._add(pattern, builder, backward=False)
 
-    def add_training_backward_hook(self, pattern: str, builder: HookBuilderFn) -> ProbeCallback:
+    def add_training_backward_hook(self, pattern: str, builder: ProbeBuilder) -> ProbeCallback:
         """Add a backward probe (attached when ``learn()`` starts, or now if it runs)."""
         return self._add(pattern, builder, backward=True)
 
-    def _add(self, pattern: str, builder: HookBuilderFn, backward: bool) -> ProbeCallback:
+    def _add(self, pattern: str, builder: ProbeBuilder, backward: bool) -> ProbeCallback:
         if self.session is not None and not self.session.closed:
             attach = _attach_method(self.session, backward)
             attach(pattern, builder)

@@ -33,10 +33,11 @@ from torch import nn
 
 from policy_probes.context import ComponentContext
 from policy_probes.lifecycle.hook import TrainingHook
-from policy_probes.lifecycle.model_context import ModelDataContext
+from policy_probes.lifecycle.model_context import ModelDataContext, device_of
 from policy_probes.lifecycle.points import STEP_POINTS, EpochWindow, HookPoint
 from policy_probes.lifecycle.rng import RNGState, capture_rng_state, restore_rng_state
 from policy_probes.lifecycle.run_context import RunDataContext
+from policy_probes.sinks.base import flatten_metrics
 
 log = logging.getLogger("policy_probes.lifecycle")
 
@@ -75,7 +76,8 @@ class HookManager:
 
     Args:
         hooks: selected hook instances (see :func:`~policy_probes.lifecycle.registry.select_hooks`).
-        loop: loop type, for the hooks' ``loop_points``.
+        loop: the driver's loop type, for the hooks' ``loop_points`` (required: the
+            built-in trainer passes ``"ppo"``, ProbeSession ``"external"``).
         model, optimizer, scheduler, config, component_context: bound once here (or
             with :meth:`bind`) and handed to every :class:`RunDataContext`.
         offload_state: move the hooks' state tensors to the CPU between firings.
@@ -89,7 +91,7 @@ class HookManager:
         self,
         hooks: Iterable[TrainingHook] = (),
         *,
-        loop: str = "ppo",
+        loop: str,
         model: nn.Module | None = None,
         optimizer: torch.optim.Optimizer | None = None,
         scheduler: Any = None,
@@ -253,7 +255,7 @@ class HookManager:
         if cc is not None:
             cc.phase = HOOK_PHASE
         rng = capture_rng_state()
-        device = _device_of(ctx_fields.get("model"))
+        device = device_of(ctx_fields.get("model"))
         completed = False
         try:
             observers = [h for h in due if not h.intervenes_at(point)]
@@ -326,7 +328,7 @@ class HookManager:
                     f"returned {type(out).__name__}; a hook must return a dict of metrics"
                 )
             prefix = f"{hook.name}/" if hook.namespaced else ""
-            for key, value in _flatten(out).items():
+            for key, value in flatten_metrics(out).items():
                 current[prefix + key] = value
         except Exception as exc:
             self._fail(hook, point, exc, current)
@@ -393,7 +395,7 @@ class HookManager:
         """Inverse of :meth:`state_dict`. Tensors move to the model's device (hook state
         stays on the CPU with ``offload_state``); a saved hook this selection lacks is
         ignored, a selected hook the state lacks keeps its fresh state."""
-        device = _device_of(self._bound.get("model"))
+        device = device_of(self._bound.get("model"))
         hook_device = torch.device("cpu") if self.offload_state else device
         saved_hooks = state.get("hooks") or {}
         for hook in self.hooks:
@@ -475,24 +477,6 @@ class HookManager:
 def _observe(hook: TrainingHook, run_ctx: RunDataContext) -> Any:
     with torch.no_grad():
         return hook.compute(run_ctx)
-
-
-def _device_of(model: nn.Module | None) -> torch.device:
-    if model is not None:
-        for p in model.parameters():
-            return p.device
-    return torch.device("cpu")
-
-
-def _flatten(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in metrics.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, Mapping):
-            out.update(_flatten(v, key + "/"))
-        else:
-            out[key] = v
-    return out
 
 
 def _host_value(v: Any) -> Any:

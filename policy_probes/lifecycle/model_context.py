@@ -328,7 +328,7 @@ class LoopModelDataContext(ModelDataContext):
             n = self.num_samples()
             idx = torch.arange(n) if order is None else torch.as_tensor(order)
             for chunk in torch.split(idx, self._minibatch_size):
-                yield _index(self._data, chunk.to(_device_of(self._data)))
+                yield _index(self._data, chunk.to(device_of(self._data)))
             return
         indices = range(len(self._minibatches)) if order is None else order
         for i in indices:
@@ -444,10 +444,17 @@ class LoopModelDataContext(ModelDataContext):
         return self._distribution(obs).log_prob(actions)
 
 
-def _device_of(data: Any) -> torch.device:
-    if isinstance(data, torch.Tensor):
-        return data.device
-    values = data.values() if isinstance(data, Mapping) else data
+def device_of(obj: Any) -> torch.device:
+    """Where ``obj`` lives: a module's first parameter, a tensor, or the first tensor
+    among a mapping's values or a sequence's items; the CPU when there is none."""
+    if obj is None:
+        return torch.device("cpu")
+    if isinstance(obj, torch.Tensor):
+        return obj.device
+    if isinstance(obj, nn.Module):
+        values: Any = obj.parameters()
+    else:
+        values = obj.values() if isinstance(obj, Mapping) else obj
     for v in values:
         if isinstance(v, torch.Tensor):
             return v.device

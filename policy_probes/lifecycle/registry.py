@@ -10,7 +10,6 @@ is not empty.
 from __future__ import annotations
 
 import difflib
-import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -18,6 +17,7 @@ from pydantic import ValidationError
 
 from policy_probes.lifecycle.hook import COST_CLASSES, InterventionHook, TrainingHook
 from policy_probes.lifecycle.points import HookPoint
+from policy_probes.overrides import split_assignment
 
 GROUPS: tuple[str, ...] = ("none", "minimal", "observers", "interventions", "full")
 KEYWORDS: tuple[str, ...] = ("all", "observers", "with_debug")
@@ -124,14 +124,6 @@ def _load_builtins() -> None:
     import policy_probes.lifecycle.hooks  # noqa: F401  (registers the built-in hooks)
 
 
-def parse_value(text: str) -> Any:
-    """A ``--hook-config`` value: JSON (numbers, booleans, lists, null) or a plain string."""
-    try:
-        return json.loads(text)
-    except (json.JSONDecodeError, TypeError):
-        return text
-
-
 def parse_hook_config(
     entries: Mapping[str, Any] | Iterable[str] | None,
 ) -> dict[str, dict[str, Any]]:
@@ -153,12 +145,15 @@ def parse_hook_config(
     else:
         items = []
         for entry in entries:
-            key, eq, value = str(entry).partition("=")
-            if not eq:
-                raise HookSelectionError(
-                    f"hook config {entry!r} must look like name.param=value (e.g. hessian.iters=30)"
+            items.append(
+                split_assignment(
+                    entry,
+                    what="hook config",
+                    shape="name.param=value",
+                    example="hessian.iters=30",
+                    error=HookSelectionError,
                 )
-            items.append((key.strip(), parse_value(value.strip())))
+            )
     for key, value in items:
         hook, dot, param = key.partition(".")
         if not dot or not hook or not param:

@@ -56,7 +56,7 @@ class RunDataContext:
 
     point: HookPoint
     epoch: int
-    loop: str = "ppo"
+    loop: str
     step: int | None = None
     agent_step: int | None = None
     update_epoch: int | None = None

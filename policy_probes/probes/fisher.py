@@ -32,7 +32,6 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
 from policy_probes.context import ComponentContext
@@ -58,6 +57,7 @@ from policy_probes.row_mask import (
     loss_samples,
     pushing_with,
 )
+from policy_probes.torch_internals import queue_after_backward, tree_flatten, tree_unflatten
 
 log = logging.getLogger("policy_probes")
 
@@ -327,6 +327,7 @@ class FisherInformationState(ProbeState):
 
 class FisherInformationHook(ProbeHook):
     probe = "fisher"
+    builder_name = "attach_fisher_information_hooks()"
     backward = True
     #: per-parameter Fisher from every k-th backward pass of each layer
     param_every: int = 1
@@ -339,7 +340,20 @@ class FisherInformationHook(ProbeHook):
         self.tracker.update(self.component, grad_output, self.context.loss_scale)
 
     # --------------------------------------------------------------- parameters
+    def plain_call_gaps(self, module: nn.Module) -> str:
+        """The parametrised layers inside the component: the per-parameter Fisher
+        (``trace``, ``mean``, ``param.*`` keys) reads their inputs through forward hooks."""
+        params = [name for name, _ in module.named_parameters()]
+        if not params:
+            return ""
+        return (
+            f"the layers holding its parameters ({', '.join(params)}): the per-parameter "
+            f"Fisher (trace, mean, max, dead_param_fraction) reads their inputs through "
+            f"hooks of their own"
+        )
+
     def attach(self, module: nn.Module) -> list[RemovableHandle]:
+        self.attached = True
         handles = []
         covered: set[int] = set()
         settings = self.tracker.settings[self.component]
@@ -473,7 +487,7 @@ class FisherInformationHook(ProbeHook):
                         full[i] = g
                     if not pending:  # first pass of this backward: reduce when it ends
                         loss_scale[0] = self.context.loss_scale
-                        torch.autograd.Variable._execution_engine.queue_callback(reduce_pending)
+                        queue_after_backward(reduce_pending)
                     pending.append(Call(layout, full, weight))
                 except Exception as exc:
                     self.fail(exc)

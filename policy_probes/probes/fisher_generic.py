@@ -14,7 +14,6 @@ with what to change.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,12 +22,12 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 from torch.nn.utils.rnn import PackedSequence
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from policy_probes.hook_types import ProbeError
 from policy_probes.probes.fisher_rnn import gate_rule_applies, rnn_per_sample_squares
 from policy_probes.probes.fisher_rules import chunks
 from policy_probes.probes.state import SUM
+from policy_probes.torch_internals import hooks_set_aside, tree_flatten, tree_unflatten
 
 
 @dataclass
@@ -256,7 +255,7 @@ def per_sample_squares(
     element = next(iter(params.values())).element_size()
     per_sample = element * (3 * numel + 8 * data // max(n, 1))
     acc: dict[str, torch.Tensor] = {}
-    with _unbatched_backends(), _hooks_off(module):
+    with _unbatched_backends(), hooks_set_aside(module):
         for lo, hi in chunks(n, per_sample, chunk_bytes):
             xs = [
                 [lay.leaves[i].narrow(lay.in_dims[i], lo, hi - lo) for i in batched_at]
@@ -284,28 +283,6 @@ class _unbatched_backends:
 
     def __exit__(self, *exc: object) -> None:
         torch.backends.mkldnn.enabled, torch.backends.cudnn.enabled = self.saved
-
-
-_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-
-
-class _hooks_off:
-    """The module hooks of ``module``'s subtree set aside while it is re-run on single
-    samples: probes (this one included) must not read those inner passes."""
-
-    def __init__(self, module: nn.Module) -> None:
-        self.modules = list(module.modules())
-
-    def __enter__(self) -> None:
-        self.saved = [[getattr(m, d) for d in _HOOK_DICTS] for m in self.modules]
-        for m in self.modules:
-            for d in _HOOK_DICTS:
-                setattr(m, d, OrderedDict())
-
-    def __exit__(self, *exc: object) -> None:
-        for m, dicts in zip(self.modules, self.saved, strict=True):
-            for d, value in zip(_HOOK_DICTS, dicts, strict=True):
-                setattr(m, d, value)
 
 
 def row_finite(tensors: Sequence[tuple[torch.Tensor, int]], n: int) -> torch.Tensor:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from policy_probes.probes.state import SUM
+from policy_probes.torch_internals import conv_padding
 
 #: default bound on the temporaries of one chunk of samples (bytes)
 CHUNK_BYTES = 64 << 20
@@ -87,7 +88,7 @@ class ConvRule(LayerRule):
             tuple(conv.kernel_size),
             tuple(conv.stride),
             tuple(conv.dilation),
-            tuple(conv._reversed_padding_repeated_twice),
+            conv_padding(conv),
             "constant" if conv.padding_mode == "zeros" else conv.padding_mode,
             conv.groups,
         )

@@ -162,6 +162,7 @@ def _passes(segments: list[int], scales: list[Any]) -> list[int]:
 
 class GradientFlowHook(LayeredProbeHook):
     probe = "gradient_flow"
+    builder_name = "attach_gradient_flow_hooks()"
     backward = True
 
     def record_grad(self, module: nn.Module, grad_output: torch.Tensor) -> None:

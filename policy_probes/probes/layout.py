@@ -31,7 +31,8 @@ import torch
 from torch import nn
 from torch.nn.modules import activation, batchnorm, conv, dropout, instancenorm, pooling
 
-from policy_probes.probes.state import as_rows
+from policy_probes.probes.state import ProbeState, as_rows
+from policy_probes.torch_internals import child_modules
 
 Layout = Literal["auto", "channels_first", "channels_last"]
 LAYOUTS: tuple[str, ...] = ("auto", "channels_first", "channels_last")
@@ -129,7 +130,7 @@ def resolve_channels_first(
             parent = lookup(".".join(parts[:-1]))
         except (KeyError, AttributeError):  # above the top of what lookup knows
             break
-        siblings = list(parent._modules.items())
+        siblings = child_modules(parent)
         names = [n for n, _ in siblings]
         if parts[-1] not in names:  # not a registered child: nothing to go by
             break
@@ -157,3 +158,15 @@ def positions(t: torch.Tensor, channels_first: bool) -> int:
     if channels_first and t.dim() >= 3 and t.shape[0] and t.shape[1]:
         return t.numel() // (t.shape[0] * t.shape[1])
     return 1
+
+
+class ActivationState(ProbeState):
+    """Base of the trackers fed with a component's activations (``relu``,
+    ``saturation_*``): one ``"h"`` stream of unit rows laid out by ``channels_first``."""
+
+    def update(self, component: str, h: torch.Tensor, channels_first: bool = False) -> None:
+        """Add a batch of activations: units on the last axis (leading dims are samples),
+        or on axis 1 with ``channels_first`` (every sample and position is a row)."""
+        if channels_first and h.dim() >= 3:
+            self.settings[component]["positions"] = positions(h, channels_first)
+        self._push(component, "h", (as_unit_rows(h, channels_first),))

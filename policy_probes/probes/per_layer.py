@@ -115,7 +115,21 @@ class LayeredProbeHook(ProbeHook):
         """Whether this probe reads ``layer`` (every activation layer by default)."""
         return True
 
+    def plain_call_gaps(self, module: nn.Module) -> str:
+        """With ``per_layer``, the activation layers inside the component (their forward
+        hooks must be in place before the component's forward)."""
+        if not self.per_layer:
+            return ""
+        layers = [layer.name for layer in activation_layers(module) if self.selects(layer)]
+        if not layers:
+            return ""
+        return (
+            f"the activation layers inside it ({', '.join(layers)}), which per_layer=True "
+            f"reads through hooks of their own (per_layer=False reads the component alone)"
+        )
+
     def attach(self, module: nn.Module) -> list[RemovableHandle]:
+        self.attached = True
         if self.layers is None:
             # an extracted tensor need not be laid out as the module's output: "auto"
             # reads it channels last, an explicit layout is taken as given

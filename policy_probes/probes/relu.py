@@ -21,17 +21,17 @@ from torch import nn
 from policy_probes.context import ComponentContext
 from policy_probes.extractors import as_extractor
 from policy_probes.hook_types import Extractor, HookBuilder
-from policy_probes.probes.layout import as_unit_rows, check_layout, positions
+from policy_probes.probes.layout import ActivationState, check_layout
 from policy_probes.probes.per_layer import LayeredProbeHook, ProbedLayer
 from policy_probes.probes.rows import COUNT, Rows
-from policy_probes.probes.state import SUM, ProbeState, as_floats, get_state, rates
+from policy_probes.probes.state import SUM, as_floats, get_state, rates
 from policy_probes.probes.weighted import Weighted
 
 # ReDo divides by the layer mean plus a small constant; all-zero layers are all dormant.
 DORMANT_EPS = 1e-9
 
 
-class ReLUActivationState(ProbeState):
+class ReLUActivationState(ActivationState):
     """Per-unit counts of positive elements and sums of |h| over the window."""
 
     probe = "relu"
@@ -48,13 +48,6 @@ class ReLUActivationState(ProbeState):
         return super().register_component(
             name, tau=tau, rarely_active=rarely_active, always_active=always_active, **extra
         )
-
-    def update(self, component: str, h: torch.Tensor, channels_first: bool = False) -> None:
-        """Add a batch of activations: units on the last axis (leading dims are samples),
-        or on axis 1 with ``channels_first`` (every sample and position is a row)."""
-        if channels_first and h.dim() >= 3:
-            self.settings[component]["positions"] = positions(h, channels_first)
-        self._push(component, "h", (as_unit_rows(h, channels_first),))
 
     def consume(
         self,
@@ -113,6 +106,7 @@ def samples(count: torch.Tensor, cfg: dict[str, Any]) -> float:
 
 class ReLUActivationHook(LayeredProbeHook):
     probe = "relu"
+    builder_name = "attach_relu_activation_hooks()"
 
     def record(self, module: nn.Module, output: torch.Tensor) -> None:
         self.tracker.update(self.component, output, self.channels_first)

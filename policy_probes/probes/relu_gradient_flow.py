@@ -127,6 +127,7 @@ class ReLUGradientFlowHook(ProbeHook):
     ``calls`` counts the ReLU-level backward calls."""
 
     probe = "relu_gradient_flow"
+    builder_name = "attach_relu_gradient_flow_hooks()"
     backward = True
     component_hook = False
 
@@ -144,6 +145,16 @@ class ReLUGradientFlowHook(ProbeHook):
         self.per_layer = per_layer
         #: (ReLU path inside the component, module, channels first), resolved at attach
         self.relus: list[tuple[str, nn.Module, bool]] | None = None
+
+    def record_grad(self, module: nn.Module, grad_output: torch.Tensor) -> None:
+        """Nothing: the gradient at the component's output is not what this probe reads
+        (a closure registered directly after :meth:`attach` is called here)."""
+
+    def plain_call_gaps(self, module: nn.Module) -> str:
+        return (
+            "the nn.ReLU modules inside it: this probe reads the gradient at every ReLU's "
+            "output through hooks on those modules, never the component's own gradient"
+        )
 
     def attach(self, module: nn.Module) -> list[RemovableHandle]:
         if self.relus is None:
@@ -163,6 +174,7 @@ class ReLUGradientFlowHook(ProbeHook):
                     if isinstance(layer.act, nn.ReLU)
                 }
             self.relus = [(n, m, self._channels_first(module, n)) for n, m in relus]
+        self.attached = True
         return [m.register_forward_hook(self._relu_hook(n, cf)) for n, m, cf in self.relus]
 
     def _channels_first(self, module: nn.Module, sub: str) -> bool:

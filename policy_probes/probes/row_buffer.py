@@ -32,6 +32,7 @@ import math
 import torch
 
 from policy_probes.probes.rows import DrainRound, Rows
+from policy_probes.torch_internals import version_counter
 
 Layout = tuple[tuple[int, torch.dtype, torch.device], ...]
 
@@ -113,7 +114,7 @@ class RowBuffer:
             blocks = tuple(b.clone() for b in blocks)
             seen = None
         else:
-            seen = tuple(b._version for b in blocks)
+            seen = tuple(version_counter(b) for b in blocks)
         self.pending.append(blocks)
         self.versions.append(seen)
         rows = block_rows(blocks[0])
@@ -139,7 +140,9 @@ class RowBuffer:
         segments, scales, rows = self.segments, self.scales, self.rows
         self.clear()
         for blocks, seen in zip(pending, versions, strict=True):
-            if seen is not None and any(b._version != v for b, v in zip(blocks, seen, strict=True)):
+            if seen is not None and any(
+                version_counter(b) != v for b, v in zip(blocks, seen, strict=True)
+            ):
                 self.copy_pushes = True
                 raise InPlaceModified(
                     "a probed tensor was modified in place after the probe read it (an in-place "

@@ -16,13 +16,12 @@ from torch import nn
 from policy_probes.context import ComponentContext
 from policy_probes.extractors import as_extractor
 from policy_probes.hook_types import Extractor, HookBuilder
-from policy_probes.probes.layout import as_unit_rows, check_layout, positions
+from policy_probes.probes.layout import ActivationState, check_layout
 from policy_probes.probes.per_layer import ActivationLayer, LayeredProbeHook, ProbedLayer
 from policy_probes.probes.relu import samples
 from policy_probes.probes.rows import COUNT, Rows
 from policy_probes.probes.state import (
     SUM,
-    ProbeState,
     as_floats,
     get_state,
     indicator_,
@@ -35,7 +34,7 @@ SATURATING = ("tanh", "sigmoid")
 SATURATING_MODULES: dict[str, type[nn.Module]] = {"tanh": nn.Tanh, "sigmoid": nn.Sigmoid}
 
 
-class SaturatedActivationState(ProbeState):
+class SaturatedActivationState(ActivationState):
     """Per-unit counts of saturated elements and sums of the activation derivative."""
 
     def __init__(self, activation: str = "tanh") -> None:
@@ -54,13 +53,6 @@ class SaturatedActivationState(ProbeState):
         return super().register_component(
             name, threshold=threshold, unit_threshold=unit_threshold, **extra
         )
-
-    def update(self, component: str, h: torch.Tensor, channels_first: bool = False) -> None:
-        """Add a batch of activations: units on the last axis (leading dims are samples),
-        or on axis 1 with ``channels_first`` (every sample and position is a row)."""
-        if channels_first and h.dim() >= 3:
-            self.settings[component]["positions"] = positions(h, channels_first)
-        self._push(component, "h", (as_unit_rows(h, channels_first),))
 
     def consume(
         self,
@@ -115,6 +107,8 @@ class SaturatedActivationState(ProbeState):
 
 
 class SaturatedActivationHook(LayeredProbeHook):
+    builder_name = "attach_saturated_activation_hooks()"
+
     def __init__(self, tracker: SaturatedActivationState, *args: Any, **kwargs: Any) -> None:
         super().__init__(tracker, *args, **kwargs)
         self.probe = tracker.probe

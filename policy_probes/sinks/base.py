@@ -15,7 +15,7 @@ import os
 import signal
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 logger = logging.getLogger("policy_probes.sinks")
@@ -222,14 +222,29 @@ def flatten_metrics(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, A
     return out
 
 
-def to_plain(value: Any) -> Any:
-    """Turn torch/numpy values into Python floats, ints, bools, strings, lists or None.
+def plain_metrics(
+    metrics: Mapping[str, Any], skip: Iterable[str] = RESERVED_KEYS
+) -> Iterator[tuple[str, Any]]:
+    """``(a/b/c key, plain value)`` of every metric (:func:`flatten_metrics`,
+    :func:`to_plain`) whose key is not in ``skip`` (the record's own fields by default)."""
+    skip = frozenset(skip)
+    for key, value in flatten_metrics(metrics).items():
+        if key not in skip:
+            yield key, to_plain(value)
 
-    Tensors and arrays with more than one element become flat lists; anything else that
-    is not a number becomes its ``str`` (a sink must never crash on an odd value).
+
+def to_plain(value: Any) -> Any:
+    """A JSON-safe copy of ``value``: Python floats, ints, bools, strings, lists, dicts
+    with string keys, or None.
+
+    Tensors and arrays with more than one element become flat lists; mappings keep their
+    structure; anything else that is not a number becomes its ``str`` (paths in a
+    configuration; a sink must never crash on an odd value).
     """
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
+    if isinstance(value, Mapping):
+        return {str(k): to_plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [to_plain(v) for v in value]
     tolist = getattr(value, "tolist", None)  # torch.Tensor, numpy arrays and scalars

@@ -24,7 +24,11 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from policy_probes.sinks.base import MetricSink, flatten_metrics, is_finite_number, to_plain
+from policy_probes.sinks.base import (
+    MetricSink,
+    is_finite_number,
+    plain_metrics,
+)
 from policy_probes.sinks.config import DEFAULT_CONSOLE_METRICS
 
 SPARK = "▁▂▃▄▅▆▇█"
@@ -122,8 +126,7 @@ class ConsoleSink(MetricSink):
         if epoch != self.epoch:
             self._snapshot = {}
         self.epoch = int(epoch)
-        for key, value in flatten_metrics(metrics).items():
-            value = to_plain(value)
+        for key, value in plain_metrics(metrics, skip=()):
             if not is_finite_number(value):
                 continue  # vectors, None, NaN and strings are not shown
             if self.chosen(key) is not None:

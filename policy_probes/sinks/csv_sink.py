@@ -20,7 +20,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from policy_probes.sinks.base import AppendFileSink, finite_values, flatten_metrics, to_plain
+from policy_probes.sinks.base import (
+    AppendFileSink,
+    finite_values,
+    plain_metrics,
+)
 from policy_probes.sinks.jsonl import fsync_dir, repair_truncated_tail
 
 logger = logging.getLogger("policy_probes.sinks")
@@ -154,10 +158,7 @@ def scalar_columns(metrics: Mapping[str, Any]) -> dict[str, Any]:
     """The CSV cells of one emit: scalars as they are (None -> empty, bool -> 0/1), vectors
     as ``/mean``, ``/min``, ``/max`` of their finite elements (empty when none)."""
     out: dict[str, Any] = {}
-    for key, value in flatten_metrics(metrics).items():
-        if key in BASE_COLUMNS:
-            continue
-        value = to_plain(value)
+    for key, value in plain_metrics(metrics, skip=BASE_COLUMNS):
         if isinstance(value, list):
             finite = finite_values(value)
             out[f"{key}/mean"] = math.fsum(finite) / len(finite) if finite else ""

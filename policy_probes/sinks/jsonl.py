@@ -21,7 +21,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from policy_probes.sinks.base import AppendFileSink, flatten_metrics, to_plain
+from policy_probes.sinks.base import AppendFileSink, plain_metrics
 
 logger = logging.getLogger("policy_probes.sinks")
 
@@ -88,10 +88,8 @@ def make_record(
         "time": round(time.time(), 3),
     }
     nonfinite: list[str] = []
-    for key, value in flatten_metrics(metrics).items():
-        if key in record or key == NONFINITE_KEY:
-            continue  # the emit's own epoch/step/hook point win
-        value = to_plain(value)
+    # the emit's own epoch/step/hook point win
+    for key, value in plain_metrics(metrics, skip=(*record, NONFINITE_KEY)):
         clean, had_nonfinite = _finite_or_none(value)
         if had_nonfinite:
             nonfinite.append(key)

@@ -22,9 +22,8 @@ from policy_probes.heatmaps import VectorHistory, heatmap_spec, render_heatmaps
 from policy_probes.sinks.base import (
     MetricSink,
     finite_values,
-    flatten_metrics,
     is_finite_number,
-    to_plain,
+    plain_metrics,
 )
 
 TENSORBOARD_DIR = "tensorboard"
@@ -58,10 +57,7 @@ class TensorBoardSink(MetricSink):
     def emit(self, metrics: Mapping[str, Any], epoch: int, hook_point: str) -> None:
         step = self._step(epoch)
         self.writer.add_scalar("epoch", int(epoch), step)
-        for key, value in flatten_metrics(metrics).items():
-            if key in ("epoch", "agent_step", "hook_point"):
-                continue
-            value = to_plain(value)
+        for key, value in plain_metrics(metrics):
             if isinstance(value, list):
                 finite = finite_values(value)
                 if finite:

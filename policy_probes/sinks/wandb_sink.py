@@ -48,9 +48,8 @@ from policy_probes.layer_figures import ScalarHistory, is_layer_metric, layer_fi
 from policy_probes.sinks.base import (
     MetricSink,
     finite_values,
-    flatten_metrics,
     is_finite_number,
-    to_plain,
+    plain_metrics,
 )
 from policy_probes.sinks.config import WandbConfig
 from policy_probes.sinks.jsonl import METRICS_JSONL, NONFINITE_KEY, iter_jsonl
@@ -137,10 +136,7 @@ class WandbSink(MetricSink):
         step = self.run_context.get("agent_step")
         if step is not None:
             row["agent_step"] = int(step)
-        for key, value in flatten_metrics(metrics).items():
-            if key in ("epoch", "agent_step", "hook_point"):
-                continue
-            value = to_plain(value)
+        for key, value in plain_metrics(metrics):
             if isinstance(value, list):
                 finite = finite_values(value)
                 if finite:

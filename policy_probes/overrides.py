@@ -1,0 +1,139 @@
+"""``key=value`` overrides: how command-line text becomes configuration values.
+
+One rule for every ``key=value`` the command line takes (``policy-probes run`` overrides
+and ``--hook-config`` entries): the text splits at the first ``=``, key and value are
+stripped of surrounding whitespace, and the value is read by :func:`parse_value`.
+Dotted keys address nested pydantic models (:func:`check_key` says which keys exist);
+:func:`apply_overrides` re-validates the whole configuration.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import json
+import types
+import typing
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from policy_probes.user_errors import CLIError, one_line
+
+#: Python-style spellings accepted besides JSON's ``true``/``false``/``null``
+PYTHON_CONSTANTS: dict[str, Any] = {"True": True, "False": False, "None": None}
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def parse_value(text: Any) -> Any:
+    """A value from the command line: JSON first (numbers, ``true``/``false``, ``null``,
+    lists, objects), then Python's ``True``/``False``/``None``, else the text itself as a
+    string. Surrounding whitespace is ignored; a value that is not a string is returned
+    as it is (configuration given from Python)."""
+    if not isinstance(text, str):
+        return text
+    text = text.strip()
+    try:
+        return json.loads(text)
+    except ValueError:
+        pass
+    return PYTHON_CONSTANTS.get(text, text)
+
+
+def split_assignment(
+    item: str,
+    *,
+    what: str = "override",
+    shape: str = "key=value",
+    example: str = "seed=3",
+    error: type[Exception] = CLIError,
+) -> tuple[str, Any]:
+    """``(key, parsed value)`` of ``"key=value"``; raises ``error`` ("``what`` ... must
+    look like ``shape`` (e.g. ``example``)") when the text has no ``=`` or no key."""
+    key, sep, raw = str(item).partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise error(f"{what} {item!r} must look like {shape} (e.g. {example})")
+    return key, parse_value(raw)
+
+
+def _model_class(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        cls = _model_class(arg)
+        if cls is not None:
+            return cls
+    return None
+
+
+def _is_mapping(annotation: Any) -> bool:
+    origin = typing.get_origin(annotation)
+    if origin in (dict, typing.Union, types.UnionType):
+        return origin is dict or any(_is_mapping(a) for a in typing.get_args(annotation))
+    return annotation is dict
+
+
+def valid_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+    """Every dotted key an override may set (``env.kwargs.*`` style for free-form dicts)."""
+    out: list[str] = []
+    for name, info in model.model_fields.items():
+        key = f"{prefix}{name}"
+        sub = _model_class(info.annotation)
+        if sub is not None:
+            out.append(key)
+            out.extend(valid_keys(sub, key + "."))
+        elif _is_mapping(info.annotation):
+            out.extend([key, key + ".*"])
+        else:
+            out.append(key)
+    return out
+
+
+def check_key(model: type[BaseModel], key: str) -> None:
+    """Raise :class:`CLIError` naming the closest valid keys if ``key`` is unknown."""
+    current: type[BaseModel] | None = model
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        fields = current.model_fields if current is not None else {}
+        if part not in fields:
+            keys = [k for k in valid_keys(model) if not k.endswith(".*")]
+            close = difflib.get_close_matches(key, keys, n=4, cutoff=0.5)
+            hint = f" Closest valid keys: {', '.join(close)}." if close else ""
+            raise CLIError(f"unknown configuration key {key!r}.{hint} (--dry-run shows all keys)")
+        annotation = fields[part].annotation
+        if _is_mapping(annotation) and _model_class(annotation) is None:
+            return  # free-form dict: any sub-key
+        current = _model_class(annotation)
+        if current is None and i < len(parts) - 1:
+            raise CLIError(
+                f"configuration key {'.'.join(parts[: i + 1])!r} has no sub-keys (in {key!r})"
+            )
+
+
+def apply_overrides(tool: M, overrides: Sequence[str]) -> M:
+    """A new, fully re-validated model with ``key=value`` overrides applied.
+
+    Private attributes (the probe builders a recipe added) are carried over.
+    """
+    data = tool.model_dump()
+    for item in overrides:
+        key, value = split_assignment(item)
+        check_key(type(tool), key)
+        node = data
+        *path, leaf = key.split(".")
+        for part in path:
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+        node[leaf] = value
+    try:
+        new = type(tool).model_validate(data)
+    except ValidationError as exc:
+        raise CLIError(f"invalid configuration after overrides: {one_line(exc)}") from None
+    private = getattr(tool, "__pydantic_private__", None)
+    if private:
+        object.__setattr__(new, "__pydantic_private__", copy.copy(private))
+    return new

@@ -1,0 +1,159 @@
+"""Every use of torch's private API in policy-probes, in one place.
+
+torch keeps these names out of its public API, so a torch upgrade may change them;
+``tests/test_torch_internals.py`` pins the behaviour each helper relies on for the
+installed version, so such a change fails there, in one place, instead of deep inside a
+probe. Code elsewhere in the toolkit (and in ``trainers/``) calls these helpers and never
+touches the private names itself.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules import module as torch_module
+from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.hooks import RemovableHandle
+
+__all__ = [
+    "HOOK_DICTS",
+    "OUTPUT_ONLY_BACKWARD_WARNING",
+    "child_modules",
+    "conv_padding",
+    "global_module_hooks_installed",
+    "hooks_set_aside",
+    "in_backward_pass",
+    "init_unbound_handle",
+    "module_hook_count",
+    "module_hooks_installed",
+    "queue_after_backward",
+    "quiet_output_only_backward_hooks",
+    "tensor_slot",
+    "set_tensor_slot",
+    "tree_flatten",
+    "tree_unflatten",
+    "version_counter",
+]
+
+#: the per-module dicts that hold forward, forward-pre, backward and backward-pre hooks
+HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_GLOBAL_HOOK_DICTS = tuple(f"_global{d}" for d in HOOK_DICTS)
+
+#: the start of the warning torch emits on every backward through a full backward hook
+#: on a module none of whose inputs requires grad (a policy's first component: the
+#: observations do not); the hook then fires for the module's outputs only
+OUTPUT_ONLY_BACKWARD_WARNING = (
+    "Full backward hook is firing when gradients are computed with respect to module outputs"
+)
+
+
+# ------------------------------------------------------------------ module hooks
+def child_modules(module: nn.Module) -> list[tuple[str, nn.Module | None]]:
+    """``(attribute, child)`` of every direct child, including a child registered under
+    several names and ``None`` placeholders (``named_children`` drops both)."""
+    return list(module._modules.items())
+
+
+def module_hooks_installed(module: nn.Module) -> bool:
+    """True if any module in ``module``'s subtree has a torch hook of any kind.
+
+    An explicit walk of the child dicts, about half the cost of ``modules()``: trainers
+    call it once per minibatch to pick a hook-free path."""
+    stack: list[nn.Module | None] = [module]
+    while stack:
+        m = stack.pop()
+        if m is None:
+            continue
+        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+            return True
+        stack.extend(m._modules.values())
+    return False
+
+
+def module_hook_count(module: nn.Module) -> int:
+    """Number of torch hooks of every kind on every module of ``module``'s subtree."""
+    return sum(len(getattr(m, d)) for m in module.modules() for d in HOOK_DICTS)
+
+
+def global_module_hooks_installed() -> bool:
+    """True if torch has global module hooks (``register_module_forward_hook`` and
+    friends); they fire on every module call."""
+    return any(getattr(torch_module, d) for d in _GLOBAL_HOOK_DICTS)
+
+
+class hooks_set_aside:
+    """The module hooks of ``module``'s subtree set aside inside the ``with`` block (for
+    re-running the module on single samples without the probes reading those passes),
+    and put back, the same dict objects, on exit."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.modules = list(module.modules())
+
+    def __enter__(self) -> None:
+        self.saved = [[getattr(m, d) for d in HOOK_DICTS] for m in self.modules]
+        for m in self.modules:
+            for d in HOOK_DICTS:
+                setattr(m, d, OrderedDict())
+
+    def __exit__(self, *exc: object) -> None:
+        for m, dicts in zip(self.modules, self.saved, strict=True):
+            for d, value in zip(HOOK_DICTS, dicts, strict=True):
+                setattr(m, d, value)
+
+
+def init_unbound_handle(handle: RemovableHandle) -> None:
+    """Initialise a ``RemovableHandle`` subclass instance that removes nothing from
+    torch's dicts itself (it gets a fresh id; its subclass does the removal)."""
+    RemovableHandle.__init__(handle, OrderedDict())
+
+
+@contextmanager
+def quiet_output_only_backward_hooks() -> Iterator[None]:
+    """Silence :data:`OUTPUT_ONLY_BACKWARD_WARNING` inside the block only: a full backward
+    hook on a policy's first component sees its output gradient, which is what a probe
+    reads, so the warning says nothing the probes do not expect."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=OUTPUT_ONLY_BACKWARD_WARNING)
+        yield
+
+
+# ------------------------------------------------------------------ tensors and autograd
+def version_counter(tensor: torch.Tensor) -> int:
+    """The in-place modification counter of ``tensor`` (shared with its views); it
+    changes whenever the memory is written in place. Inference tensors have none."""
+    return tensor._version
+
+
+def tensor_slot(tensor: torch.Tensor, name: str) -> Any:
+    """The Python attribute ``name`` stored on ``tensor`` by :func:`set_tensor_slot`, or
+    None (the attribute lives as long as the tensor object)."""
+    return tensor.__dict__.get(name)
+
+
+def set_tensor_slot(tensor: torch.Tensor, name: str, value: Any) -> None:
+    """Store ``value`` as the Python attribute ``name`` of ``tensor``."""
+    setattr(tensor, name, value)
+
+
+def queue_after_backward(callback: Callable[[], None]) -> None:
+    """Run ``callback`` once the current ``backward()`` has finished (call from inside a
+    backward hook only: torch refuses outside a backward pass)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def in_backward_pass() -> bool:
+    """True while autograd runs a backward pass on this thread (inside a tensor or
+    module backward hook)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def conv_padding(conv: nn.Conv1d | nn.Conv2d | nn.Conv3d) -> tuple[int, ...]:
+    """``F.pad`` padding of a convolution: (last-dim left, last-dim right, ...), as the
+    module computes it from ``padding`` (``"same"`` resolved)."""
+    return tuple(conv._reversed_padding_repeated_twice)
