@@ -8,11 +8,12 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from policy_probes.lifecycle.rng import capture_rng_state, restore_rng_state
 from policy_probes.probes.fisher import attach_fisher_information_hooks
 from policy_probes.probes.relu import attach_relu_activation_hooks
 from policy_probes.torch_internals import module_hook_count
 from trainers import TrainerHook, TrainTool
-from trainers.checkpoint import capture_rng_state, load_checkpoint, restore_rng_state
+from trainers.checkpoint import load_checkpoint, rng_state_from_plain, rng_state_to_plain
 
 torch.set_num_threads(1)
 
@@ -166,9 +167,9 @@ def test_rng_state_roundtrip():
 
     import numpy as np
 
-    saved = capture_rng_state()
+    saved = rng_state_to_plain(capture_rng_state())  # as a checkpoint stores it
     a = (torch.rand(3), np.random.rand(3), random.random())
-    restore_rng_state(saved)
+    restore_rng_state(rng_state_from_plain(saved))
     b = (torch.rand(3), np.random.rand(3), random.random())
     assert torch.equal(a[0], b[0]) and (a[1] == b[1]).all() and a[2] == b[2]
 

@@ -34,9 +34,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from policy_probes.context import ComponentContext
+from policy_probes.lifecycle.manager import current_rank
 
 log = logging.getLogger("trainers")
 
@@ -128,13 +128,6 @@ class TrainerHook:
 
     def on_training_end(self, state: TrainerState) -> None:
         """Once, at the end, also when training failed (``state.error``) or was stopped."""
-
-
-def current_rank() -> int:
-    """Rank in the default process group, 0 when torch.distributed is not initialised."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return 0
 
 
 class CallbackList:

@@ -35,7 +35,6 @@ import enum
 import json
 import logging
 import os
-import random
 import re
 import tempfile
 import time
@@ -45,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from policy_probes.lifecycle.rng import RNGState, capture_rng_state, restore_rng_state
 from policy_probes.sinks.jsonl import fsync_dir
 from trainers.callbacks import TrainerHook, TrainerState
 from trainers.nonfinite_guard import check_finite_parameters
@@ -103,12 +103,13 @@ def to_plain_state(obj: Any, where: str = "state") -> Any:
 
 
 # ---------------------------------------------------------------------- RNG states
-def capture_rng_state() -> dict[str, Any]:
-    """Global RNG states as tensors / plain containers (``weights_only``-loadable)."""
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    version, py_state, gauss_next = random.getstate()
+def rng_state_to_plain(state: RNGState) -> dict[str, Any]:
+    """A process RNG state (:func:`policy_probes.lifecycle.capture_rng_state`) as tensors
+    and plain containers, which ``torch.load(weights_only=True)`` reads back."""
+    name, keys, pos, has_gauss, cached = state.numpy
+    version, py_state, gauss_next = state.python
     out: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
+        "torch": state.torch_cpu,
         "numpy": {
             "name": str(name),
             "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
@@ -122,28 +123,27 @@ def capture_rng_state() -> dict[str, Any]:
             "gauss_next": gauss_next,
         },
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        out["cuda"] = torch.cuda.get_rng_state_all()
+    if state.torch_cuda is not None:
+        out["cuda"] = list(state.torch_cuda)
     return out
 
 
-def restore_rng_state(state: dict[str, Any]) -> None:
-    """Inverse of :func:`capture_rng_state`."""
-    torch.set_rng_state(state["torch"])
-    n = state["numpy"]
-    np.random.set_state(
-        (
+def rng_state_from_plain(state: dict[str, Any]) -> RNGState:
+    """Inverse of :func:`rng_state_to_plain` (a CUDA state is kept only where CUDA is)."""
+    n, p = state["numpy"], state["python"]
+    cuda = state.get("cuda") if torch.cuda.is_available() else None
+    return RNGState(
+        torch_cpu=state["torch"],
+        torch_cuda=tuple(cuda) if cuda is not None else None,
+        numpy=(
             n["name"],
             n["keys"].numpy().astype(np.uint32),
             n["pos"],
             n["has_gauss"],
             n["cached_gaussian"],
-        )
+        ),
+        python=(p["version"], tuple(int(v) for v in p["state"].tolist()), p["gauss_next"]),
     )
-    p = state["python"]
-    random.setstate((p["version"], tuple(int(v) for v in p["state"].tolist()), p["gauss_next"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 # ---------------------------------------------------------------------- checkpoints
@@ -175,7 +175,7 @@ def trainer_checkpoint(trainer: PPOTrainer) -> dict[str, Any]:
         "format": CHECKPOINT_FORMAT,
         **to_plain_state(state, "trainer state"),
         "session": session,
-        "rng": capture_rng_state(),
+        "rng": rng_state_to_plain(capture_rng_state()),
         "config": json.dumps(trainer.state.config, default=str),
     }
 
@@ -200,7 +200,7 @@ def restore_trainer(
         trainer.load_state_dict(ckpt, restore_envs=restore_envs)
     except ValueError as exc:
         raise CheckpointError(str(exc).replace("the saved state", "the checkpoint")) from None
-    restore_rng_state(ckpt["rng"])
+    restore_rng_state(rng_state_from_plain(ckpt["rng"]))
 
 
 def upgrade_checkpoint(ckpt: dict[str, Any]) -> dict[str, Any]:

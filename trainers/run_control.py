@@ -47,6 +47,7 @@ from policy_probes.control_channel import (
     take_requests,
     withdraw_run,
 )
+from policy_probes.lifecycle.manager import current_rank
 from policy_probes.run_dir import (  # noqa: F401 - RUN_OUTPUTS, RUN_MARKERS: public names
     RUN_MARKERS,
     RUN_OUTPUTS,
@@ -55,7 +56,7 @@ from policy_probes.run_dir import (  # noqa: F401 - RUN_OUTPUTS, RUN_MARKERS: pu
     remove_outputs,
 )
 from policy_probes.sinks import SinkGroup
-from trainers.callbacks import TrainerHook, TrainerState, current_rank
+from trainers.callbacks import TrainerHook, TrainerState
 from trainers.checkpoint import CheckpointHook
 
 log = logging.getLogger("trainers")
