@@ -21,22 +21,35 @@ from matplotlib.figure import Figure
 
 from policy_probes.heatmaps import fixed_margins
 
-#: (section slug, section title, [(probe, metric, panel title, log scale)])
-LAYER_SECTIONS: tuple[tuple[str, str, tuple[tuple[str, str, str, bool], ...]], ...] = (
+#: the report's probe sections: (slug, title, [(probe, metric, panel title, log scale)])
+PROBE_SECTIONS: tuple[tuple[str, str, tuple[tuple[str, str, str, bool], ...]], ...] = (
     (
         "relu",
         "Dead and dormant ReLU units",
         (
             ("relu", "dead_fraction", "dead fraction (active rate 0)", False),
             ("relu", "dormant_fraction", "dormant fraction (ReDo, tau)", False),
+            ("relu", "rarely_active_fraction", "rarely active fraction (< 5%)", False),
+            ("relu", "zero_fraction", "zero fraction (elements <= 0)", False),
         ),
     ),
     (
         "saturation",
         "Saturated activations",
         (
+            ("saturation_tanh", "saturated_fraction", "tanh: saturated elements", False),
             ("saturation_tanh", "saturated_units_fraction", "tanh: saturated units", False),
+            ("saturation_sigmoid", "saturated_fraction", "sigmoid: saturated elements", False),
             ("saturation_sigmoid", "saturated_units_fraction", "sigmoid: saturated units", False),
+        ),
+    ),
+    (
+        "fisher",
+        "Fisher information",
+        (
+            ("fisher", "trace", "Fisher trace", True),
+            ("fisher", "max", "Fisher max (per parameter)", True),
+            ("fisher", "dead_param_fraction", "dead parameter fraction (Fisher < 1e-8)", False),
         ),
     ),
     (
@@ -55,7 +68,27 @@ LAYER_SECTIONS: tuple[tuple[str, str, tuple[tuple[str, str, str, bool], ...]], .
     ),
 )
 
-_PANELS = {(probe, metric) for _, _, panels in LAYER_SECTIONS for probe, metric, _, _ in panels}
+#: the panels of :data:`PROBE_SECTIONS` drawn per layer (the activation and gradient
+#: metrics; Fisher is per parameter, not per layer)
+LAYER_PANELS = frozenset(
+    {
+        ("relu", "dead_fraction"),
+        ("relu", "dormant_fraction"),
+        ("saturation_tanh", "saturated_units_fraction"),
+        ("saturation_sigmoid", "saturated_units_fraction"),
+        ("gradient_flow", "mean"),
+        ("gradient_flow", "blocked_fraction"),
+        ("relu_gradient_flow", "blocked_fraction"),
+    }
+)
+
+#: (section slug, section title, [(probe, metric, panel title, log scale)]) per layer
+LAYER_SECTIONS = tuple(
+    (slug, title, layer_panels)
+    for slug, title, panels in PROBE_SECTIONS
+    if (layer_panels := tuple(p for p in panels if (p[0], p[1]) in LAYER_PANELS))
+)
+
 
 Series = Sequence[tuple[int, float]]
 
@@ -63,7 +96,7 @@ Series = Sequence[tuple[int, float]]
 def is_layer_metric(key: str) -> bool:
     """Whether ``probes/<probe>/<name>/<metric>`` is a metric the per-layer figures draw."""
     parts = key.split("/")
-    return len(parts) == 4 and parts[0] == "probes" and (parts[1], parts[3]) in _PANELS
+    return len(parts) == 4 and parts[0] == "probes" and (parts[1], parts[3]) in LAYER_PANELS
 
 
 def _natural(name: str) -> list:

@@ -40,6 +40,7 @@ from policy_probes.heatmaps import (
 )
 from policy_probes.layer_figures import (
     LAYER_SECTIONS,
+    PROBE_SECTIONS,
     is_layer_metric,
     layer_figures,
     layer_groups,
@@ -64,52 +65,6 @@ TRAIN_KEYS = (
     ("train/learning_rate", "learning rate", False),
     ("train/grad_norm", "gradient norm (before clipping)", True),
     ("perf/sps", "env steps per second", False),
-)
-#: (section title, [(probe, metric, panel title, log scale)])
-PROBE_SECTIONS: tuple[tuple[str, str, tuple[tuple[str, str, str, bool], ...]], ...] = (
-    (
-        "relu",
-        "Dead and dormant ReLU units",
-        (
-            ("relu", "dead_fraction", "dead fraction (active rate 0)", False),
-            ("relu", "dormant_fraction", "dormant fraction (ReDo, tau)", False),
-            ("relu", "rarely_active_fraction", "rarely active fraction (< 5%)", False),
-            ("relu", "zero_fraction", "zero fraction (elements <= 0)", False),
-        ),
-    ),
-    (
-        "saturation",
-        "Saturated activations",
-        (
-            ("saturation_tanh", "saturated_fraction", "tanh: saturated elements", False),
-            ("saturation_tanh", "saturated_units_fraction", "tanh: saturated units", False),
-            ("saturation_sigmoid", "saturated_fraction", "sigmoid: saturated elements", False),
-            ("saturation_sigmoid", "saturated_units_fraction", "sigmoid: saturated units", False),
-        ),
-    ),
-    (
-        "fisher",
-        "Fisher information",
-        (
-            ("fisher", "trace", "Fisher trace", True),
-            ("fisher", "max", "Fisher max (per parameter)", True),
-            ("fisher", "dead_param_fraction", "dead parameter fraction (Fisher < 1e-8)", False),
-        ),
-    ),
-    (
-        "gradients",
-        "Gradient flow",
-        (
-            ("gradient_flow", "mean", "gradient RMS, mean over units", True),
-            ("gradient_flow", "blocked_fraction", "blocked units (gradient RMS < 1e-8)", False),
-            (
-                "relu_gradient_flow",
-                "blocked_fraction",
-                "units no gradient passed through (ReLU)",
-                False,
-            ),
-        ),
-    ),
 )
 
 
