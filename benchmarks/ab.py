@@ -150,6 +150,24 @@ def write_results(path: Path, title: str, comparisons: list[Comparison], **extra
     path.write_text(json.dumps(payload, indent=2) + "\n")
 
 
+def measure_and_record(
+    args: Any,
+    comparisons: list[Comparison],
+    table_title: str,
+    results_title: str,
+    *,
+    ratios: str = "overhead",
+    ratio_label: str = "B/A wall time",
+) -> None:
+    """What a benchmark's ``main`` does with its comparisons: run them interleaved
+    (``args.repeats`` pairs), print the table and write ``args.out`` with every
+    comparison's median ratio under ``ratios``."""
+    interleave(comparisons, args.repeats)
+    print_table(table_title, comparisons, ratio_label=ratio_label)
+    medians = {c.name: c.median_ratio for c in comparisons}
+    write_results(args.out, results_title, comparisons, **{ratios: medians})
+
+
 def print_table(
     title: str, comparisons: list[Comparison], ratio_label: str = "B/A wall time"
 ) -> None:

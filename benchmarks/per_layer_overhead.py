@@ -8,20 +8,17 @@ Five probes on actor_mlp and critic_mlp of the CartPole ReLU policy, every train
 
 from __future__ import annotations
 
-from benchmarks.ab import interleave, parse_args, print_table, write_results
+from benchmarks.ab import measure_and_record, parse_args
 from benchmarks.probe_overhead import per_layer_comparison
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(__doc__.splitlines()[0], 3, "per_layer_overhead.json", argv)
-    comps = [per_layer_comparison(args.quick)]
-    interleave(comps, args.repeats)
-    print_table("per-layer reporting (wall time on / off)", comps)
-    write_results(
-        args.out,
+    measure_and_record(
+        args,
+        [per_layer_comparison(args.quick)],
+        "per-layer reporting (wall time on / off)",
         "per-layer overhead: t(per_layer=True)/t(per_layer=False)",
-        comps,
-        overhead={c.name: c.median_ratio for c in comps},
     )
 
 

@@ -29,10 +29,8 @@ from benchmarks.ab import (
     RESULTS,
     Comparison,
     Side,
-    interleave,
+    measure_and_record,
     parse_args,
-    print_table,
-    write_results,
 )
 
 #: ``--only`` keys, in the order the comparisons run
@@ -93,14 +91,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.only != KEYS and args.out == RESULTS / "probe_overhead.json":
         # a subset must not replace the full results
         args.out = RESULTS / f"probe_overhead_{'_'.join(args.only)}.json"
-    comps = comparisons(args.quick, args.only)
-    interleave(comps, args.repeats)
-    print_table("probe overhead (wall time with / without)", comps)
-    write_results(
-        args.out,
+    measure_and_record(
+        args,
+        comparisons(args.quick, args.only),
+        "probe overhead (wall time with / without)",
         "probe overhead: t(B)/t(A)",
-        comps,
-        overhead={c.name: c.median_ratio for c in comps},
     )
 
 

@@ -13,7 +13,7 @@ so that every probe has something to measure. Same A/B harness as the other benc
 
 from __future__ import annotations
 
-from benchmarks.ab import Comparison, Side, interleave, parse_args, print_table, write_results
+from benchmarks.ab import Comparison, Side, measure_and_record, parse_args
 
 
 def comparisons(quick: bool) -> list[Comparison]:
@@ -30,14 +30,11 @@ def comparisons(quick: bool) -> list[Comparison]:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(__doc__.splitlines()[0], 5, "sb3_overhead.json", argv)
-    comps = comparisons(args.quick)
-    interleave(comps, args.repeats)
-    print_table("SB3 overhead of the ProbeCallback (wall time with / without)", comps)
-    write_results(
-        args.out,
+    measure_and_record(
+        args,
+        comparisons(args.quick),
+        "SB3 overhead of the ProbeCallback (wall time with / without)",
         "sb3 overhead: t(B)/t(A)",
-        comps,
-        overhead={c.name: c.median_ratio for c in comps},
     )
 
 

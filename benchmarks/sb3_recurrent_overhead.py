@@ -14,7 +14,7 @@ Same A/B harness as the other benchmarks (:mod:`benchmarks.ab`).
 
 from __future__ import annotations
 
-from benchmarks.ab import Comparison, Side, interleave, parse_args, print_table, write_results
+from benchmarks.ab import Comparison, Side, measure_and_record, parse_args
 
 
 def comparisons(quick: bool) -> list[Comparison]:
@@ -35,14 +35,11 @@ def comparisons(quick: bool) -> list[Comparison]:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(__doc__.splitlines()[0], 3, "sb3_recurrent_overhead.json", argv)
-    comps = comparisons(args.quick)
-    interleave(comps, args.repeats)
-    print_table("RecurrentPPO overhead of the ProbeCallback (wall time with / without)", comps)
-    write_results(
-        args.out,
+    measure_and_record(
+        args,
+        comparisons(args.quick),
+        "RecurrentPPO overhead of the ProbeCallback (wall time with / without)",
         "sb3 recurrent overhead: t(B)/t(A)",
-        comps,
-        overhead={c.name: c.median_ratio for c in comps},
     )
 
 

@@ -12,7 +12,7 @@ The reported figure is SPS(ours) / SPS(SB3) = median over pairs of t(SB3) / t(ou
 
 from __future__ import annotations
 
-from benchmarks.ab import Comparison, Side, interleave, parse_args, print_table, write_results
+from benchmarks.ab import Comparison, Side, measure_and_record, parse_args
 
 
 def comparisons(quick: bool) -> list[Comparison]:
@@ -37,14 +37,13 @@ def comparisons(quick: bool) -> list[Comparison]:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(__doc__.splitlines()[0], 5, "throughput.json", argv)
-    comps = comparisons(args.quick)
-    interleave(comps, args.repeats)
-    print_table("trainer throughput: speed-up over SB3", comps, ratio_label="SB3 time / ours")
-    write_results(
-        args.out,
+    measure_and_record(
+        args,
+        comparisons(args.quick),
+        "trainer throughput: speed-up over SB3",
         "throughput: t(sb3)/t(ours) = speed-up of ours",
-        comps,
-        speedup_over_sb3={c.name: c.median_ratio for c in comps},
+        ratios="speedup_over_sb3",
+        ratio_label="SB3 time / ours",
     )
 
 
