@@ -242,7 +242,7 @@ def bare(p: dict[str, Any]) -> dict[str, Any]:
     from policy_probes.context import ComponentContext
     from trainers import EnvConfig, PolicyConfig, PPOConfig
     from trainers.envs import make_vector_env
-    from trainers.policy import make_policy
+    from trainers.policy_factory import make_policy
     from trainers.ppo import PPOTrainer
     from trainers.train_tool import seed_everything
 

@@ -14,7 +14,8 @@ from trainers.config import (
 from trainers.evaluation import EvaluationHook
 from trainers.model_context import PPOModelDataContext
 from trainers.nature_cnn import NatureCNN
-from trainers.policy import ActorCriticPolicy, make_policy
+from trainers.policy import ActorCriticPolicy
+from trainers.policy_factory import make_policy
 from trainers.ppo import PPOTrainer, ppo_loss
 from trainers.progress import ProgressHook
 from trainers.rollout import Minibatch, RolloutStorage, compute_gae

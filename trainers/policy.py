@@ -43,28 +43,6 @@ def action_dims(action_space: gym.spaces.Space) -> tuple[bool, int, tuple[int, .
     raise ValueError(f"unsupported action space {action_space}; use Discrete or Box")
 
 
-def make_policy(
-    observation_space: gym.spaces.Space,
-    action_space: gym.spaces.Space,
-    cfg: PolicyConfig | None = None,
-) -> ActorCriticPolicy:
-    """The policy ``cfg.encoder`` selects: :class:`ActorCriticPolicy` (``none``) or
-    :class:`~trainers.cnn_policy.CNNActorCriticPolicy` (``nature_cnn``)."""
-    cfg = cfg or PolicyConfig()
-    if cfg.encoder == "nature_cnn":
-        from trainers.cnn_policy import CNNActorCriticPolicy  # it subclasses this module's
-
-        return CNNActorCriticPolicy(observation_space, action_space, cfg)
-    shape = getattr(observation_space, "shape", None) or ()
-    if len(shape) == 3 and getattr(observation_space, "dtype", None) == np.uint8:
-        raise ValueError(
-            f"observation space {observation_space} looks like stacked image frames; the MLP "
-            f"policy would flatten {int(np.prod(shape))} pixels into its first layer. Set "
-            f"policy.encoder=nature_cnn"
-        )
-    return ActorCriticPolicy(observation_space, action_space, cfg)
-
-
 class ActorCriticPolicy(PolicyAutoBuilder):
     """MLP actor-critic for a flat Box observation space and Discrete or Box actions."""
 

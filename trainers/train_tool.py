@@ -45,7 +45,8 @@ from trainers.config import CheckpointConfig, EnvConfig, EvalConfig, PolicyConfi
 from trainers.distributed import DistributedRun, RankStatisticsHook, per_rank_config
 from trainers.envs import make_vector_env
 from trainers.evaluation import EvaluationHook
-from trainers.policy import ActorCriticPolicy, make_policy
+from trainers.policy import ActorCriticPolicy
+from trainers.policy_factory import make_policy
 from trainers.ppo import PPOTrainer
 from trainers.run_control import RunControl, prepare_run_dir, resume_trainer
 
