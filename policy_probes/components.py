@@ -12,6 +12,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import re
+import time
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
@@ -78,7 +79,12 @@ class ProbeHandle(RemovableHandle):
         hook = self.hook
         if hook is None or not hasattr(hook, "phases"):
             return True
-        return bool(getattr(hook, "enabled", True)) and hook.context.phase in hook.phases
+        if not (getattr(hook, "enabled", True) and hook.context.phase in hook.phases):
+            return False
+        sampler = getattr(
+            hook.context, "sampler", None
+        )  # which passes it observes (policy_probes.sampling)
+        return sampler is None or sampler.observes(self)
 
     def sync(self) -> None:
         """Install or remove the torch hooks to match :meth:`wanted`."""
@@ -513,6 +519,16 @@ def _grad_tap(hook: Callable, component: str, extractor: Callable | None) -> Cal
     def tap(module: nn.Module, _inputs: Any, output: Any) -> None:
         if (active is not None and not active()) or not getattr(hook, "enabled", True):
             return
+        if isinstance(hook, ProbeHook):  # the tensor-hook registration is the probe's cost
+            start = time.perf_counter()
+            try:
+                register(module, output)
+            finally:
+                hook.seconds += time.perf_counter() - start
+        else:
+            register(module, output)
+
+    def register(module: nn.Module, output: Any) -> None:
         try:
             tensor = gradient_target(output, extractor, component, module)
         except Exception as exc:

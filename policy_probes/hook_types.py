@@ -17,6 +17,7 @@ Fisher probe caches the input of every ``nn.Linear`` inside the component this w
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable
 from typing import Any, TypeAlias
 
@@ -28,6 +29,7 @@ from policy_probes.context import ComponentContext
 from policy_probes.outputs import describe_output, extractor_example
 from policy_probes.recurrent import default_extractor
 from policy_probes.row_mask import bound_weight, pushing_with
+from policy_probes.sampling import Schedule, tensor_rows
 
 log = logging.getLogger("policy_probes")
 
@@ -92,6 +94,12 @@ class ProbeHook:
     #: whether the component's output is read with its units on axis 1 (conv layouts,
     #: set by the probes that take ``layout=``); the row mask is bound per sample then
     channels_first: bool = False
+    #: which passes the probe observes (``None``: the context's sampler default; see
+    #: :mod:`policy_probes.sampling`); set by the builders' ``schedule=``
+    schedule: Schedule | None = None
+    #: seconds spent in this hook's bodies and rows it read since the sampler last looked
+    seconds: float = 0.0
+    rows: int = 0
 
     def __init__(
         self,
@@ -142,15 +150,18 @@ class ProbeHook:
     def __call__(self, module: nn.Module, first: Any, second: Any) -> None:
         if not self.active():
             return
+        start = time.perf_counter()
         try:
             self.calls += 1
             # detached tensors: trackers hold them until they reduce, without a graph
             if self.backward:
                 grad = second[0] if isinstance(second, tuple | list) else second
                 if grad is not None:
+                    self.rows += tensor_rows(grad, self.channels_first)
                     self.record_grad(module, _detached(grad))
             else:
                 tensor = self.extract(second, module)
+                self.rows += tensor_rows(tensor, self.channels_first)
                 weight = bound_weight(
                     self.context, tensor, module, self.component, id(self), self.channels_first
                 )
@@ -161,6 +172,8 @@ class ProbeHook:
                         self.record(module, _detached(tensor))
         except Exception as exc:  # a probe must never take training down
             self.fail(exc)
+        finally:
+            self.seconds += time.perf_counter() - start
 
     def grad_callback(self, module: nn.Module, tensor: torch.Tensor) -> Callable | None:
         """The gradient hook for ``tensor``, an output of ``module`` in this forward pass:
@@ -181,6 +194,19 @@ class ProbeHook:
                 self(module, None, (grad,))
 
         return deliver
+
+    def timed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` (a torch hook this probe installs besides its component hook) with its
+        time added to :attr:`seconds`, which the sampler counts as this probe's cost."""
+
+        def run(*args: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        return run
 
     def fail(self, exc: BaseException) -> None:
         """Disable this probe after ``exc`` and report it once (re-raise when strict)."""

@@ -48,6 +48,7 @@ from policy_probes.lifecycle import (
 )
 from policy_probes.run_dir import RunDirConflict, held_outputs, make_run_dir, remove_outputs
 from policy_probes.run_lock import RunDirLock
+from policy_probes.sampling import DEFAULT_BUDGET, Sampler, Schedule, run_probe_batch
 from policy_probes.sinks import SinkGroup, SinksConfig, WandbConfig, build_sink_group
 from policy_probes.sinks.base import to_plain
 from policy_probes.sinks.jsonl import iter_jsonl
@@ -114,6 +115,17 @@ class ProbeSession:
         start_epoch: the index of the first epoch (default 0, or on ``resume`` the epoch
             after the last recorded one; an earlier one drops the later records first).
         console: a rich ``Console`` for the console sink (to share with a progress bar).
+        probe_budget: the fraction of wall time the probes may take (default 0.05): each
+            epoch the session measures their cost and sets how often each probe observes
+            a training pass, the most expensive first (:mod:`policy_probes.sampling`).
+            Passes end at ``optimizer.step()`` (with ``optimizer=``) or
+            :meth:`next_pass`. ``None``: no budget.
+        probe_schedule: the schedule of probes built without ``schedule=``: ``"every"``
+            (every pass, exact; with ``probe_budget=None`` the default),
+            ``"every_k:<k>"``, ``"per_epoch:<n>"``, ``"probe_batch:<rows>"`` (needs
+            ``loss_fn`` and the epoch's data; without them it falls back to the budget),
+            ``"budget"`` (the default when a budget is set), or a
+            :class:`~policy_probes.sampling.Schedule`.
     """
 
     def __init__(
@@ -142,12 +154,15 @@ class ProbeSession:
         overwrite: bool = False,
         start_epoch: int | None = None,
         console: Any = None,
+        probe_budget: float | None = DEFAULT_BUDGET,
+        probe_schedule: Schedule | str | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"ProbeSession needs a torch.nn.Module, got {type(model).__name__}")
         self.module = model
         self.policy = self._probeable(model, components, example_inputs)
         self.context = ComponentContext(strict=strict)
+        self.sampler = Sampler(self.context, schedule=probe_schedule, budget=probe_budget)
         self.optimizer = optimizer
         self.snapshot_every = int(snapshot_every)
         self.epoch = 0
@@ -174,6 +189,9 @@ class ProbeSession:
                 update_epochs=update_epochs,
                 obs_key=obs_key,
             )
+        self.sampler.probe_batch_available = hasattr(self.model_context, "rows")
+        self._probe_generator = torch.Generator().manual_seed(0)  # never a global RNG
+        self._pass_hook = None if optimizer is None else self.sampler.watch_optimizer(optimizer)
         selected = select_hooks(hooks, with_hooks, hook_config)
         self._check_hooks(selected)
         self.hooks = HookManager(
@@ -342,6 +360,12 @@ class ProbeSession:
         self._builders.append((pattern, builder, backward))
         return self
 
+    def next_pass(self) -> None:
+        """End a training pass (a loop without ``optimizer=`` calls this after each
+        update step): the probes that observe the next pass get their torch hooks, the
+        others none (:mod:`policy_probes.sampling`)."""
+        self.sampler.next_pass()
+
     @property
     def component_names(self) -> list[str]:
         """Every name a probe can be attached to."""
@@ -502,6 +526,7 @@ class ProbeSession:
         if self.closed:
             raise RuntimeError("this ProbeSession is closed")
         self.agent_step = int(step)
+        self._probe_batch()
         logged = self._take_logged()
         logged.update(extra)
         metrics: dict[str, Any] = {}
@@ -553,6 +578,20 @@ class ProbeSession:
         self._fire_pre_epoch()
         return metrics
 
+    def _probe_batch(self) -> None:
+        """The dedicated pass of ``probe_batch`` probes (see run_probe_batch)."""
+        if not (self.sampler.probe_batch_available and self.sampler.uses_probe_batch()):
+            return
+        try:
+            run_probe_batch(self.sampler, self.model_context, self._probe_generator)
+        except ValueError:
+            raise  # a probe batch larger than the data: the configuration must change
+        except Exception as exc:  # a probe must never take training down
+            if self.context.strict:
+                raise
+            self.context.probe_errors["probe_batch"] = f"{type(exc).__name__}: {exc}"
+            log.error("the probe batch failed and is skipped: %s", exc)
+
     def _take_logged(self) -> dict[str, Any]:
         out = dict(self._logged)
         for key, (total, n) in self._sums.items():
@@ -565,6 +604,9 @@ class ProbeSession:
         """Remove every torch hook this session installed (its trackers keep their data)."""
         while self._handles:
             self._handles.pop().remove()
+        if self._pass_hook is not None:
+            self._pass_hook.remove()
+            self._pass_hook = None
 
     def close(self) -> None:
         """Remove every hook and flush and close the sinks. Idempotent. Metrics logged

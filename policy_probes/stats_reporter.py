@@ -25,6 +25,7 @@ class StatsReporter:
 
     def collect(self) -> dict[str, Any]:
         metrics: dict[str, Any] = {}
+        trackers = []
         for tracker in self.context.model_metrics.values():
             if not (hasattr(tracker, "to_metrics") and hasattr(tracker, "reset")):
                 continue
@@ -33,6 +34,15 @@ class StatsReporter:
             metrics.update(tracker.to_metrics())
             tracker.reset()
             self._take_errors(tracker)
+            trackers.append(tracker)
+        sampler = getattr(self.context, "sampler", None)
+        if sampler is not None:  # the epoch's overhead and observed passes; next rates
+            try:
+                metrics.update(sampler.end_epoch(trackers))
+            except Exception as exc:  # accounting must never take training down
+                if self.context.strict:
+                    raise
+                log.error("probe sampler failed at the epoch's end: %s", exc)
         for key in self.context.probe_errors:
             metrics[f"probes/errors/{key}"] = 1.0
         return metrics
