@@ -366,9 +366,10 @@ class Sampler:
             observed[count.probe] = max(observed.get(count.probe, 0), count.passes)
             count.total_passes += count.passes
             count.total_rows += count.rows
-            prefix = f"probes/{count.probe}/{count.component}"
-            out[f"{prefix}/passes_observed"] = float(count.passes)
-            out[f"{prefix}/rows_observed"] = float(count.rows)
+            if count.passes:  # beside the metrics, which a pass-free epoch has none of
+                prefix = f"probes/{count.probe}/{count.component}"
+                out[f"{prefix}/passes_observed"] = float(count.passes)
+                out[f"{prefix}/rows_observed"] = float(count.rows)
             count.passes = count.rows = count.module_calls = count.tensor_calls = 0
         for tracker in trackers:
             probe = getattr(tracker, "probe", None)
