@@ -345,13 +345,13 @@ class Sampler:
         ``probes/overhead_fraction``, ``probes/overhead_seconds``, and per probe and
         component ``passes_observed`` / ``rows_observed`` (and ``observe_every`` of
         budgeted probes), then set the next epoch's sampling rates within the budget."""
-        t0 = time.perf_counter()
         if not self.handles:  # no probe attached: nothing to report
-            self.epoch_start = t0
+            self.epoch_start = time.perf_counter()
             return {}
+        module_cost, tensor_cost = dispatch_costs()  # calibrated once, before the clock
+        t0 = time.perf_counter()
         self._account()
         wall = t0 - self.epoch_start
-        module_cost, tensor_cost = dispatch_costs()
         cost: dict[str, float] = {}
         observed: dict[str, int] = {}
         out: dict[str, float] = {}
@@ -366,7 +366,8 @@ class Sampler:
             observed[count.probe] = max(observed.get(count.probe, 0), count.passes)
             count.total_passes += count.passes
             count.total_rows += count.rows
-            if count.passes:  # beside the metrics, which a pass-free epoch has none of
+            # beside a built-in probe's metrics (none in an epoch it observed no pass of)
+            if count.passes and getattr(hook, "tracker", None) is not None:
                 prefix = f"probes/{count.probe}/{count.component}"
                 out[f"{prefix}/passes_observed"] = float(count.passes)
                 out[f"{prefix}/rows_observed"] = float(count.rows)

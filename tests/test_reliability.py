@@ -47,6 +47,7 @@ def tiny_tool(run_dir: Path, epochs: int = 3, **kw: Any) -> TrainTool:
     kw.setdefault("sinks", {"console": False, "csv": False, "wandb": False})
     kw.setdefault("checkpoint", {"every_epochs": 0, "at_end": False})
     kw.setdefault("snapshot_every", 0)
+    kw.setdefault("probe_budget", None)  # every pass: exact values are compared
     return TrainTool(
         run_dir=run_dir,
         seed=3,
