@@ -242,8 +242,11 @@ class Sampler:
         self.last_epoch_passes: int | None = None
         #: inside the dedicated probe-batch pass (only probe_batch schedules observe it)
         self.in_probe_batch = False
-        #: whether the loop can run a probe batch (a loss_fn); else such probes are budgeted
-        self.probe_batch_available = False
+        #: where probe batches come from: a model context with ``loss``, ``num_samples``
+        #: and ``rows`` (set by the loop; ``None``: probe_batch schedules are budgeted)
+        self.probe_batch_source: Any = None
+        #: draws the probe batch's rows (never a global RNG)
+        self.generator = torch.Generator().manual_seed(0)
         #: probe -> k of the budgeted probes
         self.observe_every: dict[str, int] = {}
         #: probe -> estimated seconds per observed pass
@@ -255,6 +258,10 @@ class Sampler:
         self._warned = False
         self.epoch_start = time.perf_counter()
         context.sampler = self
+
+    @property
+    def probe_batch_available(self) -> bool:
+        return self.probe_batch_source is not None
 
     # ------------------------------------------------------------ schedules
     def schedule_of(self, hook: Any) -> Schedule:
@@ -340,6 +347,12 @@ class Sampler:
         return optimizer.register_step_post_hook(ended)
 
     # ------------------------------------------------------------ epochs
+    def before_collect(self) -> None:
+        """Run this epoch's probe batch, if a probe waits for one (called by
+        :class:`~policy_probes.stats_reporter.StatsReporter` before the trackers report)."""
+        if self.probe_batch_available and self.uses_probe_batch():
+            run_probe_batch(self, self.probe_batch_source, self.generator)
+
     def end_epoch(self, trackers: list[Any]) -> dict[str, float]:
         """Close the epoch's accounting (after the trackers' ``to_metrics``): return
         ``probes/overhead_fraction``, ``probes/overhead_seconds``, and per probe and

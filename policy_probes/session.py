@@ -48,7 +48,7 @@ from policy_probes.lifecycle import (
 )
 from policy_probes.run_dir import RunDirConflict, held_outputs, make_run_dir, remove_outputs
 from policy_probes.run_lock import RunDirLock
-from policy_probes.sampling import DEFAULT_BUDGET, Sampler, Schedule, run_probe_batch
+from policy_probes.sampling import DEFAULT_BUDGET, Sampler, Schedule
 from policy_probes.sinks import SinkGroup, SinksConfig, WandbConfig, build_sink_group
 from policy_probes.sinks.base import to_plain
 from policy_probes.sinks.jsonl import iter_jsonl
@@ -189,8 +189,8 @@ class ProbeSession:
                 update_epochs=update_epochs,
                 obs_key=obs_key,
             )
-        self.sampler.probe_batch_available = hasattr(self.model_context, "rows")
-        self._probe_generator = torch.Generator().manual_seed(0)  # never a global RNG
+        if hasattr(self.model_context, "rows"):  # probe batches through loss_fn
+            self.sampler.probe_batch_source = self.model_context
         self._pass_hook = None if optimizer is None else self.sampler.watch_optimizer(optimizer)
         selected = select_hooks(hooks, with_hooks, hook_config)
         self._check_hooks(selected)
@@ -526,7 +526,6 @@ class ProbeSession:
         if self.closed:
             raise RuntimeError("this ProbeSession is closed")
         self.agent_step = int(step)
-        self._probe_batch()
         logged = self._take_logged()
         logged.update(extra)
         metrics: dict[str, Any] = {}
@@ -577,20 +576,6 @@ class ProbeSession:
         self.epoch += 1
         self._fire_pre_epoch()
         return metrics
-
-    def _probe_batch(self) -> None:
-        """The dedicated pass of ``probe_batch`` probes (see run_probe_batch)."""
-        if not (self.sampler.probe_batch_available and self.sampler.uses_probe_batch()):
-            return
-        try:
-            run_probe_batch(self.sampler, self.model_context, self._probe_generator)
-        except ValueError:
-            raise  # a probe batch larger than the data: the configuration must change
-        except Exception as exc:  # a probe must never take training down
-            if self.context.strict:
-                raise
-            self.context.probe_errors["probe_batch"] = f"{type(exc).__name__}: {exc}"
-            log.error("the probe batch failed and is skipped: %s", exc)
 
     def _take_logged(self) -> dict[str, Any]:
         out = dict(self._logged)

@@ -144,8 +144,8 @@ class TrainTool(BaseModel):
     probe_schedule: str | None = Field(
         None,
         description="Schedule of probes built without schedule=: every (exact, every pass), "
-        "every_k:<k>, per_epoch:<n>, budget (the default with a budget). probe_batch:<rows> "
-        "falls back to the budget in the built-in trainer.",
+        "every_k:<k>, per_epoch:<n>, probe_batch:<rows> (a dedicated pass at the epoch end), "
+        "budget (the default with a budget).",
     )
     snapshot_every: int = Field(
         25,
@@ -474,6 +474,7 @@ class TrainTool(BaseModel):
             )
             if context.sampler is not None:  # a pass ends at every optimizer step
                 context.sampler.watch_optimizer(trainer.optimizer)
+                context.sampler.probe_batch_source = trainer.model_data_context
             if dist_run.distributed:
                 trainer.wrap_ddp(dist_run.ddp_device_ids())
             if resume_from is not None:
