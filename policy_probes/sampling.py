@@ -182,8 +182,9 @@ def dispatch_costs() -> tuple[float, float]:
             y.register_hook(noop)
         torch.autograd.grad(y.sum(), w)
 
-    plain = per_call(lambda: backward(False), 100)
-    tapped = per_call(lambda: backward(True), 100)
+    with torch.enable_grad():  # the loop may report under no_grad
+        plain = per_call(lambda: backward(False), 100)
+        tapped = per_call(lambda: backward(True), 100)
     return max(hooked - bare, 0.0), max(tapped - plain, 0.0)
 
 
@@ -256,6 +257,10 @@ class Sampler:
         self.own_seconds = 0.0
         self.last_fraction: float | None = None
         self._warned = False
+        #: the distinct rules of the registered probes and their answers for the pass
+        #: under way (None: recompute; see next_pass)
+        self._rules: list[tuple[str, int]] | None = None
+        self._answers: tuple[bool, ...] | None = None
         self.epoch_start = time.perf_counter()
         context.sampler = self
 
@@ -276,26 +281,35 @@ class Sampler:
         """Whether the probe of ``handle`` observes the pass under way (called by
         :meth:`ProbeHandle.wanted`; host-side counters only)."""
         hook = handle.hook
-        from policy_probes.hook_types import ProbeHook  # hook_types imports this module
+        key = id(handle)
+        if key not in self.handles:
+            from policy_probes.hook_types import ProbeHook  # hook_types imports this module
 
-        if not isinstance(hook, ProbeHook):
-            return not self.in_probe_batch  # plain-function hooks keep every pass
-        if id(handle) not in self.handles:
-            self.handles[id(handle)] = handle
-            self.counts[id(handle)] = _HookCount(hook.probe, hook.component, seen_calls=hook.calls)
+            if not isinstance(hook, ProbeHook):
+                return not self.in_probe_batch  # plain-function hooks keep every pass
+            self.handles[key] = handle
+            self.counts[key] = _HookCount(hook.probe, hook.component, seen_calls=hook.calls)
+            self._rules = None
+        return self._rule_holds(self._rule(hook))
+
+    def _rule(self, hook: Any) -> tuple[str, int]:
+        """What decides whether ``hook`` observes a pass: (kind, k or n)."""
         s = self.schedule_of(hook)
-        if self.in_probe_batch or s.kind == "probe_batch":
-            return self.in_probe_batch and s.kind == "probe_batch"
-        if s.kind == "every":
+        if s.kind == "budget":
+            return ("every_k", self.observe_every.get(hook.probe, 1))
+        return (s.kind, s.k if s.kind == "every_k" else s.n)
+
+    def _rule_holds(self, rule: tuple[str, int]) -> bool:
+        kind, arg = rule
+        if self.in_probe_batch or kind == "probe_batch":
+            return self.in_probe_batch and kind == "probe_batch"
+        if kind == "every":
             return True
-        if s.kind == "every_k":
-            return self.passes % s.k == 0
-        if s.kind == "per_epoch":
-            stride = max((self.last_epoch_passes or 0) // s.n, 1)
-            i = self.epoch_passes
-            return i % stride == 0 and i // stride < s.n
-        k = self.observe_every.get(hook.probe, 1)
-        return self.passes % k == 0
+        if kind == "every_k":
+            return self.passes % arg == 0
+        stride = max((self.last_epoch_passes or 0) // arg, 1)  # per_epoch
+        i = self.epoch_passes
+        return i % stride == 0 and i // stride < arg
 
     def uses_probe_batch(self) -> bool:
         """Whether any attached probe waits for a probe batch (the smallest rows asked)."""
@@ -319,7 +333,13 @@ class Sampler:
         self._account()
         self.passes += 1
         self.epoch_passes += 1
-        self.context.resync()
+        # re-arm only when some rule's answer changed (most passes change nothing)
+        if self._rules is None:
+            self._rules = sorted({self._rule(h.hook) for h in self.handles.values()})
+        answers = tuple(self._rule_holds(rule) for rule in self._rules)
+        if answers != self._answers:
+            self._answers = answers
+            self.context.resync()
         self.own_seconds += time.perf_counter() - t0
 
     def _account(self) -> None:
@@ -409,7 +429,8 @@ class Sampler:
         self.last_epoch_passes, self.epoch_passes = self.epoch_passes, 0
         self.own_seconds = time.perf_counter() - t0
         self.epoch_start = time.perf_counter()
-        self.context.resync()  # per_epoch schedules start over
+        self._rules = self._answers = None  # new rates; per_epoch schedules start over
+        self.context.resync()
         return out
 
     def _retune(
@@ -507,7 +528,7 @@ def run_probe_batch(sampler: Sampler, model_ctx: Any, generator: torch.Generator
     phase, infer = context.phase, context.infer_phase
     sampler.in_probe_batch = True
     try:
-        with preserved_rng():
+        with preserved_rng(), torch.enable_grad():
             context.infer_phase = False
             context.phase = "train"
             context.resync()
@@ -517,6 +538,7 @@ def run_probe_batch(sampler: Sampler, model_ctx: Any, generator: torch.Generator
     finally:
         sampler._account()
         sampler.in_probe_batch = False
+        sampler._answers = None
         context.phase, context.infer_phase = phase, infer
         context.resync()
         with torch.no_grad():
