@@ -12,7 +12,8 @@ five module probes on ``actor_mlp`` and ``critic_mlp``. B's sampling
 * ``probe_batch``: ``probe_schedule="probe_batch:256"`` (one dedicated forward and
   backward on 256 rollout rows per epoch, no hook in any training pass).
 
-Keys for ``--only``: ``mlp`` (the three sides at width 64), ``widths`` (default and every
+Keys for ``--only``: ``default``, ``every``, ``probe_batch`` (the three sides at width
+64), ``widths`` (default and every
 pass at 256 and 1024), ``sb3`` (SB3 PPO + ProbeCallback at the default and at every pass).
 Same harness as every benchmark (:mod:`benchmarks.ab`): fresh interpreters, A B / B A
 pairs, median of the per-pair ratios, CPU-time ratios beside them.
@@ -32,7 +33,7 @@ from benchmarks.ab import (
     write_results,
 )
 
-KEYS = ["mlp", "widths", "sb3"]
+KEYS = ["default", "every", "probe_batch", "widths", "sb3"]
 DEFAULT = {"probe_budget": 0.05}
 EVERY = {"probe_budget": None, "probe_schedule": "every"}
 BATCH = {"probe_budget": 0.05, "probe_schedule": "probe_batch:256"}
@@ -40,11 +41,11 @@ BATCH = {"probe_budget": 0.05, "probe_schedule": "probe_batch:256"}
 
 def comparisons(quick: bool, only: list[str] | None = None) -> list[Comparison]:
     steps = 512 if quick else 20_480
-    out: dict[str, list[Comparison]] = {"mlp": [], "widths": [], "sb3": []}
+    out: dict[str, list[Comparison]] = {k: [] for k in KEYS}
     base = {"total_timesteps": steps, "activation": "relu"}
     plain = Side("no probes", "ours", dict(base))
     for label, sampling in (("default", DEFAULT), ("every", EVERY), ("probe_batch", BATCH)):
-        out["mlp"].append(
+        out[label].append(
             Comparison(
                 f"five probes x 2, {label}",
                 plain,
