@@ -412,8 +412,13 @@ class PolicyAutoBuilder(nn.Module):
         return handle
 
     def _sync_handles(self, _phase: str) -> None:
+        start = time.perf_counter()
         for handle in self._handles:
             handle.sync()
+        for context in self._contexts:  # installing hooks is the probes' cost too
+            if getattr(context, "sampler", None) is not None:
+                context.sampler.sync_seconds += time.perf_counter() - start
+                break
 
     @property
     def hook_handles(self) -> list[ProbeHandle]:

@@ -257,6 +257,9 @@ class Sampler:
         self.handles: dict[int, Any] = {}
         self.counts: dict[int, _HookCount] = {}
         self.own_seconds = 0.0
+        #: seconds spent installing and removing the probes' torch hooks (phase changes
+        #: and pass boundaries; added by PolicyAutoBuilder._sync_handles)
+        self.sync_seconds = 0.0
         self.last_fraction: float | None = None
         self._warned = False
         #: the distinct rules of the registered probes and their answers for the pass
@@ -341,7 +344,9 @@ class Sampler:
         answers = tuple(self._rule_holds(rule) for rule in self._rules)
         if answers != self._answers:
             self._answers = answers
+            sync_start = time.perf_counter()
             self.context.resync()
+            t0 += time.perf_counter() - sync_start  # counted in sync_seconds
         self.own_seconds += time.perf_counter() - t0
 
     def _account(self) -> None:
@@ -413,7 +418,7 @@ class Sampler:
             if probe is not None and seconds:
                 cost[probe] = cost.get(probe, 0.0) + seconds
                 tracker.seconds = 0.0
-        overhead = sum(cost.values()) + self.own_seconds
+        overhead = sum(cost.values()) + self.own_seconds + self.sync_seconds
         self.last_fraction = overhead / wall if wall > 0 else 0.0
         if self.budget is not None and not self.passes and not self._warned:
             self._warned = True
@@ -430,6 +435,7 @@ class Sampler:
             self._retune(cost, observed, wall, overhead)
         self.last_epoch_passes, self.epoch_passes = self.epoch_passes, 0
         self.own_seconds = time.perf_counter() - t0
+        self.sync_seconds = 0.0
         self.epoch_start = time.perf_counter()
         self._rules = self._answers = None  # new rates; per_epoch schedules start over
         self.context.resync()
@@ -521,7 +527,7 @@ def run_probe_batch(sampler: Sampler, model_ctx: Any, generator: torch.Generator
             f"probe_batch({rows}) asks for more rows than this epoch's data holds "
             f"({available}); choose probe_batch(rows) with rows <= {available}"
         )
-    start = time.perf_counter()
+    start, synced = time.perf_counter(), sampler.sync_seconds
     context = sampler.context
     idx = torch.randperm(available, generator=generator)[:rows].sort().values
     model = model_ctx.model
@@ -546,5 +552,6 @@ def run_probe_batch(sampler: Sampler, model_ctx: Any, generator: torch.Generator
         with torch.no_grad():
             for buf, saved in buffers:
                 buf.copy_(saved)
-        sampler.own_seconds += time.perf_counter() - start
+        # the hook (un)installs are in sync_seconds already
+        sampler.own_seconds += time.perf_counter() - start - (sampler.sync_seconds - synced)
     return rows

@@ -345,3 +345,35 @@ def test_a_probe_batch_larger_than_the_data_is_rejected(tmp_path):
             match=r"probe_batch\(100\) asks for more rows than this epoch's data holds \(40\)",
         ):
             s.epoch_end(step=40)
+
+
+def test_probe_batch_in_the_built_in_trainer_changes_nothing(tmp_path):
+    """TrainTool: the probe batch is drawn from the rollout through the trainer's own
+    loss (PPOModelDataContext.rows); the run's losses are the same as without probes."""
+    from trainers import TrainTool
+
+    def run(probes: bool) -> dict:
+        tool = TrainTool(
+            run_dir=tmp_path / str(probes),
+            env={"num_envs": 2},
+            policy={"activation": "relu", "hidden_sizes": [16, 16]},
+            trainer={"total_timesteps": 2 * 16 * 3, "num_steps": 16, "num_minibatches": 2},
+            evaluation={"every_epochs": 0, "at_end": False},
+            checkpoint={"every_epochs": 0, "at_end": False},
+            sinks={"console": False, "csv": False, "wandb": False},
+            wandb={"mode": "disabled"},
+            seed=3,
+            torch_threads=1,
+            probe_schedule="probe_batch:12",
+        )
+        if probes:
+            tool.add_training_hook("actor_mlp", attach_relu_activation_hooks())
+            tool.add_training_backward_hook("actor_mlp", attach_fisher_information_hooks())
+        return tool.invoke().metrics
+
+    plain, probed = run(False), run(True)
+    train = [k for k in plain if k.startswith("train/")]
+    assert train and all(plain[k] == probed[k] for k in train)
+    assert probed["probes/relu/actor_mlp/samples"] == 12
+    assert probed["probes/fisher/actor_mlp/passes_observed"] == 1
+    assert "probes/errors/probe_batch" not in probed

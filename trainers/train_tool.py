@@ -474,7 +474,7 @@ class TrainTool(BaseModel):
             )
             if context.sampler is not None:  # a pass ends at every optimizer step
                 context.sampler.watch_optimizer(trainer.optimizer)
-                context.sampler.probe_batch_source = trainer.model_data_context
+                context.sampler.probe_batch_source = trainer.model_data_context()
             if dist_run.distributed:
                 trainer.wrap_ddp(dist_run.ddp_device_ids())
             if resume_from is not None:
