@@ -22,7 +22,7 @@ from policy_probes.sinks import SinksConfig, WandbConfig
 NO_WANDB = dict(sinks=SinksConfig(console=False, wandb=False), wandb=WandbConfig(mode="disabled"))
 PASSES = 32
 STEP_SECONDS = 0.004
-PROBE_SECONDS = 0.006
+PROBE_SECONDS = 0.015
 
 
 class Net(nn.Module):
@@ -78,12 +78,12 @@ def run(tmp_path, budget, epochs):
 
 
 def test_an_expensive_probe_is_sampled_down_within_the_budget(tmp_path):
-    budget = 0.2
+    budget = 0.25
     records = run(tmp_path, budget, epochs=6)
     first, last = records[0], records[-1]
-    # epoch 1, before any cost is known, observes every 4th pass: 8 x 6 ms of probe
+    # epoch 1, before any cost is known, observes every 8th pass: 4 x 15 ms of probe
     # against 32 x 4 ms of loop
-    assert first["probes/relu/slow/passes_observed"] == PASSES // 4
+    assert first["probes/relu/slow/passes_observed"] == PASSES // 8
     assert first["probes/overhead_fraction"] > budget
     # then the expensive probe is sampled down (more than the cheap one) until the
     # measured overhead is within the budget, and it stays there
@@ -107,7 +107,7 @@ def test_no_budget_observes_every_pass(tmp_path):
 
 
 def test_the_overhead_counts_the_hook_time_it_measures(tmp_path):
-    """The slow hook's sleeps are in the reported overhead seconds (32 x 6 ms at least), and
+    """The slow hook's sleeps are in the reported overhead seconds (32 x 15 ms at least), and
     the calibrated dispatch costs are plausible (under a millisecond per hook)."""
     (record,) = run(tmp_path, None, epochs=1)
     assert record["probes/overhead_seconds"] >= PASSES * PROBE_SECONDS
