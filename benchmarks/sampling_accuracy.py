@@ -76,7 +76,8 @@ def run(settings: dict[str, Any], steps: int) -> list[dict[str, Any]]:
         else:
             tool.add_training_hook(component, builder)
     result = tool.invoke()
-    return [r for r in iter_jsonl(result.run_dir / "metrics.jsonl") if "epoch" in r]
+    records = iter_jsonl(result.run_dir / "metrics.jsonl")
+    return [r for r in records if r.get("hook_point") == "POST_EPOCH"]
 
 
 def error(kind: str, sampled: Any, exact: Any) -> float:
