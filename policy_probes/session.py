@@ -228,6 +228,8 @@ class ProbeSession:
                 "components": list(self.policy.components),
                 "hooks": [h.name for h in selected],
                 "snapshot_every": self.snapshot_every,
+                "probe_budget": self.sampler.budget,
+                "probe_schedule": str(self.sampler.default),
             },
             **dict(config or {}),
         }
