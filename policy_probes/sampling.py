@@ -262,6 +262,8 @@ class Sampler:
         self.sync_seconds = 0.0
         self.last_fraction: float | None = None
         self._warned = False
+        #: counts from a checkpoint, for probes not registered yet
+        self._restored: dict[str, list[int]] = {}
         #: the distinct rules of the registered probes and their answers for the pass
         #: under way (None: recompute; see next_pass)
         self._rules: list[tuple[str, int]] | None = None
@@ -293,7 +295,10 @@ class Sampler:
             if not isinstance(hook, ProbeHook):
                 return not self.in_probe_batch  # plain-function hooks keep every pass
             self.handles[key] = handle
-            self.counts[key] = _HookCount(hook.probe, hook.component, seen_calls=hook.calls)
+            count = self.counts[key] = _HookCount(hook.probe, hook.component, seen_calls=hook.calls)
+            saved = self._restored.pop(f"{hook.probe}/{hook.component}", None)
+            if saved is not None:  # from a checkpoint (load_state_dict)
+                count.passes, count.rows, count.total_passes, count.total_rows = saved
             self._rules = None
         return self._rule_holds(self._rule(hook))
 
@@ -480,6 +485,45 @@ class Sampler:
             worst = max(open_, key=projected)
             ks[worst] = min(ks[worst] * 2, k_max)
         self.observe_every.update(ks)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Pass counters, sampling rates and this epoch's observed passes and rows (plain
+        values, for checkpoints): a resumed run observes the passes the uninterrupted run
+        would have, and reports the whole epoch's counts."""
+        self._account()
+        counts = {
+            f"{c.probe}/{c.component}": [
+                c.passes,
+                c.rows + self.handles[key].hook.rows,
+                c.total_passes,
+                c.total_rows,
+            ]
+            for key, c in self.counts.items()
+        }
+        return {
+            "passes": self.passes,
+            "epoch_passes": self.epoch_passes,
+            "last_epoch_passes": self.last_epoch_passes,
+            "observe_every": dict(self.observe_every),
+            "cost_per_pass": dict(self.cost_per_pass),
+            "counts": counts,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict` (counts apply as the probes register)."""
+        self.passes = int(state["passes"])
+        self.epoch_passes = int(state["epoch_passes"])
+        last = state["last_epoch_passes"]
+        self.last_epoch_passes = None if last is None else int(last)
+        self.observe_every = {k: int(v) for k, v in state["observe_every"].items()}
+        self.cost_per_pass = {k: float(v) for k, v in state["cost_per_pass"].items()}
+        self._restored = {k: [int(x) for x in v] for k, v in state["counts"].items()}
+        for count in self.counts.values():  # probes registered already
+            saved = self._restored.pop(f"{count.probe}/{count.component}", None)
+            if saved is not None:
+                count.passes, count.rows, count.total_passes, count.total_rows = saved
+        self._rules = self._answers = None
+        self.context.resync()
 
     def totals(self) -> dict[str, tuple[int, int]]:
         """``"<probe>/<component>" -> (passes, rows)`` observed over the run so far."""

@@ -377,3 +377,35 @@ def test_probe_batch_in_the_built_in_trainer_changes_nothing(tmp_path):
     assert probed["probes/relu/actor_mlp/samples"] == 12
     assert probed["probes/fisher/actor_mlp/passes_observed"] == 1
     assert "probes/errors/probe_batch" not in probed
+
+
+def test_sampler_state_continues_in_a_new_process():
+    """A checkpoint's sampler state: the resumed sampler observes the passes the
+    uninterrupted one would, and keeps the epoch's observed passes and rows."""
+    from policy_probes import ComponentContext, PolicyAutoBuilder
+    from policy_probes.sampling import Sampler
+
+    def start() -> tuple[PolicyAutoBuilder, Sampler]:
+        policy = PolicyAutoBuilder.wrap(Net())
+        context = ComponentContext()
+        sampler = Sampler(context, schedule="every_k:3", budget=None)
+        policy.attach("body", attach_relu_activation_hooks(per_layer=False), context)
+        return policy, sampler
+
+    x = torch.randn(4, 5)
+
+    def passes(policy: PolicyAutoBuilder, sampler: Sampler, n: int) -> list[bool]:
+        armed = []
+        for _ in range(n):
+            armed.append(policy.hooks_installed())
+            policy(x)
+            sampler.next_pass()
+        return armed
+
+    policy, sampler = start()
+    assert passes(policy, sampler, 4) == [True, False, False, True]
+    state = sampler.state_dict()
+    resumed_policy, resumed = start()
+    resumed.load_state_dict(state)
+    assert passes(resumed_policy, resumed, 4) == [False, False, True, False]  # passes 4-7
+    assert resumed.totals() == {"relu/body": (3, 12)}

@@ -221,6 +221,7 @@ def test_second_learn_continues_the_cycle_count_in_the_same_run_dir(tmp_path):
         probes=[("actor_mlp", attach_relu_activation_hooks())],
         run_dir=tmp_path,
         sinks=SinksConfig(console=False, wandb=False),
+        probe_budget=None,  # every pass: sample counts are compared
     )
     model.learn(ROWS, callback=callback)
     assert hook_counts(model.policy) == 0

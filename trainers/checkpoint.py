@@ -251,6 +251,10 @@ def trainer_checkpoint(trainer: PPOTrainer) -> dict[str, Any]:
             if type(h).__name__ == "EvaluationHook"
         },
         "mid_epoch": None if trainer.update_progress is None else _mid_epoch_state(trainer),
+        # pass counters and sampling rates: a resumed run observes the same passes
+        "sampler": None
+        if trainer.context.sampler is None
+        else trainer.context.sampler.state_dict(),
         "config": json.dumps(s.config, default=str),
     }
     return ckpt
@@ -304,6 +308,8 @@ def restore_trainer(
         saved = (ckpt.get("trainer_hooks") or {}).get(type(hook).__name__)
         if saved and type(hook).__name__ == "EvaluationHook":
             hook.evaluations = int(saved["evaluations"])
+    if ckpt.get("sampler") and trainer.context.sampler is not None:
+        trainer.context.sampler.load_state_dict(ckpt["sampler"])
     if ckpt.get("mid_epoch"):
         # another rank's probe sums would be counted twice by the all-reduce
         _restore_mid_epoch(trainer, ckpt["mid_epoch"], trackers=restore_envs)
