@@ -323,6 +323,13 @@ def test_bad_schedules_and_budgets_are_rejected(tmp_path):
             ValueError, match=r"probe_budget is a fraction .* strictly between 0 and 1"
         ):
             ProbeSession(Net(), run_dir=tmp_path / "x", probe_budget=budget, **NO_WANDB)
+    from trainers import TrainTool
+
+    with pytest.raises(ValueError, match="strictly between 0 and 1"):
+        TrainTool(probe_budget=1.5)
+    with pytest.raises(ValueError, match=r"every_k\(k\): k must be an integer >= 1"):
+        TrainTool(probe_schedule="every_k:0")
+    assert TrainTool(probe_schedule="every_k:4").probe_schedule == "every_k:4"
     assert as_schedule("every") == every() and as_schedule(None) is None
     assert str(as_schedule("probe_batch:64")) == "probe_batch:64"
 
