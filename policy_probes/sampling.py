@@ -13,7 +13,9 @@ a probe observes, and a :class:`Sampler` (one per :class:`ComponentContext`, at
 * :func:`probe_batch` - no training pass at all: at the epoch's end the loop runs one
   dedicated forward and backward on ``rows`` rows of the epoch's data
   (:meth:`policy_probes.session.ProbeSession.epoch_end`), outside the optimiser step;
-* :func:`budgeted` - every k-th pass with k chosen each epoch by the overhead budget.
+* :func:`budgeted` - every k-th pass with k chosen each epoch by the overhead budget (the
+  count shifted by one pass per epoch, so a k that divides the epoch's passes does not
+  always land on the same minibatch position).
 
 **Pass boundaries** are not module hooks: the optimizer's step post-hook (registered by
 :meth:`Sampler.watch_optimizer`) or an explicit :meth:`Sampler.next_pass` ends a pass;
@@ -241,6 +243,7 @@ class Sampler:
         self.default = default
         #: training passes ended over the run / in the current epoch
         self.passes = 0
+        self.epochs = 0
         self.epoch_passes = 0
         self.last_epoch_passes: int | None = None
         #: inside the dedicated probe-batch pass (only probe_batch schedules observe it)
@@ -306,7 +309,7 @@ class Sampler:
         """What decides whether ``hook`` observes a pass: (kind, k or n)."""
         s = self.schedule_of(hook)
         if s.kind == "budget":
-            return ("every_k", self.observe_every.get(hook.probe, FIRST_EVERY))
+            return ("budget", self.observe_every.get(hook.probe, FIRST_EVERY))
         return (s.kind, s.k if s.kind == "every_k" else s.n)
 
     def _rule_holds(self, rule: tuple[str, int]) -> bool:
@@ -317,6 +320,8 @@ class Sampler:
             return True
         if kind == "every_k":
             return self.passes % arg == 0
+        if kind == "budget":  # shifted by one pass per epoch: not always the same minibatch
+            return (self.passes + self.epochs) % arg == 0
         stride = max((self.last_epoch_passes or 0) // arg, 1)  # per_epoch
         i = self.epoch_passes
         return i % stride == 0 and i // stride < arg
@@ -439,6 +444,7 @@ class Sampler:
         if self.budget is not None:
             self._retune(cost, observed, wall, overhead)
         self.last_epoch_passes, self.epoch_passes = self.epoch_passes, 0
+        self.epochs += 1
         self.own_seconds = time.perf_counter() - t0
         self.sync_seconds = 0.0
         self.epoch_start = time.perf_counter()
@@ -502,6 +508,7 @@ class Sampler:
         }
         return {
             "passes": self.passes,
+            "epochs": self.epochs,
             "epoch_passes": self.epoch_passes,
             "last_epoch_passes": self.last_epoch_passes,
             "observe_every": dict(self.observe_every),
@@ -512,6 +519,7 @@ class Sampler:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from :meth:`state_dict` (counts apply as the probes register)."""
         self.passes = int(state["passes"])
+        self.epochs = int(state.get("epochs", 0))
         self.epoch_passes = int(state["epoch_passes"])
         last = state["last_epoch_passes"]
         self.last_epoch_passes = None if last is None else int(last)
