@@ -12,6 +12,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import re
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -70,7 +71,12 @@ class ProbeHandle(RemovableHandle):
         hook = self.hook
         if hook is None or not hasattr(hook, "phases"):
             return True
-        return bool(getattr(hook, "enabled", True)) and hook.context.phase in hook.phases
+        if not (getattr(hook, "enabled", True) and hook.context.phase in hook.phases):
+            return False
+        sampler = getattr(
+            hook.context, "sampler", None
+        )  # which passes it observes (policy_probes.sampling)
+        return sampler is None or sampler.observes(self)
 
     def sync(self) -> None:
         """Install or remove the torch hooks to match :meth:`wanted`."""
@@ -398,8 +404,13 @@ class PolicyAutoBuilder(nn.Module):
         return handle
 
     def _sync_handles(self, _phase: str) -> None:
+        start = time.perf_counter()
         for handle in self._handles:
             handle.sync()
+        for context in self._contexts:  # installing hooks is the probes' cost too
+            if getattr(context, "sampler", None) is not None:
+                context.sampler.sync_seconds += time.perf_counter() - start
+                break
 
     @property
     def hook_handles(self) -> list[ProbeHandle]:
@@ -489,6 +500,16 @@ def _grad_tap(hook: Callable, component: str, extractor: Callable | None) -> Cal
     def tap(module: nn.Module, _inputs: Any, output: Any) -> None:
         if (active is not None and not active()) or not getattr(hook, "enabled", True):
             return
+        if isinstance(hook, ProbeHook):  # the tensor-hook registration is the probe's cost
+            start = time.perf_counter()
+            try:
+                register(module, output)
+            finally:
+                hook.seconds += time.perf_counter() - start
+        else:
+            register(module, output)
+
+    def register(module: nn.Module, output: Any) -> None:
         try:
             tensor = gradient_target(output, extractor, component, module)
         except Exception as exc:

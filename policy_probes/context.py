@@ -68,6 +68,9 @@ class ComponentContext:
         self.push_weight: Any = None
         self.infer_phase = False
         self._inferred_once = False
+        #: the :class:`~policy_probes.sampling.Sampler` choosing which passes probes
+        #: observe; ``None``: every pass of their phases
+        self.sampler: Any = None
 
     @property
     def row_mask(self) -> Any:
@@ -93,6 +96,12 @@ class ComponentContext:
         self._phase = value
         for listener in self._phase_listeners:
             listener(value)
+
+    def resync(self) -> None:
+        """Tell the phase listeners to re-check which hooks to install (a pass boundary
+        of the sampler: the phase is unchanged, the observed probes may not be)."""
+        for listener in self._phase_listeners:
+            listener(self._phase)
 
     def inference_pass(self) -> bool:
         """Whether the forward pass under way is inferred not to be training: no phase set

@@ -25,6 +25,7 @@ what to call instead (see :meth:`ProbeHook.check_plain_call`).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable
 from typing import Any, TypeAlias
 
@@ -36,6 +37,7 @@ from policy_probes.context import ComponentContext
 from policy_probes.outputs import describe_output, extractor_example
 from policy_probes.recurrent import default_extractor
 from policy_probes.row_mask import bound_weight, pushing_with
+from policy_probes.sampling import Schedule, tensor_rows
 from policy_probes.torch_internals import in_backward_pass
 
 log = logging.getLogger("policy_probes")
@@ -108,6 +110,14 @@ class ProbeHook:
     builder_name: str = "the probe's attach_*_hooks()"
     #: True once :meth:`attach` has run on the component (``PolicyAutoBuilder.attach``
     #: runs it before the first forward); False: the closure was registered directly
+    #: (``self.attached``, set in ``__init__``)
+
+    #: which passes the probe observes (``None``: the context's sampler default; see
+    #: :mod:`policy_probes.sampling`); set by the builders' ``schedule=``
+    schedule: Schedule | None = None
+    #: seconds spent in this hook's bodies and rows it read since the sampler last looked
+    seconds: float = 0.0
+    rows: int = 0
 
     def __init__(
         self,
@@ -161,15 +171,18 @@ class ProbeHook:
             return
         if not self.attached or (self.backward and first is not None):
             self.check_plain_call(module, first, second)  # registered as a torch hook
+        start = time.perf_counter()
         try:
             self.calls += 1
             # detached tensors: trackers hold them until they reduce, without a graph
             if self.backward:
                 grad = second[0] if isinstance(second, tuple | list) else second
                 if grad is not None:
+                    self.rows += tensor_rows(grad, self.channels_first)
                     self.record_grad(module, _detached(grad))
             else:
                 tensor = self.extract(second, module)
+                self.rows += tensor_rows(tensor, self.channels_first)
                 weight = bound_weight(
                     self.context, tensor, module, self.component, id(self), self.channels_first
                 )
@@ -180,6 +193,8 @@ class ProbeHook:
                         self.record(module, _detached(tensor))
         except Exception as exc:  # a probe must never take training down
             self.fail(exc)
+        finally:
+            self.seconds += time.perf_counter() - start
 
     def grad_callback(self, module: nn.Module, tensor: torch.Tensor) -> Callable | None:
         """The gradient hook for ``tensor``, an output of ``module`` in this forward pass:
@@ -278,6 +293,19 @@ class ProbeHook:
             f"context{backward}) (PolicyAutoBuilder; ProbeSession, TrainTool and "
             f"ProbeCallback: {session}({self.component!r}, {self.builder_name}))"
         )
+
+    def timed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` (a torch hook this probe installs besides its component hook) with its
+        time added to :attr:`seconds`, which the sampler counts as this probe's cost."""
+
+        def run(*args: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        return run
 
     def fail(self, exc: BaseException) -> None:
         """Disable this probe after ``exc`` and report it once (re-raise when strict)."""

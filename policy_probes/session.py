@@ -54,6 +54,7 @@ from policy_probes.run_dir import (
     remove_outputs,
 )
 from policy_probes.run_lock import RunDirLock
+from policy_probes.sampling import DEFAULT_BUDGET, Sampler, Schedule
 from policy_probes.sinks import SinkGroup, SinksConfig, WandbConfig, build_sink_group
 from policy_probes.sinks.base import to_plain
 from policy_probes.sinks.jsonl import iter_jsonl
@@ -132,6 +133,17 @@ class ProbeSession:
             (``PRE_STEP``/``POST_STEP``, that point's per-epoch means) before the epoch's
             record; the means are in the epoch's record either way. The built-in
             trainer writes them; off by default, so a CSV holds one row per epoch.
+        probe_budget: the fraction of wall time the probes may take (default 0.05): each
+            epoch the session measures their cost and sets how often each probe observes
+            a training pass, the most expensive first (:mod:`policy_probes.sampling`).
+            Passes end at ``optimizer.step()`` (with ``optimizer=``) or
+            :meth:`next_pass`. ``None``: no budget.
+        probe_schedule: the schedule of probes built without ``schedule=``: ``"every"``
+            (every pass, exact; with ``probe_budget=None`` the default),
+            ``"every_k:<k>"``, ``"per_epoch:<n>"``, ``"probe_batch:<rows>"`` (needs
+            ``loss_fn`` and the epoch's data; without them it falls back to the budget),
+            ``"budget"`` (the default when a budget is set), or a
+            :class:`~policy_probes.sampling.Schedule`.
     """
 
     def __init__(
@@ -168,12 +180,18 @@ class ProbeSession:
         explicit_epoch_start: bool = False,
         record_epoch_offset: int = 0,
         step_records: bool = False,
+        probe_budget: float | None = DEFAULT_BUDGET,
+        probe_schedule: Schedule | str | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"ProbeSession needs a torch.nn.Module, got {type(model).__name__}")
         self.module = model
         self.policy = self._probeable(model, components, example_inputs)
         self.context = context if context is not None else ComponentContext(strict=strict)
+        # a loop that built its context with a sampler (the built-in trainer) keeps it
+        self.sampler = self.context.sampler or Sampler(
+            self.context, schedule=probe_schedule, budget=probe_budget
+        )
         self.optimizer = optimizer
         self.snapshot_every = int(snapshot_every)
         self.loop = loop
@@ -206,6 +224,9 @@ class ProbeSession:
                 update_epochs=update_epochs,
                 obs_key=obs_key,
             )
+        if hasattr(self.model_context, "rows") and self.sampler.probe_batch_source is None:
+            self.sampler.probe_batch_source = self.model_context  # probe batches via loss_fn
+        self._pass_hook = None if optimizer is None else self.sampler.watch_optimizer(optimizer)
         selected = self._selection(hooks, with_hooks, hook_config, lifecycle_hooks)
         self._check_hooks(selected)
         self.hooks = HookManager(
@@ -245,6 +266,8 @@ class ProbeSession:
                 "components": list(self.policy.components),
                 "hooks": [h.name for h in selected],
                 "snapshot_every": self.snapshot_every,
+                "probe_budget": self.sampler.budget,
+                "probe_schedule": str(self.sampler.default),
             },
             **dict(config or {}),
         }
@@ -410,6 +433,12 @@ class ProbeSession:
         self._handles.extend(self.policy.attach(pattern, builder, self.context, backward=backward))
         self._builders.append((pattern, builder, backward))
         return self
+
+    def next_pass(self) -> None:
+        """End a training pass (a loop without ``optimizer=`` calls this after each
+        update step): the probes that observe the next pass get their torch hooks, the
+        others none (:mod:`policy_probes.sampling`)."""
+        self.sampler.next_pass()
 
     @property
     def component_names(self) -> list[str]:
@@ -739,6 +768,8 @@ class ProbeSession:
             "logged": dict(self._logged),
             "sums": {k: [total, n] for k, (total, n) in self._sums.items()},
             "hooks": self.hooks.state_dict(),
+            # pass counters and sampling rates: a resumed run observes the same passes
+            "sampler": self.sampler.state_dict(),
             "trackers": {
                 name: tracker.state_dict()
                 for name, tracker in self.context.model_metrics.items()
@@ -759,6 +790,8 @@ class ProbeSession:
         self._logged = dict(state.get("logged") or {})
         self._sums = {k: (v[0], int(v[1])) for k, v in (state.get("sums") or {}).items()}
         self.hooks.load_state_dict(state.get("hooks") or {})
+        if state.get("sampler"):  # absent in checkpoints written before sampling
+            self.sampler.load_state_dict(state["sampler"])
         for name, saved in (state.get("trackers") or {}).items() if trackers else ():
             tracker = self.context.model_metrics.get(name)
             if tracker is None:
@@ -778,6 +811,9 @@ class ProbeSession:
         """Remove every torch hook this session installed (its trackers keep their data)."""
         while self._handles:
             self._handles.pop().remove()
+        if self._pass_hook is not None:
+            self._pass_hook.remove()
+            self._pass_hook = None
 
     def close(self) -> None:
         """Remove every hook and flush and close the sinks. Idempotent. Metrics logged

@@ -25,6 +25,10 @@ class StatsReporter:
 
     def collect(self) -> dict[str, Any]:
         metrics: dict[str, Any] = {}
+        sampler = getattr(self.context, "sampler", None)
+        if sampler is not None:
+            self._probe_batch(sampler)
+        trackers = []
         for tracker in self.context.model_metrics.values():
             if not (hasattr(tracker, "to_metrics") and hasattr(tracker, "reset")):
                 continue
@@ -33,9 +37,29 @@ class StatsReporter:
             metrics.update(tracker.to_metrics())
             tracker.reset()
             self._take_errors(tracker)
+            trackers.append(tracker)
+        if sampler is not None:  # the epoch's overhead and observed passes; next rates
+            try:
+                metrics.update(sampler.end_epoch(trackers))
+            except Exception as exc:  # accounting must never take training down
+                if self.context.strict:
+                    raise
+                log.error("probe sampler failed at the epoch's end: %s", exc)
         for key in self.context.probe_errors:
             metrics[f"probes/errors/{key}"] = 1.0
         return metrics
+
+    def _probe_batch(self, sampler: Any) -> None:
+        """The dedicated pass of ``probe_batch`` probes (policy_probes.sampling)."""
+        try:
+            sampler.before_collect()
+        except ValueError:
+            raise  # a probe batch larger than the epoch's data: the configuration must change
+        except Exception as exc:  # a probe must never take training down
+            if self.context.strict:
+                raise
+            self.context.probe_errors["probe_batch"] = f"{type(exc).__name__}: {exc}"
+            log.error("the probe batch failed and is skipped: %s", exc)
 
     def _take_errors(self, tracker: Any) -> None:
         """Move reduction failures of ``tracker`` into the context (fatal when strict)."""

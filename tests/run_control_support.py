@@ -58,6 +58,7 @@ def train() -> TrainTool:
         hooks=["norms"],
         torch_threads=1,
         seed=5,
+        probe_budget=None,  # every pass: resumed and plain runs observe the same passes
     )
     tool.add_training_hook("actor_mlp", attach_relu_activation_hooks())
     tool.add_training_backward_hook("actor_mlp", attach_fisher_information_hooks())

@@ -125,6 +125,7 @@ def tiny_cartpole(run_dir: Path, epochs: int = 3, **sections: Any):
         "evaluation": tool.evaluation.model_copy(update={"every_epochs": 0, "at_end": False}),
         "checkpoint": tool.checkpoint.model_copy(update={"every_epochs": 0, "at_end": False}),
         "progress": False,
+        "probe_budget": None,  # every pass: exact values are compared
         **sections,
     }
     return tool.model_copy(update=update)

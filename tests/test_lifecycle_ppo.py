@@ -39,6 +39,7 @@ def tiny_tool(run_dir: Path, *, probes: bool = False, wandb: bool = False, **kw:
     and gradient flow on both: all five module probes can attach."""
     tool = TrainTool(
         run_dir=run_dir,
+        probe_budget=None,  # every pass: exact values are compared
         seed=3,
         env={"num_envs": NUM_ENVS},
         policy={"activation": "relu", "critic_activation": "tanh", "hidden_sizes": [16, 16]},

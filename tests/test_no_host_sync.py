@@ -383,3 +383,28 @@ def test_plain_registered_closures_run_without_host_sync(buffer_rows: int) -> No
     assert metrics["probes/relu/actor_mlp/samples"] == 80
     assert metrics["probes/gradient_flow/actor_head/passes"] == 5
     assert len(metrics["probes/relu_gradient_flow/actor_mlp.layer_1/pass_rate"]) == 6
+
+
+@pytest.mark.parametrize("schedule", ["every_k:2", "budget"])
+def test_sampled_passes_and_their_boundaries_run_without_host_sync(schedule: str) -> None:
+    """The sampler's pass boundary (the optimizer's step post-hook: accounting, re-arming)
+    and the timed hook bodies stay on the host side of the device too."""
+    from policy_probes.sampling import Sampler
+
+    torch.manual_seed(0)
+    policy = TinyPolicy()
+    ctx = ComponentContext()
+    sampler = Sampler(ctx, schedule=schedule, budget=0.05)
+    attach_all_probes(policy, ctx, saturation="tanh", saturation_component="actor_mlp.layer_0")
+    opt = torch.optim.SGD(policy.parameters(), lr=0.01)
+    sampler.watch_optimizer(opt)
+    with ForbidHostSync() as probed:
+        for _ in range(6):
+            opt.zero_grad()
+            x, a = torch.randn(16, 5), torch.randint(0, 3, (16,))
+            F.cross_entropy(policy(x), a).backward()
+            opt.step()
+    assert probed.calls == []
+    assert sampler.passes == 6
+    passes = {k: p for k, (p, _) in sampler.totals().items()}
+    assert passes["relu/actor_mlp"] == (3 if schedule == "every_k:2" else 1)  # k=8 at first

@@ -148,6 +148,8 @@ def test_per_layer_false_reproduces_the_component_keys_and_values() -> None:
             "zero_fraction",
             "nonfinite_fraction",
             "samples",
+            "active_rate_se",
+            "zero_fraction_se",
         )
     }
     component_keys |= {

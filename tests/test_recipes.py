@@ -17,6 +17,7 @@ def short(tool: TrainTool, tmp_path, **trainer) -> TrainTool:
     tool.run_dir = tmp_path / "run"
     tool.trainer = tool.trainer.model_copy(update=trainer)
     tool.wandb.mode = "disabled"
+    tool.probe_budget = None  # every pass: sample counts are compared
     tool.sinks.console = False
     tool.evaluation = tool.evaluation.model_copy(
         update={"every_epochs": 0, "episodes": 2, "num_envs": 2}

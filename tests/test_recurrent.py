@@ -592,6 +592,7 @@ def test_recurrent_ppo_reads_its_padding_mask_and_matches_plain_hooks(tmp_path) 
         run_dir=tmp_path / "run",
         sinks=SinksConfig(console=False),
         strict=True,
+        probe_budget=None,  # every pass: compared with plain hooks
     )
     model.learn(CYCLES * ROWS, callback=callback)
     lstm.remove()

@@ -47,6 +47,7 @@ def tiny_tool(run_dir: Path, epochs: int = 3, **kw: Any) -> TrainTool:
     kw.setdefault("sinks", {"console": False, "csv": False, "wandb": False})
     kw.setdefault("checkpoint", {"every_epochs": 0, "at_end": False})
     kw.setdefault("snapshot_every", 0)
+    kw.setdefault("probe_budget", None)  # every pass: exact values are compared
     return TrainTool(
         run_dir=run_dir,
         seed=3,
@@ -159,7 +160,8 @@ def test_a_raising_probe_is_disabled_reported_once_recorded_and_training_goes_on
     for ours, theirs in zip(records, base, strict=True):
         assert set(ours) - set(theirs) <= {key}
         for name, value in theirs.items():
-            if name != "time" and not name.startswith("perf/"):
+            # wall-clock measurements differ between runs (the probes' overhead too)
+            if name != "time" and not name.startswith(("perf/", "probes/overhead_")):
                 assert ours[name] == value, (ours["epoch"], name)
 
 

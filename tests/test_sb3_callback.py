@@ -62,6 +62,7 @@ def test_ppo_relu_and_fisher_once_per_cycle_match_plain_torch_and_wandb(tmp_path
         run_dir=tmp_path / "run",
         sinks=SinksConfig(console=False),
         wandb=WandbConfig(mode="offline", project="pp-sb3"),
+        probe_budget=None,  # every pass: compared with plain torch
     )
     callback.add_training_hook("actor_mlp.1", attach_relu_activation_hooks())
     model.learn(CYCLES * ROWS, callback=callback)
@@ -145,6 +146,7 @@ def test_a2c_tanh_saturation_and_fisher_per_cycle(tmp_path):
         backward_probes=[("critic_mlp", attach_fisher_information_hooks())],
         run_dir=tmp_path,
         sinks=SinksConfig(console=False, wandb=False),
+        probe_budget=None,  # every pass: exact values are compared
     ) as callback:
         model.learn(3 * 16 * N_ENVS, callback=callback)
     cap.remove()
@@ -219,6 +221,7 @@ def test_second_learn_continues_the_cycle_count_in_the_same_run_dir(tmp_path):
         probes=[("actor_mlp", attach_relu_activation_hooks())],
         run_dir=tmp_path,
         sinks=SinksConfig(console=False, wandb=False),
+        probe_budget=None,  # every pass: sample counts are compared
     )
     model.learn(ROWS, callback=callback)
     assert hook_counts(model.policy) == 0

@@ -331,7 +331,13 @@ def _regression_run(tmp_path: Path, hooks: list[str]) -> tuple[list[torch.Tensor
 
     out = {}
     with ProbeSession(
-        model, run_dir=tmp_path, hooks=hooks, optimizer=opt, loss_fn=loss_fn, **NO_WANDB
+        model,
+        run_dir=tmp_path,
+        hooks=hooks,
+        optimizer=opt,
+        loss_fn=loss_fn,
+        probe_budget=None,
+        **NO_WANDB,
     ) as session:
         session.add_training_hook("actor_mlp", attach_relu_activation_hooks())
         for epoch in range(2):

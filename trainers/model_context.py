@@ -130,6 +130,13 @@ class PPOModelDataContext(LoopModelDataContext):
         idx = st.valid_indices if order is None else torch.as_tensor(order, device=st.device)
         yield from st.minibatches(idx, self.trainer.cfg.num_minibatches)
 
+    def rows(self, idx: torch.Tensor) -> Minibatch:
+        """The rollout's valid transitions ``idx`` (0 .. num_samples - 1) as one minibatch
+        (the probe batch of ``policy_probes.sampling``)."""
+        self._require_data()
+        st = self.storage
+        return st.gather(st.valid_indices[idx.to(st.valid_indices.device)])
+
     def observations(self) -> torch.Tensor:
         self._require_data()
         st = self.storage

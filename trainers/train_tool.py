@@ -36,6 +36,7 @@ from policy_probes.lifecycle import HookSelectionError, TrainingHook, select_hoo
 from policy_probes.run_dir import check_run_dir_path, default_run_dir, make_run_dir
 from policy_probes.run_lock import RunDirLock, RunDirLocked, refuse_if_locked
 from policy_probes.runnable import runnable
+from policy_probes.sampling import DEFAULT_BUDGET, Sampler, as_schedule, check_budget
 from policy_probes.sinks import SinkGroup, SinksConfig, WandbConfig, build_sink_group
 from policy_probes.torch_internals import quiet_output_only_backward_hooks
 from policy_probes.user_errors import SETUP_ERROR_TYPES, mark_usage_error
@@ -135,6 +136,17 @@ class TrainTool(BaseModel):
         default_factory=dict,
         description='Hook parameters, "name.param" -> value (e.g. {"hessian.iters": 30}).',
     )
+    probe_budget: float | None = Field(
+        DEFAULT_BUDGET,
+        description="Fraction of wall time the probes may take; each epoch sets how often "
+        "each probe observes a pass to stay within it. None: no budget.",
+    )
+    probe_schedule: str | None = Field(
+        None,
+        description="Schedule of probes built without schedule=: every (exact, every pass), "
+        "every_k:<k>, per_epoch:<n>, probe_batch:<rows> (a dedicated pass at the epoch end), "
+        "budget (the default with a budget).",
+    )
     snapshot_every: int = Field(
         25,
         ge=0,
@@ -147,6 +159,16 @@ class TrainTool(BaseModel):
     _launch: dict[str, Any] = PrivateAttr(default_factory=dict)
 
     # ------------------------------------------------------------------ validation
+    @field_validator("probe_budget")
+    @classmethod
+    def _check_probe_budget(cls, v: float | None) -> float | None:
+        return check_budget(v)
+
+    @field_validator("probe_schedule")
+    @classmethod
+    def _check_probe_schedule(cls, v: str | None) -> str | None:
+        return None if v is None else str(as_schedule(v))
+
     @field_validator("hooks", mode="before")
     @classmethod
     def _split_hook_names(cls, v: Any) -> Any:
@@ -388,6 +410,8 @@ class TrainTool(BaseModel):
                 envs.single_observation_space, envs.single_action_space, self.policy
             ).to(device)
             context = ComponentContext(strict=self.strict)
+            if self._builders:  # which passes the probes observe (policy_probes.sampling)
+                Sampler(context, schedule=self.probe_schedule, budget=self.probe_budget)
             for pattern, builder, backward in self._builders:
                 policy.attach(pattern, builder, context, backward=backward)
 
@@ -446,6 +470,8 @@ class TrainTool(BaseModel):
                 lifecycle_config=self,
                 sinks=sinks,
             )
+            if context.sampler is not None:  # the session ends a pass at every optimizer step
+                context.sampler.probe_batch_source = trainer.model_data_context()
             if dist_run.distributed:
                 trainer.wrap_ddp(dist_run.ddp_device_ids())
             if resume_from is not None:

@@ -58,6 +58,7 @@ from policy_probes.context import ComponentContext
 from policy_probes.hook_types import ProbeBuilder
 from policy_probes.lifecycle import preserved_rng
 from policy_probes.run_dir import default_run_dir
+from policy_probes.sampling import DEFAULT_BUDGET, Schedule, as_schedule, check_budget
 from policy_probes.session import ProbeSession
 from policy_probes.sinks import SinksConfig, WandbConfig
 from policy_probes.torch_internals import child_modules
@@ -139,6 +140,10 @@ class ProbeCallback(BaseCallback):
         log_sb3: add SB3's own logger values of the cycle (``train/*``) and the episode
             statistics (``rollout/ep_rew_mean``, ``rollout/ep_len_mean``) to each record.
         verbose: SB3 verbosity; 1 prints the record's path once.
+        probe_budget, probe_schedule: as in ProbeSession (default: 5 % of wall time, every
+            k-th pass with k set per cycle; passes end at SB3's ``optimizer.step()``). SB3
+            has no loss function to give, so ``probe_batch`` schedules fall back to the
+            budget; ``probe_schedule="every"`` or ``probe_budget=None`` observes every pass.
 
     After ``learn()`` the session is closed (hooks removed, sinks closed) and
     :attr:`history` holds every record. A later ``learn()`` with the same callback opens
@@ -162,8 +167,12 @@ class ProbeCallback(BaseCallback):
         snapshot_every: int = 0,
         log_sb3: bool = True,
         verbose: int = 0,
+        probe_budget: float | None = DEFAULT_BUDGET,
+        probe_schedule: Schedule | str | None = None,
     ) -> None:
         super().__init__(verbose)
+        self.probe_budget = check_budget(probe_budget)
+        self.probe_schedule = as_schedule(probe_schedule)
         self._probes: list[tuple[str, ProbeBuilder, bool]] = []
         for pattern, builder in _pairs(probes, "probes"):
             self._probes.append((pattern, builder, False))
@@ -226,6 +235,8 @@ class ProbeCallback(BaseCallback):
             strict=self.strict,
             optimizer=getattr(policy, "optimizer", None),
             snapshot_every=self.snapshot_every,
+            probe_budget=self.probe_budget,
+            probe_schedule=self.probe_schedule,
             start_epoch=len(self.history),
             resume=bool(self.history),  # a later learn(): this callback's own run goes on
             **self.hook_selection,

@@ -182,6 +182,23 @@ def _index(data: Any, idx: torch.Tensor) -> Any:
     )
 
 
+def _join(batches: list[Any]) -> Any:
+    first = batches[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(batches)
+    if isinstance(first, Mapping):
+        return {
+            k: torch.cat([b[k] for b in batches]) if isinstance(v, torch.Tensor) else v
+            for k, v in first.items()
+        }
+    if isinstance(first, tuple | list):
+        return type(first)(_join([b[i] for b in batches]) for i in range(len(first)))
+    raise TypeError(
+        f"cannot join minibatches of type {type(first).__name__} into one batch; pass "
+        f"data=... with minibatch_size instead of minibatches=[...]"
+    )
+
+
 class LoopModelDataContext(ModelDataContext):
     """A :class:`ModelDataContext` for any loop of minibatch gradient steps.
 
@@ -333,6 +350,13 @@ class LoopModelDataContext(ModelDataContext):
         indices = range(len(self._minibatches)) if order is None else order
         for i in indices:
             yield self._minibatches[int(i)]
+
+    def rows(self, idx: torch.Tensor) -> Any:
+        """Samples ``idx`` (indices into the epoch's data, as :meth:`random_order` orders
+        them) as one batch; minibatches are joined first (tensors, mappings or tuples)."""
+        self._require_data()
+        data = self._data if self._data is not None else _join(list(self._minibatches))
+        return _index(data, idx.to(device_of(data)))
 
     def observations(self) -> torch.Tensor:
         self._require_data()

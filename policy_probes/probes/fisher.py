@@ -57,6 +57,7 @@ from policy_probes.row_mask import (
     loss_samples,
     pushing_with,
 )
+from policy_probes.sampling import Schedule, as_schedule, with_schedule
 from policy_probes.torch_internals import queue_after_backward, tree_flatten, tree_unflatten
 
 log = logging.getLogger("policy_probes")
@@ -370,7 +371,7 @@ class FisherInformationHook(ProbeHook):
                 names = {k: f"{prefix}{k}" for k, _ in sub.named_parameters()}
                 sizes = {f"{prefix}{k}": p.numel() for k, p in sub.named_parameters()}
                 hook = self._generic_hook(sub, names, sizes)
-                handles.append(sub.register_forward_hook(hook, with_kwargs=True))
+                handles.append(sub.register_forward_hook(self.timed(hook), with_kwargs=True))
                 covered.update(id(p) for p in sub.parameters())
                 inside.update(id(m) for m in sub.modules())
         for sub_name, sub in module.named_modules():
@@ -380,7 +381,9 @@ class FisherInformationHook(ProbeHook):
             prefix = f"{sub_name}.linear." if sub_name else "linear."
             names = (f"{prefix}weight", f"{prefix}bias" if sub.linear.bias is not None else None)
             handles.append(
-                sub.register_forward_hook(self._through_activation_hook(activation, names))
+                sub.register_forward_hook(
+                    self.timed(self._through_activation_hook(activation, names))
+                )
             )
             covered.update(id(p) for p in sub.linear.parameters(recurse=False))
         for sub_name, sub in module.named_modules():
@@ -404,7 +407,7 @@ class FisherInformationHook(ProbeHook):
                 f"{prefix}weight" if getattr(sub, "weight", None) is not None else None,
                 f"{prefix}bias" if getattr(sub, "bias", None) is not None else None,
             )
-            handles.append(sub.register_forward_hook(self._layer_hook(kind, names)))
+            handles.append(sub.register_forward_hook(self.timed(self._layer_hook(kind, names))))
             covered.update(id(p) for p in sub.parameters(recurse=False))
         for name, p in module.named_parameters():
             if id(p) not in covered:
@@ -561,7 +564,7 @@ class FisherInformationHook(ProbeHook):
             except Exception as exc:
                 self.fail(exc)
 
-        on_grad(output, record)
+        on_grad(output, self.timed(record))
 
     def _through_activation_hook(
         self, activation: str, names: tuple[str | None, str | None]
@@ -621,7 +624,10 @@ class FisherInformationHook(ProbeHook):
             if z is not None and inputs[0] is z and self._recorded(output, passes):
                 self._tap_through_activation(activation, names, x, output)
 
-        return [linear.register_forward_hook(linear_hook), act.register_forward_hook(act_hook)]
+        return [
+            linear.register_forward_hook(self.timed(linear_hook)),
+            act.register_forward_hook(self.timed(act_hook)),
+        ]
 
     def _layer_hook(self, kind: str, names: tuple[str | None, str | None]) -> Any:
         """Forward hook of an ``nn.Linear`` or of a layer with a closed-form rule
@@ -666,6 +672,7 @@ def attach_fisher_information_hooks(
     chunk_bytes: int = CHUNK_BYTES,
     phases: Iterable[str] | str = ("train",),
     extractor: Extractor | None = None,
+    schedule: Schedule | str | None = None,
 ) -> BackwardHookBuilder:
     """Backward-hook builder for :class:`FisherInformationState`.
 
@@ -694,6 +701,8 @@ def attach_fisher_information_hooks(
 
     extractor = as_extractor(extractor)
 
+    sched = as_schedule(schedule)
+
     def build(component_name: str, context: ComponentContext) -> FisherInformationHook | None:
         tracker = get_state(context, "fisher", FisherInformationState)
         if not tracker.register_component(
@@ -706,7 +715,7 @@ def attach_fisher_information_hooks(
             return None
         hook = FisherInformationHook(tracker, component_name, context, phases, extractor)
         hook.param_every = param_every
-        return hook
+        return with_schedule(hook, sched)
 
     build.probe = "fisher"  # type: ignore[attr-defined]
     return build

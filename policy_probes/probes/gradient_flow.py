@@ -24,6 +24,7 @@ from policy_probes.probes.rows import COUNT, Rows
 from policy_probes.probes.state import ProbeState, as_floats, get_state
 from policy_probes.probes.weighted import Weighted
 from policy_probes.row_mask import pushing_with
+from policy_probes.sampling import Schedule, as_schedule, with_schedule
 
 BLOCKED_THRESHOLD = 1e-8
 
@@ -183,7 +184,7 @@ class GradientFlowHook(LayeredProbeHook):
             except Exception as exc:  # a probe must never take training down
                 self.fail(exc)
 
-        on_grad(output, record)
+        on_grad(output, self.timed(record))
 
 
 def attach_gradient_flow_hooks(
@@ -194,6 +195,7 @@ def attach_gradient_flow_hooks(
     extractor: Extractor | None = None,
     layout: str = "auto",
     per_layer: bool = True,
+    schedule: Schedule | str | None = None,
 ) -> BackwardHookBuilder:
     """Backward-hook builder for :class:`GradientFlowState`.
 
@@ -207,14 +209,25 @@ def attach_gradient_flow_hooks(
 
     extractor = as_extractor(extractor)
 
+    sched = as_schedule(schedule)
+
     def build(component_name: str, context: ComponentContext) -> GradientFlowHook | None:
         tracker = get_state(context, "gradient_flow", GradientFlowState)
         if not tracker.register_component(
             component_name, beta=beta, blocked_threshold=blocked_threshold
         ):
             return None
-        return GradientFlowHook(
-            tracker, component_name, context, phases, extractor, layout=layout, per_layer=per_layer
+        return with_schedule(
+            GradientFlowHook(
+                tracker,
+                component_name,
+                context,
+                phases,
+                extractor,
+                layout=layout,
+                per_layer=per_layer,
+            ),
+            sched,
         )
 
     build.probe = "gradient_flow"  # type: ignore[attr-defined]

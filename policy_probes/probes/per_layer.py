@@ -17,6 +17,7 @@ the same context (``actor_mlp.layer_0`` or ``actor_mlp.*`` attached before or af
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -211,6 +212,7 @@ class LayeredProbeHook(ProbeHook):
                 self._refuse_reused(layer)
                 return
             self._seen.add(layer.component)
+            start = time.perf_counter()
             try:
                 # the row-mask rows of this layer's output, bound in forward order as the
                 # component hook binds its own (per-step calls count per layer)
@@ -226,6 +228,8 @@ class LayeredProbeHook(ProbeHook):
                     self.record_layer(layer, output)
             except Exception as exc:  # a probe must never take training down
                 self.fail(exc)
+            finally:
+                self.seconds += time.perf_counter() - start
 
         return hook
 

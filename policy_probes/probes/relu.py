@@ -8,6 +8,10 @@ Definitions (h the probed post-activation output, N samples in the window, U uni
   s_u = mean|h_u| / ((1/U) sum_k mean|h_k|), dormant when s_u <= tau
 * ``rarely_active_fraction`` (active_rate < 0.05), ``always_active_fraction`` (> 0.95)
 * ``zero_fraction`` = fraction of elements <= 0
+* ``active_rate_se`` = mean over units of the standard error sqrt(p (1 - p) / N) of
+  ``active_rate``; ``zero_fraction_se`` likewise over the elements
+* ``samples`` = the rows N these rest on. On sampled passes (:mod:`policy_probes.sampling`)
+  a dead unit is one never active in the N observed rows
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from policy_probes.probes.per_layer import LayeredProbeHook, ProbedLayer
 from policy_probes.probes.rows import COUNT, Rows
 from policy_probes.probes.state import SUM, as_floats, get_state, rates
 from policy_probes.probes.weighted import Weighted
+from policy_probes.sampling import Schedule, as_schedule, standard_error, with_schedule
 
 # ReDo divides by the layer mean plus a small constant; all-zero layers are all dormant.
 DORMANT_EPS = 1e-9
@@ -84,13 +89,18 @@ class ReLUActivationState(ActivationState):
         def frac(mask: torch.Tensor) -> float:
             return float((mask & seen).sum()) / units if units else 0.0
 
+        zero = float(s["nonpos"]) / finite_total if finite_total else 0.0
+        # standard errors as for independent rows (policy_probes.sampling.standard_error)
+        se = (active_rate * (1 - active_rate) / count.clamp(min=1).to(torch.float64)).sqrt()
         return {
             "active_rate": as_floats(active_rate),
+            "active_rate_se": float(se[seen].mean()) if units else 0.0,
             "dead_fraction": frac(active_rate == 0),
             "dormant_fraction": frac(score <= cfg["tau"]),
             "rarely_active_fraction": frac(active_rate < cfg["rarely_active"]),
             "always_active_fraction": frac(active_rate > cfg["always_active"]),
-            "zero_fraction": float(s["nonpos"]) / finite_total if finite_total else 0.0,
+            "zero_fraction": zero,
+            "zero_fraction_se": standard_error(zero, finite_total),
             "nonfinite_fraction": (elements - finite_total) / elements if elements else 0.0,
             "samples": samples(count, cfg),
         }
@@ -124,6 +134,7 @@ def attach_relu_activation_hooks(
     extractor: Extractor | None = None,
     layout: str = "auto",
     per_layer: bool = True,
+    schedule: Schedule | str | None = None,
 ) -> HookBuilder:
     """Forward-hook builder for :class:`ReLUActivationState`.
 
@@ -140,14 +151,25 @@ def attach_relu_activation_hooks(
 
     extractor = as_extractor(extractor)
 
+    sched = as_schedule(schedule)
+
     def build(component_name: str, context: ComponentContext) -> ReLUActivationHook | None:
         tracker = get_state(context, "relu", ReLUActivationState)
         if not tracker.register_component(
             component_name, tau=tau, rarely_active=rarely_active, always_active=always_active
         ):
             return None
-        return ReLUActivationHook(
-            tracker, component_name, context, phases, extractor, layout=layout, per_layer=per_layer
+        return with_schedule(
+            ReLUActivationHook(
+                tracker,
+                component_name,
+                context,
+                phases,
+                extractor,
+                layout=layout,
+                per_layer=per_layer,
+            ),
+            sched,
         )
 
     build.probe = "relu"  # type: ignore[attr-defined]

@@ -31,6 +31,7 @@ from policy_probes.probes.rows import COUNT, Rows
 from policy_probes.probes.state import ProbeState, as_floats, get_state, rates
 from policy_probes.probes.weighted import Weighted
 from policy_probes.row_mask import bound_weight, pushing_with
+from policy_probes.sampling import Schedule, as_schedule, tensor_rows, with_schedule
 
 
 class ReLUGradientFlowState(ProbeState):
@@ -175,7 +176,9 @@ class ReLUGradientFlowHook(ProbeHook):
                 }
             self.relus = [(n, m, self._channels_first(module, n)) for n, m in relus]
         self.attached = True
-        return [m.register_forward_hook(self._relu_hook(n, cf)) for n, m, cf in self.relus]
+        return [
+            m.register_forward_hook(self.timed(self._relu_hook(n, cf))) for n, m, cf in self.relus
+        ]
 
     def _channels_first(self, module: nn.Module, sub: str) -> bool:
         if self.locate is not None:
@@ -205,13 +208,15 @@ class ReLUGradientFlowHook(ProbeHook):
                 if not self.enabled:
                     return
                 self.calls += 1
+                if layer == self.relus[0][0]:  # rows observed: counted at the first ReLU
+                    self.rows += tensor_rows(grad, channels_first)
                 try:
                     with pushing_with(self.context, weight):
                         self.tracker.update(self.component, layer, grad, relu_out, channels_first)
                 except Exception as exc:
                     self.fail(exc)
 
-            on_grad(output, record)
+            on_grad(output, self.timed(record))
 
         return hook
 
@@ -221,6 +226,7 @@ def attach_relu_gradient_flow_hooks(
     phases: Iterable[str] | str = ("train",),
     layout: str = "auto",
     per_layer: bool = True,
+    schedule: Schedule | str | None = None,
 ) -> BackwardHookBuilder:
     """Backward-hook builder for :class:`ReLUGradientFlowState`.
 
@@ -230,12 +236,17 @@ def attach_relu_gradient_flow_hooks(
     ``<component>.<layer>`` (else as ``<relu path>.pass_rate`` metrics of the component)."""
     check_layout(layout)
 
+    sched = as_schedule(schedule)
+
     def build(component_name: str, context: ComponentContext) -> ReLUGradientFlowHook | None:
         tracker = get_state(context, "relu_gradient_flow", ReLUGradientFlowState)
         if not tracker.register_component(component_name, per_layer=per_layer):
             return None
-        return ReLUGradientFlowHook(
-            tracker, component_name, context, phases, layout=layout, per_layer=per_layer
+        return with_schedule(
+            ReLUGradientFlowHook(
+                tracker, component_name, context, phases, layout=layout, per_layer=per_layer
+            ),
+            sched,
         )
 
     build.probe = "relu_gradient_flow"  # type: ignore[attr-defined]

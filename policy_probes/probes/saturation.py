@@ -28,6 +28,7 @@ from policy_probes.probes.state import (
     rates,
 )
 from policy_probes.probes.weighted import Weighted
+from policy_probes.sampling import Schedule, as_schedule, standard_error, with_schedule
 
 SATURATING = ("tanh", "sigmoid")
 #: the activation module of each kind (the layers a per-layer saturation probe reads)
@@ -92,11 +93,11 @@ class SaturatedActivationState(ActivationState):
         units = int(seen.sum())
         finite_total = int(count.sum())
         elements = finite_total + int(s["nonfinite"])
+        saturated = float(s["saturated"].sum()) / finite_total if finite_total else 0.0
         return {
             "saturation_rate": as_floats(rate),
-            "saturated_fraction": float(s["saturated"].sum()) / finite_total
-            if finite_total
-            else 0.0,
+            "saturated_fraction": saturated,
+            "saturated_fraction_se": standard_error(saturated, finite_total),
             "saturated_units_fraction": (
                 float(((rate >= cfg["unit_threshold"]) & seen).sum()) / units if units else 0.0
             ),
@@ -133,6 +134,7 @@ def attach_saturated_activation_hooks(
     extractor: Extractor | None = None,
     layout: str = "auto",
     per_layer: bool = True,
+    schedule: Schedule | str | None = None,
 ) -> HookBuilder:
     """Forward-hook builder for :class:`SaturatedActivationState`.
 
@@ -156,14 +158,25 @@ def attach_saturated_activation_hooks(
 
     extractor = as_extractor(extractor)
 
+    sched = as_schedule(schedule)
+
     def build(component_name: str, context: ComponentContext) -> SaturatedActivationHook | None:
         tracker = get_state(context, key, SaturatedActivationState, activation)
         if not tracker.register_component(
             component_name, threshold=threshold, unit_threshold=unit_threshold
         ):
             return None
-        return SaturatedActivationHook(
-            tracker, component_name, context, phases, extractor, layout=layout, per_layer=per_layer
+        return with_schedule(
+            SaturatedActivationHook(
+                tracker,
+                component_name,
+                context,
+                phases,
+                extractor,
+                layout=layout,
+                per_layer=per_layer,
+            ),
+            sched,
         )
 
     build.probe = key  # type: ignore[attr-defined]

@@ -22,6 +22,7 @@ import functools
 import inspect
 import logging
 import math
+import time
 from typing import Any
 
 import torch
@@ -55,6 +56,9 @@ class ProbeState:
     #: elements (rows x columns); 2048 rows of 64 float32 units are 512 KiB
     buffer_rows: int = 2048
     buffer_elements: int = 1 << 20
+    #: seconds spent draining and reporting since the sampler last looked
+    #: (:mod:`policy_probes.sampling`)
+    seconds: float = 0.0
 
     def __init__(self) -> None:
         self.state: dict[str, dict[str, torch.Tensor]] = {}
@@ -219,7 +223,9 @@ class ProbeState:
             if self not in peers:  # taken out of the context: it still drains itself
                 peers.append(self)
         for tracker in peers:
+            start = time.perf_counter()
             tracker._drain_buffers(drain_round)
+            tracker.seconds = getattr(tracker, "seconds", 0.0) + time.perf_counter() - start
 
     def _drain_buffers(self, drain_round: DrainRound) -> None:
         for (component, stream), buf in self.buffers.items():
@@ -349,6 +355,7 @@ class ProbeState:
         ``probes/<probe>/<component>.<layer>/<metric>``.
         """
         self.flush()
+        start = time.perf_counter()
         out: dict[str, float | list[float]] = {}
         for comp, st in self.state.items():
             if not st:
@@ -359,6 +366,7 @@ class ProbeState:
                     out[self.key(f"{comp}.{metric[0]}", metric[1])] = value
                 else:
                     out[self.key(comp, metric)] = value
+        self.seconds += time.perf_counter() - start
         return out
 
     def summarize(

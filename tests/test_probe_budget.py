@@ -1,0 +1,132 @@
+"""The overhead budget: an expensive probe is sampled down until the measured overhead is
+within the budget, the most expensive probe first; ``probe_budget=None`` observes all.
+
+The costs are made deterministic with ``time.sleep`` (the loop's "training" work and the
+expensive probe's hook), so what the sampler measures does not depend on this machine's
+speed; the assertions compare the sampler's own measurements with the budget.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+from policy_probes import attach_relu_activation_hooks
+from policy_probes.probes.relu import ReLUActivationHook
+from policy_probes.sampling import Sampler, dispatch_costs
+from policy_probes.session import ProbeSession
+from policy_probes.sinks import SinksConfig, WandbConfig
+
+NO_WANDB = dict(sinks=SinksConfig(console=False, wandb=False), wandb=WandbConfig(mode="disabled"))
+PASSES = 32
+STEP_SECONDS = 0.004
+PROBE_SECONDS = 0.015
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.slow = nn.Sequential(nn.Linear(4, 8), nn.ReLU())
+        self.cheap = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.cheap(self.slow(x)).sum()
+
+
+def slow_relu_hooks():
+    """The ReLU probe with a hook that takes PROBE_SECONDS per call."""
+    inner = attach_relu_activation_hooks(per_layer=False)
+
+    class Slow(ReLUActivationHook):
+        probe = "relu"
+
+        def record(self, module: nn.Module, output: torch.Tensor) -> None:
+            time.sleep(PROBE_SECONDS)
+            super().record(module, output)
+
+    def build(name, context):
+        hook = inner(name, context)
+        if hook is not None:
+            hook.__class__ = Slow
+        return hook
+
+    return build
+
+
+def run(tmp_path, budget, epochs):
+    torch.manual_seed(0)
+    net = Net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    x = torch.randn(16, 4)
+    records = []
+    with ProbeSession(net, run_dir=tmp_path, optimizer=opt, probe_budget=budget, **NO_WANDB) as s:
+        s.add_training_hook("slow", slow_relu_hooks())
+        from policy_probes import attach_saturated_activation_hooks
+
+        s.add_training_hook("cheap", attach_saturated_activation_hooks(per_layer=False))
+        for epoch in range(epochs):
+            s.set_phase("train")
+            for _ in range(PASSES):
+                opt.zero_grad()
+                net(x).backward()
+                opt.step()
+                time.sleep(STEP_SECONDS)  # the loop's own work
+            records.append(s.epoch_end(step=epoch))
+    return records
+
+
+def test_an_expensive_probe_is_sampled_down_within_the_budget(tmp_path):
+    budget = 0.25
+    records = run(tmp_path, budget, epochs=6)
+    first, last = records[0], records[-1]
+    # epoch 1, before any cost is known, observes every 8th pass: 4 x 15 ms of probe
+    # against 32 x 4 ms of loop
+    assert first["probes/relu/slow/passes_observed"] == PASSES // 8
+    assert first["probes/overhead_fraction"] > budget
+    # then the expensive probe is sampled down (more than the cheap one) until the
+    # measured overhead is within the budget, and it stays there
+    for r in records[3:]:
+        assert r["probes/overhead_fraction"] <= budget
+        assert r["probes/relu/observe_every"] >= 2
+        assert r["probes/relu/observe_every"] >= r["probes/saturation_tanh/observe_every"]
+        assert r["probes/relu/slow/passes_observed"] == PASSES // r["probes/relu/observe_every"]
+    assert last["probes/relu/slow/rows_observed"] == 16 * last["probes/relu/slow/passes_observed"]
+    assert last["probes/relu/slow/samples"] == last["probes/relu/slow/rows_observed"]
+
+
+def test_no_budget_observes_every_pass(tmp_path):
+    records = run(tmp_path, None, epochs=2)
+    for r in records:
+        assert r["probes/relu/slow/passes_observed"] == PASSES
+        assert r["probes/relu/slow/samples"] == 16 * PASSES
+        assert r["probes/saturation_tanh/cheap/passes_observed"] == PASSES
+        assert "probes/relu/observe_every" not in r
+        assert r["probes/overhead_fraction"] > 0.2  # measured, not limited
+
+
+def test_the_overhead_counts_the_hook_time_it_measures(tmp_path):
+    """The slow hook's sleeps are in the reported overhead seconds (32 x 15 ms at least), and
+    the calibrated dispatch costs are plausible (under a millisecond per hook)."""
+    (record,) = run(tmp_path, None, epochs=1)
+    assert record["probes/overhead_seconds"] >= PASSES * PROBE_SECONDS
+    module_cost, tensor_cost = dispatch_costs()
+    assert 0.0 <= module_cost < 1e-3 and 0.0 <= tensor_cost < 1e-3
+
+
+def test_sampler_alone_on_a_context_without_a_session():
+    from policy_probes import ComponentContext, PolicyAutoBuilder
+
+    policy = PolicyAutoBuilder.wrap(Net())
+    context = ComponentContext()
+    sampler = Sampler(context, schedule="every_k:2", budget=None)
+    policy.attach("slow", attach_relu_activation_hooks(per_layer=False), context)
+    x = torch.randn(5, 4)
+    armed = []
+    for _ in range(4):
+        armed.append(policy.hooks_installed())
+        policy(x)
+        sampler.next_pass()
+    assert armed == [True, False, True, False]
+    assert sampler.totals() == {"relu/slow": (2, 10)}
