@@ -249,7 +249,8 @@ class Sampler:
         #: inside the dedicated probe-batch pass (only probe_batch schedules observe it)
         self.in_probe_batch = False
         #: where probe batches come from: a model context with ``loss``, ``num_samples``
-        #: and ``rows`` (set by the loop; ``None``: probe_batch schedules are budgeted)
+        #: and ``rows``, or a zero-argument function that builds one when the first probe
+        #: batch runs (set by the loop; ``None``: probe_batch schedules are budgeted)
         self.probe_batch_source: Any = None
         #: draws the probe batch's rows (never a global RNG)
         self.generator = torch.Generator().manual_seed(0)
@@ -320,8 +321,12 @@ class Sampler:
             return True
         if kind == "every_k":
             return self.passes % arg == 0
-        if kind == "budget":  # shifted by one pass per epoch: not always the same minibatch
-            return (self.passes + self.epochs) % arg == 0
+        if kind == "budget":
+            # one pass in every k of the epoch, shifted by one pass per epoch (not always
+            # the same minibatch), and at least one per epoch even when an epoch has
+            # fewer than k passes: the shift stays below the last epoch's pass count
+            period = min(arg, self.last_epoch_passes or arg)
+            return self.epoch_passes % arg == self.epochs % period
         stride = max((self.last_epoch_passes or 0) // arg, 1)  # per_epoch
         i = self.epoch_passes
         return i % stride == 0 and i // stride < arg
@@ -388,7 +393,10 @@ class Sampler:
         """Run this epoch's probe batch, if a probe waits for one (called by
         :class:`~policy_probes.stats_reporter.StatsReporter` before the trackers report)."""
         if self.probe_batch_available and self.uses_probe_batch():
-            run_probe_batch(self, self.probe_batch_source, self.generator)
+            source = self.probe_batch_source
+            if not hasattr(source, "rows"):  # a factory: build the model context now
+                source = self.probe_batch_source = source()
+            run_probe_batch(self, source, self.generator)
 
     def end_epoch(self, trackers: list[Any]) -> dict[str, float]:
         """Close the epoch's accounting (after the trackers' ``to_metrics``): return

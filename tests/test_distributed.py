@@ -131,6 +131,7 @@ def train():
         sinks=SinksConfig(console=False, wandb=False, csv=True),
         seed={SEED},
         torch_threads=1,
+        probe_budget=None,  # every pass: each rank's samples are compared with its captures
     )
     cfg.add_training_hook("actor_mlp", attach_relu_activation_hooks())
     cfg.add_training_backward_hook("actor_mlp", attach_fisher_information_hooks())

@@ -331,6 +331,7 @@ def test_session_step_points_run_without_host_sync(tmp_path) -> None:
         wandb=WandbConfig(mode="disabled"),
         optimizer=opt,
         hooks=["norms"],
+        probe_budget=None,  # every pass: the sample count is compared
     ) as session:
         attach_all_probes(policy, session.context)
         session.set_phase("train")

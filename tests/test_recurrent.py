@@ -258,7 +258,9 @@ def test_session_row_mask_block_and_stated_loss_samples(tmp_path) -> None:
     keep = m.bool()
     hk = policy.actor_mlp(x[keep]).detach().requires_grad_(True)
     (gh,) = torch.autograd.grad(per_sample_loss(policy.actor_head(hk), a[keep]).sum(), hk)
-    with ProbeSession(policy, run_dir=tmp_path, sinks=SinksConfig(console=False)) as session:
+    with ProbeSession(
+        policy, run_dir=tmp_path, sinks=SinksConfig(console=False), probe_budget=None
+    ) as session:
         session.add_training_hook("actor_mlp", attach_relu_activation_hooks())
         session.add_training_backward_hook("actor_mlp", attach_fisher_information_hooks())
         with session.row_mask(m):

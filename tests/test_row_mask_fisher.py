@@ -347,6 +347,7 @@ def test_recurrent_ppo_lstm_weights_get_their_masked_fisher(tmp_path) -> None:
         run_dir=tmp_path / "run",
         sinks=SinksConfig(console=False),
         strict=True,
+        probe_budget=None,  # every pass: compared with every minibatch
     )
     model.learn(32, callback=callback)
     handle.remove()

@@ -152,6 +152,7 @@ def test_cnn_policy_relu_gradient_flow_and_fisher_per_layer_and_channel(tmp_path
         sinks=SinksConfig(console=False),
         wandb=WandbConfig(mode="disabled"),
         strict=True,
+        probe_budget=None,  # every pass: compared with plain hooks on every minibatch
     )
     model.learn(CYCLES * ROWS, callback=callback)
     cap.remove()

@@ -471,7 +471,8 @@ class TrainTool(BaseModel):
                 sinks=sinks,
             )
             if context.sampler is not None:  # the session ends a pass at every optimizer step
-                context.sampler.probe_batch_source = trainer.model_data_context()
+                # built only if a probe_batch schedule runs (interventions build it too)
+                context.sampler.probe_batch_source = trainer.model_data_context
             if dist_run.distributed:
                 trainer.wrap_ddp(dist_run.ddp_device_ids())
             if resume_from is not None:
