@@ -321,12 +321,8 @@ class Sampler:
             return True
         if kind == "every_k":
             return self.passes % arg == 0
-        if kind == "budget":
-            # one pass in every k of the epoch, shifted by one pass per epoch (not always
-            # the same minibatch), and at least one per epoch even when an epoch has
-            # fewer than k passes: the shift stays below the last epoch's pass count
-            period = min(arg, self.last_epoch_passes or arg)
-            return self.epoch_passes % arg == self.epochs % period
+        if kind == "budget":  # shifted by one pass per epoch: not always the same minibatch
+            return (self.passes + self.epochs) % arg == 0
         stride = max((self.last_epoch_passes or 0) // arg, 1)  # per_epoch
         i = self.epoch_passes
         return i % stride == 0 and i // stride < arg

@@ -55,7 +55,7 @@ def slow_relu_hooks():
     return build
 
 
-def run(tmp_path, budget, epochs, passes=PASSES):
+def run(tmp_path, budget, epochs):
     torch.manual_seed(0)
     net = Net()
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
@@ -68,7 +68,7 @@ def run(tmp_path, budget, epochs, passes=PASSES):
         s.add_training_hook("cheap", attach_saturated_activation_hooks(per_layer=False))
         for epoch in range(epochs):
             s.set_phase("train")
-            for _ in range(passes):
+            for _ in range(PASSES):
                 opt.zero_grad()
                 net(x).backward()
                 opt.step()
@@ -130,15 +130,3 @@ def test_sampler_alone_on_a_context_without_a_session():
         sampler.next_pass()
     assert armed == [True, False, True, False]
     assert sampler.totals() == {"relu/slow": (2, 10)}
-
-
-def test_a_budgeted_probe_observes_at_least_one_pass_of_every_short_epoch(tmp_path):
-    """Epochs of 3 passes and an expensive probe sampled down to 1 pass in k > 3: every
-    epoch still has its metrics, from exactly one observed pass (the budget cannot go
-    below one pass per epoch; the overhead then stays above it, as measured)."""
-    records = run(tmp_path, 0.05, epochs=8, passes=3)
-    observed = [r.get("probes/relu/slow/passes_observed") for r in records]
-    assert all(n is not None and n >= 1 for n in observed), observed
-    every = [r.get("probes/relu/observe_every", 1.0) for r in records]
-    sparse = [n for n, k in zip(observed, every, strict=True) if k > 3]
-    assert sparse and all(n == 1 for n in sparse), (observed, every)

@@ -30,6 +30,8 @@ EPOCHS, SNAPSHOT_EVERY = 3, 2
 HOOKS = {"hooks": ["adam_dynamics"], "hook_config": {"adam_dynamics.per_layer": False}}
 SINKS = SinksConfig(console=False, csv=False, wandb=False)
 NO_WANDB = WandbConfig(mode="disabled")
+#: every pass observed: each epoch carries every probe key in all three drivers
+EVERY_PASS = {"probe_budget": None}
 
 
 def trainer_records(run_dir: Path) -> list[dict]:
@@ -50,6 +52,7 @@ def trainer_records(run_dir: Path) -> list[dict]:
         snapshot_every=SNAPSHOT_EVERY,
         torch_threads=1,
         **HOOKS,
+        **EVERY_PASS,
     )
     tool.add_training_hook("actor_mlp", attach_relu_activation_hooks())
     tool.invoke()
@@ -74,6 +77,7 @@ def sb3_records(run_dir: Path) -> list[dict]:
         wandb=NO_WANDB,
         snapshot_every=SNAPSHOT_EVERY,
         **HOOKS,
+        **EVERY_PASS,
     )
     model.learn(EPOCHS * 2 * 16, callback=callback)
     return read_jsonl(run_dir / "metrics.jsonl")
@@ -95,6 +99,7 @@ def cleanrl_records(run_dir: Path) -> list[dict]:
         optimizer=optimizer,
         snapshot_every=SNAPSHOT_EVERY,
         **HOOKS,
+        **EVERY_PASS,
     ) as session:
         session.add_training_hook("actor_mlp", attach_relu_activation_hooks())
         for epoch in range(EPOCHS):

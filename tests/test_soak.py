@@ -55,6 +55,9 @@ def test_long_run_memory_flat_and_one_record_per_epoch(tmp_path: Path) -> None:
             "wandb": WandbConfig(mode="disabled"),
             "with_hooks": "observers",
             "snapshot_every": 100,
+            # one sampled pass in every epoch (the default budget, on 2-pass epochs, would
+            # observe one every few epochs): every record carries the probe metrics
+            "probe_schedule": "per_epoch:1",
         }
     )
     memory = ResidentMemory()
