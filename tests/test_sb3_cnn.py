@@ -1,5 +1,5 @@
 """ProbeCallback on Stable-Baselines3 PPO("CnnPolicy") (NatureCNN on pixels): the relu,
-gradient-flow and Fisher probes on the CNN encoder and the heads, per layer and per
+gradient-flow, ReLU gradient-flow and Fisher probes on the CNN encoder and the heads, per layer and per
 channel, every metric of every cycle checked against plain torch hooks registered by the
 test and per-sample gradients formed independently (``torch.nn.grad.conv2d_weight`` on
 one sample at a time, not the probe's im2col rule)."""
@@ -18,6 +18,7 @@ from policy_probes import (
     attach_fisher_information_hooks,
     attach_gradient_flow_hooks,
     attach_relu_activation_hooks,
+    attach_relu_gradient_flow_hooks,
 )
 from policy_probes.integrations.sb3 import ProbeCallback
 from policy_probes.sinks import SinksConfig, WandbConfig, read_jsonl
@@ -146,6 +147,7 @@ def test_cnn_policy_relu_gradient_flow_and_fisher_per_layer_and_channel(tmp_path
         backward_probes=[
             ("features", attach_fisher_information_hooks()),
             ("features", attach_gradient_flow_hooks(beta=BETA)),
+            ("features", attach_relu_gradient_flow_hooks()),
             ("actor_head", attach_fisher_information_hooks()),
         ],
         run_dir=tmp_path / "run",
@@ -173,6 +175,17 @@ def test_cnn_policy_relu_gradient_flow_and_fisher_per_layer_and_channel(tmp_path
             grads = cap.grad[name][window]
             assert rec[f"probes/gradient_flow/features.{name}/rms"] == pytest.approx(
                 gradient_rms_expected(grads), rel=1e-5
+            )
+            # gradient reaches the ReLU's input where it was active and received some
+            passed = [
+                per_channel(((g != 0) & (h > 0)).double())
+                for h, g in zip(cap.out[name][window], grads, strict=True)
+            ]
+            rate = torch.cat(passed).mean(0)
+            key = f"probes/relu_gradient_flow/features.{name}/"
+            assert rec[key + "pass_rate"] == pytest.approx(rate.tolist(), rel=REL, abs=1e-12)
+            assert rec[key + "blocked_fraction"] == pytest.approx(
+                float((rate == 0).double().mean())
             )
         # the component's output is its last layer's
         assert (
