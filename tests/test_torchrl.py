@@ -94,7 +94,14 @@ def test_torchrl_ppo_loop_records_match_independent_computation(tmp_path) -> Non
     own_hooks = hook_counts(actor) + hook_counts(critic)
     cap = Capture(
         {"actor_mlp.1": mlp[1], "actor_mlp.3": mlp[3], "critic_mlp.1": critic.module[1]},
-        {"actor_mlp": mlp, "actor_mlp.0": mlp[0], "actor_mlp.2": mlp[2], "actor_mlp.4": mlp[4]},
+        {
+            "actor_mlp": mlp,
+            "actor_mlp.0": mlp[0],
+            "actor_mlp.2": mlp[2],
+            "actor_mlp.4": mlp[4],
+            "relu_out.1": mlp[1],  # the gradients of the ReLUs' outputs
+            "relu_out.3": mlp[3],
+        },
     )
 
     returned = ns["train"](args, env, (actor, critic))
@@ -124,6 +131,21 @@ def test_torchrl_ppo_loop_records_match_independent_computation(tmp_path) -> Non
                 float((h <= 0).double().mean())
             )
         assert rec["probes/relu/actor_mlp.1/dead_fraction"] >= len(DEAD) / args.hidden
+        # ReLU gradient flow per ReLU layer: gradient passes where the unit was active
+        # and received a non-zero gradient; the killed units never pass any
+        for name in ("actor_mlp.1", "actor_mlp.3"):
+            grads = cap.grad[name.replace("actor_mlp", "relu_out")][window]
+            passed = [
+                ((g != 0) & (h > 0)).double()
+                for h, g in zip(cap.out[name][window], grads, strict=True)
+            ]
+            rate = torch.cat(passed).mean(0)
+            key = f"probes/relu_gradient_flow/{name}/"
+            assert rec[key + "pass_rate"] == pytest.approx(rate.tolist())
+            assert rec[key + "blocked_fraction"] == pytest.approx(
+                float((rate == 0).double().mean())
+            )
+        assert all(rec["probes/relu_gradient_flow/actor_mlp.1/pass_rate"][u] == 0 for u in DEAD)
 
         h = torch.cat(cap.out["critic_mlp.1"][window]).double()
         assert rec["probes/saturation_tanh/critic_mlp.1/saturated_fraction"] == pytest.approx(
