@@ -14,17 +14,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from policy_probes.context import ComponentContext
-from policy_probes.extractors import as_extractor
 from policy_probes.grad_tap import on_grad
 from policy_probes.hook_types import BackwardHookBuilder, Extractor
-from policy_probes.probes.layout import as_unit_rows, check_layout
-from policy_probes.probes.per_layer import LayeredProbeHook, ProbedLayer
+from policy_probes.probes.layout import as_unit_rows
+from policy_probes.probes.per_layer import LayeredProbeHook, ProbedLayer, layered_builder
 from policy_probes.probes.rows import COUNT, Rows
-from policy_probes.probes.state import ProbeState, as_floats, get_state
+from policy_probes.probes.state import ProbeState, as_floats
 from policy_probes.probes.weighted import Weighted
 from policy_probes.row_mask import pushing_with
-from policy_probes.sampling import Schedule, as_schedule, with_schedule
+from policy_probes.sampling import Schedule
 
 BLOCKED_THRESHOLD = 1e-8
 
@@ -205,30 +203,14 @@ def attach_gradient_flow_hooks(
     (:mod:`~policy_probes.probes.per_layer`)."""
     if not 0.0 <= beta < 1.0:
         raise ValueError(f"beta must lie in [0, 1), got {beta}")
-    check_layout(layout)
-
-    extractor = as_extractor(extractor)
-
-    sched = as_schedule(schedule)
-
-    def build(component_name: str, context: ComponentContext) -> GradientFlowHook | None:
-        tracker = get_state(context, "gradient_flow", GradientFlowState)
-        if not tracker.register_component(
-            component_name, beta=beta, blocked_threshold=blocked_threshold
-        ):
-            return None
-        return with_schedule(
-            GradientFlowHook(
-                tracker,
-                component_name,
-                context,
-                phases,
-                extractor,
-                layout=layout,
-                per_layer=per_layer,
-            ),
-            sched,
-        )
-
-    build.probe = "gradient_flow"  # type: ignore[attr-defined]
-    return build
+    return layered_builder(
+        "gradient_flow",
+        (GradientFlowState,),
+        GradientFlowHook,
+        {"beta": beta, "blocked_threshold": blocked_threshold},
+        phases=phases,
+        extractor=extractor,
+        layout=layout,
+        per_layer=per_layer,
+        schedule=schedule,
+    )

@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from policy_probes.context import ComponentContext
+from policy_probes.extractors import as_extractor
 from policy_probes.hook_types import Extractor, ProbeError, ProbeHook, log
 from policy_probes.layers import LAYER_BLOCKS
 from policy_probes.probes.layout import (
@@ -35,7 +36,9 @@ from policy_probes.probes.layout import (
     output_channels_first,
     resolve_channels_first,
 )
+from policy_probes.probes.state import get_state
 from policy_probes.row_mask import bound_weight, pushing_with
+from policy_probes.sampling import Schedule, as_schedule, with_schedule
 
 
 @dataclass(frozen=True)
@@ -239,3 +242,38 @@ class LayeredProbeHook(ProbeHook):
         the mask rows of ``output``, so pushes made now carry them; a probe that pushes
         later (from a gradient hook) keeps ``context.push_weight`` for then."""
         raise NotImplementedError
+
+
+def layered_builder(
+    key: str,
+    state: tuple[type, ...],
+    hook_cls: type[LayeredProbeHook],
+    settings: dict[str, Any],
+    *,
+    phases: Iterable[str] | str,
+    extractor: Extractor | None,
+    layout: str,
+    per_layer: bool,
+    schedule: Schedule | str | None,
+) -> Callable[[str, ComponentContext], LayeredProbeHook | None]:
+    """The builder of a :class:`LayeredProbeHook` probe: the tracker ``state`` (its class
+    and constructor arguments) under ``key`` in the context, ``component`` registered
+    there with ``settings``, and a ``hook_cls`` hook on its schedule (None if the
+    component is registered already). Checks ``layout``, ``extractor`` and ``schedule``
+    when the builder is made, so a bad argument fails in the recipe line that passed it."""
+    check_layout(layout)
+    extractor = as_extractor(extractor)
+    sched = as_schedule(schedule)
+    state_cls, *state_args = state
+
+    def build(component_name: str, context: ComponentContext) -> LayeredProbeHook | None:
+        tracker = get_state(context, key, state_cls, *state_args)
+        if not tracker.register_component(component_name, **settings):
+            return None
+        hook = hook_cls(
+            tracker, component_name, context, phases, extractor, layout=layout, per_layer=per_layer
+        )
+        return with_schedule(hook, sched)
+
+    build.probe = key  # type: ignore[attr-defined]
+    return build

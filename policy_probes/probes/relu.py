@@ -22,15 +22,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from policy_probes.context import ComponentContext
-from policy_probes.extractors import as_extractor
 from policy_probes.hook_types import Extractor, HookBuilder
-from policy_probes.probes.layout import ActivationState, check_layout
-from policy_probes.probes.per_layer import LayeredProbeHook, ProbedLayer
+from policy_probes.probes.layout import ActivationState
+from policy_probes.probes.per_layer import LayeredProbeHook, ProbedLayer, layered_builder
 from policy_probes.probes.rows import COUNT, Rows
-from policy_probes.probes.state import SUM, as_floats, get_state, rates
+from policy_probes.probes.state import SUM, as_floats, rates
 from policy_probes.probes.weighted import Weighted
-from policy_probes.sampling import Schedule, as_schedule, standard_error, with_schedule
+from policy_probes.sampling import Schedule, standard_error
 
 # ReDo divides by the layer mean plus a small constant; all-zero layers are all dormant.
 DORMANT_EPS = 1e-9
@@ -147,30 +145,14 @@ def attach_relu_activation_hooks(
     """
     if not tau >= 0:
         raise ValueError(f"tau must be >= 0, got {tau}")
-    check_layout(layout)
-
-    extractor = as_extractor(extractor)
-
-    sched = as_schedule(schedule)
-
-    def build(component_name: str, context: ComponentContext) -> ReLUActivationHook | None:
-        tracker = get_state(context, "relu", ReLUActivationState)
-        if not tracker.register_component(
-            component_name, tau=tau, rarely_active=rarely_active, always_active=always_active
-        ):
-            return None
-        return with_schedule(
-            ReLUActivationHook(
-                tracker,
-                component_name,
-                context,
-                phases,
-                extractor,
-                layout=layout,
-                per_layer=per_layer,
-            ),
-            sched,
-        )
-
-    build.probe = "relu"  # type: ignore[attr-defined]
-    return build
+    return layered_builder(
+        "relu",
+        (ReLUActivationState,),
+        ReLUActivationHook,
+        {"tau": tau, "rarely_active": rarely_active, "always_active": always_active},
+        phases=phases,
+        extractor=extractor,
+        layout=layout,
+        per_layer=per_layer,
+        schedule=schedule,
+    )

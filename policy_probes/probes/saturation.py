@@ -13,22 +13,24 @@ from typing import Any
 import torch
 from torch import nn
 
-from policy_probes.context import ComponentContext
-from policy_probes.extractors import as_extractor
 from policy_probes.hook_types import Extractor, HookBuilder
 from policy_probes.probes.layout import ActivationState, check_layout
-from policy_probes.probes.per_layer import ActivationLayer, LayeredProbeHook, ProbedLayer
+from policy_probes.probes.per_layer import (
+    ActivationLayer,
+    LayeredProbeHook,
+    ProbedLayer,
+    layered_builder,
+)
 from policy_probes.probes.relu import samples
 from policy_probes.probes.rows import COUNT, Rows
 from policy_probes.probes.state import (
     SUM,
     as_floats,
-    get_state,
     indicator_,
     rates,
 )
 from policy_probes.probes.weighted import Weighted
-from policy_probes.sampling import Schedule, as_schedule, standard_error, with_schedule
+from policy_probes.sampling import Schedule, standard_error
 
 SATURATING = ("tanh", "sigmoid")
 #: the activation module of each kind (the layers a per-layer saturation probe reads)
@@ -154,30 +156,14 @@ def attach_saturated_activation_hooks(
         raise ValueError(
             f"threshold for {activation} saturation must lie in ({low}, 1), got {threshold}"
         )
-    key = f"saturation_{activation}"
-
-    extractor = as_extractor(extractor)
-
-    sched = as_schedule(schedule)
-
-    def build(component_name: str, context: ComponentContext) -> SaturatedActivationHook | None:
-        tracker = get_state(context, key, SaturatedActivationState, activation)
-        if not tracker.register_component(
-            component_name, threshold=threshold, unit_threshold=unit_threshold
-        ):
-            return None
-        return with_schedule(
-            SaturatedActivationHook(
-                tracker,
-                component_name,
-                context,
-                phases,
-                extractor,
-                layout=layout,
-                per_layer=per_layer,
-            ),
-            sched,
-        )
-
-    build.probe = key  # type: ignore[attr-defined]
-    return build
+    return layered_builder(
+        f"saturation_{activation}",
+        (SaturatedActivationState, activation),
+        SaturatedActivationHook,
+        {"threshold": threshold, "unit_threshold": unit_threshold},
+        phases=phases,
+        extractor=extractor,
+        layout=layout,
+        per_layer=per_layer,
+        schedule=schedule,
+    )
