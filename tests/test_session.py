@@ -29,12 +29,15 @@ NO_WANDB = dict(sinks=SinksConfig(console=False, wandb=False), wandb=WandbConfig
 DEAD = (0, 1, 2)  # units of actor.1 killed before training
 
 
-def load_doc_example() -> dict[str, Any]:
-    """Execute the CleanRL example of docs/external.md and return its namespace."""
+def load_doc_example(
+    header: str = EXAMPLE_HEADER, module_name: str = "docs_external_example"
+) -> dict[str, Any]:
+    """Execute the example of docs/external.md whose block starts with ``header`` (the
+    CleanRL loop by default) and return its namespace."""
     blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)
-    code = [b for b in blocks if b.startswith(EXAMPLE_HEADER)]
-    assert len(code) == 1, "docs/external.md must hold exactly one CleanRL example block"
-    module = types.ModuleType("docs_external_example")  # dataclasses need a real module
+    code = [b for b in blocks if b.startswith(header)]
+    assert len(code) == 1, f"docs/external.md must hold exactly one block starting {header!r}"
+    module = types.ModuleType(module_name)  # dataclasses need a real module
     sys.modules[module.__name__] = module
     exec(compile(code[0], str(DOC), "exec"), module.__dict__)
     return module.__dict__
