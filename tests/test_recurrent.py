@@ -660,7 +660,9 @@ def lstm_calls_by_minibatch(
     return out
 
 
-def test_a_custom_tracker_without_weight_gets_every_row_and_a_warning(caplog) -> None:
+def test_a_tracker_with_the_deprecated_consume_still_counts_every_row_and_warns(caplog) -> None:
+    """The six-argument ``consume(component, stream, cols, segments, scales)`` of older
+    custom trackers still runs (FutureWarning); without ``weight=`` it gets every row."""
     from policy_probes import ProbeHook, ProbeState
     from policy_probes.probes.state import COUNT, as_rows, get_state
 
@@ -698,7 +700,8 @@ def test_a_custom_tracker_without_weight_gets_every_row_and_a_warning(caplog) ->
     ctx.row_mask = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0])
     with torch.no_grad():
         policy(torch.randn(5, 5))
-    got = StatsReporter(ctx).collect()
+    with pytest.warns(FutureWarning, match=r"consume\(self, batch\)"):
+        got = StatsReporter(ctx).collect()
     assert got["probes/row_count/actor_mlp/rows"] == 5
     assert got["probes/relu/actor_mlp/samples"] == 2
     assert "consume() takes no weight" in caplog.text

@@ -49,7 +49,15 @@ from policy_probes.probes.fisher_generic import (
 )
 from policy_probes.probes.fisher_rules import CHUNK_BYTES, LayerRule, closed_form_rule, layer_rows
 from policy_probes.probes.rows import COUNT, Rows
-from policy_probes.probes.state import SUM, ProbeState, as_floats, as_rows, get_state, rates
+from policy_probes.probes.state import (
+    SUM,
+    Drained,
+    ProbeState,
+    as_floats,
+    as_rows,
+    get_state,
+    rates,
+)
 from policy_probes.probes.weighted import Weighted
 from policy_probes.row_mask import (
     bound_sample_weight,
@@ -223,25 +231,20 @@ class FisherInformationState(ProbeState):
         stream = f"linear@{activation}:{names[0] or ''}:{names[1] or ''}"
         self._push(component, stream, (as_rows(x), as_rows(act_out), g), (None, None, f))
 
-    def consume(
-        self,
-        component: str,
-        stream: str,
-        cols: tuple[Rows, ...],
-        segments: list[int],
-        scales: list[Any],
-        weight: torch.Tensor | None = None,
-    ) -> None:
+    def consume(self, batch: Drained) -> None:
+        component, stream, cols = batch.component, batch.stream, batch.cols
+        mask = batch.weight  # the row mask's rows (``weight`` names a parameter below)
         g = cols[-1]
         # w: every row's per-sample factor f (the gradient block's push scale)
         w = self.scratch(g.clean[:, 0], 1)
         lo = 0
-        for _, run in itertools.groupby(zip(segments, scales, strict=True), key=_factor_key):
+        for _, run in itertools.groupby(
+            zip(batch.segments, batch.scales, strict=True), key=_factor_key
+        ):
             run = list(run)
             hi = lo + sum(n for n, _ in run)
             w[lo:hi].fill_(_factor(run[0]))
             lo = hi
-        mask = weight  # the row mask's rows (``weight`` names a parameter below)
         if mask is not None:  # masked rows: factor 0 (and not counted below)
             w.mul_(mask.to(w.dtype))
         if stream == "out":

@@ -19,7 +19,7 @@ from policy_probes.hook_types import BackwardHookBuilder, Extractor
 from policy_probes.probes.layout import as_unit_rows
 from policy_probes.probes.per_layer import LayeredProbeHook, ProbedLayer, layered_builder
 from policy_probes.probes.rows import COUNT, Rows
-from policy_probes.probes.state import ProbeState, as_floats
+from policy_probes.probes.state import Drained, ProbeState, as_floats
 from policy_probes.probes.weighted import Weighted
 from policy_probes.row_mask import pushing_with
 from policy_probes.sampling import Schedule
@@ -61,20 +61,12 @@ class GradientFlowState(ProbeState):
         scales = None if mask is None else (mask.serial,)
         self._push(component, "g", (as_unit_rows(grad_output, channels_first),), scales)
 
-    def consume(
-        self,
-        component: str,
-        stream: str,
-        cols: tuple[Rows, ...],
-        segments: list[int],
-        scales: list[Any],
-        weight: torch.Tensor | None = None,
-    ) -> None:
-        (drained,) = cols
+    def consume(self, batch: Drained) -> None:
+        component, (drained,), weight = batch.component, batch.cols, batch.weight
         beta = self.settings[component]["beta"]
         g, nonfinite = drained.clean, drained.nonfinite
         sq = drained.square()
-        segments = _passes(segments, scales)
+        segments = _passes(batch.segments, batch.scales)
         if weight is not None:
             self._consume_masked(component, drained, segments, weight, beta)
             return

@@ -25,8 +25,8 @@ from torch import nn
 from policy_probes.hook_types import Extractor, HookBuilder
 from policy_probes.probes.layout import ActivationState
 from policy_probes.probes.per_layer import LayeredProbeHook, ProbedLayer, layered_builder
-from policy_probes.probes.rows import COUNT, Rows
-from policy_probes.probes.state import SUM, as_floats, rates
+from policy_probes.probes.rows import COUNT
+from policy_probes.probes.state import SUM, Drained, as_floats, rates
 from policy_probes.probes.weighted import Weighted
 from policy_probes.sampling import Schedule, standard_error
 
@@ -52,16 +52,8 @@ class ReLUActivationState(ActivationState):
             name, tau=tau, rarely_active=rarely_active, always_active=always_active, **extra
         )
 
-    def consume(
-        self,
-        component: str,
-        stream: str,
-        cols: tuple[Rows, ...],
-        segments: list[int],
-        scales: list[Any],
-        weight: torch.Tensor | None = None,
-    ) -> None:
-        (h,) = cols
+    def consume(self, batch: Drained) -> None:
+        component, (h,), weight = batch.component, batch.cols, batch.weight
         kept = Weighted(h, weight)  # rows the row mask keeps (all without one)
         count = kept.finite_count()
         abs_sum = kept.sums(torch.abs(h.clean, out=self.scratch(h.clean))).to(SUM)

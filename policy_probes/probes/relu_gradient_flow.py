@@ -27,8 +27,8 @@ from policy_probes.grad_tap import on_grad
 from policy_probes.hook_types import BackwardHookBuilder, ProbeError, ProbeHook
 from policy_probes.probes.layout import as_unit_rows, check_layout, resolve_channels_first
 from policy_probes.probes.per_layer import activation_layers
-from policy_probes.probes.rows import COUNT, Rows
-from policy_probes.probes.state import ProbeState, as_floats, get_state, rates
+from policy_probes.probes.rows import COUNT
+from policy_probes.probes.state import Drained, ProbeState, as_floats, get_state, rates
 from policy_probes.probes.weighted import Weighted
 from policy_probes.row_mask import bound_weight, pushing_with
 from policy_probes.sampling import Schedule, as_schedule, tensor_rows, with_schedule
@@ -70,20 +70,12 @@ class ReLUGradientFlowState(ProbeState):
             (as_unit_rows(grad_out, channels_first), as_unit_rows(relu_out, channels_first)),
         )
 
-    def consume(
-        self,
-        component: str,
-        stream: str,
-        cols: tuple[Rows, ...],
-        segments: list[int],
-        scales: list[Any],
-        weight: torch.Tensor | None = None,
-    ) -> None:
-        g, out = cols
+    def consume(self, batch: Drained) -> None:
+        component, stream, (g, out) = batch.component, batch.stream, batch.cols
         # g != 0 (finite: non-finite gradients are 0 in g.clean and never pass) and the
         # unit was active (a finite output > 0)
         passed = torch.abs(g.clean, out=self.scratch(g.clean)).sign_().mul_(out.positive())
-        kept = Weighted(g, weight)  # rows the row mask keeps (all without one)
+        kept = Weighted(g, batch.weight)  # rows the row mask keeps (all without one)
         self._add(component, f"count:{stream}", kept.finite_count(), COUNT)
         self._add(component, f"passed:{stream}", kept.counts(passed), COUNT)
         self._add(component, f"nonfinite:{stream}", kept.nonfinite_total(), COUNT)

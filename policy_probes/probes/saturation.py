@@ -22,9 +22,10 @@ from policy_probes.probes.per_layer import (
     layered_builder,
 )
 from policy_probes.probes.relu import samples
-from policy_probes.probes.rows import COUNT, Rows
+from policy_probes.probes.rows import COUNT
 from policy_probes.probes.state import (
     SUM,
+    Drained,
     as_floats,
     indicator_,
     rates,
@@ -57,16 +58,8 @@ class SaturatedActivationState(ActivationState):
             name, threshold=threshold, unit_threshold=unit_threshold, **extra
         )
 
-    def consume(
-        self,
-        component: str,
-        stream: str,
-        cols: tuple[Rows, ...],
-        segments: list[int],
-        scales: list[Any],
-        weight: torch.Tensor | None = None,
-    ) -> None:
-        (h,) = cols
+    def consume(self, batch: Drained) -> None:
+        component, (h,), weight = batch.component, batch.cols, batch.weight
         t = self.settings[component]["threshold"]
         clean, scratch = h.clean, self.scratch(h.clean)  # non-finite entries are 0
         kept = Weighted(h, weight)  # rows the row mask keeps (all without one)

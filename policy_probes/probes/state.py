@@ -23,6 +23,8 @@ import inspect
 import logging
 import math
 import time
+import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,7 +40,22 @@ log = logging.getLogger("policy_probes")
 # Accumulator dtype of sums (counts are int64: rows.COUNT).
 SUM = torch.float64
 
-log = logging.getLogger("policy_probes")
+
+@dataclass(frozen=True)
+class Drained:
+    """One stream's held rows, as :meth:`ProbeState.consume` reduces them."""
+
+    component: str
+    stream: str
+    #: one :class:`Rows` per pushed block column (**read-only**: other probes may share it)
+    cols: tuple[Rows, ...]
+    #: the row count of every push, in order
+    segments: list[int]
+    #: every push's scales (None for a push without)
+    scales: list[tuple[float | None, ...] | None]
+    #: ``(N,)`` 0/1 per row under a row mask (reduce with
+    #: :class:`~policy_probes.probes.weighted.Weighted`); None without one
+    weight: torch.Tensor | None = None
 
 
 class ProbeState:
@@ -232,11 +249,11 @@ class ProbeState:
             if not buf.rows:
                 continue
             try:
-                cols, segments, scales, weight = buf.take(drain_round)
-                if weight is None or not _takes_weight(type(self)):
-                    self.consume(component, stream, cols, segments, scales)
-                else:  # masked rows: the built-in trackers weigh each row
-                    self.consume(component, stream, cols, segments, scales, weight=weight)
+                batch = Drained(component, stream, *buf.take(drain_round))
+                if _consumes_drained(type(self)):
+                    self.consume(batch)
+                else:
+                    self._consume_legacy(batch)
             except Exception as exc:  # a reduction must never take training down
                 self._lose_window(component, exc)
 
@@ -253,19 +270,10 @@ class ProbeState:
         """Reduce every held row into the accumulators (see :meth:`drain`)."""
         self.drain()
 
-    def consume(
-        self,
-        component: str,
-        stream: str,
-        cols: tuple[Rows, ...],
-        segments: list[int],
-        scales: list[tuple[float | None, ...] | None],
-    ) -> None:
-        """Reduce drained rows into accumulators: one :class:`Rows` per block column
-        (finite values and non-finite indicator, **read-only**: other probes may share
-        them), the row count of every push in order, and every push's scales. When a row
-        mask was set, ``weight=`` (``(N,)`` of 0/1) is passed too: sums must then be over
-        the rows of weight 1 and counts must count only them (see
+    def consume(self, batch: Drained) -> None:
+        """Reduce one stream's drained rows (:class:`Drained`) into accumulators with
+        :meth:`_add`. Under a row mask ``batch.weight`` is set: sums must then be over the
+        rows of weight 1 and counts must count only them (see
         :class:`~policy_probes.probes.weighted.Weighted`).
 
         Temporaries go into :meth:`scratch`, so a reduction allocates nothing of the
@@ -273,6 +281,15 @@ class ProbeState:
         more than the arithmetic).
         """
         raise NotImplementedError
+
+    def _consume_legacy(self, batch: Drained) -> None:
+        """A tracker written for the deprecated ``consume(component, stream, cols,
+        segments, scales[, weight=None])``."""
+        args = (batch.component, batch.stream, batch.cols, batch.segments, batch.scales)
+        if batch.weight is not None and _takes_weight(type(self)):
+            self.consume(*args, weight=batch.weight)  # type: ignore[call-arg]
+        else:
+            self.consume(*args)  # type: ignore[call-arg]
 
     # ----------------------------------------------------------- window
     def reset(self) -> None:
@@ -387,6 +404,27 @@ class ProbeState:
             for st in self.state.values()
             for t in st.values()
         )
+
+
+@functools.cache
+def _consumes_drained(cls: type) -> bool:
+    """Whether ``cls.consume`` takes one :class:`Drained`; the older six-argument form
+    still works, with a deprecation warning once per class."""
+    try:
+        params = list(inspect.signature(cls.consume).parameters)[1:]
+    except (TypeError, ValueError):
+        return True
+    if len(params) <= 1:
+        return True
+    warnings.warn(
+        f"tracker {cls.__name__}: consume(component, stream, cols, segments, scales) is "
+        f"deprecated; define consume(self, batch) and read batch.component, batch.stream, "
+        f"batch.cols, batch.segments, batch.scales and batch.weight "
+        f"(policy_probes.probes.state.Drained)",
+        FutureWarning,
+        stacklevel=2,
+    )
+    return False
 
 
 @functools.cache
