@@ -12,6 +12,8 @@ Cases:
   callback list and a fresh :class:`~policy_probes.context.ComponentContext`: no
   TrainTool, no sinks (its session has an empty sink group and only the idle
   ``stats_reporter``), no run directory. The reference of the empty-path benchmark.
+* ``recipe``: ``recipes.cartpole`` as it ships, console and W&B off, with or without its
+  probes (:func:`recipe`).
 * ``sb3``: Stable-Baselines3 PPO with the same hyperparameters, optionally
   (``probe_callback``) with :class:`policy_probes.integrations.sb3.ProbeCallback` carrying
   the same five probes on the actor and critic extractors. With ``recurrent``:
@@ -377,7 +379,38 @@ def sampling_of(metrics: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-CASES = {"ours": ours, "bare": bare, "sb3": sb3}
+def recipe(p: dict[str, Any]) -> dict[str, Any]:
+    """``recipes.cartpole`` as it ships (its four probes on ``actor_mlp`` and
+    ``critic_mlp``, evaluation every 10 epochs, JSONL and CSV metrics, checkpoints) with
+    the console and W&B off and ``total_timesteps`` and the sampling from ``p``; without
+    ``probes`` the same configuration with no probe attached."""
+    from recipes.cartpole import train
+    from trainers import TrainTool
+
+    tool = train()
+    if not p["probes"]:
+        tool = TrainTool.model_validate(tool.model_dump())  # the configuration alone
+    tool.trainer.total_timesteps = p["total_timesteps"]
+    tool.sinks.console = False
+    tool.sinks.wandb = False
+    tool.wandb.mode = "disabled"
+    tool.seed = p["seed"]
+    tool.run_dir = tempfile.mkdtemp(prefix="pp-bench-")
+    tool.probe_budget = p["probe_budget"]
+    tool.probe_schedule = p["probe_schedule"]
+    t0, c0 = time.perf_counter(), time.process_time()
+    result = tool.invoke()
+    seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
+    return {
+        "seconds": seconds,
+        "cpu_seconds": cpu_seconds,
+        "steps": result.agent_step,
+        "sps": result.agent_step / seconds,
+        **sampling_of(result.metrics),
+    }
+
+
+CASES = {"ours": ours, "bare": bare, "sb3": sb3, "recipe": recipe}
 
 
 def warm_imports(case: str) -> None:

@@ -14,7 +14,9 @@ five module probes on ``actor_mlp`` and ``critic_mlp``. B's sampling
 
 Keys for ``--only``: ``default``, ``every``, ``probe_batch`` (the three sides at width
 64), ``widths`` (default and every
-pass at 256 and 1024), ``sb3`` (SB3 PPO + ProbeCallback at the default and at every pass).
+pass at 256 and 1024), ``sb3`` (SB3 PPO + ProbeCallback at the default and at every pass), ``recipe``
+(``recipes.cartpole`` as it ships, 51,200 steps = 100 epochs, with and without its
+probes: evaluation, JSONL/CSV sinks and checkpoints on both sides).
 Same harness as every benchmark (:mod:`benchmarks.ab`): fresh interpreters, A B / B A
 pairs, median of the per-pair ratios, CPU-time ratios beside them.
 
@@ -33,7 +35,7 @@ from benchmarks.ab import (
     write_results,
 )
 
-KEYS = ["default", "every", "probe_batch", "widths", "sb3"]
+KEYS = ["default", "every", "probe_batch", "widths", "sb3", "recipe"]
 DEFAULT = {"probe_budget": 0.05}
 EVERY = {"probe_budget": None, "probe_schedule": "every"}
 BATCH = {"probe_budget": 0.05, "probe_schedule": "probe_batch:256"}
@@ -73,6 +75,17 @@ def comparisons(quick: bool, only: list[str] | None = None) -> list[Comparison]:
                 Side(
                     f"+ ProbeCallback, {label}", "sb3", dict(sb3, probe_callback=True, **sampling)
                 ),
+                target="<= 1.05" if label == "default" else "reported",
+            )
+        )
+    # the cartpole recipe as it ships (evaluation, JSONL and CSV sinks, checkpoints)
+    shipped = {"total_timesteps": 4096 if quick else 51_200}
+    for label, sampling in (("default", DEFAULT), ("every", EVERY)):
+        out["recipe"].append(
+            Comparison(
+                f"cartpole recipe, {label}",
+                Side("recipe, no probes", "recipe", dict(shipped)),
+                Side(f"recipe, {label}", "recipe", dict(shipped, probes=True, **sampling)),
                 target="<= 1.05" if label == "default" else "reported",
             )
         )

@@ -35,6 +35,10 @@ times (kernel launches are asynchronous), which is the cost the training loop wa
 projected cost of the next epoch is at most b / (1 - b) of the probe-free time (wall time
 minus measured overhead), doubling the k of the probe with the largest projected cost first
 (so the most expensive probe is sampled down first). k is capped at 8 epochs' passes.
+The report (every tracker's ``to_metrics``, and the rest of the epoch's end that only the
+probes need) costs the same at any k: when it would take more than :data:`REPORT_SHARE`
+of the allowance, the probes report every m epochs (:meth:`Sampler.reports_this_epoch`),
+their metrics then covering the m epochs (``probes/window_epochs``).
 """
 
 from __future__ import annotations
@@ -57,10 +61,13 @@ log = logging.getLogger("policy_probes")
 DEFAULT_BUDGET = 0.05
 #: a budgeted probe observes at least one pass every this many epochs
 MAX_EPOCHS_BETWEEN = 8
-#: k of a budgeted probe before its cost was measured (its first epoch)
-FIRST_EVERY = 8
+#: k of a budgeted probe before its cost was measured (its first epoch: a few passes)
+FIRST_EVERY = 32
 #: weight of the newest epoch in the running per-pass cost estimate
 COST_EMA = 0.5
+#: the share of the budget that reporting (the trackers' ``to_metrics``) may take before
+#: the probes report every few epochs instead of every epoch
+REPORT_SHARE = 0.5
 
 Kind = Literal["every", "every_k", "per_epoch", "probe_batch", "budget"]
 
@@ -155,8 +162,9 @@ def check_budget(budget: float | None) -> float | None:
 def dispatch_costs() -> tuple[float, float]:
     """Seconds torch spends dispatching one forward hook on a module call, and one tensor
     hook (registration plus its call from the autograd engine), measured once per process
-    against the same work without the hook (fastest of 5 rounds of 40 calls, 20 for the
-    backward; about 10 ms in all). No RNG is touched."""
+    against the same work without the hook (fastest of 3 rounds of 30 calls, 15 for the
+    backward; about 5 ms in all, counted in the first epoch's overhead). No RNG is
+    touched."""
     module = nn.Identity()
     x = torch.ones(4, 4)
     w = torch.ones(4, 4, requires_grad=True)
@@ -164,9 +172,9 @@ def dispatch_costs() -> tuple[float, float]:
     def noop(*_args: Any) -> None:
         return None
 
-    def per_call(fn: Callable[[], None], n: int = 40) -> float:
+    def per_call(fn: Callable[[], None], n: int = 30) -> float:
         rounds = []
-        for _ in range(5):
+        for _ in range(3):
             t0 = time.perf_counter()
             for _ in range(n):
                 fn()
@@ -187,8 +195,8 @@ def dispatch_costs() -> tuple[float, float]:
         torch.autograd.grad(y.sum(), w)
 
     with torch.enable_grad():  # the loop may report under no_grad
-        plain = per_call(lambda: backward(False), 20)
-        tapped = per_call(lambda: backward(True), 20)
+        plain = per_call(lambda: backward(False), 15)
+        tapped = per_call(lambda: backward(True), 15)
     return max(hooked - bare, 0.0), max(tapped - plain, 0.0)
 
 
@@ -206,8 +214,11 @@ def tensor_rows(t: torch.Tensor, channels_first: bool = False) -> int:
 class _HookCount:
     probe: str
     component: str
+    #: passes and rows observed in the reporting window (since the last report)
     passes: int = 0
     rows: int = 0
+    #: passes observed in the epoch under way (what the budget's per-pass costs divide by)
+    epoch_passes: int = 0
     module_calls: int = 0
     tensor_calls: int = 0
     seen_calls: int = 0
@@ -265,6 +276,17 @@ class Sampler:
         #: and pass boundaries; added by PolicyAutoBuilder._sync_handles)
         self.sync_seconds = 0.0
         self.last_fraction: float | None = None
+        #: report every this many epochs (1 unless reporting alone would exceed
+        #: REPORT_SHARE of the budget: very short epochs); epochs in the current window
+        self.report_every = 1
+        self.window_epochs = 0
+        #: estimated seconds of one report, and the window's overhead and wall seconds
+        self.report_cost: float | None = None
+        self.window_overhead = 0.0
+        self.window_wall = 0.0
+        #: seconds spent in StatsReporter.collect over the run (the session subtracts it
+        #: from the epoch end it charges, see :meth:`charge`)
+        self.collect_seconds = 0.0
         self._warned = False
         #: counts from a checkpoint, for probes not registered yet
         self._restored: dict[str, list[int]] = {}
@@ -302,7 +324,7 @@ class Sampler:
             count = self.counts[key] = _HookCount(hook.probe, hook.component, seen_calls=hook.calls)
             saved = self._restored.pop(f"{hook.probe}/{hook.component}", None)
             if saved is not None:  # from a checkpoint (load_state_dict)
-                count.passes, count.rows, count.total_passes, count.total_rows = saved
+                _restore_count(count, saved)
             self._rules = None
         return self._rule_holds(self._rule(hook))
 
@@ -369,6 +391,7 @@ class Sampler:
             if not handle.armed:
                 continue
             count.passes += 1
+            count.epoch_passes += 1
             # each module hook fires about once per pass; a backward probe's module
             # hooks each register about one tensor hook (shared ones counted for each)
             count.module_calls += len(handle.handles)
@@ -385,6 +408,20 @@ class Sampler:
         return optimizer.register_step_post_hook(ended)
 
     # ------------------------------------------------------------ epochs
+    def reports_this_epoch(self) -> bool:
+        """Whether the trackers report at this epoch's end: every epoch without budgeted
+        probes, under torch.distributed, or while reporting fits the budget; else every
+        :attr:`report_every` epochs, the metrics then covering that many epochs."""
+        if self.report_every == 1 or _distributed():
+            return True
+        return self.window_epochs + 1 >= self.report_every
+
+    def charge(self, seconds: float) -> None:
+        """Count ``seconds`` of the loop's own work for the probes (the session's epoch end
+        beyond the collection: lifecycle dispatch, record conversion, sinks) in the next
+        epoch's overhead."""
+        self.own_seconds += max(seconds, 0.0)
+
     def before_collect(self) -> None:
         """Run this epoch's probe batch, if a probe waits for one (called by
         :class:`~policy_probes.stats_reporter.StatsReporter` before the trackers report)."""
@@ -394,16 +431,21 @@ class Sampler:
                 source = self.probe_batch_source = source()
             run_probe_batch(self, source, self.generator)
 
-    def end_epoch(self, trackers: list[Any]) -> dict[str, float]:
-        """Close the epoch's accounting (after the trackers' ``to_metrics``): return
-        ``probes/overhead_fraction``, ``probes/overhead_seconds``, and per probe and
-        component ``passes_observed`` / ``rows_observed`` (and ``observe_every`` of
-        budgeted probes), then set the next epoch's sampling rates within the budget."""
+    def end_epoch(
+        self, trackers: list[Any], *, report: bool = True, report_seconds: float = 0.0
+    ) -> dict[str, float]:
+        """Close the epoch's accounting (after the trackers' ``to_metrics``, which took
+        ``report_seconds``; ``report=False``: the trackers did not report this epoch, see
+        :meth:`reports_this_epoch`) and set the next epoch's sampling rates within the
+        budget. On a report, return ``probes/overhead_fraction``,
+        ``probes/overhead_seconds`` and ``probes/window_epochs`` over the window, and per
+        probe and component ``passes_observed`` / ``rows_observed`` (and
+        ``observe_every`` of budgeted probes)."""
         if not self.handles:  # no probe attached: nothing to report
             self.epoch_start = time.perf_counter()
             return {}
-        module_cost, tensor_cost = dispatch_costs()  # calibrated once, before the clock
         t0 = time.perf_counter()
+        module_cost, tensor_cost = dispatch_costs()  # calibrated once: the first epoch pays
         self._account()
         wall = t0 - self.epoch_start
         cost: dict[str, float] = {}
@@ -412,28 +454,33 @@ class Sampler:
         for key, handle in self.handles.items():
             hook, count = handle.hook, self.counts[key]
             count.rows += hook.rows
+            count.total_rows += hook.rows
+            count.total_passes += count.epoch_passes
             hook.rows = 0
             seconds = hook.seconds + count.module_calls * module_cost
             seconds += count.tensor_calls * tensor_cost
             hook.seconds = 0.0
             cost[count.probe] = cost.get(count.probe, 0.0) + seconds
-            observed[count.probe] = max(observed.get(count.probe, 0), count.passes)
-            count.total_passes += count.passes
-            count.total_rows += count.rows
-            # beside a built-in probe's metrics (none in an epoch it observed no pass of)
-            if count.passes and getattr(hook, "tracker", None) is not None:
+            observed[count.probe] = max(observed.get(count.probe, 0), count.epoch_passes)
+            count.epoch_passes = count.module_calls = count.tensor_calls = 0
+            # beside a built-in probe's metrics (none in a window it observed no pass of)
+            if report and count.passes and getattr(hook, "tracker", None) is not None:
                 prefix = f"probes/{count.probe}/{count.component}"
                 out[f"{prefix}/passes_observed"] = float(count.passes)
                 out[f"{prefix}/rows_observed"] = float(count.rows)
-            count.passes = count.rows = count.module_calls = count.tensor_calls = 0
-        for tracker in trackers:
+            if report:
+                count.passes = count.rows = 0
+        for tracker in trackers:  # drains: the work of the rows the probes observed
             probe = getattr(tracker, "probe", None)
             seconds = getattr(tracker, "seconds", 0.0)
             if probe is not None and seconds:
                 cost[probe] = cost.get(probe, 0.0) + seconds
                 tracker.seconds = 0.0
-        overhead = sum(cost.values()) + self.own_seconds + self.sync_seconds
+        overhead = sum(cost.values()) + self.own_seconds + self.sync_seconds + report_seconds
         self.last_fraction = overhead / wall if wall > 0 else 0.0
+        self.window_overhead += overhead
+        self.window_wall += wall
+        self.window_epochs += 1
         if self.budget is not None and not self.passes and not self._warned:
             self._warned = True
             log.warning(
@@ -441,12 +488,22 @@ class Sampler:
                 "pass optimizer=... to the session or call session.next_pass() after each "
                 "optimizer step"
             )
-        out["probes/overhead_fraction"] = self.last_fraction
-        out["probes/overhead_seconds"] = overhead
-        for probe, k in self.observe_every.items():
-            out[f"probes/{probe}/observe_every"] = float(k)
+        if report:
+            self.report_cost = (
+                report_seconds
+                if self.report_cost is None
+                else COST_EMA * report_seconds + (1 - COST_EMA) * self.report_cost
+            )
+            fraction = self.window_overhead / self.window_wall if self.window_wall > 0 else 0.0
+            out["probes/overhead_fraction"] = fraction
+            out["probes/overhead_seconds"] = self.window_overhead
+            out["probes/window_epochs"] = float(self.window_epochs)
+            for probe, k in self.observe_every.items():
+                out[f"probes/{probe}/observe_every"] = float(k)
+            self.window_overhead = self.window_wall = 0.0
+            self.window_epochs = 0
         if self.budget is not None:
-            self._retune(cost, observed, wall, overhead)
+            self._retune(cost, observed, wall, overhead - report_seconds)
         self.last_epoch_passes, self.epoch_passes = self.epoch_passes, 0
         self.epochs += 1
         self.own_seconds = time.perf_counter() - t0
@@ -474,8 +531,19 @@ class Sampler:
                 )
         passes = max(self.epoch_passes, 1)
         # what the probes may cost: budget b of the wall time = b / (1 - b) of the rest
+        allowed = self.budget / (1 - self.budget) * max(wall - overhead, 0.0)
+        # reporting costs report_cost per report: report every m epochs where it would
+        # take more than REPORT_SHARE of the allowance (at most MAX_EPOCHS_BETWEEN)
+        report_cost = self.report_cost or 0.0
+        self.report_every = (
+            1
+            if not budgeted_probes or report_cost <= REPORT_SHARE * allowed
+            else min(math.ceil(report_cost / (REPORT_SHARE * allowed)), MAX_EPOCHS_BETWEEN)
+            if allowed > 0
+            else MAX_EPOCHS_BETWEEN
+        )
         fixed = overhead - sum(cost.get(p, 0.0) for p in budgeted_probes)
-        allowed = self.budget / (1 - self.budget) * max(wall - overhead, 0.0) - fixed
+        allowed -= fixed + report_cost / self.report_every
         k_max = passes * MAX_EPOCHS_BETWEEN
         # from half the current k: rates relax by at most 2x per epoch (no oscillation
         # between observing everything and nothing when an epoch's costs are noisy)
@@ -506,7 +574,8 @@ class Sampler:
                 c.passes,
                 c.rows + self.handles[key].hook.rows,
                 c.total_passes,
-                c.total_rows,
+                c.total_rows + self.handles[key].hook.rows,
+                c.epoch_passes,
             ]
             for key, c in self.counts.items()
         }
@@ -518,6 +587,11 @@ class Sampler:
             "observe_every": dict(self.observe_every),
             "cost_per_pass": dict(self.cost_per_pass),
             "counts": counts,
+            "report_every": self.report_every,
+            "window_epochs": self.window_epochs,
+            "report_cost": self.report_cost,
+            "window_overhead": self.window_overhead,
+            "window_wall": self.window_wall,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -533,7 +607,14 @@ class Sampler:
         for count in self.counts.values():  # probes registered already
             saved = self._restored.pop(f"{count.probe}/{count.component}", None)
             if saved is not None:
-                count.passes, count.rows, count.total_passes, count.total_rows = saved
+                _restore_count(count, saved)
+        # absent from checkpoints written before reporting windows: every epoch reports
+        self.report_every = int(state.get("report_every", 1))
+        self.window_epochs = int(state.get("window_epochs", 0))
+        cost = state.get("report_cost")
+        self.report_cost = None if cost is None else float(cost)
+        self.window_overhead = float(state.get("window_overhead", 0.0))
+        self.window_wall = float(state.get("window_wall", 0.0))
         self._rules = self._answers = None
         self.context.resync()
 
@@ -542,11 +623,29 @@ class Sampler:
         self._account()
         return {
             f"{c.probe}/{c.component}": (
-                c.total_passes + c.passes,
-                c.total_rows + c.rows + self.handles[key].hook.rows,
+                c.total_passes + c.epoch_passes,
+                c.total_rows + self.handles[key].hook.rows,
             )
             for key, c in self.counts.items()
         }
+
+
+def _restore_count(count: _HookCount, saved: list[int]) -> None:
+    """Counts from :meth:`Sampler.state_dict` (four numbers in checkpoints written before
+    reporting windows: the epoch was the window)."""
+    count.passes, count.rows, count.total_passes, count.total_rows = saved[:4]
+    if len(saved) > 4:
+        count.epoch_passes = saved[4]
+    else:  # totals then left out the epoch under way
+        count.epoch_passes = count.passes
+        count.total_rows += count.rows
+
+
+def _distributed() -> bool:
+    """Under torch.distributed every rank reports every epoch (the trackers' all-reduce is
+    a collective: the ranks must report together)."""
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def standard_error(rate: float, n: float) -> float:

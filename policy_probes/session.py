@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -652,8 +653,16 @@ class ProbeSession:
         self.agent_step = int(step)
         logged = self._take_logged()
         logged.update(extra)
+        sampler = self.context.sampler
+        start = time.perf_counter()
+        collected = sampler.collect_seconds if sampler is not None else 0.0
         metrics, snapshot, steps = self._fire_epoch_points(logged)
         self._emit(metrics, snapshot, steps)
+        if sampler is not None and self._only_reporter():
+            # with no other lifecycle hook, the epoch's end is the probes' reporting:
+            # dispatch, record conversion and sinks (the collection is counted already)
+            collected = sampler.collect_seconds - collected
+            sampler.charge(time.perf_counter() - start - collected)
         self._pending = {}
         self.epoch += 1
         self._epoch_started = False
@@ -669,7 +678,7 @@ class ProbeSession:
         metrics = dict(logged)
         snapshot: dict[str, Any] | None = None
         steps: dict[str, dict[str, Any]] = {}
-        if self.hooks.active and not self._idle_reporter():
+        if self.hooks.active and not self._idle_reporter() and not self._quiet_epoch():
             self._warn_missing_rollout_end()
             metrics.update(self._pending)
             common = {"epoch": self.epoch, "step": self._step, "agent_step": self.agent_step}
@@ -692,7 +701,7 @@ class ProbeSession:
             steps = {point.value: values for point, values in flushed.by_point.items()}
         elif snapshot_due(self.epoch, self.snapshot_every):
             snapshot = {}
-        if not self._reporter_hook:
+        if not self._reporter_hook or self._quiet_epoch():
             metrics.update(StatsReporter(self.context).collect())
         plain = {k: to_plain(v) for k, v in metrics.items()}
         if snapshot is not None:
@@ -714,13 +723,29 @@ class ProbeSession:
         if snapshot is not None:
             self.sinks.emit(snapshot, epoch, "SNAPSHOT")
 
+    def _only_reporter(self) -> bool:
+        hooks = self.hooks.hooks
+        return len(hooks) == 1 and hooks[0].name == "stats_reporter"
+
+    def _quiet_epoch(self) -> bool:
+        """Only the ``stats_reporter`` hook, and the probes do not report this epoch (a
+        reporting window under the overhead budget, :mod:`policy_probes.sampling`): the
+        trackers are collected directly, for the sampler's accounting, without a
+        lifecycle dispatch."""
+        sampler = self.context.sampler
+        return (
+            self._only_reporter()
+            and sampler is not None
+            and not sampler.reports_this_epoch()
+            and not self._pending
+        )
+
     def _idle_reporter(self) -> bool:
         """Only the ``stats_reporter`` hook, and no probe to report: its dispatch (~0.15
         ms, mostly saving the RNG states) would report nothing, so it is skipped."""
-        hooks, ctx = self.hooks.hooks, self.context
+        ctx = self.context
         return (
-            len(hooks) == 1
-            and hooks[0].name == "stats_reporter"
+            self._only_reporter()
             and not ctx.model_metrics
             and not ctx.probe_errors
             and not self._pending

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from policy_probes.context import ComponentContext
@@ -24,29 +25,49 @@ class StatsReporter:
         self.all_reduce = all_reduce
 
     def collect(self) -> dict[str, Any]:
-        metrics: dict[str, Any] = {}
         sampler = getattr(self.context, "sampler", None)
+        start = time.perf_counter()
+        try:
+            return self._collect(sampler)
+        finally:
+            if sampler is not None:
+                sampler.collect_seconds += time.perf_counter() - start
+
+    def _collect(self, sampler: Any) -> dict[str, Any]:
+        metrics: dict[str, Any] = {}
         if sampler is not None:
             self._probe_batch(sampler)
-        trackers = []
-        for tracker in self.context.model_metrics.values():
-            if not (hasattr(tracker, "to_metrics") and hasattr(tracker, "reset")):
-                continue
+        # under an overhead budget very short epochs may report every few epochs
+        # (policy_probes.sampling): the trackers then keep their window open
+        report = sampler is None or sampler.reports_this_epoch()
+        trackers = [
+            t
+            for t in self.context.model_metrics.values()
+            if hasattr(t, "to_metrics") and hasattr(t, "reset")
+        ]
+        start = time.perf_counter()
+        drained = sum(getattr(t, "seconds", 0.0) for t in trackers)
+        for tracker in trackers if report else ():
             if self.all_reduce and hasattr(tracker, "all_reduce"):
                 tracker.all_reduce()
             metrics.update(tracker.to_metrics())
             tracker.reset()
             self._take_errors(tracker)
-            trackers.append(tracker)
+        # drains are the probes' per-row work (the sampler charges them to each probe)
+        drained = sum(getattr(t, "seconds", 0.0) for t in trackers) - drained
+        report_seconds = time.perf_counter() - start - drained
         if sampler is not None:  # the epoch's overhead and observed passes; next rates
             try:
-                metrics.update(sampler.end_epoch(trackers))
+                metrics.update(
+                    sampler.end_epoch(trackers, report=report, report_seconds=report_seconds)
+                )
             except Exception as exc:  # accounting must never take training down
                 if self.context.strict:
                     raise
                 log.error("probe sampler failed at the epoch's end: %s", exc)
-        for key in self.context.probe_errors:
-            metrics[f"probes/errors/{key}"] = 1.0
+        if report:
+            for key in self.context.probe_errors:
+                metrics[f"probes/errors/{key}"] = 1.0
         return metrics
 
     def _probe_batch(self, sampler: Any) -> None:

@@ -55,7 +55,7 @@ def fixture_tool(run_dir: Path):
 
 def sampling_key(key: str) -> bool:
     """Keys of the probes' sampling, newer than the fixtures' records."""
-    return key.startswith("probes/overhead_") or key.endswith(
+    return key.startswith(("probes/overhead_", "probes/window_epochs")) or key.endswith(
         ("/passes_observed", "/rows_observed", "_se")
     )
 

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 from torch import nn
 
 from policy_probes import attach_relu_activation_hooks
-from policy_probes.probes.relu import ReLUActivationHook
-from policy_probes.sampling import Sampler, dispatch_costs
+from policy_probes.probes.relu import ReLUActivationHook, ReLUActivationState
+from policy_probes.sampling import FIRST_EVERY, MAX_EPOCHS_BETWEEN, Sampler, dispatch_costs
 from policy_probes.session import ProbeSession
 from policy_probes.sinks import SinksConfig, WandbConfig
 
@@ -81,10 +82,9 @@ def test_an_expensive_probe_is_sampled_down_within_the_budget(tmp_path):
     budget = 0.25
     records = run(tmp_path, budget, epochs=6)
     first, last = records[0], records[-1]
-    # epoch 1, before any cost is known, observes every 8th pass: 4 x 15 ms of probe
-    # against 32 x 4 ms of loop
-    assert first["probes/relu/slow/passes_observed"] == PASSES // 8
-    assert first["probes/overhead_fraction"] > budget
+    # epoch 1, before any cost is known, observes every FIRST_EVERY-th pass
+    assert first["probes/relu/slow/passes_observed"] == max(PASSES // FIRST_EVERY, 1)
+    assert first["probes/window_epochs"] == 1
     # then the expensive probe is sampled down (more than the cheap one) until the
     # measured overhead is within the budget, and it stays there
     for r in records[3:]:
@@ -130,3 +130,64 @@ def test_sampler_alone_on_a_context_without_a_session():
         sampler.next_pass()
     assert armed == [True, False, True, False]
     assert sampler.totals() == {"relu/slow": (2, 10)}
+
+
+REPORT_SECONDS = 0.03
+
+
+class SlowReport(ReLUActivationState):
+    """The ReLU tracker with a report that takes REPORT_SECONDS (its to_metrics)."""
+
+    def summarize(self, component, state, settings):
+        time.sleep(REPORT_SECONDS)
+        return super().summarize(component, state, settings)
+
+
+def test_a_report_costlier_than_the_budget_reports_every_few_epochs(tmp_path):
+    """Epochs of 32 x 1 ms and a 30 ms report: under a 25 % budget one report would take
+    more than half an epoch's allowance, so the probes report every m epochs; each report
+    covers its window: the active rate equals one computed by hand over exactly the passes
+    the probe observed in those epochs (read from whether its hook was installed)."""
+    torch.manual_seed(0)
+    net = Net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    x = torch.randn(16, 4)
+    records, windows, seen = [], [], []
+    with ProbeSession(net, run_dir=tmp_path, optimizer=opt, probe_budget=0.25, **NO_WANDB) as s:
+        s.add_training_hook("slow", attach_relu_activation_hooks(per_layer=False))
+        s.context.model_metrics["relu"].__class__ = SlowReport
+        for epoch in range(24):
+            s.set_phase("train")
+            for _ in range(PASSES):
+                if s.policy.hooks_installed():  # this pass is observed
+                    with torch.no_grad():
+                        seen.append(torch.relu(net.slow[0](x)))
+                opt.zero_grad()
+                net(x).backward()
+                opt.step()
+                time.sleep(0.001)
+            record = s.epoch_end(step=epoch)
+            records.append(record)
+            if "probes/window_epochs" in record:
+                windows.append((epoch, record, seen))
+                seen = []
+    assert max(int(r["probes/window_epochs"]) for _, r, _ in windows) > 1
+    last = -1
+    for epoch, record, rows in windows:
+        assert record["probes/window_epochs"] == epoch - last
+        assert 1 <= record["probes/window_epochs"] <= MAX_EPOCHS_BETWEEN
+        last = epoch
+        if not rows:
+            assert "probes/relu/slow/active_rate" not in record
+            continue
+        h = torch.cat(rows)
+        assert record["probes/relu/slow/passes_observed"] == len(rows)
+        assert record["probes/relu/slow/samples"] == h.shape[0]
+        assert record["probes/relu/slow/active_rate"] == pytest.approx(
+            (h > 0).double().mean(0).tolist()
+        )
+    # epochs between reports carry no probe keys at all
+    quiet = [r for r in records if "probes/window_epochs" not in r]
+    assert quiet and not any(k.startswith("probes/") for r in quiet for k in r)
+    # once the report cost is known, the measured overhead is within the budget
+    assert windows[-1][1]["probes/overhead_fraction"] <= 0.25

@@ -73,7 +73,7 @@ class ProbeState:
     #: elements (rows x columns); 2048 rows of 64 float32 units are 512 KiB
     buffer_rows: int = 2048
     buffer_elements: int = 1 << 20
-    #: seconds spent draining and reporting since the sampler last looked
+    #: seconds spent draining (reducing held rows) since the sampler last looked
     #: (:mod:`policy_probes.sampling`)
     seconds: float = 0.0
 
@@ -372,7 +372,6 @@ class ProbeState:
         ``probes/<probe>/<component>.<layer>/<metric>``.
         """
         self.flush()
-        start = time.perf_counter()
         out: dict[str, float | list[float]] = {}
         for comp, st in self.state.items():
             if not st:
@@ -383,7 +382,6 @@ class ProbeState:
                     out[self.key(f"{comp}.{metric[0]}", metric[1])] = value
                 else:
                     out[self.key(comp, metric)] = value
-        self.seconds += time.perf_counter() - start
         return out
 
     def summarize(
