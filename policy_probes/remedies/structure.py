@@ -131,8 +131,10 @@ def as_consumer(name: str, module: nn.Module, producer: nn.Module, where: str) -
         width = module.input_size
     else:
         raise ValueError(
-            f"{where}: {name!r} ({type(module).__name__}) reads the units, and ReDo can zero "
-            f"outgoing weights only in nn.Linear, nn.Conv1d/2d/3d, nn.LSTM or nn.GRU consumers"
+            f"{where}: {name!r} ({type(module).__name__}) reads the units next, and ReDo can "
+            f"zero outgoing weights only in nn.Linear, nn.Conv1d/2d/3d, nn.LSTM or nn.GRU "
+            f"consumers (a normalisation mixes the units); use reset_layers or "
+            f"shrink_and_perturb on this component"
         )
     flattened = isinstance(producer, conv._ConvNd) and isinstance(module, nn.Linear)
     if width == units:
