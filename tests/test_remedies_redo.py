@@ -11,6 +11,7 @@ from __future__ import annotations
 import zlib
 
 import numpy as np
+import pytest
 import torch
 from torch import nn
 
@@ -284,9 +285,9 @@ def test_redo_conv_channels_and_flatten_consumer_exact(tmp_path):
 
 
 class RecurrentNet(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, cls: type[nn.Module] = nn.LSTM) -> None:
         super().__init__()
-        self.rnn = nn.LSTM(4, 6, batch_first=True)
+        self.rnn = cls(4, 6, batch_first=True)
         self.head = nn.Linear(6, 2)
 
     def forward(self, x):
@@ -294,13 +295,18 @@ class RecurrentNet(nn.Module):
         return self.head(out[:, -1])
 
 
-def test_redo_lstm_units_exact(tmp_path):
+# LSTM: output gate (4th block) shut, h_u = o_u * tanh(c_u) ~ 0; GRU: update gate (2nd
+# block) open, h_u = z_u * h_u(previous) + (1 - z_u) * n_u = 0 from h_0 = 0
+@pytest.mark.parametrize(
+    ("cls", "gates", "gate", "bias"), [(nn.LSTM, 4, 3, -100.0), (nn.GRU, 3, 1, 100.0)]
+)
+def test_redo_recurrent_units_exact(tmp_path, cls, gates, gate, bias):
     torch.manual_seed(2)
-    model = RecurrentNet()
+    model = RecurrentNet(cls)
     hidden, dormant_units = 6, [1, 4]
     with torch.no_grad():
-        for u in dormant_units:  # output gate shut: h_u = o_u * tanh(c_u) ~ 0
-            model.rnn.bias_ih_l0[3 * hidden + u] = -100.0
+        for u in dormant_units:
+            model.rnn.bias_ih_l0[gate * hidden + u] = bias
     session, opt = session_for(model, tmp_path, "rnn", "head", extractor=0)
     hooks = ScoreHooks({"rnn": model.rnn}, {"rnn": -1}, pick=lambda out: out[0])
     batches = [torch.randn(8, 5, 4) for _ in range(2)]
@@ -315,8 +321,8 @@ def test_redo_lstm_units_exact(tmp_path):
         metrics = session.epoch_end(step=1)
 
     (seed,) = replay_seeds("rnn", 1)
-    f = fresh(lambda: nn.LSTM(4, 6, batch_first=True), seed)
-    rows = np.concatenate([d + g * hidden for g in range(4)])
+    f = fresh(lambda: cls(4, 6, batch_first=True), seed)
+    rows = np.concatenate([d + g * hidden for g in range(gates)])
     p = dict(model.named_parameters())
     for name in ("weight_ih_l0", "bias_ih_l0", "bias_hh_l0"):
         full = f"rnn.{name}"
@@ -391,3 +397,55 @@ def test_redo_without_dormant_units_changes_nothing(tmp_path):
         assert torch.equal(p.detach(), before[n])
     assert metrics["remedies/redo/body/fired"] == 1.0
     assert metrics["remedies/redo/body/units_reset"] == 0.0
+
+
+def test_redo_on_the_nature_cnn_encoder_with_two_consumers(tmp_path):
+    """The CNN policy's encoder feeds both heads (component_consumers): ReDo zeroes the
+    outgoing columns in both, conv channels through the flattened fc input."""
+    import gymnasium as gym
+
+    from trainers.cnn_policy import CNNActorCriticPolicy
+
+    torch.manual_seed(6)
+    policy = CNNActorCriticPolicy(
+        gym.spaces.Box(0, 255, (1, 36, 36), dtype=np.uint8), gym.spaces.Discrete(3)
+    )
+    enc = policy.encoder
+    with torch.no_grad():
+        enc.conv_2.conv.bias[[5, 9]] = -100.0  # dead channels of the last conv
+        enc.fc.linear.bias[[0, 7]] = -100.0  # dead features
+    # lr=0: the step builds Adam's state and leaves the weights as the scored pass saw
+    # them, so the units dead there (score 0) are dead on x and the outputs must be kept
+    opt = torch.optim.Adam(policy.parameters(), lr=0.0)
+    x = torch.randint(0, 256, (8, 1, 36, 36), dtype=torch.uint8)
+    with ProbeSession(
+        policy, run_dir=tmp_path, sinks=SINKS, optimizer=opt, probe_budget=None
+    ) as session:
+        session.add_training_hook("encoder", attach_relu_activation_hooks())
+        session.add_remedy("encoder", redo(tau=0.0, every_epochs=1))
+        session.set_phase("train")
+        seen = []
+        handle = enc.fc.register_forward_hook(lambda _m, _i, out: seen.append(out.detach()))
+        logits, value = policy(x)
+        handle.remove()
+        opt.zero_grad()
+        (logits.pow(2).mean() + value.pow(2).mean()).backward()
+        opt.step()
+        with session.phase("eval"), torch.no_grad():
+            before = policy(x)
+        metrics = session.epoch_end(step=1)
+        with session.phase("eval"), torch.no_grad():
+            after = policy(x)
+    assert metrics["remedies/redo/encoder.conv_2/units_reset"] >= 2
+    assert metrics["remedies/redo/encoder.fc/units_reset"] >= 2
+    # fc units dead on the training pass (score 0 <= tau = 0) get fresh whole rows; in
+    # the other rows the flattened columns of the dead channels are zero
+    dead_fc = (seen[0] == 0).all(0)
+    assert dead_fc[[0, 7]].all() and not dead_fc.all()
+    positions = enc.fc.linear.in_features // 64
+    for c in (5, 9):
+        assert not enc.fc.linear.weight[~dead_fc, c * positions : (c + 1) * positions].any()
+    for head in (policy.actor_head, policy.critic_head):
+        assert not head.weight[:, [0, 7]].any()
+    assert torch.allclose(before[0], after[0], rtol=1e-5, atol=1e-6)
+    assert torch.allclose(before[1], after[1], rtol=1e-5, atol=1e-6)
