@@ -46,7 +46,7 @@ from policy_probes.lifecycle import (
     select_hooks,
     snapshot_due,
 )
-from policy_probes.remedies.base import Remedy, RemedyRunner, RemedyTarget
+from policy_probes.remedies.base import Remedy, RemedyRunner
 from policy_probes.run_dir import (
     RunDirConflict,
     default_run_dir,
@@ -452,13 +452,8 @@ class ProbeSession:
                 "them; a ProbeSession without optimizer=... (evaluation only) cannot run "
                 "them. Pass the loop's optimizer to ProbeSession"
             )
-        names = self.policy.resolve(pattern)
-        base = remedy.seed if getattr(remedy, "seed", None) is not None else seed
-        for name in names:
-            target = RemedyTarget(
-                name, self.policy.get_component(name), self.policy, self.context, self.optimizer
-            )
-            self.remedies.add(remedy, target, torch.initial_seed() if base is None else base)
+        seed = torch.initial_seed() if seed is None else seed
+        self.remedies.attach(self.policy, pattern, remedy, self.context, self.optimizer, seed)
         return self
 
     def next_pass(self) -> None:

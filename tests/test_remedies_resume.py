@@ -88,3 +88,14 @@ def test_remedies_field_accepts_specs_and_refuses_bad_ones(tmp_path):
         apply_overrides(t, ["remedies=redox@critic_mlp:every_epochs=1"])
     with pytest.raises(ValueError, match="tau must be >= 0"):
         TrainTool(remedies=["redo@critic_mlp:tau=-1,every_epochs=1"])
+
+
+def test_dry_run_checks_the_remedies(tmp_path):
+    t = tool(tmp_path / "dry")
+    t.check_setup()  # the probes and remedies of the tool fit its policy
+    bad = apply_overrides(t, ["remedies=redo@actor_mlp:every_epochs=2"])
+    with pytest.raises(ValueError, match="attach_relu_activation_hooks\\(\\) to 'actor_mlp'"):
+        bad.check_setup()
+    unknown = apply_overrides(t, ["remedies=reset_layers@critic:last=1,every_epochs=2"])
+    with pytest.raises(KeyError, match="critic"):
+        unknown.check_setup()

@@ -33,7 +33,7 @@ from policy_probes.atomic_write import write_text_atomic
 from policy_probes.context import ComponentContext
 from policy_probes.hook_types import ProbeBuilder
 from policy_probes.lifecycle import HookSelectionError, TrainingHook, select_hooks
-from policy_probes.remedies import Remedy, parse_remedy_spec, split_remedy_specs
+from policy_probes.remedies import Remedy, RemedyRunner, parse_remedy_spec, split_remedy_specs
 from policy_probes.run_dir import check_run_dir_path, default_run_dir, make_run_dir
 from policy_probes.run_lock import RunDirLock, RunDirLocked, refuse_if_locked
 from policy_probes.runnable import runnable
@@ -342,6 +342,9 @@ class TrainTool(BaseModel):
                     for pattern, builder, backward in self._builders:
                         handles = policy.attach(pattern, builder, context, backward=backward)
                         attached.setdefault(pattern, []).extend(h.component for h in handles)
+                    remedies, optimizer = RemedyRunner(), torch.optim.Adam(policy.parameters())
+                    for pattern, remedy in self.remedy_list():  # names, probes, consumers
+                        remedies.attach(policy, pattern, remedy, context, optimizer, self.seed)
                 finally:
                     policy.remove_hooks()
             finally:

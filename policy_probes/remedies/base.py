@@ -147,6 +147,32 @@ class RemedyRunner:
         self.bound.append(bound)
         return bound
 
+    def attach(
+        self,
+        policy: Any,
+        pattern: str,
+        remedy: Remedy,
+        context: ComponentContext,
+        optimizer: torch.optim.Optimizer,
+        seed: int,
+    ) -> list[BoundRemedy]:
+        """Bind ``remedy`` to every component of ``policy`` (a PolicyAutoBuilder) that
+        ``pattern`` names; ``seed`` is used when the remedy has none."""
+        if not isinstance(remedy, Remedy):
+            raise TypeError(
+                f"expected a remedy such as policy_probes.remedies.redo(...), got "
+                f"{type(remedy).__name__}; did you forget the parentheses?"
+            )
+        base = remedy.seed if remedy.seed is not None else seed
+        return [
+            self.add(
+                remedy,
+                RemedyTarget(name, policy.get_component(name), policy, context, optimizer),
+                base,
+            )
+            for name in policy.resolve(pattern)
+        ]
+
     def __bool__(self) -> bool:
         return bool(self.bound)
 

@@ -75,14 +75,14 @@ class ReDo(Remedy):
         self, target: RemedyTarget, prepared: list[UnitLayer], generator: torch.Generator
     ) -> dict[str, int]:
         tracker = target.context.model_metrics["relu"]
+        scores = [self._scores(tracker, layer) for layer in prepared]  # checked before changes
         out: dict[str, int] = {}
-        for layer in prepared:
+        for layer, layer_scores in zip(prepared, scores, strict=True):
             seed = draw_seed(generator)  # one draw per layer per firing, scored or not
-            scores = self._scores(tracker, layer)
-            if scores is None:
+            if layer_scores is None:
                 out[layer.name] = 0
                 continue
-            units = torch.nonzero(scores <= self.tau).reshape(-1)
+            units = torch.nonzero(layer_scores <= self.tau).reshape(-1)
             out[layer.name] = int(units.numel())
             if units.numel():
                 recycle(layer, units, seed, target.optimizer)
