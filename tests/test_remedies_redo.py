@@ -449,3 +449,33 @@ def test_redo_on_the_nature_cnn_encoder_with_two_consumers(tmp_path):
         assert not head.weight[:, [0, 7]].any()
     assert torch.allclose(before[0], after[0], rtol=1e-5, atol=1e-6)
     assert torch.allclose(before[1], after[1], rtol=1e-5, atol=1e-6)
+
+
+def test_redo_on_a_probe_threshold_and_without_per_layer_scores(tmp_path, caplog):
+    """``when=`` on the probe's own dormant fraction; with ``per_layer=False`` only the
+    last layer has scores (the component's): the first is left alone, with a warning."""
+    torch.manual_seed(8)
+    model = MLPNet()
+    with torch.no_grad():
+        model.body[0].bias[[2, 3]] = -100.0  # dead in layer 0 (not scored)
+        model.body[2].bias[[0, 5, 6]] = -100.0  # dead in layer 1 (the component's output)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    session = ProbeSession(model, run_dir=tmp_path, sinks=SINKS, optimizer=opt, probe_budget=None)
+    session.add_training_hook("body", attach_relu_activation_hooks(per_layer=False))
+    key = "probes/relu/body/dormant_fraction"
+    session.add_remedy("body", redo(tau=0.0, when=f"{key}>0.2", consumer="head", seed=SEED))
+    seen = []
+    model.body.register_forward_hook(lambda _m, _i, out: seen.append(out.detach()))
+    with session, caplog.at_level("WARNING", logger="policy_probes"):
+        before, _ = train_one_epoch(session, model, opt, [torch.randn(32, 5)])
+        first = session.epoch_end(step=1)
+        train_one_epoch(session, model, opt, [torch.randn(32, 5)])
+        second = session.epoch_end(step=2)
+    dead = torch.nonzero((seen[0] == 0).all(0)).reshape(-1)  # score 0 <= tau = 0
+    assert {0, 5, 6} <= set(dead.tolist()) and len(dead) < 12
+    assert first[key] == len(dead) / 12 > 0.2 and first["remedies/redo/body/fired"] == 1.0
+    assert first["remedies/redo/body.3/units_reset"] == len(dead)
+    assert first["remedies/redo/body.1/units_reset"] == 0.0
+    assert torch.equal(model.body[0].bias.detach()[[2, 3]], before["body.0.bias"][[2, 3]])
+    assert "no dormant scores for body.1" in caplog.text
+    assert second["remedies/redo/body/fired"] == float(second[key] > 0.2)
