@@ -74,7 +74,7 @@ class Remedy:
         args = {**self.settings(), "every_epochs": t.every_epochs, "when": t.when}
         args.update(start_epoch=t.start_epoch, cooldown=t.cooldown, seed=self.seed)
         text = ", ".join(
-            f"{k}={str(v) if k == 'when' else v!r}" for k, v in args.items() if v is not None
+            f"{k}={(str(v) if k == 'when' else v)!r}" for k, v in args.items() if v is not None
         )
         return f"{self.name}({text})"
 

@@ -27,7 +27,7 @@ import torch
 from policy_probes.remedies.base import Remedy, RemedyTarget
 from policy_probes.remedies.fresh_init import draw_seed, fresh_parameters
 from policy_probes.remedies.optim_state import reset_entries
-from policy_probes.remedies.structure import RECURRENT, Consumer, UnitLayer, unit_layers
+from policy_probes.remedies.structure import RECURRENT, UnitLayer, unit_layers
 from policy_probes.remedies.trigger import Threshold
 
 log = logging.getLogger("policy_probes")
@@ -167,4 +167,4 @@ def redo(
     )
 
 
-__all__ = ["ReDo", "redo", "recycle", "Consumer"]
+__all__ = ["ReDo", "recycle", "redo"]
