@@ -65,6 +65,9 @@ MAX_EPOCHS_BETWEEN = 8
 FIRST_EVERY = 32
 #: weight of the newest epoch in the running per-pass cost estimate
 COST_EMA = 0.5
+#: passes per epoch that a budgeted probe observes on a component a remedy reads
+#: (:meth:`Sampler.pin`)
+PINNED_PASSES = 4
 #: the share of the budget that reporting (the trackers' ``to_metrics``) may take before
 #: the probes report every few epochs instead of every epoch
 REPORT_SHARE = 0.5
@@ -287,6 +290,8 @@ class Sampler:
         #: seconds spent in StatsReporter.collect over the run (the session subtracts it
         #: from the epoch end it charges, see :meth:`charge`)
         self.collect_seconds = 0.0
+        #: components whose probes feed remedies (:meth:`pin`)
+        self.pinned: set[str] = set()
         self._warned = False
         #: counts from a checkpoint, for probes not registered yet
         self._restored: dict[str, list[int]] = {}
@@ -305,10 +310,22 @@ class Sampler:
     def schedule_of(self, hook: Any) -> Schedule:
         s = getattr(hook, "schedule", None) or self.default
         if s.kind == "probe_batch" and not self.probe_batch_available:
-            return budgeted() if self.budget is not None else every()
+            s = budgeted() if self.budget is not None else every()
         if s.kind == "budget" and self.budget is None:
             return every()
+        if s.kind == "budget" and hook.component in self.pinned:
+            return per_epoch(PINNED_PASSES)
         return s
+
+    def pin(self, component: str) -> None:
+        """Make what the probes on ``component`` report depend only on the seed, for a
+        remedy that acts on it (:mod:`policy_probes.remedies`): its budgeted probes observe
+        :data:`PINNED_PASSES` passes per epoch (a rule of pass counters, where the budget's
+        k follows measured time), and every epoch reports (no reporting windows)."""
+        self.pinned.add(component)
+        self.report_every = 1
+        self._rules = self._answers = None
+        self.context.resync()
 
     def observes(self, handle: Any) -> bool:
         """Whether the probe of ``handle`` observes the pass under way (called by
@@ -412,7 +429,7 @@ class Sampler:
         """Whether the trackers report at this epoch's end: every epoch without budgeted
         probes, under torch.distributed, or while reporting fits the budget; else every
         :attr:`report_every` epochs, the metrics then covering that many epochs."""
-        if self.report_every == 1 or _distributed():
+        if self.report_every == 1 or self.pinned or _distributed():
             return True
         return self.window_epochs + 1 >= self.report_every
 
@@ -537,7 +554,7 @@ class Sampler:
         report_cost = self.report_cost or 0.0
         self.report_every = (
             1
-            if not budgeted_probes or report_cost <= REPORT_SHARE * allowed
+            if not budgeted_probes or self.pinned or report_cost <= REPORT_SHARE * allowed
             else min(math.ceil(report_cost / (REPORT_SHARE * allowed)), MAX_EPOCHS_BETWEEN)
             if allowed > 0
             else MAX_EPOCHS_BETWEEN

@@ -325,3 +325,43 @@ def test_specs():
         parse_remedy_spec("redo@a:tau=-1,every_epochs=1")
     with pytest.raises(ValueError, match="name@component"):
         parse_remedy_spec("redo:tau=1")
+
+
+def test_a_remedy_pins_the_probes_it_reads_to_a_rule_of_pass_counters(tmp_path):
+    """Under the default (timing-based) budget, the ReLU probe that ReDo reads observes
+    PINNED_PASSES passes per epoch spread over it, and every epoch reports: which units a
+    firing recycles then depends on the seed only. Probes on other components keep the
+    budget."""
+    from policy_probes.sampling import PINNED_PASSES
+    from policy_probes.torch_internals import module_hooks_installed
+
+    torch.manual_seed(SEED)
+    model = Net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    session = ProbeSession(model, run_dir=tmp_path, sinks=SINKS, optimizer=opt)
+    session.add_training_hook("body", attach_relu_activation_hooks(per_layer=False))
+    session.add_training_hook("head", attach_relu_activation_hooks(per_layer=False))
+    session.add_remedy("body", redo(tau=0.1, every_epochs=2, consumer="head"))
+    passes = 12
+    with session:
+        for epoch in range(4):
+            observed = []
+            session.set_phase("train")
+            g = torch.Generator().manual_seed(epoch)
+            for _ in range(passes):
+                observed.append(module_hooks_installed(session.policy.get_component("body")))
+                loss = model(torch.randn(16, 5, generator=g)).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            record = session.epoch_end(step=epoch)
+            assert record["probes/window_epochs"] == 1
+            expected = (
+                [i < PINNED_PASSES for i in range(passes)]  # no epoch length known yet
+                if epoch == 0
+                else [i % (passes // PINNED_PASSES) == 0 for i in range(passes)]
+            )
+            assert observed == expected
+            assert record["probes/relu/body/passes_observed"] == PINNED_PASSES
+            assert record["probes/relu/body/samples"] == 16 * PINNED_PASSES
+    assert "body" in session.sampler.pinned and "head" not in session.sampler.pinned

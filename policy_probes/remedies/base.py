@@ -55,6 +55,16 @@ class Remedy:
             raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
         self.seed = None if seed is None else int(seed)
 
+    def reads_components(self, component: str) -> list[str]:
+        """The components whose probe metrics this remedy reads when attached to
+        ``component``: the one a ``when=`` threshold on a ``probes/`` key names (the
+        sampler pins them, :meth:`policy_probes.sampling.Sampler.pin`)."""
+        when = self.trigger.when
+        if when is None or not when.key.startswith("probes/"):
+            return []
+        parts = when.key.split("/")
+        return [parts[2].split(".")[0]] if len(parts) > 3 else []
+
     def prepare(self, target: RemedyTarget) -> Any:
         """What :meth:`apply` needs about ``target`` (checked once, when attached)."""
         raise NotImplementedError
@@ -98,6 +108,12 @@ class BoundRemedy:
         )
         self.last_fired: int | None = None
         self.firings = 0
+        # what the remedy reads from the probes must not depend on measured time (the
+        # budget's sampling rates do): deterministic for a seed
+        sampler = target.context.sampler
+        if sampler is not None:
+            for component in remedy.reads_components(target.component):
+                sampler.pin(component)
 
     def end_epoch(self, epoch: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
         """Fire when due at the end of ``epoch`` (counted from 1); the epoch's metrics."""

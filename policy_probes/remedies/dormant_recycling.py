@@ -53,6 +53,10 @@ class ReDo(Remedy):
     def settings(self) -> dict[str, Any]:
         return {"tau": self.tau, "consumer": None if self.consumer is None else list(self.consumer)}
 
+    def reads_components(self, component: str) -> list[str]:
+        """The ReLU probe's scores of ``component``, besides a threshold's component."""
+        return [component, *super().reads_components(component)]
+
     def prepare(self, target: RemedyTarget) -> list[UnitLayer]:
         tracker = target.context.model_metrics.get("relu")
         if tracker is None or not tracker.has_component(target.component):
