@@ -9,6 +9,7 @@ touches the private names itself.
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -32,6 +33,7 @@ __all__ = [
     "init_unbound_handle",
     "module_hook_count",
     "module_hooks_installed",
+    "own_parameter_twin",
     "queue_after_backward",
     "quiet_output_only_backward_hooks",
     "tensor_slot",
@@ -74,6 +76,20 @@ def module_hooks_installed(module: nn.Module) -> bool:
             return True
         stack.extend(m._modules.values())
     return False
+
+
+def own_parameter_twin(module: nn.Module) -> nn.Module:
+    """A shallow copy of ``module`` with fresh, uninitialised CPU tensors of the same
+    names, shapes and dtypes in place of its own parameters, and no children: its
+    ``reset_parameters()`` writes the twin, never ``module`` (remedies draw fresh initial
+    values this way, :mod:`policy_probes.remedies.fresh_init`)."""
+    twin = copy.copy(module)  # shallow: the dicts below are replaced before any write
+    twin.__dict__["_parameters"] = {
+        name: None if p is None else nn.Parameter(torch.empty(p.shape, dtype=p.dtype))
+        for name, p in module._parameters.items()
+    }
+    twin.__dict__["_modules"] = {}
+    return twin
 
 
 def module_hook_count(module: nn.Module) -> int:

@@ -25,6 +25,7 @@ from policy_probes.torch_internals import (
     hooks_set_aside,
     module_hook_count,
     module_hooks_installed,
+    own_parameter_twin,
     queue_after_backward,
     quiet_output_only_backward_hooks,
     set_tensor_slot,
@@ -197,3 +198,26 @@ def test_output_only_backward_warning_is_silenced_in_the_block_only() -> None:
     assert len(backward_messages(quiet=False)) == 1
     assert backward_messages(quiet=True) == []
     assert len(backward_messages(quiet=False)) == 1  # the filter ended with the block
+
+
+@pytest.mark.parametrize(
+    "make", [lambda: nn.Linear(3, 4), lambda: nn.Conv2d(2, 3, 3), lambda: nn.LSTM(3, 5)]
+)
+def test_own_parameter_twin_takes_reset_parameters_writes(make):
+    """The twin's reset_parameters() writes the twin's tensors (same names, shapes,
+    dtypes): the module keeps its values, and the twin's values are what the module's own
+    initialiser draws under the same seed."""
+    module = make()
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    twin = own_parameter_twin(module)
+    torch.manual_seed(5)
+    twin.reset_parameters()
+    torch.manual_seed(5)
+    reference = make()  # constructors run reset_parameters() once
+    for name, p in module.named_parameters():
+        assert torch.equal(p, before[name])
+    twin_params = dict(twin.named_parameters(recurse=False))
+    assert set(twin_params) == set(before) and list(twin.children()) == []
+    for name, p in reference.named_parameters():
+        assert twin_params[name].shape == p.shape and twin_params[name].dtype == p.dtype
+        assert torch.equal(twin_params[name], p)

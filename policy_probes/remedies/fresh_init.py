@@ -10,10 +10,13 @@ so a seeded run re-initialises the same values, also after a resume.
 
 from __future__ import annotations
 
-import copy
+from collections.abc import Callable
 
 import torch
 from torch import nn
+
+from policy_probes.remedies.structure import layer_units
+from policy_probes.torch_internals import own_parameter_twin
 
 
 def draw_seed(generator: torch.Generator) -> int:
@@ -30,13 +33,36 @@ def fresh_parameters(module: nn.Module, seed: int) -> dict[str, torch.Tensor]:
             f"{type(module).__name__} has no reset_parameters(), so it has no initialiser to "
             f"draw fresh values from; leave it out of the remedy"
         )
-    twin = copy.copy(module)  # shallow: the parameter dict is replaced before any write
-    twin.__dict__["_parameters"] = {
-        name: None if p is None else nn.Parameter(torch.empty(p.shape, dtype=p.dtype))
-        for name, p in module._parameters.items()
-    }
-    twin.__dict__["_modules"] = {}
+    twin = own_parameter_twin(module)
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(seed)
         twin.reset_parameters()
-    return {name: p.detach() for name, p in twin._parameters.items() if p is not None}
+    return {name: p.detach() for name, p in twin.named_parameters(recurse=False)}
+
+
+def check_resettable(remedy: str, layers: list[tuple[str, nn.Module]]) -> None:
+    """Refuse a layer without ``reset_parameters()`` (no initialiser to draw from)."""
+    for name, module in layers:
+        if not callable(getattr(module, "reset_parameters", None)):
+            raise ValueError(
+                f"{remedy}: {name!r} ({type(module).__name__}) has no reset_parameters() to "
+                f"draw fresh values from; leave it out of the remedy"
+            )
+
+
+def refresh_layers(
+    layers: list[tuple[str, nn.Module]],
+    generator: torch.Generator,
+    update: Callable[[nn.Parameter, torch.Tensor], None],
+) -> dict[str, int]:
+    """For every layer, in order: draw its fresh initial values (one seed from
+    ``generator``) and call ``update(param, fresh)`` for each of its own parameters, under
+    ``no_grad``. Returns the output units of every layer."""
+    out: dict[str, int] = {}
+    with torch.no_grad():
+        for name, module in layers:
+            fresh = fresh_parameters(module, draw_seed(generator))
+            for pname, param in module.named_parameters(recurse=False):
+                update(param, fresh[pname].to(param))
+            out[name] = layer_units(module)
+    return out

@@ -16,9 +16,8 @@ import torch
 from torch import nn
 
 from policy_probes.remedies.base import Remedy, RemedyTarget
-from policy_probes.remedies.fresh_init import draw_seed, fresh_parameters
+from policy_probes.remedies.fresh_init import check_resettable, refresh_layers
 from policy_probes.remedies.optim_state import reset_entries
-from policy_probes.remedies.shrink_perturb import layer_units
 from policy_probes.remedies.structure import parametrised_leaves
 from policy_probes.remedies.trigger import Threshold
 
@@ -68,11 +67,7 @@ class ResetLayers(Remedy):
                         f"component, without {target.component + '.'!r})"
                     )
                 chosen.append((full, by_name[full]))
-        for name, module in chosen:
-            if not callable(getattr(module, "reset_parameters", None)):
-                raise ValueError(
-                    f"reset_layers: {name!r} ({type(module).__name__}) has no reset_parameters()"
-                )
+        check_resettable(f"reset_layers on {target.component!r}", chosen)
         return chosen
 
     def apply(
@@ -81,15 +76,11 @@ class ResetLayers(Remedy):
         prepared: list[tuple[str, nn.Module]],
         generator: torch.Generator,
     ) -> dict[str, int]:
-        out: dict[str, int] = {}
-        with torch.no_grad():
-            for name, module in prepared:
-                fresh = fresh_parameters(module, draw_seed(generator))
-                for pname, param in module.named_parameters(recurse=False):
-                    param.copy_(fresh[pname])
-                    reset_entries(target.optimizer, param)
-                out[name] = layer_units(module)
-        return out
+        def reset(param: nn.Parameter, fresh: torch.Tensor) -> None:
+            param.copy_(fresh)
+            reset_entries(target.optimizer, param)
+
+        return refresh_layers(prepared, generator, reset)
 
 
 def reset_layers(

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from policy_probes.remedies.base import Remedy, RemedyTarget
-from policy_probes.remedies.fresh_init import draw_seed, fresh_parameters
-from policy_probes.remedies.structure import parametrised_leaves, unit_count
+from policy_probes.remedies.fresh_init import check_resettable, refresh_layers
+from policy_probes.remedies.structure import parametrised_leaves
 from policy_probes.remedies.trigger import Threshold
 
 
@@ -41,13 +41,7 @@ class ShrinkAndPerturb(Remedy):
 
     def prepare(self, target: RemedyTarget) -> list[tuple[str, nn.Module]]:
         layers = parametrised_leaves(target.component, target.module)
-        for name, module in layers:
-            if not callable(getattr(module, "reset_parameters", None)):
-                raise ValueError(
-                    f"shrink_and_perturb on {target.component!r}: {name!r} "
-                    f"({type(module).__name__}) has no reset_parameters() to draw the "
-                    f"perturbation from"
-                )
+        check_resettable(f"shrink_and_perturb on {target.component!r}", layers)
         return layers
 
     def apply(
@@ -56,23 +50,10 @@ class ShrinkAndPerturb(Remedy):
         prepared: list[tuple[str, nn.Module]],
         generator: torch.Generator,
     ) -> dict[str, int]:
-        out: dict[str, int] = {}
-        with torch.no_grad():
-            for name, module in prepared:
-                fresh = fresh_parameters(module, draw_seed(generator))
-                for pname, param in module.named_parameters(recurse=False):
-                    param.mul_(self.shrink).add_(fresh[pname].to(param), alpha=self.noise)
-                out[name] = layer_units(module)
-        return out
+        def blend(param: nn.Parameter, fresh: torch.Tensor) -> None:
+            param.mul_(self.shrink).add_(fresh, alpha=self.noise)
 
-
-def layer_units(module: nn.Module) -> int:
-    """Output units of a layer (its first parameter's rows for unknown kinds)."""
-    try:
-        return unit_count(module)
-    except AttributeError:
-        first = next(module.parameters(recurse=False))
-        return int(first.shape[0]) if first.dim() else 1
+        return refresh_layers(prepared, generator, blend)
 
 
 def shrink_and_perturb(

@@ -96,6 +96,15 @@ def unit_count(module: nn.Module) -> int:
     return module.hidden_size
 
 
+def layer_units(module: nn.Module) -> int:
+    """Output units of a layer (its first parameter's rows for unknown kinds)."""
+    try:
+        return unit_count(module)
+    except AttributeError:
+        first = next(module.parameters(recurse=False))
+        return int(first.shape[0]) if first.dim() else 1
+
+
 def check_producer(name: str, module: nn.Module, where: str) -> None:
     """Refuse layers whose units are not rows of their parameters."""
     if isinstance(module, conv._ConvTransposeNd):
