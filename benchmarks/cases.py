@@ -428,6 +428,10 @@ def warm_imports(case: str) -> None:
         import sb3_contrib  # noqa: F401
         import stable_baselines3  # noqa: F401
         from stable_baselines3.common.env_util import make_vec_env  # noqa: F401
+
+        # the callback side would otherwise import the toolkit (~0.5 s) inside its region
+        from policy_probes.integrations import sb3  # noqa: F401
+        from policy_probes.sinks import jsonl  # noqa: F401
     else:
         import trainers  # noqa: F401
         from policy_probes import sinks  # noqa: F401

@@ -65,6 +65,9 @@ MAX_EPOCHS_BETWEEN = 8
 FIRST_EVERY = 32
 #: weight of the newest epoch in the running per-pass cost estimate
 COST_EMA = 0.5
+#: the controller aims at this share of the budget: epoch-to-epoch noise in the measured
+#: costs then stays within the budget
+AIM = 0.8
 #: passes per epoch that a budgeted probe observes on a component a remedy reads
 #: (:meth:`Sampler.pin`)
 PINNED_PASSES = 4
@@ -290,6 +293,7 @@ class Sampler:
         #: seconds spent in StatsReporter.collect over the run (the session subtracts it
         #: from the epoch end it charges, see :meth:`charge`)
         self.collect_seconds = 0.0
+        self._report_weight = 0.0
         #: components whose probes feed remedies (:meth:`pin`)
         self.pinned: set[str] = set()
         self._warned = False
@@ -437,7 +441,11 @@ class Sampler:
         """Count ``seconds`` of the loop's own work for the probes (the session's epoch end
         beyond the collection: lifecycle dispatch, record conversion, sinks) in the next
         epoch's overhead."""
-        self.own_seconds += max(seconds, 0.0)
+        seconds = max(seconds, 0.0)
+        self.own_seconds += seconds
+        if self._report_weight and self.report_cost is not None:  # a report's epoch end
+            self.report_cost += self._report_weight * seconds
+        self._report_weight = 0.0
 
     def before_collect(self) -> None:
         """Run this epoch's probe batch, if a probe waits for one (called by
@@ -506,11 +514,12 @@ class Sampler:
                 "optimizer step"
             )
         if report:
-            self.report_cost = (
-                report_seconds
-                if self.report_cost is None
-                else COST_EMA * report_seconds + (1 - COST_EMA) * self.report_cost
-            )
+            # the newest report's weight in the running estimate (charge() adds the rest
+            # of this report's epoch end with the same weight)
+            self._report_weight = 1.0 if self.report_cost is None else COST_EMA
+            self.report_cost = self._report_weight * report_seconds + (
+                1 - self._report_weight
+            ) * (self.report_cost or 0.0)
             fraction = self.window_overhead / self.window_wall if self.window_wall > 0 else 0.0
             out["probes/overhead_fraction"] = fraction
             out["probes/overhead_seconds"] = self.window_overhead
@@ -548,7 +557,7 @@ class Sampler:
                 )
         passes = max(self.epoch_passes, 1)
         # what the probes may cost: budget b of the wall time = b / (1 - b) of the rest
-        allowed = self.budget / (1 - self.budget) * max(wall - overhead, 0.0)
+        allowed = AIM * self.budget / (1 - self.budget) * max(wall - overhead, 0.0)
         # reporting costs report_cost per report: report every m epochs where it would
         # take more than REPORT_SHARE of the allowance (at most MAX_EPOCHS_BETWEEN)
         report_cost = self.report_cost or 0.0
