@@ -517,9 +517,9 @@ class Sampler:
             # the newest report's weight in the running estimate (charge() adds the rest
             # of this report's epoch end with the same weight)
             self._report_weight = 1.0 if self.report_cost is None else COST_EMA
-            self.report_cost = self._report_weight * report_seconds + (
-                1 - self._report_weight
-            ) * (self.report_cost or 0.0)
+            self.report_cost = self._report_weight * report_seconds + (1 - self._report_weight) * (
+                self.report_cost or 0.0
+            )
             fraction = self.window_overhead / self.window_wall if self.window_wall > 0 else 0.0
             out["probes/overhead_fraction"] = fraction
             out["probes/overhead_seconds"] = self.window_overhead
