@@ -1,0 +1,141 @@
+"""``policy-probes fork``: a run started from another run's end-of-epoch checkpoint.
+
+An unchanged fork repeats its parent's later epochs bit for bit (parameters and every
+metric but wall-clock ones); a changed learning rate takes effect from the fork epoch on
+(checked against the annealing formula) while the fork epoch's rollout, collected with
+the parent's parameters, is the parent's; bad arguments are one clear message."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from run_control_support import EPOCHS, assert_same_params, final_params, write_recipe
+
+from policy_probes.cli import main
+from policy_probes.sinks import read_jsonl
+from trainers.checkpoint import checkpoint_name
+
+torch.set_num_threads(1)
+
+FORK_EPOCH = 3
+#: the tiny recipe's learning rate (PPOConfig default), annealed linearly to 0
+PARENT_LR = 2.5e-4
+#: metrics that measure time, not the run
+WALL_CLOCK = ("time", "perf/", "probes/overhead_")
+
+
+@pytest.fixture(scope="module")
+def parent(tmp_path_factory) -> Path:
+    """A finished CLI run of the tiny recipe, checkpointed after every epoch."""
+    directory = tmp_path_factory.mktemp("fork")
+    target = write_recipe(directory)
+    run_dir = directory / "parent"
+    argv = ["run", target, f"run_dir={run_dir}", "checkpoint.every_epochs=1", "--no-progress"]
+    assert main(argv) == 0
+    return run_dir
+
+
+def records(run_dir: Path) -> list[dict]:
+    return read_jsonl(run_dir / "metrics.jsonl")
+
+
+def without_wall_clock(record: dict) -> dict:
+    return {k: v for k, v in record.items() if not k.startswith(WALL_CLOCK)}
+
+
+def test_unchanged_fork_repeats_the_parents_later_epochs_bit_for_bit(parent, tmp_path):
+    child = tmp_path / "child"
+    assert main(["fork", str(parent), "--epoch", str(FORK_EPOCH), str(child), "--no-progress"]) == 0
+
+    assert_same_params(final_params(child), final_params(parent))
+    later = [r for r in records(parent) if r["epoch"] > FORK_EPOCH]
+    mine = records(child)
+    # every record (POST_EPOCH and the others) of epochs 4..6, in order, nothing earlier
+    assert [(r["epoch"], r["hook_point"]) for r in mine] == [
+        (r["epoch"], r["hook_point"]) for r in later
+    ]
+    assert {r["epoch"] for r in mine} == set(range(FORK_EPOCH + 1, EPOCHS + 1))
+    for a, b in zip(mine, later, strict=True):
+        assert without_wall_clock(a) == without_wall_clock(b), (a["epoch"], a["hook_point"])
+
+    config = json.loads((child / "config.json").read_text())
+    assert config["parent"] == {
+        "run_dir": str(parent),
+        "epoch": FORK_EPOCH,
+        "checkpoint": str(parent / "checkpoints" / checkpoint_name(FORK_EPOCH)),
+    }
+    assert "resumed_from" not in config
+    parent_config = json.loads((parent / "config.json").read_text())
+    assert config["recipe"] == parent_config["recipe"]
+    assert config["overrides"][-1] == f"run_dir={json.dumps(str(child))}"
+    # the child's own checkpoints: epochs after the fork only
+    names = sorted(p.name for p in (child / "checkpoints").iterdir())
+    assert names == [checkpoint_name(e) for e in range(FORK_EPOCH + 1, EPOCHS + 1)]
+
+
+def test_fork_with_a_new_learning_rate_uses_it_from_the_fork_epoch_on(parent, tmp_path):
+    child = tmp_path / "child"
+    new_lr = 3e-3
+    argv = [
+        "fork",
+        str(parent),
+        "--epoch",
+        str(FORK_EPOCH),
+        str(child),
+        f"trainer.learning_rate={new_lr}",
+    ]
+    assert main([*argv, "--no-progress"]) == 0
+
+    def post_epoch(run_dir: Path) -> dict[int, dict]:
+        return {r["epoch"]: r for r in records(run_dir) if r["hook_point"] == "POST_EPOCH"}
+
+    mine, theirs = post_epoch(child), post_epoch(parent)
+    assert sorted(mine) == list(range(FORK_EPOCH + 1, EPOCHS + 1))
+    for epoch in mine:  # epoch e trains with lr * (1 - (e - 1) / EPOCHS)
+        factor = 1.0 - (epoch - 1) / EPOCHS
+        assert mine[epoch]["train/learning_rate"] == pytest.approx(new_lr * factor, rel=1e-12)
+        assert theirs[epoch]["train/learning_rate"] == pytest.approx(PARENT_LR * factor, rel=1e-12)
+    # the fork epoch's rollout ran on the checkpoint's parameters and environments
+    first = FORK_EPOCH + 1
+    for key in ("rollout/episode_return", "rollout/episodes", "rollout/valid_fraction"):
+        assert mine[first][key] == theirs[first][key], key
+    assert mine[first]["train/policy_loss"] != theirs[first]["train/policy_loss"]
+    a, b = final_params(child), final_params(parent)
+    assert any(not torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_fork_that_wrote_no_checkpoint_resumes_from_its_parent(parent, tmp_path):
+    child = tmp_path / "child"
+    no_checkpoints = ["checkpoint.every_epochs=0", "checkpoint.at_end=false"]
+    argv = ["fork", str(parent), "--epoch", str(FORK_EPOCH), str(child), *no_checkpoints]
+    assert main([*argv, "--no-progress"]) == 0
+    assert not list((child / "checkpoints").glob("*.pt"))
+    # resume finds no checkpoint of its own: it forks again, and keeps its parent
+    assert main(["resume", str(child), "checkpoint.at_end=true", "--no-progress"]) == 0
+    assert_same_params(final_params(child), final_params(parent))
+    main_records = [r["epoch"] for r in records(child) if r["hook_point"] == "POST_EPOCH"]
+    assert main_records == list(range(FORK_EPOCH + 1, EPOCHS + 1))
+    assert json.loads((child / "config.json").read_text())["parent"]["epoch"] == FORK_EPOCH
+
+
+def test_fork_errors_say_what_to_change(parent, tmp_path, capsys):
+    child = tmp_path / "child"
+
+    def fork(*args: str) -> str:
+        assert main(["fork", *args, "--no-progress"]) == 2
+        return capsys.readouterr().err
+
+    err = fork(str(parent), "--epoch", "9", str(child))
+    assert "has no checkpoint of epoch 9" in err
+    assert "epochs with one: 1, 2, 3, 4, 5, 6" in err
+    assert f"trains {EPOCHS} epochs in all" in fork(str(parent), "--epoch", str(EPOCHS), str(child))
+    assert "already holds a run" in fork(str(parent), "--epoch", "2", str(parent))
+    assert "holds no config.json" in fork(str(tmp_path), "--epoch", "2", str(child))
+    assert "does not exist" in fork(str(tmp_path / "nope"), "--epoch", "2", str(child))
+    err = fork(str(parent), "--epoch", "2", str(child), f"run_dir={tmp_path / 'x'}")
+    assert "drop the run_dir override" in err
+    assert "unknown" in fork(str(parent), "--epoch", "2", str(child), "trainer.lr=1").lower()
+    assert not child.exists() or not any(child.iterdir())  # nothing was written
