@@ -15,6 +15,14 @@ import torch
 from run_control_support import EPOCHS, assert_same_params, final_params, write_recipe
 
 from policy_probes.cli import main
+from policy_probes.layer_figures import PROBE_SECTIONS
+from policy_probes.report import (
+    REPORT_HTML,
+    RunMetrics,
+    find_overlays,
+    probe_figure,
+    returns_figure,
+)
 from policy_probes.sinks import read_jsonl
 from trainers.checkpoint import checkpoint_name
 
@@ -76,9 +84,14 @@ def test_unchanged_fork_repeats_the_parents_later_epochs_bit_for_bit(parent, tmp
     assert names == [checkpoint_name(e) for e in range(FORK_EPOCH + 1, EPOCHS + 1)]
 
 
-def test_fork_with_a_new_learning_rate_uses_it_from_the_fork_epoch_on(parent, tmp_path):
-    child = tmp_path / "child"
-    new_lr = 3e-3
+NEW_LR = 3e-3
+
+
+@pytest.fixture(scope="module")
+def lr_child(parent) -> Path:
+    """A fork of ``parent`` after epoch 3 with learning rate :data:`NEW_LR`."""
+    child = parent.parent / "lr_child"
+    new_lr = NEW_LR
     argv = [
         "fork",
         str(parent),
@@ -88,10 +101,15 @@ def test_fork_with_a_new_learning_rate_uses_it_from_the_fork_epoch_on(parent, tm
         f"trainer.learning_rate={new_lr}",
     ]
     assert main([*argv, "--no-progress"]) == 0
+    return child
 
-    def post_epoch(run_dir: Path) -> dict[int, dict]:
-        return {r["epoch"]: r for r in records(run_dir) if r["hook_point"] == "POST_EPOCH"}
 
+def post_epoch(run_dir: Path) -> dict[int, dict]:
+    return {r["epoch"]: r for r in records(run_dir) if r["hook_point"] == "POST_EPOCH"}
+
+
+def test_fork_with_a_new_learning_rate_uses_it_from_the_fork_epoch_on(parent, lr_child):
+    child, new_lr = lr_child, NEW_LR
     mine, theirs = post_epoch(child), post_epoch(parent)
     assert sorted(mine) == list(range(FORK_EPOCH + 1, EPOCHS + 1))
     for epoch in mine:  # epoch e trains with lr * (1 - (e - 1) / EPOCHS)
@@ -139,3 +157,56 @@ def test_fork_errors_say_what_to_change(parent, tmp_path, capsys):
     assert "drop the run_dir override" in err
     assert "unknown" in fork(str(parent), "--epoch", "2", str(child), "trainer.lr=1").lower()
     assert not child.exists() or not any(child.iterdir())  # nothing was written
+
+
+def series(run_dir: Path, key: str) -> tuple[list[int], list[float]]:
+    """``key`` per epoch straight from metrics.jsonl (POST_EPOCH records)."""
+    rows = sorted(post_epoch(run_dir).items())
+    return [e for e, r in rows if key in r], [r[key] for e, r in rows if key in r]
+
+
+def lines_by_label(ax) -> dict[str, object]:
+    return {line.get_label(): line for line in ax.get_lines()}
+
+
+def test_report_overlays_the_parent_and_compared_runs_on_one_epoch_axis(parent, lr_child, capsys):
+    config = json.loads((lr_child / "config.json").read_text())
+    other = lr_child.parent / "parent"  # compared with itself as a stand-in for another run
+    overlays, notes = find_overlays(lr_child, config, [other])
+    assert notes == []
+    assert [(o.label, o.linestyle, o.fork_epoch) for o in overlays] == [
+        ("parent parent", "--", FORK_EPOCH),
+        ("parent", ":", None),
+    ]
+
+    child_run = RunMetrics.load(lr_child / "metrics.jsonl")
+    fig = returns_figure(child_run, overlays[:1])
+    ax = fig.axes[0]
+    lines = lines_by_label(ax)
+    key = "rollout/episode_return"
+    own = lines[f"training episodes ({key})"]
+    dashed = lines["training episodes [parent parent]"]
+    assert (list(own.get_xdata()), list(own.get_ydata())) == series(lr_child, key)
+    assert (list(dashed.get_xdata()), list(dashed.get_ydata())) == series(parent, key)
+    assert list(own.get_xdata()) == list(range(FORK_EPOCH + 1, EPOCHS + 1))
+    assert list(dashed.get_xdata()) == list(range(1, EPOCHS + 1))  # same epoch axis
+    assert dashed.get_linestyle() == "--" and dashed.get_color() == own.get_color()
+    fork = lines[f"fork after epoch {FORK_EPOCH}"]
+    assert list(fork.get_xdata()) == [FORK_EPOCH, FORK_EPOCH]
+
+    panels = next(p for slug, _, p in PROBE_SECTIONS if slug == "relu")
+    fig = probe_figure(child_run, panels, overlays)
+    dormant = next(a for a in fig.axes if "ormant" in a.get_title())
+    lines = lines_by_label(dormant)
+    key = "probes/relu/actor_mlp/dormant_fraction"
+    x, y = series(parent, key)
+    for label, style in (("actor_mlp [parent parent]", "--"), ("actor_mlp [parent]", ":")):
+        line = lines[label]
+        assert (list(line.get_xdata()), list(line.get_ydata())) == (x, y)
+        assert line.get_linestyle() == style
+
+    assert main(["report", str(lr_child), "--compare", str(other)]) == 0
+    page = (lr_child / REPORT_HTML).read_text()
+    assert f"forked after epoch {FORK_EPOCH}" in page and "parent parent: dashed" in page
+    assert main(["report", str(lr_child), "--compare", str(other / "nope")]) == 0
+    assert "Not overlaid: compared run" in (lr_child / REPORT_HTML).read_text()
