@@ -24,7 +24,7 @@ learning-check: $(STAMP)
 	$(PY) -m benchmarks.learning_check --jobs 2
 
 plasticity: $(STAMP)
-	nice $(PY) -m benchmarks.plasticity --seeds 1,2,3 --jobs 2
+	nice $(PY) -m benchmarks.plasticity --seeds 1,2,3,4,5 --jobs 2
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -17,7 +17,8 @@ probe's default) and the units the remedies reset, per epoch; it writes the figu
 seeds), the results (``--results``: every run's curves) and the table in ``--doc``
 between the ``plasticity:begin``/``plasticity:end`` markers, with the command line.
 
-    nice python -m benchmarks.plasticity --seeds 1,2,3 --jobs 2     # make plasticity
+    nice python -m benchmarks.plasticity --seeds 1,2,3,4,5 --jobs 2     # make plasticity
+    python -m benchmarks.plasticity --from-results     # redraw figure and tables only
 """
 
 from __future__ import annotations
@@ -239,11 +240,41 @@ def write_doc(path: Path, block: str) -> None:
     path.write_text(f"{head}{BEGIN}\n{block}\n{END}{tail}")
 
 
+def period_table(
+    runs: list[dict[str, Any]], arms: list[str], key: str, period: int, fmt: str
+) -> str:
+    """Markdown table: one row per arm, one column per period, the mean over seeds of
+    ``key``'s per-period mean."""
+    n = len(runs[0][key]) // period
+    rows = ["| arm | " + " | ".join(str(k + 1) for k in range(n)) + " |"]
+    rows.append("|" + "---|" * (n + 1))
+    for arm in arms:
+        means = np.vstack([period_means(r[key], period) for r in runs if r["arm"] == arm])
+        with np.errstate(all="ignore"):
+            rows.append(
+                f"| {arm} | " + " | ".join(fmt.format(v) for v in np.nanmean(means, 0)) + " |"
+            )
+    return "\n".join(rows)
+
+
+def load_results(path: Path) -> dict[str, Any]:
+    """A results file written by :func:`main`, null values back to NaN."""
+    data = json.loads(path.read_text())
+    data["runs"] = [
+        {
+            k: [math.nan if x is None else x for x in v] if isinstance(v, list) else v
+            for k, v in r.items()
+        }
+        for r in data["runs"]
+    ]
+    return data
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--seeds", default="1,2,3", help="comma-separated seeds")
+    p.add_argument("--seeds", default="1,2,3,4,5", help="comma-separated seeds")
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {list(ARMS)}")
     p.add_argument("--epochs", type=int, default=480, help="epochs per run (512 steps each)")
     p.add_argument("--period", type=int, default=40, help="epochs between permutations")
@@ -252,7 +283,46 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--results", default="benchmarks/results/plasticity.json")
     p.add_argument("--figure", default="docs/figures/plasticity.png")
     p.add_argument("--doc", default="docs/plasticity.md")
+    p.add_argument(
+        "--from-results",
+        action="store_true",
+        help="train nothing: redraw the figure and tables from the --results file",
+    )
     args = p.parse_args(argv)
+    results = Path(args.results)
+    if args.from_results:
+        data = load_results(results)
+    else:
+        data = train_arms(p, args, argv)
+        results.parent.mkdir(parents=True, exist_ok=True)
+        results.write_text(json.dumps({**data, "runs": [plain(r) for r in data["runs"]]}) + "\n")
+    runs, arms, seeds, period = data["runs"], list(data["arms"]), data["seeds"], data["period"]
+    summary = summarize(runs, period)
+    figure(runs, arms, period, Path(args.figure))
+    md = table(summary, arms, seeds)
+    block = (
+        f"Reproduce: `nice {data['command']}` ({len(runs)} runs, "
+        f"{data['wall_seconds'] / 60:.1f} min wall with --jobs {data['jobs']}). "
+        f"{len(seeds)} seeds ({', '.join(map(str, seeds))}), {data['epochs']} epochs of 512 "
+        f"agent steps, a new permutation every {period} epochs; mean ± std over seeds.\n\n"
+        f"{md}\n\n![plasticity]({os.path.relpath(args.figure, Path(args.doc).parent)})\n\n"
+        f"Training episode return per period (mean over seeds):\n\n"
+        f"{period_table(runs, arms, 'return', period, '{:.0f}')}\n\n"
+        f"Dormant fraction of actor_mlp per period (mean over seeds):\n\n"
+        f"{period_table(runs, arms, 'actor_mlp', period, '{:.2f}')}\n\n"
+        f"Dormant fraction of critic_mlp per period (mean over seeds):\n\n"
+        f"{period_table(runs, arms, 'critic_mlp', period, '{:.2f}')}"
+    )
+    write_doc(Path(args.doc), block)
+    print(md)
+    print(f"figure: {args.figure}; tables: {args.doc}; results: {results}")
+    return 0
+
+
+def train_arms(
+    p: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str] | None
+) -> dict[str, Any]:
+    """Run every arm x seed; the results (configuration, curves, wall time)."""
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     unknown = [a for a in arms if a not in ARMS]
@@ -265,42 +335,17 @@ def main(argv: list[str] | None = None) -> int:
     else:
         with mp.get_context("spawn").Pool(args.jobs) as pool:
             runs = pool.map(run_one, jobs, chunksize=1)
-    wall = time.perf_counter() - t0
-
-    summary = summarize(runs, args.period)
-    figure(runs, arms, args.period, Path(args.figure))
-    command = "python -m benchmarks.plasticity " + shlex.join(
-        sys.argv[1:] if argv is None else argv
-    )
-    md = table(summary, arms, seeds)
-    block = (
-        f"Reproduce: `nice {command}` ({len(runs)} runs, {wall / 60:.1f} min wall with "
-        f"--jobs {args.jobs}). {len(seeds)} seeds ({args.seeds}), {args.epochs} epochs "
-        f"of 512 agent steps, a new permutation every {args.period} epochs; mean ± std over "
-        f"seeds.\n\n{md}\n\n![plasticity]({os.path.relpath(args.figure, Path(args.doc).parent)})"
-    )
-    write_doc(Path(args.doc), block)
-    results = Path(args.results)
-    results.parent.mkdir(parents=True, exist_ok=True)
-    results.write_text(
-        json.dumps(
-            {
-                "command": command,
-                "arms": {a: ARMS[a] for a in arms},
-                "seeds": seeds,
-                "epochs": args.epochs,
-                "period": args.period,
-                "wall_seconds": wall,
-                "summary": summary,
-                "runs": [plain(r) for r in runs],
-            },
-            indent=1,
-        )
-        + "\n"
-    )
-    print(md)
-    print(f"figure: {args.figure}; table: {args.doc}; results: {results}")
-    return 0
+    given = sys.argv[1:] if argv is None else argv
+    return {
+        "command": "python -m benchmarks.plasticity " + shlex.join(given),
+        "arms": {a: ARMS[a] for a in arms},
+        "seeds": seeds,
+        "epochs": args.epochs,
+        "period": args.period,
+        "jobs": args.jobs,
+        "wall_seconds": time.perf_counter() - t0,
+        "runs": runs,
+    }
 
 
 if __name__ == "__main__":
