@@ -222,12 +222,11 @@ def figure(runs: list[dict[str, Any]], arms: list[str], period: int, path: Path)
 
 def plain(run: dict[str, Any]) -> dict[str, Any]:
     """``run`` with NaN (epochs without a value) as null, for strict JSON."""
-    return {
-        k: [None if isinstance(x, float) and math.isnan(x) else x for x in v]
-        if isinstance(v, list)
-        else v
-        for k, v in run.items()
-    }
+
+    def finite(x: Any) -> Any:
+        return None if isinstance(x, float) and math.isnan(x) else x
+
+    return {k: [finite(x) for x in v] if isinstance(v, list) else finite(v) for k, v in run.items()}
 
 
 def write_doc(path: Path, block: str) -> None:
@@ -290,14 +289,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     results = Path(args.results)
-    if args.from_results:
-        data = load_results(results)
-    else:
-        data = train_arms(p, args, argv)
-        results.parent.mkdir(parents=True, exist_ok=True)
-        results.write_text(json.dumps({**data, "runs": [plain(r) for r in data["runs"]]}) + "\n")
+    data = load_results(results) if args.from_results else train_arms(p, args, argv)
     runs, arms, seeds, period = data["runs"], list(data["arms"]), data["seeds"], data["period"]
     summary = summarize(runs, period)
+    if not args.from_results:
+        results.parent.mkdir(parents=True, exist_ok=True)
+        plain_runs = [plain(r) for r in runs]
+        plain_summary = {k: plain(v) for k, v in summary.items()}
+        results.write_text(
+            json.dumps({**data, "summary": plain_summary, "runs": plain_runs}) + "\n"
+        )
     figure(runs, arms, period, Path(args.figure))
     md = table(summary, arms, seeds)
     block = (
