@@ -210,3 +210,26 @@ def test_report_overlays_the_parent_and_compared_runs_on_one_epoch_axis(parent, 
     assert f"forked after epoch {FORK_EPOCH}" in page and "parent parent: dashed" in page
     assert main(["report", str(lr_child), "--compare", str(other / "nope")]) == 0
     assert "Not overlaid: compared run" in (lr_child / REPORT_HTML).read_text()
+
+
+def test_a_relative_parent_path_is_found_beside_the_child(tmp_path, monkeypatch):
+    runs = tmp_path / "runs"
+    for name, epochs in (("p", range(1, 5)), ("c", range(3, 5))):
+        (runs / name).mkdir(parents=True)
+        lines = [
+            json.dumps({"epoch": e, "hook_point": "POST_EPOCH", "rollout/episode_return": 10.0 * e})
+            for e in epochs
+        ]
+        (runs / name / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    config = {"parent": {"run_dir": "runs/p", "epoch": 2, "checkpoint": "x"}}
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # "runs/p" does not resolve from here
+    (overlay,), notes = find_overlays(runs / "c", config)
+    assert notes == [] and overlay.fork_epoch == 2
+    assert overlay.run.series("rollout/episode_return")[1].tolist() == [10.0, 20.0, 30.0, 40.0]
+    config["parent"]["run_dir"] = "runs/gone"
+    assert find_overlays(runs / "c", config) == (
+        [],
+        ["parent run runs/gone (no metrics.jsonl found)"],
+    )
