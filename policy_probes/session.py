@@ -46,6 +46,7 @@ from policy_probes.lifecycle import (
     select_hooks,
     snapshot_due,
 )
+from policy_probes.remedies.base import Remedy, RemedyRunner
 from policy_probes.run_dir import (
     RunDirConflict,
     default_run_dir,
@@ -210,6 +211,8 @@ class ProbeSession:
         self._rollout_seen = False
         self._epoch_started = False
         self._owns_run_dir = sink_group is None
+        #: remedies fired at every epoch_end (policy_probes.remedies)
+        self.remedies = RemedyRunner()
 
         self.model_context = model_context
         if self.model_context is None and loss_fn is not None:
@@ -434,6 +437,25 @@ class ProbeSession:
         self._builders.append((pattern, builder, backward))
         return self
 
+    def add_remedy(self, pattern: str, remedy: Remedy, *, seed: int | None = None) -> ProbeSession:
+        """Attach a remedy (``policy_probes.remedies``: ``redo``, ``shrink_and_perturb``,
+        ``reset_layers``) to a component name or glob; returns self. It fires in
+        :meth:`epoch_end` after the epoch's metrics and before its records. Remedies
+        change the weights the optimizer trains, so the session needs ``optimizer=``
+        (a session without one, e.g. evaluation only, is refused). ``seed``: of the
+        remedy's generator when the remedy has none (default ``torch.initial_seed()``)."""
+        if self.closed:
+            raise RuntimeError("this ProbeSession is closed; start a new one to add remedies")
+        if self.optimizer is None:
+            raise ValueError(
+                "remedies change the policy's weights and reset the optimizer's state for "
+                "them; a ProbeSession without optimizer=... (evaluation only) cannot run "
+                "them. Pass the loop's optimizer to ProbeSession"
+            )
+        seed = torch.initial_seed() if seed is None else seed
+        self.remedies.attach(self.policy, pattern, remedy, self.context, self.optimizer, seed)
+        return self
+
     def next_pass(self) -> None:
         """End a training pass (a loop without ``optimizer=`` calls this after each
         update step): the probes that observe the next pass get their torch hooks, the
@@ -653,6 +675,8 @@ class ProbeSession:
         logged = self._take_logged()
         logged.update(extra)
         metrics, snapshot, steps = self._fire_epoch_points(logged)
+        if self.remedies:  # after the epoch's metrics (ReDo reads its scores), before records
+            metrics.update(self.remedies.end_epoch(self.epoch + 1, metrics))
         self._emit(metrics, snapshot, steps)
         self._pending = {}
         self.epoch += 1
@@ -770,6 +794,7 @@ class ProbeSession:
             "hooks": self.hooks.state_dict(),
             # pass counters and sampling rates: a resumed run observes the same passes
             "sampler": self.sampler.state_dict(),
+            "remedies": self.remedies.state_dict(),  # generators and firing records
             "trackers": {
                 name: tracker.state_dict()
                 for name, tracker in self.context.model_metrics.items()
@@ -792,6 +817,8 @@ class ProbeSession:
         self.hooks.load_state_dict(state.get("hooks") or {})
         if state.get("sampler"):  # absent in checkpoints written before sampling
             self.sampler.load_state_dict(state["sampler"])
+        if self.remedies or state.get("remedies"):
+            self.remedies.load_state_dict(state.get("remedies") or {})
         for name, saved in (state.get("trackers") or {}).items() if trackers else ():
             tracker = self.context.model_metrics.get(name)
             if tracker is None:

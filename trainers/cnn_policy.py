@@ -45,6 +45,7 @@ class CNNActorCriticPolicy(ActorCriticPolicy):
     """NatureCNN actor-critic for uint8 ``(C, H, W)`` frames and Discrete or Box actions."""
 
     obs_dtype = torch.uint8
+    component_consumers = {"encoder": ("actor_head", "critic_head")}
 
     def __init__(
         self,

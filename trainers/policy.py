@@ -48,6 +48,11 @@ class ActorCriticPolicy(PolicyAutoBuilder):
 
     #: dtype of the observations in the rollout storage (what the first layer reads)
     obs_dtype: torch.dtype = torch.float32
+    #: which components read each component's output (remedies zero outgoing weights there)
+    component_consumers: dict[str, tuple[str, ...]] = {
+        "actor_mlp": ("actor_head",),
+        "critic_mlp": ("critic_head",),
+    }
 
     def __init__(
         self,

@@ -33,6 +33,7 @@ from policy_probes.atomic_write import write_text_atomic
 from policy_probes.context import ComponentContext
 from policy_probes.hook_types import ProbeBuilder
 from policy_probes.lifecycle import HookSelectionError, TrainingHook, select_hooks
+from policy_probes.remedies import Remedy, RemedyRunner, parse_remedy_spec, split_remedy_specs
 from policy_probes.run_dir import check_run_dir_path, default_run_dir, make_run_dir
 from policy_probes.run_lock import RunDirLock, RunDirLocked, refuse_if_locked
 from policy_probes.runnable import ForkPoint, runnable
@@ -154,8 +155,15 @@ class TrainTool(BaseModel):
         description="Fire SNAPSHOT (expensive hooks such as hessian; the sinks' snapshot "
         "table and heatmaps) every N epochs; 0 = never.",
     )
+    remedies: list[str] = Field(
+        default_factory=list,
+        description='Remedies to switch on, "name@component[:key=value,...]" each, e.g. '
+        '"redo@critic_mlp:tau=0.025,every_epochs=25" (docs/remedies.md); a JSON list or '
+        'one string of specs separated by ";".',
+    )
 
     _builders: list[tuple[str, ProbeBuilder, bool]] = PrivateAttr(default_factory=list)
+    _remedies: list[tuple[str, Remedy]] = PrivateAttr(default_factory=list)
     _trainer_hooks: list[TrainerHook] = PrivateAttr(default_factory=list)
     _launch: dict[str, Any] = PrivateAttr(default_factory=dict)
 
@@ -175,6 +183,14 @@ class TrainTool(BaseModel):
     def _split_hook_names(cls, v: Any) -> Any:
         # `hooks=norms,hessian` on the command line arrives as one string
         return [s.strip() for s in v.split(",") if s.strip()] if isinstance(v, str) else v
+
+    @field_validator("remedies", mode="before")
+    @classmethod
+    def _check_remedies(cls, v: Any) -> list[str]:
+        specs = split_remedy_specs(v)
+        for spec in specs:
+            parse_remedy_spec(spec)  # unknown remedy or key, bad value: clear error now
+        return specs
 
     @model_validator(mode="after")
     def _check_hooks(self) -> TrainTool:
@@ -241,6 +257,21 @@ class TrainTool(BaseModel):
         """Attach a backward-hook builder to a component name or glob; returns self."""
         return self._add(component_name, builder, backward=True)
 
+    def add_remedy(self, component_name: str, remedy: Remedy) -> TrainTool:
+        """Attach a remedy (``policy_probes.remedies``) to a component name or glob;
+        returns self. Its generator is seeded from :attr:`seed` unless it has its own."""
+        if not isinstance(remedy, Remedy):
+            raise TypeError(
+                f"expected a remedy such as policy_probes.remedies.redo(...), got "
+                f"{type(remedy).__name__}"
+            )
+        self._remedies.append((component_name, remedy))
+        return self
+
+    def remedy_list(self) -> list[tuple[str, Remedy]]:
+        """``(pattern, remedy)``: those added with :meth:`add_remedy`, then :attr:`remedies`."""
+        return [*self._remedies, *(parse_remedy_spec(s) for s in self.remedies)]
+
     def add_trainer_hook(self, hook: TrainerHook) -> TrainTool:
         """Add a :class:`TrainerHook` (runs after the built-in ones); returns self."""
         if not isinstance(hook, TrainerHook):
@@ -271,6 +302,9 @@ class TrainTool(BaseModel):
                     "backward": backward,
                 }
                 for pattern, b, backward in self._builders
+            ],
+            "added_remedies": [
+                {"component": pattern, "remedy": repr(r)} for pattern, r in self._remedies
             ],
         }
 
@@ -309,6 +343,9 @@ class TrainTool(BaseModel):
                     for pattern, builder, backward in self._builders:
                         handles = policy.attach(pattern, builder, context, backward=backward)
                         attached.setdefault(pattern, []).extend(h.component for h in handles)
+                    remedies, optimizer = RemedyRunner(), torch.optim.Adam(policy.parameters())
+                    for pattern, remedy in self.remedy_list():  # names, probes, consumers
+                        remedies.attach(policy, pattern, remedy, context, optimizer, self.seed)
                 finally:
                     policy.remove_hooks()
             finally:
@@ -495,6 +532,8 @@ class TrainTool(BaseModel):
             if context.sampler is not None:  # the session ends a pass at every optimizer step
                 # built only if a probe_batch schedule runs (interventions build it too)
                 context.sampler.probe_batch_source = trainer.model_data_context
+            for pattern, remedy in self.remedy_list():  # before a resume loads their state
+                trainer.session.add_remedy(pattern, remedy, seed=self.seed)
             if dist_run.distributed:
                 trainer.wrap_ddp(dist_run.ddp_device_ids())
             if resume_from is not None:

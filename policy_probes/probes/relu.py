@@ -35,9 +35,20 @@ DORMANT_EPS = 1e-9
 
 
 class ReLUActivationState(ActivationState):
-    """Per-unit counts of positive elements and sums of |h| over the window."""
+    """Per-unit counts of positive elements and sums of |h| over the window.
+
+    :attr:`scores` keeps the per-unit ReDo scores of the last report (NaN for units with
+    no finite value), for remedies that act on them (:mod:`policy_probes.remedies`)."""
 
     probe = "relu"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scores: dict[str, torch.Tensor] = {}
+
+    def to_metrics(self) -> dict[str, float | list[float]]:
+        self.scores = {}  # only this window's components
+        return super().to_metrics()
 
     def register_component(
         self,
@@ -81,6 +92,7 @@ class ReLUActivationState(ActivationState):
         units = int(seen.sum())
         layer_mean = float(mean_abs[seen].mean()) if units else 0.0
         score = mean_abs / (layer_mean + DORMANT_EPS)
+        self.scores[component] = torch.where(seen, score, torch.nan)
         finite_total = int(count.sum())
         elements = finite_total + int(s["nonfinite"])
 

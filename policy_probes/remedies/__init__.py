@@ -1,0 +1,34 @@
+"""Remedies for lost plasticity, fired from the probes' own measurements.
+
+Attach one like a probe (``session.add_remedy("critic_mlp", redo(tau=0.025,
+every_epochs=25))`` or ``TrainTool.add_remedy``), or switch one on from the command line
+(``remedies='["redo@critic_mlp:tau=0.025,every_epochs=25"]'``). See ``docs/remedies.md``.
+Unlike lifecycle interventions, remedies change the trajectory on purpose.
+"""
+
+from policy_probes.remedies.base import BoundRemedy, Remedy, RemedyRunner, RemedyTarget
+from policy_probes.remedies.dormant_recycling import ReDo, redo
+from policy_probes.remedies.layer_reset import ResetLayers, reset_layers
+from policy_probes.remedies.optim_state import SUPPORTED_OPTIMIZERS
+from policy_probes.remedies.shrink_perturb import ShrinkAndPerturb, shrink_and_perturb
+from policy_probes.remedies.spec import REMEDIES, parse_remedy_spec, split_remedy_specs
+from policy_probes.remedies.trigger import Threshold, Trigger
+
+__all__ = [
+    "REMEDIES",
+    "SUPPORTED_OPTIMIZERS",
+    "BoundRemedy",
+    "ReDo",
+    "Remedy",
+    "RemedyRunner",
+    "RemedyTarget",
+    "ResetLayers",
+    "ShrinkAndPerturb",
+    "Threshold",
+    "Trigger",
+    "parse_remedy_spec",
+    "redo",
+    "reset_layers",
+    "shrink_and_perturb",
+    "split_remedy_specs",
+]

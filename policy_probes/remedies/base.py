@@ -1,0 +1,196 @@
+"""Remedies, bound to components, and the runner that fires them at the end of an epoch.
+
+A :class:`Remedy` is configuration (``redo(tau=0.025, every_epochs=25)``); attaching it
+to a component (``session.add_remedy("critic_mlp", ...)``) binds it: the bound remedy
+holds the component's layers, the optimiser, its own ``torch.Generator`` and its
+firing record, which is what a checkpoint stores (:meth:`BoundRemedy.state_dict`).
+"""
+
+from __future__ import annotations
+
+import logging
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from policy_probes.context import ComponentContext
+from policy_probes.remedies.optim_state import check_optimizer
+from policy_probes.remedies.trigger import Threshold, Trigger
+
+log = logging.getLogger("policy_probes")
+
+
+@dataclass
+class RemedyTarget:
+    """What a remedy acts on: one component of a policy and the loop's optimiser."""
+
+    component: str
+    module: nn.Module
+    policy: Any  # the PolicyAutoBuilder (get_component, component_consumers)
+    context: ComponentContext
+    optimizer: torch.optim.Optimizer
+
+
+class Remedy:
+    """Base of the remedies: a name, a trigger and an optional seed. Subclasses implement
+    :meth:`prepare` (checks and layer lookup, at attach time) and :meth:`apply`."""
+
+    name: str = "remedy"
+
+    def __init__(
+        self,
+        *,
+        every_epochs: int | None = None,
+        when: str | Threshold | None = None,
+        start_epoch: int = 0,
+        cooldown: int = 0,
+        seed: int | None = None,
+    ) -> None:
+        self.trigger = Trigger.build(every_epochs, when, start_epoch, cooldown)
+        if seed is not None and (isinstance(seed, bool) or int(seed) < 0):
+            raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+        self.seed = None if seed is None else int(seed)
+
+    def prepare(self, target: RemedyTarget) -> Any:
+        """What :meth:`apply` needs about ``target`` (checked once, when attached)."""
+        raise NotImplementedError
+
+    def apply(
+        self, target: RemedyTarget, prepared: Any, generator: torch.Generator
+    ) -> dict[str, int]:
+        """Change the weights now; returns units reset per layer name."""
+        raise NotImplementedError
+
+    def settings(self) -> dict[str, Any]:
+        """The remedy's own arguments (for ``repr`` and the run's configuration)."""
+        return {}
+
+    def __repr__(self) -> str:
+        t = self.trigger
+        args = {**self.settings(), "every_epochs": t.every_epochs, "when": t.when}
+        args.update(start_epoch=t.start_epoch, cooldown=t.cooldown, seed=self.seed)
+        text = ", ".join(
+            f"{k}={(str(v) if k == 'when' else v)!r}" for k, v in args.items() if v is not None
+        )
+        return f"{self.name}({text})"
+
+
+def remedy_seed(base: int, name: str, component: str) -> int:
+    """The generator seed of ``name`` on ``component``: distinct streams per remedy and
+    component from one run seed."""
+    return (int(base) * 1_000_003 + zlib.crc32(f"{name}@{component}".encode())) % 2**63
+
+
+class BoundRemedy:
+    """A remedy attached to one component, with its generator and firing record."""
+
+    def __init__(self, remedy: Remedy, target: RemedyTarget, seed: int) -> None:
+        check_optimizer(target.optimizer)
+        self.remedy, self.target = remedy, target
+        self.prepared = remedy.prepare(target)
+        self.key = f"{remedy.name}@{target.component}"
+        self.generator = torch.Generator().manual_seed(
+            remedy_seed(seed, remedy.name, target.component)
+        )
+        self.last_fired: int | None = None
+        self.firings = 0
+
+    def end_epoch(self, epoch: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
+        """Fire when due at the end of ``epoch`` (counted from 1); the epoch's metrics."""
+        prefix = f"remedies/{self.remedy.name}/{self.target.component}"
+        if not self.remedy.trigger.due(epoch, metrics, self.last_fired):
+            return {f"{prefix}/fired": 0.0, f"{prefix}/units_reset": 0.0}
+        per_layer = self.remedy.apply(self.target, self.prepared, self.generator)
+        self.last_fired, self.firings = epoch, self.firings + 1
+        out: dict[str, Any] = {f"{prefix}/fired": 1.0}
+        out[f"{prefix}/units_reset"] = float(sum(per_layer.values()))
+        for layer, units in per_layer.items():
+            if layer != self.target.component:
+                out[f"remedies/{self.remedy.name}/{layer}/units_reset"] = float(units)
+        log.info("remedy %s fired at epoch %d: %s", self.key, epoch, per_layer)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "generator": self.generator.get_state(),
+            "last_fired": self.last_fired,
+            "firings": self.firings,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.generator.set_state(state["generator"])
+        self.last_fired = None if state["last_fired"] is None else int(state["last_fired"])
+        self.firings = int(state["firings"])
+
+
+class RemedyRunner:
+    """The bound remedies of a loop, fired in the order they were attached."""
+
+    def __init__(self) -> None:
+        self.bound: list[BoundRemedy] = []
+
+    def add(self, remedy: Remedy, target: RemedyTarget, seed: int) -> BoundRemedy:
+        if not isinstance(remedy, Remedy):
+            raise TypeError(
+                f"expected a remedy such as policy_probes.remedies.redo(...), got "
+                f"{type(remedy).__name__}; did you forget the parentheses?"
+            )
+        bound = BoundRemedy(remedy, target, seed)
+        if any(b.key == bound.key for b in self.bound):
+            raise ValueError(
+                f"{bound.key} is attached twice; attach each remedy once per component"
+            )
+        self.bound.append(bound)
+        return bound
+
+    def attach(
+        self,
+        policy: Any,
+        pattern: str,
+        remedy: Remedy,
+        context: ComponentContext,
+        optimizer: torch.optim.Optimizer,
+        seed: int,
+    ) -> list[BoundRemedy]:
+        """Bind ``remedy`` to every component of ``policy`` (a PolicyAutoBuilder) that
+        ``pattern`` names; ``seed`` is used when the remedy has none."""
+        if not isinstance(remedy, Remedy):
+            raise TypeError(
+                f"expected a remedy such as policy_probes.remedies.redo(...), got "
+                f"{type(remedy).__name__}; did you forget the parentheses?"
+            )
+        base = remedy.seed if remedy.seed is not None else seed
+        return [
+            self.add(
+                remedy,
+                RemedyTarget(name, policy.get_component(name), policy, context, optimizer),
+                base,
+            )
+            for name in policy.resolve(pattern)
+        ]
+
+    def __bool__(self) -> bool:
+        return bool(self.bound)
+
+    def end_epoch(self, epoch: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for bound in self.bound:
+            out.update(bound.end_epoch(epoch, metrics))
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {b.key: b.state_dict() for b in self.bound}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        for b in self.bound:
+            saved = state.get(b.key)
+            if saved is None:
+                log.warning("the saved state holds no record of remedy %s; it starts afresh", b.key)
+                continue
+            b.load_state_dict(saved)
+        for key in set(state) - {b.key for b in self.bound}:
+            log.warning("the saved state holds remedy %s, which this run does not attach", key)

@@ -1,0 +1,170 @@
+"""ReDo: recycle dormant units (Sokar et al. 2023, "The Dormant Neuron Phenomenon in Deep
+Reinforcement Learning").
+
+At a firing, unit ``u`` of a layer is dormant when its score from the ReLU probe
+(:mod:`policy_probes.probes.relu`), ``s_u = mean|h_u| / (layer mean + eps)`` over the
+epoch's observed passes, is ``<= tau``. For every dormant unit ReDo
+
+* re-initialises its incoming weights (row ``u`` of a Linear weight, out-channel ``u`` of
+  a conv weight, entry ``u`` of the bias; for an LSTM/GRU the rows ``g*H + u`` of every
+  gate ``g`` in ``weight_ih``, ``weight_hh`` and both biases) with the layer's own
+  initialiser (:mod:`~policy_probes.remedies.fresh_init`);
+* zeroes its outgoing weights (the consumer's input columns of ``u``,
+  :mod:`~policy_probes.remedies.structure`; for an LSTM/GRU also column ``u`` of its own
+  ``weight_hh``), so the policy's outputs are unchanged at the firing;
+* zeroes the optimiser's moment entries of exactly those weights (``step`` is kept:
+  :mod:`~policy_probes.remedies.optim_state`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from policy_probes.remedies.base import Remedy, RemedyTarget
+from policy_probes.remedies.fresh_init import draw_seed, fresh_parameters
+from policy_probes.remedies.optim_state import reset_entries
+from policy_probes.remedies.structure import RECURRENT, UnitLayer, unit_layers
+from policy_probes.remedies.trigger import Threshold
+
+log = logging.getLogger("policy_probes")
+
+
+class ReDo(Remedy):
+    """See the module docstring; build with :func:`redo`."""
+
+    name = "redo"
+
+    def __init__(
+        self, *, tau: float = 0.025, consumer: str | Sequence[str] | None = None, **trigger: Any
+    ) -> None:
+        if isinstance(tau, bool) or not float(tau) >= 0:
+            raise ValueError(
+                f"tau must be >= 0 (a unit is dormant when its score <= tau), got {tau!r}"
+            )
+        super().__init__(**trigger)
+        self.tau = float(tau)
+        self.consumer = (consumer,) if isinstance(consumer, str) else consumer
+        self._warned: set[str] = set()
+
+    def settings(self) -> dict[str, Any]:
+        return {"tau": self.tau, "consumer": None if self.consumer is None else list(self.consumer)}
+
+    def prepare(self, target: RemedyTarget) -> list[UnitLayer]:
+        tracker = target.context.model_metrics.get("relu")
+        if tracker is None or not tracker.has_component(target.component):
+            raise ValueError(
+                f"ReDo on {target.component!r} reads the dormant scores of the ReLU probe on "
+                f"that component, and none is attached: attach "
+                f"attach_relu_activation_hooks() to {target.component!r} before the remedy "
+                f"(per_layer=True scores every layer inside it)"
+            )
+        names = self.consumer
+        if names is None:
+            names = (getattr(target.policy, "component_consumers", None) or {}).get(
+                target.component, ()
+            )
+            names = (names,) if isinstance(names, str) else names
+        external = [(n, target.policy.get_component(n)) for n in names]
+        return unit_layers(target.component, target.module, external)
+
+    def apply(
+        self, target: RemedyTarget, prepared: list[UnitLayer], generator: torch.Generator
+    ) -> dict[str, int]:
+        tracker = target.context.model_metrics["relu"]
+        scores = [self._scores(tracker, layer) for layer in prepared]  # checked before changes
+        out: dict[str, int] = {}
+        for layer, layer_scores in zip(prepared, scores, strict=True):
+            seed = draw_seed(generator)  # one draw per layer per firing, scored or not
+            if layer_scores is None:
+                out[layer.name] = 0
+                continue
+            units = torch.nonzero(layer_scores <= self.tau).reshape(-1)
+            out[layer.name] = int(units.numel())
+            if units.numel():
+                recycle(layer, units, seed, target.optimizer)
+        return out
+
+    def _scores(self, tracker: Any, layer: UnitLayer) -> torch.Tensor | None:
+        for name in (layer.name, *layer.aliases):
+            scores = tracker.scores.get(name)
+            if scores is not None:
+                break
+        else:
+            if layer.name not in self._warned:
+                self._warned.add(layer.name)
+                log.warning(
+                    "ReDo: no dormant scores for %s this epoch (the ReLU probe did not read "
+                    "it: per_layer=False, or no observed pass); its units are left alone",
+                    layer.name,
+                )
+            return None
+        if scores.numel() != layer.units:
+            raise ValueError(
+                f"ReDo on {layer.name!r}: the ReLU probe reports {scores.numel()} units, the "
+                f"layer {layer.producer_name!r} has {layer.units}; attach the probe with the "
+                f"layout that puts the units where the layer has them (layout='channels_first' "
+                f"for conv channels)"
+            )
+        return scores
+
+
+def recycle(layer: UnitLayer, units: torch.Tensor, seed: int, optimizer: Any) -> None:
+    """Re-initialise the incoming and zero the outgoing weights of ``units`` of ``layer``
+    (fresh values from ``seed``), and zero their optimiser moments."""
+    producer = layer.producer
+    fresh = fresh_parameters(producer, seed)
+    hidden = layer.units
+    rows = torch.cat([units + g * hidden for g in range(layer.gates)])
+    with torch.no_grad():
+        for name, param in producer.named_parameters(recurse=False):
+            idx = rows.to(param.device)
+            param.index_copy_(0, idx, fresh[name].index_select(0, rows).to(param))
+            reset_entries(optimizer, param, 0, idx)
+        if isinstance(producer, RECURRENT):  # the unit's own recurrent outputs
+            zero_columns(producer.weight_hh_l0, units, 1, optimizer)
+        for consumer in layer.consumers:
+            zero_columns(
+                getattr(consumer.module, consumer.weight_name), units, consumer.block, optimizer
+            )
+
+
+def zero_columns(weight: torch.Tensor, units: torch.Tensor, block: int, optimizer: Any) -> None:
+    """Zero the input columns of ``units`` (``block`` columns each) of ``weight``."""
+    cols = (units[:, None] * block + torch.arange(block)).reshape(-1).to(weight.device)
+    weight.index_fill_(1, cols, 0)
+    reset_entries(optimizer, weight, 1, cols)
+
+
+def redo(
+    tau: float = 0.025,
+    every_epochs: int | None = None,
+    when: str | Threshold | None = None,
+    *,
+    start_epoch: int = 0,
+    cooldown: int = 0,
+    consumer: str | Sequence[str] | None = None,
+    seed: int | None = None,
+) -> ReDo:
+    """ReDo on the component it is attached to (see :mod:`policy_probes.remedies.dormant_recycling`).
+
+    ``tau``: units with score ``<= tau`` are recycled. ``every_epochs``, ``when``,
+    ``start_epoch``, ``cooldown``: the trigger (:mod:`~policy_probes.remedies.trigger`).
+    ``consumer``: the component(s) reading the component's output (default: the policy's
+    ``component_consumers``). ``seed``: the generator's seed (default: the run's seed).
+    """
+    return ReDo(
+        tau=tau,
+        consumer=consumer,
+        every_epochs=every_epochs,
+        when=when,
+        start_epoch=start_epoch,
+        cooldown=cooldown,
+        seed=seed,
+    )
+
+
+__all__ = ["ReDo", "recycle", "redo"]

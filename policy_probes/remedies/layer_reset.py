@@ -1,0 +1,115 @@
+"""Layer resets (Nikishin et al. 2022, "The Primacy Bias in Deep Reinforcement Learning").
+
+At a firing the chosen parametrised layers of the component (``layers=[...]``, dotted
+names inside the component, or the ``last=n`` of them in registration order) get fresh
+initial values from their own ``reset_parameters()`` (drawn from the remedy's generator:
+:mod:`~policy_probes.remedies.fresh_init`), and their optimiser state is reset entirely
+(moments zeroed and ``step`` set to 0, as for a freshly created tensor).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from policy_probes.remedies.base import Remedy, RemedyTarget
+from policy_probes.remedies.fresh_init import draw_seed, fresh_parameters
+from policy_probes.remedies.optim_state import reset_entries
+from policy_probes.remedies.shrink_perturb import layer_units
+from policy_probes.remedies.structure import parametrised_leaves
+from policy_probes.remedies.trigger import Threshold
+
+
+class ResetLayers(Remedy):
+    """See the module docstring; build with :func:`reset_layers`."""
+
+    name = "reset_layers"
+
+    def __init__(
+        self, *, layers: Sequence[str] | str | None = None, last: int | None = None, **trigger: Any
+    ) -> None:
+        if (layers is None) == (last is None):
+            raise ValueError(
+                "reset_layers needs exactly one of layers=[names inside the component] or "
+                "last=<n> (the last n parametrised layers)"
+            )
+        if last is not None and (isinstance(last, bool) or int(last) < 1):
+            raise ValueError(f"last must be a positive integer, got {last!r}")
+        super().__init__(**trigger)
+        self.layers = (
+            [layers] if isinstance(layers, str) else None if layers is None else list(layers)
+        )
+        self.last = None if last is None else int(last)
+
+    def settings(self) -> dict[str, Any]:
+        return {"layers": self.layers, "last": self.last}
+
+    def prepare(self, target: RemedyTarget) -> list[tuple[str, nn.Module]]:
+        found = parametrised_leaves(target.component, target.module)
+        if self.last is not None:
+            if self.last > len(found):
+                raise ValueError(
+                    f"reset_layers(last={self.last}) on {target.component!r}: it has only "
+                    f"{len(found)} parametrised layers ({[n for n, _ in found]})"
+                )
+            chosen = found[-self.last :]
+        else:
+            by_name = dict(found)
+            chosen = []
+            for layer in self.layers or []:
+                full = f"{target.component}.{layer}" if layer else target.component
+                if full not in by_name:
+                    raise ValueError(
+                        f"reset_layers on {target.component!r}: no parametrised layer "
+                        f"{layer!r}; choose from {[n for n, _ in found]} (names inside the "
+                        f"component, without {target.component + '.'!r})"
+                    )
+                chosen.append((full, by_name[full]))
+        for name, module in chosen:
+            if not callable(getattr(module, "reset_parameters", None)):
+                raise ValueError(
+                    f"reset_layers: {name!r} ({type(module).__name__}) has no reset_parameters()"
+                )
+        return chosen
+
+    def apply(
+        self,
+        target: RemedyTarget,
+        prepared: list[tuple[str, nn.Module]],
+        generator: torch.Generator,
+    ) -> dict[str, int]:
+        out: dict[str, int] = {}
+        with torch.no_grad():
+            for name, module in prepared:
+                fresh = fresh_parameters(module, draw_seed(generator))
+                for pname, param in module.named_parameters(recurse=False):
+                    param.copy_(fresh[pname])
+                    reset_entries(target.optimizer, param)
+                out[name] = layer_units(module)
+        return out
+
+
+def reset_layers(
+    layers: Sequence[str] | str | None = None,
+    last: int | None = None,
+    every_epochs: int | None = None,
+    when: str | Threshold | None = None,
+    *,
+    start_epoch: int = 0,
+    cooldown: int = 0,
+    seed: int | None = None,
+) -> ResetLayers:
+    """Reset ``layers`` (names inside the component) or the ``last`` n parametrised layers
+    of the component it is attached to (:mod:`policy_probes.remedies.layer_reset`)."""
+    return ResetLayers(
+        layers=layers,
+        last=last,
+        every_epochs=every_epochs,
+        when=when,
+        start_epoch=start_epoch,
+        cooldown=cooldown,
+        seed=seed,
+    )

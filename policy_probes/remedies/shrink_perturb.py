@@ -1,0 +1,98 @@
+"""Shrink-and-perturb (Ash & Adams 2020, "On Warm-Starting Neural Network Training").
+
+At a firing every parameter of every parametrised layer of the component becomes
+
+    theta <- shrink * theta + noise * theta_init
+
+where ``theta_init`` is a fresh initialisation of the same layer (its own
+``reset_parameters()``, drawn from the remedy's generator:
+:mod:`~policy_probes.remedies.fresh_init`). The optimiser state is kept: the weights move
+continuously, and the paper applies the operation between trainings without touching it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from policy_probes.remedies.base import Remedy, RemedyTarget
+from policy_probes.remedies.fresh_init import draw_seed, fresh_parameters
+from policy_probes.remedies.structure import parametrised_leaves, unit_count
+from policy_probes.remedies.trigger import Threshold
+
+
+class ShrinkAndPerturb(Remedy):
+    """See the module docstring; build with :func:`shrink_and_perturb`."""
+
+    name = "shrink_and_perturb"
+
+    def __init__(self, *, shrink: float = 0.8, noise: float = 0.01, **trigger: Any) -> None:
+        if isinstance(shrink, bool) or not 0.0 <= float(shrink) <= 1.0:
+            raise ValueError(f"shrink must be in [0, 1], got {shrink!r}")
+        if isinstance(noise, bool) or not float(noise) >= 0.0:
+            raise ValueError(f"noise must be >= 0, got {noise!r}")
+        super().__init__(**trigger)
+        self.shrink, self.noise = float(shrink), float(noise)
+
+    def settings(self) -> dict[str, Any]:
+        return {"shrink": self.shrink, "noise": self.noise}
+
+    def prepare(self, target: RemedyTarget) -> list[tuple[str, nn.Module]]:
+        layers = parametrised_leaves(target.component, target.module)
+        for name, module in layers:
+            if not callable(getattr(module, "reset_parameters", None)):
+                raise ValueError(
+                    f"shrink_and_perturb on {target.component!r}: {name!r} "
+                    f"({type(module).__name__}) has no reset_parameters() to draw the "
+                    f"perturbation from"
+                )
+        return layers
+
+    def apply(
+        self,
+        target: RemedyTarget,
+        prepared: list[tuple[str, nn.Module]],
+        generator: torch.Generator,
+    ) -> dict[str, int]:
+        out: dict[str, int] = {}
+        with torch.no_grad():
+            for name, module in prepared:
+                fresh = fresh_parameters(module, draw_seed(generator))
+                for pname, param in module.named_parameters(recurse=False):
+                    param.mul_(self.shrink).add_(fresh[pname].to(param), alpha=self.noise)
+                out[name] = layer_units(module)
+        return out
+
+
+def layer_units(module: nn.Module) -> int:
+    """Output units of a layer (its first parameter's rows for unknown kinds)."""
+    try:
+        return unit_count(module)
+    except AttributeError:
+        first = next(module.parameters(recurse=False))
+        return int(first.shape[0]) if first.dim() else 1
+
+
+def shrink_and_perturb(
+    shrink: float = 0.8,
+    noise: float = 0.01,
+    every_epochs: int | None = None,
+    when: str | Threshold | None = None,
+    *,
+    start_epoch: int = 0,
+    cooldown: int = 0,
+    seed: int | None = None,
+) -> ShrinkAndPerturb:
+    """Shrink-and-perturb on the component it is attached to (``theta <- shrink * theta +
+    noise * theta_init``; :mod:`policy_probes.remedies.shrink_perturb`)."""
+    return ShrinkAndPerturb(
+        shrink=shrink,
+        noise=noise,
+        every_epochs=every_epochs,
+        when=when,
+        start_epoch=start_epoch,
+        cooldown=cooldown,
+        seed=seed,
+    )

@@ -1,0 +1,114 @@
+"""When a remedy fires: on a schedule, when a probe metric crosses a threshold, or both.
+
+Epochs are counted from 1 here (the built-in trainer's record numbers; a ``ProbeSession``
+numbers its records from 0, so its record ``n - 1`` is epoch ``n``). A remedy is checked
+at the end of every epoch, after that epoch's metrics are computed:
+
+* ``every_epochs=k``: due at epochs k, 2k, 3k, ...
+* ``when="probes/relu/critic_mlp/dormant_fraction>0.3"``: due when the epoch's metric
+  compares true (``>``, ``>=``, ``<``, ``<=``); an epoch without that metric (the probe
+  observed no pass) is not due.
+* both: due at the scheduled epochs where the threshold holds.
+* ``start_epoch``: never before this epoch; ``cooldown=c``: at least ``c`` epochs
+  without a firing between two firings.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import operator
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger("policy_probes")
+
+OPERATORS: dict[str, Callable[[float, float], bool]] = {
+    ">=": operator.ge,
+    "<=": operator.le,
+    ">": operator.gt,
+    "<": operator.lt,
+}
+_THRESHOLD = re.compile(r"^\s*(?P<key>[^<>=\s]+)\s*(?P<op>>=|<=|>|<)\s*(?P<value>\S+)\s*$")
+
+
+@dataclass(frozen=True)
+class Threshold:
+    """``key op value`` on the epoch's metrics."""
+
+    key: str
+    op: str
+    value: float
+
+    @classmethod
+    def parse(cls, text: str) -> Threshold:
+        """``"probes/relu/critic_mlp/dormant_fraction>0.3"`` -> Threshold."""
+        m = _THRESHOLD.match(text)
+        value = None
+        if m:
+            try:
+                value = float(m["value"])
+            except ValueError:
+                value = None
+        if m is None or value is None or not math.isfinite(value):
+            raise ValueError(
+                f"when={text!r} is not a threshold; write '<metric key><op><number>' with op "
+                f"one of {list(OPERATORS)}, e.g. when='probes/relu/critic_mlp/dormant_fraction>0.3'"
+            )
+        return cls(m["key"], m["op"], value)
+
+    def holds(self, metrics: Mapping[str, Any]) -> bool | None:
+        """Whether the metric compares true; None when the epoch has no such metric."""
+        value = metrics.get(self.key)
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            return None
+        return OPERATORS[self.op](float(value), self.value)
+
+    def __str__(self) -> str:
+        return f"{self.key}{self.op}{self.value:g}"
+
+
+@dataclass(frozen=True)
+class Trigger:
+    """A remedy's firing rule (see the module docstring)."""
+
+    every_epochs: int | None = None
+    when: Threshold | None = None
+    start_epoch: int = 0
+    cooldown: int = 0
+
+    @classmethod
+    def build(
+        cls,
+        every_epochs: int | None,
+        when: str | Threshold | None,
+        start_epoch: int = 0,
+        cooldown: int = 0,
+    ) -> Trigger:
+        """Checked arguments: a ``ValueError`` says what to change."""
+        if every_epochs is None and when is None:
+            raise ValueError(
+                "a remedy needs a trigger: every_epochs=<k> (fire every k epochs), "
+                "when='<metric><op><number>' (fire on a threshold), or both"
+            )
+        if every_epochs is not None and (isinstance(every_epochs, bool) or int(every_epochs) < 1):
+            raise ValueError(f"every_epochs must be a positive integer, got {every_epochs!r}")
+        if int(start_epoch) < 0 or int(cooldown) < 0:
+            raise ValueError(
+                f"start_epoch and cooldown must be >= 0, got {start_epoch!r}, {cooldown!r}"
+            )
+        threshold = Threshold.parse(when) if isinstance(when, str) else when
+        every = None if every_epochs is None else int(every_epochs)
+        return cls(every, threshold, int(start_epoch), int(cooldown))
+
+    def due(self, epoch: int, metrics: Mapping[str, Any], last_fired: int | None) -> bool:
+        """Whether to fire at the end of ``epoch`` (counted from 1)."""
+        if epoch < self.start_epoch:
+            return False
+        if last_fired is not None and epoch - last_fired <= self.cooldown:
+            return False
+        if self.every_epochs is not None and epoch % self.every_epochs:
+            return False
+        return self.when is None or bool(self.when.holds(metrics))

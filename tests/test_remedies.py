@@ -1,0 +1,327 @@
+"""Shrink-and-perturb and layer resets against their formulas computed by hand, triggers,
+determinism, the session's remedy state, specs and bad configuration."""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+from torch import nn
+
+from policy_probes.probes.relu import attach_relu_activation_hooks
+from policy_probes.remedies import (
+    parse_remedy_spec,
+    redo,
+    reset_layers,
+    shrink_and_perturb,
+    split_remedy_specs,
+)
+from policy_probes.session import ProbeSession
+from policy_probes.sinks import SinksConfig
+
+SEED = 7
+SINKS = SinksConfig(console=False, csv=False, wandb=False, tensorboard=False)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Linear(16, 12), nn.ReLU())
+        self.head = nn.Linear(12, 3)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def seeds(name: str, component: str, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(
+        (SEED * 1_000_003 + zlib.crc32(f"{name}@{component}".encode())) % 2**63
+    )
+    return [int(torch.randint(0, 2**62, (1,), generator=g)) for _ in range(n)]
+
+
+def fresh_linear(i: int, o: int, seed: int) -> nn.Linear:
+    torch.manual_seed(seed)
+    return nn.Linear(i, o)
+
+
+def make_session(tmp_path, model, optimizer=None, **kwargs):
+    opt = optimizer or torch.optim.Adam(model.parameters(), lr=1e-2)
+    session = ProbeSession(
+        model, run_dir=tmp_path, sinks=SINKS, optimizer=opt, probe_budget=None, **kwargs
+    )
+    return session, opt
+
+
+def update(session, model, opt, n: int = 2, seed: int = 0) -> None:
+    session.set_phase("train")
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        loss = model(torch.randn(16, 5, generator=g)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def snapshot(model, opt):
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    state = {
+        n: {k: v.clone() for k, v in opt.state[p].items()} for n, p in model.named_parameters()
+    }
+    return params, state
+
+
+def test_shrink_and_perturb_formula(tmp_path):
+    torch.manual_seed(0)
+    model = Net()
+    session, opt = make_session(tmp_path, model)
+    session.add_remedy(
+        "body", shrink_and_perturb(shrink=0.7, noise=0.05, every_epochs=1, seed=SEED)
+    )
+    with session:
+        update(session, model, opt)
+        rng = torch.get_rng_state()
+        before, moments = snapshot(model, opt)
+        metrics = session.epoch_end(step=1)
+        assert torch.equal(torch.get_rng_state(), rng)  # the global RNG is untouched
+    s0, s1 = seeds("shrink_and_perturb", "body", 2)
+    f = {"body.0": fresh_linear(5, 16, s0), "body.2": fresh_linear(16, 12, s1)}
+    for name, p in model.named_parameters():
+        layer, _, kind = name.rpartition(".")
+        if layer in f:
+            expected = 0.7 * before[name] + 0.05 * getattr(f[layer], kind).detach()
+            assert torch.allclose(p.detach(), expected, rtol=1e-6, atol=1e-7), name
+            assert not torch.equal(p.detach(), before[name])
+        else:
+            assert torch.equal(p.detach(), before[name])
+        for key, value in moments[name].items():  # the optimiser state is kept
+            assert torch.equal(opt.state[p][key], value)
+    assert metrics["remedies/shrink_and_perturb/body/fired"] == 1.0
+    assert metrics["remedies/shrink_and_perturb/body.0/units_reset"] == 16.0
+
+
+@pytest.mark.parametrize("spec", [{"layers": ["2"]}, {"last": 1}])
+def test_reset_layers_formula_and_fresh_optimizer_state(tmp_path, spec):
+    torch.manual_seed(1)
+    model = Net()
+    session, opt = make_session(tmp_path, model)
+    session.add_remedy("body", reset_layers(**spec, every_epochs=1, seed=SEED))
+    with session:
+        update(session, model, opt)
+        before, moments = snapshot(model, opt)
+        metrics = session.epoch_end(step=1)
+    (s,) = seeds("reset_layers", "body", 1)
+    f = fresh_linear(16, 12, s)
+    p = dict(model.named_parameters())
+    assert torch.equal(p["body.2.weight"].detach(), f.weight.detach())
+    assert torch.equal(p["body.2.bias"].detach(), f.bias.detach())
+    for name in ("body.2.weight", "body.2.bias"):
+        st = opt.state[p[name]]
+        assert not st["exp_avg"].any() and not st["exp_avg_sq"].any()
+        assert float(st["step"]) == 0.0
+    for name in ("body.0.weight", "body.0.bias", "head.weight", "head.bias"):
+        assert torch.equal(p[name].detach(), before[name])
+        for key, value in moments[name].items():
+            assert torch.equal(opt.state[p[name]][key], value)
+    assert metrics["remedies/reset_layers/body/units_reset"] == 12.0
+
+
+def test_sgd_momentum_buffers_reset(tmp_path):
+    torch.manual_seed(2)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    session, _ = make_session(tmp_path, model, optimizer=opt)
+    session.add_remedy("head", reset_layers(last=1, every_epochs=1, seed=SEED))
+    with session:
+        update(session, model, opt)
+        before, moments = snapshot(model, opt)
+        assert opt.state[model.head.weight]["momentum_buffer"].any()
+        session.epoch_end(step=1)
+    assert not opt.state[model.head.weight]["momentum_buffer"].any()
+    assert torch.equal(
+        opt.state[model.body[0].weight]["momentum_buffer"],
+        moments["body.0.weight"]["momentum_buffer"],
+    )
+
+
+def fired_epochs(tmp_path, remedy, values=None, epochs=6) -> list[int]:
+    """Epochs (1-based) at which ``remedy`` fired on ``head``; ``values`` are logged as
+    ``train/x`` each epoch for threshold triggers."""
+    torch.manual_seed(3)
+    model = Net()
+    session, opt = make_session(tmp_path, model)
+    session.add_remedy("head", remedy)
+    fired = []
+    with session:
+        for epoch in range(1, epochs + 1):
+            update(session, model, opt, n=1)
+            if values is not None:
+                session.log({"train/x": values[epoch - 1]})
+            if session.epoch_end(step=epoch)["remedies/reset_layers/head/fired"]:
+                fired.append(epoch)
+    return fired
+
+
+def test_triggers(tmp_path):
+    assert fired_epochs(tmp_path / "a", reset_layers(last=1, every_epochs=2)) == [2, 4, 6]
+    assert fired_epochs(tmp_path / "b", reset_layers(last=1, every_epochs=2, start_epoch=3)) == [
+        4,
+        6,
+    ]
+    x = [0.9, 0.9, 0.9, 0.1, 0.9, 0.9]
+    assert fired_epochs(tmp_path / "c", reset_layers(last=1, when="train/x>0.5"), x) == [
+        1,
+        2,
+        3,
+        5,
+        6,
+    ]
+    assert fired_epochs(
+        tmp_path / "d", reset_layers(last=1, when="train/x>0.5", cooldown=1), x
+    ) == [1, 3, 5]
+    assert fired_epochs(
+        tmp_path / "e", reset_layers(last=1, every_epochs=2, when="train/x<=0.1"), x
+    ) == [4]
+
+
+def run_with_remedies(tmp_path, remedy_seed, torch_seed=4):
+    torch.manual_seed(torch_seed)
+    model = Net()
+    with torch.no_grad():
+        model.body[0].bias[:4] = -50.0
+    session, opt = make_session(tmp_path, model)
+    session.add_training_hook("body", attach_relu_activation_hooks())
+    session.add_remedy("body", redo(tau=0.05, every_epochs=1, consumer="head", seed=remedy_seed))
+    session.add_remedy("head", shrink_and_perturb(every_epochs=2, seed=remedy_seed))
+    with session:
+        units = 0.0
+        for epoch in range(1, 5):
+            update(session, model, opt, seed=epoch)
+            units += session.epoch_end(step=epoch)["remedies/redo/body/units_reset"]
+        state = session.state_dict()["remedies"]
+    assert units > 0
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, state
+
+
+def test_deterministic_for_a_seed(tmp_path):
+    a, state_a = run_with_remedies(tmp_path / "a", 11)
+    b, state_b = run_with_remedies(tmp_path / "b", 11)
+    c, _ = run_with_remedies(tmp_path / "c", 12)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    assert any(not torch.equal(a[n], c[n]) for n in a)
+    assert torch.equal(state_a["redo@body"]["generator"], state_b["redo@body"]["generator"])
+    assert (
+        state_a["redo@body"]["firings"] == 4 and state_a["shrink_and_perturb@head"]["firings"] == 2
+    )
+
+
+def test_session_state_round_trip_restores_generator_and_record(tmp_path):
+    torch.manual_seed(5)
+    model = Net()
+    session, opt = make_session(tmp_path / "a", model)
+    session.add_remedy("head", shrink_and_perturb(every_epochs=1, cooldown=1, seed=SEED))
+    with session:
+        update(session, model, opt)
+        session.epoch_end(step=1)
+        saved = session.state_dict()
+    bound = session.remedies.bound[0]
+    replay = torch.Generator()
+    replay.set_state(bound.generator.get_state())
+    next_seed = int(torch.randint(0, 2**62, (1,), generator=replay))
+    other, opt2 = make_session(tmp_path / "b", Net())
+    other.add_remedy("head", shrink_and_perturb(every_epochs=1, cooldown=1, seed=99))
+    with other:
+        other.load_state_dict(saved)
+        restored = other.remedies.bound[0]
+        assert restored.last_fired == 1 and restored.firings == 1
+        assert int(torch.randint(0, 2**62, (1,), generator=restored.generator)) == next_seed
+
+
+# ---------------------------------------------------------------- configuration errors
+def test_bad_configuration_messages(tmp_path):
+    with pytest.raises(ValueError, match="tau must be >= 0"):
+        redo(tau=-0.1, every_epochs=1)
+    with pytest.raises(ValueError, match="needs a trigger"):
+        redo(tau=0.1)
+    with pytest.raises(ValueError, match="when='<metric><op><number>'|not a threshold"):
+        redo(when="dormant_fraction is high")
+    with pytest.raises(ValueError, match="exactly one of layers"):
+        reset_layers(every_epochs=1)
+    with pytest.raises(ValueError, match=r"shrink must be in \[0, 1\]"):
+        shrink_and_perturb(shrink=1.5, every_epochs=1)
+
+    model = Net()
+    session, _ = make_session(tmp_path / "a", model)
+    with session:
+        with pytest.raises(ValueError, match="attach_relu_activation_hooks"):
+            session.add_remedy("body", redo(every_epochs=1, consumer="head"))
+        session.add_training_hook("body", attach_relu_activation_hooks())
+        with pytest.raises(ValueError, match="no consumer is named; pass consumer="):
+            session.add_remedy("body", redo(every_epochs=1))
+        with pytest.raises(ValueError, match=r"no parametrised layer 'nope'; choose from"):
+            session.add_remedy("body", reset_layers(layers=["nope"], every_epochs=1))
+        with pytest.raises(KeyError):
+            session.add_remedy("missing", reset_layers(last=1, every_epochs=1))
+
+    session, _ = make_session(
+        tmp_path / "b", model, optimizer=torch.optim.RMSprop(model.parameters())
+    )
+    with (
+        session,
+        pytest.raises(TypeError, match=r"torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD"),
+    ):
+        session.add_remedy("head", reset_layers(last=1, every_epochs=1))
+
+    eval_only = ProbeSession(model, run_dir=tmp_path / "c", sinks=SINKS)
+    with eval_only, pytest.raises(ValueError, match="without optimizer"):
+        eval_only.add_remedy("head", reset_layers(last=1, every_epochs=1))
+
+
+def test_redo_refuses_a_normalisation_between_a_layer_and_its_consumer(tmp_path):
+    model = nn.Sequential()
+    model.add_module(
+        "body", nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.LayerNorm(8), nn.Linear(8, 2))
+    )
+    session, _ = make_session(tmp_path, model)
+    with session:
+        session.add_training_hook("body", attach_relu_activation_hooks())
+        with pytest.raises(
+            ValueError, match=r"LayerNorm\) reads the units next.*a normalisation mixes"
+        ):
+            session.add_remedy("body", redo(every_epochs=1))
+
+
+def test_specs():
+    component, remedy = parse_remedy_spec("redo@critic_mlp:tau=0.025,every_epochs=25")
+    assert component == "critic_mlp" and remedy.tau == 0.025
+    assert remedy.trigger.every_epochs == 25
+    _, r = parse_remedy_spec(
+        "reset_layers@critic_mlp:layers=layer_1.linear|layer_0.linear,every_epochs=3"
+    )
+    assert r.layers == ["layer_1.linear", "layer_0.linear"]
+    _, r = parse_remedy_spec("redo@c:when=probes/relu/c/dormant_fraction>0.3,cooldown=5")
+    assert (r.trigger.when.key, r.trigger.when.op, r.trigger.when.value) == (
+        "probes/relu/c/dormant_fraction",
+        ">",
+        0.3,
+    )
+    assert split_remedy_specs('["redo@a:every_epochs=1", "redo@b:every_epochs=2"]') == [
+        "redo@a:every_epochs=1",
+        "redo@b:every_epochs=2",
+    ]
+    assert split_remedy_specs("redo@a:every_epochs=1; shrink_and_perturb@b:every_epochs=2") == [
+        "redo@a:every_epochs=1",
+        "shrink_and_perturb@b:every_epochs=2",
+    ]
+    with pytest.raises(
+        ValueError,
+        match=r"unknown remedy 'redoo'; known: \['redo', 'reset_layers', 'shrink_and_perturb'\]",
+    ):
+        parse_remedy_spec("redoo@a:every_epochs=1")
+    with pytest.raises(ValueError, match="'taux=1' is not key=value with a key of redo; keys:"):
+        parse_remedy_spec("redo@a:taux=1,every_epochs=1")
+    with pytest.raises(ValueError, match="tau must be >= 0"):
+        parse_remedy_spec("redo@a:tau=-1,every_epochs=1")
+    with pytest.raises(ValueError, match="name@component"):
+        parse_remedy_spec("redo:tau=1")
