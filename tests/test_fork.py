@@ -3,7 +3,9 @@
 An unchanged fork repeats its parent's later epochs bit for bit (parameters and every
 metric but wall-clock ones); a changed learning rate takes effect from the fork epoch on
 (checked against the annealing formula) while the fork epoch's rollout, collected with
-the parent's parameters, is the parent's; bad arguments are one clear message."""
+the parent's parameters, is the parent's; a remedy switched on by override changes the
+parameters exactly where it fires (ReDo: the units the parent's probe counted dormant);
+the report overlays parent and child; bad arguments are one clear message."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from policy_probes.report import (
     returns_figure,
 )
 from policy_probes.sinks import read_jsonl
-from trainers.checkpoint import checkpoint_name
+from trainers.checkpoint import checkpoint_name, load_checkpoint
 
 torch.set_num_threads(1)
 
@@ -210,6 +212,53 @@ def test_report_overlays_the_parent_and_compared_runs_on_one_epoch_axis(parent, 
     assert f"forked after epoch {FORK_EPOCH}" in page and "parent parent: dashed" in page
     assert main(["report", str(lr_child), "--compare", str(other / "nope")]) == 0
     assert "Not overlaid: compared run" in (lr_child / REPORT_HTML).read_text()
+
+
+def test_fork_that_switches_a_remedy_on_changes_the_run_only_where_it_fires(parent, tmp_path):
+    child = tmp_path / "child"
+    spec = '["redo@actor_mlp:tau=0.025,every_epochs=1"]'
+    argv = ["fork", str(parent), "--epoch", str(FORK_EPOCH), str(child), f"remedies={spec}"]
+    assert main([*argv, "--no-progress"]) == 0
+    mine, theirs = post_epoch(child), post_epoch(parent)
+    first = FORK_EPOCH + 1
+    # ReDo fires at the end of each epoch: epoch 4 itself is the parent's
+    own = {k: v for k, v in mine[first].items() if not k.startswith("remedies/")}
+    assert without_wall_clock(own) == without_wall_clock(theirs[first])
+    assert [mine[e]["remedies/redo/actor_mlp/fired"] for e in sorted(mine)] == [1.0, 1.0, 1.0]
+
+    # the epoch-4 checkpoints differ exactly where ReDo recycled units: the incoming rows
+    # of the units the probe counted dormant (tau 0.025), and their outgoing columns, zero
+    a = load_checkpoint(child / "checkpoints" / checkpoint_name(first))["policy"]
+    b = load_checkpoint(parent / "checkpoints" / checkpoint_name(first))["policy"]
+    chain = ["actor_mlp.layer_0.linear", "actor_mlp.layer_1.linear", "actor_head"]
+    recycled: dict[str, torch.Tensor] = {}
+    inputs = torch.ones(4, dtype=torch.bool)  # columns read from units not recycled
+    for layer in chain[:2]:
+        w, bias = a[f"{layer}.weight"], a[f"{layer}.bias"]
+        rows = (w != b[f"{layer}.weight"])[:, inputs].any(dim=1) | (bias != b[f"{layer}.bias"])
+        recycled[layer], inputs = rows, ~rows
+    expected = {k: torch.zeros_like(v, dtype=torch.bool) for k, v in b.items()}
+    for layer, rows in recycled.items():
+        expected[f"{layer}.weight"][rows, :] = True
+        expected[f"{layer}.bias"][rows] = True
+    total = 0
+    for index, (layer, consumer) in enumerate(zip(chain, chain[1:], strict=False)):
+        units = recycled[layer]
+        dormant = theirs[first][f"probes/relu/actor_mlp.layer_{index}/dormant_fraction"]
+        assert int(units.sum()) == round(dormant * 16)
+        assert mine[first][f"remedies/redo/actor_mlp.layer_{index}/units_reset"] == units.sum()
+        total += int(units.sum())
+        kept_rows = ~recycled.get(consumer, torch.zeros(len(a[f"{consumer}.bias"]), dtype=bool))
+        outgoing = a[f"{consumer}.weight"][kept_rows][:, units]
+        assert torch.count_nonzero(outgoing) == 0
+        zeroed = expected[f"{consumer}.weight"][kept_rows]
+        zeroed[:, units] = b[f"{consumer}.weight"][kept_rows][:, units] != 0
+        expected[f"{consumer}.weight"][kept_rows] = zeroed
+    assert total == mine[first]["remedies/redo/actor_mlp/units_reset"] > 0
+    for key in b:
+        assert torch.equal(a[key] != b[key], expected[key]), key
+    final_a, final_b = final_params(child), final_params(parent)
+    assert any(not torch.equal(final_a[k], final_b[k]) for k in final_a)
 
 
 def test_a_relative_parent_path_is_found_beside_the_child(tmp_path, monkeypatch):
