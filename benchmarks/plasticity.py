@@ -134,13 +134,17 @@ def period_means(values: list[float], period: int) -> np.ndarray:
 
 def summarize(runs: list[dict[str, Any]], period: int) -> dict[str, Any]:
     """Per run: return over all epochs, over the first and last three periods and the last
-    period; dormant fractions over the last period; units reset in all."""
+    period, and the relative change of the mean return from the first half of the periods
+    to the second; dormant fractions over the last period; units reset in all."""
     out = {}
     for r in runs:
         ret = period_means(r["return"], period)
         k = min(3, len(ret))
+        half = len(ret) // 2
+        first, second = np.nanmean(ret[:half]), np.nanmean(ret[half:])
         out[f"{r['arm']}/{r['seed']}"] = {
             "return_all": float(np.nanmean(r["return"])),
+            "return_change": float(100 * (second - first) / first) if half else math.nan,
             "return_first3": float(np.nanmean(ret[:k])),
             "return_last3": float(np.nanmean(ret[-k:])),
             "return_last": float(ret[-1]),
@@ -158,6 +162,7 @@ COLUMNS = (
     ("return_first3", "return, first 3 periods", "{:.0f}"),
     ("return_last3", "return, last 3 periods", "{:.0f}"),
     ("return_last", "return, last period", "{:.0f}"),
+    ("return_change", "return change, 2nd half vs 1st (%)", "{:+.0f}"),
     ("dormant_actor_last", "dormant actor, last period", "{:.3f}"),
     ("dormant_critic_last", "dormant critic, last period", "{:.3f}"),
     ("units_reset", "units reset per run", "{:.0f}"),
@@ -172,7 +177,7 @@ def table(summary: dict[str, Any], arms: list[str], seeds: list[int]) -> str:
         cells = []
         for key, _, fmt in COLUMNS:
             values = np.array([summary[f"{arm}/{s}"][key] for s in seeds])
-            spread = f" ± {fmt.format(values.std())}" if len(values) > 1 else ""
+            spread = f" ± {fmt.replace('+', '').format(values.std())}" if len(values) > 1 else ""
             cells.append(fmt.format(values.mean()) + spread)
         rows.append(f"| {arm} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
@@ -292,13 +297,11 @@ def main(argv: list[str] | None = None) -> int:
     data = load_results(results) if args.from_results else train_arms(p, args, argv)
     runs, arms, seeds, period = data["runs"], list(data["arms"]), data["seeds"], data["period"]
     summary = summarize(runs, period)
-    if not args.from_results:
-        results.parent.mkdir(parents=True, exist_ok=True)
-        plain_runs = [plain(r) for r in runs]
-        plain_summary = {k: plain(v) for k, v in summary.items()}
-        results.write_text(
-            json.dumps({**data, "summary": plain_summary, "runs": plain_runs}) + "\n"
-        )
+    # (--from-results rewrites the same runs with the summary this version computes)
+    results.parent.mkdir(parents=True, exist_ok=True)
+    plain_summary = {k: plain(v) for k, v in summary.items()}
+    plain_runs = [plain(r) for r in runs]
+    results.write_text(json.dumps({**data, "summary": plain_summary, "runs": plain_runs}) + "\n")
     figure(runs, arms, period, Path(args.figure))
     md = table(summary, arms, seeds)
     block = (

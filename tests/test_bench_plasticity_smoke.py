@@ -55,7 +55,7 @@ def test_plasticity_benchmark_writes_the_runs_curves_table_and_figure(tmp_path):
     assert "old" not in text
     row = next(line for line in text.splitlines() if line.startswith("| none |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
-    assert cells[1] == f"{np.mean(returns):.0f}" and cells[6] == f"{critic[-1]:.3f}"
+    assert cells[1] == f"{np.mean(returns):.0f}" and cells[7] == f"{critic[-1]:.3f}"
     assert "python -m benchmarks.plasticity --seeds=4" in text
     assert "![plasticity](figures/p.png)" in text
     assert (tmp_path / "figures" / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
