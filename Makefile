@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint format bench learning-check clean
+.PHONY: setup demo test lint format bench learning-check plasticity clean
 
 $(PY):
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) (or set PYTHON=...)"; exit 1; }
@@ -22,6 +22,9 @@ demo: $(STAMP)
 
 learning-check: $(STAMP)
 	$(PY) -m benchmarks.learning_check --jobs 2
+
+plasticity: $(STAMP)
+	nice $(PY) -m benchmarks.plasticity --seeds 1,2,3,4,5 --jobs 2
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

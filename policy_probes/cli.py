@@ -39,13 +39,16 @@ from policy_probes.lifecycle.cli import (
 from policy_probes.lifecycle.registry import HookSelectionError, parse_hook_config
 from policy_probes.overrides import apply_overrides, check_key, parse_value, valid_keys
 from policy_probes.report import add_report_subcommand
+from policy_probes.run_dir import held_outputs
 from policy_probes.runnable import (
+    ForkPoint,
     Runnable,
     RunResult,
     describe_contract,
     result_problems,
     returns_runnable,
     runnable_problems,
+    supports_fork,
 )
 from policy_probes.user_errors import (
     SETUP_ERROR_TYPES,
@@ -398,8 +401,9 @@ def add_resume_subcommand(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=resume_command)
 
 
-def resume_command(args: argparse.Namespace) -> int:
-    run_dir = Path(args.run_dir)
+def read_run_config(run_dir: Path, how: str) -> tuple[dict[str, Any], str]:
+    """``(config.json, recipe target)`` of the run in ``run_dir``; ``how`` is the Python
+    call that does the same for a run the CLI did not start (for the message)."""
     config_path = run_dir / "config.json"
     if not config_path.is_file():
         raise CLIError(f"{run_dir} holds no config.json; give the directory of a training run")
@@ -411,15 +415,89 @@ def resume_command(args: argparse.Namespace) -> int:
     if not target:
         raise CLIError(
             f"{run_dir} was not started by `policy-probes run` (no recipe in config.json); "
-            f"resume it from Python with the same configuration: tool.invoke(resume=True)"
+            f"{how} from Python with the same configuration"
         )
-    for item in args.overrides:
+    return config, target
+
+
+def launch_overrides(config: dict[str, Any], new: Sequence[str], run_dir: Path) -> list[str]:
+    """The recorded run's overrides, then ``new``, then ``run_dir`` (``run_dir``
+    overrides in ``new`` are refused: the subcommand names the directory)."""
+    for item in new:
         if item.partition("=")[0].strip() == "run_dir":
-            raise CLIError("resume continues in RUN_DIR; drop the run_dir override")
+            raise CLIError("the run directory is given as an argument; drop the run_dir override")
     previous = [o for o in config.get("overrides", []) if o.partition("=")[0].strip() != "run_dir"]
-    overrides = [*previous, *args.overrides, f"run_dir={json.dumps(str(run_dir))}"]
-    tool = prepare_tool(target, overrides, args.no_progress)
+    return [*previous, *new, f"run_dir={json.dumps(str(run_dir))}"]
+
+
+def fork_point(config: dict[str, Any]) -> ForkPoint | None:
+    """The ``parent`` a forked run recorded in its config.json, or None."""
+    parent = config.get("parent")
+    if not isinstance(parent, dict):
+        return None
+    return ForkPoint(Path(parent["run_dir"]), int(parent["epoch"]))
+
+
+def resume_command(args: argparse.Namespace) -> int:
+    run_dir = Path(args.run_dir)
+    config, target = read_run_config(run_dir, "resume it with tool.invoke(resume=True)")
+    tool = prepare_tool(target, launch_overrides(config, args.overrides, run_dir), args.no_progress)
+    parent = fork_point(config)
+    if parent is not None and supports_fork(tool):  # keeps its parent; none written: refork
+        return run_tool(tool, resume=args.checkpoint or True, fork_from=parent)
     return run_tool(tool, resume=args.checkpoint or True)
+
+
+def add_fork_subcommand(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "fork",
+        help="start a new run from a checkpoint of another run, with changed configuration",
+        description="Re-run the recipe recorded in RUN_DIR/config.json with its overrides plus "
+        "new ones, in NEW_RUN_DIR, starting from RUN_DIR's checkpoint of the end of epoch N. "
+        "The new run records parent {run_dir, epoch, checkpoint} in its config.json; its "
+        "metrics start at epoch N+1; `policy-probes report NEW_RUN_DIR` overlays the parent. "
+        "With no override it repeats the parent's epochs after N bit for bit "
+        "(docs/run_control.md).",
+        epilog="examples:\n"
+        "  policy-probes fork runs/cp --epoch 50 runs/cp-lr trainer.learning_rate=1e-4\n"
+        "  policy-probes fork runs/cp --epoch 50 runs/cp-redo "
+        "remedies='[\"redo@critic_mlp:tau=0.025,every_epochs=25\"]'",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("run_dir", help="the run to fork (the parent)")
+    p.add_argument(
+        "--epoch",
+        type=int,
+        required=True,
+        help="fork at the end of this epoch (it needs an end-of-epoch checkpoint)",
+    )
+    p.add_argument("new_run_dir", help="the new run's directory (must not hold a run)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="changed configuration")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(handler=fork_command)
+
+
+def fork_command(args: argparse.Namespace) -> int:
+    run_dir, new_run_dir = Path(args.run_dir), Path(args.new_run_dir)
+    if not run_dir.is_dir():
+        raise CLIError(f"{run_dir} does not exist; give the directory of the run to fork")
+    config, target = read_run_config(
+        run_dir, "fork it with tool.invoke(fork_from=ForkPoint(run_dir, epoch))"
+    )
+    held = held_outputs(new_run_dir)
+    if held:
+        raise CLIError(
+            f"{new_run_dir} already holds a run ({', '.join(held)}); give a new directory "
+            f"for the fork"
+        )
+    overrides = launch_overrides(config, args.overrides, new_run_dir)
+    tool = prepare_tool(target, overrides, args.no_progress)
+    if not supports_fork(tool):
+        raise CLIError(
+            f"{type(tool).__name__}.invoke() takes no fork_from keyword "
+            f"(policy_probes.runnable.ForkPoint); this Runnable cannot be forked"
+        )
+    return run_tool(tool, fork_from=ForkPoint(run_dir, args.epoch))
 
 
 def add_ctl_subcommand(subparsers: argparse._SubParsersAction) -> None:
@@ -464,6 +542,7 @@ def ctl_command(args: argparse.Namespace) -> int:
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     add_run_subcommand,
     add_resume_subcommand,
+    add_fork_subcommand,
     add_ctl_subcommand,
     add_report_subcommand,
     add_hooks_subcommand,

@@ -10,6 +10,12 @@ gradient flow, the same per layer (one figure per component, one line per activa
 layer inside it: :mod:`~policy_probes.layer_figures`), units x epochs heatmaps (ReLU active rate, per-unit Fisher, gradient RMS,
 the same figures the W&B sink logs at SNAPSHOT), and a table of every scalar's last, min
 and max value.
+
+Overlays: the returns, losses and per-component probe figures also draw, in the colour of
+each of the run's lines, the same series of the run's parent (a run started by
+``policy-probes fork``, whose ``config.json`` names its ``parent``; dashed, with a vertical
+line at the fork epoch) and of the runs given with ``--compare`` (dotted, dash-dotted...),
+on the same epoch axis.
 """
 
 from __future__ import annotations
@@ -66,6 +72,11 @@ TRAIN_KEYS = (
     ("train/grad_norm", "gradient norm (before clipping)", True),
     ("perf/sps", "env steps per second", False),
 )
+
+
+#: line styles of the overlaid runs: the parent, then each compared run in turn
+OVERLAY_STYLES: tuple[Any, ...] = ("--", ":", "-.", (0, (5, 1, 1, 1, 1, 1)), (0, (1, 3)))
+OVERLAY_ALPHA = 0.55
 
 
 @dataclass
@@ -127,6 +138,54 @@ class RunMetrics:
         return sorted(seen)
 
 
+@dataclass
+class Overlay:
+    """Another run drawn over the report's run: its parent (``fork_epoch`` set) or a run
+    to compare with."""
+
+    label: str
+    run: RunMetrics
+    linestyle: Any
+    fork_epoch: int | None = None
+
+
+def find_overlays(
+    run_dir: Path, config: dict[str, Any] | None, compare: Sequence[Path] = ()
+) -> tuple[list[Overlay], list[str]]:
+    """The parent named in ``config`` (when its metrics are found) and the runs in
+    ``compare``, as overlays; and a note for each that could not be read. A relative
+    parent path is tried from the working directory, then from ``run_dir``'s parent."""
+    overlays: list[Overlay] = []
+    notes: list[str] = []
+    styles = iter(OVERLAY_STYLES * (1 + len(compare)))
+    parent = (config or {}).get("parent")
+    if isinstance(parent, dict) and parent.get("run_dir"):
+        where = Path(parent["run_dir"])
+        candidates = [where] if where.is_absolute() else [where, run_dir.parent / where.name]
+        found = next((c for c in candidates if (c / METRICS_JSONL).is_file()), None)
+        if found is None:
+            notes.append(f"parent run {where} (no {METRICS_JSONL} found)")
+        else:
+            fork_epoch = parent.get("epoch")
+            overlays.append(
+                Overlay(
+                    f"parent {found.resolve().name}",
+                    RunMetrics.load(found / METRICS_JSONL),
+                    next(styles),
+                    fork_epoch if isinstance(fork_epoch, int) else None,
+                )
+            )
+    else:
+        next(styles)  # the dashed style stays the parent's
+    for other in compare:
+        path = Path(other) / METRICS_JSONL
+        if not path.is_file():
+            notes.append(f"compared run {other} (no {METRICS_JSONL})")
+            continue
+        overlays.append(Overlay(Path(other).resolve().name, RunMetrics.load(path), next(styles)))
+    return overlays, notes
+
+
 # ---------------------------------------------------------------------- figures
 def _png_b64(fig: Figure) -> str:
     return base64.b64encode(figure_png(fig)).decode("ascii")
@@ -155,39 +214,81 @@ def _style(ax, title: str, log: bool = False, ylabel: str | None = None) -> None
         ax.set_yscale("log")
 
 
-def _plot(ax, x: np.ndarray, y: np.ndarray, label: str | None = None, log: bool = False) -> None:
+def _plot(
+    ax, x: np.ndarray, y: np.ndarray, label: str | None = None, log: bool = False, **style: Any
+) -> Any:
     if log:
         y = np.where(y > 0, y, np.nan)
     marker = "o" if len(x) <= 30 else None
-    ax.plot(x, y, marker=marker, markersize=3, linewidth=1.5, label=label)
+    (line,) = ax.plot(x, y, marker=marker, markersize=3, linewidth=1.5, label=label, **style)
+    return line
 
 
-def returns_figure(run: RunMetrics) -> Figure | None:
+def _overlay(
+    ax, key: str, line: Any, overlays: Sequence[Overlay], label: str | None, log: bool = False
+) -> None:
+    """Draw ``key`` of each overlaid run in ``line``'s colour and the overlay's style."""
+    for o in overlays:
+        if key in o.run.scalars:
+            x, y = o.run.series(key)
+            _plot(
+                ax,
+                x,
+                y,
+                label=None if label is None else f"{label} [{o.label}]",
+                log=log,
+                color=line.get_color(),
+                linestyle=o.linestyle,
+                alpha=OVERLAY_ALPHA,
+            )
+
+
+def _fork_lines(ax, overlays: Sequence[Overlay]) -> None:
+    for o in overlays:
+        if o.fork_epoch is not None:
+            ax.axvline(
+                o.fork_epoch,
+                color="0.35",
+                linestyle=":",
+                linewidth=1.2,
+                label=f"fork after epoch {o.fork_epoch}",
+            )
+
+
+def returns_figure(run: RunMetrics, overlays: Sequence[Overlay] = ()) -> Figure | None:
     present = [(k, label) for k, label in RETURN_KEYS if k in run.scalars]
     if not present:
         return None
     fig, (ax,) = _panel_grid(1, cols=1, height=3.4, width=10.4)
     for key, label in present:
         x, y = run.series(key)
-        _plot(ax, x, y, label=f"{label} ({key})")
+        line = _plot(ax, x, y, label=f"{label} ({key})")
+        _overlay(ax, key, line, overlays, label)
+    _fork_lines(ax, overlays)
     _style(ax, "Episode return", ylabel="return")
     ax.legend(fontsize=8)
     return fig
 
 
-def training_figure(run: RunMetrics) -> Figure | None:
+def training_figure(run: RunMetrics, overlays: Sequence[Overlay] = ()) -> Figure | None:
     present = [(k, t, log) for k, t, log in TRAIN_KEYS if k in run.scalars]
     if not present:
         return None
     fig, axes = _panel_grid(len(present), cols=3, height=2.5)
     for ax, (key, title, log) in zip(axes, present, strict=True):
         x, y = run.series(key)
-        _plot(ax, x, y, log=log)
+        line = _plot(ax, x, y, log=log)
+        _overlay(ax, key, line, overlays, None, log=log)
+        _fork_lines(ax, overlays)
         _style(ax, f"{title}\n{key}", log=log)
     return fig
 
 
-def probe_figure(run: RunMetrics, panels: Sequence[tuple[str, str, str, bool]]) -> Figure | None:
+def probe_figure(
+    run: RunMetrics,
+    panels: Sequence[tuple[str, str, str, bool]],
+    overlays: Sequence[Overlay] = (),
+) -> Figure | None:
     """One panel per metric, one line per component (its layers are drawn per layer)."""
     present = [p for p in panels if run.components(p[0], p[1])]
     if not present:
@@ -195,8 +296,11 @@ def probe_figure(run: RunMetrics, panels: Sequence[tuple[str, str, str, bool]]) 
     fig, axes = _panel_grid(len(present), cols=2, height=3.0)
     for ax, (probe, metric, title, log) in zip(axes, present, strict=True):
         for comp in run.components(probe, metric, layers=False):
-            x, y = run.series(f"probes/{probe}/{comp}/{metric}")
-            _plot(ax, x, y, label=comp, log=log)
+            key = f"probes/{probe}/{comp}/{metric}"
+            x, y = run.series(key)
+            line = _plot(ax, x, y, label=comp, log=log)
+            _overlay(ax, key, line, overlays, comp, log=log)
+        _fork_lines(ax, overlays)
         if not log and metric.endswith("fraction"):
             ax.set_ylim(-0.03, 1.03)
         _style(ax, title, log=log)
@@ -226,6 +330,10 @@ def heatmap_figures(run: RunMetrics, max_epochs: int | None = None) -> list[tupl
         draw_heatmap(fig.add_subplot(), matrix, epochs, spec, component_of(key))
         out.append((key, fig))
     return out
+
+
+def _style_name(linestyle: Any) -> str:
+    return {"--": "dashed", ":": "dotted", "-.": "dash-dotted"}.get(linestyle, "dashed pattern")
 
 
 # ---------------------------------------------------------------------- HTML
@@ -273,11 +381,16 @@ def _scalar_table(run: RunMetrics) -> str:
 
 
 def build_report(
-    run_dir: Path, out: Path | None = None, *, max_heatmap_epochs: int | None = 1000
+    run_dir: Path,
+    out: Path | None = None,
+    *,
+    max_heatmap_epochs: int | None = 1000,
+    compare: Sequence[Path] = (),
 ) -> Path:
     """Write the HTML dashboard of ``run_dir`` (default ``run_dir/report.html``) and
-    return its path. Raises ``FileNotFoundError`` when the run has no metrics.jsonl and
-    ``ValueError`` when ``max_heatmap_epochs`` is not None or >= 1."""
+    return its path; the run's parent (a fork's) and the runs in ``compare`` are overlaid
+    on its returns, losses and probe figures. Raises ``FileNotFoundError`` when the run
+    has no metrics.jsonl and ``ValueError`` when ``max_heatmap_epochs`` is not None or >= 1."""
     if max_heatmap_epochs is not None and max_heatmap_epochs < 1:
         raise ValueError(
             f"max_heatmap_epochs must be >= 1 (or None for every epoch), got {max_heatmap_epochs}"
@@ -306,31 +419,45 @@ def build_report(
     meta.append(f"generated {time.strftime('%Y-%m-%d %H:%M:%S')}")
     parts.append(f'<p class="meta">{" &middot; ".join(meta)}</p>')
     config_path = run_dir / "config.json"
+    config: dict[str, Any] | None = None
     if config_path.is_file():
         try:
-            config_text = json.dumps(json.loads(config_path.read_text()), indent=2)
+            config = json.loads(config_path.read_text())
+            config_text = json.dumps(config, indent=2)
         except (json.JSONDecodeError, OSError):
             config_text = config_path.read_text(errors="replace")
         parts.append(
             f"<details><summary>configuration</summary><pre>{html.escape(config_text)}</pre></details>"
         )
+    overlays, unread = find_overlays(run_dir, config if isinstance(config, dict) else None, compare)
+    if overlays:
+        drawn = "; ".join(
+            f"{html.escape(o.label)}: {_style_name(o.linestyle)}"
+            + (f", forked after epoch {o.fork_epoch}" if o.fork_epoch is not None else "")
+            for o in overlays
+        )
+        parts.append(
+            f'<p class="note">Overlaid (same colours, faded): {drawn}. Solid lines: this run.</p>'
+        )
+    if unread:
+        parts.append(f'<p class="note">Not overlaid: {html.escape("; ".join(unread))}.</p>')
 
     if not epochs:
         parts.append('<p class="note">metrics.jsonl holds no epoch yet.</p>')
     missing: list[str] = []
 
-    fig = returns_figure(run)
+    fig = returns_figure(run, overlays)
     if fig is not None:
         parts += ["<h2>Returns</h2>", _img(fig, "episode return per epoch")]
     else:
         missing.append("returns")
-    fig = training_figure(run)
+    fig = training_figure(run, overlays)
     if fig is not None:
         parts += ["<h2>Losses and PPO statistics</h2>", _img(fig, "losses per epoch")]
     else:
         missing.append("losses")
     for slug, section, panels in PROBE_SECTIONS:
-        fig = probe_figure(run, panels)
+        fig = probe_figure(run, panels, overlays)
         if fig is not None:
             parts += [
                 f'<h2 id="{slug}">{html.escape(section)} per component</h2>',
@@ -383,11 +510,21 @@ def add_report_subcommand(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "report",
         help="build the local HTML dashboard of a run",
-        description="Build RUN_DIR/report.html (self-contained, PNG figures) from RUN_DIR/metrics.jsonl.",
+        description="Build RUN_DIR/report.html (self-contained, PNG figures) from "
+        "RUN_DIR/metrics.jsonl; a forked run's parent and the --compare runs are overlaid.",
     )
     p.add_argument("run_dir", type=Path, help="run directory holding metrics.jsonl")
     p.add_argument(
         "--out", type=Path, default=None, help="output file (default RUN_DIR/report.html)"
+    )
+    p.add_argument(
+        "--compare",
+        type=Path,
+        nargs="+",
+        default=[],
+        metavar="OTHER_RUN_DIR",
+        help="overlay these runs' returns, losses and probe curves (a fork's parent is "
+        "overlaid without it)",
     )
     p.add_argument(
         "--max-heatmap-epochs",
@@ -403,7 +540,12 @@ def report_command(args: argparse.Namespace) -> int:
     import sys
 
     try:
-        path = build_report(args.run_dir, args.out, max_heatmap_epochs=args.max_heatmap_epochs)
+        path = build_report(
+            args.run_dir,
+            args.out,
+            max_heatmap_epochs=args.max_heatmap_epochs,
+            compare=args.compare,
+        )
     except FileNotFoundError as exc:
         print(f"policy-probes report: error: {exc}", file=sys.stderr)
         return 2

@@ -4,7 +4,9 @@ A recipe is a function that returns a :class:`Runnable`: a pydantic model (the C
 applies ``key=value`` overrides to its fields and re-validates it) with the methods
 below. ``trainers.TrainTool`` is the built-in one; the toolkit never imports
 ``trainers``, so another trainer can be driven from the CLI by implementing this protocol.
-``invoke`` returns a :class:`RunResult`, whose fields the CLI reports.
+``invoke`` returns a :class:`RunResult`, whose fields the CLI reports. A Runnable whose
+``invoke`` also takes ``fork_from`` (a :class:`ForkPoint`) can be forked
+(``policy-probes fork``); the others still run and resume.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import inspect
 import typing
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
@@ -32,6 +35,21 @@ class RunResult(Protocol):
     sink_failures: Mapping[str, str]
     #: this process's rank under torchrun (0 otherwise): only rank 0 reports
     rank: int
+
+
+@dataclass(frozen=True)
+class ForkPoint:
+    """Where a forked run starts: the end of epoch ``epoch`` of the run in ``run_dir``
+    (``Runnable.invoke(fork_from=...)``, ``policy-probes fork``)."""
+
+    run_dir: Path
+    epoch: int
+
+
+def supports_fork(obj: Any) -> bool:
+    """Whether ``obj``'s ``invoke`` takes the optional ``fork_from`` keyword."""
+    invoke = getattr(obj, "invoke", None)
+    return callable(invoke) and "fork_from" in inspect.signature(invoke).parameters
 
 
 @runtime_checkable

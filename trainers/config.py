@@ -90,6 +90,13 @@ class EnvConfig(BaseModel):
     atari: AtariConfig = Field(
         default_factory=AtariConfig, description="Preprocessing of ALE ids (ignored otherwise)."
     )
+    permute_obs_every: int = Field(
+        0,
+        ge=0,
+        description="Permute the observation features every N agent steps (period k > 0 "
+        "uses a fixed permutation drawn from the reset seed and k; 0 = never): a task whose "
+        "input mapping keeps changing, for plasticity experiments (trainers.envs).",
+    )
 
     @field_validator("id")
     @classmethod

@@ -100,6 +100,8 @@ def make_vector_env(cfg: EnvConfig, num_envs: int | None = None, gamma: float = 
             f"environment {cfg.id!r} has observation space {env.single_observation_space}; "
             f"the policy needs a Box observation space"
         )
+    if cfg.permute_obs_every:
+        env = PermuteObservation(env, cfg.permute_obs_every)
     if cfg.normalize_observation:
         env = vw.NormalizeObservation(env)
     if cfg.clip_observation is not None:
@@ -110,6 +112,76 @@ def make_vector_env(cfg: EnvConfig, num_envs: int | None = None, gamma: float = 
     if cfg.clip_reward is not None:
         env = vw.ClipReward(env, -cfg.clip_reward, cfg.clip_reward)
     return env
+
+
+class PermuteObservation(gym.vector.VectorObservationWrapper):
+    """Permutes the features of flat observations, with a new permutation every ``every``
+    agent steps (transitions summed over the sub-envs).
+
+    Period ``k = agent_steps // every`` (counted when the observation is returned; a reset
+    does not restart the count) uses the identity for ``k = 0`` and otherwise the
+    permutation drawn by ``np.random.default_rng([seed, k])``, redrawn while it equals the
+    previous period's. ``seed`` is the first seed given to ``reset``; no global RNG is
+    used, and the counter and seed are plain attributes, so a checkpoint of the env
+    (:mod:`trainers.env_state`) resumes the same sequence of permutations.
+    """
+
+    def __init__(self, env: VectorEnv, every: int) -> None:
+        super().__init__(env)
+        space = env.single_observation_space
+        if not isinstance(space, gym.spaces.Box) or len(space.shape) != 1:
+            raise ValueError(
+                f"env.permute_obs_every needs flat (1-D Box) observations; this env has "
+                f"{space}; set env.permute_obs_every=0"
+            )
+        if every < 1:
+            raise ValueError(f"env.permute_obs_every must be >= 1 here, got {every}")
+        # every period permutes the bounds too: one box that holds them all
+        low = np.full(space.shape, space.low.min(), dtype=space.dtype)
+        high = np.full(space.shape, space.high.max(), dtype=space.dtype)
+        self.single_observation_space = gym.spaces.Box(low, high, dtype=space.dtype)
+        self.observation_space = gym.vector.utils.batch_space(
+            self.single_observation_space, env.num_envs
+        )
+        self.every = every
+        self.agent_steps = 0
+        self.seed: int | None = None
+        self._period = -1
+        self._order = np.arange(space.shape[0])
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):  # noqa: ANN201
+        if self.seed is None and seed is not None:
+            self.seed = int(seed)
+        return super().reset(seed=seed, options=options)
+
+    def step(self, actions):  # noqa: ANN001, ANN201
+        self.agent_steps += self.num_envs
+        return super().step(actions)
+
+    def observations(self, observations: np.ndarray) -> np.ndarray:
+        return observations[:, self.permutation()]
+
+    def permutation(self) -> np.ndarray:
+        """The feature order of the current period."""
+        period = self.agent_steps // self.every
+        if period != self._period:
+            self._order = permutation_of_period(self._order.shape[0], self.seed or 0, period)
+            self._period = period
+        return self._order
+
+
+def permutation_of_period(n: int, seed: int, period: int) -> np.ndarray:
+    """The feature order :class:`PermuteObservation` uses in ``period``: the identity for
+    period 0, else a seeded permutation that differs from the previous period's."""
+    order = np.arange(n)
+    previous = order
+    for k in range(1, period + 1):
+        rng = np.random.default_rng([seed, k])
+        order = rng.permutation(n)
+        while n > 1 and np.array_equal(order, previous):
+            order = rng.permutation(n)
+        previous = order
+    return order
 
 
 def find_wrapper(env: VectorEnv, cls: type) -> VectorEnv | None:

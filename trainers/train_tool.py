@@ -36,7 +36,7 @@ from policy_probes.lifecycle import HookSelectionError, TrainingHook, select_hoo
 from policy_probes.remedies import Remedy, RemedyRunner, parse_remedy_spec, split_remedy_specs
 from policy_probes.run_dir import check_run_dir_path, default_run_dir, make_run_dir
 from policy_probes.run_lock import RunDirLock, RunDirLocked, refuse_if_locked
-from policy_probes.runnable import runnable
+from policy_probes.runnable import ForkPoint, runnable
 from policy_probes.sampling import DEFAULT_BUDGET, Sampler, as_schedule, check_budget
 from policy_probes.sinks import SinkGroup, SinksConfig, WandbConfig, build_sink_group
 from policy_probes.torch_internals import quiet_output_only_backward_hooks
@@ -47,6 +47,7 @@ from trainers.config import CheckpointConfig, EnvConfig, EvalConfig, PolicyConfi
 from trainers.distributed import DistributedRun, RankStatisticsHook, per_rank_config
 from trainers.envs import make_vector_env
 from trainers.evaluation import EvaluationHook
+from trainers.fork import apply_optimizer_config, check_fork_length, fork_checkpoint, parent_record
 from trainers.policy import ActorCriticPolicy
 from trainers.policy_factory import make_policy
 from trainers.ppo import PPOTrainer
@@ -355,7 +356,13 @@ class TrainTool(BaseModel):
         return attached
 
     @quiet_output_only_backward_hooks()
-    def invoke(self, *, resume: bool | str | Path = False, overwrite: bool = False) -> TrainResult:
+    def invoke(
+        self,
+        *,
+        resume: bool | str | Path = False,
+        overwrite: bool = False,
+        fork_from: ForkPoint | None = None,
+    ) -> TrainResult:
         """Build envs, policy, probes, sinks and trainer; train; always clean up.
 
         The run holds ``run_dir/run.lock`` while it runs: a second run, resume or
@@ -364,7 +371,10 @@ class TrainTool(BaseModel):
         unless ``overwrite`` (its outputs are deleted first) or ``resume`` (``True``: continue from its newest valid
         checkpoint; a path: from that checkpoint; ``docs/run_control.md``). SIGINT/SIGTERM
         and ``policy-probes ctl stop`` end the run at a minibatch boundary with a
-        checkpoint by raising :class:`~trainers.run_control.RunStopped`.
+        checkpoint by raising :class:`~trainers.run_control.RunStopped`. ``fork_from``:
+        start from the end of that epoch of another run, in this run's own ``run_dir``
+        (:mod:`trainers.fork`; with ``resume``, a fork that wrote no checkpoint yet starts
+        again from its parent's).
 
         Every builder is attached before the first environment step (an unknown component
         name raises ``KeyError`` listing the available ones). Every hook handle is removed,
@@ -397,7 +407,9 @@ class TrainTool(BaseModel):
             if refusal is not None:
                 raise RunDirLocked(refusal)
             try:
-                return self._train(dist_run, run_dir, resume=resume, overwrite=overwrite)
+                return self._train(
+                    dist_run, run_dir, resume=resume, overwrite=overwrite, fork_from=fork_from
+                )
             finally:
                 lock.release()
 
@@ -408,6 +420,7 @@ class TrainTool(BaseModel):
         *,
         resume: bool | str | Path = False,
         overwrite: bool = False,
+        fork_from: ForkPoint | None = None,
     ) -> TrainResult:
         """:meth:`invoke` inside the process group ``dist_run`` (rank 0 of 1 when alone),
         holding the lock on ``run_dir``. Errors raised before the first environment step
@@ -423,10 +436,19 @@ class TrainTool(BaseModel):
             resume_from = prepare_run_dir(
                 run_dir, resume=resume, overwrite=overwrite, main=dist_run.is_main
             )
+            forked = fork_from is not None and resume_from is None
+            if fork_from is not None:
+                config["parent"] = parent_record(fork_from)
+            if forked:
+                epochs = self.trainer.total_timesteps // (
+                    self.env.num_envs * self.trainer.num_steps
+                )
+                resume_from = fork_checkpoint(fork_from, run_dir)
+                check_fork_length(fork_from, epochs)
         except SETUP_ERROR_TYPES as exc:
             mark_usage_error(exc)
             raise
-        if resume_from is not None:
+        if resume_from is not None and not forked:
             config["resumed_from"] = str(resume_from[0])
         if dist_run.world_size > 1:
             config["distributed"] = {"world_size": dist_run.world_size, "backend": dist_run.backend}
@@ -516,6 +538,9 @@ class TrainTool(BaseModel):
                 trainer.wrap_ddp(dist_run.ddp_device_ids())
             if resume_from is not None:
                 resume_trainer(trainer, sinks, resume_from, own_envs=dist_run.is_main)
+            if forked:
+                apply_optimizer_config(trainer, trainer.cfg)
+                trainer.state.last_checkpoint = None  # the parent's is not this run's
             if dist_run.is_main:
                 # written once the run starts (a failed start or resume changes nothing);
                 # atomically: a crash never leaves a truncated config.json for `resume`

@@ -1,0 +1,356 @@
+"""Plasticity experiment: permuted-observation CartPole, with and without each remedy.
+
+Every run is ``recipes.cartpole_permuted.train`` (CartPole whose 4 observation features
+are permuted every ``--period`` epochs, a 64-64 ReLU actor-critic trained by PPO at a
+constant lr 3e-3, ReLU activation probes on ``actor_mlp`` and ``critic_mlp``) with the
+overrides of one arm, exactly as ``policy-probes run ... key=value`` would apply them:
+
+* ``none``: no remedy;
+* ``redo``: ReDo (tau 0.1) on both MLPs every 10 epochs;
+* ``shrink_and_perturb``: theta <- 0.8 theta + 0.01 theta_init on both MLPs every 10 epochs;
+* ``reset_layers``: the last hidden layer of both MLPs re-initialised every 40 epochs.
+
+The same seed gives every arm the same sequence of permutations. Per run it keeps the
+training episode return, the dormant fraction of each MLP (score <= 0.025, the ReLU
+probe's default) and the units the remedies reset, per epoch; it writes the figure
+(``--figure``: return smoothed over 10 epochs, dormant fractions; mean and +-1 std over
+seeds), the results (``--results``: every run's curves) and the table in ``--doc``
+between the ``plasticity:begin``/``plasticity:end`` markers, with the command line.
+
+    nice python -m benchmarks.plasticity --seeds 1,2,3,4,5 --jobs 2     # make plasticity
+    python -m benchmarks.plasticity --from-results     # redraw figure and tables only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+RECIPE = "recipes.cartpole_permuted.train"
+COMPONENTS = ("actor_mlp", "critic_mlp")
+ARMS: dict[str, list[str]] = {
+    "none": [],
+    "redo": [f"redo@{c}:tau=0.1,every_epochs=10" for c in COMPONENTS],
+    "shrink_and_perturb": [
+        f"shrink_and_perturb@{c}:shrink=0.8,noise=0.01,every_epochs=10" for c in COMPONENTS
+    ],
+    "reset_layers": [f"reset_layers@{c}:last=1,every_epochs=40" for c in COMPONENTS],
+}
+RETURN_KEY = "rollout/episode_return"
+SMOOTH = 10  # epochs in the figure's moving average of the return
+BEGIN, END = "<!-- plasticity:begin -->", "<!-- plasticity:end -->"
+
+
+def run_overrides(arm: str, seed: int, epochs: int, period: int, run_dir: Path) -> list[str]:
+    """The ``key=value`` overrides of one run (the batch is the recipe's 4 envs x 128 steps)."""
+    batch = 4 * 128
+    out = [
+        f"seed={seed}",
+        f"run_dir={run_dir}",
+        f"trainer.total_timesteps={epochs * batch}",
+        f"env.permute_obs_every={period * batch}",
+        "checkpoint.every_epochs=0",
+        "checkpoint.at_end=false",
+        "sinks.console=false",
+        "sinks.csv=false",
+        "sinks.tensorboard=false",
+        "wandb.mode=disabled",
+    ]
+    if ARMS[arm]:
+        out.append(f"remedies={json.dumps(ARMS[arm])}")
+    return out
+
+
+def curves(metrics_path: Path, epochs: int) -> dict[str, list[float]]:
+    """Per-epoch return, dormant fractions and units reset (NaN: not recorded) from the
+    run's POST_EPOCH records."""
+    from policy_probes.sinks import read_jsonl
+
+    out = {k: [math.nan] * epochs for k in ("return", *COMPONENTS)}
+    out["units_reset"] = [0.0] * epochs
+    for rec in read_jsonl(metrics_path):
+        if rec.get("hook_point") != "POST_EPOCH" or not 1 <= rec["epoch"] <= epochs:
+            continue
+        i = rec["epoch"] - 1
+        if rec.get(RETURN_KEY) is not None:
+            out["return"][i] = float(rec[RETURN_KEY])
+        for c in COMPONENTS:
+            value = rec.get(f"probes/relu/{c}/dormant_fraction")
+            if value is not None:
+                out[c][i] = float(value)
+        out["units_reset"][i] = float(
+            sum(
+                v
+                for k, v in rec.items()
+                if k.startswith("remedies/")
+                and k.endswith("/units_reset")
+                and k.split("/")[2] in COMPONENTS
+                and isinstance(v, int | float)
+            )
+        )
+    return out
+
+
+def run_one(job: tuple[str, int, int, int, str]) -> dict[str, Any]:
+    """Train one arm with one seed; its curves and wall time."""
+    arm, seed, epochs, period, out_root = job
+    import torch
+
+    from policy_probes.cli import apply_overrides, load_recipe
+
+    torch.set_num_threads(1)
+    run_dir = Path(out_root) / f"{arm}-seed{seed}"
+    tool = apply_overrides(load_recipe(RECIPE)(), run_overrides(arm, seed, epochs, period, run_dir))
+    t0 = time.perf_counter()
+    tool.invoke(overwrite=True)
+    wall = time.perf_counter() - t0
+    return {
+        "arm": arm,
+        "seed": seed,
+        "run_dir": str(run_dir),
+        "wall_seconds": wall,
+        **curves(run_dir / "metrics.jsonl", epochs),
+    }
+
+
+# ---------------------------------------------------------------------- summary
+def period_means(values: list[float], period: int) -> np.ndarray:
+    """Mean of ``values`` over each period (NaN-aware)."""
+    v = np.asarray(values, dtype=float)
+    n = len(v) // period
+    with np.errstate(all="ignore"):
+        return np.array([np.nanmean(v[k * period : (k + 1) * period]) for k in range(n)])
+
+
+def summarize(runs: list[dict[str, Any]], period: int) -> dict[str, Any]:
+    """Per run: return over all epochs, over the first and last three periods and the last
+    period, and the relative change of the mean return from the first half of the periods
+    to the second; dormant fractions over the last period; units reset in all."""
+    out = {}
+    for r in runs:
+        ret = period_means(r["return"], period)
+        k = min(3, len(ret))
+        half = len(ret) // 2
+        first, second = np.nanmean(ret[:half]), np.nanmean(ret[half:])
+        out[f"{r['arm']}/{r['seed']}"] = {
+            "return_all": float(np.nanmean(r["return"])),
+            "return_change": float(100 * (second - first) / first) if half else math.nan,
+            "return_first3": float(np.nanmean(ret[:k])),
+            "return_last3": float(np.nanmean(ret[-k:])),
+            "return_last": float(ret[-1]),
+            **{
+                f"dormant_{c.removesuffix('_mlp')}_last": float(period_means(r[c], period)[-1])
+                for c in COMPONENTS
+            },
+            "units_reset": float(np.sum(r["units_reset"])),
+        }
+    return out
+
+
+COLUMNS = (
+    ("return_all", "return, all epochs", "{:.0f}"),
+    ("return_first3", "return, first 3 periods", "{:.0f}"),
+    ("return_last3", "return, last 3 periods", "{:.0f}"),
+    ("return_last", "return, last period", "{:.0f}"),
+    ("return_change", "return change, 2nd half vs 1st (%)", "{:+.0f}"),
+    ("dormant_actor_last", "dormant actor, last period", "{:.3f}"),
+    ("dormant_critic_last", "dormant critic, last period", "{:.3f}"),
+    ("units_reset", "units reset per run", "{:.0f}"),
+)
+
+
+def table(summary: dict[str, Any], arms: list[str], seeds: list[int]) -> str:
+    """Markdown table: mean +- std over seeds for each arm."""
+    head = "| arm | " + " | ".join(title for _, title, _ in COLUMNS) + " |"
+    rows = [head, "|" + "---|" * (len(COLUMNS) + 1)]
+    for arm in arms:
+        cells = []
+        for key, _, fmt in COLUMNS:
+            values = np.array([summary[f"{arm}/{s}"][key] for s in seeds])
+            spread = f" ± {fmt.replace('+', '').format(values.std())}" if len(values) > 1 else ""
+            cells.append(fmt.format(values.mean()) + spread)
+        rows.append(f"| {arm} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def moving_mean(v: np.ndarray, width: int) -> np.ndarray:
+    """Trailing NaN-aware mean over ``width`` epochs."""
+    out = np.full(len(v), np.nan)
+    for i in range(len(v)):
+        window = v[max(0, i - width + 1) : i + 1]
+        if np.isfinite(window).any():
+            out[i] = np.nanmean(window)
+    return out
+
+
+def figure(runs: list[dict[str, Any]], arms: list[str], period: int, path: Path) -> None:
+    """Return (moving mean) and dormant fractions per epoch: mean over seeds, +-1 std band."""
+    from matplotlib.figure import Figure
+
+    panels = [
+        ("return", f"training episode return ({SMOOTH}-epoch mean)"),
+        ("actor_mlp", "dormant fraction, actor_mlp (tau 0.025)"),
+        ("critic_mlp", "dormant fraction, critic_mlp (tau 0.025)"),
+    ]
+    fig = Figure(figsize=(10, 9), dpi=110, layout="constrained")
+    axes = fig.subplots(len(panels), 1, sharex=True)
+    for ax, (key, title) in zip(axes, panels, strict=True):
+        for arm in arms:
+            rows = [np.asarray(r[key], float) for r in runs if r["arm"] == arm]
+            if key == "return":
+                rows = [moving_mean(v, SMOOTH) for v in rows]
+            data = np.vstack(rows)
+            with np.errstate(all="ignore"):
+                mean, std = np.nanmean(data, axis=0), np.nanstd(data, axis=0)
+            x = np.arange(1, data.shape[1] + 1)
+            (line,) = ax.plot(x, mean, linewidth=1.4, label=arm)
+            ax.fill_between(x, mean - std, mean + std, color=line.get_color(), alpha=0.15)
+        for switch in range(period, data.shape[1], period):
+            ax.axvline(switch + 0.5, color="0.6", linewidth=0.6, linestyle=":")
+        ax.set_title(title, fontsize=10)
+        ax.grid(True, alpha=0.3)
+    axes[0].legend(fontsize=8, ncols=len(arms))
+    axes[-1].set_xlabel(f"epoch (512 agent steps; dotted: a new permutation every {period})")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+
+
+def plain(run: dict[str, Any]) -> dict[str, Any]:
+    """``run`` with NaN (epochs without a value) as null, for strict JSON."""
+
+    def finite(x: Any) -> Any:
+        return None if isinstance(x, float) and math.isnan(x) else x
+
+    return {k: [finite(x) for x in v] if isinstance(v, list) else finite(v) for k, v in run.items()}
+
+
+def write_doc(path: Path, block: str) -> None:
+    """Put ``block`` between the markers of ``path`` (created with them if missing)."""
+    text = path.read_text() if path.is_file() else f"# Plasticity experiment\n\n{BEGIN}\n{END}\n"
+    if BEGIN not in text or END not in text:
+        text += f"\n{BEGIN}\n{END}\n"
+    head, _, rest = text.partition(BEGIN)
+    _, _, tail = rest.partition(END)
+    path.write_text(f"{head}{BEGIN}\n{block}\n{END}{tail}")
+
+
+def period_table(
+    runs: list[dict[str, Any]], arms: list[str], key: str, period: int, fmt: str
+) -> str:
+    """Markdown table: one row per arm, one column per period, the mean over seeds of
+    ``key``'s per-period mean."""
+    n = len(runs[0][key]) // period
+    rows = ["| arm | " + " | ".join(str(k + 1) for k in range(n)) + " |"]
+    rows.append("|" + "---|" * (n + 1))
+    for arm in arms:
+        means = np.vstack([period_means(r[key], period) for r in runs if r["arm"] == arm])
+        with np.errstate(all="ignore"):
+            rows.append(
+                f"| {arm} | " + " | ".join(fmt.format(v) for v in np.nanmean(means, 0)) + " |"
+            )
+    return "\n".join(rows)
+
+
+def load_results(path: Path) -> dict[str, Any]:
+    """A results file written by :func:`main`, null values back to NaN."""
+    data = json.loads(path.read_text())
+    data["runs"] = [
+        {
+            k: [math.nan if x is None else x for x in v] if isinstance(v, list) else v
+            for k, v in r.items()
+        }
+        for r in data["runs"]
+    ]
+    return data
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--seeds", default="1,2,3,4,5", help="comma-separated seeds")
+    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {list(ARMS)}")
+    p.add_argument("--epochs", type=int, default=480, help="epochs per run (512 steps each)")
+    p.add_argument("--period", type=int, default=40, help="epochs between permutations")
+    p.add_argument("--jobs", type=int, default=2, help="parallel processes (one core each)")
+    p.add_argument("--out", default="runs/plasticity", help="run directories go here")
+    p.add_argument("--results", default="benchmarks/results/plasticity.json")
+    p.add_argument("--figure", default="docs/figures/plasticity.png")
+    p.add_argument("--doc", default="docs/plasticity.md")
+    p.add_argument(
+        "--from-results",
+        action="store_true",
+        help="train nothing: redraw the figure and tables from the --results file",
+    )
+    args = p.parse_args(argv)
+    results = Path(args.results)
+    data = load_results(results) if args.from_results else train_arms(p, args, argv)
+    runs, arms, seeds, period = data["runs"], list(data["arms"]), data["seeds"], data["period"]
+    summary = summarize(runs, period)
+    # (--from-results rewrites the same runs with the summary this version computes)
+    results.parent.mkdir(parents=True, exist_ok=True)
+    plain_summary = {k: plain(v) for k, v in summary.items()}
+    plain_runs = [plain(r) for r in runs]
+    results.write_text(json.dumps({**data, "summary": plain_summary, "runs": plain_runs}) + "\n")
+    figure(runs, arms, period, Path(args.figure))
+    md = table(summary, arms, seeds)
+    block = (
+        f"Reproduce: `nice {data['command']}` ({len(runs)} runs, "
+        f"{data['wall_seconds'] / 60:.1f} min wall with --jobs {data['jobs']}). "
+        f"{len(seeds)} seeds ({', '.join(map(str, seeds))}), {data['epochs']} epochs of 512 "
+        f"agent steps, a new permutation every {period} epochs; mean ± std over seeds.\n\n"
+        f"{md}\n\n![plasticity]({os.path.relpath(args.figure, Path(args.doc).parent)})\n\n"
+        f"Training episode return per period (mean over seeds):\n\n"
+        f"{period_table(runs, arms, 'return', period, '{:.0f}')}\n\n"
+        f"Dormant fraction of actor_mlp per period (mean over seeds):\n\n"
+        f"{period_table(runs, arms, 'actor_mlp', period, '{:.2f}')}\n\n"
+        f"Dormant fraction of critic_mlp per period (mean over seeds):\n\n"
+        f"{period_table(runs, arms, 'critic_mlp', period, '{:.2f}')}"
+    )
+    write_doc(Path(args.doc), block)
+    print(md)
+    print(f"figure: {args.figure}; tables: {args.doc}; results: {results}")
+    return 0
+
+
+def train_arms(
+    p: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str] | None
+) -> dict[str, Any]:
+    """Run every arm x seed; the results (configuration, curves, wall time)."""
+    seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown or not seeds or args.epochs < 1 or args.period < 1:
+        p.error(f"unknown arms {unknown} (choose from {list(ARMS)}), or no seeds / epochs < 1")
+    jobs = [(a, s, args.epochs, args.period, args.out) for a in arms for s in seeds]
+    t0 = time.perf_counter()
+    if args.jobs == 1:
+        runs = [run_one(j) for j in jobs]
+    else:
+        with mp.get_context("spawn").Pool(args.jobs) as pool:
+            runs = pool.map(run_one, jobs, chunksize=1)
+    given = sys.argv[1:] if argv is None else argv
+    return {
+        "command": "python -m benchmarks.plasticity " + shlex.join(given),
+        "arms": {a: ARMS[a] for a in arms},
+        "seeds": seeds,
+        "epochs": args.epochs,
+        "period": args.period,
+        "jobs": args.jobs,
+        "wall_seconds": time.perf_counter() - t0,
+        "runs": runs,
+    }
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

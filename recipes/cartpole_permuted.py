@@ -1,0 +1,52 @@
+"""CartPole-v1 whose observation features are permuted every 40 epochs: a task that keeps
+changing, on which a ReLU policy loses plasticity (docs/plasticity.md).
+
+The permutation of period k is drawn from the run's seed and k (``env.permute_obs_every``,
+:class:`trainers.envs.PermuteObservation`), so every arm of an experiment with the same
+seed sees the same sequence of tasks. The learning rate is high (3e-3) and constant, so
+later periods are not learnt more slowly merely because the step size decayed. Only the
+ReLU activation probe is attached: it gives the dormant fractions and the per-unit scores
+that ReDo reads. Switch a remedy on from the command line::
+
+    policy-probes run recipes.cartpole_permuted.train seed=2
+    policy-probes run recipes.cartpole_permuted.train \\
+        remedies='["redo@actor_mlp:tau=0.1,every_epochs=10","redo@critic_mlp:tau=0.1,every_epochs=10"]'
+"""
+
+from __future__ import annotations
+
+from policy_probes.probes.relu import attach_relu_activation_hooks
+from trainers import EnvConfig, EvalConfig, PolicyConfig, PPOConfig, TrainTool
+
+NUM_ENVS, NUM_STEPS = 4, 128
+#: epochs per permutation period
+PERIOD_EPOCHS = 40
+
+
+def train() -> TrainTool:
+    """CartPole with its 4 observation features permuted every 40 epochs (20,480 agent
+    steps), 64-64 ReLU actor and critic, constant lr 3e-3, 480 epochs (12 periods);
+    ReLU activation probes on both MLPs, no evaluation (its envs would not be permuted)."""
+    cfg = TrainTool(
+        name="cartpole_permuted",
+        env=EnvConfig(
+            id="CartPole-v1",
+            num_envs=NUM_ENVS,
+            permute_obs_every=PERIOD_EPOCHS * NUM_ENVS * NUM_STEPS,
+        ),
+        policy=PolicyConfig(hidden_sizes=[64, 64], activation="relu"),
+        trainer=PPOConfig(
+            total_timesteps=12 * PERIOD_EPOCHS * NUM_ENVS * NUM_STEPS,
+            num_steps=NUM_STEPS,
+            num_minibatches=4,
+            update_epochs=4,
+            learning_rate=3e-3,
+            anneal_lr=False,
+        ),
+        evaluation=EvalConfig(every_epochs=0, at_end=False),
+        probe_budget=None,  # every pass: dormant scores from the whole update phase
+        torch_threads=1,
+    )
+    for component in ("actor_mlp", "critic_mlp"):
+        cfg.add_training_hook(component, attach_relu_activation_hooks())
+    return cfg
