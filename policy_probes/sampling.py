@@ -346,7 +346,7 @@ class Sampler:
             saved = self._restored.pop(f"{hook.probe}/{hook.component}", None)
             if saved is not None:  # from a checkpoint (load_state_dict)
                 _restore_count(count, saved)
-            self._rules = None
+            self._rules = self._answers = None
         return self._rule_holds(self._rule(hook))
 
     def _rule(self, hook: Any) -> tuple[str, int]:
@@ -389,7 +389,8 @@ class Sampler:
         """End the training pass under way: count what the probes observed in it and
         arm the hooks of the probes that observe the next one."""
         t0 = time.perf_counter()
-        self._account()
+        if self._answers is None or any(self._answers):  # else no probe observed this pass
+            self._account()
         self.passes += 1
         self.epoch_passes += 1
         # re-arm only when some rule's answer changed (most passes change nothing)
