@@ -34,6 +34,7 @@ __all__ = [
     "module_hook_count",
     "module_hooks_installed",
     "own_parameter_twin",
+    "set_last_lr",
     "queue_after_backward",
     "quiet_output_only_backward_hooks",
     "tensor_slot",
@@ -90,6 +91,12 @@ def own_parameter_twin(module: nn.Module) -> nn.Module:
     }
     twin.__dict__["_modules"] = {}
     return twin
+
+
+def set_last_lr(scheduler: Any, lrs: list[float]) -> None:
+    """Make ``scheduler.get_last_lr()`` return ``lrs`` (after the param groups' rates were
+    set by hand, as a fork re-applies its own learning rate)."""
+    scheduler._last_lr = list(lrs)
 
 
 def module_hook_count(module: nn.Module) -> int:

@@ -28,6 +28,7 @@ from policy_probes.torch_internals import (
     own_parameter_twin,
     queue_after_backward,
     quiet_output_only_backward_hooks,
+    set_last_lr,
     set_tensor_slot,
     tensor_slot,
     tree_flatten,
@@ -221,3 +222,14 @@ def test_own_parameter_twin_takes_reset_parameters_writes(make):
     for name, p in reference.named_parameters():
         assert twin_params[name].shape == p.shape and twin_params[name].dtype == p.dtype
         assert torch.equal(twin_params[name], p)
+
+
+def test_set_last_lr_is_what_get_last_lr_returns():
+    param = nn.Parameter(torch.zeros(1))
+    opt = torch.optim.Adam([param], lr=1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 0.5**epoch)
+    opt.step()
+    scheduler.step()
+    assert scheduler.get_last_lr() == [0.5]
+    set_last_lr(scheduler, [0.25])
+    assert scheduler.get_last_lr() == [0.25]

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from policy_probes.run_dir import held_outputs
 from policy_probes.runnable import ForkPoint
+from policy_probes.torch_internals import set_last_lr
 from trainers.checkpoint import (
     CheckpointError,
     checkpoint_name,
@@ -98,7 +99,7 @@ def apply_optimizer_config(trainer: PPOTrainer, cfg: PPOConfig) -> None:
         group["initial_lr"] = cfg.learning_rate
         group["lr"] = cfg.learning_rate * factor(scheduler.last_epoch)
         group["eps"] = cfg.adam_eps
-    scheduler._last_lr = [group["lr"] for group in groups]
+    set_last_lr(scheduler, [group["lr"] for group in groups])
 
 
 def parent_record(point: ForkPoint) -> dict[str, Any]:
