@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from policy_probes.remedies.base import Remedy, RemedyTarget
 from policy_probes.remedies.structure import layer_units
 from policy_probes.torch_internals import own_parameter_twin
 
@@ -66,3 +67,21 @@ def refresh_layers(
                 update(param, fresh[pname].to(param))
             out[name] = layer_units(module)
     return out
+
+
+class LayerRefresh(Remedy):
+    """A remedy that mixes fresh initial values into whole layers: a subclass chooses the
+    layers (:meth:`prepare`, a ``[(name, layer)]`` list) and what each parameter becomes
+    (:meth:`update`)."""
+
+    def update(self, target: RemedyTarget, param: nn.Parameter, fresh: torch.Tensor) -> None:
+        """Change ``param`` given its ``fresh`` initial values (under ``no_grad``)."""
+        raise NotImplementedError
+
+    def apply(
+        self,
+        target: RemedyTarget,
+        prepared: list[tuple[str, nn.Module]],
+        generator: torch.Generator,
+    ) -> dict[str, int]:
+        return refresh_layers(prepared, generator, lambda p, f: self.update(target, p, f))

@@ -15,14 +15,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from policy_probes.remedies.base import Remedy, RemedyTarget
-from policy_probes.remedies.fresh_init import check_resettable, refresh_layers
+from policy_probes.remedies.base import RemedyTarget
+from policy_probes.remedies.fresh_init import LayerRefresh, check_resettable
 from policy_probes.remedies.optim_state import reset_entries
 from policy_probes.remedies.structure import parametrised_leaves
 from policy_probes.remedies.trigger import Threshold
 
 
-class ResetLayers(Remedy):
+class ResetLayers(LayerRefresh):
     """See the module docstring; build with :func:`reset_layers`."""
 
     name = "reset_layers"
@@ -70,17 +70,9 @@ class ResetLayers(Remedy):
         check_resettable(f"reset_layers on {target.component!r}", chosen)
         return chosen
 
-    def apply(
-        self,
-        target: RemedyTarget,
-        prepared: list[tuple[str, nn.Module]],
-        generator: torch.Generator,
-    ) -> dict[str, int]:
-        def reset(param: nn.Parameter, fresh: torch.Tensor) -> None:
-            param.copy_(fresh)
-            reset_entries(target.optimizer, param)
-
-        return refresh_layers(prepared, generator, reset)
+    def update(self, target: RemedyTarget, param: nn.Parameter, fresh: torch.Tensor) -> None:
+        param.copy_(fresh)
+        reset_entries(target.optimizer, param)
 
 
 def reset_layers(

@@ -17,13 +17,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from policy_probes.remedies.base import Remedy, RemedyTarget
-from policy_probes.remedies.fresh_init import check_resettable, refresh_layers
+from policy_probes.remedies.base import RemedyTarget
+from policy_probes.remedies.fresh_init import LayerRefresh, check_resettable
 from policy_probes.remedies.structure import parametrised_leaves
 from policy_probes.remedies.trigger import Threshold
 
 
-class ShrinkAndPerturb(Remedy):
+class ShrinkAndPerturb(LayerRefresh):
     """See the module docstring; build with :func:`shrink_and_perturb`."""
 
     name = "shrink_and_perturb"
@@ -44,16 +44,8 @@ class ShrinkAndPerturb(Remedy):
         check_resettable(f"shrink_and_perturb on {target.component!r}", layers)
         return layers
 
-    def apply(
-        self,
-        target: RemedyTarget,
-        prepared: list[tuple[str, nn.Module]],
-        generator: torch.Generator,
-    ) -> dict[str, int]:
-        def blend(param: nn.Parameter, fresh: torch.Tensor) -> None:
-            param.mul_(self.shrink).add_(fresh, alpha=self.noise)
-
-        return refresh_layers(prepared, generator, blend)
+    def update(self, target: RemedyTarget, param: nn.Parameter, fresh: torch.Tensor) -> None:
+        param.mul_(self.shrink).add_(fresh, alpha=self.noise)
 
 
 def shrink_and_perturb(
