@@ -233,6 +233,11 @@ def plain_metrics(
             yield key, to_plain(value)
 
 
+#: the exact types :func:`to_plain` returns as they are (subclasses, e.g. numpy floats, are
+#: converted)
+_PLAIN_SCALARS = frozenset({float, int, bool, str, type(None)})
+
+
 def to_plain(value: Any) -> Any:
     """A JSON-safe copy of ``value``: Python floats, ints, bools, strings, lists, dicts
     with string keys, or None.
@@ -246,6 +251,8 @@ def to_plain(value: Any) -> Any:
     if isinstance(value, Mapping):
         return {str(k): to_plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
+        if all(type(v) in _PLAIN_SCALARS for v in value):  # a per-unit vector: copy it
+            return list(value)
         return [to_plain(v) for v in value]
     tolist = getattr(value, "tolist", None)  # torch.Tensor, numpy arrays and scalars
     if callable(tolist):

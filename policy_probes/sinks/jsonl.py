@@ -103,6 +103,11 @@ def _finite_or_none(value: Any) -> tuple[Any, bool]:
     if isinstance(value, float) and not math.isfinite(value):
         return None, True
     if isinstance(value, list):
+        try:  # the common case, every element a finite number: one C-level pass
+            if all(map(math.isfinite, value)):
+                return value, False
+        except TypeError:  # None, strings or nested lists among the elements
+            pass
         bad = False
         out = []
         for v in value:
