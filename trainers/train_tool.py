@@ -33,7 +33,13 @@ from policy_probes.atomic_write import write_text_atomic
 from policy_probes.context import ComponentContext
 from policy_probes.hook_types import ProbeBuilder
 from policy_probes.lifecycle import HookSelectionError, TrainingHook, select_hooks
-from policy_probes.remedies import Remedy, RemedyRunner, parse_remedy_spec, split_remedy_specs
+from policy_probes.remedies import (
+    Remedy,
+    RemedyRunner,
+    check_remedy,
+    parse_remedy_spec,
+    split_remedy_specs,
+)
 from policy_probes.run_dir import check_run_dir_path, default_run_dir, make_run_dir
 from policy_probes.run_lock import RunDirLock, RunDirLocked, refuse_if_locked
 from policy_probes.runnable import ForkPoint, runnable
@@ -260,12 +266,7 @@ class TrainTool(BaseModel):
     def add_remedy(self, component_name: str, remedy: Remedy) -> TrainTool:
         """Attach a remedy (``policy_probes.remedies``) to a component name or glob;
         returns self. Its generator is seeded from :attr:`seed` unless it has its own."""
-        if not isinstance(remedy, Remedy):
-            raise TypeError(
-                f"expected a remedy such as policy_probes.remedies.redo(...), got "
-                f"{type(remedy).__name__}"
-            )
-        self._remedies.append((component_name, remedy))
+        self._remedies.append((component_name, check_remedy(remedy)))
         return self
 
     def remedy_list(self) -> list[tuple[str, Remedy]]:

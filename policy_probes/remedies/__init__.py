@@ -6,7 +6,13 @@ every_epochs=25))`` or ``TrainTool.add_remedy``), or switch one on from the comm
 Unlike lifecycle interventions, remedies change the trajectory on purpose.
 """
 
-from policy_probes.remedies.base import BoundRemedy, Remedy, RemedyRunner, RemedyTarget
+from policy_probes.remedies.base import (
+    BoundRemedy,
+    Remedy,
+    RemedyRunner,
+    RemedyTarget,
+    check_remedy,
+)
 from policy_probes.remedies.dormant_recycling import ReDo, redo
 from policy_probes.remedies.layer_reset import ResetLayers, reset_layers
 from policy_probes.remedies.optim_state import SUPPORTED_OPTIMIZERS
@@ -26,6 +32,7 @@ __all__ = [
     "ShrinkAndPerturb",
     "Threshold",
     "Trigger",
+    "check_remedy",
     "parse_remedy_spec",
     "redo",
     "reset_layers",

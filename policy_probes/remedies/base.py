@@ -89,6 +89,16 @@ class Remedy:
         return f"{self.name}({text})"
 
 
+def check_remedy(remedy: object) -> Remedy:
+    """``remedy`` if it is one, else a ``TypeError`` saying what was expected."""
+    if not isinstance(remedy, Remedy):
+        raise TypeError(
+            f"expected a remedy such as policy_probes.remedies.redo(...), got "
+            f"{type(remedy).__name__}; did you forget the parentheses?"
+        )
+    return remedy
+
+
 def remedy_seed(base: int, name: str, component: str) -> int:
     """The generator seed of ``name`` on ``component``: distinct streams per remedy and
     component from one run seed."""
@@ -150,11 +160,7 @@ class RemedyRunner:
         self.bound: list[BoundRemedy] = []
 
     def add(self, remedy: Remedy, target: RemedyTarget, seed: int) -> BoundRemedy:
-        if not isinstance(remedy, Remedy):
-            raise TypeError(
-                f"expected a remedy such as policy_probes.remedies.redo(...), got "
-                f"{type(remedy).__name__}; did you forget the parentheses?"
-            )
+        check_remedy(remedy)
         bound = BoundRemedy(remedy, target, seed)
         if any(b.key == bound.key for b in self.bound):
             raise ValueError(
@@ -174,11 +180,7 @@ class RemedyRunner:
     ) -> list[BoundRemedy]:
         """Bind ``remedy`` to every component of ``policy`` (a PolicyAutoBuilder) that
         ``pattern`` names; ``seed`` is used when the remedy has none."""
-        if not isinstance(remedy, Remedy):
-            raise TypeError(
-                f"expected a remedy such as policy_probes.remedies.redo(...), got "
-                f"{type(remedy).__name__}; did you forget the parentheses?"
-            )
+        check_remedy(remedy)
         base = remedy.seed if remedy.seed is not None else seed
         return [
             self.add(
