@@ -702,7 +702,8 @@ class ProbeSession:
         metrics = dict(logged)
         snapshot: dict[str, Any] | None = None
         steps: dict[str, dict[str, Any]] = {}
-        if self.hooks.active and not self._idle_reporter() and not self._quiet_epoch():
+        quiet = self._quiet_epoch()
+        if self.hooks.active and not self._idle_reporter() and not quiet:
             self._warn_missing_rollout_end()
             metrics.update(self._pending)
             common = {"epoch": self.epoch, "step": self._step, "agent_step": self.agent_step}
@@ -725,7 +726,7 @@ class ProbeSession:
             steps = {point.value: values for point, values in flushed.by_point.items()}
         elif snapshot_due(self.epoch, self.snapshot_every):
             snapshot = {}
-        if not self._reporter_hook or self._quiet_epoch():
+        if not self._reporter_hook or quiet:
             metrics.update(StatsReporter(self.context).collect())
         plain = {k: to_plain(v) for k, v in metrics.items()}
         if snapshot is not None:
