@@ -115,3 +115,26 @@ def test_rewind_drops_later_epochs(tmp_path):
     assert [(r["epoch"], r["x"]) for r in records] == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 30.0)]
     assert rewind_jsonl(tmp_path / "absent.jsonl", 0) == 0
     assert all(1e9 < r["time"] < 1e11 for r in records)  # Unix seconds
+
+
+def test_record_vectors_keep_finite_values_and_replace_nonfinite_ones():
+    """Vectors of finite numbers are written as they are (bools and ints too); one NaN or
+    inf is replaced by None and the key listed under _nonfinite; a numpy float32 inside a
+    list becomes a Python float (float64 is a float already)."""
+    import numpy as np
+
+    from policy_probes.sinks.base import to_plain
+    from policy_probes.sinks.jsonl import make_record
+
+    metrics = {
+        "finite": [0.5, 1, True, -2.0],
+        "one_nan": [0.5, float("nan"), 2.0],
+        "numpy": [np.float64(0.25), np.float32(1.5)],
+    }
+    plain = {k: to_plain(v) for k, v in metrics.items()}
+    assert plain["numpy"] == [0.25, 1.5] and type(plain["numpy"][1]) is float
+    record = make_record(plain, 3, "POST_EPOCH", 7)
+    assert record["finite"] == [0.5, 1, True, -2.0]
+    assert record["one_nan"] == [0.5, None, 2.0]
+    assert record["numpy"] == [0.25, 1.5]
+    assert record["_nonfinite"] == ["one_nan"]

@@ -233,8 +233,8 @@ def plain_metrics(
             yield key, to_plain(value)
 
 
-#: the exact types :func:`to_plain` returns as they are (subclasses, e.g. numpy floats, are
-#: converted)
+#: the exact types for which a list is copied as it is; a list holding any other type
+#: (numpy scalars, tensors, nested lists) is converted element by element
 _PLAIN_SCALARS = frozenset({float, int, bool, str, type(None)})
 
 
