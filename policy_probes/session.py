@@ -808,7 +808,11 @@ class ProbeSession:
         epoch and step counters, what was logged or reported this epoch so far, the
         lifecycle hooks' state (:meth:`HookManager.state_dict`) and every tracker's sums
         and counts (``ProbeState.state_dict``). Probes, hooks and sinks are
-        configuration: a resumed loop builds them again and then loads this."""
+        configuration: a resumed loop builds them again and then loads this.
+
+        The sinks are flushed first (files fsynced): the records a checkpoint covers are
+        on disk before it is, so a resume never finds fewer records than its epoch."""
+        self.sinks.flush()
         return {
             "epoch": self.epoch,
             "optimizer_step": self._step,

@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 import torch
 from sinks_support import emit_probe_run
 
 from policy_probes.sinks import JSONLSink, read_jsonl, repair_truncated_tail, rewind_jsonl
+from policy_probes.sinks.csv_sink import CSVSink
 
 
 def test_one_record_per_emit_with_epoch_step_and_values(tmp_path):
@@ -138,3 +140,76 @@ def test_record_vectors_keep_finite_values_and_replace_nonfinite_ones():
     assert record["one_nan"] == [0.5, None, 2.0]
     assert record["numpy"] == [0.25, 1.5]
     assert record["_nonfinite"] == ["one_nan"]
+
+
+def fsync_counter(monkeypatch):
+    """Count the real os.fsync calls per file descriptor (each still reaches the disk)."""
+    import os
+
+    real, calls = os.fsync, []
+
+    def counting(fd):
+        calls.append(fd)
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", counting)
+    return calls
+
+
+@pytest.mark.parametrize("make", [JSONLSink, CSVSink])
+def test_epoch_ends_fsync_at_most_once_per_interval_and_flush_always(tmp_path, monkeypatch, make):
+    calls = fsync_counter(monkeypatch)
+    sink = make(tmp_path, fsync_seconds=3600.0)
+    sink.emit({"train/x": 0.0, "train/y": 0.0}, 0, "POST_EPOCH")  # (the CSV header is written)
+    assert calls  # the first epoch end fsyncs
+    calls.clear()
+    for epoch in range(1, 5):
+        sink.emit({"train/x": float(epoch)}, epoch, "POST_EPOCH")
+    assert calls == []  # the next four fall within the interval
+    # every record reached the OS already: another reader sees all five
+    assert len(sink.path.read_text().splitlines()) == 5 + (make is CSVSink)
+    sink.flush()
+    assert calls == [sink._file.fileno()]
+    sink.close()
+
+    every = make(tmp_path / "every", fsync_seconds=0.0)
+    every.emit({"train/x": 0.0, "train/y": 0.0}, 0, "POST_EPOCH")
+    calls.clear()
+    for epoch in range(1, 4):
+        every.emit({"train/x": float(epoch)}, epoch, "POST_EPOCH")
+        every.emit({"train/y": 1.0}, epoch, "POST_STEP")  # only epoch ends fsync
+    assert calls == [every._file.fileno()] * 3
+    every.close()
+
+
+def test_session_checkpoint_fsyncs_the_records_it_covers(tmp_path, monkeypatch):
+    from torch import nn
+
+    from policy_probes import ProbeSession
+    from policy_probes.sinks import SinksConfig, WandbConfig
+
+    session = ProbeSession(
+        nn.Sequential(nn.Linear(2, 2)),
+        components={"body": "0"},
+        run_dir=tmp_path,
+        sinks=SinksConfig(console=False, csv=False, wandb=False, fsync_seconds=3600.0),
+        wandb=WandbConfig(mode="disabled"),
+    )
+    (jsonl,) = list(session.sinks)
+    fd = jsonl._file.fileno()
+    calls = fsync_counter(monkeypatch)
+    for step in range(3):
+        session.log({"train/x": float(step)})
+        session.epoch_end(step=step)
+    assert calls.count(fd) == 1  # the first epoch end; the next two fall within the interval
+    session.state_dict()
+    assert calls.count(fd) == 2
+    assert [r["train/x"] for r in read_jsonl(jsonl.path)] == [0.0, 1.0, 2.0]
+    session.close()
+
+
+def test_fsync_interval_must_not_be_negative():
+    from policy_probes.sinks import SinksConfig
+
+    with pytest.raises(ValueError, match="fsync_seconds"):
+        SinksConfig(fsync_seconds=-1)

@@ -114,13 +114,13 @@ def build_sinks(
     run_dir = Path(run_dir)
     factories: list[tuple[str, Any]] = []
     if sinks.jsonl:
-        factories.append(("jsonl", lambda: JSONLSink(run_dir)))
+        factories.append(("jsonl", lambda: JSONLSink(run_dir, fsync_seconds=sinks.fsync_seconds)))
     if sinks.csv:
 
         def _csv() -> MetricSink:
             from policy_probes.sinks.csv_sink import CSVSink
 
-            return CSVSink(run_dir)
+            return CSVSink(run_dir, fsync_seconds=sinks.fsync_seconds)
 
         factories.append(("csv", _csv))
     if sinks.tensorboard:

@@ -48,6 +48,12 @@ class SinksConfig(BaseModel):
     )
     jsonl: bool = Field(True, description="run_dir/metrics.jsonl, one JSON object per emit.")
     csv: bool = Field(True, description="run_dir/metrics.csv, scalars only, vectors summarised.")
+    fsync_seconds: float = Field(
+        2.0,
+        ge=0,
+        description="JSONL/CSV: at most one fsync per this many seconds at epoch ends (0: "
+        "every epoch end); every record reaches the OS at once, checkpoints and close fsync.",
+    )
     wandb: bool = Field(True, description="Weights & Biases run (see the wandb section for mode).")
     tensorboard: bool = Field(
         False, description="TensorBoard event files in run_dir/tensorboard (needs `tensorboard`)."

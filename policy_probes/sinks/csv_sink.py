@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from policy_probes.sinks.base import (
+    FSYNC_SECONDS,
     AppendFileSink,
     finite_values,
     plain_metrics,
@@ -39,8 +40,15 @@ class CSVSink(AppendFileSink):
     name = "csv"
     newline = ""
 
-    def __init__(self, run_dir: str | Path, filename: str = METRICS_CSV) -> None:
+    def __init__(
+        self,
+        run_dir: str | Path,
+        filename: str = METRICS_CSV,
+        *,
+        fsync_seconds: float = FSYNC_SECONDS,
+    ) -> None:
         super().__init__()
+        self.fsync_seconds = fsync_seconds
         self.path = Path(run_dir) / filename
         self.tmp_path = self.path.with_name(self.path.name + ".tmp")
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -73,9 +81,7 @@ class CSVSink(AppendFileSink):
         for key, value in values.items():
             row[self._index[key]] = value
         self._writer.writerow(row)
-        self._file.flush()
-        if hook_point == "POST_EPOCH":
-            os.fsync(self._file.fileno())
+        self.written(hook_point)
 
     def _widen(self, new_columns: list[str]) -> None:
         """Rewrite the file with ``new_columns`` appended to the header (atomic, streaming)."""

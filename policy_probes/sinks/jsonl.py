@@ -2,7 +2,8 @@
 
 Each line is ``{"epoch": .., "agent_step": .., "hook_point": .., "time": .., <metrics>}``
 with per-unit vectors kept as lists. A line is written with one ``write`` and flushed per
-emit; the file is fsynced at epoch end (POST_EPOCH emits and ``flush()``). Non-finite
+emit; the file is fsynced by ``flush()`` and at epoch ends at most every
+``fsync_seconds`` (:class:`~policy_probes.sinks.base.AppendFileSink`). Non-finite
 floats cannot be written as JSON: they become ``null`` and their keys are listed in the
 record's ``"_nonfinite"`` field.
 
@@ -21,7 +22,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from policy_probes.sinks.base import AppendFileSink, plain_metrics
+from policy_probes.sinks.base import FSYNC_SECONDS, AppendFileSink, plain_metrics
 
 logger = logging.getLogger("policy_probes.sinks")
 
@@ -35,8 +36,15 @@ class JSONLSink(AppendFileSink):
 
     name = "jsonl"
 
-    def __init__(self, run_dir: str | Path, filename: str = METRICS_JSONL) -> None:
+    def __init__(
+        self,
+        run_dir: str | Path,
+        filename: str = METRICS_JSONL,
+        *,
+        fsync_seconds: float = FSYNC_SECONDS,
+    ) -> None:
         super().__init__()
+        self.fsync_seconds = fsync_seconds
         self.path = Path(run_dir) / filename
         self.path.parent.mkdir(parents=True, exist_ok=True)
         dropped = repair_truncated_tail(self.path)
@@ -56,9 +64,7 @@ class JSONLSink(AppendFileSink):
                 self._warned_nonfinite.add(key)
                 logger.warning("metric %r has non-finite values; written as null", key)
         self._file.write(json.dumps(record, allow_nan=False, separators=(",", ":")) + "\n")
-        self._file.flush()
-        if hook_point == "POST_EPOCH":
-            os.fsync(self._file.fileno())
+        self.written(hook_point)
 
     def rewind(self, last_epoch: int) -> int:
         """Drop records of epochs after ``last_epoch`` (a resumed run repeats them).
