@@ -16,7 +16,6 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -163,20 +162,15 @@ def measure_and_record(
     table_title: str,
     results_title: str,
     *,
-    ratios: str | None = "overhead",
+    ratios: str = "overhead",
     ratio_label: str = "B/A wall time",
-    extras: Callable[[Any, list[Comparison]], dict[str, Any]] | None = None,
 ) -> None:
     """What a benchmark's ``main`` does with its comparisons: run them interleaved
     (``args.repeats`` pairs), print the table and write ``args.out`` with every
-    comparison's median ratio under ``ratios`` (left out if ``None``) and the keys that
-    ``extras(args, comparisons)`` measures or derives once the pairs are done."""
+    comparison's median ratio under ``ratios``."""
     interleave(comparisons, args.repeats)
     print_table(table_title, comparisons, ratio_label=ratio_label)
-    found = {} if ratios is None else {ratios: summary(comparisons)}
-    if extras is not None:
-        found.update(extras(args, comparisons))
-    write_results(args.out, results_title, comparisons, **found)
+    write_results(args.out, results_title, comparisons, **{ratios: summary(comparisons)})
 
 
 def print_table(
