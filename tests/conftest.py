@@ -88,6 +88,16 @@ def snapshot(
     return params, state
 
 
+#: factories of a builder of every built-in forward probe (saturation: tanh) and of every
+#: built-in backward probe, with their defaults
+ALL_FORWARD = (attach_relu_activation_hooks, lambda: attach_saturated_activation_hooks("tanh"))
+ALL_BACKWARD = (
+    attach_fisher_information_hooks,
+    attach_gradient_flow_hooks,
+    attach_relu_gradient_flow_hooks,
+)
+
+
 def attach_all_probes(
     policy: PolicyAutoBuilder,
     ctx: ComponentContext,
@@ -102,11 +112,7 @@ def attach_all_probes(
         policy.attach(
             saturation_component or component, attach_saturated_activation_hooks(saturation), ctx
         )
-    for make in (
-        attach_fisher_information_hooks,
-        attach_gradient_flow_hooks,
-        attach_relu_gradient_flow_hooks,
-    ):
+    for make in ALL_BACKWARD:
         policy.attach(component, make(), ctx, backward=True)
 
 

@@ -320,6 +320,29 @@ def test_redo_recurrent_units_exact(tmp_path, cls, gates, gate, bias):
     assert metrics["remedies/redo/rnn/units_reset"] == len(d)
 
 
+def redo_after_one_step(policy, tmp_path, component: str, x: torch.Tensor, lr: float):
+    """One Adam step (learning rate ``lr``) on the squared logits and value of ``x``, then
+    ReDo with tau = 0 on ``component`` at the epoch's end; returns the epoch's metrics and
+    the policy's outputs on ``x`` before and after the firing."""
+    opt = torch.optim.Adam(policy.parameters(), lr=lr)
+    with ProbeSession(
+        policy, run_dir=tmp_path, sinks=SINKS, optimizer=opt, probe_budget=None
+    ) as session:
+        session.add_training_hook(component, attach_relu_activation_hooks())
+        session.add_remedy(component, redo(tau=0.0, every_epochs=1))
+        session.set_phase("train")
+        logits, value = policy(x)
+        opt.zero_grad()
+        (logits.pow(2).mean() + value.pow(2).mean()).backward()
+        opt.step()
+        with session.phase("eval"), torch.no_grad():
+            before = policy(x)
+        metrics = session.epoch_end(step=1)
+        with session.phase("eval"), torch.no_grad():
+            after = policy(x)
+    return metrics, before, after
+
+
 def test_redo_keeps_outputs_of_the_builtin_policy(tmp_path):
     """ReDo on both MLPs of the built-in ActorCriticPolicy (consumers from its
     component_consumers): outputs unchanged where the recycled units are dead."""
@@ -334,24 +357,9 @@ def test_redo_keeps_outputs_of_the_builtin_policy(tmp_path):
     with torch.no_grad():
         policy.critic_mlp.layer_0.linear.bias[:5] = -100.0
         policy.actor_mlp.layer_1.linear.bias[:3] = -100.0
-    opt = torch.optim.Adam(policy.parameters(), lr=1e-3)
-    with ProbeSession(
-        policy, run_dir=tmp_path, sinks=SINKS, optimizer=opt, probe_budget=None
-    ) as session:
-        session.add_training_hook("*_mlp", attach_relu_activation_hooks())
-        session.add_remedy("*_mlp", redo(tau=0.0, every_epochs=1))
-        session.set_phase("train")
-        x = torch.randn(32, 4)
-        logits, value = policy(x)
-        loss = logits.pow(2).mean() + value.pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        with session.phase("eval"), torch.no_grad():
-            before = policy(x)
-        metrics = session.epoch_end(step=1)
-        with torch.no_grad():
-            after = policy(x)
+    metrics, before, after = redo_after_one_step(
+        policy, tmp_path, "*_mlp", torch.randn(32, 4), 1e-3
+    )
     assert metrics["remedies/redo/critic_mlp.layer_0/units_reset"] >= 5
     assert metrics["remedies/redo/actor_mlp.layer_1/units_reset"] >= 3
     assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
@@ -390,26 +398,11 @@ def test_redo_on_the_nature_cnn_encoder_with_two_consumers(tmp_path):
         enc.fc.linear.bias[[0, 7]] = -100.0  # dead features
     # lr=0: the step builds Adam's state and leaves the weights as the scored pass saw
     # them, so the units dead there (score 0) are dead on x and the outputs must be kept
-    opt = torch.optim.Adam(policy.parameters(), lr=0.0)
     x = torch.randint(0, 256, (8, 1, 36, 36), dtype=torch.uint8)
-    with ProbeSession(
-        policy, run_dir=tmp_path, sinks=SINKS, optimizer=opt, probe_budget=None
-    ) as session:
-        session.add_training_hook("encoder", attach_relu_activation_hooks())
-        session.add_remedy("encoder", redo(tau=0.0, every_epochs=1))
-        session.set_phase("train")
-        seen = []
-        handle = enc.fc.register_forward_hook(lambda _m, _i, out: seen.append(out.detach()))
-        logits, value = policy(x)
-        handle.remove()
-        opt.zero_grad()
-        (logits.pow(2).mean() + value.pow(2).mean()).backward()
-        opt.step()
-        with session.phase("eval"), torch.no_grad():
-            before = policy(x)
-        metrics = session.epoch_end(step=1)
-        with session.phase("eval"), torch.no_grad():
-            after = policy(x)
+    seen = []  # fc's outputs: the training pass first
+    handle = enc.fc.register_forward_hook(lambda _m, _i, out: seen.append(out.detach()))
+    metrics, before, after = redo_after_one_step(policy, tmp_path, "encoder", x, 0.0)
+    handle.remove()
     assert metrics["remedies/redo/encoder.conv_2/units_reset"] >= 2
     assert metrics["remedies/redo/encoder.fc/units_reset"] >= 2
     # fc units dead on the training pass (score 0 <= tau = 0) get fresh whole rows; in

@@ -175,28 +175,38 @@ def test_callback_leaves_the_sb3_trajectory_bit_identical(tmp_path):
     assert callback.history[-1]["norms/dist_from_init"] > 0
 
 
-def test_component_names_and_attach_errors(tmp_path):
-    model = ppo()
-    names = sb3_components(model.policy)
+def test_component_names_and_builder_errors():
+    names = sb3_components(ppo().policy)
     assert names["actor_mlp"] == "mlp_extractor.policy_net"
     assert names["critic_head"] == "value_net" and names["value_net"] == "value_net"
-    bad = ProbeCallback(
-        probes=[("actor_mpl", attach_relu_activation_hooks())],
-        run_dir=tmp_path / "a",
-        sinks=SinksConfig(console=False, wandb=False),
-    )
-    with pytest.raises(KeyError, match="Closest: actor_mlp"):
-        model.learn(ROWS, callback=bad)
-    tuple_output = ProbeCallback(
-        backward_probes=[("mlp_extractor", attach_fisher_information_hooks())],
-        run_dir=tmp_path / "b",
-        sinks=SinksConfig(console=False, wandb=False),
-    )
-    with pytest.raises(ProbeError, match="extractor"):
-        model.learn(ROWS, callback=tuple_output)
-    assert hook_counts(model.policy) == 0
     with pytest.raises(TypeError, match="parentheses"):
         ProbeCallback(probes=[("actor_mlp", attach_relu_activation_hooks)])
+
+
+@pytest.mark.parametrize(
+    ("kind", "component", "make", "error", "match"),
+    [
+        ("probes", "actor_mpl", attach_relu_activation_hooks, KeyError, "Closest: actor_mlp"),
+        # a tuple output (the extractor's (pi, vf) pair) without an extractor
+        (
+            "backward_probes",
+            "mlp_extractor",
+            attach_fisher_information_hooks,
+            ProbeError,
+            "extractor",
+        ),
+    ],
+)
+def test_attach_errors_stop_learn_and_leave_no_hooks(tmp_path, kind, component, make, error, match):
+    model = ppo()
+    callback = ProbeCallback(
+        **{kind: [(component, make())]},
+        run_dir=tmp_path,
+        sinks=SinksConfig(console=False, wandb=False),
+    )
+    with pytest.raises(error, match=match):
+        model.learn(ROWS, callback=callback)
+    assert hook_counts(model.policy) == 0
 
 
 def test_second_learn_continues_the_cycle_count_in_the_same_run_dir(tmp_path):
