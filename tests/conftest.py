@@ -1,5 +1,6 @@
-"""Shared fixtures: tiny probe-able policies, a clean torch setup, and what the remedy
-tests recompute by hand (the seeds a remedy draws, snapshots of weights and moments)."""
+"""Shared fixtures: tiny probe-able policies, a clean torch setup, the built-in probes'
+builders, what tests recompute by hand (saturation from a layer's outputs, the seeds a
+remedy draws, snapshots of weights and moments) and the CLI run as a subprocess."""
 
 from __future__ import annotations
 
