@@ -150,6 +150,12 @@ def write_results(path: Path, title: str, comparisons: list[Comparison], **extra
     path.write_text(json.dumps(payload, indent=2) + "\n")
 
 
+def adding(name: str, a: Side, b_label: str, target: str = "", **params: Any) -> Comparison:
+    """A comparison whose side B runs side A's case with A's parameters and ``params`` on
+    top: what switching something on costs."""
+    return Comparison(name, a, Side(b_label, a.case, dict(a.params, **params)), target=target)
+
+
 def measure_and_record(
     args: Any,
     comparisons: list[Comparison],
@@ -164,8 +170,7 @@ def measure_and_record(
     comparison's median ratio under ``ratios``."""
     interleave(comparisons, args.repeats)
     print_table(table_title, comparisons, ratio_label=ratio_label)
-    medians = {c.name: c.median_ratio for c in comparisons}
-    write_results(args.out, results_title, comparisons, **{ratios: medians})
+    write_results(args.out, results_title, comparisons, **{ratios: summary(comparisons)})
 
 
 def print_table(
@@ -214,7 +219,8 @@ def parse_args(
 ) -> Any:
     """The command line every benchmark script shares: ``--quick``, ``--repeats``, ``--out``;
     with ``comparison_keys`` also ``--only KEY,...`` (``args.only``: the keys chosen, all
-    by default)."""
+    by default; a subset written to the default place goes to ``NAME_KEY_....json`` beside
+    it, so that it never replaces the full results)."""
     import argparse
 
     parser = argparse.ArgumentParser(description=description)
@@ -246,6 +252,8 @@ def parse_args(
         unknown = sorted(set(args.only) - set(comparison_keys))
         if unknown:
             parser.error(f"unknown comparison(s) {unknown}; choose from {comparison_keys}")
+        if args.only != comparison_keys and args.out == RESULTS / default_out:
+            args.out = RESULTS / f"{Path(default_out).stem}_{'_'.join(args.only)}.json"
     if args.inprocess:
         global IN_PROCESS
         IN_PROCESS = True

@@ -82,6 +82,29 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
+class Clocks:
+    """Wall and CPU seconds of a case's timed region: from construction to :meth:`stop`."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter(), time.process_time()
+        self.seconds = self.cpu_seconds = float("nan")
+
+    def stop(self) -> None:
+        wall, cpu = self.start
+        self.seconds, self.cpu_seconds = time.perf_counter() - wall, time.process_time() - cpu
+
+    def result(self, steps: int, **extra: Any) -> dict[str, Any]:
+        """The JSON line of a case: the region's seconds, the steps it trained and their
+        rate, then ``extra``."""
+        return {
+            "seconds": self.seconds,
+            "cpu_seconds": self.cpu_seconds,
+            "steps": steps,
+            "sps": steps / self.seconds,
+            **extra,
+        }
+
+
 def probe_builders(
     fisher_param_every: int = 1, per_layer: bool = True
 ) -> list[tuple[str, Any, bool]]:
@@ -233,23 +256,20 @@ def ours(p: dict[str, Any]) -> dict[str, Any]:
         CallbackList.fire = timed(CallbackList.fire)
         for name in ("epoch_start", "rollout_end", "pre_step", "post_step", "epoch_end"):
             setattr(ProbeSession, name, timed(getattr(ProbeSession, name)))
-    t0, c0 = time.perf_counter(), time.process_time()
+    clocks = Clocks()
     result = tool.invoke()
-    seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
+    clocks.stop()
     if run is not None:
         run.finish()
-    return {
-        "seconds": seconds,
-        "cpu_seconds": cpu_seconds,
-        "steps": result.agent_step,
-        "sps": result.agent_step / seconds,
-        "tracker_bytes_per_epoch": memory,
-        "update_seconds": update_seconds,
-        "lifecycle_fired": fired,
-        "callback_seconds": callback_time[0],
+    return clocks.result(
+        result.agent_step,
+        tracker_bytes_per_epoch=memory,
+        update_seconds=update_seconds,
+        lifecycle_fired=fired,
+        callback_seconds=callback_time[0],
         **sampling_of(result.metrics),
-        "callback_calls": callback_time[1],
-    }
+        callback_calls=callback_time[1],
+    )
 
 
 def bare(p: dict[str, Any]) -> dict[str, Any]:
@@ -266,7 +286,7 @@ def bare(p: dict[str, Any]) -> dict[str, Any]:
         num_minibatches=p["num_minibatches"],
         update_epochs=p["update_epochs"],
     )
-    t0, c0 = time.perf_counter(), time.process_time()
+    clocks = Clocks()
     seed_everything(p["seed"])
     envs = make_vector_env(
         EnvConfig(
@@ -288,14 +308,9 @@ def bare(p: dict[str, Any]) -> dict[str, Any]:
     )
     trainer = PPOTrainer(envs, policy, cfg, context=ComponentContext(), seed=p["seed"])
     state = trainer.train()
-    seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
+    clocks.stop()
     envs.close()
-    return {
-        "seconds": seconds,
-        "cpu_seconds": cpu_seconds,
-        "steps": state.agent_step,
-        "sps": state.agent_step / seconds,
-    }
+    return clocks.result(state.agent_step)
 
 
 def sb3(p: dict[str, Any]) -> dict[str, Any]:
@@ -310,7 +325,7 @@ def sb3(p: dict[str, Any]) -> dict[str, Any]:
         algo, policy, extra = RecurrentPPO, "MlpLstmPolicy", {"lstm_hidden_size": p["hidden"]}
 
     lr = 2.5e-4
-    t0, c0 = time.perf_counter(), time.process_time()
+    clocks = Clocks()
     env = make_vec_env(p["env_id"], n_envs=p["num_envs"], seed=p["seed"])
     batch = p["num_envs"] * p["num_steps"]
     model = algo(
@@ -353,14 +368,9 @@ def sb3(p: dict[str, Any]) -> dict[str, Any]:
             probe_schedule=p["probe_schedule"],
         )
     model.learn(total_timesteps=p["total_timesteps"], callback=callback)
-    seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
+    clocks.stop()
     env.close()
-    out = {
-        "seconds": seconds,
-        "cpu_seconds": cpu_seconds,
-        "steps": model.num_timesteps,
-        "sps": model.num_timesteps / seconds,
-    }
+    out = clocks.result(model.num_timesteps)
     if callback is not None:
         last = callback.history[-1] if callback.history else {}
         out["records"] = len(callback.history)
@@ -398,16 +408,10 @@ def recipe(p: dict[str, Any]) -> dict[str, Any]:
     tool.run_dir = tempfile.mkdtemp(prefix="pp-bench-")
     tool.probe_budget = p["probe_budget"]
     tool.probe_schedule = p["probe_schedule"]
-    t0, c0 = time.perf_counter(), time.process_time()
+    clocks = Clocks()
     result = tool.invoke()
-    seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
-    return {
-        "seconds": seconds,
-        "cpu_seconds": cpu_seconds,
-        "steps": result.agent_step,
-        "sps": result.agent_step / seconds,
-        **sampling_of(result.metrics),
-    }
+    clocks.stop()
+    return clocks.result(result.agent_step, **sampling_of(result.metrics))
 
 
 CASES = {"ours": ours, "bare": bare, "sb3": sb3, "recipe": recipe}

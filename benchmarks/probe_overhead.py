@@ -25,13 +25,7 @@ envs x 128 steps, 2 epochs (a CNN on one CPU thread is slow: the run is kept sho
 
 from __future__ import annotations
 
-from benchmarks.ab import (
-    RESULTS,
-    Comparison,
-    Side,
-    measure_and_record,
-    parse_args,
-)
+from benchmarks.ab import Comparison, Side, adding, measure_and_record, parse_args
 
 #: ``--only`` keys, in the order the comparisons run
 KEYS = ["mlp", "per_layer", "wandb", "atari"]
@@ -52,12 +46,7 @@ def comparisons(quick: bool, only: list[str] | None = None) -> list[Comparison]:
         "total_timesteps": 128 if quick else 2048,
     }
     comps = {
-        "mlp": Comparison(
-            "five probes x 2 components",
-            plain,
-            Side("probes", "ours", dict(base, probes=True)),
-            target="<= 1.05",
-        ),
+        "mlp": adding("five probes x 2 components", plain, "probes", target="<= 1.05", probes=True),
         "per_layer": per_layer_comparison(quick),
         "wandb": Comparison(
             "wandb.watch(log='all', log_freq=1)",
@@ -88,9 +77,6 @@ def per_layer_comparison(quick: bool) -> Comparison:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(__doc__.splitlines()[0], 5, "probe_overhead.json", argv, KEYS)
-    if args.only != KEYS and args.out == RESULTS / "probe_overhead.json":
-        # a subset must not replace the full results
-        args.out = RESULTS / f"probe_overhead_{'_'.join(args.only)}.json"
     measure_and_record(
         args,
         comparisons(args.quick, args.only),

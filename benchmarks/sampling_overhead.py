@@ -25,85 +25,67 @@ pairs, median of the per-pair ratios, CPU-time ratios beside them.
 
 from __future__ import annotations
 
-from benchmarks.ab import (
-    RESULTS,
-    Comparison,
-    Side,
-    interleave,
-    parse_args,
-    print_table,
-    write_results,
-)
+from typing import Any
+
+from benchmarks.ab import Comparison, Side, adding, measure_and_record, parse_args
 
 KEYS = ["default", "every", "probe_batch", "widths", "sb3", "recipe"]
-DEFAULT = {"probe_budget": 0.05}
-EVERY = {"probe_budget": None, "probe_schedule": "every"}
-BATCH = {"probe_budget": 0.05, "probe_schedule": "probe_batch:256"}
+SAMPLING = {
+    "default": {"probe_budget": 0.05},
+    "every": {"probe_budget": None, "probe_schedule": "every"},
+    "probe_batch": {"probe_budget": 0.05, "probe_schedule": "probe_batch:256"},
+}
+
+
+def sampled(
+    name: str, a: Side, b_label: str, labels: tuple[str, ...] = ("default", "every"), **switch: Any
+) -> list[Comparison]:
+    """``a`` against its case with ``switch`` and each sampling of ``labels`` on top."""
+    return [
+        adding(
+            f"{name}, {label}",
+            a,
+            f"{b_label}, {label}",
+            target="<= 1.05" if label == "default" else "reported",
+            **switch,
+            **SAMPLING[label],
+        )
+        for label in labels
+    ]
 
 
 def comparisons(quick: bool, only: list[str] | None = None) -> list[Comparison]:
     steps = 512 if quick else 20_480
-    out: dict[str, list[Comparison]] = {k: [] for k in KEYS}
-    base = {"total_timesteps": steps, "activation": "relu"}
-    plain = Side("no probes", "ours", dict(base))
-    for label, sampling in (("default", DEFAULT), ("every", EVERY), ("probe_batch", BATCH)):
-        out[label].append(
-            Comparison(
-                f"five probes x 2, {label}",
-                plain,
-                Side(f"probes, {label}", "ours", dict(base, probes=True, **sampling)),
-                target="<= 1.05" if label == "default" else "reported",
-            )
-        )
+    plain = Side("no probes", "ours", {"total_timesteps": steps, "activation": "relu"})
+    out = {
+        label: sampled("five probes x 2", plain, "probes", (label,), probes=True)
+        for label in SAMPLING
+    }
+    out["widths"] = []
     for width in (256, 1024):
         wide = {"activation": "relu", "hidden": width, "total_timesteps": 512 if quick else 8192}
-        for label, sampling in (("default", DEFAULT), ("every", EVERY)):
-            out["widths"].append(
-                Comparison(
-                    f"width {width}, {label}",
-                    Side("no probes", "ours", dict(wide)),
-                    Side(f"probes, {label}", "ours", dict(wide, probes=True, **sampling)),
-                    target="<= 1.05" if label == "default" else "reported",
-                )
-            )
-    sb3 = {"total_timesteps": 1024 if quick else 32_768, "activation": "relu"}
-    for label, sampling in (("default", DEFAULT), ("every", EVERY)):
-        out["sb3"].append(
-            Comparison(
-                f"SB3 + ProbeCallback, {label}",
-                Side("sb3", "sb3", dict(sb3)),
-                Side(
-                    f"+ ProbeCallback, {label}", "sb3", dict(sb3, probe_callback=True, **sampling)
-                ),
-                target="<= 1.05" if label == "default" else "reported",
-            )
+        out["widths"] += sampled(
+            f"width {width}", Side("no probes", "ours", wide), "probes", probes=True
         )
+    sb3 = {"total_timesteps": 1024 if quick else 32_768, "activation": "relu"}
+    out["sb3"] = sampled(
+        "SB3 + ProbeCallback", Side("sb3", "sb3", sb3), "+ ProbeCallback", probe_callback=True
+    )
     # the cartpole recipe as it ships (evaluation, JSONL and CSV sinks, checkpoints)
     shipped = {"total_timesteps": 4096 if quick else 51_200}
-    for label, sampling in (("default", DEFAULT), ("every", EVERY)):
-        out["recipe"].append(
-            Comparison(
-                f"cartpole recipe, {label}",
-                Side("recipe, no probes", "recipe", dict(shipped)),
-                Side(f"recipe, {label}", "recipe", dict(shipped, probes=True, **sampling)),
-                target="<= 1.05" if label == "default" else "reported",
-            )
-        )
+    out["recipe"] = sampled(
+        "cartpole recipe", Side("recipe, no probes", "recipe", shipped), "recipe", probes=True
+    )
     return [c for key in (only or KEYS) for c in out[key]]
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(__doc__.splitlines()[0], 3, "sampling_overhead.json", argv, KEYS)
-    if args.only != KEYS and args.out == RESULTS / "sampling_overhead.json":
-        args.out = RESULTS / f"sampling_overhead_{'_'.join(args.only)}.json"
-    comps = comparisons(args.quick, args.only)
-    interleave(comps, args.repeats)
-    print_table("probe overhead with sampling (wall time with / without)", comps)
-    write_results(
-        args.out,
+    measure_and_record(
+        args,
+        comparisons(args.quick, args.only),
+        "probe overhead with sampling (wall time with / without)",
         "sampling overhead: t(B)/t(A)",
-        comps,
-        overhead={c.name: c.median_ratio for c in comps},
     )
 
 

@@ -14,7 +14,8 @@ Same A/B harness as the other benchmarks (:mod:`benchmarks.ab`).
 
 from __future__ import annotations
 
-from benchmarks.ab import Comparison, Side, measure_and_record, parse_args
+from benchmarks.ab import Comparison, measure_and_record, parse_args
+from benchmarks.sb3_overhead import callback_overhead
 
 
 def comparisons(quick: bool) -> list[Comparison]:
@@ -24,11 +25,8 @@ def comparisons(quick: bool) -> list[Comparison]:
         "recurrent": True,
     }
     return [
-        Comparison(
-            "SB3 RecurrentPPO + ProbeCallback (18 probes, masked rows)",
-            Side("recurrent ppo", "sb3", dict(base)),
-            Side("recurrent ppo + ProbeCallback", "sb3", dict(base, probe_callback=True)),
-            target="<= 1.05 (as for our trainer)",
+        callback_overhead(
+            "SB3 RecurrentPPO + ProbeCallback (18 probes, masked rows)", "recurrent ppo", base
         )
     ]
 

@@ -18,9 +18,12 @@ epochs and equal for both lengths means memory does not grow with the number of 
 
 from __future__ import annotations
 
+from typing import Any
+
 from benchmarks.ab import (
     Comparison,
     Side,
+    adding,
     interleave,
     parse_args,
     print_table,
@@ -50,30 +53,25 @@ def grid(quick: bool) -> list[tuple[int, int]]:
     return widths + batches + [(256, 4096)]
 
 
+def probe_cost(width: int, minibatch: int, quick: bool, note: str = "", **extra: Any) -> Comparison:
+    """No probes against the five probes (and the case parameters ``extra``) at one
+    width and minibatch size."""
+    return adding(
+        f"width {width}, minibatch {minibatch}{note}",
+        Side("no probes", "ours", setting(width, minibatch, quick)),
+        "probes",
+        target="<= 1.05",
+        probes=True,
+        **extra,
+    )
+
+
 def comparisons(quick: bool) -> list[Comparison]:
-    out = []
-    for width, mb in grid(quick):
-        p = setting(width, mb, quick)
-        out.append(
-            Comparison(
-                f"width {width}, minibatch {mb}",
-                Side("no probes", "ours", dict(p)),
-                Side("probes", "ours", dict(p, probes=True)),
-                target="<= 1.05",
-            )
-        )
+    out = [probe_cost(width, mb, quick) for width, mb in grid(quick)]
     # the per-parameter Fisher's extra matmul is the cost that grows with width:
     # the same widest setting with the Fisher's parameters from every 4th pass
-    width, mb = (64, 128) if quick else (1024, 128)
-    p = setting(width, mb, quick)
-    out.append(
-        Comparison(
-            f"width {width}, minibatch {mb}, fisher param_every=4",
-            Side("no probes", "ours", dict(p)),
-            Side("probes", "ours", dict(p, probes=True, fisher_param_every=4)),
-            target="<= 1.05",
-        )
-    )
+    width = 64 if quick else 1024
+    out.append(probe_cost(width, 128, quick, ", fisher param_every=4", fisher_param_every=4))
     return out
 
 

@@ -1,8 +1,14 @@
-"""Shared fixtures: tiny probe-able policies and a clean torch setup."""
+"""Shared fixtures: tiny probe-able policies, a clean torch setup, the built-in probes'
+builders, what tests recompute by hand (saturation from a layer's outputs, the seeds a
+remedy draws, snapshots of weights and moments) and the CLI run as a subprocess."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +26,8 @@ from policy_probes import (
     attach_saturated_activation_hooks,
 )
 from policy_probes.torch_internals import module_hook_count
+
+ROOT = Path(__file__).resolve().parents[1]
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
@@ -47,6 +55,50 @@ class TinyPolicy(PolicyAutoBuilder):
         return self.actor_head(self.actor_mlp(x))
 
 
+class ReluNet(nn.Module):
+    """A plain torch model (no PolicyAutoBuilder): ``body`` = Linear 5->16, ReLU,
+    Linear 16->12, ReLU, and ``head`` = Linear 12->3, the consumer of its last layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Linear(16, 12), nn.ReLU())
+        self.head = nn.Linear(12, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def remedy_seeds(seed: int, remedy: str, component: str, n: int) -> list[int]:
+    """The ``n`` seeds (one per layer) that ``remedy`` draws for ``component`` in a session
+    seeded with ``seed``: its generator starts at ``seed * 1_000_003 +
+    crc32("remedy@component")`` mod 2**63."""
+    g = torch.Generator().manual_seed(
+        (seed * 1_000_003 + zlib.crc32(f"{remedy}@{component}".encode())) % 2**63
+    )
+    return [int(torch.randint(0, 2**62, (1,), generator=g)) for _ in range(n)]
+
+
+def snapshot(
+    model: nn.Module, opt: torch.optim.Optimizer
+) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
+    """Copies of every parameter and of its optimiser state, by parameter name."""
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    state = {
+        n: {k: v.clone() for k, v in opt.state[p].items()} for n, p in model.named_parameters()
+    }
+    return params, state
+
+
+#: factories of a builder of every built-in forward probe (saturation: tanh) and of every
+#: built-in backward probe, with their defaults
+ALL_FORWARD = (attach_relu_activation_hooks, lambda: attach_saturated_activation_hooks("tanh"))
+ALL_BACKWARD = (
+    attach_fisher_information_hooks,
+    attach_gradient_flow_hooks,
+    attach_relu_gradient_flow_hooks,
+)
+
+
 def attach_all_probes(
     policy: PolicyAutoBuilder,
     ctx: ComponentContext,
@@ -61,17 +113,38 @@ def attach_all_probes(
         policy.attach(
             saturation_component or component, attach_saturated_activation_hooks(saturation), ctx
         )
-    for make in (
-        attach_fisher_information_hooks,
-        attach_gradient_flow_hooks,
-        attach_relu_gradient_flow_hooks,
-    ):
+    for make in ALL_BACKWARD:
         policy.attach(component, make(), ctx, backward=True)
+
+
+def saturation_reference(
+    h: torch.Tensor, activation: str, threshold: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which outputs ``h`` of a tanh or sigmoid layer are saturated at ``threshold``
+    (tanh: ``|h| > t``; sigmoid: ``h < 1 - t`` or ``h > t``) and the activation's
+    derivative at each, from the output alone."""
+    if activation == "tanh":
+        return h.abs() > threshold, 1 - h**2
+    return (h < 1 - threshold) | (h > threshold), h * (1 - h)
 
 
 def hook_counts(model: nn.Module) -> int:
     """Number of torch hooks of every kind left on every module of ``model``."""
     return module_hook_count(model)
+
+
+def cli(*args: str, cwd: Path = ROOT, **popen: object) -> subprocess.CompletedProcess:
+    """``python -m policy_probes.cli ARGS`` as a user runs it (the worktree's code)."""
+    env = {**os.environ, "WANDB_MODE": "disabled", "WANDB_SILENT": "true"}
+    return subprocess.run(
+        [sys.executable, "-m", "policy_probes.cli", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        **popen,
+    )
 
 
 @pytest.fixture

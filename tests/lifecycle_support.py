@@ -11,22 +11,14 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+import conftest
 import gymnasium as gym
 import numpy as np
 import torch
 from torch import nn
 from torch.distributions import Categorical
 
-from policy_probes import (
-    ComponentContext,
-    LinearSpec,
-    MLPSpec,
-    PolicyAutoBuilder,
-    attach_fisher_information_hooks,
-    attach_gradient_flow_hooks,
-    attach_relu_activation_hooks,
-    attach_relu_gradient_flow_hooks,
-)
+from policy_probes import ComponentContext, LinearSpec, MLPSpec, PolicyAutoBuilder
 from policy_probes.lifecycle import (
     HookManager,
     HookPoint,
@@ -131,11 +123,9 @@ class RunResult:
 
 
 def attach_all_probes(model: ActorCritic, context: ComponentContext) -> None:
+    """The ReLU probe and the three backward probes on both MLPs."""
     for comp in ("actor_mlp", "critic_mlp"):
-        model.attach(comp, attach_relu_activation_hooks(), context)
-        model.attach(comp, attach_fisher_information_hooks(), context, backward=True)
-        model.attach(comp, attach_gradient_flow_hooks(), context, backward=True)
-        model.attach(comp, attach_relu_gradient_flow_hooks(), context, backward=True)
+        conftest.attach_all_probes(model, context, comp)
 
 
 def run_training(

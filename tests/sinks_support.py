@@ -1,5 +1,6 @@
 """Real probe metrics for the sink tests: a tiny policy trained for a few epochs with the
-ReLU, saturation, Fisher and gradient-flow probes attached, collected by StatsReporter.
+ReLU, saturation, Fisher and gradient-flow probes attached, collected by StatsReporter;
+and the emit / rewind / emit sequence every file sink's resume is tested with.
 
 No mocks: every metric comes from real forward and backward passes.
 """
@@ -129,3 +130,15 @@ def tiny_cartpole(run_dir: Path, epochs: int = 3, **sections: Any):
         **sections,
     }
     return tool.model_copy(update=update)
+
+
+def rewind_and_emit(sink: Any, epochs: int, keep: int, key: str, again: float) -> int:
+    """Epochs ``0 .. epochs-1`` with ``{key: epoch}``, a rewind to epoch ``keep``, epoch
+    ``keep + 1`` once more with ``{key: again}``, the sink closed; returns what the
+    rewind reported (the records it dropped)."""
+    for epoch in range(epochs):
+        sink.emit({key: float(epoch)}, epoch, "POST_EPOCH")
+    dropped = sink.rewind(keep)
+    sink.emit({key: again}, keep + 1, "POST_EPOCH")
+    sink.close()
+    return dropped

@@ -7,8 +7,6 @@ import json
 import math
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import gymnasium as gym
@@ -16,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import cli
 from test_no_host_sync import ForbidHostSync
 
 from policy_probes import ComponentContext
@@ -340,30 +339,19 @@ def test_recipe_probes_on_cnn_policy_run_without_host_sync():
 # ---------------------------------------------------------------------- recipe, CLI
 def test_atari_recipe_runs_from_cli(tmp_path: Path):
     run_dir = tmp_path / "run"
-    env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "policy_probes.cli",
-            "run",
-            "recipes.atari.train",
-            "trainer.total_timesteps=256",
-            "env.num_envs=2",
-            "trainer.num_steps=64",
-            "evaluation.at_end=false",
-            "checkpoint.at_end=false",
-            "torch_threads=1",
-            "sinks.wandb=false",
-            "probe_budget=null",  # every pass: the last epoch's keys are checked
-            f"run_dir={run_dir}",
-            "--no-progress",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    proc = cli(
+        "run",
+        "recipes.atari.train",
+        "trainer.total_timesteps=256",
+        "env.num_envs=2",
+        "trainer.num_steps=64",
+        "evaluation.at_end=false",
+        "checkpoint.at_end=false",
+        "torch_threads=1",
+        "sinks.wandb=false",
+        "probe_budget=null",  # every pass: the last epoch's keys are checked
+        f"run_dir={run_dir}",
+        "--no-progress",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -391,14 +379,7 @@ def test_atari_recipe_runs_from_cli(tmp_path: Path):
         assert last[f"probes/fisher/{name}/trace"] > 0.0
         assert last[f"probes/gradient_flow/{name}/mean"] > 0.0
     # the local report shows the CNN's dead/dormant units per layer, one line per layer
-    report = subprocess.run(
-        [sys.executable, "-m", "policy_probes.cli", "report", str(run_dir)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    report = cli("report", str(run_dir))
     assert report.returncode == 0, report.stderr[-3000:]
     page = (run_dir / "report.html").read_text()
     assert 'id="relu-layers"' in page

@@ -10,7 +10,15 @@ import math
 import pytest
 import torch
 
-from benchmarks import ab, empty_path, lifecycle_cost, probe_overhead, scaling, throughput
+from benchmarks import (
+    ab,
+    empty_path,
+    lifecycle_cost,
+    probe_overhead,
+    sampling_overhead,
+    scaling,
+    throughput,
+)
 
 torch.set_num_threads(1)
 
@@ -102,3 +110,62 @@ def test_lifecycle_cost_smoke(tmp_path):
 def test_run_case_uses_a_fresh_interpreter():
     result = ab.run_case("bare", {"total_timesteps": 512})
     assert result["steps"] == 512 and result["seconds"] > 0
+
+
+def test_adding_runs_side_a_case_with_more_parameters():
+    a = ab.Side("no probes", "ours", {"total_timesteps": 512})
+    comp = ab.adding("x", a, "probes", target="<= 1.05", probes=True, probe_budget=0.05)
+    assert comp.a is a and comp.target == "<= 1.05"
+    assert (comp.b.label, comp.b.case) == ("probes", "ours")
+    assert comp.b.params == {"total_timesteps": 512, "probes": True, "probe_budget": 0.05}
+    assert a.params == {"total_timesteps": 512}  # A's own parameters are left alone
+
+
+def test_a_subset_of_comparisons_never_replaces_the_full_results(tmp_path):
+    keys = ["a", "b", "c"]
+    full = ab.parse_args("d", 3, "x.json", [], keys)
+    assert full.only == keys and full.out == ab.RESULTS / "x.json"
+    subset = ab.parse_args("d", 3, "x.json", ["--only", "c,a"], keys)
+    assert subset.only == ["c", "a"] and subset.out == ab.RESULTS / "x_c_a.json"
+    chosen = ab.parse_args(
+        "d", 3, "x.json", ["--only", "c", "--out", str(tmp_path / "y.json")], keys
+    )
+    assert chosen.out == tmp_path / "y.json"
+
+
+def test_sampling_overhead_comparisons():
+    comps = sampling_overhead.comparisons(True, ["probe_batch", "widths", "sb3"])
+    assert [(c.name, c.a.label, c.b.label, c.target) for c in comps] == [
+        ("five probes x 2, probe_batch", "no probes", "probes, probe_batch", "reported"),
+        ("width 256, default", "no probes", "probes, default", "<= 1.05"),
+        ("width 256, every", "no probes", "probes, every", "reported"),
+        ("width 1024, default", "no probes", "probes, default", "<= 1.05"),
+        ("width 1024, every", "no probes", "probes, every", "reported"),
+        ("SB3 + ProbeCallback, default", "sb3", "+ ProbeCallback, default", "<= 1.05"),
+        ("SB3 + ProbeCallback, every", "sb3", "+ ProbeCallback, every", "reported"),
+    ]
+    batch, _, every, *_, sb3 = comps
+    assert batch.a.params == {"total_timesteps": 512, "activation": "relu"}
+    assert batch.b.params == {
+        "total_timesteps": 512,
+        "activation": "relu",
+        "probes": True,
+        "probe_budget": 0.05,
+        "probe_schedule": "probe_batch:256",
+    }
+    assert every.b.params == {
+        "activation": "relu",
+        "hidden": 256,
+        "total_timesteps": 512,
+        "probes": True,
+        "probe_budget": None,
+        "probe_schedule": "every",
+    }
+    assert sb3.a.case == sb3.b.case == "sb3"
+    assert sb3.b.params == {
+        "total_timesteps": 1024,
+        "activation": "relu",
+        "probe_callback": True,
+        "probe_budget": None,
+        "probe_schedule": "every",
+    }

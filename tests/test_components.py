@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TinyPolicy, hook_counts
+from conftest import ALL_BACKWARD, ALL_FORWARD, TinyPolicy, hook_counts
 from torch import nn
 
 from policy_probes import (
@@ -16,17 +16,9 @@ from policy_probes import (
     attach_fisher_information_hooks,
     attach_gradient_flow_hooks,
     attach_relu_activation_hooks,
-    attach_relu_gradient_flow_hooks,
     attach_saturated_activation_hooks,
 )
 from policy_probes.layers import MLP
-
-ALL_FORWARD = (attach_relu_activation_hooks, lambda: attach_saturated_activation_hooks("tanh"))
-ALL_BACKWARD = (
-    attach_fisher_information_hooks,
-    attach_gradient_flow_hooks,
-    attach_relu_gradient_flow_hooks,
-)
 
 
 class DictBody(nn.Module):

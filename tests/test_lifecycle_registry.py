@@ -188,35 +188,46 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def test_hooks_list_and_describe(capsys: pytest.CaptureFixture[str]) -> None:
-    parser = make_parser()
-    args = parser.parse_args(["hooks", "list"])
-    assert args.handler(args) == 0
-    listing = capsys.readouterr().out
-    for name in (
-        "norms",
-        "hessian",
-        "policy_fisher",
-        "counterfactual",
-        "debug_corrupt",
-        "SNAPSHOT",
-    ):
-        assert name in listing
-    args = parser.parse_args(["hooks", "describe", "counterfactual"])
-    assert args.handler(args) == 0
-    text = capsys.readouterr().out
-    for piece in (
-        "intervention",
-        "POST_EPOCH",
-        "expensive",
-        "needs_pre_epoch_state",
-        "counterfactual/param_distance",
-        "replays",
-    ):
-        assert piece in text
-    args = parser.parse_args(["hooks", "describe", "hesian"])
-    assert args.handler(args) == 2
-    assert "Did you mean 'hessian'" in capsys.readouterr().err
+def hooks_command(
+    capsys: pytest.CaptureFixture[str], *argv: str, status: int = 0
+) -> tuple[str, str]:
+    """``policy-probes hooks ARGV``: checks its exit status, returns its stdout and stderr."""
+    args = make_parser().parse_args(["hooks", *argv])
+    assert args.handler(args) == status
+    captured = capsys.readouterr()
+    return captured.out, captured.err
+
+
+@pytest.mark.parametrize(
+    ("argv", "pieces"),
+    [
+        (
+            ("list",),
+            ("norms", "hessian", "policy_fisher", "counterfactual", "debug_corrupt", "SNAPSHOT"),
+        ),
+        (
+            ("describe", "counterfactual"),
+            (
+                "intervention",
+                "POST_EPOCH",
+                "expensive",
+                "needs_pre_epoch_state",
+                "counterfactual/param_distance",
+                "replays",
+            ),
+        ),
+    ],
+)
+def test_hooks_list_and_describe(
+    argv: tuple[str, ...], pieces: tuple[str, ...], capsys: pytest.CaptureFixture[str]
+) -> None:
+    out, _ = hooks_command(capsys, *argv)
+    assert [p for p in pieces if p not in out] == []
+
+
+def test_hooks_describe_suggests_a_close_name(capsys: pytest.CaptureFixture[str]) -> None:
+    _, err = hooks_command(capsys, "describe", "hesian", status=2)
+    assert "Did you mean 'hessian'" in err
 
 
 def test_cli_selection_arguments() -> None:

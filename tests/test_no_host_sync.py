@@ -156,14 +156,6 @@ def test_masked_rows_and_recurrent_cores_run_without_host_sync(buffer_rows: int)
     and on an LSTM cell) add no host synchronisation, drains inside the hooks included."""
     from test_recurrent import SeqNet, masked_mean_loss, sequences
 
-    from policy_probes import (
-        PolicyAutoBuilder,
-        attach_fisher_information_hooks,
-        attach_gradient_flow_hooks,
-        attach_relu_activation_hooks,
-        attach_saturated_activation_hooks,
-    )
-
     torch.manual_seed(0)
     policy = TinyPolicy()
     ctx = ComponentContext()
@@ -201,13 +193,6 @@ def test_masked_rows_and_recurrent_cores_run_without_host_sync(buffer_rows: int)
 def test_key_and_index_extractors_on_tensordict_and_tuple_outputs_run_without_host_sync() -> None:
     import tensordict
     from tensordict.nn import TensorDictModule
-
-    from policy_probes import (
-        PolicyAutoBuilder,
-        attach_fisher_information_hooks,
-        attach_gradient_flow_hooks,
-        attach_relu_activation_hooks,
-    )
 
     class Pair(torch.nn.Module):
         def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import TinyPolicy
+from conftest import TinyPolicy, saturation_reference
 from torch import nn
 
 from policy_probes import (
@@ -133,12 +133,7 @@ def test_saturation_metrics_match_reference(activation: str) -> None:
     got = StatsReporter(ctx).collect()
     policy.remove_hooks()
     h = collected_outputs(policy.actor_mlp, batches).double()
-    if activation == "tanh":
-        sat = h.abs() > 0.9
-        deriv = 1 - h**2
-    else:
-        sat = (h < 0.1) | (h > 0.9)
-        deriv = h * (1 - h)
+    sat, deriv = saturation_reference(h, activation, 0.9)
     rate = sat.double().mean(0)
     prefix = f"probes/saturation_{activation}/actor_mlp/"
     assert got[prefix + "saturation_rate"] == pytest.approx(rate.tolist(), rel=REL)

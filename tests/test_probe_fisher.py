@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -106,18 +108,48 @@ def run_and_collect(
     return StatsReporter(ctx).collect(), fisher
 
 
-@pytest.mark.parametrize("micro", [1, 3])
-def test_fisher_matches_vmap_per_sample_gradients(micro: int) -> None:
-    torch.manual_seed(0)
-    policy = TinyPolicy()
-    with torch.no_grad():  # one dead unit in layer 1: its incoming weights get zero Fisher
-        policy.actor_mlp.layer_1.linear.bias[0] = -50.0
+def train_body_with_fisher(
+    body: nn.Module, head: nn.Module
+) -> tuple[PolicyAutoBuilder, ComponentContext, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """``head(body(x))`` wrapped with the Fisher probe on ``body``, trained on two
+    minibatches with a mean loss; returns the model, its context and the minibatches."""
+    model = PolicyAutoBuilder.wrap(
+        nn.Sequential(body, head), {"body": "0", "head": "1"}, example_inputs=(torch.zeros(1, 5),)
+    )
     ctx = ComponentContext()
-    policy.attach("actor_mlp", attach_fisher_information_hooks(), ctx, backward=True)
-    batches = make_batches((12, 9, 21))
+    model.attach("body", attach_fisher_information_hooks(), ctx, backward=True)
+    batches = make_batches((11, 7))
+    for x, a in batches:
+        per_sample_loss(model(x), a).mean().backward()
+    return model, ctx, batches
+
+
+def fisher_policy(
+    seed: int, activation: str = "relu", **fisher: Any
+) -> tuple[TinyPolicy, ComponentContext]:
+    """A seeded TinyPolicy with the Fisher probe (``fisher``: its settings) on actor_mlp."""
+    torch.manual_seed(seed)
+    policy = TinyPolicy(activation=activation)
+    ctx = ComponentContext()
+    policy.attach("actor_mlp", attach_fisher_information_hooks(**fisher), ctx, backward=True)
+    return policy, ctx
+
+
+def check_against_vmap(policy: TinyPolicy, ctx: ComponentContext, batches, micro: int = 1) -> dict:
+    """Train on ``batches`` (``micro`` micro-batches each), check every Fisher value
+    against :func:`reference_fisher`; returns the collected metrics."""
     got, fisher = run_and_collect(policy, ctx, batches, micro=micro)
     ref, ref_unit = reference_fisher(policy, batches)
     check(got, fisher, ref, ref_unit)
+    return got
+
+
+@pytest.mark.parametrize("micro", [1, 3])
+def test_fisher_matches_vmap_per_sample_gradients(micro: int) -> None:
+    policy, ctx = fisher_policy(0)
+    with torch.no_grad():  # one dead unit in layer 1: its incoming weights get zero Fisher
+        policy.actor_mlp.layer_1.linear.bias[0] = -50.0
+    got = check_against_vmap(policy, ctx, make_batches((12, 9, 21)), micro=micro)
     assert got["probes/fisher/actor_mlp/dead_param_fraction"] > 0
     assert got["probes/fisher/actor_mlp/samples"] == 42
 
@@ -126,23 +158,12 @@ def test_fisher_matches_vmap_per_sample_gradients(micro: int) -> None:
 def test_fisher_matches_vmap_for_every_activation(activation: str) -> None:
     # relu/tanh/sigmoid/leaky_relu/identity layers form the Linear's output gradient from
     # the activation's output and gradient; gelu and elu hook the Linear's output itself
-    torch.manual_seed(1)
-    policy = TinyPolicy(activation=activation)
-    ctx = ComponentContext()
-    policy.attach("actor_mlp", attach_fisher_information_hooks(), ctx, backward=True)
-    batches = make_batches((12, 9))
-    got, fisher = run_and_collect(policy, ctx, batches)
-    ref, ref_unit = reference_fisher(policy, batches)
-    check(got, fisher, ref, ref_unit)
+    policy, ctx = fisher_policy(1, activation)
+    check_against_vmap(policy, ctx, make_batches((12, 9)))
 
 
 def test_fisher_with_sum_reduction() -> None:
-    torch.manual_seed(4)
-    policy = TinyPolicy()
-    ctx = ComponentContext()
-    policy.attach(
-        "actor_mlp", attach_fisher_information_hooks(loss_reduction="sum"), ctx, backward=True
-    )
+    policy, ctx = fisher_policy(4, loss_reduction="sum")
     batches = make_batches((10, 6))
     for x, a in batches:
         per_sample_loss(policy(x), a).sum().backward()
@@ -159,14 +180,7 @@ def test_fisher_covers_nested_parameters_and_layer_norm() -> None:
         nn.Linear(5, 8), nn.LayerNorm(8), nn.Tanh(), nn.Sequential(nn.Linear(8, 6), nn.ReLU())
     )
     head = nn.Linear(6, 3)
-    model = PolicyAutoBuilder.wrap(
-        nn.Sequential(body, head), {"body": "0", "head": "1"}, example_inputs=(torch.zeros(1, 5),)
-    )
-    ctx = ComponentContext()
-    model.attach("body", attach_fisher_information_hooks(), ctx, backward=True)
-    batches = make_batches((11, 7))
-    for x, a in batches:
-        per_sample_loss(model(x), a).mean().backward()
+    model, ctx, batches = train_body_with_fisher(body, head)
     fisher = ctx.model_metrics["fisher"].param_fisher("body")
     got = StatsReporter(ctx).collect()
     model.remove_hooks()
@@ -186,25 +200,14 @@ def test_fisher_covers_nested_parameters_and_layer_norm() -> None:
 
 def test_fisher_never_reads_param_grad() -> None:
     """Stale .grad values (never zeroed) must not leak into the Fisher."""
-    torch.manual_seed(6)
-    policy = TinyPolicy()
+    policy, ctx = fisher_policy(6)
     for p in policy.parameters():
         p.grad = torch.full_like(p, 1e3)
-    ctx = ComponentContext()
-    policy.attach("actor_mlp", attach_fisher_information_hooks(), ctx, backward=True)
-    batches = make_batches((8,))
-    got, fisher = run_and_collect(policy, ctx, batches)
-    ref, ref_unit = reference_fisher(policy, batches)
-    check(got, fisher, ref, ref_unit)
+    check_against_vmap(policy, ctx, make_batches((8,)))
 
 
 def test_fisher_excludes_nonfinite_samples() -> None:
-    torch.manual_seed(8)
-    policy = TinyPolicy()
-    ctx = ComponentContext()
-    policy.attach(
-        "actor_mlp", attach_fisher_information_hooks(loss_reduction="sum"), ctx, backward=True
-    )
+    policy, ctx = fisher_policy(8, loss_reduction="sum")
     x, a = make_batches((10,))[0]
     x_bad = x.clone()
     x_bad[3, 0] = float("nan")
@@ -221,10 +224,7 @@ def test_fisher_excludes_nonfinite_samples() -> None:
 
 
 def test_param_every_uses_every_kth_pass_for_parameters_and_every_pass_for_units() -> None:
-    torch.manual_seed(2)
-    policy = TinyPolicy()
-    ctx = ComponentContext()
-    policy.attach("actor_mlp", attach_fisher_information_hooks(param_every=3), ctx, backward=True)
+    policy, ctx = fisher_policy(2, param_every=3)
     batches = make_batches((12, 9, 21, 6, 10, 8, 7))
     got, fisher = run_and_collect(policy, ctx, batches)
     ref_params, _ = reference_fisher(policy, batches[::3])  # passes 0, 3 and 6
@@ -249,14 +249,7 @@ def test_fisher_reads_sequential_linear_activation_pairs_through_the_activation(
         nn.LeakyReLU(0.1),
     )
     head = nn.Linear(7, 3)
-    model = PolicyAutoBuilder.wrap(
-        nn.Sequential(body, head), {"body": "0", "head": "1"}, example_inputs=(torch.zeros(1, 5),)
-    )
-    ctx = ComponentContext()
-    model.attach("body", attach_fisher_information_hooks(), ctx, backward=True)
-    batches = make_batches((11, 7))
-    for x, a in batches:
-        per_sample_loss(model(x), a).mean().backward()
+    model, ctx, batches = train_body_with_fisher(body, head)
     tracker = ctx.model_metrics["fisher"]
     streams = sorted(stream for _, stream in tracker.buffers)
     assert streams == [

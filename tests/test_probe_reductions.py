@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import saturation_reference
 
 from policy_probes.probes import (
     FisherInformationState,
@@ -59,12 +60,7 @@ def test_saturation_counts(activation):
     h = x.double()
     finite = torch.isfinite(h)
     clean = torch.where(finite, h, 0.0)
-    if activation == "tanh":
-        sat = clean.abs() > 0.95
-        deriv = 1 - clean**2
-    else:
-        sat = (clean < 0.05) | (clean > 0.95)
-        deriv = clean * (1 - clean)
+    sat, deriv = saturation_reference(clean, activation, 0.95)
     assert st["count"].tolist() == finite.sum(0).tolist()
     assert st["saturated"].tolist() == (sat & finite).sum(0).tolist()
     assert st["nonfinite"].item() == 3

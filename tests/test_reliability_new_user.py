@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import cli
 from run_control_support import (
     EPOCHS,
     assert_each_epoch_once,
@@ -53,20 +54,6 @@ torch.set_num_threads(1)
 
 ROOT = Path(__file__).resolve().parents[1]
 NO_WANDB = {"sinks": SinksConfig(console=False, csv=False), "wandb": WandbConfig(mode="disabled")}
-
-
-def cli(*args: str, cwd: Path = ROOT, **popen: object) -> subprocess.CompletedProcess:
-    """``python -m policy_probes.cli ARGS`` as a user runs it (the worktree's code)."""
-    env = {**os.environ, "WANDB_MODE": "disabled", "WANDB_SILENT": "true"}
-    return subprocess.run(
-        [sys.executable, "-m", "policy_probes.cli", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        **popen,
-    )
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess, *expected: str) -> str:

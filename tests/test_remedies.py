@@ -3,10 +3,9 @@ determinism, the session's remedy state, specs and bad configuration."""
 
 from __future__ import annotations
 
-import zlib
-
 import pytest
 import torch
+from conftest import ReluNet, remedy_seeds, snapshot
 from torch import nn
 
 from policy_probes.probes.relu import attach_relu_activation_hooks
@@ -22,23 +21,6 @@ from policy_probes.sinks import SinksConfig
 
 SEED = 7
 SINKS = SinksConfig(console=False, csv=False, wandb=False, tensorboard=False)
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.body = nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Linear(16, 12), nn.ReLU())
-        self.head = nn.Linear(12, 3)
-
-    def forward(self, x):
-        return self.head(self.body(x))
-
-
-def seeds(name: str, component: str, n: int) -> list[int]:
-    g = torch.Generator().manual_seed(
-        (SEED * 1_000_003 + zlib.crc32(f"{name}@{component}".encode())) % 2**63
-    )
-    return [int(torch.randint(0, 2**62, (1,), generator=g)) for _ in range(n)]
 
 
 def fresh_linear(i: int, o: int, seed: int) -> nn.Linear:
@@ -64,17 +46,9 @@ def update(session, model, opt, n: int = 2, seed: int = 0) -> None:
         opt.step()
 
 
-def snapshot(model, opt):
-    params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    state = {
-        n: {k: v.clone() for k, v in opt.state[p].items()} for n, p in model.named_parameters()
-    }
-    return params, state
-
-
 def test_shrink_and_perturb_formula(tmp_path):
     torch.manual_seed(0)
-    model = Net()
+    model = ReluNet()
     session, opt = make_session(tmp_path, model)
     session.add_remedy(
         "body", shrink_and_perturb(shrink=0.7, noise=0.05, every_epochs=1, seed=SEED)
@@ -85,7 +59,7 @@ def test_shrink_and_perturb_formula(tmp_path):
         before, moments = snapshot(model, opt)
         metrics = session.epoch_end(step=1)
         assert torch.equal(torch.get_rng_state(), rng)  # the global RNG is untouched
-    s0, s1 = seeds("shrink_and_perturb", "body", 2)
+    s0, s1 = remedy_seeds(SEED, "shrink_and_perturb", "body", 2)
     f = {"body.0": fresh_linear(5, 16, s0), "body.2": fresh_linear(16, 12, s1)}
     for name, p in model.named_parameters():
         layer, _, kind = name.rpartition(".")
@@ -104,14 +78,14 @@ def test_shrink_and_perturb_formula(tmp_path):
 @pytest.mark.parametrize("spec", [{"layers": ["2"]}, {"last": 1}])
 def test_reset_layers_formula_and_fresh_optimizer_state(tmp_path, spec):
     torch.manual_seed(1)
-    model = Net()
+    model = ReluNet()
     session, opt = make_session(tmp_path, model)
     session.add_remedy("body", reset_layers(**spec, every_epochs=1, seed=SEED))
     with session:
         update(session, model, opt)
         before, moments = snapshot(model, opt)
         metrics = session.epoch_end(step=1)
-    (s,) = seeds("reset_layers", "body", 1)
+    (s,) = remedy_seeds(SEED, "reset_layers", "body", 1)
     f = fresh_linear(16, 12, s)
     p = dict(model.named_parameters())
     assert torch.equal(p["body.2.weight"].detach(), f.weight.detach())
@@ -129,7 +103,7 @@ def test_reset_layers_formula_and_fresh_optimizer_state(tmp_path, spec):
 
 def test_sgd_momentum_buffers_reset(tmp_path):
     torch.manual_seed(2)
-    model = Net()
+    model = ReluNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     session, _ = make_session(tmp_path, model, optimizer=opt)
     session.add_remedy("head", reset_layers(last=1, every_epochs=1, seed=SEED))
@@ -149,7 +123,7 @@ def fired_epochs(tmp_path, remedy, values=None, epochs=6) -> list[int]:
     """Epochs (1-based) at which ``remedy`` fired on ``head``; ``values`` are logged as
     ``train/x`` each epoch for threshold triggers."""
     torch.manual_seed(3)
-    model = Net()
+    model = ReluNet()
     session, opt = make_session(tmp_path, model)
     session.add_remedy("head", remedy)
     fired = []
@@ -187,7 +161,7 @@ def test_triggers(tmp_path):
 
 def run_with_remedies(tmp_path, remedy_seed, torch_seed=4):
     torch.manual_seed(torch_seed)
-    model = Net()
+    model = ReluNet()
     with torch.no_grad():
         model.body[0].bias[:4] = -50.0
     session, opt = make_session(tmp_path, model)
@@ -218,7 +192,7 @@ def test_deterministic_for_a_seed(tmp_path):
 
 def test_session_state_round_trip_restores_generator_and_record(tmp_path):
     torch.manual_seed(5)
-    model = Net()
+    model = ReluNet()
     session, opt = make_session(tmp_path / "a", model)
     session.add_remedy("head", shrink_and_perturb(every_epochs=1, cooldown=1, seed=SEED))
     with session:
@@ -229,7 +203,7 @@ def test_session_state_round_trip_restores_generator_and_record(tmp_path):
     replay = torch.Generator()
     replay.set_state(bound.generator.get_state())
     next_seed = int(torch.randint(0, 2**62, (1,), generator=replay))
-    other, opt2 = make_session(tmp_path / "b", Net())
+    other, opt2 = make_session(tmp_path / "b", ReluNet())
     other.add_remedy("head", shrink_and_perturb(every_epochs=1, cooldown=1, seed=99))
     with other:
         other.load_state_dict(saved)
@@ -251,7 +225,7 @@ def test_bad_configuration_messages(tmp_path):
     with pytest.raises(ValueError, match=r"shrink must be in \[0, 1\]"):
         shrink_and_perturb(shrink=1.5, every_epochs=1)
 
-    model = Net()
+    model = ReluNet()
     session, _ = make_session(tmp_path / "a", model)
     with session:
         with pytest.raises(ValueError, match="attach_relu_activation_hooks"):
@@ -336,7 +310,7 @@ def test_a_remedy_pins_the_probes_it_reads_to_a_rule_of_pass_counters(tmp_path):
     from policy_probes.torch_internals import module_hooks_installed
 
     torch.manual_seed(SEED)
-    model = Net()
+    model = ReluNet()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     session = ProbeSession(model, run_dir=tmp_path, sinks=SINKS, optimizer=opt)
     session.add_training_hook("body", attach_relu_activation_hooks(per_layer=False))

@@ -8,11 +8,10 @@ policy's outputs are compared with copies taken before the firing."""
 
 from __future__ import annotations
 
-import zlib
-
 import numpy as np
 import pytest
 import torch
+from conftest import ReluNet, remedy_seeds, snapshot
 from torch import nn
 
 from policy_probes.probes.relu import attach_relu_activation_hooks
@@ -23,14 +22,6 @@ from policy_probes.sinks import SinksConfig
 TAU = 0.1
 SINKS = SinksConfig(console=False, csv=False, wandb=False, tensorboard=False)
 SEED = 123
-
-
-def replay_seeds(component: str, layers: int) -> list[int]:
-    """The seeds ReDo draws, one per unit layer, from its generator seeded by hand."""
-    g = torch.Generator().manual_seed(
-        (SEED * 1_000_003 + zlib.crc32(f"redo@{component}".encode())) % 2**63
-    )
-    return [int(torch.randint(0, 2**62, (1,), generator=g)) for _ in range(layers)]
 
 
 def fresh(ctor, seed: int) -> nn.Module:
@@ -78,11 +69,7 @@ def train_one_epoch(session, model, opt, batches, scores_after=None):
         opt.zero_grad()
         loss.backward()
         opt.step()
-    params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    moments = {
-        n: {k: v.clone() for k, v in opt.state[p].items()} for n, p in model.named_parameters()
-    }
-    return params, moments
+    return snapshot(model, opt)
 
 
 def check_rows(after, before, fresh_t, rows, dim=0):
@@ -90,6 +77,34 @@ def check_rows(after, before, fresh_t, rows, dim=0):
     keep = np.setdiff1d(np.arange(before.shape[0]), rows)
     assert torch.equal(after[rows], fresh_t[rows])
     assert torch.equal(after[keep], before[keep])
+
+
+def check_columns_zeroed(after, before, cols) -> torch.Tensor:
+    """``after`` is ``before`` with the columns ``cols`` (dormant units' outgoing weights)
+    zero; returns that expectation."""
+    expected = before.clone()
+    expected[:, cols] = 0
+    assert torch.equal(after, expected)
+    return expected
+
+
+def check_reset_layer(after, before, fresh_t, rows, cols) -> torch.Tensor:
+    """A unit layer after the firing: its dormant rows ``rows`` are ``fresh_t``'s, every
+    other row is ``before``'s with the columns ``cols`` (the previous layer's dormant
+    units) zero; returns the expectation for the other rows."""
+    assert torch.equal(after[rows], fresh_t[rows])
+    kept = np.setdiff1d(np.arange(before.shape[0]), rows)
+    return check_columns_zeroed(after[kept], before[kept], cols)
+
+
+def without_dormant_outputs(model: nn.Module, state: dict, columns: dict) -> nn.Module:
+    """``model`` with the pre-firing weights ``state`` and the weight columns
+    ``columns[name]`` (the dormant units' outgoing weights) zero: what the outputs keep."""
+    model.load_state_dict(state)
+    with torch.no_grad():
+        for name, cols in columns.items():
+            model.get_parameter(name)[:, cols] = 0
+    return model
 
 
 def check_moments(opt, param, before, rows=None, cols=None):
@@ -107,16 +122,6 @@ def check_moments(opt, param, before, rows=None, cols=None):
     assert torch.equal(state["step"], before["step"])
 
 
-class MLPNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.body = nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Linear(16, 12), nn.ReLU())
-        self.head = nn.Linear(12, 3)
-
-    def forward(self, x):
-        return self.head(self.body(x))
-
-
 def session_for(model, tmp_path, component, consumer, tau=TAU, **probe):
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     session = ProbeSession(model, run_dir=tmp_path, sinks=SINKS, optimizer=opt, probe_budget=None)
@@ -127,7 +132,7 @@ def session_for(model, tmp_path, component, consumer, tau=TAU, **probe):
 
 def test_redo_linear_units_exact(tmp_path):
     torch.manual_seed(0)
-    model = MLPNet()
+    model = ReluNet()
     with torch.no_grad():
         model.body[0].bias[[1, 4]] = -100.0  # dead units
         model.body[0].weight[7] *= 0.02  # a weak unit: dormant but not dead
@@ -144,41 +149,28 @@ def test_redo_linear_units_exact(tmp_path):
         x_test = torch.randn(256, 5)
         with session.phase("eval"), torch.no_grad():  # not a training pass: not scored
             out_before = model(x_test)
-            reference = MLPNet()  # the pre-firing model with the dormant outgoing columns zeroed
-            reference.load_state_dict(before)
-            reference.body[2].weight[:, d0] = 0
-            reference.head.weight[:, d1] = 0
-            out_reference = reference(x_test)
+            columns = {"body.2.weight": d0, "head.weight": d1}
+            out_reference = without_dormant_outputs(ReluNet(), before, columns)(x_test)
         metrics = session.epoch_end(step=1)
 
-    s0, s1 = replay_seeds("body", 2)
+    s0, s1 = remedy_seeds(SEED, "redo", "body", 2)
     f0, f1 = fresh(lambda: nn.Linear(5, 16), s0), fresh(lambda: nn.Linear(16, 12), s1)
     p = dict(model.named_parameters())
     check_rows(p["body.0.weight"].detach(), before["body.0.weight"], f0.weight.detach(), d0)
     check_rows(p["body.0.bias"].detach(), before["body.0.bias"], f0.bias.detach(), d0)
     # layer 1: its dormant rows are fresh (whole rows); in the other rows the columns of
     # layer 0's dormant units are zero and everything else unchanged
-    w1 = p["body.2.weight"].detach()
-    assert torch.equal(w1[d1], f1.weight.detach()[d1])
-    kept = np.setdiff1d(np.arange(12), d1)
-    expected = before["body.2.weight"][kept].clone()
-    expected[:, d0] = 0
-    assert torch.equal(w1[kept], expected)
+    check_reset_layer(
+        p["body.2.weight"].detach(), before["body.2.weight"], f1.weight.detach(), d1, d0
+    )
     check_rows(p["body.2.bias"].detach(), before["body.2.bias"], f1.bias.detach(), d1)
-    head = before["head.weight"].clone()
-    head[:, d1] = 0
-    assert torch.equal(p["head.weight"].detach(), head)
+    check_columns_zeroed(p["head.weight"].detach(), before["head.weight"], d1)
     assert torch.equal(p["head.bias"].detach(), before["head.bias"])
 
     check_moments(opt, p["body.0.weight"], moments["body.0.weight"], rows=d0)
     check_moments(opt, p["body.0.bias"], moments["body.0.bias"], rows=d0)
     # layer 1's weight: rows of its dormant units and columns of layer 0's
-    state = opt.state[p["body.2.weight"]]
-    for key in ("exp_avg", "exp_avg_sq"):
-        expected = moments["body.2.weight"][key].clone()
-        expected[d1] = 0
-        expected[:, d0] = 0
-        assert torch.equal(state[key], expected)
+    check_moments(opt, p["body.2.weight"], moments["body.2.weight"], rows=d1, cols=d0)
     check_moments(opt, p["head.weight"], moments["head.weight"], cols=d1)
     check_moments(opt, p["head.bias"], moments["head.bias"])
 
@@ -232,46 +224,30 @@ def test_redo_conv_channels_and_flatten_consumer_exact(tmp_path):
         cols = (d1[:, None] * 16 + np.arange(16)).reshape(-1)  # each channel's 4x4 positions
         with session.phase("eval"), torch.no_grad():  # not a training pass: not scored
             out_before = model(x_test)
-            reference = ConvNet()  # the pre-firing model without the dormant units' outputs
-            reference.load_state_dict(before)
-            reference.enc[2].weight[:, d0] = 0
-            reference.enc[5].weight[:, cols] = 0
-            reference.head.weight[:, d2] = 0
-            out_reference = reference(x_test)
+            columns = {"enc.2.weight": d0, "enc.5.weight": cols, "head.weight": d2}
+            out_reference = without_dormant_outputs(ConvNet(), before, columns)(x_test)
         metrics = session.epoch_end(step=1)
 
-    seeds = replay_seeds("enc", 3)
+    seeds = remedy_seeds(SEED, "redo", "enc", 3)
     f0 = fresh(lambda: nn.Conv2d(2, 6, 3), seeds[0])
     f1 = fresh(lambda: nn.Conv2d(6, 5, 3), seeds[1])
     f2 = fresh(lambda: nn.Linear(80, 7), seeds[2])
     p = dict(model.named_parameters())
     check_rows(p["enc.0.weight"].detach(), before["enc.0.weight"], f0.weight.detach(), d0)
     check_rows(p["enc.0.bias"].detach(), before["enc.0.bias"], f0.bias.detach(), d0)
-    w1 = p["enc.2.weight"].detach()  # out-channels d1 fresh; in-channels d0 zero elsewhere
-    assert torch.equal(w1[d1], f1.weight.detach()[d1])
-    kept1 = np.setdiff1d(np.arange(5), d1)
-    expected = before["enc.2.weight"][kept1].clone()
-    expected[:, d0] = 0
-    assert torch.equal(w1[kept1], expected)
-    w2 = p["enc.5.weight"].detach()
-    assert torch.equal(w2[d2], f2.weight.detach()[d2])
-    kept2 = np.setdiff1d(np.arange(7), d2)
-    expected = before["enc.5.weight"][kept2].clone()
-    expected[:, cols] = 0
-    assert torch.equal(w2[kept2], expected)
-    assert (w2[kept2][:, cols] == 0).all() and (expected != 0).sum() > 0
-    head = before["head.weight"].clone()
-    head[:, d2] = 0
-    assert torch.equal(p["head.weight"].detach(), head)
+    # out-channels d1 fresh; in-channels d0 zero elsewhere
+    check_reset_layer(
+        p["enc.2.weight"].detach(), before["enc.2.weight"], f1.weight.detach(), d1, d0
+    )
+    expected = check_reset_layer(
+        p["enc.5.weight"].detach(), before["enc.5.weight"], f2.weight.detach(), d2, cols
+    )
+    assert (expected != 0).sum() > 0
+    check_columns_zeroed(p["head.weight"].detach(), before["head.weight"], d2)
 
     check_moments(opt, p["enc.0.weight"], moments["enc.0.weight"], rows=d0)
     check_moments(opt, p["enc.0.bias"], moments["enc.0.bias"], rows=d0)
-    state = opt.state[p["enc.5.weight"]]
-    for key in ("exp_avg", "exp_avg_sq"):
-        expected = moments["enc.5.weight"][key].clone()
-        expected[d2] = 0
-        expected[:, cols] = 0
-        assert torch.equal(state[key], expected)
+    check_moments(opt, p["enc.5.weight"], moments["enc.5.weight"], rows=d2, cols=cols)
     check_moments(opt, p["head.weight"], moments["head.weight"], cols=d2)
 
     with torch.no_grad():
@@ -320,7 +296,7 @@ def test_redo_recurrent_units_exact(tmp_path, cls, gates, gate, bias):
             out_before = model(x_test)
         metrics = session.epoch_end(step=1)
 
-    (seed,) = replay_seeds("rnn", 1)
+    (seed,) = remedy_seeds(SEED, "redo", "rnn", 1)
     f = fresh(lambda: cls(4, 6, batch_first=True), seed)
     rows = np.concatenate([d + g * hidden for g in range(gates)])
     p = dict(model.named_parameters())
@@ -335,15 +311,36 @@ def test_redo_recurrent_units_exact(tmp_path, cls, gates, gate, bias):
     expected[:, d] = 0
     assert torch.equal(whh, expected)
     check_moments(opt, p["rnn.weight_hh_l0"], moments["rnn.weight_hh_l0"], rows=rows, cols=d)
-    head = before["head.weight"].clone()
-    head[:, d] = 0
-    assert torch.equal(p["head.weight"].detach(), head)
+    check_columns_zeroed(p["head.weight"].detach(), before["head.weight"], d)
     check_moments(opt, p["head.weight"], moments["head.weight"], cols=d)
 
     with torch.no_grad():
         out_after = model(x_test)
     assert torch.allclose(out_after, out_before, rtol=1e-6, atol=1e-7)
     assert metrics["remedies/redo/rnn/units_reset"] == len(d)
+
+
+def redo_after_one_step(policy, tmp_path, component: str, x: torch.Tensor, lr: float):
+    """One Adam step (learning rate ``lr``) on the squared logits and value of ``x``, then
+    ReDo with tau = 0 on ``component`` at the epoch's end; returns the epoch's metrics and
+    the policy's outputs on ``x`` before and after the firing."""
+    opt = torch.optim.Adam(policy.parameters(), lr=lr)
+    with ProbeSession(
+        policy, run_dir=tmp_path, sinks=SINKS, optimizer=opt, probe_budget=None
+    ) as session:
+        session.add_training_hook(component, attach_relu_activation_hooks())
+        session.add_remedy(component, redo(tau=0.0, every_epochs=1))
+        session.set_phase("train")
+        logits, value = policy(x)
+        opt.zero_grad()
+        (logits.pow(2).mean() + value.pow(2).mean()).backward()
+        opt.step()
+        with session.phase("eval"), torch.no_grad():
+            before = policy(x)
+        metrics = session.epoch_end(step=1)
+        with session.phase("eval"), torch.no_grad():
+            after = policy(x)
+    return metrics, before, after
 
 
 def test_redo_keeps_outputs_of_the_builtin_policy(tmp_path):
@@ -360,24 +357,9 @@ def test_redo_keeps_outputs_of_the_builtin_policy(tmp_path):
     with torch.no_grad():
         policy.critic_mlp.layer_0.linear.bias[:5] = -100.0
         policy.actor_mlp.layer_1.linear.bias[:3] = -100.0
-    opt = torch.optim.Adam(policy.parameters(), lr=1e-3)
-    with ProbeSession(
-        policy, run_dir=tmp_path, sinks=SINKS, optimizer=opt, probe_budget=None
-    ) as session:
-        session.add_training_hook("*_mlp", attach_relu_activation_hooks())
-        session.add_remedy("*_mlp", redo(tau=0.0, every_epochs=1))
-        session.set_phase("train")
-        x = torch.randn(32, 4)
-        logits, value = policy(x)
-        loss = logits.pow(2).mean() + value.pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        with session.phase("eval"), torch.no_grad():
-            before = policy(x)
-        metrics = session.epoch_end(step=1)
-        with torch.no_grad():
-            after = policy(x)
+    metrics, before, after = redo_after_one_step(
+        policy, tmp_path, "*_mlp", torch.randn(32, 4), 1e-3
+    )
     assert metrics["remedies/redo/critic_mlp.layer_0/units_reset"] >= 5
     assert metrics["remedies/redo/actor_mlp.layer_1/units_reset"] >= 3
     assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
@@ -385,7 +367,7 @@ def test_redo_keeps_outputs_of_the_builtin_policy(tmp_path):
 
 def test_redo_without_dormant_units_changes_nothing(tmp_path):
     torch.manual_seed(4)
-    model = MLPNet()
+    model = ReluNet()
     session, opt = session_for(model, tmp_path, "body", "head", tau=0.0)
     with session:
         with torch.no_grad():
@@ -416,26 +398,11 @@ def test_redo_on_the_nature_cnn_encoder_with_two_consumers(tmp_path):
         enc.fc.linear.bias[[0, 7]] = -100.0  # dead features
     # lr=0: the step builds Adam's state and leaves the weights as the scored pass saw
     # them, so the units dead there (score 0) are dead on x and the outputs must be kept
-    opt = torch.optim.Adam(policy.parameters(), lr=0.0)
     x = torch.randint(0, 256, (8, 1, 36, 36), dtype=torch.uint8)
-    with ProbeSession(
-        policy, run_dir=tmp_path, sinks=SINKS, optimizer=opt, probe_budget=None
-    ) as session:
-        session.add_training_hook("encoder", attach_relu_activation_hooks())
-        session.add_remedy("encoder", redo(tau=0.0, every_epochs=1))
-        session.set_phase("train")
-        seen = []
-        handle = enc.fc.register_forward_hook(lambda _m, _i, out: seen.append(out.detach()))
-        logits, value = policy(x)
-        handle.remove()
-        opt.zero_grad()
-        (logits.pow(2).mean() + value.pow(2).mean()).backward()
-        opt.step()
-        with session.phase("eval"), torch.no_grad():
-            before = policy(x)
-        metrics = session.epoch_end(step=1)
-        with session.phase("eval"), torch.no_grad():
-            after = policy(x)
+    seen = []  # fc's outputs: the training pass first
+    handle = enc.fc.register_forward_hook(lambda _m, _i, out: seen.append(out.detach()))
+    metrics, before, after = redo_after_one_step(policy, tmp_path, "encoder", x, 0.0)
+    handle.remove()
     assert metrics["remedies/redo/encoder.conv_2/units_reset"] >= 2
     assert metrics["remedies/redo/encoder.fc/units_reset"] >= 2
     # fc units dead on the training pass (score 0 <= tau = 0) get fresh whole rows; in
@@ -455,7 +422,7 @@ def test_redo_on_a_probe_threshold_and_without_per_layer_scores(tmp_path, caplog
     """``when=`` on the probe's own dormant fraction; with ``per_layer=False`` only the
     last layer has scores (the component's): the first is left alone, with a warning."""
     torch.manual_seed(8)
-    model = MLPNet()
+    model = ReluNet()
     with torch.no_grad():
         model.body[0].bias[[2, 3]] = -100.0  # dead in layer 0 (not scored)
         model.body[2].bias[[0, 5, 6]] = -100.0  # dead in layer 1 (the component's output)

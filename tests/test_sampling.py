@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import ReluNet
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
@@ -35,16 +36,6 @@ NO_WANDB = dict(sinks=SinksConfig(console=False, wandb=False), wandb=WandbConfig
 REL = 1e-5
 
 
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.body = nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Linear(16, 12), nn.ReLU())
-        self.head = nn.Linear(12, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.body(x))
-
-
 def loss_fn(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return F.cross_entropy(model(batch["obs"]), batch["act"])
 
@@ -60,7 +51,7 @@ def minibatches(data: dict[str, torch.Tensor], size: int) -> list[dict[str, torc
 
 
 def reference(
-    net: Net, seen: list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]]
+    net: ReluNet, seen: list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]]
 ) -> dict[str, torch.Tensor]:
     """Over the observed passes (parameters at that pass, minibatch): ReLU active rate of
     the body output, and the Fisher (mean squared per-sample gradient) of body's params."""
@@ -88,7 +79,7 @@ def reference(
     return out
 
 
-def run_epochs(session: ProbeSession, net: Net, opt: torch.optim.Optimizer, epochs: list[list]):
+def run_epochs(session: ProbeSession, net: ReluNet, opt: torch.optim.Optimizer, epochs: list[list]):
     """Train minibatch by minibatch; returns every epoch's record and, per epoch, every
     pass's (parameters before the step, minibatch)."""
     records, passes = [], []
@@ -127,7 +118,7 @@ def check(record: dict, ref: dict[str, torch.Tensor], rows: int, passes: int) ->
 
 def test_every_k_equals_a_reference_over_exactly_the_observed_passes(tmp_path):
     torch.manual_seed(0)
-    net = Net()
+    net = ReluNet()
     opt = torch.optim.SGD(net.parameters(), lr=0.2)
     data = minibatches(make_data(80), 8)  # 10 passes per epoch
     with ProbeSession(net, run_dir=tmp_path, optimizer=opt, probe_budget=None, **NO_WANDB) as s:
@@ -141,7 +132,7 @@ def test_every_k_equals_a_reference_over_exactly_the_observed_passes(tmp_path):
 
 def test_per_epoch_spreads_n_passes_over_the_epoch(tmp_path):
     torch.manual_seed(1)
-    net = Net()
+    net = ReluNet()
     opt = torch.optim.SGD(net.parameters(), lr=0.2)
     data = minibatches(make_data(96), 8)  # 12 passes per epoch
     with ProbeSession(
@@ -157,7 +148,7 @@ def test_per_epoch_spreads_n_passes_over_the_epoch(tmp_path):
 
 def test_next_pass_ends_passes_without_an_optimizer(tmp_path):
     torch.manual_seed(2)
-    net = Net()
+    net = ReluNet()
     data = minibatches(make_data(40), 8)
     with ProbeSession(net, run_dir=tmp_path, probe_schedule=every_k(2), **NO_WANDB) as s:
         s.add_training_hook("body", attach_relu_activation_hooks(per_layer=False))
@@ -186,7 +177,7 @@ def count_hooks(module: nn.Module) -> int:
 
 def test_unobserved_passes_run_with_no_hooks_installed(tmp_path):
     torch.manual_seed(3)
-    net = Net()
+    net = ReluNet()
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     data = minibatches(make_data(64), 8)
     module_hooks, tensor_hooks = [], []
@@ -219,7 +210,7 @@ def test_unobserved_passes_run_with_no_hooks_installed(tmp_path):
 def test_probe_batch_leaves_the_run_bit_identical(tmp_path):
     def run(with_probes: bool) -> tuple[list[torch.Tensor], dict, list]:
         torch.manual_seed(4)
-        net = Net()
+        net = ReluNet()
         opt = torch.optim.Adam(net.parameters(), lr=0.01)
         data = make_data(64, seed=5)
         out: dict = {}
@@ -262,7 +253,7 @@ def test_probe_batch_leaves_the_run_bit_identical(tmp_path):
 
 def test_probe_batch_metric_matches_the_rows_it_draws(tmp_path):
     torch.manual_seed(7)
-    net = Net()
+    net = ReluNet()
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     data = make_data(50, seed=8)
     with ProbeSession(net, run_dir=tmp_path, optimizer=opt, loss_fn=loss_fn, **NO_WANDB) as s:
@@ -282,7 +273,7 @@ def test_probe_batch_metric_matches_the_rows_it_draws(tmp_path):
 def test_sampling_leaves_training_bit_identical(tmp_path):
     def run(probes: bool) -> list[torch.Tensor]:
         torch.manual_seed(9)
-        net = Net()
+        net = ReluNet()
         opt = torch.optim.SGD(net.parameters(), lr=0.1)
         with ProbeSession(net, run_dir=tmp_path / str(probes), optimizer=opt, **NO_WANDB) as s:
             if probes:
@@ -322,7 +313,7 @@ def test_bad_schedules_and_budgets_are_rejected(tmp_path):
         with pytest.raises(
             ValueError, match=r"probe_budget is a fraction .* strictly between 0 and 1"
         ):
-            ProbeSession(Net(), run_dir=tmp_path / "x", probe_budget=budget, **NO_WANDB)
+            ProbeSession(ReluNet(), run_dir=tmp_path / "x", probe_budget=budget, **NO_WANDB)
     from trainers import TrainTool
 
     with pytest.raises(ValueError, match="strictly between 0 and 1"):
@@ -335,7 +326,7 @@ def test_bad_schedules_and_budgets_are_rejected(tmp_path):
 
 
 def test_a_probe_batch_larger_than_the_data_is_rejected(tmp_path):
-    net = Net()
+    net = ReluNet()
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     with ProbeSession(
         net,
@@ -393,7 +384,7 @@ def test_sampler_state_continues_in_a_new_process():
     from policy_probes.sampling import Sampler
 
     def start() -> tuple[PolicyAutoBuilder, Sampler]:
-        policy = PolicyAutoBuilder.wrap(Net())
+        policy = PolicyAutoBuilder.wrap(ReluNet())
         context = ComponentContext()
         sampler = Sampler(context, schedule="every_k:3", budget=None)
         policy.attach("body", attach_relu_activation_hooks(per_layer=False), context)

@@ -13,7 +13,13 @@ from conftest import hook_counts
 from stable_baselines3 import A2C, PPO
 from stable_baselines3.common.env_util import make_vec_env
 from stable_baselines3.common.logger import configure
-from test_session import Capture, fisher_reference, relu_reference
+from test_session import (
+    Capture,
+    check_fisher_unit,
+    check_relu,
+    check_tanh_saturation,
+    fisher_reference,
+)
 from torch import nn
 from wandb_reader import history_rows, run_file, wandb_records
 
@@ -80,23 +86,12 @@ def test_ppo_relu_and_fisher_once_per_cycle_match_plain_torch_and_wandb(tmp_path
     for c, rec in enumerate(records):
         window = slice(c * calls, (c + 1) * calls)
         for name, key in (("actor_mlp", "mlp"), ("actor_mlp.1", "act0")):
-            ref = relu_reference(torch.cat(cap.out[key][window]))
+            check_relu(rec, name, torch.cat(cap.out[key][window]))
             # only the training minibatches: n_epochs passes over the rollout
-            assert rec[f"probes/relu/{name}/samples"] == N_EPOCHS * ROWS == ref["samples"]
-            assert rec[f"probes/relu/{name}/dead_fraction"] == pytest.approx(ref["dead_fraction"])
-            assert rec[f"probes/relu/{name}/zero_fraction"] == pytest.approx(ref["zero_fraction"])
-            torch.testing.assert_close(
-                torch.tensor(rec[f"probes/relu/{name}/active_rate"], dtype=torch.float64),
-                ref["active_rate"],
-            )
+            assert rec[f"probes/relu/{name}/samples"] == N_EPOCHS * ROWS
         layers = [(cap.inp[n][window], cap.grad[n][window]) for n in ("lin0", "lin2")]
         ref = fisher_reference(cap.grad["mlp"][window], layers)
-        torch.testing.assert_close(
-            torch.tensor(rec["probes/fisher/actor_mlp/unit"], dtype=torch.float64),
-            ref["unit"],
-            rtol=1e-5,
-            atol=1e-12,
-        )
+        check_fisher_unit(rec, "actor_mlp", ref["unit"])
         assert rec["probes/fisher/actor_mlp/trace"] == pytest.approx(ref["trace"], rel=1e-5)
         assert rec["probes/fisher/actor_mlp/samples"] == N_EPOCHS * ROWS
     assert callback.history == [
@@ -153,20 +148,9 @@ def test_a2c_tanh_saturation_and_fisher_per_cycle(tmp_path):
     assert len(callback.history) == 3
     rows = 16 * N_ENVS  # A2C: one pass over the whole rollout
     for c, rec in enumerate(callback.history):
-        h = cap.out["act0"][c].double()
-        assert rec["probes/saturation_tanh/critic_mlp.1/samples"] == rows == h.shape[0]
-        sat = (h.abs() > 0.95).double()
-        assert rec["probes/saturation_tanh/critic_mlp.1/saturated_fraction"] == pytest.approx(
-            float(sat.mean())
-        )
-        torch.testing.assert_close(
-            torch.tensor(rec["probes/saturation_tanh/critic_mlp.1/saturation_rate"]).double(),
-            sat.mean(0),
-        )
+        check_tanh_saturation(rec, "critic_mlp.1", cap.out["act0"][c])
+        assert rec["probes/saturation_tanh/critic_mlp.1/samples"] == rows
         assert rec["probes/saturation_tanh/critic_mlp.1/saturated_units_fraction"] >= 2 / 16
-        assert rec["probes/saturation_tanh/critic_mlp.1/mean_derivative"] == pytest.approx(
-            float((1 - h.square()).mean()), rel=1e-6
-        )
         layers = [(cap.inp[n][c : c + 1], cap.grad[n][c : c + 1]) for n in ("lin0", "lin2")]
         ref = fisher_reference(cap.grad["mlp"][c : c + 1], layers)
         assert rec["probes/fisher/critic_mlp/trace"] == pytest.approx(ref["trace"], rel=1e-5)
@@ -191,28 +175,38 @@ def test_callback_leaves_the_sb3_trajectory_bit_identical(tmp_path):
     assert callback.history[-1]["norms/dist_from_init"] > 0
 
 
-def test_component_names_and_attach_errors(tmp_path):
-    model = ppo()
-    names = sb3_components(model.policy)
+def test_component_names_and_builder_errors():
+    names = sb3_components(ppo().policy)
     assert names["actor_mlp"] == "mlp_extractor.policy_net"
     assert names["critic_head"] == "value_net" and names["value_net"] == "value_net"
-    bad = ProbeCallback(
-        probes=[("actor_mpl", attach_relu_activation_hooks())],
-        run_dir=tmp_path / "a",
-        sinks=SinksConfig(console=False, wandb=False),
-    )
-    with pytest.raises(KeyError, match="Closest: actor_mlp"):
-        model.learn(ROWS, callback=bad)
-    tuple_output = ProbeCallback(
-        backward_probes=[("mlp_extractor", attach_fisher_information_hooks())],
-        run_dir=tmp_path / "b",
-        sinks=SinksConfig(console=False, wandb=False),
-    )
-    with pytest.raises(ProbeError, match="extractor"):
-        model.learn(ROWS, callback=tuple_output)
-    assert hook_counts(model.policy) == 0
     with pytest.raises(TypeError, match="parentheses"):
         ProbeCallback(probes=[("actor_mlp", attach_relu_activation_hooks)])
+
+
+@pytest.mark.parametrize(
+    ("kind", "component", "make", "error", "match"),
+    [
+        ("probes", "actor_mpl", attach_relu_activation_hooks, KeyError, "Closest: actor_mlp"),
+        # a tuple output (the extractor's (pi, vf) pair) without an extractor
+        (
+            "backward_probes",
+            "mlp_extractor",
+            attach_fisher_information_hooks,
+            ProbeError,
+            "extractor",
+        ),
+    ],
+)
+def test_attach_errors_stop_learn_and_leave_no_hooks(tmp_path, kind, component, make, error, match):
+    model = ppo()
+    callback = ProbeCallback(
+        **{kind: [(component, make())]},
+        run_dir=tmp_path,
+        sinks=SinksConfig(console=False, wandb=False),
+    )
+    with pytest.raises(error, match=match):
+        model.learn(ROWS, callback=callback)
+    assert hook_counts(model.policy) == 0
 
 
 def test_second_learn_continues_the_cycle_count_in_the_same_run_dir(tmp_path):

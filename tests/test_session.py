@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import TinyPolicy, hook_counts
+from conftest import TinyPolicy, hook_counts, saturation_reference
 from torch import nn
 
 from policy_probes import (
@@ -105,6 +105,41 @@ def fisher_reference(
     return {"unit": unit, "trace": trace}
 
 
+def check_relu(rec: dict[str, Any], name: str, rows: torch.Tensor) -> None:
+    """The relu probe's keys for ``name`` in ``rec`` against :func:`relu_reference` of the
+    ``rows`` it saw."""
+    ref = relu_reference(rows)
+    key = f"probes/relu/{name}/"
+    assert rec[key + "samples"] == ref["samples"]
+    assert rec[key + "dead_fraction"] == pytest.approx(ref["dead_fraction"])
+    assert rec[key + "zero_fraction"] == pytest.approx(ref["zero_fraction"])
+    torch.testing.assert_close(
+        torch.tensor(rec[key + "active_rate"], dtype=torch.float64), ref["active_rate"]
+    )
+
+
+def check_tanh_saturation(rec: dict[str, Any], name: str, h: torch.Tensor) -> None:
+    """The tanh saturation probe's keys for ``name`` (threshold 0.95) against the
+    outputs ``h`` it saw."""
+    key = f"probes/saturation_tanh/{name}/"
+    saturated, derivative = saturation_reference(h.double(), "tanh", 0.95)
+    sat = saturated.double()
+    assert rec[key + "samples"] == h.shape[0]
+    assert rec[key + "saturated_fraction"] == pytest.approx(float(sat.mean()))
+    torch.testing.assert_close(torch.tensor(rec[key + "saturation_rate"]).double(), sat.mean(0))
+    assert rec[key + "mean_derivative"] == pytest.approx(float(derivative.mean()), rel=1e-6)
+
+
+def check_fisher_unit(rec: dict[str, Any], component: str, unit: torch.Tensor) -> None:
+    """The Fisher probe's per-unit vector for ``component`` against ``unit`` (float64)."""
+    torch.testing.assert_close(
+        torch.tensor(rec[f"probes/fisher/{component}/unit"], dtype=torch.float64),
+        unit,
+        rtol=1e-5,
+        atol=1e-12,
+    )
+
+
 def test_doc_cleanrl_loop_records_match_independent_computation(tmp_path):
     ns = load_doc_example()
     args = ns["Args"](
@@ -151,36 +186,18 @@ def test_doc_cleanrl_loop_records_match_independent_computation(tmp_path):
     for e, rec in enumerate(records):
         window = slice(e * calls, (e + 1) * calls)
         for name in ("actor.1", "actor.3"):
-            ref = relu_reference(torch.cat(cap.out[name][window]))
-            assert rec[f"probes/relu/{name}/samples"] == args.update_epochs * batch
-            assert rec[f"probes/relu/{name}/samples"] == ref["samples"]  # no rollout rows
-            assert rec[f"probes/relu/{name}/dead_fraction"] == pytest.approx(ref["dead_fraction"])
-            assert rec[f"probes/relu/{name}/zero_fraction"] == pytest.approx(ref["zero_fraction"])
-            torch.testing.assert_close(
-                torch.tensor(rec[f"probes/relu/{name}/active_rate"], dtype=torch.float64),
-                ref["active_rate"],
-            )
+            check_relu(rec, name, torch.cat(cap.out[name][window]))  # the training rows only
+            assert rec[f"probes/relu/{name}/samples"] == args.update_epochs * batch  # no rollout
         assert rec["probes/relu/actor.1/dead_fraction"] >= len(DEAD) / 16
 
-        h = torch.cat(cap.out["critic.3"][window]).double()
-        assert rec["probes/saturation_tanh/critic.3/saturated_fraction"] == pytest.approx(
-            float((h.abs() > 0.95).double().mean())
-        )
-        assert rec["probes/saturation_tanh/critic.3/mean_derivative"] == pytest.approx(
-            float((1 - h.square()).mean()), rel=1e-6
-        )
+        check_tanh_saturation(rec, "critic.3", torch.cat(cap.out["critic.3"][window]))
 
         # backward hooks fire in reverse order of the forward; one gradient per call
         layers = [
             (cap.inp[n][window], cap.grad[n][window]) for n in ("actor.0", "actor.2", "actor.4")
         ]
         ref = fisher_reference(cap.grad["actor"][window], layers)
-        torch.testing.assert_close(
-            torch.tensor(rec["probes/fisher/actor/unit"], dtype=torch.float64),
-            ref["unit"],
-            rtol=1e-5,
-            atol=1e-12,
-        )
+        check_fisher_unit(rec, "actor", ref["unit"])
         assert rec["probes/fisher/actor/trace"] == pytest.approx(ref["trace"], rel=1e-5)
         for key in ("train/policy_loss", "train/value_loss", "train/explained_variance"):
             assert isinstance(rec[key], float)
@@ -252,12 +269,7 @@ def test_epoch_record_matches_a_clone_run_on_the_same_minibatches(tmp_path):
             opt.step()
         session.log({"train/loss": loss.detach()})
         out = session.epoch_end(step=48, **{"rollout/episode_return": 3.5})
-    ref = relu_reference(torch.cat(seen))
-    assert out["probes/relu/actor_mlp/dead_fraction"] == pytest.approx(ref["dead_fraction"])
-    torch.testing.assert_close(
-        torch.tensor(out["probes/relu/actor_mlp/active_rate"], dtype=torch.float64),
-        ref["active_rate"],
-    )
+    check_relu(out, "actor_mlp", torch.cat(seen))
     assert out["train/loss"] == pytest.approx(float(loss.detach()))
     assert out["rollout/episode_return"] == 3.5
     (rec,) = read_jsonl(tmp_path / "metrics.jsonl")

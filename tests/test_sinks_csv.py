@@ -9,7 +9,7 @@ import os
 import tracemalloc
 
 import pytest
-from sinks_support import emit_probe_run
+from sinks_support import emit_probe_run, rewind_and_emit
 
 from policy_probes.sinks import CSVSink
 from policy_probes.sinks.csv_sink import BASE_COLUMNS, scalar_columns
@@ -133,12 +133,7 @@ def test_rewrite_streams_with_bounded_memory(tmp_path):
 
 
 def test_rewind_drops_later_epochs(tmp_path):
-    sink = CSVSink(tmp_path)
-    for epoch in range(4):
-        sink.emit({"a": float(epoch)}, epoch, "POST_EPOCH")
-    assert sink.rewind(1) == 2
-    sink.emit({"a": 20.0}, 2, "POST_EPOCH")
-    sink.close()
+    assert rewind_and_emit(CSVSink(tmp_path), 4, keep=1, key="a", again=20.0) == 2
     _, rows = read_rows(tmp_path / "metrics.csv")
     assert [(r["epoch"], r["a"]) for r in rows] == [("0", "0.0"), ("1", "1.0"), ("2", "20.0")]
 

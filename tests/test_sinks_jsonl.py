@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from sinks_support import emit_probe_run
+from sinks_support import emit_probe_run, rewind_and_emit
 
 from policy_probes.sinks import JSONLSink, read_jsonl, repair_truncated_tail, rewind_jsonl
 from policy_probes.sinks.csv_sink import CSVSink
@@ -107,12 +107,7 @@ def test_repair_reads_only_the_tail_of_a_large_file(tmp_path):
 
 
 def test_rewind_drops_later_epochs(tmp_path):
-    sink = JSONLSink(tmp_path)
-    for epoch in range(5):
-        sink.emit({"x": float(epoch)}, epoch, "POST_EPOCH")
-    assert sink.rewind(2) == 2
-    sink.emit({"x": 30.0}, 3, "POST_EPOCH")
-    sink.close()
+    assert rewind_and_emit(JSONLSink(tmp_path), 5, keep=2, key="x", again=30.0) == 2
     records = read_jsonl(tmp_path / "metrics.jsonl")
     assert [(r["epoch"], r["x"]) for r in records] == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 30.0)]
     assert rewind_jsonl(tmp_path / "absent.jsonl", 0) == 0

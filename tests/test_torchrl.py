@@ -8,7 +8,7 @@ import pytest
 import torch
 import torchrl  # noqa: F401  (the torchrl extra: the suite runs this test for real)
 from conftest import hook_counts
-from test_session import Capture, load_doc_example
+from test_session import Capture, check_fisher_unit, check_tanh_saturation, load_doc_example
 from torch import nn
 
 from policy_probes.sinks import read_jsonl
@@ -98,24 +98,12 @@ def test_torchrl_ppo_loop_records_match_independent_computation(tmp_path) -> Non
             )
         assert all(rec["probes/relu_gradient_flow/actor_mlp.1/pass_rate"][u] == 0 for u in DEAD)
 
-        h = torch.cat(cap.out["critic_mlp.1"][window]).double()
-        assert rec["probes/saturation_tanh/critic_mlp.1/saturated_fraction"] == pytest.approx(
-            float((h.abs() > 0.95).double().mean())
-        )
-        assert rec["probes/saturation_tanh/critic_mlp.1/mean_derivative"] == pytest.approx(
-            float((1 - h.square()).mean()), rel=1e-6
-        )
+        check_tanh_saturation(rec, "critic_mlp.1", torch.cat(cap.out["critic_mlp.1"][window]))
 
         # Fisher of the actor MLP: per output unit (logits) and per parameter, from the
         # per-sample gradients n g_i: weight g_i x_i^T, bias g_i
         logits_grads = cap.grad["actor_mlp"][window]
-        unit = torch.cat(per_sample(logits_grads)).square().mean(0)
-        torch.testing.assert_close(
-            torch.tensor(rec["probes/fisher/actor_mlp/unit"], dtype=torch.float64),
-            unit,
-            rtol=1e-5,
-            atol=1e-12,
-        )
+        check_fisher_unit(rec, "actor_mlp", torch.cat(per_sample(logits_grads)).square().mean(0))
         trace = 0.0
         for layer in ("0", "2", "4"):
             g = torch.cat(per_sample(cap.grad[f"actor_mlp.{layer}"][window]))
@@ -226,13 +214,7 @@ def test_tanh_normal_actor_is_probed_through_its_tensordict_keys(tmp_path) -> No
         (h > 0).double().mean(0).tolist()
     )
     assert len(cap.grad["loc"]) == 3
-    unit = torch.cat(per_sample(cap.grad["loc"])).square().mean(0)
-    torch.testing.assert_close(
-        torch.tensor(rec["probes/fisher/policy/unit"], dtype=torch.float64),
-        unit,
-        rtol=1e-5,
-        atol=1e-12,
-    )
+    check_fisher_unit(rec, "policy", torch.cat(per_sample(cap.grad["loc"])).square().mean(0))
     trace = 0.0
     for layer in ("0", "2"):
         g = torch.cat(per_sample(cap.grad[f"actor_mlp.{layer}"]))
