@@ -15,78 +15,103 @@ import math
 import re
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
+from typing import NamedTuple
 
 import numpy as np
 from matplotlib.figure import Figure
 
 from policy_probes.heatmaps import fixed_margins
 
-#: the report's probe sections: (slug, title, [(probe, metric, panel title, log scale)])
-PROBE_SECTIONS: tuple[tuple[str, str, tuple[tuple[str, str, str, bool], ...]], ...] = (
+
+class Panel(NamedTuple):
+    """One panel of a probe section: ``probes/<probe>/<component>/<metric>`` over epochs."""
+
+    probe: str
+    metric: str
+    title: str
+    #: a log-scale y axis (values spread over decades)
+    log: bool = False
+    #: also drawn per layer (the activation and gradient metrics; Fisher is per parameter)
+    per_layer: bool = False
+
+
+#: the report's probe sections: (slug, title, panels)
+PROBE_SECTIONS: tuple[tuple[str, str, tuple[Panel, ...]], ...] = (
     (
         "relu",
         "Dead and dormant ReLU units",
         (
-            ("relu", "dead_fraction", "dead fraction (active rate 0)", False),
-            ("relu", "dormant_fraction", "dormant fraction (ReDo, tau)", False),
-            ("relu", "rarely_active_fraction", "rarely active fraction (< 5%)", False),
-            ("relu", "zero_fraction", "zero fraction (elements <= 0)", False),
+            Panel("relu", "dead_fraction", "dead fraction (active rate 0)", per_layer=True),
+            Panel("relu", "dormant_fraction", "dormant fraction (ReDo, tau)", per_layer=True),
+            Panel("relu", "rarely_active_fraction", "rarely active fraction (< 5%)"),
+            Panel("relu", "zero_fraction", "zero fraction (elements <= 0)"),
         ),
     ),
     (
         "saturation",
         "Saturated activations",
         (
-            ("saturation_tanh", "saturated_fraction", "tanh: saturated elements", False),
-            ("saturation_tanh", "saturated_units_fraction", "tanh: saturated units", False),
-            ("saturation_sigmoid", "saturated_fraction", "sigmoid: saturated elements", False),
-            ("saturation_sigmoid", "saturated_units_fraction", "sigmoid: saturated units", False),
+            Panel("saturation_tanh", "saturated_fraction", "tanh: saturated elements"),
+            Panel(
+                "saturation_tanh",
+                "saturated_units_fraction",
+                "tanh: saturated units",
+                per_layer=True,
+            ),
+            Panel("saturation_sigmoid", "saturated_fraction", "sigmoid: saturated elements"),
+            Panel(
+                "saturation_sigmoid",
+                "saturated_units_fraction",
+                "sigmoid: saturated units",
+                per_layer=True,
+            ),
         ),
     ),
     (
         "fisher",
         "Fisher information",
         (
-            ("fisher", "trace", "Fisher trace", True),
-            ("fisher", "max", "Fisher max (per parameter)", True),
-            ("fisher", "dead_param_fraction", "dead parameter fraction (Fisher < 1e-8)", False),
+            Panel("fisher", "trace", "Fisher trace", log=True),
+            Panel("fisher", "max", "Fisher max (per parameter)", log=True),
+            Panel("fisher", "dead_param_fraction", "dead parameter fraction (Fisher < 1e-8)"),
         ),
     ),
     (
         "gradients",
         "Gradient flow",
         (
-            ("gradient_flow", "mean", "gradient RMS, mean over units", True),
-            ("gradient_flow", "blocked_fraction", "blocked units (gradient RMS < 1e-8)", False),
-            (
+            Panel(
+                "gradient_flow", "mean", "gradient RMS, mean over units", log=True, per_layer=True
+            ),
+            Panel(
+                "gradient_flow",
+                "blocked_fraction",
+                "blocked units (gradient RMS < 1e-8)",
+                per_layer=True,
+            ),
+            Panel(
                 "relu_gradient_flow",
                 "blocked_fraction",
                 "units no gradient passed through (ReLU)",
-                False,
+                per_layer=True,
             ),
         ),
     ),
 )
 
-#: the panels of :data:`PROBE_SECTIONS` drawn per layer (the activation and gradient
-#: metrics; Fisher is per parameter, not per layer)
+#: ``(probe, metric)`` of the panels drawn per layer
 LAYER_PANELS = frozenset(
-    {
-        ("relu", "dead_fraction"),
-        ("relu", "dormant_fraction"),
-        ("saturation_tanh", "saturated_units_fraction"),
-        ("saturation_sigmoid", "saturated_units_fraction"),
-        ("gradient_flow", "mean"),
-        ("gradient_flow", "blocked_fraction"),
-        ("relu_gradient_flow", "blocked_fraction"),
-    }
+    (panel.probe, panel.metric)
+    for _, _, panels in PROBE_SECTIONS
+    for panel in panels
+    if panel.per_layer
 )
 
-#: (section slug, section title, [(probe, metric, panel title, log scale)]) per layer
+#: (section slug, section title, panels) of the sections with per-layer panels
 LAYER_SECTIONS = tuple(
     (slug, title, layer_panels)
     for slug, title, panels in PROBE_SECTIONS
-    if (layer_panels := tuple(p for p in panels if (p[0], p[1]) in LAYER_PANELS))
+    if (layer_panels := tuple(p for p in panels if p.per_layer))
 )
 
 
@@ -127,13 +152,15 @@ def layer_figures(series: Mapping[str, Series]) -> list[tuple[str, str, Figure]]
         names = {
             k.split("/")[2]
             for k in series
-            if any(k.startswith(f"probes/{p}/") and k.endswith(f"/{m}") for p, m, _, _ in panels)
+            if any(
+                k.startswith(f"probes/{p.probe}/") and k.endswith(f"/{p.metric}") for p in panels
+            )
         }
         for component, layers in layer_groups(names).items():
             present = [
-                (probe, metric, title, log)
-                for probe, metric, title, log in panels
-                if any(f"probes/{probe}/{layer}/{metric}" in series for layer in layers)
+                p
+                for p in panels
+                if any(f"probes/{p.probe}/{layer}/{p.metric}" in series for layer in layers)
             ]
             if present:
                 out.append((slug, component, _figure(series, component, layers, present)))
@@ -144,13 +171,13 @@ def _figure(
     series: Mapping[str, Series],
     component: str,
     layers: list[str],
-    panels: list[tuple[str, str, str, bool]],
+    panels: list[Panel],
 ) -> Figure:
     cols = min(2, len(panels))
     rows = math.ceil(len(panels) / cols)
     fig = Figure(figsize=(5.2 * cols, 3.0 * rows), dpi=100)
     fixed_margins(fig, rows, cols, top=0.55, hgap=1.0)
-    for i, (probe, metric, title, log) in enumerate(panels):
+    for i, (probe, metric, title, log, _) in enumerate(panels):
         ax = fig.add_subplot(rows, cols, i + 1)
         for layer in layers:
             points = series.get(f"probes/{probe}/{layer}/{metric}")

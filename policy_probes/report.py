@@ -47,6 +47,7 @@ from policy_probes.heatmaps import (
 from policy_probes.layer_figures import (
     LAYER_SECTIONS,
     PROBE_SECTIONS,
+    Panel,
     is_layer_metric,
     layer_figures,
     layer_groups,
@@ -286,15 +287,15 @@ def training_figure(run: RunMetrics, overlays: Sequence[Overlay] = ()) -> Figure
 
 def probe_figure(
     run: RunMetrics,
-    panels: Sequence[tuple[str, str, str, bool]],
+    panels: Sequence[Panel],
     overlays: Sequence[Overlay] = (),
 ) -> Figure | None:
     """One panel per metric, one line per component (its layers are drawn per layer)."""
-    present = [p for p in panels if run.components(p[0], p[1])]
+    present = [p for p in panels if run.components(p.probe, p.metric)]
     if not present:
         return None
     fig, axes = _panel_grid(len(present), cols=2, height=3.0)
-    for ax, (probe, metric, title, log) in zip(axes, present, strict=True):
+    for ax, (probe, metric, title, log, _) in zip(axes, present, strict=True):
         for comp in run.components(probe, metric, layers=False):
             key = f"probes/{probe}/{comp}/{metric}"
             x, y = run.series(key)

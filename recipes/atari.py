@@ -46,20 +46,8 @@ def train() -> TrainTool:
             atari=AtariConfig(),
         ),
         policy=PolicyConfig(encoder="nature_cnn"),
-        trainer=PPOConfig(
-            total_timesteps=10_000_000,
-            num_steps=128,
-            num_minibatches=4,
-            update_epochs=4,
-            learning_rate=2.5e-4,
-            anneal_lr=True,
-            gamma=0.99,
-            gae_lambda=0.95,
-            clip_coef=0.1,
-            ent_coef=0.01,
-            vf_coef=0.5,
-            max_grad_norm=0.5,
-        ),
+        # ppo_atari.py departs from PPOConfig's defaults (CleanRL ppo.py) in clip_coef only
+        trainer=PPOConfig(total_timesteps=10_000_000, clip_coef=0.1),
         # an ALE episode can last 27k agent steps: evaluate rarely, on few episodes
         evaluation=EvalConfig(every_epochs=500, episodes=4, num_envs=4, max_steps=27_000),
         checkpoint=CheckpointConfig(every_epochs=250),

@@ -27,20 +27,7 @@ def train() -> TrainTool:
         name="cartpole",
         env=EnvConfig(id="CartPole-v1", num_envs=4),
         policy=PolicyConfig(hidden_sizes=[64, 64], activation="relu"),
-        trainer=PPOConfig(
-            total_timesteps=200_000,
-            num_steps=128,
-            num_minibatches=4,
-            update_epochs=4,
-            learning_rate=2.5e-4,
-            anneal_lr=True,
-            gamma=0.99,
-            gae_lambda=0.95,
-            clip_coef=0.2,
-            ent_coef=0.01,
-            vf_coef=0.5,
-            max_grad_norm=0.5,
-        ),
+        trainer=PPOConfig(total_timesteps=200_000),  # PPOConfig's defaults are CleanRL ppo.py's
         evaluation=EvalConfig(every_epochs=10, episodes=10, num_envs=10),
         torch_threads=1,
     )

@@ -1,9 +1,10 @@
-"""Pendulum-v1 (continuous actions, diagonal Gaussian policy) with ReLU and Fisher probes.
+"""Pendulum-v1 (continuous actions, diagonal Gaussian policy) with saturation and Fisher
+probes.
 
 Hyperparameters (measured in docs/learning.md): 8 envs x 256 steps, 32 minibatches of 64,
 10 update epochs, lr 1e-3 annealed, gamma 0.9 (Pendulum's reward is dense and its useful
-horizon short; 0.99 learns far slower), lambda 0.95, no entropy bonus, observation and
-reward normalisation, tanh 64-64 networks.
+horizon short; 0.99 learns far slower), lambda 0.95, clip 0.2, vf 0.5, max grad norm 0.5,
+no entropy bonus, observation and reward normalisation, tanh 64-64 networks.
 """
 
 from __future__ import annotations
@@ -26,19 +27,15 @@ def train() -> TrainTool:
             clip_reward=10.0,
         ),
         policy=PolicyConfig(hidden_sizes=[64, 64], activation="tanh", init_log_std=0.0),
+        # what departs from PPOConfig's defaults (CleanRL ppo.py's)
         trainer=PPOConfig(
             total_timesteps=1_000_000,
             num_steps=256,
             num_minibatches=32,
             update_epochs=10,
             learning_rate=1e-3,
-            anneal_lr=True,
             gamma=0.9,
-            gae_lambda=0.95,
-            clip_coef=0.2,
             ent_coef=0.0,
-            vf_coef=0.5,
-            max_grad_norm=0.5,
         ),
         evaluation=EvalConfig(every_epochs=10, episodes=10, num_envs=10),
         torch_threads=1,

@@ -17,11 +17,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from policy_probes.components import PolicyAutoBuilder
 from policy_probes.layers import LinearSpec
 from trainers.config import PolicyConfig
 from trainers.nature_cnn import NatureCNN
-from trainers.policy import ActorCriticPolicy, Forward, action_dims
+from trainers.policy import ActorCriticPolicy, Forward, action_dims, layer_init
 
 
 def image_shape(observation_space: gym.spaces.Space) -> tuple[int, int, int]:
@@ -57,22 +56,19 @@ class CNNActorCriticPolicy(ActorCriticPolicy):
         shape = image_shape(observation_space)
         self.discrete, act_dim, self.action_shape = action_dims(action_space)
         encoder = NatureCNN(shape)
-        # Not ActorCriticPolicy.__init__: that one builds the actor and critic MLPs.
-        PolicyAutoBuilder.__init__(
-            self,
+        # Not ActorCriticPolicy.__init__ (it builds the actor and critic MLPs): its _build
+        # with the encoder and the two heads.
+        self._build(
             {
                 "encoder": encoder,
                 "actor_head": LinearSpec(in_features=encoder.out_features, out_features=act_dim),
                 "critic_head": LinearSpec(in_features=encoder.out_features, out_features=1),
             },
+            shape,
+            act_dim,
+            cfg.init_log_std,
         )
         self.obs_shape = shape
-        self.obs_dim = int(np.prod(shape))
-        self.act_dim = act_dim
-        if not self.discrete:
-            self.log_std = nn.Parameter(torch.full((act_dim,), float(cfg.init_log_std)))
-        self.reset_parameters()
-        self.trace_outputs(torch.zeros(1, *shape, dtype=torch.uint8))
 
     def reset_parameters(self) -> None:
         """Orthogonal init as CleanRL ``ppo_atari.py``: gain sqrt(2) on every convolution
@@ -80,12 +76,8 @@ class CNNActorCriticPolicy(ActorCriticPolicy):
         biases."""
         for m in self.encoder.modules():
             if isinstance(m, nn.Conv2d | nn.Linear):
-                nn.init.orthogonal_(m.weight, math.sqrt(2))
-                nn.init.zeros_(m.bias)
-        nn.init.orthogonal_(self.actor_head.weight, 0.01)
-        nn.init.zeros_(self.actor_head.bias)
-        nn.init.orthogonal_(self.critic_head.weight, 1.0)
-        nn.init.zeros_(self.critic_head.bias)
+                layer_init(m, math.sqrt(2))
+        self._init_heads()
 
     # ------------------------------------------------------------------ networks
     def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

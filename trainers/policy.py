@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import gymnasium as gym
 import numpy as np
@@ -43,6 +44,12 @@ def action_dims(action_space: gym.spaces.Space) -> tuple[bool, int, tuple[int, .
     raise ValueError(f"unsupported action space {action_space}; use Discrete or Box")
 
 
+def layer_init(layer: nn.Module, gain: float) -> None:
+    """CleanRL's ``layer_init``: an orthogonal weight of ``gain`` and a zero bias."""
+    nn.init.orthogonal_(layer.weight, gain)
+    nn.init.zeros_(layer.bias)
+
+
 class ActorCriticPolicy(PolicyAutoBuilder):
     """MLP actor-critic for a flat Box observation space and Discrete or Box actions."""
 
@@ -65,7 +72,7 @@ class ActorCriticPolicy(PolicyAutoBuilder):
         self.discrete, act_dim, self.action_shape = action_dims(action_space)
         critic_sizes = cfg.critic_hidden_sizes or cfg.hidden_sizes
         critic_act = cfg.critic_activation or cfg.activation
-        super().__init__(
+        self._build(
             {
                 "actor_mlp": MLPSpec(
                     in_features=obs_dim, hidden_sizes=cfg.hidden_sizes, activation=cfg.activation
@@ -75,14 +82,29 @@ class ActorCriticPolicy(PolicyAutoBuilder):
                     in_features=obs_dim, hidden_sizes=critic_sizes, activation=critic_act
                 ),
                 "critic_head": LinearSpec(in_features=critic_sizes[-1], out_features=1),
-            }
+            },
+            (obs_dim,),
+            act_dim,
+            cfg.init_log_std,
         )
-        self.obs_dim = obs_dim
+
+    def _build(
+        self,
+        components: dict[str, Any],
+        obs_shape: tuple[int, ...],
+        act_dim: int,
+        init_log_std: float,
+    ) -> None:
+        """Register ``components``, then what every actor-critic holds besides them: the
+        Gaussian ``log_std`` (continuous actions), the initial weights
+        (:meth:`reset_parameters`) and the components' traced output shapes."""
+        PolicyAutoBuilder.__init__(self, components)
+        self.obs_dim = int(np.prod(obs_shape))
         self.act_dim = act_dim
         if not self.discrete:
-            self.log_std = nn.Parameter(torch.full((act_dim,), float(cfg.init_log_std)))
+            self.log_std = nn.Parameter(torch.full((act_dim,), float(init_log_std)))
         self.reset_parameters()
-        self.trace_outputs(torch.zeros(1, obs_dim))
+        self.trace_outputs(torch.zeros(1, *obs_shape, dtype=self.obs_dtype))
 
     def reset_parameters(self) -> None:
         """Orthogonal init (Engstrom et al. 2020, CleanRL): gain sqrt(2) on hidden layers,
@@ -91,12 +113,14 @@ class ActorCriticPolicy(PolicyAutoBuilder):
         for mlp in (self.actor_mlp, self.critic_mlp):
             for m in mlp.modules():
                 if isinstance(m, nn.Linear):
-                    nn.init.orthogonal_(m.weight, math.sqrt(2))
-                    nn.init.zeros_(m.bias)
-        nn.init.orthogonal_(self.actor_head.weight, 0.01)
-        nn.init.zeros_(self.actor_head.bias)
-        nn.init.orthogonal_(self.critic_head.weight, 1.0)
-        nn.init.zeros_(self.critic_head.bias)
+                    layer_init(m, math.sqrt(2))
+        self._init_heads()
+
+    def _init_heads(self) -> None:
+        """CleanRL's head gains: 0.01 on the policy head (near-uniform initial policy), 1.0
+        on the value head."""
+        layer_init(self.actor_head, 0.01)
+        layer_init(self.critic_head, 1.0)
 
     # ------------------------------------------------------------------ networks
     def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
