@@ -16,7 +16,7 @@ from torch import nn
 
 from policy_probes import attach_relu_activation_hooks
 from policy_probes.probes.relu import ReLUActivationHook, ReLUActivationState
-from policy_probes.sampling import FIRST_EVERY, MAX_EPOCHS_BETWEEN, Sampler, dispatch_costs
+from policy_probes.sampling import FIRST_EVERY, MAX_REPORT_WINDOW, Sampler, dispatch_costs
 from policy_probes.session import ProbeSession
 from policy_probes.sinks import SinksConfig, WandbConfig
 
@@ -175,7 +175,7 @@ def test_a_report_costlier_than_the_budget_reports_every_few_epochs(tmp_path):
     last = -1
     for epoch, record, rows in windows:
         assert record["probes/window_epochs"] == epoch - last
-        assert 1 <= record["probes/window_epochs"] <= MAX_EPOCHS_BETWEEN
+        assert 1 <= record["probes/window_epochs"] <= MAX_REPORT_WINDOW
         last = epoch
         if not rows:
             assert "probes/relu/slow/active_rate" not in record
@@ -191,3 +191,43 @@ def test_a_report_costlier_than_the_budget_reports_every_few_epochs(tmp_path):
     assert quiet and not any(k.startswith("probes/") for r in quiet for k in r)
     # once the report cost is known, the measured overhead is within the budget
     assert windows[-1][1]["probes/overhead_fraction"] <= 0.25
+
+
+DRAIN_SECONDS = 0.02
+
+
+class SlowDrain(ReLUActivationState):
+    """The ReLU tracker whose reduction of held rows takes DRAIN_SECONDS (its consume)."""
+
+    def consume(self, batch):
+        time.sleep(DRAIN_SECONDS)
+        super().consume(batch)
+
+
+def test_a_drain_inside_a_hook_is_counted_once(tmp_path):
+    """A full row buffer drains inside the probe's hook: the hook's timing counts that
+    drain, so the tracker's own drain time must not count it again (the overhead would
+    then be twice the real one and the probe sampled down for nothing). The metric still
+    rests on every observed row: its active rate equals a plain recomputation."""
+    torch.manual_seed(0)
+    net = Net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.0)  # the weights stay, for the check below
+    x = torch.randn(16, 4)
+    with ProbeSession(net, run_dir=tmp_path, optimizer=opt, probe_budget=None, **NO_WANDB) as s:
+        s.add_training_hook("slow", attach_relu_activation_hooks(per_layer=False))
+        (tracker,) = [t for t in s.context.model_metrics.values() if t.probe == "relu"]
+        tracker.__class__ = SlowDrain
+        tracker.buffer_rows = 16  # one pass fills the buffer: each next push drains first
+        s.set_phase("train")
+        for _ in range(4):
+            opt.zero_grad()
+            net(x).backward()
+            opt.step()
+        assert tracker.seconds == 0.0  # the three in-hook drains are the hook's cost
+        record = s.epoch_end(step=0)
+    # three drains in the hooks, one at the report (counted there): at least 4 x 20 ms,
+    # and well under the 7 x 20 ms that counting the in-hook drains twice would give
+    assert 4 * DRAIN_SECONDS <= record["probes/overhead_seconds"] < 5.5 * DRAIN_SECONDS
+    active = (net.slow(x) > 0).double().mean(0)  # the same rows in every pass
+    assert record["probes/relu/slow/samples"] == 64
+    assert record["probes/relu/slow/active_rate"] == pytest.approx(active.tolist())

@@ -185,7 +185,9 @@ class ProbeState:
                 self.buffer_elements, self.buffer_rows
             )
         if not buf.accepts(blocks):
-            self.drain()  # empties every buffer of the context, this one included
+            # empties every buffer of the context, this one included; inside a hook, whose
+            # timing already counts this drain as the probe's cost
+            self.drain(timed=False)
             buf.reserve(blocks)
         buf.append(blocks, scales, weight)
 
@@ -222,10 +224,12 @@ class ProbeState:
             )
         return t[:rows]
 
-    def drain(self) -> None:
+    def drain(self, *, timed: bool = True) -> None:
         """Reduce every held row of every tracker of this tracker's context (or of this
         tracker alone, without a context) in one :class:`~policy_probes.probes.rows.DrainRound`,
-        so block columns that several probes hold are materialised once.
+        so block columns that several probes hold are materialised once. With ``timed``
+        each tracker's share is added to its ``seconds`` (what the sampler counts as the
+        probe's cost); a drain inside a probe's hook is counted by the hook's own timing.
 
         A component whose rows cannot be reduced (for example because its width changed
         within a window, or a held tensor was changed in place) loses that window's data,
@@ -242,7 +246,8 @@ class ProbeState:
         for tracker in peers:
             start = time.perf_counter()
             tracker._drain_buffers(drain_round)
-            tracker.seconds = getattr(tracker, "seconds", 0.0) + time.perf_counter() - start
+            if timed:
+                tracker.seconds = getattr(tracker, "seconds", 0.0) + time.perf_counter() - start
 
     def _drain_buffers(self, drain_round: DrainRound) -> None:
         for (component, stream), buf in self.buffers.items():
