@@ -16,7 +16,9 @@ Keys for ``--only``: ``default``, ``every``, ``probe_batch`` (the three sides at
 64), ``widths`` (default and every
 pass at 256 and 1024), ``sb3`` (SB3 PPO + ProbeCallback at the default and at every pass), ``recipe``
 (``recipes.cartpole`` as it ships, 51,200 steps = 100 epochs, with and without its
-probes: evaluation, JSONL/CSV sinks and checkpoints on both sides).
+probes: evaluation, JSONL/CSV sinks and checkpoints on both sides), and at the default
+only, longer runs: ``sb3_long`` (SB3 + ProbeCallback, 131,072 steps) and ``recipe_full``
+(the cartpole recipe at its own 200,000 steps).
 Same harness as every benchmark (:mod:`benchmarks.ab`): fresh interpreters, A B / B A
 pairs, median of the per-pair ratios, CPU-time ratios beside them.
 
@@ -29,7 +31,7 @@ from typing import Any
 
 from benchmarks.ab import Comparison, Side, adding, measure_and_record, parse_args
 
-KEYS = ["default", "every", "probe_batch", "widths", "sb3", "recipe"]
+KEYS = ["default", "every", "probe_batch", "widths", "sb3", "recipe", "sb3_long", "recipe_full"]
 SAMPLING = {
     "default": {"probe_budget": 0.05},
     "every": {"probe_budget": None, "probe_schedule": "every"},
@@ -76,6 +78,23 @@ def comparisons(quick: bool, only: list[str] | None = None) -> list[Comparison]:
     out["recipe"] = sampled(
         "cartpole recipe", Side("recipe, no probes", "recipe", shipped), "recipe", probes=True
     )
+    # at the default only, longer runs
+    long_runs = {
+        "sb3_long": (
+            "SB3 + ProbeCallback, 131072 steps",
+            Side("sb3", "sb3", dict(sb3, total_timesteps=2048 if quick else 131_072)),
+            "+ ProbeCallback",
+            {"probe_callback": True},
+        ),
+        "recipe_full": (
+            "cartpole recipe, 200000 steps",
+            Side("recipe, no probes", "recipe", {"total_timesteps": 4096 if quick else 200_000}),
+            "recipe",
+            {"probes": True},
+        ),
+    }
+    for key, (name, side, b_label, switch) in long_runs.items():
+        out[key] = sampled(name, side, b_label, ("default",), **switch)
     return [c for key in (only or KEYS) for c in out[key]]
 
 

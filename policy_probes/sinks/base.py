@@ -17,6 +17,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger("policy_probes.sinks")
@@ -78,8 +79,13 @@ class AppendFileSink(MetricSink):
 
     #: ``newline`` argument of ``open`` ("" for the csv module)
     newline: str | None = None
-    #: at most one fsync per this many seconds at epoch ends (0: at every epoch end)
-    fsync_seconds: float = FSYNC_SECONDS
+
+    def __init__(self, path: Path, fsync_seconds: float = FSYNC_SECONDS) -> None:
+        super().__init__()
+        self.path = path
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        #: at most one fsync per this many seconds at epoch ends (0: at every epoch end)
+        self.fsync_seconds = fsync_seconds
 
     def _open_append(self) -> None:
         """(Re)open ``self.path`` for appending, e.g. after a rewrite replaced the file."""

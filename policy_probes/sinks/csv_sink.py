@@ -47,11 +47,8 @@ class CSVSink(AppendFileSink):
         *,
         fsync_seconds: float = FSYNC_SECONDS,
     ) -> None:
-        super().__init__()
-        self.fsync_seconds = fsync_seconds
-        self.path = Path(run_dir) / filename
+        super().__init__(Path(run_dir) / filename, fsync_seconds)
         self.tmp_path = self.path.with_name(self.path.name + ".tmp")
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.tmp_path.exists():  # left by a crash during a rewrite; the original is whole
             self.tmp_path.unlink()
         dropped = repair_truncated_tail(self.path)

@@ -43,10 +43,7 @@ class JSONLSink(AppendFileSink):
         *,
         fsync_seconds: float = FSYNC_SECONDS,
     ) -> None:
-        super().__init__()
-        self.fsync_seconds = fsync_seconds
-        self.path = Path(run_dir) / filename
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        super().__init__(Path(run_dir) / filename, fsync_seconds)
         dropped = repair_truncated_tail(self.path)
         if dropped:
             logger.warning(
