@@ -13,6 +13,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from policy_probes.sinks.base import FSYNC_SECONDS
+
 #: metrics the console sink follows by default (missing ones are simply not shown)
 DEFAULT_CONSOLE_METRICS: tuple[str, ...] = (
     "rollout/episode_return",
@@ -49,7 +51,7 @@ class SinksConfig(BaseModel):
     jsonl: bool = Field(True, description="run_dir/metrics.jsonl, one JSON object per emit.")
     csv: bool = Field(True, description="run_dir/metrics.csv, scalars only, vectors summarised.")
     fsync_seconds: float = Field(
-        2.0,
+        FSYNC_SECONDS,
         ge=0,
         description="JSONL/CSV: at most one fsync per this many seconds at epoch ends (0: "
         "every epoch end); every record reaches the OS at once, checkpoints and close fsync.",
