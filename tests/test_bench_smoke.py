@@ -169,3 +169,27 @@ def test_sampling_overhead_comparisons():
         "probe_budget": None,
         "probe_schedule": "every",
     }
+
+
+def test_sampling_overhead_long_runs_at_the_default_only():
+    comps = sampling_overhead.comparisons(False, ["sb3_long", "recipe_full"])
+    assert [(c.name, c.target) for c in comps] == [
+        ("SB3 + ProbeCallback, 131072 steps, default", "<= 1.05"),
+        ("cartpole recipe, 200000 steps, default", "<= 1.05"),
+    ]
+    sb3, recipe = comps
+    assert (sb3.a.case, sb3.b.case, recipe.a.case, recipe.b.case) == (
+        "sb3",
+        "sb3",
+        "recipe",
+        "recipe",
+    )
+    assert sb3.a.params == {"total_timesteps": 131_072, "activation": "relu"}
+    assert sb3.b.params == {
+        "total_timesteps": 131_072,
+        "activation": "relu",
+        "probe_callback": True,
+        "probe_budget": 0.05,
+    }
+    assert recipe.a.params == {"total_timesteps": 200_000}
+    assert recipe.b.params == {"total_timesteps": 200_000, "probes": True, "probe_budget": 0.05}
