@@ -172,24 +172,23 @@ def test_sampling_overhead_comparisons():
 
 
 def test_sampling_overhead_long_runs_at_the_default_only():
+    sb3, recipe = {"total_timesteps": 131_072, "activation": "relu"}, {"total_timesteps": 200_000}
     comps = sampling_overhead.comparisons(False, ["sb3_long", "recipe_full"])
-    assert [(c.name, c.target) for c in comps] == [
-        ("SB3 + ProbeCallback, 131072 steps, default", "<= 1.05"),
-        ("cartpole recipe, 200000 steps, default", "<= 1.05"),
+    assert [(c.name, c.target, c.a.case, c.b.case, c.a.params, c.b.params) for c in comps] == [
+        (
+            "SB3 + ProbeCallback, 131072 steps, default",
+            "<= 1.05",
+            "sb3",
+            "sb3",
+            sb3,
+            {**sb3, "probe_callback": True, "probe_budget": 0.05},
+        ),
+        (
+            "cartpole recipe, 200000 steps, default",
+            "<= 1.05",
+            "recipe",
+            "recipe",
+            recipe,
+            {**recipe, "probes": True, "probe_budget": 0.05},
+        ),
     ]
-    sb3, recipe = comps
-    assert (sb3.a.case, sb3.b.case, recipe.a.case, recipe.b.case) == (
-        "sb3",
-        "sb3",
-        "recipe",
-        "recipe",
-    )
-    assert sb3.a.params == {"total_timesteps": 131_072, "activation": "relu"}
-    assert sb3.b.params == {
-        "total_timesteps": 131_072,
-        "activation": "relu",
-        "probe_callback": True,
-        "probe_budget": 0.05,
-    }
-    assert recipe.a.params == {"total_timesteps": 200_000}
-    assert recipe.b.params == {"total_timesteps": 200_000, "probes": True, "probe_budget": 0.05}
