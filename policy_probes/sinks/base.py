@@ -70,8 +70,8 @@ class AppendFileSink(MetricSink):
     Every emit is flushed to the operating system at once (a killed process loses
     nothing written); :meth:`flush` reaches the disk (``fsync``). At epoch ends
     (:meth:`written`) the file is fsynced at most once per :attr:`fsync_seconds`: an
-    fsync takes 0.3 to 6 ms on an ordinary disk, which is a large share of a short
-    epoch, and only a machine crash can lose what is flushed but not fsynced (at most
+    fsync took 0.3 to 6 ms on the benchmark machine, a large share of a short epoch,
+    and only a machine crash can lose what is flushed but not fsynced (at most
     the last ``fsync_seconds``). Checkpoints flush first
     (:meth:`policy_probes.session.ProbeSession.state_dict`), so a checkpoint never covers
     records that are not on disk.
