@@ -95,11 +95,12 @@ class AppendFileSink(MetricSink):
     def written(self, hook_point: str) -> None:
         """After a record was written: hand it to the operating system, and fsync at an
         epoch end (``POST_EPOCH``) when the last fsync is ``fsync_seconds`` old."""
-        self._file.flush()
         if hook_point == "POST_EPOCH" and (
             time.monotonic() - self._synced_at >= self.fsync_seconds
         ):
-            self.flush()
+            self.flush()  # hands it over and fsyncs
+        else:
+            self._file.flush()
 
     def flush(self) -> None:
         if not self._file.closed:
