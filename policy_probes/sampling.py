@@ -290,6 +290,9 @@ class Sampler:
         #: REPORT_SHARE of the budget: very short epochs); epochs in the current window
         self.report_every = 1
         self.window_epochs = 0
+        #: the loop's last epoch is under way: the probes report at its end whatever their
+        #: window holds (set for one ``ProbeSession.epoch_end(final=True)``)
+        self.final = False
         #: estimated seconds of one report, and the window's overhead and wall seconds
         self.report_cost: float | None = None
         self.window_overhead = 0.0
@@ -437,8 +440,9 @@ class Sampler:
     def reports_this_epoch(self) -> bool:
         """Whether the trackers report at this epoch's end: every epoch without budgeted
         probes, under torch.distributed, or while reporting fits the budget; else every
-        :attr:`report_every` epochs, the metrics then covering that many epochs."""
-        if self.report_every == 1 or self.pinned or _distributed():
+        :attr:`report_every` epochs, the metrics then covering that many epochs; always
+        in the loop's last epoch (:attr:`final`), so no observed pass goes unreported."""
+        if self.final or self.report_every == 1 or self.pinned or _distributed():
             return True
         return self.window_epochs + 1 >= self.report_every
 

@@ -657,12 +657,15 @@ class ProbeSession:
         return out
 
     # --------------------------------------------------------------- epoch end
-    def epoch_end(self, step: int, **extra: Any) -> dict[str, Any]:
+    def epoch_end(self, step: int, *, final: bool = False, **extra: Any) -> dict[str, Any]:
         """Close the current epoch and emit its records to every sink; returns the
         epoch's metrics as host values (floats and lists).
 
         ``step`` is the agent step (environment steps so far); ``extra`` are more metrics
-        for the record (``epoch_end(step, **{"rollout/episode_return": r})``). The order
+        for the record (``epoch_end(step, **{"rollout/episode_return": r})``). ``final``:
+        this is the run's last epoch, so the probes report now even inside a reporting
+        window of the overhead budget (:mod:`policy_probes.sampling`); without it the
+        passes observed since the last report are never reported. The order
         is the same for every loop (``docs/external.md``): POST_EPOCH fires (the
         ``stats_reporter`` collects the probes' trackers), SNAPSHOT fires when due, and
         the buffered step-point metrics are read; then (with ``step_records``) one record
@@ -678,7 +681,13 @@ class ProbeSession:
         sampler = self.context.sampler
         start = time.perf_counter()
         collected = sampler.collect_seconds if sampler is not None else 0.0
-        metrics, snapshot, steps = self._fire_epoch_points(logged)
+        if sampler is not None:
+            sampler.final = final
+        try:
+            metrics, snapshot, steps = self._fire_epoch_points(logged)
+        finally:
+            if sampler is not None:
+                sampler.final = False
         if self.remedies:  # after the epoch's metrics (ReDo reads its scores), before records
             metrics.update(self.remedies.end_epoch(self.epoch + 1, metrics))
         self._emit(metrics, snapshot, steps)

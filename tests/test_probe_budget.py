@@ -147,7 +147,8 @@ def test_a_report_costlier_than_the_budget_reports_every_few_epochs(tmp_path):
     """Epochs of 32 x 1 ms and a 30 ms report: under a 25 % budget one report would take
     more than half an epoch's allowance, so the probes report every m epochs; each report
     covers its window: the active rate equals one computed by hand over exactly the passes
-    the probe observed in those epochs (read from whether its hook was installed)."""
+    the probe observed in those epochs (read from whether its hook was installed). The
+    run ends inside a window, with ``final=True``: that last epoch reports the rest."""
     torch.manual_seed(0)
     net = Net()
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
@@ -156,7 +157,10 @@ def test_a_report_costlier_than_the_budget_reports_every_few_epochs(tmp_path):
     with ProbeSession(net, run_dir=tmp_path, optimizer=opt, probe_budget=0.25, **NO_WANDB) as s:
         s.add_training_hook("slow", attach_relu_activation_hooks(per_layer=False))
         s.context.model_metrics["relu"].__class__ = SlowReport
-        for epoch in range(24):
+        final = False
+        for epoch in range(48):
+            # end the run in an epoch that would not report on its own
+            final = epoch >= 20 and not s.context.sampler.reports_this_epoch()
             s.set_phase("train")
             for _ in range(PASSES):
                 if s.policy.hooks_installed():  # this pass is observed
@@ -166,11 +170,14 @@ def test_a_report_costlier_than_the_budget_reports_every_few_epochs(tmp_path):
                 net(x).backward()
                 opt.step()
                 time.sleep(0.001)
-            record = s.epoch_end(step=epoch)
+            record = s.epoch_end(step=epoch, final=final)
             records.append(record)
             if "probes/window_epochs" in record:
                 windows.append((epoch, record, seen))
                 seen = []
+            if final:
+                break
+    assert final and windows[-1][0] == epoch and not seen  # nothing left unreported
     assert max(int(r["probes/window_epochs"]) for _, r, _ in windows) > 1
     last = -1
     for epoch, record, rows in windows:

@@ -228,3 +228,44 @@ def test_second_learn_continues_the_cycle_count_in_the_same_run_dir(tmp_path):
         (2, 3 * ROWS),
     ]
     assert all(r["probes/relu/actor_mlp/samples"] == N_EPOCHS * ROWS for r in records)
+
+
+def test_the_last_cycle_reports_what_a_reporting_window_holds(tmp_path):
+    """A report costlier than the budget allows each cycle: the probes report every few
+    cycles (``probes/window_epochs``), and the end of ``learn()`` reports the window it is
+    in, so every row the probe observed is in some record: the rows reported add up to
+    the rows a plain torch hook saw while the probe's hooks were armed."""
+    from test_probe_budget import SlowReport
+
+    model = ppo()
+    seen: list[int] = []
+    relu = attach_relu_activation_hooks(per_layer=False)
+
+    def slow_report(name, context):  # the ReLU probe with a slow to_metrics
+        hook = relu(name, context)
+        context.model_metrics["relu"].__class__ = SlowReport
+        return hook
+
+    callback = ProbeCallback(
+        probes=[("actor_mlp", slow_report)],
+        run_dir=tmp_path,
+        sinks=SinksConfig(console=False, wandb=False),
+        probe_budget=0.25,
+    )
+
+    def count(_module, _inputs, output):
+        session = callback.session  # None while the callback traces the policy
+        handles = session.policy.hook_handles if session is not None else []
+        if any(h.armed and h.hook.probe == "relu" for h in handles) and torch.is_grad_enabled():
+            seen.append(output.shape[0])
+
+    model.policy.mlp_extractor.policy_net.register_forward_hook(count)
+    cycles = 20
+    model.learn(cycles * ROWS, callback=callback)
+    windows = [
+        int(r["probes/window_epochs"]) for r in callback.history if "probes/window_epochs" in r
+    ]
+    assert max(windows) > 1 and sum(windows) == cycles == len(callback.history)
+    assert "probes/window_epochs" in callback.history[-1]
+    rows = sum(r.get("probes/relu/actor_mlp/rows_observed", 0) for r in callback.history)
+    assert seen and rows == sum(seen)

@@ -19,8 +19,9 @@ What happens in one rollout/update cycle of an on-policy algorithm (PPO, A2C)::
     _on_rollout_start   report the previous cycle (its train() has finished); phase "rollout"
     rollout             policy forwards under no_grad: probes do not record
     _on_rollout_end     phase "train"
-    dump_logs, train()  every minibatch forward/backward of the update is recorded
-    ... next _on_rollout_start, or _on_training_end for the last cycle: report
+    dump_logs, train()  the minibatch passes the probes observe are recorded
+    ... next _on_rollout_start, or _on_training_end for the last cycle: report (the
+    last one also reports a reporting window that has not ended)
 
 Component names for ``ActorCriticPolicy`` (``MlpPolicy`` of PPO and A2C) are in
 :data:`SB3_COMPONENTS`; see ``docs/external.md``.
@@ -273,19 +274,22 @@ class ProbeCallback(BaseCallback):
     def _on_training_end(self) -> None:
         """Report the last cycle and close the session (hooks removed, sinks closed)."""
         try:
-            self._report()
+            self._report(final=True)
         finally:
             self.close()
 
     # ------------------------------------------------------------------ report
-    def _report(self) -> None:
+    def _report(self, final: bool = False) -> None:
+        """Report the cycle that just trained; ``final``: the last of this ``learn()``
+        (the probes report whatever their reporting window holds)."""
         if self.session is None or self.session.closed or not self._trained:
             return
         self._trained = False
         if self.log_sb3:
             self.session.log(self._sb3_values())
         self.session.set_phase("rollout")
-        self.history.append(self.session.epoch_end(step=int(self.model.num_timesteps)))
+        record = self.session.epoch_end(step=int(self.model.num_timesteps), final=final)
+        self.history.append(record)
 
     def _sb3_values(self) -> dict[str, float]:
         """SB3's logger values recorded since its last dump (``train()`` records its
