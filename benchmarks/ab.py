@@ -216,11 +216,12 @@ def parse_args(
     default_out: str,
     argv: list[str] | None = None,
     comparison_keys: list[str] | None = None,
+    default_keys: list[str] | None = None,
 ) -> Any:
     """The command line every benchmark script shares: ``--quick``, ``--repeats``, ``--out``;
-    with ``comparison_keys`` also ``--only KEY,...`` (``args.only``: the keys chosen, all
-    by default; a subset written to the default place goes to ``NAME_KEY_....json`` beside
-    it, so that it never replaces the full results)."""
+    with ``comparison_keys`` also ``--only KEY,...`` (``args.only``: the keys chosen,
+    ``default_keys`` or all by default; a subset written to the default place goes to
+    ``NAME_KEY_....json`` beside it, so that it never replaces the full results)."""
     import argparse
 
     parser = argparse.ArgumentParser(description=description)
@@ -243,7 +244,7 @@ def parse_args(
     if comparison_keys:
         parser.add_argument(
             "--only",
-            default=",".join(comparison_keys),
+            default=",".join(default_keys or comparison_keys),
             help=f"comma-separated subset of the comparisons {comparison_keys}",
         )
     args = parser.parse_args(argv)
@@ -252,7 +253,7 @@ def parse_args(
         unknown = sorted(set(args.only) - set(comparison_keys))
         if unknown:
             parser.error(f"unknown comparison(s) {unknown}; choose from {comparison_keys}")
-        if args.only != comparison_keys and args.out == RESULTS / default_out:
+        if args.only != (default_keys or comparison_keys) and args.out == RESULTS / default_out:
             args.out = RESULTS / f"{Path(default_out).stem}_{'_'.join(args.only)}.json"
     if args.inprocess:
         global IN_PROCESS

@@ -14,7 +14,8 @@ five module probes on ``actor_mlp`` and ``critic_mlp``. B's sampling
 
 Keys for ``--only``: ``default``, ``every``, ``probe_batch`` (the three sides at width
 64), ``widths`` (default and every
-pass at 256 and 1024), ``sb3`` (SB3 PPO + ProbeCallback at the default and at every pass), ``recipe``
+pass at 256 and 1024), ``sb3`` (SB3 PPO + ProbeCallback at the default and at every pass;
+``sb3_default``: the default alone, for runs with many pairs), ``recipe``
 (``recipes.cartpole`` as it ships, 51,200 steps = 100 epochs, with and without its
 probes: evaluation, JSONL/CSV sinks and checkpoints on both sides), and at the default
 only, longer runs: ``sb3_long`` (SB3 + ProbeCallback, 131,072 steps) and ``recipe_full``
@@ -32,6 +33,8 @@ from typing import Any
 from benchmarks.ab import Comparison, Side, adding, measure_and_record, parse_args
 
 KEYS = ["default", "every", "probe_batch", "widths", "sb3", "recipe", "sb3_long", "recipe_full"]
+#: keys that repeat a comparison of KEYS (not run by default)
+EXTRA_KEYS = ["sb3_default"]
 SAMPLING = {
     "default": {"probe_budget": 0.05},
     "every": {"probe_budget": None, "probe_schedule": "every"},
@@ -73,6 +76,7 @@ def comparisons(quick: bool, only: list[str] | None = None) -> list[Comparison]:
     out["sb3"] = sampled(
         "SB3 + ProbeCallback", Side("sb3", "sb3", sb3), "+ ProbeCallback", probe_callback=True
     )
+    out["sb3_default"] = out["sb3"][:1]  # the target's comparison alone, for more pairs
     # the cartpole recipe as it ships (evaluation, JSONL and CSV sinks, checkpoints)
     shipped = {"total_timesteps": 4096 if quick else 51_200}
     out["recipe"] = sampled(
@@ -99,7 +103,9 @@ def comparisons(quick: bool, only: list[str] | None = None) -> list[Comparison]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(__doc__.splitlines()[0], 3, "sampling_overhead.json", argv, KEYS)
+    args = parse_args(
+        __doc__.splitlines()[0], 3, "sampling_overhead.json", argv, KEYS + EXTRA_KEYS, KEYS
+    )
     measure_and_record(
         args,
         comparisons(args.quick, args.only),

@@ -691,9 +691,10 @@ class ProbeSession:
         if self.remedies:  # after the epoch's metrics (ReDo reads its scores), before records
             metrics.update(self.remedies.end_epoch(self.epoch + 1, metrics))
         self._emit(metrics, snapshot, steps)
-        if sampler is not None and self._only_reporter():
-            # with no other lifecycle hook, the epoch's end is the probes' reporting:
-            # dispatch, record conversion and sinks (the collection is counted already)
+        if sampler is not None and sampler.handles and self._only_reporter():
+            # with no lifecycle hook but the stats_reporter, the epoch's end is the probes'
+            # reporting: dispatch, record conversion and sinks (the collection is counted
+            # already)
             collected = sampler.collect_seconds - collected
             sampler.charge(time.perf_counter() - start - collected)
         self._pending = {}
@@ -758,8 +759,9 @@ class ProbeSession:
             self.sinks.emit(snapshot, epoch, "SNAPSHOT")
 
     def _only_reporter(self) -> bool:
-        hooks = self.hooks.hooks
-        return len(hooks) == 1 and hooks[0].name == "stats_reporter"
+        """No lifecycle hook but the ``stats_reporter`` (or none at all: a session's
+        default, which collects the trackers itself)."""
+        return all(hook.name == "stats_reporter" for hook in self.hooks.hooks)
 
     def _quiet_epoch(self) -> bool:
         """Only the ``stats_reporter`` hook, and the probes do not report this epoch (a

@@ -133,6 +133,17 @@ def test_a_subset_of_comparisons_never_replaces_the_full_results(tmp_path):
     assert chosen.out == tmp_path / "y.json"
 
 
+def test_keys_outside_the_default_set_run_only_when_asked(tmp_path):
+    keys, default = ["a", "b", "again_a"], ["a", "b"]
+    full = ab.parse_args("d", 3, "x.json", [], keys, default)
+    assert full.only == default and full.out == ab.RESULTS / "x.json"
+    extra = ab.parse_args("d", 3, "x.json", ["--only", "again_a"], keys, default)
+    assert extra.only == ["again_a"] and extra.out == ab.RESULTS / "x_again_a.json"
+    (sb3_default,) = sampling_overhead.comparisons(True, ["sb3_default"])
+    assert sb3_default == sampling_overhead.comparisons(True, ["sb3"])[0]
+    assert sb3_default.name == "SB3 + ProbeCallback, default"
+
+
 def test_sampling_overhead_comparisons():
     comps = sampling_overhead.comparisons(True, ["probe_batch", "widths", "sb3"])
     assert [(c.name, c.a.label, c.b.label, c.target) for c in comps] == [

@@ -238,3 +238,37 @@ def test_a_drain_inside_a_hook_is_counted_once(tmp_path):
     active = (net.slow(x) > 0).double().mean(0)  # the same rows in every pass
     assert record["probes/relu/slow/samples"] == 64
     assert record["probes/relu/slow/active_rate"] == pytest.approx(active.tolist())
+
+
+SINK_SECONDS = 0.05
+
+
+def test_the_epoch_end_beyond_the_collection_counts_without_lifecycle_hooks(tmp_path):
+    """A session has no lifecycle hook by default (SB3's callback, loops of your own): its
+    epoch end beyond collecting the trackers (the record written to the sinks, here a sink
+    taking SINK_SECONDS per record) is the probes' reporting, counted in the next epoch's
+    overhead."""
+    torch.manual_seed(0)
+    net = Net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    x = torch.randn(16, 4)
+    records = []
+    with ProbeSession(net, run_dir=tmp_path, optimizer=opt, probe_budget=None, **NO_WANDB) as s:
+        assert not s.hooks.hooks
+        s.add_training_hook("cheap", attach_relu_activation_hooks(per_layer=False))
+        emit = s.sinks.emit
+
+        def slow_emit(*args, **kwargs):
+            time.sleep(SINK_SECONDS)
+            return emit(*args, **kwargs)
+
+        s.sinks.emit = slow_emit
+        for epoch in range(2):
+            s.set_phase("train")
+            for _ in range(4):
+                opt.zero_grad()
+                net(x).backward()
+                opt.step()
+            records.append(s.epoch_end(step=epoch))
+    assert records[1]["probes/overhead_seconds"] >= SINK_SECONDS
+    assert records[1]["probes/relu/cheap/passes_observed"] == 4

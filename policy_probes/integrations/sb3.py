@@ -40,6 +40,7 @@ import copy
 import inspect
 import logging
 import numbers
+import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -285,11 +286,16 @@ class ProbeCallback(BaseCallback):
         if self.session is None or self.session.closed or not self._trained:
             return
         self._trained = False
+        start = time.perf_counter()
         if self.log_sb3:
             self.session.log(self._sb3_values())
+        logged = time.perf_counter() - start
         self.session.set_phase("rollout")
         record = self.session.epoch_end(step=int(self.model.num_timesteps), final=final)
         self.history.append(record)
+        sampler = self.session.context.sampler
+        if sampler is not None and sampler.handles:  # the callback's own work, for the probes
+            sampler.charge(logged)
 
     def _sb3_values(self) -> dict[str, float]:
         """SB3's logger values recorded since its last dump (``train()`` records its
