@@ -56,24 +56,31 @@ def slow_relu_hooks():
     return build
 
 
-def run(tmp_path, budget, epochs):
+def slow_and_cheap(session: ProbeSession) -> None:
+    """The slow ReLU probe on ``slow``, the tanh saturation probe on ``cheap``."""
+    from policy_probes import attach_saturated_activation_hooks
+
+    session.add_training_hook("slow", slow_relu_hooks())
+    session.add_training_hook("cheap", attach_saturated_activation_hooks(per_layer=False))
+
+
+def run(tmp_path, budget, epochs, attach=slow_and_cheap, passes=PASSES, step=STEP_SECONDS):
+    """``epochs`` epochs of ``passes`` SGD passes on Net, each followed by ``step`` seconds
+    of the loop's own work, with the probes of ``attach``; the epoch records."""
     torch.manual_seed(0)
     net = Net()
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
     x = torch.randn(16, 4)
     records = []
     with ProbeSession(net, run_dir=tmp_path, optimizer=opt, probe_budget=budget, **NO_WANDB) as s:
-        s.add_training_hook("slow", slow_relu_hooks())
-        from policy_probes import attach_saturated_activation_hooks
-
-        s.add_training_hook("cheap", attach_saturated_activation_hooks(per_layer=False))
+        attach(s)
         for epoch in range(epochs):
             s.set_phase("train")
-            for _ in range(PASSES):
+            for _ in range(passes):
                 opt.zero_grad()
                 net(x).backward()
                 opt.step()
-                time.sleep(STEP_SECONDS)  # the loop's own work
+                time.sleep(step)  # the loop's own work
             records.append(s.epoch_end(step=epoch))
     return records
 
@@ -248,27 +255,18 @@ def test_the_epoch_end_beyond_the_collection_counts_without_lifecycle_hooks(tmp_
     epoch end beyond collecting the trackers (the record written to the sinks, here a sink
     taking SINK_SECONDS per record) is the probes' reporting, counted in the next epoch's
     overhead."""
-    torch.manual_seed(0)
-    net = Net()
-    opt = torch.optim.SGD(net.parameters(), lr=0.01)
-    x = torch.randn(16, 4)
-    records = []
-    with ProbeSession(net, run_dir=tmp_path, optimizer=opt, probe_budget=None, **NO_WANDB) as s:
-        assert not s.hooks.hooks
-        s.add_training_hook("cheap", attach_relu_activation_hooks(per_layer=False))
-        emit = s.sinks.emit
+
+    def cheap_probe_and_slow_sink(session: ProbeSession) -> None:
+        assert not session.hooks.hooks
+        session.add_training_hook("cheap", attach_relu_activation_hooks(per_layer=False))
+        emit = session.sinks.emit
 
         def slow_emit(*args, **kwargs):
             time.sleep(SINK_SECONDS)
             return emit(*args, **kwargs)
 
-        s.sinks.emit = slow_emit
-        for epoch in range(2):
-            s.set_phase("train")
-            for _ in range(4):
-                opt.zero_grad()
-                net(x).backward()
-                opt.step()
-            records.append(s.epoch_end(step=epoch))
+        session.sinks.emit = slow_emit
+
+    records = run(tmp_path, None, 2, attach=cheap_probe_and_slow_sink, passes=4, step=0.0)
     assert records[1]["probes/overhead_seconds"] >= SINK_SECONDS
     assert records[1]["probes/relu/cheap/passes_observed"] == 4
