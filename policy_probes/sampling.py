@@ -67,9 +67,9 @@ FIRST_EVERY = 32
 COST_EMA = 0.5
 #: the controller aims at this share of the budget: epoch-to-epoch noise in the measured
 #: costs then stays within the budget, and so do costs no timer sees (A/B runs of SB3 +
-#: ProbeCallback measured about 2.5 % of wall time beyond the 3 % the sampler counted:
-#: page faults of fresh buffers, the callback's own bookkeeping, cache effects)
-AIM = 0.6
+#: ProbeCallback measured 1.5-2.5 % of wall time beyond the ~3 % the sampler counted at
+#: 0.6: page faults of fresh buffers, session start and close, cache effects)
+AIM = 0.5
 #: passes per epoch that a budgeted probe observes on a component a remedy reads
 #: (:meth:`Sampler.pin`)
 PINNED_PASSES = 4
