@@ -105,8 +105,8 @@ class DistributedRun:
         self.start()
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        self.close(barrier=exc_type is None)
 
     def start(self) -> DistributedRun:
         """Join (or create) the process group; a no-op outside a distributed launch."""
@@ -167,11 +167,18 @@ class DistributedRun:
         dist.init_process_group(**kwargs)
         self.owns_group = True
 
-    def close(self) -> None:
-        """Destroy the process group if :meth:`start` created it."""
-        if self.owns_group and dist.is_initialized():
-            dist.destroy_process_group()
-        self.owns_group = False
+    def close(self, barrier: bool = False) -> None:
+        """Destroy the process group if :meth:`start` created it. ``barrier`` (a run that
+        ended cleanly): first wait until every rank is done, so no rank tears down its
+        gloo connections while another still uses them (a rank then aborted at exit with
+        "terminate called without an active exception")."""
+        try:
+            if barrier and self.owns_group and dist.is_initialized() and self.distributed:
+                dist.barrier()
+        finally:
+            if self.owns_group and dist.is_initialized():
+                dist.destroy_process_group()
+            self.owns_group = False
 
     # ------------------------------------------------------------------ helpers
     @property
