@@ -172,13 +172,14 @@ class DistributedRun:
         ended cleanly): first wait until every rank is done, so no rank tears down its
         gloo connections while another still uses them (a rank then aborted at exit with
         "terminate called without an active exception")."""
+        owned, self.owns_group = self.owns_group and dist.is_initialized(), False
+        if not owned:
+            return
         try:
-            if barrier and self.owns_group and dist.is_initialized() and self.distributed:
+            if barrier and self.distributed:
                 dist.barrier()
         finally:
-            if self.owns_group and dist.is_initialized():
-                dist.destroy_process_group()
-            self.owns_group = False
+            dist.destroy_process_group()
 
     # ------------------------------------------------------------------ helpers
     @property
