@@ -87,8 +87,10 @@ def run(tmp_path, budget, epochs, attach=slow_and_cheap, passes=PASSES, step=STE
 
 def test_an_expensive_probe_is_sampled_down_within_the_budget(tmp_path):
     budget = 0.25
-    records = run(tmp_path, budget, epochs=6)
-    first, last = records[0], records[-1]
+    # 10 ms of the loop's own work per pass: an epoch's allowance (~50 ms) holds the report
+    # (a few ms, more on a loaded machine) and one or more of the slow probe's passes
+    records = run(tmp_path, budget, epochs=6, step=0.01)
+    first = records[0]
     # epoch 1, before any cost is known, observes every FIRST_EVERY-th pass
     assert first["probes/relu/slow/passes_observed"] == max(PASSES // FIRST_EVERY, 1)
     assert first["probes/window_epochs"] == 1
@@ -98,7 +100,10 @@ def test_an_expensive_probe_is_sampled_down_within_the_budget(tmp_path):
         assert r["probes/overhead_fraction"] <= budget
         assert r["probes/relu/observe_every"] >= 2
         assert r["probes/relu/observe_every"] >= r["probes/saturation_tanh/observe_every"]
-        assert r["probes/relu/slow/passes_observed"] == PASSES // r["probes/relu/observe_every"]
+        k = int(r["probes/relu/observe_every"])
+        observed = r.get("probes/relu/slow/passes_observed", 0)  # absent: none this epoch
+        assert observed == PASSES // k if k <= PASSES else observed <= 1
+    last = next(r for r in reversed(records) if "probes/relu/slow/passes_observed" in r)
     assert last["probes/relu/slow/rows_observed"] == 16 * last["probes/relu/slow/passes_observed"]
     assert last["probes/relu/slow/samples"] == last["probes/relu/slow/rows_observed"]
 
@@ -203,8 +208,10 @@ def test_a_report_costlier_than_the_budget_reports_every_few_epochs(tmp_path):
     # epochs between reports carry no probe keys at all
     quiet = [r for r in records if "probes/window_epochs" not in r]
     assert quiet and not any(k.startswith("probes/") for r in quiet for k in r)
-    # once the report cost is known, the measured overhead is within the budget
-    assert windows[-1][1]["probes/overhead_fraction"] <= 0.25
+    # once the report cost is known, the windows the sampler chose are within the budget
+    # (the forced last one may be shorter than a window while paying a whole report)
+    assert len(windows) >= 3  # the report cost was known when the sampler chose it
+    assert windows[-2][1]["probes/overhead_fraction"] <= 0.25
 
 
 DRAIN_SECONDS = 0.02
