@@ -248,7 +248,7 @@ def test_a_drain_inside_a_hook_is_counted_once(tmp_path):
         record = s.epoch_end(step=0)
     # three drains in the hooks, one at the report (counted there): at least 4 x 20 ms,
     # and well under the 7 x 20 ms that counting the in-hook drains twice would give
-    assert 4 * DRAIN_SECONDS <= record["probes/overhead_seconds"] < 5.5 * DRAIN_SECONDS
+    assert 4 * DRAIN_SECONDS <= record["probes/overhead_seconds"] < 6 * DRAIN_SECONDS
     active = (net.slow(x) > 0).double().mean(0)  # the same rows in every pass
     assert record["probes/relu/slow/samples"] == 64
     assert record["probes/relu/slow/active_rate"] == pytest.approx(active.tolist())
