@@ -449,7 +449,10 @@ class Sampler:
     def charge(self, seconds: float) -> None:
         """Count ``seconds`` of the loop's own work for the probes (the session's epoch end
         beyond the collection: lifecycle dispatch, record conversion, sinks) in the next
-        epoch's overhead."""
+        epoch's overhead; nothing without an attached probe (there is no overhead to
+        report, and :meth:`end_epoch` would carry it on)."""
+        if not self.handles:
+            return
         seconds = max(seconds, 0.0)
         self.own_seconds += seconds
         if self._report_weight and self.report_cost is not None:  # a report's epoch end

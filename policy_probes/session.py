@@ -691,7 +691,7 @@ class ProbeSession:
         if self.remedies:  # after the epoch's metrics (ReDo reads its scores), before records
             metrics.update(self.remedies.end_epoch(self.epoch + 1, metrics))
         self._emit(metrics, snapshot, steps)
-        if sampler is not None and sampler.handles and self._only_reporter():
+        if sampler is not None and self._only_reporter():
             # with no lifecycle hook but the stats_reporter, the epoch's end is the probes'
             # reporting: dispatch, record conversion and sinks (the collection is counted
             # already)

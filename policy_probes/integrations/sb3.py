@@ -294,7 +294,7 @@ class ProbeCallback(BaseCallback):
         record = self.session.epoch_end(step=int(self.model.num_timesteps), final=final)
         self.history.append(record)
         sampler = self.session.context.sampler
-        if sampler is not None and sampler.handles:  # the callback's own work, for the probes
+        if sampler is not None:  # the callback's own work, for the probes
             sampler.charge(logged)
 
     def _sb3_values(self) -> dict[str, float]:
