@@ -13,16 +13,16 @@ a probe observes, and a :class:`Sampler` (one per :class:`ComponentContext`, at
 * :func:`probe_batch` - no training pass at all: at the epoch's end the loop runs one
   dedicated forward and backward on ``rows`` rows of the epoch's data
   (:meth:`policy_probes.session.ProbeSession.epoch_end`), outside the optimiser step;
-* :func:`budgeted` - every k-th pass with k chosen each epoch by the overhead budget (the
-  count shifted by one pass per epoch, so a k that divides the epoch's passes does not
-  always land on the same minibatch position).
+* :func:`budgeted` - the default: every k-th pass *of each epoch*, starting with its first
+  (k = :data:`DEFAULT_STRIDE` unless the budget's one-time calibration chose a larger one),
+  so every epoch observes at least one pass and reports every probe.
 
 **Pass boundaries** are not module hooks: the optimizer's step post-hook (registered by
 :meth:`Sampler.watch_optimizer`) or an explicit :meth:`Sampler.next_pass` ends a pass;
 the sampler then installs the torch hooks of the probes that observe the next pass and
 removes the others (:meth:`policy_probes.components.ProbeHandle.sync`), so an unobserved
-pass runs the bare modules. Which passes are observed depends only on pass counters, never
-on a random number generator.
+pass runs the bare modules. Which passes are observed depends only on pass counters and
+settings stored with the run, never on a random number generator or on wall time.
 
 **Cost** is measured without host synchronisation: ``time.perf_counter`` around the
 probes' own hook bodies, gradient-tap registrations, drains and ``to_metrics``, plus torch's
@@ -30,15 +30,16 @@ hook dispatch, which cannot be timed from inside: it is estimated as (module hoo
 x :data:`dispatch_costs` ``[0]`` + (tensor hooks fired) x ``[1]``, constants measured once
 per process on an ``nn.Identity`` (:func:`dispatch_costs`). On a GPU these are host-side
 times (kernel launches are asynchronous), which is the cost the training loop waits for.
+The measured cost is reported (``probes/overhead_fraction``); it does not steer which
+passes are observed, except once:
 
-**Budget**: with ``budget=b`` the sampler sets, after each epoch, every probe's k so the
-projected cost of the next epoch is at most b / (1 - b) of the probe-free time (wall time
-minus measured overhead), doubling the k of the probe with the largest projected cost first
-(so the most expensive probe is sampled down first). k is capped at 8 epochs' passes.
-The report (every tracker's ``to_metrics``, and the rest of the epoch's end that only the
-probes need) costs the same at any k: when it would take more than :data:`REPORT_SHARE`
-of the allowance, the probes report every m epochs (:meth:`Sampler.reports_this_epoch`),
-their metrics then covering the m epochs (``probes/window_epochs``).
+**Budget**: with ``budget=b`` (the default, 5 %) the sampler checks the cost once, at the
+end of the calibration epoch (:data:`CALIBRATION_EPOCH`): if the projected cost of the
+next epochs exceeds b / (1 - b) of the probe-free time, it doubles the stride of the
+probe with the largest projected cost until it fits or every probe observes one pass per
+epoch. The choice is made once, kept in :meth:`Sampler.state_dict` (checkpoints, so
+resume and fork reuse it), reported every epoch (``probes/<probe>/observe_every``) and
+never revised; no epoch goes unreported.
 """
 
 from __future__ import annotations
@@ -59,25 +60,19 @@ log = logging.getLogger("policy_probes")
 
 #: default fraction of wall time the probes may take (ProbeSession, ProbeCallback, TrainTool)
 DEFAULT_BUDGET = 0.05
-#: a budgeted probe observes at least one pass every this many epochs
-MAX_EPOCHS_BETWEEN = 8
-#: k of a budgeted probe before its cost was measured (its first epoch: a few passes)
-FIRST_EVERY = 32
-#: weight of the newest epoch in the running per-pass cost estimate
-COST_EMA = 0.5
-#: the controller aims at this share of the budget: epoch-to-epoch noise in the measured
-#: costs then stays within the budget, and so do costs no timer sees (A/B runs of SB3 +
-#: ProbeCallback measured 1.5-2.5 % of wall time beyond the ~3 % the sampler counted at
-#: 0.6: page faults of fresh buffers, session start and close, cache effects)
+#: a budgeted probe observes passes 0, k, 2k, ... of every epoch, with this k unless the
+#: budget's calibration chose a larger one (one pass in 16: one per epoch on CleanRL's
+#: 4 x 4 minibatches, 20 of SB3 PPO's 320)
+DEFAULT_STRIDE = 16
+#: the epoch (counted from 0) at whose end the budget is checked and the strides chosen
+#: once; epoch 0 is a warm-up (first-time allocations, the dispatch-cost calibration)
+CALIBRATION_EPOCH = 1
+#: the calibration aims at this share of the budget: some costs no timer sees (page
+#: faults of fresh buffers, session start and close, cache effects)
 AIM = 0.5
 #: passes per epoch that a budgeted probe observes on a component a remedy reads
 #: (:meth:`Sampler.pin`)
 PINNED_PASSES = 4
-#: the share of the budget that reporting (the trackers' ``to_metrics``) may take before
-#: the probes report every few epochs instead of every epoch
-REPORT_SHARE = 0.5
-#: the most epochs one report may cover (reporting windows, see :meth:`Sampler.reports_this_epoch`)
-MAX_REPORT_WINDOW = 16
 
 Kind = Literal["every", "every_k", "per_epoch", "probe_batch", "budget"]
 
@@ -127,7 +122,8 @@ def probe_batch(rows: int) -> Schedule:
 
 
 def budgeted() -> Schedule:
-    """Observe every k-th pass, k set each epoch by the overhead budget."""
+    """Observe passes 0, k, 2k, ... of every epoch (k = :data:`DEFAULT_STRIDE`, or the
+    stride the budget's one-time calibration chose): at least one pass in every epoch."""
     return Schedule("budget")
 
 
@@ -275,32 +271,27 @@ class Sampler:
         self.probe_batch_source: Any = None
         #: draws the probe batch's rows (never a global RNG)
         self.generator = torch.Generator().manual_seed(0)
-        #: probe -> k of the budgeted probes
+        #: probe -> k of the budgeted probes whose stride the calibration chose (the
+        #: others use DEFAULT_STRIDE)
         self.observe_every: dict[str, int] = {}
-        #: probe -> estimated seconds per observed pass
+        #: probe -> seconds per observed pass, as measured in the calibration epoch
         self.cost_per_pass: dict[str, float] = {}
+        #: the epoch whose end chose the strides (None: not yet, or no budget)
+        self.calibrated_epoch: int | None = None
+        #: called with the choice once it is made (the session records it in config.json)
+        self.on_choice: Callable[[dict[str, Any]], None] | None = None
         self.handles: dict[int, Any] = {}
         self.counts: dict[int, _HookCount] = {}
         self.own_seconds = 0.0
         #: seconds spent installing and removing the probes' torch hooks (phase changes
         #: and pass boundaries; added by PolicyAutoBuilder._sync_handles)
         self.sync_seconds = 0.0
-        self.last_fraction: float | None = None
-        #: report every this many epochs (1 unless reporting alone would exceed
-        #: REPORT_SHARE of the budget: very short epochs); epochs in the current window
-        self.report_every = 1
-        self.window_epochs = 0
-        #: the loop's last epoch is under way: the probes report at its end whatever their
-        #: window holds (set for one ``ProbeSession.epoch_end(final=True)``)
-        self.final = False
-        #: estimated seconds of one report, and the window's overhead and wall seconds
-        self.report_cost: float | None = None
-        self.window_overhead = 0.0
-        self.window_wall = 0.0
         #: seconds spent in StatsReporter.collect over the run (the session subtracts it
         #: from the epoch end it charges, see :meth:`charge`)
         self.collect_seconds = 0.0
-        self._report_weight = 0.0
+        #: the epoch end beyond the collection, charged after the epoch's record was
+        #: made (:meth:`charge`): counted in the next epoch's overhead
+        self._charged = 0.0
         #: components whose probes feed remedies (:meth:`pin`)
         self.pinned: set[str] = set()
         self._warned = False
@@ -331,10 +322,8 @@ class Sampler:
     def pin(self, component: str) -> None:
         """Make what the probes on ``component`` report depend only on the seed, for a
         remedy that acts on it (:mod:`policy_probes.remedies`): its budgeted probes observe
-        :data:`PINNED_PASSES` passes per epoch (a rule of pass counters, where the budget's
-        k follows measured time), and every epoch reports (no reporting windows)."""
+        :data:`PINNED_PASSES` passes per epoch, whatever the budget's calibration chose."""
         self.pinned.add(component)
-        self.report_every = 1
         self._rules = self._answers = None
         self.context.resync()
 
@@ -360,7 +349,7 @@ class Sampler:
         """What decides whether ``hook`` observes a pass: (kind, k or n)."""
         s = self.schedule_of(hook)
         if s.kind == "budget":
-            return ("budget", self.observe_every.get(hook.probe, FIRST_EVERY))
+            return ("budget", self.observe_every.get(hook.probe, DEFAULT_STRIDE))
         return (s.kind, s.k if s.kind == "every_k" else s.n)
 
     def _rule_holds(self, rule: tuple[str, int]) -> bool:
@@ -371,8 +360,8 @@ class Sampler:
             return True
         if kind == "every_k":
             return self.passes % arg == 0
-        if kind == "budget":  # shifted by one pass per epoch: not always the same minibatch
-            return (self.passes + self.epochs) % arg == 0
+        if kind == "budget":  # passes 0, k, 2k, ... of the epoch: never an epoch without one
+            return self.epoch_passes % arg == 0
         stride = max((self.last_epoch_passes or 0) // arg, 1)  # per_epoch
         i = self.epoch_passes
         return i % stride == 0 and i // stride < arg
@@ -437,27 +426,12 @@ class Sampler:
         return optimizer.register_step_post_hook(ended)
 
     # ------------------------------------------------------------ epochs
-    def reports_this_epoch(self) -> bool:
-        """Whether the trackers report at this epoch's end: every epoch without budgeted
-        probes, under torch.distributed, or while reporting fits the budget; else every
-        :attr:`report_every` epochs, the metrics then covering that many epochs; always
-        in the loop's last epoch (:attr:`final`), so no observed pass goes unreported."""
-        if self.final or self.report_every == 1 or self.pinned or _distributed():
-            return True
-        return self.window_epochs + 1 >= self.report_every
-
     def charge(self, seconds: float) -> None:
         """Count ``seconds`` of the loop's own work for the probes (the session's epoch end
         beyond the collection: lifecycle dispatch, record conversion, sinks) in the next
-        epoch's overhead; nothing without an attached probe (there is no overhead to
-        report, and :meth:`end_epoch` would carry it on)."""
-        if not self.handles:
-            return
-        seconds = max(seconds, 0.0)
-        self.own_seconds += seconds
-        if self._report_weight and self.report_cost is not None:  # a report's epoch end
-            self.report_cost += self._report_weight * seconds
-        self._report_weight = 0.0
+        epoch's overhead; nothing without an attached probe."""
+        if self.handles:
+            self._charged += max(seconds, 0.0)
 
     def before_collect(self) -> None:
         """Run this epoch's probe batch, if a probe waits for one (called by
@@ -468,16 +442,14 @@ class Sampler:
                 source = self.probe_batch_source = source()
             run_probe_batch(self, source, self.generator)
 
-    def end_epoch(
-        self, trackers: list[Any], *, report: bool = True, report_seconds: float = 0.0
-    ) -> dict[str, float]:
+    def end_epoch(self, trackers: list[Any], *, report_seconds: float = 0.0) -> dict[str, float]:
         """Close the epoch's accounting (after the trackers' ``to_metrics``, which took
-        ``report_seconds``; ``report=False``: the trackers did not report this epoch, see
-        :meth:`reports_this_epoch`) and set the next epoch's sampling rates within the
-        budget. On a report, return ``probes/overhead_fraction``,
-        ``probes/overhead_seconds`` and ``probes/window_epochs`` over the window, and per
-        probe and component ``passes_observed`` / ``rows_observed`` (and
-        ``observe_every`` of budgeted probes)."""
+        ``report_seconds``). Returns ``probes/overhead_fraction`` and
+        ``probes/overhead_seconds`` (the probes' measured cost in this epoch, with the
+        previous epoch's end beyond the collection), per probe and component
+        ``passes_observed`` / ``rows_observed``, and ``observe_every`` of budgeted
+        probes. At the end of :data:`CALIBRATION_EPOCH` under a budget, chooses the
+        strides once (:meth:`_calibrate`)."""
         if not self.handles:  # no probe attached: nothing to report
             self.epoch_start = time.perf_counter()
             return {}
@@ -500,24 +472,21 @@ class Sampler:
             cost[count.probe] = cost.get(count.probe, 0.0) + seconds
             observed[count.probe] = max(observed.get(count.probe, 0), count.epoch_passes)
             count.epoch_passes = count.module_calls = count.tensor_calls = 0
-            # beside a built-in probe's metrics (none in a window it observed no pass of)
-            if report and count.passes and getattr(hook, "tracker", None) is not None:
+            # beside a built-in probe's metrics (none in an epoch it observed no pass of)
+            if count.passes and getattr(hook, "tracker", None) is not None:
                 prefix = f"probes/{count.probe}/{count.component}"
                 out[f"{prefix}/passes_observed"] = float(count.passes)
                 out[f"{prefix}/rows_observed"] = float(count.rows)
-            if report:
-                count.passes = count.rows = 0
+            count.passes = count.rows = 0
         for tracker in trackers:  # drains: the work of the rows the probes observed
             probe = getattr(tracker, "probe", None)
             seconds = getattr(tracker, "seconds", 0.0)
             if probe is not None and seconds:
                 cost[probe] = cost.get(probe, 0.0) + seconds
                 tracker.seconds = 0.0
-        overhead = sum(cost.values()) + self.own_seconds + self.sync_seconds + report_seconds
-        self.last_fraction = overhead / wall if wall > 0 else 0.0
-        self.window_overhead += overhead
-        self.window_wall += wall
-        self.window_epochs += 1
+        fixed = self.own_seconds + self.sync_seconds + report_seconds + self._charged
+        overhead = sum(cost.values()) + fixed
+        self._charged = 0.0
         if self.budget is not None and not self.passes and not self._warned:
             self._warned = True
             log.warning(
@@ -525,82 +494,93 @@ class Sampler:
                 "pass optimizer=... to the session or call session.next_pass() after each "
                 "optimizer step"
             )
-        if report:
-            # the newest report's weight in the running estimate (charge() adds the rest
-            # of this report's epoch end with the same weight)
-            self._report_weight = 1.0 if self.report_cost is None else COST_EMA
-            self.report_cost = self._report_weight * report_seconds + (1 - self._report_weight) * (
-                self.report_cost or 0.0
-            )
-            fraction = self.window_overhead / self.window_wall if self.window_wall > 0 else 0.0
-            out["probes/overhead_fraction"] = fraction
-            out["probes/overhead_seconds"] = self.window_overhead
-            out["probes/window_epochs"] = float(self.window_epochs)
-            for probe, k in self.observe_every.items():
-                out[f"probes/{probe}/observe_every"] = float(k)
-            self.window_overhead = self.window_wall = 0.0
-            self.window_epochs = 0
-        if self.budget is not None:
-            self._retune(cost, observed, wall, overhead - report_seconds)
+        out["probes/overhead_fraction"] = overhead / wall if wall > 0 else 0.0
+        out["probes/overhead_seconds"] = overhead
+        if (
+            self.budget is not None
+            and self.calibrated_epoch is None
+            and self.epochs >= CALIBRATION_EPOCH
+            and self.epoch_passes
+        ):
+            self._calibrate(cost, observed, wall, overhead, fixed)
+        for probe, k in self.strides().items():
+            out[f"probes/{probe}/observe_every"] = float(k)
         self.last_epoch_passes, self.epoch_passes = self.epoch_passes, 0
         self.epochs += 1
         self.own_seconds = time.perf_counter() - t0
         self.sync_seconds = 0.0
         self.epoch_start = time.perf_counter()
-        self._rules = self._answers = None  # new rates; per_epoch schedules start over
+        self._rules = self._answers = None  # per_epoch schedules start over
         self.context.resync()
         return out
 
-    def _retune(
-        self, cost: dict[str, float], observed: dict[str, int], wall: float, overhead: float
-    ) -> None:
-        budgeted_probes = {
+    def budgeted_probes(self) -> set[str]:
+        """The probes whose schedule is the budget's (the default under a budget)."""
+        return {
             c.probe
             for key, c in self.counts.items()
             if self.schedule_of(self.handles[key].hook).kind == "budget"
         }
-        for probe in budgeted_probes:
-            n = observed.get(probe, 0)
-            if n:
-                per = cost.get(probe, 0.0) / n
-                old = self.cost_per_pass.get(probe)
-                self.cost_per_pass[probe] = (
-                    per if old is None else COST_EMA * per + (1 - COST_EMA) * old
-                )
-        passes = max(self.epoch_passes, 1)
-        # what the probes may cost: budget b of the wall time = b / (1 - b) of the rest
-        allowed = AIM * self.budget / (1 - self.budget) * max(wall - overhead, 0.0)
-        # reporting costs report_cost per report: report every m epochs where it would
-        # take more than REPORT_SHARE of the allowance (at most MAX_REPORT_WINDOW)
-        report_cost = self.report_cost or 0.0
-        self.report_every = (
-            1
-            if not budgeted_probes or self.pinned or report_cost <= REPORT_SHARE * allowed
-            else min(math.ceil(report_cost / (REPORT_SHARE * allowed)), MAX_REPORT_WINDOW)
-            if allowed > 0
-            else MAX_REPORT_WINDOW
-        )
-        fixed = overhead - sum(cost.get(p, 0.0) for p in budgeted_probes)
-        allowed -= fixed + report_cost / self.report_every
-        k_max = passes * MAX_EPOCHS_BETWEEN
-        # from half the current k: rates relax by at most 2x per epoch (no oscillation
-        # between observing everything and nothing when an epoch's costs are noisy)
-        ks = {
-            p: max(self.observe_every.get(p, FIRST_EVERY) // 2, 1)
-            for p in budgeted_probes
-            if p in self.cost_per_pass
+
+    def strides(self) -> dict[str, int]:
+        """``probe -> k`` of every budgeted probe (it observes passes 0, k, 2k, ... of
+        each epoch)."""
+        return {
+            p: self.observe_every.get(p, DEFAULT_STRIDE) for p in sorted(self.budgeted_probes())
         }
 
-        def projected(p: str) -> float:
-            return self.cost_per_pass[p] * passes / ks[p]
+    def _calibrate(
+        self,
+        cost: dict[str, float],
+        observed: dict[str, int],
+        wall: float,
+        overhead: float,
+        fixed: float,
+    ) -> None:
+        """Choose the budgeted probes' strides once, from this epoch's measured costs:
+        from :data:`DEFAULT_STRIDE`, double the stride of the probe with the largest
+        projected cost until the projected cost of an epoch is within :data:`AIM` of the
+        budget, or every budgeted probe observes one pass per epoch (a stride of at
+        least the epoch's passes; then a warning says the budget cannot be met without
+        leaving epochs unobserved)."""
+        probes = self.budgeted_probes()
+        passes = self.epoch_passes
+        per_pass = {p: cost.get(p, 0.0) / observed[p] for p in probes if observed.get(p)}
+        self.cost_per_pass = dict(per_pass)
+        # what the probes may cost: budget b of the wall time = b / (1 - b) of the rest
+        allowed = AIM * self.budget / (1 - self.budget) * max(wall - overhead, 0.0)
+        allowed -= fixed + sum(cost.get(p, 0.0) for p in cost if p not in per_pass)
+        ks = {p: self.observe_every.get(p, DEFAULT_STRIDE) for p in per_pass}
+
+        def projected(p: str) -> float:  # passes 0, k, 2k, ... of an epoch of `passes`
+            return per_pass[p] * math.ceil(passes / ks[p])
 
         while ks and sum(projected(p) for p in ks) > allowed:
-            open_ = [p for p in ks if ks[p] < k_max]
+            open_ = [p for p in ks if ks[p] < passes]
             if not open_:
+                log.warning(
+                    "probe_budget=%g: observing one training pass per epoch is projected to "
+                    "cost %.1f %% of training time; every epoch is still observed. For less, "
+                    "observe fewer layers or set probe_schedule='every_k:<k>' (epochs without "
+                    "an observed pass then carry no probe metrics)",
+                    self.budget,
+                    100 * (sum(projected(p) for p in ks) + fixed) / max(wall - overhead, 1e-9),
+                )
                 break
             worst = max(open_, key=projected)
-            ks[worst] = min(ks[worst] * 2, k_max)
+            ks[worst] *= 2
         self.observe_every.update(ks)
+        self.calibrated_epoch = self.epochs
+        if self.on_choice is not None:
+            self.on_choice(self.choice())
+
+    def choice(self) -> dict[str, Any]:
+        """What the budget's calibration chose (plain values, for ``config.json``)."""
+        return {
+            "budget": self.budget,
+            "calibrated_epoch": self.calibrated_epoch,
+            "observe_every": self.strides(),
+        }
 
     def state_dict(self) -> dict[str, Any]:
         """Pass counters, sampling rates and this epoch's observed passes and rows (plain
@@ -624,12 +604,8 @@ class Sampler:
             "last_epoch_passes": self.last_epoch_passes,
             "observe_every": dict(self.observe_every),
             "cost_per_pass": dict(self.cost_per_pass),
+            "calibrated_epoch": self.calibrated_epoch,
             "counts": counts,
-            "report_every": self.report_every,
-            "window_epochs": self.window_epochs,
-            "report_cost": self.report_cost,
-            "window_overhead": self.window_overhead,
-            "window_wall": self.window_wall,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -646,13 +622,12 @@ class Sampler:
             saved = self._restored.pop(f"{count.probe}/{count.component}", None)
             if saved is not None:
                 _restore_count(count, saved)
-        # absent from checkpoints written before reporting windows: every epoch reports
-        self.report_every = int(state.get("report_every", 1))
-        self.window_epochs = int(state.get("window_epochs", 0))
-        cost = state.get("report_cost")
-        self.report_cost = None if cost is None else float(cost)
-        self.window_overhead = float(state.get("window_overhead", 0.0))
-        self.window_wall = float(state.get("window_wall", 0.0))
+        calibrated = state.get("calibrated_epoch")
+        if calibrated is None and self.observe_every:
+            # a checkpoint of the per-epoch controller that preceded the calibration: its
+            # strides were still moving; keep them, as chosen at the checkpoint's epoch
+            calibrated = self.epochs
+        self.calibrated_epoch = None if calibrated is None else int(calibrated)
         self._rules = self._answers = None
         self.context.resync()
 

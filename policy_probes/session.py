@@ -288,6 +288,7 @@ class ProbeSession:
             self._lock.release()
             raise
         self.sinks.set_run_context(run_dir=self.run_dir, config=self.config)
+        self.sampler.on_choice = self._record_sampling_choice
         try:
             if last_epoch is not None and self.epoch <= last_epoch:
                 self._rewind(self.epoch - 1)
@@ -310,6 +311,7 @@ class ProbeSession:
         self.config = dict(config or {})
         self.sinks = sinks
         self.sinks.set_run_context(run_dir=self.run_dir, config=self.config)
+        self.sampler.on_choice = self._record_sampling_choice
         if not self.explicit_epoch_start:
             self.epoch_start()
 
@@ -404,6 +406,22 @@ class ProbeSession:
                     log.warning(
                         "%s: dropped %d records after epoch %d", sink.name, dropped, last_epoch
                     )
+
+    def _record_sampling_choice(self, choice: dict[str, Any]) -> None:
+        """Add the probe budget's one-time choice (:mod:`policy_probes.sampling`) to
+        ``run_dir/config.json`` as ``probe_sampling``, whoever wrote the file."""
+        path = None if self.run_dir is None else self.run_dir / "config.json"
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+            return  # rank 0 writes the run's files
+        if path is None or not path.is_file():
+            return
+        try:
+            config = json.loads(path.read_text(encoding="utf-8"))
+            config["probe_sampling"] = to_plain(choice)
+            write_text_atomic(path, json.dumps(config, indent=2) + "\n")
+        except (OSError, ValueError) as exc:  # the choice is in every record and checkpoint
+            log.error("could not record the probe sampling choice in %s: %s", path, exc)
 
     def _write_config(self) -> None:
         try:
@@ -662,10 +680,9 @@ class ProbeSession:
         epoch's metrics as host values (floats and lists).
 
         ``step`` is the agent step (environment steps so far); ``extra`` are more metrics
-        for the record (``epoch_end(step, **{"rollout/episode_return": r})``). ``final``:
-        this is the run's last epoch, so the probes report now even inside a reporting
-        window of the overhead budget (:mod:`policy_probes.sampling`); without it the
-        passes observed since the last report are never reported. The order
+        for the record (``epoch_end(step, **{"rollout/episode_return": r})``). ``final``
+        (this is the run's last epoch) is accepted for loops written for the reporting
+        windows of earlier versions; every epoch reports every probe now. The order
         is the same for every loop (``docs/external.md``): POST_EPOCH fires (the
         ``stats_reporter`` collects the probes' trackers), SNAPSHOT fires when due, and
         the buffered step-point metrics are read; then (with ``step_records``) one record
@@ -681,13 +698,7 @@ class ProbeSession:
         sampler = self.context.sampler
         start = time.perf_counter()
         collected = sampler.collect_seconds if sampler is not None else 0.0
-        if sampler is not None:
-            sampler.final = final
-        try:
-            metrics, snapshot, steps = self._fire_epoch_points(logged)
-        finally:
-            if sampler is not None:
-                sampler.final = False
+        metrics, snapshot, steps = self._fire_epoch_points(logged)
         if self.remedies:  # after the epoch's metrics (ReDo reads its scores), before records
             metrics.update(self.remedies.end_epoch(self.epoch + 1, metrics))
         self._emit(metrics, snapshot, steps)
@@ -712,8 +723,7 @@ class ProbeSession:
         metrics = dict(logged)
         snapshot: dict[str, Any] | None = None
         steps: dict[str, dict[str, Any]] = {}
-        quiet = self._quiet_epoch()
-        if self.hooks.active and not self._idle_reporter() and not quiet:
+        if self.hooks.active and not self._idle_reporter():
             self._warn_missing_rollout_end()
             metrics.update(self._pending)
             common = {"epoch": self.epoch, "step": self._step, "agent_step": self.agent_step}
@@ -736,7 +746,7 @@ class ProbeSession:
             steps = {point.value: values for point, values in flushed.by_point.items()}
         elif snapshot_due(self.epoch, self.snapshot_every):
             snapshot = {}
-        if not self._reporter_hook or quiet:
+        if not self._reporter_hook:
             metrics.update(StatsReporter(self.context).collect())
         plain = {k: to_plain(v) for k, v in metrics.items()}
         if snapshot is not None:
@@ -762,19 +772,6 @@ class ProbeSession:
         """No lifecycle hook but the ``stats_reporter`` (or none at all: a session's
         default, which collects the trackers itself)."""
         return all(hook.name == "stats_reporter" for hook in self.hooks.hooks)
-
-    def _quiet_epoch(self) -> bool:
-        """Only the ``stats_reporter`` hook, and the probes do not report this epoch (a
-        reporting window under the overhead budget, :mod:`policy_probes.sampling`): the
-        trackers are collected directly, for the sampler's accounting, without a
-        lifecycle dispatch."""
-        sampler = self.context.sampler
-        return (
-            self._only_reporter()
-            and sampler is not None
-            and not sampler.reports_this_epoch()
-            and not self._pending
-        )
 
     def _idle_reporter(self) -> bool:
         """Only the ``stats_reporter`` hook, and no probe to report: its dispatch (~0.15

@@ -12,7 +12,7 @@ log = logging.getLogger("policy_probes")
 
 
 class StatsReporter:
-    """Reads every tracker in ``context.model_metrics`` at the end of a window.
+    """Reads every tracker in ``context.model_metrics`` at the end of every epoch.
 
     :meth:`collect` all-reduces each tracker across processes (when
     ``torch.distributed`` is initialised), calls ``to_metrics()`` then ``reset()``, and
@@ -37,9 +37,6 @@ class StatsReporter:
         metrics: dict[str, Any] = {}
         if sampler is not None:
             self._probe_batch(sampler)
-        # under an overhead budget very short epochs may report every few epochs
-        # (policy_probes.sampling): the trackers then keep their window open
-        report = sampler is None or sampler.reports_this_epoch()
         trackers = [
             t
             for t in self.context.model_metrics.values()
@@ -49,7 +46,7 @@ class StatsReporter:
         # with fewer rows): charged to the report, not to the probes' observed passes
         drained_before = [getattr(t, "seconds", 0.0) for t in trackers]
         start = time.perf_counter()
-        for tracker in trackers if report else ():
+        for tracker in trackers:
             if self.all_reduce and hasattr(tracker, "all_reduce"):
                 tracker.all_reduce()
             metrics.update(tracker.to_metrics())
@@ -59,18 +56,15 @@ class StatsReporter:
         for tracker, seconds in zip(trackers, drained_before, strict=True):
             if hasattr(tracker, "seconds"):
                 tracker.seconds = seconds
-        if sampler is not None:  # the epoch's overhead and observed passes; next rates
+        if sampler is not None:  # the epoch's overhead and observed passes
             try:
-                metrics.update(
-                    sampler.end_epoch(trackers, report=report, report_seconds=report_seconds)
-                )
+                metrics.update(sampler.end_epoch(trackers, report_seconds=report_seconds))
             except Exception as exc:  # accounting must never take training down
                 if self.context.strict:
                     raise
                 log.error("probe sampler failed at the epoch's end: %s", exc)
-        if report:
-            for key in self.context.probe_errors:
-                metrics[f"probes/errors/{key}"] = 1.0
+        for key in self.context.probe_errors:
+            metrics[f"probes/errors/{key}"] = 1.0
         return metrics
 
     def _probe_batch(self, sampler: Any) -> None:

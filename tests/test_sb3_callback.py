@@ -230,27 +230,17 @@ def test_second_learn_continues_the_cycle_count_in_the_same_run_dir(tmp_path):
     assert all(r["probes/relu/actor_mlp/samples"] == N_EPOCHS * ROWS for r in records)
 
 
-def test_the_last_cycle_reports_what_a_reporting_window_holds(tmp_path):
-    """A report costlier than the budget allows each cycle: the probes report every few
-    cycles (``probes/window_epochs``), and the end of ``learn()`` reports the window it is
-    in, so every row the probe observed is in some record: the rows reported add up to
-    the rows a plain torch hook saw while the probe's hooks were armed."""
-    from test_probe_budget import SlowReport
-
+def test_the_default_reports_every_cycle_from_the_passes_it_observed(tmp_path):
+    """Under the default budget every cycle observes pass 0 of its update phase (4 passes
+    per cycle here, stride 16) and reports it: every record carries the probe's metrics,
+    and the rows each reports are the rows a plain torch hook saw while the probe's
+    hooks were armed in that cycle."""
     model = ppo()
     seen: list[int] = []
-    relu = attach_relu_activation_hooks(per_layer=False)
-
-    def slow_report(name, context):  # the ReLU probe with a slow to_metrics
-        hook = relu(name, context)
-        context.model_metrics["relu"].__class__ = SlowReport
-        return hook
-
     callback = ProbeCallback(
-        probes=[("actor_mlp", slow_report)],
+        probes=[("actor_mlp", attach_relu_activation_hooks(per_layer=False))],
         run_dir=tmp_path,
         sinks=SinksConfig(console=False, wandb=False),
-        probe_budget=0.25,
     )
 
     def count(_module, _inputs, output):
@@ -260,12 +250,12 @@ def test_the_last_cycle_reports_what_a_reporting_window_holds(tmp_path):
             seen.append(output.shape[0])
 
     model.policy.mlp_extractor.policy_net.register_forward_hook(count)
-    cycles = 20
+    cycles = 6
     model.learn(cycles * ROWS, callback=callback)
-    windows = [
-        int(r["probes/window_epochs"]) for r in callback.history if "probes/window_epochs" in r
-    ]
-    assert max(windows) > 1 and sum(windows) == cycles == len(callback.history)
-    assert "probes/window_epochs" in callback.history[-1]
-    rows = sum(r.get("probes/relu/actor_mlp/rows_observed", 0) for r in callback.history)
-    assert seen and rows == sum(seen)
+    assert len(callback.history) == cycles
+    assert seen == [BATCH] * cycles  # one observed pass per cycle
+    for record in callback.history:
+        assert record["probes/relu/actor_mlp/passes_observed"] == 1
+        assert record["probes/relu/actor_mlp/rows_observed"] == BATCH
+        assert record["probes/relu/actor_mlp/samples"] == BATCH
+        assert "probes/relu/actor_mlp/dead_fraction" in record
