@@ -559,12 +559,14 @@ class Sampler:
             open_ = [p for p in ks if ks[p] < passes]
             if not open_:
                 log.warning(
-                    "probe_budget=%g: observing one training pass per epoch is projected to "
-                    "cost %.1f %% of training time; every epoch is still observed. For less, "
-                    "observe fewer layers or set probe_schedule='every_k:<k>' (epochs without "
-                    "an observed pass then carry no probe metrics)",
+                    "probe_budget=%g: the probes' report and one observed training pass "
+                    "per epoch took %.1f %% of epoch %d; every epoch is still observed. "
+                    "For less, attach fewer probes or layers (per_layer=False), or set "
+                    "probe_schedule='every_k:<k>' (epochs without an observed pass then "
+                    "carry no probe metrics)",
                     self.budget,
-                    100 * (sum(projected(p) for p in ks) + fixed) / max(wall - overhead, 1e-9),
+                    100 * (sum(projected(p) for p in ks) + fixed) / max(wall, 1e-9),
+                    self.epochs,
                 )
                 break
             worst = max(open_, key=projected)

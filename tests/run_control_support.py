@@ -58,7 +58,8 @@ def train() -> TrainTool:
         hooks=["norms"],
         torch_threads=1,
         seed=5,
-        probe_budget=None,  # every pass: resumed and plain runs observe the same passes
+        # the default sampling (one pass in 16 of every epoch): resumed, forked and
+        # uninterrupted runs observe the same passes
     )
     tool.add_training_hook("actor_mlp", attach_relu_activation_hooks())
     tool.add_training_backward_hook("actor_mlp", attach_fisher_information_hooks())

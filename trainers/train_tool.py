@@ -158,8 +158,8 @@ class TrainTool(BaseModel):
     snapshot_every: int = Field(
         25,
         ge=0,
-        description="Fire SNAPSHOT (expensive hooks such as hessian; the sinks' snapshot "
-        "table and heatmaps) every N epochs; 0 = never.",
+        description="Fire SNAPSHOT (expensive hooks such as hessian; the console's snapshot "
+        "table) every N epochs; 0 = never.",
     )
     remedies: list[str] = Field(
         default_factory=list,

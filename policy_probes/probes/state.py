@@ -449,7 +449,10 @@ def _takes_weight(cls: type) -> bool:
 
 
 def _to_host(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """One device-to-host transfer per dtype for all of a component's accumulators."""
+    """One device-to-host transfer per dtype for all of a component's accumulators (none
+    when they are on the CPU already: summaries only read them)."""
+    if all(t.device.type == "cpu" for t in state.values()):
+        return dict(state)
     out: dict[str, torch.Tensor] = {}
     by_dtype: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
     for k, t in state.items():

@@ -285,7 +285,7 @@ def to_plain(value: Any) -> Any:
     if isinstance(value, Mapping):
         return {str(k): to_plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        if all(type(v) in _PLAIN_SCALARS for v in value):  # a per-unit vector: copy it
+        if _PLAIN_SCALARS.issuperset(map(type, value)):  # a per-unit vector: copy it
             return list(value)
         return [to_plain(v) for v in value]
     tolist = getattr(value, "tolist", None)  # torch.Tensor, numpy arrays and scalars
@@ -322,4 +322,13 @@ def is_vector(value: Any) -> bool:
 
 def finite_values(values: Iterable[Any]) -> list[float]:
     """The finite numeric elements of a per-unit vector (None and NaN/inf left out)."""
+    values = list(values)
+    try:  # the common case, every element a finite float: C-level passes only
+        if _FLOATS.issuperset(map(type, values)) and all(map(math.isfinite, values)):
+            return list(map(float, values))
+    except TypeError:
+        pass
     return [float(v) for v in values if is_finite_number(v)]
+
+
+_FLOATS = frozenset({float, int})
