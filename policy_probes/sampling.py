@@ -70,9 +70,6 @@ CALIBRATION_EPOCH = 1
 #: the calibration aims at this share of the budget: some costs no timer sees (page
 #: faults of fresh buffers, session start and close, cache effects)
 AIM = 0.5
-#: passes per epoch that a budgeted probe observes on a component a remedy reads
-#: (:meth:`Sampler.pin`)
-PINNED_PASSES = 4
 
 Kind = Literal["every", "every_k", "per_epoch", "probe_batch", "budget"]
 
@@ -315,14 +312,13 @@ class Sampler:
             s = budgeted() if self.budget is not None else every()
         if s.kind == "budget" and self.budget is None:
             return every()
-        if s.kind == "budget" and hook.component in self.pinned:
-            return per_epoch(PINNED_PASSES)
         return s
 
     def pin(self, component: str) -> None:
-        """Make what the probes on ``component`` report depend only on the seed, for a
-        remedy that acts on it (:mod:`policy_probes.remedies`): its budgeted probes observe
-        :data:`PINNED_PASSES` passes per epoch, whatever the budget's calibration chose."""
+        """Make what the probes on ``component`` report depend only on the seed and the
+        settings, for a remedy that acts on it (:mod:`policy_probes.remedies`): its
+        budgeted probes keep :data:`DEFAULT_STRIDE`, whatever the budget's calibration
+        chose from measured time."""
         self.pinned.add(component)
         self._rules = self._answers = None
         self.context.resync()
@@ -349,6 +345,8 @@ class Sampler:
         """What decides whether ``hook`` observes a pass: (kind, k or n)."""
         s = self.schedule_of(hook)
         if s.kind == "budget":
+            if hook.component in self.pinned:
+                return ("budget", DEFAULT_STRIDE)
             return ("budget", self.observe_every.get(hook.probe, DEFAULT_STRIDE))
         return (s.kind, s.k if s.kind == "every_k" else s.n)
 

@@ -645,6 +645,66 @@ def test_recurrent_ppo_reads_its_padding_mask_and_matches_plain_hooks(tmp_path) 
         assert record["probes/gradient_flow/lstm_actor/passes"] == len(window)
 
 
+def test_recurrent_ppo_at_the_default_reports_every_cycle_from_its_first_minibatch(
+    tmp_path,
+) -> None:
+    """At the default sampling (one pass in 16 of every cycle; 4 here) each cycle observes
+    its first training minibatch and reports: the actor MLP's active rate and sample
+    count equal a plain torch hook's on that minibatch's real (unpadded) steps."""
+    from sb3_contrib import RecurrentPPO
+    from stable_baselines3.common.env_util import make_vec_env
+
+    from policy_probes.integrations.sb3 import ProbeCallback
+    from policy_probes.sinks import SinksConfig
+
+    model = RecurrentPPO(
+        "MlpLstmPolicy",
+        make_vec_env("CartPole-v1", n_envs=N_ENVS, seed=0),
+        n_steps=N_STEPS,
+        batch_size=BATCH,
+        n_epochs=N_EPOCHS,
+        policy_kwargs=dict(
+            activation_fn=nn.ReLU, lstm_hidden_size=8, net_arch=dict(pi=[8], vf=[8])
+        ),
+        device="cpu",
+        seed=0,
+    )
+    buffer = model.rollout_buffer
+    masks: list[tuple[int, torch.Tensor]] = []
+    plain_get_samples = buffer._get_samples
+
+    def get_samples(*args, **kwargs):
+        sample = plain_get_samples(*args, **kwargs)
+        n_seq = sample.lstm_states.pi[0].shape[1]
+        masks.append((model.num_timesteps, sample.mask.reshape(n_seq, -1).bool()))
+        return sample
+
+    buffer._get_samples = get_samples
+    rec = Recorder({"mlp": model.policy.mlp_extractor.policy_net})
+    callback = ProbeCallback(
+        probes=[("actor_mlp", attach_relu_activation_hooks(per_layer=False))],
+        backward_probes=[("actor_head", attach_fisher_information_hooks())],
+        run_dir=tmp_path / "run",
+        sinks=SinksConfig(console=False, wandb=False),
+        strict=True,
+    )
+    cycles = 3
+    model.learn(cycles * ROWS, callback=callback)
+    rec.remove()
+    assert len(callback.history) == cycles
+    for c, record in enumerate(callback.history):
+        first = next(i for i, (steps, _) in enumerate(masks) if steps == ROWS * (c + 1))
+        kept = masks[first][1].reshape(-1)
+        h = rec.out["mlp"][first][kept]
+        assert record["probes/relu/actor_mlp/passes_observed"] == 1
+        assert record["probes/relu/actor_mlp/samples"] == int(kept.sum())
+        assert record["probes/relu/actor_mlp/active_rate"] == pytest.approx(
+            (h > 0).double().mean(0).tolist(), rel=REL
+        )
+        assert record["probes/fisher/actor_head/samples"] == int(kept.sum())
+        assert isinstance(record["probes/fisher/actor_head/trace"], float)
+
+
 def lstm_calls_by_minibatch(
     lstm: Recorder, masks: list[tuple[int, torch.Tensor]], window: list[int]
 ) -> list[list[torch.Tensor]]:
