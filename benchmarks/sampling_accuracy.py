@@ -25,7 +25,7 @@ from typing import Any
 RESULTS = Path(__file__).resolve().parent / "results"
 SETTINGS = {
     "every": {"probe_budget": None, "probe_schedule": "every"},
-    "default (budget 0.05)": {"probe_budget": 0.05},
+    "default (one pass in 16 per epoch)": {"probe_budget": 0.05},
     "per_epoch:2": {"probe_budget": None, "probe_schedule": "per_epoch:2"},
     "probe_batch:256": {"probe_budget": 0.05, "probe_schedule": "probe_batch:256"},
 }
