@@ -14,7 +14,7 @@ figure is the median over repetitions of (time with the probes) / (time without)
 bare loop also ends its epochs with ``epoch_end`` (a session with no probe), so the
 report is the probes' own cost.
 
-    python -m benchmarks.probe_cadence [--repeats N] [--out PATH] [--quick]
+    python -m benchmarks.probe_cadence [--repeats N] [--out PATH] [--quick] [--models mlp,cnn]
 """
 
 from __future__ import annotations
@@ -133,9 +133,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=RESULTS / "probe_cadence.json")
     parser.add_argument("--quick", action="store_true", help="a smoke test, not a measurement")
+    parser.add_argument("--models", default="mlp,cnn", help="mlp, cnn or both")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     passes = {"mlp": 16 if args.quick else 256, "cnn": 16 if args.quick else 64}
+    passes = {k: v for k, v in passes.items() if k in args.models.split(",")}
     cadences = (1, 4) if args.quick else CADENCES
     sets = [(p,) for p in PROBES] + [PROBES]
     configs = [(k, names, every) for k in passes for names in sets for every in cadences]

@@ -23,6 +23,8 @@ SCRIPTS = (
     "lifecycle_cost",
     "sb3_overhead",
     "sb3_recurrent_overhead",
+    "per_epoch_default",
+    "probe_cadence",
 )
 
 

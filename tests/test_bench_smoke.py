@@ -14,6 +14,8 @@ from benchmarks import (
     ab,
     empty_path,
     lifecycle_cost,
+    per_epoch_default,
+    probe_cadence,
     probe_overhead,
     sampling_overhead,
     scaling,
@@ -105,6 +107,27 @@ def test_lifecycle_cost_smoke(tmp_path):
         every = cost[f"{name} (every epoch)"]
         assert every["firings"] == 2, name  # 2 epochs, fires in each
         assert every["update_phase_equivalents"] is not None
+
+
+def test_per_epoch_default_compares_the_default_and_every_pass_with_no_probes(tmp_path):
+    out = tmp_path / "per_epoch.json"
+    argv = ["--quick", "--inprocess", "--only", "sb3,every_five", "--out", str(out)]
+    per_epoch_default.main(argv)
+    sb3, every = json.loads(out.read_text())["comparisons"]
+    assert sb3["b"]["params"]["probe_budget"] == 0.05 and sb3["b"]["params"]["probe_callback"]
+    assert "probe_callback" not in sb3["a"]["params"]
+    assert every["b"]["params"]["probe_budget"] is None and every["b"]["params"]["probes"]
+    assert not every["a"]["params"].get("probes")
+    assert [c["target"] for c in (sb3, every)] == ["<= 1.05", "<= 1.30"]
+
+
+def test_probe_cadence_writes_a_ratio_per_probe_and_cadence(tmp_path):
+    out = tmp_path / "cadence.json"
+    probe_cadence.main(["--quick", "--repeats", "1", "--models", "mlp", "--out", str(out)])
+    ratios = json.loads(out.read_text())["ratios"]["mlp"]
+    assert set(ratios) == {*probe_cadence.PROBES, "all five"}
+    for by_k in ratios.values():
+        assert set(by_k) == {"1", "4"} and all(r > 0 and math.isfinite(r) for r in by_k.values())
 
 
 def test_run_case_uses_a_fresh_interpreter():
