@@ -135,15 +135,16 @@ class ProbeSession:
             (``PRE_STEP``/``POST_STEP``, that point's per-epoch means) before the epoch's
             record; the means are in the epoch's record either way. The built-in
             trainer writes them; off by default, so a CSV holds one row per epoch.
-        probe_budget: the fraction of wall time the probes may take (default 0.05): each
-            epoch the session measures their cost and sets how often each probe observes
-            a training pass, the most expensive first (:mod:`policy_probes.sampling`).
-            Passes end at ``optimizer.step()`` (with ``optimizer=``) or
-            :meth:`next_pass`. ``None``: no budget.
+        probe_budget: by default the probes observe passes 0, 16, 32, ... of every
+            epoch and every epoch reports; the budget (a fraction of wall time, default
+            0.05) is checked once, at the end of the second epoch, and may raise an
+            expensive probe's stride for the rest of the run, never below one pass per
+            epoch (:mod:`policy_probes.sampling`). Passes end at ``optimizer.step()``
+            (with ``optimizer=``) or :meth:`next_pass`. ``None``: every pass.
         probe_schedule: the schedule of probes built without ``schedule=``: ``"every"``
             (every pass, exact; with ``probe_budget=None`` the default),
             ``"every_k:<k>"``, ``"per_epoch:<n>"``, ``"probe_batch:<rows>"`` (needs
-            ``loss_fn`` and the epoch's data; without them it falls back to the budget),
+            ``loss_fn`` and the epoch's data; without them it falls back to the default),
             ``"budget"`` (the default when a budget is set), or a
             :class:`~policy_probes.sampling.Schedule`.
     """

@@ -146,8 +146,10 @@ class TrainTool(BaseModel):
     )
     probe_budget: float | None = Field(
         DEFAULT_BUDGET,
-        description="Fraction of wall time the probes may take; each epoch sets how often "
-        "each probe observes a pass to stay within it. None: no budget.",
+        description="The probes observe passes 0, 16, 32, ... of every epoch and report "
+        "every epoch; this fraction of wall time is checked once, after the second epoch, "
+        "and may raise an expensive probe's stride (never below one pass per epoch). "
+        "None: every pass.",
     )
     probe_schedule: str | None = Field(
         None,

@@ -20,8 +20,7 @@ What happens in one rollout/update cycle of an on-policy algorithm (PPO, A2C)::
     rollout             policy forwards under no_grad: probes do not record
     _on_rollout_end     phase "train"
     dump_logs, train()  the minibatch passes the probes observe are recorded
-    ... next _on_rollout_start, or _on_training_end for the last cycle: report (the
-    last one also reports a reporting window that has not ended)
+    ... next _on_rollout_start, or _on_training_end for the last cycle: report
 
 Component names for ``ActorCriticPolicy`` (``MlpPolicy`` of PPO and A2C) are in
 :data:`SB3_COMPONENTS`; see ``docs/external.md``.
@@ -142,10 +141,12 @@ class ProbeCallback(BaseCallback):
         log_sb3: add SB3's own logger values of the cycle (``train/*``) and the episode
             statistics (``rollout/ep_rew_mean``, ``rollout/ep_len_mean``) to each record.
         verbose: SB3 verbosity; 1 prints the record's path once.
-        probe_budget, probe_schedule: as in ProbeSession (default: 5 % of wall time, every
-            k-th pass with k set per cycle; passes end at SB3's ``optimizer.step()``). SB3
-            has no loss function to give, so ``probe_batch`` schedules fall back to the
-            budget; ``probe_schedule="every"`` or ``probe_budget=None`` observes every pass.
+        probe_budget, probe_schedule: as in ProbeSession (default: passes 0, 16, 32, ...
+            of every cycle's ``train()``, every cycle reporting; the 5 % budget is
+            checked once, after the second cycle; passes end at SB3's
+            ``optimizer.step()``). SB3 has no loss function to give, so ``probe_batch``
+            schedules fall back to the default; ``probe_schedule="every"`` or
+            ``probe_budget=None`` observes every pass.
 
     After ``learn()`` the session is closed (hooks removed, sinks closed) and
     :attr:`history` holds every record. A later ``learn()`` with the same callback opens
@@ -281,8 +282,8 @@ class ProbeCallback(BaseCallback):
 
     # ------------------------------------------------------------------ report
     def _report(self, final: bool = False) -> None:
-        """Report the cycle that just trained; ``final``: the last of this ``learn()``
-        (the probes report whatever their reporting window holds)."""
+        """Report the cycle that just trained (every cycle reports every probe);
+        ``final``: the last of this ``learn()``."""
         if self.session is None or self.session.closed or not self._trained:
             return
         self._trained = False
