@@ -10,8 +10,10 @@ repeated in a shuffled order: a pass is a PPO-style update (forward through the 
 clipped-surrogate + value + entropy loss, backward, Adam step), an epoch is 16 passes
 and ends with ``ProbeSession.epoch_end`` (the probes' report and the JSONL record), and
 the probes observe passes 0, k, 2k, ... of the run (``probe_schedule="every_k:k"``). The
-figure is the median over repetitions of (time with the probes) / (time without). The
-bare loop also ends its epochs with ``epoch_end`` (a session with no probe), so the
+figure is the median over repetitions of (time with the probes) / (time without), timed
+as the thread's CPU time (``time.thread_time``; one torch thread, so all of the loop's
+work): on a shared machine wall time also counts the time other processes held the core.
+The bare loop also ends its epochs with ``epoch_end`` (a session with no probe), so the
 report is the probes' own cost.
 
     python -m benchmarks.probe_cadence [--repeats N] [--out PATH] [--quick] [--models mlp,cnn]
@@ -111,7 +113,7 @@ def timed_run(kind: str, names: tuple[str, ...], every: int, passes: int) -> flo
                         session.add_training_backward_hook(component, builder)
                     else:
                         session.add_training_hook(component, builder)
-            start = time.perf_counter()
+            start = time.thread_time()
             for i in range(passes):
                 if i % PASSES_PER_EPOCH == 0:
                     session.set_phase("train")
@@ -125,7 +127,7 @@ def timed_run(kind: str, names: tuple[str, ...], every: int, passes: int) -> flo
                 opt.step()
                 if (i + 1) % PASSES_PER_EPOCH == 0:
                     session.epoch_end(step=i + 1)
-            return time.perf_counter() - start
+            return time.thread_time() - start
 
 
 def main(argv: list[str] | None = None) -> None:
