@@ -11,11 +11,13 @@ from policy_probes.probes import (
     ReLUActivationState,
     ReLUGradientFlowState,
     SaturatedActivationState,
+    WeightsState,
     attach_fisher_information_hooks,
     attach_gradient_flow_hooks,
     attach_relu_activation_hooks,
     attach_relu_gradient_flow_hooks,
     attach_saturated_activation_hooks,
+    attach_weights_hooks,
 )
 from policy_probes.session import ProbeSession
 from policy_probes.stats_reporter import StatsReporter
@@ -43,9 +45,11 @@ __all__ = [
     "ReLUGradientFlowState",
     "SaturatedActivationState",
     "StatsReporter",
+    "WeightsState",
     "attach_fisher_information_hooks",
     "attach_gradient_flow_hooks",
     "attach_relu_activation_hooks",
     "attach_relu_gradient_flow_hooks",
     "attach_saturated_activation_hooks",
+    "attach_weights_hooks",
 ]

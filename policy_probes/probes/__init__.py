@@ -12,6 +12,7 @@ from policy_probes.probes.saturation import (
     attach_saturated_activation_hooks,
 )
 from policy_probes.probes.state import ProbeState
+from policy_probes.probes.weights import WeightsState, attach_weights_hooks
 
 __all__ = [
     "FisherInformationState",
@@ -20,9 +21,11 @@ __all__ = [
     "ReLUActivationState",
     "ReLUGradientFlowState",
     "SaturatedActivationState",
+    "WeightsState",
     "attach_fisher_information_hooks",
     "attach_gradient_flow_hooks",
     "attach_relu_activation_hooks",
     "attach_relu_gradient_flow_hooks",
     "attach_saturated_activation_hooks",
+    "attach_weights_hooks",
 ]
