@@ -577,7 +577,8 @@ class PPOTrainer:
                 int(bad_steps),
                 len(step_stats),
             )
-        loss_stats["explained_variance"] = self.storage.explained_variance()
+        # explained variance and the value targets' scale (one transfer)
+        loss_stats.update(self.storage.value_statistics())
         loss_stats["learning_rate"] = p.learning_rate
         loss_stats["update_epochs_run"] = float(p.update_epochs_run)
         loss_stats["batch_size"] = float(self.storage.size)
