@@ -91,9 +91,7 @@ def test_rising_churn_is_found_with_its_onset() -> None:
 
     run = with_climb(healthy_run(1), "probes/churn/policy/policy_kl", kl)
     found = diagnose(run)
-    assert [(f.rule, f.component, f.onset_epoch) for f in found] == [
-        ("churn_rising", "policy", 21)
-    ]
+    assert [(f.rule, f.component, f.onset_epoch) for f in found] == [("churn_rising", "policy", 21)]
     assert found[0].value / found[0].baseline == pytest.approx(3.0)
 
 

@@ -21,7 +21,8 @@ def per_sample_grads(policy: TinyPolicy, x: torch.Tensor, a: torch.Tensor) -> di
         return F.cross_entropy(logits, ai[None])
 
     return {
-        k: g.detach().double() for k, g in vmap(grad(loss_one), in_dims=(None, 0, 0))(params, x, a).items()
+        k: g.detach().double()
+        for k, g in vmap(grad(loss_one), in_dims=(None, 0, 0))(params, x, a).items()
     }
 
 
@@ -43,7 +44,10 @@ def test_noise_scale_matches_per_sample_gradients(masked: bool) -> None:
     ctx = ComponentContext()
     policy.attach("actor_mlp", attach_fisher_information_hooks(), ctx, backward=True)
     gen = torch.Generator().manual_seed(5)
-    data = [(torch.randn(n, 5, generator=gen), torch.randint(0, 3, (n,), generator=gen)) for n in (10, 6)]
+    data = [
+        (torch.randn(n, 5, generator=gen), torch.randint(0, 3, (n,), generator=gen))
+        for n in (10, 6)
+    ]
     masks = [torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0]), torch.ones(6)]
     for (x, a), m in zip(data, masks, strict=True):
         if masked:

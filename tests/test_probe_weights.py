@@ -45,7 +45,7 @@ def test_per_layer_norms_distances_and_update_ratios_over_two_epochs() -> None:
     init = snapshot(mlp)
     opt = torch.optim.SGD(policy.parameters(), lr=0.5)
     prev = init
-    for epoch in range(2):
+    for _ in range(2):
         train_steps(policy, opt, 3)
         got = StatsReporter(ctx).collect()
         now = snapshot(mlp)

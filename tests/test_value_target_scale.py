@@ -25,7 +25,10 @@ def test_value_target_scale_is_that_of_the_valid_returns() -> None:
     returns = [
         float(a + v)
         for a, v, ok in zip(
-            adv.reshape(-1), trainer.storage.values.numpy().reshape(-1), valid.reshape(-1), strict=True
+            adv.reshape(-1),
+            trainer.storage.values.numpy().reshape(-1),
+            valid.reshape(-1),
+            strict=True,
         )
         if ok
     ]
