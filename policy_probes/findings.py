@@ -510,3 +510,35 @@ def render_html(findings: Sequence[Finding]) -> str:
         + "".join(rows)
         + "</tbody></table>"
     )
+
+
+class FindingsCollector:
+    """The per-epoch values of the keys the rules read, kept from a sink's emits, so a
+    sink can state the findings when the run ends (the console, the W&B run summary)."""
+
+    def __init__(self, rules: Sequence[Rule] = RULES) -> None:
+        self.rules = tuple(rules)
+        self.records: dict[int, dict[str, Any]] = {}
+        self._read: dict[str, bool] = {}
+
+    def reads(self, key: str) -> bool:
+        hit = self._read.get(key)
+        if hit is None:
+            hit = self._read[key] = any(r.matches(key) is not None for r in self.rules)
+        return hit
+
+    def add(self, metrics: Mapping[str, Any], epoch: int, hook_point: str) -> None:
+        """Keep the epoch's scalars of the keys the rules read (POST_EPOCH records)."""
+        if hook_point != "POST_EPOCH":
+            return
+        rec = self.records.setdefault(int(epoch), {"epoch": int(epoch)})
+        for key, value in metrics.items():
+            if isinstance(value, int | float) and not isinstance(value, bool) and self.reads(key):
+                rec[key] = value
+
+    def findings(self, run_dir: Path | None = None) -> list[Finding]:
+        """The run's findings: from ``run_dir/metrics.jsonl`` when there is one (it holds
+        the epochs before a resume too), else from what this collector kept."""
+        if run_dir is not None and (Path(run_dir) / "metrics.jsonl").is_file():
+            return diagnose_run(Path(run_dir))
+        return diagnose(self.records.values(), self.rules)

@@ -127,3 +127,60 @@ def test_diagnose_json_round_trips_on_a_run_still_training(tmp_path: Path, capsy
 def test_diagnose_without_metrics_says_what_to_change(tmp_path: Path, capsys) -> None:
     assert main(["diagnose", str(tmp_path)]) == 2
     assert "sinks.jsonl=true" in capsys.readouterr().err
+
+
+def climbing_run() -> list[dict]:
+    return with_climb(
+        healthy_run(), "probes/relu/actor_mlp.layer_0/dormant_fraction", dormant_climb
+    )
+
+
+def emit_all(sink, records: list[dict]) -> None:
+    for rec in records:
+        metrics = {k: v for k, v in rec.items() if k not in ("epoch", "hook_point")}
+        sink.emit(metrics, rec["epoch"], "POST_EPOCH")
+
+
+def test_the_console_states_the_findings_when_the_run_ends() -> None:
+    from rich.console import Console
+
+    from policy_probes.sinks.console import ConsoleSink
+
+    console = Console(record=True, width=200)
+    sink = ConsoleSink(console=console, live=False)
+    emit_all(sink, climbing_run())
+    sink.close()
+    out = console.export_text()
+    assert render_text(diagnose(climbing_run())) in out
+    assert "actor_mlp.layer_0: dormant units are accumulating" in out
+
+
+def test_the_wandb_run_summary_holds_the_findings(tmp_path: Path) -> None:
+    from wandb_reader import run_file, wandb_records
+
+    from policy_probes.sinks.config import WandbConfig
+    from policy_probes.sinks.wandb_sink import WandbSink
+
+    sink = WandbSink(tmp_path, WandbConfig(mode="offline"), {})
+    emit_all(sink, climbing_run())
+    sink.close()
+    summary = {}
+    for r in wandb_records(run_file(tmp_path)):
+        if r.WhichOneof("record_type") == "summary":
+            for item in r.summary.update:
+                summary[item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
+    want = [f.to_dict() for f in diagnose(climbing_run())]
+    assert summary["findings/count"] == 1
+    assert summary["findings/list"] == want
+
+
+def test_report_html_opens_with_the_findings(tmp_path: Path) -> None:
+    from policy_probes.report import build_report
+
+    write_run(tmp_path / "run", climbing_run())
+    page = build_report(tmp_path / "run").read_text()
+    top = page.index('<h2 id="findings">')
+    assert top < page.index("<h2>Returns</h2>")
+    assert "actor_mlp.layer_0" in page[top:] and "dormant units are accumulating" in page
+    write_run(tmp_path / "healthy", healthy_run())
+    assert "No findings" in build_report(tmp_path / "healthy").read_text()
