@@ -2,6 +2,10 @@
 
 from policy_probes.probes.fisher import FisherInformationState, attach_fisher_information_hooks
 from policy_probes.probes.gradient_flow import GradientFlowState, attach_gradient_flow_hooks
+from policy_probes.probes.preactivation import (
+    PreactivationState,
+    attach_preactivation_hooks,
+)
 from policy_probes.probes.relu import ReLUActivationState, attach_relu_activation_hooks
 from policy_probes.probes.relu_gradient_flow import (
     ReLUGradientFlowState,
@@ -17,6 +21,7 @@ from policy_probes.probes.weights import WeightsState, attach_weights_hooks
 __all__ = [
     "FisherInformationState",
     "GradientFlowState",
+    "PreactivationState",
     "ProbeState",
     "ReLUActivationState",
     "ReLUGradientFlowState",
@@ -24,6 +29,7 @@ __all__ = [
     "WeightsState",
     "attach_fisher_information_hooks",
     "attach_gradient_flow_hooks",
+    "attach_preactivation_hooks",
     "attach_relu_activation_hooks",
     "attach_relu_gradient_flow_hooks",
     "attach_saturated_activation_hooks",
