@@ -62,8 +62,10 @@ def test_layer_moments_drift_and_feature_norm_over_four_reports_with_a_mask() ->
             key = f"probes/preactivation/{layer}/"
             assert got[key + "mean"] == pytest.approx(sum(a for a, _ in m) / len(m), abs=1e-6)
             assert got[key + "std"] == pytest.approx(sum(b for _, b in m) / len(m), rel=1e-5)
-            drift = sum(abs(a - a0) / (b0 + 1e-8) for (a, _), (a0, b0) in zip(m, r)) / len(m)
-            ratio = sum(b / (b0 + 1e-8) for (_, b), (_, b0) in zip(m, r)) / len(m)
+            drift = sum(
+                abs(a - a0) / (b0 + 1e-8) for (a, _), (a0, b0) in zip(m, r, strict=True)
+            ) / len(m)
+            ratio = sum(b / (b0 + 1e-8) for (_, b), (_, b0) in zip(m, r, strict=True)) / len(m)
             assert got[key + "mean_drift"] == pytest.approx(drift, rel=1e-5, abs=1e-6)
             assert got[key + "std_ratio"] == pytest.approx(ratio, rel=1e-5)
         with torch.no_grad():
@@ -95,7 +97,7 @@ def test_reference_survives_a_checkpoint() -> None:
     got = StatsReporter(ctx2).collect()
     m = unit_moments(pre_activations(policy, x1)["actor_mlp.layer_0.linear"])
     r = unit_moments(pre_activations(policy, x0)["actor_mlp.layer_0.linear"])
-    drift = sum(abs(a - a0) / (b0 + 1e-8) for (a, _), (a0, b0) in zip(m, r)) / len(m)
+    drift = sum(abs(a - a0) / (b0 + 1e-8) for (a, _), (a0, b0) in zip(m, r, strict=True)) / len(m)
     assert got["probes/preactivation/actor_mlp.layer_0.linear/mean_drift"] == pytest.approx(
         drift, rel=1e-6
     )

@@ -123,7 +123,8 @@ class PreactivationState(ProbeState):
     ) -> None:
         super().load_state_dict(state, device)
         self.reference = {
-            k: {n: t.clone() for n, t in v.items()} for k, v in (state.get("reference") or {}).items()
+            k: {n: t.clone() for n, t in v.items()}
+            for k, v in (state.get("reference") or {}).items()
         }
 
 
