@@ -12,6 +12,7 @@ from policy_probes.probes import (
     ReLUActivationState,
     ReLUGradientFlowState,
     SaturatedActivationState,
+    UtilityState,
     WeightsState,
     attach_fisher_information_hooks,
     attach_gradient_flow_hooks,
@@ -19,6 +20,7 @@ from policy_probes.probes import (
     attach_relu_activation_hooks,
     attach_relu_gradient_flow_hooks,
     attach_saturated_activation_hooks,
+    attach_utility_hooks,
     attach_weights_hooks,
 )
 from policy_probes.session import ProbeSession
@@ -48,6 +50,7 @@ __all__ = [
     "ReLUGradientFlowState",
     "SaturatedActivationState",
     "StatsReporter",
+    "UtilityState",
     "WeightsState",
     "attach_fisher_information_hooks",
     "attach_gradient_flow_hooks",
@@ -55,5 +58,6 @@ __all__ = [
     "attach_relu_activation_hooks",
     "attach_relu_gradient_flow_hooks",
     "attach_saturated_activation_hooks",
+    "attach_utility_hooks",
     "attach_weights_hooks",
 ]

@@ -16,6 +16,7 @@ from policy_probes.probes.saturation import (
     attach_saturated_activation_hooks,
 )
 from policy_probes.probes.state import ProbeState
+from policy_probes.probes.utility import UtilityState, attach_utility_hooks
 from policy_probes.probes.weights import WeightsState, attach_weights_hooks
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "ReLUActivationState",
     "ReLUGradientFlowState",
     "SaturatedActivationState",
+    "UtilityState",
     "WeightsState",
     "attach_fisher_information_hooks",
     "attach_gradient_flow_hooks",
@@ -33,5 +35,6 @@ __all__ = [
     "attach_relu_activation_hooks",
     "attach_relu_gradient_flow_hooks",
     "attach_saturated_activation_hooks",
+    "attach_utility_hooks",
     "attach_weights_hooks",
 ]
