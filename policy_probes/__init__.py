@@ -5,6 +5,7 @@ from policy_probes.context import ComponentContext
 from policy_probes.hook_types import BackwardHookBuilder, HookBuilder, ProbeError, ProbeHook
 from policy_probes.layers import MLP, ConvLayer, HiddenLayer, LinearSpec, MLPSpec
 from policy_probes.probes import (
+    ChurnState,
     FisherInformationState,
     GradientFlowState,
     PreactivationState,
@@ -14,6 +15,7 @@ from policy_probes.probes import (
     SaturatedActivationState,
     UtilityState,
     WeightsState,
+    attach_churn_hooks,
     attach_fisher_information_hooks,
     attach_gradient_flow_hooks,
     attach_preactivation_hooks,
@@ -31,6 +33,7 @@ __version__ = "0.1.0"
 __all__ = [
     "MLP",
     "BackwardHookBuilder",
+    "ChurnState",
     "ComponentContext",
     "ConvLayer",
     "FisherInformationState",
@@ -52,6 +55,7 @@ __all__ = [
     "StatsReporter",
     "UtilityState",
     "WeightsState",
+    "attach_churn_hooks",
     "attach_fisher_information_hooks",
     "attach_gradient_flow_hooks",
     "attach_preactivation_hooks",

@@ -1,5 +1,6 @@
 """The built-in probes: one module per probe, its tracker beside its builder."""
 
+from policy_probes.probes.churn import ChurnState, attach_churn_hooks
 from policy_probes.probes.fisher import FisherInformationState, attach_fisher_information_hooks
 from policy_probes.probes.gradient_flow import GradientFlowState, attach_gradient_flow_hooks
 from policy_probes.probes.preactivation import (
@@ -20,6 +21,7 @@ from policy_probes.probes.utility import UtilityState, attach_utility_hooks
 from policy_probes.probes.weights import WeightsState, attach_weights_hooks
 
 __all__ = [
+    "ChurnState",
     "FisherInformationState",
     "GradientFlowState",
     "PreactivationState",
@@ -29,6 +31,7 @@ __all__ = [
     "SaturatedActivationState",
     "UtilityState",
     "WeightsState",
+    "attach_churn_hooks",
     "attach_fisher_information_hooks",
     "attach_gradient_flow_hooks",
     "attach_preactivation_hooks",
