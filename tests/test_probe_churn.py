@@ -108,8 +108,7 @@ def test_a_fixed_batch_and_a_checkpoint_in_the_middle_of_an_epoch() -> None:
     # resumed in the middle of the epoch: a fresh context loads the saved state
     ctx2 = ComponentContext()
     policy.attach("critic_head", attach_churn_hooks(), ctx2)
-    ctx2.model_metrics["churn"].load_state_dict(saved)
-    ctx2.model_metrics["churn"].forward = policy
+    ctx2.model_metrics["churn"].load_state_dict(saved)  # the attached policy runs the forwards
     train_some(policy, 2, 5)
     got = StatsReporter(ctx2).collect()
     with torch.no_grad():

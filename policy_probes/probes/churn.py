@@ -140,7 +140,13 @@ class ChurnState(ProbeState):
         """After the updates: compare the outputs with those before (on the device)."""
         if self.batch is None or not self.before:
             return
-        after = self._outputs(self.batch)
+        try:
+            after = self._outputs(self.batch) if self.forward is not None else {}
+        except Exception as exc:  # a probe must never take training down
+            if self.context is not None and self.context.strict:
+                raise
+            self.errors["held-out batch"] = f"{type(exc).__name__}: {exc}"
+            after = {}
         for comp, b in self.before.items():
             a = after.get(comp)
             if a is None or a.shape != b.shape:
@@ -235,6 +241,11 @@ class ChurnHook(ProbeHook):
     def attach(self, module: nn.Module) -> list[RemovableHandle]:
         self.attached = True
         self.tracker.modules[self.component] = module
+        # the policy the probe is attached to runs the held-out forwards unless the loop
+        # hands another forward to start_epoch (also after a mid-epoch resume)
+        owner = getattr(self.locate, "__self__", None)
+        if self.tracker.forward is None and isinstance(owner, nn.Module):
+            self.tracker.forward = owner
         return []
 
 
