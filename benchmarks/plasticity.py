@@ -36,8 +36,40 @@ from typing import Any
 
 import numpy as np
 
-RECIPE = "recipes.cartpole_permuted.train"
+RECIPE = "recipes.cartpole_permuted.train_measured"
 COMPONENTS = ("actor_mlp", "critic_mlp")
+#: the plasticity measures kept per epoch (name -> POST_EPOCH key)
+MEASURES: dict[str, str] = {
+    "dormant_actor": "probes/relu/actor_mlp/dormant_fraction",
+    "dormant_critic": "probes/relu/critic_mlp/dormant_fraction",
+    "dormant_tau0.1_actor": "probes/relu/actor_mlp/dormant_fraction_tau_0.1",
+    "dormant_tau0.1_critic": "probes/relu/critic_mlp/dormant_fraction_tau_0.1",
+    "dead_actor": "probes/relu/actor_mlp/dead_fraction",
+    "dead_critic": "probes/relu/critic_mlp/dead_fraction",
+    "policy_kl": "probes/churn/actor_head/policy_kl",
+    "value_change": "probes/churn/critic_head/value_change",
+    "weight_norm_actor": "probes/weights/actor_mlp/norm",
+    "weight_norm_critic": "probes/weights/critic_mlp/norm",
+    "init_distance_actor": "probes/weights/actor_mlp/init_distance",
+    "init_distance_critic": "probes/weights/critic_mlp/init_distance",
+    "update_ratio_actor": "probes/weights/actor_mlp/update_ratio",
+    "update_ratio_critic": "probes/weights/critic_mlp/update_ratio",
+    "preact_drift_actor_l0": "probes/preactivation/actor_mlp.layer_0.linear/mean_drift",
+    "preact_drift_actor_l1": "probes/preactivation/actor_mlp.layer_1.linear/mean_drift",
+    "preact_drift_critic_l0": "probes/preactivation/critic_mlp.layer_0.linear/mean_drift",
+    "preact_drift_critic_l1": "probes/preactivation/critic_mlp.layer_1.linear/mean_drift",
+    "feature_norm_actor": "probes/preactivation/actor_mlp/feature_norm",
+    "feature_norm_critic": "probes/preactivation/critic_mlp/feature_norm",
+    "low_utility_actor_l0": "probes/utility/actor_mlp.layer_0/low_utility_fraction",
+    "low_utility_actor_l1": "probes/utility/actor_mlp.layer_1/low_utility_fraction",
+    "low_utility_critic_l0": "probes/utility/critic_mlp.layer_0/low_utility_fraction",
+    "low_utility_critic_l1": "probes/utility/critic_mlp.layer_1/low_utility_fraction",
+    "fisher_trace_actor": "probes/fisher/actor_mlp/trace",
+    "fisher_trace_critic": "probes/fisher/critic_mlp/trace",
+    "noise_scale_actor": "probes/fisher/actor_mlp/grad_noise_scale",
+    "noise_scale_critic": "probes/fisher/critic_mlp/grad_noise_scale",
+    "value_target_std": "train/value_target_std",
+}
 ARMS: dict[str, list[str]] = {
     "none": [],
     "redo": [f"redo@{c}:tau=0.1,every_epochs=10" for c in COMPONENTS],
@@ -76,7 +108,7 @@ def curves(metrics_path: Path, epochs: int) -> dict[str, list[float]]:
     run's POST_EPOCH records."""
     from policy_probes.sinks import read_jsonl
 
-    out = {k: [math.nan] * epochs for k in ("return", *COMPONENTS)}
+    out = {k: [math.nan] * epochs for k in ("return", *COMPONENTS, *MEASURES)}
     out["units_reset"] = [0.0] * epochs
     for rec in read_jsonl(metrics_path):
         if rec.get("hook_point") != "POST_EPOCH" or not 1 <= rec["epoch"] <= epochs:
@@ -88,6 +120,10 @@ def curves(metrics_path: Path, epochs: int) -> dict[str, list[float]]:
             value = rec.get(f"probes/relu/{c}/dormant_fraction")
             if value is not None:
                 out[c][i] = float(value)
+        for name, key in MEASURES.items():
+            value = rec.get(key)
+            if isinstance(value, int | float) and math.isfinite(value):
+                out[name][i] = float(value)
         out["units_reset"][i] = float(
             sum(
                 v
@@ -114,11 +150,21 @@ def run_one(job: tuple[str, int, int, int, str]) -> dict[str, Any]:
     t0 = time.perf_counter()
     tool.invoke(overwrite=True)
     wall = time.perf_counter() - t0
+    from policy_probes.findings import diagnose_run
+
+    findings = [
+        {
+            k: f.to_dict()[k]
+            for k in ("rule", "component", "metric", "onset_epoch", "value", "baseline")
+        }
+        for f in diagnose_run(run_dir)
+    ]
     return {
         "arm": arm,
         "seed": seed,
         "run_dir": str(run_dir),
         "wall_seconds": wall,
+        "findings": findings,
         **curves(run_dir / "metrics.jsonl", epochs),
     }
 
