@@ -138,3 +138,54 @@ def test_the_trainer_reports_churn_without_changing_its_trajectory() -> None:
     assert with_churn["probes/churn/actor_head/policy_kl"] > 0
     assert with_churn["probes/churn/critic_head/value_change"] > 0
     assert with_churn["train/policy_loss"] == without["train/policy_loss"]
+
+
+def test_sb3_callback_takes_the_held_out_states_from_the_rollout_buffer(tmp_path) -> None:
+    from test_sb3_callback import ROWS, ppo
+
+    from policy_probes.integrations.sb3 import ProbeCallback
+    from policy_probes.sinks import SinksConfig
+
+    plain = ppo(seed=3)
+    plain.learn(3 * ROWS)
+    model = ppo(seed=3)
+    callback = ProbeCallback(
+        probes=[
+            ("action_net", attach_churn_hooks(kind="categorical", batch_size=32)),
+            ("value_net", attach_churn_hooks(batch_size=32)),
+        ],
+        run_dir=tmp_path,
+        sinks=SinksConfig(console=False, wandb=False),
+        probe_budget=None,
+    )
+    model.learn(3 * ROWS, callback=callback)
+    for record in callback.history:
+        assert record["probes/churn/action_net/policy_kl"] > 0
+        assert record["probes/churn/value_net/value_change"] > 0
+        assert record["probes/churn/value_net/states"] == 32
+    a, b = plain.policy.state_dict(), model.policy.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)  # the trajectory is unchanged
+
+
+def test_probe_session_rollout_end_hands_the_observations_over(tmp_path) -> None:
+    from policy_probes import ProbeSession
+    from policy_probes.sinks import SinksConfig
+
+    torch.manual_seed(4)
+    policy = Heads()
+    session = ProbeSession(
+        policy, run_dir=tmp_path, sinks=SinksConfig(console=False, wandb=False), probe_budget=None
+    )
+    session.add_training_hook("critic_head", attach_churn_hooks(batch_size=4))
+    obs = torch.randn(12, 4)
+    before = copy.deepcopy(policy)
+    session.set_phase("rollout")
+    session.rollout_end(observations=obs)
+    session.set_phase("train")
+    train_some(policy, 2, 9)
+    got = session.epoch_end(step=12)
+    session.close()
+    batch = held_out_rows(obs, 4)
+    with torch.no_grad():
+        dv = (policy(batch)[1] - before(batch)[1]).abs().reshape(-1).tolist()
+    assert got["probes/churn/critic_head/value_change"] == pytest.approx(sum(dv) / 4, rel=1e-6)
