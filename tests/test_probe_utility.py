@@ -75,3 +75,16 @@ def test_without_outgoing_the_last_layer_is_not_scored_and_bad_settings_fail() -
     assert not any(k.startswith("probes/utility/actor_mlp.layer_1/") for k in got)
     with pytest.raises(ValueError, match="decay"):
         attach_utility_hooks(decay=1.0)
+
+
+def test_an_outgoing_layer_that_does_not_fit_is_reported_not_raised() -> None:
+    policy = TinyPolicy()
+    ctx = ComponentContext()
+    # critic-less TinyPolicy: actor_mlp.layer_0 feeds actor_mlp.layer_1 (fits); naming the
+    # first hidden layer as the reader of the last one does not fit (7 inputs, 6 units)
+    policy.attach("actor_mlp", attach_utility_hooks(outgoing="actor_mlp.layer_1"), ctx)
+    policy(torch.randn(4, 5))
+    got = StatsReporter(ctx).collect()
+    assert "probes/utility/actor_mlp.layer_0/utility_mean" in got
+    assert "probes/utility/actor_mlp.layer_1/utility_mean" not in got
+    assert "utility/actor_mlp.layer_1" in ctx.probe_errors

@@ -77,12 +77,12 @@ class UtilityState(ProbeState):
             return {}
         out_sum = w.detach().abs().sum(0).to(SUM).cpu()  # Σ_k |w_ki| per unit i
         count = s["count"]
-        if out_sum.shape != count.shape:
-            raise ValueError(
-                f"utility probe on {layer!r}: {count.numel()} units but the outgoing weight "
-                f"has {out_sum.numel()} input columns; pass outgoing= naming the module that "
-                f"reads this layer"
+        if out_sum.shape != count.shape:  # reported like a lost window, training goes on
+            self.errors[layer] = (
+                f"{count.numel()} units but the outgoing weight has {out_sum.numel()} input "
+                f"columns; pass outgoing= naming the module that reads this layer"
             )
+            return {}
         seen = count > 0
         mean_abs = s["abs_sum"] / count.clamp(min=1).to(SUM)
         contribution = mean_abs * out_sum
