@@ -452,6 +452,8 @@ def lead_table(runs: list[dict[str, Any]], period: int, arm: str = "none") -> st
         + " | ".join(f"{rule} {comp}" for rule, comp in kinds)
         + " |"
     )
+    if not kinds:
+        return "(no finding held at the end of a run)"
     rows = [head, "|" + "---|" * (2 + len(kinds))]
     for r in chosen:
         decline = decline_epoch(r["return"], period)
@@ -616,13 +618,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{period_table(runs, arms, 'critic_mlp', period, '{:.2f}')}"
     )
     write_doc(Path(args.doc), block)
-    if any(name in r for r in runs for name in MEASURES):
-        write_doc(
-            Path(args.doc),
-            measures_block(runs, summary, arms, period),
-            MEASURES_BEGIN,
-            MEASURES_END,
-        )
+    doc = Path(args.doc)
+    if MEASURES_BEGIN in doc.read_text() and any(name in r for r in runs for name in MEASURES):
+        # only into a doc that has the section's markers (docs/plasticity.md does)
+        write_doc(doc, measures_block(runs, summary, arms, period), MEASURES_BEGIN, MEASURES_END)
     print(md)
     print(f"figure: {args.figure}; tables: {args.doc}; results: {results}")
     return 0

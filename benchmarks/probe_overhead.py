@@ -32,6 +32,8 @@ from benchmarks.ab import Comparison, Side, adding, measure_and_record, parse_ar
 
 #: ``--only`` keys, in the order the comparisons run
 KEYS = ["mlp", "per_layer", "wandb", "atari", "plasticity", "plasticity_budget"]
+#: what runs without ``--only`` (the plasticity rows run when asked)
+DEFAULT_KEYS = ["mlp", "per_layer", "wandb", "atari"]
 
 
 def comparisons(quick: bool, only: list[str] | None = None) -> list[Comparison]:
@@ -97,7 +99,7 @@ def per_layer_comparison(quick: bool) -> Comparison:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(__doc__.splitlines()[0], 5, "probe_overhead.json", argv, KEYS)
+    args = parse_args(__doc__.splitlines()[0], 5, "probe_overhead.json", argv, KEYS, DEFAULT_KEYS)
     measure_and_record(
         args,
         comparisons(args.quick, args.only),
