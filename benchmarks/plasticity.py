@@ -70,6 +70,7 @@ MEASURES: dict[str, str] = {
     "noise_scale_critic": "probes/fisher/critic_mlp/grad_noise_scale",
     "value_target_std": "train/value_target_std",
 }
+# (the results keep each measure as its per-period means, the curves above per epoch)
 ARMS: dict[str, list[str]] = {
     "none": [],
     "redo": [f"redo@{c}:tau=0.1,every_epochs=10" for c in COMPONENTS],
@@ -325,9 +326,10 @@ def spearman(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
     return rho, p
 
 
-def measure_change(values: list[float], period: int) -> float:
-    """Mean over the second half of the periods minus the mean over the first half."""
-    means = period_means(values, period)
+def measure_change(means: list[float]) -> float:
+    """Mean over the second half of the periods minus the mean over the first half, from
+    the per-period means (what the results keep of each measure)."""
+    means = np.asarray([math.nan if v is None else v for v in means], dtype=float)
     half = len(means) // 2
     with np.errstate(all="ignore"):
         return float(np.nanmean(means[half:]) - np.nanmean(means[:half]))
@@ -349,7 +351,7 @@ def correlation_table(
     for name, key in MEASURES.items():
         if not any(name in r for r in runs):
             continue
-        change = np.array([measure_change(r[name], period) for r in runs])
+        change = np.array([measure_change(r[name]) for r in runs])
         ok = np.isfinite(change) & np.isfinite(ret)
         rho, p = spearman(change[ok], ret[ok]) if ok.sum() >= 3 else (math.nan, math.nan)
         per_arm = []
@@ -597,6 +599,11 @@ def main(argv: list[str] | None = None) -> int:
         metrics = Path(r["run_dir"]) / "metrics.jsonl"
         if "first_fires" not in r and metrics.is_file():
             r["first_fires"] = first_fires(Path(r["run_dir"]))
+        # the measures are kept as per-period means (their per-epoch values stay in the
+        # run's metrics.jsonl): 20 runs x 29 measures x 480 epochs would be megabytes
+        for name in MEASURES:
+            if name in r and len(r[name]) == data["epochs"]:
+                r[name] = [float(v) for v in period_means(r[name], period)]
     # (--from-results rewrites the same runs with the summary this version computes)
     results.parent.mkdir(parents=True, exist_ok=True)
     plain_summary = {k: plain(v) for k, v in summary.items()}
