@@ -65,6 +65,9 @@ DEFAULTS: dict[str, Any] = {
     "clip_reward": None,
     "vectorization": "sync",
     "probes": False,
+    # which probes ``probes=True`` attaches: "core" (probe_builders) or "plasticity"
+    # (plasticity_probe_builders: the issue-24 measures)
+    "probe_set": "core",
     "fisher_param_every": 1,
     "per_layer": True,
     "jsonl": False,
@@ -125,6 +128,30 @@ def probe_builders(
             (component, attach_gradient_flow_hooks(per_layer=per_layer), True),
             (component, attach_relu_gradient_flow_hooks(per_layer=per_layer), True),
         ]
+    return out
+
+
+def plasticity_probe_builders() -> list[tuple[str, Any, bool]]:
+    """The plasticity measures: weights, preactivation and utility on both MLPs, churn on
+    both heads (the actor's as categorical logits)."""
+    from policy_probes import (
+        attach_churn_hooks,
+        attach_preactivation_hooks,
+        attach_utility_hooks,
+        attach_weights_hooks,
+    )
+
+    out = []
+    for component, head in (("actor_mlp", "actor_head"), ("critic_mlp", "critic_head")):
+        out += [
+            (component, attach_weights_hooks(), False),
+            (component, attach_preactivation_hooks(), False),
+            (component, attach_utility_hooks(outgoing=head), False),
+        ]
+    out += [
+        ("actor_head", attach_churn_hooks(kind="categorical"), False),
+        ("critic_head", attach_churn_hooks(), False),
+    ]
     return out
 
 
@@ -202,7 +229,12 @@ def ours(p: dict[str, Any]) -> dict[str, Any]:
 
         add_probes(tool)
     elif p["probes"]:
-        for component, builder, backward in probe_builders(p["fisher_param_every"], p["per_layer"]):
+        builders = (
+            plasticity_probe_builders()
+            if p["probe_set"] == "plasticity"
+            else probe_builders(p["fisher_param_every"], p["per_layer"])
+        )
+        for component, builder, backward in builders:
             if backward:
                 tool.add_training_backward_hook(component, builder)
             else:

@@ -36,8 +36,41 @@ from typing import Any
 
 import numpy as np
 
-RECIPE = "recipes.cartpole_permuted.train"
+RECIPE = "recipes.cartpole_permuted.train_measured"
 COMPONENTS = ("actor_mlp", "critic_mlp")
+#: the plasticity measures kept per epoch (name -> POST_EPOCH key)
+MEASURES: dict[str, str] = {
+    "dormant_actor": "probes/relu/actor_mlp/dormant_fraction",
+    "dormant_critic": "probes/relu/critic_mlp/dormant_fraction",
+    "dormant_tau0.1_actor": "probes/relu/actor_mlp/dormant_fraction_tau_0.1",
+    "dormant_tau0.1_critic": "probes/relu/critic_mlp/dormant_fraction_tau_0.1",
+    "dead_actor": "probes/relu/actor_mlp/dead_fraction",
+    "dead_critic": "probes/relu/critic_mlp/dead_fraction",
+    "policy_kl": "probes/churn/actor_head/policy_kl",
+    "value_change": "probes/churn/critic_head/value_change",
+    "weight_norm_actor": "probes/weights/actor_mlp/norm",
+    "weight_norm_critic": "probes/weights/critic_mlp/norm",
+    "init_distance_actor": "probes/weights/actor_mlp/init_distance",
+    "init_distance_critic": "probes/weights/critic_mlp/init_distance",
+    "update_ratio_actor": "probes/weights/actor_mlp/update_ratio",
+    "update_ratio_critic": "probes/weights/critic_mlp/update_ratio",
+    "preact_drift_actor_l0": "probes/preactivation/actor_mlp.layer_0.linear/mean_drift",
+    "preact_drift_actor_l1": "probes/preactivation/actor_mlp.layer_1.linear/mean_drift",
+    "preact_drift_critic_l0": "probes/preactivation/critic_mlp.layer_0.linear/mean_drift",
+    "preact_drift_critic_l1": "probes/preactivation/critic_mlp.layer_1.linear/mean_drift",
+    "feature_norm_actor": "probes/preactivation/actor_mlp/feature_norm",
+    "feature_norm_critic": "probes/preactivation/critic_mlp/feature_norm",
+    "low_utility_actor_l0": "probes/utility/actor_mlp.layer_0/low_utility_fraction",
+    "low_utility_actor_l1": "probes/utility/actor_mlp.layer_1/low_utility_fraction",
+    "low_utility_critic_l0": "probes/utility/critic_mlp.layer_0/low_utility_fraction",
+    "low_utility_critic_l1": "probes/utility/critic_mlp.layer_1/low_utility_fraction",
+    "fisher_trace_actor": "probes/fisher/actor_mlp/trace",
+    "fisher_trace_critic": "probes/fisher/critic_mlp/trace",
+    "noise_scale_actor": "probes/fisher/actor_mlp/grad_noise_scale",
+    "noise_scale_critic": "probes/fisher/critic_mlp/grad_noise_scale",
+    "value_target_std": "train/value_target_std",
+}
+# (the results keep each measure as its per-period means, the curves above per epoch)
 ARMS: dict[str, list[str]] = {
     "none": [],
     "redo": [f"redo@{c}:tau=0.1,every_epochs=10" for c in COMPONENTS],
@@ -76,7 +109,7 @@ def curves(metrics_path: Path, epochs: int) -> dict[str, list[float]]:
     run's POST_EPOCH records."""
     from policy_probes.sinks import read_jsonl
 
-    out = {k: [math.nan] * epochs for k in ("return", *COMPONENTS)}
+    out = {k: [math.nan] * epochs for k in ("return", *COMPONENTS, *MEASURES)}
     out["units_reset"] = [0.0] * epochs
     for rec in read_jsonl(metrics_path):
         if rec.get("hook_point") != "POST_EPOCH" or not 1 <= rec["epoch"] <= epochs:
@@ -88,6 +121,10 @@ def curves(metrics_path: Path, epochs: int) -> dict[str, list[float]]:
             value = rec.get(f"probes/relu/{c}/dormant_fraction")
             if value is not None:
                 out[c][i] = float(value)
+        for name, key in MEASURES.items():
+            value = rec.get(key)
+            if isinstance(value, int | float) and math.isfinite(value):
+                out[name][i] = float(value)
         out["units_reset"][i] = float(
             sum(
                 v
@@ -114,11 +151,21 @@ def run_one(job: tuple[str, int, int, int, str]) -> dict[str, Any]:
     t0 = time.perf_counter()
     tool.invoke(overwrite=True)
     wall = time.perf_counter() - t0
+    from policy_probes.findings import diagnose_run
+
+    findings = [
+        {
+            k: f.to_dict()[k]
+            for k in ("rule", "component", "metric", "onset_epoch", "value", "baseline")
+        }
+        for f in diagnose_run(run_dir)
+    ]
     return {
         "arm": arm,
         "seed": seed,
         "run_dir": str(run_dir),
         "wall_seconds": wall,
+        "findings": findings,
         **curves(run_dir / "metrics.jsonl", epochs),
     }
 
@@ -234,14 +281,265 @@ def plain(run: dict[str, Any]) -> dict[str, Any]:
     return {k: [finite(x) for x in v] if isinstance(v, list) else finite(v) for k, v in run.items()}
 
 
-def write_doc(path: Path, block: str) -> None:
+def write_doc(path: Path, block: str, begin: str = BEGIN, end: str = END) -> None:
     """Put ``block`` between the markers of ``path`` (created with them if missing)."""
-    text = path.read_text() if path.is_file() else f"# Plasticity experiment\n\n{BEGIN}\n{END}\n"
-    if BEGIN not in text or END not in text:
-        text += f"\n{BEGIN}\n{END}\n"
-    head, _, rest = text.partition(BEGIN)
-    _, _, tail = rest.partition(END)
-    path.write_text(f"{head}{BEGIN}\n{block}\n{END}{tail}")
+    text = path.read_text() if path.is_file() else f"# Plasticity experiment\n\n{begin}\n{end}\n"
+    if begin not in text or end not in text:
+        text += f"\n{begin}\n{end}\n"
+    head, _, rest = text.partition(begin)
+    _, _, tail = rest.partition(end)
+    path.write_text(f"{head}{begin}\n{block}\n{end}{tail}")
+
+
+# ---------------------------------------------------------------------- measures
+MEASURES_BEGIN, MEASURES_END = (
+    "<!-- plasticity-measures:begin -->",
+    "<!-- plasticity-measures:end -->",
+)
+PERMUTATIONS = 10_000  # of the permutation test of each rank correlation
+DECLINE = 0.9  # the return has declined once the later periods average below 90 % of the peak
+
+
+def ranks(x: np.ndarray) -> np.ndarray:
+    """Ranks 1..n, ties sharing their mean rank."""
+    order = np.argsort(x, kind="mergesort")
+    r = np.empty(len(x))
+    r[order] = np.arange(1, len(x) + 1)
+    for v in np.unique(x):
+        tied = x == v
+        r[tied] = r[tied].mean()
+    return r
+
+
+def spearman(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """Spearman's rho (Pearson's r of the ranks) and a two-sided permutation p-value
+    (``PERMUTATIONS`` shuffles of y with a fixed seed: the same numbers on every rerun)."""
+    rx, ry = ranks(x), ranks(y)
+    rx, ry = rx - rx.mean(), ry - ry.mean()
+    denom = math.sqrt(float((rx**2).sum() * (ry**2).sum()))
+    if denom == 0:
+        return math.nan, math.nan
+    rho = float((rx * ry).sum()) / denom
+    g = np.random.default_rng(0)
+    perm = np.array([float((rx * g.permutation(ry)).sum()) / denom for _ in range(PERMUTATIONS)])
+    p = (1 + int((np.abs(perm) >= abs(rho) - 1e-12).sum())) / (PERMUTATIONS + 1)
+    return rho, p
+
+
+def measure_change(means: list[float]) -> float:
+    """Mean over the second half of the periods minus the mean over the first half, from
+    the per-period means (what the results keep of each measure)."""
+    means = np.asarray([math.nan if v is None else v for v in means], dtype=float)
+    half = len(means) // 2
+    with np.errstate(all="ignore"):
+        return float(np.nanmean(means[half:]) - np.nanmean(means[:half]))
+
+
+def correlation_table(
+    runs: list[dict[str, Any]], summary: dict[str, Any], arms: list[str], period: int
+) -> str:
+    """One row per measure: Spearman's rho between its change (2nd half - 1st half) and
+    the return change across every run (all seeds and arms), its permutation p, and the
+    mean change per arm."""
+    head = (
+        "| measure | key | rho with return change | p | "
+        + " | ".join(f"change, {a}" for a in arms)
+        + " |"
+    )
+    rows = [head, "|" + "---|" * (4 + len(arms))]
+    ret = np.array([summary[f"{r['arm']}/{r['seed']}"]["return_change"] for r in runs])
+    for name, key in MEASURES.items():
+        if not any(name in r for r in runs):
+            continue
+        change = np.array([measure_change(r[name]) for r in runs])
+        ok = np.isfinite(change) & np.isfinite(ret)
+        rho, p = spearman(change[ok], ret[ok]) if ok.sum() >= 3 else (math.nan, math.nan)
+        per_arm = []
+        for a in arms:
+            v = change[[r["arm"] == a for r in runs]]
+            per_arm.append(f"{np.nanmean(v):+.3g}" if np.isfinite(v).any() else "–")
+        rows.append(
+            f"| {name} | `{key}` | {rho:+.2f} (n={int(ok.sum())}) | {p:.3f} | "
+            + " | ".join(per_arm)
+            + " |"
+        )
+    return "\n".join(rows)
+
+
+def decline_epoch(values: list[float], period: int) -> int | None:
+    """The first epoch of the period after the best period of the first half, when the
+    periods after it average below ``DECLINE`` of that best period's return; None when
+    they do not (no decline)."""
+    means = period_means(values, period)
+    half = len(means) // 2
+    if half < 1 or not np.isfinite(means[:half]).any():
+        return None
+    peak = int(np.nanargmax(means[:half]))
+    rest = means[peak + 1 :]
+    if not len(rest) or not np.nanmean(rest) < DECLINE * means[peak]:
+        return None
+    return (peak + 1) * period + 1
+
+
+def first_fires(run_dir: Path) -> list[dict[str, Any]]:
+    """Every finding a live ``policy-probes diagnose`` would have shown during the run:
+    for each rule and component, the first epoch at which diagnosing the run's records
+    up to that epoch yields it, and whether it still holds at the run's end (with its
+    onset then)."""
+    from policy_probes.findings import MIN_EPOCHS, RULES, WINDOW, diagnose, evaluate, series_of
+    from policy_probes.sinks import read_jsonl
+
+    records = [
+        r for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("hook_point") == "POST_EPOCH"
+    ]
+    table = series_of(records)
+    at_end = {(f.rule, f.component): f.onset_epoch for f in diagnose(records)}
+    out = []
+    for rule in RULES:
+        for key, points in table.items():
+            component = rule.matches(key)
+            if component is None:
+                continue
+            first = None
+            for t in range(MIN_EPOCHS, len(points) + 1):
+                # past 3 windows the window and baseline are fixed: one rolling pass
+                if t > 3 * WINDOW:
+                    first = _first_holding(rule, points, t)
+                    break
+                if evaluate(rule, key, points[:t]) is not None:
+                    first = points[t - 1][0]
+                    break
+            if first is not None:
+                out.append(
+                    {
+                        "rule": rule.name,
+                        "component": component,
+                        "first_epoch": first,
+                        "onset_at_end": at_end.get((rule.name, component)),
+                    }
+                )
+    return out
+
+
+def _first_holding(rule: Any, points: list[tuple[int, float]], start: int) -> int | None:
+    """The first epoch >= the ``start``-th whose rolling median (``WINDOW`` epochs) meets
+    ``rule`` against the median of the first ``WINDOW`` epochs."""
+    import statistics
+
+    from policy_probes.findings import WINDOW
+
+    values = [v for _, v in points]
+    baseline = statistics.median(values[:WINDOW])
+    for i in range(start - 1, len(values)):
+        if rule.holds(statistics.median(values[i - WINDOW + 1 : i + 1]), baseline):
+            return points[i][0]
+    return None
+
+
+def lead_table(runs: list[dict[str, Any]], period: int, arm: str = "none") -> str:
+    """Per seed of ``arm``: the epoch the return starts to fall, and for each finding at
+    the run's end the epoch a live diagnose first showed it and its lead (decline epoch
+    minus that epoch: positive = the finding came first)."""
+    chosen = [r for r in runs if r["arm"] == arm and "first_fires" in r]
+    kinds = sorted(
+        {
+            (f["rule"], f["component"])
+            for r in chosen
+            for f in r["first_fires"]
+            if f["onset_at_end"] is not None
+        }
+    )
+    head = (
+        "| seed | return starts to fall | "
+        + " | ".join(f"{rule} {comp}" for rule, comp in kinds)
+        + " |"
+    )
+    if not kinds:
+        return "(no finding held at the end of a run)"
+    rows = [head, "|" + "---|" * (2 + len(kinds))]
+    for r in chosen:
+        decline = decline_epoch(r["return"], period)
+        fired = {(f["rule"], f["component"]): f for f in r["first_fires"]}
+        cells = []
+        for kind in kinds:
+            f = fired.get(kind)
+            if f is None or f["onset_at_end"] is None:
+                cells.append("–")
+            elif decline is None:
+                cells.append(f"{f['first_epoch']}")
+            else:
+                cells.append(f"{f['first_epoch']} ({decline - f['first_epoch']:+d})")
+        rows.append(
+            f"| {r['seed']} | {decline if decline is not None else 'no decline'} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    return "\n".join(rows)
+
+
+def findings_table(runs: list[dict[str, Any]], arms: list[str], period: int) -> str:
+    """Per rule: in how many runs of each arm it holds at the run's end, and the median
+    lead over the runs whose return declines."""
+    rules = sorted(
+        {f["rule"] for r in runs for f in r.get("first_fires", []) if f["onset_at_end"] is not None}
+    )
+    head = (
+        "| rule | "
+        + " | ".join(f"runs, {a}" for a in arms)
+        + " | median lead (epochs), runs with a decline |"
+    )
+    rows = [head, "|" + "---|" * (2 + len(arms))]
+    for rule in rules:
+        cells, leads = [], []
+        for a in arms:
+            mine = [r for r in runs if r["arm"] == a]
+            hit = [
+                r
+                for r in mine
+                if any(
+                    f["rule"] == rule and f["onset_at_end"] is not None
+                    for f in r.get("first_fires", [])
+                )
+            ]
+            cells.append(f"{len(hit)}/{len(mine)}")
+            for r in hit:
+                decline = decline_epoch(r["return"], period)
+                if decline is not None:
+                    first = min(
+                        f["first_epoch"]
+                        for f in r["first_fires"]
+                        if f["rule"] == rule and f["onset_at_end"] is not None
+                    )
+                    leads.append(decline - first)
+        lead = f"{np.median(leads):+.0f} (n={len(leads)})" if leads else "–"
+        rows.append(f"| {rule} | " + " | ".join(cells) + f" | {lead} |")
+    return "\n".join(rows)
+
+
+def measures_block(
+    runs: list[dict[str, Any]], summary: dict[str, Any], arms: list[str], period: int
+) -> str:
+    """The doc section on the plasticity measures: correlations, findings, lead times."""
+    declines = {f"{r['arm']}/{r['seed']}": decline_epoch(r["return"], period) for r in runs}
+    parts = []
+    for r in runs:
+        if r["arm"] == "none":
+            epoch = declines["none/" + str(r["seed"])]
+            parts.append(f"seed {r['seed']}: {epoch if epoch is not None else 'none'}")
+    none_declines = ", ".join(parts)
+    return (
+        "Rank correlation (Spearman) across all runs (seeds x arms) between each measure's "
+        "change (mean over periods 7-12 minus mean over periods 1-6) and the return change "
+        f"(the same halves, %); p from {PERMUTATIONS} permutations:\n\n"
+        f"{correlation_table(runs, summary, arms, period)}\n\n"
+        "Findings (`policy-probes diagnose`) that hold at the end of the run, per arm, and "
+        "their median lead over the return's decline (decline epoch minus the epoch a live "
+        "`diagnose` first showed the finding; positive: the finding came first):\n\n"
+        f"{findings_table(runs, arms, period)}\n\n"
+        f"Per seed without a remedy (return decline epochs: {none_declines}); each cell: the "
+        "epoch a live `diagnose` first showed the finding (its lead in epochs):\n\n"
+        f"{lead_table(runs, period)}"
+    )
 
 
 def period_table(
@@ -297,6 +595,15 @@ def main(argv: list[str] | None = None) -> int:
     data = load_results(results) if args.from_results else train_arms(p, args, argv)
     runs, arms, seeds, period = data["runs"], list(data["arms"]), data["seeds"], data["period"]
     summary = summarize(runs, period)
+    for r in runs:  # what a live diagnose showed, from the run's records when they are here
+        metrics = Path(r["run_dir"]) / "metrics.jsonl"
+        if "first_fires" not in r and metrics.is_file():
+            r["first_fires"] = first_fires(Path(r["run_dir"]))
+        # the measures are kept as per-period means (their per-epoch values stay in the
+        # run's metrics.jsonl): 20 runs x 29 measures x 480 epochs would be megabytes
+        for name in MEASURES:
+            if name in r and len(r[name]) == data["epochs"]:
+                r[name] = [float(v) for v in period_means(r[name], period)]
     # (--from-results rewrites the same runs with the summary this version computes)
     results.parent.mkdir(parents=True, exist_ok=True)
     plain_summary = {k: plain(v) for k, v in summary.items()}
@@ -318,6 +625,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{period_table(runs, arms, 'critic_mlp', period, '{:.2f}')}"
     )
     write_doc(Path(args.doc), block)
+    doc = Path(args.doc)
+    if MEASURES_BEGIN in doc.read_text() and any(name in r for r in runs for name in MEASURES):
+        # only into a doc that has the section's markers (docs/plasticity.md does)
+        write_doc(doc, measures_block(runs, summary, arms, period), MEASURES_BEGIN, MEASURES_END)
     print(md)
     print(f"figure: {args.figure}; tables: {args.doc}; results: {results}")
     return 0

@@ -13,6 +13,9 @@ layer inside actor_mlp and critic_mlp: relu, gradient_flow and relu_gradient_flo
 layer_0 and layer_1; saturation_tanh finds no tanh layer in the ReLU policy).
 ``python -m benchmarks.per_layer_overhead`` runs that row alone.
 
+The ``plasticity`` rows price the plasticity measures of issue 24 (weights, preactivation
+and utility on both MLPs, churn on both heads) at every pass and at ``probe_budget=0.05``.
+
 The reference row is W&B's ``wandb.watch(policy, log="all", log_freq=1)`` (offline mode)
 on the same trainer, with no probes, over 4096 steps instead of 20480 (it is slow).
 
@@ -28,7 +31,9 @@ from __future__ import annotations
 from benchmarks.ab import Comparison, Side, adding, measure_and_record, parse_args
 
 #: ``--only`` keys, in the order the comparisons run
-KEYS = ["mlp", "per_layer", "wandb", "atari"]
+KEYS = ["mlp", "per_layer", "wandb", "atari", "plasticity", "plasticity_budget"]
+#: what runs without ``--only`` (the plasticity rows run when asked)
+DEFAULT_KEYS = ["mlp", "per_layer", "wandb", "atari"]
 
 
 def comparisons(quick: bool, only: list[str] | None = None) -> list[Comparison]:
@@ -48,6 +53,24 @@ def comparisons(quick: bool, only: list[str] | None = None) -> list[Comparison]:
     comps = {
         "mlp": adding("five probes x 2 components", plain, "probes", target="<= 1.05", probes=True),
         "per_layer": per_layer_comparison(quick),
+        # the plasticity measures (weights, preactivation, utility, churn): every pass,
+        # and at the toolkit's default overhead budget
+        "plasticity": adding(
+            "plasticity probes (every pass)",
+            plain,
+            "probes",
+            target="cost reported",
+            probes=True,
+            probe_set="plasticity",
+        ),
+        "plasticity_budget": Comparison(
+            "plasticity probes (probe_budget=0.05)",
+            Side("no probes", "ours", dict(base, probe_budget=0.05)),
+            Side(
+                "probes", "ours", dict(base, probes=True, probe_set="plasticity", probe_budget=0.05)
+            ),
+            target="cost reported",
+        ),
         "wandb": Comparison(
             "wandb.watch(log='all', log_freq=1)",
             Side("no probes", "ours", dict(short)),
@@ -76,7 +99,7 @@ def per_layer_comparison(quick: bool) -> Comparison:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(__doc__.splitlines()[0], 5, "probe_overhead.json", argv, KEYS)
+    args = parse_args(__doc__.splitlines()[0], 5, "probe_overhead.json", argv, KEYS, DEFAULT_KEYS)
     measure_and_record(
         args,
         comparisons(args.quick, args.only),

@@ -5,17 +5,25 @@ from policy_probes.context import ComponentContext
 from policy_probes.hook_types import BackwardHookBuilder, HookBuilder, ProbeError, ProbeHook
 from policy_probes.layers import MLP, ConvLayer, HiddenLayer, LinearSpec, MLPSpec
 from policy_probes.probes import (
+    ChurnState,
     FisherInformationState,
     GradientFlowState,
+    PreactivationState,
     ProbeState,
     ReLUActivationState,
     ReLUGradientFlowState,
     SaturatedActivationState,
+    UtilityState,
+    WeightsState,
+    attach_churn_hooks,
     attach_fisher_information_hooks,
     attach_gradient_flow_hooks,
+    attach_preactivation_hooks,
     attach_relu_activation_hooks,
     attach_relu_gradient_flow_hooks,
     attach_saturated_activation_hooks,
+    attach_utility_hooks,
+    attach_weights_hooks,
 )
 from policy_probes.session import ProbeSession
 from policy_probes.stats_reporter import StatsReporter
@@ -25,6 +33,7 @@ __version__ = "0.1.0"
 __all__ = [
     "MLP",
     "BackwardHookBuilder",
+    "ChurnState",
     "ComponentContext",
     "ConvLayer",
     "FisherInformationState",
@@ -38,14 +47,21 @@ __all__ = [
     "ProbeHandle",
     "ProbeHook",
     "ProbeSession",
+    "PreactivationState",
     "ProbeState",
     "ReLUActivationState",
     "ReLUGradientFlowState",
     "SaturatedActivationState",
     "StatsReporter",
+    "UtilityState",
+    "WeightsState",
+    "attach_churn_hooks",
     "attach_fisher_information_hooks",
     "attach_gradient_flow_hooks",
+    "attach_preactivation_hooks",
     "attach_relu_activation_hooks",
     "attach_relu_gradient_flow_hooks",
     "attach_saturated_activation_hooks",
+    "attach_utility_hooks",
+    "attach_weights_hooks",
 ]

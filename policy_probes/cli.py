@@ -30,6 +30,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from policy_probes.control_channel import COMMANDS, ControlError, send_command
+from policy_probes.diagnose import add_diagnose_subcommand
 from policy_probes.lifecycle.cli import (
     HookSelection,
     add_hook_selection_arguments,
@@ -546,6 +547,7 @@ SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     add_ctl_subcommand,
     add_report_subcommand,
     add_hooks_subcommand,
+    add_diagnose_subcommand,
 ]
 
 

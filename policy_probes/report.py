@@ -35,6 +35,8 @@ from typing import Any
 import numpy as np
 from matplotlib.figure import Figure
 
+from policy_probes.findings import diagnose, read_records
+from policy_probes.findings import render_html as render_findings_html
 from policy_probes.heatmaps import (
     HEATMAP_SPECS,
     component_of,
@@ -445,6 +447,8 @@ def build_report(
 
     if not epochs:
         parts.append('<p class="note">metrics.jsonl holds no epoch yet.</p>')
+    else:  # what is going wrong, first (policy_probes.findings)
+        parts.append(render_findings_html(diagnose(read_records(metrics_path))))
     missing: list[str] = []
 
     fig = returns_figure(run, overlays)

@@ -47,6 +47,7 @@ from policy_probes.lifecycle import (
     select_hooks,
     snapshot_due,
 )
+from policy_probes.probes.churn import start_epoch as churn_start_epoch
 from policy_probes.remedies.base import Remedy, RemedyRunner
 from policy_probes.run_dir import (
     RunDirConflict,
@@ -597,6 +598,8 @@ class ProbeSession:
         :meth:`set_data` when given. ``fields`` are more ``RunDataContext`` fields for the
         hooks (``agent_step``, ``stats``, ...)."""
         self._rollout_seen = True
+        # the churn probe's outputs before the updates (policy_probes.probes.churn)
+        churn_start_epoch(self.context, observations, self.policy)
         if minibatches is not None or data is not None:
             self.set_data(minibatches=minibatches, data=data, minibatch_size=minibatch_size)
         out = self.hooks.fire(

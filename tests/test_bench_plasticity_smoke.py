@@ -59,3 +59,27 @@ def test_plasticity_benchmark_writes_the_runs_curves_table_and_figure(tmp_path):
     assert "python -m benchmarks.plasticity --seeds=4" in text
     assert "![plasticity](figures/p.png)" in text
     assert (tmp_path / "figures" / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the plasticity measures (issue 24), kept per period (here one epoch each): read
+    # back from the records
+    for name, key in plasticity.MEASURES.items():
+        want = [r.get(key) for r in records]
+        assert results["runs"][0][name] == want, name
+    assert results["runs"][0]["policy_kl"][0] > 0
+    assert plasticity.MEASURES_BEGIN not in text  # no section markers: nothing written
+
+
+def test_the_measures_section_and_the_statistics_it_uses(tmp_path):
+    x = np.array([3.0, 1.0, 2.0, 2.0, 5.0])
+    assert list(plasticity.ranks(x)) == [4.0, 1.0, 2.5, 2.5, 5.0]
+    # Spearman's rho is Pearson's r of the ranks, written out
+    y = np.array([1.0, 0.0, 4.0, 3.0, 9.0])
+    rx, ry = plasticity.ranks(x), plasticity.ranks(y)
+    pearson = float(np.corrcoef(rx, ry)[0, 1])
+    rho, p = plasticity.spearman(x, y)
+    assert rho == pytest.approx(pearson)
+    assert 0 < p <= 1
+    assert plasticity.spearman(x, -x)[0] == pytest.approx(-1.0)
+    # a decline: the best first-half period is the 2nd (of 4); the later ones average 50
+    returns = [100.0] * 10 + [200.0] * 10 + [50.0] * 20
+    assert plasticity.decline_epoch(returns, 10) == 21
+    assert plasticity.decline_epoch([100.0] * 40, 10) is None

@@ -60,13 +60,25 @@ def sampling_key(key: str) -> bool:
     )
 
 
+def plasticity_key(key: str) -> bool:
+    """Keys of the plasticity measures (issue 24), newer than the fixtures' records."""
+    return (
+        "/dormant_fraction_tau_" in key
+        or key.endswith(("grad_noise_scale", "grad_sq_norm", "grad_var_trace"))
+        or key.startswith("train/value_target_")
+    )
+
+
 def main_records(run_dir: Path) -> list[dict]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [
         {
             k: v
             for k, v in r.items()
-            if k != "time" and not k.startswith("perf/") and not sampling_key(k)
+            if k != "time"
+            and not k.startswith("perf/")
+            and not sampling_key(k)
+            and not plasticity_key(k)
         }
         for r in rows
         if r["hook_point"] == "POST_EPOCH"

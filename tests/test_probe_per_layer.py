@@ -150,6 +150,9 @@ def test_per_layer_false_reproduces_the_component_keys_and_values() -> None:
             "samples",
             "active_rate_se",
             "zero_fraction_se",
+            "dormant_fraction_tau_0",
+            "dormant_fraction_tau_0.025",
+            "dormant_fraction_tau_0.1",
         )
     }
     component_keys |= {

@@ -43,6 +43,7 @@ from torch.nn.parallel import DistributedDataParallel
 from policy_probes.context import ComponentContext
 from policy_probes.lifecycle import STEP_POINTS, HookManager, HookPoint, TrainingHook
 from policy_probes.lifecycle.hooks import StatsReporterHook
+from policy_probes.probes.churn import start_epoch as churn_start_epoch
 from policy_probes.session import ProbeSession
 from policy_probes.sinks import SinkGroup
 from trainers.callbacks import CallbackList, TrainerHook, TrainerState
@@ -361,10 +362,16 @@ class PPOTrainer:
         self.prev_done[:] = False
 
     def rollout_end(self) -> None:
-        """POST_ROLLOUT: the rollout and its advantages are ready, no update yet."""
+        """POST_ROLLOUT: the rollout and its advantages are ready, no update yet. A
+        ``churn`` probe records its held-out outputs here (the session does it with
+        POST_ROLLOUT)."""
+        st = self.storage
         if not self._fire_post_rollout:
+            if "churn" in self.context.model_metrics:
+                observations = st.obs.view(st.num_steps * st.num_envs, -1)[st.valid_indices]
+                churn_start_epoch(self.context, observations, self.policy)
             return
-        state, st = self.state, self.storage
+        state = self.state
         self.session.rollout_end(
             observations=st.obs.view(st.num_steps * st.num_envs, -1)[st.valid_indices],
             agent_step=state.agent_step,
@@ -577,7 +584,8 @@ class PPOTrainer:
                 int(bad_steps),
                 len(step_stats),
             )
-        loss_stats["explained_variance"] = self.storage.explained_variance()
+        # explained variance and the value targets' scale (one transfer)
+        loss_stats.update(self.storage.value_statistics())
         loss_stats["learning_rate"] = p.learning_rate
         loss_stats["update_epochs_run"] = float(p.update_epochs_run)
         loss_stats["batch_size"] = float(self.storage.size)

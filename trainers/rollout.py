@@ -178,9 +178,22 @@ class RolloutStorage:
 
     def explained_variance(self) -> float:
         """1 - Var[returns - values] / Var[returns] over valid transitions (host transfer)."""
+        return self.value_statistics()["explained_variance"]
+
+    def value_statistics(self) -> dict[str, float]:
+        """Over the valid transitions, in one host transfer: ``explained_variance``, and
+        the scale of the value targets (the GAE returns) that the value loss regresses
+        on, ``value_target_abs_mean`` = mean |R| and ``value_target_std`` = std(R) (the
+        regression-target scale of Lyle et al., "Disentangling the causes of plasticity
+        loss", 2024)."""
         flat = self.num_steps * self.num_envs
         y = self.returns.view(flat)[self.valid_indices].double()
         v = self.values.view(flat)[self.valid_indices].double()
         var_y = torch.var(y, unbiased=False)
-        out = torch.where(var_y > 0, 1 - torch.var(y - v, unbiased=False) / var_y, torch.nan)
-        return float(out)
+        ev = torch.where(var_y > 0, 1 - torch.var(y - v, unbiased=False) / var_y, torch.nan)
+        ev, abs_mean, std = torch.stack([ev, y.abs().mean(), var_y.sqrt()]).tolist()
+        return {
+            "explained_variance": ev,
+            "value_target_abs_mean": abs_mean,
+            "value_target_std": std,
+        }

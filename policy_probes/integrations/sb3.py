@@ -52,12 +52,14 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         "policy-probes[sb3] (or pip install stable-baselines3)"
     ) from exc
 
+import numpy as np
 import torch
 from torch import nn
 
 from policy_probes.context import ComponentContext
 from policy_probes.hook_types import ProbeBuilder
 from policy_probes.lifecycle import preserved_rng
+from policy_probes.probes.churn import start_epoch as churn_start_epoch
 from policy_probes.run_dir import default_run_dir
 from policy_probes.sampling import DEFAULT_BUDGET, Schedule, as_schedule, check_budget
 from policy_probes.session import ProbeSession
@@ -265,8 +267,13 @@ class ProbeCallback(BaseCallback):
             self.session.set_phase("rollout")
 
     def _on_rollout_end(self) -> None:
-        """SB3 calls ``train()`` next: record from here."""
+        """SB3 calls ``train()`` next: record from here (a ``churn`` probe first records
+        its held-out outputs, from the rollout buffer's observations)."""
         if self.session is not None:
+            if "churn" in self.session.context.model_metrics:
+                churn_start_epoch(
+                    self.session.context, _buffer_observations(self.model), self.session.policy
+                )
             self.session.set_phase("train")
             self._trained = True
 
@@ -394,6 +401,16 @@ class ProbeCallback(BaseCallback):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _buffer_observations(model: Any) -> torch.Tensor | None:
+    """The rollout buffer's observations as flat rows on the model's device (None for
+    dict observation spaces: the churn probe then needs ``ChurnState.fix_batch``)."""
+    obs = getattr(getattr(model, "rollout_buffer", None), "observations", None)
+    if not isinstance(obs, np.ndarray):
+        return None
+    rows = obs.reshape(-1, *obs.shape[2:])
+    return torch.as_tensor(rows, device=model.device).float()
 
 
 def _forward_args(policy: nn.Module, obs: Any) -> tuple[Any, ...]:

@@ -277,6 +277,10 @@ class FisherInformationState(ProbeState):
         if rule is not None:
             sq = rule.squares(x.clean, gs, self.settings[component]["chunk_bytes"])
         else:  # nn.Linear
+            # the summed per-sample gradient (gradient noise scale), before gs is squared
+            self._add(component, f"param_gsum:{weight}", (gs.T @ x.clean).to(SUM))
+            if bias:
+                self._add(component, f"param_gsum:{bias}", gs.sum(0).to(SUM))
             g2 = gs.square_()
             sq = {weight: (g2.T @ x.square()).to(SUM)}
             if bias:
@@ -322,11 +326,50 @@ class FisherInformationState(ProbeState):
             out["mean"] = float(allf.mean())
             out["max"] = float(allf.max())
             out["dead_param_fraction"] = float((allf < cfg["dead_threshold"]).double().mean())
+        out.update(noise_scale(s))
         uncovered = cfg.get("uncovered", {})
         for name, entries in uncovered.items():
             out[f"uncovered/{name}"] = float(entries)
         out["unsupported_params"] = float(len(uncovered))
         return out
+
+
+def noise_scale(s: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Gradient noise scale B_simple = tr(Σ) / |G|² (McCandlish et al., 2018, "An
+    empirical model of large-batch training") over the parameters whose summed per-sample
+    gradient the probe holds (``nn.Linear`` weights and biases).
+
+    With N samples, S = (1/N) Σ_i |g_i|² (the Fisher trace of those parameters) and
+    ḡ = (1/N) Σ_i g_i, the unbiased estimates (the paper's two-batch-size estimator with
+    batch sizes 1 and N) are |G|² ≈ (N |ḡ|² − S) / (N − 1) and
+    tr(Σ) ≈ N (S − |ḡ|²) / (N − 1). Reported only when N > 1 and |G|² > 0."""
+    out: dict[str, float] = {}
+    total_sq, total_gsq, n_min = 0.0, 0.0, None
+    for key, gsum in s.items():
+        if not key.startswith("param_gsum:"):
+            continue
+        name = key.removeprefix("param_gsum:")
+        n = int(s[f"param_samples:{name}"])
+        if n < 2:
+            continue
+        sq = float(s[f"param:{name}"].sum()) / n  # S of this parameter
+        gsq = float((gsum / n).square().sum())  # |ḡ|²
+        total_sq += sq
+        total_gsq += gsq
+        n_min = n if n_min is None else min(n_min, n)
+        out.update(_noise(f"{name}.", n, sq, gsq))
+    if n_min is not None:
+        out.update(_noise("", n_min, total_sq, total_gsq))
+    return out
+
+
+def _noise(prefix: str, n: int, sq: float, gsq: float) -> dict[str, float]:
+    grad_sq = (n * gsq - sq) / (n - 1)
+    var_trace = n * (sq - gsq) / (n - 1)
+    out = {f"{prefix}grad_sq_norm": grad_sq, f"{prefix}grad_var_trace": var_trace}
+    if grad_sq > 0:
+        out[f"{prefix}grad_noise_scale"] = var_trace / grad_sq
+    return out
 
 
 class FisherInformationHook(ProbeHook):

@@ -6,6 +6,8 @@ Definitions (h the probed post-activation output, N samples in the window, U uni
 * ``dead_fraction`` = fraction of units with active_rate 0
 * ``dormant_fraction`` = ReDo tau-dormant fraction (Sokar et al., 2023): score
   s_u = mean|h_u| / ((1/U) sum_k mean|h_k|), dormant when s_u <= tau
+* ``dormant_fraction_tau_<t>`` = the same fraction at each threshold t of ``taus``
+  (default 0, 0.025, 0.1, the thresholds ReDo's reference code logs together)
 * ``rarely_active_fraction`` (active_rate < 0.05), ``always_active_fraction`` (> 0.95)
 * ``zero_fraction`` = fraction of elements <= 0
 * ``active_rate_se`` = mean over units of the standard error sqrt(p (1 - p) / N) of
@@ -32,6 +34,13 @@ from policy_probes.sampling import Schedule, standard_error
 
 # ReDo divides by the layer mean plus a small constant; all-zero layers are all dormant.
 DORMANT_EPS = 1e-9
+#: the thresholds ReDo's reference code (google/dopamine labs/redo) logs at once
+DORMANT_TAUS: tuple[float, ...] = (0.0, 0.025, 0.1)
+
+
+def tau_key(tau: float) -> str:
+    """``dormant_fraction_tau_<tau>`` (``%g``: 0, 0.025, 0.1)."""
+    return f"dormant_fraction_tau_{tau:g}"
 
 
 class ReLUActivationState(ActivationState):
@@ -55,12 +64,18 @@ class ReLUActivationState(ActivationState):
         name: str,
         *,
         tau: float = 0.025,
+        taus: tuple[float, ...] = DORMANT_TAUS,
         rarely_active: float = 0.05,
         always_active: float = 0.95,
         **extra: Any,
     ) -> bool:
         return super().register_component(
-            name, tau=tau, rarely_active=rarely_active, always_active=always_active, **extra
+            name,
+            tau=tau,
+            taus=tuple(taus),
+            rarely_active=rarely_active,
+            always_active=always_active,
+            **extra,
         )
 
     def consume(self, batch: Drained) -> None:
@@ -94,7 +109,9 @@ class ReLUActivationState(ActivationState):
         zero = float(s["nonpos"]) / finite_total if finite_total else 0.0
         # standard errors as for independent rows (policy_probes.sampling.standard_error)
         se = (active_rate * (1 - active_rate) / count.clamp(min=1).to(torch.float64)).sqrt()
+        by_tau = {tau_key(t): frac(score <= t) for t in cfg.get("taus", DORMANT_TAUS)}
         return {
+            **by_tau,
             "active_rate": as_floats(active_rate),
             "active_rate_se": float(se[seen].mean()) if units else 0.0,
             "dead_fraction": frac(active_rate == 0),
@@ -130,6 +147,7 @@ class ReLUActivationHook(LayeredProbeHook):
 def attach_relu_activation_hooks(
     *,
     tau: float = 0.025,
+    taus: Iterable[float] = DORMANT_TAUS,
     rarely_active: float = 0.05,
     always_active: float = 0.95,
     phases: Iterable[str] | str = ("train",),
@@ -145,15 +163,19 @@ def attach_relu_activation_hooks(
     metrics describe the sign of the pre-activation instead. ``layout`` says where the
     units are (:mod:`~policy_probes.probes.layout`: per channel on conv outputs);
     ``per_layer`` also reports every activation layer inside the component
-    (:mod:`~policy_probes.probes.per_layer`).
+    (:mod:`~policy_probes.probes.per_layer`). ``taus``: the thresholds of the
+    ``dormant_fraction_tau_<t>`` keys, reported beside ``dormant_fraction`` (at ``tau``).
     """
     if not tau >= 0:
         raise ValueError(f"tau must be >= 0, got {tau}")
+    taus = tuple(float(t) for t in taus)
+    if not all(t >= 0 for t in taus):
+        raise ValueError(f"every threshold in taus must be >= 0, got {taus}")
     return layered_builder(
         "relu",
         (ReLUActivationState,),
         ReLUActivationHook,
-        {"tau": tau, "rarely_active": rarely_active, "always_active": always_active},
+        {"tau": tau, "taus": taus, "rarely_active": rarely_active, "always_active": always_active},
         phases=phases,
         extractor=extractor,
         layout=layout,

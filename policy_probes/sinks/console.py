@@ -24,6 +24,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from policy_probes.findings import FindingsCollector, render_text
 from policy_probes.sinks.base import (
     MetricSink,
     is_finite_number,
@@ -112,6 +113,8 @@ class ConsoleSink(MetricSink):
         self.epoch: int | None = None
         self._live: Live | None = None
         self._closed = False
+        #: what the plasticity rules read, for the findings printed at close
+        self.findings = FindingsCollector()
 
     # ------------------------------------------------------------------ selection
     def chosen(self, key: str) -> int | None:
@@ -126,6 +129,7 @@ class ConsoleSink(MetricSink):
         if epoch != self.epoch:
             self._snapshot = {}
         self.epoch = int(epoch)
+        self.findings.add(metrics, epoch, hook_point)
         for key, value in plain_metrics(metrics, skip=()):
             if not is_finite_number(value):
                 continue  # vectors, None, NaN and strings are not shown
@@ -204,3 +208,5 @@ class ConsoleSink(MetricSink):
             self._live = None
         if self._latest:
             self.console.print(self.summary_table(title=f"final, epoch {self.epoch}"))
+        if self.findings.records:  # what is going wrong (policy_probes.findings)
+            self.console.print(render_text(self.findings.findings()), markup=False, soft_wrap=True)

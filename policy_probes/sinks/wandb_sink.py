@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from policy_probes.atomic_write import write_text_atomic
+from policy_probes.findings import FindingsCollector
 from policy_probes.heatmaps import VectorHistory, figure_png, heatmap_spec, render_heatmaps
 from policy_probes.layer_figures import ScalarHistory, is_layer_metric, layer_figures
 from policy_probes.sinks.base import (
@@ -99,6 +100,8 @@ class WandbSink(MetricSink):
         self.layer_history = ScalarHistory(self.cfg.heatmap_history)
         self._last_heatmap_epoch: int | None = None
         self._last_epoch: int | None = None
+        #: what the plasticity rules read, for the findings in the run summary at close
+        self.findings = FindingsCollector()
         settings = wandb.Settings(
             silent=True,
             console="off",  # the trainer owns the terminal; no stdout capture
@@ -131,6 +134,7 @@ class WandbSink(MetricSink):
             self._settle_resume(None)
         wandb = self._wandb
         epoch = int(epoch)
+        self.findings.add(metrics, epoch, hook_point)
         row: dict[str, Any] = {"epoch": epoch}
         step = self.run_context.get("agent_step")
         if step is not None:
@@ -256,9 +260,23 @@ class WandbSink(MetricSink):
                 if images:
                     run.log({"epoch": self._last_epoch, **images}, step=self._step)
                     self._step += 1
+            self._summarise_findings(run)
         finally:
             run.finish()
             self._wait_for_service()
+
+    def _summarise_findings(self, run: Any) -> None:
+        """The run's findings (:mod:`policy_probes.findings`) in the run summary:
+        ``findings/count`` and ``findings/list`` (one dict per finding)."""
+        if not self.findings.records and not (self.run_dir / "metrics.jsonl").is_file():
+            return
+        try:
+            found = self.findings.findings(self.run_dir)
+        except Exception as exc:  # a diagnosis must never cost the run its W&B data
+            logger.error("findings for the W&B summary failed: %s", exc)
+            return
+        run.summary["findings/count"] = len(found)
+        run.summary["findings/list"] = [f.to_dict() for f in found]
 
     def _wait_for_service(self) -> None:
         """Make the run's files complete before returning.

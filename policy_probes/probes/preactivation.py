@@ -1,0 +1,211 @@
+"""Pre-activation probe: per-layer pre-activation mean and std, their drift from the first
+epochs, and the feature norm of the component's output.
+
+Pre-activation distribution shift is one of the three independent mechanisms of
+plasticity loss in Lyle et al., "Disentangling the causes of plasticity loss in neural
+networks" (2024): as training goes on the pre-activations z = Wx + b of a layer's units
+drift away from where they started, into saturation or into the dead side of a ReLU.
+The feature norm (mean ‖y_i‖ of the component's output rows) is one of Plasticine's
+metrics.
+
+For every ``nn.Linear`` inside the component (a *layer*, ``actor_mlp.layer_0.linear``),
+with z_iu the pre-activation of unit u on row i, over the window's (kept) rows:
+
+* μ_u = mean_i z_iu, σ_u = sqrt(mean_i z_iu² − μ_u²)
+* ``mean`` = (1/U) Σ_u μ_u, ``std`` = (1/U) Σ_u σ_u
+* reference μ_u⁰, σ_u⁰: the same over every row of the first ``reference_epochs``
+  reports (sums carried over the windows)
+* ``mean_drift`` = (1/U) Σ_u |μ_u − μ_u⁰| / (σ_u⁰ + 1e-8): how far the units' means moved,
+  in units of their early spread
+* ``std_ratio`` = (1/U) Σ_u σ_u / (σ_u⁰ + 1e-8)
+
+and for the component's own output y: ``feature_norm`` = mean_i ‖y_i‖₂.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from policy_probes.context import ComponentContext
+from policy_probes.hook_types import ProbeHook
+from policy_probes.probes.rows import COUNT
+from policy_probes.probes.state import SUM, Drained, ProbeState, as_rows, get_state
+from policy_probes.probes.weighted import Weighted
+from policy_probes.row_mask import bound_weight, pushing_with
+from policy_probes.sampling import Schedule, as_schedule, with_schedule
+
+DRIFT_EPS = 1e-8
+
+
+class PreactivationState(ProbeState):
+    """Per-unit sums of z and z² and counts per layer; row norms of the component output;
+    the reference sums of the first ``reference_epochs`` reports (host, float64)."""
+
+    probe = "preactivation"
+
+    def __init__(self) -> None:
+        super().__init__()
+        #: layer -> {"sum", "sq", "count", "windows"} over the first reports
+        self.reference: dict[str, dict[str, torch.Tensor]] = {}
+
+    def register_component(self, name: str, *, reference_epochs: int = 3, **extra: Any) -> bool:
+        return super().register_component(name, reference_epochs=reference_epochs, **extra)
+
+    def update_layer(self, layer: str, z: torch.Tensor) -> None:
+        self._push(layer, "z", (as_rows(z),))
+
+    def update_output(self, component: str, y: torch.Tensor) -> None:
+        self._push(component, "y", (as_rows(y),))
+
+    def consume(self, batch: Drained) -> None:
+        component, (x,), weight = batch.component, batch.cols, batch.weight
+        kept = Weighted(x, weight)
+        if batch.stream == "y":  # row norms of the component output (finite rows)
+            norms = torch.linalg.vector_norm(x.clean, dim=1).to(SUM)
+            ok = 1.0 - x.row_nonfinite().sign().to(SUM)
+            if weight is not None:
+                ok = ok * weight.to(SUM)
+            self._add(component, "norm_sum", (norms * ok).sum())
+            self._add(component, "rows", ok.sum().round().to(COUNT), COUNT)
+            return
+        self._add(component, "sum", kept.sums(x.clean).to(SUM))
+        sq = torch.square(x.clean, out=self.scratch(x.clean))
+        self._add(component, "sq", kept.sums(sq).to(SUM))
+        self._add(component, "count", kept.finite_count(), COUNT)
+
+    def summarize(self, component: str, s: dict[str, torch.Tensor], cfg: dict[str, Any]) -> dict:
+        out: dict[str, float] = {}
+        if "rows" in s and int(s["rows"]):
+            out["feature_norm"] = float(s["norm_sum"]) / int(s["rows"])
+        if "count" not in s:
+            return out
+        count = s["count"].to(SUM)
+        seen = count > 0
+        if not bool(seen.any()):
+            return out
+        mu, sd = _moments(s["sum"], s["sq"], count)
+        ref = self.reference.get(component)
+        if ref is None or int(ref["windows"]) < cfg["reference_epochs"]:
+            if ref is None:  # the first reports build the reference
+                ref = self.reference[component] = {
+                    "sum": torch.zeros_like(s["sum"]),
+                    "sq": torch.zeros_like(s["sq"]),
+                    "count": torch.zeros_like(count),
+                    "windows": torch.zeros((), dtype=COUNT),
+                }
+            if ref["sum"].shape == s["sum"].shape:
+                ref["sum"] += s["sum"]
+                ref["sq"] += s["sq"]
+                ref["count"] += count
+                ref["windows"] += 1
+        mu0, sd0 = _moments(ref["sum"], ref["sq"], ref["count"])
+        both = seen & (ref["count"] > 0)
+        out["mean"] = float(mu[seen].mean())
+        out["std"] = float(sd[seen].mean())
+        if bool(both.any()) and mu0.shape == mu.shape:
+            out["mean_drift"] = float(((mu - mu0).abs() / (sd0 + DRIFT_EPS))[both].mean())
+            out["std_ratio"] = float((sd / (sd0 + DRIFT_EPS))[both].mean())
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        out = super().state_dict()
+        out["reference"] = {k: dict(v) for k, v in self.reference.items()}
+        return out
+
+    def load_state_dict(
+        self, state: dict[str, Any], device: torch.device | str | None = None
+    ) -> None:
+        super().load_state_dict(state, device)
+        self.reference = {
+            k: {n: t.clone() for n, t in v.items()}
+            for k, v in (state.get("reference") or {}).items()
+        }
+
+
+def _moments(total: torch.Tensor, sq: torch.Tensor, count: torch.Tensor) -> tuple:
+    n = count.clamp(min=1)
+    mu = total / n
+    var = (sq / n - mu.square()).clamp(min=0)
+    return mu, var.sqrt()
+
+
+class PreactivationHook(ProbeHook):
+    """Reads the component's output (feature norm) and, through hooks of its own, the
+    output of every ``nn.Linear`` inside it (the pre-activations)."""
+
+    probe = "preactivation"
+    builder_name = "attach_preactivation_hooks()"
+
+    def __init__(self, tracker: PreactivationState, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.tracker = tracker
+        self.layers: list[tuple[str, nn.Module]] | None = None
+
+    def record(self, module: nn.Module, output: torch.Tensor) -> None:
+        self.tracker.update_output(self.component, output)
+
+    def plain_call_gaps(self, module: nn.Module) -> str:
+        names = [n for n, m in module.named_modules() if n and isinstance(m, nn.Linear)]
+        if not names and not isinstance(module, nn.Linear):
+            return ""
+        return f"the nn.Linear layers inside it ({', '.join(names) or 'itself'}), read through hooks of their own"
+
+    def attach(self, module: nn.Module) -> list[RemovableHandle]:
+        self.attached = True
+        if self.layers is None:
+            settings = self.tracker.settings[self.component]
+            layers = []
+            for name, sub in module.named_modules():
+                if not isinstance(sub, nn.Linear):
+                    continue
+                layer = f"{self.component}.{name}" if name else f"{self.component}.linear"
+                if self.tracker.register_component(layer, **settings):
+                    layers.append((layer, sub))
+            self.layers = layers
+        return [sub.register_forward_hook(self._layer_hook(layer)) for layer, sub in self.layers]
+
+    def _layer_hook(self, layer: str) -> Any:
+        def hook(module: nn.Module, _inputs: Any, output: Any) -> None:
+            if not (self.active() and isinstance(output, torch.Tensor)):
+                return
+            start = time.perf_counter()
+            try:
+                weight = bound_weight(self.context, output, module, layer, (id(self), layer))
+                with pushing_with(self.context, weight):
+                    self.tracker.update_layer(layer, output)
+            except Exception as exc:  # a probe must never take training down
+                self.fail(exc)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        return hook
+
+
+def attach_preactivation_hooks(
+    *,
+    reference_epochs: int = 3,
+    phases: Iterable[str] | str = ("train",),
+    schedule: Schedule | str | None = None,
+) -> Any:
+    """Builder of the ``preactivation`` probe (docs/probes/preactivation.md): per
+    ``nn.Linear`` inside the component, pre-activation mean/std and their drift from the
+    first ``reference_epochs`` reports; the component output's feature norm."""
+    if not (isinstance(reference_epochs, int) and reference_epochs >= 1):
+        raise ValueError(f"reference_epochs must be an integer >= 1, got {reference_epochs!r}")
+    sched = as_schedule(schedule)
+
+    def build(component_name: str, context: ComponentContext) -> PreactivationHook | None:
+        tracker = get_state(context, "preactivation", PreactivationState)
+        if not tracker.register_component(component_name, reference_epochs=reference_epochs):
+            return None
+        hook = PreactivationHook(tracker, component_name, context, phases)
+        return with_schedule(hook, sched)
+
+    build.probe = "preactivation"  # type: ignore[attr-defined]
+    return build

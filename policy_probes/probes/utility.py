@@ -1,0 +1,219 @@
+"""Contribution-utility probe: continual backprop's per-unit utility and its low-utility fraction.
+
+Continual backprop (CBP; Dohare et al., "Loss of plasticity in deep continual learning",
+Nature 2024) scores every hidden unit i by its *contribution utility*, a running average
+of how much the unit passes on to the next layer:
+
+    u_i ← η u_i + (1 − η) |h_i| Σ_k |w_ki|
+
+with h_i the unit's activation and w_ki its outgoing weights (column i of the next
+layer's weight). CBP updates it at every step and replaces the lowest-utility mature
+units. This probe computes it once per report from the window's sums: the contribution
+c_i = mean_rows |h_i| × Σ_k |w_ki| (mean |h| over the window's kept rows, the outgoing
+weights as they are at the report), folded into the running score with ``decay`` η; the
+first report starts the score at c_i. A unit is *low-utility* when its score is at most
+``tau`` of the layer's mean score (normalised like ReDo's dormancy score, so the fraction
+does not depend on the layer's scale).
+
+Layers: every activation layer inside the component (:mod:`~policy_probes.probes.per_layer`)
+whose output feeds an ``nn.Linear`` later inside the component (the next one in module
+order); the last one's outgoing weights are those of the first ``nn.Linear`` of the
+module named by ``outgoing`` (``"actor_head"``), when given.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from policy_probes.context import ComponentContext
+from policy_probes.hook_types import ProbeError, ProbeHook
+from policy_probes.probes.per_layer import activation_layers
+from policy_probes.probes.rows import COUNT
+from policy_probes.probes.state import SUM, Drained, ProbeState, as_floats, as_rows, get_state
+from policy_probes.probes.weighted import Weighted
+from policy_probes.row_mask import bound_weight, pushing_with
+from policy_probes.sampling import Schedule, as_schedule, with_schedule
+
+UTILITY_EPS = 1e-12
+
+
+class UtilityState(ProbeState):
+    """Per-unit sums of |h| and counts per layer; the outgoing weights of each layer; the
+    running utility of each unit (host, float64; carried by :meth:`state_dict`)."""
+
+    probe = "utility"
+
+    def __init__(self) -> None:
+        super().__init__()
+        #: layer -> the weight whose columns are the layer's outgoing weights
+        self.outgoing: dict[str, torch.Tensor] = {}
+        #: layer -> running utility per unit
+        self.scores: dict[str, torch.Tensor] = {}
+
+    def register_component(
+        self, name: str, *, decay: float = 0.9, tau: float = 0.025, **extra: Any
+    ) -> bool:
+        return super().register_component(name, decay=decay, tau=tau, **extra)
+
+    def update(self, layer: str, h: torch.Tensor) -> None:
+        self._push(layer, "h", (as_rows(h),))
+
+    def consume(self, batch: Drained) -> None:
+        layer, (h,), weight = batch.component, batch.cols, batch.weight
+        kept = Weighted(h, weight)
+        abs_h = torch.abs(h.clean, out=self.scratch(h.clean))
+        self._add(layer, "abs_sum", kept.sums(abs_h).to(SUM))
+        self._add(layer, "count", kept.finite_count(), COUNT)
+
+    def summarize(self, layer: str, s: dict[str, torch.Tensor], cfg: dict[str, Any]) -> dict:
+        w = self.outgoing.get(layer)
+        if w is None or "count" not in s:
+            return {}
+        out_sum = w.detach().abs().sum(0).to(SUM).cpu()  # Σ_k |w_ki| per unit i
+        count = s["count"]
+        if out_sum.shape != count.shape:  # reported like a lost window, training goes on
+            self.errors[layer] = (
+                f"{count.numel()} units but the outgoing weight has {out_sum.numel()} input "
+                f"columns; pass outgoing= naming the module that reads this layer"
+            )
+            return {}
+        seen = count > 0
+        mean_abs = s["abs_sum"] / count.clamp(min=1).to(SUM)
+        contribution = mean_abs * out_sum
+        prev = self.scores.get(layer)
+        decay = cfg["decay"]
+        score = (
+            contribution
+            if prev is None or prev.shape != contribution.shape
+            else decay * prev + (1 - decay) * contribution
+        )
+        self.scores[layer] = score
+        units = int(seen.sum())
+        if not units:
+            return {}
+        mean = float(score[seen].mean())
+        low = score / (mean + UTILITY_EPS) <= cfg["tau"]
+        return {
+            "utility": as_floats(score),
+            "utility_mean": mean,
+            "contribution_mean": float(contribution[seen].mean()),
+            "low_utility_fraction": float((low & seen).sum()) / units,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        out = super().state_dict()
+        out["scores"] = {k: v.clone() for k, v in self.scores.items()}
+        return out
+
+    def load_state_dict(
+        self, state: dict[str, Any], device: torch.device | str | None = None
+    ) -> None:
+        super().load_state_dict(state, device)
+        self.scores = {k: v.clone() for k, v in (state.get("scores") or {}).items()}
+
+
+class UtilityHook(ProbeHook):
+    """Reads every scored activation layer through hooks of its own (the component's
+    output is its last layer's)."""
+
+    probe = "utility"
+    builder_name = "attach_utility_hooks()"
+
+    def __init__(
+        self, tracker: UtilityState, *args: Any, outgoing: str | None = None, **kwargs: Any
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.tracker = tracker
+        self.outgoing = outgoing
+        self.layers: list[tuple[str, nn.Module]] | None = None
+
+    def __call__(self, module: nn.Module, first: Any, second: Any) -> None:
+        if not self.attached and self.active():
+            self.check_plain_call(module, first, second)
+
+    def plain_call_gaps(self, module: nn.Module) -> str:
+        return "the activation layers inside it, read through hooks of their own"
+
+    def attach(self, module: nn.Module) -> list[RemovableHandle]:
+        self.attached = True
+        if self.layers is None:
+            self.layers = self._scored_layers(module)
+        return [sub.register_forward_hook(self._layer_hook(name)) for name, sub in self.layers]
+
+    def _scored_layers(self, module: nn.Module) -> list[tuple[str, nn.Module]]:
+        order = {id(m): i for i, (_, m) in enumerate(module.named_modules())}
+        linears = [(order[id(m)], m) for m in module.modules() if isinstance(m, nn.Linear)]
+        tail: nn.Linear | None = None
+        if self.outgoing is not None:
+            if self.locate is None:
+                raise ProbeError(
+                    f"utility probe on {self.component!r}: outgoing={self.outgoing!r} needs "
+                    f"the policy to look it up; attach through PolicyAutoBuilder.attach"
+                )
+            target = self.locate(self.outgoing)
+            tail = next((m for m in target.modules() if isinstance(m, nn.Linear)), None)
+        settings = self.tracker.settings[self.component]
+        out = []
+        for layer in activation_layers(module):
+            at = order[id(layer.module)]
+            nxt = next((m for i, m in linears if i > at and m not in layer.module.modules()), None)
+            nxt = nxt if nxt is not None else tail
+            if nxt is None:
+                continue  # nothing reads it inside the component and no outgoing= given
+            name = f"{self.component}.{layer.name}"
+            if self.tracker.register_component(name, **settings):
+                self.tracker.outgoing[name] = nxt.weight
+                out.append((name, layer.module))
+        return out
+
+    def _layer_hook(self, layer: str) -> Any:
+        def hook(module: nn.Module, _inputs: Any, output: Any) -> None:
+            if not (self.active() and isinstance(output, torch.Tensor)):
+                return
+            start = time.perf_counter()
+            try:
+                weight = bound_weight(self.context, output, module, layer, (id(self), layer))
+                with pushing_with(self.context, weight):
+                    self.tracker.update(layer, output)
+            except Exception as exc:  # a probe must never take training down
+                self.fail(exc)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        return hook
+
+
+def attach_utility_hooks(
+    *,
+    outgoing: str | None = None,
+    decay: float = 0.9,
+    tau: float = 0.025,
+    phases: Iterable[str] | str = ("train",),
+    schedule: Schedule | str | None = None,
+) -> Any:
+    """Builder of the ``utility`` probe (docs/probes/utility.md): CBP's contribution
+    utility per unit of every activation layer inside the component, and the fraction of
+    units whose utility is at most ``tau`` of the layer mean. ``outgoing`` names the
+    module that reads the component's output (``"actor_head"``), so its last layer is
+    scored too; ``decay``: η of the running score, applied once per report."""
+    if not 0.0 <= decay < 1.0:
+        raise ValueError(f"decay must be in [0, 1), got {decay}")
+    if not tau >= 0:
+        raise ValueError(f"tau must be >= 0, got {tau}")
+    sched = as_schedule(schedule)
+
+    def build(component_name: str, context: ComponentContext) -> UtilityHook | None:
+        tracker = get_state(context, "utility", UtilityState)
+        if not tracker.register_component(component_name, decay=decay, tau=tau):
+            return None
+        hook = UtilityHook(tracker, component_name, context, phases, outgoing=outgoing)
+        return with_schedule(hook, sched)
+
+    build.probe = "utility"  # type: ignore[attr-defined]
+    return build

@@ -1,0 +1,173 @@
+"""Weights probe: per-layer parameter norm, distance from initialisation, update ratio.
+
+Two of the mechanisms of plasticity loss are read off the parameters themselves:
+parameter-norm growth (Lyle et al., "Disentangling the causes of plasticity loss", 2024)
+and how far, and how fast, the weights move (Plasticine's "weight difference from
+initialisation" and "weight magnitude"). For every module inside the component that holds
+parameters of its own (a *layer*: ``actor_mlp.layer_0.linear``) and for the component as a
+whole, with θ the layer's parameters concatenated:
+
+* ``norm`` = ‖θ‖₂
+* ``magnitude`` = mean |θ_j|
+* ``init_distance`` = ‖θ − θ₀‖ / ‖θ₀‖, θ₀ the parameters when the probe was attached
+* ``update_ratio`` = ‖θ − θ_prev‖ / ‖θ_prev‖, θ_prev the parameters at the previous
+  report (one epoch's updates, or a reporting window's under a sampler)
+
+Nothing runs in forward or backward: the probe reads the parameters once per report, on
+their device, and moves one vector of sums to the host. Parameters are the same on every
+process of a data-parallel run, so there is nothing to all-reduce.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from policy_probes.context import ComponentContext
+from policy_probes.hook_types import ProbeHook
+from policy_probes.probes.state import SUM, ProbeState, get_state
+
+#: the sums one layer contributes, in order
+SUMS = ("sq", "abs", "count", "init_sq", "init_diff_sq", "prev_sq", "prev_diff_sq")
+
+
+class WeightsState(ProbeState):
+    """The component modules and their reference parameters (at attach, at the last
+    report); the sums are formed when the window is read (:meth:`to_metrics`)."""
+
+    probe = "weights"
+
+    def __init__(self) -> None:
+        super().__init__()
+        #: component -> layer name ("" = the component's own parameters) -> parameters
+        self.layers: dict[str, dict[str, list[nn.Parameter]]] = {}
+        #: component -> layer -> [θ₀ copies], [θ_prev copies]
+        self.init: dict[str, dict[str, list[torch.Tensor]]] = {}
+        self.prev: dict[str, dict[str, list[torch.Tensor]]] = {}
+
+    def unregister_component(self, name: str) -> None:
+        super().unregister_component(name)
+        for table in (self.layers, self.init, self.prev):
+            table.pop(name, None)
+
+    def watch(self, component: str, module: nn.Module) -> None:
+        """Record ``module``'s layers and their parameters now as θ₀ and θ_prev (the
+        first call only: re-arming the hooks keeps the references)."""
+        if component in self.layers:
+            return
+        layers: dict[str, list[nn.Parameter]] = {}
+        for name, sub in module.named_modules():
+            params = [p for p in sub.parameters(recurse=False)]
+            if params:
+                layers[name] = params
+        self.layers[component] = layers
+        self.init[component] = {k: [p.detach().clone() for p in ps] for k, ps in layers.items()}
+        self.prev[component] = {k: [p.detach().clone() for p in ps] for k, ps in layers.items()}
+
+    def sums(self, component: str) -> torch.Tensor:
+        """``(layers, len(SUMS))`` float64 sums on the parameters' device."""
+        rows = []
+        for name, params in self.layers[component].items():
+            cols = [torch.zeros((), dtype=SUM, device=params[0].device) for _ in SUMS]
+            for p, p0, pp in zip(
+                params, self.init[component][name], self.prev[component][name], strict=True
+            ):
+                t = p.detach().to(SUM)
+                t0, tp = p0.to(SUM), pp.to(SUM)
+                cols[0] = cols[0] + t.square().sum()
+                cols[1] = cols[1] + t.abs().sum()
+                cols[2] = cols[2] + t.numel()
+                cols[3] = cols[3] + t0.square().sum()
+                cols[4] = cols[4] + (t - t0).square().sum()
+                cols[5] = cols[5] + tp.square().sum()
+                cols[6] = cols[6] + (t - tp).square().sum()
+            rows.append(torch.stack(cols))
+        return torch.stack(rows)
+
+    def to_metrics(self) -> dict[str, float | list[float]]:
+        out: dict[str, float | list[float]] = {}
+        for component, layers in self.layers.items():
+            if not layers:
+                continue
+            try:
+                table = self.sums(component).cpu()  # the one transfer per component
+            except Exception as exc:  # a probe must never take training down
+                self.errors[component] = f"{type(exc).__name__}: {exc}"
+                continue
+            for name, row in zip(layers, table, strict=True):
+                if name:  # a layer inside; the component's own parameters join the total
+                    for m, v in _weight_metrics(row).items():
+                        out[self.key(f"{component}.{name}", m)] = v
+            for m, v in _weight_metrics(table.sum(0)).items():
+                out[self.key(component, m)] = v
+            for name, params in layers.items():  # the next window's θ_prev
+                for pp, p in zip(self.prev[component][name], params, strict=True):
+                    pp.copy_(p.detach())
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        out = super().state_dict()
+        out["references"] = {"init": self.init, "prev": self.prev}
+        return out
+
+    def load_state_dict(
+        self, state: dict[str, Any], device: torch.device | str | None = None
+    ) -> None:
+        super().load_state_dict(state, device)
+        refs = state.get("references") or {}
+        for which, table in (("init", self.init), ("prev", self.prev)):
+            for component, layers in (refs.get(which) or {}).items():
+                if component not in table:
+                    continue
+                for name, saved in layers.items():
+                    for mine, t in zip(table[component].get(name, []), saved, strict=False):
+                        mine.copy_(t)
+
+
+def _weight_metrics(row: torch.Tensor) -> dict[str, float]:
+    sq, ab, n, init_sq, init_diff_sq, prev_sq, prev_diff_sq = (float(v) for v in row)
+    return {
+        "norm": sq**0.5,
+        "magnitude": ab / n if n else 0.0,
+        "init_distance": (init_diff_sq / init_sq) ** 0.5 if init_sq > 0 else 0.0,
+        "update_ratio": (prev_diff_sq / prev_sq) ** 0.5 if prev_sq > 0 else 0.0,
+    }
+
+
+class WeightsHook(ProbeHook):
+    """Reads nothing in forward; :meth:`attach` hands the component to the tracker."""
+
+    probe = "weights"
+    builder_name = "attach_weights_hooks()"
+
+    def __init__(self, tracker: WeightsState, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.tracker = tracker
+
+    def __call__(self, module: nn.Module, first: Any, second: Any) -> None:
+        if not self.attached:  # registered directly with torch: the module is here
+            self.attach(module)
+
+    def attach(self, module: nn.Module) -> list[RemovableHandle]:
+        self.attached = True
+        self.tracker.watch(self.component, module)
+        return []
+
+
+def attach_weights_hooks(*, phases: Iterable[str] | str = ("train",)) -> Any:
+    """Builder of the ``weights`` probe: per-layer ‖θ‖, mean |θ|, ‖θ − θ₀‖/‖θ₀‖ and the
+    update ratio ‖Δθ‖/‖θ‖ of the component (docs/probes/weights.md). θ₀ is taken when the
+    probe is attached: attach it before training."""
+
+    def build(component_name: str, context: ComponentContext) -> WeightsHook | None:
+        tracker = get_state(context, "weights", WeightsState)
+        if not tracker.register_component(component_name):
+            return None
+        return WeightsHook(tracker, component_name, context, phases)
+
+    build.probe = "weights"  # type: ignore[attr-defined]
+    return build

@@ -1,0 +1,186 @@
+"""Findings on constructed runs: a climbing measure yields the finding for its layer with
+the epoch it crossed its threshold; a healthy (noisy, flat) run yields none; a single bad
+epoch is no trend; ``policy-probes diagnose --json`` round-trips."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from policy_probes.cli import main
+from policy_probes.findings import diagnose, diagnose_run, from_json, render_text
+
+EPOCHS = 30
+
+
+def healthy_record(epoch: int, rng: random.Random) -> dict:
+    """Flat measures with noise, as a run that keeps learning shows them."""
+    return {
+        "epoch": epoch,
+        "hook_point": "POST_EPOCH",
+        "agent_step": 512 * epoch,
+        "rollout/episode_return": 100 + rng.uniform(-20, 20),
+        "probes/relu/actor_mlp.layer_0/dormant_fraction": 0.02 + rng.uniform(-0.015, 0.015),
+        "probes/relu/actor_mlp.layer_1/dormant_fraction": 0.03 + rng.uniform(-0.02, 0.02),
+        "probes/relu/actor_mlp.layer_0/dead_fraction": 0.0,
+        "probes/churn/policy/policy_kl": 1e-3 * (1 + rng.uniform(-0.3, 0.3)),
+        "probes/churn/policy/value_change": 0.05 * (1 + rng.uniform(-0.3, 0.3)),
+        "probes/weights/actor_mlp.layer_0.linear/norm": 5.0 + 0.01 * epoch,
+        "probes/weights/actor_mlp.layer_0.linear/update_ratio": 0.01 * (1 + rng.uniform(-0.2, 0.2)),
+        "probes/fisher/actor_mlp/trace": 2.0 * (1 + rng.uniform(-0.4, 0.4)),
+        "train/value_target_std": 3.0 * (1 + rng.uniform(-0.1, 0.1)),
+    }
+
+
+def healthy_run(seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    return [healthy_record(e, rng) for e in range(1, EPOCHS + 1)]
+
+
+def with_climb(records: list[dict], key: str, value_at) -> list[dict]:
+    for rec in records:
+        rec[key] = value_at(rec["epoch"])
+    return records
+
+
+def dormant_climb(epoch: int) -> float:
+    """0.02 until epoch 12, then +0.025 per epoch: 0.095 at epoch 15, 0.12 at epoch 16,
+    the first epoch past the rule's 0.1."""
+    return 0.02 + 0.025 * max(epoch - 12, 0)
+
+
+def test_a_healthy_run_yields_no_finding() -> None:
+    for seed in range(5):
+        assert diagnose(healthy_run(seed)) == [], seed
+
+
+def test_a_single_bad_epoch_is_not_a_trend() -> None:
+    run = healthy_run()
+    run[-1]["probes/relu/actor_mlp.layer_0/dormant_fraction"] = 0.6
+    run[-3]["probes/relu/actor_mlp.layer_0/dormant_fraction"] = 0.6
+    run[-1]["probes/churn/policy/policy_kl"] = 0.5
+    assert diagnose(run) == []
+
+
+def test_a_climbing_dormant_fraction_names_the_layer_and_its_onset() -> None:
+    run = with_climb(healthy_run(), "probes/relu/actor_mlp.layer_1/dormant_fraction", dormant_climb)
+    # actor_mlp's output is its last layer's: the same series, reported under the layer
+    for rec in run:
+        rec["probes/relu/actor_mlp/dormant_fraction"] = rec[
+            "probes/relu/actor_mlp.layer_1/dormant_fraction"
+        ]
+    found = diagnose(run)
+    assert [(f.rule, f.component) for f in found] == [("dormant_units", "actor_mlp.layer_1")]
+    f = found[0]
+    first_past = min(e for e in range(1, EPOCHS + 1) if dormant_climb(e) >= 0.1)
+    assert f.onset_epoch == first_past == 16
+    assert f.metric == "probes/relu/actor_mlp.layer_1/dormant_fraction"
+    assert f.value == pytest.approx(dormant_climb(EPOCHS - 2))  # median of the last 5
+    assert f.baseline == pytest.approx(0.02)
+    assert f.slope == pytest.approx(0.025)
+    assert f.threshold == 0.1 and "redo" in f.remedies and f.docs.endswith("relu.md")
+    assert f.last_epoch == EPOCHS
+
+
+def test_rising_churn_is_found_with_its_onset() -> None:
+    def kl(epoch: int) -> float:  # 1e-3, tripled from epoch 21 on
+        return 1e-3 if epoch < 21 else 3e-3
+
+    run = with_climb(healthy_run(1), "probes/churn/policy/policy_kl", kl)
+    found = diagnose(run)
+    assert [(f.rule, f.component, f.onset_epoch) for f in found] == [("churn_rising", "policy", 21)]
+    assert found[0].value / found[0].baseline == pytest.approx(3.0)
+
+
+def test_a_falling_fisher_trace_is_found() -> None:
+    run = with_climb(healthy_run(2), "probes/fisher/actor_mlp/trace", lambda e: 2.0 * 0.8**e)
+    found = diagnose(run)
+    assert [f.rule for f in found] == ["fisher_collapse"]
+    # 0.8^e falls below a tenth of the baseline median (0.8^3) first at e = 14
+    assert found[0].onset_epoch == min(e for e in range(1, 31) if 0.8**e <= 0.1 * 0.8**3) == 14
+
+
+def write_run(run_dir: Path, records: list[dict], partial: str = "") -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lines = "".join(json.dumps(r) + "\n" for r in records)
+    (run_dir / "metrics.jsonl").write_text(lines + partial)
+
+
+def test_diagnose_json_round_trips_on_a_run_still_training(tmp_path: Path, capsys) -> None:
+    run = with_climb(healthy_run(), "probes/relu/actor_mlp.layer_0/dormant_fraction", dormant_climb)
+    # the line the run is writing now: cut off mid-record
+    write_run(tmp_path / "run", run, partial='{"epoch": 31, "probes/relu/act')
+    assert main(["diagnose", str(tmp_path / "run"), "--json"]) == 0
+    printed = capsys.readouterr().out
+    found = from_json(printed)
+    assert found == diagnose_run(tmp_path / "run") == diagnose(run)
+    assert [(f.component, f.onset_epoch) for f in found] == [("actor_mlp.layer_0", 16)]
+    assert main(["diagnose", str(tmp_path / "run")]) == 0
+    text = capsys.readouterr().out
+    assert text == render_text(found) + "\n"
+    assert "actor_mlp.layer_0" in text and "since epoch 16" in text
+
+
+def test_diagnose_without_metrics_says_what_to_change(tmp_path: Path, capsys) -> None:
+    assert main(["diagnose", str(tmp_path)]) == 2
+    assert "sinks.jsonl=true" in capsys.readouterr().err
+
+
+def climbing_run() -> list[dict]:
+    return with_climb(
+        healthy_run(), "probes/relu/actor_mlp.layer_0/dormant_fraction", dormant_climb
+    )
+
+
+def emit_all(sink, records: list[dict]) -> None:
+    for rec in records:
+        metrics = {k: v for k, v in rec.items() if k not in ("epoch", "hook_point")}
+        sink.emit(metrics, rec["epoch"], "POST_EPOCH")
+
+
+def test_the_console_states_the_findings_when_the_run_ends() -> None:
+    from rich.console import Console
+
+    from policy_probes.sinks.console import ConsoleSink
+
+    console = Console(record=True, width=200)
+    sink = ConsoleSink(console=console, live=False)
+    emit_all(sink, climbing_run())
+    sink.close()
+    out = console.export_text()
+    assert render_text(diagnose(climbing_run())) in out
+    assert "actor_mlp.layer_0: dormant units are accumulating" in out
+
+
+def test_the_wandb_run_summary_holds_the_findings(tmp_path: Path) -> None:
+    from wandb_reader import run_file, wandb_records
+
+    from policy_probes.sinks.config import WandbConfig
+    from policy_probes.sinks.wandb_sink import WandbSink
+
+    sink = WandbSink(tmp_path, WandbConfig(mode="offline"), {})
+    emit_all(sink, climbing_run())
+    sink.close()
+    summary = {}
+    for r in wandb_records(run_file(tmp_path)):
+        if r.WhichOneof("record_type") == "summary":
+            for item in r.summary.update:
+                summary[item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
+    want = [f.to_dict() for f in diagnose(climbing_run())]
+    assert summary["findings/count"] == 1
+    assert summary["findings/list"] == want
+
+
+def test_report_html_opens_with_the_findings(tmp_path: Path) -> None:
+    from policy_probes.report import build_report
+
+    write_run(tmp_path / "run", climbing_run())
+    page = build_report(tmp_path / "run").read_text()
+    top = page.index('<h2 id="findings">')
+    assert top < page.index("<h2>Returns</h2>")
+    assert "actor_mlp.layer_0" in page[top:] and "dormant units are accumulating" in page
+    write_run(tmp_path / "healthy", healthy_run())
+    assert "No findings" in build_report(tmp_path / "healthy").read_text()
