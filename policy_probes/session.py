@@ -20,6 +20,7 @@ installed and flushes and closes the sinks. See ``docs/external.md``.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -290,7 +291,7 @@ class ProbeSession:
             self._lock.release()
             raise
         self.sinks.set_run_context(run_dir=self.run_dir, config=self.config)
-        self.sampler.on_choice = self._record_sampling_choice
+        self.sampler.on_choice = functools.partial(record_sampling_choice, self.run_dir)
         try:
             if last_epoch is not None and self.epoch <= last_epoch:
                 self._rewind(self.epoch - 1)
@@ -313,7 +314,7 @@ class ProbeSession:
         self.config = dict(config or {})
         self.sinks = sinks
         self.sinks.set_run_context(run_dir=self.run_dir, config=self.config)
-        self.sampler.on_choice = self._record_sampling_choice
+        self.sampler.on_choice = functools.partial(record_sampling_choice, self.run_dir)
         if not self.explicit_epoch_start:
             self.epoch_start()
 
@@ -408,22 +409,6 @@ class ProbeSession:
                     log.warning(
                         "%s: dropped %d records after epoch %d", sink.name, dropped, last_epoch
                     )
-
-    def _record_sampling_choice(self, choice: dict[str, Any]) -> None:
-        """Add the probe budget's one-time choice (:mod:`policy_probes.sampling`) to
-        ``run_dir/config.json`` as ``probe_sampling``, whoever wrote the file."""
-        path = None if self.run_dir is None else self.run_dir / "config.json"
-        dist = torch.distributed
-        if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
-            return  # rank 0 writes the run's files
-        if path is None or not path.is_file():
-            return
-        try:
-            config = json.loads(path.read_text(encoding="utf-8"))
-            config["probe_sampling"] = to_plain(choice)
-            write_text_atomic(path, json.dumps(config, indent=2) + "\n")
-        except (OSError, ValueError) as exc:  # the choice is in every record and checkpoint
-            log.error("could not record the probe sampling choice in %s: %s", path, exc)
 
     def _write_config(self) -> None:
         try:
@@ -917,3 +902,22 @@ class ProbeSession:
             f"epoch={self.epoch}, probes={len(self._builders)}, "
             f"hooks={[h.name for h in self.hooks.hooks]}, closed={self.closed})"
         )
+
+
+def record_sampling_choice(run_dir: Path | None, choice: dict[str, Any]) -> None:
+    """Add the probe budget's one-time choice (:mod:`policy_probes.sampling`) to
+    ``run_dir/config.json`` as ``probe_sampling``, whoever wrote the file (a plain
+    function of the path: the sampler holding it must not hold the session, which the
+    policy's hooks reach and ``copy.deepcopy`` would then copy with its open files)."""
+    path = None if run_dir is None else Path(run_dir) / "config.json"
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return  # rank 0 writes the run's files
+    if path is None or not path.is_file():
+        return
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+        config["probe_sampling"] = to_plain(choice)
+        write_text_atomic(path, json.dumps(config, indent=2) + "\n")
+    except (OSError, ValueError) as exc:  # the choice is in every record and checkpoint
+        log.error("could not record the probe sampling choice in %s: %s", path, exc)
