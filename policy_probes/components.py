@@ -276,7 +276,8 @@ class PolicyAutoBuilder(nn.Module):
             handles.append(self.get_component(name).register_forward_hook(hook))
         modes = {m: m.training for m in self.modules()}
         try:
-            with torch.random.fork_rng(devices=[]):
+            # compiled parts run their Python code: the tracing hooks fire, nothing compiles
+            with torch.random.fork_rng(devices=[]), torch.compiler.set_stance("force_eager"):
                 self.eval()(*args, **kwargs)
         finally:
             for m, mode in modes.items():

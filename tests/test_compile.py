@@ -260,10 +260,10 @@ def test_trainer_compile_recompiles_bounded_over_20_epochs(tmp_path):
     """20 epochs at the default (budgeted) schedule with trainer.compile=true: the probes
     cause no graph break and no compile beyond those of the same run without probes
     (recompiles there come from minibatch shapes: the autoreset steps are left out of the
-    batch); the bound over the run is 3 compiled frames."""
+    batch); the bound over the run is 3 compiled graphs."""
     kw = dict(epochs=20, schedule=None, compile=True, compile_backend="eager", update_epochs=1)
     records, _ = trainer_run(tmp_path, "probes", **kw)
-    frames, breaks = counters["frames"]["ok"], sum(counters["graph_break"].values())
+    graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
     torch._dynamo.reset()
     counters.clear()
     trainer_run(tmp_path, "bare", without_probes, **kw)
@@ -271,5 +271,58 @@ def test_trainer_compile_recompiles_bounded_over_20_epochs(tmp_path):
     observed = sum(r.get("probes/relu/actor_mlp/passes_observed", 0) for r in records)
     assert 0 < observed < 20 * 4  # the sampler observed some passes, not all
     assert breaks == 0 == sum(counters["graph_break"].values())
-    assert 1 <= frames <= counters["frames"]["ok"] <= 3
+    assert 1 <= graphs <= counters["stats"]["unique_graphs"] <= 3
     assert math.isfinite(records[-1]["probes/fisher/actor_mlp/trace"])
+
+
+@pytest.mark.parametrize("how", ["evaluate_actions", "mlp_extractor"])
+def test_sb3_with_a_compiled_policy_matches_eager(tmp_path, how):
+    """SB3 PPO with its ``evaluate_actions`` or its ``mlp_extractor`` compiled, probed by
+    ProbeCallback (every second pass observed): every cycle's probe metrics equal the eager
+    run's (rtol 1e-5), and the probes add no compiled graph to the run without them."""
+    from stable_baselines3 import PPO
+    from stable_baselines3.common.env_util import make_vec_env
+
+    from policy_probes.integrations.sb3 import ProbeCallback
+
+    def learn(compiled: bool, probes: bool) -> list[dict]:
+        torch._dynamo.reset()
+        counters.clear()
+        model = PPO(
+            "MlpPolicy",
+            make_vec_env("CartPole-v1", n_envs=2, seed=0),
+            n_steps=64,
+            batch_size=64,
+            n_epochs=2,
+            policy_kwargs=dict(activation_fn=nn.ReLU, net_arch=dict(pi=[16, 16], vf=[16, 16])),
+            device="cpu",
+            seed=0,
+        )
+        if compiled and how == "evaluate_actions":
+            policy = model.policy
+            policy.evaluate_actions = torch.compile(policy.evaluate_actions, backend="aot_eager")
+        elif compiled:
+            model.policy.mlp_extractor = torch.compile(
+                model.policy.mlp_extractor, backend="aot_eager"
+            )
+        callback = ProbeCallback(
+            probes=[("actor_mlp", attach_relu_activation_hooks())],
+            backward_probes=[("actor_mlp", attach_fisher_information_hooks())],
+            run_dir=tmp_path / f"{compiled}-{probes}",
+            probe_budget=None,
+            probe_schedule="every_k:2",
+            **NO_SINKS,
+        )
+        model.learn(3 * 128, callback=callback if probes else None)
+        return callback.history
+
+    eager = learn(False, True)
+    learn(True, False)
+    bare_graphs = counters["stats"]["unique_graphs"]
+    compiled = learn(True, True)
+    assert 1 <= counters["stats"]["unique_graphs"] == bare_graphs
+    assert sum(counters["graph_break"].values()) == 0
+    assert len(compiled) == len(eager) == 3
+    for a, b in zip(compiled, eager, strict=True):
+        assert_records_close(a, b)
+        assert a["probes/fisher/actor_mlp/passes_observed"] == 2  # of 4 passes per cycle
