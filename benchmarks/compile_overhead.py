@@ -18,14 +18,27 @@ pass they take plus what the probes themselves cost:
 Each run reports the graphs dynamo compiled and the graph breaks it met (``extra``).
 The timed region includes compiling (the first epoch): inductor's on-disk cache makes
 later processes' compiles mostly cache hits, which is what a user's second run sees too.
-``update_seconds`` (per epoch) gives the steady-state update phase.
+The update phases after the first epoch (``update_seconds``) give the steady state: their
+B/A ratio per pair is written as ``steady_update_ratios_b_over_a``.
 
     python -m benchmarks.compile_overhead [--quick] [--repeats N] [--out PATH] [--only KEYS]
 """
 
 from __future__ import annotations
 
-from benchmarks.ab import Comparison, Side, measure_and_record, parse_args
+import json
+import statistics
+from pathlib import Path
+
+from benchmarks.ab import (
+    Comparison,
+    Side,
+    parse_args,
+    print_table,
+    run_case,
+    summary,
+    write_results,
+)
 
 #: ``--only`` keys, in the order the comparisons run
 KEYS = ["default", "every", "compile", "every_eager"]
@@ -68,14 +81,56 @@ def comparisons(quick: bool, only: list[str] | None = None) -> list[Comparison]:
     return [comps[k] for k in (only or KEYS)]
 
 
+def steady_update_ratios(comparison: dict) -> list[float]:
+    """B / A per pair of the update phases' seconds after the first epoch (which holds
+    the compile): the steady-state cost of the update, where probes and compiling act."""
+    pairs = zip(comparison["extra_a"], comparison["extra_b"], strict=True)
+    return [
+        sum(b["update_seconds"][1:]) / sum(a["update_seconds"][1:])
+        if len(a["update_seconds"]) > 1
+        else float("nan")  # a one-epoch (--quick) run has no steady state
+        for a, b in pairs
+    ]
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(__doc__.splitlines()[0], 6, "compile_overhead.json", argv, KEYS)
-    measure_and_record(
-        args,
-        comparisons(args.quick, args.only),
-        "compiled policies: wall time B / A",
-        "compile overhead: t(B)/t(A)",
-    )
+    comps = comparisons(args.quick, args.only)
+    for r in range(args.repeats):  # ab.interleave, written after every round
+        for comp in comps:
+            order = (comp.a, comp.b) if r % 2 == 0 else (comp.b, comp.a)
+            results = {side.label: run_retrying(side) for side in order}
+            ra, rb = results[comp.a.label], results[comp.b.label]
+            comp.seconds_a.append(ra.pop("seconds"))
+            comp.seconds_b.append(rb.pop("seconds"))
+            comp.extra_a.append(ra)
+            comp.extra_b.append(rb)
+            print(f"[{r + 1}/{args.repeats}] {comp.name}: ratio {comp.ratios[-1]:.3f}", flush=True)
+        record(args.out, comps)
+    print_table("compiled policies: wall time B / A", comps)
+    for comp in json.loads(args.out.read_text())["comparisons"]:
+        ratio = comp["median_steady_update_ratio_b_over_a"]
+        print(f"{comp['name']}: update phases after epoch 1, B/A {ratio:.3f}")
+
+
+def run_retrying(side: Side) -> dict:
+    """One measurement; run again once if the process failed (a shared machine's
+    processes are sometimes killed from outside)."""
+    try:
+        return run_case(side.case, side.params)
+    except RuntimeError as exc:
+        print(f"retrying {side.label}: {str(exc).splitlines()[0]}", flush=True)
+        return run_case(side.case, side.params)
+
+
+def record(path: Path, comps: list[Comparison]) -> None:
+    write_results(path, "compile overhead: t(B)/t(A)", comps, overhead=summary(comps))
+    payload = json.loads(path.read_text())
+    for comp in payload["comparisons"]:
+        ratios = steady_update_ratios(comp)
+        comp["steady_update_ratios_b_over_a"] = ratios
+        comp["median_steady_update_ratio_b_over_a"] = statistics.median(ratios)
+    path.write_text(json.dumps(payload, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -9,9 +9,9 @@ then runs its original Python code, where the probes' hooks fire as in an eager 
 the last probe is disarmed, the stance before it comes back, and unobserved passes run the
 compiled graph, untouched: no graph breaks, and no recompile caused by the probes.
 
-This was chosen by measurement (docs/compile.md): hooks compiled in (their bodies under
-``torch.compiler.disable``) break the graph at every probed module on every pass, observed
-or not, and cost 1.2-14x the eager-forced design per pass on a small MLP.
+This was chosen by measurement (docs/compile.md, ``benchmarks/compile_design.py``): hooks
+left visible to dynamo (their bodies under ``torch.compiler.disable``) break the graph at
+the probed module on every pass, observed or not.
 
 CUDA graphs (``mode="reduce-overhead"``, ``"max-autotune"`` or ``triton.cudagraphs``) are
 refused when probes attach: an eager pass between CUDA-graph replays is not something this
@@ -20,19 +20,21 @@ toolkit has verified.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
-import torch
 from torch import nn
 
 from policy_probes.hook_types import ProbeError
-
-log = logging.getLogger("policy_probes")
+from policy_probes.torch_internals import (
+    compiled_call,
+    compiled_original,
+    force_eager_stance,
+    is_compiled_wrapper,
+)
 
 #: ids of the owners (policies) that hold the eager stance now
 _holders: set[int] = set()
-#: the ``set_stance`` context that set ``force_eager``; exiting it restores the stance before
+#: restores the stance that was set before probes set ``force_eager`` (None: not set)
 _forced: Any = None
 #: passes run eagerly for the probes over the process (counted when the stance is taken)
 eager_spans = 0
@@ -48,13 +50,13 @@ def hold_eager(owner: object, hold: bool) -> None:
             return
         _holders.add(key)
         if _forced is None:
-            _forced = torch.compiler.set_stance("force_eager")
+            _forced = force_eager_stance()
             eager_spans += 1
     elif key in _holders:
         _holders.discard(key)
         if not _holders and _forced is not None:
-            forced, _forced = _forced, None
-            forced.__exit__(None, None, None)
+            restore, _forced = _forced, None
+            restore()
 
 
 def eager_held() -> bool:
@@ -65,19 +67,22 @@ def eager_held() -> bool:
 def unwrap(module: nn.Module) -> nn.Module:
     """The module a ``torch.compile(module)`` wraps (the module itself otherwise): hooks go
     on its submodules, which the compiled wrapper runs."""
-    while isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
-        module = module._orig_mod
+    while is_compiled_wrapper(module):
+        module = compiled_original(module)
     return module
 
 
-def compiled_parts(module: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``(name, wrapper)`` of every ``torch.compile``'d module in ``module``'s tree
-    (the root as ``""``)."""
-    return [
-        (name, m)
-        for name, m in module.named_modules()
-        if isinstance(m, torch._dynamo.eval_frame.OptimizedModule)
-    ]
+def compiled_parts(module: nn.Module) -> list[tuple[str, Any]]:
+    """``(name, compiled)`` of every compiled part of ``module``'s tree (the root as
+    ``""``): ``torch.compile(module)`` wrappers and modules compiled in place with
+    ``module.compile()``."""
+    out: list[tuple[str, Any]] = []
+    for name, m in module.named_modules():
+        if is_compiled_wrapper(m):
+            out.append((name, m))
+        elif compiled_call(m) is not None:
+            out.append((name, compiled_call(m)))
+    return out
 
 
 def uses_cuda_graphs(compiled: Any) -> bool:

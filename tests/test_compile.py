@@ -188,6 +188,12 @@ def test_cuda_graph_modes_are_refused_at_attach(tmp_path):
     ):
         s.add_training_hook("policy", attach_relu_activation_hooks())
     check_compiled(torch.compile(agent, mode="max-autotune-no-cudagraphs"))  # accepted
+    agent.actor.compile(mode="reduce-overhead")  # compiled in place
+    with pytest.raises(ProbeError, match=r"CUDA graphs \(actor\)"):
+        check_compiled(agent)
+    step = torch.compile(lambda x: x, mode="max-autotune")  # a compiled function
+    with pytest.raises(ProbeError, match="CUDA graphs"):
+        check_compiled(nn.Linear(1, 1), step)
 
 
 def test_trainer_refuses_cuda_graph_modes():
