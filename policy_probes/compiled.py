@@ -36,14 +36,12 @@ from policy_probes.torch_internals import (
 _holders: set[int] = set()
 #: restores the stance that was set before probes set ``force_eager`` (None: not set)
 _forced: Any = None
-#: passes run eagerly for the probes over the process (counted when the stance is taken)
-eager_spans = 0
 
 
 def hold_eager(owner: object, hold: bool) -> None:
     """Take (``hold=True``) or give back ``owner``'s claim on the ``force_eager`` stance;
     the stance is set while at least one owner holds it. Host-side only, idempotent."""
-    global _forced, eager_spans
+    global _forced
     key = id(owner)
     if hold:
         if key in _holders:
@@ -51,7 +49,6 @@ def hold_eager(owner: object, hold: bool) -> None:
         _holders.add(key)
         if _forced is None:
             _forced = force_eager_stance()
-            eager_spans += 1
     elif key in _holders:
         _holders.discard(key)
         if not _holders and _forced is not None:

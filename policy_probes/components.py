@@ -180,8 +180,13 @@ class PolicyAutoBuilder(nn.Module):
         under ``no_grad`` to learn what each component returns, so backward probes on
         components that cannot carry a backward hook fail when attached.
         """
+        inner = unwrap(module)  # torch.compile(module): hooks go on the module it runs
+        if inner is not module and isinstance(inner, PolicyAutoBuilder) and components is None:
+            if example_inputs is not None:
+                inner.trace_outputs(*example_inputs)
+            return inner  # a compiled PolicyAutoBuilder: its own components
+        module = inner
         wrapper = cls()
-        module = unwrap(module)  # torch.compile(module): hooks go on the module it runs
         wrapper.module = module
         if components is None:
             components = {n: m for n, m in module.named_children()}

@@ -22,6 +22,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 
 from policy_probes import (
+    PolicyAutoBuilder,
     attach_fisher_information_hooks,
     attach_relu_activation_hooks,
     attach_saturated_activation_hooks,
@@ -180,6 +181,9 @@ def test_cuda_graph_modes_are_refused_at_attach(tmp_path):
         check_compiled(compiled)
     with ProbeSession(compiled, probe_budget=None, run_dir=tmp_path, **NO_SINKS) as s:
         assert s.component_names[0] == "actor"  # the compiled wrapper is unwrapped
+    policy = PolicyAutoBuilder.wrap(Agent())
+    with ProbeSession(torch.compile(policy), run_dir=tmp_path / "p", **NO_SINKS) as s:
+        assert s.policy is policy  # a compiled PolicyAutoBuilder is used as is
     holder = nn.Module()
     holder.policy = compiled
     with (
