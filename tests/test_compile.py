@@ -174,6 +174,33 @@ def test_a_failing_probe_under_compile_is_disabled_and_training_goes_on(tmp_path
     assert not torch.equal(before, agent.actor[0].weight)
 
 
+def test_a_stance_overridden_by_the_loop_does_not_stop_training(tmp_path, caplog):
+    """The unsupported case: the loop runs compiled code under its own
+    set_stance("default") while probes are armed, so dynamo traces the probes' hooks.
+    Training goes on (the issue's crash is gone), the forward probe still counts the
+    passes, and the backward probe, whose gradient taps cannot be traced, says it missed
+    them (a warning) instead of reporting metrics it did not measure."""
+    torch.manual_seed(0)
+    agent = Agent()
+    opt = torch.optim.SGD(agent.parameters(), lr=0.1)
+    fwd = torch.compile(agent, backend="aot_eager")
+    x, y = torch.randn(32, 4), torch.randint(0, 3, (32,))
+    with ProbeSession(agent, optimizer=opt, probe_budget=None, run_dir=tmp_path, **NO_SINKS) as s:
+        s.add_training_hook("actor", attach_relu_activation_hooks())
+        s.add_training_backward_hook("actor", attach_fisher_information_hooks())
+        before = agent.actor[0].weight.detach().clone()
+        for _ in range(3):
+            with torch.compiler.set_stance("default"):
+                opt.zero_grad()
+                F.cross_entropy(fwd(x), y).backward()
+                opt.step()
+        record = s.epoch_end(step=0)
+    assert not torch.equal(before, agent.actor[0].weight)
+    assert record["probes/relu/actor/passes_observed"] == 3
+    assert "probes/fisher/actor/passes_observed" not in record
+    assert "gradient tap is inside code torch.compile is compiling" in caplog.text
+
+
 def test_cuda_graph_modes_are_refused_at_attach(tmp_path):
     agent = Agent()
     compiled = torch.compile(agent, mode="reduce-overhead")
