@@ -22,10 +22,12 @@ The update phases after the first epoch (``update_seconds``) give the steady sta
 B/A ratio per pair is written as ``steady_update_ratios_b_over_a``.
 
     python -m benchmarks.compile_overhead [--quick] [--repeats N] [--out PATH] [--only KEYS]
+        [--backend inductor]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 from pathlib import Path
@@ -44,9 +46,11 @@ from benchmarks.ab import (
 KEYS = ["default", "every", "compile", "every_eager"]
 
 
-def comparisons(quick: bool, only: list[str] | None = None) -> list[Comparison]:
+def comparisons(
+    quick: bool, only: list[str] | None = None, backend: str = "inductor"
+) -> list[Comparison]:
     base = {"total_timesteps": 512 if quick else 20_480, "activation": "relu"}
-    compiled = dict(base, compile=True, compile_backend="inductor")
+    compiled = dict(base, compile=True, compile_backend=backend)
     every = {"probes": True, "probe_budget": None, "probe_schedule": None}
     comps = {
         "default": Comparison(
@@ -94,8 +98,11 @@ def steady_update_ratios(comparison: dict) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(__doc__.splitlines()[0], 6, "compile_overhead.json", argv, KEYS)
-    comps = comparisons(args.quick, args.only)
+    backend = argparse.ArgumentParser(add_help=False)
+    backend.add_argument("--backend", default="inductor", help="torch.compile backend")
+    chosen, rest = backend.parse_known_args(argv)
+    args = parse_args(__doc__.splitlines()[0], 6, "compile_overhead.json", rest, KEYS)
+    comps = comparisons(args.quick, args.only, chosen.backend)
     for r in range(args.repeats):  # ab.interleave, written after every round
         for comp in comps:
             order = (comp.a, comp.b) if r % 2 == 0 else (comp.b, comp.a)
