@@ -26,6 +26,10 @@ Cases:
 ``probe_budget=0.05``) and report the last epoch's ``overhead_fraction`` and
 ``observe_every``.
 
+``ours`` takes ``compile`` and ``compile_backend`` (``trainer.compile``: the update's
+forward under ``torch.compile``) and reports the graphs dynamo compiled and its graph
+breaks (``compiled_graphs``, ``graph_breaks``).
+
 ``ours`` also takes ``lifecycle_hooks`` (names for ``TrainTool.hooks``) and
 ``hook_config`` (``TrainTool.hook_config``) for the lifecycle-intervention benchmark, and
 ``snapshot_every`` (``TrainTool.snapshot_every``; None keeps its default),
@@ -82,6 +86,9 @@ DEFAULTS: dict[str, Any] = {
     # benchmarks measured before sampling existed. The toolkit's default is budget 0.05.
     "probe_budget": None,
     "probe_schedule": None,
+    # trainer.compile (docs/compile.md): torch.compile the update's forward
+    "compile": False,
+    "compile_backend": "inductor",
 }
 
 
@@ -206,6 +213,8 @@ def ours(p: dict[str, Any]) -> dict[str, Any]:
             num_steps=p["num_steps"],
             num_minibatches=p["num_minibatches"],
             update_epochs=p["update_epochs"],
+            compile=p["compile"],
+            compile_backend=p["compile_backend"],
         ),
         evaluation=EvalConfig(every_epochs=0, at_end=False),
         checkpoint=CheckpointConfig(every_epochs=0, at_end=False),
@@ -301,7 +310,18 @@ def ours(p: dict[str, Any]) -> dict[str, Any]:
         callback_seconds=callback_time[0],
         **sampling_of(result.metrics),
         callback_calls=callback_time[1],
+        **dynamo_counts(),
     )
+
+
+def dynamo_counts() -> dict[str, int]:
+    """Graphs torch.compile produced in this process and the graph breaks it met."""
+    from torch._dynamo.utils import counters
+
+    return {
+        "compiled_graphs": counters["stats"]["unique_graphs"],
+        "graph_breaks": sum(counters["graph_break"].values()),
+    }
 
 
 def bare(p: dict[str, Any]) -> dict[str, Any]:
@@ -479,6 +499,8 @@ def main() -> None:
     warm_imports(case)
     params = dict(DEFAULTS)
     params.update(json.loads(sys.argv[2]) if len(sys.argv) > 2 else {})
+    if params["compile"]:  # inductor's import (~1.5 s), not compiling, outside the region
+        from torch._inductor import compile_fx  # noqa: F401
     print(json.dumps(CASES[case](params)), flush=True)
 
 

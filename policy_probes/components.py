@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from policy_probes.compiled import check_compiled, hold_eager, unwrap
 from policy_probes.context import ComponentContext
 from policy_probes.extractors import as_extractor, gradient_target
 from policy_probes.grad_tap import on_grad
@@ -61,6 +62,8 @@ class ProbeHandle(RemovableHandle):
         self.component = component
         self.hook = hook
         self._install = install
+        #: the policy that keeps this handle (told when it is removed, see _hold_eager)
+        self.owner: PolicyAutoBuilder | None = None
 
     @property
     def armed(self) -> bool:
@@ -96,6 +99,8 @@ class ProbeHandle(RemovableHandle):
     def remove(self) -> None:
         self._install = None
         self._disarm()
+        if self.owner is not None:
+            self.owner._hold_eager()
 
 
 def glob_to_regex(pattern: str) -> re.Pattern[str]:
@@ -175,6 +180,12 @@ class PolicyAutoBuilder(nn.Module):
         under ``no_grad`` to learn what each component returns, so backward probes on
         components that cannot carry a backward hook fail when attached.
         """
+        inner = unwrap(module)  # torch.compile(module): hooks go on the module it runs
+        if inner is not module and isinstance(inner, PolicyAutoBuilder) and components is None:
+            if example_inputs is not None:
+                inner.trace_outputs(*example_inputs)
+            return inner  # a compiled PolicyAutoBuilder: its own components
+        module = inner
         wrapper = cls()
         wrapper.module = module
         if components is None:
@@ -270,7 +281,8 @@ class PolicyAutoBuilder(nn.Module):
             handles.append(self.get_component(name).register_forward_hook(hook))
         modes = {m: m.training for m in self.modules()}
         try:
-            with torch.random.fork_rng(devices=[]):
+            # compiled parts run their Python code: the tracing hooks fire, nothing compiles
+            with torch.random.fork_rng(devices=[]), torch.compiler.set_stance("force_eager"):
                 self.eval()(*args, **kwargs)
         finally:
             for m, mode in modes.items():
@@ -352,6 +364,7 @@ class PolicyAutoBuilder(nn.Module):
                 f"e.g. attach_relu_activation_hooks()?"
             )
         _check_builder_signature(builder, pattern)
+        check_compiled(self)
         names = self.resolve(pattern)
         out = []
         for name in names:
@@ -395,22 +408,32 @@ class PolicyAutoBuilder(nn.Module):
 
     def _keep(self, handle: ProbeHandle) -> ProbeHandle:
         self._handles.append(handle)
+        handle.owner = self
         context = getattr(handle.hook, "context", None)
         if isinstance(context, ComponentContext):
             context.add_phase_listener(self._sync_handles)
             if context not in self._contexts:
                 self._contexts.append(context)
         handle.sync()  # a probe that does not record in the current phase starts unarmed
+        self._hold_eager()
         return handle
 
     def _sync_handles(self, _phase: str) -> None:
         start = time.perf_counter()
         for handle in self._handles:
             handle.sync()
+        self._hold_eager()
         for context in self._contexts:  # installing hooks is the probes' cost too
             if getattr(context, "sampler", None) is not None:
                 context.sampler.sync_seconds += time.perf_counter() - start
                 break
+
+    def _hold_eager(self) -> None:
+        """Compiled code runs eagerly while a probe is armed (or the lifecycle layer runs
+        its hooks), so the hooks fire; unobserved passes run the compiled graph
+        (:mod:`policy_probes.compiled`)."""
+        lifecycle = any(c.phase == "hook" for c in self._contexts)
+        hold_eager(self, lifecycle or any(h.armed for h in self._handles))
 
     @property
     def hook_handles(self) -> list[ProbeHandle]:
@@ -426,6 +449,7 @@ class PolicyAutoBuilder(nn.Module):
         """Remove every hook registered through this builder."""
         while self._handles:
             self._handles.pop().remove()
+        hold_eager(self, False)
         for context in self._contexts:
             context.remove_phase_listener(self._sync_handles)
         self._contexts.clear()

@@ -11,6 +11,7 @@ subscriber list lives on the tensor itself, so it is freed with the tensor.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -20,6 +21,9 @@ from policy_probes.torch_internals import set_tensor_slot, tensor_slot
 GradCallback = Callable[[torch.Tensor], None]
 
 _ATTR = "_policy_probes_grad_subscribers"
+
+log = logging.getLogger("policy_probes")
+_warned_traced = False
 
 
 def on_grad(tensor: torch.Tensor, callback: GradCallback) -> None:
@@ -31,6 +35,9 @@ def on_grad(tensor: torch.Tensor, callback: GradCallback) -> None:
     keeps the hook alive from C++, so a hook that refers back to its tensor forms a cycle
     Python's garbage collector cannot see, and the tensor and its graph are never freed.
     """
+    if torch.compiler.is_compiling():  # dynamo cannot trace the tensor's Python slot
+        _traced()
+        return
     subscribers: list[GradCallback] | None = tensor_slot(tensor, _ATTR)
     if subscribers is None:
         subscribers = [callback]
@@ -46,3 +53,15 @@ def _fan_out(subscribers: list[GradCallback]) -> Callable[[torch.Tensor], None]:
             callback(grad)
 
     return hook
+
+
+@torch.compiler.disable  # runs (eagerly, at a graph break) each time the compiled code does
+def _traced() -> None:
+    global _warned_traced
+    if not _warned_traced:
+        _warned_traced = True
+        log.warning(
+            "a backward probe's gradient tap is inside code torch.compile is compiling (the "
+            "probes' force_eager stance was overridden, e.g. by torch.compiler.set_stance in "
+            "the loop): the gradients of those passes are not observed; see docs/compile.md"
+        )

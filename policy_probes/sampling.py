@@ -417,6 +417,7 @@ class Sampler:
     def watch_optimizer(self, optimizer: torch.optim.Optimizer) -> Any:
         """End a pass after every ``optimizer.step()``; returns the removable handle."""
 
+        @torch.compiler.disable  # in a compiled update step: runs at a graph break
         def ended(*_args: Any) -> None:
             if self.context.phase != "hook":  # lifecycle replays are not training passes
                 self.next_pass()

@@ -26,6 +26,10 @@ __all__ = [
     "HOOK_DICTS",
     "OUTPUT_ONLY_BACKWARD_WARNING",
     "child_modules",
+    "compiled_call",
+    "compiled_original",
+    "force_eager_stance",
+    "is_compiled_wrapper",
     "conv_padding",
     "global_module_hooks_installed",
     "hooks_set_aside",
@@ -144,6 +148,30 @@ def quiet_output_only_backward_hooks() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=OUTPUT_ONLY_BACKWARD_WARNING)
         yield
+
+
+# ------------------------------------------------------------------ torch.compile
+def is_compiled_wrapper(module: nn.Module) -> bool:
+    """True for what ``torch.compile(module)`` returns (dynamo's ``OptimizedModule``)."""
+    return isinstance(module, torch._dynamo.eval_frame.OptimizedModule)
+
+
+def compiled_original(module: nn.Module) -> nn.Module:
+    """The module a ``torch.compile(module)`` wrapper runs."""
+    return module._orig_mod
+
+
+def compiled_call(module: nn.Module) -> Callable[..., Any] | None:
+    """The compiled call ``module.compile()`` installed in place on ``module``, or None."""
+    return module.__dict__.get("_compiled_call_impl")
+
+
+def force_eager_stance() -> Callable[[], None]:
+    """Set ``torch.compiler.set_stance("force_eager")`` now; returns the function that
+    restores the stance that was set before (``set_stance`` applies when called, and its
+    context manager's exit restores the previous stance)."""
+    stance = torch.compiler.set_stance("force_eager")
+    return lambda: stance.__exit__(None, None, None)
 
 
 # ------------------------------------------------------------------ tensors and autograd

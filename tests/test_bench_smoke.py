@@ -12,6 +12,7 @@ import torch
 
 from benchmarks import (
     ab,
+    compile_overhead,
     empty_path,
     lifecycle_cost,
     per_epoch_default,
@@ -226,3 +227,23 @@ def test_sampling_overhead_long_runs_at_the_default_only():
             {**recipe, "probes": True, "probe_budget": 0.05},
         ),
     ]
+
+
+def test_compile_overhead_smoke(tmp_path):
+    """The compiled-policy benchmark end to end with the eager backend (inductor's compile
+    is too slow for the suite): every comparison, and dynamo's counts in every run."""
+    out = tmp_path / "compile_overhead.json"
+    compile_overhead.main(["--quick", "--inprocess", "--backend", "eager", "--out", str(out)])
+    payload = json.loads(out.read_text())
+    assert [c["a"]["label"] for c in payload["comparisons"]] == [
+        "compiled, no probes",
+        "compiled, no probes",
+        "eager",
+        "eager, probes every pass",
+    ]
+    for comp in payload["comparisons"]:
+        for extra in comp["extra_a"] + comp["extra_b"]:
+            assert extra["graph_breaks"] == 0
+        assert comp["b"]["params"].get("compile_backend", "eager") == "eager"
+        assert len(comp["steady_update_ratios_b_over_a"]) == 1
+    assert payload["comparisons"][2]["extra_b"][0]["compiled_graphs"] >= 1  # "compiled" ran

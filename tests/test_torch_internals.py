@@ -233,3 +233,36 @@ def test_set_last_lr_is_what_get_last_lr_returns():
     assert scheduler.get_last_lr() == [0.5]
     set_last_lr(scheduler, [0.25])
     assert scheduler.get_last_lr() == [0.25]
+
+
+def test_compile_helpers_see_wrappers_in_place_compiles_and_the_stance() -> None:
+    from policy_probes.torch_internals import (
+        compiled_call,
+        compiled_original,
+        force_eager_stance,
+        is_compiled_wrapper,
+    )
+
+    module = nn.Linear(2, 2)
+    wrapper = torch.compile(module, backend="eager")
+    assert is_compiled_wrapper(wrapper) and not is_compiled_wrapper(module)
+    assert compiled_original(wrapper) is module
+    assert compiled_call(module) is None
+    module.compile(backend="eager")
+    assert callable(compiled_call(module))
+
+    calls = []
+
+    def backend(gm, _example):
+        calls.append(1)
+        return gm.forward
+
+    fn = torch.compile(lambda x: x * 2, backend=backend)
+    restore = force_eager_stance()
+    try:
+        assert torch.equal(fn(torch.ones(2)), torch.full((2,), 2.0))
+        assert not calls  # ran eagerly: nothing compiled
+    finally:
+        restore()
+    fn(torch.ones(2))
+    assert calls == [1]  # the previous stance is back

@@ -198,6 +198,31 @@ class PPOConfig(BaseModel):
     target_kl: float | None = Field(
         None, gt=0, description="Stop the update phase when approx_kl exceeds this."
     )
+    compile: bool = Field(
+        False,
+        description="torch.compile the update's forward (policy.evaluate_actions); passes "
+        "the probes observe run eagerly (docs/compile.md).",
+    )
+    compile_backend: str = Field(
+        "inductor", description="torch.compile backend (inductor, aot_eager, eager)."
+    )
+    compile_mode: str = Field(
+        "default", description="torch.compile mode: default or max-autotune-no-cudagraphs."
+    )
+
+    @field_validator("compile_mode")
+    @classmethod
+    def _no_cuda_graphs(cls, mode: str) -> str:
+        if mode in ("reduce-overhead", "max-autotune"):
+            raise ValueError(
+                f"trainer.compile_mode={mode} records CUDA graphs, which probes cannot "
+                f"observe; use trainer.compile_mode=default or max-autotune-no-cudagraphs"
+            )
+        if mode not in ("default", "max-autotune-no-cudagraphs"):
+            raise ValueError(
+                f"trainer.compile_mode must be default or max-autotune-no-cudagraphs, got {mode!r}"
+            )
+        return mode
 
 
 class EvalConfig(BaseModel):

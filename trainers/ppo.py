@@ -238,6 +238,13 @@ class PPOTrainer:
             return 1.0 - done_epochs / num_epochs if anneal else 1.0
 
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor)
+        #: the update's forward under torch.compile (trainer.compile); None: eager
+        self.compiled_evaluate: Callable[..., Any] | None = None
+        if cfg.compile:
+            mode = None if cfg.compile_mode == "default" else cfg.compile_mode
+            self.compiled_evaluate = torch.compile(
+                EvaluateActions(policy), backend=cfg.compile_backend, mode=mode
+            )
         self.storage = RolloutStorage(
             cfg.num_steps,
             self.num_envs,
@@ -651,6 +658,7 @@ class PPOTrainer:
         """
         cfg = self.cfg
         ddp = self.ddp if sync else None
+        evaluate = ddp if ddp is not None else self.compiled_evaluate
         if cfg.norm_adv:
             batch = normalize_advantages(batch)
         # optimizer.zero_grad(set_to_none=True) without its profiler and foreach bookkeeping
@@ -658,7 +666,7 @@ class PPOTrainer:
             for p in group["params"]:
                 p.grad = None
         if cfg.micro_batches == 1:
-            loss, stats = ppo_loss(self.policy, batch, cfg, evaluate=ddp)
+            loss, stats = ppo_loss(self.policy, batch, cfg, evaluate=evaluate)
             loss.backward()
             return self._mean_stats_over_ranks(stats, ddp)
         micro = batch.split(cfg.micro_batches)
@@ -670,7 +678,7 @@ class PPOTrainer:
                 self.context.loss_scale = scale
                 last = i == len(micro) - 1
                 with ddp.no_sync() if ddp is not None and not last else nullcontext():
-                    loss, part_stats = ppo_loss(self.policy, part, cfg, evaluate=ddp)
+                    loss, part_stats = ppo_loss(self.policy, part, cfg, evaluate=evaluate)
                     (loss * scale if scale != 1.0 else loss).backward()
                 stats += part_stats * scale
         finally:

@@ -1,0 +1,109 @@
+"""Probes on policies compiled with ``torch.compile``: observed passes run eagerly.
+
+Dynamo cannot trace what probes do (Python state, tensor hooks, timers), and hooks that are
+installed and removed at pass boundaries would change what a compiled graph guards on. So
+while any probe of a policy is armed (the passes its sampler observes, see
+:mod:`policy_probes.sampling`), the toolkit sets ``torch.compiler.set_stance("force_eager")``:
+every ``torch.compile``'d module or function (a policy, its forward, a whole update step)
+then runs its original Python code, where the probes' hooks fire as in an eager run. When
+the last probe is disarmed, the stance before it comes back, and unobserved passes run the
+compiled graph, untouched: no graph breaks, and no recompile caused by the probes.
+
+This was chosen by measurement (docs/compile.md, ``benchmarks/compile_design.py``): hooks
+left visible to dynamo (their bodies under ``torch.compiler.disable``) break the graph at
+the probed module on every pass, observed or not.
+
+CUDA graphs (``mode="reduce-overhead"``, ``"max-autotune"`` or ``triton.cudagraphs``) are
+refused when probes attach: an eager pass between CUDA-graph replays is not something this
+toolkit has verified.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from policy_probes.hook_types import ProbeError
+from policy_probes.torch_internals import (
+    compiled_call,
+    compiled_original,
+    force_eager_stance,
+    is_compiled_wrapper,
+)
+
+#: ids of the owners (policies) that hold the eager stance now
+_holders: set[int] = set()
+#: restores the stance that was set before probes set ``force_eager`` (None: not set)
+_forced: Any = None
+
+
+def hold_eager(owner: object, hold: bool) -> None:
+    """Take (``hold=True``) or give back ``owner``'s claim on the ``force_eager`` stance;
+    the stance is set while at least one owner holds it. Host-side only, idempotent."""
+    global _forced
+    key = id(owner)
+    if hold:
+        if key in _holders:
+            return
+        _holders.add(key)
+        if _forced is None:
+            _forced = force_eager_stance()
+    elif key in _holders:
+        _holders.discard(key)
+        if not _holders and _forced is not None:
+            restore, _forced = _forced, None
+            restore()
+
+
+def eager_held() -> bool:
+    """Whether probes hold the ``force_eager`` stance now."""
+    return _forced is not None
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """The module a ``torch.compile(module)`` wraps (the module itself otherwise): hooks go
+    on its submodules, which the compiled wrapper runs."""
+    while is_compiled_wrapper(module):
+        module = compiled_original(module)
+    return module
+
+
+def compiled_parts(module: nn.Module) -> list[tuple[str, Any]]:
+    """``(name, compiled)`` of every compiled part of ``module``'s tree (the root as
+    ``""``): ``torch.compile(module)`` wrappers and modules compiled in place with
+    ``module.compile()``."""
+    out: list[tuple[str, Any]] = []
+    for name, m in module.named_modules():
+        if is_compiled_wrapper(m):
+            out.append((name, m))
+        elif compiled_call(m) is not None:
+            out.append((name, compiled_call(m)))
+    return out
+
+
+def uses_cuda_graphs(compiled: Any) -> bool:
+    """Whether a ``torch.compile`` result (module or function) records CUDA graphs."""
+    get = getattr(compiled, "get_compiler_config", None)
+    if not callable(get):
+        return False
+    try:
+        config = get()
+    except Exception:  # a backend without a config: no inductor CUDA graphs
+        return False
+    return bool(isinstance(config, dict) and config.get("triton.cudagraphs"))
+
+
+def check_compiled(module: nn.Module, *extra: Any) -> None:
+    """Refuse probes on a compiled part that uses CUDA graphs (called at attach time).
+
+    ``extra``: further ``torch.compile`` results (functions) the loop calls."""
+    for name, part in [*compiled_parts(module), *(("", f) for f in extra)]:
+        if uses_cuda_graphs(part):
+            where = f" ({name})" if name else ""
+            raise ProbeError(
+                f"probes cannot observe a policy compiled with CUDA graphs{where}: "
+                f'mode="reduce-overhead" and mode="max-autotune" replay recorded graphs, '
+                f"which the probes' eager passes would interleave with. Compile with "
+                f'mode="default" or mode="max-autotune-no-cudagraphs" (docs/compile.md)'
+            )
