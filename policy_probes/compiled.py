@@ -20,6 +20,7 @@ toolkit has verified.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from torch import nn
@@ -34,6 +35,8 @@ from policy_probes.torch_internals import (
 
 #: ids of the owners (policies) that hold the eager stance now
 _holders: set[int] = set()
+#: ids of the owners whose garbage collection releases their claim (weakref.finalize)
+_watched: set[int] = set()
 #: restores the stance that was set before probes set ``force_eager`` (None: not set)
 _forced: Any = None
 
@@ -41,15 +44,29 @@ _forced: Any = None
 def hold_eager(owner: object, hold: bool) -> None:
     """Take (``hold=True``) or give back ``owner``'s claim on the ``force_eager`` stance;
     the stance is set while at least one owner holds it. Host-side only, idempotent."""
-    global _forced
     key = id(owner)
     if hold:
         if key in _holders:
             return
         _holders.add(key)
+        if key not in _watched:  # an owner dropped while armed gives its claim back
+            _watched.add(key)
+            weakref.finalize(owner, _forget, key)
+        global _forced
         if _forced is None:
             _forced = force_eager_stance()
-    elif key in _holders:
+    else:
+        _release(key)
+
+
+def _forget(key: int) -> None:
+    _watched.discard(key)
+    _release(key)
+
+
+def _release(key: int) -> None:
+    global _forced
+    if key in _holders:
         _holders.discard(key)
         if not _holders and _forced is not None:
             restore, _forced = _forced, None
