@@ -59,13 +59,15 @@ def reference(net: Net) -> dict[str, torch.Tensor]:
     lstm = dict(net.core.lstm.named_parameters())
     for b in range(B):
         loss = F.cross_entropy(net(x[b : b + 1])[0], a[b], reduction="sum")
-        for (k, p), g in zip(lstm.items(), torch.autograd.grad(loss, list(lstm.values()))):
+        grads = torch.autograd.grad(loss, list(lstm.values()))
+        for k, g in zip(lstm, grads, strict=True):
             out[f"lstm.{k}"] = out.get(f"lstm.{k}", 0) + g.double().square() / B
     head = dict(net.core.head.named_parameters())
     for b in range(B):
         for t in range(T):
             loss = F.cross_entropy(net(x[b : b + 1])[0, t], a[b, t])
-            for (k, p), g in zip(head.items(), torch.autograd.grad(loss, list(head.values()))):
+            grads = torch.autograd.grad(loss, list(head.values()))
+            for k, g in zip(head, grads, strict=True):
                 out[f"head.{k}"] = out.get(f"head.{k}", 0) + g.double().square() / (B * T)
     return out
 
