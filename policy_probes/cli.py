@@ -37,7 +37,13 @@ from policy_probes.lifecycle.cli import (
     selection_from_args,
 )
 from policy_probes.lifecycle.registry import HookSelectionError, parse_hook_config
-from policy_probes.overrides import apply_overrides, check_key, parse_value, valid_keys
+from policy_probes.overrides import (
+    apply_overrides,
+    check_key,
+    check_repeated_keys,
+    parse_value,
+    valid_keys,
+)
 from policy_probes.report import add_report_subcommand
 from policy_probes.run_dir import held_outputs
 from policy_probes.runnable import (
@@ -59,6 +65,8 @@ from policy_probes.user_errors import (
 )
 
 EXIT_USAGE = 2
+#: a run that trained but could not write some of its outputs (disk full ...)
+EXIT_LOST_OUTPUT = 1
 
 #: the override engine's names, importable from here as before (policy_probes.overrides)
 __all__ = ["CLIError", "apply_overrides", "check_key", "main", "parse_value", "valid_keys"]
@@ -272,6 +280,7 @@ def run_command(args: argparse.Namespace) -> int:
         selection = selection_from_args(args)
     except HookSelectionError as exc:
         raise CLIError(str(exc)) from None
+    check_repeated_keys(args.overrides)
     tool = prepare_tool(args.target, args.overrides, args.no_progress, selection)
     if args.dry_run:
         from rich.console import Console
@@ -320,6 +329,17 @@ def run_tool(tool: Runnable, **options: Any) -> int:
         )
     elif result.rank == 0:
         report_outputs(Console(), result)
+    lost = list(getattr(result, "lost_outputs", None) or [])
+    if lost:  # a run that could not write its outputs did not succeed
+        for line in lost:
+            print(f"policy-probes: lost: {line}", file=sys.stderr)
+        print(
+            "policy-probes: error: the run trained to its end but could not write all of "
+            "its outputs (lost: above); free disk space or fix the run directory, then "
+            "resume from the newest checkpoint",
+            file=sys.stderr,
+        )
+        return EXIT_LOST_OUTPUT
     return 0
 
 
@@ -406,6 +426,12 @@ def read_run_config(run_dir: Path, how: str) -> tuple[dict[str, Any], str]:
     call that does the same for a run the CLI did not start (for the message)."""
     config_path = run_dir / "config.json"
     if not config_path.is_file():
+        if held_outputs(run_dir):  # metric files only: killed before its first step
+            raise CLIError(
+                f"{run_dir} holds no config.json: its run was stopped while it started, "
+                f"before training; start it again with `policy-probes run RECIPE "
+                f"run_dir={run_dir}` (it starts from the beginning)"
+            )
         raise CLIError(f"{run_dir} holds no config.json; give the directory of a training run")
     try:
         config = json.loads(config_path.read_text())
@@ -423,6 +449,7 @@ def read_run_config(run_dir: Path, how: str) -> tuple[dict[str, Any], str]:
 def launch_overrides(config: dict[str, Any], new: Sequence[str], run_dir: Path) -> list[str]:
     """The recorded run's overrides, then ``new``, then ``run_dir`` (``run_dir``
     overrides in ``new`` are refused: the subcommand names the directory)."""
+    check_repeated_keys(new)
     for item in new:
         if item.partition("=")[0].strip() == "run_dir":
             raise CLIError("the run directory is given as an argument; drop the run_dir override")

@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from policy_probes.atomic_write import write_text_atomic
 from policy_probes.context import ComponentContext
@@ -49,7 +49,14 @@ from policy_probes.torch_internals import quiet_output_only_backward_hooks
 from policy_probes.user_errors import SETUP_ERROR_TYPES, mark_usage_error
 from trainers.callbacks import TrainerHook
 from trainers.checkpoint import CheckpointHook
-from trainers.config import CheckpointConfig, EnvConfig, EvalConfig, PolicyConfig, PPOConfig
+from trainers.config import (
+    CheckpointConfig,
+    EnvConfig,
+    EvalConfig,
+    PolicyConfig,
+    PPOConfig,
+    Section,
+)
 from trainers.distributed import DistributedRun, RankStatisticsHook, per_rank_config
 from trainers.envs import make_vector_env
 from trainers.evaluation import EvaluationHook
@@ -75,6 +82,9 @@ class TrainResult:
     eval_scores: dict[str, float] = field(default_factory=dict)
     hook_errors: dict[str, str] = field(default_factory=dict)
     sink_failures: dict[str, str] = field(default_factory=dict)
+    #: one line per output the run could not write (a metric sink switched off, the
+    #: checkpoints that failed): what is missing and from which epoch; empty when none
+    lost_outputs: list[str] = field(default_factory=list)
     #: this process's rank and the number of processes (0 and 1 outside torchrun); only
     #: rank 0 writes outputs and has ``metrics``
     rank: int = 0
@@ -92,6 +102,29 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def lost_outputs(sinks: SinkGroup, checkpointer: CheckpointHook) -> list[str]:
+    """What a run could not write, one line each (:attr:`TrainResult.lost_outputs`)."""
+    out = []
+    for name, reason in sinks.failures.items():
+        record = sinks.failed_at.get(name)
+        since = (
+            f"the {record[1]} record of epoch {record[0]} and every later record are missing"
+            if record is not None
+            else "records after it was switched off are missing"
+        )
+        out.append(f"metric sink {name}: switched off ({reason}); {since}")
+    checkpoints = checkpointer.lost()
+    if checkpoints is not None:
+        out.append(checkpoints)
+    return out
+
+
+def _slug(name: str) -> str:
+    """``name`` as one directory name: letters and digits of any script, ``_``, ``.``,
+    ``-``; other runs of characters become ``-`` (``ラン`` stays ``ラン``)."""
+    return re.sub(r"[^\w.-]+", "-", name).strip("-.")
+
+
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -103,10 +136,10 @@ def resolve_device(device: str) -> torch.device:
 
 
 @runnable  # the contract `policy-probes run` relies on (policy_probes.runnable)
-class TrainTool(BaseModel):
+class TrainTool(Section):
     """One PPO training run: environment, policy, hyperparameters, outputs, probes."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     name: str | None = Field(
         None, description="Short run name; the default run_dir is runs/<name>-<seed>-<time>."
@@ -178,6 +211,27 @@ class TrainTool(BaseModel):
     @classmethod
     def _check_probe_budget(cls, v: float | None) -> float | None:
         return check_budget(v)
+
+    @field_validator("run_dir", mode="before")
+    @classmethod
+    def _run_dir_not_empty(cls, v: Any) -> Any:
+        if isinstance(v, str | Path) and not str(v).strip():
+            raise ValueError(
+                "is empty (it would write the run into the current directory); give a "
+                "directory such as run_dir=runs/cp3, or leave run_dir out for "
+                "runs/<name>-<seed>-<time>"
+            )
+        return v
+
+    @field_validator("name")
+    @classmethod
+    def _name_makes_a_directory(cls, v: str | None) -> str | None:
+        if v is not None and not _slug(v):
+            raise ValueError(
+                f"{v!r} has no letter or digit for the run directory's name; give a name "
+                f"with letters or digits"
+            )
+        return v
 
     @field_validator("probe_schedule")
     @classmethod
@@ -313,9 +367,7 @@ class TrainTool(BaseModel):
         name = self.name
         if name is None and self._launch.get("target"):
             name = re.split(r"[.:/]", self._launch["target"].removesuffix(".train"))[-1]
-        if not name:
-            name = self.env.id
-        name = re.sub(r"[^A-Za-z0-9_.-]+", "-", name)
+        name = _slug(name or "") or _slug(self.env.id)
         return default_run_dir(f"{name}-{self.seed}")
 
     def check_setup(self, *, overwrite: bool = False) -> dict[str, list[str]]:
@@ -575,6 +627,7 @@ class TrainTool(BaseModel):
                 **{f"lifecycle.{n}": m for n, m in trainer.manager.error_messages.items()},
             },
             sink_failures=dict(sinks.failures),
+            lost_outputs=lost_outputs(sinks, checkpointer),
             rank=dist_run.rank,
             world_size=dist_run.world_size,
         )

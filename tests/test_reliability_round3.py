@@ -1,0 +1,283 @@
+"""Reliability, third round (issue 26): no silent wrong runs, no dead ends. Each case as
+a user meets it (``policy-probes`` in-process or as a subprocess, ``TrainTool``, the SB3
+callback, a ``ProbeSession`` script); ``docs/reliability.md`` lists them."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import resource
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from run_control_support import write_recipe
+
+from policy_probes.cli import main
+from policy_probes.sinks import read_jsonl
+from trainers import TrainTool
+
+torch.set_num_threads(1)
+
+
+def error_line(capsys: pytest.CaptureFixture, *args: str) -> str:
+    """``policy-probes ARGS`` in-process must exit 2 with one ``error:`` line and no
+    traceback; returns that line."""
+    capsys.readouterr()
+    assert main(list(args)) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    lines = [ln for ln in err.splitlines() if ln.startswith("policy-probes")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def files_under(directory: Path) -> set[str]:
+    return {str(p.relative_to(directory)) for p in directory.rglob("*")}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return write_recipe(tmp_path_factory.mktemp("recipe"))
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory: pytest.TempPathFactory, tiny: str) -> Path:
+    """A finished tiny run (6 epochs of 64 agent steps, checkpoints at 2, 4, 6)."""
+    run_dir = tmp_path_factory.mktemp("runs") / "done"
+    assert main(["run", tiny, f"run_dir={run_dir}", "--no-progress"]) == 0
+    return run_dir
+
+
+# ------------------------------------------------ items 1, 2, 6: values that ran silently
+BAD_VALUES = {
+    "adam_eps_inf": (["trainer.adam_eps=Infinity"], "trainer.adam_eps: got inf; give a finite"),
+    "lr_inf": (["trainer.learning_rate=Infinity"], "trainer.learning_rate: got inf"),
+    "ent_coef_nan": (["trainer.ent_coef=NaN"], "trainer.ent_coef: got nan; give a finite"),
+    "empty_run_dir": (["run_dir="], "run_dir: Value error, is empty"),
+    "seed_twice": (["seed=1", "seed=2"], "seed is given twice (seed=1 and seed=2)"),
+    "seed_bool": (["seed=true"], "seed: Value error, expected a number, got true"),
+    "atari_on_cartpole": (
+        ["env.atari.frame_skip=8"],
+        "env.atari.frame_skip applies to Atari (ALE/...) ids only",
+    ),
+    "remedy_key_twice": (
+        ["remedies=redo@actor_mlp:every_epochs=2,every_epochs=3"],
+        "every_epochs is given twice; give each key once",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_VALUES))
+def test_values_that_ran_silently_exit_2_in_one_line_and_write_nothing(
+    case: str, tiny: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    overrides, fragment = BAD_VALUES[case]
+    monkeypatch.chdir(tmp_path)  # an empty run_dir would have written here
+    run_dir = [] if case == "empty_run_dir" else [f"run_dir={tmp_path / 'run'}"]
+    line = error_line(capsys, "run", tiny, *overrides, *run_dir, "--no-progress")
+    assert fragment in line
+    assert files_under(tmp_path) == set()
+
+
+def test_a_name_in_any_script_names_the_run_directory() -> None:
+    """``name=ラン`` gave ``runs/--1-<time>``."""
+    assert TrainTool(name="ラン").default_run_dir().name.startswith("ラン-1-")
+    assert TrainTool(name="a b/c").default_run_dir().name.startswith("a-b-c-1-")
+
+
+# ------------------------------------------------------------ item 6: report --compare
+def test_report_compare_with_a_missing_run_exits_2_and_writes_nothing(
+    finished_run: Path, tmp_path: Path, capsys
+) -> None:
+    out = tmp_path / "r.html"
+    line = error_line(
+        capsys, "report", str(finished_run), "--compare", str(tmp_path / "typo"), "--out", str(out)
+    )
+    assert "--compare" in line and "typo" in line and "no metrics.jsonl" in line
+    assert not out.exists()
+
+
+# ------------------------------------------------------------ item 3: misspelled `when=`
+def test_a_misspelled_remedy_threshold_key_is_warned_about_once(
+    tiny: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    spec = "redo@actor_mlp:when=probes/relu/actor_mlp/dormant_fractoin>0.0"
+    with caplog.at_level(logging.WARNING, logger="policy_probes"):
+        assert main(["run", tiny, f"run_dir={tmp_path / 'r'}", f"remedies={spec}"]) == 0
+    warnings = [r.getMessage() for r in caplog.records if "never fires" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert "did you mean 'probes/relu/actor_mlp/dormant_fraction'" in warnings[0]
+
+
+def test_a_correct_remedy_threshold_key_is_not_warned_about(
+    tiny: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    spec = "redo@actor_mlp:when=probes/relu/actor_mlp/dormant_fraction>2.0"
+    with caplog.at_level(logging.WARNING, logger="policy_probes"):
+        assert main(["run", tiny, f"run_dir={tmp_path / 'r'}", f"remedies={spec}"]) == 0
+    assert not [r for r in caplog.records if "never fires" in r.getMessage()]
+
+
+# ------------------------------------------------------- item 5: resume to a lower total
+def test_resume_to_fewer_steps_than_done_exits_2_and_leaves_the_run_as_it_was(
+    finished_run: Path, capsys
+) -> None:
+    before = {p: p.read_bytes() for p in finished_run.rglob("*") if p.is_file()}
+    line = error_line(capsys, "resume", str(finished_run), "trainer.total_timesteps=128")
+    assert "epoch 6 (384 agent steps)" in line
+    assert "raise trainer.total_timesteps above 384" in line
+    after = {p: p.read_bytes() for p in finished_run.rglob("*") if p.is_file()}
+    assert after.keys() == before.keys()
+    for path, data in before.items():
+        if path.name != "run.lock":
+            assert after[path] == data, path
+
+
+# ------------------------------------------------------------------- item 4: disk full
+def _can_mount_tmpfs() -> bool:
+    """Whether this user may mount a tmpfs in a user namespace of its own."""
+    probe = ["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=8k none /mnt || exit 1"]
+    try:
+        return subprocess.run(probe, capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def _file_size_limit(limit: int) -> None:
+    """A kernel limit on every file this process writes (writes past it fail with
+    EFBIG), the stand-in for a full disk where no tmpfs can be mounted."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+
+def test_a_full_disk_ends_the_run_non_zero_and_says_what_was_lost(
+    tiny: str, tmp_path: Path
+) -> None:
+    """A real full file system: the run directory on a 300 KiB tmpfs (an unprivileged
+    mount in a user namespace; where that is not allowed, a 60 KB per-file size limit).
+    Training goes on to its end (faults never kill it), then the run exits 1 and says
+    which sinks stopped at which epoch and which checkpoints are missing."""
+    cli = [sys.executable, "-m", "policy_probes.cli", "run", tiny, "--no-progress"]
+    cli += ["trainer.total_timesteps=1536"]  # 24 epochs; checkpoints every 2
+    env = {**os.environ, "WANDB_MODE": "disabled", "WANDB_SILENT": "true"}
+    disk, kept = tmp_path / "disk", tmp_path / "kept"
+    disk.mkdir()
+    if _can_mount_tmpfs():
+        script = (
+            f'mount -t tmpfs -o size=300k none "{disk}" && "$@" run_dir="{disk}/run"; '
+            f'rc=$?; cp -r "{disk}/run" "{kept}"; exit $rc'
+        )
+        proc = subprocess.run(
+            ["unshare", "-rm", "sh", "-c", script, "sh", *cli],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        errno_text = "No space left on device"
+    else:
+        proc = subprocess.run(
+            [*cli, f"run_dir={kept}"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            preexec_fn=lambda: _file_size_limit(60_000),
+        )
+        errno_text = "File too large"
+    assert proc.returncode == 1, proc.stderr
+    lost = [ln for ln in proc.stderr.splitlines() if ln.startswith("policy-probes: lost:")]
+    assert (
+        proc.stderr.rstrip()
+        .splitlines()[-1]
+        .startswith("policy-probes: error: the run trained to its end but could not write all")
+    )
+    jsonl = next(ln for ln in lost if "metric sink jsonl" in ln)
+    assert errno_text in jsonl
+    found = re.search(r"the (\S+) record of epoch (\d+) and every later record", jsonl)
+    point, first_lost = found.group(1), int(found.group(2))
+    records = read_jsonl(kept / "metrics.jsonl")
+    assert first_lost < 24 and max(r["epoch"] for r in records) <= first_lost
+    assert (first_lost, point) not in {(r["epoch"], r["hook_point"]) for r in records}
+    assert (first_lost - 1, point) in {(r["epoch"], r["hook_point"]) for r in records}
+    checkpoints = next(ln for ln in lost if ln.startswith("policy-probes: lost: checkpoints:"))
+    saved = sorted((kept / "checkpoints").glob("epoch_*.pt"))
+    newest = f"epoch {int(saved[-1].stem.split('_')[1])}" if saved else "none"
+    assert f"the newest checkpoint is {newest}" in checkpoints
+    assert "epochs" in checkpoints and "-24;" in checkpoints
+
+
+# ------------------------------------------------ item 9: killed in the start-up window
+STARTED_SINKS = """
+import os, sys
+from pathlib import Path
+from policy_probes.run_lock import RunDirLock
+from policy_probes.sinks import SinksConfig, WandbConfig, build_sink_group
+run_dir = Path(sys.argv[1])
+run_dir.mkdir(parents=True)
+RunDirLock(run_dir).acquire()
+build_sink_group(run_dir, SinksConfig(console=False), WandbConfig(mode="disabled"), {})
+os.kill(os.getpid(), 9)  # what a run killed before config.json leaves behind
+"""
+
+
+def test_a_run_killed_while_starting_is_run_again_from_its_beginning(
+    tiny: str, tmp_path: Path, capsys, caplog: pytest.LogCaptureFixture
+) -> None:
+    run_dir = tmp_path / "r"
+    proc = subprocess.run([sys.executable, "-c", STARTED_SINKS, str(run_dir)], timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    assert {"metrics.jsonl", "metrics.csv", "run.lock"} <= files_under(run_dir)
+    line = error_line(capsys, "resume", str(run_dir))
+    assert "stopped while it started" in line and "policy-probes run RECIPE" in line
+    with caplog.at_level(logging.WARNING):
+        assert main(["run", tiny, f"run_dir={run_dir}", "--no-progress"]) == 0
+    assert any("starts again from its beginning" in r.getMessage() for r in caplog.records)
+    epochs = sorted({r["epoch"] for r in read_jsonl(run_dir / "metrics.jsonl")})
+    assert epochs == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_run_with_epochs_but_no_config_is_still_refused(
+    tiny: str, tmp_path: Path, capsys
+) -> None:
+    """The restart applies only to a run with no epoch record: anything else is kept."""
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"epoch": 1, "hook_point": "POST_EPOCH"}\n')
+    line = error_line(capsys, "run", tiny, f"run_dir={run_dir}", "--no-progress")
+    assert "already holds a run" in line
+    assert (run_dir / "metrics.jsonl").read_text().startswith('{"epoch": 1')
+
+
+# ------------------------------------------- item 10: SB3 callback with a wrong component
+def test_sb3_callback_with_a_misspelled_component_leaves_nothing_that_blocks_the_fix(
+    tmp_path: Path,
+) -> None:
+    from stable_baselines3 import PPO
+
+    from policy_probes import attach_relu_activation_hooks
+    from policy_probes.integrations.sb3 import ProbeCallback
+    from policy_probes.sinks import SinksConfig, WandbConfig
+
+    def learn(component: str) -> None:
+        model = PPO("MlpPolicy", "CartPole-v1", n_steps=32, batch_size=32, n_epochs=1, seed=0)
+        callback = ProbeCallback(
+            probes=[(component, attach_relu_activation_hooks())],
+            run_dir=tmp_path / "sb3",
+            sinks=SinksConfig(console=False),
+            wandb=WandbConfig(mode="disabled"),
+        )
+        model.learn(32, callback=callback)
+
+    with pytest.raises(KeyError, match="actor_mpl"):
+        learn("actor_mpl")
+    assert not (tmp_path / "sb3" / "config.json").exists()
+    assert not (tmp_path / "sb3" / "metrics.jsonl").exists()
+    learn("actor_mlp")  # the corrected script into the same run_dir
+    assert (tmp_path / "sb3" / "config.json").is_file()
+    assert read_jsonl(tmp_path / "sb3" / "metrics.jsonl")
