@@ -117,7 +117,10 @@ def load_recipe(target: str) -> Callable[[], Any]:
             raise CLIError(f"cannot import {file_part!r} as a Python module")
         module = importlib.util.module_from_spec(spec)
         sys.modules[module_name] = module
-        spec.loader.exec_module(module)
+        try:
+            spec.loader.exec_module(module)
+        except Exception as exc:
+            raise recipe_error(f"recipe file {file_part!r} failed to import", exc) from exc
     else:
         module_path, _, func_name = target.rpartition(".")
         if not module_path:
@@ -133,7 +136,9 @@ def load_recipe(target: str) -> Callable[[], Any]:
                     f"cannot import recipe module {module_path!r} ({exc}); run from the "
                     f"directory that contains it or give path/to/file.py:function"
                 ) from None
-            raise
+            raise recipe_error(f"recipe module {module_path!r} failed to import", exc) from exc
+        except Exception as exc:
+            raise recipe_error(f"recipe module {module_path!r} failed to import", exc) from exc
     fn = getattr(module, func_name, None)
     if not callable(fn):
         funcs = [
@@ -148,6 +153,31 @@ def load_recipe(target: str) -> Callable[[], Any]:
     return fn
 
 
+def recipe_error(what: str, exc: BaseException) -> CLIError:
+    """A :class:`CLIError` for an exception raised by the user's recipe code: its type,
+    message and the innermost line of the user's own files (not this package's, nor
+    importlib's); ``-v`` prints the whole traceback."""
+    package = Path(__file__).resolve().parent
+
+    def users(filename: str) -> bool:
+        if filename.startswith("<") or "importlib" in filename:
+            return False
+        return package not in Path(filename).resolve().parents
+
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if users(f.filename)]
+    where = ""
+    if isinstance(exc, SyntaxError) and exc.filename:
+        where = f" at {exc.filename}:{exc.lineno}"
+    elif frames:
+        last = frames[-1]
+        code = f": {last.line.strip()}" if last.line else ""
+        where = f" at {last.filename}:{last.lineno} in {last.name}{code}"
+    return CLIError(
+        f"{what}: {type(exc).__name__}: {one_line(exc)}{where}; fix the recipe "
+        f"(-v shows the whole traceback)"
+    )
+
+
 def build_from_recipe(target: str) -> BaseModel:
     """Call the recipe and check that it returned a :class:`Runnable` pydantic model. A
     recipe that raises one of the configuration errors (a builder passed without its
@@ -157,6 +187,8 @@ def build_from_recipe(target: str) -> BaseModel:
         tool = recipe()
     except SETUP_ERROR_TYPES as exc:
         raise CLIError(f"recipe {target}: {one_line(exc)}") from exc
+    except Exception as exc:  # a bug in the recipe: its own line, not ours
+        raise recipe_error(f"recipe {target} raised", exc) from exc
     problems = runnable_problems(tool)
     if problems:
         name = type(tool).__name__

@@ -281,3 +281,74 @@ def test_sb3_callback_with_a_misspelled_component_leaves_nothing_that_blocks_the
     learn("actor_mlp")  # the corrected script into the same run_dir
     assert (tmp_path / "sb3" / "config.json").is_file()
     assert read_jsonl(tmp_path / "sb3" / "metrics.jsonl")
+
+
+# -------------------------------------------------------------- item 11: dead ends
+@pytest.mark.parametrize("epoch", ["5", "-1"])
+def test_a_refused_fork_leaves_no_child_directory(
+    finished_run: Path, tmp_path: Path, epoch: str, capsys
+) -> None:
+    child = tmp_path / "child"
+    line = error_line(capsys, "fork", str(finished_run), "--epoch", epoch, str(child))
+    assert "epoch" in line
+    assert not child.exists()
+
+
+def test_report_out_a_directory_writes_into_it_and_a_failed_report_leaves_no_temp_file(
+    finished_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    assert main(["report", str(finished_run), "--out", f"{out_dir}/"]) == 0
+    assert files_under(tmp_path) == {"out", "out/report.html"}
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file")  # --out blocked/r.html: its directory is a file
+    line = error_line(capsys, "report", str(finished_run), "--out", str(blocked / "r.html"))
+    assert "cannot write the report" in line
+    assert files_under(tmp_path) == {"out", "out/report.html", "blocked"}
+
+
+def test_a_run_dir_name_over_255_bytes_is_one_line_like_the_dry_run(
+    tiny: str, tmp_path: Path, capsys
+) -> None:
+    run_dir = tmp_path / ("x" * 300)
+    for extra in ([], ["--dry-run"]):
+        line = error_line(capsys, "run", tiny, f"run_dir={run_dir}", "--no-progress", *extra)
+        assert "has a name of 300 bytes" in line and "choose a shorter run_dir" in line
+    assert files_under(tmp_path) == set()
+
+
+RECIPE_BUGS = {
+    "raises": (
+        "def train():\n    return helper()\n\n\ndef helper():\n    raise RuntimeError('boom')\n",
+        "raised: RuntimeError: boom at {path}:6 in helper: raise RuntimeError('boom')",
+    ),
+    "import_fails": (
+        "import no_such_package_26\n\n\ndef train():\n    pass\n",
+        "failed to import: ModuleNotFoundError: No module named 'no_such_package_26'"
+        " at {path}:1 in <module>",
+    ),
+    "syntax": ("def train(:\n    pass\n", "failed to import: SyntaxError"),
+}
+
+
+@pytest.mark.parametrize("case", list(RECIPE_BUGS))
+def test_a_recipe_that_raises_or_fails_to_import_names_its_own_line(
+    case: str, tmp_path: Path
+) -> None:
+    source, expected = RECIPE_BUGS[case]
+    path = tmp_path / "my_recipe.py"
+    path.write_text(source)
+    proc = subprocess.run(
+        [sys.executable, "-m", "policy_probes.cli", "run", f"{path}:train"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("policy-probes: error: recipe")
+    assert expected.format(path=path) in lines[0]
+    assert "policy_probes/cli.py" not in lines[0]

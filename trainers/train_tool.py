@@ -17,6 +17,7 @@ configuration (and survive ``model_copy(update=...)``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import random
@@ -46,7 +47,7 @@ from policy_probes.runnable import ForkPoint, runnable
 from policy_probes.sampling import DEFAULT_BUDGET, Sampler, as_schedule, check_budget
 from policy_probes.sinks import SinkGroup, SinksConfig, WandbConfig, build_sink_group
 from policy_probes.torch_internals import quiet_output_only_backward_hooks
-from policy_probes.user_errors import SETUP_ERROR_TYPES, mark_usage_error
+from policy_probes.user_errors import SETUP_ERROR_TYPES, is_usage_error, mark_usage_error
 from trainers.callbacks import TrainerHook
 from trainers.checkpoint import CheckpointHook
 from trainers.config import (
@@ -448,6 +449,10 @@ class TrainTool(Section):
             run_dir = dist_run.broadcast(run_dir)  # rank 0's choice (default names hold a time)
             lock = RunDirLock(run_dir)
             refusal: str | None = None
+            try:
+                created = dist_run.is_main and not run_dir.exists()
+            except OSError:  # a name the file system refuses: make_run_dir says so
+                created = False
             if dist_run.is_main:
                 try:
                     make_run_dir(run_dir)
@@ -459,12 +464,19 @@ class TrainTool(Section):
             refusal = dist_run.broadcast(refusal)  # every rank stops, not only rank 0
             if refusal is not None:
                 raise RunDirLocked(refusal)
+            refused = False
             try:
                 return self._train(
                     dist_run, run_dir, resume=resume, overwrite=overwrite, fork_from=fork_from
                 )
+            except BaseException as exc:
+                refused = is_usage_error(exc)
+                raise
             finally:
                 lock.release()
+                if created and refused:  # a refused start leaves no empty directory behind
+                    with contextlib.suppress(OSError):
+                        run_dir.rmdir()
 
     def _train(
         self,
