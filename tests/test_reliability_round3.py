@@ -352,3 +352,59 @@ def test_a_recipe_that_raises_or_fails_to_import_names_its_own_line(
     assert len(lines) == 1 and lines[0].startswith("policy-probes: error: recipe")
     assert expected.format(path=path) in lines[0]
     assert "policy_probes/cli.py" not in lines[0]
+
+
+# ------------------------------------------ item 8: a component wrapping a time-major LSTM
+def test_a_batch_time_mask_on_a_time_major_wrapper_reads_the_real_steps(tmp_path: Path) -> None:
+    """A ProbeSession script: the component wraps an ``nn.LSTM`` without ``batch_first``
+    and returns its (T, B, H) output; the loop states a (B, T) mask with padded tails
+    (B=3, T=5). The saturation probe must count the real steps only (it read the mask in
+    the wrong order, and T x B = B x T hid it)."""
+    from torch import nn
+
+    from policy_probes import ProbeSession, attach_saturated_activation_hooks
+    from policy_probes.sinks import SinksConfig, WandbConfig
+
+    class Core(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lstm = nn.LSTM(4, 6)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, T, F)
+            return torch.tanh(8 * self.lstm(x.transpose(0, 1))[0])  # (T, B, H)
+
+    class Agent(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.core, self.head = Core(), nn.Linear(6, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.core(x))
+
+    torch.manual_seed(0)
+    agent = Agent()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 5, 4, generator=g) * 3
+    x[:, 3:] = 40.0  # padded steps: saturate the LSTM, and the loss leaves them out
+    mask = torch.ones(3, 5)
+    mask[:, 3:] = 0.0
+    mask[0, 2:] = 0.0
+    with ProbeSession(
+        agent,
+        run_dir=tmp_path / "s",
+        sinks=SinksConfig(console=False, csv=False),
+        wandb=WandbConfig(mode="disabled"),
+    ) as session:
+        builder = attach_saturated_activation_hooks("tanh", threshold=0.6, per_layer=False)
+        session.add_training_hook("core", builder)
+        session.set_phase("train")
+        with session.row_mask(mask):
+            out = agent(x)
+            ((out.square().sum(-1).T * mask).sum() / mask.sum()).backward()
+        metrics = session.epoch_end(step=0)
+    h = agent.core(x).detach().transpose(0, 1)  # (B, T, H)
+    real = h[mask.bool()]
+    expected = (real.abs() > 0.6).double().mean().item()
+    got = metrics["probes/saturation_tanh/core/saturated_fraction"]
+    assert got == pytest.approx(expected, rel=1e-6)
+    assert metrics["probes/saturation_tanh/core/samples"] == pytest.approx(mask.sum().item())
