@@ -14,6 +14,7 @@ Each subcommand is one ``add_<name>_subcommand(subparsers)`` function registered
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import importlib
 import importlib.util
@@ -21,6 +22,8 @@ import inspect
 import json
 import logging
 import pkgutil
+import shlex
+import shutil
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -140,6 +143,17 @@ def load_recipe(target: str) -> Callable[[], Any]:
         except Exception as exc:
             raise recipe_error(f"recipe module {module_path!r} failed to import", exc) from exc
     fn = getattr(module, func_name, None)
+    if inspect.ismodule(fn) or (fn is None and _is_module(target)):
+        inner = importlib.import_module(target)  # `run recipes.cartpole`: a module
+        names = [
+            f"{target}.{n}"
+            for n, f in inspect.getmembers(inner, inspect.isfunction)
+            if f.__module__ == inner.__name__ and returns_runnable(f) and _no_arguments(f)
+        ]
+        raise CLIError(
+            f"{target!r} is a module, not a recipe function; give "
+            f"{' or '.join(names) if names else 'package.module.function'}"
+        )
     if not callable(fn):
         funcs = [
             n for n, f in inspect.getmembers(module, inspect.isfunction) if not n.startswith("_")
@@ -198,6 +212,27 @@ def build_from_recipe(target: str) -> BaseModel:
     return tool
 
 
+def _is_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _no_arguments(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn()`` can be called as a recipe: no parameter without a default
+    (``recipes.atari.add_probes(cfg)`` is a helper, not a recipe)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    required = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    kw_only = inspect.Parameter.KEYWORD_ONLY
+    return not any(
+        p.default is inspect.Parameter.empty and p.kind in (*required, kw_only) for p in params
+    )
+
+
 def find_recipes(package: str = "recipes") -> list[tuple[str, str]]:
     """``(target, first docstring line)`` of every function in ``package``'s modules whose
     return annotation is a :class:`Runnable` class (``TrainTool``). Modules are imported;
@@ -215,7 +250,7 @@ def find_recipes(package: str = "recipes") -> list[tuple[str, str]]:
             found.append((f"{name}.*", f"[import failed: {type(exc).__name__}: {exc}]"))
             continue
         for fname, fn in inspect.getmembers(module, inspect.isfunction):
-            if fn.__module__ == module.__name__ and returns_runnable(fn):
+            if fn.__module__ == module.__name__ and returns_runnable(fn) and _no_arguments(fn):
                 paragraph = (inspect.getdoc(fn) or "").strip().split("\n\n")[0]
                 found.append((f"{name}.{fname}", " ".join(paragraph.split())))
     return found
@@ -399,12 +434,30 @@ def report_outputs(console: Any, result: RunResult) -> None:
     for name, reason in (result.sink_failures or {}).items():
         console.print(f"[yellow]sink {name} was switched off: {reason}[/yellow]")
     steps = []
+    quoted = shlex.quote(str(run_dir))
     if (Path(run_dir) / "metrics.jsonl").is_file():
-        steps.append(f"policy-probes report {run_dir}      # HTML dashboard: report.html")
+        steps.append(f"{program_name()} report {quoted}      # HTML dashboard: report.html")
     if any((Path(run_dir) / "wandb").glob("offline-run-*")):
-        steps.append(f"wandb sync {run_dir}/wandb/offline-run-*      # upload the W&B run")
+        beside = Path(sys.executable).parent / "wandb"
+        wandb = (
+            shlex.quote(str(beside)) if not shutil.which("wandb") and beside.is_file() else "wandb"
+        )
+        offline = shlex.quote(f"{run_dir}/wandb/") + "offline-run-*"
+        steps.append(f"{wandb} sync {offline}      # upload the W&B run")
     if steps:
         console.print("next:\n" + "\n".join(f"  {s}" for s in steps), soft_wrap=True, markup=False)
+
+
+def program_name() -> str:
+    """How the user can call this command line from their shell: ``policy-probes`` when
+    it is on PATH, else the script beside this Python (``.venv/bin/policy-probes`` when
+    the environment is not activated), else ``python -m policy_probes.cli``."""
+    if shutil.which("policy-probes"):
+        return "policy-probes"
+    script = Path(sys.executable).parent / "policy-probes"
+    if script.is_file():
+        return shlex.quote(str(script))
+    return f"{shlex.quote(sys.executable)} -m policy_probes.cli"
 
 
 # ---------------------------------------------------------------------- resume, ctl
@@ -620,11 +673,30 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for add in SUBCOMMANDS:
         add(subparsers)
+    for sub in subparsers.choices.values():  # `policy-probes run ... -v` works too
+        with contextlib.suppress(argparse.ArgumentError):  # a subcommand with its own -v
+            sub.add_argument(
+                "-v",
+                "--verbose",
+                action="store_true",
+                default=argparse.SUPPRESS,
+                help="debug logging, and tracebacks with errors",
+            )
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    first = next((a for a in argv if not a.startswith("-")), None)
+    commands = parser._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    if first is not None and first not in commands and ("." in first or ":" in first):
+        print(
+            f"policy-probes: error: {first!r} is not a command; to train a recipe: "
+            f"policy-probes run {shlex.quote(first)} (commands: {', '.join(commands)})",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
     args, extra = parser.parse_known_args(argv)
     # `run TARGET --hooks x seed=3`: argparse stops collecting the key=value positionals
     # at the first option, so overrides after an option arrive here.

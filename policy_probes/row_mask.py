@@ -164,11 +164,15 @@ class RowMask:
         mask = self.on(tensor.device)
         rows = math.prod(lead)
         if rows == self.numel:
-            if len(self.shape) == 2 and tensor.dim() == 3 and (
-                (isinstance(module, SEQUENCE_MODULES) and not module.batch_first)
-                # (time, batch) rows of a (batch, time) mask: a component wrapping a
-                # time-major sequence module (told apart only when batch != time)
-                or (tensor.shape[:2] == self.shape[::-1] and self.shape[0] != self.shape[1])
+            if (
+                len(self.shape) == 2
+                and tensor.dim() == 3
+                and (
+                    (isinstance(module, SEQUENCE_MODULES) and not module.batch_first)
+                    # (time, batch) rows of a (batch, time) mask: a component wrapping a
+                    # time-major sequence module (told apart only when batch != time)
+                    or (tensor.shape[:2] == self.shape[::-1] and self.shape[0] != self.shape[1])
+                )
             ):
                 if mask._time_major is None:  # (time, batch) rows; one copy per mask
                     mask._time_major = mask.weights.T.reshape(-1)

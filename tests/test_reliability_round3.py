@@ -4,6 +4,7 @@ callback, a ``ProbeSession`` script); ``docs/reliability.md`` lists them."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -408,3 +409,72 @@ def test_a_batch_time_mask_on_a_time_major_wrapper_reads_the_real_steps(tmp_path
     got = metrics["probes/saturation_tanh/core/saturated_fraction"]
     assert got == pytest.approx(expected, rel=1e-6)
     assert metrics["probes/saturation_tanh/core/samples"] == pytest.approx(mask.sum().item())
+
+
+# -------------------------------------------- item 15: a dry run of every shipped recipe
+def test_every_shipped_recipe_passes_its_dry_run(capsys) -> None:
+    """``policy-probes run <recipe> --dry-run`` for every recipe ``--list`` shows: the
+    Atari recipe's probes are checked against the NatureCNN policy it builds."""
+    from policy_probes.cli import find_recipes
+
+    targets = [t for t, _ in find_recipes("recipes")]
+    assert "recipes.atari.train" in targets and "recipes.cartpole.train" in targets
+    for target in targets:
+        capsys.readouterr()
+        assert main(["run", target, "--dry-run"]) == 0, capsys.readouterr().err
+        attached = json.loads(capsys.readouterr().out)["attached"]
+        assert attached and all(attached.values()), target
+
+
+# ------------------------------------------------------------- item 14: friction
+def test_next_steps_name_commands_the_shell_can_run_and_quote_paths_with_spaces(
+    tiny: str, tmp_path: Path
+) -> None:
+    """After ``make demo`` without an activated environment ``policy-probes`` is not on
+    PATH: the summary names the environment's script; a run_dir with a space is quoted."""
+    run_dir = tmp_path / "my runs" / "r 1"
+    env = {**os.environ, "PATH": "/usr/bin:/bin", "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    ran = subprocess.run(
+        [sys.executable, "-m", "policy_probes.cli", "run", tiny, f"run_dir={run_dir}"]
+        + ["--no-progress", "wandb.mode=offline"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert ran.returncode == 0, ran.stderr
+    bin_dir = Path(sys.executable).parent
+    script = bin_dir / "policy-probes"
+    program = str(script) if script.is_file() else f"{sys.executable} -m policy_probes.cli"
+    assert f"  {program} report '{run_dir}'" in ran.stdout
+    wandb = bin_dir / "wandb"
+    assert (
+        f"  {wandb if wandb.is_file() else 'wandb'} sync '{run_dir}/wandb/'offline-run-*"
+        in ran.stdout
+    )
+    # what it prints runs: the report command as printed, through a shell
+    line = next(ln for ln in ran.stdout.splitlines() if " report " in ln)
+    command = line.split("#")[0].strip()
+    done = subprocess.run(command, shell=True, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert (run_dir / "report.html").is_file()
+
+
+def test_list_run_module_verbose_after_the_subcommand_and_a_target_without_run(
+    tmp_path: Path, capsys
+) -> None:
+    capsys.readouterr()
+    assert main(["run", "--list"]) == 0
+    listed = capsys.readouterr().out
+    assert "recipes.atari.train" in listed and "add_probes" not in listed
+    line = error_line(capsys, "run", "recipes.cartpole")
+    assert "'recipes.cartpole' is a module" in line and "recipes.cartpole.train" in line
+    line = error_line(capsys, "recipes.cartpole.train")
+    assert "is not a command; to train a recipe: policy-probes run recipes.cartpole.train" in line
+    # -v after the subcommand: the error comes with its traceback
+    path = tmp_path / "r.py"
+    path.write_text("def train():\n    raise RuntimeError('boom')\n")
+    capsys.readouterr()
+    assert main(["run", f"{path}:train", "-v"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "RuntimeError: boom" in err

@@ -388,7 +388,8 @@ class TrainTool(Section):
             seed_everything(self.seed)
             envs = make_vector_env(self.env, gamma=self.trainer.gamma)
             try:
-                policy = ActorCriticPolicy(
+                # the policy the run builds (a NatureCNN one for policy.encoder=nature_cnn)
+                policy = make_policy(
                     envs.single_observation_space, envs.single_action_space, self.policy
                 )
                 context = ComponentContext(strict=self.strict)
