@@ -478,3 +478,79 @@ def test_list_run_module_verbose_after_the_subcommand_and_a_target_without_run(
     assert main(["run", f"{path}:train", "-v"]) == 2
     err = capsys.readouterr().err
     assert "Traceback" in err and "RuntimeError: boom" in err
+
+
+def test_sigterm_says_stopped_once_and_titles_the_last_table_stopped(
+    tiny: str, tmp_path: Path
+) -> None:
+    from run_control_support import start_run, wait_for_epoch
+
+    run_dir = tmp_path / "run"
+    proc = start_run(tiny, run_dir, "sinks.console=true")
+    wait_for_epoch(run_dir, 1, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    assert err.count("stopped by SIGTERM") == 2, err  # the message, and the table's title
+    assert len([ln for ln in err.splitlines() if "; checkpoint " in ln]) == 1, err
+    assert "final, epoch" not in err
+    assert re.search(r"stopped by SIGTERM, epoch \d+", err), err
+
+
+def test_the_console_table_shows_the_relu_gradient_pass_rate(tmp_path: Path, capsys) -> None:
+    """A ProbeSession with the console sink and the relu_gradient_flow probe: its mean
+    pass rate is in the final table, with the value of an independent count."""
+    from torch import nn
+
+    from policy_probes import ProbeSession, attach_relu_gradient_flow_hooks
+    from policy_probes.sinks import SinksConfig, WandbConfig
+
+    torch.manual_seed(0)
+    agent = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    x = torch.randn(32, 4)
+    with ProbeSession(
+        agent,
+        run_dir=tmp_path / "s",
+        sinks=SinksConfig(csv=False, jsonl=False),
+        wandb=WandbConfig(mode="disabled"),
+    ) as session:
+        session.add_training_backward_hook("1", attach_relu_gradient_flow_hooks())
+        session.set_phase("train")
+        agent(x).square().mean().backward()
+        metrics = session.epoch_end(step=0)
+    pass_rate = (agent[0](x) > 0).double().mean().item()  # the gradient passes where h > 0
+    key = "probes/relu_gradient_flow/1/mean_pass_rate"
+    assert metrics[key] == pytest.approx(pass_rate)
+    final = capsys.readouterr().err.split("final, epoch 0")[-1]
+    assert key in final  # a row of the table printed when the session closed
+
+
+def test_the_docs_count_the_probes_the_cartpole_recipe_attaches() -> None:
+    """``docs/trainer.md`` and ``recipes/cartpole.py`` said "five probes", the README
+    four; the recipe attaches four kinds."""
+    from recipes.cartpole import train
+
+    kinds = {p["builder"] for p in train().resolved_config()["probes"]}
+    assert len(kinds) == 4
+    root = Path(__file__).resolve().parents[1]
+    for doc in ("README.md", "docs/trainer.md", "recipes/cartpole.py"):
+        text = " ".join((root / doc).read_text().split())
+        assert "five probes" not in text, doc
+        assert "four ReLU-network probes" in text, doc
+
+
+def test_a_refused_start_leaves_no_empty_default_run_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``make test`` left an empty ``runs/CartPole-v1-1-<time>/``: a TrainTool without
+    run_dir whose start is refused (an unknown component) created its default directory
+    and left it behind."""
+    from policy_probes import attach_relu_activation_hooks
+
+    monkeypatch.chdir(tmp_path)
+    tool = TrainTool(wandb={"mode": "disabled"}).add_training_hook(
+        "actor_mpl", attach_relu_activation_hooks()
+    )
+    with pytest.raises(KeyError, match="actor_mpl"):
+        tool.invoke()
+    assert files_under(tmp_path) == set()

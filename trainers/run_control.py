@@ -269,6 +269,7 @@ class RunControl(TrainerHook):
         """Checkpoint, flush the sinks and raise :class:`RunStopped`."""
         path, error = self._save(state)
         if self.sinks is not None:
+            self.sinks.set_run_context(ended=f"stopped by {reason}")  # the last table's title
             self.sinks.flush()
         where = self._where(state)
         if error is None:
@@ -281,7 +282,7 @@ class RunControl(TrainerHook):
             message = f"stopped by {reason} {where}; the checkpoint could not be written: {error}"
         if request is not None:
             self._ack(request, error is None, message, checkpoint=str(path) if path else None)
-        log.warning("%s", message)
+        # said once, by whoever catches it (the CLI prints it; RunStopped carries it)
         raise RunStopped(message, exit_code, path, state.epoch)
 
     # ------------------------------------------------------------------ helpers

@@ -203,4 +203,5 @@ class ConsoleSink(MetricSink):
             self._live.stop()
             self._live = None
         if self._latest:
-            self.console.print(self.summary_table(title=f"final, epoch {self.epoch}"))
+            ended = self.run_context.get("ended") or "final"  # e.g. "stopped by SIGTERM"
+            self.console.print(self.summary_table(title=f"{ended}, epoch {self.epoch}"))
