@@ -103,6 +103,20 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def _missing_directories(run_dir: Path) -> list[Path]:
+    """``run_dir`` and its parents that do not exist yet, deepest first (what creating
+    it makes); empty when it exists or its name is one the file system refuses."""
+    missing = []
+    try:
+        for path in (run_dir, *run_dir.parents):
+            if path.exists():
+                break
+            missing.append(path)
+    except OSError:  # a name too long: make_run_dir says so
+        return []
+    return missing
+
+
 def lost_outputs(sinks: SinkGroup, checkpointer: CheckpointHook) -> list[str]:
     """What a run could not write, one line each (:attr:`TrainResult.lost_outputs`)."""
     out = []
@@ -450,10 +464,7 @@ class TrainTool(Section):
             run_dir = dist_run.broadcast(run_dir)  # rank 0's choice (default names hold a time)
             lock = RunDirLock(run_dir)
             refusal: str | None = None
-            try:
-                created = dist_run.is_main and not run_dir.exists()
-            except OSError:  # a name the file system refuses: make_run_dir says so
-                created = False
+            created = _missing_directories(run_dir) if dist_run.is_main else []
             if dist_run.is_main:
                 try:
                     make_run_dir(run_dir)
@@ -475,9 +486,10 @@ class TrainTool(Section):
                 raise
             finally:
                 lock.release()
-                if created and refused:  # a refused start leaves no empty directory behind
-                    with contextlib.suppress(OSError):
-                        run_dir.rmdir()
+                if refused:  # a refused start leaves no empty directory behind
+                    for directory in created:  # deepest first: run_dir, then its parents
+                        with contextlib.suppress(OSError):
+                            directory.rmdir()
 
     def _train(
         self,
