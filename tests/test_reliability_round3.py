@@ -554,3 +554,62 @@ def test_a_refused_start_leaves_no_empty_default_run_directory(
     with pytest.raises(KeyError, match="actor_mpl"):
         tool.invoke()
     assert files_under(tmp_path) == set()
+
+
+# ------------------------------------- item 13: the final evaluation of a short run
+ENDLESS_RECIPE = """
+import gymnasium as gym
+from gymnasium.wrappers import TimeLimit
+
+from trainers import EnvConfig, EvalConfig, PPOConfig, TrainTool
+
+
+class Endless(gym.Wrapper):
+    '''CartPole that never ends an episode (an ALE game of 27,000 steps, in short).'''
+
+    def step(self, action):
+        obs, reward, _, _, info = self.env.step(action)
+        return obs, reward, False, False, info
+
+
+gym.register("Endless-v0", entry_point=lambda: Endless(gym.make("CartPole-v1").unwrapped))
+
+
+def train() -> TrainTool:
+    return TrainTool(
+        env=EnvConfig(id="Endless-v0", num_envs=2),
+        trainer=PPOConfig(total_timesteps=128, num_steps=32, num_minibatches=2, update_epochs=1),
+        evaluation=EvalConfig(every_epochs=0, at_end=True, episodes=4, num_envs=4),
+        checkpoint={"every_epochs": 0, "at_end": False},
+        sinks={"console": False, "csv": False},
+        wandb={"mode": "disabled"},
+    )
+"""
+
+
+def test_a_short_runs_final_evaluation_is_bounded_and_says_so(tmp_path: Path, caplog) -> None:
+    """Episodes that never end, evaluation.max_steps=100000 on 4 envs (400,000 agent
+    steps) after 128 training steps (2 epochs): the run says at its start that the final
+    evaluation stops at 2,500 steps per env (10,000 agent steps), and afterwards that it
+    stopped there with 0 of 4 episodes; eval/episodes is 0 in the metrics."""
+    path = tmp_path / "endless.py"
+    path.write_text(ENDLESS_RECIPE)
+    run_dir = tmp_path / "r"
+    with caplog.at_level(logging.INFO, logger="trainers"):
+        assert main(["run", f"{path}:train", f"run_dir={run_dir}", "--no-progress"]) == 0
+    messages = [r.getMessage() for r in caplog.records]
+    start = next(m for m in messages if m.startswith("the final evaluation"))
+    assert "up to evaluation.max_steps=100000 steps per env" in start
+    assert "it stops at 2500 steps per env" in start and "evaluation.at_end=false" in start
+    end = next(m for m in messages if m.startswith("evaluation after epoch 2 stopped"))
+    assert "at 2500 steps per env with 0 of 4 episodes finished" in end
+    last = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["epoch"] == 2]
+    assert any(r.get("eval/episodes") == 0.0 for r in last)
+    # switched off: the evaluation runs to max_steps (here lowered to keep the test short)
+    caplog.clear()
+    other = tmp_path / "r2"
+    overrides = ["evaluation.short_run_bound=false", "evaluation.max_steps=300"]
+    assert main(["run", f"{path}:train", f"run_dir={other}", "--no-progress", *overrides]) == 0
+    messages = [r.getMessage() for r in caplog.records]
+    assert not any(m.startswith("the final evaluation") for m in messages)
+    assert any("stopped at 300 steps per env" in m for m in messages)

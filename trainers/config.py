@@ -252,6 +252,11 @@ class EvalConfig(Section):
     max_steps: int = Field(
         100_000, gt=0, description="Safety cap on steps per evaluation (per environment)."
     )
+    short_run_bound: bool = Field(
+        True,
+        description="Cap the final evaluation at max(total_timesteps, 10000) agent steps "
+        "when max_steps x num_envs is more (a smoke run is not held up by full ALE games).",
+    )
 
 
 class CheckpointConfig(Section):

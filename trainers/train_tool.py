@@ -60,7 +60,7 @@ from trainers.config import (
 )
 from trainers.distributed import DistributedRun, RankStatisticsHook, per_rank_config
 from trainers.envs import make_vector_env
-from trainers.evaluation import EvaluationHook
+from trainers.evaluation import EvaluationHook, final_evaluation_bound
 from trainers.fork import apply_optimizer_config, check_fork_length, fork_checkpoint, parent_record
 from trainers.policy import ActorCriticPolicy
 from trainers.policy_factory import make_policy
@@ -565,6 +565,23 @@ class TrainTool(Section):
                 hooks.append(RankStatisticsHook(dist_run.world_size))
             if self.evaluation.every_epochs > 0 or self.evaluation.at_end:
                 env_cfg, n_eval = self.env, self.evaluation.num_envs
+                bound = None
+                if self.evaluation.at_end and self.evaluation.short_run_bound:
+                    bound = final_evaluation_bound(
+                        self.trainer.total_timesteps, n_eval, self.evaluation.max_steps
+                    )
+                if bound is not None and dist_run.is_main:
+                    log.warning(
+                        "the final evaluation (%d episodes on %d envs, up to "
+                        "evaluation.max_steps=%d steps per env) could take longer than this "
+                        "run's training (%d agent steps); it stops at %d steps per env. "
+                        "evaluation.at_end=false skips it, evaluation.short_run_bound=false lifts the cap",
+                        self.evaluation.episodes,
+                        n_eval,
+                        self.evaluation.max_steps,
+                        self.trainer.total_timesteps,
+                        bound,
+                    )
                 hooks.append(
                     EvaluationHook(
                         lambda: make_vector_env(env_cfg, num_envs=n_eval),
@@ -573,6 +590,7 @@ class TrainTool(Section):
                         at_end=self.evaluation.at_end,
                         seed=self.seed,
                         max_steps=self.evaluation.max_steps,
+                        final_max_steps=bound,
                     )
                 )
             checkpointer = CheckpointHook(
