@@ -673,6 +673,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for add in SUBCOMMANDS:
         add(subparsers)
+    parser.set_defaults(commands=list(subparsers.choices))
     for sub in subparsers.choices.values():  # `policy-probes run ... -v` works too
         with contextlib.suppress(argparse.ArgumentError):  # a subcommand with its own -v
             sub.add_argument(
@@ -689,7 +690,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     first = next((a for a in argv if not a.startswith("-")), None)
-    commands = parser._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    commands = parser.get_default("commands")
     if first is not None and first not in commands and ("." in first or ":" in first):
         print(
             f"policy-probes: error: {first!r} is not a command; to train a recipe: "
