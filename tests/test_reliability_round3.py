@@ -246,13 +246,18 @@ def test_a_run_killed_while_starting_is_run_again_from_its_beginning(
 def test_a_run_with_epochs_but_no_config_is_still_refused(
     tiny: str, tmp_path: Path, capsys
 ) -> None:
-    """The restart applies only to a run with no epoch record: anything else is kept."""
-    run_dir = tmp_path / "r"
-    run_dir.mkdir()
-    (run_dir / "metrics.jsonl").write_text('{"epoch": 1, "hook_point": "POST_EPOCH"}\n')
-    line = error_line(capsys, "run", tiny, f"run_dir={run_dir}", "--no-progress")
-    assert "already holds a run" in line
-    assert (run_dir / "metrics.jsonl").read_text().startswith('{"epoch": 1')
+    """The restart applies only to a run with no epoch record (in metrics.jsonl or
+    metrics.csv): anything else is kept."""
+    for name, text in (
+        ("metrics.jsonl", '{"epoch": 1, "hook_point": "POST_EPOCH"}\n'),
+        ("metrics.csv", "epoch,hook_point\n1,POST_EPOCH\n"),
+    ):
+        run_dir = tmp_path / name
+        run_dir.mkdir()
+        (run_dir / name).write_text(text)
+        line = error_line(capsys, "run", tiny, f"run_dir={run_dir}", "--no-progress")
+        assert "already holds a run" in line
+        assert (run_dir / name).read_text() == text
 
 
 # ------------------------------------------- item 10: SB3 callback with a wrong component

@@ -326,11 +326,17 @@ def aborted_start(run_dir: Path, held: list[str]) -> bool:
 
     if "config.json" in held or "checkpoints" in held:
         return False
-    jsonl = run_dir / "metrics.jsonl"
+    jsonl, csv = run_dir / "metrics.jsonl", run_dir / "metrics.csv"
     try:
-        return not (jsonl.is_file() and read_jsonl(jsonl))
+        if jsonl.is_file() and read_jsonl(jsonl):
+            return False
+        if csv.is_file():  # a header at most: no row
+            with open(csv, encoding="utf-8", errors="replace") as f:
+                if len(f.readlines(2**16)) > 1:
+                    return False
     except (OSError, ValueError):
         return False
+    return True
 
 
 def prepare_run_dir(
