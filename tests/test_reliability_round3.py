@@ -590,7 +590,7 @@ def train() -> TrainTool:
 def test_a_short_runs_final_evaluation_is_bounded_and_says_so(tmp_path: Path, caplog) -> None:
     """Episodes that never end, evaluation.max_steps=100000 on 4 envs (400,000 agent
     steps) after 128 training steps (2 epochs): the run says at its start that the final
-    evaluation stops at 2,500 steps per env (10,000 agent steps), and afterwards that it
+    evaluation stops at 500 steps per env (2,000 agent steps), and afterwards that it
     stopped there with 0 of 4 episodes; eval/episodes is 0 in the metrics."""
     path = tmp_path / "endless.py"
     path.write_text(ENDLESS_RECIPE)
@@ -600,9 +600,9 @@ def test_a_short_runs_final_evaluation_is_bounded_and_says_so(tmp_path: Path, ca
     messages = [r.getMessage() for r in caplog.records]
     start = next(m for m in messages if m.startswith("the final evaluation"))
     assert "up to evaluation.max_steps=100000 steps per env" in start
-    assert "it stops at 2500 steps per env" in start and "evaluation.at_end=false" in start
+    assert "it stops at 500 steps per env" in start and "evaluation.at_end=false" in start
     end = next(m for m in messages if m.startswith("evaluation after epoch 2 stopped"))
-    assert "at 2500 steps per env with 0 of 4 episodes finished" in end
+    assert "at 500 steps per env with 0 of 4 episodes finished" in end
     last = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["epoch"] == 2]
     assert any(r.get("eval/episodes") == 0.0 for r in last)
     # switched off: the evaluation runs to max_steps (here lowered to keep the test short)

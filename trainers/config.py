@@ -254,7 +254,7 @@ class EvalConfig(Section):
     )
     short_run_bound: bool = Field(
         True,
-        description="Cap the final evaluation at max(total_timesteps, 10000) agent steps "
+        description="Cap the final evaluation at max(total_timesteps, 2000) agent steps "
         "when max_steps x num_envs is more (a smoke run is not held up by full ALE games).",
     )
 

@@ -24,7 +24,7 @@ log = logging.getLogger("trainers")
 
 #: the final evaluation of a short run takes at most this many agent steps, or as many as
 #: the run trained, whichever is more (an ALE game lasts up to 27,000 steps per episode)
-FINAL_EVAL_MIN_BOUND = 10_000
+FINAL_EVAL_MIN_BOUND = 2_000
 #: seconds between the progress lines of a long evaluation
 PROGRESS_SECONDS = 10.0
 
@@ -44,7 +44,7 @@ def evaluate_policy(
     """Run ``episodes`` greedy episodes (spread evenly over the envs) and return their
     mean/std/min/max return and mean length. Episode statistics come from the
     ``RecordEpisodeStatistics`` wrapper, i.e. raw (unnormalised) rewards. ``progress``
-    is called every 1000 steps with (episodes done, episodes asked, steps per env)."""
+    is called every 100 steps with (episodes done, episodes asked, steps per env)."""
     previous = context.phase if context is not None else None
     if context is not None:
         context.phase = "eval"
@@ -57,7 +57,7 @@ def evaluate_policy(
     try:
         obs, _ = envs.reset(seed=seed)
         for step in range(max_steps):
-            if progress is not None and step % 1000 == 0 and step:
+            if progress is not None and step % 100 == 0 and step:
                 progress(int(got.sum()), episodes, step)
             x = torch.as_tensor(np.asarray(obs), dtype=torch.float32, device=device).view(n, -1)
             action = policy.deterministic_action(x).cpu().numpy().reshape(action_shape)
@@ -134,7 +134,7 @@ class EvaluationHook(TrainerHook):
             max_steps = min(max_steps, self.final_max_steps)
         started, said = time.monotonic(), [time.monotonic()]
 
-        def progress(done: int, asked: int, steps: int) -> None:  # every 1000 steps
+        def progress(done: int, asked: int, steps: int) -> None:  # every 100 steps
             now = time.monotonic()
             if now - said[0] >= PROGRESS_SECONDS:
                 said[0] = now
@@ -198,7 +198,7 @@ def final_evaluation_bound(total_timesteps: int, num_envs: int, max_steps: int) 
     """The step cap per env of a short run's final evaluation, or None when its
     ``max_steps`` already keeps it within ``max(total_timesteps, FINAL_EVAL_MIN_BOUND)``
     agent steps: a 2048-step smoke run of an ALE game is not held up by 4 full games
-    (up to 108,000 agent steps)."""
+    (up to 108,000 agent steps); it evaluates for as many agent steps as it trained."""
     budget = max(total_timesteps, FINAL_EVAL_MIN_BOUND)
     if max_steps * num_envs <= budget:
         return None
