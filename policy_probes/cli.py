@@ -14,6 +14,7 @@ Each subcommand is one ``add_<name>_subcommand(subparsers)`` function registered
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import importlib
 import importlib.util
@@ -21,6 +22,8 @@ import inspect
 import json
 import logging
 import pkgutil
+import shlex
+import shutil
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -38,7 +41,13 @@ from policy_probes.lifecycle.cli import (
     selection_from_args,
 )
 from policy_probes.lifecycle.registry import HookSelectionError, parse_hook_config
-from policy_probes.overrides import apply_overrides, check_key, parse_value, valid_keys
+from policy_probes.overrides import (
+    apply_overrides,
+    check_key,
+    check_repeated_keys,
+    parse_value,
+    valid_keys,
+)
 from policy_probes.report import add_report_subcommand
 from policy_probes.run_dir import held_outputs
 from policy_probes.runnable import (
@@ -60,6 +69,8 @@ from policy_probes.user_errors import (
 )
 
 EXIT_USAGE = 2
+#: a run that trained but could not write some of its outputs (disk full ...)
+EXIT_LOST_OUTPUT = 1
 
 #: the override engine's names, importable from here as before (policy_probes.overrides)
 __all__ = ["CLIError", "apply_overrides", "check_key", "main", "parse_value", "valid_keys"]
@@ -110,7 +121,10 @@ def load_recipe(target: str) -> Callable[[], Any]:
             raise CLIError(f"cannot import {file_part!r} as a Python module")
         module = importlib.util.module_from_spec(spec)
         sys.modules[module_name] = module
-        spec.loader.exec_module(module)
+        try:
+            spec.loader.exec_module(module)
+        except Exception as exc:
+            raise recipe_error(f"recipe file {file_part!r} failed to import", exc) from exc
     else:
         module_path, _, func_name = target.rpartition(".")
         if not module_path:
@@ -126,8 +140,21 @@ def load_recipe(target: str) -> Callable[[], Any]:
                     f"cannot import recipe module {module_path!r} ({exc}); run from the "
                     f"directory that contains it or give path/to/file.py:function"
                 ) from None
-            raise
+            raise recipe_error(f"recipe module {module_path!r} failed to import", exc) from exc
+        except Exception as exc:
+            raise recipe_error(f"recipe module {module_path!r} failed to import", exc) from exc
     fn = getattr(module, func_name, None)
+    if inspect.ismodule(fn) or (fn is None and _is_module(target)):
+        inner = importlib.import_module(target)  # `run recipes.cartpole`: a module
+        names = [
+            f"{target}.{n}"
+            for n, f in inspect.getmembers(inner, inspect.isfunction)
+            if f.__module__ == inner.__name__ and returns_runnable(f) and _no_arguments(f)
+        ]
+        raise CLIError(
+            f"{target!r} is a module, not a recipe function; give "
+            f"{' or '.join(names) if names else 'package.module.function'}"
+        )
     if not callable(fn):
         funcs = [
             n for n, f in inspect.getmembers(module, inspect.isfunction) if not n.startswith("_")
@@ -141,6 +168,31 @@ def load_recipe(target: str) -> Callable[[], Any]:
     return fn
 
 
+def recipe_error(what: str, exc: BaseException) -> CLIError:
+    """A :class:`CLIError` for an exception raised by the user's recipe code: its type,
+    message and the innermost line of the user's own files (not this package's, nor
+    importlib's); ``-v`` prints the whole traceback."""
+    package = Path(__file__).resolve().parent
+
+    def users(filename: str) -> bool:
+        if filename.startswith("<") or "importlib" in filename:
+            return False
+        return package not in Path(filename).resolve().parents
+
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if users(f.filename)]
+    where = ""
+    if isinstance(exc, SyntaxError) and exc.filename:
+        where = f" at {exc.filename}:{exc.lineno}"
+    elif frames:
+        last = frames[-1]
+        code = f": {last.line.strip()}" if last.line else ""
+        where = f" at {last.filename}:{last.lineno} in {last.name}{code}"
+    return CLIError(
+        f"{what}: {type(exc).__name__}: {one_line(exc)}{where}; fix the recipe "
+        f"(-v shows the whole traceback)"
+    )
+
+
 def build_from_recipe(target: str) -> BaseModel:
     """Call the recipe and check that it returned a :class:`Runnable` pydantic model. A
     recipe that raises one of the configuration errors (a builder passed without its
@@ -150,6 +202,8 @@ def build_from_recipe(target: str) -> BaseModel:
         tool = recipe()
     except SETUP_ERROR_TYPES as exc:
         raise CLIError(f"recipe {target}: {one_line(exc)}") from exc
+    except Exception as exc:  # a bug in the recipe: its own line, not ours
+        raise recipe_error(f"recipe {target} raised", exc) from exc
     problems = runnable_problems(tool)
     if problems:
         name = type(tool).__name__
@@ -157,6 +211,27 @@ def build_from_recipe(target: str) -> BaseModel:
             f"recipe {target} returned {name}; {describe_contract()}; {name} {'; '.join(problems)}"
         )
     return tool
+
+
+def _is_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _no_arguments(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn()`` can be called as a recipe: no parameter without a default
+    (``recipes.atari.add_probes(cfg)`` is a helper, not a recipe)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    required = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    kw_only = inspect.Parameter.KEYWORD_ONLY
+    return not any(
+        p.default is inspect.Parameter.empty and p.kind in (*required, kw_only) for p in params
+    )
 
 
 def find_recipes(package: str = "recipes") -> list[tuple[str, str]]:
@@ -176,7 +251,7 @@ def find_recipes(package: str = "recipes") -> list[tuple[str, str]]:
             found.append((f"{name}.*", f"[import failed: {type(exc).__name__}: {exc}]"))
             continue
         for fname, fn in inspect.getmembers(module, inspect.isfunction):
-            if fn.__module__ == module.__name__ and returns_runnable(fn):
+            if fn.__module__ == module.__name__ and returns_runnable(fn) and _no_arguments(fn):
                 paragraph = (inspect.getdoc(fn) or "").strip().split("\n\n")[0]
                 found.append((f"{name}.{fname}", " ".join(paragraph.split())))
     return found
@@ -273,6 +348,7 @@ def run_command(args: argparse.Namespace) -> int:
         selection = selection_from_args(args)
     except HookSelectionError as exc:
         raise CLIError(str(exc)) from None
+    check_repeated_keys(args.overrides)
     tool = prepare_tool(args.target, args.overrides, args.no_progress, selection)
     if args.dry_run:
         from rich.console import Console
@@ -321,6 +397,17 @@ def run_tool(tool: Runnable, **options: Any) -> int:
         )
     elif result.rank == 0:
         report_outputs(Console(), result)
+    lost = list(getattr(result, "lost_outputs", None) or [])
+    if lost:  # a run that could not write its outputs did not succeed
+        for line in lost:
+            print(f"policy-probes: lost: {line}", file=sys.stderr)
+        print(
+            "policy-probes: error: the run trained to its end but could not write all of "
+            "its outputs (lost: above); free disk space or fix the run directory, then "
+            "resume from the newest checkpoint",
+            file=sys.stderr,
+        )
+        return EXIT_LOST_OUTPUT
     return 0
 
 
@@ -348,12 +435,30 @@ def report_outputs(console: Any, result: RunResult) -> None:
     for name, reason in (result.sink_failures or {}).items():
         console.print(f"[yellow]sink {name} was switched off: {reason}[/yellow]")
     steps = []
+    quoted = shlex.quote(str(run_dir))
     if (Path(run_dir) / "metrics.jsonl").is_file():
-        steps.append(f"policy-probes report {run_dir}      # HTML dashboard: report.html")
+        steps.append(f"{program_name()} report {quoted}      # HTML dashboard: report.html")
     if any((Path(run_dir) / "wandb").glob("offline-run-*")):
-        steps.append(f"wandb sync {run_dir}/wandb/offline-run-*      # upload the W&B run")
+        beside = Path(sys.executable).parent / "wandb"
+        wandb = (
+            shlex.quote(str(beside)) if not shutil.which("wandb") and beside.is_file() else "wandb"
+        )
+        offline = shlex.quote(f"{run_dir}/wandb/") + "offline-run-*"
+        steps.append(f"{wandb} sync {offline}      # upload the W&B run")
     if steps:
         console.print("next:\n" + "\n".join(f"  {s}" for s in steps), soft_wrap=True, markup=False)
+
+
+def program_name() -> str:
+    """How the user can call this command line from their shell: ``policy-probes`` when
+    it is on PATH, else the script beside this Python (``.venv/bin/policy-probes`` when
+    the environment is not activated), else ``python -m policy_probes.cli``."""
+    if shutil.which("policy-probes"):
+        return "policy-probes"
+    script = Path(sys.executable).parent / "policy-probes"
+    if script.is_file():
+        return shlex.quote(str(script))
+    return f"{shlex.quote(sys.executable)} -m policy_probes.cli"
 
 
 # ---------------------------------------------------------------------- resume, ctl
@@ -407,6 +512,12 @@ def read_run_config(run_dir: Path, how: str) -> tuple[dict[str, Any], str]:
     call that does the same for a run the CLI did not start (for the message)."""
     config_path = run_dir / "config.json"
     if not config_path.is_file():
+        if held_outputs(run_dir):  # metric files only: killed before its first step
+            raise CLIError(
+                f"{run_dir} holds no config.json: its run was stopped while it started, "
+                f"before training; start it again with `policy-probes run RECIPE "
+                f"run_dir={run_dir}` (it starts from the beginning)"
+            )
         raise CLIError(f"{run_dir} holds no config.json; give the directory of a training run")
     try:
         config = json.loads(config_path.read_text())
@@ -424,6 +535,7 @@ def read_run_config(run_dir: Path, how: str) -> tuple[dict[str, Any], str]:
 def launch_overrides(config: dict[str, Any], new: Sequence[str], run_dir: Path) -> list[str]:
     """The recorded run's overrides, then ``new``, then ``run_dir`` (``run_dir``
     overrides in ``new`` are refused: the subcommand names the directory)."""
+    check_repeated_keys(new)
     for item in new:
         if item.partition("=")[0].strip() == "run_dir":
             raise CLIError("the run directory is given as an argument; drop the run_dir override")
@@ -563,11 +675,31 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for add in SUBCOMMANDS:
         add(subparsers)
+    parser.set_defaults(commands=list(subparsers.choices))
+    for sub in subparsers.choices.values():  # `policy-probes run ... -v` works too
+        with contextlib.suppress(argparse.ArgumentError):  # a subcommand with its own -v
+            sub.add_argument(
+                "-v",
+                "--verbose",
+                action="store_true",
+                default=argparse.SUPPRESS,
+                help="debug logging, and tracebacks with errors",
+            )
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    first = next((a for a in argv if not a.startswith("-")), None)
+    commands = parser.get_default("commands")
+    if first is not None and first not in commands and ("." in first or ":" in first):
+        print(
+            f"policy-probes: error: {first!r} is not a command; to train a recipe: "
+            f"policy-probes run {shlex.quote(first)} (commands: {', '.join(commands)})",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
     args, extra = parser.parse_known_args(argv)
     # `run TARGET --hooks x seed=3`: argparse stops collecting the key=value positionals
     # at the first option, so overrides after an option arrive here.

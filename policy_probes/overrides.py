@@ -113,6 +113,17 @@ def check_key(model: type[BaseModel], key: str) -> None:
             )
 
 
+def check_repeated_keys(overrides: Sequence[str]) -> None:
+    """Raise :class:`CLIError` when one command line sets a key twice (``seed=1
+    seed=2``): which one the user meant is not for us to guess."""
+    seen: dict[str, str] = {}
+    for item in overrides:
+        key = str(item).partition("=")[0].strip()
+        if key in seen:
+            raise CLIError(f"{key} is given twice ({seen[key]} and {item}); give each key once")
+        seen[key] = str(item)
+
+
 def apply_overrides(tool: M, overrides: Sequence[str]) -> M:
     """A new, fully re-validated model with ``key=value`` overrides applied.
 

@@ -504,8 +504,12 @@ def build_report(
     )
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(document, encoding="utf-8")
-    tmp.replace(out)
+    try:
+        tmp.write_text(document, encoding="utf-8")
+        tmp.replace(out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a failed report leaves nothing behind
+        raise
     return out
 
 
@@ -544,6 +548,16 @@ def report_command(args: argparse.Namespace) -> int:
     """Handler of ``report``: 0 on success, 2 when the run directory has no metrics."""
     import sys
 
+    missing = [str(c) for c in args.compare if not (Path(c) / METRICS_JSONL).is_file()]
+    if missing:
+        print(
+            f"policy-probes report: error: --compare {', '.join(missing)}: no {METRICS_JSONL} "
+            f"there; give the directories of runs",
+            file=sys.stderr,
+        )
+        return 2
+    if args.out is not None and args.out.is_dir():
+        args.out = args.out / "report.html"  # --out DIR/: the report inside it
     try:
         path = build_report(
             args.run_dir,

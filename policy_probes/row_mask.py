@@ -19,8 +19,10 @@ How a mask lines up with a probed tensor (all leading dimensions are rows):
 * the tensor has as many rows as the mask has entries: the mask read in the tensor's
   row order (row-major flattening of ``(batch, time)``, i.e. batch-major), except the
   output sequence of an ``nn.LSTM``/``nn.GRU``/``nn.RNN``/``nn.MultiheadAttention`` with
-  ``batch_first=False``, whose rows are time-major ``(time, batch)``: it reads the
-  transposed mask;
+  ``batch_first=False``, and any ``(time, batch, features)`` tensor of a ``(batch,
+  time)`` mask with ``batch != time`` (a component wrapping such a module), whose rows
+  are time-major: they read the transposed mask (with ``batch == time`` the shape cannot
+  tell; pass the mask in the tensor's row order, ``mask.T.reshape(-1)``);
 * a 2-D ``(batch, time)`` mask and a tensor of ``batch`` rows (a per-step call: an
   ``nn.LSTMCell`` in a loop, or an ``nn.LSTM`` fed one step at a time): the k-th call of
   the module inside the ``row_mask`` block reads column ``k``;
@@ -164,9 +166,13 @@ class RowMask:
         if rows == self.numel:
             if (
                 len(self.shape) == 2
-                and isinstance(module, SEQUENCE_MODULES)
-                and not module.batch_first
                 and tensor.dim() == 3
+                and (
+                    (isinstance(module, SEQUENCE_MODULES) and not module.batch_first)
+                    # (time, batch) rows of a (batch, time) mask: a component wrapping a
+                    # time-major sequence module (told apart only when batch != time)
+                    or (tensor.shape[:2] == self.shape[::-1] and self.shape[0] != self.shape[1])
+                )
             ):
                 if mask._time_major is None:  # (time, batch) rows; one copy per mask
                     mask._time_major = mask.weights.T.reshape(-1)

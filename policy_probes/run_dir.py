@@ -61,6 +61,14 @@ def check_run_dir_path(run_dir: str | Path) -> None:
     """Raise ``NotADirectoryError`` (tagged a usage error) when ``run_dir`` or one of its
     parents is a file, so the user hears about the path, not about ``mkdir``."""
     path = Path(run_dir)
+    longest = max(path.parts, key=len, default="")
+    if len(longest.encode()) > NAME_MAX:
+        exc = ValueError(
+            f"run_dir {_short(str(path))!r} has a name of {len(longest.encode())} bytes "
+            f"({_short(longest)!r}); file systems allow {NAME_MAX}: choose a shorter run_dir"
+        )
+        exc.usage_error = True  # type: ignore[attr-defined]
+        raise exc
     for candidate in (path, *path.parents):
         if candidate.exists() and not candidate.is_dir():
             exc = NotADirectoryError(
@@ -69,6 +77,14 @@ def check_run_dir_path(run_dir: str | Path) -> None:
             )
             exc.usage_error = True  # type: ignore[attr-defined]
             raise exc
+
+
+#: the longest file name most file systems take (ext4, xfs, btrfs, tmpfs, APFS, NTFS)
+NAME_MAX = 255
+
+
+def _short(text: str, keep: int = 40) -> str:
+    return text if len(text) <= 2 * keep else f"{text[:keep]}...{text[-keep:]}"
 
 
 def make_run_dir(run_dir: str | Path) -> Path:

@@ -54,11 +54,18 @@ def one_line(exc: BaseException) -> str:
         text = str(exc)
     if isinstance(exc, ValidationError):
         text = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or '<config>'}: {err['msg']}"
+            f"{'.'.join(str(p) for p in err['loc']) or '<config>'}: {_message(err)}"
             for err in exc.errors()
         )
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     return "; ".join(lines) or type(exc).__name__
+
+
+def _message(err: dict) -> str:
+    """One pydantic error's message, saying what was given where that helps."""
+    if err.get("type") == "finite_number":
+        return f"got {err.get('input')}; give a finite number"
+    return str(err["msg"])
 
 
 def positive_int(text: str) -> int:

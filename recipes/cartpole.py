@@ -1,4 +1,5 @@
-"""CartPole-v1 with CleanRL's PPO defaults, a ReLU policy and all five probes.
+"""CartPole-v1 with CleanRL's PPO defaults, a ReLU policy and the four ReLU-network
+probes.
 
 The probes watch the post-activation outputs of ``actor_mlp`` and ``critic_mlp``:
 dead/dormant ReLU units, Fisher information, gradient flow and ReLU gradient pass rates.

@@ -210,8 +210,10 @@ def test_report_overlays_the_parent_and_compared_runs_on_one_epoch_axis(parent, 
     assert main(["report", str(lr_child), "--compare", str(other)]) == 0
     page = (lr_child / REPORT_HTML).read_text()
     assert f"forked after epoch {FORK_EPOCH}" in page and "parent parent: dashed" in page
-    assert main(["report", str(lr_child), "--compare", str(other / "nope")]) == 0
-    assert "Not overlaid: compared run" in (lr_child / REPORT_HTML).read_text()
+    before = (lr_child / REPORT_HTML).read_bytes()
+    # a compared run that is not there is a typo, not a note (issue 26): exit 2, no report
+    assert main(["report", str(lr_child), "--compare", str(other / "nope")]) == 2
+    assert (lr_child / REPORT_HTML).read_bytes() == before
 
 
 def test_fork_that_switches_a_remedy_on_changes_the_run_only_where_it_fires(parent, tmp_path):

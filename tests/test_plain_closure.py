@@ -186,7 +186,7 @@ def test_fisher_plain_on_parameters_names_what_to_call() -> None:
         ("relu", attach_relu_activation_hooks, False, "relu", "attach_relu_activation_hooks()"),
         (
             "saturation_tanh",
-            lambda: attach_saturated_activation_hooks("tanh"),
+            lambda **kw: attach_saturated_activation_hooks("tanh", **kw),
             False,
             "tanh",
             "attach_saturated_activation_hooks()",
@@ -194,18 +194,48 @@ def test_fisher_plain_on_parameters_names_what_to_call() -> None:
         ("gradient_flow", attach_gradient_flow_hooks, True, "relu", "attach_gradient_flow_hooks()"),
     ],
 )
-def test_per_layer_plain_names_what_to_call(probe, make, backward, activation, builder) -> None:
-    msg = first_call_error(make, "mlp", backward, activation)
+def test_per_layer_plain_reports_the_component_and_warns_once_about_inner_layers(
+    probe, make, backward, activation, builder, caplog
+) -> None:
+    """Issue 26: a per_layer closure registered directly reports the component as it
+    did (what per_layer=False attached reports) and names, once, the inner activation
+    layer it cannot see (layer_0; layer_1's output is the component's)."""
+    expected = wired(lambda: make(per_layer=False), "mlp", backward, activation)
+    assert any(k.startswith(f"probes/{probe}/mlp/") for k in expected)
+    policy, ctx, _ = plain_policy(make, "mlp", backward, activation)
+    with caplog.at_level("WARNING", logger="policy_probes"):
+        assert_same(train(policy, ctx), expected)
+    warnings = [r.getMessage() for r in caplog.records if "registered directly" in r.getMessage()]
     call = "add_training_backward_hook" if backward else "add_training_hook"
-    flag = ", backward=True" if backward else ""
-    assert msg == (
+    assert warnings == [
         f"probe {probe!r} on component 'mlp' was registered directly as a torch hook, which "
-        f"cannot see the activation layers inside it (layer_0, layer_1), which per_layer=True "
-        f"reads through hooks of their own (per_layer=False reads the component alone). "
-        f"Attach it with policy.attach('mlp', {builder}, context{flag}) (PolicyAutoBuilder; "
-        f"ProbeSession, TrainTool and ProbeCallback: {call}('mlp', {builder})), or call "
-        f"closure.attach(module) once before the first forward and keep the handles it returns"
-    )
+        f"cannot see the activation layers inside it (layer_0) that per_layer=True reads "
+        f"through hooks of their own; it reports the component's output only. Attach it with "
+        f"policy.attach('mlp', {builder}, context{', backward=True' if backward else ''}) "
+        f"(PolicyAutoBuilder; ProbeSession, TrainTool and ProbeCallback: {call}('mlp', "
+        f"{builder})) for every layer"
+    ]
+
+
+def test_plain_relu_closure_on_linear_relu_reports_the_component_without_a_warning(
+    caplog,
+) -> None:
+    """The seed's own use: ``register_forward_hook(attach_relu_activation_hooks()(name,
+    ctx))`` on ``nn.Sequential(nn.Linear, nn.ReLU)``, whose only activation layer is its
+    output: the component's metrics, against an independent count, and no warning."""
+    torch.manual_seed(0)
+    body = nn.Sequential(nn.Linear(5, 8), nn.ReLU())
+    ctx = ComponentContext()
+    body.register_forward_hook(attach_relu_activation_hooks()("body", ctx))
+    xs = [x for x, _ in batches()]
+    with caplog.at_level("WARNING", logger="policy_probes"):
+        for x in xs:
+            body(x)
+    metrics = StatsReporter(ctx).collect()
+    assert not [r for r in caplog.records if "registered directly" in r.getMessage()]
+    with torch.no_grad():
+        h = torch.cat([body(x) for x in xs]).numpy()
+    np.testing.assert_allclose(metrics["probes/relu/body/active_rate"], (h > 0).mean(0), rtol=1e-6)
 
 
 @pytest.mark.parametrize(

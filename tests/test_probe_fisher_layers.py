@@ -453,7 +453,10 @@ class LSTMOutput(nn.Module):
 
 def test_component_that_is_itself_an_lstm() -> None:
     """The layout of a recurrent policy's ``lstm_actor`` component: the probed module
-    is the generic unit itself, its tuple output read through ``extractor``."""
+    is the generic unit itself, its tuple output read through ``extractor``. The loss is
+    a mean over sequences taken after the component (the head pools over time), which
+    the probe cannot see from the component's (B, T, H) output: the loop states it with
+    ``loss_samples`` (without it the factor is the B x T rows of that output)."""
     torch.manual_seed(12)
     net = LSTMNet()
     model = PolicyAutoBuilder.wrap(net, {"lstm": "lstm"})
@@ -462,7 +465,9 @@ def test_component_that_is_itself_an_lstm() -> None:
     model.attach("lstm", builder, ctx, backward=True)
     batches = image_batches((3, 4), (6, 5))
     for x, a in batches:
+        ctx.loss_samples = x.shape[0]
         per_sample_loss(model(x), a).mean().backward()
+    ctx.loss_samples = None
     assert not ctx.probe_errors
     fisher = ctx.model_metrics["fisher"].param_fisher("lstm")
     model.remove_hooks()

@@ -552,13 +552,30 @@ def test_wandb_after_kill_and_resume_has_every_epoch_once_on_one_increasing_step
 
 
 # =========================================================================== 11. summary, demo
-def test_end_of_run_summary_names_report_and_wandb_sync(tmp_path):
+def summary_of_a_run(tmp_path: Path, path: str) -> str:
+    """Stdout of a tiny CLI run into ``tmp_path/"my run"`` with offline W&B, with
+    ``path`` as PATH."""
     target = write_recipe(tmp_path)
-    run_dir = tmp_path / "run"
-    ran = cli("run", target, f"run_dir={run_dir}", "--no-progress", "wandb.mode=offline")
+    run_dir = tmp_path / "my run"
+    env = {**os.environ, "PATH": path, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    ran = subprocess.run(
+        [sys.executable, "-m", "policy_probes.cli", "run", target, f"run_dir={run_dir}"]
+        + ["--no-progress", "wandb.mode=offline"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert ran.returncode == 0, ran.stderr
-    assert f"policy-probes report {run_dir}" in ran.stdout
-    assert f"wandb sync {run_dir}/wandb/offline-run-*" in ran.stdout
+    return ran.stdout
+
+
+def test_end_of_run_summary_names_report_and_wandb_sync(tmp_path):
+    bin_dir = Path(sys.executable).parent  # the environment activated: its scripts on PATH
+    out = summary_of_a_run(tmp_path, f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+    # paths quoted for the shell (a space in the run directory's name)
+    assert f"policy-probes report '{tmp_path / 'my run'}'" in out
+    assert f"wandb sync '{tmp_path / 'my run'}/wandb/'offline-run-*" in out
 
 
 def test_the_demo_recipe_probes_say_what_they_measure(capsys):

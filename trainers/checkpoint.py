@@ -377,6 +377,8 @@ class CheckpointHook(TrainerHook):
         self.keep_last = keep_last
         self.at_end = at_end
         self.saved_epoch = -1
+        #: (epoch, reason) of every checkpoint that could not be written (disk full ...)
+        self.failed: list[tuple[int, str]] = []
 
     def save(self, state: TrainerState) -> Path:
         """Write the trainer's state now (mid-epoch while its update phase is under way).
@@ -398,7 +400,7 @@ class CheckpointHook(TrainerHook):
         due = self.every_epochs > 0 and state.epoch % self.every_epochs == 0
         last = self.at_end and (state.epoch == state.num_epochs or state.stop_training)
         if due or last:
-            self.save(state)
+            self._save_or_record(state)
 
     def on_training_end(self, state: TrainerState) -> None:
         if (
@@ -407,4 +409,37 @@ class CheckpointHook(TrainerHook):
             and state.epoch > 0
             and self.saved_epoch != state.epoch
         ):
+            self._save_or_record(state)
+
+    def _save_or_record(self, state: TrainerState) -> None:
+        """:meth:`save`; a write that fails (disk full, permissions) is recorded in :attr:`failed` and logged (with its traceback the first time), and
+        training goes on; the run's summary says which checkpoints are missing."""
+        try:
             self.save(state)
+        except Exception as exc:
+            if getattr(exc, "fatal", False):  # non-finite parameters end the run
+                raise
+            # torch's zip writer reports a failed write as a RuntimeError over the OSError
+            cause = exc.__context__ if isinstance(exc.__context__, OSError) else exc
+            reason = f"{type(cause).__name__}: {cause}"
+            first = not self.failed
+            self.failed.append((state.epoch, reason))
+            log.error(
+                "checkpoint of epoch %d could not be written (%s); training goes on, the "
+                "newest checkpoint is %s",
+                state.epoch,
+                reason,
+                state.last_checkpoint or "none",
+                exc_info=exc if first else None,
+            )
+
+    def lost(self) -> str | None:
+        """One line on the checkpoints that could not be written, or None."""
+        if not self.failed:
+            return None
+        epochs = sorted({e for e, _ in self.failed})  # the final one may be tried twice
+        last = f"epoch {self.saved_epoch}" if self.saved_epoch >= 0 else "none"
+        return (
+            f"checkpoints: {len(epochs)} could not be written (epochs {epochs[0]}-{epochs[-1]}; "
+            f"{self.failed[-1][1]}); the newest checkpoint is {last}"
+        )

@@ -9,10 +9,19 @@ Checks that need several sections at once (minibatch size against batch size) li
 from __future__ import annotations
 
 import difflib
+import types
+import typing
 from typing import Any, Literal
 
 import gymnasium as gym
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from policy_probes.layers import ACTIVATIONS
 
@@ -38,13 +47,37 @@ def is_atari(env_id: str) -> bool:
     return gym.spec(env_id).entry_point == ALE_ENTRY_POINT
 
 
-class AtariConfig(BaseModel):
+def _numeric(annotation: Any) -> bool:
+    """Whether a field holds an int or float (possibly optional), not a bool."""
+    if annotation in (int, float):
+        return True
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return any(_numeric(a) for a in typing.get_args(annotation))
+    return False
+
+
+class Section(BaseModel):
+    """A configuration model: unknown keys, non-finite floats (``Infinity``, ``NaN``)
+    and ``true``/``false`` for a number are refused, each with the key's name (pydantic
+    would otherwise train on them silently: ``adam_eps=Infinity`` never moves the
+    policy, ``seed=true`` runs with seed 1)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, v: Any, info: ValidationInfo) -> Any:
+        field = cls.model_fields.get(info.field_name or "")
+        if isinstance(v, bool) and field is not None and _numeric(field.annotation):
+            raise ValueError(f"expected a number, got {str(v).lower()}")
+        return v
+
+
+class AtariConfig(Section):
     """Preprocessing of ALE environments (Mnih et al. 2015; Machado et al. 2018), applied
     to every ``ALE/...`` id: gymnasium's ``AtariPreprocessing`` on an env made with
     ``frameskip=1``, then ``FrameStackObservation``. Observations are uint8 frames of
     shape ``(frame_stack, screen_size, screen_size)``."""
-
-    model_config = ConfigDict(extra="forbid")
 
     noop_max: int = Field(30, ge=0, description="Up to N random no-op actions after reset.")
     frame_skip: int = Field(
@@ -62,10 +95,8 @@ class AtariConfig(BaseModel):
     frame_stack: int = Field(4, gt=0, description="Stack the last N frames as channels.")
 
 
-class EnvConfig(BaseModel):
+class EnvConfig(Section):
     """Gymnasium vector environments for training (and, with the same settings, evaluation)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     id: str = Field("CartPole-v1", description="Gymnasium environment id.")
     num_envs: int = Field(4, gt=0, description="Parallel environments.")
@@ -114,6 +145,21 @@ class EnvConfig(BaseModel):
             ) from None
         return v
 
+    @model_validator(mode="after")
+    def _atari_settings_need_an_atari_id(self) -> EnvConfig:
+        if self.atari != AtariConfig() and not is_atari(self.id):
+            changed = sorted(
+                f"env.atari.{k}"
+                for k, v in self.atari.model_dump().items()
+                if v != AtariConfig.model_fields[k].default
+            )
+            raise ValueError(
+                f"{', '.join(changed)} applies to Atari (ALE/...) ids only and env.id="
+                f"{self.id!r} is not one; drop {changed[0]} or use an ALE id such as "
+                f"ALE/Breakout-v5"
+            )
+        return self
+
 
 def _retry_with_ale(env_id: str) -> bool:
     """True if ``env_id`` is known once ale-py's ids are registered (done lazily: importing
@@ -127,11 +173,9 @@ def _retry_with_ale(env_id: str) -> bool:
     return True
 
 
-class PolicyConfig(BaseModel):
+class PolicyConfig(Section):
     """The actor-critic (see ``docs/policies.md`` for its component names): separate MLPs
     on vector observations, or a shared NatureCNN encoder on pixels."""
-
-    model_config = ConfigDict(extra="forbid")
 
     encoder: Literal["none", "nature_cnn"] = Field(
         "none",
@@ -172,10 +216,8 @@ class PolicyConfig(BaseModel):
         return v
 
 
-class PPOConfig(BaseModel):
+class PPOConfig(Section):
     """PPO hyperparameters (defaults: CleanRL ``ppo.py``)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     total_timesteps: int = Field(500_000, gt=0, description="Environment steps over all envs.")
     num_steps: int = Field(128, gt=0, description="Steps per environment per rollout.")
@@ -225,10 +267,8 @@ class PPOConfig(BaseModel):
         return mode
 
 
-class EvalConfig(BaseModel):
+class EvalConfig(Section):
     """Deterministic-policy evaluation on separate environments."""
-
-    model_config = ConfigDict(extra="forbid")
 
     every_epochs: int = Field(10, ge=0, description="Evaluate every N epochs; 0 = never.")
     at_end: bool = Field(True, description="Also evaluate after the last epoch.")
@@ -237,12 +277,15 @@ class EvalConfig(BaseModel):
     max_steps: int = Field(
         100_000, gt=0, description="Safety cap on steps per evaluation (per environment)."
     )
+    short_run_bound: bool = Field(
+        True,
+        description="Cap the final evaluation at max(total_timesteps, 2000) agent steps "
+        "when max_steps x num_envs is more (a smoke run is not held up by full ALE games).",
+    )
 
 
-class CheckpointConfig(BaseModel):
+class CheckpointConfig(Section):
     """Checkpoints under ``run_dir/checkpoints``."""
-
-    model_config = ConfigDict(extra="forbid")
 
     every_epochs: int = Field(25, ge=0, description="Checkpoint every N epochs; 0 = never.")
     at_end: bool = Field(True, description="Also checkpoint after the last epoch.")

@@ -7,6 +7,8 @@ from the training envs and frozen, so the policy sees observations scaled as in 
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +19,14 @@ import torch
 from policy_probes.context import ComponentContext
 from trainers.callbacks import TrainerHook, TrainerState
 from trainers.envs import copy_observation_normalization
+
+log = logging.getLogger("trainers")
+
+#: the final evaluation of a short run takes at most this many agent steps, or as many as
+#: the run trained, whichever is more (an ALE game lasts up to 27,000 steps per episode)
+FINAL_EVAL_MIN_BOUND = 2_000
+#: seconds between the progress lines of a long evaluation
+PROGRESS_SECONDS = 10.0
 
 
 @torch.no_grad()
@@ -29,10 +39,12 @@ def evaluate_policy(
     device: torch.device | str = "cpu",
     context: ComponentContext | None = None,
     max_steps: int = 100_000,
+    progress: Callable[[int, int, int], None] | None = None,
 ) -> dict[str, float]:
     """Run ``episodes`` greedy episodes (spread evenly over the envs) and return their
     mean/std/min/max return and mean length. Episode statistics come from the
-    ``RecordEpisodeStatistics`` wrapper, i.e. raw (unnormalised) rewards."""
+    ``RecordEpisodeStatistics`` wrapper, i.e. raw (unnormalised) rewards. ``progress``
+    is called every 100 steps with (episodes done, episodes asked, steps per env)."""
     previous = context.phase if context is not None else None
     if context is not None:
         context.phase = "eval"
@@ -44,7 +56,9 @@ def evaluate_policy(
     action_shape = (n, *getattr(policy, "action_shape", ()))
     try:
         obs, _ = envs.reset(seed=seed)
-        for _ in range(max_steps):
+        for step in range(max_steps):
+            if progress is not None and step % 100 == 0 and step:
+                progress(int(got.sum()), episodes, step)
             x = torch.as_tensor(np.asarray(obs), dtype=torch.float32, device=device).view(n, -1)
             action = policy.deterministic_action(x).cpu().numpy().reshape(action_shape)
             obs, _r, _term, _trunc, info = envs.step(action)
@@ -86,6 +100,7 @@ class EvaluationHook(TrainerHook):
         at_end: bool = True,
         seed: int = 0,
         max_steps: int = 100_000,
+        final_max_steps: int | None = None,
     ) -> None:
         self.make_envs = make_envs
         self.every_epochs = every_epochs
@@ -93,6 +108,8 @@ class EvaluationHook(TrainerHook):
         self.at_end = at_end
         self.seed = seed
         self.max_steps = max_steps
+        #: the step cap per env of the evaluation after the last epoch (None: max_steps)
+        self.final_max_steps = final_max_steps
         self.envs: gym.vector.VectorEnv | None = None
         self.evaluations = 0
 
@@ -111,6 +128,28 @@ class EvaluationHook(TrainerHook):
         policy = state.policy
         was_training = policy.training
         policy.eval()
+        final = state.epoch == state.num_epochs or state.stop_training
+        max_steps = self.max_steps
+        if final and self.final_max_steps is not None:
+            max_steps = min(max_steps, self.final_max_steps)
+        started, said = time.monotonic(), [time.monotonic()]
+
+        def progress(done: int, asked: int, steps: int) -> None:  # every 100 steps
+            now = time.monotonic()
+            if now - said[0] >= PROGRESS_SECONDS:
+                said[0] = now
+                log.info(
+                    "evaluation after epoch %d: %d of %d episodes done, %d of at most %d "
+                    "steps per env, %.0f s (evaluation.episodes, evaluation.max_steps; "
+                    "evaluation.at_end=false skips the final one)",
+                    state.epoch,
+                    done,
+                    asked,
+                    steps,
+                    max_steps,
+                    now - started,
+                )
+
         try:
             scores = evaluate_policy(
                 policy,
@@ -120,10 +159,23 @@ class EvaluationHook(TrainerHook):
                 seed=self.seed + 1_000_003 * (self.evaluations + 1),
                 device=trainer.device,
                 context=state.context,
-                max_steps=self.max_steps,
+                max_steps=max_steps,
+                progress=progress,
             )
         finally:
             policy.train(was_training)
+        if scores.get("episodes", 0) < self.episodes:
+            log.warning(
+                "evaluation after epoch %d stopped at %d steps per env with %d of %d episodes "
+                "finished%s",
+                state.epoch,
+                max_steps,
+                int(scores.get("episodes", 0)),
+                self.episodes,
+                " (the bound of a short run's final evaluation)"
+                if max_steps < self.max_steps
+                else "; raise evaluation.max_steps to finish them",
+            )
         self.evaluations += 1
         scores["epoch"] = float(state.epoch)
         state.eval_scores = scores
@@ -140,3 +192,14 @@ class EvaluationHook(TrainerHook):
         if self.envs is not None:
             self.envs.close()
             self.envs = None
+
+
+def final_evaluation_bound(total_timesteps: int, num_envs: int, max_steps: int) -> int | None:
+    """The step cap per env of a short run's final evaluation, or None when its
+    ``max_steps`` already keeps it within ``max(total_timesteps, FINAL_EVAL_MIN_BOUND)``
+    agent steps: a 2048-step smoke run of an ALE game is not held up by 4 full games
+    (up to 108,000 agent steps); it evaluates for as many agent steps as it trained."""
+    budget = max(total_timesteps, FINAL_EVAL_MIN_BOUND)
+    if max_steps * num_envs <= budget:
+        return None
+    return max(1, budget // num_envs)

@@ -269,6 +269,7 @@ class RunControl(TrainerHook):
         """Checkpoint, flush the sinks and raise :class:`RunStopped`."""
         path, error = self._save(state)
         if self.sinks is not None:
+            self.sinks.set_run_context(ended=f"stopped by {reason}")  # the last table's title
             self.sinks.flush()
         where = self._where(state)
         if error is None:
@@ -281,7 +282,7 @@ class RunControl(TrainerHook):
             message = f"stopped by {reason} {where}; the checkpoint could not be written: {error}"
         if request is not None:
             self._ack(request, error is None, message, checkpoint=str(path) if path else None)
-        log.warning("%s", message)
+        # said once, by whoever catches it (the CLI prints it; RunStopped carries it)
         raise RunStopped(message, exit_code, path, state.epoch)
 
     # ------------------------------------------------------------------ helpers
@@ -318,6 +319,26 @@ class RunControl(TrainerHook):
 
 
 # ---------------------------------------------------------------------- run directories
+def aborted_start(run_dir: Path, held: list[str]) -> bool:
+    """Whether ``run_dir`` holds only what a run killed before its first step leaves:
+    metric files without a single epoch record, no ``config.json``, no checkpoint."""
+    from policy_probes.sinks import read_jsonl
+
+    if "config.json" in held or "checkpoints" in held:
+        return False
+    jsonl, csv = run_dir / "metrics.jsonl", run_dir / "metrics.csv"
+    try:
+        if jsonl.is_file() and read_jsonl(jsonl):
+            return False
+        if csv.is_file():  # a header at most: no row
+            with open(csv, encoding="utf-8", errors="replace") as f:
+                if len(f.readlines(2**16)) > 1:
+                    return False
+    except (OSError, ValueError):
+        return False
+    return True
+
+
 def prepare_run_dir(
     run_dir: Path, *, resume: bool | str | Path = False, overwrite: bool = False, main: bool = True
 ) -> tuple[Path, dict[str, Any]] | None:
@@ -372,6 +393,18 @@ def prepare_run_dir(
         return path, load_checkpoint(path)
     if not held:
         return None
+    if not overwrite and aborted_start(run_dir, held):
+        # killed while starting (config.json is written right before the first step):
+        # nothing was trained, so the run starts again from its beginning
+        log.warning(
+            "%s holds %s but no config.json or checkpoint: a run killed while it started; "
+            "it starts again from its beginning",
+            run_dir,
+            ", ".join(held),
+        )
+        if main:
+            remove_outputs(run_dir)
+        return None
     if not overwrite:
         raise RunDirConflict(
             f"run_dir {str(run_dir)!r} already holds a run ({', '.join(held)}); choose another "
@@ -400,9 +433,24 @@ def resume_trainer(
     from trainers.checkpoint import completed_epochs, restore_trainer
 
     path, ckpt = resume_from
+    done, planned = completed_epochs(ckpt), trainer.num_epochs
+    if done > planned:  # before anything changes: the run stays as it was
+        raise ValueError(
+            f"{path} is at the end of epoch {done} ({ckpt['agent_step']} agent steps), past "
+            f"the {planned} epochs of trainer.total_timesteps={trainer.cfg.total_timesteps}: "
+            f"nothing would be trained; raise trainer.total_timesteps above "
+            f"{ckpt['agent_step']} to continue the run"
+        )
+    if done == planned and not ckpt.get("mid_epoch"):
+        log.warning(
+            "%s is at the run's last epoch (%d of trainer.total_timesteps=%d): nothing is "
+            "left to train; raise trainer.total_timesteps to train further",
+            path,
+            done,
+            trainer.cfg.total_timesteps,
+        )
     restore_trainer(trainer, ckpt, restore_envs=own_envs)
     trainer.state.last_checkpoint = path  # the newest finite one until the run writes more
-    done = completed_epochs(ckpt)
     for sink in sinks:
         rewind = getattr(sink, "rewind", None)
         if callable(rewind):

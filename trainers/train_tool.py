@@ -17,6 +17,7 @@ configuration (and survive ``model_copy(update=...)``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import random
@@ -27,7 +28,7 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from policy_probes.atomic_write import write_text_atomic
 from policy_probes.context import ComponentContext
@@ -46,13 +47,20 @@ from policy_probes.runnable import ForkPoint, runnable
 from policy_probes.sampling import DEFAULT_BUDGET, Sampler, as_schedule, check_budget
 from policy_probes.sinks import SinkGroup, SinksConfig, WandbConfig, build_sink_group
 from policy_probes.torch_internals import quiet_output_only_backward_hooks
-from policy_probes.user_errors import SETUP_ERROR_TYPES, mark_usage_error
+from policy_probes.user_errors import SETUP_ERROR_TYPES, is_usage_error, mark_usage_error
 from trainers.callbacks import TrainerHook
 from trainers.checkpoint import CheckpointHook
-from trainers.config import CheckpointConfig, EnvConfig, EvalConfig, PolicyConfig, PPOConfig
+from trainers.config import (
+    CheckpointConfig,
+    EnvConfig,
+    EvalConfig,
+    PolicyConfig,
+    PPOConfig,
+    Section,
+)
 from trainers.distributed import DistributedRun, RankStatisticsHook, per_rank_config
 from trainers.envs import make_vector_env
-from trainers.evaluation import EvaluationHook
+from trainers.evaluation import EvaluationHook, final_evaluation_bound
 from trainers.fork import apply_optimizer_config, check_fork_length, fork_checkpoint, parent_record
 from trainers.policy import ActorCriticPolicy
 from trainers.policy_factory import make_policy
@@ -75,6 +83,9 @@ class TrainResult:
     eval_scores: dict[str, float] = field(default_factory=dict)
     hook_errors: dict[str, str] = field(default_factory=dict)
     sink_failures: dict[str, str] = field(default_factory=dict)
+    #: one line per output the run could not write (a metric sink switched off, the
+    #: checkpoints that failed): what is missing and from which epoch; empty when none
+    lost_outputs: list[str] = field(default_factory=list)
     #: this process's rank and the number of processes (0 and 1 outside torchrun); only
     #: rank 0 writes outputs and has ``metrics``
     rank: int = 0
@@ -92,6 +103,43 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def _missing_directories(run_dir: Path) -> list[Path]:
+    """``run_dir`` and its parents that do not exist yet, deepest first (what creating
+    it makes); empty when it exists or its name is one the file system refuses."""
+    missing = []
+    try:
+        for path in (run_dir, *run_dir.parents):
+            if path.exists():
+                break
+            missing.append(path)
+    except OSError:  # a name too long: make_run_dir says so
+        return []
+    return missing
+
+
+def lost_outputs(sinks: SinkGroup, checkpointer: CheckpointHook) -> list[str]:
+    """What a run could not write, one line each (:attr:`TrainResult.lost_outputs`)."""
+    out = []
+    for name, reason in sinks.failures.items():
+        record = sinks.failed_at.get(name)
+        since = (
+            f"the {record[1]} record of epoch {record[0]} and every later record are missing"
+            if record is not None
+            else "records after it was switched off are missing"
+        )
+        out.append(f"metric sink {name}: switched off ({reason}); {since}")
+    checkpoints = checkpointer.lost()
+    if checkpoints is not None:
+        out.append(checkpoints)
+    return out
+
+
+def _slug(name: str) -> str:
+    """``name`` as one directory name: letters and digits of any script, ``_``, ``.``,
+    ``-``; other runs of characters become ``-`` (``ラン`` stays ``ラン``)."""
+    return re.sub(r"[^\w.-]+", "-", name).strip("-.")
+
+
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -103,10 +151,10 @@ def resolve_device(device: str) -> torch.device:
 
 
 @runnable  # the contract `policy-probes run` relies on (policy_probes.runnable)
-class TrainTool(BaseModel):
+class TrainTool(Section):
     """One PPO training run: environment, policy, hyperparameters, outputs, probes."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     name: str | None = Field(
         None, description="Short run name; the default run_dir is runs/<name>-<seed>-<time>."
@@ -180,6 +228,27 @@ class TrainTool(BaseModel):
     @classmethod
     def _check_probe_budget(cls, v: float | None) -> float | None:
         return check_budget(v)
+
+    @field_validator("run_dir", mode="before")
+    @classmethod
+    def _run_dir_not_empty(cls, v: Any) -> Any:
+        if isinstance(v, str | Path) and not str(v).strip():
+            raise ValueError(
+                "is empty (it would write the run into the current directory); give a "
+                "directory such as run_dir=runs/cp3, or leave run_dir out for "
+                "runs/<name>-<seed>-<time>"
+            )
+        return v
+
+    @field_validator("name")
+    @classmethod
+    def _name_makes_a_directory(cls, v: str | None) -> str | None:
+        if v is not None and not _slug(v):
+            raise ValueError(
+                f"{v!r} has no letter or digit for the run directory's name; give a name "
+                f"with letters or digits"
+            )
+        return v
 
     @field_validator("probe_schedule")
     @classmethod
@@ -315,9 +384,7 @@ class TrainTool(BaseModel):
         name = self.name
         if name is None and self._launch.get("target"):
             name = re.split(r"[.:/]", self._launch["target"].removesuffix(".train"))[-1]
-        if not name:
-            name = self.env.id
-        name = re.sub(r"[^A-Za-z0-9_.-]+", "-", name)
+        name = _slug(name or "") or _slug(self.env.id)
         return default_run_dir(f"{name}-{self.seed}")
 
     def check_setup(self, *, overwrite: bool = False) -> dict[str, list[str]]:
@@ -337,7 +404,8 @@ class TrainTool(BaseModel):
             seed_everything(self.seed)
             envs = make_vector_env(self.env, gamma=self.trainer.gamma)
             try:
-                policy = ActorCriticPolicy(
+                # the policy the run builds (a NatureCNN one for policy.encoder=nature_cnn)
+                policy = make_policy(
                     envs.single_observation_space, envs.single_action_space, self.policy
                 )
                 context = ComponentContext(strict=self.strict)
@@ -398,6 +466,7 @@ class TrainTool(BaseModel):
             run_dir = dist_run.broadcast(run_dir)  # rank 0's choice (default names hold a time)
             lock = RunDirLock(run_dir)
             refusal: str | None = None
+            created = _missing_directories(run_dir) if dist_run.is_main else []
             if dist_run.is_main:
                 try:
                     make_run_dir(run_dir)
@@ -409,12 +478,20 @@ class TrainTool(BaseModel):
             refusal = dist_run.broadcast(refusal)  # every rank stops, not only rank 0
             if refusal is not None:
                 raise RunDirLocked(refusal)
+            refused = False
             try:
                 return self._train(
                     dist_run, run_dir, resume=resume, overwrite=overwrite, fork_from=fork_from
                 )
+            except BaseException as exc:
+                refused = is_usage_error(exc)
+                raise
             finally:
                 lock.release()
+                if refused:  # a refused start leaves no empty directory behind
+                    for directory in created:  # deepest first: run_dir, then its parents
+                        with contextlib.suppress(OSError):
+                            directory.rmdir()
 
     def _train(
         self,
@@ -490,6 +567,23 @@ class TrainTool(BaseModel):
                 hooks.append(RankStatisticsHook(dist_run.world_size))
             if self.evaluation.every_epochs > 0 or self.evaluation.at_end:
                 env_cfg, n_eval = self.env, self.evaluation.num_envs
+                bound = None
+                if self.evaluation.at_end and self.evaluation.short_run_bound:
+                    bound = final_evaluation_bound(
+                        self.trainer.total_timesteps, n_eval, self.evaluation.max_steps
+                    )
+                if bound is not None and dist_run.is_main:
+                    log.warning(
+                        "the final evaluation (%d episodes on %d envs, up to "
+                        "evaluation.max_steps=%d steps per env) could take longer than this "
+                        "run's training (%d agent steps); it stops at %d steps per env. "
+                        "evaluation.at_end=false skips it, evaluation.short_run_bound=false lifts the cap",
+                        self.evaluation.episodes,
+                        n_eval,
+                        self.evaluation.max_steps,
+                        self.trainer.total_timesteps,
+                        bound,
+                    )
                 hooks.append(
                     EvaluationHook(
                         lambda: make_vector_env(env_cfg, num_envs=n_eval),
@@ -498,6 +592,7 @@ class TrainTool(BaseModel):
                         at_end=self.evaluation.at_end,
                         seed=self.seed,
                         max_steps=self.evaluation.max_steps,
+                        final_max_steps=bound,
                     )
                 )
             checkpointer = CheckpointHook(
@@ -577,6 +672,7 @@ class TrainTool(BaseModel):
                 **{f"lifecycle.{n}": m for n, m in trainer.manager.error_messages.items()},
             },
             sink_failures=dict(sinks.failures),
+            lost_outputs=lost_outputs(sinks, checkpointer),
             rank=dist_run.rank,
             world_size=dist_run.world_size,
         )

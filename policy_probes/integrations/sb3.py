@@ -60,7 +60,7 @@ from policy_probes.context import ComponentContext
 from policy_probes.hook_types import ProbeBuilder
 from policy_probes.lifecycle import preserved_rng
 from policy_probes.probes.churn import start_epoch as churn_start_epoch
-from policy_probes.run_dir import default_run_dir
+from policy_probes.run_dir import default_run_dir, held_outputs, remove_outputs
 from policy_probes.sampling import DEFAULT_BUDGET, Schedule, as_schedule, check_budget
 from policy_probes.session import ProbeSession
 from policy_probes.sinks import SinksConfig, WandbConfig
@@ -230,6 +230,7 @@ class ProbeCallback(BaseCallback):
         run_dir = self.run_dir or default_run_dir(f"sb3-{algo.lower()}")
         self.run_dir = run_dir
         config = {"sb3": self._hyperparameters(), **self.user_config}
+        fresh = not self.history and not held_outputs(run_dir)  # a new run of ours
         session = ProbeSession(
             policy,
             components=sb3_components(policy, self.components),
@@ -252,6 +253,8 @@ class ProbeCallback(BaseCallback):
                 _attach_method(session, backward)(pattern, builder)
         except BaseException:
             session.close()
+            if fresh:  # a failed start leaves nothing that blocks the corrected script
+                remove_outputs(run_dir)
             raise
         session.set_phase("rollout")
         self.session = session

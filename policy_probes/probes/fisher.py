@@ -82,6 +82,9 @@ class FisherInformationState(ProbeState):
         super().__init__()
         #: (component, stream) -> the closed-form rule reducing that stream's rows
         self.rules: dict[tuple[str, str], LayerRule] = {}
+        #: component -> rows of its output gradient in the latest backward (the rows a
+        #: mean loss on the component's output averages over)
+        self.out_rows: dict[str, int] = {}
 
     def register_component(
         self,
@@ -106,6 +109,7 @@ class FisherInformationState(ProbeState):
         super().unregister_component(name)
         for key in [k for k in self.rules if k[0] == name]:
             del self.rules[key]
+        self.out_rows.pop(name, None)
 
     def sample_factor(
         self, component: str, rows: int, loss_scale: float, like: torch.Tensor | None = None
@@ -125,6 +129,7 @@ class FisherInformationState(ProbeState):
     def update(self, component: str, grad_output: torch.Tensor, loss_scale: float = 1.0) -> None:
         """Per-unit Fisher of the component output from one backward pass."""
         g = as_rows(grad_output)
+        self.out_rows[component] = g.shape[0]
         f = self.sample_factor(component, g.shape[0], loss_scale, g)
         self._push(component, "out", (g,), (f,))
 
@@ -178,7 +183,15 @@ class FisherInformationState(ProbeState):
         samples get weight 0 and are not counted."""
         n = calls[0].layout.batch
         like = next((g for c in calls for g in c.grads if g is not None), None)
-        f = self.sample_factor(component, n, loss_scale, like)
+        # A unit whose output holds several rows per sample (an LSTM's steps) cannot tell
+        # whether the loss averages over its steps or its sequences: the component's
+        # output can (B*T rows for a loss on every step, B after a pooling over time),
+        # and a Linear on those rows uses the same count. One row per sample: n.
+        rows = n
+        if any(c.rows is not None and c.rows > c.layout.batch for c in calls):
+            fallback = sum(c.layout.batch if c.rows is None else c.rows for c in calls)
+            rows = self.out_rows.get(component, fallback)
+        f = self.sample_factor(component, rows, loss_scale, like)
         checks = []
         for call in calls:
             lay = call.layout
@@ -523,6 +536,7 @@ class FisherInformationHook(ProbeHook):
                 return
             outs, spec = tree_flatten(output)
             width = len(outs)  # the closure must not hold the outputs themselves
+            rows = _output_rows(outs[0])
             tapped = [
                 i for i, t in enumerate(outs) if isinstance(t, torch.Tensor) and t.requires_grad
             ]
@@ -537,7 +551,7 @@ class FisherInformationHook(ProbeHook):
                     if not pending:  # first pass of this backward: reduce when it ends
                         loss_scale[0] = self.context.loss_scale
                         queue_after_backward(reduce_pending)
-                    pending.append(Call(layout, full, weight))
+                    pending.append(Call(layout, full, weight, rows))
                 except Exception as exc:
                     self.fail(exc)
 
@@ -811,8 +825,17 @@ def _generic_sample_weight(
     if getattr(context, "row_mask", None) is None:
         return None
     first = tree_flatten(output)[0][0]
-    rows = first.numel() // max(first.shape[-1], 1) if first.dim() > 1 else first.numel()
+    rows = _output_rows(first)
     return bound_sample_weight(context, first, layout.batch, rows, module, component, key)
+
+
+def _output_rows(first: Any) -> int | None:
+    """Rows of a generic unit's first output read as ``(rows, features)``: what a row
+    mask is matched against and what a mean loss over the output averages over (None:
+    not a tensor)."""
+    if not isinstance(first, torch.Tensor):
+        return None
+    return first.numel() // max(first.shape[-1], 1) if first.dim() > 1 else first.numel()
 
 
 def _carries_grad(output: Any) -> bool:

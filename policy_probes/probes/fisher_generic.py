@@ -198,6 +198,9 @@ class Call:
     grads: list[torch.Tensor | None]
     #: the row-mask entries of its samples (None: no mask), see RowMask.per_sample
     weight: torch.Tensor | None = None
+    #: rows of its first output read as (rows, features), as a Linear on it reads them
+    #: (an nn.LSTM's steps x sequences); None: one per sample
+    rows: int | None = None
 
 
 def per_sample_squares(

@@ -55,6 +55,18 @@ class ActivationLayer:
     act_name: str
 
 
+def _is_last(component: nn.Module, path: str) -> bool:
+    """Whether the submodule at ``path`` is the last child at every level down from
+    ``component``: in a sequential stack, the module whose output is the component's."""
+    module = component
+    for part in path.split("."):
+        children = list(module.named_children())
+        if not children or children[-1][0] != part:
+            return False
+        module = children[-1][1]
+    return True
+
+
 def activation_layers(component: nn.Module) -> list[ActivationLayer]:
     """The activation layers strictly inside ``component``, in registration order."""
     out: list[ActivationLayer] = []
@@ -120,17 +132,27 @@ class LayeredProbeHook(ProbeHook):
         return True
 
     def plain_call_gaps(self, module: nn.Module) -> str:
-        """With ``per_layer``, the activation layers inside the component (their forward
-        hooks must be in place before the component's forward)."""
-        if not self.per_layer:
-            return ""
-        layers = [layer.name for layer in activation_layers(module) if self.selects(layer)]
-        if not layers:
-            return ""
-        return (
-            f"the activation layers inside it ({', '.join(layers)}), which per_layer=True "
-            f"reads through hooks of their own (per_layer=False reads the component alone)"
-        )
+        """A closure registered directly as a torch hook sees the component's output
+        only: it reports the component (as ``per_layer=False``). With ``per_layer``, the
+        activation layers before the output, which only :meth:`attach` can hook, are
+        named in one warning; a component whose only activation layer is its output
+        (``nn.Sequential(nn.Linear, nn.ReLU)``) loses nothing and gets none."""
+        if self.per_layer:
+            self.per_layer = False
+            layers = [layer.name for layer in activation_layers(module) if self.selects(layer)]
+            inner = [name for name in layers if not _is_last(module, name)]
+            if inner:
+                log.warning(
+                    "probe %r on component %r was registered directly as a torch hook, which "
+                    "cannot see the activation layers inside it (%s) that per_layer=True "
+                    "reads through hooks of their own; it reports the component's output "
+                    "only. %s for every layer",
+                    self.probe,
+                    self.component,
+                    ", ".join(inner),
+                    self._attach_advice(capital=True),
+                )
+        return ""
 
     def attach(self, module: nn.Module) -> list[RemovableHandle]:
         self.attached = True

@@ -118,6 +118,7 @@ class BoundRemedy:
         )
         self.last_fired: int | None = None
         self.firings = 0
+        self.warned_key = False  # a `when=` key the metrics never hold: said once
         # what the remedy reads from the probes must not depend on measured time (the
         # budget's sampling rates do): deterministic for a seed
         sampler = target.context.sampler
@@ -128,6 +129,12 @@ class BoundRemedy:
     def end_epoch(self, epoch: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
         """Fire when due at the end of ``epoch`` (counted from 1); the epoch's metrics."""
         prefix = f"remedies/{self.remedy.name}/{self.target.component}"
+        when = self.remedy.trigger.when
+        if when is not None and not self.warned_key:
+            problem = when.misspelled(metrics)
+            if problem is not None:
+                self.warned_key = True
+                log.warning("remedy %s: %s", self.key, problem)
         if not self.remedy.trigger.due(epoch, metrics, self.last_fired):
             return {f"{prefix}/fired": 0.0, f"{prefix}/units_reset": 0.0}
         per_layer = self.remedy.apply(self.target, self.prepared, self.generator)

@@ -76,6 +76,8 @@ def parse_remedy_spec(spec: str) -> tuple[str, Remedy]:
                 f"remedy spec {spec!r}: {item!r} is not key=value with a key of {name}; keys: "
                 f"{known}"
             )
+        if key in kwargs:
+            raise ValueError(f"remedy spec {spec!r}: {key} is given twice; give each key once")
         kwargs[key] = _value(key, text)
     try:
         return component, factory(**kwargs)

@@ -15,6 +15,7 @@ at the end of every epoch, after that epoch's metrics are computed:
 
 from __future__ import annotations
 
+import difflib
 import logging
 import math
 import operator
@@ -68,6 +69,23 @@ class Threshold:
 
     def __str__(self) -> str:
         return f"{self.key}{self.op}{self.value:g}"
+
+    def misspelled(self, metrics: Mapping[str, Any]) -> str | None:
+        """Why the key looks wrong, when it is not among ``metrics`` although the
+        probe and component it names reported this epoch (or a key close to it did);
+        None when it is there or the probe simply observed nothing."""
+        if self.key in metrics:
+            return None
+        group = self.key.rsplit("/", 1)[0] + "/"
+        keys = [k for k in metrics if isinstance(k, str)]
+        close = difflib.get_close_matches(self.key, keys, n=3, cutoff=0.8)
+        if not close and not any(k.startswith(group) for k in keys):
+            return None
+        hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+        return (
+            f"when={str(self)!r}: the epoch's metrics have no key {self.key!r}, so this "
+            f"remedy never fires{hint} (the keys are those in metrics.jsonl)"
+        )
 
 
 @dataclass(frozen=True)

@@ -131,6 +131,10 @@ class SinkGroup(MetricSink):
         self.sinks: list[MetricSink] = list(sinks)
         #: sink name -> reason, for every sink switched off after a fault
         self.failures: dict[str, str] = {}
+        #: sink name -> (epoch, hook point) of the first record it did not take (None:
+        #: switched off outside emit, e.g. at flush or close)
+        self.failed_at: dict[str, tuple[int, str] | None] = {}
+        self._record: tuple[int, str] | None = None
         self._lock = threading.RLock()
         self._closed = False
         self._previous_handlers: dict[int, Any] = {}
@@ -164,6 +168,7 @@ class SinkGroup(MetricSink):
         if label in self.failures:  # two sinks of the same kind
             label = f"{label}#{id(sink):x}"
         self.failures[label] = f"{method}() raised {reason}"
+        self.failed_at[label] = self._record if method == "emit" else None
         logger.error(
             "metric sink %r failed in %s() and is switched off; the other sinks and training "
             "go on. Reason: %s",
@@ -185,6 +190,7 @@ class SinkGroup(MetricSink):
         self._call("set_run_context", **kwargs)
 
     def emit(self, metrics: Mapping[str, Any], epoch: int, hook_point: str) -> None:
+        self._record = (epoch, hook_point)
         self._call("emit", metrics, epoch, hook_point)
 
     def flush(self) -> None:

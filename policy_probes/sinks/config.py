@@ -29,6 +29,7 @@ DEFAULT_CONSOLE_METRICS: tuple[str, ...] = (
     "probes/relu/*/dormant_fraction",
     "probes/fisher/*/trace",
     "probes/gradient_flow/*/mean",
+    "probes/relu_gradient_flow/*/mean_pass_rate",
     "probes/saturation_*/*/saturated_fraction",
 )
 

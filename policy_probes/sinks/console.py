@@ -207,6 +207,7 @@ class ConsoleSink(MetricSink):
             self._live.stop()
             self._live = None
         if self._latest:
-            self.console.print(self.summary_table(title=f"final, epoch {self.epoch}"))
+            ended = self.run_context.get("ended") or "final"  # e.g. "stopped by SIGTERM"
+            self.console.print(self.summary_table(title=f"{ended}, epoch {self.epoch}"))
         if self.findings.records:  # what is going wrong (policy_probes.findings)
             self.console.print(render_text(self.findings.findings()), markup=False, soft_wrap=True)
