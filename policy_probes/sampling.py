@@ -217,7 +217,7 @@ def tensor_rows(t: torch.Tensor, channels_first: bool = False) -> int:
 class _HookCount:
     probe: str
     component: str
-    #: passes and rows observed in the reporting window (since the last report)
+    #: passes and rows observed since the last report (this epoch)
     passes: int = 0
     rows: int = 0
     #: passes observed in the epoch under way (what the budget's per-pass costs divide by)

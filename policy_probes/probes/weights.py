@@ -11,7 +11,7 @@ whole, with θ the layer's parameters concatenated:
 * ``magnitude`` = mean |θ_j|
 * ``init_distance`` = ‖θ − θ₀‖ / ‖θ₀‖, θ₀ the parameters when the probe was attached
 * ``update_ratio`` = ‖θ − θ_prev‖ / ‖θ_prev‖, θ_prev the parameters at the previous
-  report (one epoch's updates, or a reporting window's under a sampler)
+  report (one epoch's updates at the default sampling)
 
 Nothing runs in forward or backward: the probe reads the parameters once per report, on
 their device, and moves one vector of sums to the host. Parameters are the same on every
