@@ -32,5 +32,10 @@ def test_sb3_recurrent_overhead_quick_writes_a_positive_ratio(tmp_path):
     # probes/overhead_* keys.
     values = 2 * (8 * 3 + 6 + 12 + 6 * 3 + 4 * 3) + 2 * (8 + 6 + 12 + 6)
     sampling = 2 * 2 * (3 + 1) + (2 + 2) + 2 * 2 * (5 + 4) + 2
-    assert b["probe_keys"] == values + sampling
+    # Plasticity keys: dormant_fraction_tau_{0, 0.025, 0.1} per relu name (3 per MLP, 1
+    # per LSTM); the gradient noise scale (grad_sq_norm, grad_var_trace,
+    # grad_noise_scale) per nn.Linear parameter (2 layers x weight and bias per MLP) and
+    # per component (MLPs only: the LSTM's rule has none)
+    plasticity = 3 * (2 * 3 + 2 * 1) + 2 * 3 * (4 + 1)
+    assert b["probe_keys"] == values + sampling + plasticity
     assert "records" not in comp["extra_a"][0]
