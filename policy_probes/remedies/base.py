@@ -37,9 +37,17 @@ class RemedyTarget:
 
 class Remedy:
     """Base of the remedies: a name, a trigger and an optional seed. Subclasses implement
-    :meth:`prepare` (checks and layer lookup, at attach time) and :meth:`apply`."""
+    :meth:`prepare` (checks and layer lookup, at attach time) and :meth:`apply`.
+
+    A remedy that acts at every optimizer step instead of at triggered epoch ends
+    (:class:`~policy_probes.remedies.step_remedy.StepRemedy`) has ``trigger = None``,
+    installs its optimizer hooks in :meth:`start` and reports in :meth:`epoch_metrics`.
+    A remedy with state of its own (beyond the generator and the firing record) returns
+    it from :meth:`state_dict`; checkpoints carry it.
+    """
 
     name: str = "remedy"
+    trigger: Trigger | None
 
     def __init__(
         self,
@@ -71,13 +79,30 @@ class Remedy:
 
     def apply(
         self, target: RemedyTarget, prepared: Any, generator: torch.Generator
-    ) -> dict[str, int]:
-        """Change the weights now; returns units reset per layer name."""
+    ) -> dict[str, int] | None:
+        """Change the weights now; returns units reset per layer name (None: it did not
+        fire after all)."""
         raise NotImplementedError
 
     def settings(self) -> dict[str, Any]:
         """The remedy's own arguments (for ``repr`` and the run's configuration)."""
         return {}
+
+    def start(self, target: RemedyTarget, prepared: Any, generator: torch.Generator) -> None:
+        """Called once the remedy is bound (its generator seeded): per-step remedies
+        register their optimizer hooks here. Default: nothing."""
+
+    def epoch_metrics(self, target: RemedyTarget, prepared: Any) -> dict[str, float]:
+        """What a per-step remedy did during the epoch just ended (keys relative to
+        ``remedies/<name>/``; a key without ``/`` is put under the component)."""
+        return {}
+
+    def state_dict(self, prepared: Any) -> dict[str, Any]:
+        """The remedy's own state on one component (checkpoints carry it)."""
+        return {}
+
+    def load_state_dict(self, prepared: Any, state: Mapping[str, Any]) -> None:
+        """Inverse of :meth:`state_dict`."""
 
     def __repr__(self) -> str:
         t = self.trigger
@@ -118,6 +143,7 @@ class BoundRemedy:
         )
         self.last_fired: int | None = None
         self.firings = 0
+        remedy.start(target, self.prepared, self.generator)
         # what the remedy reads from the probes must not depend on measured time (the
         # budget's sampling rates do): deterministic for a seed
         sampler = target.context.sampler
@@ -128,9 +154,16 @@ class BoundRemedy:
     def end_epoch(self, epoch: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
         """Fire when due at the end of ``epoch`` (counted from 1); the epoch's metrics."""
         prefix = f"remedies/{self.remedy.name}/{self.target.component}"
+        if self.remedy.trigger is None:  # acts at every optimizer step
+            return {
+                (f"remedies/{self.remedy.name}/{k}" if "/" in k else f"{prefix}/{k}"): v
+                for k, v in self.remedy.epoch_metrics(self.target, self.prepared).items()
+            }
         if not self.remedy.trigger.due(epoch, metrics, self.last_fired):
             return {f"{prefix}/fired": 0.0, f"{prefix}/units_reset": 0.0}
         per_layer = self.remedy.apply(self.target, self.prepared, self.generator)
+        if per_layer is None:  # the remedy declined (a one-off that has acted already)
+            return {f"{prefix}/fired": 0.0, f"{prefix}/units_reset": 0.0}
         self.last_fired, self.firings = epoch, self.firings + 1
         out: dict[str, Any] = {f"{prefix}/fired": 1.0}
         out[f"{prefix}/units_reset"] = float(sum(per_layer.values()))
@@ -145,12 +178,15 @@ class BoundRemedy:
             "generator": self.generator.get_state(),
             "last_fired": self.last_fired,
             "firings": self.firings,
+            "remedy": self.remedy.state_dict(self.prepared),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.generator.set_state(state["generator"])
         self.last_fired = None if state["last_fired"] is None else int(state["last_fired"])
         self.firings = int(state["firings"])
+        if state.get("remedy"):  # absent in checkpoints written before remedies had state
+            self.remedy.load_state_dict(self.prepared, state["remedy"])
 
 
 class RemedyRunner:
