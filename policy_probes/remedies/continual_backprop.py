@@ -162,6 +162,12 @@ class ContinualBackprop(StepRemedy):
         return state
 
     def start(self, target: RemedyTarget, prepared: CBPState, generator: torch.Generator) -> None:
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise RuntimeError(
+                "continual_backprop supports single-process runs only (each rank's utilities "
+                "would come from its own samples, and the ranks would replace different units)"
+            )
         super().start(target, prepared, generator)
         for entry in prepared.layers:
             act = activation_after(target.module, entry.layer.producer)
