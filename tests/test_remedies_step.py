@@ -320,3 +320,24 @@ def test_step_remedy_specs():
         parse_remedy_spec("continual_backprop@a:replacement_rate=2")
     with pytest.raises(ValueError, match="a remedy needs a trigger"):
         parse_remedy_spec("plasticity_injection@a")
+
+
+def test_a_remedy_attached_twice_is_refused_before_it_hooks_the_optimizer(tmp_path):
+    torch.manual_seed(4)
+    model = ReluNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    session = make_session(tmp_path, model, opt)
+    session.add_remedy("body", l2_init(coef=0.5))
+    with pytest.raises(ValueError, match="l2_init@body is attached twice"):
+        session.add_remedy("body", l2_init(coef=0.5))
+    with torch.no_grad():
+        for p in model.body.parameters():
+            p += 1.0  # theta - theta_0 = 1 everywhere
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt.zero_grad()
+    loss_of(model, batches(1)[0]).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    opt.step()
+    for n, p in model.named_parameters():
+        term = 0.5 if n.startswith("body.") else 0.0  # once, not twice
+        assert torch.allclose(p, before[n] - 0.1 * (grads[n] + term), atol=1e-7), n

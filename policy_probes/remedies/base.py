@@ -197,11 +197,10 @@ class RemedyRunner:
 
     def add(self, remedy: Remedy, target: RemedyTarget, seed: int) -> BoundRemedy:
         check_remedy(remedy)
+        key = f"{remedy.name}@{target.component}"
+        if any(b.key == key for b in self.bound):  # checked before binding: no hooks left
+            raise ValueError(f"{key} is attached twice; attach each remedy once per component")
         bound = BoundRemedy(remedy, target, seed)
-        if any(b.key == bound.key for b in self.bound):
-            raise ValueError(
-                f"{bound.key} is attached twice; attach each remedy once per component"
-            )
         self.bound.append(bound)
         return bound
 
