@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint format bench learning-check plasticity clean
+.PHONY: setup demo test lint format bench learning-check plasticity plasticity-ppo clean
 
 $(PY):
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) (or set PYTHON=...)"; exit 1; }
@@ -25,6 +25,9 @@ learning-check: $(STAMP)
 
 plasticity: $(STAMP)
 	nice $(PY) -m benchmarks.plasticity --seeds 1,2,3,4,5 --jobs 2
+
+plasticity-ppo: $(STAMP)
+	nice $(PY) -m benchmarks.plasticity_ppo --seeds 1,2,3,4,5
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

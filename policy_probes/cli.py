@@ -32,6 +32,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from policy_probes.arms import add_arms_subcommand
 from policy_probes.control_channel import COMMANDS, ControlError, send_command
 from policy_probes.diagnose import add_diagnose_subcommand
 from policy_probes.lifecycle.cli import (
@@ -656,6 +657,7 @@ SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     add_run_subcommand,
     add_resume_subcommand,
     add_fork_subcommand,
+    add_arms_subcommand,
     add_ctl_subcommand,
     add_report_subcommand,
     add_hooks_subcommand,

@@ -41,30 +41,50 @@ def make_activation(name: str) -> nn.Module:
 
 
 class HiddenLayer(nn.Module):
-    """``act(linear(x))`` with both parts addressable by name."""
+    """``act(linear(x))`` with both parts addressable by name; with ``layer_norm=True``
+    ``act(norm(linear(x)))``, ``norm`` an ``nn.LayerNorm`` over the layer's features."""
 
-    def __init__(self, in_features: int, out_features: int, activation: str) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, activation: str, layer_norm: bool = False
+    ) -> None:
         super().__init__()
         self.linear = nn.Linear(in_features, out_features)
+        self.norm = nn.LayerNorm(out_features) if layer_norm else None
         self.act = make_activation(activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.act(self.linear(x))
+        x = self.linear(x)
+        if self.norm is not None:
+            x = self.norm(x)
+        return self.act(x)
 
 
 class ConvLayer(nn.Module):
     """``act(conv(x))`` with both parts addressable by name: the convolutional counterpart
-    of :class:`HiddenLayer` (a 2-d convolution, unpadded)."""
+    of :class:`HiddenLayer` (a 2-d convolution, unpadded). With ``layer_norm=True``
+    ``act(norm(conv(x)))``, ``norm`` a layer norm over each sample's whole feature map
+    (``nn.GroupNorm(1, C)``: statistics over channels and positions, a scale and shift per
+    channel)."""
 
     def __init__(
-        self, in_channels: int, out_channels: int, kernel_size: int, stride: int, activation: str
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int,
+        stride: int,
+        activation: str,
+        layer_norm: bool = False,
     ) -> None:
         super().__init__()
         self.conv = nn.Conv2d(in_channels, out_channels, kernel_size, stride)
+        self.norm = nn.GroupNorm(1, out_channels) if layer_norm else None
         self.act = make_activation(activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.act(self.conv(x))
+        x = self.conv(x)
+        if self.norm is not None:
+            x = self.norm(x)
+        return self.act(x)
 
 
 #: blocks ``act(layer(x))`` whose output is their ``.act``'s: one activation layer each
@@ -78,7 +98,13 @@ class MLP(nn.Module):
     the whole MLP sees activations, not pre-activations.
     """
 
-    def __init__(self, in_features: int, hidden_sizes: Sequence[int], activation: str) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        hidden_sizes: Sequence[int],
+        activation: str,
+        layer_norm: bool = False,
+    ) -> None:
         super().__init__()
         if not hidden_sizes:
             raise ValueError("an MLP needs at least one hidden layer (hidden_sizes is empty)")
@@ -87,7 +113,7 @@ class MLP(nn.Module):
         make_activation(activation)  # validate the name before building anything
         sizes = [in_features, *hidden_sizes]
         for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
-            self.add_module(f"layer_{i}", HiddenLayer(a, int(b), activation))
+            self.add_module(f"layer_{i}", HiddenLayer(a, int(b), activation, layer_norm))
         self.out_features = int(sizes[-1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -104,9 +130,10 @@ class MLPSpec(BaseModel):
     in_features: int = Field(gt=0)
     hidden_sizes: list[int] = Field(min_length=1)
     activation: str = "relu"
+    layer_norm: bool = False
 
     def build(self) -> nn.Module:
-        return MLP(self.in_features, self.hidden_sizes, self.activation)
+        return MLP(self.in_features, self.hidden_sizes, self.activation, self.layer_norm)
 
 
 class LinearSpec(BaseModel):

@@ -290,7 +290,9 @@ def test_specs():
     ]
     with pytest.raises(
         ValueError,
-        match=r"unknown remedy 'redoo'; known: \['redo', 'reset_layers', 'shrink_and_perturb'\]",
+        match=r"unknown remedy 'redoo'; known: \['continual_backprop', 'l2_init', "
+        r"'plasticity_injection', 'redo', 'reset_layers', 'shrink_and_perturb', "
+        r"'soft_shrink_perturb'\]",
     ):
         parse_remedy_spec("redoo@a:every_epochs=1")
     with pytest.raises(ValueError, match="'taux=1' is not key=value with a key of redo; keys:"):

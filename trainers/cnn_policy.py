@@ -55,7 +55,7 @@ class CNNActorCriticPolicy(ActorCriticPolicy):
         cfg = cfg or PolicyConfig(encoder="nature_cnn")
         shape = image_shape(observation_space)
         self.discrete, act_dim, self.action_shape = action_dims(action_space)
-        encoder = NatureCNN(shape)
+        encoder = NatureCNN(shape, layer_norm=cfg.layer_norm)
         # Not ActorCriticPolicy.__init__ (it builds the actor and critic MLPs): its _build
         # with the encoder and the two heads.
         self._build(

@@ -193,6 +193,11 @@ class PolicyConfig(Section):
     )
     critic_activation: str | None = Field(None, description="null = same as the actor.")
     init_log_std: float = Field(0.0, description="Initial log std of Gaussian policies.")
+    layer_norm: bool = Field(
+        False,
+        description="LayerNorm between every hidden layer and its activation (MLP: "
+        "nn.LayerNorm; NatureCNN: nn.GroupNorm(1, C) on the feature maps, nn.LayerNorm on fc).",
+    )
 
     @field_validator("hidden_sizes", "critic_hidden_sizes")
     @classmethod
@@ -229,6 +234,12 @@ class PPOConfig(Section):
     learning_rate: float = Field(2.5e-4, gt=0)
     anneal_lr: bool = Field(True, description="Linear learning-rate decay to 0.")
     adam_eps: float = Field(1e-5, gt=0)
+    adam_betas: tuple[float, float] = Field(
+        (0.9, 0.999),
+        description="Adam's (beta1, beta2); Dohare et al. 2024 use (0.99, 0.99) against "
+        "plasticity loss in PPO.",
+    )
+
     gamma: float = Field(0.99, ge=0, le=1)
     gae_lambda: float = Field(0.95, ge=0, le=1)
     norm_adv: bool = Field(True, description="Per-minibatch advantage normalisation.")
@@ -265,6 +276,13 @@ class PPOConfig(Section):
                 f"trainer.compile_mode must be default or max-autotune-no-cudagraphs, got {mode!r}"
             )
         return mode
+
+    @field_validator("adam_betas")
+    @classmethod
+    def _betas(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in v):
+            raise ValueError(f"Adam betas must be in [0, 1), got {list(v)}")
+        return v
 
 
 class EvalConfig(Section):

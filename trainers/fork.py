@@ -88,7 +88,7 @@ def check_fork_length(point: ForkPoint, num_epochs: int) -> None:
 
 
 def apply_optimizer_config(trainer: PPOTrainer, cfg: PPOConfig) -> None:
-    """Give the restored optimizer the child's learning rate and Adam epsilon: the parent's
+    """Give the restored optimizer the child's learning rate, Adam epsilon and betas: the parent's
     state dict carried the parent's. The learning rate is set as the scheduler sets it
     (``learning_rate * factor(epochs done)``), so an unchanged fork keeps the very same
     float."""
@@ -99,6 +99,7 @@ def apply_optimizer_config(trainer: PPOTrainer, cfg: PPOConfig) -> None:
         group["initial_lr"] = cfg.learning_rate
         group["lr"] = cfg.learning_rate * factor(scheduler.last_epoch)
         group["eps"] = cfg.adam_eps
+        group["betas"] = tuple(cfg.adam_betas)
     set_last_lr(scheduler, [group["lr"] for group in groups])
 
 

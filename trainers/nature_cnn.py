@@ -36,7 +36,7 @@ class NatureCNN(nn.Module):
     memory).
     """
 
-    def __init__(self, observation_shape: tuple[int, int, int]) -> None:
+    def __init__(self, observation_shape: tuple[int, int, int], layer_norm: bool = False) -> None:
         super().__init__()
         channels, height, width = observation_shape
         self.observation_shape = (int(channels), int(height), int(width))
@@ -51,11 +51,12 @@ class NatureCNN(nn.Module):
                     f"left); raise env.atari.screen_size"
                 )
             self.add_module(
-                f"conv_{i}", ConvLayer(in_channels, out_channels, kernel, stride, "relu")
+                f"conv_{i}",
+                ConvLayer(in_channels, out_channels, kernel, stride, "relu", layer_norm),
             )
             in_channels = out_channels
         self.flat_features = in_channels * height * width
-        self.fc = HiddenLayer(self.flat_features, NATURE_FEATURES, "relu")
+        self.fc = HiddenLayer(self.flat_features, NATURE_FEATURES, "relu", layer_norm)
         self.out_features = NATURE_FEATURES
 
     def forward(self, obs: torch.Tensor) -> torch.Tensor:

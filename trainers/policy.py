@@ -75,11 +75,17 @@ class ActorCriticPolicy(PolicyAutoBuilder):
         self._build(
             {
                 "actor_mlp": MLPSpec(
-                    in_features=obs_dim, hidden_sizes=cfg.hidden_sizes, activation=cfg.activation
+                    in_features=obs_dim,
+                    hidden_sizes=cfg.hidden_sizes,
+                    activation=cfg.activation,
+                    layer_norm=cfg.layer_norm,
                 ),
                 "actor_head": LinearSpec(in_features=cfg.hidden_sizes[-1], out_features=act_dim),
                 "critic_mlp": MLPSpec(
-                    in_features=obs_dim, hidden_sizes=critic_sizes, activation=critic_act
+                    in_features=obs_dim,
+                    hidden_sizes=critic_sizes,
+                    activation=critic_act,
+                    layer_norm=cfg.layer_norm,
                 ),
                 "critic_head": LinearSpec(in_features=critic_sizes[-1], out_features=1),
             },
@@ -268,6 +274,8 @@ class StackedMLPs:
                 return None
             if type(a.linear) is not nn.Linear or a.linear.bias is None or c.linear.bias is None:
                 return None
+            if a.norm is not None or c.norm is not None:  # layer_norm: the per-layer path
+                return None
             if a.linear.weight.shape != c.linear.weight.shape:
                 return None
         # one elementwise, parameter-free activation, configured alike, on every layer
@@ -316,5 +324,10 @@ def _linear(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 def _mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """An :class:`~policy_probes.layers.MLP` through its layers' ``forward`` methods."""
     for layer in mlp.children():
-        x = layer.act.forward(_linear(layer.linear, x))
+        x = _linear(layer.linear, x)
+        if layer.norm is not None:
+            x = F.layer_norm(
+                x, layer.norm.normalized_shape, layer.norm.weight, layer.norm.bias, layer.norm.eps
+            )
+        x = layer.act.forward(x)
     return x

@@ -228,7 +228,11 @@ class PPOTrainer:
         # fused: one kernel per step for all parameters instead of a dozen ops per tensor
         # (same Adam update; supported on CPU and CUDA for float parameters).
         self.optimizer = torch.optim.Adam(
-            policy.parameters(), lr=cfg.learning_rate, eps=cfg.adam_eps, fused=True
+            policy.parameters(),
+            lr=cfg.learning_rate,
+            eps=cfg.adam_eps,
+            betas=tuple(cfg.adam_betas),
+            fused=True,
         )
         num_epochs = self.num_epochs
         anneal = cfg.anneal_lr

@@ -13,15 +13,29 @@ from policy_probes.remedies.base import (
     RemedyTarget,
     check_remedy,
 )
+from policy_probes.remedies.continual_backprop import ContinualBackprop, continual_backprop
 from policy_probes.remedies.dormant_recycling import ReDo, redo
+from policy_probes.remedies.l2_init import L2Init, l2_init
 from policy_probes.remedies.layer_reset import ResetLayers, reset_layers
 from policy_probes.remedies.optim_state import SUPPORTED_OPTIMIZERS
+from policy_probes.remedies.plasticity_injection import PlasticityInjection, plasticity_injection
 from policy_probes.remedies.shrink_perturb import ShrinkAndPerturb, shrink_and_perturb
+from policy_probes.remedies.soft_shrink_perturb import SoftShrinkPerturb, soft_shrink_perturb
 from policy_probes.remedies.spec import REMEDIES, parse_remedy_spec, split_remedy_specs
+from policy_probes.remedies.step_remedy import StepRemedy
 from policy_probes.remedies.trigger import Threshold, Trigger
 
 __all__ = [
     "REMEDIES",
+    "ContinualBackprop",
+    "L2Init",
+    "PlasticityInjection",
+    "SoftShrinkPerturb",
+    "StepRemedy",
+    "continual_backprop",
+    "l2_init",
+    "plasticity_injection",
+    "soft_shrink_perturb",
     "SUPPORTED_OPTIMIZERS",
     "BoundRemedy",
     "ReDo",

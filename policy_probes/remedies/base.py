@@ -37,9 +37,17 @@ class RemedyTarget:
 
 class Remedy:
     """Base of the remedies: a name, a trigger and an optional seed. Subclasses implement
-    :meth:`prepare` (checks and layer lookup, at attach time) and :meth:`apply`."""
+    :meth:`prepare` (checks and layer lookup, at attach time) and :meth:`apply`.
+
+    A remedy that acts at every optimizer step instead of at triggered epoch ends
+    (:class:`~policy_probes.remedies.step_remedy.StepRemedy`) has ``trigger = None``,
+    installs its optimizer hooks in :meth:`start` and reports in :meth:`epoch_metrics`.
+    A remedy with state of its own (beyond the generator and the firing record) returns
+    it from :meth:`state_dict`; checkpoints carry it.
+    """
 
     name: str = "remedy"
+    trigger: Trigger | None
 
     def __init__(
         self,
@@ -71,13 +79,30 @@ class Remedy:
 
     def apply(
         self, target: RemedyTarget, prepared: Any, generator: torch.Generator
-    ) -> dict[str, int]:
-        """Change the weights now; returns units reset per layer name."""
+    ) -> dict[str, int] | None:
+        """Change the weights now; returns units reset per layer name (None: it did not
+        fire after all)."""
         raise NotImplementedError
 
     def settings(self) -> dict[str, Any]:
         """The remedy's own arguments (for ``repr`` and the run's configuration)."""
         return {}
+
+    def start(self, target: RemedyTarget, prepared: Any, generator: torch.Generator) -> None:
+        """Called once the remedy is bound (its generator seeded): per-step remedies
+        register their optimizer hooks here. Default: nothing."""
+
+    def epoch_metrics(self, target: RemedyTarget, prepared: Any) -> dict[str, float]:
+        """What a per-step remedy did during the epoch just ended (keys relative to
+        ``remedies/<name>/``; a key without ``/`` is put under the component)."""
+        return {}
+
+    def state_dict(self, prepared: Any) -> dict[str, Any]:
+        """The remedy's own state on one component (checkpoints carry it)."""
+        return {}
+
+    def load_state_dict(self, prepared: Any, state: Mapping[str, Any]) -> None:
+        """Inverse of :meth:`state_dict`."""
 
     def __repr__(self) -> str:
         t = self.trigger
@@ -119,8 +144,9 @@ class BoundRemedy:
         self.last_fired: int | None = None
         self.firings = 0
         self.warned_key = False  # a `when=` key the metrics never hold: said once
+        remedy.start(target, self.prepared, self.generator)
         # what the remedy reads from the probes must not depend on measured time (the
-        # budget's sampling rates do): deterministic for a seed
+        # budget's one-time calibration does): deterministic for a seed and settings
         sampler = target.context.sampler
         if sampler is not None:
             for component in remedy.reads_components(target.component):
@@ -129,6 +155,11 @@ class BoundRemedy:
     def end_epoch(self, epoch: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
         """Fire when due at the end of ``epoch`` (counted from 1); the epoch's metrics."""
         prefix = f"remedies/{self.remedy.name}/{self.target.component}"
+        if self.remedy.trigger is None:  # acts at every optimizer step
+            return {
+                (f"remedies/{self.remedy.name}/{k}" if "/" in k else f"{prefix}/{k}"): v
+                for k, v in self.remedy.epoch_metrics(self.target, self.prepared).items()
+            }
         when = self.remedy.trigger.when
         if when is not None and not self.warned_key:
             problem = when.misspelled(metrics)
@@ -138,6 +169,8 @@ class BoundRemedy:
         if not self.remedy.trigger.due(epoch, metrics, self.last_fired):
             return {f"{prefix}/fired": 0.0, f"{prefix}/units_reset": 0.0}
         per_layer = self.remedy.apply(self.target, self.prepared, self.generator)
+        if per_layer is None:  # the remedy declined (a one-off that has acted already)
+            return {f"{prefix}/fired": 0.0, f"{prefix}/units_reset": 0.0}
         self.last_fired, self.firings = epoch, self.firings + 1
         out: dict[str, Any] = {f"{prefix}/fired": 1.0}
         out[f"{prefix}/units_reset"] = float(sum(per_layer.values()))
@@ -152,12 +185,15 @@ class BoundRemedy:
             "generator": self.generator.get_state(),
             "last_fired": self.last_fired,
             "firings": self.firings,
+            "remedy": self.remedy.state_dict(self.prepared),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.generator.set_state(state["generator"])
         self.last_fired = None if state["last_fired"] is None else int(state["last_fired"])
         self.firings = int(state["firings"])
+        if state.get("remedy"):  # absent in checkpoints written before remedies had state
+            self.remedy.load_state_dict(self.prepared, state["remedy"])
 
 
 class RemedyRunner:
@@ -168,11 +204,10 @@ class RemedyRunner:
 
     def add(self, remedy: Remedy, target: RemedyTarget, seed: int) -> BoundRemedy:
         check_remedy(remedy)
+        key = f"{remedy.name}@{target.component}"
+        if any(b.key == key for b in self.bound):  # checked before binding: no hooks left
+            raise ValueError(f"{key} is attached twice; attach each remedy once per component")
         bound = BoundRemedy(remedy, target, seed)
-        if any(b.key == bound.key for b in self.bound):
-            raise ValueError(
-                f"{bound.key} is attached twice; attach each remedy once per component"
-            )
         self.bound.append(bound)
         return bound
 

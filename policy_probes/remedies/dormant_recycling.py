@@ -126,7 +126,7 @@ def recycle(layer: UnitLayer, units: torch.Tensor, seed: int, optimizer: Any) ->
     with torch.no_grad():
         for name, param in producer.named_parameters(recurse=False):
             idx = rows.to(param.device)
-            param.index_copy_(0, idx, fresh[name].index_select(0, rows).to(param))
+            param.index_copy_(0, idx, fresh[name].to(param).index_select(0, idx))
             reset_entries(optimizer, param, 0, idx)
         if isinstance(producer, RECURRENT):  # the unit's own recurrent outputs
             zero_columns(producer.weight_hh_l0, units, 1, optimizer)
@@ -138,7 +138,8 @@ def recycle(layer: UnitLayer, units: torch.Tensor, seed: int, optimizer: Any) ->
 
 def zero_columns(weight: torch.Tensor, units: torch.Tensor, block: int, optimizer: Any) -> None:
     """Zero the input columns of ``units`` (``block`` columns each) of ``weight``."""
-    cols = (units[:, None] * block + torch.arange(block)).reshape(-1).to(weight.device)
+    cols = (units[:, None] * block + torch.arange(block, device=units.device)).reshape(-1)
+    cols = cols.to(weight.device)
     weight.index_fill_(1, cols, 0)
     reset_entries(optimizer, weight, 1, cols)
 

@@ -15,15 +15,23 @@ from collections.abc import Callable
 from typing import Any
 
 from policy_probes.remedies.base import Remedy
+from policy_probes.remedies.continual_backprop import continual_backprop
 from policy_probes.remedies.dormant_recycling import redo
+from policy_probes.remedies.l2_init import l2_init
 from policy_probes.remedies.layer_reset import reset_layers
+from policy_probes.remedies.plasticity_injection import plasticity_injection
 from policy_probes.remedies.shrink_perturb import shrink_and_perturb
+from policy_probes.remedies.soft_shrink_perturb import soft_shrink_perturb
 
 #: remedy name -> factory
 REMEDIES: dict[str, Callable[..., Remedy]] = {
     "redo": redo,
     "shrink_and_perturb": shrink_and_perturb,
     "reset_layers": reset_layers,
+    "l2_init": l2_init,
+    "continual_backprop": continual_backprop,
+    "soft_shrink_perturb": soft_shrink_perturb,
+    "plasticity_injection": plasticity_injection,
 }
 #: the arguments that take lists
 LIST_KEYS = ("layers", "consumer")

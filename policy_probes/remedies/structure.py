@@ -177,12 +177,13 @@ def unit_layers(
     component_name: str,
     component: nn.Module,
     external: Sequence[tuple[str, nn.Module]],
+    remedy: str = "ReDo",
 ) -> list[UnitLayer]:
     """The unit layers of ``component``, in order; ``external`` are the consumers of its
     output (name, module). Raises ``ValueError`` for structures whose units cannot be
     recycled without changing the outputs (a normalisation between a layer and its
     consumer, a last layer with no named consumer)."""
-    where = f"ReDo on {component_name!r}"
+    where = f"{remedy} on {component_name!r}"
     names: dict[int, str] = {id(a.act): a.name for a in activation_layers(component)}
     if isinstance(component, LAYER_BLOCKS):
         names[id(component.act)] = ""

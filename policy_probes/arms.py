@@ -1,0 +1,437 @@
+"""Forked arms: a causal test of plasticity loss (Nikishin et al. 2023's diagnostic, done
+with exact forks).
+
+``policy-probes arms RUN_DIR [RUN_DIR ...] --epoch N --arm none --arm 'remedies=[...]'``
+forks every given run at the end of epoch ``N`` into one child per arm (``policy-probes
+fork``, one subprocess per child: a parent directory is only read), trains each child to
+the parent's end, and compares the arms on the epochs after the fork: per arm the mean
+training return, the mean return of the last quarter of those epochs and the mean of
+every probe metric, each with its difference to the ``none`` arm of the same parent, as
+mean and standard deviation over the parents (several parents: several seeds). The
+``none`` arm repeats the parent's later epochs bit for bit (an unchanged fork), so each
+difference is the effect of the arm's change from epoch ``N`` on.
+
+An arm is ``none`` (no change) or ``[NAME:]key=value [key=value ...]`` (overrides, split
+like a shell line); without a name it is named after its remedies. Children live in
+``OUT/<parent>/<arm>``; a child that is already complete is reused and an incomplete one
+resumed, so a rerun after an interruption trains only what is missing. Outputs:
+``OUT/arms.json`` (every measure, per parent), ``OUT/arms.md`` (the table) and
+``OUT/report-<parent>.html`` (the ``none`` child with the other arms overlaid).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from policy_probes.run_dir import held_outputs
+from policy_probes.sinks.base import is_finite_number
+from policy_probes.sinks.jsonl import METRICS_JSONL, iter_jsonl
+from policy_probes.user_errors import positive_int
+
+#: the training return the comparison leads with
+RETURN_KEY = "rollout/episode_return"
+#: the arm without a change, the reference of the differences
+NONE = "none"
+_NAMED = re.compile(r"^(?P<name>[A-Za-z0-9_.+-]+):(?P<rest>.*)$", re.S)
+#: where one override of an arm ends: whitespace before the next ``key=``
+_NEXT_OVERRIDE = re.compile(r"\s+(?=[A-Za-z_][\w.]*=)")
+
+
+class ArmsError(ValueError):
+    """Bad arguments; the message says what to change."""
+
+    usage_error = True
+
+
+@dataclass
+class Arm:
+    """One arm: a name and the overrides its children get."""
+
+    name: str
+    overrides: list[str]
+
+
+def parse_arm(text: str) -> Arm:
+    """``"none"`` or ``"[NAME:]key=value [key=value ...]"`` (an override ends at
+    whitespace followed by the next ``key=``; values are taken as written, quotes and
+    all, as after a shell's own quoting)."""
+    text = text.strip()
+    if text == NONE:
+        return Arm(NONE, [])
+    m = _NAMED.match(text)
+    name, rest = (m["name"], m["rest"]) if m else (None, text)
+    overrides = [o for o in _NEXT_OVERRIDE.split(rest.strip()) if o]
+    bad = [o for o in overrides if "=" not in o]
+    if not overrides or bad:
+        raise ArmsError(
+            f"--arm {text!r}: an arm is 'none' or '[NAME:]key=value [key=value ...]', e.g. "
+            f"--arm 'remedies=[\"l2_init@actor_mlp:coef=0.001\"]'"
+            + (f"; {bad[0]!r} is not key=value" if bad else "")
+        )
+    if name == NONE:
+        raise ArmsError(f"--arm {text!r}: the name 'none' is the arm without overrides")
+    return Arm(name or default_name(overrides), overrides)
+
+
+def default_name(overrides: Sequence[str]) -> str:
+    """The remedies' names joined by ``+`` for a ``remedies=`` arm, else the overrides."""
+    names: list[str] = []
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if key.strip() == "remedies":
+            names += re.findall(r"([A-Za-z0-9_]+)@", value)
+        else:
+            names.append(re.sub(r"[^A-Za-z0-9_.+-]+", "_", item).strip("_"))
+    out = []
+    for n in names:  # keep order, drop repeats (one remedy on two components)
+        if n not in out:
+            out.append(n)
+    return "+".join(out) or "arm"
+
+
+def unique_arms(arms: Sequence[Arm]) -> list[Arm]:
+    seen: dict[str, int] = {}
+    out = []
+    for arm in arms:
+        seen[arm.name] = seen.get(arm.name, 0) + 1
+        name = arm.name if seen[arm.name] == 1 else f"{arm.name}-{seen[arm.name]}"
+        out.append(Arm(name, arm.overrides))
+    return out
+
+
+# ---------------------------------------------------------------------- metrics
+def epoch_records(run_dir: Path) -> dict[int, dict[str, float]]:
+    """The POST_EPOCH scalars of a run by epoch (the last record of an epoch wins)."""
+    out: dict[int, dict[str, float]] = {}
+    for rec in iter_jsonl(Path(run_dir) / METRICS_JSONL):
+        if rec.get("hook_point") != "POST_EPOCH" or not isinstance(rec.get("epoch"), int):
+            continue
+        out[rec["epoch"]] = {k: float(v) for k, v in rec.items() if is_finite_number(v)}
+    return out
+
+
+def last_epoch(run_dir: Path) -> int:
+    records = epoch_records(run_dir)
+    return max(records) if records else 0
+
+
+def measures(records: dict[int, dict[str, float]], after: int) -> dict[str, float]:
+    """Means over the epochs after ``after``: the return, the return of the last quarter
+    of those epochs and every probe metric (epochs without a value are left out)."""
+    epochs = sorted(e for e in records if e > after)
+    if not epochs:
+        return {}
+    last = epochs[-max(1, math.ceil(len(epochs) / 4)) :]
+    out: dict[str, float] = {}
+
+    def mean(key: str, which: Sequence[int]) -> float | None:
+        values = [records[e][key] for e in which if key in records[e]]
+        return sum(values) / len(values) if values else None
+
+    for name, key, which in (("return", RETURN_KEY, epochs), ("return_last", RETURN_KEY, last)):
+        value = mean(key, which)
+        if value is not None:
+            out[name] = value
+    keys = sorted({k for e in epochs for k in records[e] if k.startswith("probes/")})
+    for key in keys:
+        value = mean(key, epochs)
+        if value is not None:
+            out[key] = value
+    return out
+
+
+def mean_std(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for one value)."""
+    n = len(values)
+    mu = sum(values) / n
+    sd = math.sqrt(sum((v - mu) ** 2 for v in values) / (n - 1)) if n > 1 else 0.0
+    return mu, sd
+
+
+def compare(
+    per_arm: dict[str, dict[str, dict[str, float]]], parents: Sequence[str]
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """``{arm: {measure: {per_parent, mean, std, diff_per_parent, diff_mean, diff_std}}}``:
+    the differences pair each child with the ``none`` child of the same parent."""
+    base = per_arm.get(NONE, {})
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for arm, by_parent in per_arm.items():
+        keys = sorted({k for p in parents for k in by_parent.get(p, {})})
+        out[arm] = {}
+        for key in keys:
+            have = [p for p in parents if key in by_parent.get(p, {})]
+            values = [by_parent[p][key] for p in have]
+            entry: dict[str, Any] = {"per_parent": dict(zip(have, values, strict=True))}
+            entry["mean"], entry["std"] = mean_std(values)
+            paired = [p for p in have if key in base.get(p, {})]
+            if paired and NONE in per_arm:
+                diffs = [by_parent[p][key] - base[p][key] for p in paired]
+                entry["diff_per_parent"] = dict(zip(paired, diffs, strict=True))
+                entry["diff_mean"], entry["diff_std"] = mean_std(diffs)
+            out[arm][key] = entry
+    return out
+
+
+# ---------------------------------------------------------------------- children
+@dataclass
+class Child:
+    arm: Arm
+    parent: Path
+    run_dir: Path
+    log: Path
+    returncode: int | None = None
+    reused: bool = False
+    errors: list[str] = field(default_factory=list)
+
+
+def child_command(child: Child, epoch: int) -> list[str]:
+    """``policy-probes fork`` for a new child; ``resume`` for one a previous call left."""
+    cli = [sys.executable, "-m", "policy_probes.cli"]
+    if held_outputs(child.run_dir):
+        return [*cli, "resume", str(child.run_dir), "--no-progress"]
+    return [
+        *cli,
+        "fork",
+        str(child.parent),
+        "--epoch",
+        str(epoch),
+        str(child.run_dir),
+        *child.arm.overrides,
+        "--no-progress",
+    ]
+
+
+def train_child(child: Child, epoch: int, end: int) -> Child:
+    if held_outputs(child.run_dir) and last_epoch(child.run_dir) >= end:
+        child.reused, child.returncode = True, 0
+        return child
+    child.run_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(child.log, "w") as log:
+        proc = subprocess.run(
+            child_command(child, epoch), stdout=log, stderr=subprocess.STDOUT, env=os.environ
+        )
+    child.returncode = proc.returncode
+    return child
+
+
+def parent_labels(parents: Sequence[Path]) -> list[str]:
+    """Directory names of the parents, numbered where two share one."""
+    names = [p.resolve().name for p in parents]
+    if len(set(names)) == len(names):
+        return names
+    return [f"{i}-{n}" for i, n in enumerate(names)]
+
+
+# ---------------------------------------------------------------------- output
+def _fmt(entry: dict[str, Any] | None, diff: bool = False) -> str:
+    if entry is None:
+        return "-"
+    if diff:
+        if "diff_mean" not in entry:
+            return "-"
+        mu, sd, n = entry["diff_mean"], entry["diff_std"], len(entry["diff_per_parent"])
+        return f"{mu:+.4g}" + (f" ± {sd:.2g}" if n > 1 else "")
+    mu, sd, n = entry["mean"], entry["std"], len(entry["per_parent"])
+    return f"{mu:.4g}" + (f" ± {sd:.2g}" if n > 1 else "")
+
+
+def table_rows(
+    comparison: dict[str, dict[str, dict[str, Any]]], shown: Sequence[str]
+) -> tuple[list[str], list[list[str]]]:
+    header = ["arm", "runs"]
+    for key in shown:
+        header += [key, f"Δ {key} vs none"]
+    rows = []
+    for arm, by_key in comparison.items():
+        runs = max((len(e["per_parent"]) for e in by_key.values()), default=0)
+        row = [arm, str(runs)]
+        for key in shown:
+            row += [_fmt(by_key.get(key)), _fmt(by_key.get(key), diff=True)]
+        rows.append(row)
+    return header, rows
+
+
+def shown_measures(comparison: dict[str, dict[str, Any]], wanted: Sequence[str]) -> list[str]:
+    """``return``, ``return_last``, then the ``--measure`` keys (default: the probes'
+    ``dormant_fraction`` of whole components, at most four)."""
+    keys = sorted({k for by_key in comparison.values() for k in by_key})
+    if wanted:
+        chosen = [k for k in keys if any(k == w or k.endswith(w) for w in wanted)]
+    else:
+        chosen = [
+            k
+            for k in keys
+            if k.endswith("/dormant_fraction") and k.count("/") == 3 and "." not in k.split("/")[2]
+        ][:4]
+    return [k for k in ("return", "return_last") if k in keys] + chosen
+
+
+def markdown(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------- command
+def run_arms(
+    parents: Sequence[Path],
+    epoch: int,
+    arms: Sequence[Arm],
+    out: Path,
+    jobs: int = 1,
+    wanted: Sequence[str] = (),
+    report: bool = True,
+) -> tuple[dict[str, Any], list[Child]]:
+    """Fork, train and compare (see the module docstring); returns the comparison as
+    written to ``out/arms.json`` and the children."""
+    parents = [Path(p) for p in parents]
+    for parent in parents:
+        if not (parent / "config.json").is_file() or not (parent / METRICS_JSONL).is_file():
+            raise ArmsError(
+                f"{str(parent)!r} is not a finished run directory (config.json and "
+                f"{METRICS_JSONL}); give runs started with `policy-probes run`"
+            )
+    ends = {p: last_epoch(p) for p in parents}
+    if len(set(ends.values())) != 1:
+        raise ArmsError(f"the parents end at different epochs ({ends}); compare runs of one length")
+    end = next(iter(ends.values()))
+    if not 1 <= epoch < end:
+        raise ArmsError(f"--epoch must be in 1 .. {end - 1} (the parents end at epoch {end})")
+    labels = parent_labels(parents)
+    out.mkdir(parents=True, exist_ok=True)
+    children = [
+        Child(arm, parent, out / label / arm.name, out / label / f"{arm.name}.log")
+        for arm in arms
+        for parent, label in zip(parents, labels, strict=True)
+    ]
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        done = list(pool.map(lambda c: train_child(c, epoch, end), children))
+    per_arm: dict[str, dict[str, dict[str, float]]] = {a.name: {} for a in arms}
+    for child, label in zip(done, labels * len(arms), strict=True):
+        if child.returncode == 0 and last_epoch(child.run_dir) >= end:
+            records = epoch_records(child.run_dir)
+            if min(records) != epoch + 1:
+                child.errors.append(f"its records start at epoch {min(records)}, not {epoch + 1}")
+                continue
+            per_arm[child.arm.name][label] = measures(records, epoch)
+        else:
+            child.errors.append(
+                f"training failed (exit status {child.returncode}; see {child.log})"
+            )
+    comparison = compare(per_arm, labels)
+    result = {
+        "parents": {label: str(p) for label, p in zip(labels, parents, strict=True)},
+        "epoch": epoch,
+        "end": end,
+        "arms": {a.name: {"overrides": a.overrides} for a in arms},
+        "children": {
+            f"{c.arm.name}/{label}": {"run_dir": str(c.run_dir), "errors": c.errors}
+            for c, label in zip(done, labels * len(arms), strict=True)
+        },
+        "comparison": comparison,
+    }
+    (out / "arms.json").write_text(json.dumps(result, indent=2) + "\n")
+    header, rows = table_rows(comparison, shown_measures(comparison, wanted))
+    intro = (
+        f"Forked at epoch {epoch} of {end}; means over epochs {epoch + 1}-{end} (return_last: "
+        f"the last quarter of them); mean ± std over {len(parents)} parent run(s); Δ: the arm "
+        f"minus the `none` child of the same parent.\n\n"
+    )
+    (out / "arms.md").write_text(intro + markdown(header, rows))
+    if report:
+        write_reports(out, arms, labels, children)
+    return result, done
+
+
+def write_reports(out: Path, arms: Sequence[Arm], labels: Sequence[str], children: list[Child]):
+    """One report per parent: the first arm's child (``none`` when given) with the other
+    arms overlaid (and the parent, dashed)."""
+    from policy_probes.report import build_report
+
+    order = sorted(arms, key=lambda a: a.name != NONE)
+    for label in labels:
+        dirs = [
+            c.run_dir
+            for arm in order
+            for c in children
+            if c.arm.name == arm.name
+            and c.run_dir.parent.name == label
+            and (c.run_dir / METRICS_JSONL).is_file()
+        ]
+        if dirs:
+            build_report(dirs[0], out / f"report-{label}.html", compare=dirs[1:])
+
+
+def add_arms_subcommand(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "arms",
+        help="fork runs at an epoch into one child per arm and compare the arms",
+        description="Fork every RUN_DIR at the end of epoch N into one child per --arm "
+        "(OUT/<run>/<arm>), train each to the parent's end, and compare the arms after the "
+        "fork: mean return, return of the last quarter and probe metrics, with the "
+        "difference to the `none` arm (mean ± std over the RUN_DIRs). Writes OUT/arms.json, "
+        "OUT/arms.md and OUT/report-<run>.html; the parents are only read "
+        "(docs/run_control.md).",
+        epilog="example:\n  policy-probes arms runs/perm-1 runs/perm-2 --epoch 240 --arm none "
+        '\\\n    --arm \'remedies=["l2_init@actor_mlp:coef=0.001","l2_init@critic_mlp:coef=0.001"]\' '
+        "\\\n    --arm 'ln:policy.layer_norm=true' --jobs 2",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR", help="parent run(s)")
+    p.add_argument("--epoch", type=positive_int, required=True, help="fork after this epoch")
+    p.add_argument(
+        "--arm",
+        action="append",
+        required=True,
+        help="'none' or '[NAME:]key=value [key=value ...]' (repeat for each arm)",
+    )
+    p.add_argument("--jobs", type=positive_int, default=1, help="children trained at once")
+    p.add_argument("--out", type=Path, default=None, help="default: RUN_DIR-arms-e<N>")
+    p.add_argument(
+        "--measure",
+        action="append",
+        default=[],
+        help="a metric key (or its ending) to show in the table besides the return",
+    )
+    p.add_argument("--no-report", action="store_true", help="skip the HTML reports")
+    p.set_defaults(handler=arms_command)
+
+
+def arms_command(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    arms = unique_arms([parse_arm(a) for a in args.arm])
+    first = args.run_dirs[0]
+    out = args.out or first.parent / f"{first.resolve().name}-arms-e{args.epoch}"
+    result, children = run_arms(
+        args.run_dirs, args.epoch, arms, out, args.jobs, args.measure, not args.no_report
+    )
+    header, rows = table_rows(
+        result["comparison"], shown_measures(result["comparison"], args.measure)
+    )
+    table = Table(title=f"arms forked at epoch {result['epoch']} of {result['end']}")
+    for col in header:
+        table.add_column(col)
+    for row in rows:
+        table.add_row(*row)
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=max(console.width, 200))  # a log: no column squeezed
+    console.print(table)
+    console.print(f"comparison: {out / 'arms.json'}, {out / 'arms.md'}", soft_wrap=True)
+    failed = [c for c in children if c.errors]
+    for c in failed:
+        console.print(f"[red]{c.arm.name} from {c.parent}: {'; '.join(c.errors)}[/red]")
+    return 1 if failed else 0

@@ -1,0 +1,288 @@
+"""Continual backprop (CBP; Dohare, Hernandez-Garcia, Lan, Rahman, Mahmood, Sutton 2024,
+"Loss of plasticity in deep continual learning", Nature; reference code
+shibhansh/loss-of-plasticity, ``lop/algos/gnt.py``).
+
+For every hidden unit ``i`` of the component's unit layers (a Linear or convolution
+followed by an activation; :mod:`~policy_probes.remedies.structure`) the remedy keeps its
+own running *contribution utility*, its *age* (optimizer steps since it was created) and,
+after every optimizer step,
+
+1. ``age_i += 1``; ``u_i <- eta * u_i + (1 - eta) * mean|h_i| * sum_k |w_ik|``, where
+   ``mean|h_i|`` is the unit's mean absolute activation over the samples of the step's
+   training forwards (and over positions for a convolution; forwards with gradients
+   enabled only) and ``w_ik`` its outgoing weights after the step;
+2. with ``E`` the units older than ``maturity_threshold`` (``age > m``), it adds
+   ``replacement_rate * |E|`` to a running count and replaces the integer part ``n`` of
+   it (the count keeps the fraction): the ``n`` units of ``E`` with the lowest
+   bias-corrected utility ``u_i / (1 - eta^age_i)`` (ties: lowest index first);
+3. a replaced unit gets fresh incoming weights from the layer's own initialiser (one seed
+   per replacing layer and step from the remedy's generator), zero outgoing weights (so
+   the outputs are unchanged at that moment), zero optimizer moments on exactly those
+   weights (``step`` kept, :mod:`~policy_probes.remedies.optim_state`), utility 0 and age 0.
+
+Defaults are Dohare et al.'s PPO settings (``lop/rl/cfg/ant/cbp.yml``: ``rr: 1e-4``,
+``mt: 10000``; decay 0.99, the GnT default and the paper's eta). Differences to the
+reference code: the outgoing-weight magnitude is a sum (the paper's formula; the code
+uses the mean, which ranks units of one layer identically), the fractional count is
+always accumulated (the code's ``accumulate=True``; its default draws a random number),
+and the next layer's bias is not corrected by the replaced units' mean activation (the
+outputs stay exactly those of the model with the outgoing weights zeroed).
+
+Host synchronisation: none per step. Which units are eligible is counted on the host from
+the replacement counts of the last ``maturity_threshold`` steps (a unit replaced at step
+``r`` is ineligible until step ``r + m``), so the number to replace is known without
+reading the device; the selection and the replacement run on the device.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules import conv
+
+from policy_probes.probes.layout import ACTIVATION_MODULES
+from policy_probes.remedies.base import RemedyTarget
+from policy_probes.remedies.dormant_recycling import recycle
+from policy_probes.remedies.fresh_init import draw_seed
+from policy_probes.remedies.step_remedy import StepRemedy, StepState
+from policy_probes.remedies.structure import RECURRENT, UnitLayer, leaves, unit_layers
+
+
+@dataclass
+class CBPLayer:
+    """One unit layer's CBP state."""
+
+    layer: UnitLayer
+    util: torch.Tensor
+    ages: torch.Tensor
+    h_sum: torch.Tensor
+    h_count: int = 0
+    #: fraction of a unit still to replace
+    pending: float = 0.0
+    #: (step, units replaced) of the last maturity_threshold steps
+    recent: deque = field(default_factory=deque)
+    replaced_epoch: int = 0
+
+
+@dataclass
+class CBPState(StepState):
+    layers: list[CBPLayer] = field(default_factory=list)
+    #: steps with features since the remedy was attached
+    step: int = 0
+
+
+def output_magnitude(layer: UnitLayer) -> torch.Tensor:
+    """``sum_k |w_ik|`` per unit over every consumer's input columns of the unit."""
+    total = None
+    for c in layer.consumers:
+        w = getattr(c.module, c.weight_name).detach().abs()
+        per_col = w.sum(dim=[d for d in range(w.dim()) if d != 1])
+        per_unit = per_col.view(layer.units, c.block).sum(1)
+        total = per_unit if total is None else total + per_unit
+    return total
+
+
+def activation_after(component: nn.Module, producer: nn.Module) -> nn.Module:
+    """The activation module that follows ``producer`` among the component's leaves."""
+    items = leaves(component)
+    start = next(i for i, (_, m) in enumerate(items) if m is producer)
+    for _, m in items[start + 1 :]:
+        if isinstance(m, ACTIVATION_MODULES):
+            return m
+    raise ValueError(f"no activation module follows {type(producer).__name__}")
+
+
+class ContinualBackprop(StepRemedy):
+    """See the module docstring; build with :func:`continual_backprop`."""
+
+    name = "continual_backprop"
+
+    def __init__(
+        self,
+        *,
+        replacement_rate: float = 1e-4,
+        maturity_threshold: int = 10_000,
+        decay: float = 0.99,
+        consumer: str | Sequence[str] | None = None,
+        seed: int | None = None,
+    ) -> None:
+        if isinstance(replacement_rate, bool) or not 0.0 < float(replacement_rate) <= 1.0:
+            raise ValueError(f"replacement_rate must be in (0, 1], got {replacement_rate!r}")
+        if isinstance(maturity_threshold, bool) or int(maturity_threshold) != maturity_threshold:
+            raise ValueError(f"maturity_threshold must be an integer, got {maturity_threshold!r}")
+        if int(maturity_threshold) < 0:
+            raise ValueError(f"maturity_threshold must be >= 0, got {maturity_threshold!r}")
+        if isinstance(decay, bool) or not 0.0 <= float(decay) < 1.0:
+            raise ValueError(f"decay must be in [0, 1), got {decay!r}")
+        super().__init__(seed=seed)
+        self.replacement_rate = float(replacement_rate)
+        self.maturity_threshold = int(maturity_threshold)
+        self.decay = float(decay)
+        self.consumer = (consumer,) if isinstance(consumer, str) else consumer
+
+    def settings(self) -> dict[str, Any]:
+        return {
+            "replacement_rate": self.replacement_rate,
+            "maturity_threshold": self.maturity_threshold,
+            "decay": self.decay,
+            "consumer": None if self.consumer is None else list(self.consumer),
+        }
+
+    def prepare(self, target: RemedyTarget) -> CBPState:
+        names = self.consumer
+        if names is None:
+            names = (getattr(target.policy, "component_consumers", None) or {}).get(
+                target.component, ()
+            )
+            names = (names,) if isinstance(names, str) else names
+        external = [(n, target.policy.get_component(n)) for n in names]
+        found = unit_layers(target.component, target.module, external, remedy="continual_backprop")
+        state = CBPState()
+        for layer in found:
+            if isinstance(layer.producer, RECURRENT):
+                raise ValueError(
+                    f"continual_backprop on {target.component!r}: {layer.producer_name!r} is a "
+                    f"recurrent layer; CBP replaces units of nn.Linear and nn.Conv1d/2d/3d layers"
+                )
+            w = layer.producer.weight
+            zeros = torch.zeros(layer.units, device=w.device, dtype=torch.float32)
+            state.layers.append(
+                CBPLayer(
+                    layer,
+                    util=zeros.clone(),
+                    ages=torch.zeros(layer.units, device=w.device, dtype=torch.long),
+                    h_sum=zeros.clone(),
+                )
+            )
+        return state
+
+    def start(self, target: RemedyTarget, prepared: CBPState, generator: torch.Generator) -> None:
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise RuntimeError(
+                "continual_backprop supports single-process runs only (each rank's utilities "
+                "would come from its own samples, and the ranks would replace different units)"
+            )
+        super().start(target, prepared, generator)
+        for entry in prepared.layers:
+            act = activation_after(target.module, entry.layer.producer)
+            conv_layer = isinstance(entry.layer.producer, conv._ConvNd)
+            prepared.handles.append(
+                act.register_forward_hook(self._features_hook(entry, conv_layer))
+            )
+
+    @staticmethod
+    def _features_hook(entry: CBPLayer, conv_layer: bool) -> Any:
+        def hook(module: nn.Module, args: Any, output: torch.Tensor) -> None:
+            if not torch.is_grad_enabled():  # rollouts, evaluation: not a training forward
+                return
+            h = output.detach().abs()
+            if conv_layer:  # (N, C, *spatial): mean over positions, sum over samples
+                entry.h_sum += h.flatten(2).mean(2).sum(0).float()
+                entry.h_count += h.shape[0]
+            else:  # (..., units)
+                rows = h.reshape(-1, entry.layer.units)
+                entry.h_sum += rows.sum(0).float()
+                entry.h_count += rows.shape[0]
+
+        return hook
+
+    def after_step(
+        self, target: RemedyTarget, prepared: CBPState, generator: torch.Generator
+    ) -> None:
+        if not any(e.h_count for e in prepared.layers):
+            return  # no training forward since the last step: nothing to measure
+        prepared.step += 1
+        t, m, eta = prepared.step, self.maturity_threshold, self.decay
+        for entry in prepared.layers:
+            if entry.h_count:
+                contribution = (entry.h_sum / entry.h_count) * output_magnitude(entry.layer)
+                entry.util.mul_(eta).add_(contribution, alpha=1.0 - eta)
+            entry.h_sum.zero_()
+            entry.h_count = 0
+            entry.ages += 1
+            while entry.recent and entry.recent[0][0] < t - m:
+                entry.recent.popleft()
+            eligible = 0 if t <= m else entry.layer.units - sum(n for _, n in entry.recent)
+            entry.pending += self.replacement_rate * eligible
+            n = int(entry.pending)
+            if n == 0:
+                continue
+            entry.pending -= n
+            ages = entry.ages
+            corrected = entry.util / (1.0 - torch.pow(torch.full_like(entry.util, eta), ages))
+            corrected = torch.where(ages > m, corrected, torch.full_like(corrected, float("inf")))
+            units = torch.sort(corrected, stable=True).indices[:n]
+            recycle(entry.layer, units, draw_seed(generator), target.optimizer)
+            entry.util.index_fill_(0, units, 0.0)
+            entry.ages.index_fill_(0, units, 0)
+            entry.recent.append((t, n))
+            entry.replaced_epoch += n
+
+    def epoch_report(self, target: RemedyTarget, prepared: CBPState) -> dict[str, float]:
+        out: dict[str, float] = {}
+        total = 0
+        for entry in prepared.layers:
+            out[f"{entry.layer.name}/units_reset"] = float(entry.replaced_epoch)
+            total += entry.replaced_epoch
+            entry.replaced_epoch = 0
+        out["units_reset"] = float(total)
+        if out.get(f"{target.component}/units_reset") is not None:
+            out.pop(f"{target.component}/units_reset")  # the component total says it
+        return out
+
+    def state_dict(self, prepared: CBPState) -> dict[str, Any]:
+        return {
+            **super().state_dict(prepared),
+            "step": prepared.step,
+            "layers": {
+                e.layer.name: {
+                    "util": e.util.clone(),
+                    "ages": e.ages.clone(),
+                    "h_sum": e.h_sum.clone(),
+                    "h_count": e.h_count,
+                    "pending": e.pending,
+                    "recent": list(e.recent),
+                    "replaced_epoch": e.replaced_epoch,
+                }
+                for e in prepared.layers
+            },
+        }
+
+    def load_state_dict(self, prepared: CBPState, state: Any) -> None:
+        super().load_state_dict(prepared, state)
+        prepared.step = int(state["step"])
+        for e in prepared.layers:
+            saved = state["layers"][e.layer.name]
+            e.util.copy_(saved["util"])
+            e.ages.copy_(saved["ages"])
+            e.h_sum.copy_(saved["h_sum"])
+            e.h_count = int(saved["h_count"])
+            e.pending = float(saved["pending"])
+            e.recent = deque((int(s), int(n)) for s, n in saved["recent"])
+            e.replaced_epoch = int(saved["replaced_epoch"])
+
+
+def continual_backprop(
+    replacement_rate: float = 1e-4,
+    maturity_threshold: int = 10_000,
+    decay: float = 0.99,
+    *,
+    consumer: str | Sequence[str] | None = None,
+    seed: int | None = None,
+) -> ContinualBackprop:
+    """Continual backprop on the component it is attached to, after every optimizer step
+    (:mod:`policy_probes.remedies.continual_backprop`). ``consumer``: the component(s)
+    reading the component's output (default: the policy's ``component_consumers``)."""
+    return ContinualBackprop(
+        replacement_rate=replacement_rate,
+        maturity_threshold=maturity_threshold,
+        decay=decay,
+        consumer=consumer,
+        seed=seed,
+    )

@@ -1,0 +1,131 @@
+"""L2 towards the initial parameters ("L2 Init"; Kumar, Marklund, Van Roy 2023,
+"Maintaining Plasticity in Continual Learning via Regenerative Regularization"; in PPO:
+Juliani & Ash 2024, "A Study of Plasticity Loss in On-Policy Deep Reinforcement
+Learning"; Dohare et al. 2024 pair L2 with CBP).
+
+Before every optimizer step, for every parameter of the chosen layers of the component
+that has a gradient,
+
+    grad <- grad + coef * (theta - theta_0)
+
+the gradient of ``coef / 2 * ||theta - theta_0||^2``: the regularised objective, applied in
+the step without changing the loss the loop computes and logs. ``theta_0`` are the
+parameters when the remedy is attached; the built-in ``TrainTool`` attaches remedies to
+the freshly built (seeded) policy before a resume or fork loads a checkpoint, so
+``theta_0`` is the run's initialisation there too (a fork's is its parent's: same recipe,
+same seed). The term is added after the loop's gradient clipping.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from policy_probes.remedies.base import RemedyTarget
+from policy_probes.remedies.step_remedy import StepRemedy, StepState
+from policy_probes.remedies.structure import parametrised_leaves
+
+
+@dataclass
+class L2State(StepState):
+    params: list[tuple[str, nn.Parameter]] = field(default_factory=list)
+    anchors: list[torch.Tensor] = field(default_factory=list)
+
+
+def chosen_leaves(
+    remedy: str, target: RemedyTarget, layers: Sequence[str] | None
+) -> list[tuple[str, nn.Module]]:
+    """The parametrised leaves of the component, or those ``layers`` (dotted names inside
+    the component) name; a ``ValueError`` lists the names for an unknown one."""
+    found = parametrised_leaves(target.component, target.module)
+    if layers is None:
+        return found
+    by_name = dict(found)
+    out = []
+    for layer in layers:
+        full = f"{target.component}.{layer}" if layer else target.component
+        if full not in by_name:
+            raise ValueError(
+                f"{remedy} on {target.component!r}: no parametrised layer {layer!r}; choose "
+                f"from {[n for n, _ in found]} (names inside the component, without "
+                f"{target.component + '.'!r})"
+            )
+        out.append((full, by_name[full]))
+    return out
+
+
+class L2Init(StepRemedy):
+    """See the module docstring; build with :func:`l2_init`."""
+
+    name = "l2_init"
+
+    def __init__(
+        self,
+        *,
+        coef: float = 1e-3,
+        layers: Sequence[str] | str | None = None,
+        seed: int | None = None,
+    ) -> None:
+        if isinstance(coef, bool) or not float(coef) > 0:
+            raise ValueError(f"coef must be > 0, got {coef!r}")
+        super().__init__(seed=seed)
+        self.coef = float(coef)
+        self.layers = (
+            [layers] if isinstance(layers, str) else None if layers is None else list(layers)
+        )
+
+    def settings(self) -> dict[str, Any]:
+        return {"coef": self.coef, "layers": self.layers}
+
+    def prepare(self, target: RemedyTarget) -> L2State:
+        state = L2State()
+        for name, module in chosen_leaves("l2_init", target, self.layers):
+            for pname, p in module.named_parameters(recurse=False):
+                state.params.append((f"{name}.{pname}", p))
+                state.anchors.append(p.detach().clone())
+        return state
+
+    def before_step(self, target: RemedyTarget, prepared: L2State, generator: Any) -> None:
+        with torch.no_grad():
+            for (_, p), anchor in zip(prepared.params, prepared.anchors, strict=True):
+                if p.grad is not None:
+                    p.grad.add_(p.detach() - anchor, alpha=self.coef)
+
+    def epoch_report(self, target: RemedyTarget, prepared: L2State) -> dict[str, float]:
+        with torch.no_grad():
+            total = sum(
+                (p.detach() - a).double().square().sum()
+                for (_, p), a in zip(prepared.params, prepared.anchors, strict=True)
+            )
+        return {"distance": float(torch.as_tensor(total).sqrt())}  # once per epoch
+
+    def state_dict(self, prepared: L2State) -> dict[str, Any]:
+        return {
+            **super().state_dict(prepared),
+            "anchors": {
+                n: a.clone() for (n, _), a in zip(prepared.params, prepared.anchors, strict=True)
+            },
+        }
+
+    def load_state_dict(self, prepared: L2State, state: Any) -> None:
+        super().load_state_dict(prepared, state)
+        saved = state.get("anchors") or {}
+        for (name, _), anchor in zip(prepared.params, prepared.anchors, strict=True):
+            if name in saved:
+                anchor.copy_(saved[name])
+
+
+def l2_init(
+    coef: float = 1e-3,
+    layers: Sequence[str] | str | None = None,
+    *,
+    seed: int | None = None,
+) -> L2Init:
+    """L2 towards the initial parameters of the component it is attached to, at every
+    optimizer step (``grad += coef * (theta - theta_0)``; :mod:`policy_probes.remedies.l2_init`).
+    ``layers``: names inside the component (default: all its parametrised layers)."""
+    return L2Init(coef=coef, layers=layers, seed=seed)

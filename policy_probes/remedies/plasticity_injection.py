@@ -1,0 +1,185 @@
+"""Plasticity injection (Nikishin, Oh, Ostrovski, Lyle, Pascanu, Dabney, Barreto 2023,
+"Deep Reinforcement Learning with Plasticity Injection", NeurIPS).
+
+At its firing (the first epoch its trigger is due; it injects once) the component
+``h_theta`` (e.g. ``actor_mlp``, or a head) is frozen and its output becomes
+
+    h_theta(x) + h_theta'(x) - h_theta'_0(x)
+
+where ``theta'`` is a fresh initialisation of the component (its layers' own
+``reset_parameters()``, one seed per layer from the remedy's generator) and
+``theta'_0`` a frozen copy of it: the two new terms cancel exactly, so the outputs are
+bit-identical at the moment of injection, and from then on only ``theta'`` trains. The
+paper's diagnostic: if injecting at epoch k improves learning, the network had been
+losing plasticity by k.
+
+How it is built: a forward hook on the component adds ``h_theta'(x) - h_theta'_0(x)`` to
+its output (so probes on the component see the injected output; probes on its inner
+layers see the frozen ``h_theta`` only); ``theta`` stops training
+(``requires_grad=False``); ``theta'`` is trained by an optimizer of the loop's
+optimizer's class and hyperparameters (learning rate, betas, eps, weight decay copied
+from its first parameter group at every step, so schedules apply), stepped right after
+the loop's optimizer. ``theta'``, ``theta'_0`` and that optimizer's state live in the
+remedy's state (checkpoints carry it; a resumed run rebuilds the injection), not in the
+policy's ``state_dict``. Limitations: the loop's global gradient-norm clipping does not
+include ``theta'`` (its gradients are not clipped); single-process runs only (under DDP
+the new parameters would not be all-reduced). For a single ``nn.Linear`` the injected
+output is linear in the parameters, so injection only restarts the optimizer state:
+inject into a component with a nonlinearity (an MLP) to add plasticity.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from policy_probes.remedies.base import Remedy, RemedyTarget
+from policy_probes.remedies.fresh_init import check_resettable, draw_seed, fresh_parameters
+from policy_probes.remedies.structure import layer_units, parametrised_leaves
+from policy_probes.remedies.trigger import Threshold
+from policy_probes.torch_internals import HOOK_DICTS
+
+
+@dataclass
+class Injection:
+    """The injected copy of one component, once injected."""
+
+    layers: list[tuple[str, nn.Module]]
+    target: RemedyTarget | None = None
+    trainable: nn.Module | None = None
+    frozen: nn.Module | None = None
+    optimizer: torch.optim.Optimizer | None = None
+    handles: list[Any] = field(default_factory=list)
+
+
+def hook_free_copy(module: nn.Module) -> nn.Module:
+    """A deep copy of ``module`` without the torch hooks its modules carry (probes) and
+    without gradients; the hooks are set aside while copying, never copied."""
+    saved = [(m, name, getattr(m, name)) for m in module.modules() for name in HOOK_DICTS]
+    try:
+        for m, name, _ in saved:
+            setattr(m, name, OrderedDict())
+        twin = copy.deepcopy(module)
+    finally:
+        for m, name, hooks in saved:
+            setattr(m, name, hooks)
+    for p in twin.parameters():
+        p.grad = None
+    return twin
+
+
+def _optimizer_settings(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    group = optimizer.param_groups[0]
+    return {k: v for k, v in group.items() if k not in ("params", "initial_lr")}
+
+
+class PlasticityInjection(Remedy):
+    """See the module docstring; build with :func:`plasticity_injection`."""
+
+    name = "plasticity_injection"
+
+    def prepare(self, target: RemedyTarget) -> Injection:
+        layers = parametrised_leaves(target.component, target.module)
+        check_resettable(f"plasticity_injection on {target.component!r}", layers)
+        return Injection(layers)
+
+    def apply(
+        self, target: RemedyTarget, prepared: Injection, generator: torch.Generator
+    ) -> dict[str, int] | None:
+        if prepared.trainable is not None:
+            return None  # injects once: a later due epoch does not fire
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise RuntimeError(
+                "plasticity_injection supports single-process runs only (the injected "
+                "parameters would not be all-reduced across ranks)"
+            )
+        trainable = hook_free_copy(target.module)
+        names = [n for n, _ in prepared.layers]
+        by_name = dict(
+            (f"{target.component}.{n}" if n else target.component, m)
+            for n, m in trainable.named_modules()
+        )
+        out: dict[str, int] = {}
+        with torch.no_grad():
+            for name in names:
+                module = by_name[name]
+                fresh = fresh_parameters(module, draw_seed(generator))
+                for pname, p in module.named_parameters(recurse=False):
+                    p.copy_(fresh[pname].to(p))
+                out[name] = layer_units(module)
+        self._install(target, prepared, trainable, hook_free_copy(trainable))
+        return out
+
+    def _install(
+        self, target: RemedyTarget, prepared: Injection, trainable: nn.Module, frozen: nn.Module
+    ) -> None:
+        frozen.requires_grad_(False)
+        trainable.requires_grad_(True)
+        target.module.requires_grad_(False)
+        for p in target.module.parameters():
+            p.grad = None
+        prepared.trainable, prepared.frozen = trainable, frozen
+        main = target.optimizer
+        prepared.optimizer = type(main)(trainable.parameters(), **_optimizer_settings(main))
+
+        def add_copy(module: nn.Module, args: Any, kwargs: Any, output: torch.Tensor) -> Any:
+            return output + (trainable(*args, **kwargs) - frozen(*args, **kwargs))
+
+        def step_copy(*_: Any) -> None:
+            opt = prepared.optimizer
+            opt.param_groups[0].update(_optimizer_settings(main))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        prepared.handles = [
+            target.module.register_forward_hook(add_copy, with_kwargs=True),
+            main.register_step_post_hook(step_copy),
+        ]
+
+    def state_dict(self, prepared: Injection) -> dict[str, Any]:
+        if prepared.trainable is None:
+            return {"injected": False}
+        return {
+            "injected": True,
+            "trainable": prepared.trainable.state_dict(),
+            "frozen": prepared.frozen.state_dict(),
+            "optimizer": prepared.optimizer.state_dict(),
+        }
+
+    def load_state_dict(self, prepared: Injection, state: Any) -> None:
+        if not state.get("injected") or prepared.trainable is not None:
+            return
+        target = prepared.target
+        trainable, frozen = hook_free_copy(target.module), hook_free_copy(target.module)
+        trainable.load_state_dict(state["trainable"])
+        frozen.load_state_dict(state["frozen"])
+        self._install(target, prepared, trainable, frozen)
+        prepared.optimizer.load_state_dict(state["optimizer"])
+
+    def start(self, target: RemedyTarget, prepared: Injection, generator: torch.Generator) -> None:
+        prepared.target = target
+
+
+def plasticity_injection(
+    every_epochs: int | None = None,
+    when: str | Threshold | None = None,
+    *,
+    start_epoch: int = 0,
+    cooldown: int = 0,
+    seed: int | None = None,
+) -> PlasticityInjection:
+    """Plasticity injection into the component it is attached to, once, at the first
+    epoch its trigger is due (:mod:`policy_probes.remedies.plasticity_injection`)."""
+    return PlasticityInjection(
+        every_epochs=every_epochs,
+        when=when,
+        start_epoch=start_epoch,
+        cooldown=cooldown,
+        seed=seed,
+    )

@@ -1,0 +1,83 @@
+"""Soft shrink-and-perturb: a small shrink-and-perturb after every optimizer step
+(Ash & Adams 2020 for the operation; Juliani & Ash 2024, "A Study of Plasticity Loss in
+On-Policy Deep Reinforcement Learning", for applying it softly, every step, in PPO).
+
+After every optimizer step, every parameter of the chosen layers of the component becomes
+
+    theta <- shrink * theta + noise * theta_init
+
+where ``theta_init`` is a fresh initialisation of the layer (its own
+``reset_parameters()``, one seed per layer per step drawn from the remedy's generator:
+:mod:`~policy_probes.remedies.fresh_init`), as :mod:`~policy_probes.remedies.shrink_perturb`
+does at a firing. ``shrink`` close to 1 and ``noise`` small keep each step's change small.
+The optimizer state is kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from policy_probes.remedies.base import RemedyTarget
+from policy_probes.remedies.fresh_init import check_resettable, refresh_layers
+from policy_probes.remedies.l2_init import chosen_leaves
+from policy_probes.remedies.step_remedy import StepRemedy, StepState
+
+
+@dataclass
+class SoftState(StepState):
+    layers: list[tuple[str, nn.Module]] = field(default_factory=list)
+
+
+class SoftShrinkPerturb(StepRemedy):
+    """See the module docstring; build with :func:`soft_shrink_perturb`."""
+
+    name = "soft_shrink_perturb"
+
+    def __init__(
+        self,
+        *,
+        shrink: float = 0.9999,
+        noise: float = 1e-4,
+        layers: Sequence[str] | str | None = None,
+        seed: int | None = None,
+    ) -> None:
+        if isinstance(shrink, bool) or not 0.0 < float(shrink) <= 1.0:
+            raise ValueError(f"shrink must be in (0, 1], got {shrink!r}")
+        if isinstance(noise, bool) or not float(noise) >= 0.0:
+            raise ValueError(f"noise must be >= 0, got {noise!r}")
+        super().__init__(seed=seed)
+        self.shrink, self.noise = float(shrink), float(noise)
+        self.layers = (
+            [layers] if isinstance(layers, str) else None if layers is None else list(layers)
+        )
+
+    def settings(self) -> dict[str, Any]:
+        return {"shrink": self.shrink, "noise": self.noise, "layers": self.layers}
+
+    def prepare(self, target: RemedyTarget) -> SoftState:
+        layers = chosen_leaves("soft_shrink_perturb", target, self.layers)
+        check_resettable(f"soft_shrink_perturb on {target.component!r}", layers)
+        return SoftState(layers=layers)
+
+    def after_step(
+        self, target: RemedyTarget, prepared: SoftState, generator: torch.Generator
+    ) -> None:
+        shrink, noise = self.shrink, self.noise
+        refresh_layers(prepared.layers, generator, lambda p, f: p.mul_(shrink).add_(f, alpha=noise))
+
+
+def soft_shrink_perturb(
+    shrink: float = 0.9999,
+    noise: float = 1e-4,
+    layers: Sequence[str] | str | None = None,
+    *,
+    seed: int | None = None,
+) -> SoftShrinkPerturb:
+    """``theta <- shrink * theta + noise * theta_init`` after every optimizer step on the
+    component it is attached to (:mod:`policy_probes.remedies.soft_shrink_perturb`)."""
+    return SoftShrinkPerturb(shrink=shrink, noise=noise, layers=layers, seed=seed)

@@ -1,0 +1,89 @@
+"""Remedies that act at every optimizer step instead of at triggered epoch ends.
+
+They hook the loop's optimizer (``register_step_pre_hook`` / ``register_step_post_hook``)
+when they are bound, so they act on every ``optimizer.step()`` from then on, whatever
+loop calls it. They have no trigger (``trigger = None``); at the end of every epoch the
+runner logs what they did (:meth:`StepRemedy.epoch_metrics`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from policy_probes.remedies.base import Remedy, RemedyTarget
+
+
+@dataclass
+class StepState:
+    """Per-component state of a step remedy: the hook handles and the optimizer steps it
+    acted on in the epoch under way."""
+
+    handles: list[Any] = field(default_factory=list)
+    steps: int = 0
+
+    def remove(self) -> None:
+        """Take the optimizer hooks off."""
+        while self.handles:
+            self.handles.pop().remove()
+
+
+class StepRemedy(Remedy):
+    """Base of the per-step remedies: subclasses implement :meth:`prepare` (returning a
+    :class:`StepState`), :meth:`before_step` and/or :meth:`after_step`."""
+
+    trigger = None
+
+    def __init__(self, *, seed: int | None = None) -> None:
+        if seed is not None and (isinstance(seed, bool) or int(seed) < 0):
+            raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+        self.seed = None if seed is None else int(seed)
+
+    def reads_components(self, component: str) -> list[str]:
+        return []
+
+    def start(self, target: RemedyTarget, prepared: StepState, generator: torch.Generator) -> None:
+        opt = target.optimizer
+        if type(self).before_step is not StepRemedy.before_step:
+            prepared.handles.append(
+                opt.register_step_pre_hook(lambda *_: self.before_step(target, prepared, generator))
+            )
+        prepared.handles.append(  # always: it counts the steps
+            opt.register_step_post_hook(lambda *_: self._after(target, prepared, generator))
+        )
+
+    def _after(self, target: RemedyTarget, prepared: StepState, generator: torch.Generator) -> None:
+        with torch.no_grad():
+            self.after_step(target, prepared, generator)
+        prepared.steps += 1
+
+    def before_step(
+        self, target: RemedyTarget, prepared: StepState, generator: torch.Generator
+    ) -> None:
+        """Called before every ``optimizer.step()`` (gradients are final)."""
+
+    def after_step(
+        self, target: RemedyTarget, prepared: StepState, generator: torch.Generator
+    ) -> None:
+        """Called after every ``optimizer.step()``, under ``no_grad``."""
+
+    def epoch_metrics(self, target: RemedyTarget, prepared: StepState) -> dict[str, float]:
+        steps, prepared.steps = prepared.steps, 0
+        return {"steps": float(steps), **self.epoch_report(target, prepared)}
+
+    def epoch_report(self, target: RemedyTarget, prepared: StepState) -> dict[str, float]:
+        """Remedy-specific per-epoch metrics (once per epoch: host transfers are fine)."""
+        return {}
+
+    def state_dict(self, prepared: StepState) -> dict[str, Any]:
+        return {"steps": prepared.steps}
+
+    def load_state_dict(self, prepared: StepState, state: Any) -> None:
+        prepared.steps = int(state.get("steps", 0))
+
+    def __repr__(self) -> str:
+        args = {**self.settings(), "seed": self.seed}
+        text = ", ".join(f"{k}={v!r}" for k, v in args.items() if v is not None)
+        return f"{self.name}({text})"
