@@ -162,3 +162,18 @@ def recipe(tmp_path_factory) -> tuple[str, dict[str, torch.Tensor]]:
     directory = tmp_path_factory.mktemp("recipe")
     target = write_recipe(directory)
     return target, baseline_params(target, directory / "baseline")
+
+
+@pytest.fixture(autouse=True)
+def _no_eager_stance_across_tests():
+    """A probed policy a test leaves armed holds ``force_eager`` for the whole process
+    (:mod:`policy_probes.compiled`); the next test starts from the default stance."""
+    yield
+    from policy_probes import compiled
+
+    if compiled._holders:
+        import gc
+
+        gc.collect()  # policies dropped while armed give their claims back
+    for key in list(compiled._holders):
+        compiled._release(key)
