@@ -154,10 +154,7 @@ RULES: tuple[Rule, ...] = (
         threshold_source=f"{PROJECT}; parameter-norm growth is one of the three mechanisms "
         "of Lyle et al., 2024",
         docs=DOCS + "weights.md",
-        remedies=(
-            "shrink_and_perturb",
-            "L2 / L2-to-init, LayerNorm (not in policy_probes.remedies)",
-        ),
+        remedies=("l2_init", "soft_shrink_perturb", "policy.layer_norm=true"),
         meaning="larger weights make units harder to move and the loss surface sharper",
     ),
     Rule(
@@ -170,7 +167,7 @@ RULES: tuple[Rule, ...] = (
         floor=1e-9,
         threshold_source=f"{PROJECT} (an annealed learning rate lowers it by design)",
         docs=DOCS + "weights.md",
-        remedies=("shrink_and_perturb", "reset_layers"),
+        remedies=("soft_shrink_perturb", "l2_init", "reset_layers"),
         meaning="each epoch's updates move the layer by a fifth or less of what they did at "
         "the start",
     ),
@@ -185,7 +182,7 @@ RULES: tuple[Rule, ...] = (
         threshold_source=f"{PROJECT}; pre-activation shift is one of the three mechanisms of "
         "Lyle et al., 2024",
         docs=DOCS + "preactivation.md",
-        remedies=("LayerNorm (not in policy_probes.remedies)", "reset_layers"),
+        remedies=("policy.layer_norm=true", "soft_shrink_perturb", "reset_layers"),
         meaning="the mean pre-activation of the layer's units moved by more than one early "
         "standard deviation: units drift into saturation or into the dead side of the ReLU",
     ),
@@ -228,7 +225,7 @@ RULES: tuple[Rule, ...] = (
         threshold_source=f"{PROJECT}; the utility is continual backprop's (Dohare et al., "
         "Nature 2024)",
         docs=DOCS + "utility.md",
-        remedies=("redo", "continual backprop (not in policy_probes.remedies)"),
+        remedies=("continual_backprop", "redo"),
         meaning="units whose contribution |h| * sum|w_out| is negligible next to the layer's",
     ),
     Rule(
@@ -242,7 +239,7 @@ RULES: tuple[Rule, ...] = (
         threshold_source=f"{PROJECT}; target scale is one of the three mechanisms of Lyle "
         "et al., 2024",
         docs="docs/trainer.md",
-        remedies=("return / reward normalisation", "LayerNorm (not in policy_probes.remedies)"),
+        remedies=("return / reward normalisation", "policy.layer_norm=true"),
         meaning="the value head regresses on targets four times as spread as at the start",
     ),
 )
