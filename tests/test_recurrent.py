@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -535,33 +537,28 @@ N_ENVS, N_STEPS, BATCH, N_EPOCHS, CYCLES = 2, 16, 16, 2, 2
 ROWS = N_ENVS * N_STEPS
 
 
-def test_recurrent_ppo_reads_its_padding_mask_and_matches_plain_hooks(tmp_path) -> None:
+def recurrent_ppo() -> Any:
+    """sb3-contrib's RecurrentPPO on CartPole with small ReLU MLPs and LSTMs."""
     from sb3_contrib import RecurrentPPO
     from stable_baselines3.common.env_util import make_vec_env
 
-    from policy_probes.integrations.sb3 import ProbeCallback
-    from policy_probes.sinks import SinksConfig
+    return RecurrentPPO(
+        "MlpLstmPolicy",
+        make_vec_env("CartPole-v1", n_envs=N_ENVS, seed=0),
+        n_steps=N_STEPS,
+        batch_size=BATCH,
+        n_epochs=N_EPOCHS,
+        policy_kwargs=dict(
+            activation_fn=nn.ReLU, lstm_hidden_size=8, net_arch=dict(pi=[8], vf=[8])
+        ),
+        device="cpu",
+        seed=0,
+    )
 
-    def recurrent_ppo() -> RecurrentPPO:
-        return RecurrentPPO(
-            "MlpLstmPolicy",
-            make_vec_env("CartPole-v1", n_envs=N_ENVS, seed=0),
-            n_steps=N_STEPS,
-            batch_size=BATCH,
-            n_epochs=N_EPOCHS,
-            policy_kwargs=dict(
-                activation_fn=nn.ReLU, lstm_hidden_size=8, net_arch=dict(pi=[8], vf=[8])
-            ),
-            device="cpu",
-            seed=0,
-        )
 
-    bare = recurrent_ppo()
-    bare.learn(CYCLES * ROWS)
-    model = recurrent_ppo()
-    policy = model.policy
-    # independent records: each training minibatch's mask (from the buffer itself) and
-    # plain torch hooks on the LSTM, the actor MLP and the action head
+def record_masks(model: Any) -> list[tuple[int, torch.Tensor]]:
+    """Each training minibatch's padding mask, (sequences, steps), read from the rollout
+    buffer itself, with the agent step of its cycle: an independent record of the rows."""
     buffer = model.rollout_buffer
     masks: list[tuple[int, torch.Tensor]] = []
     plain_get_samples = buffer._get_samples
@@ -573,6 +570,21 @@ def test_recurrent_ppo_reads_its_padding_mask_and_matches_plain_hooks(tmp_path) 
         return sample
 
     buffer._get_samples = get_samples
+    return masks
+
+
+def test_recurrent_ppo_reads_its_padding_mask_and_matches_plain_hooks(tmp_path) -> None:
+    from policy_probes.integrations.sb3 import ProbeCallback
+    from policy_probes.sinks import SinksConfig
+
+    bare = recurrent_ppo()
+    bare.learn(CYCLES * ROWS)
+    model = recurrent_ppo()
+    policy = model.policy
+    buffer = model.rollout_buffer
+    # independent records: each training minibatch's mask and plain torch hooks on the
+    # LSTM, the actor MLP and the action head
+    masks = record_masks(model)
     lstm = Recorder({"lstm": policy.lstm_actor}, pick=lambda out: out[0])
     rec = Recorder({"mlp": policy.mlp_extractor.policy_net, "head": policy.action_net})
     callback = ProbeCallback(
@@ -651,35 +663,11 @@ def test_recurrent_ppo_at_the_default_reports_every_cycle_from_its_first_minibat
     """At the default sampling (one pass in 16 of every cycle; 4 here) each cycle observes
     its first training minibatch and reports: the actor MLP's active rate and sample
     count equal a plain torch hook's on that minibatch's real (unpadded) steps."""
-    from sb3_contrib import RecurrentPPO
-    from stable_baselines3.common.env_util import make_vec_env
-
     from policy_probes.integrations.sb3 import ProbeCallback
     from policy_probes.sinks import SinksConfig
 
-    model = RecurrentPPO(
-        "MlpLstmPolicy",
-        make_vec_env("CartPole-v1", n_envs=N_ENVS, seed=0),
-        n_steps=N_STEPS,
-        batch_size=BATCH,
-        n_epochs=N_EPOCHS,
-        policy_kwargs=dict(
-            activation_fn=nn.ReLU, lstm_hidden_size=8, net_arch=dict(pi=[8], vf=[8])
-        ),
-        device="cpu",
-        seed=0,
-    )
-    buffer = model.rollout_buffer
-    masks: list[tuple[int, torch.Tensor]] = []
-    plain_get_samples = buffer._get_samples
-
-    def get_samples(*args, **kwargs):
-        sample = plain_get_samples(*args, **kwargs)
-        n_seq = sample.lstm_states.pi[0].shape[1]
-        masks.append((model.num_timesteps, sample.mask.reshape(n_seq, -1).bool()))
-        return sample
-
-    buffer._get_samples = get_samples
+    model = recurrent_ppo()
+    masks = record_masks(model)
     rec = Recorder({"mlp": model.policy.mlp_extractor.policy_net})
     callback = ProbeCallback(
         probes=[("actor_mlp", attach_relu_activation_hooks(per_layer=False))],
