@@ -65,8 +65,9 @@ DEFAULT_BUDGET = 0.05
 #: 4 x 4 minibatches, 20 of SB3 PPO's 320)
 DEFAULT_STRIDE = 16
 #: the epoch (counted from 0) at whose end the budget is checked and the strides chosen
-#: once; epoch 0 is a warm-up (first-time allocations, the dispatch-cost calibration)
-CALIBRATION_EPOCH = 1
+#: once. Epochs 0 and 1 are a warm-up: epoch 0's end (first-time allocations, the
+#: dispatch-cost calibration, the sinks' first records) is counted in epoch 1's cost
+CALIBRATION_EPOCH = 2
 #: the calibration aims at this share of the budget: some costs no timer sees (page
 #: faults of fresh buffers, session start and close, cache effects)
 AIM = 0.5
@@ -559,13 +560,13 @@ class Sampler:
             if not open_:
                 log.warning(
                     "probe_budget=%g: the probes' report and one observed training pass "
-                    "per epoch took %.1f %% of epoch %d; every epoch is still observed. "
+                    "per epoch took %.1f %% of epoch %d's time; every epoch is still observed. "
                     "For less, attach fewer probes or layers (per_layer=False), or set "
                     "probe_schedule='every_k:<k>' (epochs without an observed pass then "
                     "carry no probe metrics)",
                     self.budget,
                     100 * (sum(projected(p) for p in ks) + fixed) / max(wall, 1e-9),
-                    self.epochs,
+                    self.epochs + 1,
                 )
                 break
             worst = max(open_, key=projected)

@@ -139,7 +139,7 @@ class ProbeSession:
             trainer writes them; off by default, so a CSV holds one row per epoch.
         probe_budget: by default the probes observe passes 0, 16, 32, ... of every
             epoch and every epoch reports; the budget (a fraction of wall time, default
-            0.05) is checked once, at the end of the second epoch, and may raise an
+            0.05) is checked once, at the end of the third epoch, and may raise an
             expensive probe's stride for the rest of the run, never below one pass per
             epoch (:mod:`policy_probes.sampling`). Passes end at ``optimizer.step()``
             (with ``optimizer=``) or :meth:`next_pass`. ``None``: every pass.

@@ -195,7 +195,7 @@ class TrainTool(Section):
     probe_budget: float | None = Field(
         DEFAULT_BUDGET,
         description="The probes observe passes 0, 16, 32, ... of every epoch and report "
-        "every epoch; this fraction of wall time is checked once, after the second epoch, "
+        "every epoch; this fraction of wall time is checked once, after the third epoch, "
         "and may raise an expensive probe's stride (never below one pass per epoch). "
         "None: every pass.",
     )

@@ -145,7 +145,7 @@ class ProbeCallback(BaseCallback):
         verbose: SB3 verbosity; 1 prints the record's path once.
         probe_budget, probe_schedule: as in ProbeSession (default: passes 0, 16, 32, ...
             of every cycle's ``train()``, every cycle reporting; the 5 % budget is
-            checked once, after the second cycle; passes end at SB3's
+            checked once, after the third cycle; passes end at SB3's
             ``optimizer.step()``). SB3 has no loss function to give, so ``probe_batch``
             schedules fall back to the default; ``probe_schedule="every"`` or
             ``probe_budget=None`` observes every pass.
