@@ -29,8 +29,11 @@ from typing import Any, Literal
 
 #: epochs of the rolling median and of the baseline (fewer on short runs, see :func:`window_for`)
 WINDOW = 5
-#: runs shorter than this many epochs yield no findings (too short to call a trend)
-MIN_EPOCHS = 4
+#: a series needs this many windows of epochs before a rule reads it: the baseline, the
+#: rolling median at the end, and one window between them (shorter: too short to call a
+#: trend; at the probes' default of one observed pass per epoch, shorter windows fired on
+#: healthy 8-epoch runs)
+MIN_WINDOWS = 3
 
 DOCS = "docs/probes/"
 
@@ -300,10 +303,10 @@ def _num(v: float) -> str:
     return f"{v:.3g}"
 
 
-def window_for(epochs: int, window: int = WINDOW) -> int:
-    """The rolling window for a run of ``epochs`` epochs: ``window``, but at most a third
-    of the run and at least 2 (so the baseline and the end do not overlap)."""
-    return max(2, min(window, epochs // 3))
+def window_for(epochs: int, window: int = WINDOW) -> int | None:
+    """The rolling window for a series of ``epochs`` epochs: ``window``, or None when the
+    series is shorter than :data:`MIN_WINDOWS` windows (no finding then)."""
+    return window if epochs >= MIN_WINDOWS * window else None
 
 
 def series_of(records: Iterable[Mapping[str, Any]]) -> dict[str, list[tuple[int, float]]]:
@@ -328,11 +331,11 @@ def evaluate(
 ) -> Finding | None:
     """``rule`` on one series; a :class:`Finding` when it holds at the last epoch."""
     component = rule.matches(key)
-    if component is None or len(points) < MIN_EPOCHS:
+    w = window_for(len(points), window)
+    if component is None or w is None:
         return None
     epochs = [e for e, _ in points]
     values = [v for _, v in points]
-    w = window_for(len(values), window)
     # medians: one noisy epoch (or two in a window of 5) moves neither
     baseline = statistics.median(values[:w])
     rolling = [statistics.median(values[i - w + 1 : i + 1]) for i in range(w - 1, len(values))]

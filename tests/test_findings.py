@@ -85,6 +85,19 @@ def test_a_climbing_dormant_fraction_names_the_layer_and_its_onset() -> None:
     assert f.last_epoch == EPOCHS
 
 
+def test_a_series_shorter_than_three_windows_yields_no_finding() -> None:
+    """The climb of the test above, cut to 14 epochs (fewer than 3 x 5): no finding; the
+    same 14 epochs read with a window of 4 (12 epochs needed) are found."""
+    run = with_climb(healthy_run(), "probes/relu/actor_mlp.layer_1/dormant_fraction", dormant_climb)
+    short = [
+        dict(r, **{"probes/relu/actor_mlp.layer_1/dormant_fraction": dormant_climb(r["epoch"] + 8)})
+        for r in run[:14]
+    ]
+    assert diagnose(short) == []
+    found = diagnose(short, window=4)
+    assert [(f.rule, f.component) for f in found] == [("dormant_units", "actor_mlp.layer_1")]
+
+
 def test_rising_churn_is_found_with_its_onset() -> None:
     def kl(epoch: int) -> float:  # 1e-3, tripled from epoch 21 on
         return 1e-3 if epoch < 21 else 3e-3
