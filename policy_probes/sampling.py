@@ -656,13 +656,6 @@ def _restore_count(count: _HookCount, saved: list[int]) -> None:
         count.total_rows += count.rows
 
 
-def _distributed() -> bool:
-    """Under torch.distributed every rank reports every epoch (the trackers' all-reduce is
-    a collective: the ranks must report together)."""
-    dist = torch.distributed
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
 def standard_error(rate: float, n: float) -> float:
     """Standard error of a proportion ``rate`` over ``n`` rows, sqrt(p (1 - p) / n), rows
     taken as independent (rows of one pass are correlated, so read it as a lower bound)."""
