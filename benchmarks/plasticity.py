@@ -386,7 +386,14 @@ def first_fires(run_dir: Path) -> list[dict[str, Any]]:
     for each rule and component, the first epoch at which diagnosing the run's records
     up to that epoch yields it, and whether it still holds at the run's end (with its
     onset then)."""
-    from policy_probes.findings import MIN_EPOCHS, RULES, WINDOW, diagnose, evaluate, series_of
+    from policy_probes.findings import (
+        MIN_WINDOWS,
+        RULES,
+        WINDOW,
+        diagnose,
+        evaluate,
+        series_of,
+    )
     from policy_probes.sinks import read_jsonl
 
     records = [
@@ -401,9 +408,9 @@ def first_fires(run_dir: Path) -> list[dict[str, Any]]:
             if component is None:
                 continue
             first = None
-            for t in range(MIN_EPOCHS, len(points) + 1):
+            for t in range(MIN_WINDOWS * WINDOW, len(points) + 1):
                 # past 3 windows the window and baseline are fixed: one rolling pass
-                if t > 3 * WINDOW:
+                if t > MIN_WINDOWS * WINDOW:
                     first = _first_holding(rule, points, t)
                     break
                 if evaluate(rule, key, points[:t]) is not None:
