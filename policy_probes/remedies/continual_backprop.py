@@ -50,7 +50,7 @@ from policy_probes.remedies.base import RemedyTarget
 from policy_probes.remedies.dormant_recycling import recycle
 from policy_probes.remedies.fresh_init import draw_seed
 from policy_probes.remedies.step_remedy import StepRemedy, StepState
-from policy_probes.remedies.structure import RECURRENT, UnitLayer, leaves, unit_layers
+from policy_probes.remedies.structure import RECURRENT, UnitLayer, leaves, target_unit_layers
 
 
 @dataclass
@@ -134,14 +134,7 @@ class ContinualBackprop(StepRemedy):
         }
 
     def prepare(self, target: RemedyTarget) -> CBPState:
-        names = self.consumer
-        if names is None:
-            names = (getattr(target.policy, "component_consumers", None) or {}).get(
-                target.component, ()
-            )
-            names = (names,) if isinstance(names, str) else names
-        external = [(n, target.policy.get_component(n)) for n in names]
-        found = unit_layers(target.component, target.module, external, remedy="continual_backprop")
+        found = target_unit_layers(target, self.consumer, remedy="continual_backprop")
         state = CBPState()
         for layer in found:
             if isinstance(layer.producer, RECURRENT):

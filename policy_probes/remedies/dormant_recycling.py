@@ -27,7 +27,7 @@ import torch
 from policy_probes.remedies.base import Remedy, RemedyTarget
 from policy_probes.remedies.fresh_init import draw_seed, fresh_parameters
 from policy_probes.remedies.optim_state import reset_entries
-from policy_probes.remedies.structure import RECURRENT, UnitLayer, unit_layers
+from policy_probes.remedies.structure import RECURRENT, UnitLayer, target_unit_layers
 from policy_probes.remedies.trigger import Threshold
 
 log = logging.getLogger("policy_probes")
@@ -66,14 +66,7 @@ class ReDo(Remedy):
                 f"attach_relu_activation_hooks() to {target.component!r} before the remedy "
                 f"(per_layer=True scores every layer inside it)"
             )
-        names = self.consumer
-        if names is None:
-            names = (getattr(target.policy, "component_consumers", None) or {}).get(
-                target.component, ()
-            )
-            names = (names,) if isinstance(names, str) else names
-        external = [(n, target.policy.get_component(n)) for n in names]
-        return unit_layers(target.component, target.module, external)
+        return target_unit_layers(target, self.consumer)
 
     def apply(
         self, target: RemedyTarget, prepared: list[UnitLayer], generator: torch.Generator

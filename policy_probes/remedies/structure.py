@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 from torch.nn.modules import conv, pooling
@@ -171,6 +172,22 @@ def first_consumer(name: str, module: nn.Module, producer: nn.Module, where: str
         f"elementwise, pooling or flatten modules only, so the units' outgoing weights "
         f"cannot be found in it"
     )
+
+
+def target_unit_layers(
+    target: Any, consumer: Sequence[str] | None, remedy: str = "ReDo"
+) -> list[UnitLayer]:
+    """:func:`unit_layers` of a remedy's target (a ``RemedyTarget``): the consumers of its
+    output are the components named by ``consumer``, else the policy's
+    ``component_consumers`` entry for it."""
+    names = consumer
+    if names is None:
+        names = (getattr(target.policy, "component_consumers", None) or {}).get(
+            target.component, ()
+        )
+        names = (names,) if isinstance(names, str) else names
+    external = [(n, target.policy.get_component(n)) for n in names]
+    return unit_layers(target.component, target.module, external, remedy=remedy)
 
 
 def unit_layers(
