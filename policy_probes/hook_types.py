@@ -311,6 +311,28 @@ class ProbeHook:
         """Disable this probe after ``exc`` and report it once (re-raise when strict)."""
         disable_after_fault(self, exc)
 
+    def inner_layer_hook(
+        self, layer: str, record: Callable[[str, torch.Tensor], None]
+    ) -> Callable[[nn.Module, Any, Any], None]:
+        """A forward hook for a module inside the component, reported as ``layer``: calls
+        ``record(layer, output)`` with the row mask's rows of ``output`` bound, timed and
+        fault-guarded like the probe's own hook (tensor outputs only)."""
+
+        def hook(module: nn.Module, _inputs: Any, output: Any) -> None:
+            if not (self.active() and isinstance(output, torch.Tensor)):
+                return
+            start = time.perf_counter()
+            try:
+                weight = bound_weight(self.context, output, module, layer, (id(self), layer))
+                with pushing_with(self.context, weight):
+                    record(layer, output)
+            except Exception as exc:  # a probe must never take training down
+                self.fail(exc)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        return hook
+
     # ------------------------------------------------------------- subclasses
     def record(self, module: nn.Module, output: torch.Tensor) -> None:
         raise NotImplementedError

@@ -24,7 +24,6 @@ and for the component's own output y: ``feature_norm`` = mean_i ‖y_i‖₂.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -37,7 +36,6 @@ from policy_probes.hook_types import ProbeHook
 from policy_probes.probes.rows import COUNT
 from policy_probes.probes.state import SUM, Drained, ProbeState, as_rows, get_state
 from policy_probes.probes.weighted import Weighted
-from policy_probes.row_mask import bound_weight, pushing_with
 from policy_probes.sampling import Schedule, as_schedule, with_schedule
 
 DRIFT_EPS = 1e-8
@@ -168,23 +166,10 @@ class PreactivationHook(ProbeHook):
                 if self.tracker.register_component(layer, **settings):
                     layers.append((layer, sub))
             self.layers = layers
-        return [sub.register_forward_hook(self._layer_hook(layer)) for layer, sub in self.layers]
-
-    def _layer_hook(self, layer: str) -> Any:
-        def hook(module: nn.Module, _inputs: Any, output: Any) -> None:
-            if not (self.active() and isinstance(output, torch.Tensor)):
-                return
-            start = time.perf_counter()
-            try:
-                weight = bound_weight(self.context, output, module, layer, (id(self), layer))
-                with pushing_with(self.context, weight):
-                    self.tracker.update_layer(layer, output)
-            except Exception as exc:  # a probe must never take training down
-                self.fail(exc)
-            finally:
-                self.seconds += time.perf_counter() - start
-
-        return hook
+        return [
+            sub.register_forward_hook(self.inner_layer_hook(layer, self.tracker.update_layer))
+            for layer, sub in self.layers
+        ]
 
 
 def attach_preactivation_hooks(

@@ -23,7 +23,6 @@ module named by ``outgoing`` (``"actor_head"``), when given.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -37,7 +36,6 @@ from policy_probes.probes.per_layer import activation_layers
 from policy_probes.probes.rows import COUNT
 from policy_probes.probes.state import SUM, Drained, ProbeState, as_floats, as_rows, get_state
 from policy_probes.probes.weighted import Weighted
-from policy_probes.row_mask import bound_weight, pushing_with
 from policy_probes.sampling import Schedule, as_schedule, with_schedule
 
 UTILITY_EPS = 1e-12
@@ -144,7 +142,10 @@ class UtilityHook(ProbeHook):
         self.attached = True
         if self.layers is None:
             self.layers = self._scored_layers(module)
-        return [sub.register_forward_hook(self._layer_hook(name)) for name, sub in self.layers]
+        return [
+            sub.register_forward_hook(self.inner_layer_hook(name, self.tracker.update))
+            for name, sub in self.layers
+        ]
 
     def _scored_layers(self, module: nn.Module) -> list[tuple[str, nn.Module]]:
         order = {id(m): i for i, (_, m) in enumerate(module.named_modules())}
@@ -171,22 +172,6 @@ class UtilityHook(ProbeHook):
                 self.tracker.outgoing[name] = nxt.weight
                 out.append((name, layer.module))
         return out
-
-    def _layer_hook(self, layer: str) -> Any:
-        def hook(module: nn.Module, _inputs: Any, output: Any) -> None:
-            if not (self.active() and isinstance(output, torch.Tensor)):
-                return
-            start = time.perf_counter()
-            try:
-                weight = bound_weight(self.context, output, module, layer, (id(self), layer))
-                with pushing_with(self.context, weight):
-                    self.tracker.update(layer, output)
-            except Exception as exc:  # a probe must never take training down
-                self.fail(exc)
-            finally:
-                self.seconds += time.perf_counter() - start
-
-        return hook
 
 
 def attach_utility_hooks(
