@@ -49,6 +49,7 @@ from policy_probes.lifecycle import (
     snapshot_due,
 )
 from policy_probes.probes.churn import start_epoch as churn_start_epoch
+from policy_probes.processes import current_rank
 from policy_probes.remedies.base import Remedy, RemedyRunner
 from policy_probes.run_dir import (
     RunDirConflict,
@@ -910,8 +911,7 @@ def record_sampling_choice(run_dir: Path | None, choice: dict[str, Any]) -> None
     function of the path: the sampler holding it must not hold the session, which the
     policy's hooks reach and ``copy.deepcopy`` would then copy with its open files)."""
     path = None if run_dir is None else Path(run_dir) / "config.json"
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+    if current_rank() != 0:
         return  # rank 0 writes the run's files
     if path is None or not path.is_file():
         return

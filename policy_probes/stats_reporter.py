@@ -6,18 +6,10 @@ import logging
 import time
 from typing import Any
 
-import torch
-
 from policy_probes.context import ComponentContext
+from policy_probes.processes import multi_process
 
 log = logging.getLogger("policy_probes")
-
-
-def _distributed() -> bool:
-    """Whether the trackers' sums must be added across processes (each all_reduce would
-    otherwise only drain the held rows again, which to_metrics does anyway)."""
-    dist = torch.distributed
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 class StatsReporter:
@@ -55,7 +47,8 @@ class StatsReporter:
         # with fewer rows): charged to the report, not to the probes' observed passes
         drained_before = [getattr(t, "seconds", 0.0) for t in trackers]
         start = time.perf_counter()
-        reduce = self.all_reduce and _distributed()
+        # single process: all_reduce would only drain the held rows, as to_metrics does
+        reduce = self.all_reduce and multi_process()
         for tracker in trackers:
             if reduce and hasattr(tracker, "all_reduce"):
                 tracker.all_reduce()

@@ -37,6 +37,7 @@ from policy_probes.lifecycle.model_context import ModelDataContext, device_of
 from policy_probes.lifecycle.points import STEP_POINTS, EpochWindow, HookPoint
 from policy_probes.lifecycle.rng import RNGState, capture_rng_state, restore_rng_state
 from policy_probes.lifecycle.run_context import RunDataContext
+from policy_probes.processes import current_rank as current_rank  # re-exported
 from policy_probes.sinks.base import flatten_metrics
 
 log = logging.getLogger("policy_probes.lifecycle")
@@ -527,14 +528,6 @@ def _summarise(records: list[StepRecord]) -> dict[str, Any]:
             values.setdefault(k, []).append(v)
     means = {k: _mean(vs) for k, vs in values.items()}
     return {k: v for k, v in means.items() if v is not None}
-
-
-def current_rank() -> int:
-    """Rank in the default process group; 0 when torch.distributed is not initialised."""
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return 0
 
 
 def _mean(values: list[Any]) -> Any:

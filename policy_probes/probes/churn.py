@@ -41,6 +41,7 @@ from policy_probes.hook_types import ProbeHook
 from policy_probes.lifecycle.rng import preserved_rng
 from policy_probes.probes.rows import COUNT
 from policy_probes.probes.state import SUM, ProbeState, get_state
+from policy_probes.processes import multi_process
 
 KINDS = ("auto", "categorical", "value", "output")
 CHURN_PHASE = "churn"
@@ -176,7 +177,7 @@ class ChurnState(ProbeState):
     def all_reduce(self, group: Any = None) -> None:
         self.end_epoch()  # the report: the epoch's updates are done
         super().all_reduce(group)
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        if not multi_process(group):
             return
         for maxima in self.maxima.values():
             for metric, m in maxima.items():

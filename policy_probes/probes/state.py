@@ -34,6 +34,7 @@ from policy_probes.context import ComponentContext
 from policy_probes.probes.row_buffer import RowBuffer, block_rows
 from policy_probes.probes.rows import COUNT as COUNT  # re-exported for custom trackers
 from policy_probes.probes.rows import DrainRound, Rows
+from policy_probes.processes import multi_process
 
 log = logging.getLogger("policy_probes")
 
@@ -309,7 +310,7 @@ class ProbeState:
         """Add every accumulator across the processes of ``group`` (no-op when not
         distributed). Ranks that saw no data for a key contribute zeros."""
         self.flush()
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        if not multi_process(group):
             return
         layout = sorted(
             (c, k, tuple(t.shape), str(t.dtype))

@@ -46,6 +46,7 @@ from torch import nn
 from torch.nn.modules import conv
 
 from policy_probes.probes.layout import ACTIVATION_MODULES
+from policy_probes.processes import multi_process
 from policy_probes.remedies.base import RemedyTarget
 from policy_probes.remedies.dormant_recycling import recycle
 from policy_probes.remedies.fresh_init import draw_seed
@@ -155,8 +156,7 @@ class ContinualBackprop(StepRemedy):
         return state
 
     def start(self, target: RemedyTarget, prepared: CBPState, generator: torch.Generator) -> None:
-        dist = torch.distributed
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if multi_process():
             raise RuntimeError(
                 "continual_backprop supports single-process runs only (each rank's utilities "
                 "would come from its own samples, and the ranks would replace different units)"

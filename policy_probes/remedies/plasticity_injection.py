@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from policy_probes.processes import multi_process
 from policy_probes.remedies.base import Remedy, RemedyTarget
 from policy_probes.remedies.fresh_init import check_resettable, draw_seed, fresh_parameters
 from policy_probes.remedies.structure import layer_units, parametrised_leaves
@@ -93,8 +94,7 @@ class PlasticityInjection(Remedy):
     ) -> dict[str, int] | None:
         if prepared.trainable is not None:
             return None  # injects once: a later due epoch does not fire
-        dist = torch.distributed
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if multi_process():
             raise RuntimeError(
                 "plasticity_injection supports single-process runs only (the injected "
                 "parameters would not be all-reduced across ranks)"
