@@ -218,11 +218,9 @@ def tensor_rows(t: torch.Tensor, channels_first: bool = False) -> int:
 class _HookCount:
     probe: str
     component: str
-    #: passes and rows observed since the last report (this epoch)
+    #: passes and rows observed in the epoch under way (every epoch reports)
     passes: int = 0
     rows: int = 0
-    #: passes observed in the epoch under way (what the budget's per-pass costs divide by)
-    epoch_passes: int = 0
     module_calls: int = 0
     tensor_calls: int = 0
     seen_calls: int = 0
@@ -408,7 +406,6 @@ class Sampler:
             if not handle.armed:
                 continue
             count.passes += 1
-            count.epoch_passes += 1
             # each module hook fires about once per pass; a backward probe's module
             # hooks each register about one tensor hook (shared ones counted for each)
             count.module_calls += len(handle.handles)
@@ -464,14 +461,14 @@ class Sampler:
             hook, count = handle.hook, self.counts[key]
             count.rows += hook.rows
             count.total_rows += hook.rows
-            count.total_passes += count.epoch_passes
+            count.total_passes += count.passes
             hook.rows = 0
             seconds = hook.seconds + count.module_calls * module_cost
             seconds += count.tensor_calls * tensor_cost
             hook.seconds = 0.0
             cost[count.probe] = cost.get(count.probe, 0.0) + seconds
-            observed[count.probe] = max(observed.get(count.probe, 0), count.epoch_passes)
-            count.epoch_passes = count.module_calls = count.tensor_calls = 0
+            observed[count.probe] = max(observed.get(count.probe, 0), count.passes)
+            count.module_calls = count.tensor_calls = 0
             # beside a built-in probe's metrics (none in an epoch it observed no pass of)
             if count.passes and getattr(hook, "tracker", None) is not None:
                 prefix = f"probes/{count.probe}/{count.component}"
@@ -595,7 +592,7 @@ class Sampler:
                 c.rows + self.handles[key].hook.rows,
                 c.total_passes,
                 c.total_rows + self.handles[key].hook.rows,
-                c.epoch_passes,
+                c.passes,  # the epoch's passes: the same as the first since every epoch reports
             ]
             for key, c in self.counts.items()
         }
@@ -638,7 +635,7 @@ class Sampler:
         self._account()
         return {
             f"{c.probe}/{c.component}": (
-                c.total_passes + c.epoch_passes,
+                c.total_passes + c.passes,
                 c.total_rows + self.handles[key].hook.rows,
             )
             for key, c in self.counts.items()
@@ -646,14 +643,16 @@ class Sampler:
 
 
 def _restore_count(count: _HookCount, saved: list[int]) -> None:
-    """Counts from :meth:`Sampler.state_dict` (four numbers in checkpoints written before
-    reporting windows: the epoch was the window)."""
+    """Counts from :meth:`Sampler.state_dict`: passes and rows since the last report, run
+    totals, and (fifth, when present) the epoch's passes, which since every epoch reports
+    equal the first. A checkpoint of the reporting windows' sampler holds the window's
+    passes first, as its restored tracker sums hold the window's rows; one written before
+    reporting windows holds four numbers, its totals without the epoch under way."""
     count.passes, count.rows, count.total_passes, count.total_rows = saved[:4]
-    if len(saved) > 4:
-        count.epoch_passes = saved[4]
-    else:  # totals then left out the epoch under way
-        count.epoch_passes = count.passes
+    if len(saved) == 4:
         count.total_rows += count.rows
+    else:  # the window's earlier epochs are in the totals already; the report adds passes
+        count.total_passes -= count.passes - saved[4]
 
 
 def standard_error(rate: float, n: float) -> float:
