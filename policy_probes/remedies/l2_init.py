@@ -27,35 +27,13 @@ from torch import nn
 
 from policy_probes.remedies.base import RemedyTarget
 from policy_probes.remedies.step_remedy import StepRemedy, StepState
-from policy_probes.remedies.structure import parametrised_leaves
+from policy_probes.remedies.structure import chosen_leaves
 
 
 @dataclass
 class L2State(StepState):
     params: list[tuple[str, nn.Parameter]] = field(default_factory=list)
     anchors: list[torch.Tensor] = field(default_factory=list)
-
-
-def chosen_leaves(
-    remedy: str, target: RemedyTarget, layers: Sequence[str] | None
-) -> list[tuple[str, nn.Module]]:
-    """The parametrised leaves of the component, or those ``layers`` (dotted names inside
-    the component) name; a ``ValueError`` lists the names for an unknown one."""
-    found = parametrised_leaves(target.component, target.module)
-    if layers is None:
-        return found
-    by_name = dict(found)
-    out = []
-    for layer in layers:
-        full = f"{target.component}.{layer}" if layer else target.component
-        if full not in by_name:
-            raise ValueError(
-                f"{remedy} on {target.component!r}: no parametrised layer {layer!r}; choose "
-                f"from {[n for n, _ in found]} (names inside the component, without "
-                f"{target.component + '.'!r})"
-            )
-        out.append((full, by_name[full]))
-    return out
 
 
 class L2Init(StepRemedy):

@@ -18,7 +18,7 @@ from torch import nn
 from policy_probes.remedies.base import RemedyTarget
 from policy_probes.remedies.fresh_init import LayerRefresh, check_resettable
 from policy_probes.remedies.optim_state import reset_entries
-from policy_probes.remedies.structure import parametrised_leaves
+from policy_probes.remedies.structure import chosen_leaves, parametrised_leaves
 from policy_probes.remedies.trigger import Threshold
 
 
@@ -47,8 +47,8 @@ class ResetLayers(LayerRefresh):
         return {"layers": self.layers, "last": self.last}
 
     def prepare(self, target: RemedyTarget) -> list[tuple[str, nn.Module]]:
-        found = parametrised_leaves(target.component, target.module)
         if self.last is not None:
+            found = parametrised_leaves(target.component, target.module)
             if self.last > len(found):
                 raise ValueError(
                     f"reset_layers(last={self.last}) on {target.component!r}: it has only "
@@ -56,17 +56,7 @@ class ResetLayers(LayerRefresh):
                 )
             chosen = found[-self.last :]
         else:
-            by_name = dict(found)
-            chosen = []
-            for layer in self.layers or []:
-                full = f"{target.component}.{layer}" if layer else target.component
-                if full not in by_name:
-                    raise ValueError(
-                        f"reset_layers on {target.component!r}: no parametrised layer "
-                        f"{layer!r}; choose from {[n for n, _ in found]} (names inside the "
-                        f"component, without {target.component + '.'!r})"
-                    )
-                chosen.append((full, by_name[full]))
+            chosen = chosen_leaves("reset_layers", target, self.layers or [])
         check_resettable(f"reset_layers on {target.component!r}", chosen)
         return chosen
 

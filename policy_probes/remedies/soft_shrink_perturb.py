@@ -24,8 +24,8 @@ from torch import nn
 
 from policy_probes.remedies.base import RemedyTarget
 from policy_probes.remedies.fresh_init import check_resettable, refresh_layers
-from policy_probes.remedies.l2_init import chosen_leaves
 from policy_probes.remedies.step_remedy import StepRemedy, StepState
+from policy_probes.remedies.structure import chosen_leaves
 
 
 @dataclass

@@ -174,6 +174,29 @@ def first_consumer(name: str, module: nn.Module, producer: nn.Module, where: str
     )
 
 
+def chosen_leaves(
+    remedy: str, target: Any, layers: Sequence[str] | None
+) -> list[tuple[str, nn.Module]]:
+    """The parametrised leaves of a remedy's target component (a ``RemedyTarget``), or
+    those ``layers`` (dotted names inside the component) name; a ``ValueError`` lists the
+    names for an unknown one."""
+    found = parametrised_leaves(target.component, target.module)
+    if layers is None:
+        return found
+    by_name = dict(found)
+    out = []
+    for layer in layers:
+        full = f"{target.component}.{layer}" if layer else target.component
+        if full not in by_name:
+            raise ValueError(
+                f"{remedy} on {target.component!r}: no parametrised layer {layer!r}; choose "
+                f"from {[n for n, _ in found]} (names inside the component, without "
+                f"{target.component + '.'!r})"
+            )
+        out.append((full, by_name[full]))
+    return out
+
+
 def target_unit_layers(
     target: Any, consumer: Sequence[str] | None, remedy: str = "ReDo"
 ) -> list[UnitLayer]:
