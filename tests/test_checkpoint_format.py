@@ -88,6 +88,10 @@ def main_records(run_dir: Path) -> list[dict]:
 # Epoch 2 of the fixture run wrote the mid-epoch checkpoint, which reduced that epoch's
 # probe rows in two parts: its probe sums agree with any other run's to rounding only.
 INTERRUPTED = 2
+#: the fixture's probe summaries were summed by the code of its time (torch reductions);
+#: today's summaries sum the same accumulators in numpy, whose summation order can differ
+#: in the last bit. Within one version resume is bit-exact (tests/test_resume.py).
+SUMMARY_REL = 1e-12
 
 
 @pytest.mark.parametrize(("name", "first_epoch"), [("format2_epoch.pt", 2), ("format2_mid.pt", 2)])
@@ -113,6 +117,8 @@ def test_format2_checkpoint_resumes_to_the_old_codes_run(tmp_path, name, first_e
         for key, value in theirs.items():
             if ours["epoch"] == INTERRUPTED and key.startswith("probes/"):
                 assert ours[key] == pytest.approx(value, rel=1e-5), key
+            elif key.startswith("probes/"):
+                assert ours[key] == pytest.approx(value, rel=SUMMARY_REL, abs=0), key
             else:
                 assert ours[key] == value, (ours["epoch"], key)
 

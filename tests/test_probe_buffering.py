@@ -5,6 +5,8 @@ rows detected, and one autograd hook per tensor however many probes read its gra
 
 from __future__ import annotations
 
+import io
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -165,3 +167,84 @@ def test_probes_keep_no_autograd_graph_alive() -> None:
     ]
     leaked = [tuple(o.shape) for o in hooked]
     assert leaked == []
+
+
+def relu_truth(rows: torch.Tensor) -> tuple[list[float], float]:
+    """Active rate per unit and the ReDo-dormant fraction at tau 0.025, by hand."""
+    active = (rows > 0).double().mean(0)
+    mean_abs = rows.abs().double().mean(0)
+    score = mean_abs / (mean_abs.mean() + 1e-9)
+    return active.tolist(), float((score <= 0.025).double().mean())
+
+
+def test_a_component_shown_another_components_rows_shares_its_sums_exactly():
+    """A component whose output is its last layer's output is reduced once for both: the
+    sharing starts when the two see the same rows from the window's start, ends (each
+    with its own sums) as soon as their rows differ, and a checkpoint saves two copies."""
+    from policy_probes.probes.relu import ReLUActivationState
+
+    g = torch.Generator().manual_seed(3)
+    shared, own_b, own_a = (torch.randn(n, 6, generator=g) for n in (8, 5, 7))
+    shared[:, 0] = -1.0  # a dead unit
+    tracker = ReLUActivationState()
+    tracker.register_component("layer")
+    tracker.register_component("component")
+    tracker.update("layer", shared)
+    tracker.update("component", shared.view(8, 6))  # another tensor object, same memory
+    tracker.flush()
+    assert tracker.mirrors == {"component": "layer"}
+    assert tracker.state["component"] is tracker.state["layer"]
+
+    saved = tracker.state_dict()
+    assert saved["state"]["component"]["count"] is not saved["state"]["layer"]["count"]
+    checkpoint = io.BytesIO()
+    torch.save(saved, checkpoint)
+
+    tracker.update("layer", own_b)
+    tracker.update("component", own_a)
+    tracker.flush()
+    assert tracker.mirrors == {}
+    out = tracker.to_metrics()
+    for name, rows in (
+        ("layer", torch.cat([shared, own_b])),
+        ("component", torch.cat([shared, own_a])),
+    ):
+        active, dormant = relu_truth(rows)
+        assert out[f"probes/relu/{name}/active_rate"] == pytest.approx(active, abs=1e-12)
+        assert out[f"probes/relu/{name}/dormant_fraction"] == pytest.approx(dormant)
+        assert out[f"probes/relu/{name}/samples"] == float(rows.shape[0])
+
+    # the saved shared window resumes as two independent ones
+    resumed = ReLUActivationState()
+    resumed.register_component("layer")
+    resumed.register_component("component")
+    checkpoint.seek(0)
+    resumed.load_state_dict(torch.load(checkpoint, weights_only=True))
+    resumed.update("component", own_a)
+    out = resumed.to_metrics()
+    active, _ = relu_truth(torch.cat([shared, own_a]))
+    assert out["probes/relu/component/active_rate"] == pytest.approx(active, abs=1e-12)
+    active, _ = relu_truth(shared)
+    assert out["probes/relu/layer/active_rate"] == pytest.approx(active, abs=1e-12)
+
+
+def test_the_policys_output_layer_and_its_component_report_the_same_values():
+    """The per-layer probes of an MLP component: the component's output is its last
+    ReLU's output, reduced once; both report what a hand count of the rows gives."""
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU())
+    builder = PolicyAutoBuilder({"actor_mlp": mlp})
+    ctx = ComponentContext()
+    builder.attach("actor_mlp", attach_relu_activation_hooks(), ctx)
+    x = torch.randn(32, 5)
+    with torch.no_grad():
+        out_rows = mlp(x)
+    mlp(x)
+    tracker = ctx.model_metrics["relu"]
+    tracker.flush()
+    assert tracker.mirrors == {"actor_mlp": "actor_mlp.3"}  # the last ReLU
+    metrics = StatsReporter(ctx).collect()
+    active, dormant = relu_truth(out_rows)
+    for name in ("actor_mlp", "actor_mlp.3"):
+        assert metrics[f"probes/relu/{name}/active_rate"] == pytest.approx(active, abs=1e-12)
+        assert metrics[f"probes/relu/{name}/dormant_fraction"] == pytest.approx(dormant)

@@ -30,6 +30,7 @@ import logging
 from collections.abc import Iterable, Iterator
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
@@ -53,10 +54,9 @@ from policy_probes.probes.state import (
     SUM,
     Drained,
     ProbeState,
-    as_floats,
     as_rows,
     get_state,
-    rates,
+    unit_rates,
 )
 from policy_probes.probes.weighted import Weighted
 from policy_probes.row_mask import (
@@ -317,29 +317,33 @@ class FisherInformationState(ProbeState):
         return out
 
     def summarize(self, component: str, s: dict[str, torch.Tensor], cfg: dict[str, Any]) -> dict:
+        # numpy on the host copies (see ReLUActivationState.summarize)
+        a = {key: t.numpy() for key, t in s.items()}
         out: dict[str, Any] = {}
-        if "unit_sq" in s:
-            count = s["unit_count"]
-            out["unit"] = as_floats(rates(s["unit_sq"], count))
-            elements = int(count.sum()) + int(s["nonfinite"])
-            out["nonfinite_fraction"] = int(s["nonfinite"]) / elements if elements else 0.0
-            out["samples"] = float(int(count.max()) if count.numel() else 0)
+        if "unit_sq" in a:
+            count = a["unit_count"]
+            out["unit"] = unit_rates(a["unit_sq"], count).tolist()
+            elements = int(count.sum()) + int(a["nonfinite"])
+            out["nonfinite_fraction"] = int(a["nonfinite"]) / elements if elements else 0.0
+            out["samples"] = float(int(count.max()) if count.size else 0)
         flats = []
-        for key, total in s.items():
+        for key, total in a.items():
             if not key.startswith("param:"):
                 continue
             name = key.removeprefix("param:")
-            n = int(s[f"param_samples:{name}"])
-            fisher = total / n if n else torch.zeros_like(total)
+            n = int(a[f"param_samples:{name}"])
+            fisher = total / n if n else np.zeros_like(total)
             flats.append(fisher.reshape(-1))
             out[f"{name}.trace"] = float(fisher.sum())
         if flats:
-            allf = torch.cat(flats)
+            allf = np.concatenate(flats)
             out["trace"] = float(allf.sum())
             out["mean"] = float(allf.mean())
             out["max"] = float(allf.max())
-            out["dead_param_fraction"] = float((allf < cfg["dead_threshold"]).double().mean())
-        out.update(noise_scale(s))
+            out["dead_param_fraction"] = int(np.count_nonzero(allf < cfg["dead_threshold"])) / len(
+                allf
+            )
+        out.update(noise_scale(a))
         uncovered = cfg.get("uncovered", {})
         for name, entries in uncovered.items():
             out[f"uncovered/{name}"] = float(entries)
@@ -347,7 +351,7 @@ class FisherInformationState(ProbeState):
         return out
 
 
-def noise_scale(s: dict[str, torch.Tensor]) -> dict[str, float]:
+def noise_scale(s: dict[str, np.ndarray]) -> dict[str, float]:
     """Gradient noise scale B_simple = tr(Σ) / |G|² (McCandlish et al., 2018, "An
     empirical model of large-batch training") over the parameters whose summed per-sample
     gradient the probe holds (``nn.Linear`` weights and biases).
@@ -366,7 +370,7 @@ def noise_scale(s: dict[str, torch.Tensor]) -> dict[str, float]:
         if n < 2:
             continue
         sq = float(s[f"param:{name}"].sum()) / n  # S of this parameter
-        gsq = float((gsum / n).square().sum())  # |ḡ|²
+        gsq = float(((gsum / n) ** 2).sum())  # |ḡ|²
         total_sq += sq
         total_gsq += gsq
         n_min = n if n_min is None else min(n_min, n)

@@ -8,9 +8,11 @@ passes (as in Adam), smooths minibatch noise while following trends within an ep
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -19,7 +21,7 @@ from policy_probes.hook_types import BackwardHookBuilder, Extractor
 from policy_probes.probes.layout import as_unit_rows
 from policy_probes.probes.per_layer import LayeredProbeHook, ProbedLayer, layered_builder
 from policy_probes.probes.rows import COUNT, Rows
-from policy_probes.probes.state import Drained, ProbeState, as_floats
+from policy_probes.probes.state import Drained, ProbeState
 from policy_probes.probes.weighted import Weighted
 from policy_probes.row_mask import pushing_with
 from policy_probes.sampling import Schedule
@@ -33,6 +35,8 @@ class GradientFlowState(ProbeState):
     ``ema`` and ``passes`` are averaged (not summed) across processes: every rank runs the
     same number of passes, so the mean of the per-rank EMAs is the EMA of the mean RMS.
     """
+
+    mirrors_identical_rows = True  # consume() writes the accumulators only
 
     probe = "gradient_flow"
     mean_reduced = frozenset({"ema", "passes"})
@@ -124,14 +128,15 @@ class GradientFlowState(ProbeState):
     def summarize(self, component: str, s: dict[str, torch.Tensor], cfg: dict[str, Any]) -> dict:
         k = float(s["passes"])
         correction = 1.0 - cfg["beta"] ** k if k > 0 else 1.0
-        rms = s["ema"] / correction
+        rms = s["ema"].numpy() / correction  # numpy: see ReLUActivationState.summarize
         finite_total = int(s["count"].sum())
         elements = finite_total + int(s["nonfinite"])
+        blocked = int(np.count_nonzero(rms < cfg["blocked_threshold"]))
         return {
-            "rms": as_floats(rms),
+            "rms": rms.tolist(),
             "mean": float(rms.mean()),
             "min": float(rms.min()),
-            "blocked_fraction": float((rms < cfg["blocked_threshold"]).double().mean()),
+            "blocked_fraction": blocked / rms.size if rms.size else math.nan,
             "passes": k,
             "nonfinite_fraction": (elements - finite_total) / elements if elements else 0.0,
         }

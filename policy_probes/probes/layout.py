@@ -164,6 +164,8 @@ class ActivationState(ProbeState):
     """Base of the trackers fed with a component's activations (``relu``,
     ``saturation_*``): one ``"h"`` stream of unit rows laid out by ``channels_first``."""
 
+    mirrors_identical_rows = True  # consume() writes the accumulators only
+
     def update(self, component: str, h: torch.Tensor, channels_first: bool = False) -> None:
         """Add a batch of activations: units on the last axis (leading dims are samples),
         or on axis 1 with ``channels_first`` (every sample and position is a row)."""

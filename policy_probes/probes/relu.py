@@ -18,9 +18,11 @@ Definitions (h the probed post-activation output, N samples in the window, U uni
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -28,7 +30,7 @@ from policy_probes.hook_types import Extractor, HookBuilder
 from policy_probes.probes.layout import ActivationState
 from policy_probes.probes.per_layer import LayeredProbeHook, ProbedLayer, layered_builder
 from policy_probes.probes.rows import COUNT
-from policy_probes.probes.state import SUM, Drained, as_floats, rates
+from policy_probes.probes.state import SUM, Drained, unit_rates
 from policy_probes.probes.weighted import Weighted
 from policy_probes.sampling import Schedule, standard_error
 
@@ -92,27 +94,29 @@ class ReLUActivationState(ActivationState):
         self._add(component, "nonfinite", kept.nonfinite_total(), COUNT)
 
     def summarize(self, component: str, s: dict[str, torch.Tensor], cfg: dict[str, Any]) -> dict:
-        count = s["count"]
-        active_rate = rates(s["active"], count)
-        mean_abs = rates(s["abs_sum"], count)
+        # numpy on the host copies: a few dozen reductions of one layer's units, where
+        # each torch call would cost more in dispatch than in arithmetic
+        count = s["count"].numpy()
+        active_rate = unit_rates(s["active"].numpy(), count)
+        mean_abs = unit_rates(s["abs_sum"].numpy(), count)
         seen = count > 0
-        units = int(seen.sum())
+        units = int(np.count_nonzero(seen))
         layer_mean = float(mean_abs[seen].mean()) if units else 0.0
         score = mean_abs / (layer_mean + DORMANT_EPS)
-        self.scores[component] = torch.where(seen, score, torch.nan)
+        self.scores[component] = torch.from_numpy(np.where(seen, score, np.nan))
         finite_total = int(count.sum())
         elements = finite_total + int(s["nonfinite"])
 
-        def frac(mask: torch.Tensor) -> float:
-            return float((mask & seen).sum()) / units if units else 0.0
+        def frac(mask: np.ndarray) -> float:
+            return int(np.count_nonzero(mask & seen)) / units if units else 0.0
 
         zero = float(s["nonpos"]) / finite_total if finite_total else 0.0
         # standard errors as for independent rows (policy_probes.sampling.standard_error)
-        se = (active_rate * (1 - active_rate) / count.clamp(min=1).to(torch.float64)).sqrt()
+        se = np.sqrt(active_rate * (1 - active_rate) / np.maximum(count, 1))
         by_tau = {tau_key(t): frac(score <= t) for t in cfg.get("taus", DORMANT_TAUS)}
         return {
             **by_tau,
-            "active_rate": as_floats(active_rate),
+            "active_rate": active_rate.tolist(),
             "active_rate_se": float(se[seen].mean()) if units else 0.0,
             "dead_fraction": frac(active_rate == 0),
             "dormant_fraction": frac(score <= cfg["tau"]),
@@ -125,10 +129,10 @@ class ReLUActivationState(ActivationState):
         }
 
 
-def samples(count: torch.Tensor, cfg: dict[str, Any]) -> float:
+def samples(count: torch.Tensor | np.ndarray, cfg: dict[str, Any]) -> float:
     """Batch rows recorded: the largest per-unit count of finite values, divided by the
     positions per sample of a channels-first output (its spatial size)."""
-    rows = int(count.max()) if count.numel() else 0
+    rows = int(count.max()) if math.prod(count.shape) else 0
     per_sample = cfg.get("positions", 1)
     return float(rows) if per_sample == 1 else rows / per_sample
 

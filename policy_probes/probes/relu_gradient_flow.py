@@ -15,9 +15,11 @@ modules and refuses to attach to a component without one.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
@@ -28,7 +30,7 @@ from policy_probes.hook_types import BackwardHookBuilder, ProbeError, ProbeHook
 from policy_probes.probes.layout import as_unit_rows, check_layout, resolve_channels_first
 from policy_probes.probes.per_layer import activation_layers
 from policy_probes.probes.rows import COUNT
-from policy_probes.probes.state import Drained, ProbeState, as_floats, get_state, rates
+from policy_probes.probes.state import Drained, ProbeState, get_state, unit_rates
 from policy_probes.probes.weighted import Weighted
 from policy_probes.row_mask import bound_weight, pushing_with
 from policy_probes.sampling import Schedule, as_schedule, tensor_rows, with_schedule
@@ -82,35 +84,41 @@ class ReLUGradientFlowState(ProbeState):
 
     def summarize(self, component: str, s: dict[str, torch.Tensor], cfg: dict[str, Any]) -> dict:
         out: dict[str, Any] = {}
-        layers = [layer for layer in cfg["layers"] if f"count:{layer}" in s]
+        a = {key: t.numpy() for key, t in s.items()}  # numpy: see ReLUActivationState
+        layers = [layer for layer in cfg["layers"] if f"count:{layer}" in a]
         all_rates, finite_total, nonfinite = [], 0, 0
         for layer in layers:
-            count = s[f"count:{layer}"]
-            rate = rates(s[f"passed:{layer}"], count)
+            count = a[f"count:{layer}"]
+            rate = unit_rates(a[f"passed:{layer}"], count)
             all_rates.append(rate)
             finite_total += int(count.sum())
-            nonfinite += int(s[f"nonfinite:{layer}"])
+            nonfinite += int(a[f"nonfinite:{layer}"])
             named = cfg["layer_names"].get(layer)
             if named is not None:  # per layer: probes/<probe>/<component>.<layer>/<metric>
-                layer_elements = int(count.sum()) + int(s[f"nonfinite:{layer}"])
-                out[(named, "pass_rate")] = as_floats(rate)
+                layer_elements = int(count.sum()) + int(a[f"nonfinite:{layer}"])
+                out[(named, "pass_rate")] = rate.tolist()
                 out[(named, "mean_pass_rate")] = float(rate.mean())
-                out[(named, "blocked_fraction")] = float((rate == 0).double().mean())
+                out[(named, "blocked_fraction")] = zero_share(rate)
                 out[(named, "nonfinite_fraction")] = (
-                    int(s[f"nonfinite:{layer}"]) / layer_elements if layer_elements else 0.0
+                    int(a[f"nonfinite:{layer}"]) / layer_elements if layer_elements else 0.0
                 )
             elif len(cfg["layers"]) > 1 and not cfg.get("per_layer", False):
-                out[f"{layer or '<self>'}.pass_rate"] = as_floats(rate)
-                out[f"{layer or '<self>'}.blocked_fraction"] = float((rate == 0).double().mean())
+                out[f"{layer or '<self>'}.pass_rate"] = rate.tolist()
+                out[f"{layer or '<self>'}.blocked_fraction"] = zero_share(rate)
         if not all_rates:
             return out
-        rate = torch.cat(all_rates)
-        out["pass_rate"] = as_floats(rate)
+        rate = np.concatenate(all_rates)
+        out["pass_rate"] = rate.tolist()
         out["mean_pass_rate"] = float(rate.mean())
-        out["blocked_fraction"] = float((rate == 0).double().mean())
+        out["blocked_fraction"] = zero_share(rate)
         elements = finite_total + nonfinite
         out["nonfinite_fraction"] = nonfinite / elements if elements else 0.0
         return out
+
+
+def zero_share(rate: np.ndarray) -> float:
+    """The share of units whose rate is 0 (NaN for no units, as a mean over none)."""
+    return int(np.count_nonzero(rate == 0)) / rate.size if rate.size else math.nan
 
 
 class ReLUGradientFlowHook(ProbeHook):

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -26,9 +27,8 @@ from policy_probes.probes.rows import COUNT
 from policy_probes.probes.state import (
     SUM,
     Drained,
-    as_floats,
     indicator_,
-    rates,
+    unit_rates,
 )
 from policy_probes.probes.weighted import Weighted
 from policy_probes.sampling import Schedule, standard_error
@@ -82,19 +82,22 @@ class SaturatedActivationState(ActivationState):
         self._add(component, "nonfinite", kept.nonfinite_total(), COUNT)
 
     def summarize(self, component: str, s: dict[str, torch.Tensor], cfg: dict[str, Any]) -> dict:
-        count = s["count"]
-        rate = rates(s["saturated"], count)
+        count = s["count"].numpy()  # numpy: see ReLUActivationState.summarize
+        saturated_units = s["saturated"].numpy()
+        rate = unit_rates(saturated_units, count)
         seen = count > 0
-        units = int(seen.sum())
+        units = int(np.count_nonzero(seen))
         finite_total = int(count.sum())
         elements = finite_total + int(s["nonfinite"])
-        saturated = float(s["saturated"].sum()) / finite_total if finite_total else 0.0
+        saturated = int(saturated_units.sum()) / finite_total if finite_total else 0.0
         return {
-            "saturation_rate": as_floats(rate),
+            "saturation_rate": rate.tolist(),
             "saturated_fraction": saturated,
             "saturated_fraction_se": standard_error(saturated, finite_total),
             "saturated_units_fraction": (
-                float(((rate >= cfg["unit_threshold"]) & seen).sum()) / units if units else 0.0
+                int(np.count_nonzero((rate >= cfg["unit_threshold"]) & seen)) / units
+                if units
+                else 0.0
             ),
             "mean_derivative": float(s["derivative_sum"]) / finite_total if finite_total else 0.0,
             "nonfinite_fraction": (elements - finite_total) / elements if elements else 0.0,

@@ -27,6 +27,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -77,6 +78,11 @@ class ProbeState:
     #: seconds spent draining (reducing held rows) since the sampler last looked
     #: (:mod:`policy_probes.sampling`)
     seconds: float = 0.0
+    #: whether :meth:`consume` writes nothing but the component's accumulators, so a
+    #: component whose held rows are the very rows of another (a component's output that
+    #: is its last layer's output) can share that component's accumulators instead of
+    #: reducing the same rows twice (:meth:`_drain_buffers`)
+    mirrors_identical_rows: bool = False
 
     def __init__(self) -> None:
         self.state: dict[str, dict[str, torch.Tensor]] = {}
@@ -90,6 +96,9 @@ class ProbeState:
         self.errors: dict[str, str] = {}
         #: the context whose trackers drain together (set by :func:`get_state`)
         self.context: ComponentContext | None = None
+        #: component -> the component whose accumulators it shares in this window (both
+        #: were shown the same rows from the window's start; see :meth:`_drain_buffers`)
+        self.mirrors: dict[str, str] = {}
 
     # ----------------------------------------------------------- components
     def register_component(self, name: str, **settings: Any) -> bool:
@@ -125,6 +134,7 @@ class ProbeState:
 
     def unregister_component(self, name: str) -> None:
         """Forget ``name`` (used when attaching its hook failed)."""
+        self._unmirror_all()
         self.settings.pop(name, None)
         self.claimed.pop(name, None)
         self.state.pop(name, None)
@@ -251,21 +261,81 @@ class ProbeState:
                 tracker.seconds = getattr(tracker, "seconds", 0.0) + time.perf_counter() - start
 
     def _drain_buffers(self, drain_round: DrainRound) -> None:
+        batches: dict[str, list[Drained]] = {}
         for (component, stream), buf in self.buffers.items():
             if not buf.rows:
                 continue
             try:
                 batch = Drained(component, stream, *buf.take(drain_round))
-                if _consumes_drained(type(self)):
-                    self.consume(batch)
-                else:
-                    self._consume_legacy(batch)
             except Exception as exc:  # a reduction must never take training down
-                self._lose_window(component, exc)
+                self._lose_window(component, exc)  # its other buffers are emptied too
+                batches.pop(component, None)
+                continue
+            batches.setdefault(component, []).append(batch)
+        mirrored = self._mirrored(batches) if self.mirrors_identical_rows else set()
+        for component, drained in batches.items():
+            if component in mirrored:
+                continue
+            for batch in drained:
+                try:
+                    if _consumes_drained(type(self)):
+                        self.consume(batch)
+                    else:
+                        self._consume_legacy(batch)
+                except Exception as exc:  # a reduction must never take training down
+                    self._lose_window(component, exc)
+                    break
+
+    def _mirrored(self, batches: dict[str, list[Drained]]) -> set[str]:
+        """The components of this drain that share another's accumulators instead of
+        reducing: every held row of theirs is a row the other holds, in the same pushes
+        (the round's materialised columns are the same objects), with equal settings, no
+        row mask, and both were empty when the sharing began (or already share). A
+        sharing that ends gets its own copy of the accumulators before anything is
+        reduced, so each component's sums stay exactly those of its own rows."""
+        first: dict[tuple[Any, ...], str] = {}
+        mirrored: dict[str, str] = {}
+        for component, drained in batches.items():
+            if any(b.weight is not None for b in drained):
+                continue
+            key = tuple(
+                (b.stream, tuple(map(id, b.cols)), tuple(b.segments), tuple(b.scales))
+                for b in drained
+            )
+            source = first.setdefault(key, component)
+            if source == component or self.settings[component] != self.settings[source]:
+                continue
+            if self.mirrors.get(component) == source or (
+                component not in self.mirrors
+                and not self.state[component]
+                and not self.state[source]
+            ):
+                mirrored[component] = source
+        ended = [
+            c
+            for c, source in self.mirrors.items()
+            if mirrored.get(c) != source and (c in batches or source in batches)
+        ]
+        for component in ended:
+            self._unmirror(component)
+        for component, source in mirrored.items():
+            self.mirrors[component] = source
+            self.state[component] = self.state[source]
+        return set(mirrored)
+
+    def _unmirror(self, component: str) -> None:
+        """Give ``component`` its own copy of the accumulators it shares."""
+        source = self.mirrors.pop(component)
+        self.state[component] = {k: v.clone() for k, v in self.state[source].items()}
+
+    def _unmirror_all(self) -> None:
+        for component in list(self.mirrors):
+            self._unmirror(component)
 
     def _lose_window(self, component: str, exc: Exception) -> None:
         """Drop ``component``'s accumulators and held rows for this window and keep the
         reason for :class:`~policy_probes.stats_reporter.StatsReporter`."""
+        self._unmirror_all()
         for (comp, _), buf in self.buffers.items():
             if comp == component:
                 buf.clear()
@@ -301,6 +371,9 @@ class ProbeState:
     def reset(self) -> None:
         """Start a new window: drop every accumulator (reallocated on the next update)
         and every buffered row (the buffers themselves are kept for reuse)."""
+        for component in self.mirrors:
+            self.state[component] = {}
+        self.mirrors.clear()
         for st in self.state.values():
             st.clear()
         for buf in self.buffers.values():
@@ -312,6 +385,7 @@ class ProbeState:
         self.flush()
         if not multi_process(group):
             return
+        self._unmirror_all()  # each component's accumulators are reduced once
         layout = sorted(
             (c, k, tuple(t.shape), str(t.dtype))
             for c, st in self.state.items()
@@ -341,7 +415,12 @@ class ProbeState:
         run attaches the same probes, then loads this."""
         self.flush()
         return {
-            "state": {c: dict(st) for c, st in self.state.items()},
+            # a shared window is saved as two (a copy), so a resumed run's components
+            # accumulate apart until they share again
+            "state": {
+                c: {k: v.clone() for k, v in st.items()} if c in self.mirrors else dict(st)
+                for c, st in self.state.items()
+            },
             "errors": dict(self.errors),
         }
 
@@ -495,6 +574,14 @@ def rates(count: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
     return torch.where(
         total > 0, count.to(torch.float64) / total.clamp(min=1), torch.zeros_like(total)
     )
+
+
+def unit_rates(count: np.ndarray, total: np.ndarray) -> np.ndarray:
+    """:func:`rates` on host arrays (float64): count/total, 0 where total is 0. Summaries
+    of a layer's units run faster in numpy than as a dozen tiny torch calls."""
+    out = np.zeros(total.shape, dtype=np.float64)
+    np.divide(count, total, out=out, where=total > 0)
+    return out
 
 
 def indicator_(x: torch.Tensor) -> torch.Tensor:

@@ -253,6 +253,8 @@ class SinkGroup(MetricSink):
 # ---------------------------------------------------------------------- value helpers
 def flatten_metrics(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     """Flatten nested mappings into ``a/b/c`` keys (lifecycle hooks may return nested dicts)."""
+    if not prefix and set(map(type, metrics)) <= {str} and not any(map(_nested, metrics.values())):
+        return dict(metrics)  # already flat: every emit of the built-in loops
     out: dict[str, Any] = {}
     for key, value in metrics.items():
         full = f"{prefix}/{key}" if prefix else str(key)
@@ -271,12 +273,21 @@ def plain_metrics(
     skip = frozenset(skip)
     for key, value in flatten_metrics(metrics).items():
         if key not in skip:
-            yield key, to_plain(value)
+            yield key, value if type(value) in _PLAIN_SCALARS else to_plain(value)
 
 
 #: the exact types for which a list is copied as it is; a list holding any other type
 #: (numpy scalars, tensors, nested lists) is converted element by element
 _PLAIN_SCALARS = frozenset({float, int, bool, str, type(None)})
+
+
+def _nested(value: Any) -> bool:
+    """Whether ``value`` is a mapping to flatten (exact plain types answered without the
+    slower ABC check: an emit holds hundreds of values)."""
+    kind = type(value)
+    if kind in _PLAIN_SCALARS or kind is list:
+        return False
+    return kind is dict or isinstance(value, Mapping)
 
 
 def to_plain(value: Any) -> Any:
