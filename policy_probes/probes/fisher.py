@@ -48,7 +48,12 @@ from policy_probes.probes.fisher_generic import (
     per_sample_squares,
     row_finite,
 )
-from policy_probes.probes.fisher_rules import CHUNK_BYTES, LayerRule, closed_form_rule, layer_rows
+from policy_probes.probes.fisher_rules import (
+    LayerRule,
+    chunk_bytes_for,
+    closed_form_rule,
+    layer_rows,
+)
 from policy_probes.probes.rows import COUNT, Rows
 from policy_probes.probes.state import (
     SUM,
@@ -92,7 +97,7 @@ class FisherInformationState(ProbeState):
         *,
         loss_reduction: str = "mean",
         dead_threshold: float = DEAD_PARAM_THRESHOLD,
-        chunk_bytes: int = CHUNK_BYTES,
+        chunk_bytes: int | None = None,
         generic: str = "auto",
         **extra: Any,
     ) -> bool:
@@ -219,7 +224,7 @@ class FisherInformationState(ProbeState):
             for c in calls
         ]
         samples = ok.sum().to(COUNT)
-        chunk = self.settings[component]["chunk_bytes"]
+        chunk = chunk_bytes_for(self.settings[component]["chunk_bytes"], w.device)
         for local, value in per_sample_squares(module, calls, w, chunk).items():
             self._add(component, f"param:{names[local]}", value)
             self._add(component, f"param_samples:{names[local]}", samples, COUNT)
@@ -288,7 +293,8 @@ class FisherInformationState(ProbeState):
         else:
             torch.mul(g.clean, w[:, None], out=gs)  # f g, 0 where dropped
         if rule is not None:
-            sq = rule.squares(x.clean, gs, self.settings[component]["chunk_bytes"])
+            chunk = chunk_bytes_for(self.settings[component]["chunk_bytes"], gs.device)
+            sq = rule.squares(x.clean, gs, chunk)
         else:  # nn.Linear
             # the summed per-sample gradient (gradient noise scale), before gs is squared
             self._add(component, f"param_gsum:{weight}", (gs.T @ x.clean).to(SUM))
@@ -733,7 +739,7 @@ def attach_fisher_information_hooks(
     dead_threshold: float = DEAD_PARAM_THRESHOLD,
     param_every: int = 1,
     generic: Literal["auto", "off"] = "auto",
-    chunk_bytes: int = CHUNK_BYTES,
+    chunk_bytes: int | None = None,
     phases: Iterable[str] | str = ("train",),
     extractor: Extractor | None = None,
     schedule: Schedule | str | None = None,
@@ -752,7 +758,8 @@ def attach_fisher_information_hooks(
     rule (recurrent layers, attention, user layers) exactly through ``torch.func``
     (several times a plain backward of that module); ``"off"`` leaves them out, listed
     under ``uncovered/<name>``. ``chunk_bytes`` bounds the temporaries of one chunk of
-    samples in the conv, embedding, norm and generic rules (default 64 MiB).
+    samples in the conv, embedding, norm and generic rules (default None: 8 MiB on the
+    CPU, where cache-sized chunks run about twice as fast, 64 MiB on accelerators).
     """
     if loss_reduction not in ("mean", "sum"):
         raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
@@ -760,7 +767,7 @@ def attach_fisher_information_hooks(
         raise ValueError(f"param_every must be an integer >= 1, got {param_every!r}")
     if generic not in ("auto", "off"):
         raise ValueError(f"generic must be 'auto' or 'off', got {generic!r}")
-    if not (isinstance(chunk_bytes, int) and chunk_bytes >= 1):
+    if chunk_bytes is not None and not (isinstance(chunk_bytes, int) and chunk_bytes >= 1):
         raise ValueError(f"chunk_bytes must be an integer >= 1 (bytes), got {chunk_bytes!r}")
 
     extractor = as_extractor(extractor)

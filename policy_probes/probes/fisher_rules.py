@@ -22,8 +22,21 @@ from torch import nn
 from policy_probes.probes.state import SUM
 from policy_probes.torch_internals import conv_padding
 
-#: default bound on the temporaries of one chunk of samples (bytes)
+#: default bound on the temporaries of one chunk of samples (bytes) on accelerators
 CHUNK_BYTES = 64 << 20
+#: the same on the CPU: chunks that stay in a server CPU's last-level cache. Measured on
+#: the NatureCNN's conv layers (256 samples, one thread, 32 MiB L3): 234 ms at 64 MiB,
+#: 127 ms at 32 MiB, 111 ms at 8 MiB, 100 ms at 4 MiB, 113 ms at 2 MiB
+CPU_CHUNK_BYTES = 8 << 20
+
+
+def chunk_bytes_for(setting: int | None, device: torch.device) -> int:
+    """The chunk bound in force: ``setting``, or by default (None) :data:`CPU_CHUNK_BYTES`
+    on the CPU and :data:`CHUNK_BYTES` elsewhere (larger kernels pay on accelerators)."""
+    if setting is not None:
+        return setting
+    return CPU_CHUNK_BYTES if device.type == "cpu" else CHUNK_BYTES
+
 
 Names = tuple[str | None, str | None]
 
