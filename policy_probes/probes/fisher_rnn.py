@@ -162,21 +162,23 @@ def rnn_per_sample_squares(
     per_call = [_gate_grads(module, call, w) for call in calls]
     width = sum(d.dax.shape[-1] * (d.x.shape[-1] + d.prev.shape[-1]) for d in per_call[0])
     acc: dict[str, torch.Tensor] = {}
-    for lo, hi in chunks(w.shape[0], 3 * width * w.element_size(), chunk_bytes):
-        b = slice(lo, hi)
-        for j, first in enumerate(per_call[0]):
-            sample_grads: dict[str, torch.Tensor] = {}  # summed over the calls
-            for directions in per_call:
-                d = directions[j]
-                pieces = {
-                    "weight_ih": torch.einsum("tbg,tbi->bgi", d.dax[:, b], d.x[:, b]),
-                    "weight_hh": torch.einsum("tbg,tbi->bgi", d.dah[:, b], d.prev[:, b]),
-                }
-                if module.bias:
-                    pieces["bias_ih"] = d.dax[:, b].sum(0)
-                    pieces["bias_hh"] = d.dah[:, b].sum(0)
-                for k, v in pieces.items():
-                    sample_grads[k] = sample_grads[k] + v if k in sample_grads else v
+    for j, first in enumerate(per_call[0]):
+        # the calls of one backward hold the same samples: a sample's gradient is the sum
+        # over every call's steps, so the calls' steps are joined into one time axis
+        # (one contraction per weight and chunk, not one per call)
+        dax, x, dah, prev = (
+            torch.cat([getattr(directions[j], k) for directions in per_call])
+            for k in ("dax", "x", "dah", "prev")
+        )
+        for lo, hi in chunks(w.shape[0], 3 * width * w.element_size(), chunk_bytes):
+            b = slice(lo, hi)
+            sample_grads = {
+                "weight_ih": torch.einsum("tbg,tbi->bgi", dax[:, b], x[:, b]),
+                "weight_hh": torch.einsum("tbg,tbi->bgi", dah[:, b], prev[:, b]),
+            }
+            if module.bias:
+                sample_grads["bias_ih"] = dax[:, b].sum(0)
+                sample_grads["bias_hh"] = dah[:, b].sum(0)
             for k, v in sample_grads.items():
                 name = k + first.suffix
                 sq = v.square().sum(0).to(SUM)
