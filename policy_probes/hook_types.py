@@ -34,11 +34,13 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from policy_probes.context import ComponentContext
+from policy_probes.extractors import Extractor, as_extractor  # Extractor re-exported
 from policy_probes.outputs import describe_output, extractor_example
 from policy_probes.recurrent import default_extractor
 from policy_probes.row_mask import bound_weight, pushing_with
 from policy_probes.sampling import Schedule, tensor_rows
 from policy_probes.torch_internals import in_backward_pass
+from policy_probes.user_errors import ProbeError  # re-exported: users import it here
 
 log = logging.getLogger("policy_probes")
 
@@ -49,13 +51,6 @@ BackwardHookBuilder: TypeAlias = Callable[[str, ComponentContext], BackwardHook 
 #: a builder of either direction (what ``add_training_hook`` and
 #: ``add_training_backward_hook`` take)
 ProbeBuilder: TypeAlias = HookBuilder | BackwardHookBuilder
-#: a callable ``output -> tensor``, a key, a nested key or a tuple index (see
-#: :mod:`policy_probes.extractors`)
-Extractor: TypeAlias = Callable[[Any], torch.Tensor] | str | tuple[str, ...] | int
-
-
-class ProbeError(RuntimeError):
-    """A probe cannot work on the component it was attached to; the message says why."""
 
 
 def normalize_phases(phases: str | Iterable[str]) -> frozenset[str]:
@@ -115,6 +110,8 @@ class ProbeHook:
     #: which passes the probe observes (``None``: the context's sampler default; see
     #: :mod:`policy_probes.sampling`); set by the builders' ``schedule=``
     schedule: Schedule | None = None
+    #: the sampler picks the passes it observes (plain closures observe every pass)
+    sampled: bool = True
     #: seconds spent in this hook's bodies and rows it read since the sampler last looked
     seconds: float = 0.0
     rows: int = 0
@@ -129,8 +126,6 @@ class ProbeHook:
         self.component = component
         self.context = context
         self.phases = normalize_phases(phases)
-        from policy_probes.extractors import as_extractor  # it imports ProbeError from here
-
         self.extractor = as_extractor(extractor)
         self.enabled = True
         self.calls = 0
