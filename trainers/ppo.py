@@ -326,7 +326,7 @@ class PPOTrainer:
     def train(self) -> TrainerState:
         """Run all epochs; returns the final :class:`TrainerState`."""
         state, session = self.state, self.session
-        self.hooks.fire("on_new_training_run", state)
+        self.hooks.on_new_training_run(state)
         session.sinks.set_run_context(agent_step=state.agent_step)
         try:
             if self.next_obs is None:
@@ -338,16 +338,16 @@ class PPOTrainer:
                     state.epoch += 1
                     session.optimizer_step = state.optimizer_step
                     session.epoch_start(agent_step=state.agent_step)  # PRE_EPOCH
-                    self.hooks.fire("on_rollout_start", state)
+                    self.hooks.on_rollout_start(state)
                     session.set_phase("rollout")
                     self.collect_rollout()  # rollout and GAE
                     self.rollout_end()  # POST_ROLLOUT
-                    self.hooks.fire("on_rollout_end", state)
+                    self.hooks.on_rollout_end(state)
                 resuming_update = False
                 session.set_phase("train")
                 self.update()  # the minibatch loop; PRE_STEP / POST_STEP around each step
                 self.scheduler.step()
-                self.hooks.fire("on_train_phase_end", state)  # evaluation, rank statistics
+                self.hooks.on_train_phase_end(state)  # evaluation, rank statistics
                 session.optimizer_step = state.optimizer_step
                 # POST_EPOCH, SNAPSHOT and the epoch's records (docs/trainer.md)
                 state.metrics = session.epoch_end(
@@ -358,7 +358,7 @@ class PPOTrainer:
                 state.probe_metrics = {
                     k: v for k, v in state.metrics.items() if k.startswith("probes/")
                 }
-                self.hooks.fire("on_epoch_end", state)  # checkpoints, progress, run control
+                self.hooks.on_epoch_end(state)  # checkpoints, progress, run control
         except BaseException as exc:
             state.error = exc
             raise
@@ -432,7 +432,7 @@ class PPOTrainer:
     def _fire_training_end(self) -> None:
         try:
             self.session.sinks.flush()
-            self.hooks.fire("on_training_end", self.state)
+            self.hooks.on_training_end(self.state)
         except Exception:
             if self.state.error is None:
                 raise
@@ -566,7 +566,7 @@ class PPOTrainer:
                 p.next_minibatch, p.last_stats = mb_idx + 1, stats
                 state.optimizer_step += 1
                 # a minibatch boundary: run control may checkpoint, pause or stop here
-                self.hooks.fire("on_mb_end", state)
+                self.hooks.on_mb_end(state)
             p.update_epochs_run += 1
             p.update_epoch, p.order, p.next_minibatch = p.update_epoch + 1, None, 0
             if self.kl_exceeds_target(p.last_stats):
