@@ -47,7 +47,7 @@ from policy_probes.probes.fisher_generic import (
     per_sample_squares,
     row_finite,
 )
-from policy_probes.probes.fisher_rules import CHUNK_BYTES, LayerRule, closed_form_rule, layer_rows
+from policy_probes.probes.fisher_rules import CHUNK_BYTES, LayerKind, LayerRule, layer_kind
 from policy_probes.probes.rows import COUNT, Rows
 from policy_probes.probes.state import (
     SUM,
@@ -235,7 +235,7 @@ class FisherInformationState(ProbeState):
         loss_scale: float = 1.0,
     ) -> None:
         """One backward pass through ``act(linear(x))`` with an elementwise ``activation``
-        whose derivative follows from its output (:data:`ACTIVATION_DERIVATIVES`): the
+        whose derivative follows from its output (:data:`ACTIVATIONS`): the
         Linear's output gradient is ``act_grad * act'(act_out)``, formed at the drain. The
         activation's output and its gradient are the tensors other probes read too, so no
         autograd hook on the Linear's output is needed."""
@@ -459,7 +459,7 @@ class FisherInformationHook(ProbeHook):
             prefix = f"{sub_name}." if sub_name else ""
             if id(sub) in inside or any(id(p) in covered for p in sub.parameters(recurse=False)):
                 continue
-            kind = "linear" if _is_linear(sub) else closed_form_rule(sub)
+            kind = layer_kind(sub)
             if kind is None or next(sub.parameters(recurse=False), None) is None:
                 continue  # no rule, or nothing to learn (a norm without affine parameters)
             names = (
@@ -689,36 +689,35 @@ class FisherInformationHook(ProbeHook):
             act.register_forward_hook(self.timed(act_hook)),
         ]
 
-    def _layer_hook(self, kind: str, names: tuple[str | None, str | None]) -> Any:
-        """Forward hook of an ``nn.Linear`` or of a layer with a closed-form rule
-        (:func:`~policy_probes.probes.fisher_rules.closed_form_rule`): what the rule
-        needs of the input, and the gradient of the output."""
+    def _layer_hook(self, kind: LayerKind, names: tuple[str | None, str | None]) -> Any:
+        """Forward hook of a layer read in closed form (its entry of
+        :data:`~policy_probes.probes.fisher_rules.LAYER_KINDS`): what the rule needs of
+        the input, and the gradient of the output."""
         passes = itertools.count()
 
         def hook(mod: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
             if not self._recorded(output, passes):
                 return
             x = inputs[0].detach()  # the closure below must hold no autograd graph
-            if kind == "linear":
+            if kind.rows is None:  # nn.Linear: its input rows as they are
 
                 def compute(grad: torch.Tensor) -> None:
                     self.tracker.update_layer(
-                        self.component, kind, names, x, grad, self.context.loss_scale
+                        self.component, kind.name, names, x, grad, self.context.loss_scale
                     )
 
-            else:
-                rule, rows, shape = layer_rows(kind, mod, names, x, output.detach())
-                stream = f"{kind}:{names[0] or ''}:{names[1] or ''}:{shape}"
-
-                def compute(grad: torch.Tensor) -> None:
-                    self.tracker.update_rule(
-                        self.component, stream, rule, rows, grad, self.context.loss_scale
-                    )
-
-                n = rows.shape[0]
-                self._tap(output, compute, names, (n, n * _positions(kind, mod, rows, output)))
+                self._tap(output, compute, names)
                 return
-            self._tap(output, compute, names)
+            rule, rows, shape = kind.rows(mod, names, x, output.detach())
+            stream = f"{kind.name}:{names[0] or ''}:{names[1] or ''}:{shape}"
+
+            def compute_rule(grad: torch.Tensor) -> None:
+                self.tracker.update_rule(
+                    self.component, stream, rule, rows, grad, self.context.loss_scale
+                )
+
+            n = rows.shape[0]
+            self._tap(output, compute_rule, names, (n, n * kind.positions(mod, rows, output)))
 
         return hook
 
@@ -797,20 +796,6 @@ def _factor_key(push: tuple[int, Any]) -> Any:
     return ("tensor", id(f)) if isinstance(f, torch.Tensor) else f
 
 
-def _positions(kind: str, module: nn.Module, rows: torch.Tensor, output: torch.Tensor) -> int:
-    """Positions summed inside one sample of a closed-form rule (a row mask may give one
-    entry per position): conv output positions, embedding indices, group-norm positions
-    per channel; 1 for LayerNorm, whose rows are the samples."""
-    n = rows.shape[0]
-    if kind == "conv":
-        return output.numel() // max(n * module.out_channels, 1)
-    if kind == "embedding":
-        return rows.shape[1]
-    if kind == "group_norm":
-        return rows.shape[1] // module.num_channels
-    return 1
-
-
 def _generic_sample_weight(
     context: ComponentContext,
     module: nn.Module,
@@ -845,13 +830,9 @@ def _carries_grad(output: Any) -> bool:
     return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(output)[0])
 
 
-def _is_linear(module: nn.Module) -> bool:
-    return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
-
-
 def _owns_uncovered_parameters(module: nn.Module) -> bool:
     """Whether ``module`` holds parameters of its own that no closed-form rule covers."""
-    if _is_linear(module) or closed_form_rule(module) is not None:
+    if layer_kind(module) is not None:
         return False
     return next(module.parameters(recurse=False), None) is not None
 
@@ -868,33 +849,45 @@ def _generic_capable(module: nn.Module) -> bool:
     return not (isinstance(module, nn.Embedding) and module.scale_grad_by_freq)
 
 
-#: activations whose derivative follows exactly from their output a: the Fisher of the
-#: Linear before them needs no autograd hook of its own (see update_through_activation)
-ACTIVATION_DERIVATIVES = ("relu", "tanh", "sigmoid", "identity", "leaky_relu")
+#: activations whose derivative follows exactly from their output a, by type: the Fisher
+#: of the Linear before one needs no autograd hook of its own (see update_through_activation)
+ACTIVATIONS: dict[type[nn.Module], str] = {
+    nn.ReLU: "relu",
+    nn.Tanh: "tanh",
+    nn.Sigmoid: "sigmoid",
+    nn.Identity: "identity",
+    nn.LeakyReLU: "leaky_relu",
+}
+#: act'(z) from the finite activation output ``a``, written into ``out``, exactly as
+#: autograd forms it (``slope``: LeakyReLU's)
+DERIVATIVES: dict[str, Any] = {
+    "relu": lambda a, out, slope: out.copy_(a.positive()),  # 1[a > 0]
+    "tanh": lambda a, out, slope: torch.mul(a.square(), -1.0, out=out).add_(1.0),  # 1 - a^2
+    "sigmoid": lambda a, out, slope: torch.sub(a.clean, a.square(), out=out),  # a - a^2
+    "identity": lambda a, out, slope: out.fill_(1.0),
+    # 1[a > 0] (1 - slope) + slope
+    "leaky_relu": lambda a, out, slope: torch.mul(a.positive(), 1.0 - slope, out=out).add_(slope),
+}
 
 
 def derivable_hidden_layer(module: nn.Module) -> str | None:
     """The activation name (``leaky_relu=<slope>`` for LeakyReLU) if ``module`` is a
     :class:`~policy_probes.layers.HiddenLayer` computing ``act(linear(x))`` with an
-    activation of :data:`ACTIVATION_DERIVATIVES`, else None."""
+    activation of :data:`ACTIVATIONS`, else None."""
     if type(module).forward is not HiddenLayer.forward or type(module.linear) is not nn.Linear:
         return None
     return derivable_activation(module.act)
 
 
 def derivable_activation(act: nn.Module) -> str | None:
-    """The name under which :func:`_activation_derivative` knows ``act``, or None."""
-    if type(act) is nn.ReLU and not act.inplace:
-        return "relu"
-    if type(act) is nn.Tanh:
-        return "tanh"
-    if type(act) is nn.Sigmoid:
-        return "sigmoid"
-    if type(act) is nn.Identity:
-        return "identity"
-    if type(act) is nn.LeakyReLU and act.negative_slope >= 0 and not act.inplace:
-        return f"leaky_relu={act.negative_slope!r}"
-    return None
+    """The name under which :data:`DERIVATIVES` knows ``act`` (``leaky_relu=<slope>``
+    for LeakyReLU), or None (another type, in place, or a negative slope)."""
+    name = ACTIVATIONS.get(type(act))
+    if name is None or getattr(act, "inplace", False):
+        return None
+    if name == "leaky_relu":
+        return f"leaky_relu={act.negative_slope!r}" if act.negative_slope >= 0 else None
+    return name
 
 
 def derivable_sequential_pairs(
@@ -915,16 +908,6 @@ def derivable_sequential_pairs(
 
 
 def _activation_derivative(activation: str, a: Rows, out: torch.Tensor) -> torch.Tensor:
-    """act'(z) from the finite activation output ``a`` (written into ``out``), exactly as
-    autograd forms it: relu 1[a > 0]; tanh 1 - a^2; sigmoid a - a^2; leaky_relu 1[a > 0]
-    (1 - slope) + slope; identity 1."""
-    if activation == "relu":
-        return out.copy_(a.positive())
-    if activation == "tanh":
-        return torch.mul(a.square(), -1.0, out=out).add_(1.0)
-    if activation == "sigmoid":
-        return torch.sub(a.clean, a.square(), out=out)
-    if activation == "identity":
-        return out.fill_(1.0)
-    slope = float(activation.removeprefix("leaky_relu="))
-    return torch.mul(a.positive(), 1.0 - slope, out=out).add_(slope)
+    """act'(z) of the activation named ``activation`` (:func:`derivable_activation`)."""
+    name, _, slope = activation.partition("=")
+    return DERIVATIVES[name](a, out, float(slope or 0.0))
