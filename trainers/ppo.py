@@ -26,7 +26,7 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -169,6 +169,66 @@ class UpdateProgress:
     steps: int = 0
     update_epochs_run: int = 0
     last_stats: torch.Tensor | None = None
+
+    def minibatches(
+        self, storage: Any, cfg: PPOConfig, generator: torch.Generator
+    ) -> Iterator[tuple[int, Minibatch]]:
+        """``(index, minibatch)`` of this update epoch from :attr:`next_minibatch` on (> 0
+        only when resumed mid-phase), in an order drawn once per update epoch."""
+        if self.order is None:
+            self.order = storage.shuffled_order(generator)
+        batches = storage.minibatches(self.order, cfg.num_minibatches)
+        first = self.next_minibatch
+        return enumerate(itertools.islice(batches, first, None), first)
+
+    def minibatch_done(self, index: int, stats: torch.Tensor) -> None:
+        self.sums += stats
+        self.steps += 1
+        self.next_minibatch, self.last_stats = index + 1, stats
+
+    def update_epoch_done(self) -> None:
+        self.update_epochs_run += 1
+        self.update_epoch, self.order, self.next_minibatch = self.update_epoch + 1, None, 0
+
+
+class StepLog:
+    """Every minibatch's statistics of an update phase (device tensors, no sync) and where
+    it ran, so a non-finite loss is found and located once per epoch."""
+
+    def __init__(self) -> None:
+        self.stats: list[torch.Tensor] = []
+        self.where: list[tuple[int, int, int]] = []  # (update epoch, minibatch, step)
+
+    def add(self, stats: torch.Tensor, where: tuple[int, int, int]) -> None:
+        self.stats.append(stats)
+        self.where.append(where)
+
+    def summary(self, p: UpdateProgress, loss_from_stats: Callable, epoch: int) -> dict[str, float]:
+        """The phase's mean statistics (:data:`LOSS_STATS`, ``grad_norm``) and
+        ``nonfinite_loss_steps`` in one host transfer, warning where the first non-finite
+        loss was."""
+        if self.stats:  # [count, index of the first] of the non-finite losses
+            bad = ~torch.isfinite(loss_from_stats(torch.stack(self.stats, 1)))
+            first = torch.where(bad.any(), bad.to(torch.uint8).argmax(), -1)
+            nonfinite = torch.stack([bad.sum(), first]).to(p.sums.dtype)
+        else:  # resumed from a checkpoint taken after the last minibatch
+            nonfinite = torch.tensor([0.0, -1.0], dtype=p.sums.dtype, device=p.sums.device)
+        *means, bad_steps, first_bad = torch.cat([p.sums / max(p.steps, 1), nonfinite]).tolist()
+        out = dict(zip((*LOSS_STATS, "grad_norm"), means, strict=True))
+        out["nonfinite_loss_steps"] = bad_steps
+        if bad_steps:
+            update_epoch, minibatch, step = self.where[int(first_bad)]
+            log.warning(
+                "non-finite loss at epoch %d, update epoch %d, minibatch %d (step %d); "
+                "%d of this epoch's %d optimizer steps had a non-finite loss",
+                epoch,
+                update_epoch,
+                minibatch,
+                step,
+                int(bad_steps),
+                len(self.stats),
+            )
+        return out
 
 
 class PPOTrainer:
@@ -539,17 +599,10 @@ class PPOTrainer:
                 sums=torch.zeros(len(LOSS_STATS) + 1, device=self.device),
             )
         p = self.update_progress
-        # Every minibatch's statistics (device tensors, no sync) and where it ran, to find
-        # non-finite losses once per epoch without a per-step host transfer.
-        step_stats: list[torch.Tensor] = []
-        step_where: list[tuple[int, int, int]] = []
+        steps = StepLog()  # non-finite losses are found once per epoch, not per step
         while p.update_epoch < cfg.update_epochs:
             state.update_epoch = p.update_epoch
-            if p.order is None:
-                p.order = self.storage.shuffled_order(self.shuffle_generator)
-            batches = self.storage.minibatches(p.order, cfg.num_minibatches)
-            first = p.next_minibatch  # > 0 only when resumed mid-phase
-            for mb_idx, batch in enumerate(itertools.islice(batches, first, None), first):
+            for mb_idx, batch in p.minibatches(self.storage, cfg, self.shuffle_generator):
                 state.mb_idx = mb_idx
                 # zero_grad, loss, backward (micro-batches, DDP all-reduce)
                 loss_stats = self.accumulate_gradients(batch, sync=True)
@@ -559,42 +612,16 @@ class PPOTrainer:
                 if self._fire_steps:
                     self.session.post_step(**self._step_fields(batch, loss_stats))
                 stats = torch.cat([loss_stats, grad_norm.detach().reshape(1).to(loss_stats)])
-                step_stats.append(stats)
-                step_where.append((p.update_epoch, mb_idx, state.optimizer_step))
-                p.sums += stats
-                p.steps += 1
-                p.next_minibatch, p.last_stats = mb_idx + 1, stats
+                steps.add(stats, (p.update_epoch, mb_idx, state.optimizer_step))
+                p.minibatch_done(mb_idx, stats)
                 state.optimizer_step += 1
                 # a minibatch boundary: run control may checkpoint, pause or stop here
                 self.hooks.on_mb_end(state)
-            p.update_epochs_run += 1
-            p.update_epoch, p.order, p.next_minibatch = p.update_epoch + 1, None, 0
+            p.update_epoch_done()
             if self.kl_exceeds_target(p.last_stats):
                 break
         self.update_progress = None
-        # [count, index of the first] of the minibatches whose loss is NaN or infinite
-        if step_stats:
-            bad = ~torch.isfinite(self.loss_from_stats(torch.stack(step_stats, 1)))
-            first = torch.where(bad.any(), bad.to(torch.uint8).argmax(), -1)
-            nonfinite = torch.stack([bad.sum(), first]).to(p.sums.dtype)
-        else:  # resumed from a checkpoint taken after the last minibatch
-            nonfinite = torch.tensor([0.0, -1.0], dtype=p.sums.dtype, device=p.sums.device)
-        # the one transfer of the update phase
-        *means, bad_steps, first_bad = torch.cat([p.sums / max(p.steps, 1), nonfinite]).tolist()
-        loss_stats = dict(zip((*LOSS_STATS, "grad_norm"), means, strict=True))
-        loss_stats["nonfinite_loss_steps"] = bad_steps
-        if bad_steps:
-            update_epoch, minibatch, step = step_where[int(first_bad)]
-            log.warning(
-                "non-finite loss at epoch %d, update epoch %d, minibatch %d (step %d); "
-                "%d of this epoch's %d optimizer steps had a non-finite loss",
-                state.epoch,
-                update_epoch,
-                minibatch,
-                step,
-                int(bad_steps),
-                len(step_stats),
-            )
+        loss_stats = steps.summary(p, self.loss_from_stats, state.epoch)
         # explained variance and the value targets' scale (one transfer)
         loss_stats.update(self.storage.value_statistics())
         loss_stats["learning_rate"] = p.learning_rate
