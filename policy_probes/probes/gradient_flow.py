@@ -12,7 +12,6 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch import nn
 
 from policy_probes.grad_tap import on_grad
 from policy_probes.hook_types import BackwardHookBuilder, Extractor
@@ -155,9 +154,6 @@ class GradientFlowHook(LayeredProbeHook):
     probe = "gradient_flow"
     builder_name = "attach_gradient_flow_hooks()"
     backward = True
-
-    def record_grad(self, module: nn.Module, grad_output: torch.Tensor) -> None:
-        self.tracker.update(self.component, grad_output, self.channels_first)
 
     def record_layer(self, layer: ProbedLayer, output: torch.Tensor) -> None:
         """Subscribe to the gradient of ``layer``'s output (one shared tensor hook)."""

@@ -258,12 +258,19 @@ class LayeredProbeHook(ProbeHook):
 
         return hook
 
+    def record(self, module: nn.Module, output: torch.Tensor) -> None:
+        """The component's output (a backward probe: its gradient) into the tracker."""
+        self.tracker.update(self.component, output, self.channels_first)
+
+    record_grad = record
+
     def record_layer(self, layer: ProbedLayer, output: torch.Tensor) -> None:
-        """Read one forward output of ``layer`` (not detached: see the subclasses). Under
-        a row mask it is called inside :class:`~policy_probes.row_mask.pushing_with` with
-        the mask rows of ``output``, so pushes made now carry them; a probe that pushes
-        later (from a gradient hook) keeps ``context.push_weight`` for then."""
-        raise NotImplementedError
+        """Read one forward output of ``layer`` (not detached; by default into the
+        tracker). Under a row mask it is called inside
+        :class:`~policy_probes.row_mask.pushing_with` with the mask rows of ``output``, so
+        pushes made now carry them; a probe that pushes later (from a gradient hook)
+        keeps ``context.push_weight`` for then."""
+        self.tracker.update(layer.component, output, layer.channels_first)
 
 
 def layered_builder(
