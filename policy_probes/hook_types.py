@@ -35,6 +35,7 @@ from torch.utils.hooks import RemovableHandle
 
 from policy_probes.context import ComponentContext
 from policy_probes.extractors import Extractor, as_extractor  # Extractor re-exported
+from policy_probes.grad_tap import on_grad
 from policy_probes.outputs import describe_output, extractor_example
 from policy_probes.recurrent import default_extractor
 from policy_probes.row_mask import bound_weight, pushing_with
@@ -305,6 +306,28 @@ class ProbeHook:
     def fail(self, exc: BaseException) -> None:
         """Disable this probe after ``exc`` and report it once (re-raise when strict)."""
         disable_after_fault(self, exc)
+
+    def tap_grad(
+        self,
+        output: torch.Tensor,
+        weight: torch.Tensor | None,
+        compute: Callable[[torch.Tensor], None],
+    ) -> None:
+        """Call ``compute(grad)`` with the gradient of ``output`` (one tensor hook shared by
+        the probes, :func:`~policy_probes.grad_tap.on_grad`), its pushes carrying the
+        row-mask rows ``weight`` bound in the forward; timed and fault-guarded like the
+        probe's own hook."""
+
+        def record(grad: torch.Tensor) -> None:
+            if not self.enabled:
+                return
+            try:
+                with pushing_with(self.context, weight):
+                    compute(grad)
+            except Exception as exc:  # a probe must never take training down
+                self.fail(exc)
+
+        on_grad(output, self.timed(record))
 
     def inner_layer_hook(
         self, layer: str, record: Callable[[str, torch.Tensor], None]

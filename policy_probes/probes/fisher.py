@@ -36,7 +36,6 @@ from torch.utils.hooks import RemovableHandle
 
 from policy_probes.context import ComponentContext
 from policy_probes.extractors import as_extractor
-from policy_probes.grad_tap import on_grad
 from policy_probes.hook_types import BackwardHookBuilder, Extractor, ProbeError, ProbeHook
 from policy_probes.layers import HiddenLayer
 from policy_probes.probes.fisher_generic import (
@@ -63,7 +62,6 @@ from policy_probes.row_mask import (
     bound_sample_weight,
     bound_weight,
     loss_samples,
-    pushing_with,
 )
 from policy_probes.sampling import Schedule, as_schedule, with_schedule
 from policy_probes.torch_internals import queue_after_backward, tree_flatten, tree_unflatten
@@ -614,17 +612,7 @@ class FisherInformationHook(ProbeHook):
         except Exception as exc:
             self.fail(exc)
             return
-
-        def record(grad: torch.Tensor) -> None:
-            if not self.enabled:
-                return
-            try:
-                with pushing_with(self.context, weight):
-                    compute(grad)
-            except Exception as exc:
-                self.fail(exc)
-
-        on_grad(output, self.timed(record))
+        self.tap_grad(output, weight, compute)
 
     def _through_activation_hook(
         self, activation: str, names: tuple[str | None, str | None]
