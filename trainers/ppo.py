@@ -28,7 +28,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -169,6 +169,10 @@ class UpdateProgress:
     steps: int = 0
     update_epochs_run: int = 0
     last_stats: torch.Tensor | None = None
+    #: (statistics, (update epoch, minibatch, step)) of every minibatch this process ran
+    #: in the phase (device tensors; not checkpointed): non-finite losses are found and
+    #: located once per epoch, not per step
+    ran: list[tuple[torch.Tensor, tuple[int, int, int]]] = field(default_factory=list)
 
     def minibatches(
         self, storage: Any, cfg: PPOConfig, generator: torch.Generator
@@ -181,43 +185,32 @@ class UpdateProgress:
         first = self.next_minibatch
         return enumerate(itertools.islice(batches, first, None), first)
 
-    def minibatch_done(self, index: int, stats: torch.Tensor) -> None:
+    def minibatch_done(self, index: int, stats: torch.Tensor, step: int) -> None:
         self.sums += stats
         self.steps += 1
         self.next_minibatch, self.last_stats = index + 1, stats
+        self.ran.append((stats, (self.update_epoch, index, step)))
 
     def update_epoch_done(self) -> None:
         self.update_epochs_run += 1
         self.update_epoch, self.order, self.next_minibatch = self.update_epoch + 1, None, 0
 
-
-class StepLog:
-    """Every minibatch's statistics of an update phase (device tensors, no sync) and where
-    it ran, so a non-finite loss is found and located once per epoch."""
-
-    def __init__(self) -> None:
-        self.stats: list[torch.Tensor] = []
-        self.where: list[tuple[int, int, int]] = []  # (update epoch, minibatch, step)
-
-    def add(self, stats: torch.Tensor, where: tuple[int, int, int]) -> None:
-        self.stats.append(stats)
-        self.where.append(where)
-
-    def summary(self, p: UpdateProgress, loss_from_stats: Callable, epoch: int) -> dict[str, float]:
+    def summary(self, loss_from_stats: Callable, epoch: int) -> dict[str, float]:
         """The phase's mean statistics (:data:`LOSS_STATS`, ``grad_norm``) and
         ``nonfinite_loss_steps`` in one host transfer, warning where the first non-finite
         loss was."""
-        if self.stats:  # [count, index of the first] of the non-finite losses
-            bad = ~torch.isfinite(loss_from_stats(torch.stack(self.stats, 1)))
+        sums = self.sums
+        if self.ran:  # [count, index of the first] of the non-finite losses
+            bad = ~torch.isfinite(loss_from_stats(torch.stack([s for s, _ in self.ran], 1)))
             first = torch.where(bad.any(), bad.to(torch.uint8).argmax(), -1)
-            nonfinite = torch.stack([bad.sum(), first]).to(p.sums.dtype)
+            nonfinite = torch.stack([bad.sum(), first]).to(sums.dtype)
         else:  # resumed from a checkpoint taken after the last minibatch
-            nonfinite = torch.tensor([0.0, -1.0], dtype=p.sums.dtype, device=p.sums.device)
-        *means, bad_steps, first_bad = torch.cat([p.sums / max(p.steps, 1), nonfinite]).tolist()
+            nonfinite = torch.tensor([0.0, -1.0], dtype=sums.dtype, device=sums.device)
+        *means, bad_steps, first_bad = torch.cat([sums / max(self.steps, 1), nonfinite]).tolist()
         out = dict(zip((*LOSS_STATS, "grad_norm"), means, strict=True))
         out["nonfinite_loss_steps"] = bad_steps
         if bad_steps:
-            update_epoch, minibatch, step = self.where[int(first_bad)]
+            update_epoch, minibatch, step = self.ran[int(first_bad)][1]
             log.warning(
                 "non-finite loss at epoch %d, update epoch %d, minibatch %d (step %d); "
                 "%d of this epoch's %d optimizer steps had a non-finite loss",
@@ -226,7 +219,7 @@ class StepLog:
                 minibatch,
                 step,
                 int(bad_steps),
-                len(self.stats),
+                len(self.ran),
             )
         return out
 
@@ -599,7 +592,6 @@ class PPOTrainer:
                 sums=torch.zeros(len(LOSS_STATS) + 1, device=self.device),
             )
         p = self.update_progress
-        steps = StepLog()  # non-finite losses are found once per epoch, not per step
         while p.update_epoch < cfg.update_epochs:
             state.update_epoch = p.update_epoch
             for mb_idx, batch in p.minibatches(self.storage, cfg, self.shuffle_generator):
@@ -612,8 +604,7 @@ class PPOTrainer:
                 if self._fire_steps:
                     self.session.post_step(**self._step_fields(batch, loss_stats))
                 stats = torch.cat([loss_stats, grad_norm.detach().reshape(1).to(loss_stats)])
-                steps.add(stats, (p.update_epoch, mb_idx, state.optimizer_step))
-                p.minibatch_done(mb_idx, stats)
+                p.minibatch_done(mb_idx, stats, state.optimizer_step)
                 state.optimizer_step += 1
                 # a minibatch boundary: run control may checkpoint, pause or stop here
                 self.hooks.on_mb_end(state)
@@ -621,7 +612,7 @@ class PPOTrainer:
             if self.kl_exceeds_target(p.last_stats):
                 break
         self.update_progress = None
-        loss_stats = steps.summary(p, self.loss_from_stats, state.epoch)
+        loss_stats = p.summary(self.loss_from_stats, state.epoch)
         # explained variance and the value targets' scale (one transfer)
         loss_stats.update(self.storage.value_statistics())
         loss_stats["learning_rate"] = p.learning_rate
@@ -827,7 +818,7 @@ class PPOTrainer:
         p = self.update_progress
         assert p is not None
         return {
-            "update": vars(p).copy(),
+            "update": {k: v for k, v in vars(p).items() if k != "ran"},
             "storage": self.storage.state_dict(),
             "rollout_stats": dict(self.state.rollout_stats),
         }
