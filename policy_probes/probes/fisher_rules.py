@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 from policy_probes.probes.state import SUM
 from policy_probes.torch_internals import conv_padding
@@ -26,6 +26,8 @@ from policy_probes.torch_internals import conv_padding
 CHUNK_BYTES = 64 << 20
 
 Names = tuple[str | None, str | None]
+#: what a layer kind holds of one pass: its rule, the rows for the drain, a shape key
+Held = tuple["LayerRule", Tensor, str]
 
 
 def chunks(rows: int, per_sample_bytes: int, chunk_bytes: int) -> Iterator[tuple[int, int]]:
@@ -179,34 +181,26 @@ class NormRule(LayerRule):
         return acc
 
 
-def _conv_rows(
-    conv: nn.Conv1d | nn.Conv2d, names: Names, x: torch.Tensor, out: torch.Tensor
-) -> tuple[LayerRule, torch.Tensor, str]:
+def _conv_rows(conv: nn.Conv1d | nn.Conv2d, names: Names, x: Tensor, out: Tensor) -> Held:
     if x.dim() == len(conv.kernel_size) + 1:  # unbatched input: one sample
         x, out = x.unsqueeze(0), out.unsqueeze(0)
     rule = ConvRule.of(conv, names, x, out)
     return rule, x.reshape(x.shape[0], -1), "x".join(map(str, x.shape[1:]))
 
 
-def _embedding_rows(
-    emb: nn.Embedding, names: Names, x: torch.Tensor, out: torch.Tensor
-) -> tuple[LayerRule, torch.Tensor, str]:
+def _embedding_rows(emb: nn.Embedding, names: Names, x: Tensor, out: Tensor) -> Held:
     rows = x.reshape(x.shape[0], -1) if x.dim() > 1 else x.reshape(-1, 1)  # samples, positions
     rule = EmbeddingRule(names, emb.num_embeddings, emb.embedding_dim, emb.padding_idx)
     return rule, rows, str(rows.shape[1])
 
 
-def _layer_norm_rows(
-    norm: nn.LayerNorm, names: Names, x: torch.Tensor, out: torch.Tensor
-) -> tuple[LayerRule, torch.Tensor, str]:
+def _layer_norm_rows(norm: nn.LayerNorm, names: Names, x: Tensor, out: Tensor) -> Held:
     shape = tuple(norm.normalized_shape)  # samples: every leading dimension
     xhat = F.layer_norm(x, shape, eps=norm.eps)
     return NormRule(names, shape, 1), xhat.reshape(-1, math.prod(shape)), ""
 
 
-def _group_norm_rows(
-    norm: nn.GroupNorm, names: Names, x: torch.Tensor, out: torch.Tensor
-) -> tuple[LayerRule, torch.Tensor, str]:
+def _group_norm_rows(norm: nn.GroupNorm, names: Names, x: Tensor, out: Tensor) -> Held:
     xhat = F.group_norm(x, norm.num_groups, eps=norm.eps)  # (N, C, *)
     positions = math.prod(x.shape[2:])
     rule = NormRule(names, (norm.num_channels,), positions)
@@ -222,8 +216,8 @@ class LayerKind:
     position). ``rows`` is None for ``nn.Linear``, whose rows are its input as is."""
 
     name: str
-    rows: Callable[..., tuple[LayerRule, torch.Tensor, str]] | None = None
-    positions: Callable[[nn.Module, torch.Tensor, torch.Tensor], int] = lambda m, r, o: 1
+    rows: Callable[..., Held] | None = None
+    positions: Callable[[nn.Module, Tensor, Tensor], int] = lambda m, r, o: 1
 
 
 LINEAR = LayerKind("linear")
