@@ -337,19 +337,33 @@ class ProbeHook:
         fault-guarded like the probe's own hook (tensor outputs only)."""
 
         def hook(module: nn.Module, _inputs: Any, output: Any) -> None:
-            if not (self.active() and isinstance(output, torch.Tensor)):
-                return
-            start = time.perf_counter()
-            try:
-                weight = bound_weight(self.context, output, module, layer, (id(self), layer))
-                with pushing_with(self.context, weight):
-                    record(layer, output)
-            except Exception as exc:  # a probe must never take training down
-                self.fail(exc)
-            finally:
-                self.seconds += time.perf_counter() - start
+            if self.active() and isinstance(output, torch.Tensor):
+                self.masked_call(record, (layer, output), output, module, layer, (id(self), layer))
 
         return hook
+
+    def masked_call(
+        self,
+        fn: Callable[..., None],
+        args: tuple[Any, ...],
+        output: torch.Tensor,
+        module: nn.Module | None,
+        name: str,
+        key: Any,
+        channels_first: bool = False,
+    ) -> None:
+        """``fn(*args)`` with the row-mask rows of ``output`` (module ``name``'s output in
+        this forward pass, ``key`` telling hooks apart) bound to its pushes, timed and
+        fault-guarded like the probe's own hook."""
+        start = time.perf_counter()
+        try:
+            weight = bound_weight(self.context, output, module, name, key, channels_first)
+            with pushing_with(self.context, weight):
+                fn(*args)
+        except Exception as exc:  # a probe must never take training down
+            self.fail(exc)
+        finally:
+            self.seconds += time.perf_counter() - start
 
     # ------------------------------------------------------------- subclasses
     def record(self, module: nn.Module, output: torch.Tensor) -> None:
