@@ -429,17 +429,15 @@ class PPOTrainer:
         """POST_ROLLOUT: the rollout and its advantages are ready, no update yet. A
         ``churn`` probe records its held-out outputs here (the session does it with
         POST_ROLLOUT)."""
-        st = self.storage
         if not self._fire_post_rollout:
             if "churn" in self.context.model_metrics:
-                observations = st.obs.view(st.num_steps * st.num_envs, -1)[st.valid_indices]
+                observations = self.storage.valid_observations()
                 churn_start_epoch(self.context, observations, self.policy)
             return
-        state = self.state
         self.session.rollout_end(
-            observations=st.obs.view(st.num_steps * st.num_envs, -1)[st.valid_indices],
-            agent_step=state.agent_step,
-            stats={f"rollout/{k}": v for k, v in state.rollout_stats.items()},
+            observations=self.storage.valid_observations(),
+            agent_step=self.state.agent_step,
+            stats={f"rollout/{k}": v for k, v in self.state.rollout_stats.items()},
         )
 
     def epoch_statistics(self) -> dict[str, Any]:
@@ -596,14 +594,7 @@ class PPOTrainer:
             state.update_epoch = p.update_epoch
             for mb_idx, batch in p.minibatches(self.storage, cfg, self.shuffle_generator):
                 state.mb_idx = mb_idx
-                # zero_grad, loss, backward (micro-batches, DDP all-reduce)
-                loss_stats = self.accumulate_gradients(batch, sync=True)
-                if self._fire_steps:
-                    self.session.pre_step(**self._step_fields(batch, loss_stats))
-                grad_norm = self.clip_and_step()  # global norm clipping, optimizer.step()
-                if self._fire_steps:
-                    self.session.post_step(**self._step_fields(batch, loss_stats))
-                stats = torch.cat([loss_stats, grad_norm.detach().reshape(1).to(loss_stats)])
+                stats = self.train_minibatch(batch, step_points=self._fire_steps)
                 p.minibatch_done(mb_idx, stats, state.optimizer_step)
                 state.optimizer_step += 1
                 # a minibatch boundary: run control may checkpoint, pause or stop here
@@ -623,11 +614,17 @@ class PPOTrainer:
         state.rollout_stats["sps"] = state.agent_step / max(self.trained_seconds, 1e-9)
         state.rollout_stats["update_seconds"] = time.perf_counter() - t0
 
-    def train_minibatch(self, batch: Minibatch) -> torch.Tensor:
-        """One optimizer step on ``batch`` outside the loop (no lifecycle points); returns
-        its statistics (device tensor, :data:`LOSS_STATS` then the pre-clip gradient norm)."""
+    def train_minibatch(self, batch: Minibatch, *, step_points: bool = False) -> torch.Tensor:
+        """One optimizer step on ``batch``; returns its statistics (device tensor,
+        :data:`LOSS_STATS` then the pre-clip gradient norm). ``step_points``: fire
+        PRE_STEP and POST_STEP around the optimizer step (the loop's own steps)."""
+        # zero_grad, loss, backward (micro-batches, DDP all-reduce)
         stats = self.accumulate_gradients(batch, sync=True)
-        grad_norm = self.clip_and_step()
+        if step_points:
+            self.session.pre_step(**self._step_fields(batch, stats))
+        grad_norm = self.clip_and_step()  # global norm clipping, optimizer.step()
+        if step_points:
+            self.session.post_step(**self._step_fields(batch, stats))
         return torch.cat([stats, grad_norm.detach().reshape(1).to(stats)])
 
     def minibatch_loss(
