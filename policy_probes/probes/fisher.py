@@ -860,11 +860,11 @@ DERIVATIVES: dict[str, Any] = {
 
 def derivable_hidden_layer(module: nn.Module) -> str | None:
     """The activation name (``leaky_relu=<slope>`` for LeakyReLU) if ``module`` is a
-    :class:`~policy_probes.layers.HiddenLayer` computing ``act(linear(x))`` with an
-    activation of :data:`ACTIVATIONS`, else None."""
+    :class:`~policy_probes.layers.HiddenLayer` computing ``act(linear(x))`` (no layer
+    norm in between) with an activation of :data:`ACTIVATIONS`, else None."""
     if type(module).forward is not HiddenLayer.forward or type(module.linear) is not nn.Linear:
         return None
-    return derivable_activation(module.act)
+    return derivable_activation(module.act) if module.norm is None else None
 
 
 def derivable_activation(act: nn.Module) -> str | None:
