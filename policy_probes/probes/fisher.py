@@ -416,56 +416,41 @@ class FisherInformationHook(ProbeHook):
         covered: set[int] = set()
         settings = self.tracker.settings[self.component]
         uncovered: dict[str, int] = {}
-        # generic units first: a unit's whole subtree goes through torch.func (its
-        # forward may use a child's parameters without calling the child, e.g. the
-        # out_proj of nn.MultiheadAttention), so no closed-form hook inside it
-        inside: set[int] = set()
-        for sub_name, sub in module.named_modules():
-            if id(sub) in inside or not _owns_uncovered_parameters(sub):
+        inside: set[int] = set()  # the modules of generic units
+        for sub_name, sub in module.named_modules():  # parents before their children
+            if id(sub) in inside:
                 continue
             prefix = f"{sub_name}." if sub_name else ""
-            if settings["generic"] == "auto" and _generic_capable(sub):
+            own = list(sub.parameters(recurse=False))
+            generic = settings["generic"] == "auto" and _owns_uncovered_parameters(sub)
+            if generic and _generic_capable(sub):
+                # the unit's whole subtree goes through torch.func (its forward may
+                # use a child's parameters without calling the child, e.g. the
+                # out_proj of nn.MultiheadAttention), so no closed-form hook inside it
                 names = {k: f"{prefix}{k}" for k, _ in sub.named_parameters()}
                 sizes = {f"{prefix}{k}": p.numel() for k, p in sub.named_parameters()}
                 hook = self._generic_hook(sub, names, sizes)
                 handles.append(sub.register_forward_hook(self.timed(hook), with_kwargs=True))
                 covered.update(id(p) for p in sub.parameters())
                 inside.update(id(m) for m in sub.modules())
-        for sub_name, sub in module.named_modules():
+                continue
             activation = derivable_hidden_layer(sub)
-            if activation is None or id(sub) in inside:
-                continue
-            prefix = f"{sub_name}.linear." if sub_name else "linear."
-            names = (f"{prefix}weight", f"{prefix}bias" if sub.linear.bias is not None else None)
-            handles.append(
-                sub.register_forward_hook(
-                    self.timed(self._through_activation_hook(activation, names))
+            if activation is not None:
+                hook = self._through_activation_hook(
+                    activation, _names(f"{prefix}linear.", sub.linear)
                 )
-            )
-            covered.update(id(p) for p in sub.linear.parameters(recurse=False))
-        for sub_name, sub in module.named_modules():
-            if id(sub) in inside:
-                continue
+                handles.append(sub.register_forward_hook(self.timed(hook)))
+                covered.update(id(p) for p in sub.linear.parameters(recurse=False))
             for child, (linear, act, activation) in derivable_sequential_pairs(sub):
-                prefix = f"{sub_name}.{child}." if sub_name else f"{child}."
-                if any(id(p) in covered for p in linear.parameters(recurse=False)):
-                    continue
-                names = (f"{prefix}weight", f"{prefix}bias" if linear.bias is not None else None)
-                handles += self._sequential_pair_hooks(linear, act, activation, names)
-                covered.update(id(p) for p in linear.parameters(recurse=False))
-        for sub_name, sub in module.named_modules():
-            prefix = f"{sub_name}." if sub_name else ""
-            if id(sub) in inside or any(id(p) in covered for p in sub.parameters(recurse=False)):
-                continue
-            kind = layer_kind(sub)
-            if kind is None or next(sub.parameters(recurse=False), None) is None:
-                continue  # no rule, or nothing to learn (a norm without affine parameters)
-            names = (
-                f"{prefix}weight" if getattr(sub, "weight", None) is not None else None,
-                f"{prefix}bias" if getattr(sub, "bias", None) is not None else None,
-            )
-            handles.append(sub.register_forward_hook(self.timed(self._layer_hook(kind, names))))
-            covered.update(id(p) for p in sub.parameters(recurse=False))
+                if not any(id(p) in covered for p in linear.parameters(recurse=False)):
+                    names = _names(f"{prefix}{child}.", linear)
+                    handles += self._sequential_pair_hooks(linear, act, activation, names)
+                    covered.update(id(p) for p in linear.parameters(recurse=False))
+            kind = layer_kind(sub)  # nothing to learn without parameters (a norm without affine)
+            if kind is not None and own and not any(id(p) in covered for p in own):
+                hook = self._layer_hook(kind, _names(prefix, sub))
+                handles.append(sub.register_forward_hook(self.timed(hook)))
+                covered.update(id(p) for p in own)
         for name, p in module.named_parameters():
             if id(p) not in covered:
                 uncovered[name] = p.numel()
@@ -816,6 +801,13 @@ def _carries_grad(output: Any) -> bool:
     if isinstance(output, torch.Tensor):
         return output.requires_grad
     return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(output)[0])
+
+
+def _names(prefix: str, layer: nn.Module) -> tuple[str | None, str | None]:
+    """The names of ``layer``'s (weight, bias) under ``prefix``; None for one it lacks."""
+    return tuple(  # type: ignore[return-value]
+        f"{prefix}{k}" if getattr(layer, k, None) is not None else None for k in ("weight", "bias")
+    )
 
 
 def _owns_uncovered_parameters(module: nn.Module) -> bool:
