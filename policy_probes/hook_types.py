@@ -62,10 +62,8 @@ def normalize_phases(phases: str | Iterable[str]) -> frozenset[str]:
     return out
 
 
-def describe_type(obj: Any) -> str:
-    """A short description (keys, length or type), never the contents; see
-    :func:`policy_probes.outputs.describe_output`."""
-    return describe_output(obj)
+#: a short description (keys, length or type), never the contents
+describe_type = describe_output
 
 
 def disable_after_fault(hook: Any, exc: BaseException) -> None:
@@ -338,7 +336,7 @@ class ProbeHook:
 
         def hook(module: nn.Module, _inputs: Any, output: Any) -> None:
             if self.active() and isinstance(output, torch.Tensor):
-                self.masked_call(record, (layer, output), output, module, layer, (id(self), layer))
+                self.masked_call(record, (layer, output), output, module, layer)
 
         return hook
 
@@ -349,14 +347,14 @@ class ProbeHook:
         output: torch.Tensor,
         module: nn.Module | None,
         name: str,
-        key: Any,
         channels_first: bool = False,
     ) -> None:
-        """``fn(*args)`` with the row-mask rows of ``output`` (module ``name``'s output in
-        this forward pass, ``key`` telling hooks apart) bound to its pushes, timed and
+        """``fn(*args)`` with the row-mask rows of ``output`` (the output of the module
+        reported as ``name`` in this forward pass) bound to its pushes, timed and
         fault-guarded like the probe's own hook."""
         start = time.perf_counter()
         try:
+            key = (id(self), name)  # per-step calls count per probe and module
             weight = bound_weight(self.context, output, module, name, key, channels_first)
             with pushing_with(self.context, weight):
                 fn(*args)

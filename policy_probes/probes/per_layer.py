@@ -236,15 +236,9 @@ class LayeredProbeHook(ProbeHook):
                 return
             self._seen.add(layer.component)
             # the mask rows bound in forward order, as the component hook binds its own
-            key = (id(self), layer.component)
+            args = (layer, output)
             self.masked_call(
-                self.record_layer,
-                (layer, output),
-                output,
-                layer.module,
-                layer.component,
-                key,
-                layer.channels_first,
+                self.record_layer, args, output, layer.module, layer.component, layer.channels_first
             )
 
         return hook
