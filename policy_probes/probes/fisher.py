@@ -58,11 +58,7 @@ from policy_probes.probes.state import (
     rates,
 )
 from policy_probes.probes.weighted import Weighted
-from policy_probes.row_mask import (
-    bound_sample_weight,
-    bound_weight,
-    loss_samples,
-)
+from policy_probes.row_mask import loss_samples
 from policy_probes.sampling import Schedule, as_schedule, with_schedule
 from policy_probes.torch_internals import queue_after_backward, tree_flatten, tree_unflatten
 
@@ -586,14 +582,14 @@ class FisherInformationHook(ProbeHook):
         with the row-mask rows of ``output`` bound now (``layer`` tells layers apart).
         ``samples = (samples, rows)``: the pushed rows are samples holding ``rows``
         mask rows in all (a closed-form rule), see :meth:`RowMask.per_sample`."""
-        key = (id(self), layer)
+        key, mask = (id(self), layer), self.context.row_mask
         try:
-            if samples is None:
-                weight = bound_weight(self.context, output, None, self.component, key)
+            if mask is None:
+                weight = None
+            elif samples is None:
+                weight = mask.weight_for(output, None, self.component, key)
             else:
-                weight = bound_sample_weight(
-                    self.context, output, samples[0], samples[1], None, self.component, key
-                )
+                weight = mask.per_sample(output, *samples, None, self.component, key)
         except Exception as exc:
             self.fail(exc)
             return
@@ -780,11 +776,11 @@ def _generic_sample_weight(
     """The row-mask entries of the samples of one pass on the generic route (None without
     a mask): a sample holds the rows of the first output along its batch dimension (an
     ``nn.LSTM``'s steps), kept when any of them is."""
-    if getattr(context, "row_mask", None) is None:
+    mask = context.row_mask
+    if mask is None:
         return None
     first = tree_flatten(output)[0][0]
-    rows = _output_rows(first)
-    return bound_sample_weight(context, first, layout.batch, rows, module, component, key)
+    return mask.per_sample(first, layout.batch, _output_rows(first), module, component, key)
 
 
 def _output_rows(first: Any) -> int | None:
