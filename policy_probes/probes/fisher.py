@@ -153,7 +153,7 @@ class FisherInformationState(ProbeState):
         loss_scale: float = 1.0,
     ) -> None:
         """One backward pass through a layer with a closed-form ``rule``: the rows it
-        reads (one per sample, see :func:`~policy_probes.probes.fisher_rules.layer_rows`)
+        reads (one per sample, see :class:`~policy_probes.probes.fisher_rules.LayerKind`)
         and the output gradient, flattened to as many rows."""
         self.rules[(component, stream)] = rule
         g = grad_output.detach().reshape(x.shape[0], -1)
