@@ -25,13 +25,13 @@ from typing import Any
 
 from torch import nn
 
-from policy_probes.hook_types import ProbeError
 from policy_probes.torch_internals import (
     compiled_call,
     compiled_original,
     force_eager_stance,
     is_compiled_wrapper,
 )
+from policy_probes.user_errors import ProbeError
 
 #: ids of the owners (policies) that hold the eager stance now
 _holders: set[int] = set()

@@ -20,7 +20,6 @@ from typing import Any, TypeAlias
 
 import torch
 
-from policy_probes.hook_types import Extractor, ProbeError
 from policy_probes.outputs import (
     describe_output,
     extractor_example,
@@ -28,8 +27,12 @@ from policy_probes.outputs import (
     is_tensordict,
     output_keys,
 )
+from policy_probes.user_errors import ProbeError
 
 Key: TypeAlias = str | tuple[str, ...]
+#: what a builder's ``extractor=`` takes: a callable ``output -> tensor``, a key, a
+#: nested key or a tuple index
+Extractor: TypeAlias = Callable[[Any], torch.Tensor] | str | tuple[str, ...] | int
 
 
 class KeyExtractor:

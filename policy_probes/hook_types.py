@@ -34,11 +34,14 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from policy_probes.context import ComponentContext
+from policy_probes.extractors import Extractor, as_extractor  # Extractor re-exported
+from policy_probes.grad_tap import on_grad
 from policy_probes.outputs import describe_output, extractor_example
 from policy_probes.recurrent import default_extractor
 from policy_probes.row_mask import bound_weight, pushing_with
 from policy_probes.sampling import Schedule, tensor_rows
 from policy_probes.torch_internals import in_backward_pass
+from policy_probes.user_errors import ProbeError  # re-exported: users import it here
 
 log = logging.getLogger("policy_probes")
 
@@ -49,13 +52,6 @@ BackwardHookBuilder: TypeAlias = Callable[[str, ComponentContext], BackwardHook 
 #: a builder of either direction (what ``add_training_hook`` and
 #: ``add_training_backward_hook`` take)
 ProbeBuilder: TypeAlias = HookBuilder | BackwardHookBuilder
-#: a callable ``output -> tensor``, a key, a nested key or a tuple index (see
-#: :mod:`policy_probes.extractors`)
-Extractor: TypeAlias = Callable[[Any], torch.Tensor] | str | tuple[str, ...] | int
-
-
-class ProbeError(RuntimeError):
-    """A probe cannot work on the component it was attached to; the message says why."""
 
 
 def normalize_phases(phases: str | Iterable[str]) -> frozenset[str]:
@@ -66,10 +62,8 @@ def normalize_phases(phases: str | Iterable[str]) -> frozenset[str]:
     return out
 
 
-def describe_type(obj: Any) -> str:
-    """A short description (keys, length or type), never the contents; see
-    :func:`policy_probes.outputs.describe_output`."""
-    return describe_output(obj)
+#: a short description (keys, length or type), never the contents
+describe_type = describe_output
 
 
 def disable_after_fault(hook: Any, exc: BaseException) -> None:
@@ -115,6 +109,8 @@ class ProbeHook:
     #: which passes the probe observes (``None``: the context's sampler default; see
     #: :mod:`policy_probes.sampling`); set by the builders' ``schedule=``
     schedule: Schedule | None = None
+    #: the sampler picks the passes it observes (plain closures observe every pass)
+    sampled: bool = True
     #: seconds spent in this hook's bodies and rows it read since the sampler last looked
     seconds: float = 0.0
     rows: int = 0
@@ -129,8 +125,6 @@ class ProbeHook:
         self.component = component
         self.context = context
         self.phases = normalize_phases(phases)
-        from policy_probes.extractors import as_extractor  # it imports ProbeError from here
-
         self.extractor = as_extractor(extractor)
         self.enabled = True
         self.calls = 0
@@ -311,6 +305,28 @@ class ProbeHook:
         """Disable this probe after ``exc`` and report it once (re-raise when strict)."""
         disable_after_fault(self, exc)
 
+    def tap_grad(
+        self,
+        output: torch.Tensor,
+        weight: torch.Tensor | None,
+        compute: Callable[[torch.Tensor], None],
+    ) -> None:
+        """Call ``compute(grad)`` with the gradient of ``output`` (one tensor hook shared by
+        the probes, :func:`~policy_probes.grad_tap.on_grad`), its pushes carrying the
+        row-mask rows ``weight`` bound in the forward; timed and fault-guarded like the
+        probe's own hook."""
+
+        def record(grad: torch.Tensor) -> None:
+            if not self.enabled:
+                return
+            try:
+                with pushing_with(self.context, weight):
+                    compute(grad)
+            except Exception as exc:  # a probe must never take training down
+                self.fail(exc)
+
+        on_grad(output, self.timed(record))
+
     def inner_layer_hook(
         self, layer: str, record: Callable[[str, torch.Tensor], None]
     ) -> Callable[[nn.Module, Any, Any], None]:
@@ -319,19 +335,33 @@ class ProbeHook:
         fault-guarded like the probe's own hook (tensor outputs only)."""
 
         def hook(module: nn.Module, _inputs: Any, output: Any) -> None:
-            if not (self.active() and isinstance(output, torch.Tensor)):
-                return
-            start = time.perf_counter()
-            try:
-                weight = bound_weight(self.context, output, module, layer, (id(self), layer))
-                with pushing_with(self.context, weight):
-                    record(layer, output)
-            except Exception as exc:  # a probe must never take training down
-                self.fail(exc)
-            finally:
-                self.seconds += time.perf_counter() - start
+            if self.active() and isinstance(output, torch.Tensor):
+                self.masked_call(record, (layer, output), output, module, layer)
 
         return hook
+
+    def masked_call(
+        self,
+        fn: Callable[..., None],
+        args: tuple[Any, ...],
+        output: torch.Tensor,
+        module: nn.Module | None,
+        name: str,
+        channels_first: bool = False,
+    ) -> None:
+        """``fn(*args)`` with the row-mask rows of ``output`` (the output of the module
+        reported as ``name`` in this forward pass) bound to its pushes, timed and
+        fault-guarded like the probe's own hook."""
+        start = time.perf_counter()
+        try:
+            key = (id(self), name)  # per-step calls count per probe and module
+            weight = bound_weight(self.context, output, module, name, key, channels_first)
+            with pushing_with(self.context, weight):
+                fn(*args)
+        except Exception as exc:  # a probe must never take training down
+            self.fail(exc)
+        finally:
+            self.seconds += time.perf_counter() - start
 
     # ------------------------------------------------------------- subclasses
     def record(self, module: nn.Module, output: torch.Tensor) -> None:

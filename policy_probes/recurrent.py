@@ -50,8 +50,3 @@ def default_extractor(module: nn.Module | None) -> Callable[[Any], torch.Tensor]
     if isinstance(module, nn.LSTMCell):
         return cell_hidden
     return None
-
-
-def is_recurrent(module: nn.Module) -> bool:
-    """An ``nn.LSTM``/``nn.GRU``/``nn.RNN`` or one of their cells."""
-    return isinstance(module, nn.RNNBase | nn.RNNCellBase)

@@ -220,24 +220,6 @@ def bound_weight(
     return mask.weight_for(tensor, module, component, key, channels_first)
 
 
-def bound_sample_weight(
-    context: Any,
-    tensor: torch.Tensor,
-    samples: int,
-    rows: int,
-    module: nn.Module | None,
-    component: str,
-    key: Any,
-) -> torch.Tensor | None:
-    """The mask entries of the ``samples`` samples of a pass whose Fisher counts one
-    sample per batch index (:meth:`RowMask.per_sample`), None without a mask. Call it in
-    the forward, like :func:`bound_weight`."""
-    mask = getattr(context, "row_mask", None)
-    if mask is None:
-        return None
-    return mask.per_sample(tensor, samples, rows, module, component, key)
-
-
 class pushing_with:  # noqa: N801 - used like a function: ``with pushing_with(ctx, w):``
     """Within the block, pushes of the context's trackers carry ``weight`` (the mask rows
     a hook bound when its tensor was produced; see :meth:`ProbeState._push`); ``None``

@@ -56,6 +56,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from policy_probes.lifecycle.rng import preserved_rng
+
 log = logging.getLogger("policy_probes")
 
 #: default fraction of wall time the probes may take (ProbeSession, ProbeCallback, TrainTool)
@@ -328,9 +330,7 @@ class Sampler:
         hook = handle.hook
         key = id(handle)
         if key not in self.handles:
-            from policy_probes.hook_types import ProbeHook  # hook_types imports this module
-
-            if not isinstance(hook, ProbeHook):
+            if not getattr(hook, "sampled", False):
                 return not self.in_probe_batch  # plain-function hooks keep every pass
             self.handles[key] = handle
             count = self.counts[key] = _HookCount(hook.probe, hook.component, seen_calls=hook.calls)
@@ -678,8 +678,6 @@ def run_probe_batch(sampler: Sampler, model_ctx: Any, generator: torch.Generator
     ``torch.autograd.grad`` (no ``.grad`` is written), every global RNG and every module
     buffer (BatchNorm statistics) is restored, the optimizer is not involved. Returns the
     rows used (0: no probe waits for a probe batch)."""
-    from policy_probes.lifecycle import preserved_rng  # lifecycle imports the probes
-
     rows = sampler.probe_batch_rows()
     if rows is None:
         return 0

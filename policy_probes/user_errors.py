@@ -16,7 +16,10 @@ import math
 
 from pydantic import ValidationError
 
-from policy_probes.hook_types import ProbeError
+
+class ProbeError(RuntimeError):
+    """A probe cannot work on the component it was attached to; the message says why."""
+
 
 #: the exception types that mean "the configuration is wrong" when raised during set-up
 SETUP_ERROR_TYPES: tuple[type[BaseException], ...] = (

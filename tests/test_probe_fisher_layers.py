@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence
 
 from policy_probes import (
+    MLP,
     ComponentContext,
     PolicyAutoBuilder,
     StatsReporter,
@@ -218,6 +219,26 @@ def test_layer_norm_over_two_trailing_dims_and_group_norm(reduction: str) -> Non
     head = nn.Linear(96, 3)
     batches = image_batches((2, 6, 6), (8, 5))
     fisher, metrics = probe_fisher(body, head, batches, reduction=reduction, chunk_bytes=2000)
+    assert_matches_reference(body, head, batches, fisher, metrics)
+
+
+@pytest.mark.parametrize("layer_norm", [False, True])
+def test_hidden_layers_with_and_without_a_layer_norm_before_the_activation(
+    layer_norm: bool,
+) -> None:
+    """A HiddenLayer's Linear is read through its activation's output only when nothing
+    stands between them: with layer_norm=True, act(norm(linear(x))), its output gradient
+    is taken from the Linear itself (the norm's Jacobian is in it)."""
+    torch.manual_seed(5)
+    body = MLP(5, [6, 4], "tanh", layer_norm=layer_norm)
+    if layer_norm:
+        with torch.no_grad():  # affine parameters away from their (1, 0) start
+            for name, p in body.named_parameters():
+                if ".norm." in name:
+                    p.normal_()
+    head = nn.Linear(4, 3)
+    batches = image_batches((5,), (9, 4))
+    fisher, metrics = probe_fisher(body, head, batches)
     assert_matches_reference(body, head, batches, fisher, metrics)
 
 

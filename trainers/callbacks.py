@@ -28,6 +28,7 @@ non-finite parameters does). Only rank 0 runs a hook unless it sets
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -130,31 +131,68 @@ class TrainerHook:
         """Once, at the end, also when training failed (``state.error``) or was stopped."""
 
 
-class CallbackList:
-    """Dispatches one lifecycle event to every hook in registration order with fault isolation."""
+class CallbackList(TrainerHook):
+    """The trainer's hooks as one hook (SB3's and Lightning's composite): each event
+    method calls that method of every hook in registration order, isolating faults per
+    hook (see the module docstring)."""
 
     def __init__(self, hooks: Iterable[TrainerHook] = ()) -> None:
-        self.hooks: list[TrainerHook] = list(hooks)
-        for h in self.hooks:
-            self._check(h)
+        self.hooks: list[TrainerHook] = []
         # event -> the hooks that implement it (TrainerHook's own no-op methods skipped):
         # on_mb_end fires every minibatch, and most hooks do not override it
         self._listeners: dict[str, list[TrainerHook]] = {}
+        for h in hooks:
+            self.append(h)
 
-    @staticmethod
-    def _check(hook: TrainerHook) -> None:
+    def append(self, hook: TrainerHook) -> None:
         if not any(callable(getattr(hook, m, None)) for m in HOOK_METHODS):
             raise TypeError(
                 f"{hook!r} is not a trainer hook: subclass trainers.TrainerHook and override "
                 f"one of {', '.join(HOOK_METHODS)}"
             )
-
-    def append(self, hook: TrainerHook) -> None:
-        self._check(hook)
         self.hooks.append(hook)
         self._listeners.clear()
 
-    def _listening(self, event: str) -> list[TrainerHook]:
+    def __iter__(self):
+        return iter(self.hooks)
+
+    def __len__(self) -> int:
+        return len(self.hooks)
+
+    def on_new_training_run(self, state: TrainerState) -> None:
+        self._each("on_new_training_run", state)
+
+    def on_rollout_start(self, state: TrainerState) -> None:
+        self._each("on_rollout_start", state)
+
+    def on_rollout_end(self, state: TrainerState) -> None:
+        self._each("on_rollout_end", state)
+
+    def on_mb_end(self, state: TrainerState) -> None:
+        self._each("on_mb_end", state)
+
+    def on_train_phase_end(self, state: TrainerState) -> None:
+        self._each("on_train_phase_end", state)
+
+    def on_epoch_end(self, state: TrainerState) -> None:
+        self._each("on_epoch_end", state)
+
+    def on_training_end(self, state: TrainerState) -> None:
+        self._each("on_training_end", state)
+
+    def fire(self, event: str, state: TrainerState) -> None:
+        """Deprecated: call the event's method (``hooks.on_epoch_end(state)``)."""
+        warnings.warn(
+            f"CallbackList.fire({event!r}, state) is deprecated; call hooks.{event}(state)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        if event not in HOOK_METHODS:
+            raise ValueError(f"unknown trainer event {event!r}; events are {HOOK_METHODS}")
+        getattr(self, event)(state)
+
+    def _each(self, event: str, state: TrainerState) -> None:
+        """Call ``event`` on every hook that implements it and runs on this rank."""
         listeners = self._listeners.get(event)
         if listeners is None:
             noop = getattr(TrainerHook, event)
@@ -163,19 +201,6 @@ class CallbackList:
                 for h in self.hooks
                 if callable(getattr(h, event, None)) and getattr(type(h), event, None) is not noop
             ]
-        return listeners
-
-    def __iter__(self):
-        return iter(self.hooks)
-
-    def __len__(self) -> int:
-        return len(self.hooks)
-
-    def fire(self, event: str, state: TrainerState) -> None:
-        """Call ``event`` on every hook that should run on this rank."""
-        if event not in HOOK_METHODS:
-            raise ValueError(f"unknown trainer event {event!r}; events are {HOOK_METHODS}")
-        listeners = self._listening(event)
         if not listeners:
             return
         rank = current_rank()

@@ -139,8 +139,7 @@ class PPOModelDataContext(LoopModelDataContext):
 
     def observations(self) -> torch.Tensor:
         self._require_data()
-        st = self.storage
-        return st.obs.view(st.num_steps * st.num_envs, -1)[st.valid_indices]
+        return self.storage.valid_observations()
 
     # ---------------------------------------------------------- computations
     def train_minibatch(self, batch: Minibatch, step: bool = True) -> list[torch.Tensor | None]:

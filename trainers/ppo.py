@@ -26,9 +26,9 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -169,6 +169,59 @@ class UpdateProgress:
     steps: int = 0
     update_epochs_run: int = 0
     last_stats: torch.Tensor | None = None
+    #: (statistics, (update epoch, minibatch, step)) of every minibatch this process ran
+    #: in the phase (device tensors; not checkpointed): non-finite losses are found and
+    #: located once per epoch, not per step
+    ran: list[tuple[torch.Tensor, tuple[int, int, int]]] = field(default_factory=list)
+
+    def minibatches(
+        self, storage: Any, cfg: PPOConfig, generator: torch.Generator
+    ) -> Iterator[tuple[int, Minibatch]]:
+        """``(index, minibatch)`` of this update epoch from :attr:`next_minibatch` on (> 0
+        only when resumed mid-phase), in an order drawn once per update epoch."""
+        if self.order is None:
+            self.order = storage.shuffled_order(generator)
+        batches = storage.minibatches(self.order, cfg.num_minibatches)
+        first = self.next_minibatch
+        return enumerate(itertools.islice(batches, first, None), first)
+
+    def minibatch_done(self, index: int, stats: torch.Tensor, step: int) -> None:
+        self.sums += stats
+        self.steps += 1
+        self.next_minibatch, self.last_stats = index + 1, stats
+        self.ran.append((stats, (self.update_epoch, index, step)))
+
+    def update_epoch_done(self) -> None:
+        self.update_epochs_run += 1
+        self.update_epoch, self.order, self.next_minibatch = self.update_epoch + 1, None, 0
+
+    def summary(self, loss_from_stats: Callable, epoch: int) -> dict[str, float]:
+        """The phase's mean statistics (:data:`LOSS_STATS`, ``grad_norm``) and
+        ``nonfinite_loss_steps`` in one host transfer, warning where the first non-finite
+        loss was."""
+        sums = self.sums
+        if self.ran:  # [count, index of the first] of the non-finite losses
+            bad = ~torch.isfinite(loss_from_stats(torch.stack([s for s, _ in self.ran], 1)))
+            first = torch.where(bad.any(), bad.to(torch.uint8).argmax(), -1)
+            nonfinite = torch.stack([bad.sum(), first]).to(sums.dtype)
+        else:  # resumed from a checkpoint taken after the last minibatch
+            nonfinite = torch.tensor([0.0, -1.0], dtype=sums.dtype, device=sums.device)
+        *means, bad_steps, first_bad = torch.cat([sums / max(self.steps, 1), nonfinite]).tolist()
+        out = dict(zip((*LOSS_STATS, "grad_norm"), means, strict=True))
+        out["nonfinite_loss_steps"] = bad_steps
+        if bad_steps:
+            update_epoch, minibatch, step = self.ran[int(first_bad)][1]
+            log.warning(
+                "non-finite loss at epoch %d, update epoch %d, minibatch %d (step %d); "
+                "%d of this epoch's %d optimizer steps had a non-finite loss",
+                epoch,
+                update_epoch,
+                minibatch,
+                step,
+                int(bad_steps),
+                len(self.ran),
+            )
+        return out
 
 
 class PPOTrainer:
@@ -326,7 +379,7 @@ class PPOTrainer:
     def train(self) -> TrainerState:
         """Run all epochs; returns the final :class:`TrainerState`."""
         state, session = self.state, self.session
-        self.hooks.fire("on_new_training_run", state)
+        self.hooks.on_new_training_run(state)
         session.sinks.set_run_context(agent_step=state.agent_step)
         try:
             if self.next_obs is None:
@@ -338,16 +391,16 @@ class PPOTrainer:
                     state.epoch += 1
                     session.optimizer_step = state.optimizer_step
                     session.epoch_start(agent_step=state.agent_step)  # PRE_EPOCH
-                    self.hooks.fire("on_rollout_start", state)
+                    self.hooks.on_rollout_start(state)
                     session.set_phase("rollout")
                     self.collect_rollout()  # rollout and GAE
                     self.rollout_end()  # POST_ROLLOUT
-                    self.hooks.fire("on_rollout_end", state)
+                    self.hooks.on_rollout_end(state)
                 resuming_update = False
                 session.set_phase("train")
                 self.update()  # the minibatch loop; PRE_STEP / POST_STEP around each step
                 self.scheduler.step()
-                self.hooks.fire("on_train_phase_end", state)  # evaluation, rank statistics
+                self.hooks.on_train_phase_end(state)  # evaluation, rank statistics
                 session.optimizer_step = state.optimizer_step
                 # POST_EPOCH, SNAPSHOT and the epoch's records (docs/trainer.md)
                 state.metrics = session.epoch_end(
@@ -358,7 +411,7 @@ class PPOTrainer:
                 state.probe_metrics = {
                     k: v for k, v in state.metrics.items() if k.startswith("probes/")
                 }
-                self.hooks.fire("on_epoch_end", state)  # checkpoints, progress, run control
+                self.hooks.on_epoch_end(state)  # checkpoints, progress, run control
         except BaseException as exc:
             state.error = exc
             raise
@@ -376,17 +429,15 @@ class PPOTrainer:
         """POST_ROLLOUT: the rollout and its advantages are ready, no update yet. A
         ``churn`` probe records its held-out outputs here (the session does it with
         POST_ROLLOUT)."""
-        st = self.storage
         if not self._fire_post_rollout:
             if "churn" in self.context.model_metrics:
-                observations = st.obs.view(st.num_steps * st.num_envs, -1)[st.valid_indices]
+                observations = self.storage.valid_observations()
                 churn_start_epoch(self.context, observations, self.policy)
             return
-        state = self.state
         self.session.rollout_end(
-            observations=st.obs.view(st.num_steps * st.num_envs, -1)[st.valid_indices],
-            agent_step=state.agent_step,
-            stats={f"rollout/{k}": v for k, v in state.rollout_stats.items()},
+            observations=self.storage.valid_observations(),
+            agent_step=self.state.agent_step,
+            stats={f"rollout/{k}": v for k, v in self.state.rollout_stats.items()},
         )
 
     def epoch_statistics(self) -> dict[str, Any]:
@@ -432,7 +483,7 @@ class PPOTrainer:
     def _fire_training_end(self) -> None:
         try:
             self.session.sinks.flush()
-            self.hooks.fire("on_training_end", self.state)
+            self.hooks.on_training_end(self.state)
         except Exception:
             if self.state.error is None:
                 raise
@@ -539,62 +590,20 @@ class PPOTrainer:
                 sums=torch.zeros(len(LOSS_STATS) + 1, device=self.device),
             )
         p = self.update_progress
-        # Every minibatch's statistics (device tensors, no sync) and where it ran, to find
-        # non-finite losses once per epoch without a per-step host transfer.
-        step_stats: list[torch.Tensor] = []
-        step_where: list[tuple[int, int, int]] = []
         while p.update_epoch < cfg.update_epochs:
             state.update_epoch = p.update_epoch
-            if p.order is None:
-                p.order = self.storage.shuffled_order(self.shuffle_generator)
-            batches = self.storage.minibatches(p.order, cfg.num_minibatches)
-            first = p.next_minibatch  # > 0 only when resumed mid-phase
-            for mb_idx, batch in enumerate(itertools.islice(batches, first, None), first):
+            for mb_idx, batch in p.minibatches(self.storage, cfg, self.shuffle_generator):
                 state.mb_idx = mb_idx
-                # zero_grad, loss, backward (micro-batches, DDP all-reduce)
-                loss_stats = self.accumulate_gradients(batch, sync=True)
-                if self._fire_steps:
-                    self.session.pre_step(**self._step_fields(batch, loss_stats))
-                grad_norm = self.clip_and_step()  # global norm clipping, optimizer.step()
-                if self._fire_steps:
-                    self.session.post_step(**self._step_fields(batch, loss_stats))
-                stats = torch.cat([loss_stats, grad_norm.detach().reshape(1).to(loss_stats)])
-                step_stats.append(stats)
-                step_where.append((p.update_epoch, mb_idx, state.optimizer_step))
-                p.sums += stats
-                p.steps += 1
-                p.next_minibatch, p.last_stats = mb_idx + 1, stats
+                stats = self.train_minibatch(batch, step_points=self._fire_steps)
+                p.minibatch_done(mb_idx, stats, state.optimizer_step)
                 state.optimizer_step += 1
                 # a minibatch boundary: run control may checkpoint, pause or stop here
-                self.hooks.fire("on_mb_end", state)
-            p.update_epochs_run += 1
-            p.update_epoch, p.order, p.next_minibatch = p.update_epoch + 1, None, 0
+                self.hooks.on_mb_end(state)
+            p.update_epoch_done()
             if self.kl_exceeds_target(p.last_stats):
                 break
         self.update_progress = None
-        # [count, index of the first] of the minibatches whose loss is NaN or infinite
-        if step_stats:
-            bad = ~torch.isfinite(self.loss_from_stats(torch.stack(step_stats, 1)))
-            first = torch.where(bad.any(), bad.to(torch.uint8).argmax(), -1)
-            nonfinite = torch.stack([bad.sum(), first]).to(p.sums.dtype)
-        else:  # resumed from a checkpoint taken after the last minibatch
-            nonfinite = torch.tensor([0.0, -1.0], dtype=p.sums.dtype, device=p.sums.device)
-        # the one transfer of the update phase
-        *means, bad_steps, first_bad = torch.cat([p.sums / max(p.steps, 1), nonfinite]).tolist()
-        loss_stats = dict(zip((*LOSS_STATS, "grad_norm"), means, strict=True))
-        loss_stats["nonfinite_loss_steps"] = bad_steps
-        if bad_steps:
-            update_epoch, minibatch, step = step_where[int(first_bad)]
-            log.warning(
-                "non-finite loss at epoch %d, update epoch %d, minibatch %d (step %d); "
-                "%d of this epoch's %d optimizer steps had a non-finite loss",
-                state.epoch,
-                update_epoch,
-                minibatch,
-                step,
-                int(bad_steps),
-                len(step_stats),
-            )
+        loss_stats = p.summary(self.loss_from_stats, state.epoch)
         # explained variance and the value targets' scale (one transfer)
         loss_stats.update(self.storage.value_statistics())
         loss_stats["learning_rate"] = p.learning_rate
@@ -605,11 +614,17 @@ class PPOTrainer:
         state.rollout_stats["sps"] = state.agent_step / max(self.trained_seconds, 1e-9)
         state.rollout_stats["update_seconds"] = time.perf_counter() - t0
 
-    def train_minibatch(self, batch: Minibatch) -> torch.Tensor:
-        """One optimizer step on ``batch`` outside the loop (no lifecycle points); returns
-        its statistics (device tensor, :data:`LOSS_STATS` then the pre-clip gradient norm)."""
+    def train_minibatch(self, batch: Minibatch, *, step_points: bool = False) -> torch.Tensor:
+        """One optimizer step on ``batch``; returns its statistics (device tensor,
+        :data:`LOSS_STATS` then the pre-clip gradient norm). ``step_points``: fire
+        PRE_STEP and POST_STEP around the optimizer step (the loop's own steps)."""
+        # zero_grad, loss, backward (micro-batches, DDP all-reduce)
         stats = self.accumulate_gradients(batch, sync=True)
-        grad_norm = self.clip_and_step()
+        if step_points:
+            self.session.pre_step(**self._step_fields(batch, stats))
+        grad_norm = self.clip_and_step()  # global norm clipping, optimizer.step()
+        if step_points:
+            self.session.post_step(**self._step_fields(batch, stats))
         return torch.cat([stats, grad_norm.detach().reshape(1).to(stats)])
 
     def minibatch_loss(
@@ -800,7 +815,7 @@ class PPOTrainer:
         p = self.update_progress
         assert p is not None
         return {
-            "update": vars(p).copy(),
+            "update": {k: v for k, v in vars(p).items() if k != "ran"},
             "storage": self.storage.state_dict(),
             "rollout_stats": dict(self.state.rollout_stats),
         }

@@ -161,6 +161,10 @@ class RolloutStorage:
             returns=self.returns.view(flat)[idx],
         )
 
+    def valid_observations(self) -> torch.Tensor:
+        """The observations of the valid transitions, one row each."""
+        return self.obs.view(self.num_steps * self.num_envs, -1)[self.valid_indices]
+
     def shuffled_order(self, generator: torch.Generator | None = None) -> torch.Tensor:
         """The valid flat indices in a random order (one update epoch's order)."""
         perm = torch.randperm(self.size, generator=generator, device="cpu").to(self.device)

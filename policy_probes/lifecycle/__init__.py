@@ -5,6 +5,7 @@ may change training state temporarily inside a guardian checkpoint that is alway
 restored, so they never alter the training trajectory. See ``docs/lifecycle.md``.
 """
 
+import policy_probes.lifecycle.hooks  # noqa: F401  (registers the built-in hooks)
 from policy_probes.lifecycle.hook import (
     COST_CLASSES,
     DebugInterventionHook,

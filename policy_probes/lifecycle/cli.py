@@ -3,7 +3,7 @@
 
 Wire-up in ``policy_probes/cli.py``: append :func:`add_hooks_subcommand` to its
 subcommands; call :func:`add_hook_selection_arguments` on a parser that trains and
-:func:`hooks_from_args` (or :func:`selection_from_args`) on its parsed arguments.
+:func:`selection_from_args` on its parsed arguments.
 """
 
 from __future__ import annotations
@@ -76,10 +76,6 @@ def selection_from_args(args: argparse.Namespace) -> HookSelection:
     )
     selection.instantiate()  # validate names, groups and parameters now
     return selection
-
-
-def hooks_from_args(args: argparse.Namespace) -> list[TrainingHook]:
-    return selection_from_args(args).instantiate()
 
 
 def add_hooks_subcommand(subparsers: argparse._SubParsersAction) -> None:

@@ -79,7 +79,6 @@ class HookRegistry:
 
     @classmethod
     def get(cls, name: str) -> type[TrainingHook]:
-        _load_builtins()
         try:
             return cls._hooks[name]
         except KeyError:
@@ -91,7 +90,6 @@ class HookRegistry:
 
     @classmethod
     def classes(cls) -> list[type[TrainingHook]]:
-        _load_builtins()
         ranked = enumerate(cls._hooks.values())
         return [c for _, c in sorted(ranked, key=lambda item: (item[1].order, item[0]))]
 
@@ -118,10 +116,6 @@ class HookRegistry:
                 f"unknown hook group {group!r}.{_suggest(group, table)} Groups: "
                 f"{', '.join(GROUPS)}; keywords: {', '.join(KEYWORDS)}"
             ) from None
-
-
-def _load_builtins() -> None:
-    import policy_probes.lifecycle.hooks  # noqa: F401  (registers the built-in hooks)
 
 
 def parse_hook_config(

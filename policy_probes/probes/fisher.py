@@ -37,7 +37,6 @@ from torch.utils.hooks import RemovableHandle
 
 from policy_probes.context import ComponentContext
 from policy_probes.extractors import as_extractor
-from policy_probes.grad_tap import on_grad
 from policy_probes.hook_types import BackwardHookBuilder, Extractor, ProbeError, ProbeHook
 from policy_probes.layers import HiddenLayer
 from policy_probes.probes.fisher_generic import (
@@ -48,12 +47,7 @@ from policy_probes.probes.fisher_generic import (
     per_sample_squares,
     row_finite,
 )
-from policy_probes.probes.fisher_rules import (
-    LayerRule,
-    chunk_bytes_for,
-    closed_form_rule,
-    layer_rows,
-)
+from policy_probes.probes.fisher_rules import LayerKind, LayerRule, chunk_bytes_for, layer_kind
 from policy_probes.probes.rows import COUNT, Rows
 from policy_probes.probes.state import (
     SUM,
@@ -64,12 +58,7 @@ from policy_probes.probes.state import (
     unit_rates,
 )
 from policy_probes.probes.weighted import Weighted
-from policy_probes.row_mask import (
-    bound_sample_weight,
-    bound_weight,
-    loss_samples,
-    pushing_with,
-)
+from policy_probes.row_mask import loss_samples
 from policy_probes.sampling import Schedule, as_schedule, with_schedule
 from policy_probes.torch_internals import queue_after_backward, tree_flatten, tree_unflatten
 
@@ -164,7 +153,7 @@ class FisherInformationState(ProbeState):
         loss_scale: float = 1.0,
     ) -> None:
         """One backward pass through a layer with a closed-form ``rule``: the rows it
-        reads (one per sample, see :func:`~policy_probes.probes.fisher_rules.layer_rows`)
+        reads (one per sample, see :class:`~policy_probes.probes.fisher_rules.LayerKind`)
         and the output gradient, flattened to as many rows."""
         self.rules[(component, stream)] = rule
         g = grad_output.detach().reshape(x.shape[0], -1)
@@ -240,7 +229,7 @@ class FisherInformationState(ProbeState):
         loss_scale: float = 1.0,
     ) -> None:
         """One backward pass through ``act(linear(x))`` with an elementwise ``activation``
-        whose derivative follows from its output (:data:`ACTIVATION_DERIVATIVES`): the
+        whose derivative follows from its output (:data:`ACTIVATIONS`): the
         Linear's output gradient is ``act_grad * act'(act_out)``, formed at the drain. The
         activation's output and its gradient are the tensors other probes read too, so no
         autograd hook on the Linear's output is needed."""
@@ -428,56 +417,41 @@ class FisherInformationHook(ProbeHook):
         covered: set[int] = set()
         settings = self.tracker.settings[self.component]
         uncovered: dict[str, int] = {}
-        # generic units first: a unit's whole subtree goes through torch.func (its
-        # forward may use a child's parameters without calling the child, e.g. the
-        # out_proj of nn.MultiheadAttention), so no closed-form hook inside it
-        inside: set[int] = set()
-        for sub_name, sub in module.named_modules():
-            if id(sub) in inside or not _owns_uncovered_parameters(sub):
+        inside: set[int] = set()  # the modules of generic units
+        for sub_name, sub in module.named_modules():  # parents before their children
+            if id(sub) in inside:
                 continue
             prefix = f"{sub_name}." if sub_name else ""
-            if settings["generic"] == "auto" and _generic_capable(sub):
+            own = list(sub.parameters(recurse=False))
+            generic = settings["generic"] == "auto" and _owns_uncovered_parameters(sub)
+            if generic and _generic_capable(sub):
+                # the unit's whole subtree goes through torch.func (its forward may
+                # use a child's parameters without calling the child, e.g. the
+                # out_proj of nn.MultiheadAttention), so no closed-form hook inside it
                 names = {k: f"{prefix}{k}" for k, _ in sub.named_parameters()}
                 sizes = {f"{prefix}{k}": p.numel() for k, p in sub.named_parameters()}
                 hook = self._generic_hook(sub, names, sizes)
                 handles.append(sub.register_forward_hook(self.timed(hook), with_kwargs=True))
                 covered.update(id(p) for p in sub.parameters())
                 inside.update(id(m) for m in sub.modules())
-        for sub_name, sub in module.named_modules():
+                continue
             activation = derivable_hidden_layer(sub)
-            if activation is None or id(sub) in inside:
-                continue
-            prefix = f"{sub_name}.linear." if sub_name else "linear."
-            names = (f"{prefix}weight", f"{prefix}bias" if sub.linear.bias is not None else None)
-            handles.append(
-                sub.register_forward_hook(
-                    self.timed(self._through_activation_hook(activation, names))
+            if activation is not None:
+                hook = self._through_activation_hook(
+                    activation, _names(f"{prefix}linear.", sub.linear)
                 )
-            )
-            covered.update(id(p) for p in sub.linear.parameters(recurse=False))
-        for sub_name, sub in module.named_modules():
-            if id(sub) in inside:
-                continue
+                handles.append(sub.register_forward_hook(self.timed(hook)))
+                covered.update(id(p) for p in sub.linear.parameters(recurse=False))
             for child, (linear, act, activation) in derivable_sequential_pairs(sub):
-                prefix = f"{sub_name}.{child}." if sub_name else f"{child}."
-                if any(id(p) in covered for p in linear.parameters(recurse=False)):
-                    continue
-                names = (f"{prefix}weight", f"{prefix}bias" if linear.bias is not None else None)
-                handles += self._sequential_pair_hooks(linear, act, activation, names)
-                covered.update(id(p) for p in linear.parameters(recurse=False))
-        for sub_name, sub in module.named_modules():
-            prefix = f"{sub_name}." if sub_name else ""
-            if id(sub) in inside or any(id(p) in covered for p in sub.parameters(recurse=False)):
-                continue
-            kind = "linear" if _is_linear(sub) else closed_form_rule(sub)
-            if kind is None or next(sub.parameters(recurse=False), None) is None:
-                continue  # no rule, or nothing to learn (a norm without affine parameters)
-            names = (
-                f"{prefix}weight" if getattr(sub, "weight", None) is not None else None,
-                f"{prefix}bias" if getattr(sub, "bias", None) is not None else None,
-            )
-            handles.append(sub.register_forward_hook(self.timed(self._layer_hook(kind, names))))
-            covered.update(id(p) for p in sub.parameters(recurse=False))
+                if not any(id(p) in covered for p in linear.parameters(recurse=False)):
+                    names = _names(f"{prefix}{child}.", linear)
+                    handles += self._sequential_pair_hooks(linear, act, activation, names)
+                    covered.update(id(p) for p in linear.parameters(recurse=False))
+            kind = layer_kind(sub)  # nothing to learn without parameters (a norm without affine)
+            if kind is not None and own and not any(id(p) in covered for p in own):
+                hook = self._layer_hook(kind, _names(prefix, sub))
+                handles.append(sub.register_forward_hook(self.timed(hook)))
+                covered.update(id(p) for p in own)
         for name, p in module.named_parameters():
             if id(p) not in covered:
                 uncovered[name] = p.numel()
@@ -613,28 +587,18 @@ class FisherInformationHook(ProbeHook):
         with the row-mask rows of ``output`` bound now (``layer`` tells layers apart).
         ``samples = (samples, rows)``: the pushed rows are samples holding ``rows``
         mask rows in all (a closed-form rule), see :meth:`RowMask.per_sample`."""
-        key = (id(self), layer)
+        key, mask = (id(self), layer), self.context.row_mask
         try:
-            if samples is None:
-                weight = bound_weight(self.context, output, None, self.component, key)
+            if mask is None:
+                weight = None
+            elif samples is None:
+                weight = mask.weight_for(output, None, self.component, key)
             else:
-                weight = bound_sample_weight(
-                    self.context, output, samples[0], samples[1], None, self.component, key
-                )
+                weight = mask.per_sample(output, *samples, None, self.component, key)
         except Exception as exc:
             self.fail(exc)
             return
-
-        def record(grad: torch.Tensor) -> None:
-            if not self.enabled:
-                return
-            try:
-                with pushing_with(self.context, weight):
-                    compute(grad)
-            except Exception as exc:
-                self.fail(exc)
-
-        on_grad(output, self.timed(record))
+        self.tap_grad(output, weight, compute)
 
     def _through_activation_hook(
         self, activation: str, names: tuple[str | None, str | None]
@@ -699,36 +663,35 @@ class FisherInformationHook(ProbeHook):
             act.register_forward_hook(self.timed(act_hook)),
         ]
 
-    def _layer_hook(self, kind: str, names: tuple[str | None, str | None]) -> Any:
-        """Forward hook of an ``nn.Linear`` or of a layer with a closed-form rule
-        (:func:`~policy_probes.probes.fisher_rules.closed_form_rule`): what the rule
-        needs of the input, and the gradient of the output."""
+    def _layer_hook(self, kind: LayerKind, names: tuple[str | None, str | None]) -> Any:
+        """Forward hook of a layer read in closed form (its entry of
+        :data:`~policy_probes.probes.fisher_rules.LAYER_KINDS`): what the rule needs of
+        the input, and the gradient of the output."""
         passes = itertools.count()
 
         def hook(mod: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
             if not self._recorded(output, passes):
                 return
             x = inputs[0].detach()  # the closure below must hold no autograd graph
-            if kind == "linear":
+            if kind.rows is None:  # nn.Linear: its input rows as they are
 
                 def compute(grad: torch.Tensor) -> None:
                     self.tracker.update_layer(
-                        self.component, kind, names, x, grad, self.context.loss_scale
+                        self.component, kind.name, names, x, grad, self.context.loss_scale
                     )
 
-            else:
-                rule, rows, shape = layer_rows(kind, mod, names, x, output.detach())
-                stream = f"{kind}:{names[0] or ''}:{names[1] or ''}:{shape}"
-
-                def compute(grad: torch.Tensor) -> None:
-                    self.tracker.update_rule(
-                        self.component, stream, rule, rows, grad, self.context.loss_scale
-                    )
-
-                n = rows.shape[0]
-                self._tap(output, compute, names, (n, n * _positions(kind, mod, rows, output)))
+                self._tap(output, compute, names)
                 return
-            self._tap(output, compute, names)
+            rule, rows, shape = kind.rows(mod, names, x, output.detach())
+            stream = f"{kind.name}:{names[0] or ''}:{names[1] or ''}:{shape}"
+
+            def compute_rule(grad: torch.Tensor) -> None:
+                self.tracker.update_rule(
+                    self.component, stream, rule, rows, grad, self.context.loss_scale
+                )
+
+            n = rows.shape[0]
+            self._tap(output, compute_rule, names, (n, n * kind.positions(mod, rows, output)))
 
         return hook
 
@@ -808,20 +771,6 @@ def _factor_key(push: tuple[int, Any]) -> Any:
     return ("tensor", id(f)) if isinstance(f, torch.Tensor) else f
 
 
-def _positions(kind: str, module: nn.Module, rows: torch.Tensor, output: torch.Tensor) -> int:
-    """Positions summed inside one sample of a closed-form rule (a row mask may give one
-    entry per position): conv output positions, embedding indices, group-norm positions
-    per channel; 1 for LayerNorm, whose rows are the samples."""
-    n = rows.shape[0]
-    if kind == "conv":
-        return output.numel() // max(n * module.out_channels, 1)
-    if kind == "embedding":
-        return rows.shape[1]
-    if kind == "group_norm":
-        return rows.shape[1] // module.num_channels
-    return 1
-
-
 def _generic_sample_weight(
     context: ComponentContext,
     module: nn.Module,
@@ -833,11 +782,11 @@ def _generic_sample_weight(
     """The row-mask entries of the samples of one pass on the generic route (None without
     a mask): a sample holds the rows of the first output along its batch dimension (an
     ``nn.LSTM``'s steps), kept when any of them is."""
-    if getattr(context, "row_mask", None) is None:
+    mask = context.row_mask
+    if mask is None:
         return None
     first = tree_flatten(output)[0][0]
-    rows = _output_rows(first)
-    return bound_sample_weight(context, first, layout.batch, rows, module, component, key)
+    return mask.per_sample(first, layout.batch, _output_rows(first), module, component, key)
 
 
 def _output_rows(first: Any) -> int | None:
@@ -856,13 +805,16 @@ def _carries_grad(output: Any) -> bool:
     return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(output)[0])
 
 
-def _is_linear(module: nn.Module) -> bool:
-    return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
+def _names(prefix: str, layer: nn.Module) -> tuple[str | None, str | None]:
+    """The names of ``layer``'s (weight, bias) under ``prefix``; None for one it lacks."""
+    return tuple(  # type: ignore[return-value]
+        f"{prefix}{k}" if getattr(layer, k, None) is not None else None for k in ("weight", "bias")
+    )
 
 
 def _owns_uncovered_parameters(module: nn.Module) -> bool:
     """Whether ``module`` holds parameters of its own that no closed-form rule covers."""
-    if _is_linear(module) or closed_form_rule(module) is not None:
+    if layer_kind(module) is not None:
         return False
     return next(module.parameters(recurse=False), None) is not None
 
@@ -879,33 +831,45 @@ def _generic_capable(module: nn.Module) -> bool:
     return not (isinstance(module, nn.Embedding) and module.scale_grad_by_freq)
 
 
-#: activations whose derivative follows exactly from their output a: the Fisher of the
-#: Linear before them needs no autograd hook of its own (see update_through_activation)
-ACTIVATION_DERIVATIVES = ("relu", "tanh", "sigmoid", "identity", "leaky_relu")
+#: activations whose derivative follows exactly from their output a, by type: the Fisher
+#: of the Linear before one needs no autograd hook of its own (see update_through_activation)
+ACTIVATIONS: dict[type[nn.Module], str] = {
+    nn.ReLU: "relu",
+    nn.Tanh: "tanh",
+    nn.Sigmoid: "sigmoid",
+    nn.Identity: "identity",
+    nn.LeakyReLU: "leaky_relu",
+}
+#: act'(z) from the finite activation output ``a``, written into ``out``, exactly as
+#: autograd forms it (``slope``: LeakyReLU's)
+DERIVATIVES: dict[str, Any] = {
+    "relu": lambda a, out, slope: out.copy_(a.positive()),  # 1[a > 0]
+    "tanh": lambda a, out, slope: torch.mul(a.square(), -1.0, out=out).add_(1.0),  # 1 - a^2
+    "sigmoid": lambda a, out, slope: torch.sub(a.clean, a.square(), out=out),  # a - a^2
+    "identity": lambda a, out, slope: out.fill_(1.0),
+    # 1[a > 0] (1 - slope) + slope
+    "leaky_relu": lambda a, out, slope: torch.mul(a.positive(), 1.0 - slope, out=out).add_(slope),
+}
 
 
 def derivable_hidden_layer(module: nn.Module) -> str | None:
     """The activation name (``leaky_relu=<slope>`` for LeakyReLU) if ``module`` is a
-    :class:`~policy_probes.layers.HiddenLayer` computing ``act(linear(x))`` with an
-    activation of :data:`ACTIVATION_DERIVATIVES`, else None."""
+    :class:`~policy_probes.layers.HiddenLayer` computing ``act(linear(x))`` (no layer
+    norm in between) with an activation of :data:`ACTIVATIONS`, else None."""
     if type(module).forward is not HiddenLayer.forward or type(module.linear) is not nn.Linear:
         return None
-    return derivable_activation(module.act)
+    return derivable_activation(module.act) if module.norm is None else None
 
 
 def derivable_activation(act: nn.Module) -> str | None:
-    """The name under which :func:`_activation_derivative` knows ``act``, or None."""
-    if type(act) is nn.ReLU and not act.inplace:
-        return "relu"
-    if type(act) is nn.Tanh:
-        return "tanh"
-    if type(act) is nn.Sigmoid:
-        return "sigmoid"
-    if type(act) is nn.Identity:
-        return "identity"
-    if type(act) is nn.LeakyReLU and act.negative_slope >= 0 and not act.inplace:
-        return f"leaky_relu={act.negative_slope!r}"
-    return None
+    """The name under which :data:`DERIVATIVES` knows ``act`` (``leaky_relu=<slope>``
+    for LeakyReLU), or None (another type, in place, or a negative slope)."""
+    name = ACTIVATIONS.get(type(act))
+    if name is None or getattr(act, "inplace", False):
+        return None
+    if name == "leaky_relu":
+        return f"leaky_relu={act.negative_slope!r}" if act.negative_slope >= 0 else None
+    return name
 
 
 def derivable_sequential_pairs(
@@ -926,16 +890,6 @@ def derivable_sequential_pairs(
 
 
 def _activation_derivative(activation: str, a: Rows, out: torch.Tensor) -> torch.Tensor:
-    """act'(z) from the finite activation output ``a`` (written into ``out``), exactly as
-    autograd forms it: relu 1[a > 0]; tanh 1 - a^2; sigmoid a - a^2; leaky_relu 1[a > 0]
-    (1 - slope) + slope; identity 1."""
-    if activation == "relu":
-        return out.copy_(a.positive())
-    if activation == "tanh":
-        return torch.mul(a.square(), -1.0, out=out).add_(1.0)
-    if activation == "sigmoid":
-        return torch.sub(a.clean, a.square(), out=out)
-    if activation == "identity":
-        return out.fill_(1.0)
-    slope = float(activation.removeprefix("leaky_relu="))
-    return torch.mul(a.positive(), 1.0 - slope, out=out).add_(slope)
+    """act'(z) of the activation named ``activation`` (:func:`derivable_activation`)."""
+    name, _, slope = activation.partition("=")
+    return DERIVATIVES[name](a, out, float(slope or 0.0))

@@ -23,11 +23,11 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 from torch.nn.utils.rnn import PackedSequence
 
-from policy_probes.hook_types import ProbeError
 from policy_probes.probes.fisher_rnn import gate_rule_applies, rnn_per_sample_squares
 from policy_probes.probes.fisher_rules import chunks
 from policy_probes.probes.state import SUM
 from policy_probes.torch_internals import hooks_set_aside, tree_flatten, tree_unflatten
+from policy_probes.user_errors import ProbeError
 
 
 @dataclass

@@ -12,12 +12,12 @@ images never materialises more than that.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 from policy_probes.probes.state import SUM
 from policy_probes.torch_internals import conv_padding
@@ -39,6 +39,8 @@ def chunk_bytes_for(setting: int | None, device: torch.device) -> int:
 
 
 Names = tuple[str | None, str | None]
+#: what a layer kind holds of one pass: its rule, the rows for the drain, a shape key
+Held = tuple["LayerRule", Tensor, str]
 
 
 def chunks(rows: int, per_sample_bytes: int, chunk_bytes: int) -> Iterator[tuple[int, int]]:
@@ -192,44 +194,73 @@ class NormRule(LayerRule):
         return acc
 
 
-def closed_form_rule(module: nn.Module) -> str | None:
-    """The kind of closed-form rule for ``module``'s own parameters, or None: standard
-    layers whose ``forward`` is not overridden (a subclass may compute anything)."""
-    for kind, cls in (
-        ("conv", nn.Conv1d),
-        ("conv", nn.Conv2d),
-        ("embedding", nn.Embedding),
-        ("layer_norm", nn.LayerNorm),
-        ("group_norm", nn.GroupNorm),
-    ):
-        if isinstance(module, cls) and type(module).forward is cls.forward:
-            if kind == "embedding" and module.scale_grad_by_freq:
-                return None  # the batch's index counts scale every sample's gradient
-            return kind
-    return None
+def _conv_rows(conv: nn.Conv1d | nn.Conv2d, names: Names, x: Tensor, out: Tensor) -> Held:
+    if x.dim() == len(conv.kernel_size) + 1:  # unbatched input: one sample
+        x, out = x.unsqueeze(0), out.unsqueeze(0)
+    rule = ConvRule.of(conv, names, x, out)
+    return rule, x.reshape(x.shape[0], -1), "x".join(map(str, x.shape[1:]))
 
 
-def layer_rows(
-    kind: str, module: nn.Module, names: Names, x: torch.Tensor, out: torch.Tensor
-) -> tuple[LayerRule, torch.Tensor, str]:
-    """For one forward pass (input ``x``, output ``out``) of a covered layer: its rule,
-    the rows to hold for the drain (input or normalised input, one row per sample; the
-    output gradient is held as as many rows) and a key telling per-sample shapes apart."""
-    if kind == "conv":
-        if x.dim() == len(module.kernel_size) + 1:  # unbatched input: one sample
-            x, out = x.unsqueeze(0), out.unsqueeze(0)
-        rule: LayerRule = ConvRule.of(module, names, x, out)
-        return rule, x.reshape(x.shape[0], -1), "x".join(map(str, x.shape[1:]))
-    if kind == "embedding":  # samples along dim 0, their positions after it
-        rows = x.reshape(x.shape[0], -1) if x.dim() > 1 else x.reshape(-1, 1)
-        rule = EmbeddingRule(names, module.num_embeddings, module.embedding_dim, module.padding_idx)
-        return rule, rows, str(rows.shape[1])
-    if kind == "layer_norm":  # samples: every leading dimension
-        shape = tuple(module.normalized_shape)
-        xhat = F.layer_norm(x, shape, eps=module.eps)
-        return NormRule(names, shape, 1), xhat.reshape(-1, math.prod(shape)), ""
-    # group_norm: (N, C, *)
-    xhat = F.group_norm(x, module.num_groups, eps=module.eps)
+def _embedding_rows(emb: nn.Embedding, names: Names, x: Tensor, out: Tensor) -> Held:
+    rows = x.reshape(x.shape[0], -1) if x.dim() > 1 else x.reshape(-1, 1)  # samples, positions
+    rule = EmbeddingRule(names, emb.num_embeddings, emb.embedding_dim, emb.padding_idx)
+    return rule, rows, str(rows.shape[1])
+
+
+def _layer_norm_rows(norm: nn.LayerNorm, names: Names, x: Tensor, out: Tensor) -> Held:
+    shape = tuple(norm.normalized_shape)  # samples: every leading dimension
+    xhat = F.layer_norm(x, shape, eps=norm.eps)
+    return NormRule(names, shape, 1), xhat.reshape(-1, math.prod(shape)), ""
+
+
+def _group_norm_rows(norm: nn.GroupNorm, names: Names, x: Tensor, out: Tensor) -> Held:
+    xhat = F.group_norm(x, norm.num_groups, eps=norm.eps)  # (N, C, *)
     positions = math.prod(x.shape[2:])
-    rule = NormRule(names, (module.num_channels,), positions)
+    rule = NormRule(names, (norm.num_channels,), positions)
     return rule, xhat.reshape(x.shape[0], -1), str(positions)
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    """How the Fisher reads one layer type: ``rows(module, names, x, out)`` gives a
+    forward pass's :class:`LayerRule`, the rows to hold for the drain (input or normalised
+    input, one per sample) and a key telling per-sample shapes apart; ``positions(module,
+    rows, out)`` the positions summed inside one sample (a row mask may give one entry per
+    position). ``rows`` is None for ``nn.Linear``, whose rows are its input as is."""
+
+    name: str
+    rows: Callable[..., Held] | None = None
+    positions: Callable[[nn.Module, Tensor, Tensor], int] = lambda m, r, o: 1
+
+
+LINEAR = LayerKind("linear")
+_CONV = LayerKind(
+    "conv", _conv_rows, lambda m, r, o: o.numel() // max(r.shape[0] * m.out_channels, 1)
+)
+
+#: module type -> how the Fisher reads it in closed form (BackPACK's module -> extension
+#: table); a subclass counts when it keeps the type's ``forward``
+LAYER_KINDS: dict[type[nn.Module], LayerKind] = {
+    nn.Linear: LINEAR,
+    nn.Conv1d: _CONV,
+    nn.Conv2d: _CONV,
+    nn.Embedding: LayerKind("embedding", _embedding_rows, lambda m, r, o: r.shape[1]),
+    nn.LayerNorm: LayerKind("layer_norm", _layer_norm_rows),
+    nn.GroupNorm: LayerKind(
+        "group_norm", _group_norm_rows, lambda m, r, o: r.shape[1] // m.num_channels
+    ),
+}
+
+
+def layer_kind(module: nn.Module) -> LayerKind | None:
+    """The closed-form reading of ``module``'s own parameters (:data:`LAYER_KINDS`), or
+    None: a type not in the table, or one whose ``forward`` is overridden (a subclass may
+    compute anything). An embedding with ``scale_grad_by_freq`` has none: the batch's
+    index counts scale every sample's gradient."""
+    for cls in type(module).__mro__:
+        kind = LAYER_KINDS.get(cls)
+        if kind is not None:
+            if type(module).forward is not cls.forward:
+                return None
+            return None if getattr(module, "scale_grad_by_freq", False) else kind
+    return None

@@ -14,16 +14,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 
-from policy_probes.grad_tap import on_grad
 from policy_probes.hook_types import BackwardHookBuilder, Extractor
 from policy_probes.probes.layout import as_unit_rows
 from policy_probes.probes.per_layer import LayeredProbeHook, ProbedLayer, layered_builder
 from policy_probes.probes.rows import COUNT, Rows
 from policy_probes.probes.state import Drained, ProbeState
 from policy_probes.probes.weighted import Weighted
-from policy_probes.row_mask import pushing_with
 from policy_probes.sampling import Schedule
 
 BLOCKED_THRESHOLD = 1e-8
@@ -161,25 +158,16 @@ class GradientFlowHook(LayeredProbeHook):
     builder_name = "attach_gradient_flow_hooks()"
     backward = True
 
-    def record_grad(self, module: nn.Module, grad_output: torch.Tensor) -> None:
-        self.tracker.update(self.component, grad_output, self.channels_first)
-
     def record_layer(self, layer: ProbedLayer, output: torch.Tensor) -> None:
         """Subscribe to the gradient of ``layer``'s output (one shared tensor hook)."""
         if not (output.requires_grad and torch.is_grad_enabled()):
             return
         weight = self.context.push_weight  # the mask rows bound to this output, or None
-
-        def record(grad: torch.Tensor) -> None:
-            if not self.enabled:
-                return
-            try:
-                with pushing_with(self.context, weight):
-                    self.tracker.update(layer.component, grad, layer.channels_first)
-            except Exception as exc:  # a probe must never take training down
-                self.fail(exc)
-
-        on_grad(output, self.timed(record))
+        self.tap_grad(
+            output,
+            weight,
+            lambda grad: self.tracker.update(layer.component, grad, layer.channels_first),
+        )
 
 
 def attach_gradient_flow_hooks(

@@ -17,7 +17,6 @@ the same context (``actor_mlp.layer_0`` or ``actor_mlp.*`` attached before or af
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -37,7 +36,6 @@ from policy_probes.probes.layout import (
     resolve_channels_first,
 )
 from policy_probes.probes.state import get_state
-from policy_probes.row_mask import bound_weight, pushing_with
 from policy_probes.sampling import Schedule, as_schedule, with_schedule
 
 
@@ -237,33 +235,27 @@ class LayeredProbeHook(ProbeHook):
                 self._refuse_reused(layer)
                 return
             self._seen.add(layer.component)
-            start = time.perf_counter()
-            try:
-                # the row-mask rows of this layer's output, bound in forward order as the
-                # component hook binds its own (per-step calls count per layer)
-                weight = bound_weight(
-                    self.context,
-                    output,
-                    layer.module,
-                    layer.component,
-                    (id(self), layer.component),
-                    layer.channels_first,
-                )
-                with pushing_with(self.context, weight):
-                    self.record_layer(layer, output)
-            except Exception as exc:  # a probe must never take training down
-                self.fail(exc)
-            finally:
-                self.seconds += time.perf_counter() - start
+            # the mask rows bound in forward order, as the component hook binds its own
+            args = (layer, output)
+            self.masked_call(
+                self.record_layer, args, output, layer.module, layer.component, layer.channels_first
+            )
 
         return hook
 
+    def record(self, module: nn.Module, output: torch.Tensor) -> None:
+        """The component's output (a backward probe: its gradient) into the tracker."""
+        self.tracker.update(self.component, output, self.channels_first)
+
+    record_grad = record
+
     def record_layer(self, layer: ProbedLayer, output: torch.Tensor) -> None:
-        """Read one forward output of ``layer`` (not detached: see the subclasses). Under
-        a row mask it is called inside :class:`~policy_probes.row_mask.pushing_with` with
-        the mask rows of ``output``, so pushes made now carry them; a probe that pushes
-        later (from a gradient hook) keeps ``context.push_weight`` for then."""
-        raise NotImplementedError
+        """Read one forward output of ``layer`` (not detached; by default into the
+        tracker). Under a row mask it is called inside
+        :class:`~policy_probes.row_mask.pushing_with` with the mask rows of ``output``, so
+        pushes made now carry them; a probe that pushes later (from a gradient hook)
+        keeps ``context.push_weight`` for then."""
+        self.tracker.update(layer.component, output, layer.channels_first)
 
 
 def layered_builder(

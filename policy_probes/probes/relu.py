@@ -24,11 +24,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 
 from policy_probes.hook_types import Extractor, HookBuilder
 from policy_probes.probes.layout import ActivationState
-from policy_probes.probes.per_layer import LayeredProbeHook, ProbedLayer, layered_builder
+from policy_probes.probes.per_layer import LayeredProbeHook, layered_builder
 from policy_probes.probes.rows import COUNT
 from policy_probes.probes.state import SUM, Drained, unit_rates
 from policy_probes.probes.weighted import Weighted
@@ -140,12 +139,6 @@ def samples(count: torch.Tensor | np.ndarray, cfg: dict[str, Any]) -> float:
 class ReLUActivationHook(LayeredProbeHook):
     probe = "relu"
     builder_name = "attach_relu_activation_hooks()"
-
-    def record(self, module: nn.Module, output: torch.Tensor) -> None:
-        self.tracker.update(self.component, output, self.channels_first)
-
-    def record_layer(self, layer: ProbedLayer, output: torch.Tensor) -> None:
-        self.tracker.update(layer.component, output, layer.channels_first)
 
 
 def attach_relu_activation_hooks(

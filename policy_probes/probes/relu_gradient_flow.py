@@ -25,14 +25,13 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from policy_probes.context import ComponentContext
-from policy_probes.grad_tap import on_grad
 from policy_probes.hook_types import BackwardHookBuilder, ProbeError, ProbeHook
 from policy_probes.probes.layout import as_unit_rows, check_layout, resolve_channels_first
 from policy_probes.probes.per_layer import activation_layers
 from policy_probes.probes.rows import COUNT
 from policy_probes.probes.state import Drained, ProbeState, get_state, unit_rates
 from policy_probes.probes.weighted import Weighted
-from policy_probes.row_mask import bound_weight, pushing_with
+from policy_probes.row_mask import bound_weight
 from policy_probes.sampling import Schedule, as_schedule, tensor_rows, with_schedule
 
 
@@ -205,18 +204,12 @@ class ReLUGradientFlowHook(ProbeHook):
                 return
 
             def record(grad: torch.Tensor) -> None:
-                if not self.enabled:
-                    return
                 self.calls += 1
                 if layer == self.relus[0][0]:  # rows observed: counted at the first ReLU
                     self.rows += tensor_rows(grad, channels_first)
-                try:
-                    with pushing_with(self.context, weight):
-                        self.tracker.update(self.component, layer, grad, relu_out, channels_first)
-                except Exception as exc:
-                    self.fail(exc)
+                self.tracker.update(self.component, layer, grad, relu_out, channels_first)
 
-            on_grad(output, self.timed(record))
+            self.tap_grad(output, weight, record)
 
         return hook
 

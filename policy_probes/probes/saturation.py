@@ -19,7 +19,6 @@ from policy_probes.probes.layout import ActivationState, check_layout
 from policy_probes.probes.per_layer import (
     ActivationLayer,
     LayeredProbeHook,
-    ProbedLayer,
     layered_builder,
 )
 from policy_probes.probes.relu import samples
@@ -115,12 +114,6 @@ class SaturatedActivationHook(LayeredProbeHook):
     def selects(self, layer: ActivationLayer) -> bool:
         """Only layers of this probe's activation (tanh or sigmoid)."""
         return isinstance(layer.act, SATURATING_MODULES[self.tracker.activation])
-
-    def record(self, module: nn.Module, output: torch.Tensor) -> None:
-        self.tracker.update(self.component, output, self.channels_first)
-
-    def record_layer(self, layer: ProbedLayer, output: torch.Tensor) -> None:
-        self.tracker.update(layer.component, output, layer.channels_first)
 
 
 def attach_saturated_activation_hooks(

@@ -334,10 +334,6 @@ def is_finite_number(value: Any) -> bool:
     return isinstance(value, float) and math.isfinite(value)
 
 
-def is_vector(value: Any) -> bool:
-    return isinstance(value, list)
-
-
 def finite_values(values: Iterable[Any]) -> list[float]:
     """The finite numeric elements of a per-unit vector (None and NaN/inf left out)."""
     values = list(values)
