@@ -394,6 +394,9 @@ class FisherInformationHook(ProbeHook):
     def __init__(self, tracker: FisherInformationState, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.tracker = tracker
+        #: the layers :meth:`attach` hooks and how, found at the first attach (later
+        #: attaches, when the sampler re-arms the probe, install the same hooks)
+        self._plan: list[tuple[Any, ...]] | None = None
 
     def record_grad(self, module: nn.Module, grad_output: torch.Tensor) -> None:
         self.tracker.update(self.component, grad_output, self.context.loss_scale)
@@ -413,7 +416,27 @@ class FisherInformationHook(ProbeHook):
 
     def attach(self, module: nn.Module) -> list[RemovableHandle]:
         self.attached = True
-        handles = []
+        if self._plan is None:
+            self._plan = self._layer_plan(module)
+        handles: list[RemovableHandle] = []
+        for how, sub, *args in self._plan:
+            if how == "generic":
+                hook = self._generic_hook(sub, *args)
+                handles.append(sub.register_forward_hook(self.timed(hook), with_kwargs=True))
+            elif how == "through":
+                hook = self._through_activation_hook(*args)
+                handles.append(sub.register_forward_hook(self.timed(hook)))
+            elif how == "pair":
+                handles += self._sequential_pair_hooks(sub, *args)
+            else:
+                handles.append(sub.register_forward_hook(self.timed(self._layer_hook(*args))))
+        return handles
+
+    def _layer_plan(self, module: nn.Module) -> list[tuple[Any, ...]]:
+        """``(how, module, *arguments)`` of every hook :meth:`attach` installs, in one walk
+        of the component's modules (parents before their children); the parameters left
+        out are listed in the settings (``uncovered``) and warned about once."""
+        plan: list[tuple[Any, ...]] = []
         covered: set[int] = set()
         settings = self.tracker.settings[self.component]
         uncovered: dict[str, int] = {}
@@ -430,35 +453,30 @@ class FisherInformationHook(ProbeHook):
                 # out_proj of nn.MultiheadAttention), so no closed-form hook inside it
                 names = {k: f"{prefix}{k}" for k, _ in sub.named_parameters()}
                 sizes = {f"{prefix}{k}": p.numel() for k, p in sub.named_parameters()}
-                hook = self._generic_hook(sub, names, sizes)
-                handles.append(sub.register_forward_hook(self.timed(hook), with_kwargs=True))
+                plan.append(("generic", sub, names, sizes))
                 covered.update(id(p) for p in sub.parameters())
                 inside.update(id(m) for m in sub.modules())
                 continue
             activation = derivable_hidden_layer(sub)
             if activation is not None:
-                hook = self._through_activation_hook(
-                    activation, _names(f"{prefix}linear.", sub.linear)
-                )
-                handles.append(sub.register_forward_hook(self.timed(hook)))
+                names = _names(f"{prefix}linear.", sub.linear)
+                plan.append(("through", sub, activation, names))
                 covered.update(id(p) for p in sub.linear.parameters(recurse=False))
             for child, (linear, act, activation) in derivable_sequential_pairs(sub):
                 if not any(id(p) in covered for p in linear.parameters(recurse=False)):
                     names = _names(f"{prefix}{child}.", linear)
-                    handles += self._sequential_pair_hooks(linear, act, activation, names)
+                    plan.append(("pair", linear, act, activation, names))
                     covered.update(id(p) for p in linear.parameters(recurse=False))
             kind = layer_kind(sub)  # nothing to learn without parameters (a norm without affine)
             if kind is not None and own and not any(id(p) in covered for p in own):
-                hook = self._layer_hook(kind, _names(prefix, sub))
-                handles.append(sub.register_forward_hook(self.timed(hook)))
+                plan.append(("layer", sub, kind, _names(prefix, sub)))
                 covered.update(id(p) for p in own)
         for name, p in module.named_parameters():
             if id(p) not in covered:
                 uncovered[name] = p.numel()
-        warned = "uncovered" in settings  # attach() runs again each time the probe re-arms
         settings["uncovered"] = uncovered
         settings["unsupported"] = list(uncovered)
-        if uncovered and not warned:
+        if uncovered:
             log.warning(
                 "fisher probe on %r: parameters %s are left out of the Fisher (listed under "
                 "uncovered/<name>); %s",
@@ -469,7 +487,7 @@ class FisherInformationHook(ProbeHook):
                 else "their modules have no forward of their own (nn.ParameterList) or a "
                 "batch-dependent gradient (batch norm, scale_grad_by_freq)",
             )
-        return handles
+        return plan
 
     def _generic_hook(self, module: nn.Module, names: dict[str, str], sizes: dict[str, int]) -> Any:
         """Forward hook of a module on the generic route: its inputs split into samples
@@ -556,6 +574,8 @@ class FisherInformationHook(ProbeHook):
         settings = self.tracker.settings[self.component]
         settings["uncovered"].update(sizes)
         settings["unsupported"] = list(settings["uncovered"])
+        if self._plan is not None:  # later attaches leave the unit alone
+            self._plan = [s for s in self._plan if not (s[0] == "generic" and s[3] is sizes)]
         log.warning(
             "fisher probe on %r: %s; parameters %s are left out (uncovered/<name>)",
             self.component,
