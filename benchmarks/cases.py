@@ -10,8 +10,8 @@ Cases:
   actor-critic and the probes are those of ``recipes/atari.py`` (:func:`recipes.atari.add_probes`).
 * ``bare``: the bare loop: :class:`trainers.PPOTrainer` driven directly, with an empty
   callback list and a fresh :class:`~policy_probes.context.ComponentContext`: no
-  TrainTool, no sinks (its session has an empty sink group and only the idle
-  ``stats_reporter``), no run directory. The reference of the empty-path benchmark.
+  TrainTool, no sinks (its session has an empty sink group and no lifecycle
+  hook), no run directory. The reference of the empty-path benchmark.
 * ``recipe``: ``recipes.cartpole`` as it ships, console and W&B off, with or without its
   probes (:func:`recipe`).
 * ``sb3``: Stable-Baselines3 PPO with the same hyperparameters, optionally

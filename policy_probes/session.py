@@ -247,7 +247,6 @@ class ProbeSession:
             component_context=self.context,
             strict=strict,
         )
-        self._reporter_hook = any(h.name == "stats_reporter" for h in selected)
 
         if sink_group is not None:
             self._use_loop_sinks(sink_group, run_dir, config, start_epoch)
@@ -673,8 +672,8 @@ class ProbeSession:
         for the record (``epoch_end(step, **{"rollout/episode_return": r})``). ``final``
         (this is the run's last epoch) is accepted for loops written for the reporting
         windows of earlier versions; every epoch reports every probe now. The order
-        is the same for every loop (``docs/external.md``): POST_EPOCH fires (the
-        ``stats_reporter`` collects the probes' trackers), SNAPSHOT fires when due, and
+        is the same for every loop (``docs/external.md``): the probes' trackers are
+        collected (:class:`StatsReporter`), POST_EPOCH fires, SNAPSHOT fires when due, and
         the buffered step-point metrics are read; then (with ``step_records``) one record
         per step point that reported (``PRE_STEP``, ``POST_STEP``: that point's per-epoch
         means), the epoch's ``POST_EPOCH`` record (everything), and in SNAPSHOT epochs a
@@ -692,10 +691,9 @@ class ProbeSession:
         if self.remedies:  # after the epoch's metrics (ReDo reads its scores), before records
             metrics.update(self.remedies.end_epoch(self.epoch + 1, metrics))
         self._emit(metrics, snapshot, steps)
-        if sampler is not None and self._only_reporter():
-            # with no lifecycle hook but the stats_reporter, the epoch's end is the probes'
-            # reporting: dispatch, record conversion and sinks (the collection is counted
-            # already)
+        if sampler is not None and not self.hooks.active:
+            # with no lifecycle hook, the epoch's end is the probes' reporting: record
+            # conversion and sinks (the collection is counted already)
             collected = sampler.collect_seconds - collected
             sampler.charge(time.perf_counter() - start - collected)
         self._pending = {}
@@ -713,7 +711,8 @@ class ProbeSession:
         metrics = dict(logged)
         snapshot: dict[str, Any] | None = None
         steps: dict[str, dict[str, Any]] = {}
-        if self.hooks.active and not self._idle_reporter():
+        metrics.update(StatsReporter(self.context).collect())  # every rank: a collective
+        if self.hooks.active:
             self._warn_missing_rollout_end()
             metrics.update(self._pending)
             common = {"epoch": self.epoch, "step": self._step, "agent_step": self.agent_step}
@@ -736,8 +735,6 @@ class ProbeSession:
             steps = {point.value: values for point, values in flushed.by_point.items()}
         elif snapshot_due(self.epoch, self.snapshot_every):
             snapshot = {}
-        if not self._reporter_hook:
-            metrics.update(StatsReporter(self.context).collect())
         plain = {k: to_plain(v) for k, v in metrics.items()}
         if snapshot is not None:
             snapshot = {k: to_plain(v) for k, v in snapshot.items()}
@@ -757,22 +754,6 @@ class ProbeSession:
         self.sinks.emit(metrics, epoch, "POST_EPOCH")
         if snapshot is not None:
             self.sinks.emit(snapshot, epoch, "SNAPSHOT")
-
-    def _only_reporter(self) -> bool:
-        """No lifecycle hook but the ``stats_reporter`` (or none at all: a session's
-        default, which collects the trackers itself)."""
-        return all(hook.name == "stats_reporter" for hook in self.hooks.hooks)
-
-    def _idle_reporter(self) -> bool:
-        """Only the ``stats_reporter`` hook, and no probe to report: its dispatch (~0.15
-        ms, mostly saving the RNG states) would report nothing, so it is skipped."""
-        ctx = self.context
-        return (
-            self._only_reporter()
-            and not ctx.model_metrics
-            and not ctx.probe_errors
-            and not self._pending
-        )
 
     def _epoch_learning_rate(self, logged: Mapping[str, Any]) -> float | None:
         """The rate the epoch trained with: the logged ``train/learning_rate`` when the

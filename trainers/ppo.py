@@ -42,7 +42,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from policy_probes.context import ComponentContext
 from policy_probes.lifecycle import STEP_POINTS, HookManager, HookPoint, TrainingHook
-from policy_probes.lifecycle.hooks import StatsReporterHook
 from policy_probes.probes.churn import start_epoch as churn_start_epoch
 from policy_probes.session import ProbeSession
 from policy_probes.sinks import SinkGroup
@@ -181,8 +180,8 @@ class PPOTrainer:
     The probes (attached to ``policy`` with ``context``), ``lifecycle_hooks`` (see
     :func:`policy_probes.lifecycle.select_hooks`) and ``sinks`` are driven through
     :attr:`session`, a :class:`~policy_probes.session.ProbeSession` (its hook manager is
-    :attr:`manager`); the ``stats_reporter`` hook is always added, because it is the one
-    path by which the probe trackers become metrics. ``snapshot_every`` paces SNAPSHOT
+    :attr:`manager`); the session collects the probe trackers at every epoch end.
+    ``snapshot_every`` paces SNAPSHOT
     (0 = never); ``lifecycle_config`` is what hooks see as ``RunDataContext.config``
     (TrainTool passes itself; default: the :class:`PPOConfig`). ``sinks`` receive the
     epoch's records (none: the records are only returned, in ``state.metrics``).
@@ -288,10 +287,6 @@ class PPOTrainer:
         self.rollout_ready = False
         self._model_data_context: PPOModelDataContext | None = None
 
-        # stats_reporter is always present (one metrics pipeline for the probes)
-        selected = list(lifecycle_hooks)
-        if not any(h.name == StatsReporterHook.name for h in selected):
-            selected.append(StatsReporterHook())
         if snapshot_every < 0:
             raise ValueError(f"snapshot_every must be >= 0 (0 = never), got {snapshot_every}")
         self.session = ProbeSession(
@@ -300,7 +295,7 @@ class PPOTrainer:
             sink_group=sinks if sinks is not None else SinkGroup(),
             run_dir=run_dir,
             config=self.state.config,
-            lifecycle_hooks=selected,
+            lifecycle_hooks=lifecycle_hooks,
             loop="ppo",
             loop_config=lifecycle_config if lifecycle_config is not None else cfg,
             optimizer=self.optimizer,
