@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from policy_probes.atomic_write import write_text_atomic
-from policy_probes.components import PolicyAutoBuilder, ProbeHandle
+from policy_probes.components import PolicyAutoBuilder, ProbeHandle, ProbeSpec, add_probe
 from policy_probes.context import PHASES, ComponentContext
 from policy_probes.hook_types import ProbeBuilder
 from policy_probes.lifecycle import (
@@ -208,7 +208,7 @@ class ProbeSession:
         self.agent_step: int | None = None
         self.closed = False
         self._handles: list[ProbeHandle] = []
-        self._builders: list[tuple[str, ProbeBuilder, bool]] = []
+        self._builders: list[ProbeSpec] = []
         self._logged: dict[str, Any] = {}
         self._sums: dict[str, tuple[Any, int]] = {}
         self._pending: dict[str, Any] = {}
@@ -419,28 +419,27 @@ class ProbeSession:
 
     # ------------------------------------------------------------------ probes
     def add_training_hook(self, pattern: str, builder: ProbeBuilder) -> ProbeSession:
-        """Attach a forward probe builder to a component name or glob now; returns self.
+        """Attach a probe to a component name or glob now, forward or backward as the
+        probe says (a plain hook closure: forward); returns self.
 
         An unknown name raises ``KeyError`` listing the available names."""
-        return self._attach(pattern, builder, backward=False)
+        return self._attach(pattern, builder, backward=None)
 
     def add_training_backward_hook(self, pattern: str, builder: ProbeBuilder) -> ProbeSession:
-        """Attach a backward probe builder to a component name or glob now; returns self."""
+        """Attach a backward probe (or plain backward hook closure) now; a forward probe
+        is refused. Returns self."""
         return self._attach(pattern, builder, backward=True)
 
-    def _attach(self, pattern: str, builder: ProbeBuilder, backward: bool) -> ProbeSession:
+    def _attach(self, pattern: str, builder: ProbeBuilder, backward: bool | None) -> ProbeSession:
         if self.closed:
             raise RuntimeError("this ProbeSession is closed; start a new one to attach probes")
-        if not isinstance(pattern, str) or not pattern:
-            raise TypeError(f"component pattern must be a non-empty string, got {pattern!r}")
-        for existing_pattern, existing, _ in self._builders:
-            if existing_pattern == pattern and existing is builder:
-                raise ValueError(
-                    f"this builder is already attached to {pattern!r}; create a new builder "
-                    f"to attach the same probe twice"
-                )
-        self._handles.extend(self.policy.attach(pattern, builder, self.context, backward=backward))
-        self._builders.append((pattern, builder, backward))
+        add_probe(self._builders, pattern, builder, backward)
+        try:
+            handles = self.policy.attach(pattern, builder, self.context, backward=backward)
+        except BaseException:
+            self._builders.pop()
+            raise
+        self._handles.extend(handles)
         return self
 
     def add_remedy(self, pattern: str, remedy: Remedy, *, seed: int | None = None) -> ProbeSession:

@@ -31,6 +31,7 @@ import torch
 from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from policy_probes.atomic_write import write_text_atomic
+from policy_probes.components import ProbeSpec, add_probe
 from policy_probes.context import ComponentContext
 from policy_probes.hook_types import ProbeBuilder
 from policy_probes.lifecycle import HookSelectionError, TrainingHook, select_hooks
@@ -218,7 +219,7 @@ class TrainTool(Section):
         'one string of specs separated by ";".',
     )
 
-    _builders: list[tuple[str, ProbeBuilder, bool]] = PrivateAttr(default_factory=list)
+    _builders: list[ProbeSpec] = PrivateAttr(default_factory=list)
     _remedies: list[tuple[str, Remedy]] = PrivateAttr(default_factory=list)
     _trainer_hooks: list[TrainerHook] = PrivateAttr(default_factory=list)
     _launch: dict[str, Any] = PrivateAttr(default_factory=dict)
@@ -308,31 +309,17 @@ class TrainTool(Section):
         return self
 
     # ------------------------------------------------------------------ probes and hooks
-    def _add(self, component_name: str, builder: ProbeBuilder, backward: bool) -> TrainTool:
-        if not isinstance(component_name, str) or not component_name:
-            raise TypeError(f"component_name must be a non-empty string, got {component_name!r}")
-        if not callable(builder):
-            raise TypeError(
-                f"hook builder for {component_name!r} must be callable (component_name, context)"
-                f" -> hook | None; did you forget the parentheses, e.g. "
-                f"attach_relu_activation_hooks()?"
-            )
-        for pattern, existing, _ in self._builders:
-            if pattern == component_name and existing is builder:
-                raise ValueError(
-                    f"this builder is already attached to {component_name!r}; create a new "
-                    f"builder to attach the same probe twice"
-                )
-        self._builders.append((component_name, builder, backward))
+    def add_training_hook(self, component_name: str, builder: ProbeBuilder) -> TrainTool:
+        """Attach a probe to a component name or glob, forward or backward as the probe
+        says (a plain hook closure: forward); returns self."""
+        add_probe(self._builders, component_name, builder, None)
         return self
 
-    def add_training_hook(self, component_name: str, builder: ProbeBuilder) -> TrainTool:
-        """Attach a forward-hook builder to a component name or glob; returns self."""
-        return self._add(component_name, builder, backward=False)
-
     def add_training_backward_hook(self, component_name: str, builder: ProbeBuilder) -> TrainTool:
-        """Attach a backward-hook builder to a component name or glob; returns self."""
-        return self._add(component_name, builder, backward=True)
+        """Attach a backward probe (or plain backward hook closure); a forward probe is
+        refused when the run attaches it. Returns self."""
+        add_probe(self._builders, component_name, builder, True)
+        return self
 
     def add_remedy(self, component_name: str, remedy: Remedy) -> TrainTool:
         """Attach a remedy (``policy_probes.remedies``) to a component name or glob;
@@ -352,8 +339,10 @@ class TrainTool(Section):
         return self
 
     @property
-    def hook_builders(self) -> list[tuple[str, ProbeBuilder, bool]]:
-        """``(pattern, builder, backward)`` in the order they were added."""
+    def hook_builders(self) -> list[ProbeSpec]:
+        """``(pattern, builder, backward)`` in the order they were added; ``backward`` is
+        True for :meth:`add_training_backward_hook`, None (the probe's own direction)
+        for :meth:`add_training_hook`."""
         return list(self._builders)
 
     def record_launch(self, target: str, overrides: list[str]) -> None:

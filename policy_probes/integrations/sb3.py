@@ -36,7 +36,6 @@ uses that minibatch.
 from __future__ import annotations
 
 import copy
-import inspect
 import logging
 import numbers
 import time
@@ -56,7 +55,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from policy_probes.context import ComponentContext
+from policy_probes.components import ProbeSpec, add_probe
 from policy_probes.hook_types import ProbeBuilder
 from policy_probes.lifecycle import preserved_rng
 from policy_probes.probes.churn import start_epoch as churn_start_epoch
@@ -128,10 +127,10 @@ class ProbeCallback(BaseCallback):
     per rollout/update cycle to the sinks (JSONL, CSV, W&B, console).
 
     Args:
-        probes: ``(pattern, builder)`` forward probes, e.g.
-            ``("actor_mlp", attach_relu_activation_hooks())``.
-        backward_probes: ``(pattern, builder)`` backward probes, e.g.
-            ``("actor_mlp", attach_fisher_information_hooks())``.
+        probes: ``(pattern, builder)`` probes, each placed forward or backward as it says,
+            e.g. ``("actor_mlp", attach_relu_activation_hooks())``.
+        backward_probes: ``(pattern, builder)`` backward probes (plain backward hook
+            closures too), e.g. ``("actor_mlp", attach_fisher_information_hooks())``.
         components: more component names (name -> submodule or dotted path); the SB3
             names of :func:`sb3_components` are always there.
         run_dir: where the sinks write; default ``runs/sb3-<algo>-<time>``.
@@ -178,11 +177,11 @@ class ProbeCallback(BaseCallback):
         super().__init__(verbose)
         self.probe_budget = check_budget(probe_budget)
         self.probe_schedule = as_schedule(probe_schedule)
-        self._probes: list[tuple[str, ProbeBuilder, bool]] = []
+        self._probes: list[ProbeSpec] = []
         for pattern, builder in _pairs(probes, "probes"):
-            self._probes.append((pattern, builder, False))
+            add_probe(self._probes, pattern, builder, None)
         for pattern, builder in _pairs(backward_probes, "backward_probes"):
-            self._probes.append((pattern, builder, True))
+            add_probe(self._probes, pattern, builder, True)
         self.components = dict(components or {})
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.sinks_config = sinks
@@ -204,18 +203,18 @@ class ProbeCallback(BaseCallback):
 
     # ------------------------------------------------------------------ probes
     def add_training_hook(self, pattern: str, builder: ProbeBuilder) -> ProbeCallback:
-        """Add a forward probe (attached when ``learn()`` starts, or now if it runs)."""
-        return self._add(pattern, builder, backward=False)
+        """Add a probe, placed by its direction (attached when ``learn()`` starts, or now
+        if it runs)."""
+        return self._add(pattern, builder, backward=None)
 
     def add_training_backward_hook(self, pattern: str, builder: ProbeBuilder) -> ProbeCallback:
         """Add a backward probe (attached when ``learn()`` starts, or now if it runs)."""
         return self._add(pattern, builder, backward=True)
 
-    def _add(self, pattern: str, builder: ProbeBuilder, backward: bool) -> ProbeCallback:
+    def _add(self, pattern: str, builder: ProbeBuilder, backward: bool | None) -> ProbeCallback:
         if self.session is not None and not self.session.closed:
-            attach = _attach_method(self.session, backward)
-            attach(pattern, builder)
-        self._probes.append((pattern, builder, backward))
+            self.session._attach(pattern, builder, backward)
+        add_probe(self._probes, pattern, builder, backward)
         return self
 
     # --------------------------------------------------------------- callbacks
@@ -250,7 +249,7 @@ class ProbeCallback(BaseCallback):
         try:
             self._trace(session)
             for pattern, builder, backward in self._probes:
-                _attach_method(session, backward)(pattern, builder)
+                session._attach(pattern, builder, backward)
         except BaseException:
             session.close()
             if fresh:  # a failed start leaves nothing that blocks the corrected script
@@ -442,20 +441,6 @@ def _sequence_mask(mask: torch.Tensor, sample: Any) -> torch.Tensor:
     return mask.reshape(n_seq, -1) if n_seq and mask.numel() % n_seq == 0 else mask
 
 
-def _attach_method(session: ProbeSession, backward: bool) -> Any:
-    return session.add_training_backward_hook if backward else session.add_training_hook
-
-
-def _takes_name_and_context(builder: Any) -> bool:
-    try:
-        inspect.signature(builder).bind("component", ComponentContext())
-    except TypeError:
-        return False
-    except ValueError:  # no signature (builtins): let attach decide
-        pass
-    return True
-
-
 def _pairs(items: Iterable[Probe], what: str) -> list[Probe]:
     out = []
     for item in items:
@@ -463,11 +448,6 @@ def _pairs(items: Iterable[Probe], what: str) -> list[Probe]:
             raise TypeError(
                 f"{what} must hold (pattern, builder) pairs such as ('actor_mlp', "
                 f"attach_relu_activation_hooks()), got {item!r}"
-            )
-        if not callable(item[1]) or not _takes_name_and_context(item[1]):
-            raise TypeError(
-                f"{what}: the builder for {item[0]!r} must be callable as (component_name, "
-                f"context); did you forget the parentheses, e.g. attach_relu_activation_hooks()?"
             )
         out.append((item[0], item[1]))
     return out
