@@ -47,9 +47,9 @@ def held_outputs(run_dir: str | Path) -> list[str]:
     return [m for m, kind in RUN_MARKERS.items() if kind(run_dir / m)]
 
 
-def remove_outputs(run_dir: str | Path) -> None:
-    """Delete every :data:`RUN_OUTPUTS` entry of ``run_dir`` (for overwrite)."""
-    for name in RUN_OUTPUTS:
+def remove_outputs(run_dir: str | Path, names: tuple[str, ...] = RUN_OUTPUTS) -> None:
+    """Delete the ``names`` entries of ``run_dir`` (default every run output: overwrite)."""
+    for name in names:
         target = Path(run_dir) / name
         if target.is_dir() and not target.is_symlink():
             shutil.rmtree(target)

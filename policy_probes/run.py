@@ -1,0 +1,261 @@
+"""Run: one run directory, owned by whichever loop trains into it.
+
+The built-in trainer (``TrainTool``), the Stable-Baselines3 ``ProbeCallback`` and a loop
+of one's own each open a :class:`Run` and hand it to their
+:class:`~policy_probes.session.ProbeSession`::
+
+    run = Run("runs/ppo", resume=True, config={"lr": 3e-4}).open()
+    with ProbeSession(agent, run=run) as session:  # the session closes the run
+        ...
+
+The run holds the directory's lock, makes the one decision about a directory that already
+holds a run (refuse, replace or continue it: :meth:`Run.claim`), writes ``config.json``,
+owns the metric sinks and drops the records a resumed loop is about to write again
+(:meth:`Run.rewind`). Which checkpoint a resumed trainer starts from is the trainer's
+business (``trainers/``); the run only knows its records.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from policy_probes.atomic_write import write_text_atomic
+from policy_probes.processes import current_rank
+from policy_probes.run_dir import (
+    RunDirConflict,
+    check_run_dir_path,
+    default_run_dir,
+    held_outputs,
+    make_run_dir,
+    remove_outputs,
+)
+from policy_probes.run_lock import RunDirLock, refuse_if_locked
+from policy_probes.sinks import SinkGroup, SinksConfig, WandbConfig, build_sink_group
+from policy_probes.sinks.base import to_plain
+from policy_probes.sinks.jsonl import iter_jsonl
+
+log = logging.getLogger("policy_probes")
+
+#: what a resumed run that never wrote a checkpoint drops before it starts again
+RECORD_OUTPUTS = ("metrics.jsonl", "metrics.csv", "tensorboard")
+
+
+class Run:
+    """One run directory: its lock, the claim on it, ``config.json``, the metric sinks.
+
+    Args:
+        run_dir: the directory; default ``runs/<name>-<time>``.
+        resume: continue the run the directory holds (its records stay; a loop that goes
+            on from an earlier epoch drops the later ones with :meth:`rewind`).
+        overwrite: replace the run the directory holds (its outputs are deleted first).
+        config: the run's configuration, written to ``config.json`` by
+            :meth:`write_config` and given to the W&B run.
+        main: this process writes the run's files (rank 0 of a distributed run); the
+            others create, lock and write nothing, and their sink group is empty.
+        first_epoch: the number of the run's first epoch in its records (the built-in
+            trainer counts from 1; a session's hooks count from 0 either way).
+        console: a rich ``Console`` for the console sink (to share with a progress bar).
+        name: the default directory's prefix.
+    """
+
+    def __init__(
+        self,
+        run_dir: str | Path | None = None,
+        *,
+        resume: bool = False,
+        overwrite: bool = False,
+        config: dict[str, Any] | None = None,
+        main: bool = True,
+        first_epoch: int = 0,
+        console: Any = None,
+        name: str = "session",
+    ) -> None:
+        if resume and overwrite:
+            raise ValueError("resume and overwrite exclude each other; choose one")
+        self.dir = Path(run_dir) if run_dir is not None else default_run_dir(name)
+        self.resume, self.overwrite, self.main = bool(resume), bool(overwrite), main
+        self.config: dict[str, Any] = dict(config or {})
+        self.first_epoch = int(first_epoch)
+        self.console = console
+        #: the run's metric sinks (:meth:`open_sinks`; empty until then and off rank 0)
+        self.sinks = SinkGroup()
+        self.opened = self.sinks_open = False
+        self._lock = RunDirLock(self.dir)
+        self._created: list[Path] = []
+
+    # ------------------------------------------------------------------ claim
+    def open(self, *, claim: bool = True) -> Run:
+        """Create the directory and take its lock (main process only; held until
+        :meth:`close`), then :meth:`claim` it unless ``claim=False``. A refusal leaves
+        no lock and no directory it created behind."""
+        try:
+            if self.main:
+                self._created = _missing_directories(self.dir)
+                make_run_dir(self.dir)
+                self._lock.acquire()
+            if claim:
+                self.claim()
+        except BaseException:
+            self.close(refused=True)
+            raise
+        self.opened = True
+        return self
+
+    def claim(self) -> None:
+        """The one decision about a directory that holds a run already: continue it
+        (``resume``), replace it (``overwrite``: its outputs are deleted on the main
+        process), start again where a run was killed while starting (metric files without
+        a record, no ``config.json`` or checkpoint), or refuse with
+        :class:`RunDirConflict`. Reads only on the other processes."""
+        held = held_outputs(self.dir)
+        if not held or self.resume:
+            return
+        if not self.overwrite and not _aborted_start(self.dir, held):
+            raise RunDirConflict(
+                f"run_dir {str(self.dir)!r} already holds a run ({', '.join(held)}); pass "
+                f"resume=True to continue it, overwrite=True to replace it (command line: "
+                f"`policy-probes resume {self.dir}`, `policy-probes run ... --overwrite`), "
+                f"or choose another run_dir"
+            )
+        if self.main:
+            remove_outputs(self.dir)
+        if self.overwrite:
+            log.warning("overwrite: removed the previous run's outputs from %s", self.dir)
+        else:
+            log.warning(
+                "%s holds %s but no config.json or checkpoint: a run killed while it "
+                "started; it starts again from its beginning",
+                self.dir,
+                ", ".join(held),
+            )
+
+    def check(self) -> None:
+        """Raise what :meth:`open` would (a bad path, a live lock, a claim refused),
+        writing nothing (``policy-probes run --dry-run``)."""
+        check_run_dir_path(self.dir)
+        refuse_if_locked(self.dir)
+        main, self.main = self.main, False  # the claim reads only
+        try:
+            self.claim()
+        finally:
+            self.main = main
+
+    def discard_records(self) -> None:
+        """Delete the run's metric files (a resumed run that wrote no checkpoint yet starts
+        again from its beginning; same seed, same run). Main process only."""
+        if self.main:
+            remove_outputs(self.dir, RECORD_OUTPUTS)
+
+    def last_recorded_epoch(self) -> int | None:
+        """The last epoch in ``metrics.jsonl`` (None: no record)."""
+        path = self.dir / "metrics.jsonl"
+        if not path.is_file():
+            return None
+        epochs = [r["epoch"] for r in iter_jsonl(path) if isinstance(r.get("epoch"), int)]
+        return max(epochs) if epochs else None
+
+    # ------------------------------------------------------------------ files
+    def write_config(self) -> None:
+        """Write :attr:`config` to ``config.json`` (atomically; main process only)."""
+        if not self.main:
+            return
+        try:
+            text = json.dumps(to_plain(self.config), indent=2)
+            write_text_atomic(self.dir / "config.json", text + "\n")
+        except OSError as exc:  # the sinks report an unwritable run_dir themselves
+            log.error("could not write %s/config.json: %s", self.dir, exc)
+
+    def open_sinks(
+        self, sinks: SinksConfig | None = None, wandb: WandbConfig | None = None
+    ) -> SinkGroup:
+        """Build the metric sinks (main process only) into :attr:`sinks`."""
+        if self.main:
+            sinks, wandb = sinks or SinksConfig(), wandb or WandbConfig()
+            self.sinks = build_sink_group(self.dir, sinks, wandb, self.config, console=self.console)
+        self.sinks.set_run_context(run_dir=self.dir, config=self.config)
+        self.sinks_open = True
+        return self.sinks
+
+    def rewind(self, epoch: int) -> None:
+        """Drop every sink's records of epochs after ``epoch`` (a loop resumed from the end
+        of ``epoch`` writes them again); a sink that fails is logged and left as it is."""
+        for sink in self.sinks:
+            rewind = getattr(sink, "rewind", None)
+            if not callable(rewind):
+                continue
+            try:
+                dropped = rewind(epoch)
+            except Exception as exc:  # noqa: BLE001 - the sink group's isolation rule
+                log.error("could not rewind metric sink %s: %s", sink.name, exc)
+                continue
+            if dropped:
+                log.warning("%s: dropped %d records after epoch %d", sink.name, dropped, epoch)
+
+    def close(self, *, refused: bool = False) -> None:
+        """Close the sinks and release the lock (idempotent); ``refused``: a start that
+        was refused also removes the directories :meth:`open` created."""
+        try:
+            self.sinks.close()
+        finally:
+            self._lock.release()
+            for directory in self._created if refused else ():  # deepest first
+                with contextlib.suppress(OSError):
+                    directory.rmdir()
+
+    def __repr__(self) -> str:
+        return f"Run({str(self.dir)!r}, resume={self.resume}, overwrite={self.overwrite})"
+
+
+def record_sampling_choice(run_dir: Path | None, choice: dict[str, Any]) -> None:
+    """Add the probe budget's one-time choice (:mod:`policy_probes.sampling`) to
+    ``run_dir/config.json`` as ``probe_sampling``, whoever wrote the file (a plain
+    function of the path: the sampler holding it must not hold the session or the run,
+    which the policy's hooks reach and ``copy.deepcopy`` would then copy with its open
+    files)."""
+    path = None if run_dir is None else Path(run_dir) / "config.json"
+    if current_rank() != 0 or path is None or not path.is_file():
+        return  # rank 0 writes the run's files
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+        config["probe_sampling"] = to_plain(choice)
+        write_text_atomic(path, json.dumps(config, indent=2) + "\n")
+    except (OSError, ValueError) as exc:  # the choice is in every record and checkpoint
+        log.error("could not record the probe sampling choice in %s: %s", path, exc)
+
+
+def _aborted_start(run_dir: Path, held: list[str]) -> bool:
+    """Whether ``run_dir`` holds only what a run killed before its first step leaves:
+    metric files without a single epoch record, no ``config.json``, no checkpoint."""
+    from policy_probes.sinks import read_jsonl
+
+    if "config.json" in held or "checkpoints" in held:
+        return False
+    jsonl, csv = run_dir / "metrics.jsonl", run_dir / "metrics.csv"
+    try:
+        if jsonl.is_file() and read_jsonl(jsonl):
+            return False
+        if csv.is_file():  # a header at most: no row
+            with open(csv, encoding="utf-8", errors="replace") as f:
+                if len(f.readlines(2**16)) > 1:
+                    return False
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def _missing_directories(run_dir: Path) -> list[Path]:
+    """``run_dir`` and its parents that do not exist yet, deepest first (what creating
+    it makes); empty when it exists or its name is one the file system refuses."""
+    missing = []
+    try:
+        for path in (run_dir, *run_dir.parents):
+            if path.exists():
+                break
+            missing.append(path)
+    except OSError:  # a name too long: make_run_dir says so
+        return []
+    return missing
