@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -108,11 +107,5 @@ class ProbeSettings(BaseModel):
             DeprecationWarning,
             stacklevel=3,
         )
-        if isinstance(given.get("hook_config"), Mapping):
-            given["hook_config"] = dict(given["hook_config"])
-        given = {k: v for k, v in given.items() if v is not None or k in _NONE_ALLOWED}
-        return cls(**given)
-
-
-#: settings whose ``None`` means something (the others' ``None`` is "the default")
-_NONE_ALLOWED = frozenset({"probe_budget", "with_hooks", "probe_schedule"})
+        # None is "the default", except for the budget (None: every pass)
+        return cls(**{k: v for k, v in given.items() if v is not None or k == "probe_budget"})

@@ -1,18 +1,10 @@
 """Run: one run directory, owned by whichever loop trains into it.
 
 The built-in trainer (``TrainTool``), the Stable-Baselines3 ``ProbeCallback`` and a loop
-of one's own each open a :class:`Run` and hand it to their
-:class:`~policy_probes.session.ProbeSession`::
-
-    run = Run("runs/ppo", resume=True, config={"lr": 3e-4}).open()
-    with ProbeSession(agent, run=run) as session:  # the session closes the run
-        ...
-
-The run holds the directory's lock, makes the one decision about a directory that already
-holds a run (refuse, replace or continue it: :meth:`Run.claim`), writes ``config.json``,
-owns the metric sinks and drops the records a resumed loop is about to write again
-(:meth:`Run.rewind`). Which checkpoint a resumed trainer starts from is the trainer's
-business (``trainers/``); the run only knows its records.
+of one's own each open a :class:`Run` (lock, claim, ``config.json``, metric sinks, their
+records) and hand it to their :class:`~policy_probes.session.ProbeSession`, which closes
+it: ``ProbeSession(agent, run=Run("runs/ppo", resume=True))``. Which checkpoint a resumed
+trainer starts from is the trainer's business (``trainers/``).
 """
 
 from __future__ import annotations
@@ -20,25 +12,122 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import shutil
+import time
 from pathlib import Path
 from typing import Any
 
 from policy_probes.atomic_write import write_text_atomic
 from policy_probes.processes import current_rank
-from policy_probes.run_dir import (
-    RunDirConflict,
-    check_run_dir_path,
-    default_run_dir,
-    held_outputs,
-    make_run_dir,
-    remove_outputs,
-)
 from policy_probes.run_lock import RunDirLock, refuse_if_locked
 from policy_probes.sinks import SinkGroup, SinksConfig, WandbConfig, build_sink_group
 from policy_probes.sinks.base import to_plain
 from policy_probes.sinks.jsonl import iter_jsonl
 
 log = logging.getLogger("policy_probes")
+
+#: what a training run writes into its run_dir (overwrite removes exactly these)
+RUN_OUTPUTS = (
+    "config.json",
+    "metrics.jsonl",
+    "metrics.jsonl.tmp",
+    "metrics.csv",
+    "metrics.csv.tmp",
+    "checkpoints",
+    "wandb",
+    "tensorboard",
+    "control",
+    "report.html",
+)
+#: what a run leaves behind: files, and the checkpoints directory
+RUN_MARKERS = {
+    "config.json": Path.is_file,
+    "metrics.jsonl": Path.is_file,
+    "metrics.csv": Path.is_file,
+    "checkpoints": Path.is_dir,
+}
+
+
+class RunDirConflict(FileExistsError):
+    """``run_dir`` already holds a run and neither resume nor overwrite was asked for."""
+
+    usage_error = True  # the CLI prints it without a traceback (exit status 2)
+
+
+def held_outputs(run_dir: str | Path) -> list[str]:
+    """The :data:`RUN_MARKERS` present in ``run_dir`` (empty: no run there)."""
+    run_dir = Path(run_dir)
+    return [m for m, kind in RUN_MARKERS.items() if kind(run_dir / m)]
+
+
+def remove_outputs(run_dir: str | Path, names: tuple[str, ...] = RUN_OUTPUTS) -> None:
+    """Delete the ``names`` entries of ``run_dir`` (default every run output: overwrite)."""
+    for name in names:
+        target = Path(run_dir) / name
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target)
+        elif target.exists() or target.is_symlink():
+            target.unlink()
+
+
+def check_run_dir_path(run_dir: str | Path) -> None:
+    """Raise ``NotADirectoryError`` (tagged a usage error) when ``run_dir`` or one of its
+    parents is a file, so the user hears about the path, not about ``mkdir``."""
+    path = Path(run_dir)
+    longest = max(path.parts, key=len, default="")
+    if len(longest.encode()) > NAME_MAX:
+        exc = ValueError(
+            f"run_dir {_short(str(path))!r} has a name of {len(longest.encode())} bytes "
+            f"({_short(longest)!r}); file systems allow {NAME_MAX}: choose a shorter run_dir"
+        )
+        exc.usage_error = True  # type: ignore[attr-defined]
+        raise exc
+    for candidate in (path, *path.parents):
+        if candidate.exists() and not candidate.is_dir():
+            exc = NotADirectoryError(
+                f"run_dir {str(path)!r} cannot be created: {str(candidate)!r} is a file; "
+                f"choose a directory path for run_dir"
+            )
+            exc.usage_error = True  # type: ignore[attr-defined]
+            raise exc
+
+
+#: the longest file name most file systems take (ext4, xfs, btrfs, tmpfs, APFS, NTFS)
+NAME_MAX = 255
+
+
+def _short(text: str, keep: int = 40) -> str:
+    return text if len(text) <= 2 * keep else f"{text[:keep]}...{text[-keep:]}"
+
+
+def make_run_dir(run_dir: str | Path) -> Path:
+    """Create ``run_dir`` and check that files can be written in it; a usage error naming
+    the directory otherwise."""
+    path = Path(run_dir)
+    check_run_dir_path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".write_test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        error = PermissionError(
+            f"run_dir {str(path)!r} is not writable ({exc.strerror or exc}); choose a "
+            f"directory you can write to for run_dir"
+        )
+        error.usage_error = True  # type: ignore[attr-defined]
+        raise error from None
+    return path
+
+
+def default_run_dir(name: str = "session") -> Path:
+    """``runs/<name>-<time>`` (with a numeric suffix if it exists already)."""
+    base = Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    path, i = base, 1
+    while path.exists():
+        path, i = base.with_name(f"{base.name}-{i}"), i + 1
+    return path
+
 
 #: what a resumed run that never wrote a checkpoint drops before it starts again
 RECORD_OUTPUTS = ("metrics.jsonl", "metrics.csv", "tensorboard")
@@ -47,19 +136,13 @@ RECORD_OUTPUTS = ("metrics.jsonl", "metrics.csv", "tensorboard")
 class Run:
     """One run directory: its lock, the claim on it, ``config.json``, the metric sinks.
 
-    Args:
-        run_dir: the directory; default ``runs/<name>-<time>``.
-        resume: continue the run the directory holds (its records stay; a loop that goes
-            on from an earlier epoch drops the later ones with :meth:`rewind`).
-        overwrite: replace the run the directory holds (its outputs are deleted first).
-        config: the run's configuration, written to ``config.json`` by
-            :meth:`write_config` and given to the W&B run.
-        main: this process writes the run's files (rank 0 of a distributed run); the
-            others create, lock and write nothing, and their sink group is empty.
-        first_epoch: the number of the run's first epoch in its records (the built-in
-            trainer counts from 1; a session's hooks count from 0 either way).
-        console: a rich ``Console`` for the console sink (to share with a progress bar).
-        name: the default directory's prefix.
+    ``resume``: continue the run the directory holds (its records stay; :meth:`rewind`
+    drops those a loop writes again); ``overwrite``: replace it. ``config`` goes to
+    ``config.json`` and the W&B run. ``main``: this process writes the run's files (rank 0
+    of a distributed run; the others create, lock and write nothing and get no sinks).
+    ``first_epoch``: the number of the first epoch in the records (the built-in trainer
+    counts from 1). ``console``: a rich ``Console`` for the console sink. ``name``: the
+    default directory's prefix (``runs/<name>-<time>``).
     """
 
     def __init__(

@@ -52,8 +52,11 @@ from policy_probes.lifecycle import (
 from policy_probes.probe_settings import ProbeSettings
 from policy_probes.probes.churn import start_epoch as churn_start_epoch
 from policy_probes.remedies.base import Remedy, RemedyRunner
-from policy_probes.run import Run, record_sampling_choice
-from policy_probes.run_dir import RunDirConflict  # noqa: F401 - imported from here by users
+from policy_probes.run import (
+    Run,
+    RunDirConflict,  # noqa: F401 - imported from here by users
+    record_sampling_choice,
+)
 from policy_probes.sampling import Sampler
 from policy_probes.sinks import SinkGroup
 from policy_probes.sinks.base import to_plain
@@ -75,21 +78,14 @@ class ProbeSession:
         model: the policy, any ``nn.Module``. A :class:`PolicyAutoBuilder` is used as is;
             anything else is wrapped with :meth:`PolicyAutoBuilder.wrap` (the module itself
             is not changed; hooks go on its submodules).
-        run: the run directory, as a :class:`~policy_probes.run.Run` or a path (default
-            ``runs/session-<time>``). The session takes the run and closes it. Unless the
-            run's sinks are open already (a loop that built them itself, such as the
-            built-in trainer), the session opens the run (its lock and the claim: a
-            directory holding a run is refused unless ``Run(resume=True)`` or
-            ``overwrite=True``), writes ``config.json`` and opens the sinks of
-            ``probing``; on a resumed run epochs go on after the last recorded one.
-        probing: the probe settings (:class:`~policy_probes.probe_settings.ProbeSettings`):
-            ``strict``; lifecycle hooks by name (``hooks=["norms", "adam_dynamics"]``,
-            ``with_hooks="observers"``, ``hook_config=["norms.per_layer=false"]``; see
-            docs/external.md for what each hook needs from the loop); the probes'
-            sampling (``probe_budget``, ``probe_schedule``: :mod:`policy_probes.sampling`;
-            passes end at ``optimizer.step()`` with ``optimizer=``, else at
-            :meth:`next_pass`); ``snapshot_every`` (SNAPSHOT every N epochs, 0 never);
-            ``sinks`` and ``wandb``.
+        run: a :class:`~policy_probes.run.Run` or a path (default ``runs/session-<time>``),
+            which the session takes and closes. Unless its sinks are open already (the
+            built-in trainer builds them), the session opens it (lock and claim), writes
+            ``config.json``, opens the sinks and, on a resumed run, goes on after the
+            last recorded epoch.
+        probing: the probe settings (:class:`~policy_probes.probe_settings.ProbeSettings`:
+            faults, lifecycle hooks, sampling, snapshots, sinks). Passes end at
+            ``optimizer.step()`` with ``optimizer=``, else at :meth:`next_pass`.
         components: names for parts of ``model`` (``{"actor_mlp": "actor.0"}``), passed to
             ``wrap``; ``None`` names every direct child after its attribute. Deeper parts
             are always reachable by dotted names (``"actor.1"``).
@@ -140,20 +136,20 @@ class ProbeSession:
         if not isinstance(model, nn.Module):
             raise TypeError(f"ProbeSession needs a torch.nn.Module, got {type(model).__name__}")
         probing = ProbeSettings.from_keywords(probing, deprecated, "ProbeSession")
+        moved = _take(
+            deprecated, ("explicit_epoch_start", "step_records", "loop_config"), "loop=Loop(...)"
+        )
         loop = Loop(loop) if isinstance(loop, str) else loop
-        loop = _moved(deprecated, loop, ("explicit_epoch_start", "step_records", "loop_config"))
-        start_epoch = deprecated.pop("start_epoch", None)
+        if "loop_config" in moved:
+            moved["config"] = moved.pop("loop_config")
+        loop = dataclasses.replace(loop, **moved)
+        start_epoch = _take(deprecated, ("start_epoch",), "run.rewind(...) on a resumed Run")
         run, owns_run = _legacy_run(run, deprecated)
-        if loss_fn is not None and {"max_grad_norm", "update_epochs", "obs_key"} & set(deprecated):
-            _warn(
-                "max_grad_norm=, update_epochs=, obs_key=",
-                "model_context=LoopModelDataContext(...)",
-            )
-        loop_data = {
-            k: deprecated.pop(k)
-            for k in ("max_grad_norm", "update_epochs", "obs_key")
-            if k in deprecated
-        }
+        loop_data = _take(
+            deprecated,
+            ("max_grad_norm", "update_epochs", "obs_key"),
+            "model_context=LoopModelDataContext(...)",
+        )
         if deprecated:
             raise TypeError(f"ProbeSession got unexpected keyword arguments {sorted(deprecated)}")
         self.module = model
@@ -166,7 +162,6 @@ class ProbeSession:
             self.context, schedule=probing.probe_schedule, budget=probing.probe_budget
         )
         self.optimizer = optimizer
-        self.snapshot_every = probing.snapshot_every
         self.loop = loop
         self.epoch = 0
         self.agent_step: int | None = None
@@ -201,7 +196,7 @@ class ProbeSession:
                     "model": type(model).__name__,
                     "components": list(self.policy.components),
                     "hooks": [h.name for h in selected],
-                    "snapshot_every": self.snapshot_every,
+                    "snapshot_every": self.probing.snapshot_every,
                     "probe_budget": self.sampler.budget,
                     "probe_schedule": str(self.sampler.default),
                 },
@@ -221,7 +216,7 @@ class ProbeSession:
         )
         try:
             if not run.sinks_open:
-                self._start_run(start_epoch)
+                self._start_run(start_epoch.get("start_epoch"))
             self.sinks: SinkGroup = run.sinks
             self.sampler.on_choice = functools.partial(record_sampling_choice, run.dir)
             if not loop.explicit_epoch_start:
@@ -301,7 +296,10 @@ class ProbeSession:
                 raise ValueError(
                     "lifecycle hook 'adam_dynamics' reads the optimizer: pass optimizer=..."
                 )
-            if HookPoint.SNAPSHOT in hook.points(self.loop.name) and self.snapshot_every <= 0:
+            if (
+                HookPoint.SNAPSHOT in hook.points(self.loop.name)
+                and self.probing.snapshot_every <= 0
+            ):
                 raise ValueError(
                     f"lifecycle hook {hook.name!r} fires at SNAPSHOT; set snapshot_every=N "
                     f"(every N epochs) or deselect it"
@@ -614,7 +612,7 @@ class ProbeSession:
                     **common,
                 )
             )
-            if snapshot_due(self.epoch, self.snapshot_every):
+            if snapshot_due(self.epoch, self.probing.snapshot_every):
                 snapshot = self.hooks.fire(
                     HookPoint.SNAPSHOT, model_ctx=self.model_context, **common
                 )
@@ -622,7 +620,7 @@ class ProbeSession:
             flushed = self.hooks.flush()
             metrics.update(flushed.summary)
             steps = {point.value: values for point, values in flushed.by_point.items()}
-        elif snapshot_due(self.epoch, self.snapshot_every):
+        elif snapshot_due(self.epoch, self.probing.snapshot_every):
             snapshot = {}
         plain = {k: to_plain(v) for k, v in metrics.items()}
         if snapshot is not None:
@@ -774,20 +772,13 @@ class ProbeSession:
 
 @dataclass(frozen=True)
 class Loop:
-    """How a loop drives its :class:`ProbeSession`.
-
-    Args:
-        name: the loop type the lifecycle hooks see (``loop_points``).
-        config: what hooks see as ``RunDataContext.config`` (default: the session's
-            ``config``).
-        explicit_epoch_start: the loop calls :meth:`ProbeSession.epoch_start` at the start
-            of every epoch (so a resumed loop fires PRE_EPOCH after
-            :meth:`~ProbeSession.load_state_dict`); by default the session fires PRE_EPOCH
-            when built and after each ``epoch_end``.
-        step_records: also write one record per step point that reported this epoch
-            (``PRE_STEP``/``POST_STEP``, that point's per-epoch means) before the epoch's
-            record; the means are in the epoch's record either way.
-    """
+    """How a loop drives its :class:`ProbeSession`: its type for the hooks'
+    ``loop_points``; what hooks see as ``RunDataContext.config`` (default: the session's
+    ``config``); ``explicit_epoch_start``: it calls :meth:`ProbeSession.epoch_start` at
+    every epoch's start (a resumed loop fires PRE_EPOCH after ``load_state_dict``; by
+    default the session fires it when built and after each ``epoch_end``);
+    ``step_records``: one record per step point that reported (its per-epoch means)
+    before the epoch's record, which holds the means either way."""
 
     name: str = LOOP
     config: Any = None
@@ -795,21 +786,13 @@ class Loop:
     step_records: bool = False
 
 
-def _warn(old: str, new: str) -> None:
-    warnings.warn(
-        f"ProbeSession({old}) is deprecated: pass {new}", DeprecationWarning, stacklevel=4
-    )
-
-
-def _moved(deprecated: dict[str, Any], loop: Loop, names: tuple[str, ...]) -> Loop:
-    """``loop`` with the :class:`Loop` fields given as keywords of earlier versions."""
+def _take(deprecated: dict[str, Any], names: tuple[str, ...], new: str, level: int = 3) -> dict:
+    """The keywords of earlier versions among ``names``, with a DeprecationWarning."""
     given = {n: deprecated.pop(n) for n in names if n in deprecated}
-    if not given:
-        return loop
-    _warn(", ".join(f"{n}=" for n in given), "loop=Loop(...)")
-    if "loop_config" in given:
-        given["config"] = given.pop("loop_config")
-    return dataclasses.replace(loop, **given)
+    if given:
+        old = ", ".join(f"{n}=" for n in given)
+        warnings.warn(f"ProbeSession({old}) is deprecated: pass {new}", DeprecationWarning, level)
+    return given
 
 
 def _legacy_run(run: Run | str | Path | None, deprecated: dict[str, Any]) -> tuple[Run, bool]:
@@ -817,13 +800,11 @@ def _legacy_run(run: Run | str | Path | None, deprecated: dict[str, Any]) -> tup
     or the ``run_dir=``, ``resume=``, ``overwrite=``, ``console=``, ``sink_group=`` and
     ``record_epoch_offset=`` keywords of earlier versions."""
     names = ("run_dir", "resume", "overwrite", "console", "sink_group", "record_epoch_offset")
-    given = {n: deprecated.pop(n) for n in names if n in deprecated}
+    given = _take(deprecated, names, "run=Run(run_dir, resume=..., overwrite=...)", 4)
     if isinstance(run, Run):
         if given:
             raise TypeError(f"ProbeSession: pass {sorted(given)} to Run(...), not beside run=")
         return run, True
-    if given:
-        _warn(", ".join(f"{n}=" for n in given), "run=Run(run_dir, resume=..., overwrite=...)")
     out = Run(
         given.get("run_dir", run),
         resume=given.get("resume", False),

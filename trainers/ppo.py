@@ -287,8 +287,6 @@ class PPOTrainer:
         self.rollout_ready = False
         self._model_data_context: PPOModelDataContext | None = None
 
-        if snapshot_every < 0:
-            raise ValueError(f"snapshot_every must be >= 0 (0 = never), got {snapshot_every}")
         if run is None:  # no run directory: a run that writes nothing (records numbered from 1)
             run = Run(main=False, first_epoch=1)
             run.open_sinks()
@@ -308,7 +306,6 @@ class PPOTrainer:
             scheduler=self.scheduler,
             model_context=self.model_data_context,
         )
-        self.snapshot_every = snapshot_every
         #: the lifecycle hook manager (``session.hooks``)
         self.manager: HookManager = self.session.hooks
         # The per-step points are skipped unless a hook fires there or needs gradients,

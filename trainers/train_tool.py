@@ -39,8 +39,7 @@ from policy_probes.remedies import (
     parse_remedy_spec,
     split_remedy_specs,
 )
-from policy_probes.run import Run
-from policy_probes.run_dir import default_run_dir
+from policy_probes.run import Run, default_run_dir
 from policy_probes.run_lock import RunDirLocked
 from policy_probes.runnable import ForkPoint, runnable
 from policy_probes.sampling import Sampler

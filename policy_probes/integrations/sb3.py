@@ -60,8 +60,7 @@ from policy_probes.hook_types import ProbeBuilder
 from policy_probes.lifecycle import preserved_rng
 from policy_probes.probe_settings import ProbeSettings
 from policy_probes.probes.churn import start_epoch as churn_start_epoch
-from policy_probes.run import Run
-from policy_probes.run_dir import default_run_dir, held_outputs, remove_outputs
+from policy_probes.run import Run, default_run_dir, held_outputs, remove_outputs
 from policy_probes.session import ProbeSession
 from policy_probes.torch_internals import child_modules
 
