@@ -1,10 +1,5 @@
-"""ProbeSettings: how a run probes, the same for every loop.
-
-``TrainTool`` (whose fields they are), ``ProbeCallback(probing=...)`` and
-``ProbeSession(probing=...)`` take these settings in this one model::
-
-    probing = ProbeSettings(hooks=["norms"], probe_budget=None, sinks=SinksConfig(console=False))
-"""
+"""ProbeSettings: how a run probes, one model for every loop: ``TrainTool`` (whose fields
+they are), ``ProbeCallback(probing=...)`` and ``ProbeSession(probing=...)``."""
 
 from __future__ import annotations
 

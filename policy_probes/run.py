@@ -10,6 +10,7 @@ trainer starts from is the trainer's business (``trainers/``).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import shutil
@@ -129,10 +130,6 @@ def default_run_dir(name: str = "session") -> Path:
     return path
 
 
-#: what a resumed run that never wrote a checkpoint drops before it starts again
-RECORD_OUTPUTS = ("metrics.jsonl", "metrics.csv", "tensorboard")
-
-
 class Run:
     """One run directory: its lock, the claim on it, ``config.json``, the metric sinks.
 
@@ -206,15 +203,12 @@ class Run:
             )
         if self.main:
             remove_outputs(self.dir)
-        if self.overwrite:
-            log.warning("overwrite: removed the previous run's outputs from %s", self.dir)
-        else:
-            log.warning(
-                "%s holds %s but no config.json or checkpoint: a run killed while it "
-                "started; it starts again from its beginning",
-                self.dir,
-                ", ".join(held),
-            )
+        why = (
+            "overwrite"
+            if self.overwrite
+            else "a run killed while it started; it starts again from its beginning"
+        )
+        log.warning("removed the previous run's %s from %s (%s)", ", ".join(held), self.dir, why)
 
     def check(self) -> None:
         """Raise what :meth:`open` would (a bad path, a live lock, a claim refused),
@@ -231,7 +225,7 @@ class Run:
         """Delete the run's metric files (a resumed run that wrote no checkpoint yet starts
         again from its beginning; same seed, same run). Main process only."""
         if self.main:
-            remove_outputs(self.dir, RECORD_OUTPUTS)
+            remove_outputs(self.dir, ("metrics.jsonl", "metrics.csv", "tensorboard"))
 
     def last_recorded_epoch(self) -> int | None:
         """The last epoch in ``metrics.jsonl`` (None: no record)."""
@@ -295,10 +289,8 @@ class Run:
 
 def record_sampling_choice(run_dir: Path | None, choice: dict[str, Any]) -> None:
     """Add the probe budget's one-time choice (:mod:`policy_probes.sampling`) to
-    ``run_dir/config.json`` as ``probe_sampling``, whoever wrote the file (a plain
-    function of the path: the sampler holding it must not hold the session or the run,
-    which the policy's hooks reach and ``copy.deepcopy`` would then copy with its open
-    files)."""
+    ``run_dir/config.json`` as ``probe_sampling`` (a function of the path: the sampler
+    holding it must not hold the run, whose open files ``copy.deepcopy`` would copy)."""
     path = None if run_dir is None else Path(run_dir) / "config.json"
     if current_rank() != 0 or path is None or not path.is_file():
         return  # rank 0 writes the run's files
@@ -313,13 +305,11 @@ def record_sampling_choice(run_dir: Path | None, choice: dict[str, Any]) -> None
 def _aborted_start(run_dir: Path, held: list[str]) -> bool:
     """Whether ``run_dir`` holds only what a run killed before its first step leaves:
     metric files without a single epoch record, no ``config.json``, no checkpoint."""
-    from policy_probes.sinks import read_jsonl
-
     if "config.json" in held or "checkpoints" in held:
         return False
     jsonl, csv = run_dir / "metrics.jsonl", run_dir / "metrics.csv"
     try:
-        if jsonl.is_file() and read_jsonl(jsonl):
+        if jsonl.is_file() and any(True for _ in iter_jsonl(jsonl)):
             return False
         if csv.is_file():  # a header at most: no row
             with open(csv, encoding="utf-8", errors="replace") as f:
@@ -333,12 +323,7 @@ def _aborted_start(run_dir: Path, held: list[str]) -> bool:
 def _missing_directories(run_dir: Path) -> list[Path]:
     """``run_dir`` and its parents that do not exist yet, deepest first (what creating
     it makes); empty when it exists or its name is one the file system refuses."""
-    missing = []
     try:
-        for path in (run_dir, *run_dir.parents):
-            if path.exists():
-                break
-            missing.append(path)
+        return list(itertools.takewhile(lambda p: not p.exists(), (run_dir, *run_dir.parents)))
     except OSError:  # a name too long: make_run_dir says so
         return []
-    return missing

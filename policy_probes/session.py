@@ -16,7 +16,8 @@ and dashboards with a handful of calls::
             session.epoch_end(step=global_step) # one record per epoch to every sink
 
 Leaving the ``with`` block (normally or by an exception) removes every hook the session
-installed and closes its run (:class:`~policy_probes.run.Run`: sinks and lock). See ``docs/external.md``.
+installed and closes its run (:class:`~policy_probes.run.Run`: sinks and lock). See
+``docs/external.md``.
 """
 
 from __future__ import annotations

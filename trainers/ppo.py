@@ -180,12 +180,10 @@ class PPOTrainer:
     The probes (attached to ``policy`` with ``context``), ``lifecycle_hooks`` (see
     :func:`policy_probes.lifecycle.select_hooks`) and ``sinks`` are driven through
     :attr:`session`, a :class:`~policy_probes.session.ProbeSession` (its hook manager is
-    :attr:`manager`); the session collects the probe trackers at every epoch end.
-    ``snapshot_every`` paces SNAPSHOT
-    (0 = never); ``lifecycle_config`` is what hooks see as ``RunDataContext.config``
-    (TrainTool passes itself; default: the :class:`PPOConfig`). ``run`` (a
-    :class:`~policy_probes.run.Run` its driver opened, records numbered from 1) gives the
-    run directory, the configuration and the sinks, which receive the
+    :attr:`manager`). ``snapshot_every`` paces SNAPSHOT (0 = never); ``lifecycle_config``
+    is what hooks see as ``RunDataContext.config`` (TrainTool passes itself; default: the
+    :class:`PPOConfig`). ``run``: the :class:`~policy_probes.run.Run` its driver opened
+    (records numbered from 1): directory, configuration and the sinks that receive the
     epoch's records (none: the records are only returned, in ``state.metrics``).
     """
 

@@ -50,7 +50,16 @@ from policy_probes.lifecycle.manager import current_rank
 from policy_probes.run import Run
 from policy_probes.sinks import SinkGroup
 from trainers.callbacks import TrainerHook, TrainerState
-from trainers.checkpoint import CheckpointHook
+from trainers.checkpoint import (
+    CheckpointError,
+    CheckpointHook,
+    completed_epochs,
+    list_checkpoints,
+    load_checkpoint,
+    newest_valid_checkpoint,
+    remove_stale_temp_files,
+    restore_trainer,
+)
 
 log = logging.getLogger("trainers")
 
@@ -319,14 +328,6 @@ def select_checkpoint(run: Run, resume: bool | str | Path) -> tuple[Path, dict[s
     name and the previous one used); when the run died before its first checkpoint, its
     records are dropped and it starts again (same seed, same run). ``resume=PATH``: that
     checkpoint."""
-    from trainers.checkpoint import (
-        CheckpointError,
-        list_checkpoints,
-        load_checkpoint,
-        newest_valid_checkpoint,
-        remove_stale_temp_files,
-    )
-
     if not resume:
         return None
     directory = run.dir / "checkpoints"
@@ -360,8 +361,6 @@ def resume_trainer(
     """Restore ``trainer`` from the checkpoint and rewind the metric files to it: records of
     epochs after the checkpoint (written before a crash) are dropped, so every epoch
     appears exactly once once the resumed run has rewritten them."""
-    from trainers.checkpoint import completed_epochs, restore_trainer
-
     path, ckpt = resume_from
     done, planned = completed_epochs(ckpt), trainer.num_epochs
     if done > planned:  # before anything changes: the run stays as it was
