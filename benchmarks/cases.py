@@ -404,6 +404,7 @@ def sb3(p: dict[str, Any]) -> dict[str, Any]:
     )
     callback = None
     if p.get("probe_callback"):
+        from policy_probes import ProbeSettings
         from policy_probes.integrations.sb3 import ProbeCallback
         from policy_probes.sinks import SinksConfig, WandbConfig
 
@@ -414,10 +415,12 @@ def sb3(p: dict[str, Any]) -> dict[str, Any]:
             probes=[(c, b) for c, b, backward in builders if not backward],
             backward_probes=[(c, b) for c, b, backward in builders if backward],
             run_dir=tempfile.mkdtemp(prefix="pp-bench-sb3-"),
-            sinks=SinksConfig(console=False, jsonl=True, csv=False, wandb=False),
-            wandb=WandbConfig(mode="disabled"),
-            probe_budget=p["probe_budget"],
-            probe_schedule=p["probe_schedule"],
+            probing=ProbeSettings(
+                sinks=SinksConfig(console=False, jsonl=True, csv=False, wandb=False),
+                wandb=WandbConfig(mode="disabled"),
+                probe_budget=p["probe_budget"],
+                probe_schedule=p["probe_schedule"],
+            ),
         )
     model.learn(total_timesteps=p["total_timesteps"], callback=callback)
     clocks.stop()

@@ -137,13 +137,10 @@ class ProbeSession:
         if not isinstance(model, nn.Module):
             raise TypeError(f"ProbeSession needs a torch.nn.Module, got {type(model).__name__}")
         probing = ProbeSettings.from_keywords(probing, deprecated, "ProbeSession")
-        moved = _take(
-            deprecated, ("explicit_epoch_start", "step_records", "loop_config"), "loop=Loop(...)"
-        )
+        names = ("explicit_epoch_start", "step_records", "loop_config")
+        moved = _take(deprecated, names, "loop=Loop(...)")
         loop = Loop(loop) if isinstance(loop, str) else loop
-        if "loop_config" in moved:
-            moved["config"] = moved.pop("loop_config")
-        loop = dataclasses.replace(loop, **moved)
+        loop = dataclasses.replace(loop, **{k.removeprefix("loop_"): v for k, v in moved.items()})
         start_epoch = _take(deprecated, ("start_epoch",), "run.rewind(...) on a resumed Run")
         run, owns_run = _legacy_run(run, deprecated)
         loop_data = _take(
