@@ -10,6 +10,7 @@ trainer starts from is the trainer's business (``trainers/``).
 from __future__ import annotations
 
 import contextlib
+import csv
 import itertools
 import json
 import logging
@@ -228,11 +229,15 @@ class Run:
             remove_outputs(self.dir, ("metrics.jsonl", "metrics.csv", "tensorboard"))
 
     def last_recorded_epoch(self) -> int | None:
-        """The last epoch in ``metrics.jsonl`` (None: no record)."""
-        path = self.dir / "metrics.jsonl"
-        if not path.is_file():
+        """The last epoch in ``metrics.jsonl``, or ``metrics.csv`` without it (None: none)."""
+        jsonl, table = self.dir / "metrics.jsonl", self.dir / "metrics.csv"
+        if jsonl.is_file():
+            epochs = [r["epoch"] for r in iter_jsonl(jsonl) if isinstance(r.get("epoch"), int)]
+        elif table.is_file():
+            with open(table, encoding="utf-8", newline="") as f:
+                epochs = [int(r["epoch"]) for r in csv.DictReader(f) if r["epoch"].isdigit()]
+        else:
             return None
-        epochs = [r["epoch"] for r in iter_jsonl(path) if isinstance(r.get("epoch"), int)]
         return max(epochs) if epochs else None
 
     # ------------------------------------------------------------------ files

@@ -4,6 +4,7 @@ earlier versions."""
 
 from __future__ import annotations
 
+import csv
 import inspect
 import json
 
@@ -104,3 +105,18 @@ def test_probe_settings_check_their_values_once_for_every_driver():
         ProbeSettings(probe_budget=2.0)
     with pytest.raises(ValueError, match="unknown hook 'norm'"):
         ProbeSettings(hooks=["norm"])
+
+
+def test_a_run_with_only_a_csv_resumes_after_its_last_row(tmp_path):
+    csv_only = ProbeSettings(
+        sinks=SinksConfig(console=False, jsonl=False), wandb=WandbConfig(mode="disabled")
+    )
+    for resume in (False, True):
+        run = Run(tmp_path / "r", resume=resume)
+        with ProbeSession(TinyPolicy(), run=run, probing=csv_only) as session:
+            for step in range(2):
+                session.log({"x": float(step)})
+                session.epoch_end(step=step)
+    assert not (tmp_path / "r" / "metrics.jsonl").exists()
+    with open(tmp_path / "r" / "metrics.csv", encoding="utf-8", newline="") as f:
+        assert [int(r["epoch"]) for r in csv.DictReader(f)] == [0, 1, 2, 3]
