@@ -457,9 +457,8 @@ ProbeSpec = tuple[str, Callable, "bool | None"]
 def add_probe(
     probes: list[ProbeSpec], pattern: str, builder: Callable, backward: bool | None
 ) -> None:
-    """Check a probe a driver is given (TrainTool, ProbeSession, ProbeCallback) and add it
-    to ``probes``: a non-empty pattern, a builder callable as ``(component_name,
-    context)``, and not the same builder on the same pattern twice."""
+    """Add a probe a driver is given (TrainTool, ProbeSession, ProbeCallback) to ``probes``
+    after the checks: a pattern, a builder, not the same builder on the same pattern twice."""
     if not isinstance(pattern, str) or not pattern:
         raise TypeError(f"component pattern must be a non-empty string, got {pattern!r}")
     check_builder(builder, pattern)

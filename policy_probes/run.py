@@ -25,6 +25,7 @@ from policy_probes.run_lock import RunDirLock, refuse_if_locked
 from policy_probes.sinks import SinkGroup, SinksConfig, WandbConfig, build_sink_group
 from policy_probes.sinks.base import to_plain
 from policy_probes.sinks.jsonl import iter_jsonl
+from policy_probes.user_errors import mark_usage_error
 
 log = logging.getLogger("policy_probes")
 
@@ -155,8 +156,10 @@ class Run:
         console: Any = None,
         name: str = "session",
     ) -> None:
-        if resume and overwrite:
-            raise ValueError("resume and overwrite exclude each other; choose one")
+        if resume and overwrite:  # the user's to fix (the CLI prints it, exit status 2)
+            raise mark_usage_error(
+                ValueError("resume and overwrite exclude each other; choose one")
+            )
         self.dir = Path(run_dir) if run_dir is not None else default_run_dir(name)
         self.resume, self.overwrite, self.main = bool(resume), bool(overwrite), main
         self.config: dict[str, Any] = dict(config or {})
@@ -287,9 +290,6 @@ class Run:
             for directory in self._created if refused else ():  # deepest first
                 with contextlib.suppress(OSError):
                     directory.rmdir()
-
-    def __repr__(self) -> str:
-        return f"Run({str(self.dir)!r}, resume={self.resume}, overwrite={self.overwrite})"
 
 
 def record_sampling_choice(run_dir: Path | None, choice: dict[str, Any]) -> None:

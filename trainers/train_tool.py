@@ -372,17 +372,8 @@ class TrainTool(Section, ProbeSettings):
         with DistributedRun(device) as dist_run:
             run_dir = Path(self.run_dir) if self.run_dir is not None else self.default_run_dir()
             run_dir = dist_run.broadcast(run_dir)  # rank 0's choice (default names hold a time)
-            try:  # records number epochs from 1
-                run = Run(
-                    run_dir,
-                    resume=bool(resume),
-                    overwrite=overwrite,
-                    main=dist_run.is_main,
-                    first_epoch=1,
-                )
-            except ValueError as exc:
-                mark_usage_error(exc)
-                raise
+            main = dist_run.is_main  # records number epochs from 1
+            run = Run(run_dir, resume=bool(resume), overwrite=overwrite, main=main, first_epoch=1)
             refusal: str | None = None
             try:
                 run.open(claim=False)  # the directory and its lock; the claim in _train
