@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import functools
 import itertools
 import json
 import logging
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -279,6 +281,11 @@ class Run:
                 continue
             if dropped:
                 log.warning("%s: dropped %d records after epoch %d", sink.name, dropped, epoch)
+
+    def choice_recorder(self) -> Callable[[dict[str, Any]], None]:
+        """What the sampler calls with its one-time choice: :func:`record_sampling_choice`
+        of this directory (the sampler must not hold the run and its open files)."""
+        return functools.partial(record_sampling_choice, self.dir)
 
     def close(self, *, refused: bool = False) -> None:
         """Close the sinks and release the lock (idempotent); ``refused``: a start that

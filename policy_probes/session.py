@@ -23,7 +23,6 @@ installed and closes its run (:class:`~policy_probes.run.Run`: sinks and lock). 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import time
 import warnings
@@ -53,9 +52,9 @@ from policy_probes.lifecycle import (
 from policy_probes.probe_settings import ProbeSettings
 from policy_probes.probes.churn import start_epoch as churn_start_epoch
 from policy_probes.remedies.base import Remedy, RemedyRunner
-from policy_probes.run import (
+from policy_probes.run import (  # noqa: F401 - RunDirConflict, record_sampling_choice: earlier imports
     Run,
-    RunDirConflict,  # noqa: F401 - imported from here by users
+    RunDirConflict,
     record_sampling_choice,
 )
 from policy_probes.sampling import Sampler
@@ -216,7 +215,7 @@ class ProbeSession:
             if not run.sinks_open:
                 self._start_run(start_epoch.get("start_epoch"))
             self.sinks: SinkGroup = run.sinks
-            self.sampler.on_choice = functools.partial(record_sampling_choice, run.dir)
+            self.sampler.on_choice = run.choice_recorder()  # the probe budget's choice
             if not loop.explicit_epoch_start:
                 self.epoch_start()
         except BaseException:
