@@ -10,8 +10,8 @@ Cases:
   actor-critic and the probes are those of ``recipes/atari.py`` (:func:`recipes.atari.add_probes`).
 * ``bare``: the bare loop: :class:`trainers.PPOTrainer` driven directly, with an empty
   callback list and a fresh :class:`~policy_probes.context.ComponentContext`: no
-  TrainTool, no sinks (its session has an empty sink group and only the idle
-  ``stats_reporter``), no run directory. The reference of the empty-path benchmark.
+  TrainTool, no sinks (its session has an empty sink group and no lifecycle
+  hook), no run directory. The reference of the empty-path benchmark.
 * ``recipe``: ``recipes.cartpole`` as it ships, console and W&B off, with or without its
   probes (:func:`recipe`).
 * ``sb3``: Stable-Baselines3 PPO with the same hyperparameters, optionally
@@ -404,6 +404,7 @@ def sb3(p: dict[str, Any]) -> dict[str, Any]:
     )
     callback = None
     if p.get("probe_callback"):
+        from policy_probes import ProbeSettings
         from policy_probes.integrations.sb3 import ProbeCallback
         from policy_probes.sinks import SinksConfig, WandbConfig
 
@@ -414,10 +415,12 @@ def sb3(p: dict[str, Any]) -> dict[str, Any]:
             probes=[(c, b) for c, b, backward in builders if not backward],
             backward_probes=[(c, b) for c, b, backward in builders if backward],
             run_dir=tempfile.mkdtemp(prefix="pp-bench-sb3-"),
-            sinks=SinksConfig(console=False, jsonl=True, csv=False, wandb=False),
-            wandb=WandbConfig(mode="disabled"),
-            probe_budget=p["probe_budget"],
-            probe_schedule=p["probe_schedule"],
+            probing=ProbeSettings(
+                sinks=SinksConfig(console=False, jsonl=True, csv=False, wandb=False),
+                wandb=WandbConfig(mode="disabled"),
+                probe_budget=p["probe_budget"],
+                probe_schedule=p["probe_schedule"],
+            ),
         )
     model.learn(total_timesteps=p["total_timesteps"], callback=callback)
     clocks.stop()

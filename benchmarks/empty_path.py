@@ -2,7 +2,7 @@
 
 A: the bare loop (case ``bare``): ``PPOTrainer.train()`` called directly with an empty
 callback list and a fresh ``ComponentContext``; no TrainTool, no sinks (the trainer's
-session has an empty sink group and only the idle ``stats_reporter``), no run directory.
+session has an empty sink group and no lifecycle hook), no run directory.
 B: the same training through ``TrainTool.invoke()`` with all of that machinery present
 and nothing attached (no probes, no lifecycle hooks, every sink off, no evaluation or
 checkpoints): what a user pays for the toolkit before switching anything on.

@@ -85,6 +85,7 @@ def model(kind: str) -> tuple[Any, list[str], torch.Tensor, int]:
 def timed_run(kind: str, names: tuple[str, ...], every: int, passes: int) -> float:
     """Seconds of ``passes`` updates with the probes ``names`` observing every ``every``-th
     pass (no probe: ``names`` empty)."""
+    from policy_probes import ProbeSettings
     from policy_probes.session import ProbeSession
     from policy_probes.sinks import SinksConfig, WandbConfig
 
@@ -100,11 +101,13 @@ def timed_run(kind: str, names: tuple[str, ...], every: int, passes: int) -> flo
         session = ProbeSession(
             policy,
             optimizer=opt,
-            run_dir=run_dir,
-            sinks=sinks,
-            wandb=WandbConfig(mode="disabled"),
-            probe_schedule=f"every_k:{every}",
-            probe_budget=None,
+            run=run_dir,
+            probing=ProbeSettings(
+                sinks=sinks,
+                wandb=WandbConfig(mode="disabled"),
+                probe_schedule=f"every_k:{every}",
+                probe_budget=None,
+            ),
         )
         with session:
             for component in components:

@@ -4,6 +4,7 @@ from policy_probes.components import PolicyAutoBuilder, ProbeHandle
 from policy_probes.context import ComponentContext
 from policy_probes.hook_types import BackwardHookBuilder, HookBuilder, ProbeError, ProbeHook
 from policy_probes.layers import MLP, ConvLayer, HiddenLayer, LinearSpec, MLPSpec
+from policy_probes.probe_settings import ProbeSettings
 from policy_probes.probes import (
     ChurnState,
     FisherInformationState,
@@ -25,7 +26,8 @@ from policy_probes.probes import (
     attach_utility_hooks,
     attach_weights_hooks,
 )
-from policy_probes.session import ProbeSession
+from policy_probes.run import Run
+from policy_probes.session import Loop, ProbeSession
 from policy_probes.stats_reporter import StatsReporter
 
 __version__ = "0.1.0"
@@ -41,16 +43,19 @@ __all__ = [
     "HiddenLayer",
     "HookBuilder",
     "LinearSpec",
+    "Loop",
     "MLPSpec",
     "PolicyAutoBuilder",
     "ProbeError",
     "ProbeHandle",
     "ProbeHook",
     "ProbeSession",
+    "ProbeSettings",
     "PreactivationState",
     "ProbeState",
     "ReLUActivationState",
     "ReLUGradientFlowState",
+    "Run",
     "SaturatedActivationState",
     "StatsReporter",
     "UtilityState",

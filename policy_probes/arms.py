@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from policy_probes.run_dir import held_outputs
+from policy_probes.run import held_outputs
 from policy_probes.sinks.base import is_finite_number
 from policy_probes.sinks.jsonl import METRICS_JSONL, iter_jsonl
 from policy_probes.user_errors import positive_int

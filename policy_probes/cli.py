@@ -50,7 +50,7 @@ from policy_probes.overrides import (
     valid_keys,
 )
 from policy_probes.report import add_report_subcommand
-from policy_probes.run_dir import held_outputs
+from policy_probes.run import held_outputs
 from policy_probes.runnable import (
     ForkPoint,
     Runnable,

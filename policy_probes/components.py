@@ -354,16 +354,14 @@ class PolicyAutoBuilder(nn.Module):
         builder: Callable[[str, ComponentContext], Callable | None],
         context: ComponentContext,
         *,
-        backward: bool = False,
+        backward: bool | None = None,
     ) -> list[ProbeHandle]:
-        """Resolve ``pattern``, call ``builder`` for each name, register what it returns."""
-        if not callable(builder):
-            raise TypeError(
-                f"hook builder for {pattern!r} must be callable (component_name, context) -> "
-                f"hook | None, got {describe_type(builder)}; did you forget the parentheses, "
-                f"e.g. attach_relu_activation_hooks()?"
-            )
-        _check_builder_signature(builder, pattern)
+        """Resolve ``pattern``, call ``builder`` for each name, register what it returns.
+
+        A probe carries its direction (``ProbeHook.backward``) and is placed by it;
+        ``backward`` is for hooks that carry none (a plain closure: forward unless
+        ``backward=True``) and, when given, must agree with the probe's own direction."""
+        check_builder(builder, pattern)
         check_compiled(self)
         names = self.resolve(pattern)
         out = []
@@ -383,20 +381,16 @@ class PolicyAutoBuilder(nn.Module):
             else:
                 hook.locate = self.get_component
             direction = getattr(hook, "backward", None)
-            if direction is not None and direction != backward:
-                probe = getattr(hook, "probe", "probe")
-                want, call = (
-                    ("backward", "add_training_backward_hook / backward=True")
-                    if direction
-                    else ("forward", "add_training_hook / backward=False")
-                )
+            if direction is not None and backward is not None and direction != backward:
                 _forget(hook, name)
                 raise TypeError(
-                    f"the {probe!r} probe is a {want} probe; attach it to {name!r} with {call}"
+                    f"the {getattr(hook, 'probe', 'probe')!r} probe is a "
+                    f"{'backward' if direction else 'forward'} probe; attach it to {name!r} "
+                    f"with add_training_hook, which places every probe by its direction"
                 )
             rule = (
                 self.register_component_backward_hook_rule
-                if backward
+                if (backward if direction is None else direction)
                 else self.register_component_hook_rule
             )
             try:
@@ -455,7 +449,35 @@ class PolicyAutoBuilder(nn.Module):
         self._contexts.clear()
 
 
-def _check_builder_signature(builder: Callable, pattern: str) -> None:
+#: a probe a driver holds until it attaches it: (pattern, builder, backward), where
+#: ``backward`` is None for "by the probe's own direction" (``add_training_hook``)
+ProbeSpec = tuple[str, Callable, "bool | None"]
+
+
+def add_probe(
+    probes: list[ProbeSpec], pattern: str, builder: Callable, backward: bool | None
+) -> None:
+    """Add a probe a driver is given (TrainTool, ProbeSession, ProbeCallback) to ``probes``
+    after the checks: a pattern, a builder, not the same builder on the same pattern twice."""
+    if not isinstance(pattern, str) or not pattern:
+        raise TypeError(f"component pattern must be a non-empty string, got {pattern!r}")
+    check_builder(builder, pattern)
+    if any(p == pattern and b is builder for p, b, _ in probes):
+        raise ValueError(
+            f"this builder is already attached to {pattern!r}; create a new builder to "
+            f"attach the same probe twice"
+        )
+    probes.append((pattern, builder, backward))
+
+
+def check_builder(builder: Callable, pattern: str) -> None:
+    """A builder must be callable as ``(component_name, context)``."""
+    if not callable(builder):
+        raise TypeError(
+            f"hook builder for {pattern!r} must be callable (component_name, context) -> "
+            f"hook | None, got {describe_type(builder)}; did you forget the parentheses, "
+            f"e.g. attach_relu_activation_hooks()?"
+        )
     try:
         inspect.signature(builder).bind("component", ComponentContext())
     except TypeError:

@@ -4,7 +4,8 @@ The built-in trainer owns its loop; most users already have one (a CleanRL-style
 Stable-Baselines3, their own code). A session gives such a loop the same probes, metrics
 and dashboards with a handful of calls::
 
-    with ProbeSession(agent, run_dir="runs/ppo", sinks=SinksConfig(console=False)) as session:
+    probing = ProbeSettings(sinks=SinksConfig(console=False))
+    with ProbeSession(agent, run="runs/ppo", probing=probing) as session:
         session.add_training_hook("actor.*", attach_relu_activation_hooks())
         session.add_training_backward_hook("actor", attach_fisher_information_hooks())
         for update in range(num_updates):
@@ -15,17 +16,19 @@ and dashboards with a handful of calls::
             session.epoch_end(step=global_step) # one record per epoch to every sink
 
 Leaving the ``with`` block (normally or by an exception) removes every hook the session
-installed and flushes and closes the sinks. See ``docs/external.md``.
+installed and closes its run (:class:`~policy_probes.run.Run`: sinks and lock). See
+``docs/external.md``.
 """
 
 from __future__ import annotations
 
-import functools
-import json
+import dataclasses
 import logging
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
@@ -33,8 +36,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from policy_probes.atomic_write import write_text_atomic
-from policy_probes.components import PolicyAutoBuilder, ProbeHandle
+from policy_probes.components import PolicyAutoBuilder, ProbeHandle, ProbeSpec, add_probe
 from policy_probes.context import PHASES, ComponentContext
 from policy_probes.hook_types import ProbeBuilder
 from policy_probes.lifecycle import (
@@ -45,24 +47,19 @@ from policy_probes.lifecycle import (
     ModelDataContext,
     TrainingHook,
     preserved_rng,
-    select_hooks,
     snapshot_due,
 )
+from policy_probes.probe_settings import ProbeSettings
 from policy_probes.probes.churn import start_epoch as churn_start_epoch
-from policy_probes.processes import current_rank
 from policy_probes.remedies.base import Remedy, RemedyRunner
-from policy_probes.run_dir import (
+from policy_probes.run import (  # noqa: F401 - RunDirConflict, record_sampling_choice: earlier imports
+    Run,
     RunDirConflict,
-    default_run_dir,
-    held_outputs,
-    make_run_dir,
-    remove_outputs,
+    record_sampling_choice,
 )
-from policy_probes.run_lock import RunDirLock
-from policy_probes.sampling import DEFAULT_BUDGET, Sampler, Schedule
-from policy_probes.sinks import SinkGroup, SinksConfig, WandbConfig, build_sink_group
+from policy_probes.sampling import Sampler
+from policy_probes.sinks import SinkGroup
 from policy_probes.sinks.base import to_plain
-from policy_probes.sinks.jsonl import iter_jsonl
 from policy_probes.stats_reporter import StatsReporter
 
 log = logging.getLogger("policy_probes")
@@ -81,23 +78,21 @@ class ProbeSession:
         model: the policy, any ``nn.Module``. A :class:`PolicyAutoBuilder` is used as is;
             anything else is wrapped with :meth:`PolicyAutoBuilder.wrap` (the module itself
             is not changed; hooks go on its submodules).
+        run: a :class:`~policy_probes.run.Run` or a path (default ``runs/session-<time>``),
+            which the session takes and closes. Unless its sinks are open already (the
+            built-in trainer builds them), the session opens it (lock and claim), writes
+            ``config.json``, opens the sinks and, on a resumed run, goes on after the
+            last recorded epoch.
+        probing: the probe settings (:class:`~policy_probes.probe_settings.ProbeSettings`:
+            faults, lifecycle hooks, sampling, snapshots, sinks). Passes end at
+            ``optimizer.step()`` with ``optimizer=``, else at :meth:`next_pass`.
         components: names for parts of ``model`` (``{"actor_mlp": "actor.0"}``), passed to
             ``wrap``; ``None`` names every direct child after its attribute. Deeper parts
             are always reachable by dotted names (``"actor.1"``).
         example_inputs: positional arguments for one traced forward pass (under
             ``no_grad``, with every RNG restored afterwards), so a backward probe on a
             component that returns a tuple or mapping fails when attached.
-        run_dir: where the sinks write; default ``runs/session-<time>``.
-        sinks: which sinks to write (JSONL, CSV, W&B, console, TensorBoard).
-        wandb: the W&B run (``mode="offline"`` needs no account).
-        config: your run configuration; stored in ``run_dir/config.json`` and the W&B
-            run's config.
-        strict: a probe or lifecycle hook that raises stops training instead of being
-            disabled and reported.
-        hooks, with_hooks, hook_config: lifecycle hook selection as in the trainer
-            (``hooks=["norms", "adam_dynamics"]``, ``with_hooks="observers"``,
-            ``hook_config=["norms.per_layer=false"]``). See docs/external.md for what each
-            hook needs from the loop.
+        config: your run configuration; stored in ``config.json`` and the W&B run's config.
         optimizer: the loop's optimizer (``adam_dynamics``, the learning rate, and the
             interventions' checkpoints need it).
         scheduler: its learning-rate scheduler, checkpointed with it by interventions.
@@ -105,117 +100,78 @@ class ProbeSession:
             loss the loop trains with. With ``optimizer`` it enables the interventions
             (``counterfactual``, ``policy_fisher``, ``hessian``), which also need the
             epoch's data: :meth:`set_data` or :meth:`rollout_end`.
-        max_grad_norm, update_epochs, obs_key: how the loop updates (for replayed update
-            epochs) and where observations are in a minibatch.
-        model_context: a ready :class:`ModelDataContext` instead of ``loss_fn``.
-        snapshot_every: fire SNAPSHOT (``hessian``; heatmaps and the console table) every
-            N epochs; 0 never.
-        resume: continue the run already in ``run_dir``: the sinks append, and epochs go
-            on after the last one in its ``metrics.jsonl``.
-        overwrite: replace the run already in ``run_dir`` (its metric files, config,
-            W&B files are deleted first). Without either, a ``run_dir`` that holds a run
-            is refused (``RunDirConflict``), so two runs never interleave in one file.
-        start_epoch: the index of the first epoch (default 0, or on ``resume`` the epoch
-            after the last recorded one; an earlier one drops the later records first).
-        console: a rich ``Console`` for the console sink (to share with a progress bar).
-
-    For a loop that builds its own parts (the built-in trainer does; ``docs/trainer.md``):
-
+        model_context: a ready :class:`ModelDataContext` instead of ``loss_fn`` (a
+            :class:`~policy_probes.lifecycle.LoopModelDataContext` with ``max_grad_norm``,
+            ``update_epochs`` or ``obs_key`` of its own).
         context: the :class:`ComponentContext` whose trackers the session reports (probes
             attached to ``model`` with it before the session exists are reported too).
-        sink_group: sinks the loop built and owns. The session then leaves ``run_dir``
-            alone (no claim, lock or ``config.json``: the loop did that), emits to these
-            sinks and does not close them.
-        lifecycle_hooks: hook instances instead of names (``hooks``/``with_hooks``).
-        loop: the loop type the hooks see (``loop_points``); default ``"external"``.
-        loop_config: what hooks see as ``RunDataContext.config`` (default: ``config``).
-        explicit_epoch_start: the loop calls :meth:`epoch_start` at the start of every
-            epoch (so a resumed loop fires PRE_EPOCH after :meth:`load_state_dict`);
-            by default the session fires PRE_EPOCH when built and after each epoch_end.
-        record_epoch_offset: added to the epoch (counted from 0, as hooks see it) in the
-            records; the built-in trainer numbers its records from 1.
-        step_records: also write one record per step point that reported this epoch
-            (``PRE_STEP``/``POST_STEP``, that point's per-epoch means) before the epoch's
-            record; the means are in the epoch's record either way. The built-in
-            trainer writes them; off by default, so a CSV holds one row per epoch.
-        probe_budget: by default the probes observe passes 0, 16, 32, ... of every
-            epoch and every epoch reports; the budget (a fraction of wall time, default
-            0.05) is checked once, at the end of the third epoch, and may raise an
-            expensive probe's stride for the rest of the run, never below one pass per
-            epoch (:mod:`policy_probes.sampling`). Passes end at ``optimizer.step()``
-            (with ``optimizer=``) or :meth:`next_pass`. ``None``: every pass.
-        probe_schedule: the schedule of probes built without ``schedule=``: ``"every"``
-            (every pass, exact; with ``probe_budget=None`` the default),
-            ``"every_k:<k>"``, ``"per_epoch:<n>"``, ``"probe_batch:<rows>"`` (needs
-            ``loss_fn`` and the epoch's data; without them it falls back to the default),
-            ``"budget"`` (the default when a budget is set), or a
-            :class:`~policy_probes.sampling.Schedule`.
+        lifecycle_hooks: hook instances instead of names (``probing.hooks``).
+        loop: ``"external"`` or a :class:`Loop`: how the loop drives the session.
+
+    The keywords of earlier versions (``run_dir``, ``resume``, ``overwrite``,
+    ``start_epoch``, ``console``, the probe settings one by one, ``max_grad_norm``,
+    ``update_epochs``, ``obs_key``, ``explicit_epoch_start``, ``step_records``,
+    ``loop_config``, ``record_epoch_offset``, ``sink_group``) still work, with a
+    DeprecationWarning naming their place now.
     """
 
     def __init__(
         self,
         model: nn.Module,
         *,
+        run: Run | str | Path | None = None,
+        probing: ProbeSettings | None = None,
         components: Mapping[str, nn.Module | str] | None = None,
         example_inputs: tuple[Any, ...] | None = None,
-        run_dir: str | Path | None = None,
-        sinks: SinksConfig | None = None,
-        wandb: WandbConfig | None = None,
         config: Mapping[str, Any] | None = None,
-        strict: bool = False,
-        hooks: Iterable[str] = (),
-        with_hooks: str | None = None,
-        hook_config: Mapping[str, Any] | Iterable[str] | None = None,
         optimizer: torch.optim.Optimizer | None = None,
         scheduler: Any = None,
         loss_fn: Callable[[nn.Module, Any], Any] | None = None,
-        max_grad_norm: float | None = None,
-        update_epochs: int = 1,
-        obs_key: str = "obs",
         model_context: ModelDataContext | None = None,
-        snapshot_every: int = 0,
-        resume: bool = False,
-        overwrite: bool = False,
-        start_epoch: int | None = None,
-        console: Any = None,
         context: ComponentContext | None = None,
-        sink_group: SinkGroup | None = None,
         lifecycle_hooks: Iterable[TrainingHook] = (),
-        loop: str = LOOP,
-        loop_config: Any = None,
-        explicit_epoch_start: bool = False,
-        record_epoch_offset: int = 0,
-        step_records: bool = False,
-        probe_budget: float | None = DEFAULT_BUDGET,
-        probe_schedule: Schedule | str | None = None,
+        loop: str | Loop = LOOP,
+        **deprecated: Any,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"ProbeSession needs a torch.nn.Module, got {type(model).__name__}")
+        probing = ProbeSettings.from_keywords(probing, deprecated, "ProbeSession")
+        names = ("explicit_epoch_start", "step_records", "loop_config")
+        moved = _take(deprecated, names, "loop=Loop(...)")
+        loop = Loop(loop) if isinstance(loop, str) else loop
+        loop = dataclasses.replace(loop, **{k.removeprefix("loop_"): v for k, v in moved.items()})
+        start_epoch = _take(deprecated, ("start_epoch",), "run.rewind(...) on a resumed Run")
+        run, owns_run = _legacy_run(run, deprecated)
+        loop_data = _take(
+            deprecated,
+            ("max_grad_norm", "update_epochs", "obs_key"),
+            "model_context=LoopModelDataContext(...)",
+        )
+        if deprecated:
+            raise TypeError(f"ProbeSession got unexpected keyword arguments {sorted(deprecated)}")
         self.module = model
+        self.probing = probing
+        self.run = run
         self.policy = self._probeable(model, components, example_inputs)
-        self.context = context if context is not None else ComponentContext(strict=strict)
+        self.context = context if context is not None else ComponentContext(strict=probing.strict)
         # a loop that built its context with a sampler (the built-in trainer) keeps it
         self.sampler = self.context.sampler or Sampler(
-            self.context, schedule=probe_schedule, budget=probe_budget
+            self.context, schedule=probing.probe_schedule, budget=probing.probe_budget
         )
         self.optimizer = optimizer
-        self.snapshot_every = int(snapshot_every)
         self.loop = loop
-        self.explicit_epoch_start = explicit_epoch_start
-        self.record_epoch_offset = int(record_epoch_offset)
-        self.step_records = step_records
         self.epoch = 0
         self.agent_step: int | None = None
         self.closed = False
         self._handles: list[ProbeHandle] = []
-        self._builders: list[tuple[str, ProbeBuilder, bool]] = []
+        self._builders: list[ProbeSpec] = []
         self._logged: dict[str, Any] = {}
         self._sums: dict[str, tuple[Any, int]] = {}
         self._pending: dict[str, Any] = {}
         self._step = 0
         self._rollout_seen = False
         self._epoch_started = False
-        self._owns_run_dir = sink_group is None
+        self._owns_run = owns_run
         #: remedies fired at every epoch_end (policy_probes.remedies)
         self.remedies = RemedyRunner()
 
@@ -224,116 +180,81 @@ class ProbeSession:
             if optimizer is None:
                 raise ValueError("loss_fn=... needs optimizer=... (interventions replay updates)")
             self.model_context = LoopModelDataContext(
-                model,
-                optimizer,
-                loss_fn,
-                scheduler=scheduler,
-                max_grad_norm=max_grad_norm,
-                update_epochs=update_epochs,
-                obs_key=obs_key,
+                model, optimizer, loss_fn, scheduler=scheduler, **loop_data
             )
         if hasattr(self.model_context, "rows") and self.sampler.probe_batch_source is None:
             self.sampler.probe_batch_source = self.model_context  # probe batches via loss_fn
         self._pass_hook = None if optimizer is None else self.sampler.watch_optimizer(optimizer)
-        selected = self._selection(hooks, with_hooks, hook_config, lifecycle_hooks)
+        selected = self._selection(probing, lifecycle_hooks)
         self._check_hooks(selected)
+        if not run.sinks_open:
+            run.config = {
+                "session": {
+                    "model": type(model).__name__,
+                    "components": list(self.policy.components),
+                    "hooks": [h.name for h in selected],
+                    "snapshot_every": self.probing.snapshot_every,
+                    "probe_budget": self.sampler.budget,
+                    "probe_schedule": str(self.sampler.default),
+                },
+                **run.config,
+                **dict(config or {}),
+            }
+        self.config = run.config
         self.hooks = HookManager(
             selected,
-            loop=loop,
+            loop=loop.name,
             model=model,
             optimizer=optimizer,
             scheduler=scheduler,
-            config=loop_config if loop_config is not None else dict(config or {}),
+            config=loop.config if loop.config is not None else dict(config or {}),
             component_context=self.context,
-            strict=strict,
+            strict=probing.strict,
         )
-        self._reporter_hook = any(h.name == "stats_reporter" for h in selected)
-
-        if sink_group is not None:
-            self._use_loop_sinks(sink_group, run_dir, config, start_epoch)
-            return
-        if resume and overwrite:
-            raise ValueError("resume=True and overwrite=True exclude each other; choose one")
-        self.run_dir = Path(run_dir) if run_dir is not None else default_run_dir()
-        make_run_dir(self.run_dir)
-        self._lock = RunDirLock(self.run_dir).acquire()  # released by close()
         try:
-            last_epoch = self._claim_run_dir(resume, overwrite)
-        except BaseException:
-            self._lock.release()
-            raise
-        if start_epoch is not None:
-            self.epoch = int(start_epoch)
-        elif last_epoch is not None:
-            self.epoch = last_epoch + 1
-        # no set_phase() yet: forwards without gradients are not training passes
-        self.context.infer_phase = True
-        self.config = {
-            "session": {
-                "model": type(model).__name__,
-                "components": list(self.policy.components),
-                "hooks": [h.name for h in selected],
-                "snapshot_every": self.snapshot_every,
-                "probe_budget": self.sampler.budget,
-                "probe_schedule": str(self.sampler.default),
-            },
-            **dict(config or {}),
-        }
-        self._write_config()
-        try:
-            self.sinks: SinkGroup = build_sink_group(
-                self.run_dir,
-                sinks or SinksConfig(),
-                wandb or WandbConfig(),
-                self.config,
-                console=console,
-            )
-        except BaseException:
-            self._lock.release()
-            raise
-        self.sinks.set_run_context(run_dir=self.run_dir, config=self.config)
-        self.sampler.on_choice = functools.partial(record_sampling_choice, self.run_dir)
-        try:
-            if last_epoch is not None and self.epoch <= last_epoch:
-                self._rewind(self.epoch - 1)
-            if not self.explicit_epoch_start:
+            if not run.sinks_open:
+                self._start_run(start_epoch.get("start_epoch"))
+            self.sinks: SinkGroup = run.sinks
+            self.sampler.on_choice = run.choice_recorder()  # the probe budget's choice
+            if not loop.explicit_epoch_start:
                 self.epoch_start()
         except BaseException:
             self.close()
             raise
 
-    def _use_loop_sinks(
-        self,
-        sinks: SinkGroup,
-        run_dir: str | Path | None,
-        config: Mapping[str, Any] | None,
-        start_epoch: int | None,
-    ) -> None:
-        """Set-up with sinks the loop built: the loop owns the run directory."""
-        self.run_dir = Path(run_dir) if run_dir is not None else None
-        self.epoch = int(start_epoch or 0)
-        self.config = dict(config or {})
-        self.sinks = sinks
-        self.sinks.set_run_context(run_dir=self.run_dir, config=self.config)
-        self.sampler.on_choice = functools.partial(record_sampling_choice, self.run_dir)
-        if not self.explicit_epoch_start:
-            self.epoch_start()
+    def _start_run(self, start_epoch: int | None) -> None:
+        """Open the run (lock, claim), write ``config.json``, open the sinks and go on
+        after the last recorded epoch of a resumed run."""
+        run = self.run
+        if not run.opened:
+            run.open()
+        last = run.last_recorded_epoch() if run.resume else None
+        # no set_phase() yet: forwards without gradients are not training passes
+        self.context.infer_phase = True
+        run.write_config()
+        run.open_sinks(self.probing.sinks, self.probing.wandb)
+        if start_epoch is not None:
+            self.epoch = int(start_epoch)
+        elif last is not None:
+            self.epoch = last + 1 - run.first_epoch
+        if last is not None and self.epoch + run.first_epoch <= last:
+            run.rewind(self.epoch + run.first_epoch - 1)
+
+    @property
+    def run_dir(self) -> Path:
+        """The run's directory (``run.dir``)."""
+        return self.run.dir
 
     # ------------------------------------------------------------------ set-up
     @staticmethod
-    def _selection(
-        names: Iterable[str],
-        with_hooks: str | None,
-        hook_config: Mapping[str, Any] | Iterable[str] | None,
-        instances: Iterable[TrainingHook],
-    ) -> list[TrainingHook]:
+    def _selection(probing: ProbeSettings, instances: Iterable[TrainingHook]) -> list[TrainingHook]:
         instances = list(instances)
         if not instances:
-            return select_hooks(names, with_hooks, hook_config)
-        if list(names) or with_hooks or hook_config:
+            return probing.lifecycle_hooks()
+        if probing.hooks or probing.with_hooks or probing.hook_config:
             raise ValueError(
-                "pass lifecycle hooks either by name (hooks=, with_hooks=, hook_config=) or "
-                "as instances (lifecycle_hooks=), not both"
+                "pass lifecycle hooks either by name (probing hooks, with_hooks, hook_config) "
+                "or as instances (lifecycle_hooks=), not both"
             )
         return instances
 
@@ -372,76 +293,38 @@ class ProbeSession:
                 raise ValueError(
                     "lifecycle hook 'adam_dynamics' reads the optimizer: pass optimizer=..."
                 )
-            if HookPoint.SNAPSHOT in hook.points(self.loop) and self.snapshot_every <= 0:
+            if (
+                HookPoint.SNAPSHOT in hook.points(self.loop.name)
+                and self.probing.snapshot_every <= 0
+            ):
                 raise ValueError(
                     f"lifecycle hook {hook.name!r} fires at SNAPSHOT; set snapshot_every=N "
                     f"(every N epochs) or deselect it"
                 )
 
-    def _claim_run_dir(self, resume: bool, overwrite: bool) -> int | None:
-        """Refuse a run_dir holding a run unless ``resume``/``overwrite``; returns the
-        last epoch recorded there when resuming (None: none)."""
-        held = held_outputs(self.run_dir)
-        if not held:
-            return None
-        if overwrite:
-            remove_outputs(self.run_dir)
-            log.warning("overwrite=True: removed the previous run's outputs from %s", self.run_dir)
-            return None
-        if not resume:
-            raise RunDirConflict(
-                f"run_dir {str(self.run_dir)!r} already holds a run ({', '.join(held)}); pass "
-                f"resume=True to continue it, overwrite=True to replace it, or choose another "
-                f"run_dir"
-            )
-        path = self.run_dir / "metrics.jsonl"
-        if not path.is_file():
-            return None
-        epochs = [r["epoch"] for r in iter_jsonl(path) if isinstance(r.get("epoch"), int)]
-        return max(epochs) if epochs else None
-
-    def _rewind(self, last_epoch: int) -> None:
-        """Drop the sinks' records after ``last_epoch`` (a resume from an earlier epoch)."""
-        for sink in self.sinks:
-            rewind = getattr(sink, "rewind", None)
-            if callable(rewind):
-                dropped = rewind(last_epoch)
-                if dropped:
-                    log.warning(
-                        "%s: dropped %d records after epoch %d", sink.name, dropped, last_epoch
-                    )
-
-    def _write_config(self) -> None:
-        try:
-            text = json.dumps(to_plain(self.config), indent=2)
-            write_text_atomic(self.run_dir / "config.json", text + "\n")
-        except OSError as exc:  # the sinks report an unwritable run_dir themselves
-            log.error("could not write %s/config.json: %s", self.run_dir, exc)
-
     # ------------------------------------------------------------------ probes
     def add_training_hook(self, pattern: str, builder: ProbeBuilder) -> ProbeSession:
-        """Attach a forward probe builder to a component name or glob now; returns self.
+        """Attach a probe to a component name or glob now, forward or backward as the
+        probe says (a plain hook closure: forward); returns self.
 
         An unknown name raises ``KeyError`` listing the available names."""
-        return self._attach(pattern, builder, backward=False)
+        return self._attach(pattern, builder, backward=None)
 
     def add_training_backward_hook(self, pattern: str, builder: ProbeBuilder) -> ProbeSession:
-        """Attach a backward probe builder to a component name or glob now; returns self."""
+        """Attach a backward probe (or plain backward hook closure) now; a forward probe
+        is refused. Returns self."""
         return self._attach(pattern, builder, backward=True)
 
-    def _attach(self, pattern: str, builder: ProbeBuilder, backward: bool) -> ProbeSession:
+    def _attach(self, pattern: str, builder: ProbeBuilder, backward: bool | None) -> ProbeSession:
         if self.closed:
             raise RuntimeError("this ProbeSession is closed; start a new one to attach probes")
-        if not isinstance(pattern, str) or not pattern:
-            raise TypeError(f"component pattern must be a non-empty string, got {pattern!r}")
-        for existing_pattern, existing, _ in self._builders:
-            if existing_pattern == pattern and existing is builder:
-                raise ValueError(
-                    f"this builder is already attached to {pattern!r}; create a new builder "
-                    f"to attach the same probe twice"
-                )
-        self._handles.extend(self.policy.attach(pattern, builder, self.context, backward=backward))
-        self._builders.append((pattern, builder, backward))
+        add_probe(self._builders, pattern, builder, backward)
+        try:
+            handles = self.policy.attach(pattern, builder, self.context, backward=backward)
+        except BaseException:
+            self._builders.pop()
+            raise
+        self._handles.extend(handles)
         return self
 
     def add_remedy(self, pattern: str, remedy: Remedy, *, seed: int | None = None) -> ProbeSession:
@@ -673,8 +556,8 @@ class ProbeSession:
         for the record (``epoch_end(step, **{"rollout/episode_return": r})``). ``final``
         (this is the run's last epoch) is accepted for loops written for the reporting
         windows of earlier versions; every epoch reports every probe now. The order
-        is the same for every loop (``docs/external.md``): POST_EPOCH fires (the
-        ``stats_reporter`` collects the probes' trackers), SNAPSHOT fires when due, and
+        is the same for every loop (``docs/external.md``): the probes' trackers are
+        collected (:class:`StatsReporter`), POST_EPOCH fires, SNAPSHOT fires when due, and
         the buffered step-point metrics are read; then (with ``step_records``) one record
         per step point that reported (``PRE_STEP``, ``POST_STEP``: that point's per-epoch
         means), the epoch's ``POST_EPOCH`` record (everything), and in SNAPSHOT epochs a
@@ -692,16 +575,15 @@ class ProbeSession:
         if self.remedies:  # after the epoch's metrics (ReDo reads its scores), before records
             metrics.update(self.remedies.end_epoch(self.epoch + 1, metrics))
         self._emit(metrics, snapshot, steps)
-        if sampler is not None and self._only_reporter():
-            # with no lifecycle hook but the stats_reporter, the epoch's end is the probes'
-            # reporting: dispatch, record conversion and sinks (the collection is counted
-            # already)
+        if sampler is not None and not self.hooks.active:
+            # with no lifecycle hook, the epoch's end is the probes' reporting: record
+            # conversion and sinks (the collection is counted already)
             collected = sampler.collect_seconds - collected
             sampler.charge(time.perf_counter() - start - collected)
         self._pending = {}
         self.epoch += 1
         self._epoch_started = False
-        if not self.explicit_epoch_start:
+        if not self.loop.explicit_epoch_start:
             self.epoch_start()
         return metrics
 
@@ -713,7 +595,8 @@ class ProbeSession:
         metrics = dict(logged)
         snapshot: dict[str, Any] | None = None
         steps: dict[str, dict[str, Any]] = {}
-        if self.hooks.active and not self._idle_reporter():
+        metrics.update(StatsReporter(self.context).collect())  # every rank: a collective
+        if self.hooks.active:
             self._warn_missing_rollout_end()
             metrics.update(self._pending)
             common = {"epoch": self.epoch, "step": self._step, "agent_step": self.agent_step}
@@ -726,7 +609,7 @@ class ProbeSession:
                     **common,
                 )
             )
-            if snapshot_due(self.epoch, self.snapshot_every):
+            if snapshot_due(self.epoch, self.probing.snapshot_every):
                 snapshot = self.hooks.fire(
                     HookPoint.SNAPSHOT, model_ctx=self.model_context, **common
                 )
@@ -734,10 +617,8 @@ class ProbeSession:
             flushed = self.hooks.flush()
             metrics.update(flushed.summary)
             steps = {point.value: values for point, values in flushed.by_point.items()}
-        elif snapshot_due(self.epoch, self.snapshot_every):
+        elif snapshot_due(self.epoch, self.probing.snapshot_every):
             snapshot = {}
-        if not self._reporter_hook:
-            metrics.update(StatsReporter(self.context).collect())
         plain = {k: to_plain(v) for k, v in metrics.items()}
         if snapshot is not None:
             snapshot = {k: to_plain(v) for k, v in snapshot.items()}
@@ -750,29 +631,13 @@ class ProbeSession:
         steps: dict[str, dict[str, Any]],
     ) -> None:
         """The epoch's records, in the documented order."""
-        epoch = self.epoch + self.record_epoch_offset
+        epoch = self.epoch + self.run.first_epoch
         self.sinks.set_run_context(agent_step=self.agent_step)
-        for point, values in steps.items() if self.step_records else ():
+        for point, values in steps.items() if self.loop.step_records else ():
             self.sinks.emit(values, epoch, point)
         self.sinks.emit(metrics, epoch, "POST_EPOCH")
         if snapshot is not None:
             self.sinks.emit(snapshot, epoch, "SNAPSHOT")
-
-    def _only_reporter(self) -> bool:
-        """No lifecycle hook but the ``stats_reporter`` (or none at all: a session's
-        default, which collects the trackers itself)."""
-        return all(hook.name == "stats_reporter" for hook in self.hooks.hooks)
-
-    def _idle_reporter(self) -> bool:
-        """Only the ``stats_reporter`` hook, and no probe to report: its dispatch (~0.15
-        ms, mostly saving the RNG states) would report nothing, so it is skipped."""
-        ctx = self.context
-        return (
-            self._only_reporter()
-            and not ctx.model_metrics
-            and not ctx.probe_errors
-            and not self._pending
-        )
 
     def _epoch_learning_rate(self, logged: Mapping[str, Any]) -> float | None:
         """The rate the epoch trained with: the logged ``train/learning_rate`` when the
@@ -871,7 +736,7 @@ class ProbeSession:
             self._pass_hook = None
 
     def close(self) -> None:
-        """Remove every hook and flush and close the sinks. Idempotent. Metrics logged
+        """Remove every hook and close the run (its sinks and lock). Idempotent. Metrics logged
         since the last :meth:`epoch_end` are not emitted."""
         if self.closed:
             return
@@ -879,11 +744,8 @@ class ProbeSession:
         try:
             self.remove_hooks()
         finally:
-            if self._owns_run_dir:  # else the loop closes the sinks it built
-                try:
-                    self.sinks.close()
-                finally:
-                    self._lock.release()
+            if self._owns_run:  # else the loop closes the sinks it built
+                self.run.close()
 
     def __enter__(self) -> ProbeSession:
         return self
@@ -899,25 +761,56 @@ class ProbeSession:
     def __repr__(self) -> str:
         return (
             f"ProbeSession(model={type(self.module).__name__}, "
-            f"run_dir={None if self.run_dir is None else str(self.run_dir)!r}, "
+            f"run_dir={str(self.run_dir)!r}, "
             f"epoch={self.epoch}, probes={len(self._builders)}, "
             f"hooks={[h.name for h in self.hooks.hooks]}, closed={self.closed})"
         )
 
 
-def record_sampling_choice(run_dir: Path | None, choice: dict[str, Any]) -> None:
-    """Add the probe budget's one-time choice (:mod:`policy_probes.sampling`) to
-    ``run_dir/config.json`` as ``probe_sampling``, whoever wrote the file (a plain
-    function of the path: the sampler holding it must not hold the session, which the
-    policy's hooks reach and ``copy.deepcopy`` would then copy with its open files)."""
-    path = None if run_dir is None else Path(run_dir) / "config.json"
-    if current_rank() != 0:
-        return  # rank 0 writes the run's files
-    if path is None or not path.is_file():
-        return
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-        config["probe_sampling"] = to_plain(choice)
-        write_text_atomic(path, json.dumps(config, indent=2) + "\n")
-    except (OSError, ValueError) as exc:  # the choice is in every record and checkpoint
-        log.error("could not record the probe sampling choice in %s: %s", path, exc)
+@dataclass(frozen=True)
+class Loop:
+    """How a loop drives its :class:`ProbeSession`: its type for the hooks'
+    ``loop_points``; what hooks see as ``RunDataContext.config`` (default: the session's
+    ``config``); ``explicit_epoch_start``: it calls :meth:`ProbeSession.epoch_start` at
+    every epoch's start (a resumed loop fires PRE_EPOCH after ``load_state_dict``; by
+    default the session fires it when built and after each ``epoch_end``);
+    ``step_records``: one record per step point that reported (its per-epoch means)
+    before the epoch's record, which holds the means either way."""
+
+    name: str = LOOP
+    config: Any = None
+    explicit_epoch_start: bool = False
+    step_records: bool = False
+
+
+def _take(deprecated: dict[str, Any], names: tuple[str, ...], new: str, level: int = 3) -> dict:
+    """The keywords of earlier versions among ``names``, with a DeprecationWarning."""
+    given = {n: deprecated.pop(n) for n in names if n in deprecated}
+    if given:
+        old = ", ".join(f"{n}=" for n in given)
+        warnings.warn(f"ProbeSession({old}) is deprecated: pass {new}", DeprecationWarning, level)
+    return given
+
+
+def _legacy_run(run: Run | str | Path | None, deprecated: dict[str, Any]) -> tuple[Run, bool]:
+    """The session's run, and whether the session closes it: a :class:`Run` or a path,
+    or the ``run_dir=``, ``resume=``, ``overwrite=``, ``console=``, ``sink_group=`` and
+    ``record_epoch_offset=`` keywords of earlier versions."""
+    names = ("run_dir", "resume", "overwrite", "console", "sink_group", "record_epoch_offset")
+    given = _take(deprecated, names, "run=Run(run_dir, resume=..., overwrite=...)", 4)
+    if isinstance(run, Run):
+        if given:
+            raise TypeError(f"ProbeSession: pass {sorted(given)} to Run(...), not beside run=")
+        return run, True
+    out = Run(
+        given.get("run_dir", run),
+        resume=given.get("resume", False),
+        overwrite=given.get("overwrite", False),
+        first_epoch=given.get("record_epoch_offset", 0),
+        console=given.get("console"),
+    )
+    sinks = given.get("sink_group")
+    if sinks is None:
+        return out, True
+    out.sinks, out.sinks_open, out.opened = sinks, True, True  # the loop owns its run
+    return out, False

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.distributions import Categorical
 
-from policy_probes import ComponentContext, LinearSpec, MLPSpec, PolicyAutoBuilder
+from policy_probes import ComponentContext, LinearSpec, MLPSpec, PolicyAutoBuilder, StatsReporter
 from policy_probes.lifecycle import (
     HookManager,
     HookPoint,
@@ -201,6 +201,7 @@ def run_training(
                 step += 1
         sched.step()
         stats = {"train/loss": float(torch.stack(losses).mean())}
+        metrics.update(StatsReporter(context).collect())  # as ProbeSession.epoch_end does
         metrics.update(
             manager.fire(
                 HookPoint.POST_EPOCH,

@@ -77,7 +77,8 @@ def test_dry_run_prints_resolved_config(capsys):
     assert out["train_tool"]["trainer"]["total_timesteps"] == 4096
     assert out["recipe"] == "recipes.cartpole.train"
     assert out["overrides"] == ["trainer.total_timesteps=4096"]
-    assert {"component": "actor_mlp", "builder": "relu", "backward": False} in out["probes"]
+    # backward None: placed by the probe's own direction (add_training_hook)
+    assert {"component": "actor_mlp", "builder": "relu", "backward": None} in out["probes"]
 
 
 def test_list_finds_recipes_without_running_them(capsys):

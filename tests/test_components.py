@@ -19,6 +19,9 @@ from policy_probes import (
     attach_saturated_activation_hooks,
 )
 from policy_probes.layers import MLP
+from policy_probes.session import ProbeSession
+from policy_probes.sinks import SinksConfig
+from trainers import TrainTool
 
 
 class DictBody(nn.Module):
@@ -247,9 +250,9 @@ def test_unsupported_activation_name_is_rejected() -> None:
 def test_probe_attached_in_the_wrong_direction_is_rejected(tiny_policy: TinyPolicy) -> None:
     ctx = ComponentContext()
     with pytest.raises(
-        TypeError, match="'gradient_flow' probe is a backward probe.*add_training_backward_hook"
+        TypeError, match="'gradient_flow' probe is a backward probe.*add_training_hook"
     ):
-        tiny_policy.attach("actor_mlp", attach_gradient_flow_hooks(), ctx)
+        tiny_policy.attach("actor_mlp", attach_gradient_flow_hooks(), ctx, backward=False)
     with pytest.raises(TypeError, match="'relu' probe is a forward probe.*add_training_hook"):
         tiny_policy.attach("actor_mlp", attach_relu_activation_hooks(), ctx, backward=True)
     # the failed attempts registered nothing: the right calls still attach
@@ -257,6 +260,27 @@ def test_probe_attached_in_the_wrong_direction_is_rejected(tiny_policy: TinyPoli
         len(tiny_policy.attach("actor_mlp", attach_gradient_flow_hooks(), ctx, backward=True)) == 1
     )
     assert len(tiny_policy.attach("actor_mlp", attach_relu_activation_hooks(), ctx)) == 1
+
+
+def test_a_probe_is_placed_by_its_own_direction(tmp_path) -> None:
+    """add_training_hook takes a backward probe as such (ProbeSession and TrainTool);
+    add_training_backward_hook still refuses a forward probe."""
+    policy = TinyPolicy()
+    with ProbeSession(policy, run_dir=tmp_path / "run", sinks=SinksConfig(console=False)) as s:
+        s.add_training_hook("actor_mlp", attach_gradient_flow_hooks(per_layer=False))
+        with pytest.raises(TypeError, match="'relu' probe is a forward probe"):
+            s.add_training_backward_hook("actor_mlp", attach_relu_activation_hooks())
+        s.set_phase("train")
+        out = policy.actor_mlp(torch.randn(8, 5))
+        out.retain_grad()
+        policy.actor_head(out).square().sum().backward()
+        record = s.epoch_end(step=8)
+    # one pass: the bias-corrected EMA of the per-unit gradient RMS is that pass's RMS
+    expected = out.grad.square().mean(0).sqrt()
+    assert record["probes/gradient_flow/actor_mlp/rms"] == pytest.approx(expected.tolist())
+    tool = TrainTool()
+    tool.add_training_hook("actor_mlp", attach_gradient_flow_hooks())
+    assert tool.check_setup() == {"actor_mlp": ["actor_mlp"]}
 
 
 def test_a_failed_attach_can_be_retried_with_a_fixed_builder() -> None:

@@ -12,7 +12,7 @@ from lifecycle_support import ActorCritic, attach_all_probes, ppo_loss
 from torch import nn
 from torch.distributions import Categorical
 
-from policy_probes import ComponentContext, attach_relu_activation_hooks
+from policy_probes import ComponentContext, StatsReporter, attach_relu_activation_hooks
 from policy_probes.lifecycle import HookManager, HookPoint, LoopModelDataContext, select_hooks
 from policy_probes.lifecycle.hooks import (
     AdamDynamicsHook,
@@ -372,7 +372,7 @@ def test_counterfactual_matches_a_manual_replay_of_the_update_phase() -> None:
 
 
 # ------------------------------------------------------- training metrics, stats reporter
-def test_training_metrics_and_stats_reporter_keep_their_own_keys() -> None:
+def test_training_metrics_and_the_stats_reporter_keep_their_own_keys() -> None:
     model = tiny(activation="relu", hidden=(6,))
     cc = ComponentContext()
     model.attach("actor_mlp", attach_relu_activation_hooks(), cc)
@@ -386,10 +386,12 @@ def test_training_metrics_and_stats_reporter_keep_their_own_keys() -> None:
     out = manager.fire(P.POST_EPOCH, epoch=0, stats=stats, learning_rate=3e-4)
     assert out["train/policy_loss"] == 0.25 and out["rollout/episode_return"] == 17.0
     assert out["train/learning_rate"] == 3e-4
+    assert not any(k.startswith("probes/") for k in out)  # the probes are no hook
+    out = StatsReporter(cc).collect()
     active = (h > 0).double().mean(0)
     assert out["probes/relu/actor_mlp/active_rate"] == pytest.approx(active.tolist())
     assert out["probes/relu/actor_mlp/dead_fraction"] == pytest.approx(
         (active == 0).double().mean().item()
     )
-    again = manager.fire(P.POST_EPOCH, epoch=1)  # trackers were reset by the first collect
+    again = StatsReporter(cc).collect()  # trackers were reset by the first collect
     assert not any(k.startswith("probes/") for k in again)

@@ -243,7 +243,7 @@ def test_hook_metrics_reach_jsonl_and_wandb_with_the_right_values(tmp_path):
         }
         assert hook["rollout/episode_return"] == seen["rollout_stats"]["episode_return"]
         assert hook["perf/sps"] == seen["rollout_stats"]["sps"]
-        # stats_reporter: the probe window is the epoch's update phase
+        # the probes' report: the probe window is the epoch's update phase
         batch = seen["loss_stats"]["batch_size"]
         assert r["probes/relu/actor_mlp/samples"] == UPDATE_EPOCHS * batch
     # the final weight norm matches the checkpoint written at the last epoch
@@ -305,7 +305,7 @@ def test_demand_driven_nothing_prepared_without_hooks(tmp_path):
 
     empty, observers, counterfactual = Inspect(), Inspect(), Inspect()
     tiny_tool(tmp_path / "a").add_trainer_hook(empty).invoke()
-    assert empty.seen == (["stats_reporter"], False, False, None, False)
+    assert empty.seen == ([], False, False, None, False)
     tiny_tool(tmp_path / "b", with_hooks="observers").add_trainer_hook(observers).invoke()
     names, steps, rollout, mctx, pre_epoch = observers.seen
     assert steps and rollout and "norms" in names
@@ -314,7 +314,7 @@ def test_demand_driven_nothing_prepared_without_hooks(tmp_path):
     tool.hook_config = {"counterfactual.replays": 1}
     tool.add_trainer_hook(counterfactual).invoke()
     names, steps, rollout, mctx, pre_epoch = counterfactual.seen
-    assert names == ["training_metrics", "stats_reporter", "counterfactual"]
+    assert names == ["training_metrics", "counterfactual"]
     assert not steps and not rollout and mctx is not None and pre_epoch
 
 

@@ -24,7 +24,6 @@ from policy_probes.lifecycle.cli import (
 
 BUILTINS = [
     "training_metrics",
-    "stats_reporter",
     "adam_dynamics",
     "feature_rank",
     "norms",
@@ -47,14 +46,13 @@ def test_groups_and_keywords_expand_by_kind() -> None:
     ]
     assert observers == [
         "training_metrics",
-        "stats_reporter",
         "adam_dynamics",
         "feature_rank",
         "norms",
     ]
     assert interventions == ["counterfactual", "hessian", "policy_fisher"]
     assert HookRegistry.expand("none") == []
-    assert HookRegistry.expand("minimal") == ["training_metrics", "stats_reporter", "norms"]
+    assert HookRegistry.expand("minimal") == ["training_metrics", "norms"]
     assert HookRegistry.expand("observers") == observers
     assert HookRegistry.expand("interventions") == interventions
     assert HookRegistry.expand("full") == HookRegistry.expand("all") == observers + interventions
@@ -63,18 +61,24 @@ def test_groups_and_keywords_expand_by_kind() -> None:
         HookRegistry.expand("ful")
 
 
-def test_selection_adds_training_metrics_and_stats_reporter_to_any_non_empty_selection() -> None:
+def test_stats_reporter_is_no_hook_any_more_and_its_name_is_dropped_with_a_warning() -> None:
+    with pytest.warns(DeprecationWarning, match="every epoch_end reports the probes"):
+        names = [h.name for h in select_hooks(["stats_reporter", "norms"])]
+    assert names == ["training_metrics", "norms"]
+    with pytest.warns(DeprecationWarning):
+        assert select_hooks(["stats_reporter"]) == []
+
+
+def test_selection_adds_training_metrics_to_any_non_empty_selection() -> None:
     assert select_hooks() == []
     assert select_hooks(with_hooks="none") == []
     assert [h.name for h in select_hooks(["hessian"])] == [
         "training_metrics",
-        "stats_reporter",
         "hessian",
     ]
     names = [h.name for h in select_hooks(["counterfactual,norms"], with_hooks="interventions")]
     assert names == [
         "training_metrics",
-        "stats_reporter",
         "norms",
         "counterfactual",
         "hessian",
@@ -243,7 +247,7 @@ def test_cli_selection_arguments() -> None:
         ]
     )
     selection = selection_from_args(args)
-    assert selection.names() == ["training_metrics", "stats_reporter", "norms", "hessian"]
+    assert selection.names() == ["training_metrics", "norms", "hessian"]
     assert [h.config.iters for h in selection.instantiate() if h.name == "hessian"] == [7]
     bad = make_parser().parse_args(
         ["train", "--hooks", "norms", "--hook-config", "norms.per_layr=1"]

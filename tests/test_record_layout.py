@@ -18,7 +18,7 @@ from stable_baselines3 import PPO
 from stable_baselines3.common.env_util import make_vec_env
 from torch import nn
 
-from policy_probes import attach_relu_activation_hooks
+from policy_probes import ProbeSettings, Run, attach_relu_activation_hooks
 from policy_probes.integrations.sb3 import ProbeCallback
 from policy_probes.session import ProbeSession
 from policy_probes.sinks import SinksConfig, WandbConfig, read_jsonl
@@ -32,6 +32,10 @@ SINKS = SinksConfig(console=False, csv=False, wandb=False)
 NO_WANDB = WandbConfig(mode="disabled")
 #: every pass observed: each epoch carries every probe key in all three drivers
 EVERY_PASS = {"probe_budget": None}
+#: the same settings as one model (ProbeCallback, ProbeSession); TrainTool has them as fields
+PROBING = ProbeSettings(
+    sinks=SINKS, wandb=NO_WANDB, snapshot_every=SNAPSHOT_EVERY, **HOOKS, **EVERY_PASS
+)
 
 
 def trainer_records(run_dir: Path) -> list[dict]:
@@ -73,11 +77,7 @@ def sb3_records(run_dir: Path) -> list[dict]:
     callback = ProbeCallback(
         probes=[("actor_mlp", attach_relu_activation_hooks())],
         run_dir=run_dir,
-        sinks=SINKS,
-        wandb=NO_WANDB,
-        snapshot_every=SNAPSHOT_EVERY,
-        **HOOKS,
-        **EVERY_PASS,
+        probing=PROBING,
     )
     model.learn(EPOCHS * 2 * 16, callback=callback)
     return read_jsonl(run_dir / "metrics.jsonl")
@@ -91,16 +91,7 @@ def cleanrl_records(run_dir: Path) -> list[dict]:
     config = PolicyConfig(hidden_sizes=[16], activation="relu")
     agent = make_policy(env.observation_space, env.action_space, config)
     optimizer = torch.optim.Adam(agent.parameters(), lr=1e-3, eps=1e-5)
-    with ProbeSession(
-        agent,
-        run_dir=run_dir,
-        sinks=SINKS,
-        wandb=NO_WANDB,
-        optimizer=optimizer,
-        snapshot_every=SNAPSHOT_EVERY,
-        **HOOKS,
-        **EVERY_PASS,
-    ) as session:
+    with ProbeSession(agent, run=Run(run_dir), probing=PROBING, optimizer=optimizer) as session:
         session.add_training_hook("actor_mlp", attach_relu_activation_hooks())
         for epoch in range(EPOCHS):
             with session.phase("rollout"), torch.no_grad():

@@ -251,10 +251,9 @@ def test_builder_mistakes_through_train_tool(tmp_path):
     tool = tiny_tool(tmp_path / "run")
     with pytest.raises(TypeError, match="must be callable"):
         tool.add_training_hook("actor_mlp", "relu")
-    # the builder function itself instead of the builder it makes: caught at invoke
-    tool.add_training_hook("actor_mlp", attach_relu_activation_hooks)
+    # the builder function itself instead of the builder it makes: caught when added
     with pytest.raises(TypeError, match=r"did you forget the parentheses.*attach_relu_act"):
-        tool.invoke()
+        tool.add_training_hook("actor_mlp", attach_relu_activation_hooks)
     # a builder whose result is not a hook
     tool = tiny_tool(tmp_path / "run2").add_training_hook("critic_mlp", lambda name, ctx: 42)
     with pytest.raises(TypeError, match="returned an object of type int for component"):

@@ -30,6 +30,7 @@ from policy_probes import (
     attach_saturated_activation_hooks,
 )
 from policy_probes.integrations.sb3 import ProbeCallback, sb3_components
+from policy_probes.probe_settings import ProbeSettings
 from policy_probes.sinks import SinksConfig, WandbConfig, read_jsonl
 
 N_ENVS, N_STEPS, BATCH, N_EPOCHS, CYCLES = 2, 64, 64, 2, 3
@@ -181,6 +182,16 @@ def test_component_names_and_builder_errors():
     assert names["critic_head"] == "value_net" and names["value_net"] == "value_net"
     with pytest.raises(TypeError, match="parentheses"):
         ProbeCallback(probes=[("actor_mlp", attach_relu_activation_hooks)])
+
+
+def test_the_probe_settings_are_one_argument_and_the_keywords_of_earlier_versions_warn():
+    settings = ProbeSettings(probe_budget=None, hooks=["norms"], snapshot_every=3)
+    assert ProbeCallback(probing=settings).probing is settings
+    with pytest.warns(DeprecationWarning, match=r"ProbeCallback\(probe_budget=, hooks="):
+        old = ProbeCallback(probe_budget=None, hooks=["norms"], snapshot_every=3)
+    assert old.probing == settings
+    with pytest.raises(TypeError, match="unexpected keyword arguments \\['budget'\\]"):
+        ProbeCallback(budget=0.1)
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from policy_probes.run_dir import held_outputs
+from policy_probes.run import held_outputs
 from policy_probes.runnable import ForkPoint
 from policy_probes.torch_internals import set_last_lr
 from trainers.checkpoint import (

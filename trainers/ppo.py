@@ -29,7 +29,6 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import gymnasium as gym
@@ -42,10 +41,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from policy_probes.context import ComponentContext
 from policy_probes.lifecycle import STEP_POINTS, HookManager, HookPoint, TrainingHook
-from policy_probes.lifecycle.hooks import StatsReporterHook
+from policy_probes.probe_settings import ProbeSettings
 from policy_probes.probes.churn import start_epoch as churn_start_epoch
-from policy_probes.session import ProbeSession
-from policy_probes.sinks import SinkGroup
+from policy_probes.run import Run
+from policy_probes.session import Loop, ProbeSession
 from trainers.callbacks import CallbackList, TrainerHook, TrainerState
 from trainers.config import PPOConfig
 from trainers.env_state import EnvStateError, capture_env_state, restore_env_state
@@ -234,10 +233,10 @@ class PPOTrainer:
     The probes (attached to ``policy`` with ``context``), ``lifecycle_hooks`` (see
     :func:`policy_probes.lifecycle.select_hooks`) and ``sinks`` are driven through
     :attr:`session`, a :class:`~policy_probes.session.ProbeSession` (its hook manager is
-    :attr:`manager`); the ``stats_reporter`` hook is always added, because it is the one
-    path by which the probe trackers become metrics. ``snapshot_every`` paces SNAPSHOT
-    (0 = never); ``lifecycle_config`` is what hooks see as ``RunDataContext.config``
-    (TrainTool passes itself; default: the :class:`PPOConfig`). ``sinks`` receive the
+    :attr:`manager`). ``snapshot_every`` paces SNAPSHOT (0 = never); ``lifecycle_config``
+    is what hooks see as ``RunDataContext.config`` (TrainTool passes itself; default: the
+    :class:`PPOConfig`). ``run``: the :class:`~policy_probes.run.Run` its driver opened
+    (records numbered from 1): directory, configuration and the sinks that receive the
     epoch's records (none: the records are only returned, in ``state.metrics``).
     """
 
@@ -251,12 +250,10 @@ class PPOTrainer:
         hooks: Iterable[TrainerHook] = (),
         device: torch.device | str = "cpu",
         seed: int = 0,
-        run_dir: Path | None = None,
-        config: dict[str, Any] | None = None,
+        run: Run | None = None,
         lifecycle_hooks: Iterable[TrainingHook] = (),
         snapshot_every: int = 0,
         lifecycle_config: Any = None,
-        sinks: SinkGroup | None = None,
     ) -> None:
         self.envs, self.policy, self.cfg = envs, policy, cfg
         self.context = context if context is not None else ComponentContext()
@@ -321,8 +318,8 @@ class PPOTrainer:
             optimizer=self.optimizer,
             scheduler=self.scheduler,
             context=self.context,
-            config=config or {},
-            run_dir=run_dir,
+            config=run.config if run is not None else {},
+            run_dir=run.dir if run is not None else None,
             num_epochs=self.num_epochs,
         )
         #: the observation the next rollout starts from and which envs just finished
@@ -341,30 +338,25 @@ class PPOTrainer:
         self.rollout_ready = False
         self._model_data_context: PPOModelDataContext | None = None
 
-        # stats_reporter is always present (one metrics pipeline for the probes)
-        selected = list(lifecycle_hooks)
-        if not any(h.name == StatsReporterHook.name for h in selected):
-            selected.append(StatsReporterHook())
-        if snapshot_every < 0:
-            raise ValueError(f"snapshot_every must be >= 0 (0 = never), got {snapshot_every}")
+        if run is None:  # no run directory: a run that writes nothing (records numbered from 1)
+            run = Run(main=False, first_epoch=1)
+            run.open_sinks()
         self.session = ProbeSession(
             policy,
+            run=run,
+            probing=ProbeSettings(snapshot_every=snapshot_every),
             context=self.context,
-            sink_group=sinks if sinks is not None else SinkGroup(),
-            run_dir=run_dir,
-            config=self.state.config,
-            lifecycle_hooks=selected,
-            loop="ppo",
-            loop_config=lifecycle_config if lifecycle_config is not None else cfg,
+            lifecycle_hooks=lifecycle_hooks,
+            loop=Loop(
+                "ppo",
+                cfg if lifecycle_config is None else lifecycle_config,
+                explicit_epoch_start=True,  # after a resume, PRE_EPOCH fires on the loaded state
+                step_records=True,
+            ),
             optimizer=self.optimizer,
             scheduler=self.scheduler,
             model_context=self.model_data_context,
-            snapshot_every=snapshot_every,
-            explicit_epoch_start=True,  # after a resume, PRE_EPOCH fires on the loaded state
-            record_epoch_offset=1,  # records number epochs from 1, hooks from 0
-            step_records=True,
         )
-        self.snapshot_every = snapshot_every
         #: the lifecycle hook manager (``session.hooks``)
         self.manager: HookManager = self.session.hooks
         # The per-step points are skipped unless a hook fires there or needs gradients,

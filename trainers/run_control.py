@@ -28,7 +28,6 @@ import collections
 import contextlib
 import logging
 import os
-import shutil
 import signal
 import threading
 import time
@@ -48,16 +47,19 @@ from policy_probes.control_channel import (
     withdraw_run,
 )
 from policy_probes.lifecycle.manager import current_rank
-from policy_probes.run_dir import (  # noqa: F401 - RUN_OUTPUTS, RUN_MARKERS: public names
-    RUN_MARKERS,
-    RUN_OUTPUTS,
-    RunDirConflict,
-    held_outputs,
-    remove_outputs,
-)
+from policy_probes.run import Run
 from policy_probes.sinks import SinkGroup
 from trainers.callbacks import TrainerHook, TrainerState
-from trainers.checkpoint import CheckpointHook
+from trainers.checkpoint import (
+    CheckpointError,
+    CheckpointHook,
+    completed_epochs,
+    list_checkpoints,
+    load_checkpoint,
+    newest_valid_checkpoint,
+    remove_stale_temp_files,
+    restore_trainer,
+)
 
 log = logging.getLogger("trainers")
 
@@ -318,120 +320,47 @@ class RunControl(TrainerHook):
         )
 
 
-# ---------------------------------------------------------------------- run directories
-def aborted_start(run_dir: Path, held: list[str]) -> bool:
-    """Whether ``run_dir`` holds only what a run killed before its first step leaves:
-    metric files without a single epoch record, no ``config.json``, no checkpoint."""
-    from policy_probes.sinks import read_jsonl
+# ---------------------------------------------------------------------- resuming
+def select_checkpoint(run: Run, resume: bool | str | Path) -> tuple[Path, dict[str, Any]] | None:
+    """The checkpoint a resumed run starts from (None: no resume, or none yet).
 
-    if "config.json" in held or "checkpoints" in held:
-        return False
-    jsonl, csv = run_dir / "metrics.jsonl", run_dir / "metrics.csv"
-    try:
-        if jsonl.is_file() and read_jsonl(jsonl):
-            return False
-        if csv.is_file():  # a header at most: no row
-            with open(csv, encoding="utf-8", errors="replace") as f:
-                if len(f.readlines(2**16)) > 1:
-                    return False
-    except (OSError, ValueError):
-        return False
-    return True
-
-
-def prepare_run_dir(
-    run_dir: Path, *, resume: bool | str | Path = False, overwrite: bool = False, main: bool = True
-) -> tuple[Path, dict[str, Any]] | None:
-    """Check ``run_dir`` before a run starts; returns the checkpoint to resume from.
-
-    * a directory holding a run (config, metric files or checkpoints) is refused with
-      :class:`RunDirConflict` unless ``overwrite`` (its run outputs are deleted; on the
-      ``main`` process only) or ``resume``;
-    * ``resume=True``: the newest checkpoint that loads (an unreadable one is reported by
-      name and the previous one used), ``None`` when the run died before its first
-      checkpoint (its metric files are removed and it starts again: same seed, same
-      run); ``resume=PATH``: that checkpoint.
-    """
-    from trainers.checkpoint import (
-        CheckpointError,
-        list_checkpoints,
-        load_checkpoint,
-        newest_valid_checkpoint,
-        remove_stale_temp_files,
-    )
-
-    if resume and overwrite:
-        raise ValueError("resume and overwrite exclude each other; choose one")
-    run_dir = Path(run_dir)
-    held = held_outputs(run_dir)
-    if resume:
-        directory = run_dir / "checkpoints"
-        if main and directory.is_dir():
-            remove_stale_temp_files(directory)
-        if resume is True:
-            if not list_checkpoints(directory):
-                # killed before its first checkpoint: the same seed replays the same run
-                log.warning(
-                    "no checkpoint in %s yet: the run starts again from its beginning", directory
-                )
-                if main:
-                    for name in ("metrics.jsonl", "metrics.csv", "tensorboard"):
-                        _remove(run_dir / name)
-                return None
-            try:
-                return newest_valid_checkpoint(directory)
-            except CheckpointError as exc:
-                raise CheckpointError(f"cannot resume {run_dir}: {exc}") from None
-        path = Path(resume)
-        if not path.is_file():
-            available = [str(p) for p in list_checkpoints(directory)]
-            raise CheckpointError(
-                f"checkpoint {str(path)!r} does not exist; give one of "
-                f"{available or 'none: this run has no checkpoints'} (or drop --checkpoint to "
-                f"use the newest valid one)"
+    ``resume=True``: the newest checkpoint that loads (an unreadable one is reported by
+    name and the previous one used); when the run died before its first checkpoint, its
+    records are dropped and it starts again (same seed, same run). ``resume=PATH``: that
+    checkpoint."""
+    if not resume:
+        return None
+    directory = run.dir / "checkpoints"
+    if run.main and directory.is_dir():
+        remove_stale_temp_files(directory)
+    if resume is True:
+        if not list_checkpoints(directory):
+            log.warning(
+                "no checkpoint in %s yet: the run starts again from its beginning", directory
             )
-        return path, load_checkpoint(path)
-    if not held:
-        return None
-    if not overwrite and aborted_start(run_dir, held):
-        # killed while starting (config.json is written right before the first step):
-        # nothing was trained, so the run starts again from its beginning
-        log.warning(
-            "%s holds %s but no config.json or checkpoint: a run killed while it started; "
-            "it starts again from its beginning",
-            run_dir,
-            ", ".join(held),
+            run.discard_records()
+            return None
+        try:
+            return newest_valid_checkpoint(directory)
+        except CheckpointError as exc:
+            raise CheckpointError(f"cannot resume {run.dir}: {exc}") from None
+    path = Path(resume)
+    if not path.is_file():
+        available = [str(p) for p in list_checkpoints(directory)]
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} does not exist; give one of "
+            f"{available or 'none: this run has no checkpoints'} (or drop --checkpoint to "
+            f"use the newest valid one)"
         )
-        if main:
-            remove_outputs(run_dir)
-        return None
-    if not overwrite:
-        raise RunDirConflict(
-            f"run_dir {str(run_dir)!r} already holds a run ({', '.join(held)}); choose another "
-            f"run_dir, continue it with `policy-probes resume {run_dir}`, or replace it with "
-            f"`policy-probes run ... --overwrite` (TrainTool.invoke(overwrite=True))"
-        )
-    if main:
-        remove_outputs(run_dir)
-        log.warning("--overwrite: removed the previous run's outputs from %s", run_dir)
-    return None
-
-
-def _remove(target: Path) -> None:
-    if target.is_dir() and not target.is_symlink():
-        shutil.rmtree(target)
-    elif target.exists() or target.is_symlink():
-        target.unlink()
+    return path, load_checkpoint(path)
 
 
 def resume_trainer(
-    trainer: Any, sinks: SinkGroup, resume_from: tuple[Path, dict[str, Any]], *, own_envs: bool
+    trainer: Any, run: Run, resume_from: tuple[Path, dict[str, Any]], *, own_envs: bool
 ) -> None:
     """Restore ``trainer`` from the checkpoint and rewind the metric files to it: records of
     epochs after the checkpoint (written before a crash) are dropped, so every epoch
     appears exactly once once the resumed run has rewritten them."""
-    from trainers.checkpoint import completed_epochs, restore_trainer
-
     path, ckpt = resume_from
     done, planned = completed_epochs(ckpt), trainer.num_epochs
     if done > planned:  # before anything changes: the run stays as it was
@@ -451,16 +380,7 @@ def resume_trainer(
         )
     restore_trainer(trainer, ckpt, restore_envs=own_envs)
     trainer.state.last_checkpoint = path  # the newest finite one until the run writes more
-    for sink in sinks:
-        rewind = getattr(sink, "rewind", None)
-        if callable(rewind):
-            try:
-                dropped = rewind(done)
-            except Exception as exc:  # noqa: BLE001 - the sink group's isolation rule
-                log.error("could not rewind metric sink %s: %s", sink.name, exc)
-                continue
-            if dropped:
-                log.warning("%s: dropped %d records after epoch %d", sink.name, dropped, done)
+    run.rewind(done)
     log.warning(
         "resuming from %s: epoch %d%s, optimizer step %d",
         path,

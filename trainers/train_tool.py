@@ -17,8 +17,6 @@ configuration (and survive ``model_copy(update=...)``).
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import random
 import re
@@ -30,10 +28,10 @@ import numpy as np
 import torch
 from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from policy_probes.atomic_write import write_text_atomic
+from policy_probes.components import ProbeSpec, add_probe
 from policy_probes.context import ComponentContext
 from policy_probes.hook_types import ProbeBuilder
-from policy_probes.lifecycle import HookSelectionError, TrainingHook, select_hooks
+from policy_probes.probe_settings import ProbeSettings
 from policy_probes.remedies import (
     Remedy,
     RemedyRunner,
@@ -41,11 +39,11 @@ from policy_probes.remedies import (
     parse_remedy_spec,
     split_remedy_specs,
 )
-from policy_probes.run_dir import check_run_dir_path, default_run_dir, make_run_dir
-from policy_probes.run_lock import RunDirLock, RunDirLocked, refuse_if_locked
+from policy_probes.run import Run, default_run_dir
+from policy_probes.run_lock import RunDirLocked
 from policy_probes.runnable import ForkPoint, runnable
-from policy_probes.sampling import DEFAULT_BUDGET, Sampler, as_schedule, check_budget
-from policy_probes.sinks import SinkGroup, SinksConfig, WandbConfig, build_sink_group
+from policy_probes.sampling import Sampler
+from policy_probes.sinks import SinkGroup
 from policy_probes.torch_internals import quiet_output_only_backward_hooks
 from policy_probes.user_errors import SETUP_ERROR_TYPES, is_usage_error, mark_usage_error
 from trainers.callbacks import TrainerHook
@@ -65,7 +63,7 @@ from trainers.fork import apply_optimizer_config, check_fork_length, fork_checkp
 from trainers.policy import ActorCriticPolicy
 from trainers.policy_factory import make_policy
 from trainers.ppo import PPOTrainer
-from trainers.run_control import RunControl, prepare_run_dir, resume_trainer
+from trainers.run_control import RunControl, resume_trainer, select_checkpoint
 
 log = logging.getLogger("trainers")
 
@@ -103,20 +101,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _missing_directories(run_dir: Path) -> list[Path]:
-    """``run_dir`` and its parents that do not exist yet, deepest first (what creating
-    it makes); empty when it exists or its name is one the file system refuses."""
-    missing = []
-    try:
-        for path in (run_dir, *run_dir.parents):
-            if path.exists():
-                break
-            missing.append(path)
-    except OSError:  # a name too long: make_run_dir says so
-        return []
-    return missing
-
-
 def lost_outputs(sinks: SinkGroup, checkpointer: CheckpointHook) -> list[str]:
     """What a run could not write, one line each (:attr:`TrainResult.lost_outputs`)."""
     out = []
@@ -151,8 +135,9 @@ def resolve_device(device: str) -> torch.device:
 
 
 @runnable  # the contract `policy-probes run` relies on (policy_probes.runnable)
-class TrainTool(Section):
-    """One PPO training run: environment, policy, hyperparameters, outputs, probes."""
+class TrainTool(Section, ProbeSettings):
+    """One PPO training run: environment, policy, hyperparameters, outputs, probes (the
+    probe settings are those of :class:`~policy_probes.probe_settings.ProbeSettings`)."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
@@ -164,8 +149,6 @@ class TrainTool(Section):
     trainer: PPOConfig = Field(default_factory=PPOConfig)
     evaluation: EvalConfig = Field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
-    sinks: SinksConfig = Field(default_factory=SinksConfig)
-    wandb: WandbConfig = Field(default_factory=WandbConfig)
     seed: int = Field(1, ge=0)
     device: Literal["cpu", "cuda", "auto"] = Field(
         "cpu", description="cpu is fastest for small MLPs; auto = cuda when available."
@@ -177,39 +160,8 @@ class TrainTool(Section):
         None, gt=0, description="torch.set_num_threads for the run (1 is fastest for small MLPs)."
     )
     progress: bool = Field(False, description="Rich progress bar (the CLI switches it on).")
-    strict: bool = Field(
-        False, description="Probe faults stop training instead of disabling the probe."
-    )
-    hooks: list[str] = Field(
-        default_factory=list,
-        description="Lifecycle hooks (names or groups) to enable; `policy-probes hooks list`.",
-    )
-    with_hooks: str | None = Field(
-        None,
-        description="A hook group: none, minimal, observers, interventions, full, all, with_debug.",
-    )
-    hook_config: dict[str, Any] = Field(
-        default_factory=dict,
-        description='Hook parameters, "name.param" -> value (e.g. {"hessian.iters": 30}).',
-    )
-    probe_budget: float | None = Field(
-        DEFAULT_BUDGET,
-        description="The probes observe passes 0, 16, 32, ... of every epoch and report "
-        "every epoch; this fraction of wall time is checked once, after the third epoch, "
-        "and may raise an expensive probe's stride (never below one pass per epoch). "
-        "None: every pass.",
-    )
-    probe_schedule: str | None = Field(
-        None,
-        description="Schedule of probes built without schedule=: every (exact, every pass), "
-        "every_k:<k>, per_epoch:<n>, probe_batch:<rows> (a dedicated pass at the epoch end), "
-        "budget (the default with a budget).",
-    )
     snapshot_every: int = Field(
-        25,
-        ge=0,
-        description="Fire SNAPSHOT (expensive hooks such as hessian; the console's snapshot "
-        "table) every N epochs; 0 = never.",
+        25, ge=0, description=ProbeSettings.model_fields["snapshot_every"].description
     )
     remedies: list[str] = Field(
         default_factory=list,
@@ -218,17 +170,12 @@ class TrainTool(Section):
         'one string of specs separated by ";".',
     )
 
-    _builders: list[tuple[str, ProbeBuilder, bool]] = PrivateAttr(default_factory=list)
+    _builders: list[ProbeSpec] = PrivateAttr(default_factory=list)
     _remedies: list[tuple[str, Remedy]] = PrivateAttr(default_factory=list)
     _trainer_hooks: list[TrainerHook] = PrivateAttr(default_factory=list)
     _launch: dict[str, Any] = PrivateAttr(default_factory=dict)
 
     # ------------------------------------------------------------------ validation
-    @field_validator("probe_budget")
-    @classmethod
-    def _check_probe_budget(cls, v: float | None) -> float | None:
-        return check_budget(v)
-
     @field_validator("run_dir", mode="before")
     @classmethod
     def _run_dir_not_empty(cls, v: Any) -> Any:
@@ -250,17 +197,6 @@ class TrainTool(Section):
             )
         return v
 
-    @field_validator("probe_schedule")
-    @classmethod
-    def _check_probe_schedule(cls, v: str | None) -> str | None:
-        return None if v is None else str(as_schedule(v))
-
-    @field_validator("hooks", mode="before")
-    @classmethod
-    def _split_hook_names(cls, v: Any) -> Any:
-        # `hooks=norms,hessian` on the command line arrives as one string
-        return [s.strip() for s in v.split(",") if s.strip()] if isinstance(v, str) else v
-
     @field_validator("remedies", mode="before")
     @classmethod
     def _check_remedies(cls, v: Any) -> list[str]:
@@ -268,19 +204,6 @@ class TrainTool(Section):
         for spec in specs:
             parse_remedy_spec(spec)  # unknown remedy or key, bad value: clear error now
         return specs
-
-    @model_validator(mode="after")
-    def _check_hooks(self) -> TrainTool:
-        self.lifecycle_hooks()  # unknown hooks, groups, parameters or values: clear error
-        return self
-
-    def lifecycle_hooks(self) -> list[TrainingHook]:
-        """Fresh instances of the selected lifecycle hooks (``hooks``, ``with_hooks``,
-        ``hook_config``); raises ``ValueError`` naming the valid choices."""
-        try:
-            return select_hooks(self.hooks, self.with_hooks, self.hook_config)
-        except HookSelectionError as exc:
-            raise ValueError(str(exc)) from None
 
     @model_validator(mode="after")
     def _check_batch_sizes(self) -> TrainTool:
@@ -308,31 +231,17 @@ class TrainTool(Section):
         return self
 
     # ------------------------------------------------------------------ probes and hooks
-    def _add(self, component_name: str, builder: ProbeBuilder, backward: bool) -> TrainTool:
-        if not isinstance(component_name, str) or not component_name:
-            raise TypeError(f"component_name must be a non-empty string, got {component_name!r}")
-        if not callable(builder):
-            raise TypeError(
-                f"hook builder for {component_name!r} must be callable (component_name, context)"
-                f" -> hook | None; did you forget the parentheses, e.g. "
-                f"attach_relu_activation_hooks()?"
-            )
-        for pattern, existing, _ in self._builders:
-            if pattern == component_name and existing is builder:
-                raise ValueError(
-                    f"this builder is already attached to {component_name!r}; create a new "
-                    f"builder to attach the same probe twice"
-                )
-        self._builders.append((component_name, builder, backward))
+    def add_training_hook(self, component_name: str, builder: ProbeBuilder) -> TrainTool:
+        """Attach a probe to a component name or glob, forward or backward as the probe
+        says (a plain hook closure: forward); returns self."""
+        add_probe(self._builders, component_name, builder, None)
         return self
 
-    def add_training_hook(self, component_name: str, builder: ProbeBuilder) -> TrainTool:
-        """Attach a forward-hook builder to a component name or glob; returns self."""
-        return self._add(component_name, builder, backward=False)
-
     def add_training_backward_hook(self, component_name: str, builder: ProbeBuilder) -> TrainTool:
-        """Attach a backward-hook builder to a component name or glob; returns self."""
-        return self._add(component_name, builder, backward=True)
+        """Attach a backward probe (or plain backward hook closure); a forward probe is
+        refused when the run attaches it. Returns self."""
+        add_probe(self._builders, component_name, builder, True)
+        return self
 
     def add_remedy(self, component_name: str, remedy: Remedy) -> TrainTool:
         """Attach a remedy (``policy_probes.remedies``) to a component name or glob;
@@ -352,8 +261,10 @@ class TrainTool(Section):
         return self
 
     @property
-    def hook_builders(self) -> list[tuple[str, ProbeBuilder, bool]]:
-        """``(pattern, builder, backward)`` in the order they were added."""
+    def hook_builders(self) -> list[ProbeSpec]:
+        """``(pattern, builder, backward)`` in the order they were added; ``backward`` is
+        True for :meth:`add_training_backward_hook`, None (the probe's own direction)
+        for :meth:`add_training_hook`."""
         return list(self._builders)
 
     def record_launch(self, target: str, overrides: list[str]) -> None:
@@ -397,10 +308,7 @@ class TrainTool(Section):
         try:
             resolve_device(self.device)
             if self.run_dir is not None:
-                run_dir = Path(self.run_dir)
-                check_run_dir_path(run_dir)
-                refuse_if_locked(run_dir)
-                prepare_run_dir(run_dir, overwrite=overwrite, main=False)  # reads only
+                Run(self.run_dir, overwrite=overwrite).check()  # reads only
             seed_everything(self.seed)
             envs = make_vector_env(self.env, gamma=self.trainer.gamma)
             try:
@@ -464,46 +372,37 @@ class TrainTool(Section):
         with DistributedRun(device) as dist_run:
             run_dir = Path(self.run_dir) if self.run_dir is not None else self.default_run_dir()
             run_dir = dist_run.broadcast(run_dir)  # rank 0's choice (default names hold a time)
-            lock = RunDirLock(run_dir)
+            main = dist_run.is_main  # records number epochs from 1
+            run = Run(run_dir, resume=bool(resume), overwrite=overwrite, main=main, first_epoch=1)
             refusal: str | None = None
-            created = _missing_directories(run_dir) if dist_run.is_main else []
-            if dist_run.is_main:
-                try:
-                    make_run_dir(run_dir)
-                    lock.acquire()
-                except (RunDirLocked, OSError) as exc:
-                    if not dist_run.distributed:
-                        raise
-                    refusal = str(exc)
+            try:
+                run.open(claim=False)  # the directory and its lock; the claim in _train
+            except (RunDirLocked, OSError) as exc:
+                if not dist_run.distributed:
+                    raise
+                refusal = str(exc)
             refusal = dist_run.broadcast(refusal)  # every rank stops, not only rank 0
             if refusal is not None:
                 raise RunDirLocked(refusal)
             refused = False
             try:
-                return self._train(
-                    dist_run, run_dir, resume=resume, overwrite=overwrite, fork_from=fork_from
-                )
+                return self._train(dist_run, run, resume=resume, fork_from=fork_from)
             except BaseException as exc:
                 refused = is_usage_error(exc)
                 raise
-            finally:
-                lock.release()
-                if refused:  # a refused start leaves no empty directory behind
-                    for directory in created:  # deepest first: run_dir, then its parents
-                        with contextlib.suppress(OSError):
-                            directory.rmdir()
+            finally:  # a refused start leaves no empty directory behind
+                run.close(refused=refused)
 
     def _train(
         self,
         dist_run: DistributedRun,
-        run_dir: Path,
+        run: Run,
         *,
         resume: bool | str | Path = False,
-        overwrite: bool = False,
         fork_from: ForkPoint | None = None,
     ) -> TrainResult:
         """:meth:`invoke` inside the process group ``dist_run`` (rank 0 of 1 when alone),
-        holding the lock on ``run_dir``. Errors raised before the first environment step
+        holding the lock on its run directory. Errors raised before the first environment step
         are the configuration's (unknown component, builder mistakes, a checkpoint that
         does not fit): they are tagged as usage errors, and ``config.json`` is written
         only once the run starts, so a failed start or resume leaves the run as it was."""
@@ -511,11 +410,11 @@ class TrainTool(Section):
         if self.torch_threads is not None:
             torch.set_num_threads(self.torch_threads)
         config = self.resolved_config()
+        run_dir = run.dir
         config["run_dir"] = str(run_dir)
         try:
-            resume_from = prepare_run_dir(
-                run_dir, resume=resume, overwrite=overwrite, main=dist_run.is_main
-            )
+            run.claim()
+            resume_from = select_checkpoint(run, resume)
             forked = fork_from is not None and resume_from is None
             if fork_from is not None:
                 config["parent"] = parent_record(fork_from)
@@ -559,10 +458,8 @@ class TrainTool(Section):
                 from rich.console import Console
 
                 console = Console()
-            if dist_run.is_main:
-                sinks = build_sink_group(run_dir, self.sinks, self.wandb, config, console=console)
-            else:  # the other ranks emit nothing (their session has no sink)
-                sinks = SinkGroup()
+            run.config, run.console = config, console
+            sinks = run.open_sinks(self.sinks, self.wandb)  # none off rank 0
             if dist_run.distributed:
                 hooks.append(RankStatisticsHook(dist_run.world_size))
             if self.evaluation.every_epochs > 0 or self.evaluation.at_end:
@@ -620,12 +517,10 @@ class TrainTool(Section):
                 hooks=hooks,
                 device=device,
                 seed=dist_run.seed(self.seed, self.env.num_envs),  # distinct envs per rank
-                run_dir=run_dir,
-                config=config,
+                run=run,
                 lifecycle_hooks=self.lifecycle_hooks(),
                 snapshot_every=self.snapshot_every,
                 lifecycle_config=self,
-                sinks=sinks,
             )
             if context.sampler is not None:  # the session ends a pass at every optimizer step
                 # built only if a probe_batch schedule runs (interventions build it too)
@@ -635,14 +530,13 @@ class TrainTool(Section):
             if dist_run.distributed:
                 trainer.wrap_ddp(dist_run.ddp_device_ids())
             if resume_from is not None:
-                resume_trainer(trainer, sinks, resume_from, own_envs=dist_run.is_main)
+                resume_trainer(trainer, run, resume_from, own_envs=dist_run.is_main)
             if forked:
                 apply_optimizer_config(trainer, trainer.cfg)
                 trainer.state.last_checkpoint = None  # the parent's is not this run's
-            if dist_run.is_main:
-                # written once the run starts (a failed start or resume changes nothing);
-                # atomically: a crash never leaves a truncated config.json for `resume`
-                write_text_atomic(run_dir / "config.json", json.dumps(config, indent=2) + "\n")
+            # written once the run starts (a failed start or resume changes nothing);
+            # atomically: a crash never leaves a truncated config.json for `resume`
+            run.write_config()
             training = True
             with run_control.handling_signals():
                 state = trainer.train()

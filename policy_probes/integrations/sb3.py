@@ -36,7 +36,6 @@ uses that minibatch.
 from __future__ import annotations
 
 import copy
-import inspect
 import logging
 import numbers
 import time
@@ -56,14 +55,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from policy_probes.context import ComponentContext
+from policy_probes.components import ProbeSpec, add_probe
 from policy_probes.hook_types import ProbeBuilder
 from policy_probes.lifecycle import preserved_rng
+from policy_probes.probe_settings import ProbeSettings
 from policy_probes.probes.churn import start_epoch as churn_start_epoch
-from policy_probes.run_dir import default_run_dir, held_outputs, remove_outputs
-from policy_probes.sampling import DEFAULT_BUDGET, Schedule, as_schedule, check_budget
+from policy_probes.run import Run, default_run_dir, held_outputs, remove_outputs
 from policy_probes.session import ProbeSession
-from policy_probes.sinks import SinksConfig, WandbConfig
 from policy_probes.torch_internals import child_modules
 
 #: short names -> submodule paths of SB3's ``ActorCriticPolicy`` (PPO, A2C ``MlpPolicy``);
@@ -128,27 +126,29 @@ class ProbeCallback(BaseCallback):
     per rollout/update cycle to the sinks (JSONL, CSV, W&B, console).
 
     Args:
-        probes: ``(pattern, builder)`` forward probes, e.g.
-            ``("actor_mlp", attach_relu_activation_hooks())``.
-        backward_probes: ``(pattern, builder)`` backward probes, e.g.
-            ``("actor_mlp", attach_fisher_information_hooks())``.
+        probes: ``(pattern, builder)`` probes, each placed forward or backward as it says,
+            e.g. ``("actor_mlp", attach_relu_activation_hooks())``.
+        backward_probes: ``(pattern, builder)`` backward probes (plain backward hook
+            closures too), e.g. ``("actor_mlp", attach_fisher_information_hooks())``.
         components: more component names (name -> submodule or dotted path); the SB3
             names of :func:`sb3_components` are always there.
         run_dir: where the sinks write; default ``runs/sb3-<algo>-<time>``.
-        sinks, wandb, config, strict, hooks, with_hooks, hook_config, snapshot_every: as in
-            :class:`~policy_probes.session.ProbeSession` (the run config also gets the
-            algorithm's hyperparameters under ``"sb3"``). Lifecycle observers get the
+        probing: the probe settings (:class:`~policy_probes.probe_settings.ProbeSettings`:
+            sinks, W&B, strict, lifecycle hooks, sampling, snapshots), as in
+            :class:`~policy_probes.session.ProbeSession`. Lifecycle observers get the
             policy and its optimizer; interventions are not available (SB3's loss is
-            internal to ``train()``).
+            internal to ``train()``). The default samples passes 0, 16, 32, ... of every
+            cycle's ``train()``, every cycle reporting (the 5 % budget is checked once,
+            after the third cycle; passes end at SB3's ``optimizer.step()``); SB3 has no
+            loss function to give, so ``probe_batch`` schedules fall back to the default.
+        config: the run configuration (``config.json``; it also gets the algorithm's
+            hyperparameters under ``"sb3"``).
         log_sb3: add SB3's own logger values of the cycle (``train/*``) and the episode
             statistics (``rollout/ep_rew_mean``, ``rollout/ep_len_mean``) to each record.
         verbose: SB3 verbosity; 1 prints the record's path once.
-        probe_budget, probe_schedule: as in ProbeSession (default: passes 0, 16, 32, ...
-            of every cycle's ``train()``, every cycle reporting; the 5 % budget is
-            checked once, after the third cycle; passes end at SB3's
-            ``optimizer.step()``). SB3 has no loss function to give, so ``probe_batch``
-            schedules fall back to the default; ``probe_schedule="every"`` or
-            ``probe_budget=None`` observes every pass.
+
+    The probe settings as keywords of their own (``sinks=``, ``hooks=``,
+    ``probe_budget=``, ...: earlier versions) still work, with a DeprecationWarning.
 
     After ``learn()`` the session is closed (hooks removed, sinks closed) and
     :attr:`history` holds every record. A later ``learn()`` with the same callback opens
@@ -162,39 +162,24 @@ class ProbeCallback(BaseCallback):
         *,
         components: Mapping[str, nn.Module | str] | None = None,
         run_dir: str | Path | None = None,
-        sinks: SinksConfig | None = None,
-        wandb: WandbConfig | None = None,
+        probing: ProbeSettings | None = None,
         config: Mapping[str, Any] | None = None,
-        strict: bool = False,
-        hooks: Iterable[str] = (),
-        with_hooks: str | None = None,
-        hook_config: Mapping[str, Any] | Iterable[str] | None = None,
-        snapshot_every: int = 0,
         log_sb3: bool = True,
         verbose: int = 0,
-        probe_budget: float | None = DEFAULT_BUDGET,
-        probe_schedule: Schedule | str | None = None,
+        **deprecated: Any,
     ) -> None:
         super().__init__(verbose)
-        self.probe_budget = check_budget(probe_budget)
-        self.probe_schedule = as_schedule(probe_schedule)
-        self._probes: list[tuple[str, ProbeBuilder, bool]] = []
+        self.probing = ProbeSettings.from_keywords(probing, deprecated, "ProbeCallback")
+        if deprecated:
+            raise TypeError(f"ProbeCallback got unexpected keyword arguments {sorted(deprecated)}")
+        self._probes: list[ProbeSpec] = []
         for pattern, builder in _pairs(probes, "probes"):
-            self._probes.append((pattern, builder, False))
+            add_probe(self._probes, pattern, builder, None)
         for pattern, builder in _pairs(backward_probes, "backward_probes"):
-            self._probes.append((pattern, builder, True))
+            add_probe(self._probes, pattern, builder, True)
         self.components = dict(components or {})
         self.run_dir = Path(run_dir) if run_dir is not None else None
-        self.sinks_config = sinks
-        self.wandb_config = wandb
         self.user_config = dict(config or {})
-        self.strict = strict
-        self.hook_selection = {
-            "hooks": list(hooks),
-            "with_hooks": with_hooks,
-            "hook_config": hook_config,
-        }
-        self.snapshot_every = snapshot_every
         self.log_sb3 = log_sb3
         self.session: ProbeSession | None = None
         #: one dict per reported cycle (what was emitted)
@@ -204,18 +189,18 @@ class ProbeCallback(BaseCallback):
 
     # ------------------------------------------------------------------ probes
     def add_training_hook(self, pattern: str, builder: ProbeBuilder) -> ProbeCallback:
-        """Add a forward probe (attached when ``learn()`` starts, or now if it runs)."""
-        return self._add(pattern, builder, backward=False)
+        """Add a probe, placed by its direction (attached when ``learn()`` starts, or now
+        if it runs)."""
+        return self._add(pattern, builder, backward=None)
 
     def add_training_backward_hook(self, pattern: str, builder: ProbeBuilder) -> ProbeCallback:
         """Add a backward probe (attached when ``learn()`` starts, or now if it runs)."""
         return self._add(pattern, builder, backward=True)
 
-    def _add(self, pattern: str, builder: ProbeBuilder, backward: bool) -> ProbeCallback:
+    def _add(self, pattern: str, builder: ProbeBuilder, backward: bool | None) -> ProbeCallback:
         if self.session is not None and not self.session.closed:
-            attach = _attach_method(self.session, backward)
-            attach(pattern, builder)
-        self._probes.append((pattern, builder, backward))
+            self.session._attach(pattern, builder, backward)
+        add_probe(self._probes, pattern, builder, backward)
         return self
 
     # --------------------------------------------------------------- callbacks
@@ -231,26 +216,20 @@ class ProbeCallback(BaseCallback):
         self.run_dir = run_dir
         config = {"sb3": self._hyperparameters(), **self.user_config}
         fresh = not self.history and not held_outputs(run_dir)  # a new run of ours
+        # a later learn(): this callback's own run goes on after its last cycle
+        run = Run(run_dir, resume=bool(self.history))
         session = ProbeSession(
             policy,
+            run=run,
+            probing=self.probing,
             components=sb3_components(policy, self.components),
-            run_dir=run_dir,
-            sinks=self.sinks_config,
-            wandb=self.wandb_config,
             config=config,
-            strict=self.strict,
             optimizer=getattr(policy, "optimizer", None),
-            snapshot_every=self.snapshot_every,
-            probe_budget=self.probe_budget,
-            probe_schedule=self.probe_schedule,
-            start_epoch=len(self.history),
-            resume=bool(self.history),  # a later learn(): this callback's own run goes on
-            **self.hook_selection,
         )
         try:
             self._trace(session)
             for pattern, builder, backward in self._probes:
-                _attach_method(session, backward)(pattern, builder)
+                session._attach(pattern, builder, backward)
         except BaseException:
             session.close()
             if fresh:  # a failed start leaves nothing that blocks the corrected script
@@ -442,20 +421,6 @@ def _sequence_mask(mask: torch.Tensor, sample: Any) -> torch.Tensor:
     return mask.reshape(n_seq, -1) if n_seq and mask.numel() % n_seq == 0 else mask
 
 
-def _attach_method(session: ProbeSession, backward: bool) -> Any:
-    return session.add_training_backward_hook if backward else session.add_training_hook
-
-
-def _takes_name_and_context(builder: Any) -> bool:
-    try:
-        inspect.signature(builder).bind("component", ComponentContext())
-    except TypeError:
-        return False
-    except ValueError:  # no signature (builtins): let attach decide
-        pass
-    return True
-
-
 def _pairs(items: Iterable[Probe], what: str) -> list[Probe]:
     out = []
     for item in items:
@@ -463,11 +428,6 @@ def _pairs(items: Iterable[Probe], what: str) -> list[Probe]:
             raise TypeError(
                 f"{what} must hold (pattern, builder) pairs such as ('actor_mlp', "
                 f"attach_relu_activation_hooks()), got {item!r}"
-            )
-        if not callable(item[1]) or not _takes_name_and_context(item[1]):
-            raise TypeError(
-                f"{what}: the builder for {item[0]!r} must be callable as (component_name, "
-                f"context); did you forget the parentheses, e.g. attach_relu_activation_hooks()?"
             )
         out.append((item[0], item[1]))
     return out

@@ -94,7 +94,7 @@ class TrainingHook:
             observers 100, interventions 200, debug interventions 300 by default.
         run_on_all_ranks: in a distributed run, hooks run on rank 0 only unless this is
             True (the trainer callbacks' convention); set it for hooks that take part in
-            collectives (``stats_reporter`` all-reduces the probe trackers).
+            collectives.
         runs_model: whether the hook runs forward or backward passes through the model.
             While such a hook is dispatched the manager switches the component context to
             the ``"hook"`` phase, so module probes neither record nor stay installed;

@@ -1,15 +1,17 @@
 """HookRegistry and hook selection: names, groups and per-hook configuration.
 
-Groups: ``none``, ``minimal`` (training_metrics, stats_reporter, norms), ``observers``
-(every observer), ``interventions`` (every intervention except debug ones), ``full``
-(observers + interventions). Keywords: ``all`` (= full) and ``with_debug`` (full plus the
-debug interventions). ``training_metrics`` and ``stats_reporter`` join any selection that
-is not empty.
+Groups: ``none``, ``minimal`` (training_metrics, norms), ``observers`` (every observer),
+``interventions`` (every intervention except debug ones), ``full`` (observers +
+interventions). Keywords: ``all`` (= full) and ``with_debug`` (full plus the debug
+interventions). ``training_metrics`` joins any selection that is not empty. The probes'
+trackers are no hook: every ``epoch_end`` reports them (``stats_reporter``, once a hook,
+is accepted and ignored with a DeprecationWarning).
 """
 
 from __future__ import annotations
 
 import difflib
+import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -166,6 +168,14 @@ def resolve_hook_names(hooks: Iterable[str] = (), with_hooks: str | None = None)
         for name in str(item).split(","):
             name = name.strip()
             if not name:
+                continue
+            if name == "stats_reporter":  # a hook until the probes reported at every epoch end
+                warnings.warn(
+                    "the stats_reporter hook is gone: every epoch_end reports the probes; "
+                    "drop it from the selection",
+                    DeprecationWarning,
+                    stacklevel=3,
+                )
                 continue
             if name in GROUPS or name in KEYWORDS:
                 wanted.update(HookRegistry.expand(name))

@@ -1,8 +1,7 @@
 """The built-in lifecycle hooks (importing this package registers them).
 
-Within one firing hooks run by their ``order``: the loop's own statistics and the probe
-trackers first, then the observers, then the interventions (ties alphabetically, the
-import order below).
+Within one firing hooks run by their ``order``: the loop's own statistics first, then
+the observers, then the interventions (ties alphabetically, the import order below).
 """
 
 from policy_probes.lifecycle.hooks.adam_dynamics import AdamDynamicsHook
@@ -12,7 +11,6 @@ from policy_probes.lifecycle.hooks.feature_rank import FeatureRankHook
 from policy_probes.lifecycle.hooks.hessian import HessianHook
 from policy_probes.lifecycle.hooks.norms import NormsHook
 from policy_probes.lifecycle.hooks.policy_fisher import PolicyFisherHook
-from policy_probes.lifecycle.hooks.stats_reporter import StatsReporterHook
 from policy_probes.lifecycle.hooks.training_metrics import TrainingMetricsHook
 
 __all__ = [
@@ -23,6 +21,5 @@ __all__ = [
     "HessianHook",
     "NormsHook",
     "PolicyFisherHook",
-    "StatsReporterHook",
     "TrainingMetricsHook",
 ]

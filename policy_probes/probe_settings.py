@@ -1,0 +1,106 @@
+"""ProbeSettings: how a run probes, one model for every loop: ``TrainTool`` (whose fields
+they are), ``ProbeCallback(probing=...)`` and ``ProbeSession(probing=...)``."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from policy_probes.lifecycle import HookSelectionError, TrainingHook, select_hooks
+from policy_probes.sampling import DEFAULT_BUDGET, as_schedule, check_budget
+from policy_probes.sinks import SinksConfig, WandbConfig
+
+
+class ProbeSettings(BaseModel):
+    """The probe settings of a run: faults, lifecycle hooks, sampling, snapshots, sinks."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    strict: bool = Field(
+        False, description="Probe faults stop training instead of disabling the probe."
+    )
+    hooks: list[str] = Field(
+        default_factory=list,
+        description="Lifecycle hooks (names or groups) to enable; `policy-probes hooks list`.",
+    )
+    with_hooks: str | None = Field(
+        None,
+        description="A hook group: none, minimal, observers, interventions, full, all, with_debug.",
+    )
+    hook_config: dict[str, Any] | list[str] = Field(
+        default_factory=dict,
+        description='Hook parameters, "name.param" -> value (e.g. {"hessian.iters": 30}).',
+    )
+    probe_budget: float | None = Field(
+        DEFAULT_BUDGET,
+        description="The probes observe passes 0, 16, 32, ... of every epoch and report "
+        "every epoch; this fraction of wall time is checked once, after the third epoch, "
+        "and may raise an expensive probe's stride (never below one pass per epoch). "
+        "None: every pass.",
+    )
+    probe_schedule: str | None = Field(
+        None,
+        description="Schedule of probes built without schedule=: every (exact, every pass), "
+        "every_k:<k>, per_epoch:<n>, probe_batch:<rows> (a dedicated pass at the epoch end), "
+        "budget (the default with a budget).",
+    )
+    snapshot_every: int = Field(
+        0,
+        ge=0,
+        description="Fire SNAPSHOT (expensive hooks such as hessian; the console's snapshot "
+        "table) every N epochs; 0 = never.",
+    )
+    sinks: SinksConfig = Field(default_factory=SinksConfig)
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+
+    @field_validator("probe_budget")
+    @classmethod
+    def _check_probe_budget(cls, v: float | None) -> float | None:
+        return check_budget(v)
+
+    @field_validator("probe_schedule", mode="before")
+    @classmethod
+    def _check_probe_schedule(cls, v: Any) -> str | None:
+        return None if v is None else str(as_schedule(v))
+
+    @field_validator("hooks", mode="before")
+    @classmethod
+    def _split_hook_names(cls, v: Any) -> Any:
+        # `hooks=norms,hessian` on the command line arrives as one string
+        return [s.strip() for s in v.split(",") if s.strip()] if isinstance(v, str) else v
+
+    @model_validator(mode="after")
+    def _check_hooks(self) -> Any:
+        self.lifecycle_hooks()  # unknown hooks, groups, parameters or values: clear error
+        return self
+
+    def lifecycle_hooks(self) -> list[TrainingHook]:
+        """Fresh instances of the selected lifecycle hooks (``hooks``, ``with_hooks``,
+        ``hook_config``); raises ``ValueError`` naming the valid choices."""
+        try:
+            return select_hooks(self.hooks, self.with_hooks, self.hook_config)
+        except HookSelectionError as exc:
+            raise ValueError(str(exc)) from None
+
+    @classmethod
+    def from_keywords(
+        cls, probing: ProbeSettings | None, legacy: dict[str, Any], owner: str
+    ) -> ProbeSettings:
+        """``probing`` with the settings ``owner`` was given as keywords (the form of
+        earlier versions, still accepted with a DeprecationWarning) taken out of
+        ``legacy``."""
+        given = {k: legacy.pop(k) for k in list(legacy) if k in cls.model_fields}
+        if not given:
+            return probing if probing is not None else cls()
+        if probing is not None:
+            raise TypeError(f"{owner}: pass {sorted(given)} inside probing=, not beside it")
+        warnings.warn(
+            f"{owner}({', '.join(f'{k}=' for k in given)}...) is deprecated: pass "
+            f"probing=ProbeSettings({', '.join(f'{k}=...' for k in given)})",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        # None is "the default", except for the budget (None: every pass)
+        return cls(**{k: v for k, v in given.items() if v is not None or k == "probe_budget"})

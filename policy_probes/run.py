@@ -1,0 +1,341 @@
+"""Run: one run directory, owned by whichever loop trains into it.
+
+The built-in trainer (``TrainTool``), the Stable-Baselines3 ``ProbeCallback`` and a loop
+of one's own each open a :class:`Run` (lock, claim, ``config.json``, metric sinks, their
+records) and hand it to their :class:`~policy_probes.session.ProbeSession`, which closes
+it: ``ProbeSession(agent, run=Run("runs/ppo", resume=True))``. Which checkpoint a resumed
+trainer starts from is the trainer's business (``trainers/``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import functools
+import itertools
+import json
+import logging
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from policy_probes.atomic_write import write_text_atomic
+from policy_probes.processes import current_rank
+from policy_probes.run_lock import RunDirLock, refuse_if_locked
+from policy_probes.sinks import SinkGroup, SinksConfig, WandbConfig, build_sink_group
+from policy_probes.sinks.base import to_plain
+from policy_probes.sinks.jsonl import iter_jsonl
+from policy_probes.user_errors import mark_usage_error
+
+log = logging.getLogger("policy_probes")
+
+#: what a training run writes into its run_dir (overwrite removes exactly these)
+RUN_OUTPUTS = (
+    "config.json",
+    "metrics.jsonl",
+    "metrics.jsonl.tmp",
+    "metrics.csv",
+    "metrics.csv.tmp",
+    "checkpoints",
+    "wandb",
+    "tensorboard",
+    "control",
+    "report.html",
+)
+#: what a run leaves behind: files, and the checkpoints directory
+RUN_MARKERS = {
+    "config.json": Path.is_file,
+    "metrics.jsonl": Path.is_file,
+    "metrics.csv": Path.is_file,
+    "checkpoints": Path.is_dir,
+}
+
+
+class RunDirConflict(FileExistsError):
+    """``run_dir`` already holds a run and neither resume nor overwrite was asked for."""
+
+    usage_error = True  # the CLI prints it without a traceback (exit status 2)
+
+
+def held_outputs(run_dir: str | Path) -> list[str]:
+    """The :data:`RUN_MARKERS` present in ``run_dir`` (empty: no run there)."""
+    run_dir = Path(run_dir)
+    return [m for m, kind in RUN_MARKERS.items() if kind(run_dir / m)]
+
+
+def remove_outputs(run_dir: str | Path, names: tuple[str, ...] = RUN_OUTPUTS) -> None:
+    """Delete the ``names`` entries of ``run_dir`` (default every run output: overwrite)."""
+    for name in names:
+        target = Path(run_dir) / name
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target)
+        elif target.exists() or target.is_symlink():
+            target.unlink()
+
+
+def check_run_dir_path(run_dir: str | Path) -> None:
+    """Raise ``NotADirectoryError`` (tagged a usage error) when ``run_dir`` or one of its
+    parents is a file, so the user hears about the path, not about ``mkdir``."""
+    path = Path(run_dir)
+    longest = max(path.parts, key=len, default="")
+    if len(longest.encode()) > NAME_MAX:
+        exc = ValueError(
+            f"run_dir {_short(str(path))!r} has a name of {len(longest.encode())} bytes "
+            f"({_short(longest)!r}); file systems allow {NAME_MAX}: choose a shorter run_dir"
+        )
+        exc.usage_error = True  # type: ignore[attr-defined]
+        raise exc
+    for candidate in (path, *path.parents):
+        if candidate.exists() and not candidate.is_dir():
+            exc = NotADirectoryError(
+                f"run_dir {str(path)!r} cannot be created: {str(candidate)!r} is a file; "
+                f"choose a directory path for run_dir"
+            )
+            exc.usage_error = True  # type: ignore[attr-defined]
+            raise exc
+
+
+#: the longest file name most file systems take (ext4, xfs, btrfs, tmpfs, APFS, NTFS)
+NAME_MAX = 255
+
+
+def _short(text: str, keep: int = 40) -> str:
+    return text if len(text) <= 2 * keep else f"{text[:keep]}...{text[-keep:]}"
+
+
+def make_run_dir(run_dir: str | Path) -> Path:
+    """Create ``run_dir`` and check that files can be written in it; a usage error naming
+    the directory otherwise."""
+    path = Path(run_dir)
+    check_run_dir_path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".write_test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        error = PermissionError(
+            f"run_dir {str(path)!r} is not writable ({exc.strerror or exc}); choose a "
+            f"directory you can write to for run_dir"
+        )
+        error.usage_error = True  # type: ignore[attr-defined]
+        raise error from None
+    return path
+
+
+def default_run_dir(name: str = "session") -> Path:
+    """``runs/<name>-<time>`` (with a numeric suffix if it exists already)."""
+    base = Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    path, i = base, 1
+    while path.exists():
+        path, i = base.with_name(f"{base.name}-{i}"), i + 1
+    return path
+
+
+class Run:
+    """One run directory: its lock, the claim on it, ``config.json``, the metric sinks.
+
+    ``resume``: continue the run the directory holds (its records stay; :meth:`rewind`
+    drops those a loop writes again); ``overwrite``: replace it. ``config`` goes to
+    ``config.json`` and the W&B run. ``main``: this process writes the run's files (rank 0
+    of a distributed run; the others create, lock and write nothing and get no sinks).
+    ``first_epoch``: the number of the first epoch in the records (the built-in trainer
+    counts from 1). ``console``: a rich ``Console`` for the console sink. ``name``: the
+    default directory's prefix (``runs/<name>-<time>``).
+    """
+
+    def __init__(
+        self,
+        run_dir: str | Path | None = None,
+        *,
+        resume: bool = False,
+        overwrite: bool = False,
+        config: dict[str, Any] | None = None,
+        main: bool = True,
+        first_epoch: int = 0,
+        console: Any = None,
+        name: str = "session",
+    ) -> None:
+        if resume and overwrite:  # the user's to fix (the CLI prints it, exit status 2)
+            raise mark_usage_error(
+                ValueError("resume and overwrite exclude each other; choose one")
+            )
+        self.dir = Path(run_dir) if run_dir is not None else default_run_dir(name)
+        self.resume, self.overwrite, self.main = bool(resume), bool(overwrite), main
+        self.config: dict[str, Any] = dict(config or {})
+        self.first_epoch = int(first_epoch)
+        self.console = console
+        #: the run's metric sinks (:meth:`open_sinks`; empty until then and off rank 0)
+        self.sinks = SinkGroup()
+        self.opened = self.sinks_open = False
+        self._lock = RunDirLock(self.dir)
+        self._created: list[Path] = []
+
+    # ------------------------------------------------------------------ claim
+    def open(self, *, claim: bool = True) -> Run:
+        """Create the directory and take its lock (main process only; held until
+        :meth:`close`), then :meth:`claim` it unless ``claim=False``. A refusal leaves
+        no lock and no directory it created behind."""
+        try:
+            if self.main:
+                self._created = _missing_directories(self.dir)
+                make_run_dir(self.dir)
+                self._lock.acquire()
+            if claim:
+                self.claim()
+        except BaseException:
+            self.close(refused=True)
+            raise
+        self.opened = True
+        return self
+
+    def claim(self) -> None:
+        """The one decision about a directory that holds a run already: continue it
+        (``resume``), replace it (``overwrite``: its outputs are deleted on the main
+        process), start again where a run was killed while starting (metric files without
+        a record, no ``config.json`` or checkpoint), or refuse with
+        :class:`RunDirConflict`. Reads only on the other processes."""
+        held = held_outputs(self.dir)
+        if not held or self.resume:
+            return
+        if not self.overwrite and not _aborted_start(self.dir, held):
+            raise RunDirConflict(
+                f"run_dir {str(self.dir)!r} already holds a run ({', '.join(held)}); pass "
+                f"resume=True to continue it, overwrite=True to replace it (command line: "
+                f"`policy-probes resume {self.dir}`, `policy-probes run ... --overwrite`), "
+                f"or choose another run_dir"
+            )
+        if self.main:
+            remove_outputs(self.dir)
+        why = (
+            "overwrite"
+            if self.overwrite
+            else "a run killed while it started; it starts again from its beginning"
+        )
+        log.warning("removed the previous run's %s from %s (%s)", ", ".join(held), self.dir, why)
+
+    def check(self) -> None:
+        """Raise what :meth:`open` would (a bad path, a live lock, a claim refused),
+        writing nothing (``policy-probes run --dry-run``)."""
+        check_run_dir_path(self.dir)
+        refuse_if_locked(self.dir)
+        main, self.main = self.main, False  # the claim reads only
+        try:
+            self.claim()
+        finally:
+            self.main = main
+
+    def discard_records(self) -> None:
+        """Delete the run's metric files (a resumed run that wrote no checkpoint yet starts
+        again from its beginning; same seed, same run). Main process only."""
+        if self.main:
+            remove_outputs(self.dir, ("metrics.jsonl", "metrics.csv", "tensorboard"))
+
+    def last_recorded_epoch(self) -> int | None:
+        """The last epoch in ``metrics.jsonl``, or ``metrics.csv`` without it (None: none)."""
+        jsonl, table = self.dir / "metrics.jsonl", self.dir / "metrics.csv"
+        if jsonl.is_file():
+            epochs = [r["epoch"] for r in iter_jsonl(jsonl) if isinstance(r.get("epoch"), int)]
+        elif table.is_file():
+            with open(table, encoding="utf-8", newline="") as f:
+                epochs = [int(r["epoch"]) for r in csv.DictReader(f) if r["epoch"].isdigit()]
+        else:
+            return None
+        return max(epochs) if epochs else None
+
+    # ------------------------------------------------------------------ files
+    def write_config(self) -> None:
+        """Write :attr:`config` to ``config.json`` (atomically; main process only)."""
+        if not self.main:
+            return
+        try:
+            text = json.dumps(to_plain(self.config), indent=2)
+            write_text_atomic(self.dir / "config.json", text + "\n")
+        except OSError as exc:  # the sinks report an unwritable run_dir themselves
+            log.error("could not write %s/config.json: %s", self.dir, exc)
+
+    def open_sinks(
+        self, sinks: SinksConfig | None = None, wandb: WandbConfig | None = None
+    ) -> SinkGroup:
+        """Build the metric sinks (main process only) into :attr:`sinks`."""
+        if self.main:
+            sinks, wandb = sinks or SinksConfig(), wandb or WandbConfig()
+            self.sinks = build_sink_group(self.dir, sinks, wandb, self.config, console=self.console)
+        self.sinks.set_run_context(run_dir=self.dir, config=self.config)
+        self.sinks_open = True
+        return self.sinks
+
+    def rewind(self, epoch: int) -> None:
+        """Drop every sink's records of epochs after ``epoch`` (a loop resumed from the end
+        of ``epoch`` writes them again); a sink that fails is logged and left as it is."""
+        for sink in self.sinks:
+            rewind = getattr(sink, "rewind", None)
+            if not callable(rewind):
+                continue
+            try:
+                dropped = rewind(epoch)
+            except Exception as exc:  # noqa: BLE001 - the sink group's isolation rule
+                log.error("could not rewind metric sink %s: %s", sink.name, exc)
+                continue
+            if dropped:
+                log.warning("%s: dropped %d records after epoch %d", sink.name, dropped, epoch)
+
+    def choice_recorder(self) -> Callable[[dict[str, Any]], None]:
+        """What the sampler calls with its one-time choice: :func:`record_sampling_choice`
+        of this directory (the sampler must not hold the run and its open files)."""
+        return functools.partial(record_sampling_choice, self.dir)
+
+    def close(self, *, refused: bool = False) -> None:
+        """Close the sinks and release the lock (idempotent); ``refused``: a start that
+        was refused also removes the directories :meth:`open` created."""
+        try:
+            self.sinks.close()
+        finally:
+            self._lock.release()
+            for directory in self._created if refused else ():  # deepest first
+                with contextlib.suppress(OSError):
+                    directory.rmdir()
+
+
+def record_sampling_choice(run_dir: Path | None, choice: dict[str, Any]) -> None:
+    """Add the probe budget's one-time choice (:mod:`policy_probes.sampling`) to
+    ``run_dir/config.json`` as ``probe_sampling`` (a function of the path: the sampler
+    holding it must not hold the run, whose open files ``copy.deepcopy`` would copy)."""
+    path = None if run_dir is None else Path(run_dir) / "config.json"
+    if current_rank() != 0 or path is None or not path.is_file():
+        return  # rank 0 writes the run's files
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+        config["probe_sampling"] = to_plain(choice)
+        write_text_atomic(path, json.dumps(config, indent=2) + "\n")
+    except (OSError, ValueError) as exc:  # the choice is in every record and checkpoint
+        log.error("could not record the probe sampling choice in %s: %s", path, exc)
+
+
+def _aborted_start(run_dir: Path, held: list[str]) -> bool:
+    """Whether ``run_dir`` holds only what a run killed before its first step leaves:
+    metric files without a single epoch record, no ``config.json``, no checkpoint."""
+    if "config.json" in held or "checkpoints" in held:
+        return False
+    jsonl, csv = run_dir / "metrics.jsonl", run_dir / "metrics.csv"
+    try:
+        if jsonl.is_file() and any(True for _ in iter_jsonl(jsonl)):
+            return False
+        if csv.is_file():  # a header at most: no row
+            with open(csv, encoding="utf-8", errors="replace") as f:
+                if len(f.readlines(2**16)) > 1:
+                    return False
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def _missing_directories(run_dir: Path) -> list[Path]:
+    """``run_dir`` and its parents that do not exist yet, deepest first (what creating
+    it makes); empty when it exists or its name is one the file system refuses."""
+    try:
+        return list(itertools.takewhile(lambda p: not p.exists(), (run_dir, *run_dir.parents)))
+    except OSError:  # a name too long: make_run_dir says so
+        return []
