@@ -67,10 +67,6 @@ log = logging.getLogger("policy_probes")
 #: the loop type lifecycle hooks see (``loop_points``) when a ProbeSession fires them
 LOOP = "external"
 
-#: kept for imports of the earlier name; see :data:`policy_probes.hook_types.ProbeBuilder`
-HookBuilderFn = ProbeBuilder
-
-
 class ProbeSession:
     """Probes, lifecycle observers and metric sinks for a training loop you own.
 

@@ -120,7 +120,6 @@ class RunControl(TrainerHook):
         self._previous_handlers: dict[int, Any] = {}
         self._group: Any = None
         self._distributed = False
-        self.paused_seconds = 0.0
 
     # ------------------------------------------------------------------ signals
     @contextlib.contextmanager
@@ -260,7 +259,6 @@ class RunControl(TrainerHook):
                 else:
                     self._handle(state, request)
         finally:
-            self.paused_seconds += time.monotonic() - t0
             # time spent paused is not training time (perf/sps stays meaningful)
             state.trainer.exclude_from_clock(time.monotonic() - t0)
             log.warning("resumed after %.1f s", time.monotonic() - t0)

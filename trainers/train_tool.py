@@ -89,10 +89,6 @@ class TrainResult:
     rank: int = 0
     world_size: int = 1
 
-    def output_files(self) -> list[Path]:
-        """Every file under the run directory (relative paths), for the user to find them."""
-        return sorted(p.relative_to(self.run_dir) for p in self.run_dir.rglob("*") if p.is_file())
-
 
 def seed_everything(seed: int) -> None:
     """Seed Python ``random``, numpy and torch (CPU and CUDA)."""
