@@ -12,7 +12,7 @@ import logging
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 from torch import nn
@@ -20,6 +20,9 @@ from torch import nn
 from policy_probes.context import ComponentContext
 from policy_probes.remedies.optim_state import check_optimizer
 from policy_probes.remedies.trigger import Threshold, Trigger
+
+if TYPE_CHECKING:
+    pass  # typing.Unpack from Python 3.11
 
 log = logging.getLogger("policy_probes")
 
@@ -33,6 +36,16 @@ class RemedyTarget:
     policy: Any  # the PolicyAutoBuilder (get_component, component_consumers)
     context: ComponentContext
     optimizer: torch.optim.Optimizer
+
+
+class RemedyOptions(TypedDict, total=False):
+    """The keyword-only arguments every triggered remedy's factory passes on to
+    :class:`Remedy` (``**options``): the first epoch its trigger may fire at, the epochs it
+    waits after a firing, and its generator's seed (default: the run's seed)."""
+
+    start_epoch: int
+    cooldown: int
+    seed: int | None
 
 
 class Remedy:

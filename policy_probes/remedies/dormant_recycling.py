@@ -20,15 +20,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from policy_probes.remedies.base import Remedy, RemedyTarget
+from policy_probes.remedies.base import Remedy, RemedyOptions, RemedyTarget
 from policy_probes.remedies.fresh_init import draw_seed, fresh_parameters
 from policy_probes.remedies.optim_state import reset_entries
 from policy_probes.remedies.structure import RECURRENT, UnitLayer, target_unit_layers
 from policy_probes.remedies.trigger import Threshold
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 log = logging.getLogger("policy_probes")
 
@@ -142,10 +145,8 @@ def redo(
     every_epochs: int | None = None,
     when: str | Threshold | None = None,
     *,
-    start_epoch: int = 0,
-    cooldown: int = 0,
     consumer: str | Sequence[str] | None = None,
-    seed: int | None = None,
+    **options: Unpack[RemedyOptions],
 ) -> ReDo:
     """ReDo on the component it is attached to (see :mod:`policy_probes.remedies.dormant_recycling`).
 
@@ -154,15 +155,7 @@ def redo(
     ``consumer``: the component(s) reading the component's output (default: the policy's
     ``component_consumers``). ``seed``: the generator's seed (default: the run's seed).
     """
-    return ReDo(
-        tau=tau,
-        consumer=consumer,
-        every_epochs=every_epochs,
-        when=when,
-        start_epoch=start_epoch,
-        cooldown=cooldown,
-        seed=seed,
-    )
+    return ReDo(tau=tau, consumer=consumer, every_epochs=every_epochs, when=when, **options)
 
 
 __all__ = ["ReDo", "recycle", "redo"]

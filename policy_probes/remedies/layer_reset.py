@@ -10,16 +10,19 @@ initial values from their own ``reset_parameters()`` (drawn from the remedy's ge
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from policy_probes.remedies.base import RemedyTarget
+from policy_probes.remedies.base import RemedyOptions, RemedyTarget
 from policy_probes.remedies.fresh_init import LayerRefresh, check_resettable
 from policy_probes.remedies.optim_state import reset_entries
 from policy_probes.remedies.structure import chosen_leaves, parametrised_leaves
 from policy_probes.remedies.trigger import Threshold
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 
 class ResetLayers(LayerRefresh):
@@ -70,19 +73,8 @@ def reset_layers(
     last: int | None = None,
     every_epochs: int | None = None,
     when: str | Threshold | None = None,
-    *,
-    start_epoch: int = 0,
-    cooldown: int = 0,
-    seed: int | None = None,
+    **options: Unpack[RemedyOptions],
 ) -> ResetLayers:
     """Reset ``layers`` (names inside the component) or the ``last`` n parametrised layers
     of the component it is attached to (:mod:`policy_probes.remedies.layer_reset`)."""
-    return ResetLayers(
-        layers=layers,
-        last=last,
-        every_epochs=every_epochs,
-        when=when,
-        start_epoch=start_epoch,
-        cooldown=cooldown,
-        seed=seed,
-    )
+    return ResetLayers(layers=layers, last=last, every_epochs=every_epochs, when=when, **options)

@@ -33,17 +33,20 @@ from __future__ import annotations
 import copy
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from policy_probes.processes import multi_process
-from policy_probes.remedies.base import Remedy, RemedyTarget
+from policy_probes.remedies.base import Remedy, RemedyOptions, RemedyTarget
 from policy_probes.remedies.fresh_init import check_resettable, draw_seed, fresh_parameters
 from policy_probes.remedies.structure import layer_units, parametrised_leaves
 from policy_probes.remedies.trigger import Threshold
 from policy_probes.torch_internals import HOOK_DICTS
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 
 @dataclass
@@ -169,17 +172,8 @@ class PlasticityInjection(Remedy):
 def plasticity_injection(
     every_epochs: int | None = None,
     when: str | Threshold | None = None,
-    *,
-    start_epoch: int = 0,
-    cooldown: int = 0,
-    seed: int | None = None,
+    **options: Unpack[RemedyOptions],
 ) -> PlasticityInjection:
     """Plasticity injection into the component it is attached to, once, at the first
     epoch its trigger is due (:mod:`policy_probes.remedies.plasticity_injection`)."""
-    return PlasticityInjection(
-        every_epochs=every_epochs,
-        when=when,
-        start_epoch=start_epoch,
-        cooldown=cooldown,
-        seed=seed,
-    )
+    return PlasticityInjection(every_epochs=every_epochs, when=when, **options)

@@ -12,15 +12,18 @@ continuously, and the paper applies the operation between trainings without touc
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from policy_probes.remedies.base import RemedyTarget
+from policy_probes.remedies.base import RemedyOptions, RemedyTarget
 from policy_probes.remedies.fresh_init import LayerRefresh, check_resettable
 from policy_probes.remedies.structure import parametrised_leaves
 from policy_probes.remedies.trigger import Threshold
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 
 class ShrinkAndPerturb(LayerRefresh):
@@ -53,19 +56,10 @@ def shrink_and_perturb(
     noise: float = 0.01,
     every_epochs: int | None = None,
     when: str | Threshold | None = None,
-    *,
-    start_epoch: int = 0,
-    cooldown: int = 0,
-    seed: int | None = None,
+    **options: Unpack[RemedyOptions],
 ) -> ShrinkAndPerturb:
     """Shrink-and-perturb on the component it is attached to (``theta <- shrink * theta +
     noise * theta_init``; :mod:`policy_probes.remedies.shrink_perturb`)."""
     return ShrinkAndPerturb(
-        shrink=shrink,
-        noise=noise,
-        every_epochs=every_epochs,
-        when=when,
-        start_epoch=start_epoch,
-        cooldown=cooldown,
-        seed=seed,
+        shrink=shrink, noise=noise, every_epochs=every_epochs, when=when, **options
     )

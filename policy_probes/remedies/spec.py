@@ -14,7 +14,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from policy_probes.remedies.base import Remedy
+from policy_probes.remedies.base import Remedy, RemedyOptions
 from policy_probes.remedies.continual_backprop import continual_backprop
 from policy_probes.remedies.dormant_recycling import redo
 from policy_probes.remedies.l2_init import l2_init
@@ -74,7 +74,10 @@ def parse_remedy_spec(spec: str) -> tuple[str, Remedy]:
         raise ValueError(
             f"remedy spec {spec!r}: unknown remedy {name!r}; known: {sorted(REMEDIES)}"
         )
-    known = list(inspect.signature(factory).parameters)
+    params = inspect.signature(factory).parameters.values()
+    known = [p.name for p in params if p.kind is not p.VAR_KEYWORD]
+    if len(known) < len(params):  # **options: passed on to Remedy
+        known += list(RemedyOptions.__annotations__)
     kwargs: dict[str, Any] = {}
     for item in filter(None, (a.strip() for a in args.split(","))):
         key, eq, text = item.partition("=")
