@@ -156,18 +156,36 @@ def adding(name: str, a: Side, b_label: str, target: str = "", **params: Any) ->
     return Comparison(name, a, Side(b_label, a.case, dict(a.params, **params)), target=target)
 
 
+def atari_params(quick: bool, total_timesteps: int) -> dict[str, Any]:
+    """The ``ours`` case on the Atari recipe's workload: Breakout, the NatureCNN encoder,
+    clipped rewards, 8 envs x 128 steps (2 x 64 and 128 steps when ``quick``)."""
+    return {
+        "env_id": "ALE/Breakout-v5",
+        "encoder": "nature_cnn",
+        "clip_reward": 1.0,
+        "num_envs": 2 if quick else 8,
+        "num_steps": 64 if quick else 128,
+        "total_timesteps": 128 if quick else total_timesteps,
+    }
+
+
 def measure_and_record(
     args: Any,
     comparisons: list[Comparison],
-    table_title: str,
-    results_title: str,
+    what: str,
     *,
+    table_title: str | None = None,
+    results_title: str | None = None,
     ratios: str = "overhead",
     ratio_label: str = "B/A wall time",
 ) -> None:
     """What a benchmark's ``main`` does with its comparisons: run them interleaved
     (``args.repeats`` pairs), print the table and write ``args.out`` with every
-    comparison's median ratio under ``ratios``."""
+    comparison's median ratio under ``ratios``. The titles default to those of an overhead
+    benchmark named ``what``: ``what (wall time with / without)`` over the table and
+    ``what: t(B)/t(A)`` in the results."""
+    table_title = table_title or f"{what} (wall time with / without)"
+    results_title = results_title or f"{what}: t(B)/t(A)"
     interleave(comparisons, args.repeats)
     print_table(table_title, comparisons, ratio_label=ratio_label)
     write_results(args.out, results_title, comparisons, **{ratios: summary(comparisons)})

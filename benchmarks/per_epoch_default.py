@@ -22,7 +22,7 @@ per-pair ratios.
 
 from __future__ import annotations
 
-from benchmarks.ab import Comparison, Side, adding, measure_and_record, parse_args
+from benchmarks.ab import Comparison, Side, adding, atari_params, measure_and_record, parse_args
 
 KEYS = ["recipe", "sb3", "atari", "recurrent", "every_five", "every_atari"]
 #: the toolkit's default sampling, given explicitly (the cases default to every pass)
@@ -31,14 +31,7 @@ EVERY = {"probe_budget": None, "probe_schedule": None}
 
 
 def comparisons(quick: bool, only: list[str] | None = None) -> list[Comparison]:
-    atari = {
-        "env_id": "ALE/Breakout-v5",
-        "encoder": "nature_cnn",
-        "clip_reward": 1.0,
-        "num_envs": 2 if quick else 8,
-        "num_steps": 64 if quick else 128,
-        "total_timesteps": 128 if quick else 4096,
-    }
+    atari = atari_params(quick, total_timesteps=4096)
     recipe = Side("recipe, no probes", "recipe", {"total_timesteps": 4096 if quick else 51_200})
     sb3 = Side("sb3", "sb3", {"total_timesteps": 1024 if quick else 32_768, "activation": "relu"})
     recurrent = Side(
@@ -99,12 +92,7 @@ def comparisons(quick: bool, only: list[str] | None = None) -> list[Comparison]:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(__doc__.splitlines()[0], 6, "per_epoch_default.json", argv, KEYS)
-    measure_and_record(
-        args,
-        comparisons(args.quick, args.only),
-        "the per-epoch default and every pass against no probes (wall time with / without)",
-        "per-epoch default: t(B)/t(A)",
-    )
+    measure_and_record(args, comparisons(args.quick, args.only), "per-epoch default")
 
 
 if __name__ == "__main__":

@@ -17,8 +17,9 @@ def main(argv: list[str] | None = None) -> None:
     measure_and_record(
         args,
         [per_layer_comparison(args.quick)],
-        "per-layer reporting (wall time on / off)",
-        "per-layer overhead: t(per_layer=True)/t(per_layer=False)",
+        "per-layer overhead",
+        table_title="per-layer reporting (wall time on / off)",
+        results_title="per-layer overhead: t(per_layer=True)/t(per_layer=False)",
     )
 
 

@@ -28,7 +28,7 @@ envs x 128 steps, 2 epochs (a CNN on one CPU thread is slow: the run is kept sho
 
 from __future__ import annotations
 
-from benchmarks.ab import Comparison, Side, adding, measure_and_record, parse_args
+from benchmarks.ab import Comparison, Side, adding, atari_params, measure_and_record, parse_args
 
 #: ``--only`` keys, in the order the comparisons run
 KEYS = ["mlp", "per_layer", "wandb", "atari", "plasticity", "plasticity_budget"]
@@ -42,14 +42,7 @@ def comparisons(quick: bool, only: list[str] | None = None) -> list[Comparison]:
     # wandb.watch histograms every parameter and gradient at every step: a much shorter
     # run (8 epochs) keeps the reference row affordable; the ratio is what counts.
     short = dict(base, total_timesteps=512 if quick else 4096)
-    atari = {
-        "env_id": "ALE/Breakout-v5",
-        "encoder": "nature_cnn",
-        "clip_reward": 1.0,
-        "num_envs": 2 if quick else 8,
-        "num_steps": 64 if quick else 128,
-        "total_timesteps": 128 if quick else 2048,
-    }
+    atari = atari_params(quick, total_timesteps=2048)
     comps = {
         "mlp": adding("five probes x 2 components", plain, "probes", target="<= 1.05", probes=True),
         "per_layer": per_layer_comparison(quick),
@@ -100,12 +93,7 @@ def per_layer_comparison(quick: bool) -> Comparison:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(__doc__.splitlines()[0], 5, "probe_overhead.json", argv, KEYS, DEFAULT_KEYS)
-    measure_and_record(
-        args,
-        comparisons(args.quick, args.only),
-        "probe overhead (wall time with / without)",
-        "probe overhead: t(B)/t(A)",
-    )
+    measure_and_record(args, comparisons(args.quick, args.only), "probe overhead")
 
 
 if __name__ == "__main__":

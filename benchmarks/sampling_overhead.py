@@ -106,12 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(
         __doc__.splitlines()[0], 3, "sampling_overhead.json", argv, KEYS + EXTRA_KEYS, KEYS
     )
-    measure_and_record(
-        args,
-        comparisons(args.quick, args.only),
-        "probe overhead with sampling (wall time with / without)",
-        "sampling overhead: t(B)/t(A)",
-    )
+    measure_and_record(args, comparisons(args.quick, args.only), "sampling overhead")
 
 
 if __name__ == "__main__":

@@ -35,12 +35,7 @@ def comparisons(quick: bool) -> list[Comparison]:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(__doc__.splitlines()[0], 5, "sb3_overhead.json", argv)
-    measure_and_record(
-        args,
-        comparisons(args.quick),
-        "SB3 overhead of the ProbeCallback (wall time with / without)",
-        "sb3 overhead: t(B)/t(A)",
-    )
+    measure_and_record(args, comparisons(args.quick), "sb3 overhead")
 
 
 if __name__ == "__main__":

@@ -33,12 +33,7 @@ def comparisons(quick: bool) -> list[Comparison]:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(__doc__.splitlines()[0], 3, "sb3_recurrent_overhead.json", argv)
-    measure_and_record(
-        args,
-        comparisons(args.quick),
-        "RecurrentPPO overhead of the ProbeCallback (wall time with / without)",
-        "sb3 recurrent overhead: t(B)/t(A)",
-    )
+    measure_and_record(args, comparisons(args.quick), "sb3 recurrent overhead")
 
 
 if __name__ == "__main__":

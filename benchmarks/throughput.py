@@ -40,8 +40,9 @@ def main(argv: list[str] | None = None) -> None:
     measure_and_record(
         args,
         comparisons(args.quick),
-        "trainer throughput: speed-up over SB3",
-        "throughput: t(sb3)/t(ours) = speed-up of ours",
+        "throughput",
+        table_title="trainer throughput: speed-up over SB3",
+        results_title="throughput: t(sb3)/t(ours) = speed-up of ours",
         ratios="speedup_over_sb3",
         ratio_label="SB3 time / ours",
     )
