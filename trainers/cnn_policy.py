@@ -11,6 +11,7 @@ action distributions are the MLP policy's (:class:`~trainers.policy.ActorCriticP
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import gymnasium as gym
 import numpy as np
@@ -20,7 +21,7 @@ from torch import nn
 from policy_probes.layers import LinearSpec
 from trainers.config import PolicyConfig
 from trainers.nature_cnn import NatureCNN
-from trainers.policy import ActorCriticPolicy, Forward, action_dims, layer_init
+from trainers.policy import ActorCriticPolicy, Forward, layer_init
 
 
 def image_shape(observation_space: gym.spaces.Space) -> tuple[int, int, int]:
@@ -46,29 +47,23 @@ class CNNActorCriticPolicy(ActorCriticPolicy):
     obs_dtype = torch.uint8
     component_consumers = {"encoder": ("actor_head", "critic_head")}
 
-    def __init__(
-        self,
-        observation_space: gym.spaces.Box,
-        action_space: gym.spaces.Space,
-        cfg: PolicyConfig | None = None,
-    ) -> None:
-        cfg = cfg or PolicyConfig(encoder="nature_cnn")
-        shape = image_shape(observation_space)
-        self.discrete, act_dim, self.action_shape = action_dims(action_space)
-        encoder = NatureCNN(shape, layer_norm=cfg.layer_norm)
-        # Not ActorCriticPolicy.__init__ (it builds the actor and critic MLPs): its _build
-        # with the encoder and the two heads.
-        self._build(
-            {
-                "encoder": encoder,
-                "actor_head": LinearSpec(in_features=encoder.out_features, out_features=act_dim),
-                "critic_head": LinearSpec(in_features=encoder.out_features, out_features=1),
-            },
-            shape,
-            act_dim,
-            cfg.init_log_std,
-        )
-        self.obs_shape = shape
+    @staticmethod
+    def default_config() -> PolicyConfig:
+        return PolicyConfig(encoder="nature_cnn")
+
+    def observation_shape(self, observation_space: gym.spaces.Space) -> tuple[int, ...]:
+        return image_shape(observation_space)
+
+    def build_components(
+        self, obs_shape: tuple[int, ...], act_dim: int, cfg: PolicyConfig
+    ) -> dict[str, Any]:
+        """The encoder and the two heads reading its features."""
+        encoder = NatureCNN(obs_shape, layer_norm=cfg.layer_norm)
+        return {
+            "encoder": encoder,
+            "actor_head": LinearSpec(in_features=encoder.out_features, out_features=act_dim),
+            "critic_head": LinearSpec(in_features=encoder.out_features, out_features=1),
+        }
 
     def reset_parameters(self) -> None:
         """Orthogonal init as CleanRL ``ppo_atari.py``: gain sqrt(2) on every convolution

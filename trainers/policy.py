@@ -67,50 +67,47 @@ class ActorCriticPolicy(PolicyAutoBuilder):
         action_space: gym.spaces.Space,
         cfg: PolicyConfig | None = None,
     ) -> None:
-        cfg = cfg or PolicyConfig()
-        obs_dim = int(np.prod(observation_space.shape))
+        cfg = cfg or self.default_config()
+        obs_shape = self.observation_shape(observation_space)
         self.discrete, act_dim, self.action_shape = action_dims(action_space)
-        critic_sizes = cfg.critic_hidden_sizes or cfg.hidden_sizes
-        critic_act = cfg.critic_activation or cfg.activation
-        self._build(
-            {
-                "actor_mlp": MLPSpec(
-                    in_features=obs_dim,
-                    hidden_sizes=cfg.hidden_sizes,
-                    activation=cfg.activation,
-                    layer_norm=cfg.layer_norm,
-                ),
-                "actor_head": LinearSpec(in_features=cfg.hidden_sizes[-1], out_features=act_dim),
-                "critic_mlp": MLPSpec(
-                    in_features=obs_dim,
-                    hidden_sizes=critic_sizes,
-                    activation=critic_act,
-                    layer_norm=cfg.layer_norm,
-                ),
-                "critic_head": LinearSpec(in_features=critic_sizes[-1], out_features=1),
-            },
-            (obs_dim,),
-            act_dim,
-            cfg.init_log_std,
-        )
-
-    def _build(
-        self,
-        components: dict[str, Any],
-        obs_shape: tuple[int, ...],
-        act_dim: int,
-        init_log_std: float,
-    ) -> None:
-        """Register ``components``, then what every actor-critic holds besides them: the
-        Gaussian ``log_std`` (continuous actions), the initial weights
-        (:meth:`reset_parameters`) and the components' traced output shapes."""
-        PolicyAutoBuilder.__init__(self, components)
-        self.obs_dim = int(np.prod(obs_shape))
-        self.act_dim = act_dim
+        PolicyAutoBuilder.__init__(self, self.build_components(obs_shape, act_dim, cfg))
+        self.obs_shape, self.obs_dim, self.act_dim = obs_shape, int(np.prod(obs_shape)), act_dim
         if not self.discrete:
-            self.log_std = nn.Parameter(torch.full((act_dim,), float(init_log_std)))
+            self.log_std = nn.Parameter(torch.full((act_dim,), float(cfg.init_log_std)))
         self.reset_parameters()
         self.trace_outputs(torch.zeros(1, *obs_shape, dtype=self.obs_dtype))
+
+    @staticmethod
+    def default_config() -> PolicyConfig:
+        """The configuration of a policy built without one."""
+        return PolicyConfig()
+
+    def observation_shape(self, observation_space: gym.spaces.Space) -> tuple[int, ...]:
+        """One observation's shape as the first layer reads it: flat for the MLPs."""
+        return (int(np.prod(observation_space.shape)),)
+
+    def build_components(
+        self, obs_shape: tuple[int, ...], act_dim: int, cfg: PolicyConfig
+    ) -> dict[str, Any]:
+        """The named components: actor and critic MLPs, each with its head."""
+        (obs_dim,) = obs_shape
+        critic_sizes = cfg.critic_hidden_sizes or cfg.hidden_sizes
+        return {
+            "actor_mlp": MLPSpec(
+                in_features=obs_dim,
+                hidden_sizes=cfg.hidden_sizes,
+                activation=cfg.activation,
+                layer_norm=cfg.layer_norm,
+            ),
+            "actor_head": LinearSpec(in_features=cfg.hidden_sizes[-1], out_features=act_dim),
+            "critic_mlp": MLPSpec(
+                in_features=obs_dim,
+                hidden_sizes=critic_sizes,
+                activation=cfg.critic_activation or cfg.activation,
+                layer_norm=cfg.layer_norm,
+            ),
+            "critic_head": LinearSpec(in_features=critic_sizes[-1], out_features=1),
+        }
 
     def reset_parameters(self) -> None:
         """Orthogonal init (Engstrom et al. 2020, CleanRL): gain sqrt(2) on hidden layers,
