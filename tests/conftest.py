@@ -9,6 +9,7 @@ import subprocess
 import sys
 import zlib
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -115,6 +116,38 @@ def attach_all_probes(
         )
     for make in ALL_BACKWARD:
         policy.attach(component, make(), ctx, backward=True)
+
+
+def sb3_cartpole(
+    recurrent: bool = False,
+    *,
+    n_steps: int = 16,
+    batch_size: int = 16,
+    n_epochs: int = 1,
+    hidden: tuple[int, ...] = (16,),
+    n_envs: int = 2,
+    seed: int = 0,
+    **policy_kwargs: object,
+) -> Any:
+    """Stable-Baselines3's PPO (sb3-contrib's RecurrentPPO when ``recurrent``) on ``n_envs``
+    CartPole envs, on the CPU, with actor and critic MLPs of ``hidden`` units;
+    ``policy_kwargs`` adds to the policy's (``activation_fn``, ``lstm_hidden_size``)."""
+    from stable_baselines3.common.env_util import make_vec_env
+
+    if recurrent:
+        from sb3_contrib import RecurrentPPO as algo
+    else:
+        from stable_baselines3 import PPO as algo
+    return algo(
+        "MlpLstmPolicy" if recurrent else "MlpPolicy",
+        make_vec_env("CartPole-v1", n_envs=n_envs, seed=seed),
+        n_steps=n_steps,
+        batch_size=batch_size,
+        n_epochs=n_epochs,
+        policy_kwargs=dict(net_arch=dict(pi=list(hidden), vf=list(hidden)), **policy_kwargs),
+        device="cpu",
+        seed=seed,
+    )
 
 
 def saturation_reference(

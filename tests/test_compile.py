@@ -17,6 +17,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import sb3_cartpole
 from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
@@ -317,23 +318,13 @@ def test_sb3_with_a_compiled_policy_matches_eager(tmp_path, how):
     """SB3 PPO with its ``evaluate_actions`` or its ``mlp_extractor`` compiled, probed by
     ProbeCallback (every second pass observed): every cycle's probe metrics equal the eager
     run's (rtol 1e-5), and the probes add no compiled graph to the run without them."""
-    from stable_baselines3 import PPO
-    from stable_baselines3.common.env_util import make_vec_env
-
     from policy_probes.integrations.sb3 import ProbeCallback
 
     def learn(compiled: bool, probes: bool) -> list[dict]:
         torch._dynamo.reset()
         counters.clear()
-        model = PPO(
-            "MlpPolicy",
-            make_vec_env("CartPole-v1", n_envs=2, seed=0),
-            n_steps=64,
-            batch_size=64,
-            n_epochs=2,
-            policy_kwargs=dict(activation_fn=nn.ReLU, net_arch=dict(pi=[16, 16], vf=[16, 16])),
-            device="cpu",
-            seed=0,
+        model = sb3_cartpole(
+            n_steps=64, batch_size=64, n_epochs=2, hidden=(16, 16), activation_fn=nn.ReLU
         )
         if compiled and how == "evaluate_actions":
             policy = model.policy

@@ -14,8 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from stable_baselines3 import PPO
-from stable_baselines3.common.env_util import make_vec_env
+from conftest import sb3_cartpole
 from torch import nn
 
 from policy_probes import ProbeSettings, Run, attach_relu_activation_hooks
@@ -64,16 +63,7 @@ def trainer_records(run_dir: Path) -> list[dict]:
 
 
 def sb3_records(run_dir: Path) -> list[dict]:
-    model = PPO(
-        "MlpPolicy",
-        make_vec_env("CartPole-v1", n_envs=2, seed=0),
-        n_steps=16,
-        batch_size=16,
-        n_epochs=1,
-        policy_kwargs=dict(activation_fn=nn.ReLU, net_arch=dict(pi=[16], vf=[16])),
-        device="cpu",
-        seed=0,
-    )
+    model = sb3_cartpole(activation_fn=nn.ReLU)
     callback = ProbeCallback(
         probes=[("actor_mlp", attach_relu_activation_hooks())],
         run_dir=run_dir,

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TinyPolicy
+from conftest import TinyPolicy, sb3_cartpole
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
@@ -539,20 +539,15 @@ ROWS = N_ENVS * N_STEPS
 
 def recurrent_ppo() -> Any:
     """sb3-contrib's RecurrentPPO on CartPole with small ReLU MLPs and LSTMs."""
-    from sb3_contrib import RecurrentPPO
-    from stable_baselines3.common.env_util import make_vec_env
-
-    return RecurrentPPO(
-        "MlpLstmPolicy",
-        make_vec_env("CartPole-v1", n_envs=N_ENVS, seed=0),
+    return sb3_cartpole(
+        recurrent=True,
         n_steps=N_STEPS,
         batch_size=BATCH,
         n_epochs=N_EPOCHS,
-        policy_kwargs=dict(
-            activation_fn=nn.ReLU, lstm_hidden_size=8, net_arch=dict(pi=[8], vf=[8])
-        ),
-        device="cpu",
-        seed=0,
+        hidden=(8,),
+        n_envs=N_ENVS,
+        activation_fn=nn.ReLU,
+        lstm_hidden_size=8,
     )
 
 

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from conftest import sb3_cartpole
 from test_probe_fisher import per_sample_loss
 from torch import nn
 from torch.func import functional_call
@@ -300,22 +301,11 @@ def test_recurrent_ppo_lstm_weights_get_their_masked_fisher(tmp_path) -> None:
     (not unsupported) and their Fisher is, per sequence with a real step, the square of
     (real steps x the vector-Jacobian product of every LSTM call of the minibatch),
     re-run here on each sequence alone with plain autograd."""
-    from sb3_contrib import RecurrentPPO
-    from stable_baselines3.common.env_util import make_vec_env
 
     from policy_probes.integrations.sb3 import ProbeCallback
     from policy_probes.sinks import SinksConfig
 
-    model = RecurrentPPO(
-        "MlpLstmPolicy",
-        make_vec_env("CartPole-v1", n_envs=2, seed=0),
-        n_steps=16,
-        batch_size=16,
-        n_epochs=1,
-        policy_kwargs=dict(lstm_hidden_size=6, net_arch=dict(pi=[8], vf=[8])),
-        device="cpu",
-        seed=0,
-    )
+    model = sb3_cartpole(recurrent=True, hidden=(8,), lstm_hidden_size=6)
     lstm = model.policy.lstm_actor
     masks: list[torch.Tensor] = []
     plain_get_samples = model.rollout_buffer._get_samples

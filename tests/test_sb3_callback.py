@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from conftest import hook_counts
+from conftest import hook_counts, sb3_cartpole
 from stable_baselines3 import A2C, PPO
 from stable_baselines3.common.env_util import make_vec_env
 from stable_baselines3.common.logger import configure
@@ -38,15 +38,14 @@ ROWS = N_ENVS * N_STEPS
 
 
 def ppo(activation: type[nn.Module] = nn.ReLU, seed: int = 0) -> PPO:
-    return PPO(
-        "MlpPolicy",
-        make_vec_env("CartPole-v1", n_envs=N_ENVS, seed=seed),
+    return sb3_cartpole(
         n_steps=N_STEPS,
         batch_size=BATCH,
         n_epochs=N_EPOCHS,
-        policy_kwargs=dict(activation_fn=activation, net_arch=dict(pi=[16, 16], vf=[16, 16])),
-        device="cpu",
+        hidden=(16, 16),
+        n_envs=N_ENVS,
         seed=seed,
+        activation_fn=activation,
     )
 
 
