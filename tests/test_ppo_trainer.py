@@ -140,17 +140,24 @@ def make_trainer(envs, cfg: PPOConfig, hidden=(8,), seed=0, **kw) -> PPOTrainer:
     return PPOTrainer(envs, policy, cfg, seed=seed, **kw)
 
 
-def test_autoreset_transitions_masked_and_gae_matches_reference():
-    envs = make_boundary_envs()
-    gamma, lam = 0.9, 0.8
-    cfg = PPOConfig(
-        total_timesteps=T * 3, num_steps=T, num_minibatches=2, gamma=gamma, gae_lambda=lam
-    )
-    trainer = make_trainer(envs, cfg)
+#: discount and GAE lambda of the boundary rollouts, far from 1 so that every term counts
+GAMMA, LAM = 0.9, 0.8
+
+
+def boundary_rollout(**cfg: object) -> PPOTrainer:
+    """A trainer on :func:`make_boundary_envs` (``trainer.envs``; close them) that has
+    collected one rollout of ``T`` steps, discounted with ``GAMMA`` and ``LAM``."""
+    cfg = dict(total_timesteps=T * 3, num_steps=T, gamma=GAMMA, gae_lambda=LAM, **cfg)
+    trainer = make_trainer(make_boundary_envs(), PPOConfig(**cfg))
     trainer.reset_envs()
     trainer.collect_rollout()
+    return trainer
+
+
+def test_autoreset_transitions_masked_and_gae_matches_reference():
+    trainer = boundary_rollout(num_minibatches=2)
     st = trainer.storage
-    ref_adv, ref_valid, ref_obs = reference_advantages(trainer.policy, gamma, lam)
+    ref_adv, ref_valid, ref_obs = reference_advantages(trainer.policy, GAMMA, LAM)
 
     np.testing.assert_array_equal(st.obs.numpy(), ref_obs)
     np.testing.assert_array_equal(st.valid, ref_valid)
@@ -174,7 +181,7 @@ def test_autoreset_transitions_masked_and_gae_matches_reference():
     )
     # episode statistics come from RecordEpisodeStatistics: env 0 episodes return 1+2+3
     assert trainer.state.rollout_stats["episode_return_min"] == 6.0
-    envs.close()
+    trainer.envs.close()
 
 
 def test_categorical_and_gaussian_match_torch_distributions():
@@ -336,10 +343,7 @@ def test_vector_entry_point_missing_is_clear():
 def test_minibatches_are_the_gathered_rows_in_order():
     """Gathering the rollout once in ``order`` and slicing gives exactly the minibatches
     of gathering each one's indices."""
-    envs = make_boundary_envs()
-    trainer = make_trainer(envs, PPOConfig(total_timesteps=T * 3, num_steps=T))
-    trainer.reset_envs()
-    trainer.collect_rollout()
+    trainer = boundary_rollout()
     st = trainer.storage
     order = st.shuffled_order(torch.Generator().manual_seed(3))
     for k in (1, 3, 4):
@@ -349,7 +353,7 @@ def test_minibatches_are_the_gathered_rows_in_order():
         for a, b in zip(got, want, strict=True):
             for f in ("obs", "actions", "logprobs", "values", "advantages", "returns"):
                 assert torch.equal(getattr(a, f), getattr(b, f)), f
-    envs.close()
+    trainer.envs.close()
 
 
 @pytest.mark.parametrize("max_grad_norm", [0.05, 1e6, None])

@@ -7,21 +7,12 @@ import math
 
 import numpy as np
 import pytest
-from test_ppo_trainer import T, make_boundary_envs, make_trainer, reference_advantages
-
-from trainers import PPOConfig
+from test_ppo_trainer import GAMMA, LAM, boundary_rollout, reference_advantages
 
 
 def test_value_target_scale_is_that_of_the_valid_returns() -> None:
-    envs = make_boundary_envs()
-    gamma, lam = 0.9, 0.8
-    cfg = PPOConfig(
-        total_timesteps=T * 3, num_steps=T, num_minibatches=2, gamma=gamma, gae_lambda=lam
-    )
-    trainer = make_trainer(envs, cfg)
-    trainer.reset_envs()
-    trainer.collect_rollout()
-    adv, valid, _ = reference_advantages(trainer.policy, gamma, lam)
+    trainer = boundary_rollout(num_minibatches=2)
+    adv, valid, _ = reference_advantages(trainer.policy, GAMMA, LAM)
     returns = [
         float(a + v)
         for a, v, ok in zip(
@@ -42,4 +33,4 @@ def test_value_target_scale_is_that_of_the_valid_returns() -> None:
     trainer.update()  # the epoch's statistics carry them
     assert trainer.state.loss_stats["value_target_std"] == pytest.approx(std, rel=1e-5)
     assert np.isfinite(trainer.state.loss_stats["explained_variance"])
-    envs.close()
+    trainer.envs.close()
