@@ -26,6 +26,8 @@ from policy_probes import (
     attach_relu_gradient_flow_hooks,
     attach_saturated_activation_hooks,
 )
+from policy_probes.session import ProbeSession
+from policy_probes.sinks import SinksConfig
 from policy_probes.torch_internals import module_hook_count
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,6 +69,22 @@ class ReluNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.body(x))
+
+
+#: the sinks of the remedy tests' sessions: records in metrics.jsonl only
+JSONL_ONLY = SinksConfig(console=False, csv=False, wandb=False, tensorboard=False)
+#: the seed the remedy tests give their remedies (what they draw: :func:`remedy_seeds`)
+REMEDY_SEED = 7
+
+
+def remedy_session(
+    run_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, **kwargs: Any
+) -> ProbeSession:
+    """A session for remedies on ``model`` stepped by ``optimizer``: every pass observed
+    (``probe_budget=None``), records in metrics.jsonl only."""
+    return ProbeSession(
+        model, run_dir=run_dir, sinks=JSONL_ONLY, optimizer=optimizer, probe_budget=None, **kwargs
+    )
 
 
 def remedy_seeds(seed: int, remedy: str, component: str, n: int) -> list[int]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ReluNet, remedy_seeds, snapshot
+from conftest import JSONL_ONLY, REMEDY_SEED, ReluNet, remedy_seeds, remedy_session, snapshot
 from torch import nn
 
 from policy_probes.probes.relu import attach_relu_activation_hooks
@@ -17,10 +17,6 @@ from policy_probes.remedies import (
     split_remedy_specs,
 )
 from policy_probes.session import ProbeSession
-from policy_probes.sinks import SinksConfig
-
-SEED = 7
-SINKS = SinksConfig(console=False, csv=False, wandb=False, tensorboard=False)
 
 
 def fresh_linear(i: int, o: int, seed: int) -> nn.Linear:
@@ -30,10 +26,7 @@ def fresh_linear(i: int, o: int, seed: int) -> nn.Linear:
 
 def make_session(tmp_path, model, optimizer=None, **kwargs):
     opt = optimizer or torch.optim.Adam(model.parameters(), lr=1e-2)
-    session = ProbeSession(
-        model, run_dir=tmp_path, sinks=SINKS, optimizer=opt, probe_budget=None, **kwargs
-    )
-    return session, opt
+    return remedy_session(tmp_path, model, opt, **kwargs), opt
 
 
 def update(session, model, opt, n: int = 2, seed: int = 0) -> None:
@@ -51,7 +44,7 @@ def test_shrink_and_perturb_formula(tmp_path):
     model = ReluNet()
     session, opt = make_session(tmp_path, model)
     session.add_remedy(
-        "body", shrink_and_perturb(shrink=0.7, noise=0.05, every_epochs=1, seed=SEED)
+        "body", shrink_and_perturb(shrink=0.7, noise=0.05, every_epochs=1, seed=REMEDY_SEED)
     )
     with session:
         update(session, model, opt)
@@ -59,7 +52,7 @@ def test_shrink_and_perturb_formula(tmp_path):
         before, moments = snapshot(model, opt)
         metrics = session.epoch_end(step=1)
         assert torch.equal(torch.get_rng_state(), rng)  # the global RNG is untouched
-    s0, s1 = remedy_seeds(SEED, "shrink_and_perturb", "body", 2)
+    s0, s1 = remedy_seeds(REMEDY_SEED, "shrink_and_perturb", "body", 2)
     f = {"body.0": fresh_linear(5, 16, s0), "body.2": fresh_linear(16, 12, s1)}
     for name, p in model.named_parameters():
         layer, _, kind = name.rpartition(".")
@@ -80,12 +73,12 @@ def test_reset_layers_formula_and_fresh_optimizer_state(tmp_path, spec):
     torch.manual_seed(1)
     model = ReluNet()
     session, opt = make_session(tmp_path, model)
-    session.add_remedy("body", reset_layers(**spec, every_epochs=1, seed=SEED))
+    session.add_remedy("body", reset_layers(**spec, every_epochs=1, seed=REMEDY_SEED))
     with session:
         update(session, model, opt)
         before, moments = snapshot(model, opt)
         metrics = session.epoch_end(step=1)
-    (s,) = remedy_seeds(SEED, "reset_layers", "body", 1)
+    (s,) = remedy_seeds(REMEDY_SEED, "reset_layers", "body", 1)
     f = fresh_linear(16, 12, s)
     p = dict(model.named_parameters())
     assert torch.equal(p["body.2.weight"].detach(), f.weight.detach())
@@ -106,7 +99,7 @@ def test_sgd_momentum_buffers_reset(tmp_path):
     model = ReluNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     session, _ = make_session(tmp_path, model, optimizer=opt)
-    session.add_remedy("head", reset_layers(last=1, every_epochs=1, seed=SEED))
+    session.add_remedy("head", reset_layers(last=1, every_epochs=1, seed=REMEDY_SEED))
     with session:
         update(session, model, opt)
         before, moments = snapshot(model, opt)
@@ -194,7 +187,7 @@ def test_session_state_round_trip_restores_generator_and_record(tmp_path):
     torch.manual_seed(5)
     model = ReluNet()
     session, opt = make_session(tmp_path / "a", model)
-    session.add_remedy("head", shrink_and_perturb(every_epochs=1, cooldown=1, seed=SEED))
+    session.add_remedy("head", shrink_and_perturb(every_epochs=1, cooldown=1, seed=REMEDY_SEED))
     with session:
         update(session, model, opt)
         session.epoch_end(step=1)
@@ -247,7 +240,7 @@ def test_bad_configuration_messages(tmp_path):
     ):
         session.add_remedy("head", reset_layers(last=1, every_epochs=1))
 
-    eval_only = ProbeSession(model, run_dir=tmp_path / "c", sinks=SINKS)
+    eval_only = ProbeSession(model, run_dir=tmp_path / "c", sinks=JSONL_ONLY)
     with eval_only, pytest.raises(ValueError, match="without optimizer"):
         eval_only.add_remedy("head", reset_layers(last=1, every_epochs=1))
 
@@ -312,10 +305,10 @@ def test_a_remedy_pins_the_probes_it_reads_to_a_rule_of_pass_counters(tmp_path):
     from policy_probes.sampling import DEFAULT_STRIDE
     from policy_probes.torch_internals import module_hooks_installed
 
-    torch.manual_seed(SEED)
+    torch.manual_seed(REMEDY_SEED)
     model = ReluNet()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    session = ProbeSession(model, run_dir=tmp_path, sinks=SINKS, optimizer=opt)
+    session = ProbeSession(model, run_dir=tmp_path, sinks=JSONL_ONLY, optimizer=opt)
     session.add_training_hook("body", attach_relu_activation_hooks(per_layer=False))
     session.add_training_hook("head", attach_relu_activation_hooks(per_layer=False))
     session.add_remedy("body", redo(tau=0.1, every_epochs=2, consumer="head"))

@@ -11,16 +11,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import ReluNet, remedy_seeds, snapshot
+from conftest import ReluNet, remedy_seeds, remedy_session, snapshot
 from torch import nn
 
 from policy_probes.probes.relu import attach_relu_activation_hooks
 from policy_probes.remedies import redo
-from policy_probes.session import ProbeSession
-from policy_probes.sinks import SinksConfig
 
 TAU = 0.1
-SINKS = SinksConfig(console=False, csv=False, wandb=False, tensorboard=False)
 SEED = 123
 
 
@@ -124,7 +121,7 @@ def check_moments(opt, param, before, rows=None, cols=None):
 
 def session_for(model, tmp_path, component, consumer, tau=TAU, **probe):
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    session = ProbeSession(model, run_dir=tmp_path, sinks=SINKS, optimizer=opt, probe_budget=None)
+    session = remedy_session(tmp_path, model, opt)
     session.add_training_hook(component, attach_relu_activation_hooks(**probe))
     session.add_remedy(component, redo(tau=tau, every_epochs=1, consumer=consumer, seed=SEED))
     return session, opt
@@ -325,9 +322,7 @@ def redo_after_one_step(policy, tmp_path, component: str, x: torch.Tensor, lr: f
     ReDo with tau = 0 on ``component`` at the epoch's end; returns the epoch's metrics and
     the policy's outputs on ``x`` before and after the firing."""
     opt = torch.optim.Adam(policy.parameters(), lr=lr)
-    with ProbeSession(
-        policy, run_dir=tmp_path, sinks=SINKS, optimizer=opt, probe_budget=None
-    ) as session:
+    with remedy_session(tmp_path, policy, opt) as session:
         session.add_training_hook(component, attach_relu_activation_hooks())
         session.add_remedy(component, redo(tau=0.0, every_epochs=1))
         session.set_phase("train")
@@ -427,7 +422,7 @@ def test_redo_on_a_probe_threshold_and_without_per_layer_scores(tmp_path, caplog
         model.body[0].bias[[2, 3]] = -100.0  # dead in layer 0 (not scored)
         model.body[2].bias[[0, 5, 6]] = -100.0  # dead in layer 1 (the component's output)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    session = ProbeSession(model, run_dir=tmp_path, sinks=SINKS, optimizer=opt, probe_budget=None)
+    session = remedy_session(tmp_path, model, opt)
     session.add_training_hook("body", attach_relu_activation_hooks(per_layer=False))
     key = "probes/relu/body/dormant_fraction"
     session.add_remedy("body", redo(tau=0.0, when=f"{key}>0.2", consumer="head", seed=SEED))

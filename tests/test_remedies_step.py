@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from conftest import ReluNet, remedy_seeds
+from conftest import REMEDY_SEED, ReluNet, remedy_seeds, remedy_session
 from torch import nn
 
 from policy_probes.remedies import (
@@ -21,15 +21,6 @@ from policy_probes.remedies import (
     plasticity_injection,
     soft_shrink_perturb,
 )
-from policy_probes.session import ProbeSession
-from policy_probes.sinks import SinksConfig
-
-SEED = 7
-SINKS = SinksConfig(console=False, csv=False, wandb=False, tensorboard=False)
-
-
-def make_session(tmp_path, model, opt):
-    return ProbeSession(model, run_dir=tmp_path, sinks=SINKS, optimizer=opt, probe_budget=None)
 
 
 def batches(n: int, seed: int = 0) -> list[torch.Tensor]:
@@ -54,7 +45,7 @@ def test_l2_init_step_is_adam_on_the_regularised_gradient(tmp_path):
     init = {n: p.detach().clone() for n, p in model.named_parameters()}
     lr, coef, (b1, b2), eps = 1e-2, 0.3, (0.9, 0.999), 1e-8
     opt = torch.optim.Adam(model.parameters(), lr=lr, betas=(b1, b2), eps=eps)
-    session = make_session(tmp_path, model, opt)
+    session = remedy_session(tmp_path, model, opt)
     session.add_remedy("body", l2_init(coef=coef))
     m = {n: torch.zeros_like(p) for n, p in ref.named_parameters()}
     v = {n: torch.zeros_like(p) for n, p in ref.named_parameters()}
@@ -94,10 +85,10 @@ def test_soft_shrink_perturb_applies_the_formula_after_every_step(tmp_path):
     ref = copy.deepcopy(model)
     lr, s, n = 0.05, 0.97, 0.02
     opt = torch.optim.SGD(model.parameters(), lr=lr)
-    session = make_session(tmp_path, model, opt)
-    session.add_remedy("body", soft_shrink_perturb(shrink=s, noise=n, seed=SEED))
+    session = remedy_session(tmp_path, model, opt)
+    session.add_remedy("body", soft_shrink_perturb(shrink=s, noise=n, seed=REMEDY_SEED))
     steps = 3
-    seeds = remedy_seeds(SEED, "soft_shrink_perturb", "body", 2 * steps)  # 2 layers a step
+    seeds = remedy_seeds(REMEDY_SEED, "soft_shrink_perturb", "body", 2 * steps)  # 2 layers a step
     with session:
         session.set_phase("train")
         for k, x in enumerate(batches(steps, seed=3)):
@@ -180,7 +171,7 @@ def test_continual_backprop_replaces_the_units_a_hand_computation_selects(tmp_pa
 
     opt.register_step_post_hook(before_remedy)
     rate, maturity, decay = 0.3, 2, 0.9
-    session = make_session(tmp_path, model, opt)
+    session = remedy_session(tmp_path, model, opt)
     session.add_remedy(
         "body",
         continual_backprop(
@@ -188,11 +179,11 @@ def test_continual_backprop_replaces_the_units_a_hand_computation_selects(tmp_pa
             maturity_threshold=maturity,
             decay=decay,
             consumer="head",
-            seed=SEED,
+            seed=REMEDY_SEED,
         ),
     )
     ref = Reference(rate, maturity, decay)
-    seeds = iter(remedy_seeds(SEED, "continual_backprop", "body", 64))
+    seeds = iter(remedy_seeds(REMEDY_SEED, "continual_backprop", "body", 64))
     layers = [("body.0", "body.2"), ("body.2", "head")]
     total = [0, 0]
     xs = batches(8, seed=4)
@@ -246,7 +237,7 @@ def test_continual_backprop_replaces_the_units_a_hand_computation_selects(tmp_pa
 def test_continual_backprop_refuses_a_layer_norm_between_units_and_consumer(tmp_path):
     model = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.LayerNorm(8), nn.Linear(8, 2))
     opt = torch.optim.Adam(model.parameters())
-    session = make_session(tmp_path, model, opt)
+    session = remedy_session(tmp_path, model, opt)
     with pytest.raises(ValueError, match="continual_backprop on '0'"):
         session.add_remedy("0", continual_backprop(consumer="3"))
 
@@ -256,8 +247,8 @@ def test_plasticity_injection_keeps_outputs_and_trains_only_the_new_copy(tmp_pat
     torch.manual_seed(3)
     model = ReluNet()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    session = make_session(tmp_path, model, opt)
-    session.add_remedy("body", plasticity_injection(every_epochs=1, seed=SEED))
+    session = remedy_session(tmp_path, model, opt)
+    session.add_remedy("body", plasticity_injection(every_epochs=1, seed=REMEDY_SEED))
     probe = torch.randn(32, 5, generator=torch.Generator().manual_seed(1))
     xs = batches(3, seed=5)
     with session:
@@ -273,7 +264,7 @@ def test_plasticity_injection_keeps_outputs_and_trains_only_the_new_copy(tmp_pat
         with torch.no_grad():
             assert torch.equal(model(probe), out_before)  # bit-identical at injection
         inj = session.remedies.bound[0].prepared
-        s0, s1 = remedy_seeds(SEED, "plasticity_injection", "body", 2)
+        s0, s1 = remedy_seeds(REMEDY_SEED, "plasticity_injection", "body", 2)
         fresh = {"0": fresh_linear(5, 16, s0), "2": fresh_linear(16, 12, s1)}
         for layer, f in fresh.items():  # theta' is the layers' own fresh initialisation
             assert torch.equal(inj.trainable[int(layer)].weight, f.weight.detach())
@@ -326,7 +317,7 @@ def test_a_remedy_attached_twice_is_refused_before_it_hooks_the_optimizer(tmp_pa
     torch.manual_seed(4)
     model = ReluNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    session = make_session(tmp_path, model, opt)
+    session = remedy_session(tmp_path, model, opt)
     session.add_remedy("body", l2_init(coef=0.5))
     with pytest.raises(ValueError, match="l2_init@body is attached twice"):
         session.add_remedy("body", l2_init(coef=0.5))
