@@ -27,7 +27,7 @@ from policy_probes import (
     attach_saturated_activation_hooks,
 )
 from policy_probes.session import ProbeSession
-from policy_probes.sinks import SinksConfig
+from policy_probes.sinks import SinksConfig, WandbConfig
 from policy_probes.torch_internals import module_hook_count
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,6 +71,8 @@ class ReluNet(nn.Module):
         return self.head(self.body(x))
 
 
+#: session / TrainTool keywords: no console and no W&B (metrics.jsonl and metrics.csv written)
+NO_WANDB = dict(sinks=SinksConfig(console=False, wandb=False), wandb=WandbConfig(mode="disabled"))
 #: the sinks of the remedy tests' sessions: records in metrics.jsonl only
 JSONL_ONLY = SinksConfig(console=False, csv=False, wandb=False, tensorboard=False)
 #: the seed the remedy tests give their remedies (what they draw: :func:`remedy_seeds`)

@@ -17,7 +17,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import sb3_cartpole
+from conftest import NO_WANDB, sb3_cartpole
 from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
@@ -31,11 +31,9 @@ from policy_probes import (
 from policy_probes.compiled import check_compiled, eager_held
 from policy_probes.hook_types import ProbeError
 from policy_probes.session import ProbeSession
-from policy_probes.sinks import SinksConfig, WandbConfig
 from recipes.cartpole import train as cartpole
 from trainers import PPOConfig, TrainerHook
 
-NO_SINKS = dict(sinks=SinksConfig(console=False, wandb=False), wandb=WandbConfig(mode="disabled"))
 RTOL = 1e-5
 
 
@@ -89,7 +87,7 @@ def session_run(tmp_path, compile_as: str | None, budget=None, schedule=None, pa
         probe_budget=budget,
         probe_schedule=schedule,
         run_dir=tmp_path / str(compile_as),
-        **NO_SINKS,
+        **NO_WANDB,
     ) as s:
         s.add_training_hook("actor", attach_relu_activation_hooks())
         s.add_training_backward_hook("actor", attach_fisher_information_hooks())
@@ -160,7 +158,7 @@ def test_a_failing_probe_under_compile_is_disabled_and_training_goes_on(tmp_path
         return hook
 
     x, y = torch.randn(32, 4), torch.randint(0, 3, (32,))
-    with ProbeSession(agent, optimizer=opt, probe_budget=None, run_dir=tmp_path, **NO_SINKS) as s:
+    with ProbeSession(agent, optimizer=opt, probe_budget=None, run_dir=tmp_path, **NO_WANDB) as s:
         s.add_training_hook("actor", builder)
         s.add_training_backward_hook("actor", attach_fisher_information_hooks())
         before = agent.actor[0].weight.detach().clone()
@@ -186,7 +184,7 @@ def test_a_stance_overridden_by_the_loop_does_not_stop_training(tmp_path, caplog
     opt = torch.optim.SGD(agent.parameters(), lr=0.1)
     fwd = torch.compile(agent, backend="aot_eager")
     x, y = torch.randn(32, 4), torch.randint(0, 3, (32,))
-    with ProbeSession(agent, optimizer=opt, probe_budget=None, run_dir=tmp_path, **NO_SINKS) as s:
+    with ProbeSession(agent, optimizer=opt, probe_budget=None, run_dir=tmp_path, **NO_WANDB) as s:
         s.add_training_hook("actor", attach_relu_activation_hooks())
         s.add_training_backward_hook("actor", attach_fisher_information_hooks())
         before = agent.actor[0].weight.detach().clone()
@@ -207,15 +205,15 @@ def test_cuda_graph_modes_are_refused_at_attach(tmp_path):
     compiled = torch.compile(agent, mode="reduce-overhead")
     with pytest.raises(ProbeError, match="CUDA graphs.*max-autotune-no-cudagraphs"):
         check_compiled(compiled)
-    with ProbeSession(compiled, probe_budget=None, run_dir=tmp_path, **NO_SINKS) as s:
+    with ProbeSession(compiled, probe_budget=None, run_dir=tmp_path, **NO_WANDB) as s:
         assert s.component_names[0] == "actor"  # the compiled wrapper is unwrapped
     policy = PolicyAutoBuilder.wrap(Agent())
-    with ProbeSession(torch.compile(policy), run_dir=tmp_path / "p", **NO_SINKS) as s:
+    with ProbeSession(torch.compile(policy), run_dir=tmp_path / "p", **NO_WANDB) as s:
         assert s.policy is policy  # a compiled PolicyAutoBuilder is used as is
     holder = nn.Module()
     holder.policy = compiled
     with (
-        ProbeSession(holder, probe_budget=None, run_dir=tmp_path / "h", **NO_SINKS) as s,
+        ProbeSession(holder, probe_budget=None, run_dir=tmp_path / "h", **NO_WANDB) as s,
         pytest.raises(ProbeError, match="reduce-overhead"),
     ):
         s.add_training_hook("policy", attach_relu_activation_hooks())
@@ -339,7 +337,7 @@ def test_sb3_with_a_compiled_policy_matches_eager(tmp_path, how):
             run_dir=tmp_path / f"{compiled}-{probes}",
             probe_budget=None,
             probe_schedule="every_k:2",
-            **NO_SINKS,
+            **NO_WANDB,
         )
         model.learn(3 * 128, callback=callback if probes else None)
         return callback.history

@@ -18,15 +18,14 @@ import time
 
 import pytest
 import torch
+from conftest import NO_WANDB
 from torch import nn
 
 from policy_probes import attach_relu_activation_hooks
 from policy_probes.probes.relu import ReLUActivationHook, ReLUActivationState
 from policy_probes.sampling import CALIBRATION_EPOCH, DEFAULT_STRIDE, Sampler, dispatch_costs
 from policy_probes.session import ProbeSession
-from policy_probes.sinks import SinksConfig, WandbConfig
 
-NO_WANDB = dict(sinks=SinksConfig(console=False, wandb=False), wandb=WandbConfig(mode="disabled"))
 PASSES = 32
 STEP_SECONDS = 0.004
 PROBE_SECONDS = 0.015

@@ -104,24 +104,23 @@ def test_report_compare_with_a_missing_run_exits_2_and_writes_nothing(
 
 
 # ------------------------------------------------------------ item 3: misspelled `when=`
-def test_a_misspelled_remedy_threshold_key_is_warned_about_once(
-    tiny: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize(
+    ("threshold", "hints"),
+    [
+        ("dormant_fractoin>0.0", ["did you mean 'probes/relu/actor_mlp/dormant_fraction'"]),
+        ("dormant_fraction>2.0", []),
+    ],
+)
+def test_a_misspelled_remedy_threshold_key_is_warned_about_once_a_correct_one_not(
+    tiny: str, tmp_path: Path, caplog: pytest.LogCaptureFixture, threshold: str, hints: list[str]
 ) -> None:
-    spec = "redo@actor_mlp:when=probes/relu/actor_mlp/dormant_fractoin>0.0"
+    spec = f"redo@actor_mlp:when=probes/relu/actor_mlp/{threshold}"
     with caplog.at_level(logging.WARNING, logger="policy_probes"):
         assert main(["run", tiny, f"run_dir={tmp_path / 'r'}", f"remedies={spec}"]) == 0
     warnings = [r.getMessage() for r in caplog.records if "never fires" in r.getMessage()]
-    assert len(warnings) == 1, warnings
-    assert "did you mean 'probes/relu/actor_mlp/dormant_fraction'" in warnings[0]
-
-
-def test_a_correct_remedy_threshold_key_is_not_warned_about(
-    tiny: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    spec = "redo@actor_mlp:when=probes/relu/actor_mlp/dormant_fraction>2.0"
-    with caplog.at_level(logging.WARNING, logger="policy_probes"):
-        assert main(["run", tiny, f"run_dir={tmp_path / 'r'}", f"remedies={spec}"]) == 0
-    assert not [r for r in caplog.records if "never fires" in r.getMessage()]
+    assert len(warnings) == len(hints), warnings
+    for warning, hint in zip(warnings, hints, strict=True):
+        assert hint in warning
 
 
 # ------------------------------------------------------- item 5: resume to a lower total

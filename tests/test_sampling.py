@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ReluNet
+from conftest import NO_WANDB, ReluNet
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
@@ -30,9 +30,7 @@ from policy_probes.sampling import (
     standard_error,
 )
 from policy_probes.session import ProbeSession
-from policy_probes.sinks import SinksConfig, WandbConfig
 
-NO_WANDB = dict(sinks=SinksConfig(console=False, wandb=False), wandb=WandbConfig(mode="disabled"))
 REL = 1e-5
 
 

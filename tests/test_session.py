@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import TinyPolicy, hook_counts, saturation_reference
+from conftest import NO_WANDB, TinyPolicy, hook_counts, saturation_reference
 from torch import nn
 
 from policy_probes import (
@@ -21,11 +21,10 @@ from policy_probes import (
     attach_relu_activation_hooks,
 )
 from policy_probes.session import ProbeSession
-from policy_probes.sinks import SinksConfig, WandbConfig, read_jsonl
+from policy_probes.sinks import read_jsonl
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "external.md"
 EXAMPLE_HEADER = "# cleanrl_ppo_with_probes.py"
-NO_WANDB = dict(sinks=SinksConfig(console=False, wandb=False), wandb=WandbConfig(mode="disabled"))
 DEAD = (0, 1, 2)  # units of actor.1 killed before training
 
 
