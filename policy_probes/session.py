@@ -67,6 +67,7 @@ log = logging.getLogger("policy_probes")
 #: the loop type lifecycle hooks see (``loop_points``) when a ProbeSession fires them
 LOOP = "external"
 
+
 class ProbeSession:
     """Probes, lifecycle observers and metric sinks for a training loop you own.
 
