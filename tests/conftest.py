@@ -26,6 +26,7 @@ from policy_probes import (
     attach_relu_gradient_flow_hooks,
     attach_saturated_activation_hooks,
 )
+from policy_probes.probe_settings import ProbeSettings
 from policy_probes.session import ProbeSession
 from policy_probes.sinks import SinksConfig, WandbConfig
 from policy_probes.torch_internals import module_hook_count
@@ -80,13 +81,12 @@ REMEDY_SEED = 7
 
 
 def remedy_session(
-    run_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, **kwargs: Any
+    run_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer
 ) -> ProbeSession:
     """A session for remedies on ``model`` stepped by ``optimizer``: every pass observed
     (``probe_budget=None``), records in metrics.jsonl only."""
-    return ProbeSession(
-        model, run_dir=run_dir, sinks=JSONL_ONLY, optimizer=optimizer, probe_budget=None, **kwargs
-    )
+    probing = ProbeSettings(sinks=JSONL_ONLY, probe_budget=None)
+    return ProbeSession(model, run=run_dir, probing=probing, optimizer=optimizer)
 
 
 def remedy_seeds(seed: int, remedy: str, component: str, n: int) -> list[int]:

@@ -24,9 +24,9 @@ def fresh_linear(i: int, o: int, seed: int) -> nn.Linear:
     return nn.Linear(i, o)
 
 
-def make_session(tmp_path, model, optimizer=None, **kwargs):
+def make_session(tmp_path, model, optimizer=None):
     opt = optimizer or torch.optim.Adam(model.parameters(), lr=1e-2)
-    return remedy_session(tmp_path, model, opt, **kwargs), opt
+    return remedy_session(tmp_path, model, opt), opt
 
 
 def update(session, model, opt, n: int = 2, seed: int = 0) -> None:
