@@ -163,9 +163,9 @@ class ProbeHook:
         )
 
     def __call__(self, module: nn.Module, first: Any, second: Any) -> None:
-        self.dispatch(module, first, second, None)
+        self._dispatch(module, first, second, None)
 
-    def dispatch(
+    def _dispatch(
         self, module: nn.Module, first: Any, second: Any, weight: torch.Tensor | None
     ) -> None:
         """The hook body: a forward call binds the row-mask rows of its tensor now; a
@@ -236,7 +236,7 @@ class ProbeHook:
         except Exception as exc:
             self.fail(exc)
             return None
-        return lambda grad: self.dispatch(module, None, (grad,), weight)
+        return lambda grad: self._dispatch(module, None, (grad,), weight)
 
     # ------------------------------------------------------- plain registration
     def check_plain_call(self, module: nn.Module, first: Any, second: Any) -> None:
@@ -428,6 +428,8 @@ _keywords: dict[Any, frozenset[str]] = {}
 def keywords_of(fn: Callable[..., Any]) -> frozenset[str]:
     """Which of ``weight`` and ``loss_scale`` ``fn`` takes by name (both with
     ``**kwargs``), looked up once per code object: hooks make closures every pass."""
+    if torch.compiler.is_compiling():  # dynamo traces a hook: it cannot guard code keys
+        return _untraced_keywords(fn)
     code = getattr(getattr(fn, "__func__", fn), "__code__", None)
     found = _keywords.get(code) if code is not None else None
     if found is None:
@@ -444,9 +446,15 @@ def keywords_of(fn: Callable[..., Any]) -> frozenset[str]:
     return found
 
 
+@torch.compiler.disable  # runs eagerly, at a graph break, when dynamo traces a hook
+def _untraced_keywords(fn: Callable[..., Any]) -> frozenset[str]:
+    return keywords_of(fn)
+
+
 _warned: set[Any] = set()
 
 
+@torch.compiler.disable  # its set of code objects is no guard dynamo can build
 def _warn_implicit_weight(fn: Callable[..., Any]) -> None:
     """Warn once per function that it gets the row-mask rows the deprecated way."""
     func = getattr(fn, "__func__", fn)
