@@ -454,9 +454,11 @@ def _untraced_keywords(fn: Callable[..., Any]) -> frozenset[str]:
 _warned: set[Any] = set()
 
 
-@torch.compiler.disable  # its set of code objects is no guard dynamo can build
 def _warn_implicit_weight(fn: Callable[..., Any]) -> None:
-    """Warn once per function that it gets the row-mask rows the deprecated way."""
+    """Warn once per function that it gets the row-mask rows the deprecated way (not
+    while dynamo traces a hook: it cannot guard a set of code objects)."""
+    if torch.compiler.is_compiling():
+        return
     func = getattr(fn, "__func__", fn)
     key = getattr(func, "__code__", None) or type(func)
     if key in _warned:
