@@ -40,7 +40,7 @@ from policy_probes.extractors import Extractor, as_extractor  # Extractor re-exp
 from policy_probes.grad_tap import on_grad
 from policy_probes.outputs import describe_output, extractor_example
 from policy_probes.recurrent import default_extractor
-from policy_probes.row_mask import bound_weight, pushing_with
+from policy_probes.row_mask import bound_weight
 from policy_probes.sampling import Schedule, tensor_rows
 from policy_probes.torch_internals import in_backward_pass
 from policy_probes.user_errors import ProbeError  # re-exported: users import it here
@@ -168,10 +168,8 @@ class ProbeHook:
     def _dispatch(
         self, module: nn.Module, first: Any, second: Any, weight: torch.Tensor | None
     ) -> None:
-        """The hook body: a forward call binds the row-mask rows of its tensor now; a
-        backward call gets ``weight``, the rows :meth:`grad_callback` bound in the forward.
-        :meth:`record` / :meth:`record_grad` receive them as ``weight=`` (see
-        :meth:`call_with`)."""
+        """The hook body; ``weight``: the row-mask rows :meth:`grad_callback` bound in the
+        forward for a gradient (a forward call binds its tensor's now), see :meth:`call_with`."""
         if not self.active():
             return
         if not self.attached or (self.backward and first is not None):
@@ -184,10 +182,8 @@ class ProbeHook:
                 grad = second[0] if isinstance(second, tuple | list) else second
                 if grad is not None:
                     self.rows += tensor_rows(grad, self.channels_first)
-                    grad = _detached(grad)
-                    self.call_with(
-                        self.record_grad, (module, grad), weight, self.context.loss_scale
-                    )
+                    args = (module, _detached(grad))
+                    self.call_with(self.record_grad, args, weight, self.context.loss_scale)
             else:
                 tensor = self.extract(second, module)
                 self.rows += tensor_rows(tensor, self.channels_first)
@@ -222,8 +218,11 @@ class ProbeHook:
             fn(*args, **kwargs)
             return
         _warn_implicit_weight(fn)
-        with pushing_with(self.context, weight):
+        previous, self.context.push_weight = self.context.push_weight, weight
+        try:  # pushes without weight= read it (ProbeState._push)
             fn(*args, **kwargs)
+        finally:
+            self.context.push_weight = previous
 
     def grad_callback(self, module: nn.Module, tensor: torch.Tensor) -> Callable | None:
         """The gradient hook for ``tensor``, an output of ``module`` in this forward pass:

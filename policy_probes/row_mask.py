@@ -221,28 +221,6 @@ def bound_weight(
     return mask.weight_for(tensor, module, component, key, channels_first)
 
 
-class pushing_with:  # noqa: N801 - used like a function: ``with pushing_with(ctx, w):``
-    """Within the block, pushes without ``weight=`` carry ``weight`` (the mask rows a hook
-    bound when its tensor was produced; see :meth:`ProbeState._push`); ``None`` leaves the
-    pushes as they are. The deprecated route of a custom ``record`` that takes no
-    ``weight=`` (:meth:`~policy_probes.hook_types.ProbeHook.call_with`); built-in probes
-    pass the rows as arguments."""
-
-    __slots__ = ("context", "previous", "weight")
-
-    def __init__(self, context: Any, weight: torch.Tensor | None) -> None:
-        self.context = context
-        self.weight = weight
-
-    def __enter__(self) -> None:
-        self.previous = self.context.push_weight
-        if self.weight is not None:
-            self.context.push_weight = self.weight
-
-    def __exit__(self, *exc: object) -> None:
-        self.context.push_weight = self.previous
-
-
 def loss_samples(context: Any, rows: int, like: torch.Tensor) -> float | torch.Tensor:
     """How many samples the loss averages over: ``context.loss_samples`` if the loop set
     it, else the kept rows of ``context.row_mask`` (a device tensor, no sync), else
