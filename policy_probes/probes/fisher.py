@@ -711,7 +711,9 @@ class FisherInformationHook(ProbeHook):
             x = inputs[0].detach()  # the closure below must hold no autograd graph
             if kind.rows is None:  # nn.Linear: its input rows as they are
 
-                def compute(grad: torch.Tensor, *, weight: Any, loss_scale: float) -> None:
+                def compute(
+                    grad: torch.Tensor, *, weight: torch.Tensor | None, loss_scale: float
+                ) -> None:
                     self.tracker.update_layer(
                         self.component, kind.name, names, x, grad, loss_scale, weight=weight
                     )
@@ -721,7 +723,9 @@ class FisherInformationHook(ProbeHook):
             rule, rows, shape = kind.rows(mod, names, x, output.detach())
             stream = f"{kind.name}:{names[0] or ''}:{names[1] or ''}:{shape}"
 
-            def compute_rule(grad: torch.Tensor, *, weight: Any, loss_scale: float) -> None:
+            def compute_rule(
+                grad: torch.Tensor, *, weight: torch.Tensor | None, loss_scale: float
+            ) -> None:
                 self.tracker.update_rule(
                     self.component, stream, rule, rows, grad, loss_scale, weight=weight
                 )
