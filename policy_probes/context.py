@@ -28,8 +28,9 @@ class ComponentContext:
             probe records runs the bare modules.
         loss_scale: the factor by which the loop multiplied the mean-reduced loss before
             ``backward()`` (for example ``1/k`` when a minibatch is split into ``k``
-            micro-batches). The Fisher probe divides it out to recover per-sample
-            gradients.
+            micro-batches), set before each backward. It is read as each gradient reaches
+            the probes and passed to them as ``loss_scale=``; the Fisher probe divides it
+            out to recover per-sample gradients.
         loss_samples: how many samples the loss averages over, when that is not the rows
             of one probed pass (an LSTM cell called once per step: the loss averages over
             ``steps x batch`` rows). ``None`` (default): the kept rows of :attr:`row_mask`
@@ -64,7 +65,8 @@ class ComponentContext:
         self._phase_listeners: list[Callable[[str], None]] = []
         self.loss_samples: Any = None  # float or a 0-dim tensor
         self._row_mask: Any = None
-        #: the mask rows the hook now pushing bound to its tensor (see row_mask.pushing_with)
+        #: deprecated: the mask rows bound for the call of a custom ``record`` that takes
+        #: no ``weight=`` (``ProbeHook.call_with``); built-in probes pass them as arguments
         self.push_weight: Any = None
         self.infer_phase = False
         self._inferred_once = False

@@ -24,8 +24,10 @@ what to call instead (see :meth:`ProbeHook.check_plain_call`).
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any, TypeAlias
 
@@ -38,7 +40,7 @@ from policy_probes.extractors import Extractor, as_extractor  # Extractor re-exp
 from policy_probes.grad_tap import on_grad
 from policy_probes.outputs import describe_output, extractor_example
 from policy_probes.recurrent import default_extractor
-from policy_probes.row_mask import bound_weight, pushing_with
+from policy_probes.row_mask import bound_weight
 from policy_probes.sampling import Schedule, tensor_rows
 from policy_probes.torch_internals import in_backward_pass
 from policy_probes.user_errors import ProbeError  # re-exported: users import it here
@@ -161,6 +163,13 @@ class ProbeHook:
         )
 
     def __call__(self, module: nn.Module, first: Any, second: Any) -> None:
+        self._dispatch(module, first, second, None)
+
+    def _dispatch(
+        self, module: nn.Module, first: Any, second: Any, weight: torch.Tensor | None
+    ) -> None:
+        """The hook body; ``weight``: the row-mask rows :meth:`grad_callback` bound in the
+        forward for a gradient (a forward call binds its tensor's now), see :meth:`call_with`."""
         if not self.active():
             return
         if not self.attached or (self.backward and first is not None):
@@ -173,22 +182,47 @@ class ProbeHook:
                 grad = second[0] if isinstance(second, tuple | list) else second
                 if grad is not None:
                     self.rows += tensor_rows(grad, self.channels_first)
-                    self.record_grad(module, _detached(grad))
+                    args = (module, _detached(grad))
+                    self.call_with(self.record_grad, args, weight, self.context.loss_scale)
             else:
                 tensor = self.extract(second, module)
                 self.rows += tensor_rows(tensor, self.channels_first)
                 weight = bound_weight(
                     self.context, tensor, module, self.component, id(self), self.channels_first
                 )
-                if weight is None:
-                    self.record(module, _detached(tensor))
-                else:
-                    with pushing_with(self.context, weight):
-                        self.record(module, _detached(tensor))
+                self.call_with(self.record, (module, _detached(tensor)), weight)
         except Exception as exc:  # a probe must never take training down
             self.fail(exc)
         finally:
             self.seconds += time.perf_counter() - start
+
+    def call_with(
+        self,
+        fn: Callable[..., None],
+        args: tuple[Any, ...],
+        weight: torch.Tensor | None,
+        loss_scale: float | None = None,
+    ) -> None:
+        """``fn(*args, weight=weight)``: ``weight`` is the row-mask rows of the tensor in
+        ``args`` (None without a mask), for ``fn`` to pass on to its pushes
+        (``ProbeState._push(..., weight=weight)``); a gradient also comes with
+        ``loss_scale=``, the loop's ``context.loss_scale`` as it is delivered, when ``fn``
+        takes it. A ``fn`` that takes no ``weight`` (the form custom probes were written
+        in before weights were arguments) gets the rows through the deprecated
+        ``context.push_weight`` instead, with a DeprecationWarning once per function."""
+        takes = keywords_of(fn)
+        kwargs: dict[str, Any] = {"weight": weight} if "weight" in takes else {}
+        if loss_scale is not None and "loss_scale" in takes:
+            kwargs["loss_scale"] = loss_scale
+        if weight is None or "weight" in takes:
+            fn(*args, **kwargs)
+            return
+        _warn_implicit_weight(fn)
+        previous, self.context.push_weight = self.context.push_weight, weight
+        try:  # pushes without weight= read it (ProbeState._push)
+            fn(*args, **kwargs)
+        finally:
+            self.context.push_weight = previous
 
     def grad_callback(self, module: nn.Module, tensor: torch.Tensor) -> Callable | None:
         """The gradient hook for ``tensor``, an output of ``module`` in this forward pass:
@@ -201,14 +235,7 @@ class ProbeHook:
         except Exception as exc:
             self.fail(exc)
             return None
-        if weight is None:
-            return lambda grad: self(module, None, (grad,))
-
-        def deliver(grad: torch.Tensor) -> None:
-            with pushing_with(self.context, weight):
-                self(module, None, (grad,))
-
-        return deliver
+        return lambda grad: self._dispatch(module, None, (grad,), weight)
 
     # ------------------------------------------------------- plain registration
     def check_plain_call(self, module: nn.Module, first: Any, second: Any) -> None:
@@ -309,23 +336,29 @@ class ProbeHook:
         self,
         output: torch.Tensor,
         weight: torch.Tensor | None,
-        compute: Callable[[torch.Tensor], None],
+        compute: Callable[..., None],
     ) -> None:
-        """Call ``compute(grad)`` with the gradient of ``output`` (one tensor hook shared by
-        the probes, :func:`~policy_probes.grad_tap.on_grad`), its pushes carrying the
-        row-mask rows ``weight`` bound in the forward; timed and fault-guarded like the
-        probe's own hook."""
+        """Call ``compute(grad, weight=weight, loss_scale=...)`` (:meth:`call_with`) with
+        the gradient of ``output`` (one tensor hook shared by the probes,
+        :func:`~policy_probes.grad_tap.on_grad`), ``weight`` being the row-mask rows bound
+        in the forward; timed and fault-guarded like the probe's own hook."""
+        on_grad(output, self.timed(self.gradient_callback(compute, weight)))
 
-        def record(grad: torch.Tensor) -> None:
+    def gradient_callback(
+        self, compute: Callable[..., None], weight: torch.Tensor | None = None
+    ) -> Callable[[Any], None]:
+        """``grad -> compute(grad, weight=weight, loss_scale=...)`` (:meth:`call_with`),
+        skipped once the probe is disabled and fault-guarded like its own hook."""
+
+        def deliver(grad: Any) -> None:
             if not self.enabled:
                 return
             try:
-                with pushing_with(self.context, weight):
-                    compute(grad)
+                self.call_with(compute, (grad,), weight, self.context.loss_scale)
             except Exception as exc:  # a probe must never take training down
                 self.fail(exc)
 
-        on_grad(output, self.timed(record))
+        return deliver
 
     def inner_layer_hook(
         self, layer: str, record: Callable[[str, torch.Tensor], None]
@@ -349,25 +382,31 @@ class ProbeHook:
         name: str,
         channels_first: bool = False,
     ) -> None:
-        """``fn(*args)`` with the row-mask rows of ``output`` (the output of the module
-        reported as ``name`` in this forward pass) bound to its pushes, timed and
-        fault-guarded like the probe's own hook."""
+        """``fn(*args, weight=rows)`` (:meth:`call_with`) with the row-mask rows of
+        ``output`` (the output of the module reported as ``name`` in this forward pass),
+        timed and fault-guarded like the probe's own hook."""
         start = time.perf_counter()
         try:
             key = (id(self), name)  # per-step calls count per probe and module
             weight = bound_weight(self.context, output, module, name, key, channels_first)
-            with pushing_with(self.context, weight):
-                fn(*args)
+            self.call_with(fn, args, weight)
         except Exception as exc:  # a probe must never take training down
             self.fail(exc)
         finally:
             self.seconds += time.perf_counter() - start
 
     # ------------------------------------------------------------- subclasses
-    def record(self, module: nn.Module, output: torch.Tensor) -> None:
+    def record(
+        self, module: nn.Module, output: torch.Tensor, weight: torch.Tensor | None = None
+    ) -> None:
+        """Read one forward output; pass ``weight`` (its row-mask rows) to the pushes."""
         raise NotImplementedError
 
-    def record_grad(self, module: nn.Module, grad_output: torch.Tensor) -> None:
+    def record_grad(
+        self, module: nn.Module, grad_output: torch.Tensor, weight: torch.Tensor | None = None
+    ) -> None:
+        """Read one output gradient; pass ``weight`` (its row-mask rows) to the pushes.
+        May also take ``loss_scale=`` (the loop's ``context.loss_scale``)."""
         raise NotImplementedError
 
     def attach(self, module: nn.Module) -> list[RemovableHandle]:
@@ -379,6 +418,59 @@ class ProbeHook:
 
 def _detached(t: torch.Tensor) -> torch.Tensor:
     return t.detach() if t.requires_grad else t
+
+
+_ROW_ARGUMENTS = frozenset({"weight", "loss_scale"})
+_keywords: dict[Any, frozenset[str]] = {}
+
+
+def keywords_of(fn: Callable[..., Any]) -> frozenset[str]:
+    """Which of ``weight`` and ``loss_scale`` ``fn`` takes by name (both with
+    ``**kwargs``), looked up once per code object: hooks make closures every pass."""
+    if torch.compiler.is_compiling():  # dynamo traces a hook: it cannot guard code keys
+        return _untraced_keywords(fn)
+    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+    found = _keywords.get(code) if code is not None else None
+    if found is None:
+        try:
+            params = inspect.signature(fn, follow_wrapped=False).parameters.values()
+        except (TypeError, ValueError):
+            params = ()  # type: ignore[assignment]
+        if any(p.kind is p.VAR_KEYWORD for p in params):
+            found = _ROW_ARGUMENTS
+        else:
+            found = _ROW_ARGUMENTS & {p.name for p in params if p.kind is not p.POSITIONAL_ONLY}
+        if code is not None:
+            _keywords[code] = found
+    return found
+
+
+@torch.compiler.disable  # runs eagerly, at a graph break, when dynamo traces a hook
+def _untraced_keywords(fn: Callable[..., Any]) -> frozenset[str]:
+    return keywords_of(fn)
+
+
+_warned: set[Any] = set()
+
+
+def _warn_implicit_weight(fn: Callable[..., Any]) -> None:
+    """Warn once per function that it gets the row-mask rows the deprecated way (not
+    while dynamo traces a hook: it cannot guard a set of code objects)."""
+    if torch.compiler.is_compiling():
+        return
+    func = getattr(fn, "__func__", fn)
+    key = getattr(func, "__code__", None) or type(func)
+    if key in _warned:
+        return
+    _warned.add(key)
+    name = getattr(func, "__qualname__", repr(fn))
+    warnings.warn(
+        f"{name} takes no weight=..., so under a row mask its pushes get the mask rows "
+        f"through context.push_weight, which is deprecated: accept weight=None and pass it "
+        f"on to ProbeState._push(..., weight=weight) (see docs/components.md)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
 
 
 class GuardedClosure:

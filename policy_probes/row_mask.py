@@ -10,8 +10,9 @@ the loss over the real steps only) states the mask around its forward and backwa
 Every built-in tracker then weighs each row by its mask entry at the drain: sums become
 sums over the kept rows and counts become numbers of kept rows, so a masked row changes
 no statistic and no ``samples`` count. Nothing is indexed in a hook (no boolean indexing,
-no ``nonzero``): the hook binds a view of the mask to the rows it pushes, the buffer
-holds it with them, and the trackers weigh the rows when they drain (see
+no ``nonzero``): the hook binds a view of the mask to its tensor and passes it with the
+rows it pushes (``weight=``), the buffer holds it with them, and the trackers weigh the
+rows when they drain (see
 :meth:`RowMask.weight_for` and :class:`~policy_probes.probes.weighted.Weighted`).
 
 How a mask lines up with a probed tensor (all leading dimensions are rows):
@@ -218,26 +219,6 @@ def bound_weight(
     if mask is None:
         return None
     return mask.weight_for(tensor, module, component, key, channels_first)
-
-
-class pushing_with:  # noqa: N801 - used like a function: ``with pushing_with(ctx, w):``
-    """Within the block, pushes of the context's trackers carry ``weight`` (the mask rows
-    a hook bound when its tensor was produced; see :meth:`ProbeState._push`); ``None``
-    leaves the pushes as they are. A plain class: hooks enter it on every pass."""
-
-    __slots__ = ("context", "previous", "weight")
-
-    def __init__(self, context: Any, weight: torch.Tensor | None) -> None:
-        self.context = context
-        self.weight = weight
-
-    def __enter__(self) -> None:
-        self.previous = self.context.push_weight
-        if self.weight is not None:
-            self.context.push_weight = self.weight
-
-    def __exit__(self, *exc: object) -> None:
-        self.context.push_weight = self.previous
 
 
 def loss_samples(context: Any, rows: int, like: torch.Tensor) -> float | torch.Tensor:

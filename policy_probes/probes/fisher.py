@@ -120,12 +120,20 @@ class FisherInformationState(ProbeState):
             return n if scale == 1.0 else n / scale  # a mask's count: no kernel per push
         return rows / scale
 
-    def update(self, component: str, grad_output: torch.Tensor, loss_scale: float = 1.0) -> None:
-        """Per-unit Fisher of the component output from one backward pass."""
+    def update(
+        self,
+        component: str,
+        grad_output: torch.Tensor,
+        loss_scale: float = 1.0,
+        *,
+        weight: torch.Tensor | None = None,
+    ) -> None:
+        """Per-unit Fisher of the component output from one backward pass; ``weight``:
+        the row-mask rows of ``grad_output`` (every ``update_*`` takes it)."""
         g = as_rows(grad_output)
         self.out_rows[component] = g.shape[0]
         f = self.sample_factor(component, g.shape[0], loss_scale, g)
-        self._push(component, "out", (g,), (f,))
+        self._push(component, "out", (g,), (f,), weight)
 
     def update_layer(
         self,
@@ -135,13 +143,15 @@ class FisherInformationState(ProbeState):
         x: torch.Tensor,
         grad_output: torch.Tensor,
         loss_scale: float = 1.0,
+        *,
+        weight: torch.Tensor | None = None,
     ) -> None:
         """One backward pass through an ``nn.Linear``: its input and output gradient;
         ``names`` = (weight, bias) names or None."""
         g = as_rows(grad_output)
         f = self.sample_factor(component, g.shape[0], loss_scale, g)
         stream = f"{kind}:{names[0] or ''}:{names[1] or ''}"
-        self._push(component, stream, (as_rows(x), g), (None, f))
+        self._push(component, stream, (as_rows(x), g), (None, f), weight)
 
     def update_rule(
         self,
@@ -151,6 +161,8 @@ class FisherInformationState(ProbeState):
         x: torch.Tensor,
         grad_output: torch.Tensor,
         loss_scale: float = 1.0,
+        *,
+        weight: torch.Tensor | None = None,
     ) -> None:
         """One backward pass through a layer with a closed-form ``rule``: the rows it
         reads (one per sample, see :class:`~policy_probes.probes.fisher_rules.LayerKind`)
@@ -158,7 +170,7 @@ class FisherInformationState(ProbeState):
         self.rules[(component, stream)] = rule
         g = grad_output.detach().reshape(x.shape[0], -1)
         f = self.sample_factor(component, g.shape[0], loss_scale, g)
-        self._push(component, stream, (x, g), (None, f))
+        self._push(component, stream, (x, g), (None, f), weight)
 
     def update_generic(
         self,
@@ -227,6 +239,8 @@ class FisherInformationState(ProbeState):
         act_out: torch.Tensor,
         act_grad: torch.Tensor,
         loss_scale: float = 1.0,
+        *,
+        weight: torch.Tensor | None = None,
     ) -> None:
         """One backward pass through ``act(linear(x))`` with an elementwise ``activation``
         whose derivative follows from its output (:data:`ACTIVATIONS`): the
@@ -236,7 +250,7 @@ class FisherInformationState(ProbeState):
         g = as_rows(act_grad)
         f = self.sample_factor(component, g.shape[0], loss_scale, g)
         stream = f"linear@{activation}:{names[0] or ''}:{names[1] or ''}"
-        self._push(component, stream, (as_rows(x), as_rows(act_out), g), (None, None, f))
+        self._push(component, stream, (as_rows(x), as_rows(act_out), g), (None, None, f), weight)
 
     def consume(self, batch: Drained) -> None:
         component, stream, cols = batch.component, batch.stream, batch.cols
@@ -398,8 +412,14 @@ class FisherInformationHook(ProbeHook):
         #: attaches, when the sampler re-arms the probe, install the same hooks)
         self._plan: list[tuple[Any, ...]] | None = None
 
-    def record_grad(self, module: nn.Module, grad_output: torch.Tensor) -> None:
-        self.tracker.update(self.component, grad_output, self.context.loss_scale)
+    def record_grad(
+        self,
+        module: nn.Module,
+        grad_output: torch.Tensor,
+        weight: torch.Tensor | None = None,
+        loss_scale: float = 1.0,
+    ) -> None:
+        self.tracker.update(self.component, grad_output, loss_scale, weight=weight)
 
     # --------------------------------------------------------------- parameters
     def plain_call_gaps(self, module: nn.Module) -> str:
@@ -500,7 +520,7 @@ class FisherInformationHook(ProbeHook):
         backwards = itertools.count()
         gave_up: list[bool] = [False]
         pending: list[Call] = []  # passes of the running backward, by arrival
-        loss_scale: list[float] = [1.0]
+        scale: list[float] = [1.0]  # the backward's, delivered with its first pass
 
         def reduce_pending() -> None:
             calls = list(pending)
@@ -513,7 +533,7 @@ class FisherInformationHook(ProbeHook):
                 for call in calls:
                     by_batch.setdefault(call.layout.batch, []).append(call)
                 for group in by_batch.values():
-                    self.tracker.update_generic(self.component, module, names, group, loss_scale[0])
+                    self.tracker.update_generic(self.component, module, names, group, scale[0])
             except Exception as exc:
                 self.fail(exc)
 
@@ -543,25 +563,21 @@ class FisherInformationHook(ProbeHook):
                 i for i, t in enumerate(outs) if isinstance(t, torch.Tensor) and t.requires_grad
             ]
 
-            def arrived(grads: Any) -> None:
-                if not self.enabled:
-                    return
-                try:
-                    full: list[torch.Tensor | None] = [None] * width
-                    for i, g in zip(tapped, grads, strict=True):
-                        full[i] = g
-                    if not pending:  # first pass of this backward: reduce when it ends
-                        loss_scale[0] = self.context.loss_scale
-                        queue_after_backward(reduce_pending)
-                    pending.append(Call(layout, full, weight, rows))
-                except Exception as exc:
-                    self.fail(exc)
+            def arrived(grads: Any, *, weight: torch.Tensor | None, loss_scale: float) -> None:
+                full: list[torch.Tensor | None] = [None] * width
+                for i, g in zip(tapped, grads, strict=True):
+                    full[i] = g
+                if not pending:  # first pass of this backward: reduce when it ends
+                    scale[0] = loss_scale
+                    queue_after_backward(reduce_pending)
+                pending.append(Call(layout, full, weight, rows))
 
             # the module returns copies of its outputs from one autograd node: their
             # gradients are what flows in from outside only (an LSTM cell's c also reaches
             # its h inside the module; c's own gradient would count that path twice), and
             # in-place ops on them downstream leave that node's gradients intact
-            copies = OutputTap.apply(arrived, *(outs[i] for i in tapped))
+            deliver = self.gradient_callback(arrived, weight)
+            copies = OutputTap.apply(deliver, *(outs[i] for i in tapped))
             for i, t in zip(tapped, copies, strict=True):
                 outs[i] = t
             return tree_unflatten(outs, spec)
@@ -647,9 +663,9 @@ class FisherInformationHook(ProbeHook):
         # output (autograd keeps hooks alive from C++, so that cycle is never freed)
         x, out = x.detach(), output.detach()
 
-        def compute(grad: torch.Tensor) -> None:
+        def compute(grad: torch.Tensor, *, weight: torch.Tensor | None, loss_scale: float) -> None:
             self.tracker.update_through_activation(
-                self.component, activation, names, x, out, grad, self.context.loss_scale
+                self.component, activation, names, x, out, grad, loss_scale, weight=weight
             )
 
         self._tap(output, compute, names)
@@ -695,9 +711,11 @@ class FisherInformationHook(ProbeHook):
             x = inputs[0].detach()  # the closure below must hold no autograd graph
             if kind.rows is None:  # nn.Linear: its input rows as they are
 
-                def compute(grad: torch.Tensor) -> None:
+                def compute(
+                    grad: torch.Tensor, *, weight: torch.Tensor | None, loss_scale: float
+                ) -> None:
                     self.tracker.update_layer(
-                        self.component, kind.name, names, x, grad, self.context.loss_scale
+                        self.component, kind.name, names, x, grad, loss_scale, weight=weight
                     )
 
                 self._tap(output, compute, names)
@@ -705,9 +723,11 @@ class FisherInformationHook(ProbeHook):
             rule, rows, shape = kind.rows(mod, names, x, output.detach())
             stream = f"{kind.name}:{names[0] or ''}:{names[1] or ''}:{shape}"
 
-            def compute_rule(grad: torch.Tensor) -> None:
+            def compute_rule(
+                grad: torch.Tensor, *, weight: torch.Tensor | None, loss_scale: float
+            ) -> None:
                 self.tracker.update_rule(
-                    self.component, stream, rule, rows, grad, self.context.loss_scale
+                    self.component, stream, rule, rows, grad, loss_scale, weight=weight
                 )
 
             n = rows.shape[0]

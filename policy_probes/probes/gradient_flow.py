@@ -51,16 +51,23 @@ class GradientFlowState(ProbeState):
         )
 
     def update(
-        self, component: str, grad_output: torch.Tensor, channels_first: bool = False
+        self,
+        component: str,
+        grad_output: torch.Tensor,
+        channels_first: bool = False,
+        *,
+        weight: torch.Tensor | None = None,
     ) -> None:
         """Add one backward pass (all rows of one gradient delivery; with
-        ``channels_first`` the units are on axis 1 and every sample and position is a row).
+        ``channels_first`` the units are on axis 1 and every sample and position is a row;
+        ``weight``: their row-mask rows).
         Under a row mask, every delivery inside one ``row_mask`` block is one pass (an LSTM
         called once per step delivers one gradient per step): the push's scale is the
         block's serial."""
         mask = self.context.row_mask if self.context is not None else None
         scales = None if mask is None else (mask.serial,)
-        self._push(component, "g", (as_unit_rows(grad_output, channels_first),), scales)
+        rows = as_unit_rows(grad_output, channels_first)
+        self._push(component, "g", (rows,), scales, weight)
 
     def consume(self, batch: Drained) -> None:
         component, (drained,), weight = batch.component, batch.cols, batch.weight
@@ -158,16 +165,18 @@ class GradientFlowHook(LayeredProbeHook):
     builder_name = "attach_gradient_flow_hooks()"
     backward = True
 
-    def record_layer(self, layer: ProbedLayer, output: torch.Tensor) -> None:
-        """Subscribe to the gradient of ``layer``'s output (one shared tensor hook)."""
+    def record_layer(
+        self, layer: ProbedLayer, output: torch.Tensor, weight: torch.Tensor | None = None
+    ) -> None:
+        """Subscribe to the gradient of ``layer``'s output (one shared tensor hook), which
+        arrives with ``weight``, the row-mask rows of ``output``."""
         if not (output.requires_grad and torch.is_grad_enabled()):
             return
-        weight = self.context.push_weight  # the mask rows bound to this output, or None
-        self.tap_grad(
-            output,
-            weight,
-            lambda grad: self.tracker.update(layer.component, grad, layer.channels_first),
-        )
+
+        def compute(grad: torch.Tensor, *, weight: torch.Tensor | None) -> None:
+            self.tracker.update(layer.component, grad, layer.channels_first, weight=weight)
+
+        self.tap_grad(output, weight, compute)
 
 
 def attach_gradient_flow_hooks(

@@ -166,9 +166,17 @@ class ActivationState(ProbeState):
 
     mirrors_identical_rows = True  # consume() writes the accumulators only
 
-    def update(self, component: str, h: torch.Tensor, channels_first: bool = False) -> None:
+    def update(
+        self,
+        component: str,
+        h: torch.Tensor,
+        channels_first: bool = False,
+        *,
+        weight: torch.Tensor | None = None,
+    ) -> None:
         """Add a batch of activations: units on the last axis (leading dims are samples),
-        or on axis 1 with ``channels_first`` (every sample and position is a row)."""
+        or on axis 1 with ``channels_first`` (every sample and position is a row);
+        ``weight``: their row-mask rows (:meth:`ProbeState._push`)."""
         if channels_first and h.dim() >= 3:
             self.settings[component]["positions"] = positions(h, channels_first)
-        self._push(component, "h", (as_unit_rows(h, channels_first),))
+        self._push(component, "h", (as_unit_rows(h, channels_first),), weight=weight)

@@ -243,19 +243,21 @@ class LayeredProbeHook(ProbeHook):
 
         return hook
 
-    def record(self, module: nn.Module, output: torch.Tensor) -> None:
+    def record(
+        self, module: nn.Module, output: torch.Tensor, weight: torch.Tensor | None = None
+    ) -> None:
         """The component's output (a backward probe: its gradient) into the tracker."""
-        self.tracker.update(self.component, output, self.channels_first)
+        self.tracker.update(self.component, output, self.channels_first, weight=weight)
 
     record_grad = record
 
-    def record_layer(self, layer: ProbedLayer, output: torch.Tensor) -> None:
+    def record_layer(
+        self, layer: ProbedLayer, output: torch.Tensor, weight: torch.Tensor | None = None
+    ) -> None:
         """Read one forward output of ``layer`` (not detached; by default into the
-        tracker). Under a row mask it is called inside
-        :class:`~policy_probes.row_mask.pushing_with` with the mask rows of ``output``, so
-        pushes made now carry them; a probe that pushes later (from a gradient hook)
-        keeps ``context.push_weight`` for then."""
-        self.tracker.update(layer.component, output, layer.channels_first)
+        tracker); ``weight``: the row-mask rows of ``output`` (None without a mask), for
+        its pushes, now or from a gradient hook."""
+        self.tracker.update(layer.component, output, layer.channels_first, weight=weight)
 
 
 def layered_builder(

@@ -55,11 +55,15 @@ class PreactivationState(ProbeState):
     def register_component(self, name: str, *, reference_epochs: int = 3, **extra: Any) -> bool:
         return super().register_component(name, reference_epochs=reference_epochs, **extra)
 
-    def update_layer(self, layer: str, z: torch.Tensor) -> None:
-        self._push(layer, "z", (as_rows(z),))
+    def update_layer(
+        self, layer: str, z: torch.Tensor, *, weight: torch.Tensor | None = None
+    ) -> None:
+        self._push(layer, "z", (as_rows(z),), weight=weight)
 
-    def update_output(self, component: str, y: torch.Tensor) -> None:
-        self._push(component, "y", (as_rows(y),))
+    def update_output(
+        self, component: str, y: torch.Tensor, *, weight: torch.Tensor | None = None
+    ) -> None:
+        self._push(component, "y", (as_rows(y),), weight=weight)
 
     def consume(self, batch: Drained) -> None:
         component, (x,), weight = batch.component, batch.cols, batch.weight
@@ -145,8 +149,10 @@ class PreactivationHook(ProbeHook):
         self.tracker = tracker
         self.layers: list[tuple[str, nn.Module]] | None = None
 
-    def record(self, module: nn.Module, output: torch.Tensor) -> None:
-        self.tracker.update_output(self.component, output)
+    def record(
+        self, module: nn.Module, output: torch.Tensor, weight: torch.Tensor | None = None
+    ) -> None:
+        self.tracker.update_output(self.component, output, weight=weight)
 
     def plain_call_gaps(self, module: nn.Module) -> str:
         names = [n for n, m in module.named_modules() if n and isinstance(m, nn.Linear)]

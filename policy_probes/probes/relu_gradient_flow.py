@@ -62,14 +62,14 @@ class ReLUGradientFlowState(ProbeState):
         grad_out: torch.Tensor,
         relu_out: torch.Tensor,
         channels_first: bool = False,
+        *,
+        weight: torch.Tensor | None = None,
     ) -> None:
         """Add one backward pass through ReLU ``layer``: its output gradient and output
-        (with ``channels_first``, units on axis 1 and every sample and position a row)."""
-        self._push(
-            component,
-            layer,
-            (as_unit_rows(grad_out, channels_first), as_unit_rows(relu_out, channels_first)),
-        )
+        (with ``channels_first``, units on axis 1 and every sample and position a row),
+        ``weight``: their row-mask rows."""
+        rows = (as_unit_rows(grad_out, channels_first), as_unit_rows(relu_out, channels_first))
+        self._push(component, layer, rows, weight=weight)
 
     def consume(self, batch: Drained) -> None:
         component, stream, (g, out) = batch.component, batch.stream, batch.cols
@@ -146,7 +146,9 @@ class ReLUGradientFlowHook(ProbeHook):
         #: (ReLU path inside the component, module, channels first), resolved at attach
         self.relus: list[tuple[str, nn.Module, bool]] | None = None
 
-    def record_grad(self, module: nn.Module, grad_output: torch.Tensor) -> None:
+    def record_grad(
+        self, module: nn.Module, grad_output: torch.Tensor, weight: torch.Tensor | None = None
+    ) -> None:
         """Nothing: the gradient at the component's output is not what this probe reads
         (a closure registered directly after :meth:`attach` is called here)."""
 
@@ -203,11 +205,13 @@ class ReLUGradientFlowHook(ProbeHook):
                 self.fail(exc)
                 return
 
-            def record(grad: torch.Tensor) -> None:
+            def record(grad: torch.Tensor, *, weight: torch.Tensor | None) -> None:
                 self.calls += 1
                 if layer == self.relus[0][0]:  # rows observed: counted at the first ReLU
                     self.rows += tensor_rows(grad, channels_first)
-                self.tracker.update(self.component, layer, grad, relu_out, channels_first)
+                self.tracker.update(
+                    self.component, layer, grad, relu_out, channels_first, weight=weight
+                )
 
             self.tap_grad(output, weight, record)
 

@@ -180,16 +180,19 @@ class ProbeState:
         stream: str,
         blocks: tuple[torch.Tensor, ...],
         scales: tuple[float | None, ...] | None = None,
+        weight: torch.Tensor | None = None,
     ) -> None:
         """Hold aligned row blocks (same number of rows) for :meth:`consume`.
 
         ``scales`` are per-push factors of the blocks (``None`` = as is), handed to
-        :meth:`consume` with the rows. A full buffer drains every tracker of the context
-        (:meth:`drain`) before it takes the push. Under a row mask the push carries the
-        mask rows its hook bound (``context.push_weight``), or else the mask aligned with
-        the rows by count (see :mod:`policy_probes.row_mask`).
+        :meth:`consume` with the rows. ``weight``: the row-mask rows of the blocks, as
+        the hook bound them (``record(..., weight=...)``); None without a mask. A push
+        without ``weight`` under a row mask gets the rows the deprecated
+        ``context.push_weight`` holds, or else the mask aligned with the rows by count
+        (see :mod:`policy_probes.row_mask`). A full buffer drains every tracker of the
+        context (:meth:`drain`) before it takes the push.
         """
-        weight = self._row_weight(component, stream, blocks[0])
+        weight = self._row_weight(component, stream, blocks[0], weight)
         buf = self.buffers.get((component, stream))
         if buf is None:
             buf = self.buffers[(component, stream)] = RowBuffer(
@@ -202,13 +205,15 @@ class ProbeState:
             buf.reserve(blocks)
         buf.append(blocks, scales, weight)
 
-    def _row_weight(self, component: str, stream: str, rows: torch.Tensor) -> torch.Tensor | None:
+    def _row_weight(
+        self, component: str, stream: str, rows: torch.Tensor, weight: torch.Tensor | None
+    ) -> torch.Tensor | None:
         context = self.context
-        if context is None:
-            return None
-        weight = context.push_weight
-        if weight is None and context.row_mask is not None:
-            weight = context.row_mask.weight_for(rows, None, component, (id(self), stream))
+        if weight is None and context is not None:
+            weight = context.push_weight  # set by the deprecated route only
+            if weight is None and context.row_mask is not None:
+                key = (id(self), component, stream)
+                weight = context.row_mask.weight_for(rows, None, component, key)
         if weight is not None and weight.numel() != block_rows(rows):
             raise ValueError(
                 f"probe {self.probe!r} on component {component!r}: the row mask bound to this "

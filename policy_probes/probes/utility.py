@@ -59,8 +59,8 @@ class UtilityState(ProbeState):
     ) -> bool:
         return super().register_component(name, decay=decay, tau=tau, **extra)
 
-    def update(self, layer: str, h: torch.Tensor) -> None:
-        self._push(layer, "h", (as_rows(h),))
+    def update(self, layer: str, h: torch.Tensor, *, weight: torch.Tensor | None = None) -> None:
+        self._push(layer, "h", (as_rows(h),), weight=weight)
 
     def consume(self, batch: Drained) -> None:
         layer, (h,), weight = batch.component, batch.cols, batch.weight
