@@ -703,48 +703,16 @@ def lstm_calls_by_minibatch(
     return out
 
 
-def test_a_tracker_with_the_deprecated_consume_still_counts_every_row_and_warns(caplog) -> None:
+def test_a_tracker_with_the_removed_six_argument_consume_is_refused_when_defined() -> None:
     """The six-argument ``consume(component, stream, cols, segments, scales)`` of older
-    custom trackers still runs (FutureWarning); without ``weight=`` it gets every row."""
-    from policy_probes import ProbeHook, ProbeState
-    from policy_probes.probes.state import COUNT, as_rows, get_state
+    custom trackers (deprecated since row masks) is refused where the class is defined,
+    with the one-argument form to write instead."""
+    from policy_probes import ProbeState
 
-    class RowCount(ProbeState):
-        probe = "row_count"
+    with pytest.raises(TypeError, match=r"define consume\(self, batch\)"):
 
-        def update(self, component: str, h: torch.Tensor) -> None:
-            self._push(component, "h", (as_rows(h),))
+        class RowCount(ProbeState):
+            probe = "row_count"
 
-        def consume(self, component, stream, cols, segments, scales) -> None:
-            self._add(component, "rows", torch.tensor(cols[0].num_rows), COUNT)
-
-        def summarize(self, component, s, settings) -> dict:
-            return {"rows": float(s["rows"])}
-
-    class RowCountHook(ProbeHook):
-        probe = "row_count"
-
-        def record(self, module: nn.Module, output: torch.Tensor) -> None:
-            self.tracker.update(self.component, output)
-
-    def build(name: str, context: ComponentContext) -> RowCountHook | None:
-        tracker = get_state(context, "row_count", RowCount)
-        if not tracker.register_component(name):
-            return None
-        hook = RowCountHook(name, context)
-        hook.tracker = tracker
-        return hook
-
-    torch.manual_seed(0)
-    policy = TinyPolicy()
-    ctx = ComponentContext()
-    policy.attach("actor_mlp", build, ctx)
-    policy.attach("actor_mlp", attach_relu_activation_hooks(), ctx)
-    ctx.row_mask = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0])
-    with torch.no_grad():
-        policy(torch.randn(5, 5))
-    with pytest.warns(FutureWarning, match=r"consume\(self, batch\)"):
-        got = StatsReporter(ctx).collect()
-    assert got["probes/row_count/actor_mlp/rows"] == 5
-    assert got["probes/relu/actor_mlp/samples"] == 2
-    assert "consume() takes no weight" in caplog.text
+            def consume(self, component, stream, cols, segments, scales) -> None:
+                pass

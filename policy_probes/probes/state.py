@@ -18,12 +18,10 @@ accumulators to the host once per window.
 
 from __future__ import annotations
 
-import functools
 import inspect
 import logging
 import math
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,6 +81,18 @@ class ProbeState:
     #: is its last layer's output) can share that component's accumulators instead of
     #: reducing the same rows twice (:meth:`_drain_buffers`)
     mirrors_identical_rows: bool = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        consume = cls.__dict__.get("consume")
+        if consume is not None and len(inspect.signature(consume).parameters) > 2:
+            raise TypeError(
+                f"tracker {cls.__name__}: consume(component, stream, cols, segments, scales) "
+                f"is no longer called (deprecated since the row masks); define "
+                f"consume(self, batch) and read batch.component, batch.stream, batch.cols, "
+                f"batch.segments, batch.scales and batch.weight "
+                f"(policy_probes.probes.state.Drained)"
+            )
 
     def __init__(self) -> None:
         self.state: dict[str, dict[str, torch.Tensor]] = {}
@@ -283,10 +293,7 @@ class ProbeState:
                 continue
             for batch in drained:
                 try:
-                    if _consumes_drained(type(self)):
-                        self.consume(batch)
-                    else:
-                        self._consume_legacy(batch)
+                    self.consume(batch)
                 except Exception as exc:  # a reduction must never take training down
                     self._lose_window(component, exc)
                     break
@@ -362,15 +369,6 @@ class ProbeState:
         more than the arithmetic).
         """
         raise NotImplementedError
-
-    def _consume_legacy(self, batch: Drained) -> None:
-        """A tracker written for the deprecated ``consume(component, stream, cols,
-        segments, scales[, weight=None])``."""
-        args = (batch.component, batch.stream, batch.cols, batch.segments, batch.scales)
-        if batch.weight is not None and _takes_weight(type(self)):
-            self.consume(*args, weight=batch.weight)  # type: ignore[call-arg]
-        else:
-            self.consume(*args)  # type: ignore[call-arg]
 
     # ----------------------------------------------------------- window
     def reset(self) -> None:
@@ -492,45 +490,6 @@ class ProbeState:
             for st in self.state.values()
             for t in st.values()
         )
-
-
-@functools.cache
-def _consumes_drained(cls: type) -> bool:
-    """Whether ``cls.consume`` takes one :class:`Drained`; the older six-argument form
-    still works, with a deprecation warning once per class."""
-    try:
-        params = list(inspect.signature(cls.consume).parameters)[1:]
-    except (TypeError, ValueError):
-        return True
-    if len(params) <= 1:
-        return True
-    warnings.warn(
-        f"tracker {cls.__name__}: consume(component, stream, cols, segments, scales) is "
-        f"deprecated; define consume(self, batch) and read batch.component, batch.stream, "
-        f"batch.cols, batch.segments, batch.scales and batch.weight "
-        f"(policy_probes.probes.state.Drained)",
-        FutureWarning,
-        stacklevel=2,
-    )
-    return False
-
-
-@functools.cache
-def _takes_weight(cls: type) -> bool:
-    """Whether ``cls.consume`` accepts ``weight=`` (row masks); a custom tracker without it
-    gets every row, and a warning once."""
-    try:
-        takes = "weight" in inspect.signature(cls.consume).parameters
-    except (TypeError, ValueError):
-        takes = False
-    if not takes:
-        log.warning(
-            "tracker %s: consume() takes no weight=..., so it counts the rows a row mask "
-            "leaves out; accept weight=None and reduce with policy_probes.probes.weighted."
-            "Weighted to honour masks",
-            cls.__name__,
-        )
-    return takes
 
 
 def _to_host(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
