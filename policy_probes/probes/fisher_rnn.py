@@ -16,6 +16,7 @@ GRU). Layers with ``proj_size`` go through the ``torch.func`` route instead.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -159,7 +160,11 @@ def rnn_per_sample_squares(
     """Same contract as :func:`~policy_probes.probes.fisher_generic.per_sample_squares`
     for a module :func:`gate_rule_applies` to; ``calls`` hold layouts made by
     ``batch_layout`` (input, then h_0 and c_0 for an LSTM)."""
-    per_call = [_gate_grads(module, call, w) for call in calls]
+    joined = _joined(calls)
+    if joined is None:
+        per_call = [_gate_grads(module, call, w) for call in calls]
+    else:  # one re-run and one backward for all the calls
+        per_call = [_by_call(_gate_grads(module, joined, w.repeat(len(calls))), len(calls))]
     width = sum(d.dax.shape[-1] * (d.x.shape[-1] + d.prev.shape[-1]) for d in per_call[0])
     acc: dict[str, torch.Tensor] = {}
     for j, first in enumerate(per_call[0]):
@@ -184,3 +189,56 @@ def rnn_per_sample_squares(
                 sq = v.square().sum(0).to(SUM)
                 acc[name] = acc[name].add_(sq) if name in acc else sq
     return acc
+
+
+def _joined(calls: Sequence[Any]) -> Any | None:
+    """The calls of one backward as one pass over ``len(calls) x batch`` samples (their
+    inputs, states and output gradients concatenated along the batch): a per-step loop
+    calls the layer once a step, and each call's re-run only needs its own inputs and
+    states. None when there is one call, or the calls differ in shapes or layout."""
+    if len(calls) < 2:
+        return None
+    lay = calls[0].layout
+    dims = [*lay.in_dims, *lay.out_dims]
+    # an output gradient that did not arrive (the last step's h_n and c_n unused) is zero
+    present = [
+        next((g for c in calls if (g := c.grads[i]) is not None), None)
+        for i in range(len(lay.out_dims))
+    ]
+    for call in calls:
+        if call.layout.in_dims != lay.in_dims or call.layout.out_dims != lay.out_dims:
+            return None
+        refs = [*lay.leaves, *present]
+        for t, ref, dim in zip([*call.layout.leaves, *call.grads], refs, dims, strict=True):
+            if t is not None and (
+                not isinstance(t, torch.Tensor) or dim is None or t.shape != ref.shape
+            ):
+                return None
+
+    def cat(parts: list[Any], dim: int | None, ref: Any) -> Any:
+        if ref is None:
+            return None
+        return torch.cat([torch.zeros_like(ref) if t is None else t for t in parts], dim)
+
+    leaves = [
+        cat([c.layout.leaves[i] for c in calls], d, lay.leaves[i])
+        for i, d in enumerate(lay.in_dims)
+    ]
+    grads = [cat([c.grads[i] for c in calls], d, present[i]) for i, d in enumerate(lay.out_dims)]
+    layout = dataclasses.replace(lay, leaves=leaves, batch=lay.batch * len(calls))
+    return dataclasses.replace(calls[0], layout=layout, grads=grads, weight=None)
+
+
+def _by_call(directions: list[_GateGrads], calls: int) -> list[_GateGrads]:
+    """The joined re-run's tensors, (time, calls x batch, ...), as the calls' steps one
+    after another along time, (calls x time, batch, ...): a sample's gradient is the sum
+    over every call's steps."""
+
+    def steps(t: torch.Tensor) -> torch.Tensor:
+        time_, rows = t.shape[0], t.shape[1] // calls
+        return t.reshape(time_, calls, rows, -1).transpose(0, 1).reshape(calls * time_, rows, -1)
+
+    return [
+        _GateGrads(d.suffix, steps(d.x), steps(d.prev), steps(d.dax), steps(d.dah))
+        for d in directions
+    ]
