@@ -470,7 +470,7 @@ class ProbeSession:
             self.set_data(minibatches=minibatches, data=data, minibatch_size=minibatch_size)
         out = self.hooks.fire(
             HookPoint.POST_ROLLOUT,
-            epoch=self.epoch,
+            epoch=self.record_epoch,
             step=self._step,
             observations=observations,
             model_ctx=self.model_context,
@@ -519,7 +519,7 @@ class ProbeSession:
             self._step = int(step)
         self.hooks.fire(
             point,
-            epoch=self.epoch,
+            epoch=self.record_epoch,
             step=self._step,
             batch=batch,
             model_ctx=self.model_context,
@@ -536,13 +536,19 @@ class ProbeSession:
         self._epoch_started = True
         out = self.hooks.fire(
             HookPoint.PRE_EPOCH,
-            epoch=self.epoch,
+            epoch=self.record_epoch,
             step=self._step,
             model_ctx=self.model_context,
             **fields,
         )
         self._pending.update(out)
         return out
+
+    @property
+    def record_epoch(self) -> int:
+        """The current epoch as records number it (``Run.first_epoch`` onwards); lifecycle
+        hooks, their schedules and windows get the same number."""
+        return self.epoch + self.run.first_epoch
 
     # --------------------------------------------------------------- epoch end
     def epoch_end(self, step: int, *, final: bool = False, **extra: Any) -> dict[str, Any]:
@@ -596,7 +602,7 @@ class ProbeSession:
         if self.hooks.active:
             self._warn_missing_rollout_end()
             metrics.update(self._pending)
-            common = {"epoch": self.epoch, "step": self._step, "agent_step": self.agent_step}
+            common = {"epoch": self.record_epoch, "step": self._step, "agent_step": self.agent_step}
             metrics.update(
                 self.hooks.fire(
                     HookPoint.POST_EPOCH,
@@ -682,6 +688,7 @@ class ProbeSession:
             "logged": dict(self._logged),
             "sums": {k: [total, n] for k, (total, n) in self._sums.items()},
             "hooks": self.hooks.state_dict(),
+            "hook_epochs": "record",  # the hooks' epochs are the records' (record_epoch)
             # pass counters and sampling rates: a resumed run observes the same passes
             "sampler": self.sampler.state_dict(),
             "remedies": self.remedies.state_dict(),  # generators and firing records
@@ -704,7 +711,7 @@ class ProbeSession:
         self._pending = dict(state.get("pending") or {})
         self._logged = dict(state.get("logged") or {})
         self._sums = {k: (v[0], int(v[1])) for k, v in (state.get("sums") or {}).items()}
-        self.hooks.load_state_dict(state.get("hooks") or {})
+        self.hooks.load_state_dict(_record_numbered(state, self.run.first_epoch))
         if state.get("sampler"):  # absent in checkpoints written before sampling
             self.sampler.load_state_dict(state["sampler"])
         if self.remedies or state.get("remedies"):
@@ -811,3 +818,18 @@ def _legacy_run(run: Run | str | Path | None, deprecated: dict[str, Any]) -> tup
         return out, True
     out.sinks, out.sinks_open, out.opened = sinks, True, True  # the loop owns its run
     return out, False
+
+
+def _record_numbered(state: Mapping[str, Any], first_epoch: int) -> dict[str, Any]:
+    """The lifecycle hooks' saved state with its epochs in the records' numbering: a
+    checkpoint written before hooks were given the records' epoch numbers (no
+    ``hook_epochs``) holds them counted from 0."""
+    hooks = dict(state.get("hooks") or {})
+    if state.get("hook_epochs") == "record" or not first_epoch or not hooks:
+        return hooks
+    if hooks.get("grad_epoch") is not None:
+        hooks["grad_epoch"] = int(hooks["grad_epoch"]) + first_epoch
+    hooks["records"] = [
+        {**r, "epoch": int(r["epoch"]) + first_epoch} for r in hooks.get("records") or ()
+    ]
+    return hooks

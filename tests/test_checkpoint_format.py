@@ -271,3 +271,19 @@ def test_hook_manager_state_dict_carries_gradients_and_step_records():
     (record,) = fresh.flush().records
     assert (record.point, record.step) == (HookPoint.PRE_STEP, 0)
     assert record.metrics["grad_sum_test/seen"] == pytest.approx(float(norm))
+
+
+def test_hook_state_of_a_checkpoint_before_one_numbering_is_renumbered():
+    """Checkpoints written while the trainer's lifecycle hooks counted epochs from 0 (no
+    ``hook_epochs`` in the session state) resume with the hooks' epochs in the records'
+    numbering; newer ones are taken as they are."""
+    from policy_probes.session import _record_numbered
+
+    hooks = {"grad_epoch": 3, "records": [{"point": "PRE_STEP", "epoch": 3, "step": 7}]}
+    old = _record_numbered({"hooks": hooks}, first_epoch=1)
+    assert old["grad_epoch"] == 4
+    assert [r["epoch"] for r in old["records"]] == [4]
+    assert [r["step"] for r in old["records"]] == [7]
+    new = _record_numbered({"hooks": hooks, "hook_epochs": "record"}, first_epoch=1)
+    assert new == hooks
+    assert _record_numbered({"hooks": hooks}, first_epoch=0) == hooks

@@ -286,7 +286,9 @@ def test_a_raising_hook_is_reported_and_training_goes_on(boom, baseline, tmp_pat
     assert result.hook_errors == {"lifecycle.boom_test": "RuntimeError: boom at epoch 1"}
     assert "boom at epoch 1" in caplog.text
     main_rows = [r for r in records(run_dir) if r["hook_point"] == "POST_EPOCH"]
-    assert [r.get("boom_test/error") for r in main_rows] == [None, 1.0, None]
+    # the hook's epoch 1 is the record's epoch 1 (one numbering): the first record
+    assert [r["epoch"] for r in main_rows] == [1, 2, 3]
+    assert [r.get("boom_test/error") for r in main_rows] == [1.0, None, None]
     assert [r.get("boom_test/ok") for r in main_rows] == [1.0, 1.0, 1.0]  # PRE_STEP means
     assert_same_trajectory(baseline, result, run_dir)
 

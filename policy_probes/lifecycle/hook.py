@@ -51,7 +51,8 @@ class HookConfig(BaseModel):
 
     ``schedule``: StepSchedule of the step points (``"stride:4"``, ``"burst:2/10,warmup:5"``).
     ``epochs``: schedule over epochs for the epoch points (``"stride:10"``: every 10th).
-    ``min_epoch`` / ``max_epoch``: inclusive window of epochs in which the hook fires.
+    ``min_epoch`` / ``max_epoch``: inclusive window of epochs in which the hook fires (the
+    records' epoch numbers).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)

@@ -27,7 +27,8 @@ class RunDataContext:
     Attributes:
         point: the hook point that fired.
         loop: the loop type (``"ppo"``, ``"external"``).
-        epoch: the epoch (counted from 0).
+        epoch: the epoch as the records number it (from 1 in the built-in trainer, from
+            the ``Run``'s ``first_epoch``, 0 by default, in a ``ProbeSession``).
         step: the global optimizer step (counted from 0) at PRE_STEP/POST_STEP; at epoch
             points the number of optimizer steps taken so far, or ``None``.
         agent_step: environment steps collected so far.
