@@ -711,7 +711,9 @@ class ProbeSession:
         self._pending = dict(state.get("pending") or {})
         self._logged = dict(state.get("logged") or {})
         self._sums = {k: (v[0], int(v[1])) for k, v in (state.get("sums") or {}).items()}
-        self.hooks.load_state_dict(_record_numbered(state, self.run.first_epoch))
+        # checkpoints from before hooks had the records' epochs hold them counted from 0
+        renumber = 0 if state.get("hook_epochs") == "record" else self.run.first_epoch
+        self.hooks.load_state_dict(state.get("hooks") or {}, epoch_offset=renumber)
         if state.get("sampler"):  # absent in checkpoints written before sampling
             self.sampler.load_state_dict(state["sampler"])
         if self.remedies or state.get("remedies"):
@@ -818,18 +820,3 @@ def _legacy_run(run: Run | str | Path | None, deprecated: dict[str, Any]) -> tup
         return out, True
     out.sinks, out.sinks_open, out.opened = sinks, True, True  # the loop owns its run
     return out, False
-
-
-def _record_numbered(state: Mapping[str, Any], first_epoch: int) -> dict[str, Any]:
-    """The lifecycle hooks' saved state with its epochs in the records' numbering: a
-    checkpoint written before hooks were given the records' epoch numbers (no
-    ``hook_epochs``) holds them counted from 0."""
-    hooks = dict(state.get("hooks") or {})
-    if state.get("hook_epochs") == "record" or not first_epoch or not hooks:
-        return hooks
-    if hooks.get("grad_epoch") is not None:
-        hooks["grad_epoch"] = int(hooks["grad_epoch"]) + first_epoch
-    hooks["records"] = [
-        {**r, "epoch": int(r["epoch"]) + first_epoch} for r in hooks.get("records") or ()
-    ]
-    return hooks

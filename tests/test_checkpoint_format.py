@@ -277,13 +277,15 @@ def test_hook_state_of_a_checkpoint_before_one_numbering_is_renumbered():
     """Checkpoints written while the trainer's lifecycle hooks counted epochs from 0 (no
     ``hook_epochs`` in the session state) resume with the hooks' epochs in the records'
     numbering; newer ones are taken as they are."""
-    from policy_probes.session import _record_numbered
+    from policy_probes.lifecycle import HookManager
 
-    hooks = {"grad_epoch": 3, "records": [{"point": "PRE_STEP", "epoch": 3, "step": 7}]}
-    old = _record_numbered({"hooks": hooks}, first_epoch=1)
-    assert old["grad_epoch"] == 4
-    assert [r["epoch"] for r in old["records"]] == [4]
-    assert [r["step"] for r in old["records"]] == [7]
-    new = _record_numbered({"hooks": hooks, "hook_epochs": "record"}, first_epoch=1)
-    assert new == hooks
-    assert _record_numbered({"hooks": hooks}, first_epoch=0) == hooks
+    saved = {
+        "grad_epoch": 3,
+        "records": [{"point": "PRE_STEP", "epoch": 3, "step": 7, "metrics": {"a": 1.0}}],
+    }
+    old, new = HookManager([], loop="ppo"), HookManager([], loop="ppo")
+    old.load_state_dict(saved, epoch_offset=1)
+    new.load_state_dict(saved)
+    assert old.state_dict()["grad_epoch"] == 4 and new.state_dict()["grad_epoch"] == 3
+    assert [(r["epoch"], r["step"]) for r in old.state_dict()["records"]] == [(4, 7)]
+    assert [(r["epoch"], r["step"]) for r in new.state_dict()["records"]] == [(3, 7)]

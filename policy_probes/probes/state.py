@@ -88,10 +88,8 @@ class ProbeState:
         if consume is not None and len(inspect.signature(consume).parameters) > 2:
             raise TypeError(
                 f"tracker {cls.__name__}: consume(component, stream, cols, segments, scales) "
-                f"is no longer called (deprecated since the row masks); define "
-                f"consume(self, batch) and read batch.component, batch.stream, batch.cols, "
-                f"batch.segments, batch.scales and batch.weight "
-                f"(policy_probes.probes.state.Drained)"
+                f"was removed; define consume(self, batch), batch a "
+                f"policy_probes.probes.state.Drained (component, stream, cols, ..., weight)"
             )
 
     def __init__(self) -> None:

@@ -37,9 +37,8 @@ class StepRemedy(Remedy):
     trigger = None
 
     def __init__(self, *, seed: int | None = None) -> None:
-        if seed is not None and (isinstance(seed, bool) or int(seed) < 0):
-            raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
-        self.seed = None if seed is None else int(seed)
+        super().__init__(every_epochs=1, seed=seed)  # the seed's checks; no epoch trigger
+        self.trigger = None
 
     def reads_components(self, component: str) -> list[str]:
         return []
