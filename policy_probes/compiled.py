@@ -20,7 +20,9 @@ toolkit has verified.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 from torch import nn
@@ -71,6 +73,23 @@ def _release(key: int) -> None:
         if not _holders and _forced is not None:
             restore, _forced = _forced, None
             restore()
+
+
+class _Claim:
+    """A holder of the eager stance for the length of one ``with`` block."""
+
+
+@contextlib.contextmanager
+def eager_block() -> Iterator[None]:
+    """``force_eager`` for the block, as one more claim on the stance: a claim given
+    back inside the block (a probed policy collected meanwhile) cannot end it, and the
+    block's end cannot undo a claim taken inside it, as a nested ``set_stance`` would."""
+    claim = _Claim()
+    hold_eager(claim, True)
+    try:
+        yield
+    finally:
+        hold_eager(claim, False)
 
 
 def eager_held() -> bool:

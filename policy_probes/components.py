@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from policy_probes.compiled import check_compiled, hold_eager, unwrap
+from policy_probes.compiled import check_compiled, eager_block, hold_eager, unwrap
 from policy_probes.context import ComponentContext
 from policy_probes.extractors import as_extractor, gradient_target
 from policy_probes.grad_tap import on_grad
@@ -282,7 +282,7 @@ class PolicyAutoBuilder(nn.Module):
         modes = {m: m.training for m in self.modules()}
         try:
             # compiled parts run their Python code: the tracing hooks fire, nothing compiles
-            with torch.random.fork_rng(devices=[]), torch.compiler.set_stance("force_eager"):
+            with torch.random.fork_rng(devices=[]), eager_block():
                 self.eval()(*args, **kwargs)
         finally:
             for m, mode in modes.items():

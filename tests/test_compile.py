@@ -352,3 +352,30 @@ def test_sb3_with_a_compiled_policy_matches_eager(tmp_path, how):
     for a, b in zip(compiled, eager, strict=True):
         assert_records_close(a, b)
         assert a["probes/fisher/actor_mlp/passes_observed"] == 2  # of 4 passes per cycle
+
+
+def test_a_policy_released_while_another_traces_leaves_dynamo_compiling() -> None:
+    """An armed policy's claim on ``force_eager`` given back while another policy traces
+    its outputs (a collected policy's finalizer can run inside that forward) must not
+    leave the stance set for the process: later compiled code compiles again."""
+    from policy_probes.compiled import hold_eager
+
+    class Owner:
+        pass
+
+    class Traced(PolicyAutoBuilder):
+        def __init__(self) -> None:
+            super().__init__({"mlp": nn.Sequential(nn.Linear(3, 3), nn.ReLU())})
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.get_component("mlp")(x)
+
+    armed = Owner()
+    hold_eager(armed, True)
+    tracing = Traced()
+    tracing.get_component("mlp").register_forward_hook(lambda *_: hold_eager(armed, False))
+    tracing.trace_outputs(torch.ones(2, 3))
+    assert not eager_held()
+    counter = CompileCounterWithBackend("eager")
+    torch.compile(lambda x: x * 2 + 1, backend=counter)(torch.ones(3))
+    assert counter.frame_count == 1
