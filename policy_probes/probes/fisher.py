@@ -25,9 +25,10 @@ of :mod:`policy_probes.probes.fisher_rnn`). Parameters neither covers are listed
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Literal
 
 import numpy as np
@@ -56,6 +57,7 @@ from policy_probes.probes.state import (
     as_rows,
     get_state,
     unit_rates,
+    unit_share,
 )
 from policy_probes.probes.weighted import Weighted
 from policy_probes.row_mask import loss_samples
@@ -349,9 +351,7 @@ class FisherInformationState(ProbeState):
             out["trace"] = float(allf.sum())
             out["mean"] = float(allf.mean())
             out["max"] = float(allf.max())
-            out["dead_param_fraction"] = int(np.count_nonzero(allf < cfg["dead_threshold"])) / len(
-                allf
-            )
+            out["dead_param_fraction"] = unit_share(allf < cfg["dead_threshold"])
         out.update(noise_scale(a))
         uncovered = cfg.get("uncovered", {})
         for name, entries in uncovered.items():
@@ -410,7 +410,9 @@ class FisherInformationHook(ProbeHook):
         self.tracker = tracker
         #: the layers :meth:`attach` hooks and how, found at the first attach (later
         #: attaches, when the sampler re-arms the probe, install the same hooks)
-        self._plan: list[tuple[Any, ...]] | None = None
+        self._plan: list[Callable[[], list[RemovableHandle]]] | None = None
+        #: generic units whose inputs could not be split into samples (left out for good)
+        self._given_up: set[nn.Module] = set()
 
     def record_grad(
         self,
@@ -438,25 +440,14 @@ class FisherInformationHook(ProbeHook):
         self.attached = True
         if self._plan is None:
             self._plan = self._layer_plan(module)
-        handles: list[RemovableHandle] = []
-        for how, sub, *args in self._plan:
-            if how == "generic":
-                hook = self._generic_hook(sub, *args)
-                handles.append(sub.register_forward_hook(self.timed(hook), with_kwargs=True))
-            elif how == "through":
-                hook = self._through_activation_hook(*args)
-                handles.append(sub.register_forward_hook(self.timed(hook)))
-            elif how == "pair":
-                handles += self._sequential_pair_hooks(sub, *args)
-            else:
-                handles.append(sub.register_forward_hook(self.timed(self._layer_hook(*args))))
-        return handles
+        return [handle for install in self._plan for handle in install()]
 
-    def _layer_plan(self, module: nn.Module) -> list[tuple[Any, ...]]:
-        """``(how, module, *arguments)`` of every hook :meth:`attach` installs, in one walk
-        of the component's modules (parents before their children); the parameters left
-        out are listed in the settings (``uncovered``) and warned about once."""
-        plan: list[tuple[Any, ...]] = []
+    def _layer_plan(self, module: nn.Module) -> list[Callable[[], list[RemovableHandle]]]:
+        """The installers of every hook :meth:`attach` installs (each makes its hook
+        afresh and registers it), from one walk of the component's modules (parents
+        before their children); the parameters left out are listed in the settings
+        (``uncovered``) and warned about once."""
+        plan: list[Callable[[], list[RemovableHandle]]] = []
         covered: set[int] = set()
         settings = self.tracker.settings[self.component]
         uncovered: dict[str, int] = {}
@@ -473,23 +464,28 @@ class FisherInformationHook(ProbeHook):
                 # out_proj of nn.MultiheadAttention), so no closed-form hook inside it
                 names = {k: f"{prefix}{k}" for k, _ in sub.named_parameters()}
                 sizes = {f"{prefix}{k}": p.numel() for k, p in sub.named_parameters()}
-                plan.append(("generic", sub, names, sizes))
+                plan.append(functools.partial(self._generic_hooks, sub, names, sizes))
                 covered.update(id(p) for p in sub.parameters())
                 inside.update(id(m) for m in sub.modules())
                 continue
             activation = derivable_hidden_layer(sub)
             if activation is not None:
                 names = _names(f"{prefix}linear.", sub.linear)
-                plan.append(("through", sub, activation, names))
+                make = self._through_activation_hook
+                plan.append(functools.partial(self._forward_hook, sub, make, activation, names))
                 covered.update(id(p) for p in sub.linear.parameters(recurse=False))
             for child, (linear, act, activation) in derivable_sequential_pairs(sub):
                 if not any(id(p) in covered for p in linear.parameters(recurse=False)):
                     names = _names(f"{prefix}{child}.", linear)
-                    plan.append(("pair", linear, act, activation, names))
+                    pair = self._sequential_pair_hooks
+                    plan.append(functools.partial(pair, linear, act, activation, names))
                     covered.update(id(p) for p in linear.parameters(recurse=False))
             kind = layer_kind(sub)  # nothing to learn without parameters (a norm without affine)
             if kind is not None and own and not any(id(p) in covered for p in own):
-                plan.append(("layer", sub, kind, _names(prefix, sub)))
+                make = self._layer_hook
+                plan.append(
+                    functools.partial(self._forward_hook, sub, make, kind, _names(prefix, sub))
+                )
                 covered.update(id(p) for p in own)
         for name, p in module.named_parameters():
             if id(p) not in covered:
@@ -508,6 +504,21 @@ class FisherInformationHook(ProbeHook):
                 "batch-dependent gradient (batch norm, scale_grad_by_freq)",
             )
         return plan
+
+    def _forward_hook(
+        self, module: nn.Module, make: Callable[..., Any], *args: Any
+    ) -> list[RemovableHandle]:
+        """Register ``make(*args)``, timed, as a forward hook of ``module``."""
+        return [module.register_forward_hook(self.timed(make(*args)))]
+
+    def _generic_hooks(
+        self, module: nn.Module, names: dict[str, str], sizes: dict[str, int]
+    ) -> list[RemovableHandle]:
+        """The generic route's forward hook on ``module``, unless it gave up on it."""
+        if module in self._given_up:
+            return []
+        hook = self._generic_hook(module, names, sizes)
+        return [module.register_forward_hook(self.timed(hook), with_kwargs=True)]
 
     def _generic_hook(self, module: nn.Module, names: dict[str, str], sizes: dict[str, int]) -> Any:
         """Forward hook of a module on the generic route: its inputs split into samples
@@ -544,7 +555,7 @@ class FisherInformationHook(ProbeHook):
                 layout = batch_layout(mod, args, kwargs, output)
             except ProbeError as exc:
                 gave_up[0] = True
-                self._give_up(sizes, exc)
+                self._give_up(mod, sizes, exc)
                 return
             layout.leaves = [
                 t.detach() if isinstance(t, torch.Tensor) else t for t in layout.leaves
@@ -584,14 +595,13 @@ class FisherInformationHook(ProbeHook):
 
         return hook
 
-    def _give_up(self, sizes: dict[str, int], exc: ProbeError) -> None:
+    def _give_up(self, module: nn.Module, sizes: dict[str, int], exc: ProbeError) -> None:
         """List a generic unit's parameters (name -> entries) as uncovered after ``exc``
-        said why."""
+        said why; later attaches leave the unit alone."""
         settings = self.tracker.settings[self.component]
         settings["uncovered"].update(sizes)
         settings["unsupported"] = list(settings["uncovered"])
-        if self._plan is not None:  # later attaches leave the unit alone
-            self._plan = [s for s in self._plan if not (s[0] == "generic" and s[3] is sizes)]
+        self._given_up.add(module)
         log.warning(
             "fisher probe on %r: %s; parameters %s are left out (uncovered/<name>)",
             self.component,
