@@ -8,18 +8,16 @@ passes (as in Adam), smooths minibatch noise while following trends within an ep
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from typing import Any
 
-import numpy as np
 import torch
 
 from policy_probes.hook_types import BackwardHookBuilder, Extractor
 from policy_probes.probes.layout import as_unit_rows
 from policy_probes.probes.per_layer import LayeredProbeHook, ProbedLayer, layered_builder
 from policy_probes.probes.rows import COUNT, Rows
-from policy_probes.probes.state import Drained, ProbeState
+from policy_probes.probes.state import Drained, ProbeState, unit_share
 from policy_probes.probes.weighted import Weighted
 from policy_probes.sampling import Schedule
 
@@ -135,12 +133,11 @@ class GradientFlowState(ProbeState):
         rms = s["ema"].numpy() / correction  # numpy: see ReLUActivationState.summarize
         finite_total = int(s["count"].sum())
         elements = finite_total + int(s["nonfinite"])
-        blocked = int(np.count_nonzero(rms < cfg["blocked_threshold"]))
         return {
             "rms": rms.tolist(),
             "mean": float(rms.mean()),
             "min": float(rms.min()),
-            "blocked_fraction": blocked / rms.size if rms.size else math.nan,
+            "blocked_fraction": unit_share(rms < cfg["blocked_threshold"]),
             "passes": k,
             "nonfinite_fraction": (elements - finite_total) / elements if elements else 0.0,
         }

@@ -15,7 +15,6 @@ modules and refuses to attach to a component without one.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -29,7 +28,7 @@ from policy_probes.hook_types import BackwardHookBuilder, ProbeError, ProbeHook
 from policy_probes.probes.layout import as_unit_rows, check_layout, resolve_channels_first
 from policy_probes.probes.per_layer import activation_layers
 from policy_probes.probes.rows import COUNT
-from policy_probes.probes.state import Drained, ProbeState, get_state, unit_rates
+from policy_probes.probes.state import Drained, ProbeState, get_state, unit_rates, unit_share
 from policy_probes.probes.weighted import Weighted
 from policy_probes.row_mask import bound_weight
 from policy_probes.sampling import Schedule, as_schedule, tensor_rows, with_schedule
@@ -97,27 +96,22 @@ class ReLUGradientFlowState(ProbeState):
                 layer_elements = int(count.sum()) + int(a[f"nonfinite:{layer}"])
                 out[(named, "pass_rate")] = rate.tolist()
                 out[(named, "mean_pass_rate")] = float(rate.mean())
-                out[(named, "blocked_fraction")] = zero_share(rate)
+                out[(named, "blocked_fraction")] = unit_share(rate == 0)
                 out[(named, "nonfinite_fraction")] = (
                     int(a[f"nonfinite:{layer}"]) / layer_elements if layer_elements else 0.0
                 )
             elif len(cfg["layers"]) > 1 and not cfg.get("per_layer", False):
                 out[f"{layer or '<self>'}.pass_rate"] = rate.tolist()
-                out[f"{layer or '<self>'}.blocked_fraction"] = zero_share(rate)
+                out[f"{layer or '<self>'}.blocked_fraction"] = unit_share(rate == 0)
         if not all_rates:
             return out
         rate = np.concatenate(all_rates)
         out["pass_rate"] = rate.tolist()
         out["mean_pass_rate"] = float(rate.mean())
-        out["blocked_fraction"] = zero_share(rate)
+        out["blocked_fraction"] = unit_share(rate == 0)
         elements = finite_total + nonfinite
         out["nonfinite_fraction"] = nonfinite / elements if elements else 0.0
         return out
-
-
-def zero_share(rate: np.ndarray) -> float:
-    """The share of units whose rate is 0 (NaN for no units, as a mean over none)."""
-    return int(np.count_nonzero(rate == 0)) / rate.size if rate.size else math.nan
 
 
 class ReLUGradientFlowHook(ProbeHook):

@@ -546,6 +546,11 @@ def unit_rates(count: np.ndarray, total: np.ndarray) -> np.ndarray:
     return out
 
 
+def unit_share(mask: np.ndarray) -> float:
+    """The share of units where ``mask`` holds (NaN for no units, as a mean over none)."""
+    return int(np.count_nonzero(mask)) / mask.size if mask.size else math.nan
+
+
 def indicator_(x: torch.Tensor) -> torch.Tensor:
     """1.0 where ``x > 0``, else 0.0, **in place** (float ops, see
     :mod:`~policy_probes.probes.rows`); ``x`` finite."""
