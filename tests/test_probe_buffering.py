@@ -245,6 +245,14 @@ def test_the_policys_output_layer_and_its_component_report_the_same_values():
     assert tracker.mirrors == {"actor_mlp": "actor_mlp.3"}  # the last ReLU
     metrics = StatsReporter(ctx).collect()
     active, dormant = relu_truth(out_rows)
+    mean_abs = out_rows.abs().double().mean(0)
+    redo_score = mean_abs / (mean_abs.mean() + 1e-9)  # ReDo's s_i, for the remedies
     for name in ("actor_mlp", "actor_mlp.3"):
         assert metrics[f"probes/relu/{name}/active_rate"] == pytest.approx(active, abs=1e-12)
         assert metrics[f"probes/relu/{name}/dormant_fraction"] == pytest.approx(dormant)
+        assert torch.allclose(tracker.scores[name].double(), redo_score, atol=1e-12)
+    # summarised once, reported twice: each key holds its own list
+    component, layer = (
+        metrics[f"probes/relu/{n}/active_rate"] for n in ("actor_mlp", "actor_mlp.3")
+    )
+    assert component is not layer

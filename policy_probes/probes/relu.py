@@ -60,6 +60,10 @@ class ReLUActivationState(ActivationState):
         self.scores = {}  # only this window's components
         return super().to_metrics()
 
+    def _mirror_summary(self, component: str, source: str, summary: dict) -> dict:
+        self.scores[component] = self.scores[source]
+        return super()._mirror_summary(component, source, summary)
+
     def register_component(
         self,
         name: str,

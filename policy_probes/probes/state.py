@@ -458,12 +458,21 @@ class ProbeState:
         ``probes/<probe>/<component>.<layer>/<metric>``.
         """
         self.flush()
-        out: dict[str, float | list[float]] = {}
+        summaries: dict[str, dict[Any, Any]] = {}
         for comp, st in self.state.items():
-            if not st:
-                continue
-            host = _to_host(st)
-            for metric, value in self.summarize(comp, host, self.settings[comp]).items():
+            if st and comp not in self.mirrors:
+                summaries[comp] = self.summarize(comp, _to_host(st), self.settings[comp])
+        for comp, source in self.mirrors.items():
+            shared = summaries.get(source)
+            if shared is not None:  # the same accumulators and settings: the same summary
+                summaries[comp] = self._mirror_summary(comp, source, shared)
+            elif self.state[comp]:
+                summaries[comp] = self.summarize(
+                    comp, _to_host(self.state[comp]), self.settings[comp]
+                )
+        out: dict[str, float | list[float]] = {}
+        for comp in self.state:
+            for metric, value in summaries.get(comp, {}).items():
                 if isinstance(metric, tuple):
                     out[self.key(f"{comp}.{metric[0]}", metric[1])] = value
                 else:
@@ -474,6 +483,15 @@ class ProbeState:
         self, component: str, state: dict[str, torch.Tensor], settings: dict[str, Any]
     ) -> dict[str, float | list[float]]:
         raise NotImplementedError
+
+    def _mirror_summary(
+        self, component: str, source: str, summary: dict[Any, Any]
+    ) -> dict[Any, Any]:
+        """The summary of ``component``, which shares ``source``'s accumulators (see
+        :attr:`mirrors`): ``source``'s, its lists copied (a sink may hold one); a tracker
+        whose ``summarize`` keeps per-component results overrides this to keep them for
+        ``component`` too."""
+        return {k: list(v) if isinstance(v, list) else v for k, v in summary.items()}
 
     def nbytes(self) -> int:
         """Device memory held by accumulators, row buffers and reduction scratch space."""
