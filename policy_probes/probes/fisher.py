@@ -28,6 +28,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Literal
 
@@ -57,7 +58,6 @@ from policy_probes.probes.state import (
     as_rows,
     get_state,
     unit_rates,
-    unit_share,
 )
 from policy_probes.probes.weighted import Weighted
 from policy_probes.row_mask import loss_samples
@@ -337,22 +337,28 @@ class FisherInformationState(ProbeState):
             elements = int(count.sum()) + int(a["nonfinite"])
             out["nonfinite_fraction"] = int(a["nonfinite"]) / elements if elements else 0.0
             out["samples"] = float(int(count.max()) if count.size else 0)
-        flats = []
+        # per parameter, not over one concatenated copy: the layers of a conv encoder
+        # hold millions of entries, and each pass over them counts
+        traces: dict[str, float] = {}
+        entries = dead = 0
+        peak = -np.inf
         for key, total in a.items():
             if not key.startswith("param:"):
                 continue
             name = key.removeprefix("param:")
             n = int(a[f"param_samples:{name}"])
             fisher = total / n if n else np.zeros_like(total)
-            flats.append(fisher.reshape(-1))
-            out[f"{name}.trace"] = float(fisher.sum())
-        if flats:
-            allf = np.concatenate(flats)
-            out["trace"] = float(allf.sum())
-            out["mean"] = float(allf.mean())
-            out["max"] = float(allf.max())
-            out["dead_param_fraction"] = unit_share(allf < cfg["dead_threshold"])
-        out.update(noise_scale(a))
+            traces[name] = out[f"{name}.trace"] = float(fisher.sum())
+            if fisher.size:
+                peak = max(peak, float(fisher.max()))
+                dead += int(np.count_nonzero(fisher < cfg["dead_threshold"]))
+                entries += fisher.size
+        if traces:
+            out["trace"] = math.fsum(traces.values())
+            out["mean"] = out["trace"] / entries if entries else math.nan
+            out["max"] = peak if entries else math.nan
+            out["dead_param_fraction"] = dead / entries if entries else math.nan
+        out.update(noise_scale(a, traces))
         uncovered = cfg.get("uncovered", {})
         for name, entries in uncovered.items():
             out[f"uncovered/{name}"] = float(entries)
@@ -360,7 +366,9 @@ class FisherInformationState(ProbeState):
         return out
 
 
-def noise_scale(s: dict[str, np.ndarray]) -> dict[str, float]:
+def noise_scale(
+    s: dict[str, np.ndarray], traces: dict[str, float] | None = None
+) -> dict[str, float]:
     """Gradient noise scale B_simple = tr(Σ) / |G|² (McCandlish et al., 2018, "An
     empirical model of large-batch training") over the parameters whose summed per-sample
     gradient the probe holds (``nn.Linear`` weights and biases).
@@ -368,7 +376,8 @@ def noise_scale(s: dict[str, np.ndarray]) -> dict[str, float]:
     With N samples, S = (1/N) Σ_i |g_i|² (the Fisher trace of those parameters) and
     ḡ = (1/N) Σ_i g_i, the unbiased estimates (the paper's two-batch-size estimator with
     batch sizes 1 and N) are |G|² ≈ (N |ḡ|² − S) / (N − 1) and
-    tr(Σ) ≈ N (S − |ḡ|²) / (N − 1). Reported only when N > 1 and |G|² > 0."""
+    tr(Σ) ≈ N (S − |ḡ|²) / (N − 1). Reported only when N > 1 and |G|² > 0. ``traces``:
+    the parameters' S where the caller has it already (the Fisher's per-parameter trace)."""
     out: dict[str, float] = {}
     total_sq, total_gsq, n_min = 0.0, 0.0, None
     for key, gsum in s.items():
@@ -378,7 +387,8 @@ def noise_scale(s: dict[str, np.ndarray]) -> dict[str, float]:
         n = int(s[f"param_samples:{name}"])
         if n < 2:
             continue
-        sq = float(s[f"param:{name}"].sum()) / n  # S of this parameter
+        # S of this parameter
+        sq = traces[name] if traces and name in traces else float(s[f"param:{name}"].sum()) / n
         gsq = float(((gsum / n) ** 2).sum())  # |ḡ|²
         total_sq += sq
         total_gsq += gsq
