@@ -256,3 +256,49 @@ def test_the_policys_output_layer_and_its_component_report_the_same_values():
         metrics[f"probes/relu/{n}/active_rate"] for n in ("actor_mlp", "actor_mlp.3")
     )
     assert component is not layer
+
+
+@pytest.mark.parametrize("poison", [False, True])
+def test_a_single_finite_push_is_reduced_where_it_lies_at_a_report(poison: bool):
+    """At a report, the one held block of a column whose entries are all finite (CPU,
+    contiguous rows) is reduced in place, without the copy that splits off non-finite
+    entries: the values are a hand count's, the held tensor is untouched. A block with a
+    NaN takes the copy (the NaN counted apart); a drain inside a hook never reads back."""
+    from policy_probes.probes.gradient_flow import GradientFlowState
+    from policy_probes.probes.relu import ReLUActivationState
+
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(12, 7, generator=g)
+    if poison:
+        h[3, 2] = float("nan")
+    held = h.clone()
+    relu, flow = ReLUActivationState(), GradientFlowState()
+    relu.register_component("c")
+    flow.register_component("c", beta=0.9, blocked_threshold=1e-6)
+    relu.update("c", h)
+    flow.update("c", h)
+    relu_out, flow_out = relu.to_metrics(), flow.to_metrics()
+    assert torch.allclose(h, held, rtol=0, atol=0, equal_nan=True)  # untouched
+    copied = relu.buffers[("c", "h")].storage.get((0, 0)) is not None
+    assert copied == poison  # the finite block was read where it lay
+    finite = torch.isfinite(h)
+    clean = torch.where(finite, h, torch.zeros(()))
+    count = finite.sum(0).double()
+    active = ((clean > 0).sum(0) / count).tolist()
+    assert relu_out["probes/relu/c/active_rate"] == pytest.approx(active, abs=1e-12)
+    assert relu_out["probes/relu/c/nonfinite_fraction"] == pytest.approx(
+        (~finite).sum().item() / h.numel()
+    )
+    rms = (clean.double().square().sum(0) / count).sqrt().tolist()  # one pass: the EMA's
+    assert flow_out["probes/gradient_flow/c/rms"] == pytest.approx(rms, rel=1e-6)
+    assert flow_out["probes/gradient_flow/c/nonfinite_fraction"] == pytest.approx(
+        (~finite).sum().item() / h.numel()
+    )
+
+    # a full buffer drained inside a hook: no read-back, so the copy, whatever the values
+    inside = ReLUActivationState()
+    inside.register_component("c")
+    inside.buffer_rows = 12
+    inside.update("c", h)
+    inside.update("c", h)  # does not fit behind the first push: drains it (timed=False)
+    assert inside.buffers[("c", "h")].storage.get((0, 0)) is not None

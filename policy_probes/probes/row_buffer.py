@@ -155,6 +155,10 @@ class RowBuffer:
             refs = [p[col] for p in pending]
 
             def materialise(refs: list[torch.Tensor] = refs, col: int = col) -> Rows:
+                aux = lambda k: self._slot(col, 2 + k)[:rows]  # noqa: E731
+                host_reads = drain_round is not None and drain_round.host_reads
+                if host_reads and _readable_as_is(refs, self.layout[col][1]):
+                    return Rows.finite(refs[0], aux)
                 values = self._slot(col, 0)[:rows]
                 if all(r.dim() == 2 for r in refs):
                     torch.cat(refs, out=values)
@@ -164,11 +168,7 @@ class RowBuffer:
                         n = block_rows(r)
                         values[start : start + n].view(r.shape).copy_(r)
                         start += n
-                return Rows.split(
-                    values,
-                    self._slot(col, 1)[:rows],
-                    lambda k: self._slot(col, 2 + k)[:rows],
-                )
+                return Rows.split(values, self._slot(col, 1)[:rows], aux)
 
             out.append(
                 materialise() if drain_round is None else drain_round.rows(refs, materialise)
@@ -224,3 +224,23 @@ class RowBuffer:
         own = sum(s.numel() * s.element_size() for s in self.storage.values())
         held = sum(b.numel() * b.element_size() for p in self.pending for b in p)
         return own + held
+
+
+def _readable_as_is(refs: list[torch.Tensor], dtype: torch.dtype) -> bool:
+    """Whether the one held block of a column can be reduced where it lies, without the
+    copy that splits it into finite values and a non-finite indicator: a single push of
+    contiguous rows on the CPU, at least single precision, with every entry finite. Asked
+    only outside a training pass (a drain for a report or a checkpoint) and only on the
+    CPU, where reading the finiteness back is not a device synchronisation; for the large
+    activations of a conv policy it saves four passes over the rows."""
+    if len(refs) != 1:
+        return False
+    t = refs[0]
+    return (
+        t.device.type == "cpu"
+        and t.dim() == 2
+        and t.element_size() >= 4
+        and t.dtype == dtype
+        and t.is_contiguous()
+        and bool(torch.isfinite(t).all())
+    )

@@ -57,6 +57,17 @@ class Rows:
         values.nan_to_num_(0.0, 0.0, 0.0)
         return cls(values, nonfinite, aux)
 
+    @classmethod
+    def finite(cls, values: torch.Tensor, aux: Callable[[int], torch.Tensor]) -> Rows:
+        """Rows of ``values`` known to be all finite, read where they lie (not copied; the
+        non-finite indicator is a broadcast zero, its counts known)."""
+        rows = cls(values, values.new_zeros(()).expand(values.shape), aux)
+        rows._cache["finite_count"] = torch.full(
+            values.shape[1:], values.shape[0], dtype=COUNT, device=values.device
+        )
+        rows._cache["row_nonfinite"] = values.new_zeros(values.shape[0])
+        return rows
+
     @property
     def num_rows(self) -> int:
         return self.clean.shape[0]
@@ -103,8 +114,11 @@ class DrainRound:
     held tensors alive until it ends, so no key's memory can be reused meanwhile.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, host_reads: bool = False) -> None:
         self._rows: dict[tuple[int, ...], tuple[Rows, Sequence[torch.Tensor]]] = {}
+        #: whether the round runs outside a training pass (a report, a checkpoint), where
+        #: reading a value back from a CPU tensor is allowed; inside a hook nothing is
+        self.host_reads = host_reads
 
     def rows(self, refs: Sequence[torch.Tensor], materialise: Callable[[], Rows]) -> Rows:
         """The round's :class:`Rows` of ``refs``, made by ``materialise()`` the first
