@@ -306,3 +306,31 @@ def test_a_single_finite_push_is_reduced_where_it_lies_at_a_report(block: str):
     inside.update("c", h)
     inside.update("c", h)  # does not fit behind the first push: drains it (timed=False)
     assert inside.buffers[("c", "h")].storage.get((0, 0)) is not None
+
+
+def test_a_window_end_releases_large_storage_and_keeps_small():
+    """reset() frees a buffer's storage and the scratch of 1 MiB or more (they would sit
+    among the training step's own large allocations until the next report) and keeps the
+    small ones for reuse; the next window reduces as before."""
+    from policy_probes.probes.relu import ReLUActivationState
+    from policy_probes.probes.state import RELEASED_BYTES
+
+    g = torch.Generator().manual_seed(2)
+    large = torch.randn(300, 1024, generator=g)  # 1.2 MB of float32 rows
+    small = torch.randn(10, 8, generator=g)
+    for t in (large, small):
+        t[0, 0] = float("nan")  # held rows are copied into the buffer's storage
+    tracker = ReLUActivationState()
+    for name, rows in (("large", large), ("small", small)):
+        tracker.register_component(name)
+        tracker.update(name, rows)
+    first = tracker.to_metrics()
+    storage = {name: tracker.buffers[(name, "h")].storage for name in ("large", "small")}
+    assert storage["large"][(0, 0)].numel() * 4 >= RELEASED_BYTES
+    tracker.reset()
+    assert tracker.buffers[("large", "h")].storage == {}
+    assert set(tracker.buffers[("small", "h")].storage) == set(storage["small"])
+    assert all(t.numel() * t.element_size() < RELEASED_BYTES for t in tracker._scratch.values())
+    for name, rows in (("large", large), ("small", small)):
+        tracker.update(name, rows)
+    assert tracker.to_metrics() == first

@@ -218,6 +218,13 @@ class RowBuffer:
         self.scales = []
         self.weights = []
 
+    def release(self, min_bytes: int) -> None:
+        """Free the storage tensors of ``min_bytes`` or more (reallocated at the next
+        :meth:`take` that needs them)."""
+        self.storage = {
+            k: t for k, t in self.storage.items() if t.numel() * t.element_size() < min_bytes
+        }
+
     @property
     def nbytes(self) -> int:
         """Bytes of the buffer's own storage plus the held blocks it keeps alive."""
