@@ -58,6 +58,30 @@ class Rows:
         return cls(values, nonfinite, aux)
 
     @classmethod
+    def copied(
+        cls,
+        held: torch.Tensor,
+        values: torch.Tensor,
+        nonfinite: torch.Tensor,
+        aux: Callable[[int], torch.Tensor],
+    ) -> Rows:
+        """Rows of one held block (``(N, U)``, or a channels-first view ``(B, *spatial,
+        U)`` of N rows) of the storage's dtype, copied into ``values`` with non-finite
+        entries replaced by 0, and ``nonfinite`` 1.0 where they were: two passes (a
+        :meth:`split` of a concatenation takes four)."""
+        shaped = (
+            (values, nonfinite)
+            if held.dim() == 2
+            else (
+                values.view(held.shape),
+                nonfinite.view(held.shape),
+            )
+        )
+        torch.nan_to_num(held, 0.0, 0.0, 0.0, out=shaped[0])
+        torch.ne(held, shaped[0], out=shaped[1])  # only where a value was replaced
+        return cls(values, nonfinite, aux)
+
+    @classmethod
     def finite(cls, values: torch.Tensor, aux: Callable[[int], torch.Tensor]) -> Rows:
         """Rows of ``values`` known to be all finite, read where they lie (not copied; the
         non-finite indicator is a broadcast zero, its counts known)."""
