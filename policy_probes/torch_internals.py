@@ -44,6 +44,8 @@ __all__ = [
     "tensor_slot",
     "set_tensor_slot",
     "tree_flatten",
+    "tree_flatten_cached",
+    "tree_leaves",
     "tree_unflatten",
     "version_counter",
 ]
@@ -208,3 +210,59 @@ def conv_padding(conv: nn.Conv1d | nn.Conv2d | nn.Conv3d) -> tuple[int, ...]:
     """``F.pad`` padding of a convolution: (last-dim left, last-dim right, ...), as the
     module computes it from ``padding`` (``"same"`` resolved)."""
     return tuple(conv._reversed_padding_repeated_twice)
+
+
+def tree_leaves(tree: Any) -> list[Any]:
+    """The leaves of ``tree`` in ``tree_flatten``'s order. Plain tuples, lists and dicts
+    (an LSTM's ``(out, (h, c))``, a module's ``(args, kwargs)``) are walked here, in
+    microseconds, where torch's pytree takes about 20 per call and leaves a reference
+    cycle behind (its recursive helper), garbage that only the GC frees: a step-by-step
+    LSTM calls a hook per step. Anything else (namedtuples, registered nodes) goes
+    through ``tree_flatten``."""
+    kind = type(tree)
+    if kind is tuple or kind is list:
+        out: list[Any] = []
+        for item in tree:
+            out.extend(tree_leaves(item))
+        return out
+    if kind is dict:
+        return tree_leaves(list(tree.values()))
+    if isinstance(tree, torch.Tensor) or tree is None or kind in _ATOMS:
+        return [tree]
+    return tree_flatten(tree)[0]
+
+
+def tree_flatten_cached(tree: Any) -> tuple[list[Any], Any]:
+    """``tree_flatten(tree)``, its spec built once per structure of plain tuples, lists
+    and dicts of tensors and Python scalars (see :func:`tree_leaves`); other trees are
+    flattened by torch."""
+    key = _structure(tree)
+    if key is None:
+        return tree_flatten(tree)
+    spec = _SPECS.get(key)
+    if spec is None:
+        if len(_SPECS) >= 256:  # structures come from a few call sites: bound it anyway
+            _SPECS.clear()
+        spec = _SPECS[key] = tree_flatten(tree)[1]
+    return tree_leaves(tree), spec
+
+
+_ATOMS = frozenset({int, float, bool, str})
+_SPECS: dict[Any, Any] = {}
+
+
+def _structure(tree: Any) -> Any:
+    """A hashable key of ``tree``'s pytree structure (None: not plain containers)."""
+    kind = type(tree)
+    if kind is tuple or kind is list or kind is dict:
+        items = tree.values() if kind is dict else tree
+        parts = tuple(_structure(t) for t in items)
+        if None in parts:
+            return None
+        keys = tuple(tree) if kind is dict else None
+        if keys is not None and not all(type(k) is str for k in keys):
+            return None
+        return (kind.__name__, keys, parts)
+    if isinstance(tree, torch.Tensor) or tree is None or kind in _ATOMS:
+        return "*"
+    return None

@@ -268,3 +268,36 @@ def test_compile_helpers_see_wrappers_in_place_compiles_and_the_stance() -> None
             restore()
         fn(torch.ones(2))
         assert calls == [1]  # the previous stance is back
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda a, b: a,
+        lambda a, b: (a, (b, a)),  # an LSTM's (out, (h, c))
+        lambda a, b: [a, [b, (a, None, 3)]],
+        lambda a, b: {"y": (b,), "x": a},  # insertion order
+        lambda a, b: ((a, (b, a)), {}),  # an LSTM's (args, kwargs)
+        lambda a, b: torch.nn.utils.rnn.pack_padded_sequence(torch.zeros(3, 2, 4), [3, 2]),
+        lambda a, b: torch.max(torch.ones(2, 3), dim=1),  # a structseq
+    ],
+)
+def test_tree_leaves_are_tree_flattens_leaves(make) -> None:
+    """The fast walk over tensors, tuples, lists and dicts gives torch's pytree leaves,
+    in its order, for those and for every other nest (handed to tree_flatten); the cached
+    flatten gives torch's spec too, reused for the next tree of that structure."""
+    from torch.utils._pytree import tree_flatten, tree_unflatten
+
+    from policy_probes.torch_internals import tree_flatten_cached, tree_leaves
+
+    tree = make(torch.zeros(2), torch.ones(3))
+    want, want_spec = tree_flatten(tree)
+    for got in (tree_leaves(tree), tree_flatten_cached(tree)[0]):
+        assert len(got) == len(want)
+        assert all(g is w for g, w in zip(got, want, strict=True))
+    assert tree_flatten_cached(tree)[1] == want_spec
+    other = make(torch.full((2,), 7.0), torch.full((3,), 8.0))  # same structure
+    leaves, spec = tree_flatten_cached(other)
+    rebuilt = tree_unflatten(leaves, spec)
+    assert tree_flatten(rebuilt)[1] == want_spec
+    assert all(a is b for a, b in zip(tree_flatten(rebuilt)[0], leaves, strict=True))

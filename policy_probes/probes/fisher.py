@@ -62,7 +62,12 @@ from policy_probes.probes.state import (
 from policy_probes.probes.weighted import Weighted
 from policy_probes.row_mask import loss_samples
 from policy_probes.sampling import Schedule, as_schedule, with_schedule
-from policy_probes.torch_internals import queue_after_backward, tree_flatten, tree_unflatten
+from policy_probes.torch_internals import (
+    queue_after_backward,
+    tree_flatten_cached,
+    tree_leaves,
+    tree_unflatten,
+)
 
 log = logging.getLogger("policy_probes")
 
@@ -577,7 +582,7 @@ class FisherInformationHook(ProbeHook):
             except Exception as exc:
                 self.fail(exc)
                 return
-            outs, spec = tree_flatten(output)
+            outs, spec = tree_flatten_cached(output)
             width = len(outs)  # the closure must not hold the outputs themselves
             rows = _output_rows(outs[0])
             tapped = [
@@ -845,7 +850,7 @@ def _generic_sample_weight(
     mask = context.row_mask
     if mask is None:
         return None
-    first = tree_flatten(output)[0][0]
+    first = tree_leaves(output)[0]
     return mask.per_sample(first, layout.batch, _output_rows(first), module, component, key)
 
 
@@ -862,7 +867,7 @@ def _carries_grad(output: Any) -> bool:
     """Whether ``output`` (a tensor or a nest of them) has a tensor that requires grad."""
     if isinstance(output, torch.Tensor):
         return output.requires_grad
-    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(output)[0])
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(output))
 
 
 def _names(prefix: str, layer: nn.Module) -> tuple[str | None, str | None]:

@@ -26,7 +26,13 @@ from torch.nn.utils.rnn import PackedSequence
 from policy_probes.probes.fisher_rnn import gate_rule_applies, rnn_per_sample_squares
 from policy_probes.probes.fisher_rules import chunks
 from policy_probes.probes.state import SUM
-from policy_probes.torch_internals import hooks_set_aside, tree_flatten, tree_unflatten
+from policy_probes.torch_internals import (
+    hooks_set_aside,
+    tree_flatten,
+    tree_flatten_cached,
+    tree_leaves,
+    tree_unflatten,
+)
 from policy_probes.user_errors import ProbeError
 
 
@@ -63,7 +69,7 @@ def batch_layout(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> L
         return _rnn_layout(module, args, kwargs, output)
     if isinstance(module, nn.MultiheadAttention):
         return _attention_layout(module, args, kwargs, output)
-    leaves, spec = tree_flatten((args, kwargs))
+    leaves, spec = tree_flatten_cached((args, kwargs))
     first = next((t for t in leaves if isinstance(t, torch.Tensor) and t.dim() > 0), None)
     if first is None:
         raise ProbeError(
@@ -73,7 +79,7 @@ def batch_layout(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> L
     n = first.shape[0]
     in_dims = [0 if _batched(t, n, 0) else None for t in leaves]
     out_dims = []
-    for t in tree_flatten(output)[0]:
+    for t in tree_leaves(output):
         if isinstance(t, torch.Tensor) and t.requires_grad and not _batched(t, n, 0):
             raise ProbeError(
                 f"{type(module).__name__} returned a tensor of shape {tuple(t.shape)} whose "
@@ -126,9 +132,11 @@ def _rnn_layout(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> La
         zeros = [torch.zeros(s, dtype=x.dtype, device=x.device) for s in cells]
         lstm = isinstance(module, nn.LSTM | nn.LSTMCell)
         hx = (zeros[0], zeros[1]) if lstm else zeros[1]
-    leaves, spec = tree_flatten(((x, hx), {}))
+    # one call per step of a sequence: a spec built per call would outlive it (see
+    # tree_flatten_cached)
+    leaves, spec = tree_flatten_cached(((x, hx), {}))
     in_dims = [bdim] + [hdim] * (len(leaves) - 1)
-    out_leaves = tree_flatten(output)[0]
+    out_leaves = tree_leaves(output)
     out_dims = [hdim] * len(out_leaves)
     if not cell:
         out_dims[0] = bdim
@@ -159,15 +167,15 @@ def _attention_layout(
         )
     bdim = 0 if module.batch_first else 1
     n = named["query"].shape[bdim]
-    leaves, spec = tree_flatten(((), named))
+    leaves, spec = tree_flatten_cached(((), named))
     dims = {"query": bdim, "key": bdim, "value": bdim, "key_padding_mask": 0}
-    flat_names = tree_flatten(((), {k: k for k in named}))[0]
+    flat_names = tree_leaves(((), {k: k for k in named}))
     in_dims = [
         dims.get(k) if isinstance(v, torch.Tensor) else None
         for k, v in zip(flat_names, leaves, strict=True)
     ]
     out_dims = [bdim, 0] if isinstance(output[1], torch.Tensor) else [bdim, None]
-    return Layout(leaves, spec, in_dims, out_dims[: len(tree_flatten(output)[0])], n)
+    return Layout(leaves, spec, in_dims, out_dims[: len(tree_leaves(output))], n)
 
 
 class OutputTap(torch.autograd.Function):
