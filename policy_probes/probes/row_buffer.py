@@ -160,8 +160,9 @@ class RowBuffer:
                 if host_reads and _readable_as_is(refs, self.layout[col][1]):
                     return Rows.finite(refs[0], aux)
                 values = self._slot(col, 0)[:rows]
-                if len(refs) == 1 and refs[0].dtype == values.dtype:
-                    return Rows.copied(refs[0], values, self._slot(col, 1)[:rows], aux)
+                one = refs[0]
+                if len(refs) == 1 and one.dtype == values.dtype and one.is_contiguous():
+                    return Rows.copied(one, values, self._slot(col, 1)[:rows], aux)
                 if all(r.dim() == 2 for r in refs):
                     torch.cat(refs, out=values)
                 else:  # channels-first views (B, *spatial, C): one strided copy per push

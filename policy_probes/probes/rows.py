@@ -65,20 +65,15 @@ class Rows:
         nonfinite: torch.Tensor,
         aux: Callable[[int], torch.Tensor],
     ) -> Rows:
-        """Rows of one held block (``(N, U)``, or a channels-first view ``(B, *spatial,
-        U)`` of N rows) of the storage's dtype, copied into ``values`` with non-finite
-        entries replaced by 0, and ``nonfinite`` 1.0 where they were: two passes (a
-        :meth:`split` of a concatenation takes four)."""
-        shaped = (
-            (values, nonfinite)
-            if held.dim() == 2
-            else (
-                values.view(held.shape),
-                nonfinite.view(held.shape),
-            )
-        )
-        torch.nan_to_num(held, 0.0, 0.0, 0.0, out=shaped[0])
-        torch.ne(held, shaped[0], out=shaped[1])  # only where a value was replaced
+        """Rows of one contiguous held block of the storage's dtype (``(N, U)``, or
+        ``(B, *spatial, U)`` of N rows), copied into ``values`` with non-finite entries
+        replaced by 0, and ``nonfinite`` 1.0 where they were: two passes where a
+        :meth:`split` of a concatenation takes four. (Not for a strided view, such as a
+        conv output's channels-last view: reading it twice costs more than the passes
+        saved; 3.7 against 3.0 ms for a (256, 32, 20, 20) output.)"""
+        shaped = values.view(held.shape)
+        torch.nan_to_num(held, 0.0, 0.0, 0.0, out=shaped)
+        torch.ne(held, shaped, out=nonfinite.view(held.shape))  # where a value was replaced
         return cls(values, nonfinite, aux)
 
     @classmethod
