@@ -335,11 +335,14 @@ def is_finite_number(value: Any) -> bool:
 
 
 def finite_values(values: Iterable[Any]) -> list[float]:
-    """The finite numeric elements of a per-unit vector (None and NaN/inf left out)."""
-    values = list(values)
+    """The finite numeric elements of a per-unit vector (None and NaN/inf left out). A
+    list of finite floats is returned as it is (callers only read it)."""
+    if type(values) is not list:
+        values = list(values)
     try:  # the common case, every element a finite float: C-level passes only
-        if _FLOATS.issuperset(map(type, values)) and all(map(math.isfinite, values)):
-            return list(map(float, values))
+        kinds = set(map(type, values))
+        if kinds <= _FLOATS and all(map(math.isfinite, values)):
+            return values if kinds <= {float} else list(map(float, values))
     except TypeError:
         pass
     return [float(v) for v in values if is_finite_number(v)]
