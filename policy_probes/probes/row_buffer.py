@@ -52,8 +52,12 @@ class RowBuffer:
     def __init__(self, max_elements: int, max_rows: int | None = None) -> None:
         self.max_elements = max_elements
         self.max_rows = max_rows
-        self.pending: list[tuple[torch.Tensor, ...]] = []
-        self.versions: list[tuple[int, ...] | None] = []
+        #: the held blocks, flat: push i's block of column c at ``i * columns + c`` (no
+        #: tuple per push: a step-by-step LSTM pushes hundreds per pass, and every
+        #: container held until the drain counts toward the GC's next collection)
+        self.pending: list[torch.Tensor] = []
+        #: each held block's version counter at the push (-1: a copy, nothing to check)
+        self.versions: list[int] = []
         self.segments: list[int] = []
         self.scales: list[tuple[float | None, ...] | None] = []
         self.weights: list[torch.Tensor | None] = []
@@ -111,12 +115,11 @@ class RowBuffer:
     ) -> None:
         if self.copy_pushes or any(b.is_inference() for b in blocks):
             # inference tensors have no version counter to check: hold a copy instead
-            blocks = tuple(b.clone() for b in blocks)
-            seen = None
+            self.pending.extend(b.clone() for b in blocks)
+            self.versions.extend(-1 for _ in blocks)
         else:
-            seen = tuple(version_counter(b) for b in blocks)
-        self.pending.append(blocks)
-        self.versions.append(seen)
+            self.pending.extend(blocks)
+            self.versions.extend(version_counter(b) for b in blocks)
         rows = block_rows(blocks[0])
         self.rows += rows
         self.segments.append(rows)
@@ -139,10 +142,8 @@ class RowBuffer:
         pending, versions, weights = self.pending, self.versions, self.weights
         segments, scales, rows = self.segments, self.scales, self.rows
         self.clear()
-        for blocks, seen in zip(pending, versions, strict=True):
-            if seen is not None and any(
-                version_counter(b) != v for b, v in zip(blocks, seen, strict=True)
-            ):
+        for block, seen in zip(pending, versions, strict=True):
+            if seen != -1 and version_counter(block) != seen:
                 self.copy_pushes = True
                 raise InPlaceModified(
                     "a probed tensor was modified in place after the probe read it (an in-place "
@@ -151,8 +152,9 @@ class RowBuffer:
                     "probed outputs to keep the zero-copy path."
                 )
         out = []
-        for col in range(len(self.layout)):
-            refs = [p[col] for p in pending]
+        columns = len(self.layout)
+        for col in range(columns):
+            refs = pending[col::columns]
 
             def materialise(refs: list[torch.Tensor] = refs, col: int = col) -> Rows:
                 aux = lambda k: self._slot(col, 2 + k)[:rows]  # noqa: E731
@@ -232,7 +234,7 @@ class RowBuffer:
     def nbytes(self) -> int:
         """Bytes of the buffer's own storage plus the held blocks it keeps alive."""
         own = sum(s.numel() * s.element_size() for s in self.storage.values())
-        held = sum(b.numel() * b.element_size() for p in self.pending for b in p)
+        held = sum(b.numel() * b.element_size() for b in self.pending)
         return own + held
 
 
