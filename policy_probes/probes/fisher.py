@@ -346,7 +346,7 @@ class FisherInformationState(ProbeState):
         # hold millions of entries, and each pass over them counts
         traces: dict[str, float] = {}
         entries = dead = 0
-        peak = -np.inf
+        peak = -math.inf
         for key, total in a.items():
             if not key.startswith("param:"):
                 continue
@@ -355,11 +355,11 @@ class FisherInformationState(ProbeState):
             fisher = total / n if n else np.zeros_like(total)
             traces[name] = out[f"{name}.trace"] = float(fisher.sum())
             if fisher.size:
-                peak = max(peak, float(fisher.max()))
+                peak = float(np.maximum(peak, fisher.max()))  # NaN propagates, as in max
                 dead += int(np.count_nonzero(fisher < cfg["dead_threshold"]))
                 entries += fisher.size
         if traces:
-            out["trace"] = math.fsum(traces.values())
+            out["trace"] = float(sum(traces.values()))
             out["mean"] = out["trace"] / entries if entries else math.nan
             out["max"] = peak if entries else math.nan
             out["dead_param_fraction"] = dead / entries if entries else math.nan
