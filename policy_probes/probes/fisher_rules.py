@@ -82,9 +82,10 @@ class ConvRule(LayerRule):
     the output gradient dilated by the stride. It is computed as one grouped convolution
     for a chunk of samples (the samples are the groups, the input channels the batch, each
     sample's output gradient the kernel), read at every ``d``-th position; exact like the
-    im2col contraction, and 1.2-2.3x faster on the CPU (NatureCNN's layers, one thread),
-    because no (samples, C k k, positions) column tensor is written. The bias gradient is
-    the output gradient summed over positions."""
+    im2col contraction it replaced, and cheaper on the CPU because no (samples, C k k,
+    positions) column tensor is written: NatureCNN's layers on 256 frames, one thread,
+    22 / 19 / 21 ms against 51 / 26 / 18 ms (the small third layer is a little slower).
+    The bias gradient is the output gradient summed over positions."""
 
     in_shape: tuple[int, ...]  # (C, L) or (C, H, W) of one sample
     out_shape: tuple[int, ...]
