@@ -144,6 +144,33 @@ def test_conv_fisher_matches_vmap(name: str, reduction: str) -> None:
     assert_matches_reference(body, head, batches, fisher, metrics)
 
 
+@pytest.mark.parametrize("name", list(CONVS) + list(CONV1DS))
+@pytest.mark.parametrize("method", ["correlate", "unfold"])
+def test_both_conv_routes_give_each_samples_squared_gradient(name: str, method: str) -> None:
+    """The conv rule's two routes (the correlation the CPU uses, the im2col contraction
+    accelerators use) each give sum_i (dl_i/dW)^2 as autograd gives it one sample at a
+    time, with chunks of one sample and of the whole batch."""
+    from policy_probes.probes.fisher_rules import ConvRule
+
+    torch.manual_seed(0)
+    conv = (CONVS | CONV1DS)[name]()
+    in_shape = (conv.in_channels, 7, 6) if name in CONVS else (conv.in_channels, 9)
+    x = torch.randn(5, *in_shape)
+    out = conv(x)
+    g = torch.randn_like(out)  # each sample's loss is <g_i, conv(x_i)>
+    want = {key: torch.zeros_like(p, dtype=torch.float64) for key, p in conv.named_parameters()}
+    for i in range(x.shape[0]):
+        grads = torch.autograd.grad(conv(x[i : i + 1]), list(conv.parameters()), g[i : i + 1])
+        for (key, _), grad in zip(conv.named_parameters(), grads, strict=True):
+            want[key] += grad.double().square()
+    rule = ConvRule.of(conv, ("weight", "bias" if conv.bias is not None else None), x, out)
+    for chunk_bytes in (1, 1 << 30):
+        got = rule.squares(x.reshape(5, -1), g.reshape(5, -1), chunk_bytes, method)
+        assert set(got) == set(want)
+        for key, value in want.items():
+            torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-9)
+
+
 def test_stacked_convs_with_micro_batches_and_small_chunks() -> None:
     """NatureCNN's layout (conv, ReLU, conv, ReLU, flatten, linear); the minibatch split
     into micro-batches (context.loss_scale) and chunks smaller than the batch give the

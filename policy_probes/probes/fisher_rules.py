@@ -82,9 +82,10 @@ class ConvRule(LayerRule):
     the output gradient dilated by the stride. It is computed as one grouped convolution
     for a chunk of samples (the samples are the groups, the input channels the batch, each
     sample's output gradient the kernel), read at every ``d``-th position; exact like the
-    im2col contraction it replaced, and cheaper on the CPU because no (samples, C k k,
-    positions) column tensor is written: NatureCNN's layers on 256 frames, one thread,
-    22 / 19 / 21 ms against 51 / 26 / 18 ms (the small third layer is a little slower).
+    im2col contraction, and cheaper on the CPU because no (samples, C k k, positions)
+    column tensor is written: NatureCNN's layers on 256 frames, one thread, 22 / 19 / 21
+    ms against 51 / 26 / 18 ms (the small third layer is a little slower). Accelerators
+    keep the im2col contraction until the correlation is measured there (:meth:`squares`).
     The bias gradient is the output gradient summed over positions."""
 
     in_shape: tuple[int, ...]  # (C, L) or (C, H, W) of one sample
@@ -116,54 +117,110 @@ class ConvRule(LayerRule):
         )
 
     def squares(
-        self, x: torch.Tensor, gw: torch.Tensor, chunk_bytes: int
+        self,
+        x: torch.Tensor,
+        gw: torch.Tensor,
+        chunk_bytes: int,
+        method: str | None = None,
     ) -> dict[str, torch.Tensor]:
+        """See :meth:`LayerRule.squares`. ``method``: ``"correlate"`` (one grouped
+        convolution per chunk) or ``"unfold"`` (im2col + einsum); by default the
+        correlation on the CPU, where it was measured faster, and the im2col contraction
+        on accelerators, where the correlation's many groups and large kernels have not
+        been measured yet. Both are exact."""
+        if method is None:
+            method = "correlate" if x.device.type == "cpu" else "unfold"
+        if method not in ("correlate", "unfold"):
+            raise ValueError(f"method must be 'correlate' or 'unfold', got {method!r}")
         one_d = len(self.kernel) == 1
-        kernel = (1, *self.kernel) if one_d else self.kernel
-        stride = (1, *self.stride) if one_d else self.stride
-        dilation = (1, *self.dilation) if one_d else self.dilation
-        out_hw = (1, *self.out_shape[1:]) if one_d else tuple(self.out_shape[1:])
-        c_out, groups = self.out_shape[0], self.groups
-        c_in = self.in_shape[0] // groups  # per group
-        o_g = c_out // groups
-        padded = [
-            n + self.pad[2 * k] + self.pad[2 * k + 1] for k, n in enumerate(self.in_shape[:0:-1])
-        ]
-        padded_hw = (1, *padded) if one_d else tuple(reversed(padded))
-        # the correlation's extent: every position a kernel tap can reach from position 0
-        reach = tuple(h - (o - 1) * st for h, o, st in zip(padded_hw, out_hw, stride, strict=True))
+        g = _Geometry(
+            kernel=(1, *self.kernel) if one_d else self.kernel,
+            stride=(1, *self.stride) if one_d else self.stride,
+            dilation=(1, *self.dilation) if one_d else self.dilation,
+            out_hw=(1, *self.out_shape[1:]) if one_d else tuple(self.out_shape[1:]),
+        )
+        c_out = self.out_shape[0]
+        correlate = method == "correlate"
+        weight_squares = self._correlated if correlate else self._unfolded
         per_sample = x.element_size() * (
-            2 * self.in_shape[0] * math.prod(padded_hw)  # padded, then contiguous input
-            + c_out * math.prod(out_hw)
-            + 2 * self.in_shape[0] * o_g * math.prod(reach)  # the correlation and its square
+            self._correlation_bytes(g) if correlate else self._unfold_bytes(g)
         )
         acc: dict[str, torch.Tensor] = {}
         weight, bias = self.names
         for lo, hi in chunks(x.shape[0], per_sample, chunk_bytes):
             n = hi - lo
-            gc = gw[lo:hi].view(n, c_out, *out_hw)
+            gc = gw[lo:hi].view(n, c_out, *g.out_hw)
             if weight is not None:
                 xc = x[lo:hi].view(n, *self.in_shape)
                 if any(self.pad):
                     xc = F.pad(xc, self.pad, mode=self.pad_mode)
                 if one_d:
                     xc = xc.unsqueeze(2)
-                # (sample, group) pairs are the convolution's groups, channels its batch
-                inp = xc.reshape(n * groups, c_in, *padded_hw).transpose(0, 1)
-                ker = gc.reshape(n * c_out, 1, *out_hw)
-                corr = F.conv2d(inp, ker, dilation=stride, groups=n * groups)
-                taps = corr[
-                    ...,
-                    : (kernel[0] - 1) * dilation[0] + 1 : dilation[0],
-                    : (kernel[1] - 1) * dilation[1] + 1 : dilation[1],
-                ]
-                sq = taps.square().reshape(c_in, n, groups, o_g, *kernel).sum(1)
-                # (c, group, o, kh, kw) -> the weight's (group * o, c, k...)
-                per = sq.permute(1, 2, 0, 3, 4).reshape(self.weight_shape)
-                _accumulate(acc, weight, per)
+                _accumulate(acc, weight, weight_squares(xc, gc, g))
             if bias is not None:
                 _accumulate(acc, bias, gc.reshape(n, c_out, -1).sum(-1).square_().sum(0))
         return acc
+
+    def _correlated(self, xc: Tensor, gc: Tensor, g: _Geometry) -> Tensor:
+        """Σ over the chunk's samples of the squared weight gradients, by correlation:
+        the (sample, group) pairs are the convolution's groups, the channels its batch."""
+        n, groups, c_out = xc.shape[0], self.groups, self.out_shape[0]
+        c_in, o_g = self.in_shape[0] // groups, c_out // groups
+        inp = xc.reshape(n * groups, c_in, *xc.shape[2:]).transpose(0, 1)
+        ker = gc.reshape(n * c_out, 1, *g.out_hw)
+        corr = F.conv2d(inp, ker, dilation=g.stride, groups=n * groups)
+        (kh, kw), (dh, dw) = g.kernel, g.dilation
+        taps = corr[..., : (kh - 1) * dh + 1 : dh, : (kw - 1) * dw + 1 : dw]
+        sq = taps.square().reshape(c_in, n, groups, o_g, kh, kw).sum(1)
+        # (c, group, o, kh, kw) -> the weight's (group * o, c, k...)
+        return sq.permute(1, 2, 0, 3, 4).reshape(self.weight_shape)
+
+    def _unfolded(self, xc: Tensor, gc: Tensor, g: _Geometry) -> Tensor:
+        """The same by im2col: the output gradient contracted with the input's columns
+        over output positions."""
+        n, groups = xc.shape[0], self.groups
+        positions, width = math.prod(g.out_hw), math.prod(self.weight_shape[1:])
+        cols = F.unfold(xc, g.kernel, dilation=g.dilation, stride=g.stride)
+        per = torch.einsum(
+            "ngol,ngkl->ngok",
+            gc.reshape(n, groups, -1, positions),
+            cols.view(n, groups, width, positions),
+        )
+        return per.square_().sum(0).view(self.weight_shape)
+
+    def _padded_hw(self) -> tuple[int, ...]:
+        padded = [
+            n + self.pad[2 * k] + self.pad[2 * k + 1] for k, n in enumerate(self.in_shape[:0:-1])
+        ]
+        return (1, *padded) if len(self.kernel) == 1 else tuple(reversed(padded))
+
+    def _correlation_bytes(self, g: _Geometry) -> int:
+        """Elements of one sample's temporaries on the correlation route."""
+        padded = self._padded_hw()
+        # the correlation's extent: every position a kernel tap can reach from position 0
+        reach = tuple(h - (o - 1) * st for h, o, st in zip(padded, g.out_hw, g.stride, strict=True))
+        c_in = self.in_shape[0]
+        return (
+            2 * c_in * math.prod(padded)  # padded, then contiguous input
+            + self.out_shape[0] * math.prod(g.out_hw)
+            + 2 * c_in * (self.out_shape[0] // self.groups) * math.prod(reach)
+        )
+
+    def _unfold_bytes(self, g: _Geometry) -> int:
+        """Elements of one sample's temporaries on the im2col route."""
+        positions, width = math.prod(g.out_hw), math.prod(self.weight_shape[1:])
+        cols = self.in_shape[0] * math.prod(self.kernel) * positions
+        return cols + 2 * self.out_shape[0] * width + math.prod(self.in_shape) * 2
+
+
+@dataclass(frozen=True)
+class _Geometry:
+    """A convolution's geometry as 2-D (a Conv1d is an image of height 1)."""
+
+    kernel: tuple[int, ...]
+    stride: tuple[int, ...]
+    dilation: tuple[int, ...]
+    out_hw: tuple[int, ...]
 
 
 @dataclass(frozen=True)
