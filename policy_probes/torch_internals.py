@@ -219,24 +219,16 @@ def tree_leaves(tree: Any) -> list[Any]:
     cycle behind (its recursive helper), garbage that only the GC frees: a step-by-step
     LSTM calls a hook per step. Anything else (namedtuples, registered nodes) goes
     through ``tree_flatten``."""
-    kind = type(tree)
-    if kind is tuple or kind is list:
-        out: list[Any] = []
-        for item in tree:
-            out.extend(tree_leaves(item))
-        return out
-    if kind is dict:
-        return tree_leaves(list(tree.values()))
-    if isinstance(tree, torch.Tensor) or tree is None or kind in _ATOMS:
-        return [tree]
-    return tree_flatten(tree)[0]
+    leaves: list[Any] = []
+    return leaves if _walk(tree, leaves) is not None else tree_flatten(tree)[0]
 
 
 def tree_flatten_cached(tree: Any) -> tuple[list[Any], Any]:
     """``tree_flatten(tree)``, its spec built once per structure of plain tuples, lists
     and dicts of tensors and Python scalars (see :func:`tree_leaves`); other trees are
     flattened by torch."""
-    key = _structure(tree)
+    leaves: list[Any] = []
+    key = _walk(tree, leaves)
     if key is None:
         return tree_flatten(tree)
     spec = _SPECS.get(key)
@@ -244,25 +236,30 @@ def tree_flatten_cached(tree: Any) -> tuple[list[Any], Any]:
         if len(_SPECS) >= 256:  # structures come from a few call sites: bound it anyway
             _SPECS.clear()
         spec = _SPECS[key] = tree_flatten(tree)[1]
-    return tree_leaves(tree), spec
+    return leaves, spec
 
 
 _ATOMS = frozenset({int, float, bool, str})
 _SPECS: dict[Any, Any] = {}
 
 
-def _structure(tree: Any) -> Any:
-    """A hashable key of ``tree``'s pytree structure (None: not plain containers)."""
+def _walk(tree: Any, leaves: list[Any]) -> Any:
+    """Append ``tree``'s leaves to ``leaves`` and return a hashable key of its pytree
+    structure; None when it is not plain containers of tensors and scalars (``leaves``
+    then holds part of them and is not to be used)."""
     kind = type(tree)
     if kind is tuple or kind is list or kind is dict:
-        items = tree.values() if kind is dict else tree
-        parts = tuple(_structure(t) for t in items)
-        if None in parts:
-            return None
         keys = tuple(tree) if kind is dict else None
         if keys is not None and not all(type(k) is str for k in keys):
             return None
-        return (kind.__name__, keys, parts)
+        parts = []
+        for item in tree.values() if kind is dict else tree:
+            part = _walk(item, leaves)
+            if part is None:
+                return None
+            parts.append(part)
+        return (kind.__name__, keys, tuple(parts))
     if isinstance(tree, torch.Tensor) or tree is None or kind in _ATOMS:
+        leaves.append(tree)
         return "*"
     return None

@@ -575,16 +575,16 @@ class FisherInformationHook(ProbeHook):
             layout.leaves = [
                 t.detach() if isinstance(t, torch.Tensor) else t for t in layout.leaves
             ]
+            outs, spec = tree_flatten_cached(output)
+            width = len(outs)  # the closure must not hold the outputs themselves
+            rows = _output_rows(outs[0])
             try:
                 weight = _generic_sample_weight(
-                    self.context, mod, layout, output, self.component, (id(self), id(mod))
+                    self.context, mod, layout, outs[0], rows, self.component, (id(self), id(mod))
                 )
             except Exception as exc:
                 self.fail(exc)
                 return
-            outs, spec = tree_flatten_cached(output)
-            width = len(outs)  # the closure must not hold the outputs themselves
-            rows = _output_rows(outs[0])
             tapped = [
                 i for i, t in enumerate(outs) if isinstance(t, torch.Tensor) and t.requires_grad
             ]
@@ -840,18 +840,18 @@ def _generic_sample_weight(
     context: ComponentContext,
     module: nn.Module,
     layout: Any,
-    output: Any,
+    first: Any,
+    rows: int | None,
     component: str,
     key: Any,
 ) -> torch.Tensor | None:
     """The row-mask entries of the samples of one pass on the generic route (None without
-    a mask): a sample holds the rows of the first output along its batch dimension (an
-    ``nn.LSTM``'s steps), kept when any of them is."""
+    a mask): a sample holds the ``rows`` rows of ``first``, the pass's first output,
+    along its batch dimension (an ``nn.LSTM``'s steps), kept when any of them is."""
     mask = context.row_mask
     if mask is None:
         return None
-    first = tree_leaves(output)[0]
-    return mask.per_sample(first, layout.batch, _output_rows(first), module, component, key)
+    return mask.per_sample(first, layout.batch, rows, module, component, key)
 
 
 def _output_rows(first: Any) -> int | None:
