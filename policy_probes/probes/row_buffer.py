@@ -159,7 +159,7 @@ class RowBuffer:
             def materialise(refs: list[torch.Tensor] = refs, col: int = col) -> Rows:
                 aux = lambda k: self._slot(col, 2 + k)[:rows]  # noqa: E731
                 host_reads = drain_round is not None and drain_round.host_reads
-                if host_reads and _readable_as_is(refs, self.layout[col][1]):
+                if host_reads and _readable_as_is(refs):
                     return Rows.finite(refs[0], aux)
                 values = self._slot(col, 0)[:rows]
                 one = refs[0]
@@ -226,9 +226,7 @@ class RowBuffer:
     def release(self, min_bytes: int) -> None:
         """Free the storage tensors of ``min_bytes`` or more (reallocated at the next
         :meth:`take` that needs them)."""
-        self.storage = {
-            k: t for k, t in self.storage.items() if t.numel() * t.element_size() < min_bytes
-        }
+        self.storage = {k: t for k, t in self.storage.items() if t.nbytes < min_bytes}
 
     @property
     def nbytes(self) -> int:
@@ -238,7 +236,7 @@ class RowBuffer:
         return own + held
 
 
-def _readable_as_is(refs: list[torch.Tensor], dtype: torch.dtype) -> bool:
+def _readable_as_is(refs: list[torch.Tensor]) -> bool:
     """Whether the one held block of a column can be reduced where it lies, without the
     copy that splits it into finite values and a non-finite indicator: a single push of
     contiguous rows on the CPU, at least single precision, with every entry finite. Asked
@@ -251,8 +249,7 @@ def _readable_as_is(refs: list[torch.Tensor], dtype: torch.dtype) -> bool:
     return (
         t.device.type == "cpu"
         and t.dim() == 2
-        and t.element_size() >= 4
-        and t.dtype == dtype
+        and t.element_size() >= 4  # half precision is widened into the storage
         and t.is_contiguous()
         # a finite sum means every entry is finite (NaN and inf propagate); a sum that
         # overflows only sends finite rows down the copy, which is exact too. One pass,

@@ -388,7 +388,7 @@ class ProbeState:
         for buf in self.buffers.values():
             buf.clear()
             buf.release(RELEASED_BYTES)
-        self._scratch = {k: t for k, t in self._scratch.items() if _nbytes(t) < RELEASED_BYTES}
+        self._scratch = {k: t for k, t in self._scratch.items() if t.nbytes < RELEASED_BYTES}
 
     def all_reduce(self, group: Any = None) -> None:
         """Add every accumulator across the processes of ``group`` (no-op when not
@@ -516,10 +516,6 @@ class ProbeState:
             for st in self.state.values()
             for t in st.values()
         )
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def _to_host(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
