@@ -81,20 +81,21 @@ def check_run_dir_path(run_dir: str | Path) -> None:
     path = Path(run_dir)
     longest = max(path.parts, key=len, default="")
     if len(longest.encode()) > NAME_MAX:
-        exc = ValueError(
-            f"run_dir {_short(str(path))!r} has a name of {len(longest.encode())} bytes "
-            f"({_short(longest)!r}); file systems allow {NAME_MAX}: choose a shorter run_dir"
+        raise mark_usage_error(
+            ValueError(
+                f"run_dir {_short(str(path))!r} has a name of {len(longest.encode())} bytes "
+                f"({_short(longest)!r}); file systems allow {NAME_MAX}: choose a shorter "
+                f"run_dir"
+            )
         )
-        exc.usage_error = True  # type: ignore[attr-defined]
-        raise exc
     for candidate in (path, *path.parents):
         if candidate.exists() and not candidate.is_dir():
-            exc = NotADirectoryError(
-                f"run_dir {str(path)!r} cannot be created: {str(candidate)!r} is a file; "
-                f"choose a directory path for run_dir"
+            raise mark_usage_error(
+                NotADirectoryError(
+                    f"run_dir {str(path)!r} cannot be created: {str(candidate)!r} is a file; "
+                    f"choose a directory path for run_dir"
+                )
             )
-            exc.usage_error = True  # type: ignore[attr-defined]
-            raise exc
 
 
 #: the longest file name most file systems take (ext4, xfs, btrfs, tmpfs, APFS, NTFS)
@@ -116,12 +117,12 @@ def make_run_dir(run_dir: str | Path) -> Path:
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as exc:
-        error = PermissionError(
-            f"run_dir {str(path)!r} is not writable ({exc.strerror or exc}); choose a "
-            f"directory you can write to for run_dir"
-        )
-        error.usage_error = True  # type: ignore[attr-defined]
-        raise error from None
+        raise mark_usage_error(
+            PermissionError(
+                f"run_dir {str(path)!r} is not writable ({exc.strerror or exc}); choose a "
+                f"directory you can write to for run_dir"
+            )
+        ) from None
     return path
 
 

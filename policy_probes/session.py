@@ -234,8 +234,8 @@ class ProbeSession:
             self.epoch = int(start_epoch)
         elif last is not None:
             self.epoch = last + 1 - run.first_epoch
-        if last is not None and self.epoch + run.first_epoch <= last:
-            run.rewind(self.epoch + run.first_epoch - 1)
+        if last is not None and self.record_epoch <= last:
+            run.rewind(self.record_epoch - 1)
 
     @property
     def run_dir(self) -> Path:
@@ -634,7 +634,7 @@ class ProbeSession:
         steps: dict[str, dict[str, Any]],
     ) -> None:
         """The epoch's records, in the documented order."""
-        epoch = self.epoch + self.run.first_epoch
+        epoch = self.record_epoch
         self.sinks.set_run_context(agent_step=self.agent_step)
         for point, values in steps.items() if self.loop.step_records else ():
             self.sinks.emit(values, epoch, point)
