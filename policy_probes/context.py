@@ -30,7 +30,8 @@ class ComponentContext:
             ``backward()`` (for example ``1/k`` when a minibatch is split into ``k``
             micro-batches), set before each backward. It is read as each gradient reaches
             the probes and passed to them as ``loss_scale=``; the Fisher probe divides it
-            out to recover per-sample gradients.
+            out to recover per-sample gradients. A 0-dim device tensor is accepted (an AMP
+            grad scaler's scale: ``ProbeSession.scale_loss``) and never read back.
         loss_samples: how many samples the loss averages over, when that is not the rows
             of one probed pass (an LSTM cell called once per step: the loss averages over
             ``steps x batch`` rows). ``None`` (default): the kept rows of :attr:`row_mask`
@@ -53,7 +54,7 @@ class ComponentContext:
         self,
         model_metrics: dict[str, Any] | None = None,
         phase: str = "train",
-        loss_scale: float = 1.0,
+        loss_scale: float | torch.Tensor = 1.0,
         strict: bool = False,
         probe_errors: dict[str, str] | None = None,
     ) -> None:

@@ -409,6 +409,15 @@ class ProbeSession:
             raise ValueError(f"loss_samples must be a positive number of samples, got {n!r}")
         self.context.loss_samples = n
 
+    def scale_loss(self, loss: torch.Tensor, scaler: torch.amp.GradScaler) -> torch.Tensor:
+        """``scaler.scale(loss)`` for mixed precision (``torch.autocast`` with
+        ``torch.amp.GradScaler``), telling the probes the factor: ``context.loss_scale``
+        becomes the scaler's current scale as a 0-dim device tensor, which the Fisher
+        probe divides out on the device (no host sync). Call it instead of
+        ``scaler.scale(loss)`` before each ``backward()``; ``docs/probes/fisher.md``."""
+        self.context.loss_scale = scaler.scale(torch.ones((), device=loss.device))
+        return scaler.scale(loss)
+
     # ----------------------------------------------------------------- metrics
     def log(self, metrics: Mapping[str, Any], *, reduce: Literal["last", "mean"] = "last") -> None:
         """Add the loop's own scalars (losses, returns, ...) to the current epoch's record.

@@ -113,25 +113,36 @@ class FisherInformationState(ProbeState):
         self.out_rows.pop(name, None)
 
     def sample_factor(
-        self, component: str, rows: int, loss_scale: float, like: torch.Tensor | None = None
+        self,
+        component: str,
+        rows: int,
+        loss_scale: float | torch.Tensor,
+        like: torch.Tensor | None = None,
     ) -> float | torch.Tensor:
         """Factor turning the autograd gradient of one row into its per-sample gradient.
         A mean loss averages over :func:`~policy_probes.row_mask.loss_samples` samples:
         ``context.loss_samples``, else the kept rows of the row mask (a device tensor),
-        else ``rows``."""
-        scale = loss_scale if loss_scale else 1.0
+        else ``rows``. ``loss_scale`` may be a 0-dim device tensor (an AMP grad scaler's
+        scale, :meth:`~policy_probes.session.ProbeSession.scale_loss`): it is divided
+        out on the device, never read back."""
+        if isinstance(loss_scale, torch.Tensor):
+            scale: float | torch.Tensor = loss_scale.detach()
+        else:
+            scale = loss_scale if loss_scale else 1.0
         if self.settings[component]["loss_reduction"] == "sum":
             return 1.0 / scale
         if self.context is not None and like is not None:
             n = loss_samples(self.context, rows, like)
-            return n if scale == 1.0 else n / scale  # a mask's count: no kernel per push
+            if not isinstance(scale, torch.Tensor) and scale == 1:
+                return n  # a mask's count: no kernel per push
+            return n / scale
         return rows / scale
 
     def update(
         self,
         component: str,
         grad_output: torch.Tensor,
-        loss_scale: float = 1.0,
+        loss_scale: float | torch.Tensor = 1.0,
         *,
         weight: torch.Tensor | None = None,
     ) -> None:
@@ -149,7 +160,7 @@ class FisherInformationState(ProbeState):
         names: tuple[str | None, str | None],
         x: torch.Tensor,
         grad_output: torch.Tensor,
-        loss_scale: float = 1.0,
+        loss_scale: float | torch.Tensor = 1.0,
         *,
         weight: torch.Tensor | None = None,
     ) -> None:
@@ -167,7 +178,7 @@ class FisherInformationState(ProbeState):
         rule: LayerRule,
         x: torch.Tensor,
         grad_output: torch.Tensor,
-        loss_scale: float = 1.0,
+        loss_scale: float | torch.Tensor = 1.0,
         *,
         weight: torch.Tensor | None = None,
     ) -> None:
@@ -185,7 +196,7 @@ class FisherInformationState(ProbeState):
         module: nn.Module,
         names: dict[str, str],
         calls: list[Call],
-        loss_scale: float = 1.0,
+        loss_scale: float | torch.Tensor = 1.0,
     ) -> None:
         """The passes of one backward through a module on the generic route, over the
         same samples (see :func:`~policy_probes.probes.fisher_generic.per_sample_squares`).
@@ -245,7 +256,7 @@ class FisherInformationState(ProbeState):
         x: torch.Tensor,
         act_out: torch.Tensor,
         act_grad: torch.Tensor,
-        loss_scale: float = 1.0,
+        loss_scale: float | torch.Tensor = 1.0,
         *,
         weight: torch.Tensor | None = None,
     ) -> None:
@@ -434,7 +445,7 @@ class FisherInformationHook(ProbeHook):
         module: nn.Module,
         grad_output: torch.Tensor,
         weight: torch.Tensor | None = None,
-        loss_scale: float = 1.0,
+        loss_scale: float | torch.Tensor = 1.0,
     ) -> None:
         self.tracker.update(self.component, grad_output, loss_scale, weight=weight)
 
