@@ -35,7 +35,7 @@ from policy_probes.hook_types import (
 from policy_probes.layers import LinearSpec, MLPSpec, build_component
 from policy_probes.outputs import extractor_example
 from policy_probes.recurrent import default_extractor
-from policy_probes.torch_internals import init_unbound_handle, module_hooks_installed
+from policy_probes.torch_internals import init_unbound_handle, module_hooks_installed, tree_leaves
 
 GLOB_CHARS = set("*?[")
 
@@ -280,9 +280,12 @@ class PolicyAutoBuilder(nn.Module):
 
             handles.append(self.get_component(name).register_forward_hook(hook))
         modes = {m: m.training for m in self.modules()}
+        # the generators of the CUDA devices the pass can draw on: the model's and inputs'
+        tensors = [*self.parameters(), *self.buffers(), *tree_leaves((args, kwargs))]
+        cuda = sorted({t.device.index or 0 for t in tensors if _on_cuda(t)})
         try:
             # compiled parts run their Python code: the tracing hooks fire, nothing compiles
-            with torch.random.fork_rng(devices=[]), eager_block():
+            with torch.random.fork_rng(devices=cuda), eager_block():
                 self.eval()(*args, **kwargs)
         finally:
             for m, mode in modes.items():
@@ -572,3 +575,7 @@ def _grad_tap(hook: Callable, component: str, extractor: Callable | None) -> Cal
                 on_grad(tensor, lambda g: hook(module, None, (g,)))
 
     return tap
+
+
+def _on_cuda(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.device.type == "cuda"

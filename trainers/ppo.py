@@ -22,6 +22,7 @@ lifecycle hooks (``docs/lifecycle.md``) and sinks are driven through a
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import logging
 import math
@@ -152,6 +153,16 @@ def ppo_loss(
         # (stack under no_grad: the result is detached, no per-statistic detach needed)
         stats = torch.stack([pg_loss, v_loss, entropy_loss, old_approx_kl, approx_kl, clipfrac])
     return loss, stats
+
+
+#: DistributedDataParallel's switch for the buffer broadcast before every forward:
+#: ``forward_sync_buffers`` in recent torch (2.13), ``broadcast_buffers`` (deprecated there) in
+#: older ones (2.11)
+NO_FORWARD_BUFFER_SYNC = (
+    {"forward_sync_buffers": False}
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+    else {"broadcast_buffers": False}
+)
 
 
 @dataclass
@@ -648,7 +659,7 @@ class PPOTrainer:
             )
         # no buffer broadcast before every forward: the policy has no buffers to keep equal
         self.ddp = DistributedDataParallel(
-            EvaluateActions(self.policy), device_ids=device_ids, forward_sync_buffers=False
+            EvaluateActions(self.policy), device_ids=device_ids, **NO_FORWARD_BUFFER_SYNC
         )
         return self.ddp
 

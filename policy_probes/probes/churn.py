@@ -219,9 +219,16 @@ class ChurnState(ProbeState):
     ) -> None:
         super().load_state_dict(state, device)
         held = state.get("held_out") or {}
-        self.fixed, self.pending = held.get("fixed"), held.get("pending")
-        self.batch, self.before = held.get("batch"), dict(held.get("before") or {})
-        self.maxima = {c: dict(m) for c, m in (state.get("maxima") or {}).items()}
+
+        def placed(t: Any) -> Any:  # the held-out batch and outputs live with the model
+            return t.to(device) if isinstance(t, torch.Tensor) and device is not None else t
+
+        self.fixed, self.pending = placed(held.get("fixed")), placed(held.get("pending"))
+        self.batch = placed(held.get("batch"))
+        self.before = {c: placed(t) for c, t in (held.get("before") or {}).items()}
+        self.maxima = {
+            c: {k: placed(t) for k, t in m.items()} for c, m in (state.get("maxima") or {}).items()
+        }
 
 
 class ChurnHook(ProbeHook):

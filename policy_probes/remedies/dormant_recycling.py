@@ -122,7 +122,10 @@ def recycle(layer: UnitLayer, units: torch.Tensor, seed: int, optimizer: Any) ->
     with torch.no_grad():
         for name, param in producer.named_parameters(recurse=False):
             idx = rows.to(param.device)
-            param.index_copy_(0, idx, fresh[name].to(param).index_select(0, idx))
+            # the fresh values are drawn on the host; copied without waiting for the device
+            # (continual backprop recycles inside the optimizer step)
+            fresh_values = fresh[name].to(param, non_blocking=True)
+            param.index_copy_(0, idx, fresh_values.index_select(0, idx))
             reset_entries(optimizer, param, 0, idx)
         if isinstance(producer, RECURRENT):  # the unit's own recurrent outputs
             zero_columns(producer.weight_hh_l0, units, 1, optimizer)

@@ -2,8 +2,8 @@
 
 A remedy re-initialises with the layer's own initialiser: the module's
 ``reset_parameters()``, run on a parameter-only twin of the layer (same parameter names,
-shapes and dtypes, on the CPU) under ``torch.manual_seed(seed)`` inside
-``torch.random.fork_rng``, so the process-wide RNG is left as it was. ``seed`` is one draw
+shapes and dtypes, on the CPU) with the CPU generator seeded with ``seed`` inside
+``torch.random.fork_rng``, so the process-wide RNG (CPU and CUDA) is left as it was. ``seed`` is one draw
 from the remedy's ``torch.Generator``: the values depend on that generator's state only,
 so a seeded run re-initialises the same values, also after a resume.
 """
@@ -27,7 +27,7 @@ def draw_seed(generator: torch.Generator) -> int:
 
 def fresh_parameters(module: nn.Module, seed: int) -> dict[str, torch.Tensor]:
     """``module``'s own parameters (not its children's) as its ``reset_parameters()``
-    initialises them under ``torch.manual_seed(seed)``, on the CPU."""
+    initialises them with the CPU generator seeded with ``seed``, on the CPU."""
     reset = getattr(module, "reset_parameters", None)
     if not callable(reset):
         raise TypeError(
@@ -36,7 +36,9 @@ def fresh_parameters(module: nn.Module, seed: int) -> dict[str, torch.Tensor]:
         )
     twin = own_parameter_twin(module)
     with torch.random.fork_rng(devices=[]), torch.no_grad():
-        torch.manual_seed(seed)
+        # the CPU generator alone: torch.manual_seed would reseed every CUDA generator too,
+        # which fork_rng(devices=[]) does not restore
+        torch.default_generator.manual_seed(seed)
         twin.reset_parameters()
     return {name: p.detach() for name, p in twin.named_parameters(recurse=False)}
 
@@ -64,7 +66,7 @@ def refresh_layers(
         for name, module in layers:
             fresh = fresh_parameters(module, draw_seed(generator))
             for pname, param in module.named_parameters(recurse=False):
-                update(param, fresh[pname].to(param))
+                update(param, fresh[pname].to(param, non_blocking=True))
             out[name] = layer_units(module)
     return out
 
