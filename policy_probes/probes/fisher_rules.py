@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,20 @@ def chunk_bytes_for(setting: int | None, device: torch.device) -> int:
 Names = tuple[str | None, str | None]
 #: what a layer kind holds of one pass: its rule, the rows for the drain, a shape key
 Held = tuple["LayerRule", Tensor, str]
+
+
+@contextmanager
+def _no_tf32(x: Tensor) -> Iterator[None]:
+    """cuDNN convolutions in full float32 while the block runs: its default allows TF32
+    (10-bit mantissa), which would round the Fisher's sums like half precision."""
+    if x.device.type != "cuda" or not torch.backends.cudnn.allow_tf32:
+        yield
+        return
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32 = True
 
 
 def chunks(rows: int, per_sample_bytes: int, chunk_bytes: int) -> Iterator[tuple[int, int]]:
@@ -124,12 +139,10 @@ class ConvRule(LayerRule):
         method: str | None = None,
     ) -> dict[str, torch.Tensor]:
         """See :meth:`LayerRule.squares`. ``method``: ``"correlate"`` (one grouped
-        convolution per chunk) or ``"unfold"`` (im2col + einsum); by default the
-        correlation on the CPU, where it was measured faster, and the im2col contraction
-        on accelerators, where the correlation's many groups and large kernels have not
-        been measured yet. Both are exact."""
+        convolution per chunk; the default, measured faster on the CPU and on an H200:
+        docs/probes/fisher.md) or ``"unfold"`` (im2col + einsum). Both are exact."""
         if method is None:
-            method = "correlate" if x.device.type == "cpu" else "unfold"
+            method = "correlate"
         if method not in ("correlate", "unfold"):
             raise ValueError(f"method must be 'correlate' or 'unfold', got {method!r}")
         one_d = len(self.kernel) == 1
@@ -168,7 +181,8 @@ class ConvRule(LayerRule):
         c_in, o_g = self.in_shape[0] // groups, c_out // groups
         inp = xc.reshape(n * groups, c_in, *xc.shape[2:]).transpose(0, 1)
         ker = gc.reshape(n * c_out, 1, *g.out_hw)
-        corr = F.conv2d(inp, ker, dilation=g.stride, groups=n * groups)
+        with _no_tf32(inp):
+            corr = F.conv2d(inp, ker, dilation=g.stride, groups=n * groups)
         (kh, kw), (dh, dw) = g.kernel, g.dilation
         taps = corr[..., : (kh - 1) * dh + 1 : dh, : (kw - 1) * dw + 1 : dw]
         sq = taps.square().reshape(c_in, n, groups, o_g, kh, kw).sum(1)
