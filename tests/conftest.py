@@ -37,6 +37,50 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 torch.set_num_threads(1)
 
+#: where the tests that take a ``device`` run: ``pytest --device cuda`` or
+#: ``POLICY_PROBES_TEST_DEVICE=cuda``; every other test runs on the CPU either way
+DEVICE_VARIABLE = "POLICY_PROBES_TEST_DEVICE"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--device",
+        default=None,
+        help=f"torch device of the tests that take one (cpu or cuda; default ${DEVICE_VARIABLE} "
+        "or cpu)",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    name = config.getoption("--device") or os.environ.get(DEVICE_VARIABLE) or "cpu"
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise pytest.UsageError(f"--device {name}: CUDA is not available on this machine")
+        # The tests check formulas and bit-identical trajectories, not TF32 speed:
+        # float32 matrix products and convolutions in full precision, deterministic
+        # kernels (cuBLAS reads its workspace setting when its first handle is made).
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+    elif device.type != "cpu":
+        raise pytest.UsageError(f"--device {name}: the tests run on cpu or cuda")
+    config.test_device = device
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"policy-probes test device: {config.test_device}"
+
+
+@pytest.fixture
+def device(request: pytest.FixtureRequest) -> torch.device:
+    """The device of a test that takes one (``--device``; the CPU by default). Such a test
+    builds its model and inputs as before, on the CPU with the same seeds, then moves
+    them here, so its numbers and tolerances hold on every device."""
+    return request.config.test_device
+
 
 class TinyPolicy(PolicyAutoBuilder):
     """actor_mlp -> actor_head, the layout of the built-in policies, small enough for
@@ -70,6 +114,17 @@ class ReluNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.body(x))
+
+
+def float32_rtol(model: nn.Module, rtol: float = 1e-5) -> float:
+    """``rtol`` for comparing a probe's float32 value with a reference computed another way
+    on ``model``'s device. On CUDA a model with a recurrent layer gets 1e-4: cuDNN's
+    recurrent kernels (the probed forward) and the native cells (``vmap``, one-sample
+    loops) round differently, up to 3e-5 relative (measured on an H200), where the CPU
+    runs the same kernels both ways."""
+    recurrent = any(isinstance(m, (nn.RNNBase, nn.RNNCellBase)) for m in model.modules())
+    on_cuda = any(p.device.type == "cuda" for p in model.parameters())
+    return 1e-4 if recurrent and on_cuda else rtol
 
 
 #: session / TrainTool keywords: no console and no W&B (metrics.jsonl and metrics.csv written)

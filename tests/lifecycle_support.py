@@ -3,6 +3,8 @@
 An actor-critic MLP on CartPole rollouts (gymnasium vector env), a PPO loss, Adam, a
 linear learning-rate schedule, gradient clipping, minibatch orders drawn from torch,
 numpy and Python RNGs, with every hook point fired where the PPO trainer fires it.
+The model and the rollout tensors live on ``run_training(device=...)`` (the CPU by
+default); the environments step on the host.
 """
 
 from __future__ import annotations
@@ -74,28 +76,30 @@ def ppo_loss(model: ActorCritic, batch: dict[str, torch.Tensor], clip: float = 0
 def collect(
     envs: gym.vector.VectorEnv, model: ActorCritic, obs: np.ndarray, steps: int
 ) -> tuple[dict, np.ndarray]:
-    """A rollout with GAE(0.99, 0.95); episode boundaries simply cut the bootstrap."""
+    """A rollout with GAE(0.99, 0.95); episode boundaries simply cut the bootstrap. The
+    tensors are on the model's device (the actions go to the host for the envs)."""
     n = envs.num_envs
+    device = next(model.parameters()).device
     buf: dict[str, list] = {
         k: [] for k in ("obs", "actions", "logprobs", "values", "rewards", "dones")
     }
     for _ in range(steps):
-        o = torch.as_tensor(obs, dtype=torch.float32)
+        o = torch.as_tensor(obs, dtype=torch.float32).to(device)
         with torch.no_grad():
             logits, v = model(o)
             dist = Categorical(logits=logits)
             a = dist.sample()
-        obs, r, term, trunc, _ = envs.step(a.numpy())
+        obs, r, term, trunc, _ = envs.step(a.cpu().numpy())
         buf["obs"].append(o)
         buf["actions"].append(a)
         buf["logprobs"].append(dist.log_prob(a))
         buf["values"].append(v)
-        buf["rewards"].append(torch.as_tensor(r, dtype=torch.float32))
-        buf["dones"].append(torch.as_tensor(term | trunc, dtype=torch.float32))
+        buf["rewards"].append(torch.as_tensor(r, dtype=torch.float32).to(device))
+        buf["dones"].append(torch.as_tensor(term | trunc, dtype=torch.float32).to(device))
     with torch.no_grad():
-        _, last_v = model(torch.as_tensor(obs, dtype=torch.float32))
-    adv = torch.zeros(steps, n)
-    gae = torch.zeros(n)
+        _, last_v = model(torch.as_tensor(obs, dtype=torch.float32).to(device))
+    adv = torch.zeros(steps, n).to(device)
+    gae = torch.zeros(n).to(device)
     for t in reversed(range(steps)):
         nxt = last_v if t == steps - 1 else buf["values"][t + 1]
         nonterminal = 1.0 - buf["dones"][t]
@@ -119,6 +123,8 @@ class RunResult:
     optimizer_state: dict[str, Any]
     metrics: list[dict[str, Any]] = field(default_factory=list)
     manager: HookManager | None = None
+    #: the global generators after the run: torch CPU, numpy's keys, Python's, and the
+    #: torch CUDA states (one per device; empty unless the run was on CUDA)
     rng_after: tuple[Any, ...] = ()
 
 
@@ -139,13 +145,17 @@ def run_training(
     minibatch_size: int = 16,
     update_epochs: int = 2,
     snapshot_every: int = 2,
+    device: torch.device | str = "cpu",
 ) -> RunResult:
+    """The loop for ``epochs`` epochs with ``hooks`` (and the probes when ``probes``), its
+    model built on the CPU from ``seed`` and then moved to ``device``."""
+    device = torch.device(device)
     torch.manual_seed(seed)
     np.random.seed(seed)
     random.seed(seed)
     envs = gym.vector.SyncVectorEnv([lambda: gym.make("CartPole-v1") for _ in range(num_envs)])
     obs, _ = envs.reset(seed=seed)
-    model = ActorCritic()
+    model = ActorCritic().to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-5)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 1.0 - e / (epochs + 1))
     context = ComponentContext()
@@ -223,5 +233,10 @@ def run_training(
         optimizer_state=opt.state_dict(),
         metrics=history,
         manager=manager,
-        rng_after=(torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate()),
+        rng_after=(
+            torch.get_rng_state(),
+            np.random.get_state()[1].copy(),
+            random.getstate(),
+            tuple(torch.cuda.get_rng_state_all()) if device.type == "cuda" else (),
+        ),
     )

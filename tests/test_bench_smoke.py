@@ -12,8 +12,11 @@ import torch
 
 from benchmarks import (
     ab,
+    cases,
     compile_overhead,
     empty_path,
+    fisher_conv_routes,
+    gpu_overhead,
     lifecycle_cost,
     per_epoch_default,
     probe_cadence,
@@ -247,3 +250,36 @@ def test_compile_overhead_smoke(tmp_path):
         assert comp["b"]["params"].get("compile_backend", "eager") == "eager"
         assert len(comp["steady_update_ratios_b_over_a"]) == 1
     assert payload["comparisons"][2]["extra_b"][0]["compiled_graphs"] >= 1  # "compiled" ran
+
+
+def test_cleanrl_style_loop_trains_the_trainers_env_for_whole_rollouts():
+    """The GPU table's baseline (a CleanRL ppo_atari-style loop) on the CPU: it counts the
+    trainer's steps (whole rollouts of 2 envs x 64 steps) and its losses stay finite."""
+    params = {**cases.DEFAULTS, **ab.atari_params(True, 128), "total_timesteps": 300}
+    result = cases.CASES["cleanrl_atari"](params)
+    assert result["steps"] == 256  # two rollouts of 128; the trainer drops the rest too
+    assert result["losses_finite"]
+
+
+def test_gpu_overhead_sides_run_on_cuda_and_differ_in_probes_or_loop_only():
+    comps = {c.name: c for c in gpu_overhead.comparisons(quick=True)}
+    assert len(comps) == len(gpu_overhead.KEYS)
+    for comp in comps.values():
+        assert comp.a.params["device"] == comp.b.params["device"] == "cuda"
+    loop = comps["trainer vs CleanRL ppo_atari-style loop, no probes (GPU)"]
+    assert (loop.a.case, loop.b.case) == ("cleanrl_atari", "ours")
+    assert loop.a.params == loop.b.params
+    for name, comp in comps.items():
+        if comp is not loop:
+            extra = {k: v for k, v in comp.b.params.items() if comp.a.params.get(k) != v}
+            assert extra.pop("probes") is True, name
+            assert set(extra) <= {"probe_budget"}, name
+
+
+def test_fisher_conv_routes_agree_and_are_timed(tmp_path):
+    out = tmp_path / "routes.json"
+    fisher_conv_routes.main(["--batches", "3", "--repeats", "1", "--out", str(out)])
+    payload = json.loads(out.read_text())
+    assert [r["layer"] for r in payload["rows"]] == ["conv_0", "conv_1", "conv_2"]
+    for row in payload["rows"]:
+        assert row["correlate_ms"] > 0 and row["unfold_ms"] > 0

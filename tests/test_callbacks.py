@@ -13,11 +13,13 @@ from trainers import TrainerHook, TrainTool
 torch.set_num_threads(1)
 
 
-def tiny_tool(tmp_path, **kw) -> TrainTool:
+def tiny_tool(tmp_path, device: str = "cpu", **kw) -> TrainTool:
     # max_steps=500: CartPole-v1 truncates episodes at 500 steps, so both greedy evaluation
     # episodes (one per env) end within max_steps whatever the tiny run's policy learned.
+    # device: TrainTool's ("cpu" or "cuda").
     return TrainTool(
         run_dir=tmp_path / "run",
+        device=device,
         env={"num_envs": 2},
         trainer={
             "total_timesteps": 2 * 2 * 16,
@@ -67,9 +69,9 @@ class Recorder(TrainerHook):
         self._log("on_training_end", s)
 
 
-def test_firing_order_and_state_fields(tmp_path):
+def test_firing_order_and_state_fields(tmp_path, device):
     rec = Recorder()
-    tool = tiny_tool(tmp_path).add_trainer_hook(rec)
+    tool = tiny_tool(tmp_path, device.type).add_trainer_hook(rec)
     result = tool.invoke()
     names = [e[0] for e in rec.events]
     per_epoch = (
@@ -117,11 +119,12 @@ class Boom(TrainerHook):
         raise RuntimeError("boom")
 
 
-def test_hook_error_is_logged_and_training_goes_on(tmp_path, caplog):
+def test_hook_error_is_logged_and_training_goes_on(tmp_path, caplog, device):
     boom = Boom()
     rec = Recorder()
     with caplog.at_level(logging.ERROR, logger="trainers"):
-        result = tiny_tool(tmp_path).add_trainer_hook(boom).add_trainer_hook(rec).invoke()
+        tool = tiny_tool(tmp_path, device.type)
+        result = tool.add_trainer_hook(boom).add_trainer_hook(rec).invoke()
     assert boom.calls == 2 and result.epochs == 2
     assert result.hook_errors == {"Boom.on_rollout_end": "RuntimeError: boom"}
     assert "Traceback" in caplog.text and "boom" in caplog.text
@@ -130,31 +133,33 @@ def test_hook_error_is_logged_and_training_goes_on(tmp_path, caplog):
     assert result.metrics["trainer/hook_errors"] == 1.0
 
 
-def test_critical_hook_stops_training_and_training_end_still_fires(tmp_path):
+def test_critical_hook_stops_training_and_training_end_still_fires(tmp_path, device):
     rec = Recorder()
+    tool = tiny_tool(tmp_path, device.type)
     with pytest.raises(RuntimeError, match="boom"):
-        tiny_tool(tmp_path).add_trainer_hook(rec).add_trainer_hook(Boom(critical=True)).invoke()
+        tool.add_trainer_hook(rec).add_trainer_hook(Boom(critical=True)).invoke()
     names = [e[0] for e in rec.events]
     assert names[-1] == "on_training_end" and names.count("on_rollout_end") == 1
 
 
-def test_only_rank_zero_unless_run_on_all_ranks(tmp_path, monkeypatch):
+def test_only_rank_zero_unless_run_on_all_ranks(tmp_path, monkeypatch, device):
     class AllRanks(Recorder):
         run_on_all_ranks = True
 
     monkeypatch.setattr(callbacks, "current_rank", lambda: 1)
     rank0_only, everywhere = Recorder(), AllRanks()
-    tiny_tool(tmp_path).add_trainer_hook(rank0_only).add_trainer_hook(everywhere).invoke()
+    tool = tiny_tool(tmp_path, device.type)
+    tool.add_trainer_hook(rank0_only).add_trainer_hook(everywhere).invoke()
     assert rank0_only.events == []
     assert [e[0] for e in everywhere.events][0] == "on_new_training_run"
 
 
-def test_stop_training_ends_after_the_epoch(tmp_path):
+def test_stop_training_ends_after_the_epoch(tmp_path, device):
     class Stop(TrainerHook):
         def on_epoch_end(self, s):
             s.stop_training = True
 
-    tool = tiny_tool(tmp_path)
+    tool = tiny_tool(tmp_path, device.type)
     tool.trainer.total_timesteps = 2 * 16 * 5
     tool.checkpoint.at_end = True
     result = tool.add_trainer_hook(Stop()).invoke()

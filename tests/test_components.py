@@ -96,7 +96,10 @@ def test_second_registration_of_a_component_returns_none(tiny_policy: TinyPolicy
     assert len(tiny_policy.attach("actor_mlp", builder, ctx)) == 0
 
 
-def test_backward_probes_fire_on_tensor_output(tiny_policy: TinyPolicy) -> None:
+def test_backward_probes_fire_on_tensor_output(
+    tiny_policy: TinyPolicy, device: torch.device
+) -> None:
+    tiny_policy.to(device)
     ctx = ComponentContext()
     hooks = []
     for make in ALL_BACKWARD:
@@ -104,7 +107,8 @@ def test_backward_probes_fire_on_tensor_output(tiny_policy: TinyPolicy) -> None:
         hooks.append(hook)
         tiny_policy.register_component_backward_hook_rule(component_name="actor_mlp", hook=hook)
     for _ in range(3):
-        F.cross_entropy(tiny_policy(torch.randn(8, 5)), torch.randint(0, 3, (8,))).backward()
+        x, a = torch.randn(8, 5).to(device), torch.randint(0, 3, (8,)).to(device)
+        F.cross_entropy(tiny_policy(x), a).backward()
     # fisher and gradient_flow: one call per backward; relu_gradient_flow: one per ReLU per backward
     assert [h.calls for h in hooks] == [3, 3, 6]
     got = StatsReporter(ctx).collect()
@@ -119,23 +123,26 @@ def test_backward_probe_on_mapping_output_fails_at_attach_without_extractor() ->
         model.attach("body", attach_fisher_information_hooks(), ComponentContext(), backward=True)
 
 
-def test_backward_probe_on_untraced_mapping_output_fails_on_first_forward() -> None:
-    model = PolicyAutoBuilder.wrap(DictPolicy())
+def test_backward_probe_on_untraced_mapping_output_fails_on_first_forward(
+    device: torch.device,
+) -> None:
+    model = PolicyAutoBuilder.wrap(DictPolicy().to(device))
     assert model.output_kind("body") == "unknown"
     ctx = ComponentContext()
     model.attach("body", attach_gradient_flow_hooks(), ctx, backward=True)
-    assert model(torch.zeros(2, 4)).shape == (2, 2)  # the probe fault rule: training goes on
+    x = torch.zeros(2, 4).to(device)
+    assert model(x).shape == (2, 2)  # the probe fault rule: training goes on
     assert "cannot fire: it returned a mapping" in ctx.probe_errors["gradient_flow/body"]
     model.remove_hooks()
     model.attach("body", attach_gradient_flow_hooks(), ComponentContext(strict=True), backward=True)
     with pytest.raises(ProbeError, match="cannot fire: it returned a mapping"):
-        model(torch.zeros(2, 4))
+        model(x)
 
 
-def test_probes_read_mapping_outputs_through_an_extractor() -> None:
+def test_probes_read_mapping_outputs_through_an_extractor(device: torch.device) -> None:
     torch.manual_seed(0)
-    policy = DictPolicy()
-    model = PolicyAutoBuilder.wrap(policy, example_inputs=(torch.zeros(1, 4),))
+    policy = DictPolicy().to(device)
+    model = PolicyAutoBuilder.wrap(policy, example_inputs=(torch.zeros(1, 4).to(device),))
     ctx = ComponentContext()
     pick = lambda out: out["features"]  # noqa: E731
     model.attach("body", attach_relu_activation_hooks(extractor=pick), ctx)
@@ -143,11 +150,13 @@ def test_probes_read_mapping_outputs_through_an_extractor() -> None:
     fisher = attach_fisher_information_hooks(extractor=pick)
     model.attach("body", fisher, ctx, backward=True)
     x, a = torch.randn(10, 4), torch.randint(0, 2, (10,))
+    x, a = x.to(device), a.to(device)
     F.cross_entropy(model(x), a).backward()
     got = StatsReporter(ctx).collect()
     model.remove_hooks()
     h = policy.body(x)["features"].detach().requires_grad_(True)
     (g,) = torch.autograd.grad(F.cross_entropy(policy.head(h), a), h)
+    h, g = h.cpu(), g.cpu()
     assert got["probes/relu/body/active_rate"] == pytest.approx((h > 0).double().mean(0).tolist())
     assert got["probes/gradient_flow/body/rms"] == pytest.approx(
         g.double().pow(2).mean(0).sqrt().tolist(), rel=1e-5
@@ -158,13 +167,15 @@ def test_probes_read_mapping_outputs_through_an_extractor() -> None:
     assert got["probes/fisher/body/trace"] > 0  # the inner Linear layers are covered too
 
 
-def test_extractor_that_returns_no_tensor_disables_the_probe_with_a_clear_error() -> None:
-    model = PolicyAutoBuilder.wrap(DictPolicy())
+def test_extractor_that_returns_no_tensor_disables_the_probe_with_a_clear_error(
+    device: torch.device,
+) -> None:
+    model = PolicyAutoBuilder.wrap(DictPolicy().to(device))
     ctx = ComponentContext()
     model.attach(
         "body", attach_relu_activation_hooks(extractor=lambda out: out["aux"].tolist()), ctx
     )
-    model(torch.randn(3, 4))
+    model(torch.randn(3, 4).to(device))
     assert (
         "returned a list of 3 items; it must return a torch.Tensor" in ctx.probe_errors["relu/body"]
     )
@@ -176,14 +187,14 @@ def test_extractor_that_returns_no_tensor_disables_the_probe_with_a_clear_error(
         "body", attach_relu_activation_hooks(extractor=lambda out: out["aux"].tolist()), ctx2
     )
     with pytest.raises(ProbeError, match="must return a torch.Tensor"):
-        model(torch.randn(3, 4))
+        model(torch.randn(3, 4).to(device))
 
 
-def test_forward_probe_on_mapping_without_extractor_names_the_fix() -> None:
-    model = PolicyAutoBuilder.wrap(DictPolicy())
+def test_forward_probe_on_mapping_without_extractor_names_the_fix(device: torch.device) -> None:
+    model = PolicyAutoBuilder.wrap(DictPolicy().to(device))
     ctx = ComponentContext()
     model.attach("body", attach_relu_activation_hooks(), ctx)
-    out = model(torch.randn(3, 4))  # training goes on
+    out = model(torch.randn(3, 4).to(device))  # training goes on
     assert out.shape == (3, 2)
     assert "pass extractor=" in ctx.probe_errors["relu/body"]
 
@@ -211,7 +222,10 @@ def test_wrap_with_dotted_paths_and_discovery() -> None:
     assert torch.equal(model(x), net(x))
 
 
-def test_every_handle_removed_and_no_graph_kept(tiny_policy: TinyPolicy) -> None:
+def test_every_handle_removed_and_no_graph_kept(
+    tiny_policy: TinyPolicy, device: torch.device
+) -> None:
+    tiny_policy.to(device)
     before = hook_counts(tiny_policy)
     ctx = ComponentContext()
     for make in ALL_FORWARD:
@@ -221,7 +235,8 @@ def test_every_handle_removed_and_no_graph_kept(tiny_policy: TinyPolicy) -> None
         tiny_policy.attach("actor_mlp", make(), ctx, backward=True)
     assert hook_counts(tiny_policy) > before
     for _ in range(2):
-        F.cross_entropy(tiny_policy(torch.randn(6, 5)), torch.randint(0, 3, (6,))).backward()
+        x, a = torch.randn(6, 5).to(device), torch.randint(0, 3, (6,)).to(device)
+        F.cross_entropy(tiny_policy(x), a).backward()
     # no tracker holds a tensor that requires grad or references an autograd graph
     for tracker in ctx.model_metrics.values():
         assert not tracker.holds_graph()
@@ -262,23 +277,23 @@ def test_probe_attached_in_the_wrong_direction_is_rejected(tiny_policy: TinyPoli
     assert len(tiny_policy.attach("actor_mlp", attach_relu_activation_hooks(), ctx)) == 1
 
 
-def test_a_probe_is_placed_by_its_own_direction(tmp_path) -> None:
+def test_a_probe_is_placed_by_its_own_direction(tmp_path, device: torch.device) -> None:
     """add_training_hook takes a backward probe as such (ProbeSession and TrainTool);
     add_training_backward_hook still refuses a forward probe."""
-    policy = TinyPolicy()
+    policy = TinyPolicy().to(device)
     with ProbeSession(policy, run_dir=tmp_path / "run", sinks=SinksConfig(console=False)) as s:
         s.add_training_hook("actor_mlp", attach_gradient_flow_hooks(per_layer=False))
         with pytest.raises(TypeError, match="'relu' probe is a forward probe"):
             s.add_training_backward_hook("actor_mlp", attach_relu_activation_hooks())
         s.set_phase("train")
-        out = policy.actor_mlp(torch.randn(8, 5))
+        out = policy.actor_mlp(torch.randn(8, 5).to(device))
         out.retain_grad()
         policy.actor_head(out).square().sum().backward()
         record = s.epoch_end(step=8)
     # one pass: the bias-corrected EMA of the per-unit gradient RMS is that pass's RMS
     expected = out.grad.square().mean(0).sqrt()
-    assert record["probes/gradient_flow/actor_mlp/rms"] == pytest.approx(expected.tolist())
-    tool = TrainTool()
+    assert record["probes/gradient_flow/actor_mlp/rms"] == pytest.approx(expected.cpu().tolist())
+    tool = TrainTool(device=device.type)
     tool.add_training_hook("actor_mlp", attach_gradient_flow_hooks())
     assert tool.check_setup() == {"actor_mlp": ["actor_mlp"]}
 
@@ -295,22 +310,24 @@ def test_a_failed_attach_can_be_retried_with_a_fixed_builder() -> None:
     assert isinstance(handles[0], torch.utils.hooks.RemovableHandle)
 
 
-def test_a_component_that_changes_width_loses_the_window_but_not_the_run() -> None:
+def test_a_component_that_changes_width_loses_the_window_but_not_the_run(
+    device: torch.device,
+) -> None:
     model = PolicyAutoBuilder.wrap(nn.Sequential(nn.Identity()), {"feat": "0"})
     ctx = ComponentContext()
     model.attach("feat", attach_relu_activation_hooks(), ctx)
-    model(torch.randn(3, 4))
-    model(torch.randn(3, 5))
+    model(torch.randn(3, 4).to(device))
+    model(torch.randn(3, 5).to(device))
     metrics = StatsReporter(ctx).collect()
     assert metrics["probes/errors/relu/feat"] == 1.0
     assert "changed shape within a window" in ctx.probe_errors["relu/feat"]
-    model(torch.randn(6, 5))  # the next window works again
+    model(torch.randn(6, 5).to(device))  # the next window works again
     assert StatsReporter(ctx).collect()["probes/relu/feat/samples"] == 6
     strict = ComponentContext(strict=True)
     model.remove_hooks()
     model.attach("feat", attach_relu_activation_hooks(), strict)
-    model(torch.randn(3, 4))
-    model(torch.randn(3, 5))
+    model(torch.randn(3, 4).to(device))
+    model(torch.randn(3, 5).to(device))
     with pytest.raises(RuntimeError, match="changed shape"):
         StatsReporter(strict).collect()
 
@@ -336,7 +353,7 @@ def test_sigmoid_threshold_must_exceed_one_half() -> None:
         attach_saturated_activation_hooks("sigmoid", threshold=0.3)
 
 
-def test_tracing_outputs_leaves_rng_and_modes_untouched() -> None:
+def test_tracing_outputs_leaves_rng_and_modes_untouched(device: torch.device) -> None:
     class Sampling(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -345,17 +362,24 @@ def test_tracing_outputs_leaves_rng_and_modes_untouched() -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.norm(x) + torch.randn_like(x)
 
-    net = Sampling()
+    net = Sampling().to(device)
+    x = (torch.ones(4, 3) * 5).to(device)
+    # the CPU stream, and the device's (the one the forward's randn_like draws from)
     torch.manual_seed(0)
-    expected = torch.rand(1)
+    expected = torch.rand(1), torch.rand(1, device=device)
     torch.manual_seed(0)
-    PolicyAutoBuilder.wrap(net, {"norm": "norm"}, example_inputs=(torch.ones(4, 3) * 5,))
-    assert torch.equal(torch.rand(1), expected)  # the forward's randn_like drew from a fork
+    PolicyAutoBuilder.wrap(net, {"norm": "norm"}, example_inputs=(x,))
+    drawn = torch.rand(1), torch.rand(1, device=device)
+    assert torch.equal(drawn[0], expected[0])  # the forward's randn_like drew from a fork
+    assert torch.equal(drawn[1], expected[1])
     assert net.training
-    assert torch.equal(net.norm.running_mean, torch.zeros(3))  # traced in eval mode
+    assert torch.equal(net.norm.running_mean.cpu(), torch.zeros(3))  # traced in eval mode
 
 
-def test_probes_install_their_hooks_only_in_phases_they_record(tiny_policy: TinyPolicy) -> None:
+def test_probes_install_their_hooks_only_in_phases_they_record(
+    tiny_policy: TinyPolicy, device: torch.device
+) -> None:
+    tiny_policy.to(device)
     ctx = ComponentContext()
     attach = tiny_policy.attach
     attach("actor_mlp", attach_relu_activation_hooks(), ctx)
@@ -373,7 +397,7 @@ def test_probes_install_their_hooks_only_in_phases_they_record(tiny_policy: Tiny
     assert not tiny_policy.hooks_installed()
     ctx.phase = "train"
     assert hook_counts(tiny_policy) == 7
-    x, a = torch.randn(9, 5), torch.randint(0, 3, (9,))
+    x, a = torch.randn(9, 5).to(device), torch.randint(0, 3, (9,)).to(device)
     F.cross_entropy(tiny_policy(x), a).backward()
     got = StatsReporter(ctx).collect()
     assert got["probes/relu/actor_mlp/samples"] == 9
@@ -384,7 +408,10 @@ def test_probes_install_their_hooks_only_in_phases_they_record(tiny_policy: Tiny
     assert hook_counts(tiny_policy) == 0
 
 
-def test_a_plain_function_hook_that_raises_is_disabled_not_fatal(tiny_policy: TinyPolicy) -> None:
+def test_a_plain_function_hook_that_raises_is_disabled_not_fatal(
+    tiny_policy: TinyPolicy, device: torch.device
+) -> None:
+    tiny_policy.to(device)
     calls = []
 
     def build(component: str, context: ComponentContext):
@@ -397,11 +424,11 @@ def test_a_plain_function_hook_that_raises_is_disabled_not_fatal(tiny_policy: Ti
     ctx = ComponentContext()
     tiny_policy.attach("actor_mlp", build, ctx)
     for _ in range(3):
-        assert tiny_policy(torch.randn(4, 5)).shape == (4, 3)  # the forward goes on
+        assert tiny_policy(torch.randn(4, 5).to(device)).shape == (4, 3)  # the forward goes on
     assert calls == ["actor_mlp"]  # disabled after the first fault
     assert "unexpected output layout" in ctx.probe_errors["build/actor_mlp"]
     assert StatsReporter(ctx).collect()["probes/errors/build/actor_mlp"] == 1.0
     tiny_policy.remove_hooks()
     tiny_policy.attach("actor_mlp", build, ComponentContext(strict=True))
     with pytest.raises(RuntimeError, match="unexpected output layout"):
-        tiny_policy(torch.randn(4, 5))
+        tiny_policy(torch.randn(4, 5).to(device))

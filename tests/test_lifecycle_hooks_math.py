@@ -38,6 +38,16 @@ def rollout_data(n: int = 16, obs: int = 3, seed: int = 0) -> dict[str, torch.Te
     }
 
 
+def on(data: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """``data`` (drawn on the CPU) moved to ``device``."""
+    return {k: v.to(device) for k, v in data.items()}
+
+
+def randn_like_on_cpu(p: torch.Tensor) -> torch.Tensor:
+    """``torch.randn_like(p)`` drawn from the CPU generator, on ``p``'s device."""
+    return torch.randn_like(p, device="cpu").to(p.device)
+
+
 def tiny(activation: str = "tanh", hidden: tuple[int, ...] = (4,)) -> ActorCritic:
     torch.manual_seed(0)
     return ActorCritic(obs=3, hidden=hidden, actions=2, activation=activation)
@@ -81,9 +91,11 @@ def dense_hessian(model: nn.Module, data: dict, mb: int) -> torch.Tensor:
     return torch.autograd.functional.hessian(loss, flat0)
 
 
-def test_hessian_top_eigenvalue_and_hutchinson_trace_match_the_dense_hessian() -> None:
-    model = tiny()
-    data = rollout_data()
+def test_hessian_top_eigenvalue_and_hutchinson_trace_match_the_dense_hessian(
+    device: torch.device,
+) -> None:
+    model = tiny().to(device)
+    data = on(rollout_data(), device)
     mctx = context_for(model, data)
     H = dense_hessian(model, data, mb=8)
     H = (H + H.T) / 2
@@ -98,14 +110,17 @@ def test_hessian_top_eigenvalue_and_hutchinson_trace_match_the_dense_hessian() -
     assert out["hessian/loss"] == pytest.approx(mctx.compute_loss().item(), rel=1e-6)
     # Replay the hook's draws from the same seed (its random start vector, then one
     # Rademacher vector per sample, in parameter order) against the dense Hessian: the
-    # estimate and its standard error are then exact, not within a few sigma
+    # estimate and its standard error are then exact, not within a few sigma. The hook
+    # draws on the parameters' device (the CUDA generator on CUDA), so the replay does too
     torch.manual_seed(0)
     params = list(model.parameters())
     for p in params:
         torch.randn_like(p)  # the power iteration's start vector
     quad = []
     for _ in range(samples):
-        z = torch.cat([(torch.randint(0, 2, p.shape) * 2 - 1).reshape(-1) for p in params])
+        z = torch.cat(
+            [(torch.randint(0, 2, p.shape, device=p.device) * 2 - 1).reshape(-1) for p in params]
+        )
         quad.append((z.double() @ H @ z.double()).item())
     quad_t = torch.tensor(quad, dtype=torch.float64)
     assert out["hessian/trace"] == pytest.approx(quad_t.mean().item(), rel=1e-4, abs=1e-6)
@@ -135,13 +150,13 @@ def explicit_fisher(
 
 @pytest.mark.parametrize(("method", "probes"), [("vmap", False), ("loop", False), ("auto", True)])
 def test_policy_fisher_matches_an_explicit_per_sample_computation(
-    method: str, probes: bool
+    method: str, probes: bool, device: torch.device
 ) -> None:
-    model = tiny(activation="relu", hidden=(5, 4))
+    model = tiny(activation="relu", hidden=(5, 4)).to(device)
     cc = ComponentContext()
     if probes:  # backward module hooks stop vmap: auto must fall back to the loop
         attach_all_probes(model, cc)
-    data = rollout_data(n=40)
+    data = on(rollout_data(n=40), device)
     mctx = context_for(model, data)
     hook = PolicyFisherHook(max_samples=16, method=method)
     torch.manual_seed(3)
@@ -149,9 +164,9 @@ def test_policy_fisher_matches_an_explicit_per_sample_computation(
         P.POST_ROLLOUT, epoch=0, observations=data["obs"], model_ctx=mctx
     )
     assert "policy_fisher/error" not in out
-    idx = torch.linspace(0, 39, 16).long()  # evenly spaced states
+    idx = torch.linspace(0, 39, 16).long().to(device)  # evenly spaced states
     obs = data["obs"][idx]
-    torch.manual_seed(3)  # the hook's first draw is the action sample
+    torch.manual_seed(3)  # the hook's first draw is the action sample (on obs's device)
     actions = model.get_distribution(obs).sample()
     fisher = explicit_fisher(model, obs, actions)
     comps = {
@@ -195,18 +210,19 @@ def numpy_ranks(features: np.ndarray, delta: float = 0.01, eps: float = 0.01) ->
 
 
 @pytest.mark.parametrize("activation", ["relu", "identity"])
-def test_feature_rank_matches_numpy_svd_formulas(activation: str) -> None:
+def test_feature_rank_matches_numpy_svd_formulas(activation: str, device: torch.device) -> None:
     torch.manual_seed(1)
     model = ActorCritic(
         obs=2 if activation == "identity" else 4, hidden=(12, 10), activation=activation
     )
     obs = torch.randn(300, model.actor_mlp.layer_0.linear.in_features) * 3
+    model, obs = model.to(device), obs.to(device)
     out = HookManager([FeatureRankHook(max_samples=1000)], model=model, loop="ppo").fire(
         P.POST_ROLLOUT, epoch=0, observations=obs
     )
     for comp in ("actor_mlp", "critic_mlp"):  # heads are left out by default
         with torch.no_grad():
-            feats = getattr(model, comp)(obs).numpy()
+            feats = getattr(model, comp)(obs).cpu().numpy()
         for key, value in numpy_ranks(feats).items():
             assert out[f"feature_rank/{comp}/{key}"] == pytest.approx(value, rel=1e-6), (comp, key)
     assert not any("head" in k for k in out)
@@ -215,8 +231,8 @@ def test_feature_rank_matches_numpy_svd_formulas(activation: str) -> None:
 
 
 # ------------------------------------------------------------------------------- norms
-def test_norms_match_manual_norms() -> None:
-    model = tiny()
+def test_norms_match_manual_norms(device: torch.device) -> None:
+    model = tiny().to(device)
     hook = NormsHook()
     manager = HookManager([hook], model=model, loop="ppo")
     init = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -224,12 +240,12 @@ def test_norms_match_manual_norms() -> None:
     grads = []
     for step in range(2):
         for p in model.parameters():
-            p.grad = torch.randn_like(p)
+            p.grad = randn_like_on_cpu(p)
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
         manager.fire(P.PRE_STEP, epoch=0, step=step)
         with torch.no_grad():
             for p in model.parameters():
-                p.add_(0.1 * torch.randn_like(p))
+                p.add_(0.1 * randn_like_on_cpu(p))
     out = manager.fire(P.POST_EPOCH, epoch=0)
     summary = manager.flush().summary
     now = {n: p.detach() for n, p in model.named_parameters()}
@@ -262,9 +278,11 @@ def test_norms_match_manual_norms() -> None:
 
 
 # ------------------------------------------------------------------------ adam dynamics
-def test_adam_dynamics_match_the_adam_recurrences_and_the_last_update() -> None:
+def test_adam_dynamics_match_the_adam_recurrences_and_the_last_update(
+    device: torch.device,
+) -> None:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)).to(device)
     lr, b1, b2, eps = 0.01, 0.9, 0.99, 1e-8
     opt = torch.optim.Adam(model.parameters(), lr=lr, betas=(b1, b2), eps=eps)
     params = list(model.parameters())
@@ -274,8 +292,8 @@ def test_adam_dynamics_match_the_adam_recurrences_and_the_last_update() -> None:
     for _ in range(3):
         before = [p.detach().clone() for p in params]
         for i, p in enumerate(params):
-            p.grad = torch.randn_like(p)
-            g = p.grad.double().numpy()
+            p.grad = randn_like_on_cpu(p)
+            g = p.grad.double().cpu().numpy()
             m[i] = b1 * m[i] + (1 - b1) * g
             v[i] = b2 * v[i] + (1 - b2) * g * g
         opt.step()
@@ -283,7 +301,7 @@ def test_adam_dynamics_match_the_adam_recurrences_and_the_last_update() -> None:
     m_hat = np.concatenate([x.ravel() for x in m]) / (1 - b1**t)
     v_hat = np.concatenate([x.ravel() for x in v]) / (1 - b2**t)
     step = lr * m_hat / (np.sqrt(v_hat) + eps)
-    theta = np.concatenate([p.detach().double().numpy().ravel() for p in params])
+    theta = np.concatenate([p.detach().double().cpu().numpy().ravel() for p in params])
     out = HookManager([AdamDynamicsHook()], model=model, optimizer=opt, loop="ppo").fire(
         P.POST_EPOCH, epoch=0
     )
@@ -300,7 +318,10 @@ def test_adam_dynamics_match_the_adam_recurrences_and_the_last_update() -> None:
     assert out["adam_dynamics/optimizer_step"] == 3.0
     # the effective step read from the state is the update Adam just applied
     applied = np.concatenate(
-        [(b - p.detach()).double().numpy().ravel() for b, p in zip(before, params, strict=True)]
+        [
+            (b - p.detach()).double().cpu().numpy().ravel()
+            for b, p in zip(before, params, strict=True)
+        ]
     )
     assert out["adam_dynamics/step_abs_mean"] == pytest.approx(np.abs(applied).mean(), rel=1e-4)
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -311,9 +332,9 @@ def test_adam_dynamics_match_the_adam_recurrences_and_the_last_update() -> None:
 
 
 # ----------------------------------------------------------------------- counterfactual
-def test_counterfactual_matches_a_manual_replay_of_the_update_phase() -> None:
-    model = tiny(activation="relu")
-    data = rollout_data(n=24)
+def test_counterfactual_matches_a_manual_replay_of_the_update_phase(device: torch.device) -> None:
+    model = tiny(activation="relu").to(device)
+    data = on(rollout_data(n=24), device)
     mctx = context_for(model, data, mb=8, max_grad_norm=0.5, update_epochs=2)
     manager = HookManager([CounterfactualHook(replays=2, seed=5)], model=model, loop="ppo")
     manager.fire(P.PRE_EPOCH, epoch=4, model_ctx=mctx)
@@ -346,7 +367,7 @@ def test_counterfactual_matches_a_manual_replay_of_the_update_phase() -> None:
         pre = flat(twin)
         for _ in range(2):
             perm = torch.randperm(24, generator=gen)
-            for idx in torch.split(perm, 8):
+            for idx in torch.split(perm.to(device), 8):
                 twin_opt.zero_grad()
                 ppo_loss(twin, {k: v[idx] for k, v in data.items()}).backward()
                 nn.utils.clip_grad_norm_(list(twin.parameters()), 0.5)
@@ -372,11 +393,13 @@ def test_counterfactual_matches_a_manual_replay_of_the_update_phase() -> None:
 
 
 # ------------------------------------------------------- training metrics, stats reporter
-def test_training_metrics_and_the_stats_reporter_keep_their_own_keys() -> None:
-    model = tiny(activation="relu", hidden=(6,))
+def test_training_metrics_and_the_stats_reporter_keep_their_own_keys(
+    device: torch.device,
+) -> None:
+    model = tiny(activation="relu", hidden=(6,)).to(device)
     cc = ComponentContext()
     model.attach("actor_mlp", attach_relu_activation_hooks(), cc)
-    obs = torch.randn(50, 3)
+    obs = torch.randn(50, 3).to(device)
     with torch.no_grad():
         h = model.actor_mlp(obs)
     manager = HookManager(
@@ -389,7 +412,7 @@ def test_training_metrics_and_the_stats_reporter_keep_their_own_keys() -> None:
     assert not any(k.startswith("probes/") for k in out)  # the probes are no hook
     out = StatsReporter(cc).collect()
     active = (h > 0).double().mean(0)
-    assert out["probes/relu/actor_mlp/active_rate"] == pytest.approx(active.tolist())
+    assert out["probes/relu/actor_mlp/active_rate"] == pytest.approx(active.cpu().tolist())
     assert out["probes/relu/actor_mlp/dead_fraction"] == pytest.approx(
         (active == 0).double().mean().item()
     )

@@ -44,12 +44,13 @@ class Recorder(TrainingHook):
 
 
 def make_setup(
-    hooks: list[TrainingHook], **kw: Any
+    hooks: list[TrainingHook], device: torch.device | str = "cpu", **kw: Any
 ) -> tuple[HookManager, LoopModelDataContext, nn.Module, list[int]]:
+    """Model and data built on the CPU from seed 0, then moved to ``device``."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1)).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    data = {"x": torch.randn(8, 3), "y": torch.randn(8, 1)}
+    data = {"x": torch.randn(8, 3).to(device), "y": torch.randn(8, 1).to(device)}
 
     def loss_fn(m: nn.Module, b: dict[str, torch.Tensor]) -> torch.Tensor:
         return (m(b["x"]) - b["y"]).square().mean()
@@ -68,8 +69,17 @@ def make_setup(
     return manager, mctx, model, built
 
 
-def test_no_hooks_returns_at_once_and_builds_nothing() -> None:
-    manager, _, _, built = make_setup([])
+def cuda_rng_states() -> tuple[torch.Tensor, ...]:
+    """The CUDA generators' states (none while CUDA is not initialised)."""
+    return tuple(torch.cuda.get_rng_state_all()) if torch.cuda.is_initialized() else ()
+
+
+def same_states(a: tuple[torch.Tensor, ...] | None, b: tuple[torch.Tensor, ...]) -> bool:
+    return a is not None and len(a) == len(b) and all(map(torch.equal, a, b))
+
+
+def test_no_hooks_returns_at_once_and_builds_nothing(device: torch.device) -> None:
+    manager, _, _, built = make_setup([], device)
     assert not manager.active
     for point in P:
         assert manager.fire(point, epoch=0, step=0, model_ctx=manager.factory) == {}
@@ -114,16 +124,17 @@ def test_hooks_fire_only_at_their_points_and_loop_windows() -> None:
         )
 
 
-def test_step_schedule_and_buffering_flush_once_per_epoch() -> None:
+def test_step_schedule_and_buffering_flush_once_per_epoch(device: torch.device) -> None:
     class StepHook(TrainingHook):
         name = "stepper"
         hook_points = (P.POST_STEP,)
         step_schedule = StepSchedule.burst(2, 5)
 
         def compute(self, ctx: RunDataContext) -> dict[str, Any]:
+            # device tensors: flush() brings them to the host in one transfer
             return {
-                "x": torch.tensor(float(ctx.step)),
-                "vec": torch.tensor([1.0, float(ctx.step)]),
+                "x": torch.tensor(float(ctx.step)).to(device),
+                "vec": torch.tensor([1.0, float(ctx.step)]).to(device),
                 "nested": {"y": 2.0},
             }
 
@@ -165,7 +176,9 @@ def test_metrics_are_namespaced_unless_the_hook_opts_out_and_last_metrics_are_sh
     assert manager.last_metrics[P.POST_EPOCH] == out
 
 
-def test_interventions_run_only_at_intervention_points_and_model_context_is_built_lazily() -> None:
+def test_interventions_run_only_at_intervention_points_and_model_context_is_built_lazily(
+    device: torch.device,
+) -> None:
     class Mixed(InterventionHook):
         name = "mixed"
         hook_points = (P.POST_ROLLOUT, P.POST_EPOCH)
@@ -177,7 +190,7 @@ def test_interventions_run_only_at_intervention_points_and_model_context_is_buil
         def intervene(self, run_ctx: RunDataContext, model_ctx: Any) -> dict[str, Any]:
             return {"intervened": 1.0}
 
-    manager, _, _, built = make_setup([Mixed(), Recorder()])
+    manager, _, _, built = make_setup([Mixed(), Recorder()], device)
     assert manager.fire(P.POST_ROLLOUT, epoch=0, model_ctx=manager.factory) == {
         "mixed/observed": 1.0
     }
@@ -212,18 +225,26 @@ def test_a_raising_hook_is_reported_and_the_others_still_run() -> None:
         HookManager([Broken()], strict=True, loop="ppo").fire(P.POST_EPOCH, epoch=0)
 
 
-def test_every_rng_is_restored_after_each_hook_and_phase_is_hook_during_dispatch() -> None:
+def test_every_rng_is_restored_after_each_hook_and_phase_is_hook_during_dispatch(
+    device: torch.device,
+) -> None:
     phases: list[str] = []
+    on_cuda = device.type == "cuda"
 
     class Greedy(TrainingHook):
         name = "greedy"
 
         def compute(self, ctx: RunDataContext) -> dict[str, Any]:
             phases.append(ctx.component_context.phase)
-            return {"t": float(torch.rand(())), "n": float(np.random.rand()), "p": random.random()}
+            out = {"t": float(torch.rand(())), "n": float(np.random.rand()), "p": random.random()}
+            if on_cuda:  # and the CUDA generator
+                out["c"] = float(torch.rand((), device=device))
+            return out
 
     cc = ComponentContext()
     manager = HookManager([Greedy()], component_context=cc, loop="ppo")
+    if on_cuda:
+        torch.zeros((), device=device)  # CUDA initialised: its generator state is captured
     torch.manual_seed(1)
     np.random.seed(1)
     random.seed(1)
@@ -233,17 +254,25 @@ def test_every_rng_is_restored_after_each_hook_and_phase_is_hook_during_dispatch
     assert torch.equal(before.torch_cpu, after.torch_cpu)
     assert np.array_equal(before.numpy[1], after.numpy[1]) and before.numpy[2:] == after.numpy[2:]
     assert before.python == after.python
+    if on_cuda:
+        assert same_states(before.torch_cuda, cuda_rng_states())
+        assert same_states(after.torch_cuda, cuda_rng_states())
     # the hook drew real numbers: the same ones the generators give right now
-    assert first == {
+    expected = {
         "greedy/t": float(torch.rand(())),
         "greedy/n": float(np.random.rand()),
         "greedy/p": random.random(),
     }
+    if on_cuda:
+        expected["greedy/c"] = float(torch.rand((), device=device))
+    assert first == expected
     assert phases == ["hook"] and cc.phase == "train"
 
 
-def test_guardian_restores_model_optimizer_grads_rng_even_when_the_intervention_raises() -> None:
-    manager, mctx, model, _ = make_setup([DebugCorruptHook()])
+def test_guardian_restores_model_optimizer_grads_rng_even_when_the_intervention_raises(
+    device: torch.device,
+) -> None:
+    manager, mctx, model, _ = make_setup([DebugCorruptHook()], device)
     opt = mctx.optimizer
     for _ in range(2):
         mctx.run_training_epoch()
@@ -253,6 +282,7 @@ def test_guardian_restores_model_optimizer_grads_rng_even_when_the_intervention_
     opt_state = {k: v.clone() for k, v in opt.state[next(model.parameters())].items()}
     lr_group = opt.param_groups[0]
     rng = capture_rng_state()
+    cuda_rng = cuda_rng_states()
     out = manager.fire(P.POST_EPOCH, epoch=0, model_ctx=mctx)
     assert out == {"debug_corrupt/error": 1.0}
     assert all(torch.equal(a, p) for a, p in zip(params, model.parameters(), strict=True))
@@ -261,11 +291,17 @@ def test_guardian_restores_model_optimizer_grads_rng_even_when_the_intervention_
     assert all(torch.equal(opt_state[k], live[k]) for k in opt_state)
     assert opt.param_groups[0] is lr_group and lr_group["lr"] == 1e-2
     assert torch.equal(rng.torch_cpu, torch.get_rng_state())
+    if device.type == "cuda":  # the hook drew from the CUDA generator and reseeded it
+        assert same_states(rng.torch_cuda, cuda_rng) and same_states(
+            rng.torch_cuda, cuda_rng_states()
+        )
     assert model.training
 
 
-def test_the_debug_hook_really_corrupts_everything_when_run_without_a_guardian() -> None:
-    manager, mctx, model, _ = make_setup([])
+def test_the_debug_hook_really_corrupts_everything_when_run_without_a_guardian(
+    device: torch.device,
+) -> None:
+    manager, mctx, model, _ = make_setup([], device)
     mctx.run_training_epoch()
     opt = mctx.optimizer
     params = [p.detach().clone() for p in model.parameters()]
@@ -279,10 +315,12 @@ def test_the_debug_hook_really_corrupts_everything_when_run_without_a_guardian()
     assert not torch.equal(exp_avg, opt.state[next(model.parameters())]["exp_avg"])
     assert opt.param_groups[0]["lr"] == pytest.approx(1e-2 * 1000)
     assert not torch.equal(rng.torch_cpu, torch.get_rng_state())
+    if device.type == "cuda":
+        assert rng.torch_cuda is not None and not same_states(rng.torch_cuda, cuda_rng_states())
     assert not model.training
 
 
-def test_demand_driven_grads_prev_step_grads_and_pre_epoch_state() -> None:
+def test_demand_driven_grads_prev_step_grads_and_pre_epoch_state(device: torch.device) -> None:
     class GradReader(TrainingHook):
         name = "gradreader"
         hook_points = (P.PRE_STEP, P.POST_EPOCH)
@@ -300,7 +338,7 @@ def test_demand_driven_grads_prev_step_grads_and_pre_epoch_state() -> None:
             return {}
 
     hook = GradReader()
-    manager, mctx, model, built = make_setup([hook])
+    manager, mctx, model, built = make_setup([hook], device)
     assert (manager.needs_grads, manager.needs_prev_step_grads, manager.needs_pre_epoch_state) == (
         True,
     ) * 3
@@ -326,7 +364,7 @@ def test_demand_driven_grads_prev_step_grads_and_pre_epoch_state() -> None:
     assert all(torch.equal(a, p) for a, p in zip(start, model.parameters(), strict=True))
 
 
-def test_offload_moves_hook_state_to_cpu_between_firings() -> None:
+def test_offload_moves_hook_state_to_cpu_between_firings(device: torch.device) -> None:
     moves: list[str] = []
 
     class Stateful(Recorder):
@@ -338,9 +376,11 @@ def test_offload_moves_hook_state_to_cpu_between_firings() -> None:
 
     hook = Stateful()
     hook.state["buf"] = torch.ones(3)
-    manager = HookManager([hook], offload_state=True, model=nn.Linear(2, 2), loop="ppo")
+    model = nn.Linear(2, 2).to(device)
+    manager = HookManager([hook], offload_state=True, model=model, loop="ppo")
     manager.fire(P.POST_EPOCH, epoch=0)
-    assert moves == ["cpu", "cpu", "cpu"]  # at start, to the model device, back to cpu
+    model_device = str(next(model.parameters()).device)
+    assert moves == ["cpu", model_device, "cpu"]  # at start, to the model device, back to cpu
     assert hook.state["buf"].device.type == "cpu"
 
 
@@ -354,12 +394,16 @@ def test_unknown_fields_and_duplicate_hooks_are_clear_errors() -> None:
         HookManager([Recorder(), Recorder()], loop="ppo")
 
 
-def test_epoch_point_values_reach_the_host_as_python_numbers() -> None:
+def test_epoch_point_values_reach_the_host_as_python_numbers(device: torch.device) -> None:
     class Tensors(TrainingHook):
         name = "tensors"
 
         def compute(self, ctx: RunDataContext) -> dict[str, Any]:
-            return {"scalar": torch.tensor(2.5), "vector": torch.arange(3.0), "np": np.float32(1.5)}
+            return {
+                "scalar": torch.tensor(2.5).to(device),
+                "vector": torch.arange(3.0).to(device),
+                "np": np.float32(1.5),
+            }
 
     out = HookManager([Tensors()], loop="ppo").fire(P.POST_EPOCH, epoch=0)
     assert out == {"tensors/scalar": 2.5, "tensors/vector": [0.0, 1.0, 2.0], "tensors/np": 1.5}

@@ -17,13 +17,14 @@ def mse(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def setup(
-    max_grad_norm: float | None = 0.5,
+    max_grad_norm: float | None = 0.5, device: torch.device | str = "cpu"
 ) -> tuple[LoopModelDataContext, nn.Module, dict[str, torch.Tensor]]:
+    """Model and data built on the CPU from seed 0, then moved to ``device``."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2))
+    model = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2)).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 1.0 / (1 + e))
-    data = {"x": torch.randn(10, 3), "y": torch.randn(10, 2)}
+    data = {"x": torch.randn(10, 3).to(device), "y": torch.randn(10, 2).to(device)}
     ctx = LoopModelDataContext(
         model,
         opt,
@@ -49,6 +50,8 @@ def state_of(ctx: LoopModelDataContext) -> dict:
         "lr": ctx.optimizer.param_groups[0]["lr"],
         "sched": ctx.scheduler.last_epoch,
         "rng": (torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate()),
+        # the CUDA generators too, once CUDA is in use (checkpoints restore them)
+        "cuda_rng": tuple(torch.cuda.get_rng_state_all()) if torch.cuda.is_initialized() else (),
     }
 
 
@@ -64,10 +67,14 @@ def assert_state_equal(a: dict, b: dict) -> None:
     assert (a["lr"], a["sched"]) == (b["lr"], b["sched"])
     assert torch.equal(a["rng"][0], b["rng"][0]) and np.array_equal(a["rng"][1], b["rng"][1])
     assert a["rng"][2] == b["rng"][2]
+    assert len(a["cuda_rng"]) == len(b["cuda_rng"])
+    assert all(torch.equal(x, y) for x, y in zip(a["cuda_rng"], b["cuda_rng"], strict=True))
 
 
-def test_checkpoint_restores_everything_bit_exactly_and_can_be_restored_twice() -> None:
-    ctx, model, _ = setup()
+def test_checkpoint_restores_everything_bit_exactly_and_can_be_restored_twice(
+    device: torch.device,
+) -> None:
+    ctx, model, _ = setup(device=device)
     ctx.run_training_epoch()
     ctx.scheduler.step()
     ctx.compute_loss().backward()
@@ -78,6 +85,8 @@ def test_checkpoint_restores_everything_bit_exactly_and_can_be_restored_twice() 
         ctx.run_training_epoch(order=ctx.random_order())
         ctx.scheduler.step()
         np.random.rand(3), random.random()
+        if device.type == "cuda":
+            torch.rand(3, device=device)  # the CUDA generator moves on as well
         ctx.restore_checkpoint(token)
         assert_state_equal(saved, state_of(ctx))
     assert ctx.optimizer.param_groups[0] is group  # live group dicts are kept
@@ -86,8 +95,8 @@ def test_checkpoint_restores_everything_bit_exactly_and_can_be_restored_twice() 
         ctx.restore_checkpoint(token)
 
 
-def test_light_checkpoint_restores_model_and_grads_only() -> None:
-    ctx, model, _ = setup()
+def test_light_checkpoint_restores_model_and_grads_only(device: torch.device) -> None:
+    ctx, model, _ = setup(device=device)
     ctx.run_training_epoch()
     params = [p.detach().clone() for p in model.parameters()]
     token = ctx.save_checkpoint(full=False)
@@ -101,8 +110,10 @@ def test_light_checkpoint_restores_model_and_grads_only() -> None:
     )
 
 
-def test_batch_and_full_gradients_match_plain_autograd_and_leave_param_grad_alone() -> None:
-    ctx, model, data = setup()
+def test_batch_and_full_gradients_match_plain_autograd_and_leave_param_grad_alone(
+    device: torch.device,
+) -> None:
+    ctx, model, data = setup(device=device)
     sentinel = [torch.full_like(p, 3.0) for p in model.parameters()]
     for p, s in zip(model.parameters(), sentinel, strict=True):
         p.grad = s.clone()
@@ -118,15 +129,15 @@ def test_batch_and_full_gradients_match_plain_autograd_and_leave_param_grad_alon
     assert all(torch.equal(p.grad, s) for p, s in zip(model.parameters(), sentinel, strict=True))
 
 
-def test_run_training_epoch_reproduces_the_loop_it_stands_for() -> None:
-    ctx, model, data = setup()
-    twin = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2))
+def test_run_training_epoch_reproduces_the_loop_it_stands_for(device: torch.device) -> None:
+    ctx, model, data = setup(device=device)
+    twin = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2)).to(device)
     twin.load_state_dict(model.state_dict())
     twin_opt = torch.optim.Adam(twin.parameters(), lr=1e-2)
     order = torch.tensor([7, 2, 9, 0, 4, 1, 8, 3, 6, 5])
     mean_grads = ctx.run_training_epoch(order=order)
     expected = [torch.zeros_like(p) for p in twin.parameters()]
-    for idx in torch.split(order, 4):
+    for idx in torch.split(order.to(device), 4):
         twin_opt.zero_grad()
         mse(twin, {"x": data["x"][idx], "y": data["y"][idx]}).backward()
         for e, p in zip(expected, twin.parameters(), strict=True):
@@ -141,8 +152,8 @@ def test_run_training_epoch_reproduces_the_loop_it_stands_for() -> None:
     )
 
 
-def test_step_false_leaves_parameters_unchanged() -> None:
-    ctx, model, _ = setup(max_grad_norm=None)
+def test_step_false_leaves_parameters_unchanged(device: torch.device) -> None:
+    ctx, model, _ = setup(max_grad_norm=None, device=device)
     params = [p.detach().clone() for p in model.parameters()]
     grads = ctx.run_training_epoch(step=False)
     assert all(torch.equal(a, p) for a, p in zip(params, model.parameters(), strict=True))
@@ -150,8 +161,8 @@ def test_step_false_leaves_parameters_unchanged() -> None:
     assert all(torch.allclose(grads[n], full[n], atol=1e-7) for n in full)
 
 
-def test_pre_epoch_state_and_perturbation() -> None:
-    ctx, model, _ = setup()
+def test_pre_epoch_state_and_perturbation(device: torch.device) -> None:
+    ctx, model, _ = setup(device=device)
     with pytest.raises(RuntimeError, match="needs_pre_epoch_state"):
         ctx.restore_pre_epoch()
     ctx.capture_pre_epoch()
@@ -174,10 +185,13 @@ def test_pre_epoch_state_and_perturbation() -> None:
         ctx.apply_perturbation([torch.zeros(1)], 1.0)
 
 
-def test_minibatch_list_form_orders_and_observations() -> None:
+def test_minibatch_list_form_orders_and_observations(device: torch.device) -> None:
     torch.manual_seed(0)
-    model = nn.Linear(3, 2)
-    batches = [{"x": torch.full((2, 3), float(i)), "y": torch.zeros(2, 2)} for i in range(3)]
+    model = nn.Linear(3, 2).to(device)
+    batches = [
+        {"x": torch.full((2, 3), float(i)).to(device), "y": torch.zeros(2, 2).to(device)}
+        for i in range(3)
+    ]
     ctx = LoopModelDataContext(
         model, torch.optim.SGD(model.parameters(), lr=0.1), mse, minibatches=batches, obs_key="x"
     )

@@ -34,11 +34,15 @@ torch.set_num_threads(1)
 EPOCHS, NUM_ENVS, NUM_STEPS, UPDATE_EPOCHS, MINIBATCHES = 3, 4, 32, 2, 2
 
 
-def tiny_tool(run_dir: Path, *, probes: bool = False, wandb: bool = False, **kw: Any) -> TrainTool:
+def tiny_tool(
+    run_dir: Path, *, probes: bool = False, wandb: bool = False, device: str = "cpu", **kw: Any
+) -> TrainTool:
     """ReLU actor (relu + relu_gradient_flow probes), tanh critic (saturation probe), Fisher
-    and gradient flow on both: all five module probes can attach."""
+    and gradient flow on both: all five module probes can attach. ``device``: TrainTool's
+    ("cpu" or "cuda")."""
     tool = TrainTool(
         run_dir=run_dir,
+        device=device,
         probe_budget=None,  # every pass: exact values are compared
         seed=3,
         env={"num_envs": NUM_ENVS},
@@ -75,10 +79,11 @@ def final_state(result, run_dir: Path) -> tuple[dict[str, torch.Tensor], dict[st
 
 
 @pytest.fixture(scope="module")
-def baseline(tmp_path_factory):
-    """A run with no hooks and no probes."""
+def baseline(tmp_path_factory, pytestconfig):
+    """A run with no hooks and no probes, on the test device (the ``device`` fixture's:
+    the tests that compare with it run there)."""
     run_dir = tmp_path_factory.mktemp("baseline") / "run"
-    result = tiny_tool(run_dir).invoke()
+    result = tiny_tool(run_dir, device=pytestconfig.test_device.type).invoke()
     return result, run_dir
 
 
@@ -95,6 +100,10 @@ def assert_same_trajectory(baseline, result, run_dir: Path) -> None:
             assert torch.equal(ckpt["optimizer"]["state"][idx][key], value), (idx, key)
     assert ckpt["scheduler"] == base_ckpt["scheduler"]
     assert torch.equal(ckpt["rng"]["torch"], base_ckpt["rng"]["torch"])
+    if next(iter(params.values())).is_cuda:  # the CUDA generators, which hooks draw from
+        assert len(ckpt["rng"]["cuda"]) == len(base_ckpt["rng"]["cuda"]) > 0
+        for ours, base in zip(ckpt["rng"]["cuda"], base_ckpt["rng"]["cuda"], strict=True):
+            assert torch.equal(ours, base)
     assert torch.equal(ckpt["trainer_rng"]["sample"], base_ckpt["trainer_rng"]["sample"])
     assert torch.equal(ckpt["trainer_rng"]["shuffle"], base_ckpt["trainer_rng"]["shuffle"])
     # and the per-epoch training statistics the loop reported
@@ -105,9 +114,11 @@ def assert_same_trajectory(baseline, result, run_dir: Path) -> None:
             assert o[key] == b[key], key
 
 
-def test_every_observer_and_probe_leaves_the_trajectory_bit_identical(baseline, tmp_path):
+def test_every_observer_and_probe_leaves_the_trajectory_bit_identical(baseline, tmp_path, device):
     run_dir = tmp_path / "run"
-    result = tiny_tool(run_dir, probes=True, with_hooks="observers", snapshot_every=1).invoke()
+    result = tiny_tool(
+        run_dir, probes=True, with_hooks="observers", snapshot_every=1, device=device.type
+    ).invoke()
     assert result.hook_errors == {}
     assert_same_trajectory(baseline, result, run_dir)
     last = result.metrics
@@ -124,9 +135,13 @@ def test_every_observer_and_probe_leaves_the_trajectory_bit_identical(baseline, 
         assert any(k.startswith(key) for k in last), key
 
 
-def test_every_intervention_including_the_corrupting_debug_hook_is_undone(baseline, tmp_path):
+def test_every_intervention_including_the_corrupting_debug_hook_is_undone(
+    baseline, tmp_path, device
+):
     run_dir = tmp_path / "run"
-    tool = tiny_tool(run_dir, probes=True, with_hooks="with_debug", snapshot_every=1)
+    tool = tiny_tool(
+        run_dir, probes=True, with_hooks="with_debug", snapshot_every=1, device=device.type
+    )
     tool.hook_config = {"hessian.iters": 5, "hessian.trace_samples": 2, "counterfactual.replays": 1}
     result = tool.invoke()
     assert_same_trajectory(baseline, result, run_dir)
@@ -175,11 +190,11 @@ def norm(tensors) -> float:
     return float(torch.linalg.vector_norm(torch.cat([t.double().reshape(-1) for t in tensors])))
 
 
-def test_hook_metrics_reach_jsonl_and_wandb_with_the_right_values(tmp_path):
+def test_hook_metrics_reach_jsonl_and_wandb_with_the_right_values(tmp_path, device):
     from wandb_reader import history_rows, run_file, wandb_records
 
     run_dir = tmp_path / "run"
-    tool = tiny_tool(run_dir, probes=True, wandb=True, snapshot_every=2)
+    tool = tiny_tool(run_dir, probes=True, wandb=True, snapshot_every=2, device=device.type)
     tool.hooks = ["norms", "feature_rank", "adam_dynamics"]
     cap = Capture()
     result = tool.add_trainer_hook(cap).invoke()
@@ -225,7 +240,7 @@ def test_hook_metrics_reach_jsonl_and_wandb_with_the_right_values(tmp_path):
         assert step_row["norms/grad_norm"] == r["norms/grad_norm"]
         assert r["norms/grad_norm"] == pytest.approx(r["train/grad_norm"], rel=1e-5)
         # feature_rank on this epoch's rollout observations (numpy SVD)
-        s = np.linalg.svd(cap.features[e].numpy(), compute_uv=False)
+        s = np.linalg.svd(cap.features[e].cpu().numpy(), compute_uv=False)
         p = s / s.sum()
         assert r["feature_rank/actor_mlp/effective_rank"] == pytest.approx(
             math.exp(-(p[p > 0] * np.log(p[p > 0])).sum()), rel=1e-6
@@ -279,9 +294,9 @@ def boom():
     HookRegistry.unregister(Boom.name)
 
 
-def test_a_raising_hook_is_reported_and_training_goes_on(boom, baseline, tmp_path, caplog):
+def test_a_raising_hook_is_reported_and_training_goes_on(boom, baseline, tmp_path, caplog, device):
     run_dir = tmp_path / "run"
-    result = tiny_tool(run_dir, hooks=["boom_test"]).invoke()
+    result = tiny_tool(run_dir, hooks=["boom_test"], device=device.type).invoke()
     assert result.epochs == EPOCHS
     assert result.hook_errors == {"lifecycle.boom_test": "RuntimeError: boom at epoch 1"}
     assert "boom at epoch 1" in caplog.text
@@ -293,7 +308,7 @@ def test_a_raising_hook_is_reported_and_training_goes_on(boom, baseline, tmp_pat
     assert_same_trajectory(baseline, result, run_dir)
 
 
-def test_demand_driven_nothing_prepared_without_hooks(tmp_path):
+def test_demand_driven_nothing_prepared_without_hooks(tmp_path, device):
     class Inspect(TrainerHook):
         def on_training_end(self, state):
             t = state.trainer
@@ -306,13 +321,15 @@ def test_demand_driven_nothing_prepared_without_hooks(tmp_path):
             )
 
     empty, observers, counterfactual = Inspect(), Inspect(), Inspect()
-    tiny_tool(tmp_path / "a").add_trainer_hook(empty).invoke()
+    tiny_tool(tmp_path / "a", device=device.type).add_trainer_hook(empty).invoke()
     assert empty.seen == ([], False, False, None, False)
-    tiny_tool(tmp_path / "b", with_hooks="observers").add_trainer_hook(observers).invoke()
+    tiny_tool(tmp_path / "b", with_hooks="observers", device=device.type).add_trainer_hook(
+        observers
+    ).invoke()
     names, steps, rollout, mctx, pre_epoch = observers.seen
     assert steps and rollout and "norms" in names
     assert mctx is None and not pre_epoch  # no intervention: no ModelDataContext built
-    tool = tiny_tool(tmp_path / "c", hooks=["counterfactual"])
+    tool = tiny_tool(tmp_path / "c", hooks=["counterfactual"], device=device.type)
     tool.hook_config = {"counterfactual.replays": 1}
     tool.add_trainer_hook(counterfactual).invoke()
     names, steps, rollout, mctx, pre_epoch = counterfactual.seen
@@ -320,7 +337,9 @@ def test_demand_driven_nothing_prepared_without_hooks(tmp_path):
     assert not steps and not rollout and mctx is not None and pre_epoch
 
 
-def make_trainer(micro_batches: int = 1) -> PPOTrainer:
+def make_trainer(micro_batches: int = 1, device: torch.device | str = "cpu") -> PPOTrainer:
+    """A trainer that has collected one rollout; its policy built on the CPU from seed 0,
+    then moved to ``device``, where the trainer runs."""
     envs = vw.RecordEpisodeStatistics(
         gym.make_vec("CartPole-v1", num_envs=2, vectorization_mode="sync")
     )
@@ -330,15 +349,15 @@ def make_trainer(micro_batches: int = 1) -> PPOTrainer:
     torch.manual_seed(0)
     policy = ActorCriticPolicy(
         envs.single_observation_space, envs.single_action_space, PolicyConfig(hidden_sizes=[8])
-    )
-    trainer = PPOTrainer(envs, policy, cfg, seed=0)
+    ).to(device)
+    trainer = PPOTrainer(envs, policy, cfg, seed=0, device=device)
     trainer.reset_envs()
     trainer.collect_rollout()
     return trainer
 
 
-def test_ppo_model_context_replays_the_trainers_own_update():
-    trainer = make_trainer(micro_batches=2)
+def test_ppo_model_context_replays_the_trainers_own_update(device):
+    trainer = make_trainer(micro_batches=2, device=device)
     mctx = trainer.model_data_context()
     params = list(trainer.policy.parameters())
     order = trainer.storage.shuffled_order(torch.Generator().manual_seed(5))
@@ -370,10 +389,12 @@ def test_ppo_model_context_replays_the_trainers_own_update():
     trainer.envs.close()
 
 
-def test_ppo_model_context_needs_a_rollout_first():
+def test_ppo_model_context_needs_a_rollout_first(device):
     envs = gym.make_vec("CartPole-v1", num_envs=2, vectorization_mode="sync")
     policy = ActorCriticPolicy(envs.single_observation_space, envs.single_action_space)
-    trainer = PPOTrainer(envs, policy, PPOConfig(total_timesteps=128, num_steps=64))
+    trainer = PPOTrainer(
+        envs, policy.to(device), PPOConfig(total_timesteps=128, num_steps=64), device=device
+    )
     with pytest.raises(RuntimeError, match="no rollout yet"):
         trainer.model_data_context().compute_gradients()
     envs.close()

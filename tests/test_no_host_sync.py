@@ -1,7 +1,11 @@
 """Probe hooks never synchronise with the host: no .item(), .cpu(), .tolist(), .numpy()
-or Python scalar conversion of a tensor inside a forward or backward hook."""
+or Python scalar conversion of a tensor inside a forward or backward hook; on CUDA, no
+synchronising CUDA operation at all (``torch.cuda.set_sync_debug_mode("error")``)."""
 
 from __future__ import annotations
+
+import contextlib
+import sys
 
 import pytest
 import torch
@@ -23,14 +27,32 @@ from policy_probes import (
 SYNCING = {"item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__", "__index__"}
 
 
+#: what torch raises for a synchronising CUDA operation under sync debug mode "error"
+CUDA_SYNC_ERROR = "called a synchronizing CUDA operation"
+
+
 class ForbidHostSync:
     """Records every call of a tensor method that moves data to the host, wherever it
     happens: wraps the methods on ``torch.Tensor`` itself, so calls inside backward hooks
-    (run by the autograd engine, where torch-function modes are not active) are seen too."""
+    (run by the autograd engine, where torch-function modes are not active) are seen too.
 
-    def __init__(self) -> None:
+    With a CUDA ``device``, CUDA's own check is on as well: every synchronising CUDA
+    operation (a copy between host and device included, whichever call makes it) raises
+    (``torch.cuda.set_sync_debug_mode("error")``, process-wide, so in the autograd
+    engine's threads too); the previous mode comes back at the exit. Inputs are therefore
+    moved to the device before the block.
+
+    ``host_readers``: names of functions whose calls are not recorded, because what they
+    read is a host tensor on every device (a seed drawn from a CPU generator)."""
+
+    def __init__(
+        self, device: torch.device | None = None, host_readers: frozenset[str] = frozenset()
+    ) -> None:
         self.calls: list[str] = []
         self.saved: dict[str, object] = {}
+        self.cuda = device is not None and torch.device(device).type == "cuda"
+        self.sync_mode: int | None = None
+        self.host_readers = host_readers
 
     def __enter__(self) -> ForbidHostSync:
         for name in SYNCING:
@@ -38,13 +60,20 @@ class ForbidHostSync:
             self.saved[name] = torch.Tensor.__dict__.get(name)
 
             def wrapper(t, *args, _name=name, _orig=original, **kwargs):  # noqa: ANN001
-                self.calls.append(_name)
+                if sys._getframe(1).f_code.co_name not in self.host_readers:
+                    self.calls.append(_name)
                 return _orig(t, *args, **kwargs)
 
             setattr(torch.Tensor, name, wrapper)
+        if self.cuda:
+            self.sync_mode = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode("error")
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self.sync_mode is not None:
+            torch.cuda.set_sync_debug_mode(self.sync_mode)
+            self.sync_mode = None
         for name, saved in self.saved.items():
             if saved is None:
                 delattr(torch.Tensor, name)
@@ -52,30 +81,48 @@ class ForbidHostSync:
                 setattr(torch.Tensor, name, saved)
 
 
-def train_steps(policy: TinyPolicy, steps: int = 3) -> None:
-    for _ in range(steps):
-        x, a = torch.randn(16, 5), torch.randint(0, 3, (16,))
+def minibatches(
+    steps: int = 3, device: torch.device | str = "cpu"
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``steps`` minibatches drawn on the CPU from the global generator (the same values on
+    every device), moved to ``device`` before a block that forbids host syncs (a copy to
+    the device is one)."""
+    batches = [(torch.randn(16, 5), torch.randint(0, 3, (16,))) for _ in range(steps)]
+    return [(x.to(device), a.to(device)) for x, a in batches]
+
+
+def train_steps(policy: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for x, a in batches:
         F.cross_entropy(policy(x), a).backward()
 
 
+def cuda_sync_raises(device: torch.device) -> contextlib.AbstractContextManager:
+    """Around a pass whose hook syncs on purpose: on CUDA, CUDA's check raises there."""
+    if device.type == "cuda":
+        return pytest.raises(RuntimeError, match=CUDA_SYNC_ERROR)
+    return contextlib.nullcontext()
+
+
 @pytest.mark.parametrize("buffer_rows", [2048, 20])
-def test_all_probes_run_without_host_sync(buffer_rows: int) -> None:
+def test_all_probes_run_without_host_sync(buffer_rows: int, device: torch.device) -> None:
     # 20 rows: the buffers fill up every other step, so the drains (every tracker's
     # reductions) run inside the hooks too
     torch.manual_seed(0)
-    policy = TinyPolicy()
+    policy = TinyPolicy().to(device)
     ctx = ComponentContext()
     attach_all_probes(policy, ctx, saturation="tanh", saturation_component="actor_mlp.layer_0")
-    x = torch.randn(4, 5)
-    with ForbidHostSync() as baseline:  # the bare model: its own forward/backward
+    x = torch.randn(4, 5).to(device)
+    batches = minibatches(5, device)
+    with ForbidHostSync(device) as baseline:  # the bare model: its own forward/backward
         policy.remove_hooks()
-        train_steps(policy, steps=5)
+        train_steps(policy, batches)
     ctx = ComponentContext()
     attach_all_probes(policy, ctx, saturation="tanh", saturation_component="actor_mlp.layer_0")
     for tracker in ctx.model_metrics.values():
         tracker.buffer_rows = buffer_rows
-    with ForbidHostSync() as probed:
-        train_steps(policy, steps=5)
+    batches = minibatches(5, device)
+    with ForbidHostSync(device) as probed:
+        train_steps(policy, batches)
     assert baseline.calls == []
     assert probed.calls == []
     assert not ctx.probe_errors
@@ -89,7 +136,7 @@ def test_all_probes_run_without_host_sync(buffer_rows: int) -> None:
     ("buffer_elements", "masked"), [(1 << 20, False), (300, False), (300, True)]
 )
 def test_conv_and_per_layer_probes_run_without_host_sync(
-    buffer_elements: int, masked: bool
+    buffer_elements: int, masked: bool, device: torch.device
 ) -> None:
     # channels-first views of conv outputs, per-layer hooks on every ReLU of the encoder
     # and of the MLP trunk; 300 elements: drains (the strided row copies) inside the hooks;
@@ -97,6 +144,7 @@ def test_conv_and_per_layer_probes_run_without_host_sync(
     torch.manual_seed(0)
     encoder = nn.Sequential(nn.Conv2d(2, 4, 3), nn.ReLU(), nn.Conv2d(4, 3, 1), nn.Tanh())
     model = nn.Sequential(encoder, nn.Flatten(), nn.Linear(3 * 16, 8), nn.ReLU(), nn.Linear(8, 3))
+    model.to(device)
     policy = PolicyAutoBuilder.wrap(model, {"encoder": "0", "trunk": model})
     ctx = ComponentContext()
     for name in ("encoder", "trunk"):
@@ -107,10 +155,14 @@ def test_conv_and_per_layer_probes_run_without_host_sync(
     for tracker in ctx.model_metrics.values():
         tracker.buffer_elements = buffer_elements
     g = torch.Generator().manual_seed(1)
-    with ForbidHostSync() as probed:
-        for n in (5, 3, 6):
-            x, a = torch.randn(n, 2, 6, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
-            ctx.row_mask = (torch.arange(n) % 2 == 0).float() if masked else None
+    passes = []
+    for n in (5, 3, 6):
+        x, a = torch.randn(n, 2, 6, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
+        mask = (torch.arange(n) % 2 == 0).float().to(device) if masked else None
+        passes.append((x.to(device), a.to(device), mask))
+    with ForbidHostSync(device) as probed:
+        for x, a, mask in passes:
+            ctx.row_mask = mask
             F.cross_entropy(policy(x), a).backward()
     assert probed.calls == []
     assert not ctx.probe_errors
@@ -123,44 +175,49 @@ def test_conv_and_per_layer_probes_run_without_host_sync(
     assert len(metrics["probes/relu_gradient_flow/trunk.3/pass_rate"]) == 8
 
 
-def test_the_detector_catches_a_syncing_hook() -> None:
-    """Positive control: a hook that calls .item() is seen by the detector."""
+def test_the_detector_catches_a_syncing_hook(device: torch.device) -> None:
+    """Positive control: a hook that calls .item() is seen by the detector (on CUDA by
+    CUDA's check too, which raises before the hook gets the value)."""
     torch.manual_seed(0)
-    policy = TinyPolicy()
+    policy = TinyPolicy().to(device)
     seen = []
     policy.actor_mlp.register_forward_hook(lambda m, i, o: seen.append(o.sum().item()))
-    with ForbidHostSync() as mode:
-        train_steps(policy, steps=1)
+    batches = minibatches(1, device)
+    with ForbidHostSync(device) as mode, cuda_sync_raises(device):
+        train_steps(policy, batches)
     assert mode.calls == ["item"]
-    assert len(seen) == 1
+    assert len(seen) == (0 if device.type == "cuda" else 1)
 
 
 @pytest.mark.parametrize("backward", [False, True])
-def test_detector_sees_calls_inside_backward_hooks(backward: bool) -> None:
+def test_detector_sees_calls_inside_backward_hooks(backward: bool, device: torch.device) -> None:
     torch.manual_seed(0)
-    policy = TinyPolicy()
+    policy = TinyPolicy().to(device)
     seen: list = []
     if backward:
         policy.actor_mlp.register_full_backward_hook(lambda m, gi, go: seen.append(go[0].tolist()))
     else:
         policy.actor_mlp.register_forward_hook(lambda m, i, o: seen.append(o.tolist()))
-    with ForbidHostSync() as mode:
-        train_steps(policy, steps=1)
+    batches = minibatches(1, device)
+    with ForbidHostSync(device) as mode, cuda_sync_raises(device):
+        train_steps(policy, batches)
     assert mode.calls == ["tolist"]
-    assert len(seen) == 1
+    assert len(seen) == (0 if device.type == "cuda" else 1)
 
 
 @pytest.mark.parametrize("buffer_rows", [2048, 5])
-def test_masked_rows_and_recurrent_cores_run_without_host_sync(buffer_rows: int) -> None:
+def test_masked_rows_and_recurrent_cores_run_without_host_sync(
+    buffer_rows: int, device: torch.device
+) -> None:
     """Row masks (flat on an MLP; (batch, time) on an LSTM called at once and per step,
     and on an LSTM cell) add no host synchronisation, drains inside the hooks included."""
     from test_recurrent import SeqNet, masked_mean_loss, sequences
 
     torch.manual_seed(0)
-    policy = TinyPolicy()
+    policy = TinyPolicy().to(device)
     ctx = ComponentContext()
     attach_all_probes(policy, ctx, saturation="tanh", saturation_component="actor_mlp.layer_0")
-    nets = [SeqNet("lstm"), SeqNet("lstm_cell")]
+    nets = [SeqNet("lstm").to(device), SeqNet("lstm_cell").to(device)]
     for i, net in enumerate(nets):
         wrapped = PolicyAutoBuilder.wrap(net, {f"core{i}": "core"})
         wrapped.attach(f"core{i}", attach_relu_activation_hooks(), ctx)
@@ -169,12 +226,12 @@ def test_masked_rows_and_recurrent_cores_run_without_host_sync(buffer_rows: int)
             wrapped.attach(f"core{i}", make(), ctx, backward=True)
     for tracker in ctx.model_metrics.values():
         tracker.buffer_rows = buffer_rows
-    x, a, mask = sequences()
-    masks = [(torch.arange(16) % 3 != 0).float() for _ in range(5)]
-    with ForbidHostSync() as probed:
-        for m in masks:
+    x, a, mask = (t.to(device) for t in sequences())
+    masks = [(torch.arange(16) % 3 != 0).float().to(device) for _ in range(5)]
+    batches = minibatches(len(masks), device)
+    with ForbidHostSync(device) as probed:
+        for m, (x1, a1) in zip(masks, batches, strict=True):
             ctx.row_mask = m
-            x1, a1 = torch.randn(16, 5), torch.randint(0, 3, (16,))
             (F.cross_entropy(policy(x1), a1, reduction="none") * m).sum().div(10).backward()
         for per_step in (False, True):
             for net in nets:
@@ -190,7 +247,9 @@ def test_masked_rows_and_recurrent_cores_run_without_host_sync(buffer_rows: int)
     assert metrics["probes/fisher/core1/samples"] == 2 * int(mask.sum())
 
 
-def test_key_and_index_extractors_on_tensordict_and_tuple_outputs_run_without_host_sync() -> None:
+def test_key_and_index_extractors_on_tensordict_and_tuple_outputs_run_without_host_sync(
+    device: torch.device,
+) -> None:
     import tensordict
     from tensordict.nn import TensorDictModule
 
@@ -199,20 +258,23 @@ def test_key_and_index_extractors_on_tensordict_and_tuple_outputs_run_without_ho
             return h, h.sum(-1)
 
     torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.ReLU())
+    net = torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.ReLU()).to(device)
     body = TensorDictModule(net, in_keys=["obs"], out_keys=[("next", "hidden")])
-    pair, head = Pair(), torch.nn.Linear(6, 3)
+    pair, head = Pair(), torch.nn.Linear(6, 3).to(device)
     model = PolicyAutoBuilder.wrap(torch.nn.ModuleDict({"body": body, "pair": pair, "head": head}))
     ctx = ComponentContext()
     key = ("next", "hidden")
     model.attach("body", attach_relu_activation_hooks(extractor=key), ctx)
     model.attach("body", attach_fisher_information_hooks(extractor=key), ctx, backward=True)
     model.attach("pair", attach_gradient_flow_hooks(extractor=0), ctx, backward=True)
-    with ForbidHostSync() as probed:
-        for _ in range(3):
-            td = tensordict.TensorDict({"obs": torch.randn(16, 5)}, batch_size=[16])
+    inputs = [
+        (tensordict.TensorDict({"obs": obs}, batch_size=[16]), a)
+        for obs, a in minibatches(3, device)  # randn(16, 5), randint(0, 3, (16,)) per pass
+    ]
+    with ForbidHostSync(device) as probed:
+        for td, a in inputs:
             h = pair(body(td)["next", "hidden"])[0]
-            F.cross_entropy(head(h), torch.randint(0, 3, (16,))).backward()
+            F.cross_entropy(head(h), a).backward()
     assert probed.calls == []
     assert not ctx.probe_errors
     metrics = StatsReporter(ctx).collect()
@@ -221,22 +283,25 @@ def test_key_and_index_extractors_on_tensordict_and_tuple_outputs_run_without_ho
     assert metrics["probes/gradient_flow/pair/passes"] == 3
 
 
-def test_phase_inference_runs_without_host_sync() -> None:
+def test_phase_inference_runs_without_host_sync(device: torch.device) -> None:
     """A loop that set no phase (``infer_phase``, as a ProbeSession before set_phase):
     forwards under no_grad / inference_mode are skipped by a flag check, training
     passes are recorded, and neither touches the host."""
     torch.manual_seed(0)
-    policy = TinyPolicy()
+    policy = TinyPolicy().to(device)
     ctx = ComponentContext()
     ctx.infer_phase = True
     attach_all_probes(policy, ctx)
-    with ForbidHostSync() as probed:
+    x7, x9 = torch.randn(7, 5).to(device), torch.randn(9, 5).to(device)
+    batches = minibatches(2, device)
+    with ForbidHostSync(device) as probed:
         with torch.no_grad():
-            policy(torch.randn(7, 5))
+            policy(x7)
         with torch.inference_mode():
-            policy(torch.randn(9, 5))
-        train_steps(policy, steps=2)
+            policy(x9)
+        train_steps(policy, batches)
     assert probed.calls == []
+    assert not ctx.probe_errors
     metrics = StatsReporter(ctx).collect()
     assert metrics["probes/relu/actor_mlp/samples"] == 32  # the two training passes only
     assert metrics["probes/fisher/actor_mlp/samples"] == 32
@@ -245,8 +310,8 @@ def test_phase_inference_runs_without_host_sync() -> None:
     ctx = ComponentContext()
     attach_all_probes(policy, ctx)
     with torch.no_grad():
-        policy(torch.randn(7, 5))
-    train_steps(policy, steps=2)
+        policy(torch.randn(7, 5).to(device))
+    train_steps(policy, minibatches(2, device))
     assert StatsReporter(ctx).collect()["probes/relu/actor_mlp/samples"] == 32 + 7
 
 
@@ -273,21 +338,27 @@ class ConvLSTMBody(nn.Module):
 
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("buffer_rows", [2048, 20])
-def test_conv_and_lstm_fisher_run_without_host_sync(buffer_rows: int, masked: bool) -> None:
+def test_conv_and_lstm_fisher_run_without_host_sync(
+    buffer_rows: int, masked: bool, device: torch.device
+) -> None:
     """The closed-form, gate-gradient and torch.func routes, also under a (batch, time)
     row mask (per frame on the conv rules, per sequence on the LSTM, one column on the
     cell and the Linear)."""
     torch.manual_seed(0)
     body = ConvLSTMBody()
-    model = PolicyAutoBuilder.wrap(nn.Sequential(body, nn.Linear(5, 3)), {"body": "0"})
+    model = PolicyAutoBuilder.wrap(nn.Sequential(body, nn.Linear(5, 3)).to(device), {"body": "0"})
     ctx = ComponentContext()
     model.attach("body", attach_fisher_information_hooks(chunk_bytes=4096), ctx, backward=True)
     ctx.model_metrics["fisher"].buffer_rows = buffer_rows
-    with ForbidHostSync() as probed:
-        for _ in range(4):
-            x, a = torch.randn(8, 3, 2, 9, 9), torch.randint(0, 3, (8,))
+    passes = []
+    for _ in range(4):
+        x, a = torch.randn(8, 3, 2, 9, 9), torch.randint(0, 3, (8,))
+        mask = (torch.arange(24).reshape(8, 3) % 4 != 1).float().to(device) if masked else None
+        passes.append((x.to(device), a.to(device), mask))
+    with ForbidHostSync(device) as probed:
+        for x, a, mask in passes:
             if masked:
-                ctx.row_mask = (torch.arange(24).reshape(8, 3) % 4 != 1).float()
+                ctx.row_mask = mask
             F.cross_entropy(model(x), a).backward()
         ctx.row_mask = None
     assert probed.calls == []
@@ -299,7 +370,7 @@ def test_conv_and_lstm_fisher_run_without_host_sync(buffer_rows: int, masked: bo
     assert all(v.sum() > 0 for v in fisher.values())
 
 
-def test_session_step_points_run_without_host_sync(tmp_path) -> None:
+def test_session_step_points_run_without_host_sync(tmp_path, device: torch.device) -> None:
     """The step path every driver takes (the built-in trainer's minibatch loop included):
     ``session.pre_step`` / ``post_step`` with a step-point hook selected buffer the
     hook's metrics on the device; the host sees them once, at ``epoch_end``."""
@@ -307,7 +378,7 @@ def test_session_step_points_run_without_host_sync(tmp_path) -> None:
     from policy_probes.sinks import SinksConfig, WandbConfig
 
     torch.manual_seed(0)
-    policy = TinyPolicy()
+    policy = TinyPolicy().to(device)
     opt = torch.optim.SGD(policy.parameters(), lr=1e-3)  # Adam's step reads its count
     with ProbeSession(
         policy,
@@ -321,9 +392,9 @@ def test_session_step_points_run_without_host_sync(tmp_path) -> None:
         attach_all_probes(policy, session.context)
         session.set_phase("train")
         grads = []
-        with ForbidHostSync() as probed:
-            for step in range(3):
-                x, a = torch.randn(16, 5), torch.randint(0, 3, (16,))
+        batches = minibatches(3, device)
+        with ForbidHostSync(device) as probed:
+            for step, (x, a) in enumerate(batches):
                 loss = F.cross_entropy(policy(x), a)
                 opt.zero_grad()
                 loss.backward()
@@ -332,6 +403,7 @@ def test_session_step_points_run_without_host_sync(tmp_path) -> None:
                 session.post_step(step=step)
                 grads.append(torch.cat([p.grad.reshape(-1) for p in policy.parameters()]))
         assert probed.calls == []
+        assert not session.context.probe_errors
         metrics = session.epoch_end(step=48)
     assert session.optimizer_step == 3
     assert metrics["probes/relu/actor_mlp/samples"] == 48
@@ -341,12 +413,14 @@ def test_session_step_points_run_without_host_sync(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("buffer_rows", [2048, 20])
-def test_plain_registered_closures_run_without_host_sync(buffer_rows: int) -> None:
+def test_plain_registered_closures_run_without_host_sync(
+    buffer_rows: int, device: torch.device
+) -> None:
     """Closures registered directly with register_forward_hook / register_full_backward_hook
     (tests/test_plain_closure.py): their first-call check and every later call, drains
     inside the hooks included, add no host synchronisation."""
     torch.manual_seed(0)
-    policy = TinyPolicy()
+    policy = TinyPolicy().to(device)
     ctx = ComponentContext()
     mlp, head = policy.actor_mlp, policy.actor_head
     mlp.register_forward_hook(attach_relu_activation_hooks(per_layer=False)("actor_mlp", ctx))
@@ -361,8 +435,9 @@ def test_plain_registered_closures_run_without_host_sync(buffer_rows: int) -> No
     head.register_full_backward_hook(attach_gradient_flow_hooks()("actor_head", ctx))
     for tracker in ctx.model_metrics.values():
         tracker.buffer_rows = buffer_rows
-    with ForbidHostSync() as probed:
-        train_steps(policy, steps=5)
+    batches = minibatches(5, device)
+    with ForbidHostSync(device) as probed:
+        train_steps(policy, batches)
     metrics = StatsReporter(ctx).collect()
     assert (probed.calls, ctx.probe_errors, len(handles) > 0) == ([], {}, True)
     assert metrics["probes/relu/actor_mlp/samples"] == metrics["probes/fisher/actor_mlp/samples"]
@@ -372,25 +447,28 @@ def test_plain_registered_closures_run_without_host_sync(buffer_rows: int) -> No
 
 
 @pytest.mark.parametrize("schedule", ["every_k:2", "budget"])
-def test_sampled_passes_and_their_boundaries_run_without_host_sync(schedule: str) -> None:
+def test_sampled_passes_and_their_boundaries_run_without_host_sync(
+    schedule: str, device: torch.device
+) -> None:
     """The sampler's pass boundary (the optimizer's step post-hook: accounting, re-arming)
     and the timed hook bodies stay on the host side of the device too."""
     from policy_probes.sampling import Sampler
 
     torch.manual_seed(0)
-    policy = TinyPolicy()
+    policy = TinyPolicy().to(device)
     ctx = ComponentContext()
     sampler = Sampler(ctx, schedule=schedule, budget=0.05)
     attach_all_probes(policy, ctx, saturation="tanh", saturation_component="actor_mlp.layer_0")
     opt = torch.optim.SGD(policy.parameters(), lr=0.01)
     sampler.watch_optimizer(opt)
-    with ForbidHostSync() as probed:
-        for _ in range(6):
+    batches = minibatches(6, device)
+    with ForbidHostSync(device) as probed:
+        for x, a in batches:
             opt.zero_grad()
-            x, a = torch.randn(16, 5), torch.randint(0, 3, (16,))
             F.cross_entropy(policy(x), a).backward()
             opt.step()
     assert probed.calls == []
+    assert not ctx.probe_errors
     assert sampler.passes == 6
     passes = {k: p for k, (p, _) in sampler.totals().items()}
     assert passes["relu/actor_mlp"] == (3 if schedule == "every_k:2" else 1)  # k=8 at first

@@ -22,9 +22,11 @@ from policy_probes import (
 
 
 @pytest.mark.parametrize(("buffer_rows", "masked"), [(2048, False), (20, False), (20, True)])
-def test_plasticity_probes_run_without_host_sync(buffer_rows: int, masked: bool) -> None:
+def test_plasticity_probes_run_without_host_sync(
+    buffer_rows: int, masked: bool, device: torch.device
+) -> None:
     torch.manual_seed(0)
-    policy = TinyPolicy()
+    policy = TinyPolicy().to(device)
     ctx = ComponentContext()
     policy.attach("actor_mlp", attach_weights_hooks(), ctx)
     policy.attach("actor_mlp", attach_preactivation_hooks(), ctx)
@@ -33,12 +35,17 @@ def test_plasticity_probes_run_without_host_sync(buffer_rows: int, masked: bool)
     policy.attach("actor_mlp", attach_fisher_information_hooks(), ctx, backward=True)
     for tracker in ctx.model_metrics.values():
         tracker.buffer_rows = buffer_rows
-    ctx.model_metrics["churn"].start_epoch(torch.randn(8, 5), policy)  # before the updates
+    held_out = torch.randn(8, 5).to(device)
+    ctx.model_metrics["churn"].start_epoch(held_out, policy)  # before the updates
     g = torch.Generator().manual_seed(1)
-    with ForbidHostSync() as probed:
-        for _ in range(5):
-            x, a = torch.randn(16, 5, generator=g), torch.randint(0, 3, (16,), generator=g)
-            ctx.row_mask = (torch.arange(16) % 2 == 0).float() if masked else None
+    passes = []  # drawn on the CPU, moved before the block (a copy to the device syncs)
+    for _ in range(5):
+        x, a = torch.randn(16, 5, generator=g), torch.randint(0, 3, (16,), generator=g)
+        mask = (torch.arange(16) % 2 == 0).float().to(device) if masked else None
+        passes.append((x.to(device), a.to(device), mask))
+    with ForbidHostSync(device) as probed:
+        for x, a, mask in passes:
+            ctx.row_mask = mask
             F.cross_entropy(policy(x), a).backward()
     ctx.row_mask = None
     assert probed.calls == []

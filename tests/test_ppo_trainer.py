@@ -99,9 +99,11 @@ def reference_advantages(policy, gamma: float, lam: float):
     valid = np.zeros((T, len(SPECS)), dtype=bool)
     obs_expected = np.zeros((T, len(SPECS), 3), dtype=np.float32)
 
+    device = next(policy.parameters()).device
+
     def V(o):
         with torch.no_grad():
-            return float(policy.value(torch.tensor([o], dtype=torch.float32))[0])
+            return float(policy.value(torch.tensor([o], dtype=torch.float32).to(device))[0])
 
     for i, spec in enumerate(SPECS):
         steps, _last_obs = expected_rollout(*spec)
@@ -130,52 +132,57 @@ def reference_advantages(policy, gamma: float, lam: float):
     return adv, valid, obs_expected
 
 
-def make_trainer(envs, cfg: PPOConfig, hidden=(8,), seed=0, **kw) -> PPOTrainer:
+def make_trainer(
+    envs, cfg: PPOConfig, hidden=(8,), seed=0, device: torch.device | str = "cpu", **kw
+) -> PPOTrainer:
+    """A trainer whose policy is built on the CPU from ``seed``, then moved to ``device``,
+    where the trainer runs."""
     torch.manual_seed(seed)
     policy = ActorCriticPolicy(
         envs.single_observation_space,
         envs.single_action_space,
         PolicyConfig(hidden_sizes=list(hidden)),
-    )
-    return PPOTrainer(envs, policy, cfg, seed=seed, **kw)
+    ).to(device)
+    return PPOTrainer(envs, policy, cfg, seed=seed, device=device, **kw)
 
 
 #: discount and GAE lambda of the boundary rollouts, far from 1 so that every term counts
 GAMMA, LAM = 0.9, 0.8
 
 
-def boundary_rollout(**cfg: object) -> PPOTrainer:
+def boundary_rollout(device: torch.device | str = "cpu", **cfg: object) -> PPOTrainer:
     """A trainer on :func:`make_boundary_envs` (``trainer.envs``; close them) that has
-    collected one rollout of ``T`` steps, discounted with ``GAMMA`` and ``LAM``."""
+    collected one rollout of ``T`` steps, discounted with ``GAMMA`` and ``LAM``, on
+    ``device``."""
     cfg = dict(total_timesteps=T * 3, num_steps=T, gamma=GAMMA, gae_lambda=LAM, **cfg)
-    trainer = make_trainer(make_boundary_envs(), PPOConfig(**cfg))
+    trainer = make_trainer(make_boundary_envs(), PPOConfig(**cfg), device=device)
     trainer.reset_envs()
     trainer.collect_rollout()
     return trainer
 
 
-def test_autoreset_transitions_masked_and_gae_matches_reference():
-    trainer = boundary_rollout(num_minibatches=2)
+def test_autoreset_transitions_masked_and_gae_matches_reference(device):
+    trainer = boundary_rollout(device, num_minibatches=2)
     st = trainer.storage
     ref_adv, ref_valid, ref_obs = reference_advantages(trainer.policy, GAMMA, LAM)
 
-    np.testing.assert_array_equal(st.obs.numpy(), ref_obs)
+    np.testing.assert_array_equal(st.obs.cpu().numpy(), ref_obs)
     np.testing.assert_array_equal(st.valid, ref_valid)
     # the autoreset steps are excluded from the minibatches
     expected_idx = np.flatnonzero(ref_valid.reshape(-1))
-    np.testing.assert_array_equal(st.valid_indices.numpy(), expected_idx)
+    np.testing.assert_array_equal(st.valid_indices.cpu().numpy(), expected_idx)
     order = st.shuffled_order(torch.Generator().manual_seed(0))
-    assert sorted(order.tolist()) == expected_idx.tolist()
+    assert sorted(order.cpu().tolist()) == expected_idx.tolist()
     assert sum(len(mb) for mb in st.minibatches(order, 2)) == expected_idx.size
     # env 0 terminates at t=2 and 6 (autoreset at 3, 7, 11); env 1 truncates at 4 (autoreset 5, 11)
     assert not ref_valid[3, 0] and not ref_valid[5, 1] and ref_valid[:, 2].all()
     np.testing.assert_allclose(
-        st.advantages.numpy()[ref_valid], ref_adv[ref_valid], rtol=1e-5, atol=1e-5
+        st.advantages.cpu().numpy()[ref_valid], ref_adv[ref_valid], rtol=1e-5, atol=1e-5
     )
-    assert (st.advantages.numpy()[~ref_valid] == 0).all()
+    assert (st.advantages.cpu().numpy()[~ref_valid] == 0).all()
     np.testing.assert_allclose(
-        st.returns.numpy()[ref_valid],
-        (ref_adv + st.values.numpy())[ref_valid],
+        st.returns.cpu().numpy()[ref_valid],
+        (ref_adv + st.values.cpu().numpy())[ref_valid],
         rtol=1e-5,
         atol=1e-5,
     )
@@ -184,12 +191,15 @@ def test_autoreset_transitions_masked_and_gae_matches_reference():
     trainer.envs.close()
 
 
-def test_categorical_and_gaussian_match_torch_distributions():
+def test_categorical_and_gaussian_match_torch_distributions(device):
     torch.manual_seed(0)
     box = gym.spaces.Box(-1, 1, (3,), np.float32)
     obs = torch.randn(7, 3)
     disc = ActorCriticPolicy(box, gym.spaces.Discrete(4), PolicyConfig(hidden_sizes=[5]))
-    a, logp, v = disc.act(obs, torch.Generator().manual_seed(1))
+    # built and drawn on the CPU as before, then moved; act() samples from a generator
+    # on the policy's device, as the trainer's own is
+    obs, disc = obs.to(device), disc.to(device)
+    a, logp, v = disc.act(obs, torch.Generator(device=device).manual_seed(1))
     logits, value = disc(obs)
     ref = torch.distributions.Categorical(logits=logits)
     torch.testing.assert_close(logp, ref.log_prob(a))
@@ -202,8 +212,8 @@ def test_categorical_and_gaussian_match_torch_distributions():
         box,
         gym.spaces.Box(-2, 2, (2,), np.float32),
         PolicyConfig(hidden_sizes=[5], init_log_std=-0.5),
-    )
-    a, logp, _ = cont.act(obs, torch.Generator().manual_seed(1))
+    ).to(device)
+    a, logp, _ = cont.act(obs, torch.Generator(device=device).manual_seed(1))
     mean, _ = cont(obs)
     ref = torch.distributions.Normal(mean, cont.log_std.exp())
     torch.testing.assert_close(logp, ref.log_prob(a).sum(-1))
@@ -213,19 +223,20 @@ def test_categorical_and_gaussian_match_torch_distributions():
     torch.testing.assert_close(cont.deterministic_action(obs), mean)
 
 
-def test_orthogonal_init():
+def test_orthogonal_init(device):
     box = gym.spaces.Box(-1, 1, (4,), np.float32)
     p = ActorCriticPolicy(box, gym.spaces.Discrete(2), PolicyConfig(hidden_sizes=[16, 16]))
+    p = p.to(device)
     w = p.actor_mlp.layer_1.linear.weight
-    torch.testing.assert_close(w @ w.T, 2.0 * torch.eye(16), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(w @ w.T, 2.0 * torch.eye(16).to(device), atol=1e-5, rtol=1e-5)
     h = p.actor_head.weight  # (2, 16): orthonormal rows scaled by 0.01
-    torch.testing.assert_close(h @ h.T, 1e-4 * torch.eye(2), atol=1e-9, rtol=1e-5)
+    torch.testing.assert_close(h @ h.T, 1e-4 * torch.eye(2).to(device), atol=1e-9, rtol=1e-5)
     c = p.critic_head.weight
-    torch.testing.assert_close((c @ c.T).squeeze(), torch.tensor(1.0))
+    torch.testing.assert_close((c @ c.T).squeeze(), torch.tensor(1.0).to(device))
     assert all((m.bias == 0).all() for m in p.modules() if isinstance(m, torch.nn.Linear))
 
 
-def test_ppo_loss_matches_formula():
+def test_ppo_loss_matches_formula(device):
     torch.manual_seed(0)
     box = gym.spaces.Box(-1, 1, (3,), np.float32)
     pol = ActorCriticPolicy(box, gym.spaces.Discrete(3), PolicyConfig(hidden_sizes=[6]))
@@ -234,6 +245,9 @@ def test_ppo_loss_matches_formula():
     actions = torch.randint(0, 3, (n,))
     old_logp = torch.randn(n) * 0.3 - 1.1
     values, adv, ret = torch.randn(n), torch.randn(n), torch.randn(n)
+    pol = pol.to(device)
+    obs, actions, old_logp = obs.to(device), actions.to(device), old_logp.to(device)
+    values, adv, ret = values.to(device), adv.to(device), ret.to(device)
     cfg = PPOConfig(clip_coef=0.2, ent_coef=0.01, vf_coef=0.5)
     loss, stats = ppo_loss(pol, Minibatch(obs, actions, old_logp, values, adv, ret), cfg)
 
@@ -246,7 +260,7 @@ def test_ppo_loss_matches_formula():
     vl = 0.5 * torch.mean(torch.maximum((newv - ret) ** 2, (vclip - ret) ** 2))
     ent = dist.entropy().mean()
     torch.testing.assert_close(loss.detach(), pg - 0.01 * ent + 0.5 * vl)
-    got = dict(zip(LOSS_STATS, stats.tolist(), strict=True))
+    got = dict(zip(LOSS_STATS, stats.cpu().tolist(), strict=True))
     assert got["policy_loss"] == pytest.approx(float(pg), rel=1e-5)
     assert got["value_loss"] == pytest.approx(float(vl), rel=1e-5)
     assert got["entropy"] == pytest.approx(float(ent), rel=1e-5)
@@ -256,12 +270,12 @@ def test_ppo_loss_matches_formula():
     assert got["clipfrac"] == pytest.approx(float(((ratio - 1).abs() > 0.2).float().mean()))
 
 
-def test_micro_batches_accumulate_the_same_gradient_and_set_loss_scale():
+def test_micro_batches_accumulate_the_same_gradient_and_set_loss_scale(device):
     envs = gym.make_vec("CartPole-v1", num_envs=2, vectorization_mode="sync")
     envs = vw.RecordEpisodeStatistics(envs)
     base = PPOConfig(total_timesteps=128, num_steps=64, num_minibatches=1, max_grad_norm=None)
     ctx = ComponentContext()
-    trainer = make_trainer(envs, base, hidden=(8,), context=ctx)
+    trainer = make_trainer(envs, base, hidden=(8,), context=ctx, device=device)
     trainer.reset_envs()
     trainer.collect_rollout()
     batch = trainer.storage.gather(trainer.storage.valid_indices)
@@ -290,14 +304,14 @@ def test_micro_batches_accumulate_the_same_gradient_and_set_loss_scale():
     envs.close()
 
 
-def test_learning_rate_anneals_linearly_and_phases():
+def test_learning_rate_anneals_linearly_and_phases(device):
     envs = vw.RecordEpisodeStatistics(
         gym.make_vec("CartPole-v1", num_envs=2, vectorization_mode="sync")
     )
     cfg = PPOConfig(
         total_timesteps=4 * 64, num_steps=32, num_minibatches=2, update_epochs=1, learning_rate=1e-3
     )
-    trainer = make_trainer(envs, cfg)
+    trainer = make_trainer(envs, cfg, device=device)
     lrs, phases = [], []
     from trainers import TrainerHook
 
@@ -320,13 +334,13 @@ def test_learning_rate_anneals_linearly_and_phases():
 
 
 @pytest.mark.parametrize("mode", ["sync", "async", "vector_entry_point"])
-def test_vectorization_modes(mode, tmp_path):
+def test_vectorization_modes(mode, tmp_path, device):
     from trainers import EnvConfig
     from trainers.envs import make_vector_env
 
     envs = make_vector_env(EnvConfig(id="CartPole-v1", num_envs=2, vectorization=mode))
     cfg = PPOConfig(total_timesteps=64, num_steps=32, num_minibatches=2, update_epochs=1)
-    trainer = make_trainer(envs, cfg)
+    trainer = make_trainer(envs, cfg, device=device)
     state = trainer.train()
     assert state.agent_step == 64
     envs.close()
@@ -340,10 +354,10 @@ def test_vector_entry_point_missing_is_clear():
         make_vector_env(EnvConfig(id="Pendulum-v1", vectorization="vector_entry_point"))
 
 
-def test_minibatches_are_the_gathered_rows_in_order():
+def test_minibatches_are_the_gathered_rows_in_order(device):
     """Gathering the rollout once in ``order`` and slicing gives exactly the minibatches
     of gathering each one's indices."""
-    trainer = boundary_rollout()
+    trainer = boundary_rollout(device)
     st = trainer.storage
     order = st.shuffled_order(torch.Generator().manual_seed(3))
     for k in (1, 3, 4):
@@ -357,14 +371,14 @@ def test_minibatches_are_the_gathered_rows_in_order():
 
 
 @pytest.mark.parametrize("max_grad_norm", [0.05, 1e6, None])
-def test_clip_and_step_clips_exactly_like_clip_grad_norm(max_grad_norm):
+def test_clip_and_step_clips_exactly_like_clip_grad_norm(max_grad_norm, device):
     envs = make_boundary_envs()
     cfg = PPOConfig(total_timesteps=T * 3, num_steps=T, max_grad_norm=max_grad_norm)
-    trainer = make_trainer(envs, cfg, hidden=(16, 16))
+    trainer = make_trainer(envs, cfg, hidden=(16, 16), device=device)
     reference = copy.deepcopy(trainer.policy)
     torch.manual_seed(0)
     for p, q in zip(trainer.policy.parameters(), reference.parameters(), strict=True):
-        p.grad = torch.randn_like(p)
+        p.grad = torch.randn_like(p, device="cpu").to(p.device)  # the CPU draws, moved
         q.grad = p.grad.clone()
     norm = trainer.clip_and_step(step=False)
     want = torch.nn.utils.clip_grad_norm_(
@@ -379,5 +393,7 @@ def test_clip_and_step_clips_exactly_like_clip_grad_norm(max_grad_norm):
     if max_grad_norm is None or max_grad_norm > float(norm):
         torch.testing.assert_close(flat.norm(), norm)
     else:
-        torch.testing.assert_close(flat.norm(), torch.tensor(max_grad_norm), rtol=1e-5, atol=0)
+        torch.testing.assert_close(
+            flat.norm(), torch.tensor(max_grad_norm).to(device), rtol=1e-5, atol=0
+        )
     envs.close()

@@ -51,7 +51,10 @@ def collected_outputs(model: nn.Module, batches: list[torch.Tensor]) -> torch.Te
         return torch.cat([model(b) for b in batches])
 
 
-def test_relu_metrics_match_reference_over_a_window(tiny_policy: TinyPolicy) -> None:
+def test_relu_metrics_match_reference_over_a_window(
+    tiny_policy: TinyPolicy, device: torch.device
+) -> None:
+    tiny_policy.to(device)
     ctx = ComponentContext()
     tiny_policy.attach("actor_mlp", attach_relu_activation_hooks(), ctx)
     # make one unit dead and one always on, so the fractions are not trivially 0
@@ -60,7 +63,7 @@ def test_relu_metrics_match_reference_over_a_window(tiny_policy: TinyPolicy) -> 
         last.bias[0] = -100.0
         last.bias[1] = 100.0
     torch.manual_seed(1)
-    batches = [torch.randn(n, 5) for n in (16, 9, 33)]
+    batches = [torch.randn(n, 5).to(device) for n in (16, 9, 33)]
     for b in batches:
         tiny_policy(b)
     got = StatsReporter(ctx).collect()
@@ -81,12 +84,12 @@ def test_relu_metrics_match_reference_over_a_window(tiny_policy: TinyPolicy) -> 
     assert got[prefix + "samples"] == 58
 
 
-def test_dormant_threshold_follows_redo_definition() -> None:
+def test_dormant_threshold_follows_redo_definition(device: torch.device) -> None:
     """Unit 0 is active but tiny relative to the layer mean: dormant, not dead."""
     ctx = ComponentContext()
-    model = PolicyAutoBuilder.wrap(nn.Sequential(nn.Identity()), {"feat": "0"})
+    model = PolicyAutoBuilder.wrap(nn.Sequential(nn.Identity()), {"feat": "0"}).to(device)
     model.attach("feat", attach_relu_activation_hooks(tau=0.1), ctx)
-    h = torch.tensor([[0.01, 1.0, 2.0, 0.0], [0.02, 3.0, 0.5, 0.0]])
+    h = torch.tensor([[0.01, 1.0, 2.0, 0.0], [0.02, 3.0, 0.5, 0.0]]).to(device)
     model(h)
     got = StatsReporter(ctx).collect()
     ref = reference_relu(h, tau=0.1)
@@ -97,9 +100,9 @@ def test_dormant_threshold_follows_redo_definition() -> None:
     assert got["probes/relu/feat/dead_fraction"] == pytest.approx(0.25)
 
 
-def test_nonfinite_elements_are_left_out_and_counted() -> None:
+def test_nonfinite_elements_are_left_out_and_counted(device: torch.device) -> None:
     ctx = ComponentContext()
-    model = PolicyAutoBuilder.wrap(nn.Sequential(nn.Identity()), {"feat": "0"})
+    model = PolicyAutoBuilder.wrap(nn.Sequential(nn.Identity()), {"feat": "0"}).to(device)
     model.attach("feat", attach_relu_activation_hooks(), ctx)
     model.attach("feat", attach_saturated_activation_hooks("tanh"), ctx)
     torch.manual_seed(3)
@@ -107,6 +110,7 @@ def test_nonfinite_elements_are_left_out_and_counted() -> None:
     h[0, 0] = float("nan")
     h[5, 2] = float("inf")
     h[7, 3] = -float("inf")
+    h = h.to(device)
     model(h)
     got = StatsReporter(ctx).collect()
     ref = reference_relu(h)
@@ -120,14 +124,14 @@ def test_nonfinite_elements_are_left_out_and_counted() -> None:
 
 
 @pytest.mark.parametrize("activation", ["tanh", "sigmoid"])
-def test_saturation_metrics_match_reference(activation: str) -> None:
+def test_saturation_metrics_match_reference(activation: str, device: torch.device) -> None:
     torch.manual_seed(2)
-    policy = TinyPolicy(activation=activation)
+    policy = TinyPolicy(activation=activation).to(device)
     with torch.no_grad():  # push some units into saturation
         policy.actor_mlp.layer_1.linear.weight[:2] *= 40
     ctx = ComponentContext()
     policy.attach("actor_mlp", attach_saturated_activation_hooks(activation, threshold=0.9), ctx)
-    batches = [torch.randn(n, 5) for n in (20, 12)]
+    batches = [torch.randn(n, 5).to(device) for n in (20, 12)]
     for b in batches:
         policy(b)
     got = StatsReporter(ctx).collect()
@@ -136,7 +140,7 @@ def test_saturation_metrics_match_reference(activation: str) -> None:
     sat, deriv = saturation_reference(h, activation, 0.9)
     rate = sat.double().mean(0)
     prefix = f"probes/saturation_{activation}/actor_mlp/"
-    assert got[prefix + "saturation_rate"] == pytest.approx(rate.tolist(), rel=REL)
+    assert got[prefix + "saturation_rate"] == pytest.approx(rate.cpu().tolist(), rel=REL)
     assert close(got[prefix + "saturated_fraction"], sat.double().mean().item())
     assert close(got[prefix + "saturated_units_fraction"], (rate >= 0.99).double().mean().item())
     assert close(got[prefix + "mean_derivative"], deriv.mean().item())
@@ -148,11 +152,14 @@ def test_unsupported_saturation_activation_is_rejected() -> None:
         attach_saturated_activation_hooks("relu")
 
 
-def test_phase_gating_records_only_selected_phases(tiny_policy: TinyPolicy) -> None:
+def test_phase_gating_records_only_selected_phases(
+    tiny_policy: TinyPolicy, device: torch.device
+) -> None:
+    tiny_policy.to(device)
     ctx = ComponentContext()
     tiny_policy.attach("actor_mlp", attach_relu_activation_hooks(), ctx)  # train only
     tiny_policy.attach("actor_mlp.layer_0", attach_relu_activation_hooks(phases=("rollout",)), ctx)
-    train_x, rollout_x = torch.randn(10, 5), torch.randn(7, 5)
+    train_x, rollout_x = torch.randn(10, 5).to(device), torch.randn(7, 5).to(device)
     ctx.phase = "rollout"
     tiny_policy(rollout_x)
     ctx.phase = "train"
@@ -166,14 +173,15 @@ def test_phase_gating_records_only_selected_phases(tiny_policy: TinyPolicy) -> N
     assert got["probes/relu/actor_mlp/active_rate"] == pytest.approx(ref["active_rate"], rel=REL)
 
 
-def test_window_resets_after_collect(tiny_policy: TinyPolicy) -> None:
+def test_window_resets_after_collect(tiny_policy: TinyPolicy, device: torch.device) -> None:
+    tiny_policy.to(device)
     ctx = ComponentContext()
     tiny_policy.attach("actor_mlp", attach_relu_activation_hooks(), ctx)
-    tiny_policy(torch.randn(10, 5))
+    tiny_policy(torch.randn(10, 5).to(device))
     first = StatsReporter(ctx).collect()
     assert first["probes/relu/actor_mlp/samples"] == 10
     assert StatsReporter(ctx).collect() == {}  # nothing recorded since the reset
-    x = torch.randn(4, 5)
+    x = torch.randn(4, 5).to(device)
     tiny_policy(x)
     second = StatsReporter(ctx).collect()
     assert second["probes/relu/actor_mlp/samples"] == 4

@@ -21,9 +21,11 @@ from policy_probes import (
 )
 
 
-def probed(buffer_elements: int | None) -> tuple[TinyPolicy, ComponentContext]:
+def probed(
+    buffer_elements: int | None, device: torch.device | str = "cpu"
+) -> tuple[TinyPolicy, ComponentContext]:
     torch.manual_seed(0)
-    policy = TinyPolicy()
+    policy = TinyPolicy().to(device)
     ctx = ComponentContext()
     attach_all_probes(policy, ctx, saturation="sigmoid")
     if buffer_elements is not None:
@@ -33,18 +35,23 @@ def probed(buffer_elements: int | None) -> tuple[TinyPolicy, ComponentContext]:
 
 
 def train(policy: TinyPolicy, ctx: ComponentContext, sizes: tuple[int, ...]) -> dict:
+    """Minibatches drawn on the CPU (the same values on every device), on the policy's
+    device."""
+    device = next(policy.parameters()).device
     g = torch.Generator().manual_seed(1)
     for n in sizes:
         x, a = torch.randn(n, 5, generator=g), torch.randint(0, 3, (n,), generator=g)
-        F.cross_entropy(policy(x), a).backward()
+        F.cross_entropy(policy(x.to(device)), a.to(device)).backward()
     return StatsReporter(ctx).collect()
 
 
 @pytest.mark.parametrize("buffer_elements", [60, 300])
-def test_mid_window_flushes_give_identical_metrics(buffer_elements: int) -> None:
+def test_mid_window_flushes_give_identical_metrics(
+    buffer_elements: int, device: torch.device
+) -> None:
     sizes = (12, 5, 30, 7, 7, 19)
-    reference = train(*probed(None), sizes)  # the default buffer holds the whole window
-    small = train(*probed(buffer_elements), sizes)  # flushes often; 30 rows never fit at 60
+    reference = train(*probed(None, device), sizes)  # the default buffer holds the whole window
+    small = train(*probed(buffer_elements, device), sizes)  # flushes often; 30 rows never fit at 60
     assert small.keys() == reference.keys()
     for key, value in reference.items():
         assert small[key] == pytest.approx(value, rel=1e-6, abs=1e-12), (
@@ -52,11 +59,11 @@ def test_mid_window_flushes_give_identical_metrics(buffer_elements: int) -> None
         )  # float32 matmul partial sums
 
 
-def test_tracker_memory_does_not_grow_with_steps() -> None:
+def test_tracker_memory_does_not_grow_with_steps(device: torch.device) -> None:
     # Buffers allocate their storage at their first drain, and a column shared with
     # another tracker is stored once: which buffer stores it depends on when the buffers
     # fill up, so memory reaches its maximum over the first few windows and stays there.
-    policy, ctx = probed(2_000)
+    policy, ctx = probed(2_000, device)
     trackers = ctx.model_metrics.values()
     train(policy, ctx, (16,) * 5)
     after_few = sum(t.nbytes() for t in trackers)
@@ -80,45 +87,48 @@ def relu_metrics(ctx: ComponentContext) -> dict:
     return StatsReporter(ctx).collect()
 
 
-def test_an_in_place_change_after_the_hook_loses_the_window_then_copies() -> None:
+def test_an_in_place_change_after_the_hook_loses_the_window_then_copies(
+    device: torch.device,
+) -> None:
     # Buffers hold the rows by reference; an in-place change before the reduction must be
     # detected (not silently read), and later windows must be exact again.
     model = PolicyAutoBuilder.wrap(nn.Sequential(nn.Identity()), {"feat": "0"})
     ctx = ComponentContext()
     model.attach("feat", attach_relu_activation_hooks(), ctx)
-    model(torch.tensor([[1.0, -1.0], [2.0, 3.0]])).mul_(-1.0)
+    model(torch.tensor([[1.0, -1.0], [2.0, 3.0]]).to(device)).mul_(-1.0)
     metrics = relu_metrics(ctx)
     assert metrics["probes/errors/relu/feat"] == 1.0
     assert "modified in place" in ctx.probe_errors["relu/feat"]
     assert "probes/relu/feat/active_rate" not in metrics  # the window's rows are lost
-    x = torch.tensor([[1.0, -1.0], [2.0, 3.0], [-4.0, 5.0]])
+    x = torch.tensor([[1.0, -1.0], [2.0, 3.0], [-4.0, 5.0]]).to(device)
     model(x.clone()).mul_(-1.0)  # copied at the push from now on
     rates = relu_metrics(ctx)["probes/relu/feat/active_rate"]
-    assert rates == pytest.approx((x > 0).double().mean(0).tolist())
+    assert rates == pytest.approx((x > 0).double().mean(0).cpu().tolist())
 
 
-def test_inference_tensors_are_copied_at_the_push() -> None:
+def test_inference_tensors_are_copied_at_the_push(device: torch.device) -> None:
     model = PolicyAutoBuilder.wrap(nn.Sequential(nn.Identity()), {"feat": "0"})
     ctx = ComponentContext()
     model.attach("feat", attach_relu_activation_hooks(), ctx)
-    x = torch.tensor([[1.0, -1.0, 0.5], [2.0, 3.0, -0.5]])
+    x = torch.tensor([[1.0, -1.0, 0.5], [2.0, 3.0, -0.5]]).to(device)
     with torch.inference_mode():
         out = model(x.clone())
         out.mul_(-1.0)  # inference tensors have no version counter to check
     metrics = relu_metrics(ctx)
     assert "relu/feat" not in ctx.probe_errors
     assert metrics["probes/relu/feat/active_rate"] == pytest.approx(
-        (x > 0).double().mean(0).tolist()
+        (x > 0).double().mean(0).cpu().tolist()
     )
 
 
-def test_probes_on_the_same_tensor_share_one_autograd_hook() -> None:
+def test_probes_on_the_same_tensor_share_one_autograd_hook(device: torch.device) -> None:
     # fisher (per unit), gradient_flow and relu_gradient_flow (last ReLU) all read the
     # gradient of actor_mlp's output: one tensor hook, fanned out.
-    policy, ctx = probed(None)
-    out = policy.actor_mlp(torch.randn(4, 5))
+    policy, ctx = probed(None, device)
+    out = policy.actor_mlp(torch.randn(4, 5).to(device))
     assert len(out._backward_hooks) == 1
-    h0 = policy.actor_mlp.layer_0.act(policy.actor_mlp.layer_0.linear(torch.randn(4, 5)))
+    x0 = torch.randn(4, 5).to(device)
+    h0 = policy.actor_mlp.layer_0.act(policy.actor_mlp.layer_0.linear(x0))
     assert len(h0._backward_hooks) == 1  # relu_gradient_flow's first ReLU alone
     out.sum().backward()
     tracker = ctx.model_metrics["gradient_flow"]
@@ -126,12 +136,12 @@ def test_probes_on_the_same_tensor_share_one_autograd_hook() -> None:
     assert ctx.model_metrics["fisher"].buffers[("actor_mlp", "out")].rows == 4
 
 
-def test_probes_reading_the_same_tensors_share_one_materialisation() -> None:
+def test_probes_reading_the_same_tensors_share_one_materialisation(device: torch.device) -> None:
     # Five probes on a 2-layer ReLU MLP hold 18 block columns (14, plus relu and
     # gradient_flow per layer on layer_0 and layer_1), but only five distinct tensors per
     # pass: the input, the two ReLU outputs and their gradients (fisher reads its Linear
     # layers through them). A drain materialises each once.
-    policy, ctx = probed(None)
+    policy, ctx = probed(None, device)
     train(policy, ctx, (12, 5))
     columns = [
         (name, stream, col)
@@ -152,12 +162,12 @@ def test_probes_reading_the_same_tensors_share_one_materialisation() -> None:
     assert ("saturation_sigmoid", "h", 0) not in stored
 
 
-def test_probes_keep_no_autograd_graph_alive() -> None:
+def test_probes_keep_no_autograd_graph_alive(device: torch.device) -> None:
     # Hooks that referred back to the tensor they hook would form a cycle through the
     # autograd graph (held from C++) that the garbage collector cannot free.
     import gc
 
-    policy, ctx = probed(None)
+    policy, ctx = probed(None, device)
     train(policy, ctx, (12, 5, 9))
     gc.collect()
     hooked = [
@@ -174,10 +184,10 @@ def relu_truth(rows: torch.Tensor) -> tuple[list[float], float]:
     active = (rows > 0).double().mean(0)
     mean_abs = rows.abs().double().mean(0)
     score = mean_abs / (mean_abs.mean() + 1e-9)
-    return active.tolist(), float((score <= 0.025).double().mean())
+    return active.cpu().tolist(), float((score <= 0.025).double().mean())
 
 
-def test_a_component_shown_another_components_rows_shares_its_sums_exactly():
+def test_a_component_shown_another_components_rows_shares_its_sums_exactly(device: torch.device):
     """A component whose output is its last layer's output is reduced once for both: the
     sharing starts when the two see the same rows from the window's start, ends (each
     with its own sums) as soon as their rows differ, and a checkpoint saves two copies."""
@@ -186,6 +196,7 @@ def test_a_component_shown_another_components_rows_shares_its_sums_exactly():
     g = torch.Generator().manual_seed(3)
     shared, own_b, own_a = (torch.randn(n, 6, generator=g) for n in (8, 5, 7))
     shared[:, 0] = -1.0  # a dead unit
+    shared, own_b, own_a = shared.to(device), own_b.to(device), own_a.to(device)
     tracker = ReLUActivationState()
     tracker.register_component("layer")
     tracker.register_component("component")
@@ -228,15 +239,15 @@ def test_a_component_shown_another_components_rows_shares_its_sums_exactly():
     assert out["probes/relu/layer/active_rate"] == pytest.approx(active, abs=1e-12)
 
 
-def test_the_policys_output_layer_and_its_component_report_the_same_values():
+def test_the_policys_output_layer_and_its_component_report_the_same_values(device: torch.device):
     """The per-layer probes of an MLP component: the component's output is its last
     ReLU's output, reduced once; both report what a hand count of the rows gives."""
     torch.manual_seed(0)
-    mlp = nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU())
+    mlp = nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU()).to(device)
     builder = PolicyAutoBuilder({"actor_mlp": mlp})
     ctx = ComponentContext()
     builder.attach("actor_mlp", attach_relu_activation_hooks(), ctx)
-    x = torch.randn(32, 5)
+    x = torch.randn(32, 5).to(device)
     with torch.no_grad():
         out_rows = mlp(x)
     mlp(x)
@@ -250,7 +261,7 @@ def test_the_policys_output_layer_and_its_component_report_the_same_values():
     for name in ("actor_mlp", "actor_mlp.3"):
         assert metrics[f"probes/relu/{name}/active_rate"] == pytest.approx(active, abs=1e-12)
         assert metrics[f"probes/relu/{name}/dormant_fraction"] == pytest.approx(dormant)
-        assert torch.allclose(tracker.scores[name].double(), redo_score, atol=1e-12)
+        assert torch.allclose(tracker.scores[name].cpu().double(), redo_score.cpu(), atol=1e-12)
     # summarised once, reported twice: each key holds its own list
     component, layer = (
         metrics[f"probes/relu/{n}/active_rate"] for n in ("actor_mlp", "actor_mlp.3")
@@ -308,7 +319,7 @@ def test_a_single_finite_push_is_reduced_where_it_lies_at_a_report(block: str):
     assert inside.buffers[("c", "h")].storage.get((0, 0)) is not None
 
 
-def test_a_window_end_releases_large_storage_and_keeps_small():
+def test_a_window_end_releases_large_storage_and_keeps_small(device: torch.device):
     """reset() frees a buffer's storage and the scratch of 1 MiB or more (they would sit
     among the training step's own large allocations until the next report) and keeps the
     small ones for reuse; the next window reduces as before."""
@@ -320,6 +331,7 @@ def test_a_window_end_releases_large_storage_and_keeps_small():
     small = torch.randn(10, 8, generator=g)
     for t in (large, small):
         t[0, 0] = float("nan")  # held rows are copied into the buffer's storage
+    large, small = large.to(device), small.to(device)
     tracker = ReLUActivationState()
     for name, rows in (("large", large), ("small", small)):
         tracker.register_component(name)

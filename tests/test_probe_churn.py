@@ -9,11 +9,11 @@ import math
 
 import pytest
 import torch
-from test_ppo_trainer import T, make_boundary_envs, make_trainer
+from test_ppo_trainer import T, make_boundary_envs
 
 from policy_probes import ComponentContext, LinearSpec, PolicyAutoBuilder, StatsReporter
 from policy_probes.probes.churn import ChurnState, attach_churn_hooks, start_epoch
-from trainers import PPOConfig
+from trainers import ActorCriticPolicy, PolicyConfig, PPOConfig, PPOTrainer
 
 
 class Heads(PolicyAutoBuilder):
@@ -31,7 +31,7 @@ class Heads(PolicyAutoBuilder):
 
 def kl_by_loops(p_logits: torch.Tensor, q_logits: torch.Tensor) -> list[float]:
     out = []
-    for lp, lq in zip(p_logits.tolist(), q_logits.tolist(), strict=True):
+    for lp, lq in zip(p_logits.cpu().tolist(), q_logits.cpu().tolist(), strict=True):
         zp = math.log(sum(math.exp(v) for v in lp))
         zq = math.log(sum(math.exp(v) for v in lq))
         out.append(
@@ -46,31 +46,36 @@ def held_out_rows(obs: torch.Tensor, n: int) -> torch.Tensor:
     return obs[[int(i * (rows - 1) / (n - 1)) for i in range(n)]]
 
 
-def train_some(policy: Heads, steps: int, seed: int) -> None:
+def train_some(
+    policy: Heads, steps: int, seed: int, device: torch.device = torch.device("cpu")
+) -> None:
+    """SGD steps on inputs drawn on the CPU (the same on every device), then moved."""
     g = torch.Generator().manual_seed(seed)
     opt = torch.optim.SGD(policy.parameters(), lr=0.3)
     for _ in range(steps):
-        x = torch.randn(16, 4, generator=g)
+        x = torch.randn(16, 4, generator=g).to(device)
         logits, v = policy(x)
         opt.zero_grad()
         (logits[:, 0].mean() + v.square().mean()).backward()
         opt.step()
 
 
-def test_kl_and_value_change_per_epoch_on_the_previous_rollouts_states() -> None:
+def test_kl_and_value_change_per_epoch_on_the_previous_rollouts_states(
+    device: torch.device,
+) -> None:
     torch.manual_seed(0)
-    policy = Heads()
+    policy = Heads().to(device)
     ctx = ComponentContext()
     policy.attach("actor_head", attach_churn_hooks(kind="categorical", batch_size=5), ctx)
     policy.attach("critic_head", attach_churn_hooks(batch_size=5), ctx)
-    rollouts = [torch.randn(23, 4), torch.randn(17, 4)]
+    rollouts = [torch.randn(23, 4).to(device), torch.randn(17, 4).to(device)]
     batches = [held_out_rows(rollouts[0], 5), held_out_rows(rollouts[0], 5)]  # epoch 2: epoch 1's
     for epoch, obs in enumerate(rollouts):
         before = copy.deepcopy(policy)
         rng = torch.get_rng_state()
         start_epoch(ctx, obs, policy)
         assert torch.equal(torch.get_rng_state(), rng)  # the trajectory's RNG is untouched
-        train_some(policy, 3, epoch)
+        train_some(policy, 3, epoch, device)
         got = StatsReporter(ctx).collect()
         with torch.no_grad():
             lb, vb = before(batches[epoch])
@@ -78,11 +83,13 @@ def test_kl_and_value_change_per_epoch_on_the_previous_rollouts_states() -> None
         kl = kl_by_loops(lb, la)
         dv = [
             abs(a - b)
-            for a, b in zip(va.reshape(-1).tolist(), vb.reshape(-1).tolist(), strict=True)
+            for a, b in zip(
+                va.reshape(-1).cpu().tolist(), vb.reshape(-1).cpu().tolist(), strict=True
+            )
         ]
         dl = [
             sum(abs(a - b) for a, b in zip(ra, rb, strict=True)) / 3
-            for ra, rb in zip(la.tolist(), lb.tolist(), strict=True)
+            for ra, rb in zip(la.cpu().tolist(), lb.cpu().tolist(), strict=True)
         ]
         assert got["probes/churn/actor_head/policy_kl"] == pytest.approx(sum(kl) / 5, rel=1e-6)
         assert got["probes/churn/actor_head/policy_kl_max"] == pytest.approx(max(kl), rel=1e-6)
@@ -93,36 +100,70 @@ def test_kl_and_value_change_per_epoch_on_the_previous_rollouts_states() -> None
         assert got["probes/churn/actor_head/policy_kl"] > 0
 
 
-def test_a_fixed_batch_and_a_checkpoint_in_the_middle_of_an_epoch() -> None:
+def test_a_fixed_batch_and_a_checkpoint_in_the_middle_of_an_epoch(device: torch.device) -> None:
     torch.manual_seed(1)
-    policy = Heads()
+    policy = Heads().to(device)
     ctx = ComponentContext()
     policy.attach("critic_head", attach_churn_hooks(), ctx)
-    fixed = torch.randn(6, 4)
+    fixed = torch.randn(6, 4).to(device)
     tracker = ctx.model_metrics["churn"]
     assert isinstance(tracker, ChurnState)
     tracker.fix_batch(fixed)
     before = copy.deepcopy(policy)
-    start_epoch(ctx, torch.randn(30, 4), policy)  # the rollout is not used: the batch is fixed
+    # the rollout is not used: the batch is fixed
+    start_epoch(ctx, torch.randn(30, 4).to(device), policy)
     saved = tracker.state_dict()
     # resumed in the middle of the epoch: a fresh context loads the saved state
     ctx2 = ComponentContext()
     policy.attach("critic_head", attach_churn_hooks(), ctx2)
     ctx2.model_metrics["churn"].load_state_dict(saved)  # the attached policy runs the forwards
-    train_some(policy, 2, 5)
+    train_some(policy, 2, 5, device)
     got = StatsReporter(ctx2).collect()
     with torch.no_grad():
-        dv = (policy(fixed)[1] - before(fixed)[1]).abs().reshape(-1).tolist()
+        dv = (policy(fixed)[1] - before(fixed)[1]).abs().reshape(-1).cpu().tolist()
     assert got["probes/churn/critic_head/value_change"] == pytest.approx(sum(dv) / 6, rel=1e-6)
     with pytest.raises(ValueError, match="kind"):
         attach_churn_hooks(kind="kl")
 
 
-def run_trainer(churn: bool) -> tuple[dict, list[torch.Tensor]]:
+def test_a_checkpoint_loaded_on_the_cpu_puts_the_held_out_state_on_the_models_device() -> None:
+    """Checkpoints are loaded to the CPU and each tracker is given the model's device: the
+    held-out batch, the outputs before the updates and the running maxima go there with
+    the sums. The meta device stands in for an accelerator (every machine has it)."""
+    torch.manual_seed(1)
+    policy = Heads()
+    ctx = ComponentContext()
+    policy.attach("actor_head", attach_churn_hooks(kind="categorical"), ctx)
+    tracker = ctx.model_metrics["churn"]
+    tracker.fix_batch(torch.randn(6, 4))
+    start_epoch(ctx, torch.randn(30, 4), policy)
+    train_some(policy, 1, 5)
+    tracker.end_epoch()  # one epoch compared: maxima exist
+    start_epoch(ctx, torch.randn(30, 4), policy)  # the next epoch's outputs before its updates
+    saved = tracker.state_dict()
+    loaded = ChurnState()
+    loaded.register_component("actor_head", kind="categorical")
+    loaded.load_state_dict(saved, device=torch.device("meta"))
+    held = [loaded.fixed, loaded.batch, *loaded.before.values()]
+    held += [m for maxima in loaded.maxima.values() for m in maxima.values()]
+    assert len(held) == 5  # fixed, batch, one output, the KL's and the change's maxima
+    assert all(t.device.type == "meta" for t in held)
+    assert all(t.device.type == "meta" for t in loaded.state["actor_head"].values())
+
+
+def run_trainer(
+    churn: bool, device: torch.device = torch.device("cpu")
+) -> tuple[dict, list[torch.Tensor]]:
     envs = make_boundary_envs()
     cfg = PPOConfig(total_timesteps=T * 3 * 2, num_steps=T, num_minibatches=2)
     ctx = ComponentContext()
-    trainer = make_trainer(envs, cfg, context=ctx)
+    # test_ppo_trainer.make_trainer's policy and trainer, the policy moved to ``device``
+    # (built on the CPU with the same seed) before the trainer takes it
+    torch.manual_seed(0)
+    policy = ActorCriticPolicy(
+        envs.single_observation_space, envs.single_action_space, PolicyConfig(hidden_sizes=[8])
+    ).to(device)
+    trainer = PPOTrainer(envs, policy, cfg, seed=0, context=ctx, device=device)
     if churn:
         trainer.policy.attach("actor_head", attach_churn_hooks(kind="categorical"), ctx)
         trainer.policy.attach("critic_head", attach_churn_hooks(), ctx)
@@ -131,9 +172,9 @@ def run_trainer(churn: bool) -> tuple[dict, list[torch.Tensor]]:
     return state.metrics, [p.detach().clone() for p in trainer.policy.parameters()]
 
 
-def test_the_trainer_reports_churn_without_changing_its_trajectory() -> None:
-    with_churn, params = run_trainer(True)
-    without, params0 = run_trainer(False)
+def test_the_trainer_reports_churn_without_changing_its_trajectory(device: torch.device) -> None:
+    with_churn, params = run_trainer(True, device)
+    without, params0 = run_trainer(False, device)
     assert all(torch.equal(a, b) for a, b in zip(params, params0, strict=True))
     assert with_churn["probes/churn/actor_head/policy_kl"] > 0
     assert with_churn["probes/churn/critic_head/value_change"] > 0
@@ -167,25 +208,27 @@ def test_sb3_callback_takes_the_held_out_states_from_the_rollout_buffer(tmp_path
     assert all(torch.equal(a[k], b[k]) for k in a)  # the trajectory is unchanged
 
 
-def test_probe_session_rollout_end_hands_the_observations_over(tmp_path) -> None:
+def test_probe_session_rollout_end_hands_the_observations_over(
+    tmp_path, device: torch.device
+) -> None:
     from policy_probes import ProbeSession
     from policy_probes.sinks import SinksConfig
 
     torch.manual_seed(4)
-    policy = Heads()
+    policy = Heads().to(device)
     session = ProbeSession(
         policy, run_dir=tmp_path, sinks=SinksConfig(console=False, wandb=False), probe_budget=None
     )
     session.add_training_hook("critic_head", attach_churn_hooks(batch_size=4))
-    obs = torch.randn(12, 4)
+    obs = torch.randn(12, 4).to(device)
     before = copy.deepcopy(policy)
     session.set_phase("rollout")
     session.rollout_end(observations=obs)
     session.set_phase("train")
-    train_some(policy, 2, 9)
+    train_some(policy, 2, 9, device)
     got = session.epoch_end(step=12)
     session.close()
     batch = held_out_rows(obs, 4)
     with torch.no_grad():
-        dv = (policy(batch)[1] - before(batch)[1]).abs().reshape(-1).tolist()
+        dv = (policy(batch)[1] - before(batch)[1]).abs().reshape(-1).cpu().tolist()
     assert got["probes/churn/critic_head/value_change"] == pytest.approx(sum(dv) / 4, rel=1e-6)

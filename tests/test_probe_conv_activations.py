@@ -55,12 +55,19 @@ class ConvPolicy(PolicyAutoBuilder):
         return {"z0": z0, "h0": h0, "z1": z1, "h1": h1, "out": out}
 
 
-def batches(policy: ConvPolicy, sizes: tuple[int, ...], seed: int = 1) -> list:
+def batches(
+    policy: ConvPolicy,
+    sizes: tuple[int, ...],
+    seed: int = 1,
+    device: torch.device = torch.device("cpu"),
+) -> list:
+    """Drawn on the CPU (the same numbers on every device), then moved to ``device``."""
     g = torch.Generator().manual_seed(seed)
-    return [
+    drawn = [
         (torch.randn(n, *policy.input_shape, generator=g), torch.randint(0, 3, (n,), generator=g))
         for n in sizes
     ]
+    return [(x.to(device), a.to(device)) for x, a in drawn]
 
 
 def train(policy: ConvPolicy, ctx: ComponentContext, data: list) -> dict:
@@ -71,7 +78,7 @@ def train(policy: ConvPolicy, ctx: ComponentContext, data: list) -> dict:
 
 def per_channel(t: torch.Tensor) -> np.ndarray:
     """(B, C, *spatial) -> list of C arrays of every (sample, position) value, in numpy."""
-    a = t.detach().double().numpy()
+    a = t.detach().double().cpu().numpy()
     return np.stack([a[:, c].ravel() for c in range(a.shape[1])])
 
 
@@ -97,9 +104,11 @@ def assert_metrics(got: dict, prefix: str, ref: dict) -> None:
 
 @pytest.mark.parametrize("dims", [1, 2])
 @pytest.mark.parametrize("buffer_elements", [None, 400])
-def test_relu_probe_is_per_channel_on_conv_outputs(dims: int, buffer_elements: int | None) -> None:
+def test_relu_probe_is_per_channel_on_conv_outputs(
+    dims: int, buffer_elements: int | None, device: torch.device
+) -> None:
     torch.manual_seed(0)
-    policy = ConvPolicy(dims)
+    policy = ConvPolicy(dims).to(device)
     ctx = ComponentContext()
     # the conv module itself (pre-activation), the bare ReLU after it (its layout comes from
     # the conv before it), and the encoder (ends in a ReLU after a conv)
@@ -107,7 +116,7 @@ def test_relu_probe_is_per_channel_on_conv_outputs(dims: int, buffer_elements: i
         policy.attach(name, attach_relu_activation_hooks(per_layer=False), ctx)
     if buffer_elements is not None:  # drains mid-window, several passes per drain
         ctx.model_metrics["relu"].buffer_elements = buffer_elements
-    data = batches(policy, (3, 5, 2))
+    data = batches(policy, (3, 5, 2), device=device)
     got = train(policy, ctx, data)
     with torch.no_grad():
         parts = [policy.layers(x) for x, _ in data]
@@ -121,30 +130,32 @@ def test_relu_probe_is_per_channel_on_conv_outputs(dims: int, buffer_elements: i
     assert got["probes/relu/encoder.1/always_active_fraction"] == pytest.approx(1 / 5)
 
 
-def test_channels_last_layout_keeps_the_last_axis_as_units() -> None:
+def test_channels_last_layout_keeps_the_last_axis_as_units(device: torch.device) -> None:
     torch.manual_seed(0)
-    policy = ConvPolicy(2)
+    policy = ConvPolicy(2).to(device)
     ctx = ComponentContext()
     policy.attach("encoder.1", attach_relu_activation_hooks(layout="channels_last"), ctx)
-    data = batches(policy, (4, 3))
+    data = batches(policy, (4, 3), device=device)
     got = train(policy, ctx, data)
     with torch.no_grad():
         h0 = torch.cat([policy.layers(x)["h0"] for x, _ in data])
-    rows = h0.double().reshape(-1, h0.shape[-1]).numpy().T  # W units, B*C*H rows
+    rows = h0.double().reshape(-1, h0.shape[-1]).cpu().numpy().T  # W units, B*C*H rows
     ref = relu_reference(rows, rows.shape[1])
     assert_metrics(got, "probes/relu/encoder.1/", ref)
 
 
 @pytest.mark.parametrize("activation", ["tanh", "sigmoid"])
 @pytest.mark.parametrize("dims", [1, 2])
-def test_saturation_probe_is_per_channel_on_conv_outputs(activation: str, dims: int) -> None:
+def test_saturation_probe_is_per_channel_on_conv_outputs(
+    activation: str, dims: int, device: torch.device
+) -> None:
     torch.manual_seed(3)
     act = nn.Tanh if activation == "tanh" else nn.Sigmoid
-    policy = ConvPolicy(dims, act=act)
+    policy = ConvPolicy(dims, act=act).to(device)
     ctx = ComponentContext()
     policy.attach("encoder", attach_saturated_activation_hooks(activation), ctx)
     ctx.model_metrics[f"saturation_{activation}"].buffer_elements = 300
-    data = batches(policy, (4, 1, 6))
+    data = batches(policy, (4, 1, 6), device=device)
     got = train(policy, ctx, data)
     with torch.no_grad():
         parts = [policy.layers(x) for x, _ in data]
@@ -180,15 +191,17 @@ def ema_reference(per_pass: list[np.ndarray], beta: float = 0.95) -> np.ndarray:
 
 
 @pytest.mark.parametrize("dims", [1, 2])
-def test_gradient_flow_probes_are_per_channel_on_conv_outputs(dims: int) -> None:
+def test_gradient_flow_probes_are_per_channel_on_conv_outputs(
+    dims: int, device: torch.device
+) -> None:
     torch.manual_seed(4)
-    policy = ConvPolicy(dims)
+    policy = ConvPolicy(dims).to(device)
     ctx = ComponentContext()
     policy.attach("encoder", attach_gradient_flow_hooks(), ctx, backward=True)
     policy.attach("encoder", attach_relu_gradient_flow_hooks(), ctx, backward=True)
     for tracker in ctx.model_metrics.values():
         tracker.buffer_elements = 500
-    data = batches(policy, (3, 7, 2, 5))
+    data = batches(policy, (3, 7, 2, 5), device=device)
     got = train(policy, ctx, data)
     rms: dict[str, list[np.ndarray]] = {"h0": [], "h1": []}
     passed = {"z0": [], "z1": []}
@@ -252,19 +265,19 @@ def test_unknown_layout_is_rejected() -> None:
         attach_saturated_activation_hooks("tanh", layout="NCHW")
 
 
-def test_an_extracted_tensor_is_channels_first_only_when_asked() -> None:
+def test_an_extracted_tensor_is_channels_first_only_when_asked(device: torch.device) -> None:
     torch.manual_seed(0)
-    policy = ConvPolicy(1, size=7)  # encoder output (B, 4 channels, length 5)
+    policy = ConvPolicy(1, size=7).to(device)  # encoder output (B, 4 channels, length 5)
     ctx = ComponentContext()
     pick = lambda out: out  # noqa: E731 - the extractor sees the same tensor
     policy.attach("encoder", attach_relu_activation_hooks(extractor=pick, per_layer=False), ctx)
     policy.attach(
         "encoder.3", attach_relu_activation_hooks(extractor=pick, layout="channels_first"), ctx
     )
-    data = batches(policy, (3, 2))
+    data = batches(policy, (3, 2), device=device)
     got = train(policy, ctx, data)
     with torch.no_grad():
         h1 = torch.cat([policy.layers(x)["h1"] for x, _ in data])
-    last = h1.double().reshape(-1, h1.shape[-1]).numpy().T  # "auto": channels last, 5 units
+    last = h1.double().reshape(-1, h1.shape[-1]).cpu().numpy().T  # "auto": channels last, 5 units
     assert_metrics(got, "probes/relu/encoder/", relu_reference(last, last.shape[1]))
     assert_metrics(got, "probes/relu/encoder.3/", relu_reference(per_channel(h1), 5))

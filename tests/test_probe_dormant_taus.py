@@ -12,7 +12,8 @@ from policy_probes import ComponentContext, StatsReporter, attach_relu_activatio
 
 def dormant_by_loops(h: torch.Tensor, tau: float) -> float:
     """ReDo (Sokar et al., 2023): s_i = mean|h_i| / (mean_j mean|h_j| + 1e-9), dormant if
-    s_i <= tau; one unit at a time."""
+    s_i <= tau; one unit at a time (on a host copy)."""
+    h = h.cpu()
     units = h.shape[1]
     means = [sum(abs(float(v)) for v in h[:, u]) / h.shape[0] for u in range(units)]
     layer = sum(means) / units
@@ -25,16 +26,16 @@ def layer_outputs(policy: TinyPolicy, x: torch.Tensor) -> list[torch.Tensor]:
         return [h0, policy.actor_mlp.layer_1(h0)]
 
 
-def test_every_threshold_per_layer_and_under_a_row_mask() -> None:
+def test_every_threshold_per_layer_and_under_a_row_mask(device: torch.device) -> None:
     torch.manual_seed(0)
-    policy = TinyPolicy(hidden=(8, 6))
+    policy = TinyPolicy(hidden=(8, 6)).to(device)
     with torch.no_grad():  # units of every kind: dead, tiny, ordinary
-        policy.actor_mlp.layer_0.linear.bias[:3] = torch.tensor([-50.0, -2.0, -1.0])
+        policy.actor_mlp.layer_0.linear.bias[:3] = torch.tensor([-50.0, -2.0, -1.0]).to(device)
         policy.actor_mlp.layer_1.linear.weight[0] *= 0.01
     ctx = ComponentContext()
     policy.attach("actor_mlp", attach_relu_activation_hooks(), ctx)
-    xs = [torch.randn(12, 5), torch.randn(7, 5)]
-    masks = [torch.tensor([1.0, 0.0] * 6), torch.ones(7)]
+    xs = [torch.randn(12, 5).to(device), torch.randn(7, 5).to(device)]
+    masks = [torch.tensor([1.0, 0.0] * 6).to(device), torch.ones(7).to(device)]
     for x, m in zip(xs, masks, strict=True):
         ctx.row_mask = m
         policy(x)
@@ -59,11 +60,11 @@ def test_every_threshold_per_layer_and_under_a_row_mask() -> None:
     )
 
 
-def test_custom_thresholds_and_bad_ones() -> None:
-    policy = TinyPolicy()
+def test_custom_thresholds_and_bad_ones(device: torch.device) -> None:
+    policy = TinyPolicy().to(device)
     ctx = ComponentContext()
     policy.attach("actor_mlp", attach_relu_activation_hooks(taus=(0.5,), per_layer=False), ctx)
-    x = torch.randn(9, 5)
+    x = torch.randn(9, 5).to(device)
     policy(x)
     got = StatsReporter(ctx).collect()
     h = layer_outputs(policy, x)[1]

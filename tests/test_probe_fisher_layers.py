@@ -3,6 +3,7 @@ per-sample gradients from torch.func.vmap(torch.func.grad(...)) (body_squared_gr
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -11,6 +12,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch
+from conftest import float32_rtol
 from test_probe_fisher import body_squared_gradients, per_sample_loss
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence
@@ -28,11 +30,29 @@ REL = 1e-5
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
-def image_batches(shape: tuple[int, ...], sizes: tuple[int, ...], seed: int = 3) -> Batches:
+def image_batches(
+    shape: tuple[int, ...],
+    sizes: tuple[int, ...],
+    seed: int = 3,
+    device: torch.device | str = "cpu",
+) -> Batches:
+    """Seeded minibatches (x, action), drawn on the CPU and moved to ``device``."""
     g = torch.Generator().manual_seed(seed)
-    return [
+    drawn = [
         (torch.randn(n, *shape, generator=g), torch.randint(0, 3, (n,), generator=g)) for n in sizes
     ]
+    return on(drawn, device)
+
+
+def on(batches: Batches, device: torch.device | str) -> Batches:
+    """``batches`` moved to ``device``."""
+    return [(x.to(device), a.to(device)) for x, a in batches]
+
+
+def to_device(device: torch.device | str, *modules: nn.Module) -> None:
+    """Move modules built (and seeded) on the CPU to ``device``, in place."""
+    for module in modules:
+        module.to(device)
 
 
 def probe_fisher(
@@ -90,14 +110,15 @@ def assert_matches_reference(
     metrics: dict,
     reference: Callable[[nn.Module, nn.Module, Batches], dict] = body_squared_gradients,
 ) -> None:
-    sq = reference(body, head, batches)
+    sq = reference(body, head, batches)  # on the model's device: compared on the host
     n = sum(x.shape[0] for x, _ in batches)
+    rtol = float32_rtol(body, REL)
     assert set(fisher) == set(sq)
     for name, value in sq.items():
         assert value.abs().sum() > 0, name  # a rule that sees nothing would pass otherwise
-        torch.testing.assert_close(fisher[name], value / n, rtol=REL, atol=1e-12)
+        torch.testing.assert_close(fisher[name].cpu(), value.cpu() / n, rtol=rtol, atol=1e-12)
     total = sum(v.sum().item() for v in sq.values()) / n
-    assert metrics["probes/fisher/body/trace"] == pytest.approx(total, rel=REL)
+    assert metrics["probes/fisher/body/trace"] == pytest.approx(total, rel=rtol)
     assert metrics["probes/fisher/body/unsupported_params"] == 0
 
 
@@ -134,30 +155,36 @@ def conv_model(conv: nn.Module, in_shape: tuple[int, ...]) -> tuple[nn.Module, n
 
 @pytest.mark.parametrize("name", list(CONVS) + list(CONV1DS))
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_conv_fisher_matches_vmap(name: str, reduction: str) -> None:
+def test_conv_fisher_matches_vmap(name: str, reduction: str, device: torch.device) -> None:
     torch.manual_seed(0)
     conv = (CONVS | CONV1DS)[name]()
     in_shape = (conv.in_channels, 7, 6) if name in CONVS else (conv.in_channels, 9)
     body, head = conv_model(conv, in_shape)
-    batches = image_batches(in_shape, (10, 7))
+    to_device(device, body, head)
+    batches = image_batches(in_shape, (10, 7), device=device)
     fisher, metrics = probe_fisher(body, head, batches, reduction=reduction)
     assert_matches_reference(body, head, batches, fisher, metrics)
 
 
 @pytest.mark.parametrize("name", list(CONVS) + list(CONV1DS))
 @pytest.mark.parametrize("method", ["correlate", "unfold"])
-def test_both_conv_routes_give_each_samples_squared_gradient(name: str, method: str) -> None:
+def test_both_conv_routes_give_each_samples_squared_gradient(
+    name: str, method: str, device: torch.device
+) -> None:
     """The conv rule's two routes (the correlation the CPU uses, the im2col contraction
     accelerators use) each give sum_i (dl_i/dW)^2 as autograd gives it one sample at a
-    time, with chunks of one sample and of the whole batch."""
+    time, with chunks of one sample and of the whole batch; both routes run on every
+    device (the method is named, not picked by the device)."""
     from policy_probes.probes.fisher_rules import ConvRule
 
     torch.manual_seed(0)
     conv = (CONVS | CONV1DS)[name]()
     in_shape = (conv.in_channels, 7, 6) if name in CONVS else (conv.in_channels, 9)
     x = torch.randn(5, *in_shape)
+    with torch.no_grad():
+        g = torch.randn_like(conv(x))  # each sample's loss is <g_i, conv(x_i)>; CPU draws
+    conv, x, g = conv.to(device), x.to(device), g.to(device)
     out = conv(x)
-    g = torch.randn_like(out)  # each sample's loss is <g_i, conv(x_i)>
     want = {key: torch.zeros_like(p, dtype=torch.float64) for key, p in conv.named_parameters()}
     for i in range(x.shape[0]):
         grads = torch.autograd.grad(conv(x[i : i + 1]), list(conv.parameters()), g[i : i + 1])
@@ -171,7 +198,37 @@ def test_both_conv_routes_give_each_samples_squared_gradient(name: str, method: 
             torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-9)
 
 
-def test_stacked_convs_with_micro_batches_and_small_chunks() -> None:
+def test_the_correlation_stays_float32_where_cudnn_allows_tf32(device: torch.device) -> None:
+    """cuDNN allows TF32 by default (10-bit mantissa): the correlation route turns it off
+    for its convolution, and back on after. The reference is float64 autograd one sample
+    at a time; a TF32 correlation misses it by ~1e-3."""
+    from policy_probes.probes.fisher_rules import ConvRule
+
+    torch.manual_seed(2)
+    conv = nn.Conv2d(4, 8, 8, stride=4)  # NatureCNN's first layer, on 36x36 frames
+    x = torch.rand(6, 4, 36, 36)
+    with torch.no_grad():
+        g = torch.randn_like(conv(x))
+    conv, x, g = conv.to(device), x.to(device), g.to(device)
+    want = torch.zeros_like(conv.weight, dtype=torch.float64)
+    conv64 = copy.deepcopy(conv).double()
+    for i in range(x.shape[0]):
+        (grad,) = torch.autograd.grad(
+            conv64(x[i : i + 1].double()), conv64.weight, g[i : i + 1].double()
+        )
+        want += grad.square()
+    rule = ConvRule.of(conv, ("weight", None), x, conv(x))
+    allowed = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = True
+    try:
+        got = rule.squares(x.reshape(6, -1), g.reshape(6, -1), 1 << 30, "correlate")
+        assert torch.backends.cudnn.allow_tf32  # the user's setting is back
+    finally:
+        torch.backends.cudnn.allow_tf32 = allowed
+    torch.testing.assert_close(got["weight"].double(), want, rtol=1e-5, atol=1e-9)
+
+
+def test_stacked_convs_with_micro_batches_and_small_chunks(device: torch.device) -> None:
     """NatureCNN's layout (conv, ReLU, conv, ReLU, flatten, linear); the minibatch split
     into micro-batches (context.loss_scale) and chunks smaller than the batch give the
     same Fisher as one pass with no chunking."""
@@ -186,36 +243,43 @@ def test_stacked_convs_with_micro_batches_and_small_chunks() -> None:
         nn.ReLU(),
     )
     head = nn.Linear(8, 3)
-    batches = image_batches((2, 10, 10), (12, 8))
+    to_device(device, body, head)
+    batches = image_batches((2, 10, 10), (12, 8), device=device)
     whole, metrics = probe_fisher(body, head, batches)
     assert_matches_reference(body, head, batches, whole, metrics)
     chunked, _ = probe_fisher(body, head, batches, micro=4, chunk_bytes=1)  # one sample a chunk
     for name, value in whole.items():
-        torch.testing.assert_close(chunked[name], value, rtol=REL, atol=1e-12)
+        torch.testing.assert_close(chunked[name].cpu(), value.cpu(), rtol=REL, atol=1e-12)
 
 
-def index_batches(vocab: int, positions: int, sizes: tuple[int, ...]) -> Batches:
+def index_batches(
+    vocab: int, positions: int, sizes: tuple[int, ...], device: torch.device | str = "cpu"
+) -> Batches:
+    """Seeded minibatches (indices, action), drawn on the CPU and moved to ``device``."""
     g = torch.Generator().manual_seed(5)
-    return [
+    drawn = [
         (
             torch.randint(0, vocab, (n, positions), generator=g),
             torch.randint(0, 3, (n,), generator=g),
         )
         for n in sizes
     ]
+    return on(drawn, device)
 
 
 @pytest.mark.parametrize("padding_idx", [None, 0])
 @pytest.mark.parametrize("chunk_bytes", [1, 1 << 26])
 def test_embedding_fisher_with_repeated_indices_and_padding(
-    padding_idx: int | None, chunk_bytes: int
+    padding_idx: int | None, chunk_bytes: int, device: torch.device
 ) -> None:
     torch.manual_seed(2)
     body = nn.Sequential(nn.Embedding(6, 4, padding_idx=padding_idx), nn.Tanh(), nn.Flatten())
     head = nn.Linear(5 * 4, 3)
-    batches = index_batches(6, 5, (9, 6))  # 5 positions from 6 indices: many repeats
-    assert any(len(set(row.tolist())) < 5 for row in batches[0][0])
-    assert any(0 in row.tolist() for row in batches[0][0])
+    to_device(device, body, head)
+    batches = index_batches(6, 5, (9, 6), device)  # 5 positions from 6 indices: many repeats
+    first = batches[0][0].cpu()
+    assert any(len(set(row.tolist())) < 5 for row in first)
+    assert any(0 in row.tolist() for row in first)
     fisher, metrics = probe_fisher(body, head, batches, chunk_bytes=chunk_bytes)
     if padding_idx is not None:  # the padding row never gets a gradient
         assert fisher["0.weight"][padding_idx].abs().sum() == 0
@@ -223,12 +287,14 @@ def test_embedding_fisher_with_repeated_indices_and_padding(
     sq = body_squared_gradients(body, head, batches)
     n = 15
     for name, value in sq.items():
-        torch.testing.assert_close(fisher[name], value / n, rtol=REL, atol=1e-12)
+        torch.testing.assert_close(fisher[name].cpu(), value.cpu() / n, rtol=REL, atol=1e-12)
     assert metrics["probes/fisher/body/unsupported_params"] == 0
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_layer_norm_over_two_trailing_dims_and_group_norm(reduction: str) -> None:
+def test_layer_norm_over_two_trailing_dims_and_group_norm(
+    reduction: str, device: torch.device
+) -> None:
     torch.manual_seed(3)
     body = nn.Sequential(
         nn.Conv2d(2, 6, 3),
@@ -244,14 +310,15 @@ def test_layer_norm_over_two_trailing_dims_and_group_norm(reduction: str) -> Non
             m.weight.normal_()
             m.bias.normal_()
     head = nn.Linear(96, 3)
-    batches = image_batches((2, 6, 6), (8, 5))
+    to_device(device, body, head)
+    batches = image_batches((2, 6, 6), (8, 5), device=device)
     fisher, metrics = probe_fisher(body, head, batches, reduction=reduction, chunk_bytes=2000)
     assert_matches_reference(body, head, batches, fisher, metrics)
 
 
 @pytest.mark.parametrize("layer_norm", [False, True])
 def test_hidden_layers_with_and_without_a_layer_norm_before_the_activation(
-    layer_norm: bool,
+    layer_norm: bool, device: torch.device
 ) -> None:
     """A HiddenLayer's Linear is read through its activation's output only when nothing
     stands between them: with layer_norm=True, act(norm(linear(x))), its output gradient
@@ -264,7 +331,8 @@ def test_hidden_layers_with_and_without_a_layer_norm_before_the_activation(
                 if ".norm." in name:
                     p.normal_()
     head = nn.Linear(4, 3)
-    batches = image_batches((5,), (9, 4))
+    to_device(device, body, head)
+    batches = image_batches((5,), (9, 4), device=device)
     fisher, metrics = probe_fisher(body, head, batches)
     assert_matches_reference(body, head, batches, fisher, metrics)
 
@@ -309,26 +377,28 @@ RNNS = {
 
 
 @pytest.mark.parametrize("name", list(RNNS))
-def test_recurrent_layers_through_the_generic_route(name: str) -> None:
+def test_recurrent_layers_through_the_generic_route(name: str, device: torch.device) -> None:
     torch.manual_seed(4)
     rnn = RNNS[name]()
     body = Recurrent(rnn)
     with torch.no_grad():
         width = body(torch.zeros(1, 3, 4)).shape[-1]
     head = nn.Linear(width, 3)
-    batches = image_batches((3, 4), (9, 6))
+    to_device(device, body, head)
+    batches = image_batches((3, 4), (9, 6), device=device)
     fisher, metrics = probe_fisher(body, head, batches)
     assert_matches_reference(body, head, batches, fisher, metrics, loop_squared_gradients)
 
 
 @pytest.mark.parametrize(("micro", "reduction", "chunk_bytes"), [(3, "mean", 1), (1, "sum", 1)])
 def test_generic_route_micro_batches_sum_loss_and_chunks(
-    micro: int, reduction: str, chunk_bytes: int
+    micro: int, reduction: str, chunk_bytes: int, device: torch.device
 ) -> None:
     torch.manual_seed(5)
     body = Recurrent(nn.LSTM(4, 5))
     head = nn.Linear(5, 3)
-    batches = image_batches((3, 4), (9, 6))
+    to_device(device, body, head)
+    batches = image_batches((3, 4), (9, 6), device=device)
     fisher, metrics = probe_fisher(
         body, head, batches, micro=micro, reduction=reduction, chunk_bytes=chunk_bytes
     )
@@ -348,13 +418,16 @@ class Attention(nn.Module):
 
 
 @pytest.mark.parametrize("batch_first", [False, True])
-def test_multihead_attention_through_the_generic_route(batch_first: bool) -> None:
+def test_multihead_attention_through_the_generic_route(
+    batch_first: bool, device: torch.device
+) -> None:
     """out_proj is an nn.Linear the attention's forward never calls: it must go through
     the attention's generic unit, not a Linear hook that would never fire."""
     torch.manual_seed(6)
     body = Attention(batch_first)
     head = nn.Linear(4, 3)
-    batches = image_batches((3, 4), (7, 5))
+    to_device(device, body, head)
+    batches = image_batches((3, 4), (7, 5), device=device)
     fisher, metrics = probe_fisher(body, head, batches)
     assert "attn.out_proj.weight" in fisher
     assert_matches_reference(body, head, batches, fisher, metrics)
@@ -374,11 +447,14 @@ class Scaled(nn.Module):
         return torch.tanh(self.linear(x) * self.gain + self.offset)
 
 
-def test_generic_off_lists_uncovered_parameters_by_name(caplog: pytest.LogCaptureFixture) -> None:
+def test_generic_off_lists_uncovered_parameters_by_name(
+    caplog: pytest.LogCaptureFixture, device: torch.device
+) -> None:
     torch.manual_seed(7)
     body = nn.Sequential(Recurrent(nn.GRU(4, 5)), nn.Linear(5, 4))
     head = nn.Linear(4, 3)
-    batches = image_batches((3, 4), (6,))
+    to_device(device, body, head)
+    batches = image_batches((3, 4), (6,), device=device)
     with caplog.at_level(logging.WARNING, logger="policy_probes"):
         fisher, metrics = probe_fisher(body, head, batches, generic="off")
     gru = body[0].rnn
@@ -397,11 +473,12 @@ def test_generic_off_lists_uncovered_parameters_by_name(caplog: pytest.LogCaptur
     assert_matches_reference(body, head, batches, fisher, metrics, loop_squared_gradients)
 
 
-def test_user_layer_with_own_parameter_goes_generic_as_a_whole() -> None:
+def test_user_layer_with_own_parameter_goes_generic_as_a_whole(device: torch.device) -> None:
     torch.manual_seed(8)
     body = nn.Sequential(Scaled(), nn.Linear(6, 4))
     head = nn.Linear(4, 3)
-    batches = image_batches((5,), (7, 4))
+    to_device(device, body, head)
+    batches = image_batches((5,), (7, 4), device=device)
     fisher, metrics = probe_fisher(body, head, batches, micro=2)
     assert set(fisher) == {"0.gain", "0.linear.weight", "0.linear.bias", "1.weight", "1.bias"}
     assert_matches_reference(body, head, batches, fisher, metrics)
@@ -419,12 +496,13 @@ class Packed(nn.Module):
 
 
 def test_a_module_the_generic_route_cannot_split_is_reported_and_listed(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, device: torch.device
 ) -> None:
     torch.manual_seed(9)
     body = nn.Sequential(Packed(), nn.Linear(5, 4))
     head = nn.Linear(4, 3)
-    batches = image_batches((3, 4), (6, 5))
+    to_device(device, body, head)
+    batches = image_batches((3, 4), (6, 5), device=device)
     with caplog.at_level(logging.WARNING, logger="policy_probes"):
         fisher, metrics = probe_fisher(body, head, batches)
     assert "PackedSequence" in caplog.text and "pass padded tensors instead" in caplog.text
@@ -442,7 +520,7 @@ def test_builder_rejects_bad_generic_and_chunk_settings() -> None:
         attach_fisher_information_hooks(chunk_bytes=0)
 
 
-def test_sb3_nature_cnn_is_covered_entirely() -> None:
+def test_sb3_nature_cnn_is_covered_entirely(device: torch.device) -> None:
     """The issue's encoder: SB3's NatureCNN (CnnPolicy) had every conv parameter left
     out; now every parameter is in the Fisher, exactly."""
     from gymnasium import spaces
@@ -453,6 +531,8 @@ def test_sb3_nature_cnn_is_covered_entirely() -> None:
     body = NatureCNN(space, features_dim=8, normalized_image=True)
     head = nn.Linear(8, 3)
     batches = [(torch.rand(n, 2, 36, 36), torch.randint(0, 3, (n,))) for n in (6, 4)]
+    to_device(device, body, head)
+    batches = on(batches, device)
     fisher, metrics = probe_fisher(body, head, batches, chunk_bytes=1 << 16)
     assert_matches_reference(body, head, batches, fisher, metrics)
     conv = sum(v.sum().item() for k, v in fisher.items() if k.startswith("cnn."))
@@ -460,7 +540,7 @@ def test_sb3_nature_cnn_is_covered_entirely() -> None:
 
 
 @pytest.mark.parametrize("layer", ["conv", "lstm"])
-def test_a_sample_with_a_non_finite_input_is_dropped(layer: str) -> None:
+def test_a_sample_with_a_non_finite_input_is_dropped(layer: str, device: torch.device) -> None:
     torch.manual_seed(11)
     if layer == "conv":
         body, head = conv_model(nn.Conv2d(2, 3, 3, padding=1), (2, 5, 5))
@@ -468,14 +548,16 @@ def test_a_sample_with_a_non_finite_input_is_dropped(layer: str) -> None:
     else:
         body, head = Recurrent(nn.LSTM(4, 5, batch_first=True)), nn.Linear(5, 3)
         x, a = image_batches((3, 4), (7,))[0]
-    bad = x.clone()
+    bad = x.clone()  # x, a on the CPU: poisoned and indexed here, then moved
     bad[2].view(-1)[1] = float("nan")
+    to_device(device, body, head)
     # sum: sample 2 only poisons itself (its own loss and gradient)
-    fisher, metrics = probe_fisher(body, head, [(bad, a)], reduction="sum")
+    fisher, metrics = probe_fisher(body, head, on([(bad, a)], device), reduction="sum")
     keep = torch.arange(7) != 2
-    sq = loop_squared_gradients(body, head, [(x[keep], a[keep])])
+    sq = loop_squared_gradients(body, head, on([(x[keep], a[keep])], device))
     for name, value in sq.items():
-        torch.testing.assert_close(fisher[name], value / 6, rtol=REL, atol=1e-12)
+        rtol = float32_rtol(body, REL)
+        torch.testing.assert_close(fisher[name].cpu(), value.cpu() / 6, rtol=rtol, atol=1e-12)
 
 
 class LSTMNet(nn.Module):
@@ -499,19 +581,19 @@ class LSTMOutput(nn.Module):
         return self.lstm(x)[0]
 
 
-def test_component_that_is_itself_an_lstm() -> None:
+def test_component_that_is_itself_an_lstm(device: torch.device) -> None:
     """The layout of a recurrent policy's ``lstm_actor`` component: the probed module
     is the generic unit itself, its tuple output read through ``extractor``. The loss is
     a mean over sequences taken after the component (the head pools over time), which
     the probe cannot see from the component's (B, T, H) output: the loop states it with
     ``loss_samples`` (without it the factor is the B x T rows of that output)."""
     torch.manual_seed(12)
-    net = LSTMNet()
+    net = LSTMNet().to(device)
     model = PolicyAutoBuilder.wrap(net, {"lstm": "lstm"})
     ctx = ComponentContext()
     builder = attach_fisher_information_hooks(extractor=lambda out: out[0])
     model.attach("lstm", builder, ctx, backward=True)
-    batches = image_batches((3, 4), (6, 5))
+    batches = image_batches((3, 4), (6, 5), device=device)
     for x, a in batches:
         ctx.loss_samples = x.shape[0]
         per_sample_loss(model(x), a).mean().backward()
@@ -523,24 +605,28 @@ def test_component_that_is_itself_an_lstm() -> None:
     assert set(fisher) == {k.removeprefix("lstm.") for k in sq}
     for name, value in sq.items():
         torch.testing.assert_close(
-            fisher[name.removeprefix("lstm.")], value / 11, rtol=REL, atol=1e-12
+            fisher[name.removeprefix("lstm.")].cpu(),
+            value.cpu() / 11,
+            rtol=float32_rtol(net, REL),
+            atol=1e-12,
         )
 
 
-def test_param_every_counts_backwards_on_the_generic_route() -> None:
+def test_param_every_counts_backwards_on_the_generic_route(device: torch.device) -> None:
     """A cell stepped over time makes several passes per backward; param_every=2 keeps
     every other backward with all of its steps (the per-sample sum over steps)."""
     torch.manual_seed(13)
     body, head = Recurrent(nn.GRUCell(4, 5)), nn.Linear(5, 3)
-    batches = image_batches((3, 4), (6, 5, 7, 4))
+    to_device(device, body, head)
+    batches = image_batches((3, 4), (6, 5, 7, 4), device=device)
     fisher, _ = probe_fisher(body, head, batches, param_every=2)
     sq = loop_squared_gradients(body, head, batches[::2])
     for name, value in sq.items():
-        torch.testing.assert_close(fisher[name], value / 13, rtol=REL, atol=1e-12)
+        torch.testing.assert_close(fisher[name].cpu(), value.cpu() / 13, rtol=REL, atol=1e-12)
 
 
 def test_dropout_and_batch_norm_are_listed_with_the_reason(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, device: torch.device
 ) -> None:
     """No exact per-sample gradient: a re-run draws new dropout masks, and batch norm
     mixes the batch into every sample's gradient. Both are listed, the rest is exact."""
@@ -548,7 +634,8 @@ def test_dropout_and_batch_norm_are_listed_with_the_reason(
     rnn = Recurrent(nn.LSTM(4, 5, num_layers=2, dropout=0.3, batch_first=True))
     body = nn.Sequential(rnn, nn.BatchNorm1d(5), nn.Linear(5, 4))
     head = nn.Linear(4, 3)
-    batches = image_batches((3, 4), (6, 5))
+    to_device(device, body, head)
+    batches = image_batches((3, 4), (6, 5), device=device)
     with caplog.at_level(logging.WARNING, logger="policy_probes"):
         fisher, metrics = probe_fisher(body, head, batches)
     assert "applies dropout in training mode" in caplog.text
@@ -653,9 +740,11 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_more_layouts(name: str) -> None:
+def test_more_layouts(name: str, device: torch.device) -> None:
     torch.manual_seed(15)
-    body, head, batches, reference = LAYOUTS[name]()
+    body, head, batches, reference = LAYOUTS[name]()  # built on the CPU, then moved
+    to_device(device, body, head)
+    batches = on(batches, device)
     fisher, metrics = probe_fisher(body, head, batches)
     assert_matches_reference(body, head, batches, fisher, metrics, reference)
 
@@ -674,10 +763,11 @@ class TwoCalls(nn.Module):
         return torch.cat([first, second], 1).mean(1)
 
 
-def test_an_rnn_called_twice_per_forward_sums_each_samples_gradient() -> None:
+def test_an_rnn_called_twice_per_forward_sums_each_samples_gradient(device: torch.device) -> None:
     torch.manual_seed(16)
     body, head = TwoCalls(), nn.Linear(5, 3)
-    batches = image_batches((5, 4), (7, 6))
+    to_device(device, body, head)
+    batches = image_batches((5, 4), (7, 6), device=device)
     fisher, metrics = probe_fisher(body, head, batches, micro=2)
     assert_matches_reference(body, head, batches, fisher, metrics, loop_squared_gradients)
 
@@ -696,9 +786,10 @@ class InPlaceAfter(nn.Module):
         return h.mul_(2.0)
 
 
-def test_in_place_ops_on_a_generic_units_output_keep_it_covered() -> None:
+def test_in_place_ops_on_a_generic_units_output_keep_it_covered(device: torch.device) -> None:
     torch.manual_seed(17)
     body, head = InPlaceAfter(), nn.Linear(5, 3)
-    batches = image_batches((2, 4), (6, 5))
+    to_device(device, body, head)
+    batches = image_batches((2, 4), (6, 5), device=device)
     fisher, metrics = probe_fisher(body, head, batches)
     assert_matches_reference(body, head, batches, fisher, metrics, loop_squared_gradients)

@@ -38,17 +38,23 @@ def b_simple(grads: list[torch.Tensor]) -> tuple[float, float, float]:
 
 
 @pytest.mark.parametrize("masked", [False, True])
-def test_noise_scale_matches_per_sample_gradients(masked: bool) -> None:
+def test_noise_scale_matches_per_sample_gradients(masked: bool, device: torch.device) -> None:
     torch.manual_seed(3)
-    policy = TinyPolicy()
+    policy = TinyPolicy().to(device)
     ctx = ComponentContext()
     policy.attach("actor_mlp", attach_fisher_information_hooks(), ctx, backward=True)
     gen = torch.Generator().manual_seed(5)
-    data = [
-        (torch.randn(n, 5, generator=gen), torch.randint(0, 3, (n,), generator=gen))
+    data = [  # drawn on the CPU (the same numbers on every device), then moved
+        (
+            torch.randn(n, 5, generator=gen).to(device),
+            torch.randint(0, 3, (n,), generator=gen).to(device),
+        )
         for n in (10, 6)
     ]
-    masks = [torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0]), torch.ones(6)]
+    masks = [
+        torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0]).to(device),
+        torch.ones(6).to(device),
+    ]
     for (x, a), m in zip(data, masks, strict=True):
         if masked:
             ctx.row_mask = m

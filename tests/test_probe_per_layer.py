@@ -24,12 +24,19 @@ from policy_probes.probes.per_layer import activation_layers
 REL = 1e-6
 
 
-def data(sizes: tuple[int, ...] = (9, 4, 13), features: int = 5, seed: int = 1) -> list:
+def data(
+    sizes: tuple[int, ...] = (9, 4, 13),
+    features: int = 5,
+    seed: int = 1,
+    device: torch.device | str = "cpu",
+) -> list:
+    """Minibatches drawn on the CPU (the same values on every device), moved to ``device``."""
     g = torch.Generator().manual_seed(seed)
-    return [
+    batches = [
         (torch.randn(n, features, generator=g), torch.randint(0, 3, (n,), generator=g))
         for n in sizes
     ]
+    return [(x.to(device), a.to(device)) for x, a in batches]
 
 
 def train(policy: nn.Module, ctx: ComponentContext, batches: list) -> dict:
@@ -72,7 +79,7 @@ def ema_rms(grads: list[np.ndarray], beta: float = 0.95) -> list[float]:
 
 
 def units(t: torch.Tensor) -> np.ndarray:
-    return t.detach().double().numpy().T
+    return t.detach().cpu().double().numpy().T
 
 
 def check(got: dict, prefix: str, ref: dict) -> None:
@@ -80,16 +87,19 @@ def check(got: dict, prefix: str, ref: dict) -> None:
         assert got[prefix + key] == pytest.approx(value, rel=REL), prefix + key
 
 
-def test_every_hidden_layer_of_an_mlp_is_reported_against_its_own_output() -> None:
+def test_every_hidden_layer_of_an_mlp_is_reported_against_its_own_output(
+    device: torch.device,
+) -> None:
     torch.manual_seed(0)
     policy = TinyPolicy()
     with torch.no_grad():  # a dead unit in layer 0 only
         policy.actor_mlp.layer_0.linear.bias[2] = -100.0
+    policy.to(device)
     ctx = ComponentContext()
     policy.attach("actor_mlp", attach_relu_activation_hooks(), ctx)
     policy.attach("actor_mlp", attach_gradient_flow_hooks(), ctx, backward=True)
     policy.attach("actor_mlp", attach_relu_gradient_flow_hooks(), ctx, backward=True)
-    batches = data()
+    batches = data(device=device)
     got = train(policy, ctx, batches)
     fwd = {"h0": [], "h1": []}
     grads: dict[str, list[np.ndarray]] = {"h0": [], "h1": [], "z0": [], "z1": []}
@@ -126,15 +136,15 @@ def test_every_hidden_layer_of_an_mlp_is_reported_against_its_own_output() -> No
     }
 
 
-def test_per_layer_false_reproduces_the_component_keys_and_values() -> None:
+def test_per_layer_false_reproduces_the_component_keys_and_values(device: torch.device) -> None:
     def run(per_layer: bool) -> dict:
         torch.manual_seed(0)
-        policy = TinyPolicy()
+        policy = TinyPolicy().to(device)
         ctx = ComponentContext()
         policy.attach("actor_mlp", attach_relu_activation_hooks(per_layer=per_layer), ctx)
         for make in (attach_gradient_flow_hooks, attach_relu_gradient_flow_hooks):
             policy.attach("actor_mlp", make(per_layer=per_layer), ctx, backward=True)
-        return train(policy, ctx, data())
+        return train(policy, ctx, data(device=device))
 
     old, new = run(False), run(True)
     component_keys = {
@@ -178,12 +188,12 @@ def test_per_layer_false_reproduces_the_component_keys_and_values() -> None:
     )
 
 
-def test_saturation_reads_only_layers_of_its_activation() -> None:
+def test_saturation_reads_only_layers_of_its_activation(device: torch.device) -> None:
     torch.manual_seed(0)
-    tanh_policy = TinyPolicy(activation="tanh")
+    tanh_policy = TinyPolicy(activation="tanh").to(device)
     ctx = ComponentContext()
     tanh_policy.attach("actor_mlp", attach_saturated_activation_hooks("tanh", threshold=0.6), ctx)
-    batches = data()
+    batches = data(device=device)
     got = train(tanh_policy, ctx, batches)
     with torch.no_grad():
         outs = [mlp_layers(tanh_policy, x) for x, _ in batches]
@@ -200,19 +210,20 @@ def test_saturation_reads_only_layers_of_its_activation() -> None:
                 "samples": v.shape[1],
             },
         )
-    relu_policy = TinyPolicy()
+    relu_policy = TinyPolicy().to(device)
     ctx = ComponentContext()
     relu_policy.attach("actor_mlp", attach_saturated_activation_hooks("tanh"), ctx)
     got = train(relu_policy, ctx, batches)
     assert {k.split("/")[2] for k in got} == {"actor_mlp"}  # no tanh layer inside
 
 
-def test_a_plain_sequential_conv_encoder_reports_each_activation() -> None:
+def test_a_plain_sequential_conv_encoder_reports_each_activation(device: torch.device) -> None:
     torch.manual_seed(2)
     encoder = nn.Sequential(
         nn.Conv2d(2, 4, 3), nn.ReLU(), nn.Conv2d(4, 3, 3), nn.ReLU(), nn.Flatten()
     )
     model = nn.Sequential(encoder, nn.Linear(3 * 2 * 2, 6), nn.ReLU(), nn.Linear(6, 3))
+    model.to(device)
     policy = PolicyAutoBuilder.wrap(model, {"features": "0", "trunk": model})
     ctx = ComponentContext()
     policy.attach("features", attach_relu_activation_hooks(), ctx)
@@ -222,6 +233,7 @@ def test_a_plain_sequential_conv_encoder_reports_each_activation() -> None:
         (torch.randn(n, 2, 6, 6, generator=g), torch.randint(0, 3, (n,), generator=g))
         for n in (5, 3)
     ]
+    batches = [(x.to(device), a.to(device)) for x, a in batches]
     got = train(policy, ctx, batches)
     with torch.no_grad():
         z0 = torch.cat([encoder[0](x) for x, _ in batches])
@@ -230,7 +242,7 @@ def test_a_plain_sequential_conv_encoder_reports_each_activation() -> None:
         h2 = torch.relu(model[1](h1.flatten(1)))
 
     def channels(t: torch.Tensor) -> np.ndarray:
-        return np.stack([t[:, c].double().numpy().ravel() for c in range(t.shape[1])])
+        return np.stack([t[:, c].cpu().double().numpy().ravel() for c in range(t.shape[1])])
 
     rows = 8
     for name, h in (("features.1", h0), ("features.3", h1), ("trunk.0.1", h0), ("trunk.0.3", h1)):
@@ -241,10 +253,10 @@ def test_a_plain_sequential_conv_encoder_reports_each_activation() -> None:
     check(got, "probes/relu/features/", relu_reference(units(h1.flatten(1))))  # Flatten: dense
 
 
-def test_a_layer_probed_on_its_own_keeps_its_registration() -> None:
+def test_a_layer_probed_on_its_own_keeps_its_registration(device: torch.device) -> None:
     torch.manual_seed(0)
     for first in ("component", "layer"):
-        policy = TinyPolicy()
+        policy = TinyPolicy().to(device)
         ctx = ComponentContext()
         steps = [
             ("actor_mlp", attach_relu_activation_hooks()),
@@ -255,19 +267,19 @@ def test_a_layer_probed_on_its_own_keeps_its_registration() -> None:
         tracker = ctx.model_metrics["relu"]
         assert tracker.settings["actor_mlp.layer_0"]["tau"] == 0.9
         assert tracker.settings["actor_mlp.layer_1"]["tau"] == 0.025
-        batches = data()
+        batches = data(device=device)
         got = train(policy, ctx, batches)
         with torch.no_grad():
             h0 = np.concatenate([units(mlp_layers(policy, x)["h0"]) for x, _ in batches], axis=1)
         check(got, "probes/relu/actor_mlp.layer_0/", relu_reference(h0, tau=0.9))  # counted once
 
 
-def test_the_component_and_its_last_layer_share_one_materialisation() -> None:
+def test_the_component_and_its_last_layer_share_one_materialisation(device: torch.device) -> None:
     torch.manual_seed(0)
-    policy = TinyPolicy()
+    policy = TinyPolicy().to(device)
     ctx = ComponentContext()
     policy.attach("actor_mlp", attach_relu_activation_hooks(), ctx)
-    train(policy, ctx, data((6,)))  # collect() drained the window
+    train(policy, ctx, data((6,), device=device))  # collect() drained the window
     tracker = ctx.model_metrics["relu"]
     stored = {name for (name, _), buf in tracker.buffers.items() if buf.storage}
     # three buffers, two tensors: the component's output is layer_1's, materialised once
@@ -294,27 +306,34 @@ class SharedReLUBody(nn.Module):
         return self.act(self.l1(self.act(self.l0(x))))
 
 
-def test_an_activation_module_run_twice_per_forward_is_refused_not_mixed() -> None:
+def test_an_activation_module_run_twice_per_forward_is_refused_not_mixed(
+    device: torch.device,
+) -> None:
     torch.manual_seed(0)
-    policy = PolicyAutoBuilder.wrap(nn.Sequential(SharedReLUBody(), nn.Linear(4, 3)), {"body": "0"})
+    model = nn.Sequential(SharedReLUBody(), nn.Linear(4, 3)).to(device)
+    policy = PolicyAutoBuilder.wrap(model, {"body": "0"})
     ctx = ComponentContext()
     policy.attach("body", attach_relu_activation_hooks(), ctx)
-    got = train(policy, ctx, data())
+    got = train(policy, ctx, data(device=device))
     assert "runs more than once" in ctx.probe_errors["relu/body.act"]
     assert got["probes/errors/relu/body.act"] == 1.0
     assert not [k for k in got if k.startswith("probes/relu/body.act/")]  # nothing mixed
     assert got["probes/relu/body/samples"] == 9 + 4 + 13  # the component itself goes on
 
 
-def test_layer_module_called_outside_the_component_is_not_read(tiny_policy: TinyPolicy) -> None:
+def test_layer_module_called_outside_the_component_is_not_read(
+    tiny_policy: TinyPolicy, device: torch.device
+) -> None:
     """A layer's own call outside the component's forward (a reference computation, a
     second network sharing the module) is neither recorded nor taken for reuse."""
+    tiny_policy.to(device)
     ctx = ComponentContext(strict=True)
     tiny_policy.attach("actor_mlp", attach_relu_activation_hooks(), ctx)
-    batches = data()
+    batches = data(device=device)
     for x, a in batches:
         F.cross_entropy(tiny_policy(x), a).backward()
-        tiny_policy.actor_mlp.layer_0(torch.randn(50, 5))  # outside actor_mlp's forward
+        outside = torch.randn(50, 5).to(device)
+        tiny_policy.actor_mlp.layer_0(outside)  # outside actor_mlp's forward
     got = StatsReporter(ctx).collect()
     with torch.no_grad():
         h0 = torch.cat([mlp_layers(tiny_policy, x)["h0"] for x, _ in batches])
@@ -322,17 +341,17 @@ def test_layer_module_called_outside_the_component_is_not_read(tiny_policy: Tiny
     assert not ctx.probe_errors
 
 
-def test_conv_layer_blocks_are_one_layer_each_read_per_channel() -> None:
+def test_conv_layer_blocks_are_one_layer_each_read_per_channel(device: torch.device) -> None:
     """A ConvLayer (``act(conv(x))``, the conv counterpart of HiddenLayer) is one layer,
     reported under its own name like a HiddenLayer, never again as ``<block>.act``."""
     from policy_probes.layers import ConvLayer
 
     torch.manual_seed(3)
-    enc = nn.Sequential(ConvLayer(2, 4, 3, 1, "relu"), ConvLayer(4, 5, 2, 2, "relu"))
+    enc = nn.Sequential(ConvLayer(2, 4, 3, 1, "relu"), ConvLayer(4, 5, 2, 2, "relu")).to(device)
     policy = PolicyAutoBuilder.wrap(nn.Sequential(enc, nn.Flatten()), {"enc": "0"})
     ctx = ComponentContext(strict=True)
     policy.attach("enc", attach_relu_activation_hooks(), ctx)
-    xs = [torch.randn(n, 2, 9, 9) for n in (3, 5)]
+    xs = [torch.randn(n, 2, 9, 9).to(device) for n in (3, 5)]
     outs: dict[str, list[torch.Tensor]] = {"0": [], "1": []}
     for x in xs:
         h0 = enc[0](x)  # a reference pass outside the component is not recorded
@@ -343,7 +362,7 @@ def test_conv_layer_blocks_are_one_layer_each_read_per_channel() -> None:
     assert not any(k.startswith("probes/relu/enc.0.act/") for k in got)
     for name, hs in outs.items():
         h = torch.cat(hs)  # (B, C, H, W) -> channels x (sample, position) elements
-        per_channel = h.movedim(1, 0).reshape(h.shape[1], -1).double().numpy()
+        per_channel = h.movedim(1, 0).reshape(h.shape[1], -1).cpu().double().numpy()
         ref = relu_reference(per_channel)
         ref["samples"] = h.shape[0]
         check(got, f"probes/relu/enc.{name}/", ref)

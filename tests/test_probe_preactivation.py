@@ -22,6 +22,7 @@ def pre_activations(policy: TinyPolicy, x: torch.Tensor) -> dict[str, torch.Tens
 
 
 def unit_moments(z: torch.Tensor) -> list[tuple[float, float]]:
+    z = z.cpu()  # element by element on a host copy
     out = []
     for u in range(z.shape[1]):
         col = [float(v) for v in z[:, u]]
@@ -30,9 +31,11 @@ def unit_moments(z: torch.Tensor) -> list[tuple[float, float]]:
     return out
 
 
-def test_layer_moments_drift_and_feature_norm_over_four_reports_with_a_mask() -> None:
+def test_layer_moments_drift_and_feature_norm_over_four_reports_with_a_mask(
+    device: torch.device,
+) -> None:
     torch.manual_seed(0)
-    policy = TinyPolicy()
+    policy = TinyPolicy().to(device)
     ctx = ComponentContext()
     policy.attach("actor_mlp", attach_preactivation_hooks(reference_epochs=2), ctx)
     gen = torch.Generator().manual_seed(1)
@@ -42,8 +45,8 @@ def test_layer_moments_drift_and_feature_norm_over_four_reports_with_a_mask() ->
         shift = 0.0 if epoch < 2 else 1.5 * epoch  # the input distribution moves later
         kept = []
         for n in (9, 6):
-            x = torch.randn(n, 5, generator=gen) + shift
-            mask = (torch.arange(n) % 3 != 0).double()  # every third row left out
+            x = (torch.randn(n, 5, generator=gen) + shift).to(device)
+            mask = (torch.arange(n) % 3 != 0).double().to(device)  # every third row left out
             ctx.row_mask = mask
             policy(x)
             kept.append(x[mask.bool()])
@@ -70,7 +73,7 @@ def test_layer_moments_drift_and_feature_norm_over_four_reports_with_a_mask() ->
             assert got[key + "std_ratio"] == pytest.approx(ratio, rel=1e-5)
         with torch.no_grad():
             y = policy.actor_mlp(x).double()
-        norms = [math.sqrt(sum(float(v) ** 2 for v in row)) for row in y]
+        norms = [math.sqrt(sum(float(v) ** 2 for v in row)) for row in y.cpu()]
         assert got["probes/preactivation/actor_mlp/feature_norm"] == pytest.approx(
             sum(norms) / len(norms), rel=1e-6
         )
@@ -79,12 +82,12 @@ def test_layer_moments_drift_and_feature_norm_over_four_reports_with_a_mask() ->
     assert got_by_epoch[0]["probes/preactivation/actor_mlp.layer_0.linear/mean_drift"] == 0.0
 
 
-def test_reference_survives_a_checkpoint() -> None:
+def test_reference_survives_a_checkpoint(device: torch.device) -> None:
     torch.manual_seed(2)
-    policy = TinyPolicy()
+    policy = TinyPolicy().to(device)
     ctx = ComponentContext()
     policy.attach("actor_mlp", attach_preactivation_hooks(reference_epochs=1), ctx)
-    x0 = torch.randn(8, 5)
+    x0 = torch.randn(8, 5).to(device)
     policy(x0)
     StatsReporter(ctx).collect()
     saved = ctx.model_metrics["preactivation"].state_dict()
@@ -92,7 +95,7 @@ def test_reference_survives_a_checkpoint() -> None:
     ctx2 = ComponentContext()
     policy.attach("actor_mlp", attach_preactivation_hooks(reference_epochs=1), ctx2)
     ctx2.model_metrics["preactivation"].load_state_dict(saved)
-    x1 = torch.randn(8, 5) + 2.0
+    x1 = (torch.randn(8, 5) + 2.0).to(device)
     policy(x1)
     got = StatsReporter(ctx2).collect()
     m = unit_moments(pre_activations(policy, x1)["actor_mlp.layer_0.linear"])

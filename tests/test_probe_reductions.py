@@ -19,12 +19,19 @@ from policy_probes.probes import (
 torch.set_num_threads(1)
 
 
-def messy(rows: int, cols: int, seed: int, dtype=torch.float32) -> torch.Tensor:
+def messy(
+    rows: int,
+    cols: int,
+    seed: int,
+    dtype=torch.float32,
+    device: torch.device = torch.device("cpu"),
+) -> torch.Tensor:
+    """Drawn and edited on the CPU (the same numbers on every device), then moved."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, cols, generator=g, dtype=torch.float64)
     x[x.abs() < 0.3] = 0.0
     x[0, 0], x[1, 1], x[2, 0], x[3, 2] = float("nan"), float("inf"), float("-inf"), 0.97
-    return x.to(dtype)
+    return x.to(dtype).to(device)
 
 
 def flushed(tracker, push) -> dict[str, torch.Tensor]:
@@ -35,22 +42,22 @@ def flushed(tracker, push) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_relu_counts(dtype):
-    x = messy(40, 5, 0, dtype)
+def test_relu_counts(dtype, device: torch.device):
+    x = messy(40, 5, 0, dtype, device)
     st = flushed(ReLUActivationState(), lambda t: (t.update("c", x[:25]), t.update("c", x[25:])))
     h = x.double()
     finite = torch.isfinite(h)
     clean = torch.where(finite, h, 0.0)
-    assert st["count"].tolist() == finite.sum(0).tolist()
-    assert st["active"].tolist() == (clean > 0).sum(0).tolist()
+    assert st["count"].cpu().tolist() == finite.sum(0).cpu().tolist()
+    assert st["active"].cpu().tolist() == (clean > 0).sum(0).cpu().tolist()
     assert st["nonpos"].item() == ((clean <= 0) & finite).sum().item()
     assert st["nonfinite"].item() == 3
     torch.testing.assert_close(st["abs_sum"], clean.abs().sum(0), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("activation", ["tanh", "sigmoid"])
-def test_saturation_counts(activation):
-    x = messy(30, 4, 1)
+def test_saturation_counts(activation, device: torch.device):
+    x = messy(30, 4, 1, device=device)
     if activation == "sigmoid":
         x = torch.where(torch.isfinite(x), torch.sigmoid(3 * x), x)
         x[4, 1], x[5, 3] = 0.02, 0.99
@@ -61,15 +68,15 @@ def test_saturation_counts(activation):
     finite = torch.isfinite(h)
     clean = torch.where(finite, h, 0.0)
     sat, deriv = saturation_reference(clean, activation, 0.95)
-    assert st["count"].tolist() == finite.sum(0).tolist()
-    assert st["saturated"].tolist() == (sat & finite).sum(0).tolist()
+    assert st["count"].cpu().tolist() == finite.sum(0).cpu().tolist()
+    assert st["saturated"].cpu().tolist() == (sat & finite).sum(0).cpu().tolist()
     assert st["nonfinite"].item() == 3
     expected = torch.where(finite, deriv, 0.0).sum()
     assert st["derivative_sum"].item() == pytest.approx(expected.item(), rel=1e-6)
 
 
-def test_fisher_rows_with_nonfinite_entries_are_dropped():
-    x, g = messy(24, 3, 2), messy(24, 5, 3)
+def test_fisher_rows_with_nonfinite_entries_are_dropped(device: torch.device):
+    x, g = messy(24, 3, 2, device=device), messy(24, 5, 3, device=device)
     x[7, 2] = float("nan")  # a bad input drops sample 7 as well
     st = flushed(
         FisherInformationState(),
@@ -87,40 +94,40 @@ def test_fisher_rows_with_nonfinite_entries_are_dropped():
     finite = torch.isfinite(g)
     gc = torch.where(finite, g.double() * f, 0.0)
     torch.testing.assert_close(st["unit_sq"], (gc**2).sum(0), rtol=1e-5, atol=1e-9)
-    assert st["unit_count"].tolist() == finite.sum(0).tolist()
+    assert st["unit_count"].cpu().tolist() == finite.sum(0).cpu().tolist()
 
 
-def test_gradient_flow_passes_and_counts():
-    g = messy(36, 4, 4)
+def test_gradient_flow_passes_and_counts(device: torch.device):
+    g = messy(36, 4, 4, device=device)
     st = flushed(
         GradientFlowState(), lambda t: [t.update("c", part) for part in g.split([12, 12, 12])]
     )
-    beta, ema = 0.95, torch.zeros(4, dtype=torch.float64)
+    beta, ema = 0.95, torch.zeros(4, dtype=torch.float64, device=device)
     for part in g.double().split([12, 12, 12]):
         finite = torch.isfinite(part)
         clean = torch.where(finite, part, 0.0)
         rms = ((clean**2).sum(0) / finite.sum(0).clamp(min=1)).sqrt()
         ema = beta * ema + (1 - beta) * rms
     torch.testing.assert_close(st["ema"], ema, rtol=1e-6, atol=1e-12)
-    assert st["count"].tolist() == torch.isfinite(g).sum(0).tolist()
+    assert st["count"].cpu().tolist() == torch.isfinite(g).sum(0).cpu().tolist()
     assert st["passes"].item() == 3.0
 
 
-def test_relu_gradient_flow_passed():
-    g, out = messy(20, 6, 5), messy(20, 6, 6).clamp(min=0)
+def test_relu_gradient_flow_passed(device: torch.device):
+    g, out = messy(20, 6, 5, device=device), messy(20, 6, 6, device=device).clamp(min=0)
     out[9, 4] = float("nan")
     out[3, 2] = float("inf")  # g[3, 2] is finite: a non-finite output does not pass
     st = flushed(ReLUGradientFlowState(), lambda t: t.update("c", "l", g, out))
     finite = torch.isfinite(g)
     passed = (g != 0) & (torch.where(torch.isfinite(out), out, 0.0) > 0) & finite
-    assert st["count:l"].tolist() == finite.sum(0).tolist()
-    assert st["passed:l"].tolist() == passed.sum(0).tolist()
+    assert st["count:l"].cpu().tolist() == finite.sum(0).cpu().tolist()
+    assert st["passed:l"].cpu().tolist() == passed.sum(0).cpu().tolist()
 
 
-def test_oversized_push_is_reduced_without_touching_the_input():
+def test_oversized_push_is_reduced_without_touching_the_input(device: torch.device):
     tracker = ReLUActivationState()
     tracker.buffer_rows = 8
-    x = messy(30, 3, 7)
+    x = messy(30, 3, 7, device=device)
     before = x.clone()
     st = flushed(tracker, lambda t: t.update("c", x))
     assert torch.equal(x.nan_to_num(9.0, 9.0, 9.0), before.nan_to_num(9.0, 9.0, 9.0))

@@ -13,6 +13,7 @@ from policy_probes.probes.utility import attach_utility_hooks
 
 
 def contributions(h: torch.Tensor, w_next: torch.Tensor) -> list[float]:
+    h, w_next = h.cpu(), w_next.cpu()  # element by element on host copies
     out = []
     for i in range(h.shape[1]):
         mean_abs = sum(abs(float(v)) for v in h[:, i]) / h.shape[0]
@@ -27,23 +28,23 @@ def hidden(policy: TinyPolicy, x: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
         return h0, policy.actor_mlp.layer_1(h0)
 
 
-def test_running_utility_per_layer_over_two_reports_with_a_mask() -> None:
+def test_running_utility_per_layer_over_two_reports_with_a_mask(device: torch.device) -> None:
     torch.manual_seed(0)
-    policy = TinyPolicy(hidden=(7, 6))
+    policy = TinyPolicy(hidden=(7, 6)).to(device)
     with torch.no_grad():  # unit 2 of layer 0 passes nothing on: no outgoing weight
         policy.actor_mlp.layer_1.linear.weight[:, 2] = 0.0
     ctx = ComponentContext()
     decay = 0.8
     policy.attach("actor_mlp", attach_utility_hooks(outgoing="actor_head", decay=decay), ctx)
-    x1 = torch.randn(10, 5)
+    x1 = torch.randn(10, 5).to(device)
     policy(x1)
     got1 = StatsReporter(ctx).collect()
     w1 = policy.actor_mlp.layer_1.linear.weight.detach().clone()
     head1 = policy.actor_head.weight.detach().clone()
     with torch.no_grad():  # the weights change between the reports
         policy.actor_head.weight.mul_(3.0)
-    x2 = torch.randn(8, 5)
-    mask = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0])
+    x2 = torch.randn(8, 5).to(device)
+    mask = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0]).to(device)
     ctx.row_mask = mask
     policy(x2)
     ctx.row_mask = None
@@ -65,11 +66,13 @@ def test_running_utility_per_layer_over_two_reports_with_a_mask() -> None:
     assert got1["probes/utility/actor_mlp.layer_0/low_utility_fraction"] >= 1 / 7
 
 
-def test_without_outgoing_the_last_layer_is_not_scored_and_bad_settings_fail() -> None:
-    policy = TinyPolicy()
+def test_without_outgoing_the_last_layer_is_not_scored_and_bad_settings_fail(
+    device: torch.device,
+) -> None:
+    policy = TinyPolicy().to(device)
     ctx = ComponentContext()
     policy.attach("actor_mlp", attach_utility_hooks(), ctx)
-    policy(torch.randn(4, 5))
+    policy(torch.randn(4, 5).to(device))
     got = StatsReporter(ctx).collect()
     assert "probes/utility/actor_mlp.layer_0/utility_mean" in got
     assert not any(k.startswith("probes/utility/actor_mlp.layer_1/") for k in got)
@@ -77,13 +80,15 @@ def test_without_outgoing_the_last_layer_is_not_scored_and_bad_settings_fail() -
         attach_utility_hooks(decay=1.0)
 
 
-def test_an_outgoing_layer_that_does_not_fit_is_reported_not_raised() -> None:
-    policy = TinyPolicy()
+def test_an_outgoing_layer_that_does_not_fit_is_reported_not_raised(
+    device: torch.device,
+) -> None:
+    policy = TinyPolicy().to(device)
     ctx = ComponentContext()
     # critic-less TinyPolicy: actor_mlp.layer_0 feeds actor_mlp.layer_1 (fits); naming the
     # first hidden layer as the reader of the last one does not fit (7 inputs, 6 units)
     policy.attach("actor_mlp", attach_utility_hooks(outgoing="actor_mlp.layer_1"), ctx)
-    policy(torch.randn(4, 5))
+    policy(torch.randn(4, 5).to(device))
     got = StatsReporter(ctx).collect()
     assert "probes/utility/actor_mlp.layer_0/utility_mean" in got
     assert "probes/utility/actor_mlp.layer_1/utility_mean" not in got

@@ -14,7 +14,8 @@ from policy_probes.probes.weights import attach_weights_hooks
 
 
 def norm(ts: list[torch.Tensor]) -> float:
-    return math.sqrt(sum(float(v) ** 2 for t in ts for v in t.reshape(-1)))
+    """Element by element on host copies."""
+    return math.sqrt(sum(float(v) ** 2 for t in ts for v in t.cpu().reshape(-1)))
 
 
 def snapshot(module: torch.nn.Module) -> dict[str, list[torch.Tensor]]:
@@ -29,16 +30,24 @@ def diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> list[torch.Tensor]:
     return [x - y for x, y in zip(a, b, strict=True)]
 
 
-def train_steps(policy: TinyPolicy, opt: torch.optim.Optimizer, n: int) -> None:
+def train_steps(
+    policy: TinyPolicy,
+    opt: torch.optim.Optimizer,
+    n: int,
+    device: torch.device = torch.device("cpu"),
+) -> None:
+    """``n`` SGD steps on inputs drawn on the CPU (the same on every device), then moved."""
     for _ in range(n):
         opt.zero_grad()
-        policy(torch.randn(8, 5)).square().mean().backward()
+        policy(torch.randn(8, 5).to(device)).square().mean().backward()
         opt.step()
 
 
-def test_per_layer_norms_distances_and_update_ratios_over_two_epochs() -> None:
+def test_per_layer_norms_distances_and_update_ratios_over_two_epochs(
+    device: torch.device,
+) -> None:
     torch.manual_seed(0)
-    policy = TinyPolicy()
+    policy = TinyPolicy().to(device)
     ctx = ComponentContext()
     policy.attach("actor_mlp", attach_weights_hooks(), ctx)
     mlp = policy.actor_mlp
@@ -46,7 +55,7 @@ def test_per_layer_norms_distances_and_update_ratios_over_two_epochs() -> None:
     opt = torch.optim.SGD(policy.parameters(), lr=0.5)
     prev = init
     for _ in range(2):
-        train_steps(policy, opt, 3)
+        train_steps(policy, opt, 3, device)
         got = StatsReporter(ctx).collect()
         now = snapshot(mlp)
         for layer in ("layer_0.linear", "layer_1.linear"):
@@ -73,14 +82,14 @@ def test_per_layer_norms_distances_and_update_ratios_over_two_epochs() -> None:
     assert got["probes/weights/actor_mlp/update_ratio"] == 0.0
 
 
-def test_references_survive_a_checkpoint() -> None:
+def test_references_survive_a_checkpoint(device: torch.device) -> None:
     torch.manual_seed(1)
-    policy = TinyPolicy()
+    policy = TinyPolicy().to(device)
     ctx = ComponentContext()
     policy.attach("actor_mlp", attach_weights_hooks(), ctx)
     init = snapshot(policy.actor_mlp)["layer_0.linear"]
     opt = torch.optim.SGD(policy.parameters(), lr=0.5)
-    train_steps(policy, opt, 2)
+    train_steps(policy, opt, 2, device)
     StatsReporter(ctx).collect()
     saved = ctx.model_metrics["weights"].state_dict()
     # a fresh run attached to the trained policy: without the state θ₀ would be now

@@ -30,18 +30,20 @@ def make_session(tmp_path, model, optimizer=None):
 
 
 def update(session, model, opt, n: int = 2, seed: int = 0) -> None:
+    """``n`` updates on batches drawn on the CPU, then moved to the model's device."""
     session.set_phase("train")
+    device = next(model.parameters()).device
     g = torch.Generator().manual_seed(seed)
     for _ in range(n):
-        loss = model(torch.randn(16, 5, generator=g)).pow(2).mean()
+        loss = model(torch.randn(16, 5, generator=g).to(device)).pow(2).mean()
         opt.zero_grad()
         loss.backward()
         opt.step()
 
 
-def test_shrink_and_perturb_formula(tmp_path):
+def test_shrink_and_perturb_formula(tmp_path, device: torch.device):
     torch.manual_seed(0)
-    model = ReluNet()
+    model = ReluNet().to(device)
     session, opt = make_session(tmp_path, model)
     session.add_remedy(
         "body", shrink_and_perturb(shrink=0.7, noise=0.05, every_epochs=1, seed=REMEDY_SEED)
@@ -53,7 +55,11 @@ def test_shrink_and_perturb_formula(tmp_path):
         metrics = session.epoch_end(step=1)
         assert torch.equal(torch.get_rng_state(), rng)  # the global RNG is untouched
     s0, s1 = remedy_seeds(REMEDY_SEED, "shrink_and_perturb", "body", 2)
-    f = {"body.0": fresh_linear(5, 16, s0), "body.2": fresh_linear(16, 12, s1)}
+    # the remedy draws its fresh values on the CPU (its own CPU generator, then moved)
+    f = {
+        "body.0": fresh_linear(5, 16, s0).to(device),
+        "body.2": fresh_linear(16, 12, s1).to(device),
+    }
     for name, p in model.named_parameters():
         layer, _, kind = name.rpartition(".")
         if layer in f:
@@ -69,9 +75,9 @@ def test_shrink_and_perturb_formula(tmp_path):
 
 
 @pytest.mark.parametrize("spec", [{"layers": ["2"]}, {"last": 1}])
-def test_reset_layers_formula_and_fresh_optimizer_state(tmp_path, spec):
+def test_reset_layers_formula_and_fresh_optimizer_state(tmp_path, spec, device: torch.device):
     torch.manual_seed(1)
-    model = ReluNet()
+    model = ReluNet().to(device)
     session, opt = make_session(tmp_path, model)
     session.add_remedy("body", reset_layers(**spec, every_epochs=1, seed=REMEDY_SEED))
     with session:
@@ -79,7 +85,7 @@ def test_reset_layers_formula_and_fresh_optimizer_state(tmp_path, spec):
         before, moments = snapshot(model, opt)
         metrics = session.epoch_end(step=1)
     (s,) = remedy_seeds(REMEDY_SEED, "reset_layers", "body", 1)
-    f = fresh_linear(16, 12, s)
+    f = fresh_linear(16, 12, s).to(device)
     p = dict(model.named_parameters())
     assert torch.equal(p["body.2.weight"].detach(), f.weight.detach())
     assert torch.equal(p["body.2.bias"].detach(), f.bias.detach())
@@ -94,9 +100,9 @@ def test_reset_layers_formula_and_fresh_optimizer_state(tmp_path, spec):
     assert metrics["remedies/reset_layers/body/units_reset"] == 12.0
 
 
-def test_sgd_momentum_buffers_reset(tmp_path):
+def test_sgd_momentum_buffers_reset(tmp_path, device: torch.device):
     torch.manual_seed(2)
-    model = ReluNet()
+    model = ReluNet().to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     session, _ = make_session(tmp_path, model, optimizer=opt)
     session.add_remedy("head", reset_layers(last=1, every_epochs=1, seed=REMEDY_SEED))
@@ -112,11 +118,13 @@ def test_sgd_momentum_buffers_reset(tmp_path):
     )
 
 
-def fired_epochs(tmp_path, remedy, values=None, epochs=6) -> list[int]:
-    """Epochs (1-based) at which ``remedy`` fired on ``head``; ``values`` are logged as
-    ``train/x`` each epoch for threshold triggers."""
+def fired_epochs(
+    tmp_path, remedy, values=None, epochs=6, device: torch.device = torch.device("cpu")
+) -> list[int]:
+    """Epochs (1-based) at which ``remedy`` fired on ``head`` (the model on ``device``);
+    ``values`` are logged as ``train/x`` each epoch for threshold triggers."""
     torch.manual_seed(3)
-    model = ReluNet()
+    model = ReluNet().to(device)
     session, opt = make_session(tmp_path, model)
     session.add_remedy("head", remedy)
     fired = []
@@ -130,33 +138,24 @@ def fired_epochs(tmp_path, remedy, values=None, epochs=6) -> list[int]:
     return fired
 
 
-def test_triggers(tmp_path):
-    assert fired_epochs(tmp_path / "a", reset_layers(last=1, every_epochs=2)) == [2, 4, 6]
-    assert fired_epochs(tmp_path / "b", reset_layers(last=1, every_epochs=2, start_epoch=3)) == [
-        4,
-        6,
-    ]
+def test_triggers(tmp_path, device: torch.device):
+    def fired(name, remedy, values=None):
+        return fired_epochs(tmp_path / name, remedy, values, device=device)
+
+    assert fired("a", reset_layers(last=1, every_epochs=2)) == [2, 4, 6]
+    assert fired("b", reset_layers(last=1, every_epochs=2, start_epoch=3)) == [4, 6]
     x = [0.9, 0.9, 0.9, 0.1, 0.9, 0.9]
-    assert fired_epochs(tmp_path / "c", reset_layers(last=1, when="train/x>0.5"), x) == [
-        1,
-        2,
-        3,
-        5,
-        6,
-    ]
-    assert fired_epochs(
-        tmp_path / "d", reset_layers(last=1, when="train/x>0.5", cooldown=1), x
-    ) == [1, 3, 5]
-    assert fired_epochs(
-        tmp_path / "e", reset_layers(last=1, every_epochs=2, when="train/x<=0.1"), x
-    ) == [4]
+    assert fired("c", reset_layers(last=1, when="train/x>0.5"), x) == [1, 2, 3, 5, 6]
+    assert fired("d", reset_layers(last=1, when="train/x>0.5", cooldown=1), x) == [1, 3, 5]
+    assert fired("e", reset_layers(last=1, every_epochs=2, when="train/x<=0.1"), x) == [4]
 
 
-def run_with_remedies(tmp_path, remedy_seed, torch_seed=4):
+def run_with_remedies(tmp_path, remedy_seed, torch_seed=4, device=torch.device("cpu")):
     torch.manual_seed(torch_seed)
     model = ReluNet()
     with torch.no_grad():
         model.body[0].bias[:4] = -50.0
+    model.to(device)
     session, opt = make_session(tmp_path, model)
     session.add_training_hook("body", attach_relu_activation_hooks())
     session.add_remedy("body", redo(tau=0.05, every_epochs=1, consumer="head", seed=remedy_seed))
@@ -171,10 +170,10 @@ def run_with_remedies(tmp_path, remedy_seed, torch_seed=4):
     return {n: p.detach().clone() for n, p in model.named_parameters()}, state
 
 
-def test_deterministic_for_a_seed(tmp_path):
-    a, state_a = run_with_remedies(tmp_path / "a", 11)
-    b, state_b = run_with_remedies(tmp_path / "b", 11)
-    c, _ = run_with_remedies(tmp_path / "c", 12)
+def test_deterministic_for_a_seed(tmp_path, device: torch.device):
+    a, state_a = run_with_remedies(tmp_path / "a", 11, device=device)
+    b, state_b = run_with_remedies(tmp_path / "b", 11, device=device)
+    c, _ = run_with_remedies(tmp_path / "c", 12, device=device)
     assert all(torch.equal(a[n], b[n]) for n in a)
     assert any(not torch.equal(a[n], c[n]) for n in a)
     assert torch.equal(state_a["redo@body"]["generator"], state_b["redo@body"]["generator"])
@@ -183,9 +182,9 @@ def test_deterministic_for_a_seed(tmp_path):
     )
 
 
-def test_session_state_round_trip_restores_generator_and_record(tmp_path):
+def test_session_state_round_trip_restores_generator_and_record(tmp_path, device: torch.device):
     torch.manual_seed(5)
-    model = ReluNet()
+    model = ReluNet().to(device)
     session, opt = make_session(tmp_path / "a", model)
     session.add_remedy("head", shrink_and_perturb(every_epochs=1, cooldown=1, seed=REMEDY_SEED))
     with session:
@@ -196,7 +195,7 @@ def test_session_state_round_trip_restores_generator_and_record(tmp_path):
     replay = torch.Generator()
     replay.set_state(bound.generator.get_state())
     next_seed = int(torch.randint(0, 2**62, (1,), generator=replay))
-    other, opt2 = make_session(tmp_path / "b", ReluNet())
+    other, opt2 = make_session(tmp_path / "b", ReluNet().to(device))
     other.add_remedy("head", shrink_and_perturb(every_epochs=1, cooldown=1, seed=99))
     with other:
         other.load_state_dict(saved)
@@ -296,7 +295,9 @@ def test_specs():
         parse_remedy_spec("redo:tau=1")
 
 
-def test_a_remedy_pins_the_probes_it_reads_to_a_rule_of_pass_counters(tmp_path):
+def test_a_remedy_pins_the_probes_it_reads_to_a_rule_of_pass_counters(
+    tmp_path, device: torch.device
+):
     """The ReLU probe that ReDo reads keeps the default stride (passes 0 and 16 of each
     32-pass epoch) even where the budget's calibration chose a larger one for the ReLU
     probe (here set by hand, as a slow probe would make it): which units a firing
@@ -306,7 +307,7 @@ def test_a_remedy_pins_the_probes_it_reads_to_a_rule_of_pass_counters(tmp_path):
     from policy_probes.torch_internals import module_hooks_installed
 
     torch.manual_seed(REMEDY_SEED)
-    model = ReluNet()
+    model = ReluNet().to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     session = ProbeSession(model, run_dir=tmp_path, sinks=JSONL_ONLY, optimizer=opt)
     session.add_training_hook("body", attach_relu_activation_hooks(per_layer=False))
@@ -323,7 +324,7 @@ def test_a_remedy_pins_the_probes_it_reads_to_a_rule_of_pass_counters(tmp_path):
             for _ in range(passes):
                 observed.append(module_hooks_installed(session.policy.get_component("body")))
                 head.append(module_hooks_installed(session.policy.get_component("head")))
-                loss = model(torch.randn(16, 5, generator=g)).pow(2).mean()
+                loss = model(torch.randn(16, 5, generator=g).to(device)).pow(2).mean()
                 opt.zero_grad()
                 loss.backward()
                 opt.step()

@@ -40,7 +40,7 @@ class ScoreHooks:
 
     def _hook(self, name, axis, pick):
         def hook(_m, _i, out):
-            h = (pick(out) if pick else out).detach().double().numpy()
+            h = (pick(out) if pick else out).detach().double().cpu().numpy()
             h = np.moveaxis(h, axis, -1).reshape(-1, h.shape[axis])
             self.sums[name] = self.sums.get(name, 0) + np.abs(h).sum(0)
             self.counts[name] = self.counts.get(name, 0) + h.shape[0]
@@ -127,7 +127,7 @@ def session_for(model, tmp_path, component, consumer, tau=TAU, **probe):
     return session, opt
 
 
-def test_redo_linear_units_exact(tmp_path):
+def test_redo_linear_units_exact(tmp_path, device: torch.device):
     torch.manual_seed(0)
     model = ReluNet()
     with torch.no_grad():
@@ -135,23 +135,26 @@ def test_redo_linear_units_exact(tmp_path):
         model.body[0].weight[7] *= 0.02  # a weak unit: dormant but not dead
         model.body[0].bias[7] = 0.0
         model.body[2].bias[[0, 5]] = -100.0
+    model.to(device)
     session, opt = session_for(model, tmp_path, "body", "head")
     hooks = ScoreHooks({"l0": model.body[1], "l1": model.body[3]}, {"l0": -1, "l1": -1})
-    batches = [torch.randn(64, 5) for _ in range(3)]
+    batches = [torch.randn(64, 5).to(device) for _ in range(3)]
     with session:
         before, moments = train_one_epoch(session, model, opt, batches)
         hooks.remove()
         d0, d1 = hooks.dormant("l0"), hooks.dormant("l1")
         assert 7 in d0 and {1, 4} <= set(d0) and {0, 5} <= set(d1) and len(d0) < 16
-        x_test = torch.randn(256, 5)
+        x_test = torch.randn(256, 5).to(device)
         with session.phase("eval"), torch.no_grad():  # not a training pass: not scored
             out_before = model(x_test)
             columns = {"body.2.weight": d0, "head.weight": d1}
-            out_reference = without_dormant_outputs(ReluNet(), before, columns)(x_test)
+            out_reference = without_dormant_outputs(ReluNet().to(device), before, columns)(x_test)
         metrics = session.epoch_end(step=1)
 
     s0, s1 = remedy_seeds(SEED, "redo", "body", 2)
-    f0, f1 = fresh(lambda: nn.Linear(5, 16), s0), fresh(lambda: nn.Linear(16, 12), s1)
+    # the remedy draws its fresh values on the CPU (its own CPU generator, then moved)
+    f0 = fresh(lambda: nn.Linear(5, 16), s0).to(device)
+    f1 = fresh(lambda: nn.Linear(16, 12), s1).to(device)
     p = dict(model.named_parameters())
     check_rows(p["body.0.weight"].detach(), before["body.0.weight"], f0.weight.detach(), d0)
     check_rows(p["body.0.bias"].detach(), before["body.0.bias"], f0.bias.detach(), d0)
@@ -201,34 +204,35 @@ class ConvNet(nn.Module):
         return self.head(self.enc(x))
 
 
-def test_redo_conv_channels_and_flatten_consumer_exact(tmp_path):
+def test_redo_conv_channels_and_flatten_consumer_exact(tmp_path, device: torch.device):
     torch.manual_seed(1)
     model = ConvNet()
     with torch.no_grad():
         model.enc[0].bias[[2]] = -100.0
         model.enc[2].bias[[1, 3]] = -100.0
         model.enc[5].bias[[4]] = -100.0
+    model.to(device)
     session, opt = session_for(model, tmp_path, "enc", "head")
     mods = {"c0": model.enc[1], "c1": model.enc[3], "fc": model.enc[6]}
     hooks = ScoreHooks(mods, {"c0": 1, "c1": 1, "fc": -1})
-    batches = [torch.randn(16, 2, 8, 8) for _ in range(2)]
+    batches = [torch.randn(16, 2, 8, 8).to(device) for _ in range(2)]
     with session:
         before, moments = train_one_epoch(session, model, opt, batches)
         hooks.remove()
         d0, d1, d2 = hooks.dormant("c0"), hooks.dormant("c1"), hooks.dormant("fc")
         assert {2} <= set(d0) and {1, 3} <= set(d1) and {4} <= set(d2)
-        x_test = torch.randn(32, 2, 8, 8)
+        x_test = torch.randn(32, 2, 8, 8).to(device)
         cols = (d1[:, None] * 16 + np.arange(16)).reshape(-1)  # each channel's 4x4 positions
         with session.phase("eval"), torch.no_grad():  # not a training pass: not scored
             out_before = model(x_test)
             columns = {"enc.2.weight": d0, "enc.5.weight": cols, "head.weight": d2}
-            out_reference = without_dormant_outputs(ConvNet(), before, columns)(x_test)
+            out_reference = without_dormant_outputs(ConvNet().to(device), before, columns)(x_test)
         metrics = session.epoch_end(step=1)
 
     seeds = remedy_seeds(SEED, "redo", "enc", 3)
-    f0 = fresh(lambda: nn.Conv2d(2, 6, 3), seeds[0])
-    f1 = fresh(lambda: nn.Conv2d(6, 5, 3), seeds[1])
-    f2 = fresh(lambda: nn.Linear(80, 7), seeds[2])
+    f0 = fresh(lambda: nn.Conv2d(2, 6, 3), seeds[0]).to(device)
+    f1 = fresh(lambda: nn.Conv2d(6, 5, 3), seeds[1]).to(device)
+    f2 = fresh(lambda: nn.Linear(80, 7), seeds[2]).to(device)
     p = dict(model.named_parameters())
     check_rows(p["enc.0.weight"].detach(), before["enc.0.weight"], f0.weight.detach(), d0)
     check_rows(p["enc.0.bias"].detach(), before["enc.0.bias"], f0.bias.detach(), d0)
@@ -273,28 +277,29 @@ class RecurrentNet(nn.Module):
 @pytest.mark.parametrize(
     ("cls", "gates", "gate", "bias"), [(nn.LSTM, 4, 3, -100.0), (nn.GRU, 3, 1, 100.0)]
 )
-def test_redo_recurrent_units_exact(tmp_path, cls, gates, gate, bias):
+def test_redo_recurrent_units_exact(tmp_path, cls, gates, gate, bias, device: torch.device):
     torch.manual_seed(2)
     model = RecurrentNet(cls)
     hidden, dormant_units = 6, [1, 4]
     with torch.no_grad():
         for u in dormant_units:
             model.rnn.bias_ih_l0[gate * hidden + u] = bias
+    model.to(device)
     session, opt = session_for(model, tmp_path, "rnn", "head", extractor=0)
     hooks = ScoreHooks({"rnn": model.rnn}, {"rnn": -1}, pick=lambda out: out[0])
-    batches = [torch.randn(8, 5, 4) for _ in range(2)]
+    batches = [torch.randn(8, 5, 4).to(device) for _ in range(2)]
     with session:
         before, moments = train_one_epoch(session, model, opt, batches)
         hooks.remove()
         d = hooks.dormant("rnn")
         assert list(d) == dormant_units
-        x_test = torch.randn(16, 5, 4)
+        x_test = torch.randn(16, 5, 4).to(device)
         with session.phase("eval"), torch.no_grad():  # not a training pass: not scored
             out_before = model(x_test)
         metrics = session.epoch_end(step=1)
 
     (seed,) = remedy_seeds(SEED, "redo", "rnn", 1)
-    f = fresh(lambda: cls(4, 6, batch_first=True), seed)
+    f = fresh(lambda: cls(4, 6, batch_first=True), seed).to(device)
     rows = np.concatenate([d + g * hidden for g in range(gates)])
     p = dict(model.named_parameters())
     for name in ("weight_ih_l0", "bias_ih_l0", "bias_hh_l0"):
@@ -338,7 +343,7 @@ def redo_after_one_step(policy, tmp_path, component: str, x: torch.Tensor, lr: f
     return metrics, before, after
 
 
-def test_redo_keeps_outputs_of_the_builtin_policy(tmp_path):
+def test_redo_keeps_outputs_of_the_builtin_policy(tmp_path, device: torch.device):
     """ReDo on both MLPs of the built-in ActorCriticPolicy (consumers from its
     component_consumers): outputs unchanged where the recycled units are dead."""
     import gymnasium as gym
@@ -352,23 +357,24 @@ def test_redo_keeps_outputs_of_the_builtin_policy(tmp_path):
     with torch.no_grad():
         policy.critic_mlp.layer_0.linear.bias[:5] = -100.0
         policy.actor_mlp.layer_1.linear.bias[:3] = -100.0
+    policy.to(device)
     metrics, before, after = redo_after_one_step(
-        policy, tmp_path, "*_mlp", torch.randn(32, 4), 1e-3
+        policy, tmp_path, "*_mlp", torch.randn(32, 4).to(device), 1e-3
     )
     assert metrics["remedies/redo/critic_mlp.layer_0/units_reset"] >= 5
     assert metrics["remedies/redo/actor_mlp.layer_1/units_reset"] >= 3
     assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
 
 
-def test_redo_without_dormant_units_changes_nothing(tmp_path):
+def test_redo_without_dormant_units_changes_nothing(tmp_path, device: torch.device):
     torch.manual_seed(4)
-    model = ReluNet()
+    model = ReluNet().to(device)
     session, opt = session_for(model, tmp_path, "body", "head", tau=0.0)
     with session:
         with torch.no_grad():
             for layer in (model.body[0], model.body[2]):
                 layer.bias.fill_(5.0)  # every unit active on every input
-        before, _ = train_one_epoch(session, model, opt, [torch.randn(32, 5)])
+        before, _ = train_one_epoch(session, model, opt, [torch.randn(32, 5).to(device)])
         metrics = session.epoch_end(step=1)
     for n, p in model.named_parameters():
         assert torch.equal(p.detach(), before[n])
@@ -376,7 +382,7 @@ def test_redo_without_dormant_units_changes_nothing(tmp_path):
     assert metrics["remedies/redo/body/units_reset"] == 0.0
 
 
-def test_redo_on_the_nature_cnn_encoder_with_two_consumers(tmp_path):
+def test_redo_on_the_nature_cnn_encoder_with_two_consumers(tmp_path, device: torch.device):
     """The CNN policy's encoder feeds both heads (component_consumers): ReDo zeroes the
     outgoing columns in both, conv channels through the flattened fc input."""
     import gymnasium as gym
@@ -391,9 +397,10 @@ def test_redo_on_the_nature_cnn_encoder_with_two_consumers(tmp_path):
     with torch.no_grad():
         enc.conv_2.conv.bias[[5, 9]] = -100.0  # dead channels of the last conv
         enc.fc.linear.bias[[0, 7]] = -100.0  # dead features
+    policy.to(device)
     # lr=0: the step builds Adam's state and leaves the weights as the scored pass saw
     # them, so the units dead there (score 0) are dead on x and the outputs must be kept
-    x = torch.randint(0, 256, (8, 1, 36, 36), dtype=torch.uint8)
+    x = torch.randint(0, 256, (8, 1, 36, 36), dtype=torch.uint8).to(device)
     seen = []  # fc's outputs: the training pass first
     handle = enc.fc.register_forward_hook(lambda _m, _i, out: seen.append(out.detach()))
     metrics, before, after = redo_after_one_step(policy, tmp_path, "encoder", x, 0.0)
@@ -413,7 +420,9 @@ def test_redo_on_the_nature_cnn_encoder_with_two_consumers(tmp_path):
     assert torch.allclose(before[1], after[1], rtol=1e-5, atol=1e-6)
 
 
-def test_redo_on_a_probe_threshold_and_without_per_layer_scores(tmp_path, caplog):
+def test_redo_on_a_probe_threshold_and_without_per_layer_scores(
+    tmp_path, caplog, device: torch.device
+):
     """``when=`` on the probe's own dormant fraction; with ``per_layer=False`` only the
     last layer has scores (the component's): the first is left alone, with a warning."""
     torch.manual_seed(8)
@@ -421,6 +430,7 @@ def test_redo_on_a_probe_threshold_and_without_per_layer_scores(tmp_path, caplog
     with torch.no_grad():
         model.body[0].bias[[2, 3]] = -100.0  # dead in layer 0 (not scored)
         model.body[2].bias[[0, 5, 6]] = -100.0  # dead in layer 1 (the component's output)
+    model.to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     session = remedy_session(tmp_path, model, opt)
     session.add_training_hook("body", attach_relu_activation_hooks(per_layer=False))
@@ -429,12 +439,12 @@ def test_redo_on_a_probe_threshold_and_without_per_layer_scores(tmp_path, caplog
     seen = []
     model.body.register_forward_hook(lambda _m, _i, out: seen.append(out.detach()))
     with session, caplog.at_level("WARNING", logger="policy_probes"):
-        before, _ = train_one_epoch(session, model, opt, [torch.randn(32, 5)])
+        before, _ = train_one_epoch(session, model, opt, [torch.randn(32, 5).to(device)])
         first = session.epoch_end(step=1)
-        train_one_epoch(session, model, opt, [torch.randn(32, 5)])
+        train_one_epoch(session, model, opt, [torch.randn(32, 5).to(device)])
         second = session.epoch_end(step=2)
     dead = torch.nonzero((seen[0] == 0).all(0)).reshape(-1)  # score 0 <= tau = 0
-    assert {0, 5, 6} <= set(dead.tolist()) and len(dead) < 12
+    assert {0, 5, 6} <= set(dead.cpu().tolist()) and len(dead) < 12
     assert first[key] == len(dead) / 12 > 0.2 and first["remedies/redo/body/fired"] == 1.0
     assert first["remedies/redo/body.3/units_reset"] == len(dead)
     assert first["remedies/redo/body.1/units_reset"] == 0.0

@@ -27,7 +27,8 @@ class StopAfter(TrainerHook):
             state.stop_training = True
 
 
-def tool(run_dir) -> TrainTool:
+def tool(run_dir, device: torch.device = torch.device("cpu")) -> TrainTool:
+    """The tiny PPO run with its remedies, its policy on ``device``."""
     t = TrainTool(
         env=EnvConfig(id="CartPole-v1", num_envs=2),
         policy=PolicyConfig(hidden_sizes=[16, 16], activation="relu"),
@@ -38,6 +39,7 @@ def tool(run_dir) -> TrainTool:
         checkpoint={"every_epochs": 1, "keep_last": 10},
         sinks={"console": False, "wandb": False, "tensorboard": False},
         torch_threads=1,
+        device=device.type,
         seed=5,
         probe_budget=None,  # every pass: resumed and plain runs observe the same passes
         run_dir=run_dir,
@@ -54,8 +56,8 @@ def records(run_dir) -> list[dict]:
 
 
 @pytest.mark.parametrize("stop_at", [2, 3])
-def test_resume_across_a_firing_is_bit_identical(tmp_path, stop_at):
-    plain = tool(tmp_path / "plain").invoke()
+def test_resume_across_a_firing_is_bit_identical(tmp_path, stop_at, device: torch.device):
+    plain = tool(tmp_path / "plain", device).invoke()
     rows = {
         r["epoch"]: r for r in records(tmp_path / "plain") if "remedies/redo/critic_mlp/fired" in r
     }
@@ -67,9 +69,9 @@ def test_resume_across_a_firing_is_bit_identical(tmp_path, stop_at):
         + rows[2]["remedies/redo/critic_mlp.layer_1/units_reset"]
     )
 
-    stopped = tool(tmp_path / "resumed").add_trainer_hook(StopAfter(stop_at)).invoke()
+    stopped = tool(tmp_path / "resumed", device).add_trainer_hook(StopAfter(stop_at)).invoke()
     assert stopped.epochs == stop_at
-    resumed = tool(tmp_path / "resumed").invoke(resume=True)
+    resumed = tool(tmp_path / "resumed", device).invoke(resume=True)
     assert resumed.epochs == EPOCHS
     a, b = plain.policy.state_dict(), resumed.policy.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)

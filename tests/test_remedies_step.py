@@ -23,9 +23,13 @@ from policy_probes.remedies import (
 )
 
 
-def batches(n: int, seed: int = 0) -> list[torch.Tensor]:
+def batches(
+    n: int, seed: int = 0, device: torch.device = torch.device("cpu")
+) -> list[torch.Tensor]:
+    """``n`` batches drawn on the CPU from a generator seeded with ``seed``, moved to
+    ``device``."""
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(16, 5, generator=g) for _ in range(n)]
+    return [torch.randn(16, 5, generator=g).to(device) for _ in range(n)]
 
 
 def loss_of(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -38,9 +42,9 @@ def fresh_linear(i: int, o: int, seed: int) -> nn.Linear:
 
 
 # ---------------------------------------------------------------- l2_init
-def test_l2_init_step_is_adam_on_the_regularised_gradient(tmp_path):
+def test_l2_init_step_is_adam_on_the_regularised_gradient(tmp_path, device: torch.device):
     torch.manual_seed(0)
-    model = ReluNet()
+    model = ReluNet().to(device)
     ref = copy.deepcopy(model)
     init = {n: p.detach().clone() for n, p in model.named_parameters()}
     lr, coef, (b1, b2), eps = 1e-2, 0.3, (0.9, 0.999), 1e-8
@@ -51,7 +55,7 @@ def test_l2_init_step_is_adam_on_the_regularised_gradient(tmp_path):
     v = {n: torch.zeros_like(p) for n, p in ref.named_parameters()}
     with session:
         session.set_phase("train")
-        for t, x in enumerate(batches(4), start=1):
+        for t, x in enumerate(batches(4, device=device), start=1):
             opt.zero_grad()
             loss_of(model, x).backward()
             opt.step()
@@ -79,9 +83,9 @@ def test_l2_init_step_is_adam_on_the_regularised_gradient(tmp_path):
 
 
 # ---------------------------------------------------------------- soft shrink-and-perturb
-def test_soft_shrink_perturb_applies_the_formula_after_every_step(tmp_path):
+def test_soft_shrink_perturb_applies_the_formula_after_every_step(tmp_path, device: torch.device):
     torch.manual_seed(1)
-    model = ReluNet()
+    model = ReluNet().to(device)
     ref = copy.deepcopy(model)
     lr, s, n = 0.05, 0.97, 0.02
     opt = torch.optim.SGD(model.parameters(), lr=lr)
@@ -91,7 +95,7 @@ def test_soft_shrink_perturb_applies_the_formula_after_every_step(tmp_path):
     seeds = remedy_seeds(REMEDY_SEED, "soft_shrink_perturb", "body", 2 * steps)  # 2 layers a step
     with session:
         session.set_phase("train")
-        for k, x in enumerate(batches(steps, seed=3)):
+        for k, x in enumerate(batches(steps, seed=3, device=device)):
             rng = torch.get_rng_state()
             opt.zero_grad()
             loss_of(model, x).backward()
@@ -99,9 +103,10 @@ def test_soft_shrink_perturb_applies_the_formula_after_every_step(tmp_path):
             assert torch.equal(torch.get_rng_state(), rng)  # the global RNG is untouched
             ref.zero_grad()
             loss_of(ref, x).backward()
+            # the remedy draws its fresh values on the CPU (its own CPU generator, then moved)
             fresh = {
-                "body.0": fresh_linear(5, 16, seeds[2 * k]),
-                "body.2": fresh_linear(16, 12, seeds[2 * k + 1]),
+                "body.0": fresh_linear(5, 16, seeds[2 * k]).to(device),
+                "body.2": fresh_linear(16, 12, seeds[2 * k + 1]).to(device),
             }
             with torch.no_grad():
                 for name, p in ref.named_parameters():
@@ -119,9 +124,15 @@ def test_soft_shrink_perturb_applies_the_formula_after_every_step(tmp_path):
 class Reference:
     """CBP computed by hand, unit by unit, on ReluNet (body.0 -> body.2 -> head)."""
 
-    def __init__(self, rate: float, maturity: int, decay: float) -> None:
+    def __init__(
+        self, rate: float, maturity: int, decay: float, device: torch.device = torch.device("cpu")
+    ) -> None:
         self.rate, self.m, self.eta = rate, maturity, decay
-        self.util = [torch.zeros(16, dtype=torch.float64), torch.zeros(12, dtype=torch.float64)]
+        # on the device of the parameters and features it is given
+        self.util = [
+            torch.zeros(16, dtype=torch.float64, device=device),
+            torch.zeros(12, dtype=torch.float64, device=device),
+        ]
         self.ages = [[0] * 16, [0] * 12]
         self.pending = [0.0, 0.0]
 
@@ -155,11 +166,14 @@ class Reference:
         return chosen
 
 
-def test_continual_backprop_replaces_the_units_a_hand_computation_selects(tmp_path):
+def test_continual_backprop_replaces_the_units_a_hand_computation_selects(
+    tmp_path, device: torch.device
+):
     torch.manual_seed(2)
     model = ReluNet()
     with torch.no_grad():
         model.body[0].bias[:3] = -20.0  # three dead units: zero utility, replaced first
+    model.to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     snap: dict[str, object] = {}
 
@@ -182,12 +196,12 @@ def test_continual_backprop_replaces_the_units_a_hand_computation_selects(tmp_pa
             seed=REMEDY_SEED,
         ),
     )
-    ref = Reference(rate, maturity, decay)
+    ref = Reference(rate, maturity, decay, device)
     seeds = iter(remedy_seeds(REMEDY_SEED, "continual_backprop", "body", 64))
     layers = [("body.0", "body.2"), ("body.2", "head")]
     total = [0, 0]
-    xs = batches(8, seed=4)
-    probe = torch.randn(32, 5, generator=torch.Generator().manual_seed(9))
+    xs = batches(8, seed=4, device=device)
+    probe = torch.randn(32, 5, generator=torch.Generator().manual_seed(9)).to(device)
     with session:
         session.set_phase("train")
         for x in xs:
@@ -203,8 +217,9 @@ def test_continual_backprop_replaces_the_units_a_hand_computation_selects(tmp_pa
             for (producer, consumer), units in zip(layers, chosen, strict=True):
                 if not units:
                     continue
-                idx = torch.tensor(units)
-                f = fresh_linear(*reversed(params[f"{producer}.weight"].shape), next(seeds))
+                idx = torch.tensor(units).to(device)
+                shape = params[f"{producer}.weight"].shape
+                f = fresh_linear(*reversed(shape), next(seeds)).to(device)
                 expected[f"{producer}.weight"][idx] = f.weight.detach()[idx]
                 expected[f"{producer}.bias"][idx] = f.bias.detach()[idx]
                 expected[f"{consumer}.weight"][:, idx] = 0.0
@@ -219,7 +234,7 @@ def test_continual_backprop_replaces_the_units_a_hand_computation_selects(tmp_pa
                 for key in ("exp_avg", "exp_avg_sq"):
                     want = moments[n][key].clone()
                     for dim, units in touched[n]:
-                        want.index_fill_(dim, torch.tensor(units), 0.0)
+                        want.index_fill_(dim, torch.tensor(units).to(device), 0.0)
                     assert torch.equal(opt.state[p][key], want), (n, key)
                 assert torch.equal(opt.state[p]["step"], moments[n]["step"])  # step kept
             # outputs: the pre-replacement model with those outgoing weights zeroed
@@ -243,14 +258,16 @@ def test_continual_backprop_refuses_a_layer_norm_between_units_and_consumer(tmp_
 
 
 # ---------------------------------------------------------------- plasticity injection
-def test_plasticity_injection_keeps_outputs_and_trains_only_the_new_copy(tmp_path):
+def test_plasticity_injection_keeps_outputs_and_trains_only_the_new_copy(
+    tmp_path, device: torch.device
+):
     torch.manual_seed(3)
-    model = ReluNet()
+    model = ReluNet().to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     session = remedy_session(tmp_path, model, opt)
     session.add_remedy("body", plasticity_injection(every_epochs=1, seed=REMEDY_SEED))
-    probe = torch.randn(32, 5, generator=torch.Generator().manual_seed(1))
-    xs = batches(3, seed=5)
+    probe = torch.randn(32, 5, generator=torch.Generator().manual_seed(1)).to(device)
+    xs = batches(3, seed=5, device=device)
     with session:
         session.set_phase("train")
         for x in xs[:1]:
@@ -265,7 +282,7 @@ def test_plasticity_injection_keeps_outputs_and_trains_only_the_new_copy(tmp_pat
             assert torch.equal(model(probe), out_before)  # bit-identical at injection
         inj = session.remedies.bound[0].prepared
         s0, s1 = remedy_seeds(REMEDY_SEED, "plasticity_injection", "body", 2)
-        fresh = {"0": fresh_linear(5, 16, s0), "2": fresh_linear(16, 12, s1)}
+        fresh = {"0": fresh_linear(5, 16, s0).to(device), "2": fresh_linear(16, 12, s1).to(device)}
         for layer, f in fresh.items():  # theta' is the layers' own fresh initialisation
             assert torch.equal(inj.trainable[int(layer)].weight, f.weight.detach())
             assert torch.equal(inj.frozen[int(layer)].bias, f.bias.detach())
@@ -313,9 +330,11 @@ def test_step_remedy_specs():
         parse_remedy_spec("plasticity_injection@a")
 
 
-def test_a_remedy_attached_twice_is_refused_before_it_hooks_the_optimizer(tmp_path):
+def test_a_remedy_attached_twice_is_refused_before_it_hooks_the_optimizer(
+    tmp_path, device: torch.device
+):
     torch.manual_seed(4)
-    model = ReluNet()
+    model = ReluNet().to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     session = remedy_session(tmp_path, model, opt)
     session.add_remedy("body", l2_init(coef=0.5))
@@ -326,7 +345,7 @@ def test_a_remedy_attached_twice_is_refused_before_it_hooks_the_optimizer(tmp_pa
             p += 1.0  # theta - theta_0 = 1 everywhere
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt.zero_grad()
-    loss_of(model, batches(1)[0]).backward()
+    loss_of(model, batches(1, device=device)[0]).backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     opt.step()
     for n, p in model.named_parameters():

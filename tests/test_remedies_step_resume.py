@@ -44,13 +44,19 @@ def remedy_rows(run_dir) -> dict[int, dict[str, float]]:
     return rows
 
 
-def test_same_seed_same_firings_and_sigkill_resume_reproduces_them(tmp_path):
+def on_cpu(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Host copies (a checkpoint is loaded onto the CPU, a run's policy is on its device)."""
+    return {k: v.cpu() for k, v in params.items()}
+
+
+def test_same_seed_same_firings_and_sigkill_resume_reproduces_them(tmp_path, device: torch.device):
     target = write_recipe(tmp_path)
+    on_device = f"device={device.type}"  # the recipe's policy on the test's device
     override = remedies(SPECS)
-    plain = baseline_params(target, tmp_path / "plain", override)
-    again = baseline_params(target, tmp_path / "again", override)
+    plain = baseline_params(target, tmp_path / "plain", override, on_device)
+    again = baseline_params(target, tmp_path / "again", override, on_device)
     other_specs = [SPECS[0] + ",seed=123", *SPECS[1:]]
-    other = baseline_params(target, tmp_path / "other", remedies(other_specs))
+    other = baseline_params(target, tmp_path / "other", remedies(other_specs), on_device)
     rows = remedy_rows(tmp_path / "plain")
     assert_same_params(plain, again)
     assert remedy_rows(tmp_path / "again") == rows
@@ -65,10 +71,10 @@ def test_same_seed_same_firings_and_sigkill_resume_reproduces_them(tmp_path):
     assert all(rows[e]["remedies/l2_init/actor_head/steps"] == 8.0 for e in rows)
 
     run_dir = tmp_path / "killed"
-    proc = start_run(target, run_dir, override)
+    proc = start_run(target, run_dir, override, on_device)
     wait_for_epoch(run_dir, 3, proc)
     assert kill(proc) == -signal.SIGKILL
     assert main(["resume", str(run_dir), "--no-progress"]) == 0
     assert_each_epoch_once(run_dir)
-    assert_same_params(final_params(run_dir), plain)
+    assert_same_params(final_params(run_dir), on_cpu(plain))
     assert remedy_rows(run_dir) == rows

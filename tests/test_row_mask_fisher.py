@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from conftest import sb3_cartpole
+from conftest import float32_rtol, sb3_cartpole
 from test_probe_fisher import per_sample_loss
 from torch import nn
 from torch.func import functional_call
@@ -47,9 +47,14 @@ def row_losses(logits: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     return per_sample_loss(logits.reshape(-1, C), a.reshape(-1)).reshape(a.shape)
 
 
-def batches(make_x: Callable[[torch.Generator, int], torch.Tensor], sequence: bool) -> list:
+def batches(
+    make_x: Callable[[torch.Generator, int], torch.Tensor],
+    sequence: bool,
+    device: torch.device | str = "cpu",
+) -> list:
     """Two minibatches (x, a, mask): per-sample masks (B,), or (B, T) masks with a padded
-    tail, a masked middle step and one sequence with no kept step."""
+    tail, a masked middle step and one sequence with no kept step; drawn on the CPU and
+    moved to ``device``."""
     g = torch.Generator().manual_seed(11)
     out = []
     for n in (B, B - 2):
@@ -68,7 +73,7 @@ def batches(make_x: Callable[[torch.Generator, int], torch.Tensor], sequence: bo
             m[1] = m[n - 1] = 0.0
             if x.is_floating_point():  # masked samples far off: counted, they would show
                 x[1] = x[1] * 40
-        out.append((x, a, m))
+        out.append((x.to(device), a.to(device), m.to(device)))
     return out
 
 
@@ -127,14 +132,15 @@ def check(net: Net, data: list, micro: int, reduction: str) -> None:
     # nn.MultiheadAttention returns (output, weights): the unit Fisher reads the output
     extractor = 0 if isinstance(net.body, nn.MultiheadAttention) else None
     fisher, counts, metrics = probe(net, data, micro, reduction, extractor=extractor)
-    ref, n = reference(net, data)
+    ref, n = reference(net, data)  # on the model's device: compared on the host
     assert set(fisher) == set(ref)
+    rtol = float32_rtol(net, REL)
     for name, value in ref.items():
         assert value.abs().sum() > 0, name
-        torch.testing.assert_close(fisher[name], value, rtol=REL, atol=1e-12)
+        torch.testing.assert_close(fisher[name].cpu(), value.cpu(), rtol=rtol, atol=1e-12)
         assert counts[name] == n, name  # kept samples only
         assert metrics[f"probes/fisher/body/{name}.trace"] == pytest.approx(
-            value.sum().item(), rel=REL
+            value.sum().item(), rel=rtol
         )
     assert metrics["probes/fisher/body/unsupported_params"] == 0
 
@@ -249,20 +255,20 @@ CASES = {
 @pytest.mark.parametrize(("reduction", "micro"), [("mean", 1), ("mean", 2), ("sum", 2)])
 @pytest.mark.parametrize("case", list(CASES))
 def test_masked_fisher_on_every_route_matches_a_per_sample_loop(
-    case: str, reduction: str, micro: int
+    case: str, reduction: str, micro: int, device: torch.device
 ) -> None:
     body, head, run, make_x, sequence = CASES[case]
     torch.manual_seed(0)
-    net = Net(body(), head(), run)
-    check(net, batches(make_x, sequence), micro, reduction)
+    net = Net(body(), head(), run).to(device)
+    check(net, batches(make_x, sequence, device), micro, reduction)
 
 
-def test_a_flat_mask_on_a_time_major_lstm_is_read_in_its_row_order() -> None:
+def test_a_flat_mask_on_a_time_major_lstm_is_read_in_its_row_order(device: torch.device) -> None:
     """A (T*B,) mask in the (time, batch) row order of an nn.LSTM without batch_first
     gives the same Fisher as the (B, T) mask."""
     torch.manual_seed(1)
-    net = Net(nn.LSTM(3, 5), nn.Linear(5, C), lstm_time_major)
-    data = batches(images((T, 3)), True)
+    net = Net(nn.LSTM(3, 5), nn.Linear(5, C), lstm_time_major).to(device)
+    data = batches(images((T, 3)), True, device)
     flat = [(x, a, m) for x, a, m in data]
     got2d, counts2d, _ = probe(net, data, 1, "mean")
     policy = PolicyAutoBuilder.wrap(net, {"body": "body"})
@@ -277,20 +283,22 @@ def test_a_flat_mask_on_a_time_major_lstm_is_read_in_its_row_order() -> None:
     policy.remove_hooks()
     assert not ctx.probe_errors
     for name, value in got2d.items():
-        torch.testing.assert_close(got1d[name], value, rtol=REL, atol=1e-12)
+        torch.testing.assert_close(got1d[name].cpu(), value.cpu(), rtol=REL, atol=1e-12)
         assert int(tracker.state["body"][f"param_samples:{name}"]) == counts2d[name]
 
 
-def test_a_mask_that_fits_no_sample_layout_disables_the_probe_with_the_shapes() -> None:
+def test_a_mask_that_fits_no_sample_layout_disables_the_probe_with_the_shapes(
+    device: torch.device,
+) -> None:
     net = Net(
         nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten()), nn.Linear(4 * 3 * 3, C), head_on_body
-    )
+    ).to(device)
     policy = PolicyAutoBuilder.wrap(net, {"body": "body"})
     ctx = ComponentContext()
     policy.attach("body", attach_fisher_information_hooks(), ctx, backward=True)
-    x = torch.randn(4, 3, 5, 5)
-    ctx.row_mask = torch.ones(5)
-    per_sample_loss(net(x), torch.zeros(4, dtype=torch.long)).mean().backward()
+    x = torch.randn(4, 3, 5, 5).to(device)
+    ctx.row_mask = torch.ones(5).to(device)
+    per_sample_loss(net(x), torch.zeros(4, dtype=torch.long).to(device)).mean().backward()
     policy.remove_hooks()
     assert "fisher/body" in ctx.probe_errors
     assert "(5,)" in ctx.probe_errors["fisher/body"]

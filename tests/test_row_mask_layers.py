@@ -37,9 +37,11 @@ def channel_rows(t: torch.Tensor) -> torch.Tensor:
     return t.movedim(1, -1).reshape(-1, t.shape[1]).double()
 
 
-def conv_batches(dims: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def conv_batches(
+    dims: int, device: torch.device | str = "cpu"
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Minibatches whose masked samples are far out of distribution (x * 40); the last
-    one is masked entirely."""
+    one is masked entirely. Drawn on the CPU and moved to ``device``."""
     g = torch.Generator().manual_seed(3)
     out = []
     for n, masked in ((5, (1, 3)), (4, (0,)), (3, (0, 1, 2))):
@@ -48,16 +50,18 @@ def conv_batches(dims: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tens
         m = torch.ones(n)
         m[list(masked)] = 0.0
         x[m == 0] *= 40
-        out.append((x, a, m))
+        out.append((x.to(device), a.to(device), m.to(device)))
     return out
 
 
 @pytest.mark.parametrize("dims", [1, 2])
-def test_a_masked_conv_output_is_read_per_channel_over_the_kept_samples(dims: int) -> None:
+def test_a_masked_conv_output_is_read_per_channel_over_the_kept_samples(
+    dims: int, device: torch.device
+) -> None:
     torch.manual_seed(0)
     conv = nn.Conv1d if dims == 1 else nn.Conv2d
     encoder = nn.Sequential(conv(2, 4, 3), nn.ReLU(), conv(4, 3, 1), nn.Tanh())
-    model = nn.Sequential(encoder, nn.Flatten(), nn.Linear(3 * 4**dims, 3))
+    model = nn.Sequential(encoder, nn.Flatten(), nn.Linear(3 * 4**dims, 3)).to(device)
     policy = PolicyAutoBuilder.wrap(model, {"encoder": "0"})
     ctx = ComponentContext()
     policy.attach("encoder", attach_relu_activation_hooks(), ctx)
@@ -65,7 +69,7 @@ def test_a_masked_conv_output_is_read_per_channel_over_the_kept_samples(dims: in
     policy.attach("encoder", attach_gradient_flow_hooks(beta=BETA), ctx, backward=True)
     policy.attach("encoder", attach_relu_gradient_flow_hooks(), ctx, backward=True)
     rec = Recorder({"relu": encoder[1], "tanh": encoder[3]})
-    data = conv_batches(dims)
+    data = conv_batches(dims, device)
     for x, a, m in data:
         ctx.row_mask = m
         losses = F.cross_entropy(policy(x), a, reduction="none")
@@ -86,13 +90,14 @@ def test_a_masked_conv_output_is_read_per_channel_over_the_kept_samples(dims: in
     relu, tanh = kept_rows(rec.out["relu"]), kept_rows(rec.out["tanh"])
     for key, h in (("encoder", tanh), ("encoder.1", relu), ("encoder.3", tanh)):
         p = f"probes/relu/{key}/"
-        assert got[p + "active_rate"] == pytest.approx((h > 0).double().mean(0).tolist(), rel=REL)
+        active = (h > 0).double().mean(0).cpu().tolist()
+        assert got[p + "active_rate"] == pytest.approx(active, rel=REL)
         assert got[p + "zero_fraction"] == pytest.approx(float((h <= 0).double().mean()), rel=REL)
         assert got[p + "samples"] == kept
     for key in ("encoder", "encoder.3"):
         p = f"probes/saturation_tanh/{key}/"
         rate = (tanh.abs() > 0.5).double().mean(0)
-        assert got[p + "saturation_rate"] == pytest.approx(rate.tolist(), rel=REL)
+        assert got[p + "saturation_rate"] == pytest.approx(rate.cpu().tolist(), rel=REL)
         assert got[p + "mean_derivative"] == pytest.approx(float((1 - tanh**2).mean()), rel=REL)
         assert got[p + "samples"] == kept
     # the masked samples (x * 40) saturate: counting them would change the rate
@@ -108,7 +113,7 @@ def test_a_masked_conv_output_is_read_per_channel_over_the_kept_samples(dims: in
         ]
         p = f"probes/gradient_flow/{key}/"
         assert got[p + "passes"] == 2
-        assert got[p + "rms"] == pytest.approx(ema_reference(rms).tolist(), rel=REL)
+        assert got[p + "rms"] == pytest.approx(ema_reference(rms).cpu().tolist(), rel=REL)
     passed = torch.cat(
         [
             channel_rows(((g != 0) & (o > 0))[k])
@@ -116,7 +121,7 @@ def test_a_masked_conv_output_is_read_per_channel_over_the_kept_samples(dims: in
         ]
     )
     p = "probes/relu_gradient_flow/encoder.1/"
-    assert got[p + "pass_rate"] == pytest.approx(passed.double().mean(0).tolist(), rel=REL)
+    assert got[p + "pass_rate"] == pytest.approx(passed.double().mean(0).cpu().tolist(), rel=REL)
 
 
 class StepCore(nn.Module):
@@ -155,9 +160,11 @@ def masked_mean(logits: torch.Tensor, a: torch.Tensor, mask: torch.Tensor) -> to
 
 
 @pytest.mark.parametrize("extractor", [0, lambda out: out[0]])
-def test_per_layer_keys_of_a_per_step_core_leave_masked_rows_out(extractor) -> None:
+def test_per_layer_keys_of_a_per_step_core_leave_masked_rows_out(
+    extractor, device: torch.device
+) -> None:
     torch.manual_seed(0)
-    net = StepNet()
+    net = StepNet().to(device)
     policy = PolicyAutoBuilder.wrap(net, {"core": "core"})
     ctx = ComponentContext()
     policy.attach("core", attach_relu_activation_hooks(extractor=extractor), ctx)
@@ -167,7 +174,7 @@ def test_per_layer_keys_of_a_per_step_core_leave_masked_rows_out(extractor) -> N
     policy.attach("core", flow, ctx, backward=True)
     rec = Recorder({"act": net.core.act})
     rec_core = Recorder({"core": net.core}, pick=lambda out: out[0])
-    x, a, mask = sequences()
+    x, a, mask = (t.to(device) for t in sequences())  # drawn on the CPU, then moved
     ctx.row_mask = mask
     masked_mean(net(x), a, mask).backward()
     ctx.row_mask = None
@@ -187,20 +194,23 @@ def test_per_layer_keys_of_a_per_step_core_leave_masked_rows_out(extractor) -> N
     for key, name in (("core", "core"), ("core.act", "act")):
         h, g = kept(rec.out[name]), kept(rec.grad[name])
         p = f"probes/relu/{key}/"
-        assert got[p + "active_rate"] == pytest.approx((h > 0).double().mean(0).tolist(), rel=REL)
+        active = (h > 0).double().mean(0).cpu().tolist()
+        assert got[p + "active_rate"] == pytest.approx(active, rel=REL)
         assert got[p + "samples"] == n
         # one row_mask block is one pass; gradients arrive last step first
         p = f"probes/gradient_flow/{key}/"
         assert got[p + "passes"] == 1
-        assert got[p + "rms"] == pytest.approx(g.square().mean(0).sqrt().tolist(), rel=REL)
+        assert got[p + "rms"] == pytest.approx(g.square().mean(0).sqrt().cpu().tolist(), rel=REL)
     h = kept(rec.out["act"])
     p = "probes/saturation_tanh/core.act/"
     rate = (h.abs() > 0.5).double().mean(0)
-    assert got[p + "saturation_rate"] == pytest.approx(rate.tolist(), rel=REL)
+    assert got[p + "saturation_rate"] == pytest.approx(rate.cpu().tolist(), rel=REL)
     assert got[p + "samples"] == n
 
 
-def test_recurrent_cores_have_no_layer_keys_and_an_extractor_overrides_the_default() -> None:
+def test_recurrent_cores_have_no_layer_keys_and_an_extractor_overrides_the_default(
+    device: torch.device,
+) -> None:
     """An nn.GRU component: per-layer probing finds no activation layer inside it (no
     ``core.*`` keys, no errors); the default reads ``output``, ``extractor=1`` reads
     ``h_n`` instead, and a key extractor reads a TensorDictModule's GRU output."""
@@ -210,6 +220,7 @@ def test_recurrent_cores_have_no_layer_keys_and_an_extractor_overrides_the_defau
     torch.manual_seed(0)
     gru = nn.GRU(F_IN, H)
     x = torch.randn(T, B, F_IN)
+    gru, x = gru.to(device), x.to(device)  # built and drawn on the CPU, then moved
     reads = {}
     for extractor in (None, 1, lambda out: out[0]):
         policy = PolicyAutoBuilder.wrap(nn.Sequential(gru), {"core": gru})
@@ -227,7 +238,7 @@ def test_recurrent_cores_have_no_layer_keys_and_an_extractor_overrides_the_defau
     for name, h in ((None, out.reshape(-1, H)), (1, h_n.reshape(-1, H))):
         assert reads[name]["probes/relu/core/samples"] == h.shape[0]
         active = (h > 0).double().mean(0)
-        assert reads[name]["probes/relu/core/active_rate"] == pytest.approx(active.tolist())
+        assert reads[name]["probes/relu/core/active_rate"] == pytest.approx(active.cpu().tolist())
     assert reads["callable"].keys() == reads[None].keys()
     for key, value in reads[None].items():
         assert reads["callable"][key] == pytest.approx(value), key
@@ -247,6 +258,7 @@ def test_recurrent_cores_have_no_layer_keys_and_an_extractor_overrides_the_defau
     policy.attach("body", attach_relu_activation_hooks(extractor="seq"), ctx)
     mask = torch.ones(T * B)
     mask[:4] = 0
+    mask = mask.to(device)
     ctx.row_mask = mask
     body(tensordict.TensorDict({"x": x}, batch_size=[]))
     ctx.row_mask = None
@@ -254,4 +266,4 @@ def test_recurrent_cores_have_no_layer_keys_and_an_extractor_overrides_the_defau
     h = out.reshape(-1, H)[mask.bool()]
     assert got["probes/relu/body/samples"] == T * B - 4
     active = (h > 0).double().mean(0)
-    assert got["probes/relu/body/active_rate"] == pytest.approx(active.tolist(), rel=REL)
+    assert got["probes/relu/body/active_rate"] == pytest.approx(active.cpu().tolist(), rel=REL)

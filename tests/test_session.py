@@ -106,34 +106,37 @@ def fisher_reference(
 
 def check_relu(rec: dict[str, Any], name: str, rows: torch.Tensor) -> None:
     """The relu probe's keys for ``name`` in ``rec`` against :func:`relu_reference` of the
-    ``rows`` it saw."""
+    ``rows`` it saw (on any device)."""
     ref = relu_reference(rows)
     key = f"probes/relu/{name}/"
     assert rec[key + "samples"] == ref["samples"]
     assert rec[key + "dead_fraction"] == pytest.approx(ref["dead_fraction"])
     assert rec[key + "zero_fraction"] == pytest.approx(ref["zero_fraction"])
     torch.testing.assert_close(
-        torch.tensor(rec[key + "active_rate"], dtype=torch.float64), ref["active_rate"]
+        torch.tensor(rec[key + "active_rate"], dtype=torch.float64), ref["active_rate"].cpu()
     )
 
 
 def check_tanh_saturation(rec: dict[str, Any], name: str, h: torch.Tensor) -> None:
     """The tanh saturation probe's keys for ``name`` (threshold 0.95) against the
-    outputs ``h`` it saw."""
+    outputs ``h`` it saw (on any device)."""
     key = f"probes/saturation_tanh/{name}/"
     saturated, derivative = saturation_reference(h.double(), "tanh", 0.95)
     sat = saturated.double()
     assert rec[key + "samples"] == h.shape[0]
     assert rec[key + "saturated_fraction"] == pytest.approx(float(sat.mean()))
-    torch.testing.assert_close(torch.tensor(rec[key + "saturation_rate"]).double(), sat.mean(0))
+    torch.testing.assert_close(
+        torch.tensor(rec[key + "saturation_rate"]).double(), sat.mean(0).cpu()
+    )
     assert rec[key + "mean_derivative"] == pytest.approx(float(derivative.mean()), rel=1e-6)
 
 
 def check_fisher_unit(rec: dict[str, Any], component: str, unit: torch.Tensor) -> None:
-    """The Fisher probe's per-unit vector for ``component`` against ``unit`` (float64)."""
+    """The Fisher probe's per-unit vector for ``component`` against ``unit`` (float64, on
+    any device)."""
     torch.testing.assert_close(
         torch.tensor(rec[f"probes/fisher/{component}/unit"], dtype=torch.float64),
-        unit,
+        unit.cpu(),
         rtol=1e-5,
         atol=1e-12,
     )
@@ -214,18 +217,21 @@ def test_doc_cleanrl_loop_records_match_independent_computation(tmp_path):
 
 
 def _tiny_epoch(session: ProbeSession, model: nn.Module, opt, n: int = 32) -> None:
-    x = torch.randn(n, 5)
+    """One epoch on rows drawn on the CPU (the same on every device), on the model's
+    device."""
+    device = next(model.parameters()).device
+    x = torch.randn(n, 5).to(device)
     with session.phase("rollout"), torch.no_grad():
-        model(torch.randn(7, 5))  # not recorded
+        model(torch.randn(7, 5).to(device))  # not recorded
     loss = model(x).square().mean()
     opt.zero_grad()
     loss.backward()
     opt.step()
 
 
-def test_hooks_removed_and_sinks_flushed_when_the_loop_raises(tmp_path):
+def test_hooks_removed_and_sinks_flushed_when_the_loop_raises(tmp_path, device: torch.device):
     torch.manual_seed(0)
-    model = TinyPolicy()
+    model = TinyPolicy().to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     assert hook_counts(model) == 0
     with (
@@ -248,10 +254,10 @@ def test_hooks_removed_and_sinks_flushed_when_the_loop_raises(tmp_path):
         assert len(list(csv.DictReader(f))) == 1
 
 
-def test_epoch_record_matches_a_clone_run_on_the_same_minibatches(tmp_path):
+def test_epoch_record_matches_a_clone_run_on_the_same_minibatches(tmp_path, device: torch.device):
     torch.manual_seed(1)
-    model = TinyPolicy(hidden=(6,))
-    clone = TinyPolicy(hidden=(6,))
+    model = TinyPolicy(hidden=(6,)).to(device)
+    clone = TinyPolicy(hidden=(6,)).to(device)
     clone.load_state_dict(model.state_dict())
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     with ProbeSession(model, run_dir=tmp_path, **NO_WANDB) as session:
@@ -260,7 +266,7 @@ def test_epoch_record_matches_a_clone_run_on_the_same_minibatches(tmp_path):
         for _ in range(3):
             with torch.no_grad():  # the minibatch through the clone, before the step
                 clone.load_state_dict(model.state_dict())
-            x = torch.randn(16, 5)
+            x = torch.randn(16, 5).to(device)
             seen.append(clone.actor_mlp(x).detach())
             loss = model(x).square().mean()
             opt.zero_grad()
@@ -275,8 +281,8 @@ def test_epoch_record_matches_a_clone_run_on_the_same_minibatches(tmp_path):
     assert rec["probes/relu/actor_mlp/active_rate"] == out["probes/relu/actor_mlp/active_rate"]
 
 
-def test_log_last_and_mean_phase_context_and_names(tmp_path):
-    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
+def test_log_last_and_mean_phase_context_and_names(tmp_path, device: torch.device):
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1)).to(device)
     with ProbeSession(model, run_dir=tmp_path, **NO_WANDB) as session:
         assert isinstance(session.policy, PolicyAutoBuilder)
         assert session.component_names[:2] == ["0", "1"]
@@ -291,10 +297,10 @@ def test_log_last_and_mean_phase_context_and_names(tmp_path):
         assert session.current_phase == "train"
         with session.phase("eval"):
             assert session.current_phase == "eval"
-            model(torch.randn(5, 3))  # not recorded
+            model(torch.randn(5, 3).to(device))  # not recorded
         assert session.current_phase == "train"
         for v in (1.0, 2.0, 6.0):
-            session.log({"a": torch.tensor(v)}, reduce="mean")
+            session.log({"a": torch.tensor(v).to(device)}, reduce="mean")  # kept on the device
             session.log({"b": v})
         out = session.epoch_end(step=10)
         assert out["a"] == pytest.approx(3.0) and out["b"] == 6.0
@@ -334,11 +340,14 @@ def test_lifecycle_selection_is_checked_against_what_the_loop_provides(tmp_path)
     assert hook_counts(model) == 0
 
 
-def _regression_run(tmp_path: Path, hooks: list[str]) -> tuple[list[torch.Tensor], dict]:
+def _regression_run(
+    tmp_path: Path, hooks: list[str], device: torch.device | str = "cpu"
+) -> tuple[list[torch.Tensor], dict]:
     torch.manual_seed(3)
-    model = TinyPolicy()
+    model = TinyPolicy().to(device)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     data = [(torch.randn(8, 5), torch.randn(8, 3)) for _ in range(3)]
+    data = [(x.to(device), y.to(device)) for x, y in data]
 
     def loss_fn(m: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         return (m(batch[0]) - batch[1]).square().mean()
@@ -364,9 +373,10 @@ def _regression_run(tmp_path: Path, hooks: list[str]) -> tuple[list[torch.Tensor
     return [p.detach().clone() for p in model.parameters()], out
 
 
-def test_interventions_leave_the_trajectory_bit_identical(tmp_path):
-    plain, _ = _regression_run(tmp_path / "a", [])
-    probed, out = _regression_run(tmp_path / "b", ["counterfactual", "adam_dynamics", "norms"])
+def test_interventions_leave_the_trajectory_bit_identical(tmp_path, device: torch.device):
+    plain, _ = _regression_run(tmp_path / "a", [], device)
+    hooks = ["counterfactual", "adam_dynamics", "norms"]
+    probed, out = _regression_run(tmp_path / "b", hooks, device)
     assert all(torch.equal(a, b) for a, b in zip(plain, probed, strict=True))
     assert out["counterfactual/update_norm"] > 0
     assert "counterfactual/error" not in out
