@@ -89,6 +89,8 @@ DEFAULTS: dict[str, Any] = {
     # trainer.compile (docs/compile.md): torch.compile the update's forward
     "compile": False,
     "compile_backend": "inductor",
+    # the torch device of ``ours``, ``recipe`` and ``cleanrl_atari`` ("cpu" or "cuda")
+    "device": "cpu",
 }
 
 
@@ -223,6 +225,7 @@ def ours(p: dict[str, Any]) -> dict[str, Any]:
         ),
         wandb=WandbConfig(mode="disabled"),
         seed=p["seed"],
+        device=p["device"],
         run_dir=run_dir,
         torch_threads=1,
         probe_budget=p["probe_budget"],
@@ -435,9 +438,11 @@ def sb3(p: dict[str, Any]) -> dict[str, Any]:
 
 
 def sampling_of(metrics: dict[str, Any]) -> dict[str, Any]:
-    """The last epoch's measured probe overhead and sampling strides (``observe_every``)."""
+    """The last epoch's measured probe overhead, sampling strides (``observe_every``) and
+    the probes disabled after a fault (a disabled probe costs nothing: the ratio would lie)."""
     return {
         "overhead_fraction": metrics.get("probes/overhead_fraction"),
+        "probe_errors": sorted(k for k in metrics if k.startswith("probes/errors/")),
         "observe_every": {
             k.split("/")[1]: v for k, v in metrics.items() if k.endswith("/observe_every")
         },
@@ -460,6 +465,7 @@ def recipe(p: dict[str, Any]) -> dict[str, Any]:
     tool.sinks.wandb = False
     tool.wandb.mode = "disabled"
     tool.seed = p["seed"]
+    tool.device = p["device"]
     tool.run_dir = tempfile.mkdtemp(prefix="pp-bench-")
     tool.probe_budget = p["probe_budget"]
     tool.probe_schedule = p["probe_schedule"]
@@ -469,7 +475,14 @@ def recipe(p: dict[str, Any]) -> dict[str, Any]:
     return clocks.result(result.agent_step, **sampling_of(result.metrics))
 
 
-CASES = {"ours": ours, "bare": bare, "sb3": sb3, "recipe": recipe}
+def cleanrl_atari(p: dict[str, Any]) -> dict[str, Any]:
+    """A CleanRL ``ppo_atari.py``-style loop on the trainer's env (:mod:`benchmarks.cleanrl_style`)."""
+    from benchmarks.cleanrl_style import cleanrl_atari as run
+
+    return run(p)
+
+
+CASES = {"ours": ours, "bare": bare, "sb3": sb3, "recipe": recipe, "cleanrl_atari": cleanrl_atari}
 
 
 def warm_imports(case: str) -> None:
@@ -504,6 +517,8 @@ def main() -> None:
     params.update(json.loads(sys.argv[2]) if len(sys.argv) > 2 else {})
     if params["compile"]:  # inductor's import (~1.5 s), not compiling, outside the region
         from torch._inductor import compile_fx  # noqa: F401
+    if params["device"] != "cpu":  # the CUDA context (~1 s) outside the region
+        torch.zeros(1, device=params["device"]).add_(1).cpu()
     print(json.dumps(CASES[case](params)), flush=True)
 
 
