@@ -95,12 +95,15 @@ class RowMask:
         return self._kept
 
     def on(self, device: torch.device) -> RowMask:
-        """This mask on ``device`` (copied once per device)."""
+        """This mask on ``device`` (copied once per device, inside the first hook that
+        needs it: a copy to an accelerator does not wait for it, as the remedies' copies
+        of fresh values do not)."""
         if device == self.weights.device:
             return self
         other = self._on.get(device)
         if other is None:
-            other = self._on[device] = RowMask(self.weights.to(device))
+            moved = self.weights.to(device, non_blocking=device.type != "cpu")
+            other = self._on[device] = RowMask(moved)
             other._steps = self._steps  # one step count per module, on every device
         return other
 
