@@ -3,9 +3,10 @@
 A remedy re-initialises with the layer's own initialiser: the module's
 ``reset_parameters()``, run on a parameter-only twin of the layer (same parameter names,
 shapes and dtypes, on the CPU) with the CPU generator seeded with ``seed`` inside
-``torch.random.fork_rng``, so the process-wide RNG (CPU and CUDA) is left as it was. ``seed`` is one draw
-from the remedy's ``torch.Generator``: the values depend on that generator's state only,
-so a seeded run re-initialises the same values, also after a resume.
+``torch.random.fork_rng``, so the process-wide RNG (CPU and CUDA) is left as it was.
+``seed`` is one draw from the remedy's ``torch.Generator``: the values depend on that
+generator's state only, so a seeded run re-initialises the same values on every device,
+also after a resume.
 """
 
 from __future__ import annotations
