@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from policy_probes.probes.fisher_rules import ConvRule, chunk_bytes_for
-from trainers.nature_cnn import NATURE_CONVS
+from trainers.nature_cnn import NATURE_CONVS, conv_output_size
 
 RESULTS = Path(__file__).resolve().parent / "results"
 METHODS = ("correlate", "unfold")
@@ -38,7 +38,7 @@ def nature_layers() -> list[tuple[str, nn.Conv2d, tuple[int, int, int]]]:
         layers.append(
             (f"conv_{i}", nn.Conv2d(channels, out_channels, kernel, stride), (channels, size, size))
         )
-        channels, size = out_channels, (size - kernel) // stride + 1
+        channels, size = out_channels, conv_output_size(size, kernel, stride)
     return layers
 
 

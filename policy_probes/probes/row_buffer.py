@@ -231,8 +231,8 @@ class RowBuffer:
     @property
     def nbytes(self) -> int:
         """Bytes of the buffer's own storage plus the held blocks it keeps alive."""
-        own = sum(s.numel() * s.element_size() for s in self.storage.values())
-        held = sum(b.numel() * b.element_size() for b in self.pending)
+        own = sum(s.nbytes for s in self.storage.values())
+        held = sum(b.nbytes for b in self.pending)
         return own + held
 
 

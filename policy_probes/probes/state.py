@@ -505,8 +505,8 @@ class ProbeState:
 
     def nbytes(self) -> int:
         """Device memory held by accumulators, row buffers and reduction scratch space."""
-        acc = sum(t.numel() * t.element_size() for st in self.state.values() for t in st.values())
-        scratch = sum(t.numel() * t.element_size() for t in self._scratch.values())
+        acc = sum(t.nbytes for st in self.state.values() for t in st.values())
+        scratch = sum(t.nbytes for t in self._scratch.values())
         return acc + scratch + sum(b.nbytes for b in self.buffers.values())
 
     def holds_graph(self) -> bool:
