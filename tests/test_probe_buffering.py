@@ -270,12 +270,13 @@ def test_the_policys_output_layer_and_its_component_report_the_same_values(devic
 
 
 @pytest.mark.parametrize("block", ["finite", "nan", "overflowing"])
-def test_a_single_finite_push_is_reduced_where_it_lies_at_a_report(block: str):
-    """At a report, the one held block of a column whose entries are all finite (CPU,
-    contiguous rows) is reduced in place, without the copy that splits off non-finite
-    entries: the values are a hand count's, the held tensor is untouched. A block with a
-    NaN takes the copy (the NaN counted apart), and so does a finite block whose float32
-    sum overflows (the check is the sum); a drain inside a hook never reads back."""
+def test_a_single_finite_push_is_reduced_where_it_lies(block: str):
+    """The one held block of a column whose entries are all finite (CPU, contiguous rows)
+    is reduced in place, without the copy that splits off non-finite entries: the values
+    are a hand count's, the held tensor is untouched. A block with a NaN takes the copy
+    (the NaN counted apart), and so does a finite block whose float32 sum overflows (the
+    check is the sum). The same holds for a drain inside a hook: on the CPU, reading the
+    check back synchronises nothing."""
     from policy_probes.probes.gradient_flow import GradientFlowState
     from policy_probes.probes.relu import ReLUActivationState
 
@@ -310,13 +311,45 @@ def test_a_single_finite_push_is_reduced_where_it_lies_at_a_report(block: str):
         (~finite).sum().item() / h.numel()
     )
 
-    # a full buffer drained inside a hook: no read-back, so the copy, whatever the values
+    # a full buffer drained inside a hook (timed=False) decides the same way
     inside = ReLUActivationState()
     inside.register_component("c")
     inside.buffer_rows = 12
     inside.update("c", h)
-    inside.update("c", h)  # does not fit behind the first push: drains it (timed=False)
-    assert inside.buffers[("c", "h")].storage.get((0, 0)) is not None
+    inside.update("c", h)  # does not fit behind the first push: drains it inside the call
+    assert (inside.buffers[("c", "h")].storage.get((0, 0)) is not None) == (block != "finite")
+    assert inside.to_metrics()["probes/relu/c/active_rate"] == pytest.approx(active, abs=1e-12)
+
+
+@pytest.mark.parametrize("block", ["finite", "nan"])
+def test_concatenated_finite_rows_skip_the_split(block: str):
+    """Several pushes (or a conv output's channels-first view) are copied into the
+    buffer's storage; when the copy is all finite, its non-finite indicator is not
+    written (no split), and the metrics are a hand count's either way."""
+    from policy_probes.probes.relu import ReLUActivationState
+
+    g = torch.Generator().manual_seed(6)
+    conv = torch.randn(3, 4, 5, 5, generator=g)  # (B, C, H, W): a conv output
+    if block == "nan":
+        conv[1, 2, 3, 4] = float("nan")
+    view = conv.movedim(1, -1)  # (B, H, W, C): rows of channels, not contiguous
+    flat = torch.randn(10, 4, generator=g)
+    relu = ReLUActivationState()
+    relu.register_component("c")
+    relu.update("c", view)
+    relu.update("c", flat)
+    out = relu.to_metrics()
+    storage = relu.buffers[("c", "h")].storage
+    assert storage.get((0, 0)) is not None  # the rows were copied together
+    assert (storage.get((0, 1)) is not None) == (block == "nan")  # split only with a NaN
+    rows = torch.cat([view.reshape(-1, 4), flat])
+    finite = torch.isfinite(rows)
+    clean = torch.where(finite, rows, torch.zeros(()))
+    active = ((clean > 0).sum(0) / finite.sum(0).double()).tolist()
+    assert out["probes/relu/c/active_rate"] == pytest.approx(active, abs=1e-12)
+    assert out["probes/relu/c/nonfinite_fraction"] == pytest.approx(
+        (~finite).sum().item() / rows.numel()
+    )
 
 
 def test_a_window_end_releases_large_storage_and_keeps_small(device: torch.device):

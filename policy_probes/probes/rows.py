@@ -133,11 +133,8 @@ class DrainRound:
     held tensors alive until it ends, so no key's memory can be reused meanwhile.
     """
 
-    def __init__(self, *, host_reads: bool = False) -> None:
+    def __init__(self) -> None:
         self._rows: dict[tuple[int, ...], tuple[Rows, Sequence[torch.Tensor]]] = {}
-        #: whether the round runs outside a training pass (a report, a checkpoint), where
-        #: reading a value back from a CPU tensor is allowed; inside a hook nothing is
-        self.host_reads = host_reads
 
     def rows(self, refs: Sequence[torch.Tensor], materialise: Callable[[], Rows]) -> Rows:
         """The round's :class:`Rows` of ``refs``, made by ``materialise()`` the first

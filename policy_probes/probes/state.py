@@ -257,7 +257,8 @@ class ProbeState:
         so block columns that several probes hold are materialised once. With ``timed``
         each tracker's share is added to its ``seconds`` (what the sampler counts as the
         probe's cost); a drain inside a probe's hook (``timed=False``) is counted by the
-        hook's own timing, and reads nothing back to the host.
+        hook's own timing, and reads nothing back from a device (on the CPU it reads
+        whether a column is finite, which synchronises nothing).
 
         A component whose rows cannot be reduced (for example because its width changed
         within a window, or a held tensor was changed in place) loses that window's data,
@@ -265,7 +266,7 @@ class ProbeState:
         :class:`~policy_probes.stats_reporter.StatsReporter` to report; the other
         components and trackers are unaffected.
         """
-        drain_round = DrainRound(host_reads=timed)  # not inside a hook
+        drain_round = DrainRound()
         peers = [self]
         if self.context is not None:
             peers = [t for t in self.context.model_metrics.values() if isinstance(t, ProbeState)]
