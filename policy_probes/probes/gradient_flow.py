@@ -81,7 +81,10 @@ class GradientFlowState(ProbeState):
         if len(set(segments)) == 1:  # equal passes: one reshape, no loop
             p, n = len(segments), segments[0]
             sums = sq.reshape(p, n, -1).sum(1)
-            counts = nonfinite.reshape(p, n, -1).sum(1).neg_().add_(n)
+            if drained.all_finite:
+                counts = torch.full_like(sums, n)
+            else:
+                counts = nonfinite.reshape(p, n, -1).sum(1).neg_().add_(n)
         else:
             sums = torch.stack([part.sum(0) for part in sq.split(segments)])
             counts = torch.stack(

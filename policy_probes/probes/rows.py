@@ -44,6 +44,9 @@ class Rows:
     ) -> None:
         self.clean = clean
         self.nonfinite = nonfinite
+        #: every entry is known finite (:meth:`finite`): :attr:`nonfinite` is a broadcast
+        #: zero, which reductions need not read
+        self.all_finite = False
         self._aux = aux
         self._cache: dict[str, torch.Tensor] = {}
 
@@ -81,6 +84,7 @@ class Rows:
         """Rows of ``values`` known to be all finite, read where they lie (not copied; the
         non-finite indicator is a broadcast zero, its counts known)."""
         rows = cls(values, values.new_zeros(()).expand(values.shape), aux)
+        rows.all_finite = True
         rows._cache["finite_count"] = torch.full(
             values.shape[1:], values.shape[0], dtype=COUNT, device=values.device
         )
