@@ -42,17 +42,25 @@ def on_grad(tensor: torch.Tensor, callback: GradCallback) -> None:
     if subscribers is None:
         subscribers = [callback]
         set_tensor_slot(tensor, _ATTR, subscribers)
-        tensor.register_hook(_fan_out(subscribers))
+        tensor.register_hook(_FanOut(subscribers))
     else:
         subscribers.append(callback)
 
 
-def _fan_out(subscribers: list[GradCallback]) -> Callable[[torch.Tensor], None]:
-    def hook(grad: torch.Tensor) -> None:
-        for callback in subscribers:
-            callback(grad)
+class _FanOut:
+    """The one tensor hook of a tapped tensor: hands the gradient to every subscriber.
+    A slotted object rather than a closure (one object instead of a function, its cell
+    and closure tuple): a module called step by step taps a tensor per step, each alive
+    until the backward."""
 
-    return hook
+    __slots__ = ("subscribers",)
+
+    def __init__(self, subscribers: list[GradCallback]) -> None:
+        self.subscribers = subscribers
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        for callback in self.subscribers:
+            callback(grad)
 
 
 @torch.compiler.disable  # runs (eagerly, at a graph break) each time the compiled code does

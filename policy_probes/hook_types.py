@@ -235,7 +235,7 @@ class ProbeHook:
         except Exception as exc:
             self.fail(exc)
             return None
-        return lambda grad: self._dispatch(module, None, (grad,), weight)
+        return _GradDelivery(self, module, weight)
 
     # ------------------------------------------------------- plain registration
     def check_plain_call(self, module: nn.Module, first: Any, second: Any) -> None:
@@ -414,6 +414,23 @@ class ProbeHook:
         Subclasses that override it set :attr:`attached`."""
         self.attached = True
         return []
+
+
+class _GradDelivery:
+    """``grad -> probe._dispatch(module, None, (grad,), weight)``: what
+    :meth:`ProbeHook.grad_callback` returns, as one slotted object instead of a closure
+    with three cells (a module called step by step makes one per step, alive until the
+    backward)."""
+
+    __slots__ = ("probe", "module", "weight")
+
+    def __init__(self, probe: ProbeHook, module: nn.Module, weight: torch.Tensor | None) -> None:
+        self.probe = probe
+        self.module = module
+        self.weight = weight
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        self.probe._dispatch(self.module, None, (grad,), self.weight)
 
 
 def _detached(t: torch.Tensor) -> torch.Tensor:

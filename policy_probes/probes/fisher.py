@@ -43,6 +43,7 @@ from policy_probes.hook_types import BackwardHookBuilder, Extractor, ProbeError,
 from policy_probes.layers import HiddenLayer
 from policy_probes.probes.fisher_generic import (
     Call,
+    Layout,
     OutputTap,
     batch_layout,
     clean,
@@ -424,6 +425,48 @@ def _noise(prefix: str, n: int, sq: float, gsq: float) -> dict[str, float]:
     return out
 
 
+class _GenericDelivery:
+    """What one pass of a module on the generic route hands its output node: called with
+    the gradients of its tapped outputs, it records the pass (:class:`Call`) with the
+    loop's loss scale, fault-guarded like the probe's own hook. One slotted object per
+    pass instead of two closures (with their cells), because a module called step by step
+    makes one per step and each lives until the backward: fewer objects for the garbage
+    collector's young generation to count."""
+
+    __slots__ = ("probe", "arrived", "layout", "tapped", "width", "rows", "weight")
+
+    def __init__(
+        self,
+        probe: ProbeHook,
+        arrived: Callable[[Call, float], None],
+        layout: Layout,
+        tapped: tuple[int, ...],
+        width: int,
+        rows: int | None,
+        weight: torch.Tensor | None,
+    ) -> None:
+        self.probe = probe
+        self.arrived = arrived
+        self.layout = layout
+        self.tapped = tapped
+        self.width = width  # the outputs themselves are not held
+        self.rows = rows
+        self.weight = weight
+
+    def __call__(self, grads: tuple[torch.Tensor | None, ...]) -> None:
+        probe = self.probe
+        if not probe.enabled:
+            return
+        try:
+            full: list[torch.Tensor | None] = [None] * self.width
+            for i, g in zip(self.tapped, grads, strict=True):
+                full[i] = g
+            call = Call(self.layout, full, self.weight, self.rows)
+            self.arrived(call, probe.context.loss_scale)
+        except Exception as exc:  # a probe must never take training down
+            probe.fail(exc)
+
+
 class FisherInformationHook(ProbeHook):
     probe = "fisher"
     builder_name = "attach_fisher_information_hooks()"
@@ -574,6 +617,12 @@ class FisherInformationHook(ProbeHook):
             except Exception as exc:
                 self.fail(exc)
 
+        def arrived(call: Call, loss_scale: float) -> None:
+            if not pending:  # first pass of this backward: reduce when it ends
+                scale[0] = loss_scale
+                queue_after_backward(reduce_pending)
+            pending.append(call)
+
         def hook(mod: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             if gave_up[0] or not self._recorded(output, None):
                 return
@@ -587,7 +636,6 @@ class FisherInformationHook(ProbeHook):
                 t.detach() if isinstance(t, torch.Tensor) else t for t in layout.leaves
             ]
             outs, spec = tree_flatten_cached(output)
-            width = len(outs)  # the closure must not hold the outputs themselves
             rows = _output_rows(outs[0])
             try:
                 weight = _generic_sample_weight(
@@ -596,25 +644,15 @@ class FisherInformationHook(ProbeHook):
             except Exception as exc:
                 self.fail(exc)
                 return
-            tapped = [
+            tapped = tuple(
                 i for i, t in enumerate(outs) if isinstance(t, torch.Tensor) and t.requires_grad
-            ]
-
-            def arrived(grads: Any, *, weight: torch.Tensor | None, loss_scale: float) -> None:
-                full: list[torch.Tensor | None] = [None] * width
-                for i, g in zip(tapped, grads, strict=True):
-                    full[i] = g
-                if not pending:  # first pass of this backward: reduce when it ends
-                    scale[0] = loss_scale
-                    queue_after_backward(reduce_pending)
-                pending.append(Call(layout, full, weight, rows))
-
+            )
             # the module returns copies of its outputs from one autograd node: their
             # gradients are what flows in from outside only (an LSTM cell's c also reaches
             # its h inside the module; c's own gradient would count that path twice), and
             # in-place ops on them downstream leave that node's gradients intact
-            deliver = self.gradient_callback(arrived, weight)
-            copies = OutputTap.apply(deliver, *(outs[i] for i in tapped))
+            delivery = _GenericDelivery(self, arrived, layout, tapped, len(outs), rows, weight)
+            copies = OutputTap.apply(delivery, *(outs[i] for i in tapped))
             for i, t in zip(tapped, copies, strict=True):
                 outs[i] = t
             return tree_unflatten(outs, spec)
