@@ -300,13 +300,17 @@ class FisherInformationState(ProbeState):
         x = cols[0]
         # Drop whole samples with a non-finite input or gradient (or activation output):
         # the row weight is 0 for a row with any non-finite entry (.clean is finite).
-        bad = torch.add(x.row_nonfinite(), g.row_nonfinite())
-        if len(cols) == 3:
-            bad.add_(cols[1].row_nonfinite())
-        ok = bad.sign_().neg_().add_(1.0)
-        if mask is not None:  # masked rows are not samples
-            ok.mul_(mask.to(ok.dtype))
-        w.mul_(ok)
+        if mask is None and all(c.all_finite for c in cols):  # every row is a sample
+            samples = torch.full((), x.num_rows, dtype=COUNT, device=w.device)
+        else:
+            bad = torch.add(x.row_nonfinite(), g.row_nonfinite())
+            if len(cols) == 3:
+                bad.add_(cols[1].row_nonfinite())
+            ok = bad.sign_().neg_().add_(1.0)
+            if mask is not None:  # masked rows are not samples
+                ok.mul_(mask.to(ok.dtype))
+            w.mul_(ok)
+            samples = ok.sum().to(COUNT)
         gs = self.scratch(g.clean, 1)
         if kind.startswith("linear@"):  # the Linear's output gradient: g * act'(a)
             _activation_derivative(kind.removeprefix("linear@"), cols[1], out=gs)
@@ -326,7 +330,6 @@ class FisherInformationState(ProbeState):
             sq = {weight: (g2.T @ x.square()).to(SUM)}
             if bias:
                 sq[bias] = g2.sum(0).to(SUM)
-        samples = ok.sum().to(COUNT)
         for name, value in sq.items():
             self._add(component, f"param:{name}", value)
             self._add(component, f"param_samples:{name}", samples, COUNT)

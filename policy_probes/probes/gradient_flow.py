@@ -70,7 +70,7 @@ class GradientFlowState(ProbeState):
     def consume(self, batch: Drained) -> None:
         component, (drained,), weight = batch.component, batch.cols, batch.weight
         beta = self.settings[component]["beta"]
-        g, nonfinite = drained.clean, drained.nonfinite
+        g = drained.clean
         sq = drained.square()
         segments = _passes(batch.segments, batch.scales)
         if weight is not None:
@@ -84,13 +84,13 @@ class GradientFlowState(ProbeState):
             if drained.all_finite:
                 counts = torch.full_like(sums, n)
             else:
-                counts = nonfinite.reshape(p, n, -1).sum(1).neg_().add_(n)
+                counts = drained.nonfinite.reshape(p, n, -1).sum(1).neg_().add_(n)
         else:
             sums = torch.stack([part.sum(0) for part in sq.split(segments)])
             counts = torch.stack(
                 [
                     part.sum(0).neg_().add_(n)
-                    for n, part in zip(segments, nonfinite.split(segments), strict=True)
+                    for n, part in zip(segments, drained.nonfinite.split(segments), strict=True)
                 ]
             )
         rms = (sums.to(torch.float64) / counts.to(torch.float64).clamp(min=1)).sqrt()

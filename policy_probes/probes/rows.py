@@ -39,16 +39,24 @@ class Rows:
     def __init__(
         self,
         clean: torch.Tensor,
-        nonfinite: torch.Tensor,
+        nonfinite: torch.Tensor | None,
         aux: Callable[[int], torch.Tensor],
     ) -> None:
         self.clean = clean
-        self.nonfinite = nonfinite
-        #: every entry is known finite (:meth:`finite`): :attr:`nonfinite` is a broadcast
-        #: zero, which reductions need not read
-        self.all_finite = False
+        #: every entry is known finite (:meth:`finite`): the non-finite indicator is a
+        #: broadcast zero and its counts are known without reading anything
+        self.all_finite = nonfinite is None
+        self._nonfinite = nonfinite
         self._aux = aux
         self._cache: dict[str, torch.Tensor] = {}
+
+    @property
+    def nonfinite(self) -> torch.Tensor:
+        """1.0 at the entries that were not finite, else 0.0 (a broadcast zero, made
+        when first asked, for rows known finite)."""
+        if self._nonfinite is None:
+            self._nonfinite = self.clean.new_zeros(()).expand(self.clean.shape)
+        return self._nonfinite
 
     @classmethod
     def split(
@@ -83,13 +91,7 @@ class Rows:
     def finite(cls, values: torch.Tensor, aux: Callable[[int], torch.Tensor]) -> Rows:
         """Rows of ``values`` known to be all finite, read where they lie (not copied; the
         non-finite indicator is a broadcast zero, its counts known)."""
-        rows = cls(values, values.new_zeros(()).expand(values.shape), aux)
-        rows.all_finite = True
-        rows._cache["finite_count"] = torch.full(
-            values.shape[1:], values.shape[0], dtype=COUNT, device=values.device
-        )
-        rows._cache["row_nonfinite"] = values.new_zeros(values.shape[0])
-        return rows
+        return cls(values, None, aux)
 
     @property
     def num_rows(self) -> int:
@@ -103,10 +105,21 @@ class Rows:
 
     def finite_count(self) -> torch.Tensor:
         """Finite entries per column (int64)."""
+        if self.all_finite:
+            return self._cached("finite_count", self._full_count)
         return self._cached("finite_count", lambda: self.num_rows - self.nonfinite.sum(0).to(COUNT))
+
+    def _full_count(self) -> torch.Tensor:
+        clean = self.clean
+        return torch.full(clean.shape[1:], clean.shape[0], dtype=COUNT, device=clean.device)
 
     def nonfinite_total(self) -> torch.Tensor:
         """Non-finite entries in all (int64 scalar)."""
+        if self.all_finite:
+            return self._cached(
+                "nonfinite_total",
+                lambda: torch.zeros((), dtype=COUNT, device=self.clean.device),
+            )
         return self._cached(
             "nonfinite_total", lambda: self.clean.numel() - self.finite_count().sum()
         )
@@ -123,6 +136,8 @@ class Rows:
 
     def row_nonfinite(self) -> torch.Tensor:
         """Non-finite entries per row (float, exact)."""
+        if self.all_finite:
+            return self._cached("row_nonfinite", lambda: self.clean.new_zeros(self.num_rows))
         return self._cached("row_nonfinite", lambda: self.nonfinite.sum(1))
 
 
