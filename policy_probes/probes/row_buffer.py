@@ -4,8 +4,9 @@ A hook call costs no tensor work at all: the buffer keeps a *reference* to each 
 hook saw (the activation or gradient autograd produced anyway) and its version counter.
 When the trackers drain, :meth:`RowBuffer.take` concatenates the held blocks once per
 block column into preallocated storage of the buffer's own and splits them into finite
-values and a non-finite indicator (:class:`~policy_probes.probes.rows.Rows`); a column
-whose held tensors another tracker already materialised in the same
+values and a non-finite indicator (:class:`~policy_probes.probes.rows.Rows`; on the CPU a
+column whose sum is finite skips the split, and a single contiguous block is not even
+copied); a column whose held tensors another tracker already materialised in the same
 :class:`~policy_probes.probes.rows.DrainRound` is shared instead. A block is ``(rows, columns)``,
 or ``(..., columns)`` with every leading dimension a row (a channels-first view of a conv
 output, ``(B, *spatial, C)``, made rows by the copy at :meth:`take`). Several aligned blocks
