@@ -24,7 +24,8 @@ Cases:
 ``ours`` and ``sb3`` take ``probe_budget`` and ``probe_schedule`` (the probes' sampling,
 :mod:`policy_probes.sampling`; default every pass; the toolkit's default is
 ``probe_budget=0.05``) and report the last epoch's ``overhead_fraction`` and
-``observe_every``.
+``observe_every``, and ``run_overhead_fraction``: the sampler's figure over the whole run
+(every record's ``probes/overhead_seconds`` over the timed seconds, :class:`OverheadTotal`).
 
 ``ours`` takes ``compile`` and ``compile_backend`` (``trainer.compile``: the update's
 forward under ``torch.compile``) and reports the graphs dynamo compiled and its graph
@@ -115,6 +116,41 @@ class Clocks:
             "sps": steps / self.seconds,
             **extra,
         }
+
+
+class OverheadTotal:
+    """The sampler's own cost figure over a whole run: while active, sums the
+    ``probes/overhead_seconds`` of every record the run's sessions make (the benchmark's
+    instrument, in this process only). The last epoch's ``overhead_fraction`` alone
+    understates it: an epoch's end is charged to the next epoch, and the last one has
+    none."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._saved: Any = None
+
+    def __enter__(self) -> OverheadTotal:
+        from policy_probes.session import ProbeSession
+
+        self._saved = ProbeSession.epoch_end
+        original = self._saved
+
+        def epoch_end(session: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+            record = original(session, *args, **kwargs)
+            self.seconds += float(record.get("probes/overhead_seconds") or 0.0)
+            return record
+
+        ProbeSession.epoch_end = epoch_end
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        from policy_probes.session import ProbeSession
+
+        ProbeSession.epoch_end = self._saved
+
+    def fraction(self, clocks: Clocks) -> float | None:
+        """The summed overhead as a share of the timed region (None: nothing charged)."""
+        return self.seconds / clocks.seconds if self.seconds else None
 
 
 def probe_builders(
@@ -301,7 +337,8 @@ def ours(p: dict[str, Any]) -> dict[str, Any]:
         for name in ("epoch_start", "rollout_end", "pre_step", "post_step", "epoch_end"):
             setattr(ProbeSession, name, timed(getattr(ProbeSession, name)))
     clocks = Clocks()
-    result = tool.invoke()
+    with OverheadTotal() as overhead:
+        result = tool.invoke()
     clocks.stop()
     if run is not None:
         run.finish()
@@ -312,6 +349,7 @@ def ours(p: dict[str, Any]) -> dict[str, Any]:
         lifecycle_fired=fired,
         callback_seconds=callback_time[0],
         **sampling_of(result.metrics),
+        run_overhead_fraction=overhead.fraction(clocks),
         callback_calls=callback_time[1],
         **dynamo_counts(),
     )
@@ -425,7 +463,8 @@ def sb3(p: dict[str, Any]) -> dict[str, Any]:
                 probe_schedule=p["probe_schedule"],
             ),
         )
-    model.learn(total_timesteps=p["total_timesteps"], callback=callback)
+    with OverheadTotal() as overhead:
+        model.learn(total_timesteps=p["total_timesteps"], callback=callback)
     clocks.stop()
     env.close()
     out = clocks.result(model.num_timesteps)
@@ -434,6 +473,7 @@ def sb3(p: dict[str, Any]) -> dict[str, Any]:
         out["records"] = len(callback.history)
         out["probe_keys"] = sum(1 for k in last if k.startswith("probes/"))
         out.update(sampling_of(last))
+        out["run_overhead_fraction"] = overhead.fraction(clocks)
     return out
 
 
@@ -470,9 +510,14 @@ def recipe(p: dict[str, Any]) -> dict[str, Any]:
     tool.probe_budget = p["probe_budget"]
     tool.probe_schedule = p["probe_schedule"]
     clocks = Clocks()
-    result = tool.invoke()
+    with OverheadTotal() as overhead:
+        result = tool.invoke()
     clocks.stop()
-    return clocks.result(result.agent_step, **sampling_of(result.metrics))
+    return clocks.result(
+        result.agent_step,
+        **sampling_of(result.metrics),
+        run_overhead_fraction=overhead.fraction(clocks),
+    )
 
 
 def cleanrl_atari(p: dict[str, Any]) -> dict[str, Any]:

@@ -283,3 +283,28 @@ def test_fisher_conv_routes_agree_and_are_timed(tmp_path):
     assert [r["layer"] for r in payload["rows"]] == ["conv_0", "conv_1", "conv_2"]
     for row in payload["rows"]:
         assert row["correlate_ms"] > 0 and row["unfold_ms"] > 0
+
+
+def test_the_run_overhead_figure_sums_every_records_overhead_seconds(monkeypatch, tmp_path):
+    """``run_overhead_fraction`` of the recipe case is the sum of ``probes/overhead_seconds``
+    over every record the run wrote (read back from its metrics.jsonl) over the timed
+    seconds; a run without probes has none."""
+    from policy_probes.sinks.jsonl import read_jsonl
+
+    run_dirs = []
+    real_mkdtemp = cases.tempfile.mkdtemp
+
+    def mkdtemp(*args, **kwargs):
+        run_dirs.append(real_mkdtemp(*args, dir=tmp_path, **kwargs))
+        return run_dirs[-1]
+
+    monkeypatch.setattr(cases.tempfile, "mkdtemp", mkdtemp)
+    p = dict(cases.DEFAULTS, total_timesteps=2048, probes=True, probe_budget=0.05)
+    out = cases.recipe(p)
+    records = read_jsonl(f"{run_dirs[-1]}/metrics.jsonl")
+    charged = [r["probes/overhead_seconds"] for r in records if "probes/overhead_seconds" in r]
+    assert len(charged) == 4  # 2048 steps: 4 epochs, each with its figure
+    assert out["run_overhead_fraction"] == pytest.approx(sum(charged) / out["seconds"])
+    assert out["overhead_fraction"] == records[-1]["probes/overhead_fraction"]
+    bare = cases.recipe(dict(p, probes=False))
+    assert bare["run_overhead_fraction"] is None
