@@ -84,8 +84,10 @@ def run_main(capsys: pytest.CaptureFixture, *args: str) -> str:
 def test_a_live_run_refuses_resume_run_and_session_then_its_stale_lock_is_taken_over(tmp_path):
     target = write_recipe(tmp_path)
     run_dir = tmp_path / "run"
-    # ~2 s per epoch: alive for the whole check
-    proc = start_run(target, run_dir, env={"TEST_MB_SLEEP": "0.25"})
+    # ~8 s per epoch (48 s in all): alive for the whole check however slowly the second
+    # process starts (12 s in all was outlived under 12 parallel test workers); the check
+    # kills it as soon as it is done, so the test is no slower
+    proc = start_run(target, run_dir, env={"TEST_MB_SLEEP": "1.0"})
     try:
         wait_for(lambda: (run_dir / LOCK_FILE).is_file() and lock_owner(run_dir), proc)
         assert lock_owner(run_dir)["pid"] == proc.pid
