@@ -441,7 +441,7 @@ class _GenericDelivery:
     def __init__(
         self,
         probe: ProbeHook,
-        arrived: Callable[[Call, float], None],
+        arrived: Callable[[Call, float | torch.Tensor], None],
         layout: Layout,
         tapped: tuple[int, ...],
         width: int,
@@ -603,7 +603,7 @@ class FisherInformationHook(ProbeHook):
         backwards = itertools.count()
         gave_up: list[bool] = [False]
         pending: list[Call] = []  # passes of the running backward, by arrival
-        scale: list[float] = [1.0]  # the backward's, delivered with its first pass
+        scale: list[float | torch.Tensor] = [1.0]  # the backward's, with its first pass
 
         def reduce_pending() -> None:
             calls = list(pending)
@@ -620,7 +620,7 @@ class FisherInformationHook(ProbeHook):
             except Exception as exc:
                 self.fail(exc)
 
-        def arrived(call: Call, loss_scale: float) -> None:
+        def arrived(call: Call, loss_scale: float | torch.Tensor) -> None:
             if not pending:  # first pass of this backward: reduce when it ends
                 scale[0] = loss_scale
                 queue_after_backward(reduce_pending)
