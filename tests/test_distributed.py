@@ -10,6 +10,7 @@ tensors and compares them with rank 0's ``metrics.jsonl``.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -17,6 +18,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import weakref
 from pathlib import Path
 
 import pytest
@@ -319,6 +321,33 @@ def test_single_process_is_rank_0_of_1(monkeypatch: pytest.MonkeyPatch) -> None:
         assert run.broadcast("x") == "x"
         assert run.seed(7, num_envs=4) == 7
     assert not torch.distributed.is_initialized()
+
+
+def test_closing_frees_a_ddp_wrapper_left_in_a_cycle_before_the_group_goes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A DDP wrapper in a reference cycle (as the trainer's is) holds the group through
+    its reducer; close() collects it, so destroying the group really closes the gloo
+    connections instead of leaving them to interpreter exit, where a rank aborted."""
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+    for var, value in {**env, "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(var, value)
+    was_enabled = gc.isenabled()
+    gc.disable()  # only close() may collect the cycle
+    try:
+        with DistributedRun("cpu") as run:
+            assert run.owns_group and torch.distributed.is_initialized()
+            ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
+            cycle: dict[str, object] = {"ddp": ddp}
+            cycle["self"] = cycle
+            wrapper = weakref.ref(ddp)
+            del ddp, cycle
+            assert wrapper() is not None  # kept alive by the cycle alone
+        assert wrapper() is None
+        assert not torch.distributed.is_initialized()
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def test_rank_seeds_never_share_an_env_seed() -> None:

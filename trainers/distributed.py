@@ -19,6 +19,7 @@ count the steps of every rank.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from datetime import timedelta
@@ -168,14 +169,23 @@ class DistributedRun:
         self.owns_group = True
 
     def close(self, barrier: bool = False) -> None:
-        """Destroy the process group if :meth:`start` created it. ``barrier`` (a run that
-        ended cleanly): first wait until every rank is done, so no rank tears down its
-        gloo connections while another still uses them (a rank then aborted at exit with
-        "terminate called without an active exception")."""
+        """Destroy the process group if :meth:`start` created it.
+
+        A rank must not tear down its gloo connections while another still uses them, or
+        at interpreter exit (a rank then aborts with "terminate called without an active
+        exception" and torchrun reports the run failed). So, in this order:
+
+        1. collect garbage: the trainer's DistributedDataParallel sits in reference cycles
+           and its reducer holds the group, which would otherwise stay open, behind
+           ``destroy_process_group``, until the interpreter shuts down;
+        2. ``barrier`` (a run that ended cleanly): wait until every rank is done;
+        3. destroy the group, which now frees its connections and threads.
+        """
         owned, self.owns_group = self.owns_group and dist.is_initialized(), False
         if not owned:
             return
         try:
+            gc.collect()
             if barrier and self.distributed:
                 dist.barrier()
         finally:
