@@ -57,6 +57,8 @@ from typing import Any
 
 import torch
 
+from benchmarks.clocks import Clocks
+
 DEFAULTS: dict[str, Any] = {
     "env_id": "CartPole-v1",
     "total_timesteps": 20_480,
@@ -93,29 +95,6 @@ DEFAULTS: dict[str, Any] = {
     # the torch device of ``ours``, ``recipe`` and ``cleanrl_atari`` ("cpu" or "cuda")
     "device": "cpu",
 }
-
-
-class Clocks:
-    """Wall and CPU seconds of a case's timed region: from construction to :meth:`stop`."""
-
-    def __init__(self) -> None:
-        self.start = time.perf_counter(), time.process_time()
-        self.seconds = self.cpu_seconds = float("nan")
-
-    def stop(self) -> None:
-        wall, cpu = self.start
-        self.seconds, self.cpu_seconds = time.perf_counter() - wall, time.process_time() - cpu
-
-    def result(self, steps: int, **extra: Any) -> dict[str, Any]:
-        """The JSON line of a case: the region's seconds, the steps it trained and their
-        rate, then ``extra``."""
-        return {
-            "seconds": self.seconds,
-            "cpu_seconds": self.cpu_seconds,
-            "steps": steps,
-            "sps": steps / self.seconds,
-            **extra,
-        }
 
 
 class OverheadTotal:

@@ -26,7 +26,10 @@ Timed region, steps and params follow :mod:`benchmarks.cases`: ``p`` is
 ``num_steps``, ``num_minibatches``, ``update_epochs``, ``total_timesteps``, ``seed``,
 ``clip_reward``, optionally ``device``); the clocks run from before the env is built to
 the end of training; the agent steps are ``total_timesteps // (num_envs * num_steps)``
-whole rollouts, as the trainer counts them.
+whole rollouts, as the trainer counts them. A smoke run (Breakout, 2 envs x 64 steps, two
+rollouts)::
+
+    python -m benchmarks.cases cleanrl_atari '{"env_id": "ALE/Breakout-v5", "clip_reward": 1.0, "num_envs": 2, "num_steps": 64, "total_timesteps": 256}'
 
 Differences from CleanRL's script, so that only the loop differs from the trainer's run:
 
@@ -55,7 +58,7 @@ import torch
 from torch import nn
 from torch.distributions import Categorical
 
-from benchmarks.cases import Clocks
+from benchmarks.clocks import Clocks
 
 LEARNING_RATE = 2.5e-4
 ADAM_EPS = 1e-5
@@ -292,20 +295,3 @@ def _train(p: dict[str, Any]) -> dict[str, Any]:
         episodes=len(episode_returns),
         mean_episode_return=float(np.mean(episode_returns)) if episode_returns else None,
     )
-
-
-if __name__ == "__main__":
-    import json
-
-    from benchmarks.cases import DEFAULTS
-
-    # a smoke run: Breakout, 2 envs x 64 steps, two rollouts
-    params = dict(
-        DEFAULTS,
-        env_id="ALE/Breakout-v5",
-        clip_reward=1.0,
-        num_envs=2,
-        num_steps=64,
-        total_timesteps=256,
-    )
-    print(json.dumps(cleanrl_atari(params)))
