@@ -164,6 +164,20 @@ def check_budget(budget: float | None) -> float | None:
     return float(budget)
 
 
+def _shares(passes_seconds: float, parts: dict[str, float], wall: float) -> str:
+    """The calibration warning's breakdown: each part's share of the epoch, largest
+    first (the observed passes as projected at one pass per epoch)."""
+    named = {
+        "observed passes": passes_seconds,
+        "report": parts["report"],
+        "records and sinks": parts["records"],
+        "arming": parts["arming"],
+        "bookkeeping": parts["sampler"],
+    }
+    order = sorted(named.items(), key=lambda item: -item[1])
+    return ", ".join(f"{name} {100 * seconds / max(wall, 1e-9):.1f} %" for name, seconds in order)
+
+
 @functools.cache
 def dispatch_costs() -> tuple[float, float]:
     """Seconds torch spends dispatching one forward hook on a module call, and one tensor
@@ -443,10 +457,11 @@ class Sampler:
         """Close the epoch's accounting (after the trackers' ``to_metrics``, which took
         ``report_seconds``). Returns ``probes/overhead_fraction`` and
         ``probes/overhead_seconds`` (the probes' measured cost in this epoch, with the
-        previous epoch's end beyond the collection), per probe and component
-        ``passes_observed`` / ``rows_observed``, and ``observe_every`` of budgeted
-        probes. At the end of :data:`CALIBRATION_EPOCH` under a budget, chooses the
-        strides once (:meth:`_calibrate`)."""
+        previous epoch's end beyond the collection) and its parts
+        (``probes/overhead_seconds/<part>``, :meth:`overhead_parts`), per probe and
+        component ``passes_observed`` / ``rows_observed``, and ``observe_every`` of
+        budgeted probes. At the end of :data:`CALIBRATION_EPOCH` under a budget, chooses
+        the strides once (:meth:`_calibrate`)."""
         if not self.handles:  # no probe attached: nothing to report
             self.epoch_start = time.perf_counter()
             return {}
@@ -481,6 +496,7 @@ class Sampler:
             if probe is not None and seconds:
                 cost[probe] = cost.get(probe, 0.0) + seconds
                 tracker.seconds = 0.0
+        parts = self.overhead_parts(cost, report_seconds)
         fixed = self.own_seconds + self.sync_seconds + report_seconds + self._charged
         overhead = sum(cost.values()) + fixed
         self._charged = 0.0
@@ -493,13 +509,15 @@ class Sampler:
             )
         out["probes/overhead_fraction"] = overhead / wall if wall > 0 else 0.0
         out["probes/overhead_seconds"] = overhead
+        for part, seconds in parts.items():
+            out[f"probes/overhead_seconds/{part}"] = seconds
         if (
             self.budget is not None
             and self.calibrated_epoch is None
             and self.epochs >= CALIBRATION_EPOCH
             and self.epoch_passes
         ):
-            self._calibrate(cost, observed, wall, overhead, fixed)
+            self._calibrate(cost, observed, wall, overhead, fixed, parts)
         for probe, k in self.strides().items():
             out[f"probes/{probe}/observe_every"] = float(k)
         self.last_epoch_passes, self.epoch_passes = self.epoch_passes, 0
@@ -510,6 +528,22 @@ class Sampler:
         self._rules = self._answers = None  # per_epoch schedules start over
         self.context.resync()
         return out
+
+    def overhead_parts(self, cost: dict[str, float], report_seconds: float) -> dict[str, float]:
+        """Where the epoch's ``probes/overhead_seconds`` went, in seconds that add up to
+        it: ``passes/<probe>`` (the probe's hooks in the passes, or the probe batch, it
+        observed: their bodies, their estimated torch dispatch and the drains inside
+        them), ``report`` (collecting the trackers at the epoch's end: the report's drains
+        and summaries), ``arming`` (installing and removing hooks at pass and phase
+        boundaries), ``sampler`` (this bookkeeping, and the probe batch's own forward and
+        backward) and ``records`` (the previous epoch's end beyond the collection: its
+        records made plain and written to the sinks)."""
+        parts = {f"passes/{probe}": seconds for probe, seconds in sorted(cost.items())}
+        parts["report"] = report_seconds
+        parts["arming"] = self.sync_seconds
+        parts["sampler"] = self.own_seconds
+        parts["records"] = self._charged
+        return parts
 
     def budgeted_probes(self) -> set[str]:
         """The probes whose schedule is the budget's (the default under a budget)."""
@@ -533,6 +567,7 @@ class Sampler:
         wall: float,
         overhead: float,
         fixed: float,
+        parts: dict[str, float],
     ) -> None:
         """Choose the budgeted probes' strides once, from this epoch's measured costs:
         from :data:`DEFAULT_STRIDE`, double the stride of the probe with the largest
@@ -555,15 +590,17 @@ class Sampler:
         while ks and sum(projected(p) for p in ks) > allowed:
             open_ = [p for p in ks if ks[p] < passes]
             if not open_:
+                passes_seconds = sum(projected(p) for p in ks)
                 log.warning(
                     "probe_budget=%g: the probes' report and one observed training pass "
-                    "per epoch took %.1f %% of epoch %d's time; every epoch is still observed. "
-                    "For less, attach fewer probes or layers (per_layer=False), or set "
-                    "probe_schedule='every_k:<k>' (epochs without an observed pass then "
-                    "carry no probe metrics)",
+                    "per epoch took %.1f %% of epoch %d's time (%s); every epoch is still "
+                    "observed. For less, attach fewer probes or layers (per_layer=False), "
+                    "or set probe_schedule='every_k:<k>' (epochs without an observed pass "
+                    "then carry no probe metrics)",
                     self.budget,
-                    100 * (sum(projected(p) for p in ks) + fixed) / max(wall, 1e-9),
+                    100 * (passes_seconds + fixed) / max(wall, 1e-9),
                     self.epochs + 1,
+                    _shares(passes_seconds, parts, wall),
                 )
                 break
             worst = max(open_, key=projected)

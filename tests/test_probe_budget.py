@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import time
 
 import pytest
@@ -171,7 +172,14 @@ def test_a_budget_one_pass_per_epoch_cannot_meet_keeps_every_epoch_and_warns(
     observes one pass in every epoch (never fewer epochs) and a warning says so."""
     with caplog.at_level(logging.WARNING, logger="policy_probes"):
         records = run(tmp_path, clock, 0.05, epochs=4, step=0.0001)
-    assert any("every epoch is still observed" in m for m in caplog.messages)
+    (message,) = [m for m in caplog.messages if "every epoch is still observed" in m]
+    # where the time goes, largest first: the slow probe's one pass of the calibration
+    # epoch's time (its record's overhead seconds over its fraction)
+    calibration = records[CALIBRATION_EPOCH]
+    wall = calibration["probes/overhead_seconds"] / calibration["probes/overhead_fraction"]
+    share = re.search(r"\(observed passes ([\d.]+) %, report ", message)
+    assert share is not None, message
+    assert float(share.group(1)) == pytest.approx(100 * PROBE_SECONDS / wall, abs=0.15)
     for r in records[CALIBRATION_EPOCH + 1 :]:
         assert r["probes/relu/slow/passes_observed"] == 1
         assert r["probes/relu/observe_every"] >= PASSES
@@ -206,9 +214,24 @@ def test_no_budget_observes_every_pass(tmp_path, clock):
 
 def test_the_overhead_counts_the_hook_time_it_measures(tmp_path, clock):
     """The slow hook's fake seconds are the reported overhead (32 x 15 ms, plus the
-    estimated hook dispatch, microseconds per call)."""
+    estimated hook dispatch, microseconds per call), and its parts say where: all of it
+    in the slow probe's observed passes."""
     (record,) = run(tmp_path, clock, None, epochs=1)
     assert record["probes/overhead_seconds"] == pytest.approx(PASSES * PROBE_SECONDS, abs=0.005)
+    prefix = "probes/overhead_seconds/"
+    parts = {k.removeprefix(prefix): v for k, v in record.items() if k.startswith(prefix)}
+    assert set(parts) == {
+        "passes/relu",
+        "passes/saturation_tanh",
+        "report",
+        "arming",
+        "sampler",
+        "records",
+    }
+    assert sum(parts.values()) == pytest.approx(record["probes/overhead_seconds"], rel=1e-12)
+    assert parts["passes/relu"] == pytest.approx(PASSES * PROBE_SECONDS, abs=0.005)
+    for part in ("passes/saturation_tanh", "report", "arming", "sampler", "records"):
+        assert parts[part] == pytest.approx(0.0, abs=0.002), part
 
 
 def test_sampler_alone_on_a_context_without_a_session():
@@ -264,6 +287,10 @@ def test_a_drain_inside_a_hook_is_counted_once(tmp_path, clock):
         record = s.epoch_end(step=0)
     # three drains in the hooks and one at the report: 4 x 20 ms (7 x if counted twice)
     assert record["probes/overhead_seconds"] == pytest.approx(4 * DRAIN_SECONDS, abs=0.002)
+    # the hooks' drains are the observed passes' cost, the last one the report's
+    passes = record["probes/overhead_seconds/passes/relu"]
+    assert passes == pytest.approx(3 * DRAIN_SECONDS, abs=0.002)
+    assert record["probes/overhead_seconds/report"] == pytest.approx(DRAIN_SECONDS, abs=0.002)
     active = (net.slow(x) > 0).double().mean(0)  # the same rows in every pass
     assert record["probes/relu/slow/samples"] == 64
     assert record["probes/relu/slow/active_rate"] == pytest.approx(active.tolist())
@@ -292,4 +319,9 @@ def test_the_epoch_end_beyond_the_collection_counts_without_lifecycle_hooks(tmp_
     records = run(tmp_path, clock, None, 2, attach=cheap_probe_and_slow_sink, passes=4, step=0.0)
     assert records[0]["probes/overhead_seconds"] == pytest.approx(0.0, abs=0.002)
     assert records[1]["probes/overhead_seconds"] == pytest.approx(SINK_SECONDS, abs=0.002)
+    # that part is the records' (the previous epoch's end), none of it the report's
+    assert records[0]["probes/overhead_seconds/records"] == 0.0
+    sinks = records[1]["probes/overhead_seconds/records"]
+    assert sinks == pytest.approx(SINK_SECONDS, abs=0.002)
+    assert records[1]["probes/overhead_seconds/report"] == pytest.approx(0.0, abs=0.002)
     assert records[1]["probes/relu/cheap/passes_observed"] == 4
