@@ -106,6 +106,8 @@ class ConsoleSink(MetricSink):
         self.live_enabled = live
         self.history = history
         self._series: dict[str, deque[float]] = {}  # chosen metrics only, bounded
+        #: key -> :meth:`chosen`'s answer (a record repeats its ~200 keys every epoch)
+        self._chosen: dict[str, int | None] = {}
         self._previous: dict[str, float] = {}
         self._latest: dict[str, float | int] = {}
         self._epoch_of: dict[str, int] = {}
@@ -119,10 +121,13 @@ class ConsoleSink(MetricSink):
     # ------------------------------------------------------------------ selection
     def chosen(self, key: str) -> int | None:
         """Index of the first pattern that selects ``key`` (its display order), else None."""
-        for i, regex in enumerate(self.patterns):
-            if regex.match(key):
-                return i
-        return None
+        try:
+            return self._chosen[key]
+        except KeyError:
+            index = self._chosen[key] = next(
+                (i for i, regex in enumerate(self.patterns) if regex.match(key)), None
+            )
+            return index
 
     # ------------------------------------------------------------------ emit
     def emit(self, metrics: Mapping[str, Any], epoch: int, hook_point: str) -> None:
