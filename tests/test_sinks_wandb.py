@@ -25,7 +25,12 @@ from policy_probes.sinks.wandb_sink import RUN_ID_FILE, redact_secrets
 def test_offline_run_holds_dead_relu_and_fisher_series_histograms_heatmaps_and_config(tmp_path):
     config = {"trainer": {"lr": 2.5e-4, "num_envs": 4}, "seed": 3}
     cfg = WandbConfig(
-        mode="offline", project="pp-test", group="seeds", tags=["a", "b"], name="probe-run"
+        mode="offline",
+        project="pp-test",
+        group="seeds",
+        tags=["a", "b"],
+        name="probe-run",
+        histogram_every=1,  # every epoch's vectors as histograms (the default cadence: below)
     )
     group = SinkGroup([JSONLSink(tmp_path), WandbSink(tmp_path, cfg, config)])
     emit_probe_run(group, epochs=3, snapshot_every=3)
@@ -107,6 +112,32 @@ def test_offline_run_holds_dead_relu_and_fisher_series_histograms_heatmaps_and_c
     assert {m.name for m in metrics} >= {"epoch", "agent_step"}
 
 
+@pytest.mark.parametrize("epochs", [5, 4])
+def test_histograms_every_n_epochs_and_the_last_epochs_at_close(tmp_path, epochs):
+    """``histogram_every=2``: per-unit vectors become histograms in epochs 0, 2, 4, ...;
+    scalars are logged every epoch; a last epoch off the cadence (3 of 0-3) gets its
+    histograms in the row the sink logs when it closes."""
+    rng = np.random.default_rng(0)
+    vectors = {e: rng.random(16).tolist() for e in range(epochs)}
+    sink = WandbSink(tmp_path, WandbConfig(mode="offline", histogram_every=2), {})
+    for e in range(epochs):
+        sink.emit({"train/x": float(e), "probes/relu/c/active_rate": vectors[e]}, e, "POST_EPOCH")
+    sink.close()
+    rows = history_rows(wandb_records(run_file(tmp_path)))
+    assert [row["train/x"] for row in rows if "train/x" in row] == [float(e) for e in range(epochs)]
+    key = "probes/relu/c/active_rate"
+    logged = {row["epoch"]: row for row in rows if f"{key}/_type" in row}
+    assert sorted(logged) == sorted({e for e in range(epochs) if e % 2 == 0} | {epochs - 1})
+    for e, row in logged.items():
+        expected, edges = np.histogram(np.array(vectors[e]), bins=64)
+        assert row[f"{key}/values"] == expected.tolist(), e
+        np.testing.assert_allclose(row[f"{key}/bins"], edges, rtol=1e-6, atol=1e-12)
+    if (epochs - 1) % 2:  # the close row: the last epoch's histograms, no scalars again
+        closing = rows[-1]
+        assert closing["epoch"] == epochs - 1 and "train/x" not in closing
+        assert f"{key}/_type" in closing
+
+
 def test_api_key_never_reaches_run_files(tmp_path, monkeypatch):
     secret = "local-" + "0123456789abcdef" * 3
     monkeypatch.setenv("WANDB_API_KEY", secret)
@@ -185,10 +216,21 @@ def test_short_training_run_writes_an_offline_run_matching_metrics_jsonl(tmp_pat
                 f"probes/gradient_flow/{comp}/mean",
             ):
                 assert row[key] == rec[key], key
+            # histograms every histogram_every=10 epochs: none in epochs 1-3 ...
+            assert rec["epoch"] % 10 != 0
             for key in (f"probes/relu/{comp}/active_rate", f"probes/fisher/{comp}/unit"):
-                assert row[f"{key}/_type"] == "histogram"
-                assert sum(row[f"{key}/values"]) == len(rec[key]) == 64
+                assert f"{key}/_type" not in row, key
         assert row["train/value_loss"] == rec["train/value_loss"]
+    # ... and the last epoch's when the run closes, in one row with the heatmaps
+    last = [
+        row for row in history_rows(records) if "probes/relu/actor_mlp/active_rate/_type" in row
+    ]
+    assert [row["epoch"] for row in last] == [jsonl[-1]["epoch"]]
+    for comp in ("actor_mlp", "critic_mlp"):
+        for key in (f"probes/relu/{comp}/active_rate", f"probes/fisher/{comp}/unit"):
+            assert last[0][f"{key}/_type"] == "histogram"
+            expected, _ = np.histogram(np.array(jsonl[-1][key]), bins=64)
+            assert last[0][f"{key}/values"] == expected.tolist(), key
     # heatmaps are logged when the run closes (this trainer emits no SNAPSHOT yet)
     heat = [
         row for row in history_rows(records) if "heatmaps/relu/actor_mlp/active_rate/_type" in row

@@ -5,8 +5,10 @@
   with ``wandb sync run_dir/wandb/offline-run-*``.
 - Step axes: ``epoch`` (every metric's x axis, via ``define_metric("*", step_metric="epoch")``)
   and ``agent_step`` (environment steps), both logged with every row.
-- Scalars become series; per-unit vectors become one ``wandb.Histogram`` per epoch (never
-  one series per unit).
+- Scalars become series, every epoch; per-unit vectors become ``wandb.Histogram``s (never
+  one series per unit) in the epochs divisible by ``histogram_every`` (default 10) and in
+  the run's last epoch, logged when the run closes: building and logging a probed
+  record's dozens of histograms cost more than all its scalars.
 - When the run closes (and every ``heatmap_every`` epochs if set) a units x epochs heatmap per component of the ReLU active rate, per-unit Fisher and gradient RMS
   so far is logged as a ``wandb.Image`` under ``heatmaps/<probe>/<component>/<metric>``.
 - Per-layer keys ``probes/<probe>/<component>.<layer>/<metric>`` are logged as they are,
@@ -100,6 +102,9 @@ class WandbSink(MetricSink):
         self.layer_history = ScalarHistory(self.cfg.heatmap_history)
         self._last_heatmap_epoch: int | None = None
         self._last_epoch: int | None = None
+        #: (epoch, per-unit vectors) of the last logged row that left its histograms out
+        #: (not a ``histogram_every`` epoch): logged at close if that epoch is the last
+        self._unlogged_vectors: tuple[int, dict[str, list[float]]] | None = None
         #: what the plasticity rules read, for the findings in the run summary at close
         self.findings = FindingsCollector()
         settings = wandb.Settings(
@@ -139,11 +144,10 @@ class WandbSink(MetricSink):
         step = self.run_context.get("agent_step")
         if step is not None:
             row["agent_step"] = int(step)
+        vectors: dict[str, list[float]] = {}
         for key, value in plain_metrics(metrics):
             if isinstance(value, list):
-                finite = finite_values(value)
-                if finite:
-                    row[key] = wandb.Histogram(finite)
+                vectors[key] = value
                 if heatmap_spec(key) is not None:
                     self.history.add(key, epoch, value)
             elif isinstance(value, bool):
@@ -159,6 +163,11 @@ class WandbSink(MetricSink):
         if self.skip_through is not None and epoch <= self.skip_through:
             return  # W&B holds this epoch already (the heatmap history still has it)
         self._last_epoch = epoch
+        if epoch % self.cfg.histogram_every == 0:
+            row.update(histograms(wandb, vectors))
+            self._unlogged_vectors = None
+        elif vectors:
+            self._unlogged_vectors = (epoch, vectors)
         # images at a slower cadence than the scalars: matplotlib takes ~0.15 s a figure
         # (18 figures for the cartpole recipe's probes: ~3 s, several epochs' training)
         every = self.cfg.heatmap_every
@@ -251,15 +260,19 @@ class WandbSink(MetricSink):
             return
         self.run = None
         try:
+            final: dict[str, Any] = {}
+            unlogged = self._unlogged_vectors
+            if unlogged is not None and unlogged[0] == self._last_epoch:
+                final.update(histograms(self._wandb, unlogged[1]))  # the last epoch's
             if (
                 (len(self.history) or len(self.layer_history))
                 and self._last_epoch is not None
                 and self._last_epoch != self._last_heatmap_epoch
             ):
-                images = self._heatmap_images(self._last_epoch)
-                if images:
-                    run.log({"epoch": self._last_epoch, **images}, step=self._step)
-                    self._step += 1
+                final.update(self._heatmap_images(self._last_epoch))
+            if final:
+                run.log({"epoch": self._last_epoch, **final}, step=self._step)
+                self._step += 1
             self._summarise_findings(run)
         finally:
             run.finish()
@@ -299,6 +312,17 @@ class WandbSink(MetricSink):
 
     def __repr__(self) -> str:
         return f"WandbSink(mode={self.mode!r}, run_id={self.run_id!r})"
+
+
+def histograms(wandb: Any, vectors: Mapping[str, list[float]]) -> dict[str, Any]:
+    """``key -> wandb.Histogram`` of the finite values of each per-unit vector (none for a
+    vector without one)."""
+    out = {}
+    for key, value in vectors.items():
+        finite = finite_values(value)
+        if finite:
+            out[key] = wandb.Histogram(finite)
+    return out
 
 
 def generate_run_id(length: int = 8) -> str:
