@@ -94,6 +94,9 @@ DEFAULTS: dict[str, Any] = {
     "compile_backend": "inductor",
     # the torch device of ``ours``, ``recipe`` and ``cleanrl_atari`` ("cpu" or "cuda")
     "device": "cpu",
+    # the sinks of ``recipe``: "files" (JSONL and CSV; console and W&B off) or "headline"
+    # (as ``policy-probes run`` starts the recipe: console and offline W&B as well)
+    "recipe_sinks": "files",
 }
 
 
@@ -471,8 +474,10 @@ def sampling_of(metrics: dict[str, Any]) -> dict[str, Any]:
 def recipe(p: dict[str, Any]) -> dict[str, Any]:
     """``recipes.cartpole`` as it ships (its four probes on ``actor_mlp`` and
     ``critic_mlp``, evaluation every 10 epochs, JSONL and CSV metrics, checkpoints) with
-    the console and W&B off and ``total_timesteps`` and the sampling from ``p``; without
-    ``probes`` the same configuration with no probe attached."""
+    the console and W&B off (``recipe_sinks="files"``) or on, W&B offline, as
+    ``policy-probes run`` starts it (``"headline"``), and ``total_timesteps`` and the
+    sampling from ``p``; without ``probes`` the same configuration with no probe
+    attached."""
     from recipes.cartpole import train
     from trainers import TrainTool
 
@@ -480,9 +485,10 @@ def recipe(p: dict[str, Any]) -> dict[str, Any]:
     if not p["probes"]:
         tool = TrainTool.model_validate(tool.model_dump())  # the configuration alone
     tool.trainer.total_timesteps = p["total_timesteps"]
-    tool.sinks.console = False
-    tool.sinks.wandb = False
-    tool.wandb.mode = "disabled"
+    headline = p["recipe_sinks"] == "headline"
+    tool.sinks.console = headline
+    tool.sinks.wandb = headline
+    tool.wandb.mode = "offline" if headline else "disabled"
     tool.seed = p["seed"]
     tool.device = p["device"]
     tool.run_dir = tempfile.mkdtemp(prefix="pp-bench-")

@@ -8,7 +8,9 @@ Side B of every ``default`` comparison runs at the toolkit's default sampling (p
 ``every`` comparisons observe every pass (``probe_budget=None``).
 
 Keys for ``--only``: ``recipe`` (the cartpole recipe as it ships, JSONL/CSV sinks,
-evaluation and checkpoints, 51,200 steps = 100 epochs), ``sb3`` (SB3 PPO + ProbeCallback,
+evaluation and checkpoints, 51,200 steps = 100 epochs), ``recipe_headline`` (the same with
+the console and offline W&B sinks on as well, as ``policy-probes run`` starts it; no
+target of the issue, the cost a user of the headline command sees), ``sb3`` (SB3 PPO + ProbeCallback,
 five probes x 2 components, 32,768 steps), ``atari`` (the Atari recipe's probes on the
 NatureCNN PPO, Breakout, 8 envs x 128 steps, 4096 steps = 4 epochs), ``recurrent``
 (RecurrentPPO + ProbeCallback, 18 probes on LSTMs and MLPs with the padding mask, 4096
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 from benchmarks.ab import Comparison, Side, adding, atari_params, measure_and_record, parse_args
 
-KEYS = ["recipe", "sb3", "atari", "recurrent", "every_five", "every_atari"]
+KEYS = ["recipe", "recipe_headline", "sb3", "atari", "recurrent", "every_five", "every_atari"]
 #: the toolkit's default sampling, given explicitly (the cases default to every pass)
 DEFAULT = {"probe_budget": 0.05, "probe_schedule": None}
 EVERY = {"probe_budget": None, "probe_schedule": None}
@@ -33,6 +35,11 @@ EVERY = {"probe_budget": None, "probe_schedule": None}
 def comparisons(quick: bool, only: list[str] | None = None) -> list[Comparison]:
     atari = atari_params(quick, total_timesteps=4096)
     recipe = Side("recipe, no probes", "recipe", {"total_timesteps": 4096 if quick else 51_200})
+    headline = Side(
+        "recipe with console and W&B, no probes",
+        "recipe",
+        {"total_timesteps": 4096 if quick else 51_200, "recipe_sinks": "headline"},
+    )
     sb3 = Side("sb3", "sb3", {"total_timesteps": 1024 if quick else 32_768, "activation": "relu"})
     recurrent = Side(
         "recurrent ppo",
@@ -45,6 +52,14 @@ def comparisons(quick: bool, only: list[str] | None = None) -> list[Comparison]:
     comps = {
         "recipe": adding(
             "cartpole recipe, default", recipe, "recipe", "<= 1.05", probes=True, **DEFAULT
+        ),
+        "recipe_headline": adding(
+            "cartpole recipe with console and W&B sinks, default",
+            headline,
+            "recipe",
+            "-",
+            probes=True,
+            **DEFAULT,
         ),
         "sb3": adding(
             "SB3 PPO + ProbeCallback, default",

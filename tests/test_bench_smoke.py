@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -308,3 +309,32 @@ def test_the_run_overhead_figure_sums_every_records_overhead_seconds(monkeypatch
     assert out["overhead_fraction"] == records[-1]["probes/overhead_fraction"]
     bare = cases.recipe(dict(p, probes=False))
     assert bare["run_overhead_fraction"] is None
+
+
+def test_the_recipe_case_with_the_headline_sinks_writes_the_offline_wandb_run(
+    monkeypatch, tmp_path
+):
+    """``recipe_sinks="headline"``: the recipe runs with the console and an offline W&B run
+    beside its files, as ``policy-probes run`` starts it; the W&B run holds every epoch the
+    JSONL file does. The default ("files") opens no W&B run."""
+    from wandb_reader import history_rows, run_file, wandb_records
+
+    from policy_probes.sinks.jsonl import read_jsonl
+
+    run_dirs = []
+    real_mkdtemp = cases.tempfile.mkdtemp
+
+    def mkdtemp(*args, **kwargs):
+        if kwargs.get("prefix") != "pp-bench-":  # W&B's own temporary folders
+            return real_mkdtemp(*args, **kwargs)
+        run_dirs.append(real_mkdtemp(*args, dir=tmp_path, **kwargs))
+        return run_dirs[-1]
+
+    monkeypatch.setattr(cases.tempfile, "mkdtemp", mkdtemp)
+    p = dict(cases.DEFAULTS, total_timesteps=1024, probes=True, probe_budget=0.05)
+    cases.recipe(dict(p, recipe_sinks="headline"))
+    epochs = [r["epoch"] for r in read_jsonl(f"{run_dirs[-1]}/metrics.jsonl")]
+    rows = history_rows(wandb_records(run_file(Path(run_dirs[-1]))))
+    assert sorted({row["epoch"] for row in rows if "train/value_loss" in row}) == epochs
+    cases.recipe(p)
+    assert not (Path(run_dirs[-1]) / "wandb").exists()
