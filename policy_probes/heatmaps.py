@@ -14,6 +14,7 @@ import math
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import matplotlib
 import numpy as np
@@ -114,18 +115,43 @@ def heatmap_figure(
     figsize: tuple[float, float] = (7.0, 3.6),
 ) -> Figure:
     """A matplotlib Figure (no pyplot state) of one units x epochs heatmap."""
-    fig = Figure(figsize=figsize, dpi=100)
-    fixed_margins(fig)
-    ax = fig.add_subplot()
-    draw_heatmap(ax, matrix, epochs, spec, component)
-    return fig
+    return _Canvas(matrix, epochs, spec, component, figsize).figure
 
 
 def draw_heatmap(
     ax, matrix: np.ndarray, epochs: Sequence[int], spec: HeatmapSpec, component: str
 ) -> None:
     """Draw ``matrix`` (units x epochs) on ``ax`` with a colour bar."""
-    units, n = matrix.shape
+    _draw(ax, matrix, epochs, spec, component)
+
+
+def _draw(
+    ax, matrix: np.ndarray, epochs: Sequence[int], spec: HeatmapSpec, component: str
+) -> tuple[Any, Any, Any]:
+    """:func:`draw_heatmap`; returns the image, the colour bar and the title, which
+    :class:`_Canvas` updates for the next matrix of the same shape."""
+    units, _ = matrix.shape
+    data, cmap, norm = _colours(matrix, spec)
+    first = epochs[0] if len(epochs) else 0
+    last = epochs[-1] if len(epochs) else 0
+    extent = (first - 0.5, last + 0.5, units - 0.5, -0.5)
+    img = ax.imshow(
+        data, aspect="auto", interpolation="nearest", cmap=cmap, norm=norm, extent=extent
+    )
+    cbar = ax.figure.colorbar(
+        img, ax=ax, extend="min" if (spec.log or spec.zero_color) else "neither"
+    )
+    cbar.set_label(spec.colorbar)
+    title = ax.set_title(_title(matrix, epochs, spec, component), fontsize=10)
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("unit")
+    ax.locator_params(axis="x", integer=True)
+    ax.locator_params(axis="y", integer=True)
+    return img, cbar, title
+
+
+def _colours(matrix: np.ndarray, spec: HeatmapSpec) -> tuple[np.ndarray, Any, Normalize]:
+    """The masked data, colour map and norm of ``matrix`` under ``spec``."""
     cmap = matplotlib.colormaps["viridis"].with_extremes(bad="lightgrey")
     data = np.ma.masked_invalid(matrix)
     if spec.log:
@@ -140,31 +166,57 @@ def draw_heatmap(
         cmap = cmap.with_extremes(under="black")
         data = np.ma.masked_invalid(np.where(matrix > 0, matrix, vmin * 0.5))
         norm: Normalize = LogNorm(vmin=vmin, vmax=vmax, clip=False)
+    elif spec.zero_color is not None:
+        cmap = cmap.with_extremes(under=spec.zero_color)
+        norm = Normalize(vmin=1e-12, vmax=1.0)
     else:
-        if spec.zero_color is not None:
-            cmap = cmap.with_extremes(under=spec.zero_color)
-            norm = Normalize(vmin=1e-12, vmax=1.0)
-        else:
-            norm = Normalize(vmin=0.0, vmax=1.0)
-    first = epochs[0] if len(epochs) else 0
-    last = epochs[-1] if len(epochs) else 0
-    extent = (first - 0.5, last + 0.5, units - 0.5, -0.5)
-    img = ax.imshow(
-        data, aspect="auto", interpolation="nearest", cmap=cmap, norm=norm, extent=extent
-    )
-    cbar = ax.figure.colorbar(
-        img, ax=ax, extend="min" if (spec.log or spec.zero_color) else "neither"
-    )
-    cbar.set_label(spec.colorbar)
+        norm = Normalize(vmin=0.0, vmax=1.0)
+    return data, cmap, norm
+
+
+def _title(matrix: np.ndarray, epochs: Sequence[int], spec: HeatmapSpec, component: str) -> str:
+    units, n = matrix.shape
     title = f"{spec.title}: {component}"
     if spec.zero_color is not None and n:
         dead_now = int(np.sum(matrix[:, -1] == 0))
-        title += f"  ({dead_now}/{units} units at 0 in epoch {last}, shown {spec.zero_color})"
-    ax.set_title(title, fontsize=10)
-    ax.set_xlabel("epoch")
-    ax.set_ylabel("unit")
-    ax.locator_params(axis="x", integer=True)
-    ax.locator_params(axis="y", integer=True)
+        title += f"  ({dead_now}/{units} units at 0 in epoch {epochs[-1]}, shown {spec.zero_color})"
+    return title
+
+
+class _Canvas:
+    """One heatmap figure redrawn for every matrix of the same metric, shape and epochs:
+    building a figure (its axes, colour bar and tick artists) is half of what drawing
+    one costs, and the sinks draw a dozen alike at a time."""
+
+    def __init__(
+        self,
+        matrix: np.ndarray,
+        epochs: Sequence[int],
+        spec: HeatmapSpec,
+        component: str,
+        figsize: tuple[float, float] = (7.0, 3.6),
+    ) -> None:
+        self.spec = spec
+        self.epochs = list(epochs)
+        self.figure = Figure(figsize=figsize, dpi=100)
+        fixed_margins(self.figure)
+        self.image, self.colorbar, self.title = _draw(
+            self.figure.add_subplot(), matrix, epochs, spec, component
+        )
+        self.fresh = True
+
+    def png(self, matrix: np.ndarray, component: str) -> bytes:
+        """PNG bytes of ``matrix`` drawn on this canvas (the shape and epochs it was made
+        for)."""
+        if not self.fresh:
+            data, cmap, norm = _colours(matrix, self.spec)
+            self.image.set_data(data)
+            self.image.set_cmap(cmap)
+            self.image.set_norm(norm)
+            self.colorbar.update_normal(self.image)
+            self.title.set_text(_title(matrix, self.epochs, self.spec, component))
+        self.fresh = False
+        return figure_png(self.figure)
 
 
 def fixed_margins(
@@ -196,17 +248,31 @@ def fixed_margins(
 
 def render_heatmaps(history: VectorHistory) -> dict[str, tuple[bytes, str]]:
     """PNG bytes and a caption of the heatmap of every tracked key, keyed
-    ``heatmaps/<probe>/<component>/<metric>`` (used by the W&B and TensorBoard sinks)."""
-    out: dict[str, tuple[bytes, str]] = {}
+    ``heatmaps/<probe>/<component>/<metric>`` (used by the W&B and TensorBoard sinks).
+
+    Keys whose histories are equal (a component's output and its last layer's) share one
+    drawing, titled with both names; heatmaps of one metric, shape and epochs are drawn on
+    one reused figure (:class:`_Canvas`)."""
+    drawn: dict[tuple[Any, ...], tuple[list[str], np.ndarray, list[int], HeatmapSpec]] = {}
     for key in history.tracked_keys():
         spec = heatmap_spec(key)
         matrix, epochs = history.matrix(key)
         if spec is None or matrix.size == 0:
             continue
-        component = component_of(key)
-        png = figure_png(heatmap_figure(matrix, epochs, spec, component))
-        caption = f"{spec.title}, {component}, epochs {epochs[0]}-{epochs[-1]}"
-        out["heatmaps/" + key.removeprefix("probes/")] = (png, caption)
+        same = (spec, matrix.shape, tuple(epochs), np.nan_to_num(matrix, nan=-1.0).tobytes())
+        drawn.setdefault(same, ([], matrix, epochs, spec))[0].append(key)
+    canvases: dict[tuple[Any, ...], _Canvas] = {}
+    out: dict[str, tuple[bytes, str]] = {}
+    for keys, matrix, epochs, spec in drawn.values():
+        names = " = ".join(component_of(k) for k in keys)
+        layout = (spec, matrix.shape, tuple(epochs))
+        canvas = canvases.get(layout)
+        if canvas is None:
+            canvas = canvases[layout] = _Canvas(matrix, epochs, spec, names)
+        png = canvas.png(matrix, names)
+        for key in keys:
+            caption = f"{spec.title}, {component_of(key)}, epochs {epochs[0]}-{epochs[-1]}"
+            out["heatmaps/" + key.removeprefix("probes/")] = (png, caption)
     return out
 
 
