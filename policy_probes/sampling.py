@@ -531,14 +531,14 @@ class Sampler:
 
     def overhead_parts(self, cost: dict[str, float], report_seconds: float) -> dict[str, float]:
         """Where the epoch's ``probes/overhead_seconds`` went, in seconds that add up to
-        it: ``passes/<probe>`` (the probe's hooks in the passes, or the probe batch, it
+        it: ``passes.<probe>`` (the probe's hooks in the passes, or the probe batch, it
         observed: their bodies, their estimated torch dispatch and the drains inside
         them), ``report`` (collecting the trackers at the epoch's end: the report's drains
         and summaries), ``arming`` (installing and removing hooks at pass and phase
         boundaries), ``sampler`` (this bookkeeping, and the probe batch's own forward and
         backward) and ``records`` (the previous epoch's end beyond the collection: its
         records made plain and written to the sinks)."""
-        parts = {f"passes/{probe}": seconds for probe, seconds in sorted(cost.items())}
+        parts = {f"passes.{probe}": seconds for probe, seconds in sorted(cost.items())}
         parts["report"] = report_seconds
         parts["arming"] = self.sync_seconds
         parts["sampler"] = self.own_seconds

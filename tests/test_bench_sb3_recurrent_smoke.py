@@ -28,10 +28,11 @@ def test_sb3_recurrent_overhead_quick_writes_a_positive_ratio(tmp_path):
     # on the gate-gradient rule, as for an MLP) + gradient_flow 6
     # Sampling keys on top: relu's 2 standard errors per relu name (3 per MLP, 1 per
     # LSTM), saturation's 1 per saturation name (1 each), passes_observed and
-    # rows_observed per probe and component (5 per MLP, 4 per LSTM) and the two
-    # probes/overhead_* keys.
+    # rows_observed per probe and component (5 per MLP, 4 per LSTM), the two
+    # probes/overhead_* keys and the overhead's parts (passes.<probe> of the 5 probes,
+    # report, arming, sampler, records).
     values = 2 * (8 * 3 + 6 + 12 + 6 * 3 + 4 * 3) + 2 * (8 + 6 + 12 + 6)
-    sampling = 2 * 2 * (3 + 1) + (2 + 2) + 2 * 2 * (5 + 4) + 2
+    sampling = 2 * 2 * (3 + 1) + (2 + 2) + 2 * 2 * (5 + 4) + 2 + (5 + 4)
     # Plasticity keys: dormant_fraction_tau_{0, 0.025, 0.1} per relu name (3 per MLP, 1
     # per LSTM); the gradient noise scale (grad_sq_norm, grad_var_trace,
     # grad_noise_scale) per nn.Linear parameter (2 layers x weight and bias per MLP) and

@@ -221,16 +221,16 @@ def test_the_overhead_counts_the_hook_time_it_measures(tmp_path, clock):
     prefix = "probes/overhead_seconds/"
     parts = {k.removeprefix(prefix): v for k, v in record.items() if k.startswith(prefix)}
     assert set(parts) == {
-        "passes/relu",
-        "passes/saturation_tanh",
+        "passes.relu",
+        "passes.saturation_tanh",
         "report",
         "arming",
         "sampler",
         "records",
     }
     assert sum(parts.values()) == pytest.approx(record["probes/overhead_seconds"], rel=1e-12)
-    assert parts["passes/relu"] == pytest.approx(PASSES * PROBE_SECONDS, abs=0.005)
-    for part in ("passes/saturation_tanh", "report", "arming", "sampler", "records"):
+    assert parts["passes.relu"] == pytest.approx(PASSES * PROBE_SECONDS, abs=0.005)
+    for part in ("passes.saturation_tanh", "report", "arming", "sampler", "records"):
         assert parts[part] == pytest.approx(0.0, abs=0.002), part
 
 
@@ -288,7 +288,7 @@ def test_a_drain_inside_a_hook_is_counted_once(tmp_path, clock):
     # three drains in the hooks and one at the report: 4 x 20 ms (7 x if counted twice)
     assert record["probes/overhead_seconds"] == pytest.approx(4 * DRAIN_SECONDS, abs=0.002)
     # the hooks' drains are the observed passes' cost, the last one the report's
-    passes = record["probes/overhead_seconds/passes/relu"]
+    passes = record["probes/overhead_seconds/passes.relu"]
     assert passes == pytest.approx(3 * DRAIN_SECONDS, abs=0.002)
     assert record["probes/overhead_seconds/report"] == pytest.approx(DRAIN_SECONDS, abs=0.002)
     active = (net.slow(x) > 0).double().mean(0)  # the same rows in every pass

@@ -158,7 +158,8 @@ def test_a_raising_probe_is_disabled_reported_once_recorded_and_training_goes_on
     # the other probe and the trajectory are untouched: same values as without the fault
     base = epoch_records(tmp_path / "base")
     for ours, theirs in zip(records, base, strict=True):
-        assert set(ours) - set(theirs) <= {key}
+        # the flaky probe's error flag and its part of the measured overhead
+        assert set(ours) - set(theirs) <= {key, "probes/overhead_seconds/passes.flaky"}
         for name, value in theirs.items():
             # wall-clock measurements differ between runs (the probes' overhead too)
             if name != "time" and not name.startswith(("perf/", "probes/overhead_")):
