@@ -520,6 +520,9 @@ class FindingsCollector:
         self.rules = tuple(rules)
         self.records: dict[int, dict[str, Any]] = {}
         self._read: dict[str, bool] = {}
+        #: the keys seen so far that the rules read (a record repeats its keys every
+        #: epoch, and the rules read a few dozen of its hundreds)
+        self._read_keys: list[str] = []
 
     def reads(self, key: str) -> bool:
         hit = self._read.get(key)
@@ -532,8 +535,12 @@ class FindingsCollector:
         if hook_point != "POST_EPOCH":
             return
         rec = self.records.setdefault(int(epoch), {"epoch": int(epoch)})
-        for key, value in metrics.items():
-            if isinstance(value, int | float) and not isinstance(value, bool) and self.reads(key):
+        new = metrics.keys() - self._read.keys()  # keys not seen before (a set)
+        if new:
+            self._read_keys += [k for k in metrics if k in new and self.reads(k)]  # in order
+        for key in self._read_keys:
+            value = metrics.get(key)
+            if isinstance(value, int | float) and not isinstance(value, bool):
                 rec[key] = value
 
     def findings(self, run_dir: Path | None = None) -> list[Finding]:

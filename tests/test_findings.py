@@ -6,12 +6,20 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 import pytest
 
 from policy_probes.cli import main
-from policy_probes.findings import diagnose, diagnose_run, from_json, render_text
+from policy_probes.findings import (
+    RULES,
+    FindingsCollector,
+    diagnose,
+    diagnose_run,
+    from_json,
+    render_text,
+)
 
 EPOCHS = 30
 
@@ -197,3 +205,28 @@ def test_report_html_opens_with_the_findings(tmp_path: Path) -> None:
     assert "actor_mlp.layer_0" in page[top:] and "dormant units are accumulating" in page
     write_run(tmp_path / "healthy", healthy_run())
     assert "No findings" in build_report(tmp_path / "healthy").read_text()
+
+
+def test_the_collector_keeps_every_epochs_values_of_the_keys_the_rules_read() -> None:
+    """What a sink's FindingsCollector keeps equals, epoch by epoch, the numeric values of
+    the keys some rule's pattern matches, also for keys that first appear in a later
+    epoch, and its findings are those of the records themselves."""
+    records = climbing_run()
+    for r in records[10:]:  # a layer whose probe starts reporting later
+        r["probes/relu/critic_mlp.layer_0/dormant_fraction"] = 0.01 * r["epoch"]
+        r["probes/relu/critic_mlp.layer_0/dead_fraction"] = True  # not a number to keep
+    collector = FindingsCollector()
+    for r in records:
+        collector.add(r, r["epoch"], "POST_EPOCH")
+        collector.add({"probes/fisher/actor_mlp/trace": -1.0}, r["epoch"], "SNAPSHOT")
+    for r in records:
+        expected = {
+            k: v
+            for k, v in r.items()
+            if isinstance(v, int | float)
+            and not isinstance(v, bool)
+            and any(re.fullmatch(rule.pattern, k) for rule in RULES)
+        }
+        assert collector.records[r["epoch"]] == {"epoch": r["epoch"], **expected}
+    found = [f.to_dict() for f in collector.findings()]
+    assert found and found == [f.to_dict() for f in diagnose(records)]
