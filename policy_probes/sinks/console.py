@@ -27,8 +27,9 @@ from rich.text import Text
 from policy_probes.findings import FindingsCollector, render_text
 from policy_probes.sinks.base import (
     MetricSink,
+    flatten_metrics,
     is_finite_number,
-    plain_metrics,
+    to_plain,
 )
 from policy_probes.sinks.config import DEFAULT_CONSOLE_METRICS
 
@@ -135,10 +136,15 @@ class ConsoleSink(MetricSink):
             self._snapshot = {}
         self.epoch = int(epoch)
         self.findings.add(metrics, epoch, hook_point)
-        for key, value in plain_metrics(metrics, skip=()):
+        snapshot = hook_point == "SNAPSHOT"
+        for key, value in flatten_metrics(metrics).items():
+            chosen = self.chosen(key) is not None
+            if not (chosen or (snapshot and key.count("/") < SHALLOW_PARTS)):
+                continue  # shown nowhere: not converted
+            value = to_plain(value)
             if not is_finite_number(value):
                 continue  # vectors, None, NaN and strings are not shown
-            if self.chosen(key) is not None:
+            if chosen:
                 series = self._series.setdefault(key, deque(maxlen=self.history))
                 if self._epoch_of.get(key) == self.epoch:  # a second emit of this epoch
                     series[-1] = float(value)
@@ -148,7 +154,7 @@ class ConsoleSink(MetricSink):
                     series.append(float(value))
                 self._latest[key] = value
                 self._epoch_of[key] = self.epoch
-            elif hook_point == "SNAPSHOT" and key.count("/") < SHALLOW_PARTS:
+            else:
                 self._snapshot[key] = value
         if hook_point == "SNAPSHOT":
             self.console.print(self.summary_table(title=f"snapshot, epoch {self.epoch}"))
