@@ -33,12 +33,12 @@
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 import re
 import secrets
 import string
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -172,8 +172,11 @@ class WandbSink(MetricSink):
         # (18 figures for the cartpole recipe's probes: ~3 s, several epochs' training)
         every = self.cfg.heatmap_every
         if every is not None and epoch % every == 0:
-            row.update(self._heatmap_images(epoch))
-        self._log(row)
+            with tempfile.TemporaryDirectory() as folder:  # the PNGs until W&B copies them
+                row.update(self._heatmap_images(epoch, Path(folder)))
+                self._log(row)
+        else:
+            self._log(row)
 
     def rewind(self, last_epoch: int) -> int:
         """A resume from the checkpoint of ``last_epoch``: W&B cannot drop rows, so the
@@ -232,20 +235,27 @@ class WandbSink(MetricSink):
         self.run.log(row, step=self._step)
         self._step += 1
 
-    def _heatmap_images(self, epoch: int) -> dict[str, Any]:
-        """``heatmaps/...`` -> ``wandb.Image`` of every tracked per-unit metric so far."""
-        from PIL import Image
+    def _heatmap_images(self, epoch: int, folder: Path) -> dict[str, Any]:
+        """``heatmaps/...`` -> ``wandb.Image`` of every tracked per-unit metric so far, and
+        ``layers/...`` of the per-layer figures. The PNGs are written to files in
+        ``folder``, which must outlive the row's ``log`` (W&B copies them there): made
+        from a file, an image is not decoded and encoded again as from a PIL image."""
+        files: dict[int, str] = {}  # one file per drawing (equal histories share one)
+
+        def image(png: bytes, caption: str) -> Any:
+            path = files.get(id(png))
+            if path is None:
+                path = files[id(png)] = str(folder / f"{len(files)}.png")
+                Path(path).write_bytes(png)
+            return self._wandb.Image(path, caption=caption)
 
         images = {
-            key: self._wandb.Image(Image.open(io.BytesIO(png)), caption=caption)
+            key: image(png, caption)
             for key, (png, caption) in render_heatmaps(self.history).items()
         }
         for slug, component, fig in layer_figures(self.layer_history.series()):
             caption = f"{slug} per layer of {component}, up to epoch {epoch}"
-            png = figure_png(fig)
-            images[f"layers/{slug}/{component}"] = self._wandb.Image(
-                Image.open(io.BytesIO(png)), caption=caption
-            )
+            images[f"layers/{slug}/{component}"] = image(figure_png(fig), caption)
         self._last_heatmap_epoch = epoch
         return images
 
@@ -264,15 +274,16 @@ class WandbSink(MetricSink):
             unlogged = self._unlogged_vectors
             if unlogged is not None and unlogged[0] == self._last_epoch:
                 final.update(histograms(self._wandb, unlogged[1]))  # the last epoch's
-            if (
-                (len(self.history) or len(self.layer_history))
-                and self._last_epoch is not None
-                and self._last_epoch != self._last_heatmap_epoch
-            ):
-                final.update(self._heatmap_images(self._last_epoch))
-            if final:
-                run.log({"epoch": self._last_epoch, **final}, step=self._step)
-                self._step += 1
+            with tempfile.TemporaryDirectory() as folder:  # the PNGs until W&B copies them
+                if (
+                    (len(self.history) or len(self.layer_history))
+                    and self._last_epoch is not None
+                    and self._last_epoch != self._last_heatmap_epoch
+                ):
+                    final.update(self._heatmap_images(self._last_epoch, Path(folder)))
+                if final:
+                    run.log({"epoch": self._last_epoch, **final}, step=self._step)
+                    self._step += 1
             self._summarise_findings(run)
         finally:
             run.finish()
