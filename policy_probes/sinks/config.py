@@ -92,7 +92,7 @@ class WandbConfig(BaseModel):
         None,
         ge=1,
         description="Also log the units x epochs heatmaps and per-layer figures every N "
-        "epochs (they are always logged when the run closes; ~0.15 s a figure).",
+        "epochs (they are always logged when the run closes; ~0.1 s a figure).",
     )
     heatmap_history: int = Field(
         1000, ge=1, description="Epochs of per-unit vectors kept in memory for the heatmaps."
