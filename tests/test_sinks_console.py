@@ -108,3 +108,33 @@ def test_console_output_of_a_short_training_run(tmp_path, capsys, monkeypatch):
         line = next(ln for ln in final.splitlines() if ln.lstrip().startswith(key + " "))
         assert format_value(last[key]) in line, (key, line)
     assert f"agent_step {last['agent_step']:,}" in final
+
+
+def test_the_live_view_is_drawn_again_at_most_every_refresh_seconds(monkeypatch):
+    """Epochs shorter than ``refresh_seconds`` do not each lay the live view out again: it
+    is drawn for the first epoch, then only when ``refresh_seconds`` have passed and newer
+    values came, and then it shows the latest epoch's. Refreshes in between (a progress bar
+    redraws ten times a second) show the last drawing."""
+    from policy_probes.sinks import console as console_module
+
+    clock = [100.0]
+    monkeypatch.setattr(console_module.time, "monotonic", lambda: clock[0])
+    console = Console(record=True, width=140, force_terminal=True, color_system=None)
+    sink = ConsoleSink(console=console, metrics=["train/policy_loss"], refresh_seconds=0.5)
+    draws: list[int] = []
+    view = sink.live_view
+    sink.live_view = lambda: draws.append(sink.epoch) or view()
+    for epoch, seconds in enumerate([0.0, 0.1, 0.2, 0.3, 0.6, 0.7, 1.0, 1.15]):
+        clock[0] = 100.0 + seconds
+        sink.emit({"train/policy_loss": float(epoch)}, epoch, "POST_EPOCH")
+        sink._live.refresh()  # as a progress bar's own refresh would
+    assert draws == [0, 4, 7]
+    clock[0] = 105.0  # long after, but nothing new: the drawing stands
+    sink._live.refresh()
+    assert draws == [0, 4, 7]
+    shown = Console(width=140, record=True, color_system=None)
+    shown.print(sink._live.renderable)
+    line = next(ln for ln in shown.export_text().splitlines() if "train/policy_loss" in ln)
+    assert format_value(7.0) in line and sparkline([float(e) for e in range(8)]) in line
+    sink.close()
+    assert "final, epoch 7" in console.export_text()
