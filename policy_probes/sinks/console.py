@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import re
+import threading
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -125,6 +126,7 @@ class ConsoleSink(MetricSink):
         #: when it was drawn: redrawn at most every ``refresh_seconds`` (see _LiveView)
         self._drawn: tuple[list[Any], int, int, float] | None = None
         self._version = 0
+        self._lock = threading.Lock()
         self._series: dict[str, deque[float]] = {}  # chosen metrics only, bounded
         #: key -> :meth:`chosen`'s answer (a record repeats its ~200 keys every epoch)
         self._chosen: dict[str, int | None] = {}
@@ -151,31 +153,34 @@ class ConsoleSink(MetricSink):
 
     # ------------------------------------------------------------------ emit
     def emit(self, metrics: Mapping[str, Any], epoch: int, hook_point: str) -> None:
-        if epoch != self.epoch:
-            self._snapshot = {}
-        self.epoch = int(epoch)
-        self.findings.add(metrics, epoch, hook_point)
-        snapshot = hook_point == "SNAPSHOT"
-        for key, value in flatten_metrics(metrics).items():
-            chosen = self.chosen(key) is not None
-            if not (chosen or (snapshot and key.count("/") < SHALLOW_PARTS)):
-                continue  # shown nowhere: not converted
-            value = to_plain(value)
-            if not is_finite_number(value):
-                continue  # vectors, None, NaN and strings are not shown
-            if chosen:
-                series = self._series.setdefault(key, deque(maxlen=self.history))
-                if self._epoch_of.get(key) == self.epoch:  # a second emit of this epoch
-                    series[-1] = float(value)
+        # the live view is drawn on the progress bar's thread too: it reads the series
+        # under the lock (and never takes a rich lock while holding it)
+        with self._lock:
+            if epoch != self.epoch:
+                self._snapshot = {}
+            self.epoch = int(epoch)
+            self.findings.add(metrics, epoch, hook_point)
+            snapshot = hook_point == "SNAPSHOT"
+            for key, value in flatten_metrics(metrics).items():
+                chosen = self.chosen(key) is not None
+                if not (chosen or (snapshot and key.count("/") < SHALLOW_PARTS)):
+                    continue  # shown nowhere: not converted
+                value = to_plain(value)
+                if not is_finite_number(value):
+                    continue  # vectors, None, NaN and strings are not shown
+                if chosen:
+                    series = self._series.setdefault(key, deque(maxlen=self.history))
+                    if self._epoch_of.get(key) == self.epoch:  # a second emit of this epoch
+                        series[-1] = float(value)
+                    else:
+                        if key in self._latest:
+                            self._previous[key] = float(self._latest[key])
+                        series.append(float(value))
+                    self._latest[key] = value
+                    self._epoch_of[key] = self.epoch
                 else:
-                    if key in self._latest:
-                        self._previous[key] = float(self._latest[key])
-                    series.append(float(value))
-                self._latest[key] = value
-                self._epoch_of[key] = self.epoch
-            else:
-                self._snapshot[key] = value
-        self._version += 1
+                    self._snapshot[key] = value
+            self._version += 1
         if hook_point == "SNAPSHOT":
             self.console.print(self.summary_table(title=f"snapshot, epoch {self.epoch}"))
         if self.live_enabled and self.console.is_terminal and not self._closed:
@@ -208,8 +213,10 @@ class ConsoleSink(MetricSink):
         epoch's training."""
         drawn = self._drawn
         if drawn is None or drawn[1] != options.max_width or self._redraw_due():
-            segments = list(console.render(self.live_view(), options))
-            drawn = self._drawn = (segments, options.max_width, self._version, time.monotonic())
+            with self._lock:  # a consistent view of the series emit() is adding to
+                view, version = self.live_view(), self._version
+            segments = list(console.render(view, options))  # the table holds its strings
+            drawn = self._drawn = (segments, options.max_width, version, time.monotonic())
         return drawn[0]
 
     def _ordered(self) -> list[str]:
