@@ -497,8 +497,8 @@ class Sampler:
                 cost[probe] = cost.get(probe, 0.0) + seconds
                 tracker.seconds = 0.0
         parts = self.overhead_parts(cost, report_seconds)
-        fixed = self.own_seconds + self.sync_seconds + report_seconds + self._charged
-        overhead = sum(cost.values()) + fixed
+        overhead = sum(parts.values())
+        fixed = overhead - sum(cost.values())  # the parts besides the observed passes
         self._charged = 0.0
         if self.budget is not None and not self.passes and not self._warned:
             self._warned = True
