@@ -10,6 +10,7 @@ import pytest
 from sinks_support import DEAD_UNITS, emit_probe_run, files_under, tiny_cartpole
 from wandb_reader import history_rows, run_file, wandb_records
 
+from policy_probes.heatmaps import VectorHistory, heatmap_spec, render_heatmaps
 from policy_probes.sinks import (
     JSONLSink,
     SinkGroup,
@@ -96,6 +97,27 @@ def test_offline_run_holds_dead_relu_and_fisher_series_histograms_heatmaps_and_c
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert images[0]["layers/saturation/critic_mlp/_type"] == "image-file"  # its tanh layer
     assert not [k for k in images[0] if k.startswith("layers/fisher")]  # fisher: per parameter
+    # each image file is its own drawing: the heatmaps are exactly what render_heatmaps
+    # draws from the records' vectors (equal histories share a drawing), and no layer
+    # figure repeats another image
+    history = VectorHistory()
+    for rec in jsonl:
+        for key, value in rec.items():
+            if heatmap_spec(key) is not None:
+                history.add(key, rec["epoch"], value)
+    files = run_file(tmp_path).parent / "files"
+    stored = {
+        k.removesuffix("/path"): (files / v).read_bytes()
+        for k, v in images[0].items()
+        if k.endswith("/path")
+    }
+    drawn = render_heatmaps(history)
+    assert {k for k in stored if k.startswith("heatmaps/")} == set(drawn)
+    for key, (png, _) in drawn.items():
+        assert stored[key] == png, key
+    layer_images = [png for k, png in stored.items() if k.startswith("layers/")]
+    assert len(set(layer_images)) == len(layer_images) >= 3
+    assert not set(layer_images) & {png for png, _ in drawn.values()}
 
     # config, group, tags, name; epoch is the step axis of every metric
     run = next(r.run for r in records if r.WhichOneof("record_type") == "run")

@@ -240,12 +240,15 @@ class WandbSink(MetricSink):
         ``layers/...`` of the per-layer figures. The PNGs are written to files in
         ``folder``, which must outlive the row's ``log`` (W&B copies them there): made
         from a file, an image is not decoded and encoded again as from a PIL image."""
-        files: dict[int, str] = {}  # one file per drawing (equal histories share one)
+        # one file per drawing (equal histories share one); the entry holds the bytes, so
+        # no other drawing can take their id while this runs
+        files: dict[int, tuple[str, bytes]] = {}
 
         def image(png: bytes, caption: str) -> Any:
-            path = files.get(id(png))
-            if path is None:
-                path = files[id(png)] = str(folder / f"{len(files)}.png")
+            path = files.get(id(png), ("",))[0]
+            if not path:
+                path = str(folder / f"{len(files)}.png")
+                files[id(png)] = (path, png)
                 Path(path).write_bytes(png)
             return self._wandb.Image(path, caption=caption)
 
