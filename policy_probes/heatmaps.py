@@ -259,7 +259,9 @@ def render_heatmaps(history: VectorHistory) -> dict[str, tuple[bytes, str]]:
         matrix, epochs = history.matrix(key)
         if spec is None or matrix.size == 0:
             continue
-        same = (spec, matrix.shape, tuple(epochs), np.nan_to_num(matrix, nan=-1.0).tobytes())
+        # units_by_epochs writes one NaN for every missing or non-finite value: equal
+        # histories have equal bytes
+        same = (spec, matrix.shape, tuple(epochs), matrix.tobytes())
         drawn.setdefault(same, ([], matrix, epochs, spec))[0].append(key)
     canvases: dict[tuple[Any, ...], _Canvas] = {}
     out: dict[str, tuple[bytes, str]] = {}
