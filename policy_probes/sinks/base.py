@@ -253,7 +253,7 @@ class SinkGroup(MetricSink):
 # ---------------------------------------------------------------------- value helpers
 def flatten_metrics(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     """Flatten nested mappings into ``a/b/c`` keys (lifecycle hooks may return nested dicts)."""
-    if not prefix and set(map(type, metrics)) <= {str} and not any(map(_nested, metrics.values())):
+    if not prefix and set(map(type, metrics)) <= {str} and not _any_nested(metrics.values()):
         return dict(metrics)  # already flat: every emit of the built-in loops
     out: dict[str, Any] = {}
     for key, value in metrics.items():
@@ -281,13 +281,14 @@ def plain_metrics(
 _PLAIN_SCALARS = frozenset({float, int, bool, str, type(None)})
 
 
-def _nested(value: Any) -> bool:
-    """Whether ``value`` is a mapping to flatten (exact plain types answered without the
-    slower ABC check: an emit holds hundreds of values)."""
-    kind = type(value)
-    if kind in _PLAIN_SCALARS or kind is list:
-        return False
-    return kind is dict or isinstance(value, Mapping)
+def _any_nested(values: Iterable[Any]) -> bool:
+    """Whether any of ``values`` is a mapping to flatten, asked once per distinct type: an
+    emit holds hundreds of values of a handful of types."""
+    return any(
+        kind is dict
+        or (kind not in _PLAIN_SCALARS and kind is not list and issubclass(kind, Mapping))
+        for kind in set(map(type, values))
+    )
 
 
 def to_plain(value: Any) -> Any:
