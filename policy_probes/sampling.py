@@ -498,7 +498,6 @@ class Sampler:
                 tracker.seconds = 0.0
         parts = self.overhead_parts(cost, report_seconds)
         overhead = sum(parts.values())
-        fixed = overhead - sum(cost.values())  # the parts besides the observed passes
         self._charged = 0.0
         if self.budget is not None and not self.passes and not self._warned:
             self._warned = True
@@ -517,7 +516,7 @@ class Sampler:
             and self.epochs >= CALIBRATION_EPOCH
             and self.epoch_passes
         ):
-            self._calibrate(cost, observed, wall, overhead, fixed, parts)
+            self._calibrate(cost, observed, wall, parts)
         for probe, k in self.strides().items():
             out[f"probes/{probe}/observe_every"] = float(k)
         self.last_epoch_passes, self.epoch_passes = self.epoch_passes, 0
@@ -565,8 +564,6 @@ class Sampler:
         cost: dict[str, float],
         observed: dict[str, int],
         wall: float,
-        overhead: float,
-        fixed: float,
         parts: dict[str, float],
     ) -> None:
         """Choose the budgeted probes' strides once, from this epoch's measured costs:
@@ -574,7 +571,9 @@ class Sampler:
         projected cost until the projected cost of an epoch is within :data:`AIM` of the
         budget, or every budgeted probe observes one pass per epoch (a stride of at
         least the epoch's passes; then a warning says the budget cannot be met without
-        leaving epochs unobserved)."""
+        leaving epochs unobserved). ``parts``: the epoch's :meth:`overhead_parts`."""
+        overhead = sum(parts.values())
+        fixed = overhead - sum(cost.values())  # the parts besides the observed passes
         probes = self.budgeted_probes()
         passes = self.epoch_passes
         per_pass = {p: cost.get(p, 0.0) / observed[p] for p in probes if observed.get(p)}
