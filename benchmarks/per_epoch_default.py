@@ -10,7 +10,10 @@ Side B of every ``default`` comparison runs at the toolkit's default sampling (p
 Keys for ``--only``: ``recipe`` (the cartpole recipe as it ships, JSONL/CSV sinks,
 evaluation and checkpoints, 51,200 steps = 100 epochs), ``recipe_headline`` (the same with
 the console and offline W&B sinks on as well, as ``policy-probes run`` starts it; no
-target of the issue, the cost a user of the headline command sees), ``sb3`` (SB3 PPO + ProbeCallback,
+target of the issue, the cost a user of the headline command sees), ``recipe_floor``
+(the recipe with its four probes on ``actor_mlp`` alone and ``per_layer=False``: one row
+block per probe and pass, the least any batching of layers and components could leave
+the report of these probes to reduce; no target, a bound on the ``recipe`` target), ``sb3`` (SB3 PPO + ProbeCallback,
 five probes x 2 components, 32,768 steps), ``atari`` (the Atari recipe's probes on the
 NatureCNN PPO, Breakout, 8 envs x 128 steps, 4096 steps = 4 epochs), ``recurrent``
 (RecurrentPPO + ProbeCallback, 18 probes on LSTMs and MLPs with the padding mask, 4096
@@ -26,7 +29,16 @@ from __future__ import annotations
 
 from benchmarks.ab import Comparison, Side, adding, atari_params, measure_and_record, parse_args
 
-KEYS = ["recipe", "recipe_headline", "sb3", "atari", "recurrent", "every_five", "every_atari"]
+KEYS = [
+    "recipe",
+    "recipe_headline",
+    "recipe_floor",
+    "sb3",
+    "atari",
+    "recurrent",
+    "every_five",
+    "every_atari",
+]
 #: the toolkit's default sampling, given explicitly (the cases default to every pass)
 DEFAULT = {"probe_budget": 0.05, "probe_schedule": None}
 EVERY = {"probe_budget": None, "probe_schedule": None}
@@ -59,6 +71,15 @@ def comparisons(quick: bool, only: list[str] | None = None) -> list[Comparison]:
             "recipe",
             "-",
             probes=True,
+            **DEFAULT,
+        ),
+        "recipe_floor": adding(
+            "cartpole recipe, its four probes on one component, default",
+            recipe,
+            "four probes, actor_mlp alone",
+            "-",
+            probes=True,
+            recipe_probes="one_component",
             **DEFAULT,
         ),
         "sb3": adding(

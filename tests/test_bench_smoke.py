@@ -338,3 +338,35 @@ def test_the_recipe_case_with_the_headline_sinks_writes_the_offline_wandb_run(
     assert sorted({row["epoch"] for row in rows if "train/value_loss" in row}) == epochs
     cases.recipe(p)
     assert not (Path(run_dirs[-1]) / "wandb").exists()
+
+
+def test_the_recipe_case_with_one_component_probes_reports_actor_mlp_alone(monkeypatch, tmp_path):
+    """``recipe_probes="one_component"`` (the ``recipe_floor`` comparison): the recipe's
+    four probes report ``actor_mlp`` and nothing else, no layer inside it and no
+    ``critic_mlp``; the recipe's own probes report both components per layer."""
+    from policy_probes.sinks.jsonl import read_jsonl
+
+    run_dirs = []
+    real_mkdtemp = cases.tempfile.mkdtemp
+
+    def mkdtemp(*args, **kwargs):
+        run_dirs.append(real_mkdtemp(*args, dir=tmp_path, **kwargs))
+        return run_dirs[-1]
+
+    monkeypatch.setattr(cases.tempfile, "mkdtemp", mkdtemp)
+    p = dict(cases.DEFAULTS, total_timesteps=1024, probes=True, probe_budget=0.05)
+
+    def reported() -> set[tuple[str, str]]:
+        record = read_jsonl(f"{run_dirs[-1]}/metrics.jsonl")[-1]
+        parts = [k.split("/") for k in record if k.startswith("probes/")]
+        return {(k[1], k[2]) for k in parts if len(k) == 4 and k[1] != "overhead_seconds"}
+
+    cases.recipe(dict(p, recipe_probes="one_component"))
+    probes = {"relu", "fisher", "gradient_flow", "relu_gradient_flow"}
+    assert reported() == {(probe, "actor_mlp") for probe in probes}
+    cases.recipe(p)
+    shipped = reported()
+    assert {c for _, c in shipped} >= {"actor_mlp", "actor_mlp.layer_0", "critic_mlp"}
+    assert {probe for probe, _ in shipped} == probes
+    with pytest.raises(ValueError, match="recipe_probes"):
+        cases.recipe(dict(p, recipe_probes="two"))

@@ -7,11 +7,14 @@ import csv
 import math
 import os
 import tracemalloc
+from fractions import Fraction
 
+import numpy as np
 import pytest
 from sinks_support import emit_probe_run, rewind_and_emit
 
 from policy_probes.sinks import CSVSink
+from policy_probes.sinks.base import vector_stats
 from policy_probes.sinks.csv_sink import BASE_COLUMNS, scalar_columns
 
 
@@ -151,3 +154,35 @@ def test_scalar_columns_of_odd_values():
         "v/max": "",
         "d/x": 2,
     }
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        [0.25, -1.5, 3.0, 1e-300],
+        [3, 1, 2],
+        [True, False, True],
+        [1.0, float("nan"), -2.0],
+        [float("inf"), 4.0, float("-inf"), 2.0],
+        [None, 5.0, "x", 1.0],
+        [1e308, 1e308, -1e308],
+        [],
+        [None, float("nan")],
+    ],
+)
+def test_vector_stats_are_those_of_the_finite_numbers(values):
+    """Mean (exact sum over the count), min and max of the finite numeric elements,
+    against numpy on the elements filtered by hand; None when there are none."""
+    finite = np.array(
+        [float(v) for v in values if isinstance(v, (int, float)) and np.isfinite(float(v))],
+        dtype=np.float64,
+    )
+    stats = vector_stats(values)
+    if finite.size == 0:
+        assert stats is None
+        return
+    mean, low, high = stats
+    exact = sum(map(Fraction, finite.tolist())) / finite.size
+    assert mean == pytest.approx(float(exact), rel=1e-15)
+    assert (low, high) == (finite.min(), finite.max())
+    assert all(type(v) is float for v in stats)

@@ -350,3 +350,27 @@ def finite_values(values: Iterable[Any]) -> list[float]:
 
 
 _FLOATS = frozenset({float, int})
+
+
+def vector_stats(values: list[Any]) -> tuple[float, float, float] | None:
+    """Mean, min and max of the finite numeric elements of a per-unit vector (None when
+    it has none). The mean is ``math.fsum``'s exact sum over the count (of the elements
+    over the count where that sum leaves the float range).
+
+    A finite ``fsum`` of the whole list means every element is a finite number (a NaN
+    makes it NaN, an infinity infinite or a ValueError, anything else a TypeError), so
+    the common case needs no separate pass to check or filter the elements."""
+    try:
+        total = math.fsum(values)
+    except (TypeError, ValueError, OverflowError):
+        total = math.nan
+    if values and math.isfinite(total):
+        return total / len(values), float(min(values)), float(max(values))
+    finite = finite_values(values)
+    if not finite:
+        return None
+    try:
+        mean = math.fsum(finite) / len(finite)
+    except OverflowError:  # the sum leaves the float range, the mean does not
+        mean = math.fsum(v / len(finite) for v in finite)
+    return mean, min(finite), max(finite)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import csv
 import logging
-import math
 import os
 import time
 from collections.abc import Mapping
@@ -23,8 +22,8 @@ from typing import Any
 from policy_probes.sinks.base import (
     FSYNC_SECONDS,
     AppendFileSink,
-    finite_values,
     plain_metrics,
+    vector_stats,
 )
 from policy_probes.sinks.jsonl import fsync_dir, repair_truncated_tail
 
@@ -163,10 +162,8 @@ def scalar_columns(metrics: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in plain_metrics(metrics, skip=BASE_COLUMNS):
         if isinstance(value, list):
-            finite = finite_values(value)
-            out[f"{key}/mean"] = math.fsum(finite) / len(finite) if finite else ""
-            out[f"{key}/min"] = min(finite) if finite else ""
-            out[f"{key}/max"] = max(finite) if finite else ""
+            mean, low, high = vector_stats(value) or ("", "", "")
+            out[f"{key}/mean"], out[f"{key}/min"], out[f"{key}/max"] = mean, low, high
         elif value is None:
             out[key] = ""
         elif isinstance(value, bool):
