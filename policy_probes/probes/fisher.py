@@ -53,7 +53,6 @@ from policy_probes.probes.fisher_generic import (
 from policy_probes.probes.fisher_rules import LayerKind, LayerRule, chunk_bytes_for, layer_kind
 from policy_probes.probes.rows import COUNT, Rows
 from policy_probes.probes.state import (
-    SUM,
     Drained,
     ProbeState,
     as_rows,
@@ -289,7 +288,7 @@ class FisherInformationState(ProbeState):
             w.mul_(mask.to(w.dtype))
         if stream == "out":
             # sum_i (f_i g_i)^2 per unit: one matrix-vector product with f^2
-            unit_sq = torch.mv(g.square().T, w.square_()).to(SUM)
+            unit_sq = torch.mv(g.square().T, w.square_())
             self._add(component, "unit_sq", unit_sq)
             kept = Weighted(g, mask)  # rows the row mask keeps (all without one)
             self._add(component, "unit_count", kept.finite_count(), COUNT)
@@ -323,13 +322,13 @@ class FisherInformationState(ProbeState):
             sq = rule.squares(x.clean, gs, chunk)
         else:  # nn.Linear
             # the summed per-sample gradient (gradient noise scale), before gs is squared
-            self._add(component, f"param_gsum:{weight}", (gs.T @ x.clean).to(SUM))
+            self._add(component, f"param_gsum:{weight}", gs.T @ x.clean)
             if bias:
-                self._add(component, f"param_gsum:{bias}", gs.sum(0).to(SUM))
+                self._add(component, f"param_gsum:{bias}", gs.sum(0))
             g2 = gs.square_()
-            sq = {weight: (g2.T @ x.square()).to(SUM)}
+            sq = {weight: g2.T @ x.square()}
             if bias:
-                sq[bias] = g2.sum(0).to(SUM)
+                sq[bias] = g2.sum(0)
         for name, value in sq.items():
             self._add(component, f"param:{name}", value)
             self._add(component, f"param_samples:{name}", samples, COUNT)

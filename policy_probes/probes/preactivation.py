@@ -76,9 +76,9 @@ class PreactivationState(ProbeState):
             self._add(component, "norm_sum", (norms * ok).sum())
             self._add(component, "rows", ok.sum().round().to(COUNT), COUNT)
             return
-        self._add(component, "sum", kept.sums(x.clean).to(SUM))
+        self._add(component, "sum", kept.sums(x.clean))
         sq = torch.square(x.clean, out=self.scratch(x.clean))
-        self._add(component, "sq", kept.sums(sq).to(SUM))
+        self._add(component, "sq", kept.sums(sq))
         self._add(component, "count", kept.finite_count(), COUNT)
 
     def summarize(self, component: str, s: dict[str, torch.Tensor], cfg: dict[str, Any]) -> dict:

@@ -29,7 +29,7 @@ from policy_probes.hook_types import Extractor, HookBuilder
 from policy_probes.probes.layout import ActivationState
 from policy_probes.probes.per_layer import LayeredProbeHook, layered_builder
 from policy_probes.probes.rows import COUNT
-from policy_probes.probes.state import SUM, Drained, unit_rates
+from policy_probes.probes.state import Drained, unit_rates
 from policy_probes.probes.weighted import Weighted
 from policy_probes.sampling import Schedule, standard_error
 
@@ -87,7 +87,7 @@ class ReLUActivationState(ActivationState):
         component, (h,), weight = batch.component, batch.cols, batch.weight
         kept = Weighted(h, weight)  # rows the row mask keeps (all without one)
         count = kept.finite_count()
-        abs_sum = kept.sums(torch.abs(h.clean, out=self.scratch(h.clean))).to(SUM)
+        abs_sum = kept.sums(torch.abs(h.clean, out=self.scratch(h.clean)))
         active = kept.counts(h.positive())
         self._add(component, "count", count, COUNT)
         self._add(component, "active", active, COUNT)

@@ -171,6 +171,10 @@ class ProbeState:
         return t
 
     def _add(self, component: str, key: str, value: torch.Tensor, dtype: torch.dtype = SUM) -> None:
+        """Add ``value`` to the accumulator ``key`` of ``component`` (of ``dtype``). A
+        value of a narrower dtype needs no conversion first: the first use converts it
+        with its copy, and later ones add it with type promotion, exactly as a converted
+        copy would (float32 widens to float64 without rounding), one operation less."""
         st = self.state[component]
         acc = st.get(key)
         if acc is None:  # first use in the window: a copy (one op, not zeros + add)

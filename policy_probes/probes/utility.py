@@ -66,7 +66,7 @@ class UtilityState(ProbeState):
         layer, (h,), weight = batch.component, batch.cols, batch.weight
         kept = Weighted(h, weight)
         abs_h = torch.abs(h.clean, out=self.scratch(h.clean))
-        self._add(layer, "abs_sum", kept.sums(abs_h).to(SUM))
+        self._add(layer, "abs_sum", kept.sums(abs_h))
         self._add(layer, "count", kept.finite_count(), COUNT)
 
     def summarize(self, layer: str, s: dict[str, torch.Tensor], cfg: dict[str, Any]) -> dict:
