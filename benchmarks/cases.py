@@ -102,6 +102,8 @@ DEFAULTS: dict[str, Any] = {
     # alone, ``per_layer=False``: one row block per probe and pass, the least a report
     # of these four probes can reduce)
     "recipe_probes": "shipped",
+    # the components the five probes of ``sb3`` (ProbeCallback) watch
+    "probe_components": ["actor_mlp", "critic_mlp"],
 }
 
 
@@ -141,7 +143,9 @@ class OverheadTotal:
 
 
 def probe_builders(
-    fisher_param_every: int = 1, per_layer: bool = True
+    fisher_param_every: int = 1,
+    per_layer: bool = True,
+    components: tuple[str, ...] = ("actor_mlp", "critic_mlp"),
 ) -> list[tuple[str, Any, bool]]:
     from policy_probes import (
         attach_fisher_information_hooks,
@@ -152,7 +156,7 @@ def probe_builders(
     )
 
     out = []
-    for component in ("actor_mlp", "critic_mlp"):
+    for component in components:
         out += [
             (component, attach_relu_activation_hooks(per_layer=per_layer), False),
             (component, attach_saturated_activation_hooks("tanh", per_layer=per_layer), False),
@@ -436,7 +440,7 @@ def sb3(p: dict[str, Any]) -> dict[str, Any]:
         from policy_probes.integrations.sb3 import ProbeCallback
         from policy_probes.sinks import SinksConfig, WandbConfig
 
-        builders = probe_builders()
+        builders = probe_builders(per_layer=p["per_layer"], components=tuple(p["probe_components"]))
         if p.get("recurrent"):
             builders += recurrent_probe_builders()
         callback = ProbeCallback(
@@ -459,9 +463,17 @@ def sb3(p: dict[str, Any]) -> dict[str, Any]:
         last = callback.history[-1] if callback.history else {}
         out["records"] = len(callback.history)
         out["probe_keys"] = sum(1 for k in last if k.startswith("probes/"))
+        out["probed_components"] = probed_components(last)
         out.update(sampling_of(last))
         out["run_overhead_fraction"] = overhead.fraction(clocks)
     return out
+
+
+def probed_components(metrics: dict[str, Any]) -> list[str]:
+    """The components (and layers) a record's probe keys report,
+    ``probes/<probe>/<component>/<metric>``."""
+    parts = [k.split("/") for k in metrics if k.startswith("probes/")]
+    return sorted({p[2] for p in parts if len(p) == 4 and p[1] != "overhead_seconds"})
 
 
 def sampling_of(metrics: dict[str, Any]) -> dict[str, Any]:

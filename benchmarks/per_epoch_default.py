@@ -13,7 +13,9 @@ the console and offline W&B sinks on as well, as ``policy-probes run`` starts it
 target of the issue, the cost a user of the headline command sees), ``recipe_floor``
 (the recipe with its four probes on ``actor_mlp`` alone and ``per_layer=False``: one row
 block per probe and pass, the least any batching of layers and components could leave
-the report of these probes to reduce; no target, a bound on the ``recipe`` target), ``sb3`` (SB3 PPO + ProbeCallback,
+the report of these probes to reduce; no target, a bound on the ``recipe`` target),
+``sb3_floor`` (the same bound for ``sb3``: its five probes on ``actor_mlp`` alone,
+``per_layer=False``; the two bounds run only when named in ``--only``), ``sb3`` (SB3 PPO + ProbeCallback,
 five probes x 2 components, 32,768 steps), ``atari`` (the Atari recipe's probes on the
 NatureCNN PPO, Breakout, 8 envs x 128 steps, 4096 steps = 4 epochs), ``recurrent``
 (RecurrentPPO + ProbeCallback, 18 probes on LSTMs and MLPs with the padding mask, 4096
@@ -34,11 +36,14 @@ KEYS = [
     "recipe_headline",
     "recipe_floor",
     "sb3",
+    "sb3_floor",
     "atari",
     "recurrent",
     "every_five",
     "every_atari",
 ]
+#: what a run without ``--only`` measures: the bounds run only when asked
+DEFAULT_KEYS = [k for k in KEYS if not k.endswith("_floor")]
 #: the toolkit's default sampling, given explicitly (the cases default to every pass)
 DEFAULT = {"probe_budget": 0.05, "probe_schedule": None}
 EVERY = {"probe_budget": None, "probe_schedule": None}
@@ -90,6 +95,16 @@ def comparisons(quick: bool, only: list[str] | None = None) -> list[Comparison]:
             probe_callback=True,
             **DEFAULT,
         ),
+        "sb3_floor": adding(
+            "SB3 PPO + ProbeCallback, five probes on one component, default",
+            sb3,
+            "+ ProbeCallback, actor_mlp alone",
+            "-",
+            probe_callback=True,
+            per_layer=False,
+            probe_components=["actor_mlp"],
+            **DEFAULT,
+        ),
         "atari": adding(
             "Atari recipe (NatureCNN), default",
             Side("no probes", "ours", atari),
@@ -127,7 +142,9 @@ def comparisons(quick: bool, only: list[str] | None = None) -> list[Comparison]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(__doc__.splitlines()[0], 6, "per_epoch_default.json", argv, KEYS)
+    args = parse_args(
+        __doc__.splitlines()[0], 6, "per_epoch_default.json", argv, KEYS, DEFAULT_KEYS
+    )
     measure_and_record(args, comparisons(args.quick, args.only), "per-epoch default")
 
 

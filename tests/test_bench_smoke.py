@@ -370,3 +370,20 @@ def test_the_recipe_case_with_one_component_probes_reports_actor_mlp_alone(monke
     assert {probe for probe, _ in shipped} == probes
     with pytest.raises(ValueError, match="recipe_probes"):
         cases.recipe(dict(p, recipe_probes="two"))
+
+
+def test_the_sb3_case_with_one_component_probes_reports_actor_mlp_alone():
+    """``sb3_floor``: ProbeCallback's five probes on ``actor_mlp`` alone without per-layer
+    keys; the ``sb3`` comparison's own probes report both components and their layers."""
+    p = dict(cases.DEFAULTS, total_timesteps=512, probe_callback=True, probe_budget=0.05)
+    p.update(activation="relu", num_steps=128)
+    floor = cases.sb3(dict(p, per_layer=False, probe_components=["actor_mlp"]))
+    assert floor["probed_components"] == ["actor_mlp"] and floor["probe_errors"] == []
+    shipped = cases.sb3(p)
+    components = shipped["probed_components"]
+    assert {"actor_mlp", "critic_mlp"} <= set(components)
+    assert any(c.startswith("actor_mlp.") for c in components)  # SB3's layers: actor_mlp.1, ...
+    assert floor["probe_keys"] < shipped["probe_keys"]
+    assert cases.probed_components(
+        {"probes/relu/a/dead_fraction": 0.0, "probes/overhead_seconds/report": 1.0, "x/y/z/w": 1}
+    ) == ["a"]
