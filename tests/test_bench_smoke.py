@@ -286,20 +286,29 @@ def test_fisher_conv_routes_agree_and_are_timed(tmp_path):
         assert row["correlate_ms"] > 0 and row["unfold_ms"] > 0
 
 
-def test_the_run_overhead_figure_sums_every_records_overhead_seconds(monkeypatch, tmp_path):
+@pytest.fixture
+def run_dirs(monkeypatch, tmp_path) -> list[str]:
+    """The run directories the recipe case makes (``tempfile.mkdtemp(prefix="pp-bench-")``),
+    in order, under ``tmp_path``; other temporary folders (W&B's) are left alone."""
+    made: list[str] = []
+    real_mkdtemp = cases.tempfile.mkdtemp
+
+    def mkdtemp(*args, **kwargs):
+        if kwargs.get("prefix") != "pp-bench-":
+            return real_mkdtemp(*args, **kwargs)
+        made.append(real_mkdtemp(*args, dir=tmp_path, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(cases.tempfile, "mkdtemp", mkdtemp)
+    return made
+
+
+def test_the_run_overhead_figure_sums_every_records_overhead_seconds(run_dirs):
     """``run_overhead_fraction`` of the recipe case is the sum of ``probes/overhead_seconds``
     over every record the run wrote (read back from its metrics.jsonl) over the timed
     seconds; a run without probes has none."""
     from policy_probes.sinks.jsonl import read_jsonl
 
-    run_dirs = []
-    real_mkdtemp = cases.tempfile.mkdtemp
-
-    def mkdtemp(*args, **kwargs):
-        run_dirs.append(real_mkdtemp(*args, dir=tmp_path, **kwargs))
-        return run_dirs[-1]
-
-    monkeypatch.setattr(cases.tempfile, "mkdtemp", mkdtemp)
     p = dict(cases.DEFAULTS, total_timesteps=2048, probes=True, probe_budget=0.05)
     out = cases.recipe(p)
     records = read_jsonl(f"{run_dirs[-1]}/metrics.jsonl")
@@ -311,9 +320,7 @@ def test_the_run_overhead_figure_sums_every_records_overhead_seconds(monkeypatch
     assert bare["run_overhead_fraction"] is None
 
 
-def test_the_recipe_case_with_the_headline_sinks_writes_the_offline_wandb_run(
-    monkeypatch, tmp_path
-):
+def test_the_recipe_case_with_the_headline_sinks_writes_the_offline_wandb_run(run_dirs):
     """``recipe_sinks="headline"``: the recipe runs with the console and an offline W&B run
     beside its files, as ``policy-probes run`` starts it; the W&B run holds every epoch the
     JSONL file does. The default ("files") opens no W&B run."""
@@ -321,16 +328,6 @@ def test_the_recipe_case_with_the_headline_sinks_writes_the_offline_wandb_run(
 
     from policy_probes.sinks.jsonl import read_jsonl
 
-    run_dirs = []
-    real_mkdtemp = cases.tempfile.mkdtemp
-
-    def mkdtemp(*args, **kwargs):
-        if kwargs.get("prefix") != "pp-bench-":  # W&B's own temporary folders
-            return real_mkdtemp(*args, **kwargs)
-        run_dirs.append(real_mkdtemp(*args, dir=tmp_path, **kwargs))
-        return run_dirs[-1]
-
-    monkeypatch.setattr(cases.tempfile, "mkdtemp", mkdtemp)
     p = dict(cases.DEFAULTS, total_timesteps=1024, probes=True, probe_budget=0.05)
     cases.recipe(dict(p, recipe_sinks="headline"))
     epochs = [r["epoch"] for r in read_jsonl(f"{run_dirs[-1]}/metrics.jsonl")]
@@ -340,20 +337,12 @@ def test_the_recipe_case_with_the_headline_sinks_writes_the_offline_wandb_run(
     assert not (Path(run_dirs[-1]) / "wandb").exists()
 
 
-def test_the_recipe_case_with_one_component_probes_reports_actor_mlp_alone(monkeypatch, tmp_path):
+def test_the_recipe_case_with_one_component_probes_reports_actor_mlp_alone(run_dirs):
     """``recipe_probes="one_component"`` (the ``recipe_floor`` comparison): the recipe's
     four probes report ``actor_mlp`` and nothing else, no layer inside it and no
     ``critic_mlp``; the recipe's own probes report both components per layer."""
     from policy_probes.sinks.jsonl import read_jsonl
 
-    run_dirs = []
-    real_mkdtemp = cases.tempfile.mkdtemp
-
-    def mkdtemp(*args, **kwargs):
-        run_dirs.append(real_mkdtemp(*args, dir=tmp_path, **kwargs))
-        return run_dirs[-1]
-
-    monkeypatch.setattr(cases.tempfile, "mkdtemp", mkdtemp)
     p = dict(cases.DEFAULTS, total_timesteps=1024, probes=True, probe_budget=0.05)
 
     def reported() -> set[tuple[str, str]]:
