@@ -15,8 +15,8 @@ target of the issue, the cost a user of the headline command sees), ``recipe_flo
 block per probe and pass, the least any batching of layers and components could leave
 the report of these probes to reduce; no target, a bound on the ``recipe`` target),
 ``sb3_floor`` (the same bound for ``sb3``: its five probes on ``actor_mlp`` alone,
-``per_layer=False``; the two bounds run only when named in ``--only``), ``sb3`` (SB3 PPO + ProbeCallback,
-five probes x 2 components, 32,768 steps), ``atari`` (the Atari recipe's probes on the
+``per_layer=False``; the two bounds run only when named in ``--only``), ``sb3`` (SB3
+PPO + ProbeCallback, five probes x 2 components, 32,768 steps), ``atari`` (the Atari recipe's probes on the
 NatureCNN PPO, Breakout, 8 envs x 128 steps, 4096 steps = 4 epochs), ``recurrent``
 (RecurrentPPO + ProbeCallback, 18 probes on LSTMs and MLPs with the padding mask, 4096
 steps), ``every_five`` (five probes x 2 on the CartPole MLPs at every pass, 20,480 steps)
