@@ -10,13 +10,13 @@ Side B of every ``default`` comparison runs at the toolkit's default sampling (p
 Keys for ``--only``: ``recipe`` (the cartpole recipe as it ships, JSONL/CSV sinks,
 evaluation and checkpoints, 51,200 steps = 100 epochs), ``recipe_headline`` (the same with
 the console and offline W&B sinks on as well, as ``policy-probes run`` starts it; no
-target of the issue, the cost a user of the headline command sees), ``recipe_floor``
-(the recipe with its four probes on ``actor_mlp`` alone and ``per_layer=False``: one row
-block per probe and pass, the least any batching of layers and components could leave
-the report of these probes to reduce; no target, a bound on the ``recipe`` target),
-``sb3_floor`` (the same bound for ``sb3``: its five probes on ``actor_mlp`` alone,
-``per_layer=False``; the two bounds run only when named in ``--only``), ``sb3`` (SB3
-PPO + ProbeCallback, five probes x 2 components, 32,768 steps), ``atari`` (the Atari recipe's probes on the
+target of the issue, the cost a user of the headline command sees), ``recipe_floor`` (the
+recipe with its four probes on ``actor_mlp`` alone and ``per_layer=False``: one row block
+per probe and pass, the least any batching of layers and components could leave the report
+of these probes to reduce; no target, a bound on the ``recipe`` target), ``sb3_floor``
+(the same bound for ``sb3``: its five probes on ``actor_mlp`` alone, ``per_layer=False``;
+the two bounds run only when named in ``--only``), ``sb3`` (SB3 PPO + ProbeCallback, five
+probes x 2 components, 32,768 steps), ``atari`` (the Atari recipe's probes on the
 NatureCNN PPO, Breakout, 8 envs x 128 steps, 4096 steps = 4 epochs), ``recurrent``
 (RecurrentPPO + ProbeCallback, 18 probes on LSTMs and MLPs with the padding mask, 4096
 steps), ``every_five`` (five probes x 2 on the CartPole MLPs at every pass, 20,480 steps)
