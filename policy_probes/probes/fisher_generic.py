@@ -24,8 +24,7 @@ from torch.func import functional_call, grad, vmap
 from torch.nn.utils.rnn import PackedSequence
 
 from policy_probes.probes.fisher_rnn import gate_rule_applies, rnn_per_sample_squares
-from policy_probes.probes.fisher_rules import chunks
-from policy_probes.probes.state import SUM
+from policy_probes.probes.fisher_rules import accumulate, chunks
 from policy_probes.torch_internals import (
     hooks_set_aside,
     tree_flatten,
@@ -277,8 +276,7 @@ def per_sample_squares(
                 for lay, _, g_at, sc in plans
             ]
             for name, g in per_grad(params, xs, gs).items():
-                sq = g.square().sum(0).to(SUM)
-                acc[name] = acc[name].add_(sq) if name in acc else sq
+                accumulate(acc, name, g.square().sum(0))
     return acc
 
 

@@ -25,8 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from policy_probes.probes.fisher_rules import chunks
-from policy_probes.probes.state import SUM
+from policy_probes.probes.fisher_rules import accumulate, chunks
 
 
 def gate_rule_applies(module: nn.Module) -> bool:
@@ -186,8 +185,7 @@ def rnn_per_sample_squares(
                 sample_grads["bias_hh"] = dah[:, b].sum(0)
             for k, v in sample_grads.items():
                 name = k + first.suffix
-                sq = v.square().sum(0).to(SUM)
-                acc[name] = acc[name].add_(sq) if name in acc else sq
+                accumulate(acc, name, v.square().sum(0))
     return acc
 
 

@@ -80,7 +80,10 @@ class LayerRule:
         raise NotImplementedError
 
 
-def _accumulate(acc: dict[str, torch.Tensor], name: str | None, value: torch.Tensor) -> None:
+def accumulate(acc: dict[str, torch.Tensor], name: str | None, value: torch.Tensor) -> None:
+    """Add ``value`` to ``acc[name]`` (nothing when ``name`` is None); the first value is
+    stored as a float64 copy (:data:`~policy_probes.probes.state.SUM`), later ones are
+    added with type promotion, exactly as converted copies would be."""
     if name is None:
         return
     if name in acc:
@@ -169,9 +172,9 @@ class ConvRule(LayerRule):
                     xc = F.pad(xc, self.pad, mode=self.pad_mode)
                 if one_d:
                     xc = xc.unsqueeze(2)
-                _accumulate(acc, weight, weight_squares(xc, gc, g))
+                accumulate(acc, weight, weight_squares(xc, gc, g))
             if bias is not None:
-                _accumulate(acc, bias, gc.reshape(n, c_out, -1).sum(-1).square_().sum(0))
+                accumulate(acc, bias, gc.reshape(n, c_out, -1).sum(-1).square_().sum(0))
         return acc
 
     def _correlated(self, xc: Tensor, gc: Tensor, g: _Geometry) -> Tensor:
@@ -287,9 +290,9 @@ class NormRule(LayerRule):
             gc = gw[lo:hi].view(hi - lo, channels, self.positions)
             if weight is not None:
                 gx = torch.mul(gc, x[lo:hi].view_as(gc)).sum(-1)
-                _accumulate(acc, weight, gx.square_().sum(0).view(self.shape))
+                accumulate(acc, weight, gx.square_().sum(0).view(self.shape))
             if bias is not None:
-                _accumulate(acc, bias, gc.sum(-1).square_().sum(0).view(self.shape))
+                accumulate(acc, bias, gc.sum(-1).square_().sum(0).view(self.shape))
         return acc
 
 
