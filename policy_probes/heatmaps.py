@@ -120,16 +120,10 @@ def heatmap_figure(
 
 def draw_heatmap(
     ax, matrix: np.ndarray, epochs: Sequence[int], spec: HeatmapSpec, component: str
-) -> None:
-    """Draw ``matrix`` (units x epochs) on ``ax`` with a colour bar."""
-    _draw(ax, matrix, epochs, spec, component)
-
-
-def _draw(
-    ax, matrix: np.ndarray, epochs: Sequence[int], spec: HeatmapSpec, component: str
 ) -> tuple[Any, Any, Any]:
-    """:func:`draw_heatmap`; returns the image, the colour bar and the title, which
-    :class:`_Canvas` updates for the next matrix of the same shape."""
+    """Draw ``matrix`` (units x epochs) on ``ax`` with a colour bar; returns the image,
+    the colour bar and the title, which :class:`_Canvas` updates for the next matrix of
+    the same shape."""
     units, _ = matrix.shape
     data, cmap, norm = _colours(matrix, spec)
     first = epochs[0] if len(epochs) else 0
@@ -200,7 +194,7 @@ class _Canvas:
         self.epochs = list(epochs)
         self.figure = Figure(figsize=figsize, dpi=100)
         fixed_margins(self.figure)
-        self.image, self.colorbar, self.title = _draw(
+        self.image, self.colorbar, self.title = draw_heatmap(
             self.figure.add_subplot(), matrix, epochs, spec, component
         )
         self.fresh = True

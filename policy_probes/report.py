@@ -40,9 +40,9 @@ from policy_probes.findings import render_html as render_findings_html
 from policy_probes.heatmaps import (
     HEATMAP_SPECS,
     component_of,
-    draw_heatmap,
     figure_png,
     fixed_margins,
+    heatmap_figure,
     heatmap_spec,
     units_by_epochs,
 )
@@ -327,11 +327,8 @@ def heatmap_figures(run: RunMetrics, max_epochs: int | None = None) -> list[tupl
         matrix, epochs = units_by_epochs(rows)
         if matrix.size == 0:
             continue
-        units = matrix.shape[0]
-        fig = Figure(figsize=(10.4, min(2.2 + 0.06 * units, 7.5)), dpi=100)
-        fixed_margins(fig)
-        draw_heatmap(fig.add_subplot(), matrix, epochs, spec, component_of(key))
-        out.append((key, fig))
+        figsize = (10.4, min(2.2 + 0.06 * matrix.shape[0], 7.5))
+        out.append((key, heatmap_figure(matrix, epochs, spec, component_of(key), figsize=figsize)))
     return out
 
 
