@@ -495,8 +495,8 @@ def recipe(p: dict[str, Any]) -> dict[str, Any]:
     ``policy-probes run`` starts it (``"headline"``), and ``total_timesteps`` and the
     sampling from ``p``; without ``probes`` the same configuration with no probe
     attached, with ``recipe_probes="one_component"`` its probes on ``actor_mlp`` alone
-    (:func:`add_one_component_probes`)."""
-    from recipes.cartpole import train
+    without per-layer keys (:func:`recipes.cartpole.add_probes`)."""
+    from recipes.cartpole import add_probes, train
     from trainers import TrainTool
 
     if p["recipe_probes"] not in ("shipped", "one_component"):
@@ -505,7 +505,7 @@ def recipe(p: dict[str, Any]) -> dict[str, Any]:
     if not p["probes"] or p["recipe_probes"] != "shipped":
         tool = TrainTool.model_validate(tool.model_dump())  # the configuration alone
     if p["probes"] and p["recipe_probes"] == "one_component":
-        add_one_component_probes(tool)
+        add_probes(tool, ("actor_mlp",), per_layer=False)
     tool.trainer.total_timesteps = p["total_timesteps"]
     headline = p["recipe_sinks"] == "headline"
     tool.sinks.console = headline
@@ -525,22 +525,6 @@ def recipe(p: dict[str, Any]) -> dict[str, Any]:
         **sampling_of(result.metrics),
         run_overhead_fraction=overhead.fraction(clocks),
     )
-
-
-def add_one_component_probes(tool: Any) -> None:
-    """The cartpole recipe's four probes on ``actor_mlp`` alone and without per-layer
-    reporting (``recipe_probes="one_component"``)."""
-    from policy_probes.probes.fisher import attach_fisher_information_hooks
-    from policy_probes.probes.gradient_flow import attach_gradient_flow_hooks
-    from policy_probes.probes.relu import attach_relu_activation_hooks
-    from policy_probes.probes.relu_gradient_flow import attach_relu_gradient_flow_hooks
-
-    tool.add_training_hook("actor_mlp", attach_relu_activation_hooks(per_layer=False))
-    tool.add_training_backward_hook("actor_mlp", attach_fisher_information_hooks())
-    tool.add_training_backward_hook(
-        "actor_mlp", attach_gradient_flow_hooks(beta=0.95, per_layer=False)
-    )
-    tool.add_training_backward_hook("actor_mlp", attach_relu_gradient_flow_hooks(per_layer=False))
 
 
 def cleanrl_atari(p: dict[str, Any]) -> dict[str, Any]:

@@ -32,9 +32,23 @@ def train() -> TrainTool:
         evaluation=EvalConfig(every_epochs=10, episodes=10, num_envs=10),
         torch_threads=1,
     )
-    for component in PROBED:
-        cfg.add_training_hook(component, attach_relu_activation_hooks())
+    return add_probes(cfg)
+
+
+def add_probes(
+    cfg: TrainTool, components: tuple[str, ...] = PROBED, *, per_layer: bool = True
+) -> TrainTool:
+    """The recipe's four probes on ``components`` (the benchmarks attach the same set, on
+    ``actor_mlp`` alone and without per-layer keys for their bound): ReLU activations,
+    Fisher information, gradient flow and ReLU gradient flow; ``per_layer`` also reports
+    every layer inside each component."""
+    for component in components:
+        cfg.add_training_hook(component, attach_relu_activation_hooks(per_layer=per_layer))
         cfg.add_training_backward_hook(component, attach_fisher_information_hooks())
-        cfg.add_training_backward_hook(component, attach_gradient_flow_hooks(beta=0.95))
-        cfg.add_training_backward_hook(component, attach_relu_gradient_flow_hooks())
+        cfg.add_training_backward_hook(
+            component, attach_gradient_flow_hooks(beta=0.95, per_layer=per_layer)
+        )
+        cfg.add_training_backward_hook(
+            component, attach_relu_gradient_flow_hooks(per_layer=per_layer)
+        )
     return cfg
