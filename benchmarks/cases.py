@@ -324,7 +324,7 @@ def ours(p: dict[str, Any]) -> dict[str, Any]:
 
         # this process only: the measurement instrument (trainer callbacks, and the
         # session calls through which the trainer reaches probes, hooks and sinks)
-        CallbackList.fire = timed(CallbackList.fire)
+        CallbackList._each = timed(CallbackList._each)
         for name in ("epoch_start", "rollout_end", "pre_step", "post_step", "epoch_end"):
             setattr(ProbeSession, name, timed(getattr(ProbeSession, name)))
     clocks = Clocks()

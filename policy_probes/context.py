@@ -66,9 +66,6 @@ class ComponentContext:
         self._phase_listeners: list[Callable[[str], None]] = []
         self.loss_samples: Any = None  # float or a 0-dim tensor
         self._row_mask: Any = None
-        #: deprecated: the mask rows bound for the call of a custom ``record`` that takes
-        #: no ``weight=`` (``ProbeHook.call_with``); built-in probes pass them as arguments
-        self.push_weight: Any = None
         self.infer_phase = False
         self._inferred_once = False
         #: the :class:`~policy_probes.sampling.Sampler` choosing which passes probes

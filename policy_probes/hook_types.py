@@ -24,10 +24,8 @@ what to call instead (see :meth:`ProbeHook.check_plain_call`).
 
 from __future__ import annotations
 
-import inspect
 import logging
 import time
-import warnings
 from collections.abc import Callable, Iterable
 from typing import Any, TypeAlias
 
@@ -201,28 +199,16 @@ class ProbeHook:
         fn: Callable[..., None],
         args: tuple[Any, ...],
         weight: torch.Tensor | None,
-        loss_scale: float | None = None,
+        loss_scale: float | torch.Tensor | None = None,
     ) -> None:
         """``fn(*args, weight=weight)``: ``weight`` is the row-mask rows of the tensor in
         ``args`` (None without a mask), for ``fn`` to pass on to its pushes
         (``ProbeState._push(..., weight=weight)``); a gradient also comes with
-        ``loss_scale=``, the loop's ``context.loss_scale`` as it is delivered, when ``fn``
-        takes it. A ``fn`` that takes no ``weight`` (the form custom probes were written
-        in before weights were arguments) gets the rows through the deprecated
-        ``context.push_weight`` instead, with a DeprecationWarning once per function."""
-        takes = keywords_of(fn)
-        kwargs: dict[str, Any] = {"weight": weight} if "weight" in takes else {}
-        if loss_scale is not None and "loss_scale" in takes:
-            kwargs["loss_scale"] = loss_scale
-        if weight is None or "weight" in takes:
-            fn(*args, **kwargs)
-            return
-        _warn_implicit_weight(fn)
-        previous, self.context.push_weight = self.context.push_weight, weight
-        try:  # pushes without weight= read it (ProbeState._push)
-            fn(*args, **kwargs)
-        finally:
-            self.context.push_weight = previous
+        ``loss_scale=``, the loop's ``context.loss_scale`` as it is delivered."""
+        if loss_scale is None:
+            fn(*args, weight=weight)
+        else:
+            fn(*args, weight=weight, loss_scale=loss_scale)
 
     def grad_callback(self, module: nn.Module, tensor: torch.Tensor) -> Callable | None:
         """The gradient hook for ``tensor``, an output of ``module`` in this forward pass:
@@ -403,10 +389,14 @@ class ProbeHook:
         raise NotImplementedError
 
     def record_grad(
-        self, module: nn.Module, grad_output: torch.Tensor, weight: torch.Tensor | None = None
+        self,
+        module: nn.Module,
+        grad_output: torch.Tensor,
+        weight: torch.Tensor | None = None,
+        loss_scale: float | torch.Tensor = 1.0,
     ) -> None:
-        """Read one output gradient; pass ``weight`` (its row-mask rows) to the pushes.
-        May also take ``loss_scale=`` (the loop's ``context.loss_scale``)."""
+        """Read one output gradient; pass ``weight`` (its row-mask rows) to the pushes;
+        ``loss_scale``: the loop's ``context.loss_scale`` as the gradient arrived."""
         raise NotImplementedError
 
     def attach(self, module: nn.Module) -> list[RemovableHandle]:
@@ -435,59 +425,6 @@ class _GradDelivery:
 
 def _detached(t: torch.Tensor) -> torch.Tensor:
     return t.detach() if t.requires_grad else t
-
-
-_ROW_ARGUMENTS = frozenset({"weight", "loss_scale"})
-_keywords: dict[Any, frozenset[str]] = {}
-
-
-def keywords_of(fn: Callable[..., Any]) -> frozenset[str]:
-    """Which of ``weight`` and ``loss_scale`` ``fn`` takes by name (both with
-    ``**kwargs``), looked up once per code object: hooks make closures every pass."""
-    if torch.compiler.is_compiling():  # dynamo traces a hook: it cannot guard code keys
-        return _untraced_keywords(fn)
-    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
-    found = _keywords.get(code) if code is not None else None
-    if found is None:
-        try:
-            params = inspect.signature(fn, follow_wrapped=False).parameters.values()
-        except (TypeError, ValueError):
-            params = ()  # type: ignore[assignment]
-        if any(p.kind is p.VAR_KEYWORD for p in params):
-            found = _ROW_ARGUMENTS
-        else:
-            found = _ROW_ARGUMENTS & {p.name for p in params if p.kind is not p.POSITIONAL_ONLY}
-        if code is not None:
-            _keywords[code] = found
-    return found
-
-
-@torch.compiler.disable  # runs eagerly, at a graph break, when dynamo traces a hook
-def _untraced_keywords(fn: Callable[..., Any]) -> frozenset[str]:
-    return keywords_of(fn)
-
-
-_warned: set[Any] = set()
-
-
-def _warn_implicit_weight(fn: Callable[..., Any]) -> None:
-    """Warn once per function that it gets the row-mask rows the deprecated way (not
-    while dynamo traces a hook: it cannot guard a set of code objects)."""
-    if torch.compiler.is_compiling():
-        return
-    func = getattr(fn, "__func__", fn)
-    key = getattr(func, "__code__", None) or type(func)
-    if key in _warned:
-        return
-    _warned.add(key)
-    name = getattr(func, "__qualname__", repr(fn))
-    warnings.warn(
-        f"{name} takes no weight=..., so under a row mask its pushes get the mask rows "
-        f"through context.push_weight, which is deprecated: accept weight=None and pass it "
-        f"on to ProbeState._push(..., weight=weight) (see docs/components.md)",
-        DeprecationWarning,
-        stacklevel=2,
-    )
 
 
 class GuardedClosure:

@@ -3,7 +3,6 @@ they are), ``ProbeCallback(probing=...)`` and ``ProbeSession(probing=...)``."""
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -83,24 +82,3 @@ class ProbeSettings(BaseModel):
             return select_hooks(self.hooks, self.with_hooks, self.hook_config)
         except HookSelectionError as exc:
             raise ValueError(str(exc)) from None
-
-    @classmethod
-    def from_keywords(
-        cls, probing: ProbeSettings | None, legacy: dict[str, Any], owner: str
-    ) -> ProbeSettings:
-        """``probing`` with the settings ``owner`` was given as keywords (the form of
-        earlier versions, still accepted with a DeprecationWarning) taken out of
-        ``legacy``."""
-        given = {k: legacy.pop(k) for k in list(legacy) if k in cls.model_fields}
-        if not given:
-            return probing if probing is not None else cls()
-        if probing is not None:
-            raise TypeError(f"{owner}: pass {sorted(given)} inside probing=, not beside it")
-        warnings.warn(
-            f"{owner}({', '.join(f'{k}=' for k in given)}...) is deprecated: pass "
-            f"probing=ProbeSettings({', '.join(f'{k}=...' for k in given)})",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        # None is "the default", except for the budget (None: every pass)
-        return cls(**{k: v for k, v in given.items() if v is not None or k == "probe_budget"})

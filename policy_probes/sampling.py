@@ -628,7 +628,6 @@ class Sampler:
                 c.rows + self.handles[key].hook.rows,
                 c.total_passes,
                 c.total_rows + self.handles[key].hook.rows,
-                c.passes,  # the epoch's passes: the same as the first since every epoch reports
             ]
             for key, c in self.counts.items()
         }
@@ -646,7 +645,7 @@ class Sampler:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from :meth:`state_dict` (counts apply as the probes register)."""
         self.passes = int(state["passes"])
-        self.epochs = int(state.get("epochs", 0))
+        self.epochs = int(state["epochs"])
         self.epoch_passes = int(state["epoch_passes"])
         last = state["last_epoch_passes"]
         self.last_epoch_passes = None if last is None else int(last)
@@ -657,11 +656,7 @@ class Sampler:
             saved = self._restored.pop(f"{count.probe}/{count.component}", None)
             if saved is not None:
                 _restore_count(count, saved)
-        calibrated = state.get("calibrated_epoch")
-        if calibrated is None and self.observe_every:
-            # a checkpoint of the per-epoch controller that preceded the calibration: its
-            # strides were still moving; keep them, as chosen at the checkpoint's epoch
-            calibrated = self.epochs
+        calibrated = state["calibrated_epoch"]
         self.calibrated_epoch = None if calibrated is None else int(calibrated)
         self._rules = self._answers = None
         self.context.resync()
@@ -679,16 +674,9 @@ class Sampler:
 
 
 def _restore_count(count: _HookCount, saved: list[int]) -> None:
-    """Counts from :meth:`Sampler.state_dict`: passes and rows since the last report, run
-    totals, and (fifth, when present) the epoch's passes, which since every epoch reports
-    equal the first. A checkpoint of the reporting windows' sampler holds the window's
-    passes first, as its restored tracker sums hold the window's rows; one written before
-    reporting windows holds four numbers, its totals without the epoch under way."""
-    count.passes, count.rows, count.total_passes, count.total_rows = saved[:4]
-    if len(saved) == 4:
-        count.total_rows += count.rows
-    else:  # the window's earlier epochs are in the totals already; the report adds passes
-        count.total_passes -= count.passes - saved[4]
+    """Counts from :meth:`Sampler.state_dict`: the epoch's passes and rows, and the run's
+    totals."""
+    count.passes, count.rows, count.total_passes, count.total_rows = saved
 
 
 def standard_error(rate: float, n: float) -> float:

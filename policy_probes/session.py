@@ -22,10 +22,8 @@ installed and closes its run (:class:`~policy_probes.run.Run`: sinks and lock). 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
-import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -52,11 +50,7 @@ from policy_probes.lifecycle import (
 from policy_probes.probe_settings import ProbeSettings
 from policy_probes.probes.churn import start_epoch as churn_start_epoch
 from policy_probes.remedies.base import Remedy, RemedyRunner
-from policy_probes.run import (  # noqa: F401 - RunDirConflict, record_sampling_choice: earlier imports
-    Run,
-    RunDirConflict,
-    record_sampling_choice,
-)
+from policy_probes.run import Run
 from policy_probes.sampling import Sampler
 from policy_probes.sinks import SinkGroup
 from policy_probes.sinks.base import to_plain
@@ -104,12 +98,6 @@ class ProbeSession:
             attached to ``model`` with it before the session exists are reported too).
         lifecycle_hooks: hook instances instead of names (``probing.hooks``).
         loop: ``"external"`` or a :class:`Loop`: how the loop drives the session.
-
-    The keywords of earlier versions (``run_dir``, ``resume``, ``overwrite``,
-    ``start_epoch``, ``console``, the probe settings one by one, ``max_grad_norm``,
-    ``update_epochs``, ``obs_key``, ``explicit_epoch_start``, ``step_records``,
-    ``loop_config``, ``record_epoch_offset``, ``sink_group``) still work, with a
-    DeprecationWarning naming their place now.
     """
 
     def __init__(
@@ -128,24 +116,12 @@ class ProbeSession:
         context: ComponentContext | None = None,
         lifecycle_hooks: Iterable[TrainingHook] = (),
         loop: str | Loop = LOOP,
-        **deprecated: Any,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"ProbeSession needs a torch.nn.Module, got {type(model).__name__}")
-        probing = ProbeSettings.from_keywords(probing, deprecated, "ProbeSession")
-        names = ("explicit_epoch_start", "step_records", "loop_config")
-        moved = _take(deprecated, names, "loop=Loop(...)")
+        probing = probing if probing is not None else ProbeSettings()
         loop = Loop(loop) if isinstance(loop, str) else loop
-        loop = dataclasses.replace(loop, **{k.removeprefix("loop_"): v for k, v in moved.items()})
-        start_epoch = _take(deprecated, ("start_epoch",), "run.rewind(...) on a resumed Run")
-        run, owns_run = _legacy_run(run, deprecated)
-        loop_data = _take(
-            deprecated,
-            ("max_grad_norm", "update_epochs", "obs_key"),
-            "model_context=LoopModelDataContext(...)",
-        )
-        if deprecated:
-            raise TypeError(f"ProbeSession got unexpected keyword arguments {sorted(deprecated)}")
+        run = run if isinstance(run, Run) else Run(run)
         self.module = model
         self.probing = probing
         self.run = run
@@ -168,7 +144,6 @@ class ProbeSession:
         self._step = 0
         self._rollout_seen = False
         self._epoch_started = False
-        self._owns_run = owns_run
         #: remedies fired at every epoch_end (policy_probes.remedies)
         self.remedies = RemedyRunner()
 
@@ -177,7 +152,7 @@ class ProbeSession:
             if optimizer is None:
                 raise ValueError("loss_fn=... needs optimizer=... (interventions replay updates)")
             self.model_context = LoopModelDataContext(
-                model, optimizer, loss_fn, scheduler=scheduler, **loop_data
+                model, optimizer, loss_fn, scheduler=scheduler
             )
         if hasattr(self.model_context, "rows") and self.sampler.probe_batch_source is None:
             self.sampler.probe_batch_source = self.model_context  # probe batches via loss_fn
@@ -210,7 +185,7 @@ class ProbeSession:
         )
         try:
             if not run.sinks_open:
-                self._start_run(start_epoch.get("start_epoch"))
+                self._start_run()
             self.sinks: SinkGroup = run.sinks
             self.sampler.on_choice = run.choice_recorder()  # the probe budget's choice
             if not loop.explicit_epoch_start:
@@ -219,7 +194,7 @@ class ProbeSession:
             self.close()
             raise
 
-    def _start_run(self, start_epoch: int | None) -> None:
+    def _start_run(self) -> None:
         """Open the run (lock, claim), write ``config.json``, open the sinks and go on
         after the last recorded epoch of a resumed run."""
         run = self.run
@@ -230,9 +205,7 @@ class ProbeSession:
         self.context.infer_phase = True
         run.write_config()
         run.open_sinks(self.probing.sinks, self.probing.wandb)
-        if start_epoch is not None:
-            self.epoch = int(start_epoch)
-        elif last is not None:
+        if last is not None:
             self.epoch = last + 1 - run.first_epoch
         if last is not None and self.record_epoch <= last:
             run.rewind(self.record_epoch - 1)
@@ -560,14 +533,12 @@ class ProbeSession:
         return self.epoch + self.run.first_epoch
 
     # --------------------------------------------------------------- epoch end
-    def epoch_end(self, step: int, *, final: bool = False, **extra: Any) -> dict[str, Any]:
+    def epoch_end(self, step: int, **extra: Any) -> dict[str, Any]:
         """Close the current epoch and emit its records to every sink; returns the
         epoch's metrics as host values (floats and lists).
 
         ``step`` is the agent step (environment steps so far); ``extra`` are more metrics
-        for the record (``epoch_end(step, **{"rollout/episode_return": r})``). ``final``
-        (this is the run's last epoch) is accepted for loops written for the reporting
-        windows of earlier versions; every epoch reports every probe now. The order
+        for the record (``epoch_end(step, **{"rollout/episode_return": r})``). The order
         is the same for every loop (``docs/external.md``): the probes' trackers are
         collected (:class:`StatsReporter`), POST_EPOCH fires, SNAPSHOT fires when due, and
         the buffered step-point metrics are read; then (with ``step_records``) one record
@@ -697,7 +668,6 @@ class ProbeSession:
             "logged": dict(self._logged),
             "sums": {k: [total, n] for k, (total, n) in self._sums.items()},
             "hooks": self.hooks.state_dict(),
-            "hook_epochs": "record",  # the hooks' epochs are the records' (record_epoch)
             # pass counters and sampling rates: a resumed run observes the same passes
             "sampler": self.sampler.state_dict(),
             "remedies": self.remedies.state_dict(),  # generators and firing records
@@ -716,18 +686,14 @@ class ProbeSession:
         self._step = int(state["optimizer_step"])
         agent_step = state.get("agent_step")
         self.agent_step = None if agent_step is None else int(agent_step)
-        self._epoch_started = bool(state.get("epoch_started", False))
-        self._pending = dict(state.get("pending") or {})
-        self._logged = dict(state.get("logged") or {})
-        self._sums = {k: (v[0], int(v[1])) for k, v in (state.get("sums") or {}).items()}
-        # checkpoints from before hooks had the records' epochs hold them counted from 0
-        renumber = 0 if state.get("hook_epochs") == "record" else self.run.first_epoch
-        self.hooks.load_state_dict(state.get("hooks") or {}, epoch_offset=renumber)
-        if state.get("sampler"):  # absent in checkpoints written before sampling
-            self.sampler.load_state_dict(state["sampler"])
-        if self.remedies or state.get("remedies"):
-            self.remedies.load_state_dict(state.get("remedies") or {})
-        for name, saved in (state.get("trackers") or {}).items() if trackers else ():
+        self._epoch_started = bool(state["epoch_started"])
+        self._pending = dict(state["pending"])
+        self._logged = dict(state["logged"])
+        self._sums = {k: (v[0], int(v[1])) for k, v in state["sums"].items()}
+        self.hooks.load_state_dict(state["hooks"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.remedies.load_state_dict(state["remedies"])
+        for name, saved in state["trackers"].items() if trackers else ():
             tracker = self.context.model_metrics.get(name)
             if tracker is None:
                 log.warning(
@@ -759,8 +725,7 @@ class ProbeSession:
         try:
             self.remove_hooks()
         finally:
-            if self._owns_run:  # else the loop closes the sinks it built
-                self.run.close()
+            self.run.close()
 
     def __enter__(self) -> ProbeSession:
         return self
@@ -796,36 +761,3 @@ class Loop:
     config: Any = None
     explicit_epoch_start: bool = False
     step_records: bool = False
-
-
-def _take(deprecated: dict[str, Any], names: tuple[str, ...], new: str, level: int = 3) -> dict:
-    """The keywords of earlier versions among ``names``, with a DeprecationWarning."""
-    given = {n: deprecated.pop(n) for n in names if n in deprecated}
-    if given:
-        old = ", ".join(f"{n}=" for n in given)
-        warnings.warn(f"ProbeSession({old}) is deprecated: pass {new}", DeprecationWarning, level)
-    return given
-
-
-def _legacy_run(run: Run | str | Path | None, deprecated: dict[str, Any]) -> tuple[Run, bool]:
-    """The session's run, and whether the session closes it: a :class:`Run` or a path,
-    or the ``run_dir=``, ``resume=``, ``overwrite=``, ``console=``, ``sink_group=`` and
-    ``record_epoch_offset=`` keywords of earlier versions."""
-    names = ("run_dir", "resume", "overwrite", "console", "sink_group", "record_epoch_offset")
-    given = _take(deprecated, names, "run=Run(run_dir, resume=..., overwrite=...)", 4)
-    if isinstance(run, Run):
-        if given:
-            raise TypeError(f"ProbeSession: pass {sorted(given)} to Run(...), not beside run=")
-        return run, True
-    out = Run(
-        given.get("run_dir", run),
-        resume=given.get("resume", False),
-        overwrite=given.get("overwrite", False),
-        first_epoch=given.get("record_epoch_offset", 0),
-        console=given.get("console"),
-    )
-    sinks = given.get("sink_group")
-    if sinks is None:
-        return out, True
-    out.sinks, out.sinks_open, out.opened = sinks, True, True  # the loop owns its run
-    return out, False

@@ -193,6 +193,3 @@ def test_callback_list_dispatches_to_overriding_and_duck_typed_hooks_added_later
     hooks.on_mb_end(state)
     hooks.on_epoch_end(state)
     assert calls == ["duck", "epoch-only"]
-    with pytest.warns(DeprecationWarning, match="on_epoch_end"):
-        hooks.fire("on_epoch_end", state)  # the old spelling still dispatches
-    assert calls == ["duck", "epoch-only", "epoch-only"]

@@ -24,6 +24,8 @@ from torch._dynamo.utils import counters
 
 from policy_probes import (
     PolicyAutoBuilder,
+    ProbeSettings,
+    Run,
     attach_fisher_information_hooks,
     attach_relu_activation_hooks,
     attach_saturated_activation_hooks,
@@ -84,10 +86,8 @@ def session_run(tmp_path, compile_as: str | None, budget=None, schedule=None, pa
     with ProbeSession(
         agent,
         optimizer=opt,
-        probe_budget=budget,
-        probe_schedule=schedule,
-        run_dir=tmp_path / str(compile_as),
-        **NO_WANDB,
+        run=Run(tmp_path / str(compile_as)),
+        probing=ProbeSettings(probe_budget=budget, probe_schedule=schedule, **NO_WANDB),
     ) as s:
         s.add_training_hook("actor", attach_relu_activation_hooks())
         s.add_training_backward_hook("actor", attach_fisher_information_hooks())
@@ -154,11 +154,16 @@ def test_a_failing_probe_under_compile_is_disabled_and_training_goes_on(tmp_path
 
     def builder(name, ctx):
         hook = broken(name, ctx)
-        hook.record = lambda *_a: 1 / 0  # a fault inside the probe's body
+        hook.record = lambda *_a, **_k: 1 / 0  # a fault inside the probe's body
         return hook
 
     x, y = torch.randn(32, 4), torch.randint(0, 3, (32,))
-    with ProbeSession(agent, optimizer=opt, probe_budget=None, run_dir=tmp_path, **NO_WANDB) as s:
+    with ProbeSession(
+        agent,
+        optimizer=opt,
+        run=Run(tmp_path),
+        probing=ProbeSettings(probe_budget=None, **NO_WANDB),
+    ) as s:
         s.add_training_hook("actor", builder)
         s.add_training_backward_hook("actor", attach_fisher_information_hooks())
         before = agent.actor[0].weight.detach().clone()
@@ -184,7 +189,12 @@ def test_a_stance_overridden_by_the_loop_does_not_stop_training(tmp_path, caplog
     opt = torch.optim.SGD(agent.parameters(), lr=0.1)
     fwd = torch.compile(agent, backend="aot_eager")
     x, y = torch.randn(32, 4), torch.randint(0, 3, (32,))
-    with ProbeSession(agent, optimizer=opt, probe_budget=None, run_dir=tmp_path, **NO_WANDB) as s:
+    with ProbeSession(
+        agent,
+        optimizer=opt,
+        run=Run(tmp_path),
+        probing=ProbeSettings(probe_budget=None, **NO_WANDB),
+    ) as s:
         s.add_training_hook("actor", attach_relu_activation_hooks())
         s.add_training_backward_hook("actor", attach_fisher_information_hooks())
         before = agent.actor[0].weight.detach().clone()
@@ -205,15 +215,21 @@ def test_cuda_graph_modes_are_refused_at_attach(tmp_path):
     compiled = torch.compile(agent, mode="reduce-overhead")
     with pytest.raises(ProbeError, match="CUDA graphs.*max-autotune-no-cudagraphs"):
         check_compiled(compiled)
-    with ProbeSession(compiled, probe_budget=None, run_dir=tmp_path, **NO_WANDB) as s:
+    with ProbeSession(
+        compiled, run=Run(tmp_path), probing=ProbeSettings(probe_budget=None, **NO_WANDB)
+    ) as s:
         assert s.component_names[0] == "actor"  # the compiled wrapper is unwrapped
     policy = PolicyAutoBuilder.wrap(Agent())
-    with ProbeSession(torch.compile(policy), run_dir=tmp_path / "p", **NO_WANDB) as s:
+    with ProbeSession(
+        torch.compile(policy), run=Run(tmp_path / "p"), probing=ProbeSettings(**NO_WANDB)
+    ) as s:
         assert s.policy is policy  # a compiled PolicyAutoBuilder is used as is
     holder = nn.Module()
     holder.policy = compiled
     with (
-        ProbeSession(holder, probe_budget=None, run_dir=tmp_path / "h", **NO_WANDB) as s,
+        ProbeSession(
+            holder, run=Run(tmp_path / "h"), probing=ProbeSettings(probe_budget=None, **NO_WANDB)
+        ) as s,
         pytest.raises(ProbeError, match="reduce-overhead"),
     ):
         s.add_training_hook("policy", attach_relu_activation_hooks())
@@ -335,9 +351,7 @@ def test_sb3_with_a_compiled_policy_matches_eager(tmp_path, how):
             probes=[("actor_mlp", attach_relu_activation_hooks())],
             backward_probes=[("actor_mlp", attach_fisher_information_hooks())],
             run_dir=tmp_path / f"{compiled}-{probes}",
-            probe_budget=None,
-            probe_schedule="every_k:2",
-            **NO_WANDB,
+            probing=ProbeSettings(probe_budget=None, probe_schedule="every_k:2", **NO_WANDB),
         )
         model.learn(3 * 128, callback=callback if probes else None)
         return callback.history

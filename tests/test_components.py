@@ -12,6 +12,8 @@ from policy_probes import (
     ComponentContext,
     PolicyAutoBuilder,
     ProbeError,
+    ProbeSettings,
+    Run,
     StatsReporter,
     attach_fisher_information_hooks,
     attach_gradient_flow_hooks,
@@ -281,7 +283,9 @@ def test_a_probe_is_placed_by_its_own_direction(tmp_path, device: torch.device) 
     """add_training_hook takes a backward probe as such (ProbeSession and TrainTool);
     add_training_backward_hook still refuses a forward probe."""
     policy = TinyPolicy().to(device)
-    with ProbeSession(policy, run_dir=tmp_path / "run", sinks=SinksConfig(console=False)) as s:
+    with ProbeSession(
+        policy, run=Run(tmp_path / "run"), probing=ProbeSettings(sinks=SinksConfig(console=False))
+    ) as s:
         s.add_training_hook("actor_mlp", attach_gradient_flow_hooks(per_layer=False))
         with pytest.raises(TypeError, match="'relu' probe is a forward probe"):
             s.add_training_backward_hook("actor_mlp", attach_relu_activation_hooks())

@@ -61,12 +61,9 @@ def test_groups_and_keywords_expand_by_kind() -> None:
         HookRegistry.expand("ful")
 
 
-def test_stats_reporter_is_no_hook_any_more_and_its_name_is_dropped_with_a_warning() -> None:
-    with pytest.warns(DeprecationWarning, match="every epoch_end reports the probes"):
-        names = [h.name for h in select_hooks(["stats_reporter", "norms"])]
-    assert names == ["training_metrics", "norms"]
-    with pytest.warns(DeprecationWarning):
-        assert select_hooks(["stats_reporter"]) == []
+def test_stats_reporter_is_no_hook() -> None:
+    with pytest.raises(HookSelectionError, match="unknown hook 'stats_reporter'"):
+        select_hooks(["stats_reporter", "norms"])
 
 
 def test_selection_adds_training_metrics_to_any_non_empty_selection() -> None:

@@ -16,6 +16,8 @@ from torch import nn
 from policy_probes import (
     ComponentContext,
     PolicyAutoBuilder,
+    ProbeSettings,
+    Run,
     StatsReporter,
     attach_fisher_information_hooks,
     attach_gradient_flow_hooks,
@@ -389,12 +391,14 @@ def test_session_step_points_run_without_host_sync(tmp_path, device: torch.devic
     opt = torch.optim.SGD(policy.parameters(), lr=1e-3)  # Adam's step reads its count
     with ProbeSession(
         policy,
-        run_dir=tmp_path,
-        sinks=SinksConfig(console=False, csv=False, wandb=False),
-        wandb=WandbConfig(mode="disabled"),
         optimizer=opt,
-        hooks=["norms"],
-        probe_budget=None,  # every pass: the sample count is compared
+        run=Run(tmp_path),
+        probing=ProbeSettings(
+            sinks=SinksConfig(console=False, csv=False, wandb=False),
+            wandb=WandbConfig(mode="disabled"),
+            hooks=["norms"],
+            probe_budget=None,
+        ),
     ) as session:
         attach_all_probes(policy, session.context)
         session.set_phase("train")

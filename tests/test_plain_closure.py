@@ -284,7 +284,7 @@ def test_a_custom_probe_whose_attach_hooks_submodules_is_refused_plain() -> None
     class FirstLayer(ProbeHook):
         probe = "first_layer"
 
-        def record(self, module: nn.Module, output: torch.Tensor) -> None:
+        def record(self, module: nn.Module, output: torch.Tensor, weight=None) -> None:
             seen.append(output)
 
         def attach(self, module: nn.Module) -> list:

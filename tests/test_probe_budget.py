@@ -22,7 +22,7 @@ import torch
 from conftest import NO_WANDB
 from torch import nn
 
-from policy_probes import attach_relu_activation_hooks
+from policy_probes import ProbeSettings, Run, attach_relu_activation_hooks
 from policy_probes.probes.relu import ReLUActivationHook, ReLUActivationState
 from policy_probes.sampling import CALIBRATION_EPOCH, DEFAULT_STRIDE, Sampler, dispatch_costs
 from policy_probes.session import ProbeSession
@@ -70,7 +70,7 @@ def slow_relu_hooks(clock: FakeClock):
     class Slow(ReLUActivationHook):
         probe = "relu"
 
-        def record(self, module: nn.Module, output: torch.Tensor) -> None:
+        def record(self, module: nn.Module, output: torch.Tensor, weight=None) -> None:
             clock.advance(PROBE_SECONDS)
             super().record(module, output)
 
@@ -104,7 +104,12 @@ def run(tmp_path, clock, budget, epochs, attach=None, passes=PASSES, step=STEP_S
     x = torch.randn(16, 4)
     records = []
     attach = attach or slow_and_cheap(clock)
-    with ProbeSession(net, run_dir=tmp_path, optimizer=opt, probe_budget=budget, **NO_WANDB) as s:
+    with ProbeSession(
+        net,
+        optimizer=opt,
+        run=Run(tmp_path),
+        probing=ProbeSettings(probe_budget=budget, **NO_WANDB),
+    ) as s:
         attach(s)
         for epoch in range(epochs):
             s.set_phase("train")
@@ -273,7 +278,9 @@ def test_a_drain_inside_a_hook_is_counted_once(tmp_path, clock):
     net = Net()
     opt = torch.optim.SGD(net.parameters(), lr=0.0)  # the weights stay, for the check below
     x = torch.randn(16, 4)
-    with ProbeSession(net, run_dir=tmp_path, optimizer=opt, probe_budget=None, **NO_WANDB) as s:
+    with ProbeSession(
+        net, optimizer=opt, run=Run(tmp_path), probing=ProbeSettings(probe_budget=None, **NO_WANDB)
+    ) as s:
         s.add_training_hook("slow", attach_relu_activation_hooks(per_layer=False))
         (tracker,) = [t for t in s.context.model_metrics.values() if t.probe == "relu"]
         tracker.__class__ = slow_drain(clock)

@@ -11,7 +11,14 @@ import pytest
 import torch
 from test_ppo_trainer import T, make_boundary_envs
 
-from policy_probes import ComponentContext, LinearSpec, PolicyAutoBuilder, StatsReporter
+from policy_probes import (
+    ComponentContext,
+    LinearSpec,
+    PolicyAutoBuilder,
+    ProbeSettings,
+    Run,
+    StatsReporter,
+)
 from policy_probes.probes.churn import ChurnState, attach_churn_hooks, start_epoch
 from trainers import ActorCriticPolicy, PolicyConfig, PPOConfig, PPOTrainer
 
@@ -196,8 +203,7 @@ def test_sb3_callback_takes_the_held_out_states_from_the_rollout_buffer(tmp_path
             ("value_net", attach_churn_hooks(batch_size=32)),
         ],
         run_dir=tmp_path,
-        sinks=SinksConfig(console=False, wandb=False),
-        probe_budget=None,
+        probing=ProbeSettings(sinks=SinksConfig(console=False, wandb=False), probe_budget=None),
     )
     model.learn(3 * ROWS, callback=callback)
     for record in callback.history:
@@ -217,7 +223,9 @@ def test_probe_session_rollout_end_hands_the_observations_over(
     torch.manual_seed(4)
     policy = Heads().to(device)
     session = ProbeSession(
-        policy, run_dir=tmp_path, sinks=SinksConfig(console=False, wandb=False), probe_budget=None
+        policy,
+        run=Run(tmp_path),
+        probing=ProbeSettings(sinks=SinksConfig(console=False, wandb=False), probe_budget=None),
     )
     session.add_training_hook("critic_head", attach_churn_hooks(batch_size=4))
     obs = torch.randn(12, 4).to(device)

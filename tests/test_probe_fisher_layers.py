@@ -21,6 +21,7 @@ from policy_probes import (
     MLP,
     ComponentContext,
     PolicyAutoBuilder,
+    ProbeSettings,
     StatsReporter,
     attach_fisher_information_hooks,
 )
@@ -682,7 +683,7 @@ def test_sb3_cnn_policy_features_fisher_covers_the_convolutions(tmp_path: Path) 
     callback = ProbeCallback(
         backward_probes=[("features", attach_fisher_information_hooks())],
         run_dir=tmp_path,
-        sinks=SinksConfig(console=False, wandb=False),
+        probing=ProbeSettings(sinks=SinksConfig(console=False, wandb=False)),
     )
     model.learn(16, callback=callback)
     (rec,) = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if r["hook_point"] == "POST_EPOCH"]

@@ -23,6 +23,8 @@ from policy_probes import (
     ComponentContext,
     PolicyAutoBuilder,
     ProbeError,
+    ProbeSettings,
+    Run,
     StatsReporter,
     attach_fisher_information_hooks,
     attach_gradient_flow_hooks,
@@ -261,7 +263,9 @@ def test_session_row_mask_block_and_stated_loss_samples(tmp_path) -> None:
     hk = policy.actor_mlp(x[keep]).detach().requires_grad_(True)
     (gh,) = torch.autograd.grad(per_sample_loss(policy.actor_head(hk), a[keep]).sum(), hk)
     with ProbeSession(
-        policy, run_dir=tmp_path, sinks=SinksConfig(console=False), probe_budget=None
+        policy,
+        run=Run(tmp_path),
+        probing=ProbeSettings(sinks=SinksConfig(console=False), probe_budget=None),
     ) as session:
         session.add_training_hook("actor_mlp", attach_relu_activation_hooks())
         session.add_training_backward_hook("actor_mlp", attach_fisher_information_hooks())
@@ -599,9 +603,7 @@ def test_recurrent_ppo_reads_its_padding_mask_and_matches_plain_hooks(tmp_path) 
             ("critic_head", attach_fisher_information_hooks()),
         ],
         run_dir=tmp_path / "run",
-        sinks=SinksConfig(console=False),
-        strict=True,
-        probe_budget=None,  # every pass: compared with plain hooks
+        probing=ProbeSettings(sinks=SinksConfig(console=False), strict=True, probe_budget=None),
     )
     model.learn(CYCLES * ROWS, callback=callback)
     lstm.remove()
@@ -668,8 +670,7 @@ def test_recurrent_ppo_at_the_default_reports_every_cycle_from_its_first_minibat
         probes=[("actor_mlp", attach_relu_activation_hooks(per_layer=False))],
         backward_probes=[("actor_head", attach_fisher_information_hooks())],
         run_dir=tmp_path / "run",
-        sinks=SinksConfig(console=False, wandb=False),
-        strict=True,
+        probing=ProbeSettings(sinks=SinksConfig(console=False, wandb=False), strict=True),
     )
     cycles = 3
     model.learn(cycles * ROWS, callback=callback)
@@ -701,18 +702,3 @@ def lstm_calls_by_minibatch(
             out.append(lstm.out["lstm"][j : j + calls])
         j += calls
     return out
-
-
-def test_a_tracker_with_the_removed_six_argument_consume_is_refused_when_defined() -> None:
-    """The six-argument ``consume(component, stream, cols, segments, scales)`` of older
-    custom trackers (deprecated since row masks) is refused where the class is defined,
-    with the one-argument form to write instead."""
-    from policy_probes import ProbeState
-
-    with pytest.raises(TypeError, match=r"define consume\(self, batch\)"):
-
-        class RowCount(ProbeState):
-            probe = "row_count"
-
-            def consume(self, component, stream, cols, segments, scales) -> None:
-                pass

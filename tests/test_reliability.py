@@ -93,7 +93,7 @@ class FlakyProbe(ProbeHook):
         self.clock = clock
         self.records = 0
 
-    def record(self, module: nn.Module, output: torch.Tensor) -> None:
+    def record(self, module: nn.Module, output: torch.Tensor, weight=None) -> None:
         self.records += 1
         if self.clock["epoch"] >= FAULT_EPOCH:
             raise TypeError(f"unexpected output type in epoch {self.clock['epoch']}")

@@ -18,6 +18,7 @@ import pytest
 import torch
 from run_control_support import write_recipe
 
+from policy_probes import ProbeSettings, Run
 from policy_probes.cli import main
 from policy_probes.sinks import read_jsonl
 from trainers import TrainTool
@@ -274,8 +275,9 @@ def test_sb3_callback_with_a_misspelled_component_leaves_nothing_that_blocks_the
         callback = ProbeCallback(
             probes=[(component, attach_relu_activation_hooks())],
             run_dir=tmp_path / "sb3",
-            sinks=SinksConfig(console=False),
-            wandb=WandbConfig(mode="disabled"),
+            probing=ProbeSettings(
+                sinks=SinksConfig(console=False), wandb=WandbConfig(mode="disabled")
+            ),
         )
         model.learn(32, callback=callback)
 
@@ -396,9 +398,10 @@ def test_a_batch_time_mask_on_a_time_major_wrapper_reads_the_real_steps(tmp_path
     mask[0, 2:] = 0.0
     with ProbeSession(
         agent,
-        run_dir=tmp_path / "s",
-        sinks=SinksConfig(console=False, csv=False),
-        wandb=WandbConfig(mode="disabled"),
+        run=Run(tmp_path / "s"),
+        probing=ProbeSettings(
+            sinks=SinksConfig(console=False, csv=False), wandb=WandbConfig(mode="disabled")
+        ),
     ) as session:
         builder = attach_saturated_activation_hooks("tanh", threshold=0.6, per_layer=False)
         session.add_training_hook("core", builder)
@@ -509,9 +512,10 @@ def test_the_console_table_shows_the_relu_gradient_pass_rate(tmp_path: Path, cap
     x = torch.randn(32, 4)
     with ProbeSession(
         agent,
-        run_dir=tmp_path / "s",
-        sinks=SinksConfig(csv=False, jsonl=False),
-        wandb=WandbConfig(mode="disabled"),
+        run=Run(tmp_path / "s"),
+        probing=ProbeSettings(
+            sinks=SinksConfig(csv=False, jsonl=False), wandb=WandbConfig(mode="disabled")
+        ),
     ) as session:
         session.add_training_backward_hook("1", attach_relu_gradient_flow_hooks())
         session.set_phase("train")

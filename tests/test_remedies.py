@@ -8,6 +8,7 @@ import torch
 from conftest import JSONL_ONLY, REMEDY_SEED, ReluNet, remedy_seeds, remedy_session, snapshot
 from torch import nn
 
+from policy_probes import ProbeSettings, Run
 from policy_probes.probes.relu import attach_relu_activation_hooks
 from policy_probes.remedies import (
     parse_remedy_spec,
@@ -239,7 +240,9 @@ def test_bad_configuration_messages(tmp_path):
     ):
         session.add_remedy("head", reset_layers(last=1, every_epochs=1))
 
-    eval_only = ProbeSession(model, run_dir=tmp_path / "c", sinks=JSONL_ONLY)
+    eval_only = ProbeSession(
+        model, run=Run(tmp_path / "c"), probing=ProbeSettings(sinks=JSONL_ONLY)
+    )
     with eval_only, pytest.raises(ValueError, match="without optimizer"):
         eval_only.add_remedy("head", reset_layers(last=1, every_epochs=1))
 
@@ -309,7 +312,9 @@ def test_a_remedy_pins_the_probes_it_reads_to_a_rule_of_pass_counters(
     torch.manual_seed(REMEDY_SEED)
     model = ReluNet().to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    session = ProbeSession(model, run_dir=tmp_path, sinks=JSONL_ONLY, optimizer=opt)
+    session = ProbeSession(
+        model, optimizer=opt, run=Run(tmp_path), probing=ProbeSettings(sinks=JSONL_ONLY)
+    )
     session.add_training_hook("body", attach_relu_activation_hooks(per_layer=False))
     session.add_training_hook("head", attach_relu_activation_hooks(per_layer=False))
     session.add_remedy("body", redo(tau=0.1, every_epochs=2, consumer="head"))

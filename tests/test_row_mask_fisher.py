@@ -21,6 +21,7 @@ from torch.func import functional_call
 from policy_probes import (
     ComponentContext,
     PolicyAutoBuilder,
+    ProbeSettings,
     StatsReporter,
     attach_fisher_information_hooks,
 )
@@ -343,9 +344,7 @@ def test_recurrent_ppo_lstm_weights_get_their_masked_fisher(tmp_path) -> None:
     callback = ProbeCallback(
         backward_probes=[("lstm_actor", attach_fisher_information_hooks())],
         run_dir=tmp_path / "run",
-        sinks=SinksConfig(console=False),
-        strict=True,
-        probe_budget=None,  # every pass: compared with every minibatch
+        probing=ProbeSettings(sinks=SinksConfig(console=False), strict=True, probe_budget=None),
     )
     model.learn(32, callback=callback)
     handle.remove()

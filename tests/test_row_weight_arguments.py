@@ -1,9 +1,7 @@
 """Row-mask rows and the loss scale reach probes as arguments (``weight=``, ``loss_scale=``).
 
 * A custom probe whose ``record(module, output, weight=None)`` passes ``weight`` on to
-  ``ProbeState._push`` and one written the older way (``record(module, output)``: the rows
-  come through the deprecated ``context.push_weight``, with a DeprecationWarning) both
-  give the per-unit mean over the kept rows of a time-major ``nn.LSTM`` output under a
+  ``ProbeState._push`` gives the per-unit mean over the kept rows of a time-major ``nn.LSTM`` output under a
   ``(batch, time)`` mask with batch == time, where only the rows the hook bound (it knows
   the module) put the mask in the output's row order.
 * A custom backward probe's ``record_grad(..., loss_scale=)`` gets the
@@ -12,8 +10,6 @@
 """
 
 from __future__ import annotations
-
-import warnings
 
 import pytest
 import torch
@@ -49,15 +45,6 @@ class MeanHook(ProbeHook):
         self.tracker.update(self.component, output, weight=weight)
 
 
-class OldMeanHook(ProbeHook):
-    """The documented form before weights were arguments."""
-
-    probe = "mean"
-
-    def record(self, module: nn.Module, output: torch.Tensor) -> None:
-        self.tracker.update(self.component, output)
-
-
 def builder(hook_cls: type[ProbeHook]):
     def build(name: str, context: ComponentContext) -> ProbeHook | None:
         tracker = get_state(context, "mean", MeanState)
@@ -81,31 +68,22 @@ class Net(nn.Module):
         return self.head(out)
 
 
-@pytest.mark.parametrize("hook_cls", [MeanHook, OldMeanHook])
-def test_a_custom_probe_gets_the_rows_its_hook_bound(hook_cls: type[ProbeHook]) -> None:
+def test_a_custom_probe_gets_the_rows_its_hook_bound() -> None:
     torch.manual_seed(0)
     net = Net()
     policy = PolicyAutoBuilder.wrap(net, {"core": "core"})
     ctx = ComponentContext()
-    policy.attach("core", builder(hook_cls), ctx)
+    policy.attach("core", builder(MeanHook), ctx)
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 0]])
     assert not torch.equal(mask, mask.T)
     x = torch.randn(T, B, 3)
     ctx.row_mask = mask
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with torch.no_grad():
-            policy(x)
+    with torch.no_grad():
+        policy(x)
     ctx.row_mask = None
     got = StatsReporter(ctx).collect()
     policy.remove_hooks()
     assert not ctx.probe_errors
-    deprecated = [w for w in caught if issubclass(w.category, DeprecationWarning)]
-    if hook_cls is OldMeanHook:
-        assert len(deprecated) == 1
-        assert "OldMeanHook.record takes no weight=" in str(deprecated[0].message)
-    else:
-        assert not deprecated
 
     with torch.no_grad():
         out, _ = net.core(x)  # (T, B, H): row (t, b) is kept when mask[b, t] is

@@ -74,28 +74,29 @@ def test_a_refused_open_removes_the_directories_it_made(tmp_path):
     assert not (tmp_path / "x").exists()
 
 
-def test_the_session_takes_twelve_keywords_and_the_earlier_ones_still_work(tmp_path):
+def test_the_session_takes_twelve_keywords_and_refuses_any_other(tmp_path):
     params = inspect.signature(ProbeSession.__init__).parameters.values()
     keywords = [p for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY]
     assert len(keywords) <= 12
-    with pytest.warns(DeprecationWarning, match=r"probing=ProbeSettings\(hooks=.*probe_budget="):
-        session = ProbeSession(
-            TinyPolicy(),
-            run_dir=tmp_path / "old",
+    session = ProbeSession(
+        TinyPolicy(),
+        run=Run(tmp_path / "old"),
+        probing=ProbeSettings(
             hooks=["norms"],
             probe_budget=None,
             sinks=SinksConfig(console=False),
             wandb=WandbConfig(mode="disabled"),
-        )
+        ),
+    )
     with session:
         assert session.probing.hooks == ["norms"] and session.probing.probe_budget is None
         assert session.sampler.budget is None
         assert [h.name for h in session.hooks.hooks] == ["training_metrics", "norms"]
         assert session.run_dir == tmp_path / "old"
-    with pytest.raises(TypeError, match="inside probing="):
-        ProbeSession(TinyPolicy(), run=tmp_path / "x", probing=QUIET, strict=True)
-    with pytest.raises(TypeError, match="unexpected keyword arguments \\['colour'\\]"):
-        ProbeSession(TinyPolicy(), run=tmp_path / "y", colour=1)
+    for wrong in ({"strict": True}, {"run_dir": tmp_path / "x"}, {"colour": 1}):
+        with pytest.raises(TypeError, match=f"unexpected keyword argument '{next(iter(wrong))}'"):
+            ProbeSession(TinyPolicy(), run=tmp_path / "y", probing=QUIET, **wrong)
+    assert not (tmp_path / "y").exists()
 
 
 def test_probe_settings_check_their_values_once_for_every_driver():

@@ -14,6 +14,8 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from policy_probes import (
+    ProbeSettings,
+    Run,
     attach_fisher_information_hooks,
     attach_gradient_flow_hooks,
     attach_relu_activation_hooks,
@@ -119,7 +121,9 @@ def test_every_k_equals_a_reference_over_exactly_the_observed_passes(tmp_path):
     net = ReluNet()
     opt = torch.optim.SGD(net.parameters(), lr=0.2)
     data = minibatches(make_data(80), 8)  # 10 passes per epoch
-    with ProbeSession(net, run_dir=tmp_path, optimizer=opt, probe_budget=None, **NO_WANDB) as s:
+    with ProbeSession(
+        net, optimizer=opt, run=Run(tmp_path), probing=ProbeSettings(probe_budget=None, **NO_WANDB)
+    ) as s:
         s.add_training_hook("body", attach_relu_activation_hooks(schedule=every_k(3)))
         s.add_training_backward_hook("body", attach_fisher_information_hooks(schedule="every_k:3"))
         records, passes = run_epochs(s, net, opt, [data, data])
@@ -134,7 +138,10 @@ def test_per_epoch_spreads_n_passes_over_the_epoch(tmp_path):
     opt = torch.optim.SGD(net.parameters(), lr=0.2)
     data = minibatches(make_data(96), 8)  # 12 passes per epoch
     with ProbeSession(
-        net, run_dir=tmp_path, optimizer=opt, probe_schedule=per_epoch(3), **NO_WANDB
+        net,
+        optimizer=opt,
+        run=Run(tmp_path),
+        probing=ProbeSettings(probe_schedule=per_epoch(3), **NO_WANDB),
     ) as s:
         s.add_training_hook("body", attach_relu_activation_hooks())
         s.add_training_backward_hook("body", attach_fisher_information_hooks())
@@ -148,7 +155,9 @@ def test_next_pass_ends_passes_without_an_optimizer(tmp_path):
     torch.manual_seed(2)
     net = ReluNet()
     data = minibatches(make_data(40), 8)
-    with ProbeSession(net, run_dir=tmp_path, probe_schedule=every_k(2), **NO_WANDB) as s:
+    with ProbeSession(
+        net, run=Run(tmp_path), probing=ProbeSettings(probe_schedule=every_k(2), **NO_WANDB)
+    ) as s:
         s.add_training_hook("body", attach_relu_activation_hooks(per_layer=False))
         s.set_phase("train")
         for batch in data:
@@ -180,7 +189,10 @@ def test_unobserved_passes_run_with_no_hooks_installed(tmp_path):
     data = minibatches(make_data(64), 8)
     module_hooks, tensor_hooks = [], []
     with ProbeSession(
-        net, run_dir=tmp_path, optimizer=opt, probe_schedule="every_k:4", **NO_WANDB
+        net,
+        optimizer=opt,
+        run=Run(tmp_path),
+        probing=ProbeSettings(probe_schedule="every_k:4", **NO_WANDB),
     ) as s:
         # per-layer hooks, gradient taps, the Fisher's Linear-input hooks, ReLU tensor hooks
         s.add_training_hook("body", attach_relu_activation_hooks())
@@ -214,11 +226,10 @@ def test_probe_batch_leaves_the_run_bit_identical(tmp_path):
         out: dict = {}
         with ProbeSession(
             net,
-            run_dir=tmp_path / str(with_probes),
             optimizer=opt,
             loss_fn=loss_fn,
-            probe_schedule=probe_batch(24),
-            **NO_WANDB,
+            run=Run(tmp_path / str(with_probes)),
+            probing=ProbeSettings(probe_schedule=probe_batch(24), **NO_WANDB),
         ) as s:
             if with_probes:
                 s.add_training_hook("body", attach_relu_activation_hooks())
@@ -254,7 +265,9 @@ def test_probe_batch_metric_matches_the_rows_it_draws(tmp_path):
     net = ReluNet()
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     data = make_data(50, seed=8)
-    with ProbeSession(net, run_dir=tmp_path, optimizer=opt, loss_fn=loss_fn, **NO_WANDB) as s:
+    with ProbeSession(
+        net, optimizer=opt, loss_fn=loss_fn, run=Run(tmp_path), probing=ProbeSettings(**NO_WANDB)
+    ) as s:
         s.add_training_hook("body", attach_relu_activation_hooks(schedule=probe_batch(20)))
         s.add_training_backward_hook(
             "body", attach_fisher_information_hooks(schedule=probe_batch(20))
@@ -273,7 +286,9 @@ def test_sampling_leaves_training_bit_identical(tmp_path):
         torch.manual_seed(9)
         net = ReluNet()
         opt = torch.optim.SGD(net.parameters(), lr=0.1)
-        with ProbeSession(net, run_dir=tmp_path / str(probes), optimizer=opt, **NO_WANDB) as s:
+        with ProbeSession(
+            net, optimizer=opt, run=Run(tmp_path / str(probes)), probing=ProbeSettings(**NO_WANDB)
+        ) as s:
             if probes:
                 s.add_training_hook("body", attach_relu_activation_hooks(schedule=per_epoch(2)))
                 s.add_training_backward_hook("body", attach_fisher_information_hooks())
@@ -303,7 +318,10 @@ def test_bad_schedules_and_budgets_are_rejected(tmp_path):
         (lambda: as_schedule("every_k:0"), r"every_k\(k\): k must be an integer >= 1"),
         (lambda: as_schedule("sometimes"), r"schedule must be a Schedule .* got 'sometimes'"),
         (lambda: attach_relu_activation_hooks(schedule="every_k"), "every_k:<k>"),
-        (lambda: ProbeCallback(probe_budget=1.0), "strictly between 0 and 1"),
+        (
+            lambda: ProbeCallback(probing=ProbeSettings(probe_budget=1.0)),
+            "strictly between 0 and 1",
+        ),
     ]:
         with pytest.raises(ValueError, match=msg):
             bad()
@@ -311,7 +329,11 @@ def test_bad_schedules_and_budgets_are_rejected(tmp_path):
         with pytest.raises(
             ValueError, match=r"probe_budget is a fraction .* strictly between 0 and 1"
         ):
-            ProbeSession(ReluNet(), run_dir=tmp_path / "x", probe_budget=budget, **NO_WANDB)
+            ProbeSession(
+                ReluNet(),
+                run=Run(tmp_path / "x"),
+                probing=ProbeSettings(probe_budget=budget, **NO_WANDB),
+            )
     from trainers import TrainTool
 
     with pytest.raises(ValueError, match="strictly between 0 and 1"):
@@ -328,11 +350,10 @@ def test_a_probe_batch_larger_than_the_data_is_rejected(tmp_path):
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     with ProbeSession(
         net,
-        run_dir=tmp_path,
         optimizer=opt,
         loss_fn=loss_fn,
-        probe_schedule="probe_batch:100",
-        **NO_WANDB,
+        run=Run(tmp_path),
+        probing=ProbeSettings(probe_schedule="probe_batch:100", **NO_WANDB),
     ) as s:
         s.add_training_hook("body", attach_relu_activation_hooks())
         s.set_data(data=make_data(40), minibatch_size=8)

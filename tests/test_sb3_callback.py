@@ -66,9 +66,11 @@ def test_ppo_relu_and_fisher_once_per_cycle_match_plain_torch_and_wandb(tmp_path
         probes=[("actor_mlp", attach_relu_activation_hooks())],
         backward_probes=[("actor_mlp", attach_fisher_information_hooks())],
         run_dir=tmp_path / "run",
-        sinks=SinksConfig(console=False),
-        wandb=WandbConfig(mode="offline", project="pp-sb3"),
-        probe_budget=None,  # every pass: compared with plain torch
+        probing=ProbeSettings(
+            sinks=SinksConfig(console=False),
+            wandb=WandbConfig(mode="offline", project="pp-sb3"),
+            probe_budget=None,
+        ),
     )
     callback.add_training_hook("actor_mlp.1", attach_relu_activation_hooks())
     model.learn(CYCLES * ROWS, callback=callback)
@@ -140,8 +142,7 @@ def test_a2c_tanh_saturation_and_fisher_per_cycle(tmp_path):
         probes=[("critic_mlp.[13]", attach_saturated_activation_hooks("tanh"))],
         backward_probes=[("critic_mlp", attach_fisher_information_hooks())],
         run_dir=tmp_path,
-        sinks=SinksConfig(console=False, wandb=False),
-        probe_budget=None,  # every pass: exact values are compared
+        probing=ProbeSettings(sinks=SinksConfig(console=False, wandb=False), probe_budget=None),
     ) as callback:
         model.learn(3 * 16 * N_ENVS, callback=callback)
     cap.remove()
@@ -165,8 +166,9 @@ def test_callback_leaves_the_sb3_trajectory_bit_identical(tmp_path):
         probes=[("actor_mlp", attach_relu_activation_hooks())],
         backward_probes=[("critic_mlp", attach_fisher_information_hooks())],
         run_dir=tmp_path,
-        sinks=SinksConfig(console=False, wandb=False),
-        hooks=["norms", "adam_dynamics"],
+        probing=ProbeSettings(
+            sinks=SinksConfig(console=False, wandb=False), hooks=["norms", "adam_dynamics"]
+        ),
     )
     probed.learn(2 * ROWS, callback=callback)
     a, b = plain.policy.state_dict(), probed.policy.state_dict()
@@ -183,14 +185,12 @@ def test_component_names_and_builder_errors():
         ProbeCallback(probes=[("actor_mlp", attach_relu_activation_hooks)])
 
 
-def test_the_probe_settings_are_one_argument_and_the_keywords_of_earlier_versions_warn():
+def test_the_probe_settings_are_one_argument_and_no_other_keyword_is_taken():
     settings = ProbeSettings(probe_budget=None, hooks=["norms"], snapshot_every=3)
     assert ProbeCallback(probing=settings).probing is settings
-    with pytest.warns(DeprecationWarning, match=r"ProbeCallback\(probe_budget=, hooks="):
-        old = ProbeCallback(probe_budget=None, hooks=["norms"], snapshot_every=3)
-    assert old.probing == settings
-    with pytest.raises(TypeError, match="unexpected keyword arguments \\['budget'\\]"):
-        ProbeCallback(budget=0.1)
+    for wrong in ("budget", "probe_budget", "hooks"):
+        with pytest.raises(TypeError, match=f"unexpected keyword argument '{wrong}'"):
+            ProbeCallback(**{wrong: None})
 
 
 @pytest.mark.parametrize(
@@ -212,7 +212,7 @@ def test_attach_errors_stop_learn_and_leave_no_hooks(tmp_path, kind, component, 
     callback = ProbeCallback(
         **{kind: [(component, make())]},
         run_dir=tmp_path,
-        sinks=SinksConfig(console=False, wandb=False),
+        probing=ProbeSettings(sinks=SinksConfig(console=False, wandb=False)),
     )
     with pytest.raises(error, match=match):
         model.learn(ROWS, callback=callback)
@@ -224,8 +224,7 @@ def test_second_learn_continues_the_cycle_count_in_the_same_run_dir(tmp_path):
     callback = ProbeCallback(
         probes=[("actor_mlp", attach_relu_activation_hooks())],
         run_dir=tmp_path,
-        sinks=SinksConfig(console=False, wandb=False),
-        probe_budget=None,  # every pass: sample counts are compared
+        probing=ProbeSettings(sinks=SinksConfig(console=False, wandb=False), probe_budget=None),
     )
     model.learn(ROWS, callback=callback)
     assert hook_counts(model.policy) == 0
@@ -250,7 +249,7 @@ def test_the_default_reports_every_cycle_from_the_passes_it_observed(tmp_path):
     callback = ProbeCallback(
         probes=[("actor_mlp", attach_relu_activation_hooks(per_layer=False))],
         run_dir=tmp_path,
-        sinks=SinksConfig(console=False, wandb=False),
+        probing=ProbeSettings(sinks=SinksConfig(console=False, wandb=False)),
     )
 
     def count(_module, _inputs, output):

@@ -15,6 +15,7 @@ from stable_baselines3.common.env_util import make_vec_env
 from torch import nn
 
 from policy_probes import (
+    ProbeSettings,
     attach_fisher_information_hooks,
     attach_gradient_flow_hooks,
     attach_relu_activation_hooks,
@@ -151,10 +152,12 @@ def test_cnn_policy_relu_gradient_flow_and_fisher_per_layer_and_channel(tmp_path
             ("actor_head", attach_fisher_information_hooks()),
         ],
         run_dir=tmp_path / "run",
-        sinks=SinksConfig(console=False),
-        wandb=WandbConfig(mode="disabled"),
-        strict=True,
-        probe_budget=None,  # every pass: compared with plain hooks on every minibatch
+        probing=ProbeSettings(
+            sinks=SinksConfig(console=False),
+            wandb=WandbConfig(mode="disabled"),
+            strict=True,
+            probe_budget=None,
+        ),
     )
     model.learn(CYCLES * ROWS, callback=callback)
     cap.remove()

@@ -17,6 +17,8 @@ from torch import nn
 
 from policy_probes import (
     PolicyAutoBuilder,
+    ProbeSettings,
+    Run,
     attach_fisher_information_hooks,
     attach_relu_activation_hooks,
 )
@@ -236,7 +238,7 @@ def test_hooks_removed_and_sinks_flushed_when_the_loop_raises(tmp_path, device: 
     assert hook_counts(model) == 0
     with (
         pytest.raises(RuntimeError, match="env crashed"),
-        ProbeSession(model, run_dir=tmp_path, **NO_WANDB) as session,
+        ProbeSession(model, run=Run(tmp_path), probing=ProbeSettings(**NO_WANDB)) as session,
     ):
         session.add_training_hook("actor_mlp.*", attach_relu_activation_hooks())
         session.add_training_backward_hook("actor_mlp", attach_fisher_information_hooks())
@@ -260,7 +262,7 @@ def test_epoch_record_matches_a_clone_run_on_the_same_minibatches(tmp_path, devi
     clone = TinyPolicy(hidden=(6,)).to(device)
     clone.load_state_dict(model.state_dict())
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    with ProbeSession(model, run_dir=tmp_path, **NO_WANDB) as session:
+    with ProbeSession(model, run=Run(tmp_path), probing=ProbeSettings(**NO_WANDB)) as session:
         session.add_training_hook("actor_mlp", attach_relu_activation_hooks())
         seen = []
         for _ in range(3):
@@ -283,7 +285,7 @@ def test_epoch_record_matches_a_clone_run_on_the_same_minibatches(tmp_path, devi
 
 def test_log_last_and_mean_phase_context_and_names(tmp_path, device: torch.device):
     model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1)).to(device)
-    with ProbeSession(model, run_dir=tmp_path, **NO_WANDB) as session:
+    with ProbeSession(model, run=Run(tmp_path), probing=ProbeSettings(**NO_WANDB)) as session:
         assert isinstance(session.policy, PolicyAutoBuilder)
         assert session.component_names[:2] == ["0", "1"]
         with pytest.raises(KeyError, match="Available components: 0, 1, 2"):
@@ -311,31 +313,41 @@ def test_log_last_and_mean_phase_context_and_names(tmp_path, device: torch.devic
 
 def test_wrapped_components_and_policy_autobuilder_models(tmp_path):
     model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
-    with ProbeSession(model, components={"body": "0"}, run_dir=tmp_path, **NO_WANDB) as s:
+    with ProbeSession(
+        model, components={"body": "0"}, run=Run(tmp_path), probing=ProbeSettings(**NO_WANDB)
+    ) as s:
         assert s.component_names == ["body"]
     policy = TinyPolicy()
     with pytest.raises(ValueError, match="drop components"):
-        ProbeSession(policy, components={"x": "actor_mlp"}, run_dir=tmp_path, **NO_WANDB)
+        ProbeSession(
+            policy,
+            components={"x": "actor_mlp"},
+            run=Run(tmp_path),
+            probing=ProbeSettings(**NO_WANDB),
+        )
     # a second run: its own run_dir (the first one's is refused, test_session_reliability)
-    with ProbeSession(policy, run_dir=tmp_path / "second", **NO_WANDB) as s:
+    with ProbeSession(policy, run=Run(tmp_path / "second"), probing=ProbeSettings(**NO_WANDB)) as s:
         assert s.policy is policy
 
 
 def test_lifecycle_selection_is_checked_against_what_the_loop_provides(tmp_path):
     model = TinyPolicy()
     with pytest.raises(ValueError, match="intervention"):
-        ProbeSession(model, run_dir=tmp_path, hooks=["counterfactual"], **NO_WANDB)
+        ProbeSession(
+            model, run=Run(tmp_path), probing=ProbeSettings(hooks=["counterfactual"], **NO_WANDB)
+        )
     with pytest.raises(ValueError, match="optimizer"):
-        ProbeSession(model, run_dir=tmp_path, hooks=["adam_dynamics"], **NO_WANDB)
+        ProbeSession(
+            model, run=Run(tmp_path), probing=ProbeSettings(hooks=["adam_dynamics"], **NO_WANDB)
+        )
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="snapshot_every"):
         ProbeSession(
             model,
-            run_dir=tmp_path,
-            hooks=["hessian"],
             optimizer=opt,
             loss_fn=lambda m, b: m(b).square().mean(),
-            **NO_WANDB,
+            run=Run(tmp_path),
+            probing=ProbeSettings(hooks=["hessian"], **NO_WANDB),
         )
     assert hook_counts(model) == 0
 
@@ -355,12 +367,10 @@ def _regression_run(
     out = {}
     with ProbeSession(
         model,
-        run_dir=tmp_path,
-        hooks=hooks,
         optimizer=opt,
         loss_fn=loss_fn,
-        probe_budget=None,
-        **NO_WANDB,
+        run=Run(tmp_path),
+        probing=ProbeSettings(hooks=hooks, probe_budget=None, **NO_WANDB),
     ) as session:
         session.add_training_hook("actor_mlp", attach_relu_activation_hooks())
         for epoch in range(2):

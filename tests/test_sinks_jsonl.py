@@ -10,6 +10,7 @@ import pytest
 import torch
 from sinks_support import emit_probe_run, rewind_and_emit
 
+from policy_probes import ProbeSettings, Run
 from policy_probes.sinks import JSONLSink, read_jsonl, repair_truncated_tail, rewind_jsonl
 from policy_probes.sinks.csv_sink import CSVSink
 
@@ -186,9 +187,11 @@ def test_session_checkpoint_fsyncs_the_records_it_covers(tmp_path, monkeypatch):
     session = ProbeSession(
         nn.Sequential(nn.Linear(2, 2)),
         components={"body": "0"},
-        run_dir=tmp_path,
-        sinks=SinksConfig(console=False, csv=False, wandb=False, fsync_seconds=3600.0),
-        wandb=WandbConfig(mode="disabled"),
+        run=Run(tmp_path),
+        probing=ProbeSettings(
+            sinks=SinksConfig(console=False, csv=False, wandb=False, fsync_seconds=3600.0),
+            wandb=WandbConfig(mode="disabled"),
+        ),
     )
     (jsonl,) = list(session.sinks)
     fd = jsonl._file.fileno()

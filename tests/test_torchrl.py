@@ -11,6 +11,7 @@ from conftest import hook_counts
 from test_session import Capture, check_fisher_unit, check_tanh_saturation, load_doc_example
 from torch import nn
 
+from policy_probes import ProbeSettings, Run
 from policy_probes.sinks import read_jsonl
 
 HEADER = "# torchrl_ppo_with_probes.py"
@@ -188,10 +189,11 @@ def test_tanh_normal_actor_is_probed_through_its_tensordict_keys(tmp_path) -> No
     with ProbeSession(
         actor,
         components={"policy": "module.0", "actor_mlp": "module.0.module"},
-        example_inputs=(data[:2].clone(),),  # traced: TensorDict outputs are known
-        run_dir=tmp_path,
-        sinks=SinksConfig(console=False, wandb=False),
-        wandb=WandbConfig(mode="disabled"),
+        example_inputs=(data[:2].clone(),),
+        run=Run(tmp_path),
+        probing=ProbeSettings(
+            sinks=SinksConfig(console=False, wandb=False), wandb=WandbConfig(mode="disabled")
+        ),
     ) as session:
         with pytest.raises(ProbeError, match=r"TensorDict with keys .*Pass extractor=\"loc\""):
             session.add_training_backward_hook("policy", attach_fisher_information_hooks())

@@ -28,7 +28,6 @@ non-finite parameters does). Only rank 0 runs a hook unless it sets
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -179,17 +178,6 @@ class CallbackList(TrainerHook):
 
     def on_training_end(self, state: TrainerState) -> None:
         self._each("on_training_end", state)
-
-    def fire(self, event: str, state: TrainerState) -> None:
-        """Deprecated: call the event's method (``hooks.on_epoch_end(state)``)."""
-        warnings.warn(
-            f"CallbackList.fire({event!r}, state) is deprecated; call hooks.{event}(state)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        if event not in HOOK_METHODS:
-            raise ValueError(f"unknown trainer event {event!r}; events are {HOOK_METHODS}")
-        getattr(self, event)(state)
 
     def _each(self, event: str, state: TrainerState) -> None:
         """Call ``event`` on every hook that implements it and runs on this rank."""

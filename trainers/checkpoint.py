@@ -4,7 +4,7 @@ A checkpoint is built from the ``state_dict()`` protocol (as in torch and Lightn
 :meth:`PPOTrainer.state_dict` (which holds :meth:`ProbeSession.state_dict`, which holds
 :meth:`HookManager.state_dict` and every tracker's ``state_dict()``), made a plain dict
 of tensors and Python containers, so it loads with ``torch.load(path, weights_only=True)``
-(no arbitrary code runs on load). Layout of format 3 (``docs/run_control.md``):
+(no arbitrary code runs on load). Layout of format 4 (``docs/run_control.md``):
 
 * ``format``; the counters ``epoch``, ``num_epochs``, ``agent_step``, ``optimizer_step``,
   ``seed``; ``policy``, ``optimizer``, ``scheduler`` state dicts;
@@ -22,8 +22,8 @@ of tensors and Python containers, so it loads with ``torch.load(path, weights_on
   (:class:`~trainers.ppo.UpdateProgress`), the rollout storage and its statistics;
 * ``config``: the run configuration (JSON).
 
-Formats 1 and 2 are read through :func:`upgrade_checkpoint`; anything else fails with
-one :class:`CheckpointError` naming the formats this version reads.
+A checkpoint of any other format fails with one :class:`CheckpointError` that names its
+format (:func:`check_format`).
 
 Files: ``epoch_<E>.pt`` after epoch E completed; ``epoch_<E>-step_<S>.pt`` in the middle
 of epoch E at optimizer step S (it sorts after ``epoch_<E-1>.pt``, before ``epoch_<E>.pt``).
@@ -54,10 +54,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("trainers")
 
-CHECKPOINT_FORMAT = 3
-#: formats :func:`restore_trainer` reads (2: before the state_dict protocol; 1: no
-#: env/lifecycle state, envs re-seeded)
-READABLE_FORMATS = (1, 2, 3)
+CHECKPOINT_FORMAT = 4
 #: test hook: ``SECONDS`` or ``SECONDS@FILENAME``: sleep inside :func:`atomic_save` between
 #: writing the temporary file and renaming it (for every file, or that one)
 SLOW_SAVE_ENV = "POLICY_PROBES_TEST_CHECKPOINT_SLEEP"
@@ -193,9 +190,9 @@ def restore_trainer(
 
     ``restore_envs=False`` re-seeds the environments instead of restoring the saved ones
     (ranks other than 0 of a distributed run: the checkpoint holds rank 0's envs).
-    Older formats (:data:`READABLE_FORMATS`) are read through :func:`upgrade_checkpoint`.
+    A checkpoint in another format is refused (:func:`check_format`).
     """
-    ckpt = upgrade_checkpoint(ckpt)
+    ckpt = check_format(ckpt)
     try:
         trainer.load_state_dict(ckpt, restore_envs=restore_envs)
     except ValueError as exc:
@@ -203,58 +200,17 @@ def restore_trainer(
     restore_rng_state(rng_state_from_plain(ckpt["rng"]))
 
 
-def upgrade_checkpoint(ckpt: dict[str, Any]) -> dict[str, Any]:
-    """``ckpt`` in the current format (:data:`CHECKPOINT_FORMAT`).
-
-    Format 2 (before the state_dict protocol) kept the hook manager's carried gradients
-    under ``lifecycle`` and the epoch's lifecycle metrics, step records and tracker sums
-    in ``mid_epoch``; format 1 had no env or lifecycle state (its envs are re-seeded).
-    Any other dict raises :class:`CheckpointError` naming the formats this version reads.
-    """
+def check_format(ckpt: dict[str, Any]) -> dict[str, Any]:
+    """``ckpt`` if it is in :data:`CHECKPOINT_FORMAT`, else one :class:`CheckpointError`
+    that names the format it is in."""
     fmt = ckpt.get("format") if isinstance(ckpt, dict) else None
-    if fmt not in READABLE_FORMATS:
+    if fmt != CHECKPOINT_FORMAT:
         raise CheckpointError(
-            f"unsupported checkpoint format {fmt!r}: this version reads formats "
-            f"{READABLE_FORMATS} written by policy-probes' trainer; it is a newer or foreign "
-            f"file"
+            f"this checkpoint is in format {fmt!r} and this version of policy-probes reads "
+            f"format {CHECKPOINT_FORMAT} only; resume it with the version that wrote it, or "
+            f"start the run again"
         )
-    if fmt == CHECKPOINT_FORMAT:
-        return ckpt
-    old = dict(ckpt)
-    lifecycle = old.pop("lifecycle", None) or {}
-    carried = lifecycle.get("manager") or {}
-    mid = old.get("mid_epoch") or None
-    manager = {
-        "hooks": lifecycle.get("hooks") or {},
-        "grad_sum": carried.get("_grad_sum"),
-        "grad_steps": carried.get("_grad_steps", 0),
-        "grad_epoch": carried.get("_grad_epoch"),
-        "prev_grads": carried.get("_prev_grads"),
-        "last_metrics": carried.get("last_metrics") or {},
-        "records": (mid or {}).get("step_records") or [],
-    }
-    old["session"] = {
-        # a mid-epoch checkpoint is inside epoch E (hooks count from 0: E - 1)
-        "epoch": old["epoch"] - 1 if mid else old["epoch"],
-        "optimizer_step": old["optimizer_step"],
-        "agent_step": old["agent_step"],
-        "epoch_started": bool(mid),
-        "pending": dict((mid or {}).get("hook_metrics", {}).get("metrics") or {}),
-        "logged": {},
-        "sums": {},
-        "hooks": manager,
-        "trackers": dict((mid or {}).get("trackers") or {}),
-    }
-    if mid:
-        old["mid_epoch"] = {k: mid[k] for k in ("update", "storage", "rollout_stats")}
-    old.setdefault("env", {"state": None, "reason": "checkpoint format 1 holds no env state"})
-    old.setdefault("next_obs", None)
-    old.setdefault("prev_done", None)
-    old.setdefault("episodes", {"returns": [], "lengths": []})
-    old.setdefault("trained_seconds", 0.0)
-    old.setdefault("trainer_hooks", {})
-    old["format"] = CHECKPOINT_FORMAT
-    return old
+    return ckpt
 
 
 # ---------------------------------------------------------------------- files

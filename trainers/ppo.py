@@ -406,11 +406,7 @@ class PPOTrainer:
                 self.hooks.on_train_phase_end(state)  # evaluation, rank statistics
                 session.optimizer_step = state.optimizer_step
                 # POST_EPOCH, SNAPSHOT and the epoch's records (docs/trainer.md)
-                state.metrics = session.epoch_end(
-                    state.agent_step,
-                    final=state.epoch >= self.num_epochs,  # the probes report what they hold
-                    **self.epoch_statistics(),
-                )
+                state.metrics = session.epoch_end(state.agent_step, **self.epoch_statistics())
                 state.probe_metrics = {
                     k: v for k, v in state.metrics.items() if k.startswith("probes/")
                 }

@@ -147,9 +147,6 @@ class ProbeCallback(BaseCallback):
             statistics (``rollout/ep_rew_mean``, ``rollout/ep_len_mean``) to each record.
         verbose: SB3 verbosity; 1 prints the record's path once.
 
-    The probe settings as keywords of their own (``sinks=``, ``hooks=``,
-    ``probe_budget=``, ...: earlier versions) still work, with a DeprecationWarning.
-
     After ``learn()`` the session is closed (hooks removed, sinks closed) and
     :attr:`history` holds every record. A later ``learn()`` with the same callback opens
     a new session on the same ``run_dir`` and continues the cycle count.
@@ -166,12 +163,9 @@ class ProbeCallback(BaseCallback):
         config: Mapping[str, Any] | None = None,
         log_sb3: bool = True,
         verbose: int = 0,
-        **deprecated: Any,
     ) -> None:
         super().__init__(verbose)
-        self.probing = ProbeSettings.from_keywords(probing, deprecated, "ProbeCallback")
-        if deprecated:
-            raise TypeError(f"ProbeCallback got unexpected keyword arguments {sorted(deprecated)}")
+        self.probing = probing if probing is not None else ProbeSettings()
         self._probes: list[ProbeSpec] = []
         for pattern, builder in _pairs(probes, "probes"):
             add_probe(self._probes, pattern, builder, None)
@@ -265,14 +259,13 @@ class ProbeCallback(BaseCallback):
     def _on_training_end(self) -> None:
         """Report the last cycle and close the session (hooks removed, sinks closed)."""
         try:
-            self._report(final=True)
+            self._report()
         finally:
             self.close()
 
     # ------------------------------------------------------------------ report
-    def _report(self, final: bool = False) -> None:
-        """Report the cycle that just trained (every cycle reports every probe);
-        ``final``: the last of this ``learn()``."""
+    def _report(self) -> None:
+        """Report the cycle that just trained (every cycle reports every probe)."""
         if self.session is None or self.session.closed or not self._trained:
             return
         self._trained = False
@@ -281,7 +274,7 @@ class ProbeCallback(BaseCallback):
             self.session.log(self._sb3_values())
         logged = time.perf_counter() - start
         self.session.set_phase("rollout")
-        record = self.session.epoch_end(step=int(self.model.num_timesteps), final=final)
+        record = self.session.epoch_end(step=int(self.model.num_timesteps))
         self.history.append(record)
         sampler = self.session.context.sampler
         if sampler is not None:  # the callback's own work, for the probes

@@ -392,11 +392,10 @@ class HookManager:
             ],
         }
 
-    def load_state_dict(self, state: Mapping[str, Any], epoch_offset: int = 0) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Inverse of :meth:`state_dict`. Tensors move to the model's device (hook state
         stays on the CPU with ``offload_state``); a saved hook this selection lacks is
-        ignored, a selected hook the state lacks keeps its fresh state. ``epoch_offset``
-        is added to the saved epochs (a state saved when they were numbered otherwise)."""
+        ignored, a selected hook the state lacks keeps its fresh state."""
         device = device_of(self._bound.get("model"))
         hook_device = torch.device("cpu") if self.offload_state else device
         saved_hooks = state.get("hooks") or {}
@@ -411,7 +410,7 @@ class HookManager:
         self._grad_sum = moved(state.get("grad_sum"))
         self._grad_steps = int(state.get("grad_steps", 0))
         epoch = state.get("grad_epoch")
-        self._grad_epoch = None if epoch is None else int(epoch) + epoch_offset
+        self._grad_epoch = None if epoch is None else int(epoch)
         self._prev_grads = moved(state.get("prev_grads"))
         self.last_metrics = {
             HookPoint(p): dict(m) for p, m in (state.get("last_metrics") or {}).items()
@@ -419,7 +418,7 @@ class HookManager:
         self._records = [
             StepRecord(
                 HookPoint(r["point"]),
-                int(r["epoch"]) + epoch_offset,
+                int(r["epoch"]),
                 int(r["step"]),
                 dict(r["metrics"]),
             )

@@ -4,14 +4,12 @@ Groups: ``none``, ``minimal`` (training_metrics, norms), ``observers`` (every ob
 ``interventions`` (every intervention except debug ones), ``full`` (observers +
 interventions). Keywords: ``all`` (= full) and ``with_debug`` (full plus the debug
 interventions). ``training_metrics`` joins any selection that is not empty. The probes'
-trackers are no hook: every ``epoch_end`` reports them (``stats_reporter``, once a hook,
-is accepted and ignored with a DeprecationWarning).
+trackers are no hook: every ``epoch_end`` reports them.
 """
 
 from __future__ import annotations
 
 import difflib
-import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -168,14 +166,6 @@ def resolve_hook_names(hooks: Iterable[str] = (), with_hooks: str | None = None)
         for name in str(item).split(","):
             name = name.strip()
             if not name:
-                continue
-            if name == "stats_reporter":  # a hook until the probes reported at every epoch end
-                warnings.warn(
-                    "the stats_reporter hook is gone: every epoch_end reports the probes; "
-                    "drop it from the selection",
-                    DeprecationWarning,
-                    stacklevel=3,
-                )
                 continue
             if name in GROUPS or name in KEYWORDS:
                 wanted.update(HookRegistry.expand(name))

@@ -173,7 +173,7 @@ class GradientFlowHook(LayeredProbeHook):
         if not (output.requires_grad and torch.is_grad_enabled()):
             return
 
-        def compute(grad: torch.Tensor, *, weight: torch.Tensor | None) -> None:
+        def compute(grad: torch.Tensor, *, weight: torch.Tensor | None, loss_scale: Any) -> None:
             self.tracker.update(layer.component, grad, layer.channels_first, weight=weight)
 
         self.tap_grad(output, weight, compute)

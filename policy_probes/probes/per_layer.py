@@ -246,10 +246,18 @@ class LayeredProbeHook(ProbeHook):
     def record(
         self, module: nn.Module, output: torch.Tensor, weight: torch.Tensor | None = None
     ) -> None:
-        """The component's output (a backward probe: its gradient) into the tracker."""
+        """The component's output into the tracker."""
         self.tracker.update(self.component, output, self.channels_first, weight=weight)
 
-    record_grad = record
+    def record_grad(
+        self,
+        module: nn.Module,
+        grad: torch.Tensor,
+        weight: torch.Tensor | None = None,
+        loss_scale: float | torch.Tensor = 1.0,
+    ) -> None:
+        """The gradient at the component's output into the tracker."""
+        self.tracker.update(self.component, grad, self.channels_first, weight=weight)
 
     def record_layer(
         self, layer: ProbedLayer, output: torch.Tensor, weight: torch.Tensor | None = None

@@ -141,7 +141,11 @@ class ReLUGradientFlowHook(ProbeHook):
         self.relus: list[tuple[str, nn.Module, bool]] | None = None
 
     def record_grad(
-        self, module: nn.Module, grad_output: torch.Tensor, weight: torch.Tensor | None = None
+        self,
+        module: nn.Module,
+        grad_output: torch.Tensor,
+        weight: torch.Tensor | None = None,
+        loss_scale: float | torch.Tensor = 1.0,
     ) -> None:
         """Nothing: the gradient at the component's output is not what this probe reads
         (a closure registered directly after :meth:`attach` is called here)."""
@@ -199,7 +203,7 @@ class ReLUGradientFlowHook(ProbeHook):
                 self.fail(exc)
                 return
 
-            def record(grad: torch.Tensor, *, weight: torch.Tensor | None) -> None:
+            def record(grad: torch.Tensor, *, weight: torch.Tensor | None, loss_scale: Any) -> None:
                 self.calls += 1
                 if layer == self.relus[0][0]:  # rows observed: counted at the first ReLU
                     self.rows += tensor_rows(grad, channels_first)

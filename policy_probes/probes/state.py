@@ -18,7 +18,6 @@ accumulators to the host once per window.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 import time
@@ -84,16 +83,6 @@ class ProbeState:
     #: is its last layer's output) can share that component's accumulators instead of
     #: reducing the same rows twice (:meth:`_drain_buffers`)
     mirrors_identical_rows: bool = False
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        consume = cls.__dict__.get("consume")
-        if consume is not None and len(inspect.signature(consume).parameters) > 2:
-            raise TypeError(
-                f"tracker {cls.__name__}: consume(component, stream, cols, segments, scales) "
-                f"was removed; define consume(self, batch), batch a "
-                f"policy_probes.probes.state.Drained (component, stream, cols, ..., weight)"
-            )
 
     def __init__(self) -> None:
         self.state: dict[str, dict[str, torch.Tensor]] = {}
@@ -201,13 +190,16 @@ class ProbeState:
 
         ``scales`` are per-push factors of the blocks (``None`` = as is), handed to
         :meth:`consume` with the rows. ``weight``: the row-mask rows of the blocks, as
-        the hook bound them (``record(..., weight=...)``); None without a mask. A push
-        without ``weight`` under a row mask gets the rows the deprecated
-        ``context.push_weight`` holds, or else the mask aligned with the rows by count
-        (see :mod:`policy_probes.row_mask`). A full buffer drains every tracker of the
-        context (:meth:`drain`) before it takes the push.
+        the hook bound them (``record(..., weight=...)``); None without a mask. A full
+        buffer drains every tracker of the context (:meth:`drain`) before it takes the
+        push.
         """
-        weight = self._row_weight(component, stream, blocks[0], weight)
+        if weight is not None and weight.numel() != block_rows(blocks[0]):
+            raise ValueError(
+                f"probe {self.probe!r} on component {component!r}: the row mask bound to this "
+                f"pass has {weight.numel()} rows, the pushed tensor {block_rows(blocks[0])}; "
+                f"pass a row mask with one entry per row of the minibatch"
+            )
         buf = self.buffers.get((component, stream))
         if buf is None:
             buf = self.buffers[(component, stream)] = RowBuffer(
@@ -219,23 +211,6 @@ class ProbeState:
             self.drain(timed=False)
             buf.reserve(blocks)
         buf.append(blocks, scales, weight)
-
-    def _row_weight(
-        self, component: str, stream: str, rows: torch.Tensor, weight: torch.Tensor | None
-    ) -> torch.Tensor | None:
-        context = self.context
-        if weight is None and context is not None:
-            weight = context.push_weight  # set by the deprecated route only
-            if weight is None and context.row_mask is not None:
-                key = (id(self), component, stream)
-                weight = context.row_mask.weight_for(rows, None, component, key)
-        if weight is not None and weight.numel() != block_rows(rows):
-            raise ValueError(
-                f"probe {self.probe!r} on component {component!r}: the row mask bound to this "
-                f"pass has {weight.numel()} rows, the pushed tensor {block_rows(rows)}; "
-                f"pass a row mask with one entry per row of the minibatch"
-            )
-        return weight
 
     def scratch(self, like: torch.Tensor, slot: int = 0) -> torch.Tensor:
         """A reusable tensor shaped like ``like`` (contents undefined; half precision

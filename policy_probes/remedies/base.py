@@ -205,7 +205,7 @@ class BoundRemedy:
         self.generator.set_state(state["generator"])
         self.last_fired = None if state["last_fired"] is None else int(state["last_fired"])
         self.firings = int(state["firings"])
-        if state.get("remedy"):  # absent in checkpoints written before remedies had state
+        if state["remedy"]:  # an empty dict: the remedy keeps no state of its own
             self.remedy.load_state_dict(self.prepared, state["remedy"])
 
 
