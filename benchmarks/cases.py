@@ -9,9 +9,8 @@ Cases:
   With ``encoder="nature_cnn"`` (and an ALE ``env_id``) the policy is the NatureCNN
   actor-critic and the probes are those of ``recipes/atari.py`` (:func:`recipes.atari.add_probes`).
 * ``bare``: the bare loop: :class:`trainers.PPOTrainer` driven directly, with an empty
-  callback list and a fresh :class:`~policy_probes.context.ComponentContext`: no
-  TrainTool, no sinks (its session has an empty sink group and no lifecycle
-  hook), no run directory. The reference of the empty-path benchmark.
+  callback list and the session it makes itself: no TrainTool, no sinks (that session
+  has an empty sink group and no lifecycle hook), no run directory. The reference of the empty-path benchmark.
 * ``recipe``: ``recipes.cartpole`` as it ships, console and W&B off, with or without its
   probes (:func:`recipe`).
 * ``sb3``: Stable-Baselines3 PPO with the same hyperparameters, optionally
@@ -357,7 +356,6 @@ def dynamo_counts() -> dict[str, int]:
 
 
 def bare(p: dict[str, Any]) -> dict[str, Any]:
-    from policy_probes.context import ComponentContext
     from trainers import EnvConfig, PolicyConfig, PPOConfig
     from trainers.envs import make_vector_env
     from trainers.policy_factory import make_policy
@@ -390,7 +388,7 @@ def bare(p: dict[str, Any]) -> dict[str, Any]:
             encoder=p["encoder"],
         ),
     )
-    trainer = PPOTrainer(envs, policy, cfg, context=ComponentContext(), seed=p["seed"])
+    trainer = PPOTrainer(envs, policy, cfg, seed=p["seed"])
     state = trainer.train()
     clocks.stop()
     envs.close()

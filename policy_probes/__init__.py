@@ -8,7 +8,7 @@ from policy_probes.layers import MLP, ConvLayer, HiddenLayer, LinearSpec, MLPSpe
 from policy_probes.probe_settings import ProbeSettings
 from policy_probes.probes import *  # noqa: F403 - the built-in probes, probes.__all__
 from policy_probes.run import Run
-from policy_probes.session import Loop, ProbeSession
+from policy_probes.session import ProbeSession
 from policy_probes.stats_reporter import StatsReporter
 
 __version__ = "0.1.0"
@@ -21,7 +21,6 @@ __all__ = [
     "HiddenLayer",
     "HookBuilder",
     "LinearSpec",
-    "Loop",
     "MLPSpec",
     "PolicyAutoBuilder",
     "ProbeError",

@@ -100,7 +100,7 @@ class ProbeHandle(RemovableHandle):
         self._install = None
         self._disarm()
         if self.owner is not None:
-            self.owner._hold_eager()
+            self.owner._release(self)
 
 
 def glob_to_regex(pattern: str) -> re.Pattern[str]:
@@ -424,6 +424,12 @@ class PolicyAutoBuilder(nn.Module):
             if getattr(context, "sampler", None) is not None:
                 context.sampler.sync_seconds += time.perf_counter() - start
                 break
+
+    def _release(self, handle: ProbeHandle) -> None:
+        """Forget ``handle`` (removed by its holder)."""
+        if handle in self._handles:
+            self._handles.remove(handle)
+        self._hold_eager()
 
     def _hold_eager(self) -> None:
         """Compiled code runs eagerly while a probe is armed (or the lifecycle layer runs

@@ -24,7 +24,7 @@ from typing import Any
 from policy_probes.atomic_write import write_text_atomic
 from policy_probes.processes import current_rank
 from policy_probes.run_lock import RunDirLock, refuse_if_locked
-from policy_probes.sinks import SinkGroup, SinksConfig, WandbConfig, build_sink_group
+from policy_probes.sinks import SinkGroup, SinksConfig, WandbConfig, build_sinks
 from policy_probes.sinks.base import to_plain
 from policy_probes.sinks.jsonl import iter_jsonl
 from policy_probes.user_errors import mark_usage_error
@@ -142,9 +142,8 @@ class Run:
     drops those a loop writes again); ``overwrite``: replace it. ``config`` goes to
     ``config.json`` and the W&B run. ``main``: this process writes the run's files (rank 0
     of a distributed run; the others create, lock and write nothing and get no sinks).
-    ``first_epoch``: the number of the first epoch in the records (the built-in trainer
-    counts from 1). ``console``: a rich ``Console`` for the console sink. ``name``: the
-    default directory's prefix (``runs/<name>-<time>``).
+    ``console``: a rich ``Console`` for the console sink. ``name``: the default
+    directory's prefix (``runs/<name>-<time>``).
     """
 
     def __init__(
@@ -155,7 +154,6 @@ class Run:
         overwrite: bool = False,
         config: dict[str, Any] | None = None,
         main: bool = True,
-        first_epoch: int = 0,
         console: Any = None,
         name: str = "session",
     ) -> None:
@@ -166,11 +164,13 @@ class Run:
         self.dir = Path(run_dir) if run_dir is not None else default_run_dir(name)
         self.resume, self.overwrite, self.main = bool(resume), bool(overwrite), main
         self.config: dict[str, Any] = dict(config or {})
-        self.first_epoch = int(first_epoch)
         self.console = console
-        #: the run's metric sinks (:meth:`open_sinks`; empty until then and off rank 0)
+        #: the run's metric sinks (:meth:`open_sinks` fills the group; empty until then and
+        #: off rank 0)
         self.sinks = SinkGroup()
-        self.opened = self.sinks_open = False
+        #: the epoch a :meth:`rewind` before the sinks opened asked for
+        self._rewind: int | None = None
+        self.opened = False
         self._lock = RunDirLock(self.dir)
         self._created: list[Path] = []
 
@@ -260,17 +260,28 @@ class Run:
     def open_sinks(
         self, sinks: SinksConfig | None = None, wandb: WandbConfig | None = None
     ) -> SinkGroup:
-        """Build the metric sinks (main process only) into :attr:`sinks`."""
+        """Build the metric sinks (main process only) into :attr:`sinks` (the group that
+        holders of it, such as run control, already have), then apply a :meth:`rewind`
+        asked for before."""
         if self.main:
             sinks, wandb = sinks or SinksConfig(), wandb or WandbConfig()
-            self.sinks = build_sink_group(self.dir, sinks, wandb, self.config, console=self.console)
+            failures: dict[str, str] = {}
+            built = build_sinks(
+                self.dir, sinks, wandb, self.config, console=self.console, failures=failures
+            )
+            for sink in built:
+                self.sinks.add(sink)
+            self.sinks.failures.update(failures)
         self.sinks.set_run_context(run_dir=self.dir, config=self.config)
-        self.sinks_open = True
+        if self._rewind is not None:
+            self.rewind(self._rewind)
         return self.sinks
 
     def rewind(self, epoch: int) -> None:
         """Drop every sink's records of epochs after ``epoch`` (a loop resumed from the end
-        of ``epoch`` writes them again); a sink that fails is logged and left as it is."""
+        of ``epoch`` writes them again), when the sinks open if they are not open yet; a
+        sink that fails is logged and left as it is."""
+        self._rewind = epoch
         for sink in self.sinks:
             rewind = getattr(sink, "rewind", None)
             if not callable(rewind):

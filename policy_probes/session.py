@@ -1,11 +1,11 @@
 """ProbeSession: the probes, lifecycle observers and sinks, driven by any training loop.
 
-The built-in trainer owns its loop; most users already have one (a CleanRL-style script,
-Stable-Baselines3, their own code). A session gives such a loop the same probes, metrics
-and dashboards with a handful of calls::
+Every loop drives its probes through one session: the built-in trainer (``TrainTool``
+builds one and hands it to ``PPOTrainer``), the Stable-Baselines3 ``ProbeCallback``, and a
+loop of your own (a CleanRL-style script, your own code)::
 
     probing = ProbeSettings(sinks=SinksConfig(console=False))
-    with ProbeSession(agent, run="runs/ppo", probing=probing) as session:
+    with ProbeSession(agent, run="runs/ppo", probing=probing, optimizer=opt) as session:
         session.add_training_hook("actor.*", attach_relu_activation_hooks())
         session.add_training_backward_hook("actor", attach_fisher_information_hooks())
         for update in range(num_updates):
@@ -15,18 +15,19 @@ and dashboards with a handful of calls::
             session.log({"train/value_loss": v_loss})
             session.epoch_end(step=global_step) # one record per epoch to every sink
 
-Leaving the ``with`` block (normally or by an exception) removes every hook the session
-installed and closes its run (:class:`~policy_probes.run.Run`: sinks and lock). See
-``docs/external.md``.
+Records number epochs from 1. PRE_EPOCH fires at the first session call of an epoch (or
+at :meth:`ProbeSession.epoch_start`), so a loop resumed from :meth:`~ProbeSession.
+load_state_dict` fires it on the loaded state. Leaving the ``with`` block (normally or by
+an exception) removes every hook the session installed and closes its run
+(:class:`~policy_probes.run.Run`: sinks and lock). See ``docs/external.md``.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
@@ -38,45 +39,41 @@ from policy_probes.components import PolicyAutoBuilder, ProbeHandle, ProbeSpec, 
 from policy_probes.context import PHASES, ComponentContext
 from policy_probes.hook_types import ProbeBuilder
 from policy_probes.lifecycle import (
+    STEP_POINTS,
     HookManager,
     HookPoint,
     InterventionHook,
     LoopModelDataContext,
     ModelDataContext,
-    TrainingHook,
     preserved_rng,
     snapshot_due,
 )
 from policy_probes.probe_settings import ProbeSettings
-from policy_probes.probes.churn import start_epoch as churn_start_epoch
 from policy_probes.remedies.base import Remedy, RemedyRunner
 from policy_probes.run import Run
 from policy_probes.sampling import Sampler
-from policy_probes.sinks import SinkGroup
 from policy_probes.sinks.base import to_plain
 from policy_probes.stats_reporter import StatsReporter
 
 log = logging.getLogger("policy_probes")
 
-#: the loop type lifecycle hooks see (``loop_points``) when a ProbeSession fires them
+#: the loop type lifecycle hooks see (``loop_points``) unless the loop names its own
 LOOP = "external"
 
 
 class ProbeSession:
-    """Probes, lifecycle observers and metric sinks for a training loop you own.
+    """Probes, lifecycle observers and metric sinks for a training loop.
 
     Args:
         model: the policy, any ``nn.Module``. A :class:`PolicyAutoBuilder` is used as is;
             anything else is wrapped with :meth:`PolicyAutoBuilder.wrap` (the module itself
             is not changed; hooks go on its submodules).
-        run: a :class:`~policy_probes.run.Run` or a path (default ``runs/session-<time>``),
-            which the session takes and closes. Unless its sinks are open already (the
-            built-in trainer builds them), the session opens it (lock and claim), writes
-            ``config.json``, opens the sinks and, on a resumed run, goes on after the
-            last recorded epoch.
+        run: a :class:`~policy_probes.run.Run` or a path (default ``runs/session-<time>``).
+            The session opens it (lock and claim; on a resumed run it goes on after the
+            last recorded epoch), writes ``config.json`` and opens its sinks when the first
+            epoch starts (a loop that fails before writes nothing), and closes it.
         probing: the probe settings (:class:`~policy_probes.probe_settings.ProbeSettings`:
-            faults, lifecycle hooks, sampling, snapshots, sinks). Passes end at
-            ``optimizer.step()`` with ``optimizer=``, else at :meth:`next_pass`.
+            faults, lifecycle hooks, sampling, snapshots, sinks).
         components: names for parts of ``model`` (``{"actor_mlp": "actor.0"}``), passed to
             ``wrap``; ``None`` names every direct child after its attribute. Deeper parts
             are always reachable by dotted names (``"actor.1"``).
@@ -84,20 +81,10 @@ class ProbeSession:
             ``no_grad``, with every RNG restored afterwards), so a backward probe on a
             component that returns a tuple or mapping fails when attached.
         config: your run configuration; stored in ``config.json`` and the W&B run's config.
-        optimizer: the loop's optimizer (``adam_dynamics``, the learning rate, and the
-            interventions' checkpoints need it).
-        scheduler: its learning-rate scheduler, checkpointed with it by interventions.
-        loss_fn: ``loss_fn(model, minibatch) -> loss`` (mean over the minibatch), the exact
-            loss the loop trains with. With ``optimizer`` it enables the interventions
-            (``counterfactual``, ``policy_fisher``, ``hessian``), which also need the
-            epoch's data: :meth:`set_data` or :meth:`rollout_end`.
-        model_context: a ready :class:`ModelDataContext` instead of ``loss_fn`` (a
-            :class:`~policy_probes.lifecycle.LoopModelDataContext` with ``max_grad_norm``,
-            ``update_epochs`` or ``obs_key`` of its own).
-        context: the :class:`ComponentContext` whose trackers the session reports (probes
-            attached to ``model`` with it before the session exists are reported too).
-        lifecycle_hooks: hook instances instead of names (``probing.hooks``).
-        loop: ``"external"`` or a :class:`Loop`: how the loop drives the session.
+        optimizer, scheduler, loss_fn, model_context: the loop's training objects, as
+            :meth:`bind` takes them (a loop that builds them after the session, as the
+            built-in trainer does, calls :meth:`bind` itself).
+        loop: the loop type the lifecycle hooks see (``loop_points``).
     """
 
     def __init__(
@@ -113,145 +100,134 @@ class ProbeSession:
         scheduler: Any = None,
         loss_fn: Callable[[nn.Module, Any], Any] | None = None,
         model_context: ModelDataContext | None = None,
-        context: ComponentContext | None = None,
-        lifecycle_hooks: Iterable[TrainingHook] = (),
-        loop: str | Loop = LOOP,
+        loop: str = LOOP,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"ProbeSession needs a torch.nn.Module, got {type(model).__name__}")
-        probing = probing if probing is not None else ProbeSettings()
-        loop = Loop(loop) if isinstance(loop, str) else loop
-        run = run if isinstance(run, Run) else Run(run)
         self.module = model
-        self.probing = probing
-        self.run = run
-        self.policy = self._probeable(model, components, example_inputs)
-        self.context = context if context is not None else ComponentContext(strict=probing.strict)
-        # a loop that built its context with a sampler (the built-in trainer) keeps it
-        self.sampler = self.context.sampler or Sampler(
-            self.context, schedule=probing.probe_schedule, budget=probing.probe_budget
-        )
-        self.optimizer = optimizer
+        self.probing = probing if probing is not None else ProbeSettings()
+        self.run = run if isinstance(run, Run) else Run(run)
         self.loop = loop
-        self.epoch = 0
+        self.policy = _probeable(model, components, example_inputs)
+        self.context = ComponentContext(strict=self.probing.strict)
+        self.sampler = Sampler(
+            self.context, schedule=self.probing.probe_schedule, budget=self.probing.probe_budget
+        )
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.model_context: ModelDataContext | None = None
+        self.epoch = 0  # epochs ended; the records number the current one epoch + 1
         self.agent_step: int | None = None
         self.closed = False
         self._handles: list[ProbeHandle] = []
-        self._builders: list[ProbeSpec] = []
+        self._probes: list[ProbeSpec] = []
         self._logged: dict[str, Any] = {}
         self._sums: dict[str, tuple[Any, int]] = {}
         self._pending: dict[str, Any] = {}
         self._step = 0
         self._rollout_seen = False
         self._epoch_started = False
+        self._step_hooks: list[Any] = []  # on the optimizer (pass ends, PRE_EPOCH)
+        self._watching = False
+        self._started = False
         #: remedies fired at every epoch_end (policy_probes.remedies)
         self.remedies = RemedyRunner()
-
-        self.model_context = model_context
-        if self.model_context is None and loss_fn is not None:
-            if optimizer is None:
-                raise ValueError("loss_fn=... needs optimizer=... (interventions replay updates)")
-            self.model_context = LoopModelDataContext(
-                model, optimizer, loss_fn, scheduler=scheduler
-            )
-        if hasattr(self.model_context, "rows") and self.sampler.probe_batch_source is None:
-            self.sampler.probe_batch_source = self.model_context  # probe batches via loss_fn
-        self._pass_hook = None if optimizer is None else self.sampler.watch_optimizer(optimizer)
-        selected = self._selection(probing, lifecycle_hooks)
-        self._check_hooks(selected)
-        if not run.sinks_open:
-            run.config = {
-                "session": {
-                    "model": type(model).__name__,
-                    "components": list(self.policy.components),
-                    "hooks": [h.name for h in selected],
-                    "snapshot_every": self.probing.snapshot_every,
-                    "probe_budget": self.sampler.budget,
-                    "probe_schedule": str(self.sampler.default),
-                },
-                **run.config,
-                **dict(config or {}),
-            }
-        self.config = run.config
+        selected = self.probing.lifecycle_hooks()
+        self.config = self.run.config = {
+            "session": {
+                "model": type(model).__name__,
+                "components": list(self.policy.components),
+                "hooks": [h.name for h in selected],
+                "snapshot_every": self.probing.snapshot_every,
+                "probe_budget": self.sampler.budget,
+                "probe_schedule": str(self.sampler.default),
+            },
+            **self.run.config,
+            **dict(config or {}),
+        }
         self.hooks = HookManager(
             selected,
-            loop=loop.name,
+            loop=loop,
             model=model,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            config=loop.config if loop.config is not None else dict(config or {}),
+            config=self.config,
             component_context=self.context,
-            strict=probing.strict,
+            strict=self.probing.strict,
         )
         try:
-            if not run.sinks_open:
-                self._start_run()
-            self.sinks: SinkGroup = run.sinks
-            self.sampler.on_choice = run.choice_recorder()  # the probe budget's choice
-            if not loop.explicit_epoch_start:
-                self.epoch_start()
+            self._open_run()
+            if optimizer is not None or model_context is not None or loss_fn is not None:
+                self.bind(
+                    optimizer, scheduler=scheduler, loss_fn=loss_fn, model_context=model_context
+                )
         except BaseException:
             self.close()
             raise
 
-    def _start_run(self) -> None:
-        """Open the run (lock, claim), write ``config.json``, open the sinks and go on
-        after the last recorded epoch of a resumed run."""
+    def _open_run(self) -> None:
+        """Open the run (lock, claim); go on after the last recorded epoch of a resumed
+        run. Its sinks open when the first epoch starts (:meth:`epoch_start`)."""
         run = self.run
         if not run.opened:
             run.open()
         last = run.last_recorded_epoch() if run.resume else None
         # no set_phase() yet: forwards without gradients are not training passes
         self.context.infer_phase = True
-        run.write_config()
-        run.open_sinks(self.probing.sinks, self.probing.wandb)
+        #: the run's sinks (filled when the first epoch starts)
+        self.sinks = run.sinks
+        self.sampler.on_choice = run.choice_recorder()  # the probe budget's choice
         if last is not None:
-            self.epoch = last + 1 - run.first_epoch
-        if last is not None and self.record_epoch <= last:
-            run.rewind(self.record_epoch - 1)
+            self.epoch = last
 
-    @property
-    def run_dir(self) -> Path:
-        """The run's directory (``run.dir``)."""
-        return self.run.dir
-
-    # ------------------------------------------------------------------ set-up
-    @staticmethod
-    def _selection(probing: ProbeSettings, instances: Iterable[TrainingHook]) -> list[TrainingHook]:
-        instances = list(instances)
-        if not instances:
-            return probing.lifecycle_hooks()
-        if probing.hooks or probing.with_hooks or probing.hook_config:
-            raise ValueError(
-                "pass lifecycle hooks either by name (probing hooks, with_hooks, hook_config) "
-                "or as instances (lifecycle_hooks=), not both"
+    def bind(
+        self,
+        optimizer: torch.optim.Optimizer | None,
+        *,
+        scheduler: Any = None,
+        loss_fn: Callable[[nn.Module, Any], Any] | None = None,
+        model_context: ModelDataContext | None = None,
+    ) -> ProbeSession:
+        """The loop's training objects: ``optimizer`` (its steps end the probes' passes;
+        ``adam_dynamics``, remedies and the interventions' checkpoints need it), its
+        learning-rate ``scheduler``, and ``loss_fn(model, minibatch) -> loss`` (mean over
+        the minibatch, the exact loss the loop trains with), which with ``optimizer``
+        enables the interventions (``counterfactual``, ``policy_fisher``, ``hessian``;
+        they also need the epoch's data: :meth:`set_data` or :meth:`rollout_end`) and
+        ``probe_batch`` schedules; or ``model_context``, a ready
+        :class:`ModelDataContext` (or a zero-argument function that builds one) instead
+        of ``loss_fn``. Returns self."""
+        if loss_fn is not None and model_context is None:
+            if optimizer is None:
+                raise ValueError("loss_fn=... needs optimizer=... (interventions replay updates)")
+            model_context = LoopModelDataContext(
+                self.module, optimizer, loss_fn, scheduler=scheduler
             )
-        return instances
+        self.optimizer, self.model_context = optimizer, model_context
+        self.hooks.bind(optimizer=optimizer, scheduler=scheduler)
+        m = self.hooks
+        if optimizer is not None and (m.hooks_at(HookPoint.PRE_EPOCH) or m.needs_pre_epoch_state):
+            # PRE_EPOCH before the epoch's first update, whatever the loop calls first
+            self._step_hooks.append(optimizer.register_step_pre_hook(self._before_step))
+        if callable(model_context) or hasattr(model_context, "rows"):
+            self.sampler.probe_batch_source = model_context  # probe batches through its loss
+        self._watch_passes()
+        self._check_hooks()
+        return self
 
-    @staticmethod
-    def _probeable(
-        model: nn.Module,
-        components: Mapping[str, nn.Module | str] | None,
-        example_inputs: tuple[Any, ...] | None,
-    ) -> PolicyAutoBuilder:
-        if isinstance(model, PolicyAutoBuilder):
-            if components is not None:
-                raise ValueError(
-                    f"{type(model).__name__} is already a PolicyAutoBuilder with components "
-                    f"{list(model.components)}; drop components=..."
-                )
-            policy = model
-        else:
-            policy = PolicyAutoBuilder.wrap(model, components)
-        if example_inputs is not None:
-            if not isinstance(example_inputs, tuple):
-                raise TypeError("example_inputs must be a tuple of positional arguments")
-            with preserved_rng():  # a forward that samples must not move the loop's RNG
-                policy.trace_outputs(*example_inputs)
-        return policy
+    def _watch_passes(self) -> None:
+        """End a probe pass at every optimizer step, once a probe and the optimizer are
+        there (a loop without probes pays nothing per step)."""
+        if not self._watching and self.optimizer is not None and self._probes:
+            self._step_hooks.append(self.sampler.watch_optimizer(self.optimizer))
+            self._watching = True
 
-    def _check_hooks(self, selected: Sequence[TrainingHook]) -> None:
-        for hook in selected:
+    @torch.compiler.disable  # in a compiled update step: runs at a graph break
+    def _before_step(self, *_args: Any) -> None:
+        if self.context.phase != "hook":  # lifecycle replays are not the loop's updates
+            self.epoch_start()
+
+    def _check_hooks(self) -> None:
+        """Refuse a lifecycle hook the loop cannot serve (an intervention without a loss,
+        ``adam_dynamics`` without an optimizer, a SNAPSHOT hook without snapshots)."""
+        for hook in self.hooks.hooks:
             if isinstance(hook, InterventionHook) and self.model_context is None:
                 raise ValueError(
                     f"lifecycle hook {hook.name!r} is an intervention; a ProbeSession runs "
@@ -263,14 +239,33 @@ class ProbeSession:
                 raise ValueError(
                     "lifecycle hook 'adam_dynamics' reads the optimizer: pass optimizer=..."
                 )
-            if (
-                HookPoint.SNAPSHOT in hook.points(self.loop.name)
-                and self.probing.snapshot_every <= 0
-            ):
+            if HookPoint.SNAPSHOT in hook.points(self.loop) and self.probing.snapshot_every <= 0:
                 raise ValueError(
                     f"lifecycle hook {hook.name!r} fires at SNAPSHOT; set snapshot_every=N "
                     f"(every N epochs) or deselect it"
                 )
+
+    @property
+    def run_dir(self) -> Path:
+        """The run's directory (``run.dir``)."""
+        return self.run.dir
+
+    @property
+    def wants_steps(self) -> bool:
+        """Whether a selected lifecycle hook fires at (or reads gradients of) the step
+        points: a loop may skip :meth:`pre_step` and :meth:`post_step` otherwise."""
+        m = self.hooks
+        return bool(
+            any(m.hooks_at(p) for p in STEP_POINTS) or m.needs_grads or m.needs_prev_step_grads
+        )
+
+    @property
+    def wants_observations(self) -> bool:
+        """Whether a probe or lifecycle hook reads the rollout's observations at
+        :meth:`rollout_end` (a loop may skip building them otherwise)."""
+        return bool(self.hooks.hooks_at(HookPoint.POST_ROLLOUT)) or any(
+            hasattr(t, "rollout_end") for t in self.context.model_metrics.values()
+        )
 
     # ------------------------------------------------------------------ probes
     def add_training_hook(self, pattern: str, builder: ProbeBuilder) -> ProbeSession:
@@ -288,22 +283,24 @@ class ProbeSession:
     def _attach(self, pattern: str, builder: ProbeBuilder, backward: bool | None) -> ProbeSession:
         if self.closed:
             raise RuntimeError("this ProbeSession is closed; start a new one to attach probes")
-        add_probe(self._builders, pattern, builder, backward)
+        add_probe(self._probes, pattern, builder, backward)
         try:
             handles = self.policy.attach(pattern, builder, self.context, backward=backward)
         except BaseException:
-            self._builders.pop()
+            self._probes.pop()
             raise
         self._handles.extend(handles)
+        self._watch_passes()
         return self
 
     def add_remedy(self, pattern: str, remedy: Remedy, *, seed: int | None = None) -> ProbeSession:
         """Attach a remedy (``policy_probes.remedies``: ``redo``, ``shrink_and_perturb``,
-        ``reset_layers``) to a component name or glob; returns self. It fires in
+        ``reset_layers``, ...) to a component name or glob; returns self. It fires in
         :meth:`epoch_end` after the epoch's metrics and before its records. Remedies
-        change the weights the optimizer trains, so the session needs ``optimizer=``
-        (a session without one, e.g. evaluation only, is refused). ``seed``: of the
-        remedy's generator when the remedy has none (default ``torch.initial_seed()``)."""
+        change the weights the optimizer trains, so the session needs the optimizer
+        (:meth:`bind`; a session without one, e.g. evaluation only, is refused).
+        ``seed``: of the remedy's generator when the remedy has none (default
+        ``torch.initial_seed()``)."""
         if self.closed:
             raise RuntimeError("this ProbeSession is closed; start a new one to add remedies")
         if self.optimizer is None:
@@ -317,9 +314,9 @@ class ProbeSession:
         return self
 
     def next_pass(self) -> None:
-        """End a training pass (a loop without ``optimizer=`` calls this after each
-        update step): the probes that observe the next pass get their torch hooks, the
-        others none (:mod:`policy_probes.sampling`)."""
+        """End a training pass (a loop without an optimizer calls this after each update
+        step): the probes that observe the next pass get their torch hooks, the others
+        none (:mod:`policy_probes.sampling`)."""
         self.sampler.next_pass()
 
     @property
@@ -342,6 +339,7 @@ class ProbeSession:
             log.warning(
                 "phase %r is not one of %s; probes record only in their phases", name, PHASES
             )
+        self.epoch_start()
         self.context.infer_phase = False  # the loop says what it does from now on
         self.context.phase = name
 
@@ -421,6 +419,7 @@ class ProbeSession:
         minibatch_size: int | None = None,
     ) -> None:
         """Give the interventions this epoch's data (see LoopModelDataContext.set_data)."""
+        self.epoch_start()
         if self.model_context is None:
             raise RuntimeError(
                 "set_data() needs loss_fn=... and optimizer=... (or model_context=...)"
@@ -440,14 +439,22 @@ class ProbeSession:
         minibatch_size: int | None = None,
         **fields: Any,
     ) -> dict[str, Any]:
-        """Fire POST_ROLLOUT (``feature_rank``, ``policy_fisher``) after the rollout and
-        before the update; its metrics join this epoch's record. ``observations`` are the
-        rollout's observations, flat ``(samples, *obs_shape)``; the data arguments go to
-        :meth:`set_data` when given. ``fields`` are more ``RunDataContext`` fields for the
-        hooks (``agent_step``, ``stats``, ...)."""
+        """After the rollout and before the update: the probes that read the rollout get
+        ``observations`` (the rollout's observations, flat ``(samples, *obs_shape)``; the
+        churn probe records its held-out outputs), then POST_ROLLOUT fires
+        (``feature_rank``, ``policy_fisher``); its metrics join this epoch's record. The
+        data arguments go to :meth:`set_data` when given. ``fields`` are more
+        ``RunDataContext`` fields for the hooks (``agent_step``, ``stats``, ...)."""
+        self.epoch_start()
         self._rollout_seen = True
-        # the churn probe's outputs before the updates (policy_probes.probes.churn)
-        churn_start_epoch(self.context, observations, self.policy)
+        for tracker in list(self.context.model_metrics.values()):
+            if hasattr(tracker, "rollout_end"):
+                try:
+                    tracker.rollout_end(observations, self.policy)
+                except Exception as exc:  # a probe must never take training down
+                    if self.context.strict:
+                        raise
+                    tracker.errors["rollout_end"] = f"{type(exc).__name__}: {exc}"
         if minibatches is not None or data is not None:
             self.set_data(minibatches=minibatches, data=data, minibatch_size=minibatch_size)
         out = self.hooks.fire(
@@ -497,6 +504,7 @@ class ProbeSession:
     def _fire_step(
         self, point: HookPoint, batch: Any, step: int | None, fields: dict[str, Any]
     ) -> None:
+        self.epoch_start()
         if step is not None:
             self._step = int(step)
         self.hooks.fire(
@@ -509,13 +517,24 @@ class ProbeSession:
         )
 
     def epoch_start(self, **fields: Any) -> dict[str, Any]:
-        """Fire PRE_EPOCH for the current epoch (once; later calls in the same epoch do
-        nothing); its metrics join this epoch's record. A session fires it itself unless
-        built with ``explicit_epoch_start=True``. ``fields`` are more ``RunDataContext``
-        fields (``agent_step``, ...)."""
+        """Start the current epoch: fire PRE_EPOCH (once; later calls in the same epoch do
+        nothing); its metrics join this epoch's record. The session calls it at the first
+        call of an epoch (a phase, :meth:`rollout_end`, a step point, :meth:`epoch_end`); a
+        loop calls it itself to pass ``fields`` (more ``RunDataContext`` fields:
+        ``agent_step``, ...). When a lifecycle hook fires at PRE_EPOCH, the loop's first
+        optimizer step of an epoch calls it too, so it always precedes the epoch's updates. The first epoch's start writes ``config.json`` and opens the
+        sinks."""
+        if not self._started:  # the loop starts training: a refused start writes nothing
+            if self.closed:
+                raise RuntimeError("this ProbeSession is closed")
+            self._check_hooks()
+            self.run.write_config()
+            self.run.open_sinks(self.probing.sinks, self.probing.wandb)
+            self._started = True
         if self._epoch_started:
             return {}
         self._epoch_started = True
+        fields.setdefault("agent_step", self.agent_step)
         out = self.hooks.fire(
             HookPoint.PRE_EPOCH,
             epoch=self.record_epoch,
@@ -528,9 +547,9 @@ class ProbeSession:
 
     @property
     def record_epoch(self) -> int:
-        """The current epoch as records number it (``Run.first_epoch`` onwards); lifecycle
-        hooks, their schedules and windows get the same number."""
-        return self.epoch + self.run.first_epoch
+        """The current epoch as records number it (from 1); lifecycle hooks, their
+        schedules and windows get the same number."""
+        return self.epoch + 1
 
     # --------------------------------------------------------------- epoch end
     def epoch_end(self, step: int, **extra: Any) -> dict[str, Any]:
@@ -541,24 +560,23 @@ class ProbeSession:
         for the record (``epoch_end(step, **{"rollout/episode_return": r})``). The order
         is the same for every loop (``docs/external.md``): the probes' trackers are
         collected (:class:`StatsReporter`), POST_EPOCH fires, SNAPSHOT fires when due, and
-        the buffered step-point metrics are read; then (with ``step_records``) one record
-        per step point that reported (``PRE_STEP``, ``POST_STEP``: that point's per-epoch
-        means), the epoch's ``POST_EPOCH`` record (everything), and in SNAPSHOT epochs a
-        ``SNAPSHOT`` record.
+        the buffered step-point metrics are read; then one record per step point that
+        reported (``PRE_STEP``, ``POST_STEP``: that point's per-epoch means), the epoch's
+        ``POST_EPOCH`` record (everything), and in SNAPSHOT epochs a ``SNAPSHOT`` record.
         """
         if self.closed:
             raise RuntimeError("this ProbeSession is closed")
+        self.epoch_start()
         self.agent_step = int(step)
         logged = self._take_logged()
         logged.update(extra)
-        sampler = self.context.sampler
-        start = time.perf_counter()
-        collected = sampler.collect_seconds if sampler is not None else 0.0
+        sampler = self.sampler
+        start, collected = time.perf_counter(), sampler.collect_seconds
         metrics, snapshot, steps = self._fire_epoch_points(logged)
         if self.remedies:  # after the epoch's metrics (ReDo reads its scores), before records
             metrics.update(self.remedies.end_epoch(self.epoch + 1, metrics))
         self._emit(metrics, snapshot, steps)
-        if sampler is not None and not self.hooks.active:
+        if not self.hooks.active:
             # with no lifecycle hook, the epoch's end is the probes' reporting: record
             # conversion and sinks (the collection is counted already)
             collected = sampler.collect_seconds - collected
@@ -566,8 +584,6 @@ class ProbeSession:
         self._pending = {}
         self.epoch += 1
         self._epoch_started = False
-        if not self.loop.explicit_epoch_start:
-            self.epoch_start()
         return metrics
 
     def _fire_epoch_points(
@@ -616,7 +632,7 @@ class ProbeSession:
         """The epoch's records, in the documented order."""
         epoch = self.record_epoch
         self.sinks.set_run_context(agent_step=self.agent_step)
-        for point, values in steps.items() if self.loop.step_records else ():
+        for point, values in steps.items():
             self.sinks.emit(values, epoch, point)
         self.sinks.emit(metrics, epoch, "POST_EPOCH")
         if snapshot is not None:
@@ -684,7 +700,7 @@ class ProbeSession:
         the all-reduce would count them twice)."""
         self.epoch = int(state["epoch"])
         self._step = int(state["optimizer_step"])
-        agent_step = state.get("agent_step")
+        agent_step = state["agent_step"]
         self.agent_step = None if agent_step is None else int(agent_step)
         self._epoch_started = bool(state["epoch_started"])
         self._pending = dict(state["pending"])
@@ -712,9 +728,8 @@ class ProbeSession:
         """Remove every torch hook this session installed (its trackers keep their data)."""
         while self._handles:
             self._handles.pop().remove()
-        if self._pass_hook is not None:
-            self._pass_hook.remove()
-            self._pass_hook = None
+        while self._step_hooks:
+            self._step_hooks.pop().remove()
 
     def close(self) -> None:
         """Remove every hook and close the run (its sinks and lock). Idempotent. Metrics logged
@@ -742,22 +757,30 @@ class ProbeSession:
         return (
             f"ProbeSession(model={type(self.module).__name__}, "
             f"run_dir={str(self.run_dir)!r}, "
-            f"epoch={self.epoch}, probes={len(self._builders)}, "
+            f"epoch={self.epoch}, probes={len(self._probes)}, "
             f"hooks={[h.name for h in self.hooks.hooks]}, closed={self.closed})"
         )
 
 
-@dataclass(frozen=True)
-class Loop:
-    """How a loop drives its :class:`ProbeSession`: its type for the hooks'
-    ``loop_points``; what hooks see as ``RunDataContext.config`` (default: the session's
-    ``config``); ``explicit_epoch_start``: it calls :meth:`ProbeSession.epoch_start` at
-    every epoch's start (a resumed loop fires PRE_EPOCH after ``load_state_dict``; by
-    default the session fires it when built and after each ``epoch_end``);
-    ``step_records``: one record per step point that reported (its per-epoch means)
-    before the epoch's record, which holds the means either way."""
-
-    name: str = LOOP
-    config: Any = None
-    explicit_epoch_start: bool = False
-    step_records: bool = False
+def _probeable(
+    model: nn.Module,
+    components: Mapping[str, nn.Module | str] | None,
+    example_inputs: tuple[Any, ...] | None,
+) -> PolicyAutoBuilder:
+    """``model`` as a :class:`PolicyAutoBuilder` (wrapped unless it is one), traced on
+    ``example_inputs`` when given."""
+    if isinstance(model, PolicyAutoBuilder):
+        if components is not None:
+            raise ValueError(
+                f"{type(model).__name__} is already a PolicyAutoBuilder with components "
+                f"{list(model.components)}; drop components=..."
+            )
+        policy = model
+    else:
+        policy = PolicyAutoBuilder.wrap(model, components)
+    if example_inputs is not None:
+        if not isinstance(example_inputs, tuple):
+            raise TypeError("example_inputs must be a tuple of positional arguments")
+        with preserved_rng():  # a forward that samples must not move the loop's RNG
+            policy.trace_outputs(*example_inputs)
+    return policy

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+from collections.abc import Iterator
 
 from pydantic import ValidationError
 
@@ -42,6 +43,17 @@ def mark_usage_error(exc: BaseException) -> BaseException:
     with contextlib.suppress(AttributeError):  # a type with __slots__: left untagged
         exc.usage_error = True  # type: ignore[attr-defined]
     return exc
+
+
+@contextlib.contextmanager
+def usage_errors() -> Iterator[None]:
+    """Tag the :data:`SETUP_ERROR_TYPES` raised inside the block as usage errors (the
+    block sets a run up: what fails there is the configuration)."""
+    try:
+        yield
+    except SETUP_ERROR_TYPES as exc:
+        mark_usage_error(exc)
+        raise
 
 
 def is_usage_error(exc: BaseException) -> bool:

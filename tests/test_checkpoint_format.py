@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from policy_probes import ProbeSettings, Run
-from policy_probes.lifecycle import HookManager, HookPoint, TrainingHook
+from policy_probes.lifecycle import HookManager, HookPoint, HookRegistry, TrainingHook
 from policy_probes.probes.fisher import attach_fisher_information_hooks
 from policy_probes.probes.relu import attach_relu_activation_hooks
 from policy_probes.session import ProbeSession
@@ -115,10 +115,9 @@ def run_session(tmp: Path, *, split_at: int | None) -> tuple[dict, torch.Tensor]
     def session_for(model: nn.Module, optimizer, run_dir: Path) -> ProbeSession:
         s = ProbeSession(
             model,
-            lifecycle_hooks=[GradSum()],
             optimizer=optimizer,
             run=Run(run_dir),
-            probing=ProbeSettings(probe_budget=None, **NO_SINKS),
+            probing=ProbeSettings(hooks=[GradSum.name], probe_budget=None, **NO_SINKS),
         )
         s.add_training_hook("actor.1", attach_relu_activation_hooks())
         s.add_training_backward_hook("actor", attach_fisher_information_hooks())
@@ -161,6 +160,15 @@ def _saved(tmp: Path, obj: dict) -> Path:
     return path
 
 
+@pytest.fixture
+def grad_sum_hook():
+    """:class:`GradSum` registered for the test (selected by name, as any hook)."""
+    HookRegistry.register(GradSum)
+    yield
+    HookRegistry.unregister(GradSum.name)
+
+
+@pytest.mark.usefixtures("grad_sum_hook")
 def test_session_state_dict_resumes_mid_epoch_to_the_uninterrupted_metrics(tmp_path):
     plain, plain_params = run_session(tmp_path / "plain", split_at=None)
     resumed, resumed_params = run_session(tmp_path / "resumed", split_at=2)

@@ -181,7 +181,7 @@ class Capture(TrainerHook):
                 "loss_stats": dict(state.loss_stats),
                 "rollout_stats": dict(state.rollout_stats),
                 "optimizer_step": state.optimizer_step,
-                "post_epoch": dict(state.trainer.manager.last_metrics[HookPoint.POST_EPOCH]),
+                "post_epoch": dict(state.trainer.session.hooks.last_metrics[HookPoint.POST_EPOCH]),
             }
         )
 
@@ -313,11 +313,11 @@ def test_demand_driven_nothing_prepared_without_hooks(tmp_path, device):
         def on_training_end(self, state):
             t = state.trainer
             self.seen = (
-                [h.name for h in t.manager.hooks],
+                [h.name for h in t.session.hooks.hooks],
                 t._fire_steps,
-                t._fire_post_rollout,
+                t.session.wants_observations,
                 t._model_data_context,
-                t.manager.needs_pre_epoch_state,
+                t.session.hooks.needs_pre_epoch_state,
             )
 
     empty, observers, counterfactual = Inspect(), Inspect(), Inspect()

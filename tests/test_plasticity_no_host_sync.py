@@ -36,7 +36,7 @@ def test_plasticity_probes_run_without_host_sync(
     for tracker in ctx.model_metrics.values():
         tracker.buffer_rows = buffer_rows
     held_out = torch.randn(8, 5).to(device)
-    ctx.model_metrics["churn"].start_epoch(held_out, policy)  # before the updates
+    ctx.model_metrics["churn"].rollout_end(held_out, policy)  # before the updates
     g = torch.Generator().manual_seed(1)
     passes = []  # drawn on the CPU, moved before the block (a copy to the device syncs)
     for _ in range(5):

@@ -12,7 +12,6 @@ import pytest
 import torch
 from gymnasium.wrappers import vector as vw
 
-from policy_probes.context import ComponentContext
 from trainers import ActorCriticPolicy, PolicyConfig, PPOConfig, PPOTrainer
 from trainers.ppo import LOSS_STATS, ppo_loss
 from trainers.rollout import Minibatch
@@ -274,8 +273,8 @@ def test_micro_batches_accumulate_the_same_gradient_and_set_loss_scale(device):
     envs = gym.make_vec("CartPole-v1", num_envs=2, vectorization_mode="sync")
     envs = vw.RecordEpisodeStatistics(envs)
     base = PPOConfig(total_timesteps=128, num_steps=64, num_minibatches=1, max_grad_norm=None)
-    ctx = ComponentContext()
-    trainer = make_trainer(envs, base, hidden=(8,), context=ctx, device=device)
+    trainer = make_trainer(envs, base, hidden=(8,), device=device)
+    ctx = trainer.context
     trainer.reset_envs()
     trainer.collect_rollout()
     batch = trainer.storage.gather(trainer.storage.valid_indices)

@@ -19,7 +19,7 @@ from policy_probes import (
     Run,
     StatsReporter,
 )
-from policy_probes.probes.churn import ChurnState, attach_churn_hooks, start_epoch
+from policy_probes.probes.churn import ChurnState, attach_churn_hooks
 from trainers import ActorCriticPolicy, PolicyConfig, PPOConfig, PPOTrainer
 
 
@@ -80,7 +80,7 @@ def test_kl_and_value_change_per_epoch_on_the_previous_rollouts_states(
     for epoch, obs in enumerate(rollouts):
         before = copy.deepcopy(policy)
         rng = torch.get_rng_state()
-        start_epoch(ctx, obs, policy)
+        ctx.model_metrics["churn"].rollout_end(obs, policy)
         assert torch.equal(torch.get_rng_state(), rng)  # the trajectory's RNG is untouched
         train_some(policy, 3, epoch, device)
         got = StatsReporter(ctx).collect()
@@ -118,7 +118,7 @@ def test_a_fixed_batch_and_a_checkpoint_in_the_middle_of_an_epoch(device: torch.
     tracker.fix_batch(fixed)
     before = copy.deepcopy(policy)
     # the rollout is not used: the batch is fixed
-    start_epoch(ctx, torch.randn(30, 4).to(device), policy)
+    ctx.model_metrics["churn"].rollout_end(torch.randn(30, 4).to(device), policy)
     saved = tracker.state_dict()
     # resumed in the middle of the epoch: a fresh context loads the saved state
     ctx2 = ComponentContext()
@@ -143,10 +143,12 @@ def test_a_checkpoint_loaded_on_the_cpu_puts_the_held_out_state_on_the_models_de
     policy.attach("actor_head", attach_churn_hooks(kind="categorical"), ctx)
     tracker = ctx.model_metrics["churn"]
     tracker.fix_batch(torch.randn(6, 4))
-    start_epoch(ctx, torch.randn(30, 4), policy)
+    ctx.model_metrics["churn"].rollout_end(torch.randn(30, 4), policy)
     train_some(policy, 1, 5)
     tracker.end_epoch()  # one epoch compared: maxima exist
-    start_epoch(ctx, torch.randn(30, 4), policy)  # the next epoch's outputs before its updates
+    ctx.model_metrics["churn"].rollout_end(
+        torch.randn(30, 4), policy
+    )  # the next epoch's outputs before its updates
     saved = tracker.state_dict()
     loaded = ChurnState()
     loaded.register_component("actor_head", kind="categorical")
@@ -163,17 +165,16 @@ def run_trainer(
 ) -> tuple[dict, list[torch.Tensor]]:
     envs = make_boundary_envs()
     cfg = PPOConfig(total_timesteps=T * 3 * 2, num_steps=T, num_minibatches=2)
-    ctx = ComponentContext()
     # test_ppo_trainer.make_trainer's policy and trainer, the policy moved to ``device``
     # (built on the CPU with the same seed) before the trainer takes it
     torch.manual_seed(0)
     policy = ActorCriticPolicy(
         envs.single_observation_space, envs.single_action_space, PolicyConfig(hidden_sizes=[8])
     ).to(device)
-    trainer = PPOTrainer(envs, policy, cfg, seed=0, context=ctx, device=device)
+    trainer = PPOTrainer(envs, policy, cfg, seed=0, device=device)
     if churn:
-        trainer.policy.attach("actor_head", attach_churn_hooks(kind="categorical"), ctx)
-        trainer.policy.attach("critic_head", attach_churn_hooks(), ctx)
+        trainer.session.add_training_hook("actor_head", attach_churn_hooks(kind="categorical"))
+        trainer.session.add_training_hook("critic_head", attach_churn_hooks())
     state = trainer.train()
     envs.close()
     return state.metrics, [p.detach().clone() for p in trainer.policy.parameters()]

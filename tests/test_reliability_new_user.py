@@ -404,12 +404,12 @@ def session_epochs(run_dir: Path, n: int, **kw: object) -> list[int]:
 
 
 def test_probe_session_refuses_an_existing_run_unless_resumed_or_overwritten(tmp_path):
-    assert session_epochs(tmp_path, 2) == [0, 1]
+    assert session_epochs(tmp_path, 2) == [1, 2]
     with pytest.raises(RunDirConflict, match="resume=True to continue it, overwrite=True"):
         session_epochs(tmp_path, 2)
-    assert [r["epoch"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [0, 1]  # untouched
-    assert session_epochs(tmp_path, 2, resume=True) == [0, 1, 2, 3]  # epochs go on
-    assert session_epochs(tmp_path, 2, overwrite=True) == [0, 1]
+    assert [r["epoch"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2]  # untouched
+    assert session_epochs(tmp_path, 2, resume=True) == [1, 2, 3, 4]  # epochs go on
+    assert session_epochs(tmp_path, 2, overwrite=True) == [1, 2]
     with pytest.raises(ValueError, match="exclude each other"):
         session_epochs(tmp_path, 1, resume=True, overwrite=True)
 

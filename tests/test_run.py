@@ -33,16 +33,16 @@ def two_epochs(run, **kw) -> list[dict]:
 
 def test_a_run_is_claimed_once_resumed_after_its_last_record_or_replaced(tmp_path):
     first = two_epochs(Run(tmp_path / "r", config={"lr": 1}))
-    assert [r["epoch"] for r in first] == [0, 1]
+    assert [r["epoch"] for r in first] == [1, 2]
     assert json.loads((tmp_path / "r" / "config.json").read_text())["lr"] == 1
-    assert Run(tmp_path / "r").last_recorded_epoch() == 1
+    assert Run(tmp_path / "r").last_recorded_epoch() == 2
     with pytest.raises(RunDirConflict, match="resume=True to continue it, overwrite=True"):
         Run(tmp_path / "r").open()
     assert not (tmp_path / "r" / "run.lock").exists()  # a refused open holds no lock
     resumed = two_epochs(Run(tmp_path / "r", resume=True))
-    assert [r["epoch"] for r in resumed] == [0, 1, 2, 3]
+    assert [r["epoch"] for r in resumed] == [1, 2, 3, 4]
     replaced = two_epochs(Run(tmp_path / "r", overwrite=True))
-    assert [r["epoch"] for r in replaced] == [0, 1]
+    assert [r["epoch"] for r in replaced] == [1, 2]
 
 
 def test_rewind_drops_the_later_records_and_the_lock_is_held_until_close(tmp_path):
@@ -51,9 +51,9 @@ def test_rewind_drops_the_later_records_and_the_lock_is_held_until_close(tmp_pat
     with pytest.raises(RunDirLocked, match="already in use by this process"):
         Run(tmp_path / "r", resume=True).open()
     run.open_sinks(QUIET.sinks, QUIET.wandb)
-    run.rewind(0)
+    run.rewind(1)
     run.close()
-    assert [r["epoch"] for r in read_jsonl(tmp_path / "r" / "metrics.jsonl")] == [0]
+    assert [r["epoch"] for r in read_jsonl(tmp_path / "r" / "metrics.jsonl")] == [1]
     assert not (tmp_path / "r" / "run.lock").exists()
     with pytest.raises(ValueError, match="exclude each other"):
         Run(tmp_path / "r", resume=True, overwrite=True)
@@ -120,4 +120,4 @@ def test_a_run_with_only_a_csv_resumes_after_its_last_row(tmp_path):
                 session.epoch_end(step=step)
     assert not (tmp_path / "r" / "metrics.jsonl").exists()
     with open(tmp_path / "r" / "metrics.csv", encoding="utf-8", newline="") as f:
-        assert [int(r["epoch"]) for r in csv.DictReader(f)] == [0, 1, 2, 3]
+        assert [int(r["epoch"]) for r in csv.DictReader(f)] == [1, 2, 3, 4]

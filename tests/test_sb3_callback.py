@@ -81,7 +81,7 @@ def test_ppo_relu_and_fisher_once_per_cycle_match_plain_torch_and_wandb(tmp_path
         r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if r["hook_point"] == "POST_EPOCH"
     ]
     assert [(r["epoch"], r["agent_step"]) for r in records] == [
-        (c, ROWS * (c + 1)) for c in range(CYCLES)
+        (c + 1, ROWS * (c + 1)) for c in range(CYCLES)
     ]
     calls = N_EPOCHS * ROWS // BATCH  # training forwards per cycle
     assert len(cap.out["mlp"]) == CYCLES * calls  # train() forwards only (rollout: no_grad)
@@ -117,7 +117,7 @@ def test_ppo_relu_and_fisher_once_per_cycle_match_plain_torch_and_wandb(tmp_path
         for r in history_rows(wandb_records(run_file(tmp_path / "run")))
         if "probes/fisher/actor_mlp/trace" in r
     ]
-    assert [r["epoch"] for r in rows] == list(range(CYCLES))
+    assert [r["epoch"] for r in rows] == list(range(1, CYCLES + 1))
     for rec, row in zip(records, rows, strict=True):
         assert row["agent_step"] == rec["agent_step"]
         for key in ("probes/relu/actor_mlp/dead_fraction", "probes/fisher/actor_mlp/trace"):
@@ -232,9 +232,9 @@ def test_second_learn_continues_the_cycle_count_in_the_same_run_dir(tmp_path):
     assert hook_counts(model.policy) == 0
     records = read_jsonl(tmp_path / "metrics.jsonl")
     assert [(r["epoch"], r["agent_step"]) for r in records] == [
-        (0, ROWS),
-        (1, 2 * ROWS),
-        (2, 3 * ROWS),
+        (1, ROWS),
+        (2, 2 * ROWS),
+        (3, 3 * ROWS),
     ]
     assert all(r["probes/relu/actor_mlp/samples"] == N_EPOCHS * ROWS for r in records)
 

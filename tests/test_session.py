@@ -182,7 +182,7 @@ def test_doc_cleanrl_loop_records_match_independent_computation(tmp_path):
     records = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if r["hook_point"] == "POST_EPOCH"]
     batch = args.num_envs * args.num_steps
     epochs = args.total_timesteps // batch
-    assert [r["epoch"] for r in records] == list(range(epochs))
+    assert [r["epoch"] for r in records] == list(range(1, epochs + 1))
     assert [r["agent_step"] for r in records] == [batch * (e + 1) for e in range(epochs)]
     calls = args.update_epochs * args.num_minibatches  # recorded forwards per epoch
     assert len(cap.out["actor.1"]) == epochs * calls
@@ -215,7 +215,8 @@ def test_doc_cleanrl_loop_records_match_independent_computation(tmp_path):
     assert records[-1]["norms/weight_norm"] == pytest.approx(float(weight_norm), rel=1e-5)
     assert records[-1]["norms/dist_from_init"] == pytest.approx(float(dist), rel=1e-5)
     with open(tmp_path / "metrics.csv") as f:  # sinks flushed and closed
-        assert [int(r["epoch"]) for r in csv.DictReader(f)] == list(range(epochs))
+        rows = [r for r in csv.DictReader(f) if r["hook_point"] == "POST_EPOCH"]
+    assert [int(r["epoch"]) for r in rows] == list(range(1, epochs + 1))
 
 
 def _tiny_epoch(session: ProbeSession, model: nn.Module, opt, n: int = 32) -> None:
@@ -250,7 +251,7 @@ def test_hooks_removed_and_sinks_flushed_when_the_loop_raises(tmp_path, device: 
     assert session.closed
     assert hook_counts(model) == 0
     records = read_jsonl(tmp_path / "metrics.jsonl")
-    assert [(r["epoch"], r["agent_step"]) for r in records] == [(0, 32)]
+    assert [(r["epoch"], r["agent_step"]) for r in records] == [(1, 32)]
     assert records[0]["probes/relu/actor_mlp.layer_0/samples"] == 32.0  # rollout rows left out
     with open(tmp_path / "metrics.csv") as f:
         assert len(list(csv.DictReader(f))) == 1
@@ -308,7 +309,7 @@ def test_log_last_and_mean_phase_context_and_names(tmp_path, device: torch.devic
         assert out["a"] == pytest.approx(3.0) and out["b"] == 6.0
         assert not any(k.startswith("probes/relu/1/") for k in out)  # nothing recorded
         assert "a" not in session.epoch_end(step=20)  # logs belong to one epoch
-    assert [r["epoch"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [0, 1]
+    assert [r["epoch"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2]
 
 
 def test_wrapped_components_and_policy_autobuilder_models(tmp_path):
@@ -332,14 +333,15 @@ def test_wrapped_components_and_policy_autobuilder_models(tmp_path):
 
 def test_lifecycle_selection_is_checked_against_what_the_loop_provides(tmp_path):
     model = TinyPolicy()
-    with pytest.raises(ValueError, match="intervention"):
-        ProbeSession(
-            model, run=Run(tmp_path), probing=ProbeSettings(hooks=["counterfactual"], **NO_WANDB)
-        )
-    with pytest.raises(ValueError, match="optimizer"):
-        ProbeSession(
-            model, run=Run(tmp_path), probing=ProbeSettings(hooks=["adam_dynamics"], **NO_WANDB)
-        )
+    for hook, match in (("counterfactual", "intervention"), ("adam_dynamics", "optimizer")):
+        probing = ProbeSettings(hooks=[hook], **NO_WANDB)
+        # checked when the loop starts without binding what the hook needs
+        with (
+            ProbeSession(model, run=Run(tmp_path / hook), probing=probing) as session,
+            pytest.raises(ValueError, match=match),
+        ):
+            session.set_phase("rollout")
+        assert not (tmp_path / hook / "config.json").exists()  # nothing written
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="snapshot_every"):
         ProbeSession(

@@ -193,6 +193,7 @@ def test_session_checkpoint_fsyncs_the_records_it_covers(tmp_path, monkeypatch):
             wandb=WandbConfig(mode="disabled"),
         ),
     )
+    session.epoch_start()  # the sinks open when the first epoch starts
     (jsonl,) = list(session.sinks)
     fd = jsonl._file.fileno()
     calls = fsync_counter(monkeypatch)

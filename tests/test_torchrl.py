@@ -62,7 +62,7 @@ def test_torchrl_ppo_loop_records_match_independent_computation(tmp_path) -> Non
     assert hook_counts(actor) + hook_counts(critic) == own_hooks  # session hooks removed
     records = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if r["hook_point"] == "POST_EPOCH"]
     epochs = args.total_frames // args.frames_per_batch
-    assert [r["epoch"] for r in records] == list(range(epochs))
+    assert [r["epoch"] for r in records] == list(range(1, epochs + 1))
     assert [r["agent_step"] for r in records] == [args.frames_per_batch * (e + 1) for e in range(3)]
     assert len(returned) == epochs
     calls = args.update_epochs * (args.frames_per_batch // args.minibatch_size)

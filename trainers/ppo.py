@@ -40,12 +40,8 @@ from gymnasium.wrappers import vector as vw
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from policy_probes.context import ComponentContext
-from policy_probes.lifecycle import STEP_POINTS, HookManager, HookPoint, TrainingHook
-from policy_probes.probe_settings import ProbeSettings
-from policy_probes.probes.churn import start_epoch as churn_start_epoch
 from policy_probes.run import Run
-from policy_probes.session import Loop, ProbeSession
+from policy_probes.session import ProbeSession
 from trainers.callbacks import CallbackList, TrainerHook, TrainerState
 from trainers.config import PPOConfig
 from trainers.env_state import EnvStateError, capture_env_state, restore_env_state
@@ -60,6 +56,9 @@ from trainers.policy import ActorCriticPolicy
 from trainers.rollout import Minibatch, RolloutStorage
 
 log = logging.getLogger("trainers")
+
+#: the loop type lifecycle hooks see (``loop_points``)
+LOOP = "ppo"
 
 #: order of the statistics that ppo_loss returns stacked in one tensor
 LOSS_STATS = ("policy_loss", "value_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac")
@@ -165,6 +164,39 @@ NO_FORWARD_BUFFER_SYNC = (
 )
 
 
+def check_rollout_size(cfg: PPOConfig, batch_size: int) -> None:
+    """Refuse a run shorter than one rollout, or a rollout too small for its minibatches."""
+    if cfg.total_timesteps < batch_size:
+        raise ValueError(
+            f"trainer.total_timesteps={cfg.total_timesteps} is less than one rollout "
+            f"(env.num_envs * trainer.num_steps = {batch_size}); raise total_timesteps"
+        )
+    if cfg.num_minibatches * cfg.micro_batches * 2 > batch_size:
+        raise ValueError(
+            f"rollout of {batch_size} samples is too small for {cfg.num_minibatches} "
+            f"minibatches of {cfg.micro_batches} micro-batches (need at least 2 samples "
+            f"each); lower trainer.num_minibatches / trainer.micro_batches"
+        )
+
+
+def learning_rate_factor(anneal: bool, num_epochs: int) -> Callable[[int], float]:
+    """The scheduler's factor: epoch i (1-based) trains with lr * (1 - (i - 1) / num_epochs)
+    when annealing, else lr."""
+
+    def factor(done_epochs: int) -> float:
+        return 1.0 - done_epochs / num_epochs if anneal else 1.0
+
+    return factor
+
+
+def compiled_evaluate(policy: ActorCriticPolicy, cfg: PPOConfig) -> Callable[..., Any] | None:
+    """``policy.evaluate_actions`` under ``torch.compile`` (``trainer.compile``), or None."""
+    if not cfg.compile:
+        return None
+    mode = None if cfg.compile_mode == "default" else cfg.compile_mode
+    return torch.compile(EvaluateActions(policy), backend=cfg.compile_backend, mode=mode)
+
+
 @dataclass
 class UpdateProgress:
     """Where the update phase of the current epoch stands: the running sums of the loss
@@ -239,16 +271,15 @@ class PPOTrainer:
 
     One *epoch* is one rollout of ``num_steps`` x ``num_envs`` steps followed by
     ``update_epochs`` passes of ``num_minibatches`` minibatches over it.
-    ``context.phase`` is ``"rollout"`` while collecting and ``"train"`` while updating.
 
-    The probes (attached to ``policy`` with ``context``), ``lifecycle_hooks`` (see
-    :func:`policy_probes.lifecycle.select_hooks`) and ``sinks`` are driven through
-    :attr:`session`, a :class:`~policy_probes.session.ProbeSession` (its hook manager is
-    :attr:`manager`). ``snapshot_every`` paces SNAPSHOT (0 = never); ``lifecycle_config``
-    is what hooks see as ``RunDataContext.config`` (TrainTool passes itself; default: the
-    :class:`PPOConfig`). ``run``: the :class:`~policy_probes.run.Run` its driver opened
-    (records numbered from 1): directory, configuration and the sinks that receive the
-    epoch's records (none: the records are only returned, in ``state.metrics``).
+    The probes, lifecycle hooks and sinks reach the loop through ``session``, a
+    :class:`~policy_probes.session.ProbeSession` on ``policy`` (``TrainTool`` builds it
+    from the run's settings), which the trainer drives with the calls every loop makes
+    (``docs/external.md``): phases ``"rollout"`` and ``"train"``, ``rollout_end``,
+    ``pre_step``/``post_step`` (only when a selected hook fires there), ``epoch_end``.
+    The trainer hands the session its optimizer, scheduler and the interventions' model
+    context (:meth:`ProbeSession.bind`). Without a session the trainer makes one that
+    writes nothing (the records are only returned, in ``state.metrics``).
     """
 
     def __init__(
@@ -257,35 +288,23 @@ class PPOTrainer:
         policy: ActorCriticPolicy,
         cfg: PPOConfig,
         *,
-        context: ComponentContext | None = None,
+        session: ProbeSession | None = None,
         hooks: Iterable[TrainerHook] = (),
         device: torch.device | str = "cpu",
         seed: int = 0,
-        run: Run | None = None,
-        lifecycle_hooks: Iterable[TrainingHook] = (),
-        snapshot_every: int = 0,
-        lifecycle_config: Any = None,
     ) -> None:
         self.envs, self.policy, self.cfg = envs, policy, cfg
-        self.context = context if context is not None else ComponentContext()
+        if session is None:  # a run that writes nothing
+            session = ProbeSession(policy, run=Run(main=False), loop=LOOP)
+        self.session = session
+        self.context = session.context
         self.hooks = hooks if isinstance(hooks, CallbackList) else CallbackList(hooks)
         self.device = torch.device(device)
         self.seed = seed
         self.num_envs = envs.num_envs
         self.batch_size = self.num_envs * cfg.num_steps
         self.num_epochs = cfg.total_timesteps // self.batch_size
-        if self.num_epochs < 1:
-            raise ValueError(
-                f"trainer.total_timesteps={cfg.total_timesteps} is less than one rollout "
-                f"(env.num_envs * trainer.num_steps = {self.batch_size}); raise total_timesteps"
-            )
-        if cfg.num_minibatches * cfg.micro_batches * 2 > self.batch_size:
-            raise ValueError(
-                f"rollout of {self.batch_size} samples is too small for {cfg.num_minibatches} "
-                f"minibatches of {cfg.micro_batches} micro-batches (need at least 2 samples "
-                f"each); lower trainer.num_minibatches / trainer.micro_batches"
-            )
-
+        check_rollout_size(cfg, self.batch_size)
         # fused: one kernel per step for all parameters instead of a dozen ops per tensor
         # (same Adam update; supported on CPU and CUDA for float parameters).
         self.optimizer = torch.optim.Adam(
@@ -295,21 +314,11 @@ class PPOTrainer:
             betas=tuple(cfg.adam_betas),
             fused=True,
         )
-        num_epochs = self.num_epochs
-        anneal = cfg.anneal_lr
-
-        def lr_factor(done_epochs: int) -> float:
-            # epoch i (1-based) trains with lr * (1 - (i - 1) / num_epochs)
-            return 1.0 - done_epochs / num_epochs if anneal else 1.0
-
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, learning_rate_factor(cfg.anneal_lr, self.num_epochs)
+        )
         #: the update's forward under torch.compile (trainer.compile); None: eager
-        self.compiled_evaluate: Callable[..., Any] | None = None
-        if cfg.compile:
-            mode = None if cfg.compile_mode == "default" else cfg.compile_mode
-            self.compiled_evaluate = torch.compile(
-                EvaluateActions(policy), backend=cfg.compile_backend, mode=mode
-            )
+        self.compiled_evaluate = compiled_evaluate(policy, cfg)
         self.storage = RolloutStorage(
             cfg.num_steps,
             self.num_envs,
@@ -329,8 +338,8 @@ class PPOTrainer:
             optimizer=self.optimizer,
             scheduler=self.scheduler,
             context=self.context,
-            config=run.config if run is not None else {},
-            run_dir=run.dir if run is not None else None,
+            config=session.config,
+            run_dir=session.run.dir if session.run.main else None,
             num_epochs=self.num_epochs,
         )
         #: the observation the next rollout starts from and which envs just finished
@@ -348,42 +357,16 @@ class PPOTrainer:
         #: True once a rollout and its advantages are in the storage (POST_ROLLOUT)
         self.rollout_ready = False
         self._model_data_context: PPOModelDataContext | None = None
-
-        if run is None:  # no run directory: a run that writes nothing (records numbered from 1)
-            run = Run(main=False, first_epoch=1)
-            run.open_sinks()
-        self.session = ProbeSession(
-            policy,
-            run=run,
-            probing=ProbeSettings(snapshot_every=snapshot_every),
-            context=self.context,
-            lifecycle_hooks=lifecycle_hooks,
-            loop=Loop(
-                "ppo",
-                cfg if lifecycle_config is None else lifecycle_config,
-                explicit_epoch_start=True,  # after a resume, PRE_EPOCH fires on the loaded state
-                step_records=True,
-            ),
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
-            model_context=self.model_data_context,
+        session.bind(
+            self.optimizer, scheduler=self.scheduler, model_context=self.model_data_context
         )
-        #: the lifecycle hook manager (``session.hooks``)
-        self.manager: HookManager = self.session.hooks
-        # The per-step points are skipped unless a hook fires there or needs gradients,
-        # so an empty selection costs one bool check per step.
-        m = self.manager
-        self._fire_steps = bool(
-            any(m.hooks_at(p) for p in STEP_POINTS) or m.needs_grads or m.needs_prev_step_grads
-        )
-        self._fire_post_rollout = bool(m.hooks_at(HookPoint.POST_ROLLOUT))
+        self._fire_steps = session.wants_steps  # else one bool check per step
 
     # ================================================================== the loop
     def train(self) -> TrainerState:
         """Run all epochs; returns the final :class:`TrainerState`."""
         state, session = self.state, self.session
         self.hooks.on_new_training_run(state)
-        session.sinks.set_run_context(agent_step=state.agent_step)
         try:
             if self.next_obs is None:
                 self.reset_envs()
@@ -397,7 +380,7 @@ class PPOTrainer:
                     self.hooks.on_rollout_start(state)
                     session.set_phase("rollout")
                     self.collect_rollout()  # rollout and GAE
-                    self.rollout_end()  # POST_ROLLOUT
+                    self.rollout_end()  # the probes' and hooks' POST_ROLLOUT
                     self.hooks.on_rollout_end(state)
                 resuming_update = False
                 session.set_phase("train")
@@ -425,16 +408,11 @@ class PPOTrainer:
         self.prev_done[:] = False
 
     def rollout_end(self) -> None:
-        """POST_ROLLOUT: the rollout and its advantages are ready, no update yet. A
-        ``churn`` probe records its held-out outputs here (the session does it with
-        POST_ROLLOUT)."""
-        if not self._fire_post_rollout:
-            if "churn" in self.context.model_metrics:
-                observations = self.storage.valid_observations()
-                churn_start_epoch(self.context, observations, self.policy)
-            return
+        """The rollout and its advantages are ready, no update yet: the session's
+        ``rollout_end`` (the rollout's observations when a probe or hook reads them)."""
+        session = self.session
         self.session.rollout_end(
-            observations=self.storage.valid_observations(),
+            observations=self.storage.valid_observations() if session.wants_observations else None,
             agent_step=self.state.agent_step,
             stats={f"rollout/{k}": v for k, v in self.state.rollout_stats.items()},
         )

@@ -29,12 +29,10 @@ import torch
 from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from policy_probes.components import ProbeSpec, add_probe
-from policy_probes.context import ComponentContext
 from policy_probes.hook_types import ProbeBuilder
 from policy_probes.probe_settings import ProbeSettings
 from policy_probes.remedies import (
     Remedy,
-    RemedyRunner,
     check_remedy,
     parse_remedy_spec,
     split_remedy_specs,
@@ -42,10 +40,15 @@ from policy_probes.remedies import (
 from policy_probes.run import Run, default_run_dir
 from policy_probes.run_lock import RunDirLocked
 from policy_probes.runnable import ForkPoint, runnable
-from policy_probes.sampling import Sampler
+from policy_probes.session import ProbeSession
 from policy_probes.sinks import SinkGroup
 from policy_probes.torch_internals import quiet_output_only_backward_hooks
-from policy_probes.user_errors import SETUP_ERROR_TYPES, is_usage_error, mark_usage_error
+from policy_probes.user_errors import (
+    SETUP_ERROR_TYPES,
+    is_usage_error,
+    mark_usage_error,
+    usage_errors,
+)
 from trainers.callbacks import TrainerHook
 from trainers.checkpoint import CheckpointHook
 from trainers.config import (
@@ -62,7 +65,7 @@ from trainers.evaluation import EvaluationHook, final_evaluation_bound
 from trainers.fork import apply_optimizer_config, check_fork_length, fork_checkpoint, parent_record
 from trainers.policy import ActorCriticPolicy
 from trainers.policy_factory import make_policy
-from trainers.ppo import PPOTrainer
+from trainers.ppo import LOOP, PPOTrainer
 from trainers.run_control import RunControl, resume_trainer, select_checkpoint
 
 log = logging.getLogger("trainers")
@@ -112,6 +115,33 @@ def lost_outputs(sinks: SinkGroup, checkpointer: CheckpointHook) -> list[str]:
     if checkpoints is not None:
         out.append(checkpoints)
     return out
+
+
+def train_result(
+    state: Any,
+    session: ProbeSession,
+    run: Run,
+    checkpointer: CheckpointHook,
+    dist_run: DistributedRun,
+) -> TrainResult:
+    """What a finished run hands back (:class:`TrainResult`)."""
+    return TrainResult(
+        run_dir=run.dir,
+        metrics=dict(state.metrics),
+        policy=state.policy,
+        epochs=state.epoch,
+        agent_step=state.agent_step,
+        last_checkpoint=state.last_checkpoint,
+        eval_scores=dict(state.eval_scores),
+        hook_errors={
+            **state.hook_errors,
+            **{f"lifecycle.{n}": m for n, m in session.hooks.error_messages.items()},
+        },
+        sink_failures=dict(run.sinks.failures),
+        lost_outputs=lost_outputs(run.sinks, checkpointer),
+        rank=dist_run.rank,
+        world_size=dist_run.world_size,
+    )
 
 
 def _slug(name: str) -> str:
@@ -168,7 +198,7 @@ class TrainTool(Section, ProbeSettings):
 
     _builders: list[ProbeSpec] = PrivateAttr(default_factory=list)
     _remedies: list[tuple[str, Remedy]] = PrivateAttr(default_factory=list)
-    _trainer_hooks: list[TrainerHook] = PrivateAttr(default_factory=list)
+    _added_hooks: list[TrainerHook] = PrivateAttr(default_factory=list)
     _launch: dict[str, Any] = PrivateAttr(default_factory=dict)
 
     # ------------------------------------------------------------------ validation
@@ -253,7 +283,7 @@ class TrainTool(Section, ProbeSettings):
         """Add a :class:`TrainerHook` (runs after the built-in ones); returns self."""
         if not isinstance(hook, TrainerHook):
             raise TypeError(f"expected a trainers.TrainerHook, got {type(hook).__name__}")
-        self._trainer_hooks.append(hook)
+        self._added_hooks.append(hook)
         return self
 
     @property
@@ -312,17 +342,14 @@ class TrainTool(Section, ProbeSettings):
                 policy = make_policy(
                     envs.single_observation_space, envs.single_action_space, self.policy
                 )
-                context = ComponentContext(strict=self.strict)
-                attached: dict[str, list[str]] = {}
+                session = ProbeSession(policy, run=Run(main=False), probing=self, loop=LOOP)
                 try:
-                    for pattern, builder, backward in self._builders:
-                        handles = policy.attach(pattern, builder, context, backward=backward)
-                        attached.setdefault(pattern, []).extend(h.component for h in handles)
-                    remedies, optimizer = RemedyRunner(), torch.optim.Adam(policy.parameters())
+                    attached = self._attach_probes(session)
+                    PPOTrainer(envs, policy, self.trainer, session=session)  # binds the loop
                     for pattern, remedy in self.remedy_list():  # names, probes, consumers
-                        remedies.attach(policy, pattern, remedy, context, optimizer, self.seed)
+                        session.add_remedy(pattern, remedy, seed=self.seed)
                 finally:
-                    policy.remove_hooks()
+                    session.close()
             finally:
                 envs.close()
         except SETUP_ERROR_TYPES as exc:
@@ -368,8 +395,7 @@ class TrainTool(Section, ProbeSettings):
         with DistributedRun(device) as dist_run:
             run_dir = Path(self.run_dir) if self.run_dir is not None else self.default_run_dir()
             run_dir = dist_run.broadcast(run_dir)  # rank 0's choice (default names hold a time)
-            main = dist_run.is_main  # records number epochs from 1
-            run = Run(run_dir, resume=bool(resume), overwrite=overwrite, main=main, first_epoch=1)
+            run = Run(run_dir, resume=bool(resume), overwrite=overwrite, main=dist_run.is_main)
             refusal: str | None = None
             try:
                 run.open(claim=False)  # the directory and its lock; the claim in _train
@@ -389,6 +415,18 @@ class TrainTool(Section, ProbeSettings):
             finally:  # a refused start leaves no empty directory behind
                 run.close(refused=refused)
 
+    def _attach_probes(self, session: ProbeSession) -> dict[str, list[str]]:
+        """Attach this run's probes through ``session``; returns the components each
+        pattern resolved to."""
+        attached: dict[str, list[str]] = {}
+        for pattern, builder, backward in self._builders:
+            before = len(session.policy.hook_handles)
+            add = session.add_training_backward_hook if backward else session.add_training_hook
+            add(pattern, builder)
+            new = session.policy.hook_handles[before:]
+            attached.setdefault(pattern, []).extend(h.component for h in new)
+        return attached
+
     def _train(
         self,
         dist_run: DistributedRun,
@@ -402,127 +440,45 @@ class TrainTool(Section, ProbeSettings):
         are the configuration's (unknown component, builder mistakes, a checkpoint that
         does not fit): they are tagged as usage errors, and ``config.json`` is written
         only once the run starts, so a failed start or resume leaves the run as it was."""
-        device = dist_run.device
         if self.torch_threads is not None:
             torch.set_num_threads(self.torch_threads)
-        config = self.resolved_config()
-        run_dir = run.dir
-        config["run_dir"] = str(run_dir)
-        try:
+        with usage_errors():
             run.claim()
             resume_from = select_checkpoint(run, resume)
             forked = fork_from is not None and resume_from is None
-            if fork_from is not None:
-                config["parent"] = parent_record(fork_from)
             if forked:
-                epochs = self.trainer.total_timesteps // (
-                    self.env.num_envs * self.trainer.num_steps
-                )
-                resume_from = fork_checkpoint(fork_from, run_dir)
-                check_fork_length(fork_from, epochs)
-        except SETUP_ERROR_TYPES as exc:
-            mark_usage_error(exc)
-            raise
-        if resume_from is not None and not forked:
-            config["resumed_from"] = str(resume_from[0])
-        if dist_run.world_size > 1:
-            config["distributed"] = {"world_size": dist_run.world_size, "backend": dist_run.backend}
+                resume_from = fork_checkpoint(fork_from, run.dir)
+                check_fork_length(fork_from, self.trainer.total_timesteps // self.rollout_size)
+        config = self._run_config(run, dist_run, fork_from, None if forked else resume_from)
         dist_run.barrier()  # every rank checked run_dir before rank 0 writes into it
-
         seed_everything(self.seed)  # same on every rank: same initial policy
-        try:
+        with usage_errors():
             envs = make_vector_env(self.env, gamma=self.trainer.gamma)
-        except SETUP_ERROR_TYPES as exc:
-            mark_usage_error(exc)
-            raise
-        policy: ActorCriticPolicy | None = None
-        sinks: SinkGroup | None = None
+        session: ProbeSession | None = None
         hooks: list[TrainerHook] = []
         training = False
         try:
             policy = make_policy(
                 envs.single_observation_space, envs.single_action_space, self.policy
-            ).to(device)
-            context = ComponentContext(strict=self.strict)
-            if self._builders:  # which passes the probes observe (policy_probes.sampling)
-                Sampler(context, schedule=self.probe_schedule, budget=self.probe_budget)
-            for pattern, builder, backward in self._builders:
-                policy.attach(pattern, builder, context, backward=backward)
-
-            console = None
+            ).to(dist_run.device)
             if self.progress:
                 from rich.console import Console
 
-                console = Console()
-            run.config, run.console = config, console
-            sinks = run.open_sinks(self.sinks, self.wandb)  # none off rank 0
-            if dist_run.distributed:
-                hooks.append(RankStatisticsHook(dist_run.world_size))
-            if self.evaluation.every_epochs > 0 or self.evaluation.at_end:
-                env_cfg, n_eval = self.env, self.evaluation.num_envs
-                bound = None
-                if self.evaluation.at_end and self.evaluation.short_run_bound:
-                    bound = final_evaluation_bound(
-                        self.trainer.total_timesteps, n_eval, self.evaluation.max_steps
-                    )
-                if bound is not None and dist_run.is_main:
-                    log.warning(
-                        "the final evaluation (%d episodes on %d envs, up to "
-                        "evaluation.max_steps=%d steps per env) could take longer than this "
-                        "run's training (%d agent steps); it stops at %d steps per env. "
-                        "evaluation.at_end=false skips it, evaluation.short_run_bound=false lifts the cap",
-                        self.evaluation.episodes,
-                        n_eval,
-                        self.evaluation.max_steps,
-                        self.trainer.total_timesteps,
-                        bound,
-                    )
-                hooks.append(
-                    EvaluationHook(
-                        lambda: make_vector_env(env_cfg, num_envs=n_eval),
-                        every_epochs=self.evaluation.every_epochs,
-                        episodes=self.evaluation.episodes,
-                        at_end=self.evaluation.at_end,
-                        seed=self.seed,
-                        max_steps=self.evaluation.max_steps,
-                        final_max_steps=bound,
-                    )
-                )
-            checkpointer = CheckpointHook(
-                run_dir / "checkpoints",
-                every_epochs=self.checkpoint.every_epochs,
-                keep_last=self.checkpoint.keep_last,
-                at_end=self.checkpoint.at_end,
-            )
-            if self.checkpoint.every_epochs > 0 or self.checkpoint.at_end:
-                # on_epoch_end comes after the epoch's records: never ahead of the metrics
-                hooks.append(checkpointer)
-            if self.progress:
-                from trainers.progress import ProgressHook
-
-                hooks.append(ProgressHook(console=console))
-            hooks.extend(self._trainer_hooks)
-            run_control = RunControl(run_dir, checkpointer, sinks)  # signals, `ctl`
-            hooks.append(run_control)
-
+                run.console = Console()
+            session = ProbeSession(policy, run=run, probing=self, config=config, loop=LOOP)
+            self._attach_probes(session)
+            hooks, checkpointer, run_control = self._trainer_hooks(dist_run, run)
             trainer = PPOTrainer(
                 envs,
                 policy,
                 per_rank_config(self.trainer, dist_run.world_size, self.env.num_envs),
-                context=context,
+                session=session,
                 hooks=hooks,
-                device=device,
+                device=dist_run.device,
                 seed=dist_run.seed(self.seed, self.env.num_envs),  # distinct envs per rank
-                run=run,
-                lifecycle_hooks=self.lifecycle_hooks(),
-                snapshot_every=self.snapshot_every,
-                lifecycle_config=self,
             )
-            if context.sampler is not None:  # the session ends a pass at every optimizer step
-                # built only if a probe_batch schedule runs (interventions build it too)
-                context.sampler.probe_batch_source = trainer.model_data_context
             for pattern, remedy in self.remedy_list():  # before a resume loads their state
-                trainer.session.add_remedy(pattern, remedy, seed=self.seed)
+                session.add_remedy(pattern, remedy, seed=self.seed)
             if dist_run.distributed:
                 trainer.wrap_ddp(dist_run.ddp_device_ids())
             if resume_from is not None:
@@ -530,9 +486,6 @@ class TrainTool(Section, ProbeSettings):
             if forked:
                 apply_optimizer_config(trainer, trainer.cfg)
                 trainer.state.last_checkpoint = None  # the parent's is not this run's
-            # written once the run starts (a failed start or resume changes nothing);
-            # atomically: a crash never leaves a truncated config.json for `resume`
-            run.write_config()
             training = True
             with run_control.handling_signals():
                 state = trainer.train()
@@ -541,28 +494,96 @@ class TrainTool(Section, ProbeSettings):
                 mark_usage_error(exc)
             raise
         finally:
-            if policy is not None:
-                policy.remove_hooks()
+            if session is not None:
+                session.remove_hooks()
             envs.close()
             for hook in hooks:
                 if isinstance(hook, EvaluationHook) and hook.envs is not None:
                     hook.envs.close()
-            if sinks is not None:
-                sinks.close()
-        return TrainResult(
-            run_dir=run_dir,
-            metrics=dict(state.metrics),
-            policy=policy,
-            epochs=state.epoch,
-            agent_step=state.agent_step,
-            last_checkpoint=state.last_checkpoint,
-            eval_scores=dict(state.eval_scores),
-            hook_errors={
-                **state.hook_errors,
-                **{f"lifecycle.{n}": m for n, m in trainer.manager.error_messages.items()},
-            },
-            sink_failures=dict(sinks.failures),
-            lost_outputs=lost_outputs(sinks, checkpointer),
-            rank=dist_run.rank,
-            world_size=dist_run.world_size,
+            run.sinks.close()
+        return train_result(state, session, run, checkpointer, dist_run)
+
+    @property
+    def rollout_size(self) -> int:
+        """Agent steps per epoch (all environments)."""
+        return self.env.num_envs * self.trainer.num_steps
+
+    def _run_config(
+        self,
+        run: Run,
+        dist_run: DistributedRun,
+        fork_from: ForkPoint | None,
+        resumed_from: tuple[Path, Any] | None,
+    ) -> dict[str, Any]:
+        """:meth:`resolved_config` and where this run came from: its directory, the
+        parent of a fork, the checkpoint a resume started from, the process group."""
+        config = self.resolved_config()
+        config["run_dir"] = str(run.dir)
+        if fork_from is not None:
+            config["parent"] = parent_record(fork_from)
+        if resumed_from is not None:
+            config["resumed_from"] = str(resumed_from[0])
+        if dist_run.world_size > 1:
+            config["distributed"] = {"world_size": dist_run.world_size, "backend": dist_run.backend}
+        return config
+
+    def _trainer_hooks(
+        self, dist_run: DistributedRun, run: Run
+    ) -> tuple[list[TrainerHook], CheckpointHook, RunControl]:
+        """The trainer's callbacks in firing order: rank statistics (torchrun), the
+        evaluation, checkpoints, the progress bar, the recipe's own hooks and run control
+        (signals, ``policy-probes ctl``); with the checkpointer and run control."""
+        hooks: list[TrainerHook] = []
+        if dist_run.distributed:
+            hooks.append(RankStatisticsHook(dist_run.world_size))
+        evaluation = self._evaluation_hook(dist_run.is_main)
+        if evaluation is not None:
+            hooks.append(evaluation)
+        checkpointer = CheckpointHook(
+            run.dir / "checkpoints",
+            every_epochs=self.checkpoint.every_epochs,
+            keep_last=self.checkpoint.keep_last,
+            at_end=self.checkpoint.at_end,
+        )
+        if self.checkpoint.every_epochs > 0 or self.checkpoint.at_end:
+            # on_epoch_end comes after the epoch's records: never ahead of the metrics
+            hooks.append(checkpointer)
+        if self.progress:
+            from trainers.progress import ProgressHook
+
+            hooks.append(ProgressHook(console=run.console))
+        hooks.extend(self._added_hooks)
+        run_control = RunControl(run.dir, checkpointer, run.sinks)  # signals, `ctl`
+        hooks.append(run_control)
+        return hooks, checkpointer, run_control
+
+    def _evaluation_hook(self, main: bool) -> EvaluationHook | None:
+        """The periodic and final evaluation, or None when both are off."""
+        ev = self.evaluation
+        if ev.every_epochs <= 0 and not ev.at_end:
+            return None
+        env_cfg, n_eval = self.env, ev.num_envs
+        bound = None
+        if ev.at_end and ev.short_run_bound:
+            bound = final_evaluation_bound(self.trainer.total_timesteps, n_eval, ev.max_steps)
+        if bound is not None and main:
+            log.warning(
+                "the final evaluation (%d episodes on %d envs, up to evaluation.max_steps=%d "
+                "steps per env) could take longer than this run's training (%d agent steps); "
+                "it stops at %d steps per env. evaluation.at_end=false skips it, "
+                "evaluation.short_run_bound=false lifts the cap",
+                ev.episodes,
+                n_eval,
+                ev.max_steps,
+                self.trainer.total_timesteps,
+                bound,
+            )
+        return EvaluationHook(
+            lambda: make_vector_env(env_cfg, num_envs=n_eval),
+            every_epochs=ev.every_epochs,
+            episodes=ev.episodes,
+            at_end=ev.at_end,
+            seed=self.seed,
+            max_steps=ev.max_steps,
+            final_max_steps=bound,
         )

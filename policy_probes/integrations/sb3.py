@@ -59,7 +59,6 @@ from policy_probes.components import ProbeSpec, add_probe
 from policy_probes.hook_types import ProbeBuilder
 from policy_probes.lifecycle import preserved_rng
 from policy_probes.probe_settings import ProbeSettings
-from policy_probes.probes.churn import start_epoch as churn_start_epoch
 from policy_probes.run import Run, default_run_dir, held_outputs, remove_outputs
 from policy_probes.session import ProbeSession
 from policy_probes.torch_internals import child_modules
@@ -243,14 +242,14 @@ class ProbeCallback(BaseCallback):
             self.session.set_phase("rollout")
 
     def _on_rollout_end(self) -> None:
-        """SB3 calls ``train()`` next: record from here (a ``churn`` probe first records
-        its held-out outputs, from the rollout buffer's observations)."""
-        if self.session is not None:
-            if "churn" in self.session.context.model_metrics:
-                churn_start_epoch(
-                    self.session.context, _buffer_observations(self.model), self.session.policy
-                )
-            self.session.set_phase("train")
+        """SB3 calls ``train()`` next: the session's ``rollout_end`` (with the rollout
+        buffer's observations when a probe or lifecycle hook reads them), then record
+        from here."""
+        session = self.session
+        if session is not None:
+            observations = _buffer_observations(self.model) if session.wants_observations else None
+            session.rollout_end(observations=observations, agent_step=self.model.num_timesteps)
+            session.set_phase("train")
             self._trained = True
 
     def _on_step(self) -> bool:

@@ -17,8 +17,8 @@ each as its mean and its max over the held-out states. ``"auto"`` is ``"value"``
 one-wide output and ``"output"`` otherwise.
 
 The held-out batch: ``batch_size`` states evenly spaced through a rollout. A loop hands
-the rollout's observations in after the rollout (the trainer, ``ProbeSession.rollout_end``
-and the SB3 ``ProbeCallback`` do it, see :func:`start_epoch`); they become the held-out
+the rollout's observations in after the rollout (``ProbeSession.rollout_end``, which the
+trainer and the SB3 ``ProbeCallback`` call too, hands them to :meth:`ChurnState.rollout_end`); they become the held-out
 batch of the **next** epoch, whose updates never saw them (in the first epoch the current
 rollout's states are used). ``ChurnState.fix_batch(obs)`` sets one batch for the whole run
 instead. The forwards run without gradients, in the phase ``"churn"`` (no other probe
@@ -88,13 +88,15 @@ class ChurnState(ProbeState):
         ).long()
         return observations.detach()[idx].clone()
 
-    def start_epoch(
+    def rollout_end(
         self,
         observations: torch.Tensor | None = None,
         forward: Callable[[torch.Tensor], Any] | None = None,
     ) -> None:
-        """After the rollout, before the updates: record the outputs on the held-out
-        batch; ``observations`` (this rollout's, flat rows) become the next epoch's."""
+        """After the rollout, before the updates (the session calls it at its
+        ``rollout_end``): record the outputs on the held-out batch; ``observations``
+        (this rollout's, flat rows) become the next epoch's; ``forward``: what runs the model
+        on them (the session passes its policy)."""
         self.end_epoch()  # a previous epoch not reported yet (a longer reporting window)
         if forward is not None:
             self.forward = forward
@@ -250,7 +252,7 @@ class ChurnHook(ProbeHook):
         self.attached = True
         self.tracker.modules[self.component] = module
         # the policy the probe is attached to runs the held-out forwards unless the loop
-        # hands another forward to start_epoch (also after a mid-epoch resume)
+        # hands another forward to rollout_end (also after a mid-epoch resume)
         owner = getattr(self.locate, "__self__", None)
         if self.tracker.forward is None and isinstance(owner, nn.Module):
             self.tracker.forward = owner
@@ -276,22 +278,3 @@ def attach_churn_hooks(*, kind: str = "auto", batch_size: int = 256) -> Any:
 
     build.probe = "churn"  # type: ignore[attr-defined]
     return build
-
-
-def start_epoch(
-    context: ComponentContext,
-    observations: torch.Tensor | None = None,
-    forward: Callable[[torch.Tensor], Any] | None = None,
-) -> None:
-    """For loops: after the rollout and before the updates, let a ``churn`` probe in
-    ``context`` record the outputs on its held-out batch (nothing without one). A fault
-    is reported like a probe's and never stops training."""
-    tracker = context.model_metrics.get("churn")
-    if not isinstance(tracker, ChurnState):
-        return
-    try:
-        tracker.start_epoch(observations, forward)
-    except Exception as exc:
-        if context.strict:
-            raise
-        tracker.errors["held-out batch"] = f"{type(exc).__name__}: {exc}"
