@@ -145,7 +145,7 @@ def probe_builders(
     fisher_param_every: int = 1,
     per_layer: bool = True,
     components: tuple[str, ...] = ("actor_mlp", "critic_mlp"),
-) -> list[tuple[str, Any, bool]]:
+) -> list[tuple[str, Any, dict[str, Any]]]:
     from policy_probes import (
         attach_fisher_information_hooks,
         attach_gradient_flow_hooks,
@@ -154,19 +154,20 @@ def probe_builders(
         attach_saturated_activation_hooks,
     )
 
+    layers = {"per_layer": per_layer}
     out = []
     for component in components:
         out += [
-            (component, attach_relu_activation_hooks(per_layer=per_layer), False),
-            (component, attach_saturated_activation_hooks("tanh", per_layer=per_layer), False),
-            (component, attach_fisher_information_hooks(param_every=fisher_param_every), True),
-            (component, attach_gradient_flow_hooks(per_layer=per_layer), True),
-            (component, attach_relu_gradient_flow_hooks(per_layer=per_layer), True),
+            (component, attach_relu_activation_hooks(), layers),
+            (component, attach_saturated_activation_hooks("tanh"), layers),
+            (component, attach_fisher_information_hooks(param_every=fisher_param_every), {}),
+            (component, attach_gradient_flow_hooks(), layers),
+            (component, attach_relu_gradient_flow_hooks(), layers),
         ]
     return out
 
 
-def plasticity_probe_builders() -> list[tuple[str, Any, bool]]:
+def plasticity_probe_builders() -> list[tuple[str, Any, dict[str, Any]]]:
     """The plasticity measures: weights, preactivation and utility on both MLPs, churn on
     both heads (the actor's as categorical logits)."""
     from policy_probes import (
@@ -179,18 +180,18 @@ def plasticity_probe_builders() -> list[tuple[str, Any, bool]]:
     out = []
     for component, head in (("actor_mlp", "actor_head"), ("critic_mlp", "critic_head")):
         out += [
-            (component, attach_weights_hooks(), False),
-            (component, attach_preactivation_hooks(), False),
-            (component, attach_utility_hooks(outgoing=head), False),
+            (component, attach_weights_hooks(), {}),
+            (component, attach_preactivation_hooks(), {}),
+            (component, attach_utility_hooks(outgoing=head), {}),
         ]
     out += [
-        ("actor_head", attach_churn_hooks(kind="categorical"), False),
-        ("critic_head", attach_churn_hooks(), False),
+        ("actor_head", attach_churn_hooks(kind="categorical"), {}),
+        ("critic_head", attach_churn_hooks(), {}),
     ]
     return out
 
 
-def recurrent_probe_builders() -> list[tuple[str, Any, bool]]:
+def recurrent_probe_builders() -> list[tuple[str, Any, dict[str, Any]]]:
     """The probes that apply to an LSTM's output, on RecurrentPPO's two LSTMs."""
     from policy_probes import (
         attach_fisher_information_hooks,
@@ -202,10 +203,10 @@ def recurrent_probe_builders() -> list[tuple[str, Any, bool]]:
     out = []
     for component in ("lstm_actor", "lstm_critic"):
         out += [
-            (component, attach_relu_activation_hooks(), False),
-            (component, attach_saturated_activation_hooks("tanh"), False),
-            (component, attach_fisher_information_hooks(), True),
-            (component, attach_gradient_flow_hooks(), True),
+            (component, attach_relu_activation_hooks(), {}),
+            (component, attach_saturated_activation_hooks("tanh"), {}),
+            (component, attach_fisher_information_hooks(), {}),
+            (component, attach_gradient_flow_hooks(), {}),
         ]
     return out
 
@@ -272,11 +273,8 @@ def ours(p: dict[str, Any]) -> dict[str, Any]:
             if p["probe_set"] == "plasticity"
             else probe_builders(p["fisher_param_every"], p["per_layer"])
         )
-        for component, builder, backward in builders:
-            if backward:
-                tool.add_training_backward_hook(component, builder)
-            else:
-                tool.add_training_hook(component, builder)
+        for component, builder, placement in builders:
+            tool.add_training_hook(component, builder, **placement)
     memory: list[int] = []
     update_seconds: list[float] = []
     fired: dict[str, int] = {name: 0 for name in p["lifecycle_hooks"]}
@@ -442,8 +440,7 @@ def sb3(p: dict[str, Any]) -> dict[str, Any]:
         if p.get("recurrent"):
             builders += recurrent_probe_builders()
         callback = ProbeCallback(
-            probes=[(c, b) for c, b, backward in builders if not backward],
-            backward_probes=[(c, b) for c, b, backward in builders if backward],
+            probes=builders,
             run_dir=tempfile.mkdtemp(prefix="pp-bench-sb3-"),
             probing=ProbeSettings(
                 sinks=SinksConfig(console=False, jsonl=True, csv=False, wandb=False),

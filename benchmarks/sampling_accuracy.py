@@ -70,11 +70,8 @@ def run(settings: dict[str, Any], steps: int) -> list[dict[str, Any]]:
         seed=1,
         **settings,
     )
-    for component, builder, backward in probe_builders():
-        if backward:
-            tool.add_training_backward_hook(component, builder)
-        else:
-            tool.add_training_hook(component, builder)
+    for component, builder, placement in probe_builders():
+        tool.add_training_hook(component, builder, **placement)
     result = tool.invoke()
     records = iter_jsonl(result.run_dir / "metrics.jsonl")
     return [r for r in records if r.get("hook_point") == "POST_EPOCH"]

@@ -23,19 +23,13 @@ from torch.utils.hooks import RemovableHandle
 
 from policy_probes.compiled import check_compiled, eager_block, hold_eager, unwrap
 from policy_probes.context import ComponentContext
-from policy_probes.extractors import as_extractor, gradient_target
-from policy_probes.grad_tap import on_grad
-from policy_probes.hook_types import (
-    GuardedClosure,
-    ProbeError,
-    ProbeHook,
-    describe_type,
-    disable_after_fault,
-)
 from policy_probes.layers import LinearSpec, MLPSpec, build_component
-from policy_probes.outputs import extractor_example
+from policy_probes.outputs import describe_output, extractor_example
+from policy_probes.probes.observation import Observation, grad_tap
+from policy_probes.probes.probe import Probe, ProbeBuilder, placement_of
 from policy_probes.recurrent import default_extractor
 from policy_probes.torch_internals import init_unbound_handle, module_hooks_installed, tree_leaves
+from policy_probes.user_errors import ProbeError
 
 GLOB_CHARS = set("*?[")
 
@@ -72,9 +66,11 @@ class ProbeHandle(RemovableHandle):
     def wanted(self) -> bool:
         """Whether the probe records in its context's current phase."""
         hook = self.hook
-        if hook is None or not hasattr(hook, "phases"):
+        if hook is None:
             return True
-        if not (getattr(hook, "enabled", True) and hook.context.phase in hook.phases):
+        if not hook.enabled:
+            return False
+        if hook.phases is not None and hook.context.phase not in hook.phases:
             return False
         sampler = getattr(
             hook.context, "sampler", None
@@ -276,7 +272,7 @@ class PolicyAutoBuilder(nn.Module):
 
             def hook(m: nn.Module, _i: Any, out: Any, name: str = name) -> None:
                 if kinds.setdefault(name, output_kind(out)) != "tensor":
-                    notes.setdefault(name, (describe_type(out), extractor_example(out, m)))
+                    notes.setdefault(name, (describe_output(out), extractor_example(out, m)))
 
             handles.append(self.get_component(name).register_forward_hook(hook))
         modes = {m: m.training for m in self.modules()}
@@ -301,99 +297,110 @@ class PolicyAutoBuilder(nn.Module):
         return self._output_kinds.get(name, "unknown")
 
     # ---------------------------------------------------------- registration
-    def register_component_hook_rule(self, *, component_name: str, hook: Callable) -> ProbeHandle:
-        """Attach ``hook`` as a forward hook ``(module, inputs, output)`` on one component."""
+    def register_component_hook_rule(
+        self, *, component_name: str, hook: Observation
+    ) -> ProbeHandle:
+        """Install ``hook`` (an :class:`~policy_probes.probes.observation.Observation`) as a
+        forward hook ``(module, inputs, output)`` on one component, with the hooks its
+        probe installs inside it."""
         module = self.get_component(component_name)
 
         def install() -> list[RemovableHandle]:
-            return [module.register_forward_hook(hook), *_attach_extra(hook, module)]
+            own = [module.register_forward_hook(hook)] if hook.component_hook else []
+            return [*own, *hook.attach(module)]
 
         return self._keep(ProbeHandle(install(), component_name, install, hook))
 
     def register_component_backward_hook_rule(
-        self, *, component_name: str, hook: Callable
+        self, *, component_name: str, hook: Observation
     ) -> ProbeHandle:
-        """Attach ``hook`` as a backward hook ``(module, grad_input, grad_output)``.
+        """Install ``hook`` to receive the gradient of one component's output.
 
-        A plain callable on a component that returns a tensor gets
-        ``register_full_backward_hook``. The built-in probes (:class:`ProbeHook`), and any
-        hook on a component that returns a mapping, tuple or other object, are delivered
-        the output gradient through a tensor hook registered by a forward hook, with
-        ``grad_input=None``: that path costs one tensor hook per recorded pass, installs
-        nothing while the probe's phase is inactive (so rollouts and ``torch.func``
-        transforms run on the bare module), and needs no wrapping of the module's inputs
-        and outputs. Non-tensor outputs need the probe's ``extractor``; without one,
-        attaching raises :class:`ProbeError` at once if the output type is known (see
-        :meth:`trace_outputs`), else on the first forward.
+        A plain closure on a component that returns a tensor gets
+        ``register_full_backward_hook`` (``(module, grad_input, grad_output)``). A probe,
+        and any hook on a component that returns a mapping, tuple or other object, is
+        delivered the output gradient through a tensor hook registered by a forward hook,
+        with ``grad_input=None``: that path costs one tensor hook per recorded pass,
+        installs nothing while the probe's phase is inactive (so rollouts and
+        ``torch.func`` transforms run on the bare module), and needs no wrapping of the
+        module's inputs and outputs. Non-tensor outputs need the placement's
+        ``extractor``; without one, attaching raises :class:`ProbeError` at once if the
+        output type is known (see :meth:`trace_outputs`), else on the first forward.
         """
         module = self.get_component(component_name)
         _check_inplace(module, component_name)
-        # the recurrent default applies only when the builder gives no extractor
-        extractor = as_extractor(getattr(hook, "extractor", None)) or default_extractor(module)
+        # the recurrent default applies only when the placement gives no extractor
+        extractor = hook.extractor or default_extractor(module)
         kind = self.output_kind(component_name)
         if kind in ("mapping", "sequence", "object") and extractor is None:
             seen, example = self._output_notes.get(component_name, (kind, "extractor=..."))
             raise ProbeError(
                 f"backward probe on component {component_name!r} cannot fire: the component "
-                f"returns a {kind}, not a tensor ({seen}). Pass {example} to the builder to "
-                f"pick the tensor."
+                f"returns a {kind}, not a tensor ({seen}). Pass {example} where it is "
+                f"attached to pick the tensor."
             )
 
         def install() -> list[RemovableHandle]:
-            if not getattr(hook, "component_hook", True):
+            if not hook.component_hook:
                 handles = []  # the probe measures through the hooks its attach() installs
-            elif kind == "tensor" and extractor is None and not isinstance(hook, ProbeHook):
+            elif kind == "tensor" and extractor is None and hook.closure is not None:
                 handles = [module.register_full_backward_hook(hook)]
             else:
-                tap = _grad_tap(hook, component_name, extractor)
-                handles = [module.register_forward_hook(tap)]
-            return handles + _attach_extra(hook, module)
+                handles = [module.register_forward_hook(grad_tap(hook, extractor))]
+            return handles + hook.attach(module)
 
         return self._keep(ProbeHandle(install(), component_name, install, hook))
 
     def attach(
         self,
         pattern: str,
-        builder: Callable[[str, ComponentContext], Callable | None],
+        builder: ProbeBuilder,
         context: ComponentContext,
         *,
         backward: bool | None = None,
+        **placement: Any,
     ) -> list[ProbeHandle]:
-        """Resolve ``pattern``, call ``builder`` for each name, register what it returns.
+        """Resolve ``pattern`` and attach ``builder`` to each name it resolves to: a
+        :class:`~policy_probes.probes.probe.Probe`, or a plain builder ``(component, context) ->
+        hook closure | None`` whose closures go through the same path (fault rule, clock).
 
-        A probe carries its direction (``ProbeHook.backward``) and is placed by it;
-        ``backward`` is for hooks that carry none (a plain closure: forward unless
-        ``backward=True``) and, when given, must agree with the probe's own direction."""
+        A probe carries its direction and is placed by it; ``backward`` is for closures
+        (forward unless ``backward=True``) and, when given, must agree with the probe's
+        own direction. ``placement``: ``phases``, ``extractor``, ``layout``,
+        ``per_layer``, ``schedule`` (:class:`~policy_probes.probes.probe.Placement`; each probe
+        says which it takes)."""
         check_builder(builder, pattern)
         check_compiled(self)
-        names = self.resolve(pattern)
+        place = placement_of(builder, **placement)
+        probe = builder if isinstance(builder, Probe) else None
+        if probe is not None and backward is not None and backward != probe.backward:
+            raise TypeError(
+                f"the {probe.name!r} probe is a {probe.direction} probe; attach it to "
+                f"{pattern!r} with add_training_hook, which places every probe by its "
+                f"direction"
+            )
         out = []
-        for name in names:
-            hook = builder(name, context)
+        for name in self.resolve(pattern):
+            if probe is not None:
+                hook = probe(name, context, place)
+            else:
+                closure = builder(name, context)
+                if closure is not None and not callable(closure):
+                    raise TypeError(
+                        f"builder {getattr(builder, '__name__', builder)!r} returned "
+                        f"{describe_output(closure)} for component {name!r}; a builder must "
+                        f"return a callable hook or None"
+                    )
+                label = getattr(builder, "__name__", "hook")
+                hook = closure and Observation(None, name, context, place, closure, label)
+                if hook is not None:
+                    hook.backward = bool(backward)
             if hook is None:
                 continue
-            if not callable(hook):
-                raise TypeError(
-                    f"builder {getattr(builder, '__name__', builder)!r} returned "
-                    f"{describe_type(hook)} for component {name!r}; a builder must return a "
-                    f"callable hook or None"
-                )
-            if not isinstance(hook, ProbeHook):
-                label = getattr(builder, "probe", getattr(builder, "__name__", "hook"))
-                hook = GuardedClosure(hook, label, name, context)
-            else:
-                hook.locate = self.get_component
-            direction = getattr(hook, "backward", None)
-            if direction is not None and backward is not None and direction != backward:
-                _forget(hook, name)
-                raise TypeError(
-                    f"the {getattr(hook, 'probe', 'probe')!r} probe is a "
-                    f"{'backward' if direction else 'forward'} probe; attach it to {name!r} "
-                    f"with add_training_hook, which places every probe by its direction"
-                )
+            hook.locate = self.get_component
             rule = (
                 self.register_component_backward_hook_rule
-                if (backward if direction is None else direction)
+                if hook.backward
                 else self.register_component_hook_rule
             )
             try:
@@ -458,33 +465,46 @@ class PolicyAutoBuilder(nn.Module):
         self._contexts.clear()
 
 
-#: a probe a driver holds until it attaches it: (pattern, builder, backward), where
-#: ``backward`` is None for "by the probe's own direction" (``add_training_hook``)
-ProbeSpec = tuple[str, Callable, "bool | None"]
+#: a probe a driver holds until it attaches it: (pattern, builder, backward, placement),
+#: where ``backward`` is None for "by the probe's own direction" (``add_training_hook``)
+ProbeSpec = tuple[str, ProbeBuilder, "bool | None", dict[str, Any]]
 
 
 def add_probe(
-    probes: list[ProbeSpec], pattern: str, builder: Callable, backward: bool | None
+    probes: list[ProbeSpec],
+    pattern: str,
+    builder: ProbeBuilder,
+    backward: bool | None,
+    placement: dict[str, Any],
 ) -> None:
     """Add a probe a driver is given (TrainTool, ProbeSession, ProbeCallback) to ``probes``
-    after the checks: a pattern, a builder, not the same builder on the same pattern twice."""
+    after the checks: a pattern, a builder, a placement it takes, not the same builder on
+    the same pattern twice."""
     if not isinstance(pattern, str) or not pattern:
         raise TypeError(f"component pattern must be a non-empty string, got {pattern!r}")
     check_builder(builder, pattern)
-    if any(p == pattern and b is builder for p, b, _ in probes):
+    placement_of(builder, **placement)  # a wrong placement fails where it was written
+    if any(p == pattern and b is builder for p, b, _, _ in probes):
         raise ValueError(
             f"this builder is already attached to {pattern!r}; create a new builder to "
             f"attach the same probe twice"
         )
-    probes.append((pattern, builder, backward))
+    probes.append((pattern, builder, backward, dict(placement)))
 
 
-def check_builder(builder: Callable, pattern: str) -> None:
-    """A builder must be callable as ``(component_name, context)``."""
+def check_builder(builder: Any, pattern: str) -> None:
+    """A builder must be a probe or callable as ``(component_name, context)``."""
+    if isinstance(builder, Probe):
+        return
+    if isinstance(builder, type) and issubclass(builder, Probe):
+        raise TypeError(
+            f"{builder.__name__} for {pattern!r} is a probe class; attach an instance, "
+            f"e.g. {builder.__name__}()"
+        )
     if not callable(builder):
         raise TypeError(
             f"hook builder for {pattern!r} must be callable (component_name, context) -> "
-            f"hook | None, got {describe_type(builder)}; did you forget the parentheses, "
+            f"hook | None, got {describe_output(builder)}; did you forget the parentheses, "
             f"e.g. attach_relu_activation_hooks()?"
         )
     try:
@@ -499,15 +519,9 @@ def check_builder(builder: Callable, pattern: str) -> None:
         pass
 
 
-def _forget(hook: Callable, component: str) -> None:
-    tracker = getattr(hook, "tracker", None)
-    if tracker is not None and hasattr(tracker, "unregister_component"):
-        tracker.unregister_component(component)
-
-
-def _attach_extra(hook: Callable, module: nn.Module) -> list[RemovableHandle]:
-    attach = getattr(hook, "attach", None)
-    return list(attach(module)) if callable(attach) else []
+def _forget(hook: Observation, component: str) -> None:
+    if hook.tracker is not None:
+        hook.tracker.unregister_component(component)
 
 
 #: torch modules whose ``inplace=True`` overwrites their input, the activation a backward
@@ -545,42 +559,6 @@ def _check_inplace(module: nn.Module, name: str) -> None:
                 f"(inplace=True); in-place activations overwrite the tensors a backward probe "
                 f"reads. Build it with inplace=False."
             )
-
-
-def _grad_tap(hook: Callable, component: str, extractor: Callable | None) -> Callable:
-    """Forward hook that delivers the output gradient to ``hook`` through a tensor hook."""
-
-    active = getattr(hook, "active", None)
-
-    def tap(module: nn.Module, _inputs: Any, output: Any) -> None:
-        if (active is not None and not active()) or not getattr(hook, "enabled", True):
-            return
-        if isinstance(hook, ProbeHook):  # the tensor-hook registration is the probe's cost
-            start = time.perf_counter()
-            try:
-                register(module, output)
-            finally:
-                hook.seconds += time.perf_counter() - start
-        else:
-            register(module, output)
-
-    def register(module: nn.Module, output: Any) -> None:
-        try:
-            tensor = gradient_target(output, extractor, component, module)
-        except Exception as exc:
-            if not hasattr(hook, "context"):
-                raise
-            disable_after_fault(hook, exc)  # the probe fault rule; re-raised when strict
-            return
-        if tensor.requires_grad and torch.is_grad_enabled():
-            if isinstance(hook, ProbeHook):  # binds the row-mask rows of this pass now
-                callback = hook.grad_callback(module, tensor)
-                if callback is not None:
-                    on_grad(tensor, callback)
-            else:
-                on_grad(tensor, lambda g: hook(module, None, (g,)))
-
-    return tap
 
 
 def _on_cuda(value: Any) -> bool:

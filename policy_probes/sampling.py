@@ -687,14 +687,6 @@ def standard_error(rate: float, n: float) -> float:
     return math.sqrt(max(rate * (1.0 - rate), 0.0) / n)
 
 
-def with_schedule(hook: Any, schedule: Schedule | None) -> Any:
-    """``hook`` (a builder's :class:`~policy_probes.hook_types.ProbeHook`, or ``None``)
-    with its ``schedule`` set."""
-    if hook is not None and schedule is not None:
-        hook.schedule = schedule
-    return hook
-
-
 def run_probe_batch(sampler: Sampler, model_ctx: Any, generator: torch.Generator) -> int:
     """Run the probe batch of this epoch: ``rows`` rows drawn (with ``generator``, never a
     global RNG) from ``model_ctx``'s current data, one forward and backward through its

@@ -37,7 +37,6 @@ from torch import nn
 
 from policy_probes.components import PolicyAutoBuilder, ProbeHandle, ProbeSpec, add_probe
 from policy_probes.context import PHASES, ComponentContext
-from policy_probes.hook_types import ProbeBuilder
 from policy_probes.lifecycle import (
     STEP_POINTS,
     HookManager,
@@ -49,6 +48,7 @@ from policy_probes.lifecycle import (
     snapshot_due,
 )
 from policy_probes.probe_settings import ProbeSettings
+from policy_probes.probes.probe import ProbeBuilder
 from policy_probes.remedies.base import Remedy, RemedyRunner
 from policy_probes.run import Run
 from policy_probes.sampling import Sampler
@@ -268,24 +268,38 @@ class ProbeSession:
         )
 
     # ------------------------------------------------------------------ probes
-    def add_training_hook(self, pattern: str, builder: ProbeBuilder) -> ProbeSession:
+    def add_training_hook(
+        self, pattern: str, builder: ProbeBuilder, **placement: Any
+    ) -> ProbeSession:
         """Attach a probe to a component name or glob now, forward or backward as the
-        probe says (a plain hook closure: forward); returns self.
+        probe says (a plain hook closure: forward); ``placement``: ``phases``,
+        ``extractor``, ``layout``, ``per_layer``, ``schedule`` (those the probe takes,
+        :class:`~policy_probes.probes.probe.Placement`). Returns self.
 
         An unknown name raises ``KeyError`` listing the available names."""
-        return self._attach(pattern, builder, backward=None)
+        return self._attach(pattern, builder, None, placement)
 
-    def add_training_backward_hook(self, pattern: str, builder: ProbeBuilder) -> ProbeSession:
+    def add_training_backward_hook(
+        self, pattern: str, builder: ProbeBuilder, **placement: Any
+    ) -> ProbeSession:
         """Attach a backward probe (or plain backward hook closure) now; a forward probe
         is refused. Returns self."""
-        return self._attach(pattern, builder, backward=True)
+        return self._attach(pattern, builder, True, placement)
 
-    def _attach(self, pattern: str, builder: ProbeBuilder, backward: bool | None) -> ProbeSession:
+    def _attach(
+        self,
+        pattern: str,
+        builder: ProbeBuilder,
+        backward: bool | None,
+        placement: dict[str, Any],
+    ) -> ProbeSession:
         if self.closed:
             raise RuntimeError("this ProbeSession is closed; start a new one to attach probes")
-        add_probe(self._probes, pattern, builder, backward)
+        add_probe(self._probes, pattern, builder, backward, placement)
         try:
-            handles = self.policy.attach(pattern, builder, self.context, backward=backward)
+            handles = self.policy.attach(
+                pattern, builder, self.context, backward=backward, **placement
+            )
         except BaseException:
             self._probes.pop()
             raise

@@ -43,12 +43,12 @@ def add_probes(
     Fisher information, gradient flow and ReLU gradient flow; ``per_layer`` also reports
     every layer inside each component."""
     for component in components:
-        cfg.add_training_hook(component, attach_relu_activation_hooks(per_layer=per_layer))
+        cfg.add_training_hook(component, attach_relu_activation_hooks(), per_layer=per_layer)
         cfg.add_training_backward_hook(component, attach_fisher_information_hooks())
         cfg.add_training_backward_hook(
-            component, attach_gradient_flow_hooks(beta=0.95, per_layer=per_layer)
+            component, attach_gradient_flow_hooks(beta=0.95), per_layer=per_layer
         )
         cfg.add_training_backward_hook(
-            component, attach_relu_gradient_flow_hooks(per_layer=per_layer)
+            component, attach_relu_gradient_flow_hooks(), per_layer=per_layer
         )
     return cfg

@@ -323,8 +323,8 @@ def test_recipe_probes_on_cnn_policy_run_without_host_sync():
     policy = make_policy(FRAMES, gym.spaces.Discrete(4), PolicyConfig(encoder="nature_cnn"))
     ctx = ComponentContext()
     ctx.phase = "train"
-    for pattern, builder, backward in tool._builders:
-        policy.attach(pattern, builder, ctx, backward=backward)
+    for pattern, builder, backward, placement in tool._builders:
+        policy.attach(pattern, builder, ctx, backward=backward, **placement)
     frames, actions = random_frames(8, seed=1).view(8, -1), torch.randint(0, 4, (8,))
     with ForbidHostSync() as sync:
         for _ in range(2):

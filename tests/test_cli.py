@@ -78,7 +78,8 @@ def test_dry_run_prints_resolved_config(capsys):
     assert out["recipe"] == "recipes.cartpole.train"
     assert out["overrides"] == ["trainer.total_timesteps=4096"]
     # backward None: placed by the probe's own direction (add_training_hook)
-    assert {"component": "actor_mlp", "builder": "relu", "backward": None} in out["probes"]
+    relu = {"component": "actor_mlp", "builder": "relu", "backward": None}
+    assert relu | {"placement": {"per_layer": True}} in out["probes"]  # the recipe's placement
 
 
 def test_list_finds_recipes_without_running_them(capsys):

@@ -24,14 +24,15 @@ from torch._dynamo.utils import counters
 
 from policy_probes import (
     PolicyAutoBuilder,
+    ProbeError,
     ProbeSettings,
+    ReLUActivation,
     Run,
     attach_fisher_information_hooks,
     attach_relu_activation_hooks,
     attach_saturated_activation_hooks,
 )
 from policy_probes.compiled import check_compiled, eager_held
-from policy_probes.hook_types import ProbeError
 from policy_probes.session import ProbeSession
 from recipes.cartpole import train as cartpole
 from trainers import PPOConfig, TrainerHook
@@ -150,12 +151,10 @@ def test_a_failing_probe_under_compile_is_disabled_and_training_goes_on(tmp_path
     agent = Agent()
     opt = torch.optim.SGD(agent.parameters(), lr=0.1)
     fwd = torch.compile(agent, backend="aot_eager")
-    broken = attach_relu_activation_hooks()
 
-    def builder(name, ctx):
-        hook = broken(name, ctx)
-        hook.record = lambda *_a, **_k: 1 / 0  # a fault inside the probe's body
-        return hook
+    class Broken(ReLUActivation):
+        def record(self, obs, module, output, weight) -> None:
+            raise ZeroDivisionError("division by zero")  # a fault inside the probe's body
 
     x, y = torch.randn(32, 4), torch.randint(0, 3, (32,))
     with ProbeSession(
@@ -164,7 +163,7 @@ def test_a_failing_probe_under_compile_is_disabled_and_training_goes_on(tmp_path
         run=Run(tmp_path),
         probing=ProbeSettings(probe_budget=None, **NO_WANDB),
     ) as s:
-        s.add_training_hook("actor", builder)
+        s.add_training_hook("actor", Broken())
         s.add_training_backward_hook("actor", attach_fisher_information_hooks())
         before = agent.actor[0].weight.detach().clone()
         for _ in range(4):

@@ -147,10 +147,10 @@ def test_probes_read_mapping_outputs_through_an_extractor(device: torch.device) 
     model = PolicyAutoBuilder.wrap(policy, example_inputs=(torch.zeros(1, 4).to(device),))
     ctx = ComponentContext()
     pick = lambda out: out["features"]  # noqa: E731
-    model.attach("body", attach_relu_activation_hooks(extractor=pick), ctx)
-    model.attach("body", attach_gradient_flow_hooks(extractor=pick), ctx, backward=True)
-    fisher = attach_fisher_information_hooks(extractor=pick)
-    model.attach("body", fisher, ctx, backward=True)
+    model.attach("body", attach_relu_activation_hooks(), ctx, extractor=pick)
+    model.attach("body", attach_gradient_flow_hooks(), ctx, backward=True, extractor=pick)
+    fisher = attach_fisher_information_hooks()
+    model.attach("body", fisher, ctx, backward=True, extractor=pick)
     x, a = torch.randn(10, 4), torch.randint(0, 2, (10,))
     x, a = x.to(device), a.to(device)
     F.cross_entropy(model(x), a).backward()
@@ -175,7 +175,7 @@ def test_extractor_that_returns_no_tensor_disables_the_probe_with_a_clear_error(
     model = PolicyAutoBuilder.wrap(DictPolicy().to(device))
     ctx = ComponentContext()
     model.attach(
-        "body", attach_relu_activation_hooks(extractor=lambda out: out["aux"].tolist()), ctx
+        "body", attach_relu_activation_hooks(), ctx, extractor=lambda out: out["aux"].tolist()
     )
     model(torch.randn(3, 4).to(device))
     assert (
@@ -186,7 +186,7 @@ def test_extractor_that_returns_no_tensor_disables_the_probe_with_a_clear_error(
     model.remove_hooks()
     ctx2 = ComponentContext(strict=True)
     model.attach(
-        "body", attach_relu_activation_hooks(extractor=lambda out: out["aux"].tolist()), ctx2
+        "body", attach_relu_activation_hooks(), ctx2, extractor=lambda out: out["aux"].tolist()
     )
     with pytest.raises(ProbeError, match="must return a torch.Tensor"):
         model(torch.randn(3, 4).to(device))
@@ -286,7 +286,7 @@ def test_a_probe_is_placed_by_its_own_direction(tmp_path, device: torch.device) 
     with ProbeSession(
         policy, run=Run(tmp_path / "run"), probing=ProbeSettings(sinks=SinksConfig(console=False))
     ) as s:
-        s.add_training_hook("actor_mlp", attach_gradient_flow_hooks(per_layer=False))
+        s.add_training_hook("actor_mlp", attach_gradient_flow_hooks(), per_layer=False)
         with pytest.raises(TypeError, match="'relu' probe is a forward probe"):
             s.add_training_backward_hook("actor_mlp", attach_relu_activation_hooks())
         s.set_phase("train")
@@ -308,7 +308,7 @@ def test_a_failed_attach_can_be_retried_with_a_fixed_builder() -> None:
     with pytest.raises(ProbeError):
         model.attach("body", attach_gradient_flow_hooks(), ctx, backward=True)
     handles = model.attach(
-        "body", attach_gradient_flow_hooks(extractor=lambda o: o["features"]), ctx, backward=True
+        "body", attach_gradient_flow_hooks(), ctx, backward=True, extractor=lambda o: o["features"]
     )
     assert len(handles) == 1
     assert isinstance(handles[0], torch.utils.hooks.RemovableHandle)
@@ -388,7 +388,7 @@ def test_probes_install_their_hooks_only_in_phases_they_record(
     attach = tiny_policy.attach
     attach("actor_mlp", attach_relu_activation_hooks(), ctx)
     attach("actor_mlp", attach_fisher_information_hooks(), ctx, backward=True)
-    attach("actor_mlp.layer_0", attach_relu_activation_hooks(phases=("rollout",)), ctx)
+    attach("actor_mlp.layer_0", attach_relu_activation_hooks(), ctx, phases=("rollout",))
     # train: the relu hooks (the component, and per layer a forward pre-hook and a
     # forward hook on it and layer_1's: the explicit rollout probe took layer_0 over) and
     # fisher's (1 component tap + 2 Linear taps); the rollout probe is off

@@ -85,7 +85,7 @@ def test_a_probe_recording_in_the_rollout_does_not_change_the_trajectory(
         tool.probe_budget = None  # observed in every rollout, not only at sampled passes
         for component in ("actor_mlp", "critic_mlp.layer_0"):
             tool.add_training_hook(
-                component, attach_relu_activation_hooks(phases=("rollout", "train"))
+                component, attach_relu_activation_hooks(), phases=("rollout", "train")
             )
         return tool
 

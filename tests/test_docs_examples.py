@@ -15,6 +15,6 @@ def python_blocks(page: str) -> list[str]:
 
 
 def test_custom_probe_example_in_components_md(capsys: pytest.CaptureFixture[str]) -> None:
-    (block,) = [b for b in python_blocks("components.md") if "class MeanActivationState" in b]
+    (block,) = [b for b in python_blocks("components.md") if "class MeanActivation(Probe)" in b]
     exec(compile(block, "docs/components.md", "exec"), {"__name__": "docs_example"})
     assert "probes/mean_activation/actor_mlp.layer_0/mean" in capsys.readouterr().out

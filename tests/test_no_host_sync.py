@@ -273,9 +273,9 @@ def test_key_and_index_extractors_on_tensordict_and_tuple_outputs_run_without_ho
     model = PolicyAutoBuilder.wrap(torch.nn.ModuleDict({"body": body, "pair": pair, "head": head}))
     ctx = ComponentContext()
     key = ("next", "hidden")
-    model.attach("body", attach_relu_activation_hooks(extractor=key), ctx)
-    model.attach("body", attach_fisher_information_hooks(extractor=key), ctx, backward=True)
-    model.attach("pair", attach_gradient_flow_hooks(extractor=0), ctx, backward=True)
+    model.attach("body", attach_relu_activation_hooks(), ctx, extractor=key)
+    model.attach("body", attach_fisher_information_hooks(), ctx, backward=True, extractor=key)
+    model.attach("pair", attach_gradient_flow_hooks(), ctx, backward=True, extractor=0)
     inputs = [
         (tensordict.TensorDict({"obs": obs}, batch_size=[16]), a)
         for obs, a in minibatches(3, device)  # randn(16, 5), randint(0, 3, (16,)) per pass
@@ -434,9 +434,11 @@ def test_plain_registered_closures_run_without_host_sync(
     policy = TinyPolicy().to(device)
     ctx = ComponentContext()
     mlp, head = policy.actor_mlp, policy.actor_head
-    mlp.register_forward_hook(attach_relu_activation_hooks(per_layer=False)("actor_mlp", ctx))
+    relu = attach_relu_activation_hooks()
+    mlp.register_forward_hook(relu("actor_mlp", ctx, relu.place(per_layer=False)))
+    flow = attach_gradient_flow_hooks()
     closures = [
-        attach_gradient_flow_hooks(per_layer=False)("actor_mlp", ctx),
+        flow("actor_mlp", ctx, flow.place(per_layer=False)),
         attach_fisher_information_hooks()("actor_mlp", ctx),
         attach_relu_gradient_flow_hooks()("actor_mlp", ctx),
     ]

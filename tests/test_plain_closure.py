@@ -14,8 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from policy_probes import ComponentContext, PolicyAutoBuilder, StatsReporter
-from policy_probes.hook_types import ProbeError
+from policy_probes import ComponentContext, PolicyAutoBuilder, ProbeError, StatsReporter
 from policy_probes.layers import LinearSpec, MLPSpec
 from policy_probes.probes.fisher import attach_fisher_information_hooks
 from policy_probes.probes.gradient_flow import attach_gradient_flow_hooks
@@ -55,20 +54,28 @@ def train(policy: nn.Module, ctx: ComponentContext) -> dict:
     return StatsReporter(ctx).collect()
 
 
-def wired(make: Callable, component: str, backward: bool, activation: str) -> dict:
+def wired(
+    make: Callable, component: str, backward: bool, activation: str, **placement: object
+) -> dict:
     torch.manual_seed(0)
     policy, ctx = Net(activation), ComponentContext()
-    policy.attach(component, make(), ctx, backward=backward)
+    policy.attach(component, make(), ctx, backward=backward, **placement)
     return train(policy, ctx)
 
 
 def plain_policy(
-    make: Callable, component: str, backward: bool, activation: str, pre_attach: bool = False
+    make: Callable,
+    component: str,
+    backward: bool,
+    activation: str,
+    pre_attach: bool = False,
+    **placement: object,
 ) -> tuple[Net, ComponentContext, Callable]:
     torch.manual_seed(0)
     policy, ctx = Net(activation), ComponentContext()
     module = policy.get_component(component)
-    closure = make()(component, ctx)
+    probe = make()
+    closure = probe(component, ctx, probe.place(**placement))
     if pre_attach:
         closure.attach(module)
     if backward:
@@ -86,39 +93,37 @@ def assert_same(a: dict, b: dict) -> None:
         )
 
 
-# probe, builder, component, backward, activation: plain registration measures the same
+def tanh_saturation():
+    return attach_saturated_activation_hooks("tanh")
+
+
+ONE = {"per_layer": False}
+# probe, builder, component, backward, activation, placement: plain registration measures
+# the same
 SAME = [
-    ("relu", lambda: attach_relu_activation_hooks(per_layer=False), "mlp", False, "relu"),
-    ("relu", attach_relu_activation_hooks, "act", False, "relu"),
-    (
-        "saturation",
-        lambda: attach_saturated_activation_hooks("tanh", per_layer=False),
-        "mlp",
-        False,
-        "tanh",
-    ),
-    ("saturation", lambda: attach_saturated_activation_hooks("tanh"), "act", False, "tanh"),
-    ("gradient_flow", lambda: attach_gradient_flow_hooks(per_layer=False), "mlp", True, "relu"),
-    ("gradient_flow", attach_gradient_flow_hooks, "act", True, "relu"),
-    ("fisher", attach_fisher_information_hooks, "act", True, "relu"),
+    ("relu", attach_relu_activation_hooks, "mlp", False, "relu", ONE),
+    ("relu", attach_relu_activation_hooks, "act", False, "relu", {}),
+    ("saturation", tanh_saturation, "mlp", False, "tanh", ONE),
+    ("saturation", tanh_saturation, "act", False, "tanh", {}),
+    ("gradient_flow", attach_gradient_flow_hooks, "mlp", True, "relu", ONE),
+    ("gradient_flow", attach_gradient_flow_hooks, "act", True, "relu", {}),
+    ("fisher", attach_fisher_information_hooks, "act", True, "relu", {}),
 ]
 
 
-@pytest.mark.parametrize("probe, make, component, backward, activation", SAME)
+@pytest.mark.parametrize("probe, make, component, backward, activation, placement", SAME)
 def test_plain_closure_reports_what_attach_reports(
-    probe, make, component, backward, activation
+    probe, make, component, backward, activation, placement
 ) -> None:
-    expected = wired(make, component, backward, activation)
+    expected = wired(make, component, backward, activation, **placement)
     assert any(k.startswith(f"probes/{probe}") for k in expected)  # the probe reported
-    policy, ctx, _ = plain_policy(make, component, backward, activation)
+    policy, ctx, _ = plain_policy(make, component, backward, activation, **placement)
     assert_same(train(policy, ctx), expected)
 
 
 def test_plain_relu_matches_an_independent_count() -> None:
     """The plain forward closure against numpy: fraction of (sample, unit) pairs > 0."""
-    policy, ctx, _ = plain_policy(
-        lambda: attach_relu_activation_hooks(per_layer=False), "mlp", False, "relu"
-    )
+    policy, ctx, _ = plain_policy(attach_relu_activation_hooks, "mlp", False, "relu", **ONE)
     reference = copy.deepcopy(policy.mlp)
     metrics = train(policy, ctx)
     with torch.no_grad():
@@ -186,7 +191,7 @@ def test_fisher_plain_on_parameters_names_what_to_call() -> None:
         ("relu", attach_relu_activation_hooks, False, "relu", "attach_relu_activation_hooks()"),
         (
             "saturation_tanh",
-            lambda **kw: attach_saturated_activation_hooks("tanh", **kw),
+            tanh_saturation,
             False,
             "tanh",
             "attach_saturated_activation_hooks()",
@@ -200,7 +205,7 @@ def test_per_layer_plain_reports_the_component_and_warns_once_about_inner_layers
     """Issue 26: a per_layer closure registered directly reports the component as it
     did (what per_layer=False attached reports) and names, once, the inner activation
     layer it cannot see (layer_0; layer_1's output is the component's)."""
-    expected = wired(lambda: make(per_layer=False), "mlp", backward, activation)
+    expected = wired(make, "mlp", backward, activation, **ONE)
     assert any(k.startswith(f"probes/{probe}/mlp/") for k in expected)
     policy, ctx, _ = plain_policy(make, "mlp", backward, activation)
     with caplog.at_level("WARNING", logger="policy_probes"):
@@ -242,7 +247,7 @@ def test_plain_relu_closure_on_linear_relu_reports_the_component_without_a_warni
     "make, backward",
     [
         (attach_relu_activation_hooks, False),
-        (lambda: attach_saturated_activation_hooks("tanh"), False),
+        (tanh_saturation, False),
         (attach_gradient_flow_hooks, True),
         (attach_relu_gradient_flow_hooks, True),
         (attach_fisher_information_hooks, True),
@@ -261,38 +266,36 @@ def test_wrong_direction_is_refused_at_the_first_call(make, backward) -> None:
 
 
 def test_plain_backward_refuses_a_row_mask_and_an_extractor() -> None:
-    policy, ctx, _ = plain_policy(
-        lambda: attach_gradient_flow_hooks(per_layer=False), "mlp", True, "relu"
-    )
+    policy, ctx, _ = plain_policy(attach_gradient_flow_hooks, "mlp", True, "relu", **ONE)
     x, a = batches()[0]
     ctx.row_mask = torch.ones(x.shape[0], dtype=torch.bool)
     with pytest.raises(ProbeError, match="a row mask is set, and a full backward hook cannot tell"):
         F.cross_entropy(policy(x), a).backward()
-    make = lambda: attach_gradient_flow_hooks(per_layer=False, extractor=lambda out: out)  # noqa: E731
-    policy, ctx, _ = plain_policy(make, "mlp", True, "relu")
+    policy, ctx, _ = plain_policy(
+        attach_gradient_flow_hooks, "mlp", True, "relu", per_layer=False, extractor=lambda o: o
+    )
     with pytest.raises(ProbeError, match="has an extractor; a full backward hook receives"):
         F.cross_entropy(policy(x), a).backward()
 
 
 def test_a_custom_probe_whose_attach_hooks_submodules_is_refused_plain() -> None:
-    """A user's ProbeHook subclass that hooks submodules in attach() but does not say so
-    in plain_call_gaps(): the late hooks are removed again and the first call refuses."""
-    from policy_probes.hook_types import ProbeHook
+    """A user's probe that hooks submodules in attach() but does not say so in
+    plain_call_gaps(): the late hooks are removed again and the first call refuses."""
+    from policy_probes import Probe
 
     seen: list[torch.Tensor] = []
 
-    class FirstLayer(ProbeHook):
-        probe = "first_layer"
+    class FirstLayer(Probe):
+        name = "first_layer"
 
-        def record(self, module: nn.Module, output: torch.Tensor, weight=None) -> None:
+        def record(self, obs, module: nn.Module, output: torch.Tensor, weight) -> None:
             seen.append(output)
 
-        def attach(self, module: nn.Module) -> list:
-            self.attached = True
+        def attach(self, obs, module: nn.Module) -> list:
             return [module.layer_0.register_forward_hook(lambda *_: None)]
 
     policy, ctx = Net(), ComponentContext()
-    policy.mlp.register_forward_hook(FirstLayer("mlp", ctx))
+    policy.mlp.register_forward_hook(FirstLayer()("mlp", ctx))
     with pytest.raises(ProbeError, match="which cannot see the submodules its attach\\(\\) hooks"):
         policy(torch.randn(2, 5))
     assert seen == [] and module_hook_count(policy.mlp.layer_0) == 0

@@ -158,7 +158,9 @@ def test_phase_gating_records_only_selected_phases(
     tiny_policy.to(device)
     ctx = ComponentContext()
     tiny_policy.attach("actor_mlp", attach_relu_activation_hooks(), ctx)  # train only
-    tiny_policy.attach("actor_mlp.layer_0", attach_relu_activation_hooks(phases=("rollout",)), ctx)
+    tiny_policy.attach(
+        "actor_mlp.layer_0", attach_relu_activation_hooks(), ctx, phases=("rollout",)
+    )
     train_x, rollout_x = torch.randn(10, 5).to(device), torch.randn(7, 5).to(device)
     ctx.phase = "rollout"
     tiny_policy(rollout_x)

@@ -23,7 +23,7 @@ from conftest import NO_WANDB
 from torch import nn
 
 from policy_probes import ProbeSettings, Run, attach_relu_activation_hooks
-from policy_probes.probes.relu import ReLUActivationHook, ReLUActivationState
+from policy_probes.probes.relu import ReLUActivation
 from policy_probes.sampling import CALIBRATION_EPOCH, DEFAULT_STRIDE, Sampler, dispatch_costs
 from policy_probes.session import ProbeSession
 
@@ -63,24 +63,15 @@ class Net(nn.Module):
         return self.cheap(self.slow(x)).sum()
 
 
-def slow_relu_hooks(clock: FakeClock):
+def slow_relu_hooks(clock: FakeClock) -> ReLUActivation:
     """The ReLU probe with a hook that takes PROBE_SECONDS per call."""
-    inner = attach_relu_activation_hooks(per_layer=False)
 
-    class Slow(ReLUActivationHook):
-        probe = "relu"
-
-        def record(self, module: nn.Module, output: torch.Tensor, weight=None) -> None:
+    class Slow(ReLUActivation):
+        def record(self, obs, module: nn.Module, output: torch.Tensor, weight) -> None:
             clock.advance(PROBE_SECONDS)
-            super().record(module, output)
+            super().record(obs, module, output, weight)
 
-    def build(name, context):
-        hook = inner(name, context)
-        if hook is not None:
-            hook.__class__ = Slow
-        return hook
-
-    return build
+    return Slow()
 
 
 def slow_and_cheap(clock: FakeClock):
@@ -88,8 +79,8 @@ def slow_and_cheap(clock: FakeClock):
     from policy_probes import attach_saturated_activation_hooks
 
     def attach(session: ProbeSession) -> None:
-        session.add_training_hook("slow", slow_relu_hooks(clock))
-        session.add_training_hook("cheap", attach_saturated_activation_hooks(per_layer=False))
+        session.add_training_hook("slow", slow_relu_hooks(clock), per_layer=False)
+        session.add_training_hook("cheap", attach_saturated_activation_hooks(), per_layer=False)
 
     return attach
 
@@ -245,7 +236,7 @@ def test_sampler_alone_on_a_context_without_a_session():
     policy = PolicyAutoBuilder.wrap(Net())
     context = ComponentContext()
     sampler = Sampler(context, schedule="every_k:2", budget=None)
-    policy.attach("slow", attach_relu_activation_hooks(per_layer=False), context)
+    policy.attach("slow", attach_relu_activation_hooks(), context, per_layer=False)
     x = torch.randn(5, 4)
     armed = []
     for _ in range(4):
@@ -260,7 +251,7 @@ DRAIN_SECONDS = 0.02
 
 
 def slow_drain(clock: FakeClock) -> type:
-    class SlowDrain(ReLUActivationState):
+    class SlowDrain(ReLUActivation):
         """The ReLU tracker whose reduction of held rows takes DRAIN_SECONDS."""
 
         def consume(self, batch):
@@ -281,7 +272,7 @@ def test_a_drain_inside_a_hook_is_counted_once(tmp_path, clock):
     with ProbeSession(
         net, optimizer=opt, run=Run(tmp_path), probing=ProbeSettings(probe_budget=None, **NO_WANDB)
     ) as s:
-        s.add_training_hook("slow", attach_relu_activation_hooks(per_layer=False))
+        s.add_training_hook("slow", attach_relu_activation_hooks(), per_layer=False)
         (tracker,) = [t for t in s.context.model_metrics.values() if t.probe == "relu"]
         tracker.__class__ = slow_drain(clock)
         tracker.buffer_rows = 16  # one pass fills the buffer: each next push drains first
@@ -314,7 +305,7 @@ def test_the_epoch_end_beyond_the_collection_counts_without_lifecycle_hooks(tmp_
 
     def cheap_probe_and_slow_sink(session: ProbeSession) -> None:
         assert not session.hooks.hooks
-        session.add_training_hook("cheap", attach_relu_activation_hooks(per_layer=False))
+        session.add_training_hook("cheap", attach_relu_activation_hooks(), per_layer=False)
         emit = session.sinks.emit
 
         def slow_emit(*args, **kwargs):

@@ -191,13 +191,13 @@ def test_a_component_shown_another_components_rows_shares_its_sums_exactly(devic
     """A component whose output is its last layer's output is reduced once for both: the
     sharing starts when the two see the same rows from the window's start, ends (each
     with its own sums) as soon as their rows differ, and a checkpoint saves two copies."""
-    from policy_probes.probes.relu import ReLUActivationState
+    from policy_probes.probes.relu import ReLUActivation
 
     g = torch.Generator().manual_seed(3)
     shared, own_b, own_a = (torch.randn(n, 6, generator=g) for n in (8, 5, 7))
     shared[:, 0] = -1.0  # a dead unit
     shared, own_b, own_a = shared.to(device), own_b.to(device), own_a.to(device)
-    tracker = ReLUActivationState()
+    tracker = ReLUActivation()
     tracker.register_component("layer")
     tracker.register_component("component")
     tracker.update("layer", shared)
@@ -226,7 +226,7 @@ def test_a_component_shown_another_components_rows_shares_its_sums_exactly(devic
         assert out[f"probes/relu/{name}/samples"] == float(rows.shape[0])
 
     # the saved shared window resumes as two independent ones
-    resumed = ReLUActivationState()
+    resumed = ReLUActivation()
     resumed.register_component("layer")
     resumed.register_component("component")
     checkpoint.seek(0)
@@ -277,8 +277,8 @@ def test_a_single_finite_push_is_reduced_where_it_lies(block: str):
     (the NaN counted apart), and so does a finite block whose float32 sum overflows (the
     check is the sum). The same holds for a drain inside a hook: on the CPU, reading the
     check back synchronises nothing."""
-    from policy_probes.probes.gradient_flow import GradientFlowState
-    from policy_probes.probes.relu import ReLUActivationState
+    from policy_probes.probes.gradient_flow import GradientFlow
+    from policy_probes.probes.relu import ReLUActivation
 
     g = torch.Generator().manual_seed(5)
     h = torch.randn(12, 7, generator=g)
@@ -287,7 +287,7 @@ def test_a_single_finite_push_is_reduced_where_it_lies(block: str):
     if block == "overflowing":
         h[0, :2] = 3e38  # finite, but their sum is not
     held = h.clone()
-    relu, flow = ReLUActivationState(), GradientFlowState()
+    relu, flow = ReLUActivation(), GradientFlow()
     relu.register_component("c")
     flow.register_component("c", beta=0.9, blocked_threshold=1e-6)
     relu.update("c", h)
@@ -312,7 +312,7 @@ def test_a_single_finite_push_is_reduced_where_it_lies(block: str):
     )
 
     # a full buffer drained inside a hook (timed=False) decides the same way
-    inside = ReLUActivationState()
+    inside = ReLUActivation()
     inside.register_component("c")
     inside.buffer_rows = 12
     inside.update("c", h)
@@ -326,7 +326,7 @@ def test_concatenated_finite_rows_skip_the_split(block: str):
     """Several pushes (or a conv output's channels-first view) are copied into the
     buffer's storage; when the copy is all finite, its non-finite indicator is not
     written (no split), and the metrics are a hand count's either way."""
-    from policy_probes.probes.relu import ReLUActivationState
+    from policy_probes.probes.relu import ReLUActivation
 
     g = torch.Generator().manual_seed(6)
     conv = torch.randn(3, 4, 5, 5, generator=g)  # (B, C, H, W): a conv output
@@ -334,7 +334,7 @@ def test_concatenated_finite_rows_skip_the_split(block: str):
         conv[1, 2, 3, 4] = float("nan")
     view = conv.movedim(1, -1)  # (B, H, W, C): rows of channels, not contiguous
     flat = torch.randn(10, 4, generator=g)
-    relu = ReLUActivationState()
+    relu = ReLUActivation()
     relu.register_component("c")
     relu.update("c", view)
     relu.update("c", flat)
@@ -356,7 +356,7 @@ def test_a_window_end_releases_large_storage_and_keeps_small(device: torch.devic
     """reset() frees a buffer's storage and the scratch of 1 MiB or more (they would sit
     among the training step's own large allocations until the next report) and keeps the
     small ones for reuse; the next window reduces as before."""
-    from policy_probes.probes.relu import ReLUActivationState
+    from policy_probes.probes.relu import ReLUActivation
     from policy_probes.probes.state import RELEASED_BYTES
 
     g = torch.Generator().manual_seed(2)
@@ -365,7 +365,7 @@ def test_a_window_end_releases_large_storage_and_keeps_small(device: torch.devic
     for t in (large, small):
         t[0, 0] = float("nan")  # held rows are copied into the buffer's storage
     large, small = large.to(device), small.to(device)
-    tracker = ReLUActivationState()
+    tracker = ReLUActivation()
     for name, rows in (("large", large), ("small", small)):
         tracker.register_component(name)
         tracker.update(name, rows)

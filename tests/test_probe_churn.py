@@ -19,7 +19,7 @@ from policy_probes import (
     Run,
     StatsReporter,
 )
-from policy_probes.probes.churn import ChurnState, attach_churn_hooks
+from policy_probes.probes.churn import Churn, attach_churn_hooks
 from trainers import ActorCriticPolicy, PolicyConfig, PPOConfig, PPOTrainer
 
 
@@ -114,7 +114,7 @@ def test_a_fixed_batch_and_a_checkpoint_in_the_middle_of_an_epoch(device: torch.
     policy.attach("critic_head", attach_churn_hooks(), ctx)
     fixed = torch.randn(6, 4).to(device)
     tracker = ctx.model_metrics["churn"]
-    assert isinstance(tracker, ChurnState)
+    assert isinstance(tracker, Churn)
     tracker.fix_batch(fixed)
     before = copy.deepcopy(policy)
     # the rollout is not used: the batch is fixed
@@ -150,7 +150,7 @@ def test_a_checkpoint_loaded_on_the_cpu_puts_the_held_out_state_on_the_models_de
         torch.randn(30, 4), policy
     )  # the next epoch's outputs before its updates
     saved = tracker.state_dict()
-    loaded = ChurnState()
+    loaded = Churn()
     loaded.register_component("actor_head", kind="categorical")
     loaded.load_state_dict(saved, device=torch.device("meta"))
     held = [loaded.fixed, loaded.batch, *loaded.before.values()]

@@ -113,7 +113,7 @@ def test_relu_probe_is_per_channel_on_conv_outputs(
     # the conv module itself (pre-activation), the bare ReLU after it (its layout comes from
     # the conv before it), and the encoder (ends in a ReLU after a conv)
     for name in ("encoder.0", "encoder.1", "encoder"):
-        policy.attach(name, attach_relu_activation_hooks(per_layer=False), ctx)
+        policy.attach(name, attach_relu_activation_hooks(), ctx, per_layer=False)
     if buffer_elements is not None:  # drains mid-window, several passes per drain
         ctx.model_metrics["relu"].buffer_elements = buffer_elements
     data = batches(policy, (3, 5, 2), device=device)
@@ -134,7 +134,7 @@ def test_channels_last_layout_keeps_the_last_axis_as_units(device: torch.device)
     torch.manual_seed(0)
     policy = ConvPolicy(2).to(device)
     ctx = ComponentContext()
-    policy.attach("encoder.1", attach_relu_activation_hooks(layout="channels_last"), ctx)
+    policy.attach("encoder.1", attach_relu_activation_hooks(), ctx, layout="channels_last")
     data = batches(policy, (4, 3), device=device)
     got = train(policy, ctx, data)
     with torch.no_grad():
@@ -260,9 +260,9 @@ def test_unknown_layout_is_rejected() -> None:
         attach_relu_gradient_flow_hooks,
     ):
         with pytest.raises(ValueError, match="layout must be one of"):
-            make(layout="nchw")
+            make().place(layout="nchw")
     with pytest.raises(ValueError, match="layout must be one of"):
-        attach_saturated_activation_hooks("tanh", layout="NCHW")
+        attach_saturated_activation_hooks("tanh").place(layout="NCHW")
 
 
 def test_an_extracted_tensor_is_channels_first_only_when_asked(device: torch.device) -> None:
@@ -270,9 +270,9 @@ def test_an_extracted_tensor_is_channels_first_only_when_asked(device: torch.dev
     policy = ConvPolicy(1, size=7).to(device)  # encoder output (B, 4 channels, length 5)
     ctx = ComponentContext()
     pick = lambda out: out  # noqa: E731 - the extractor sees the same tensor
-    policy.attach("encoder", attach_relu_activation_hooks(extractor=pick, per_layer=False), ctx)
+    policy.attach("encoder", attach_relu_activation_hooks(), ctx, extractor=pick, per_layer=False)
     policy.attach(
-        "encoder.3", attach_relu_activation_hooks(extractor=pick, layout="channels_first"), ctx
+        "encoder.3", attach_relu_activation_hooks(), ctx, extractor=pick, layout="channels_first"
     )
     data = batches(policy, (3, 2), device=device)
     got = train(policy, ctx, data)

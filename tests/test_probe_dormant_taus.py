@@ -63,7 +63,7 @@ def test_every_threshold_per_layer_and_under_a_row_mask(device: torch.device) ->
 def test_custom_thresholds_and_bad_ones(device: torch.device) -> None:
     policy = TinyPolicy().to(device)
     ctx = ComponentContext()
-    policy.attach("actor_mlp", attach_relu_activation_hooks(taus=(0.5,), per_layer=False), ctx)
+    policy.attach("actor_mlp", attach_relu_activation_hooks(taus=(0.5,)), ctx, per_layer=False)
     x = torch.randn(9, 5).to(device)
     policy(x)
     got = StatsReporter(ctx).collect()

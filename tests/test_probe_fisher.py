@@ -13,7 +13,7 @@ from torch.func import functional_call, grad, vmap
 
 from policy_probes import (
     ComponentContext,
-    FisherInformationState,
+    FisherInformation,
     PolicyAutoBuilder,
     StatsReporter,
     attach_fisher_information_hooks,
@@ -113,7 +113,7 @@ def run_and_collect(
             loss = per_sample_loss(policy(xs), as_).mean() * ctx.loss_scale
             loss.backward()
     tracker = ctx.model_metrics["fisher"]
-    assert isinstance(tracker, FisherInformationState)
+    assert isinstance(tracker, FisherInformation)
     fisher = tracker.param_fisher("actor_mlp")
     return StatsReporter(ctx).collect(), fisher
 

@@ -592,8 +592,8 @@ def test_component_that_is_itself_an_lstm(device: torch.device) -> None:
     net = LSTMNet().to(device)
     model = PolicyAutoBuilder.wrap(net, {"lstm": "lstm"})
     ctx = ComponentContext()
-    builder = attach_fisher_information_hooks(extractor=lambda out: out[0])
-    model.attach("lstm", builder, ctx, backward=True)
+    builder = attach_fisher_information_hooks()
+    model.attach("lstm", builder, ctx, backward=True, extractor=lambda out: out[0])
     batches = image_batches((3, 4), (6, 5), device=device)
     for x, a in batches:
         ctx.loss_samples = x.shape[0]

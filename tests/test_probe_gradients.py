@@ -85,8 +85,8 @@ def test_relu_gradient_flow_matches_gradient_at_relu_inputs(device: torch.device
     with torch.no_grad():
         policy.actor_mlp.layer_0.linear.bias[1] = -100.0  # never active: blocks its gradient
     ctx = ComponentContext()
-    probe_builder = attach_relu_gradient_flow_hooks(per_layer=False)  # the per-ReLU keys
-    policy.attach("actor_mlp", probe_builder, ctx, backward=True)
+    probe_builder = attach_relu_gradient_flow_hooks()
+    policy.attach("actor_mlp", probe_builder, ctx, backward=True, per_layer=False)  # per ReLU
     data = batches((9, 14), device=device)
     for x, a in data:
         loss_fn(policy(x), a).backward()

@@ -141,9 +141,9 @@ def test_per_layer_false_reproduces_the_component_keys_and_values(device: torch.
         torch.manual_seed(0)
         policy = TinyPolicy().to(device)
         ctx = ComponentContext()
-        policy.attach("actor_mlp", attach_relu_activation_hooks(per_layer=per_layer), ctx)
+        policy.attach("actor_mlp", attach_relu_activation_hooks(), ctx, per_layer=per_layer)
         for make in (attach_gradient_flow_hooks, attach_relu_gradient_flow_hooks):
-            policy.attach("actor_mlp", make(per_layer=per_layer), ctx, backward=True)
+            policy.attach("actor_mlp", make(), ctx, backward=True, per_layer=per_layer)
         return train(policy, ctx, data(device=device))
 
     old, new = run(False), run(True)

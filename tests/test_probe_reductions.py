@@ -9,11 +9,11 @@ import torch
 from conftest import saturation_reference
 
 from policy_probes.probes import (
-    FisherInformationState,
-    GradientFlowState,
-    ReLUActivationState,
-    ReLUGradientFlowState,
-    SaturatedActivationState,
+    FisherInformation,
+    GradientFlow,
+    ReLUActivation,
+    ReLUGradientFlow,
+    attach_saturated_activation_hooks,
 )
 
 torch.set_num_threads(1)
@@ -44,7 +44,7 @@ def flushed(tracker, push) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_relu_counts(dtype, device: torch.device):
     x = messy(40, 5, 0, dtype, device)
-    st = flushed(ReLUActivationState(), lambda t: (t.update("c", x[:25]), t.update("c", x[25:])))
+    st = flushed(ReLUActivation(), lambda t: (t.update("c", x[:25]), t.update("c", x[25:])))
     h = x.double()
     finite = torch.isfinite(h)
     clean = torch.where(finite, h, 0.0)
@@ -63,7 +63,7 @@ def test_saturation_counts(activation, device: torch.device):
         x[4, 1], x[5, 3] = 0.02, 0.99
     else:
         x = torch.where(torch.isfinite(x), torch.tanh(2 * x), x)
-    st = flushed(SaturatedActivationState(activation), lambda t: t.update("c", x))
+    st = flushed(attach_saturated_activation_hooks(activation), lambda t: t.update("c", x))
     h = x.double()
     finite = torch.isfinite(h)
     clean = torch.where(finite, h, 0.0)
@@ -79,7 +79,7 @@ def test_fisher_rows_with_nonfinite_entries_are_dropped(device: torch.device):
     x, g = messy(24, 3, 2, device=device), messy(24, 5, 3, device=device)
     x[7, 2] = float("nan")  # a bad input drops sample 7 as well
     st = flushed(
-        FisherInformationState(),
+        FisherInformation(),
         lambda t: (
             t.update_layer("c", "linear", ("w", "b"), x, g),
             t.update("c", g),
@@ -99,9 +99,7 @@ def test_fisher_rows_with_nonfinite_entries_are_dropped(device: torch.device):
 
 def test_gradient_flow_passes_and_counts(device: torch.device):
     g = messy(36, 4, 4, device=device)
-    st = flushed(
-        GradientFlowState(), lambda t: [t.update("c", part) for part in g.split([12, 12, 12])]
-    )
+    st = flushed(GradientFlow(), lambda t: [t.update("c", part) for part in g.split([12, 12, 12])])
     beta, ema = 0.95, torch.zeros(4, dtype=torch.float64, device=device)
     for part in g.double().split([12, 12, 12]):
         finite = torch.isfinite(part)
@@ -117,7 +115,7 @@ def test_relu_gradient_flow_passed(device: torch.device):
     g, out = messy(20, 6, 5, device=device), messy(20, 6, 6, device=device).clamp(min=0)
     out[9, 4] = float("nan")
     out[3, 2] = float("inf")  # g[3, 2] is finite: a non-finite output does not pass
-    st = flushed(ReLUGradientFlowState(), lambda t: t.update("c", "l", g, out))
+    st = flushed(ReLUGradientFlow(), lambda t: t.update("c", "l", g, out))
     finite = torch.isfinite(g)
     passed = (g != 0) & (torch.where(torch.isfinite(out), out, 0.0) > 0) & finite
     assert st["count:l"].cpu().tolist() == finite.sum(0).cpu().tolist()
@@ -125,7 +123,7 @@ def test_relu_gradient_flow_passed(device: torch.device):
 
 
 def test_oversized_push_is_reduced_without_touching_the_input(device: torch.device):
-    tracker = ReLUActivationState()
+    tracker = ReLUActivation()
     tracker.buffer_rows = 8
     x = messy(30, 3, 7, device=device)
     before = x.clone()

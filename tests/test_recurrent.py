@@ -667,7 +667,7 @@ def test_recurrent_ppo_at_the_default_reports_every_cycle_from_its_first_minibat
     masks = record_masks(model)
     rec = Recorder({"mlp": model.policy.mlp_extractor.policy_net})
     callback = ProbeCallback(
-        probes=[("actor_mlp", attach_relu_activation_hooks(per_layer=False))],
+        probes=[("actor_mlp", attach_relu_activation_hooks(), {"per_layer": False})],
         backward_probes=[("actor_head", attach_fisher_information_hooks())],
         run_dir=tmp_path / "run",
         probing=ProbeSettings(sinks=SinksConfig(console=False, wandb=False), strict=True),

@@ -25,9 +25,9 @@ import pytest
 import torch
 from torch import nn
 
+from policy_probes import Observation, Probe
 from policy_probes.cli import main
 from policy_probes.context import ComponentContext
-from policy_probes.hook_types import ProbeHook
 from policy_probes.probes.fisher import attach_fisher_information_hooks
 from policy_probes.probes.gradient_flow import attach_gradient_flow_hooks
 from policy_probes.probes.relu import attach_relu_activation_hooks
@@ -82,18 +82,24 @@ def assert_finite_probe_metrics(metrics: dict[str, Any]) -> None:
 FAULT_EPOCH = 2
 
 
-class FlakyProbe(ProbeHook):
+class FlakyProbe(Probe):
     """A custom forward probe that raises from epoch ``FAULT_EPOCH`` on, as a probe does
     when its component starts returning something it does not expect."""
 
-    probe = "flaky"
+    name = "flaky"
 
-    def __init__(self, clock: dict[str, int], *args: Any) -> None:
-        super().__init__(*args)
+    def __init__(self, clock: dict[str, int]) -> None:
+        super().__init__()
         self.clock = clock
         self.records = 0
+        self.observations: list[Observation] = []
 
-    def record(self, module: nn.Module, output: torch.Tensor, weight=None) -> None:
+    def __call__(self, component: str, context: ComponentContext, placement: Any = None) -> Any:
+        obs = super().__call__(component, context, placement)
+        self.observations.append(obs)
+        return obs
+
+    def record(self, obs, module: nn.Module, output: torch.Tensor, weight) -> None:
         self.records += 1
         if self.clock["epoch"] >= FAULT_EPOCH:
             raise TypeError(f"unexpected output type in epoch {self.clock['epoch']}")
@@ -111,15 +117,12 @@ class Clock(TrainerHook):
         self.clock["epoch"] = state.epoch
 
     def on_epoch_end(self, state) -> None:
-        self.calls.append(sum(p.calls for p in self.probes))
+        self.calls.append(sum(o.calls for p in self.probes for o in p.observations))
 
-    def builder(self):
-        def build(component: str, context: ComponentContext) -> FlakyProbe:
-            hook = FlakyProbe(self.clock, component, context)
-            self.probes.append(hook)
-            return hook
-
-        return build
+    def builder(self) -> FlakyProbe:
+        probe = FlakyProbe(self.clock)
+        self.probes.append(probe)
+        return probe
 
 
 def flaky_tool(run_dir: Path, clock: Clock, **kw: Any) -> TrainTool:
@@ -147,7 +150,8 @@ def test_a_raising_probe_is_disabled_reported_once_recorded_and_training_goes_on
     assert "TypeError: unexpected output type in epoch 2" in message
     # disabled: called in epoch 1 and once in epoch 2 (the call that raised), never after
     (probe,) = clock.probes
-    assert not probe.enabled
+    (obs,) = probe.observations
+    assert not obs.enabled
     assert clock.calls[0] == probe.records - 1 > 0  # epoch 1: every train-phase forward
     assert clock.calls[1:] == [clock.calls[0] + 1] * 2
     # recorded as a metric in the epoch of the fault and every later one
@@ -158,8 +162,10 @@ def test_a_raising_probe_is_disabled_reported_once_recorded_and_training_goes_on
     # the other probe and the trajectory are untouched: same values as without the fault
     base = epoch_records(tmp_path / "base")
     for ours, theirs in zip(records, base, strict=True):
-        # the flaky probe's error flag and its part of the measured overhead
-        assert set(ours) - set(theirs) <= {key, "probes/overhead_seconds/passes.flaky"}
+        # the flaky probe's error flag, its part of the measured overhead and the passes
+        # and rows it observed
+        flaky = {f"probes/flaky/actor_mlp/{k}" for k in ("passes_observed", "rows_observed")}
+        assert set(ours) - set(theirs) <= {key, "probes/overhead_seconds/passes.flaky", *flaky}
         for name, value in theirs.items():
             # wall-clock measurements differ between runs (the probes' overhead too)
             if name != "time" and not name.startswith(("perf/", "probes/overhead_")):
@@ -173,7 +179,7 @@ def test_strict_makes_a_raising_probe_fatal(tmp_path):
         tool.invoke()
     # epoch 1 was emitted; epoch 2 died in its update phase; the hooks are gone
     assert [r["epoch"] for r in epoch_records(tmp_path / "run")] == [1]
-    assert clock.probes[0].enabled
+    assert clock.probes[0].observations[0].enabled
 
 
 # ========================================================================= non-finite values

@@ -451,7 +451,7 @@ def test_probe_session_without_set_phase_does_not_record_no_grad_rollouts(tmp_pa
 def test_set_phase_turns_the_inference_off(tmp_path):
     agent = Agent()
     with ProbeSession(agent, run=Run(tmp_path), probing=ProbeSettings(**NO_WANDB)) as session:
-        session.add_training_hook("actor.1", attach_relu_activation_hooks(phases=("rollout",)))
+        session.add_training_hook("actor.1", attach_relu_activation_hooks(), phases=("rollout",))
         session.set_phase("rollout")
         with torch.no_grad():
             agent(torch.randn(10, 4))

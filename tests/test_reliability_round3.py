@@ -403,8 +403,8 @@ def test_a_batch_time_mask_on_a_time_major_wrapper_reads_the_real_steps(tmp_path
             sinks=SinksConfig(console=False, csv=False), wandb=WandbConfig(mode="disabled")
         ),
     ) as session:
-        builder = attach_saturated_activation_hooks("tanh", threshold=0.6, per_layer=False)
-        session.add_training_hook("core", builder)
+        builder = attach_saturated_activation_hooks("tanh", threshold=0.6)
+        session.add_training_hook("core", builder, per_layer=False)
         session.set_phase("train")
         with session.row_mask(mask):
             out = agent(x)

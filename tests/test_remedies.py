@@ -315,8 +315,8 @@ def test_a_remedy_pins_the_probes_it_reads_to_a_rule_of_pass_counters(
     session = ProbeSession(
         model, optimizer=opt, run=Run(tmp_path), probing=ProbeSettings(sinks=JSONL_ONLY)
     )
-    session.add_training_hook("body", attach_relu_activation_hooks(per_layer=False))
-    session.add_training_hook("head", attach_relu_activation_hooks(per_layer=False))
+    session.add_training_hook("body", attach_relu_activation_hooks(), per_layer=False)
+    session.add_training_hook("head", attach_relu_activation_hooks(), per_layer=False)
     session.add_remedy("body", redo(tau=0.1, every_epochs=2, consumer="head"))
     session.sampler.observe_every = {"relu": 4 * DEFAULT_STRIDE}
     session.sampler.calibrated_epoch = 0

@@ -119,10 +119,10 @@ def check_moments(opt, param, before, rows=None, cols=None):
     assert torch.equal(state["step"], before["step"])
 
 
-def session_for(model, tmp_path, component, consumer, tau=TAU, **probe):
+def session_for(model, tmp_path, component, consumer, tau=TAU, **placement):
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     session = remedy_session(tmp_path, model, opt)
-    session.add_training_hook(component, attach_relu_activation_hooks(**probe))
+    session.add_training_hook(component, attach_relu_activation_hooks(), **placement)
     session.add_remedy(component, redo(tau=tau, every_epochs=1, consumer=consumer, seed=SEED))
     return session, opt
 
@@ -433,7 +433,7 @@ def test_redo_on_a_probe_threshold_and_without_per_layer_scores(
     model.to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     session = remedy_session(tmp_path, model, opt)
-    session.add_training_hook("body", attach_relu_activation_hooks(per_layer=False))
+    session.add_training_hook("body", attach_relu_activation_hooks(), per_layer=False)
     key = "probes/relu/body/dormant_fraction"
     session.add_remedy("body", redo(tau=0.0, when=f"{key}>0.2", consumer="head", seed=SEED))
     seen = []

@@ -79,7 +79,7 @@ def batches(
 
 
 def probe(
-    net: Net, data: list, micro: int, reduction: str, **settings: object
+    net: Net, data: list, micro: int, reduction: str, **placement: object
 ) -> tuple[dict, dict, dict]:
     """The probe's per-entry Fisher of ``body``, its param_samples and the metrics, from
     a masked loss over every minibatch (split into ``micro`` micro-batches)."""
@@ -87,9 +87,10 @@ def probe(
     ctx = ComponentContext()
     policy.attach(
         "body",
-        attach_fisher_information_hooks(loss_reduction=reduction, **settings),
+        attach_fisher_information_hooks(loss_reduction=reduction),
         ctx,
         backward=True,
+        **placement,
     )
     for x, a, m in data:
         kept = m.sum()

@@ -1,10 +1,10 @@
-"""Row-mask rows and the loss scale reach probes as arguments (``weight=``, ``loss_scale=``).
+"""Row-mask rows and the loss scale reach a probe as arguments (``weight``, ``loss_scale``).
 
-* A custom probe whose ``record(module, output, weight=None)`` passes ``weight`` on to
-  ``ProbeState._push`` gives the per-unit mean over the kept rows of a time-major ``nn.LSTM`` output under a
-  ``(batch, time)`` mask with batch == time, where only the rows the hook bound (it knows
-  the module) put the mask in the output's row order.
-* A custom backward probe's ``record_grad(..., loss_scale=)`` gets the
+* A custom probe whose ``record(obs, module, output, weight)`` passes ``weight`` on to
+  ``_push`` gives the per-unit mean over the kept rows of a time-major ``nn.LSTM`` output
+  under a ``(batch, time)`` mask with batch == time, where only the rows the observation
+  bound (it knows the module) put the mask in the output's row order.
+* A custom backward probe's ``record_grad(..., loss_scale)`` gets the
   ``context.loss_scale`` the loop set before each backward (after the forward), and
   ``grad * rows / loss_scale`` is the per-sample gradient of a hand-written loop.
 """
@@ -15,18 +15,23 @@ import pytest
 import torch
 from torch import nn
 
-from policy_probes import ComponentContext, PolicyAutoBuilder, ProbeHook, ProbeState, StatsReporter
-from policy_probes.probes.state import COUNT, as_rows, get_state, rates
+from policy_probes import ComponentContext, PolicyAutoBuilder, Probe, StatsReporter
+from policy_probes.probes.state import COUNT, as_rows, rates
 from policy_probes.probes.weighted import Weighted
 
 T = B = 4  # batch == time: the shapes cannot tell a time-major output from a batch-major one
 
 
-class MeanState(ProbeState):
-    probe = "mean"
+class Mean(Probe):
+    """The per-unit mean of the rows it is shown, over the rows the row mask keeps."""
 
-    def update(self, component: str, h: torch.Tensor, weight: torch.Tensor | None = None) -> None:
+    name = "mean"
+
+    def update(self, component: str, h: torch.Tensor, weight: torch.Tensor | None) -> None:
         self._push(component, "h", (as_rows(h),), weight=weight)
+
+    def record(self, obs, module: nn.Module, output: torch.Tensor, weight) -> None:
+        self.update(obs.component, output, weight)
 
     def consume(self, batch) -> None:
         (h,) = batch.cols
@@ -36,25 +41,6 @@ class MeanState(ProbeState):
 
     def summarize(self, component, s, settings) -> dict:
         return {"mean": rates(s["sum"], s["count"]).tolist(), "rows": float(s["count"].max())}
-
-
-class MeanHook(ProbeHook):
-    probe = "mean"
-
-    def record(self, module: nn.Module, output: torch.Tensor, weight=None) -> None:
-        self.tracker.update(self.component, output, weight=weight)
-
-
-def builder(hook_cls: type[ProbeHook]):
-    def build(name: str, context: ComponentContext) -> ProbeHook | None:
-        tracker = get_state(context, "mean", MeanState)
-        if not tracker.register_component(name):
-            return None
-        hook = hook_cls(name, context)
-        hook.tracker = tracker
-        return hook
-
-    return build
 
 
 class Net(nn.Module):
@@ -73,7 +59,7 @@ def test_a_custom_probe_gets_the_rows_its_hook_bound() -> None:
     net = Net()
     policy = PolicyAutoBuilder.wrap(net, {"core": "core"})
     ctx = ComponentContext()
-    policy.attach("core", builder(MeanHook), ctx)
+    policy.attach("core", Mean(), ctx)
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 0]])
     assert not torch.equal(mask, mask.T)
     x = torch.randn(T, B, 3)
@@ -92,16 +78,20 @@ def test_a_custom_probe_gets_the_rows_its_hook_bound() -> None:
     assert got["probes/mean/core/mean"] == pytest.approx(kept.mean(0).tolist(), rel=1e-6)
 
 
-class PerSampleGradHook(ProbeHook):
+class PerSampleGrad(Mean):
     """Sums (rows / loss_scale * g)^2 per unit: the squared per-sample gradients."""
 
-    probe = "per_sample"
-    backward = True
+    name = "per_sample"
+    direction = "backward"
 
-    def record_grad(self, module, grad_output, weight=None, loss_scale: float = 1.0) -> None:
+    def __init__(self) -> None:
+        super().__init__()
+        self.scales: list[float] = []
+
+    def record_grad(self, obs, module, grad_output, weight, loss_scale) -> None:
         g = as_rows(grad_output) * (grad_output.shape[0] / loss_scale)
         self.scales.append(loss_scale)
-        self.tracker.update(self.component, g.square(), weight=weight)
+        self.update(obs.component, g.square(), weight)
 
 
 def test_record_grad_gets_the_loss_scale_the_loop_set_before_backward() -> None:
@@ -109,15 +99,8 @@ def test_record_grad_gets_the_loss_scale_the_loop_set_before_backward() -> None:
     body, head = nn.Linear(3, 4), nn.Linear(4, 1)
     policy = PolicyAutoBuilder.wrap(nn.Sequential(body, head), {"body": "0"})
     ctx = ComponentContext()
-    tracker = get_state(ctx, "per_sample", MeanState)
-    tracker.probe = "per_sample"
-    hook = PerSampleGradHook("body", ctx)
-    hook.tracker, hook.scales = tracker, []
-
-    def build(name: str, context: ComponentContext) -> ProbeHook | None:
-        return hook if tracker.register_component(name) else None
-
-    policy.attach("body", build, ctx, backward=True)
+    probe = PerSampleGrad()
+    policy.attach("body", probe, ctx)
     x, y = torch.randn(8, 3), torch.randn(8, 1)
     scales = []
     for xs, ys in zip(x.split([5, 3]), y.split([5, 3]), strict=True):  # two micro-batches
@@ -136,6 +119,6 @@ def test_record_grad_gets_the_loss_scale_the_loop_set_before_backward() -> None:
         ((head(h) - yi) ** 2).sum().backward()
         per_sample.append(h.grad[0])
     expected = torch.stack(per_sample).double().square().mean(0)
-    assert hook.scales == scales == [5 / 8, 3 / 8]
+    assert probe.scales == scales == [5 / 8, 3 / 8]
     assert got["probes/per_sample/body/rows"] == 8
     assert got["probes/per_sample/body/mean"] == pytest.approx(expected.tolist(), rel=1e-5)

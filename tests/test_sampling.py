@@ -124,8 +124,10 @@ def test_every_k_equals_a_reference_over_exactly_the_observed_passes(tmp_path):
     with ProbeSession(
         net, optimizer=opt, run=Run(tmp_path), probing=ProbeSettings(probe_budget=None, **NO_WANDB)
     ) as s:
-        s.add_training_hook("body", attach_relu_activation_hooks(schedule=every_k(3)))
-        s.add_training_backward_hook("body", attach_fisher_information_hooks(schedule="every_k:3"))
+        s.add_training_hook("body", attach_relu_activation_hooks(), schedule=every_k(3))
+        s.add_training_backward_hook(
+            "body", attach_fisher_information_hooks(), schedule="every_k:3"
+        )
         records, passes = run_epochs(s, net, opt, [data, data])
     # the pass counter runs over the run: passes 0, 3, 6, 9 | 12, 15, 18 (epoch 2: 2, 5, 8)
     check(records[0], reference(net, [passes[0][i] for i in (0, 3, 6, 9)]), 32, 4)
@@ -158,7 +160,7 @@ def test_next_pass_ends_passes_without_an_optimizer(tmp_path):
     with ProbeSession(
         net, run=Run(tmp_path), probing=ProbeSettings(probe_schedule=every_k(2), **NO_WANDB)
     ) as s:
-        s.add_training_hook("body", attach_relu_activation_hooks(per_layer=False))
+        s.add_training_hook("body", attach_relu_activation_hooks(), per_layer=False)
         s.set_phase("train")
         for batch in data:
             net(batch["obs"])
@@ -268,9 +270,9 @@ def test_probe_batch_metric_matches_the_rows_it_draws(tmp_path):
     with ProbeSession(
         net, optimizer=opt, loss_fn=loss_fn, run=Run(tmp_path), probing=ProbeSettings(**NO_WANDB)
     ) as s:
-        s.add_training_hook("body", attach_relu_activation_hooks(schedule=probe_batch(20)))
+        s.add_training_hook("body", attach_relu_activation_hooks(), schedule=probe_batch(20))
         s.add_training_backward_hook(
-            "body", attach_fisher_information_hooks(schedule=probe_batch(20))
+            "body", attach_fisher_information_hooks(), schedule=probe_batch(20)
         )
         s.set_data(data=data, minibatch_size=10)
         params = {k: v.detach().clone() for k, v in net.named_parameters()}
@@ -290,7 +292,7 @@ def test_sampling_leaves_training_bit_identical(tmp_path):
             net, optimizer=opt, run=Run(tmp_path / str(probes)), probing=ProbeSettings(**NO_WANDB)
         ) as s:
             if probes:
-                s.add_training_hook("body", attach_relu_activation_hooks(schedule=per_epoch(2)))
+                s.add_training_hook("body", attach_relu_activation_hooks(), schedule=per_epoch(2))
                 s.add_training_backward_hook("body", attach_fisher_information_hooks())
             for epoch in range(3):
                 s.set_phase("train")
@@ -317,7 +319,7 @@ def test_bad_schedules_and_budgets_are_rejected(tmp_path):
         (lambda: probe_batch(0), r"probe_batch\(rows\): rows must be an integer >= 1"),
         (lambda: as_schedule("every_k:0"), r"every_k\(k\): k must be an integer >= 1"),
         (lambda: as_schedule("sometimes"), r"schedule must be a Schedule .* got 'sometimes'"),
-        (lambda: attach_relu_activation_hooks(schedule="every_k"), "every_k:<k>"),
+        (lambda: attach_relu_activation_hooks().place(schedule="every_k"), "every_k:<k>"),
         (
             lambda: ProbeCallback(probing=ProbeSettings(probe_budget=1.0)),
             "strictly between 0 and 1",
@@ -406,7 +408,7 @@ def test_sampler_state_continues_in_a_new_process():
         policy = PolicyAutoBuilder.wrap(ReluNet())
         context = ComponentContext()
         sampler = Sampler(context, schedule="every_k:3", budget=None)
-        policy.attach("body", attach_relu_activation_hooks(per_layer=False), context)
+        policy.attach("body", attach_relu_activation_hooks(), context, per_layer=False)
         return policy, sampler
 
     x = torch.randn(4, 5)

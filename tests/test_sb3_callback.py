@@ -247,7 +247,7 @@ def test_the_default_reports_every_cycle_from_the_passes_it_observed(tmp_path):
     model = ppo()
     seen: list[int] = []
     callback = ProbeCallback(
-        probes=[("actor_mlp", attach_relu_activation_hooks(per_layer=False))],
+        probes=[("actor_mlp", attach_relu_activation_hooks(), {"per_layer": False})],
         run_dir=tmp_path,
         probing=ProbeSettings(sinks=SinksConfig(console=False, wandb=False)),
     )

@@ -22,7 +22,7 @@ from policy_probes import (
     attach_relu_activation_hooks,
     attach_saturated_activation_hooks,
 )
-from policy_probes.hook_types import describe_type
+from policy_probes.outputs import describe_output as describe_type
 
 OBS, HIDDEN, ACT = 4, 6, 3
 
@@ -61,7 +61,7 @@ def test_tensordict_module_with_default_inplace_takes_backward_probes() -> None:
     model = PolicyAutoBuilder.wrap(policy)
     ctx = ComponentContext(strict=True)
     # TensorDictModule's inplace writes outputs into the input TensorDict: not rejected
-    model.attach("body", attach_gradient_flow_hooks(extractor="hidden"), ctx, backward=True)
+    model.attach("body", attach_gradient_flow_hooks(), ctx, backward=True, extractor="hidden")
     td, a = batch()
     F.cross_entropy(model(td), a).backward()
     got = StatsReporter(ctx).collect()
@@ -92,9 +92,10 @@ def test_torch_modules_that_overwrite_activations_in_place_are_still_rejected(ac
     with pytest.raises(ProbeError, match=rf"body\.module\.1 is {name}\(inplace=True\)"):
         model.attach(
             "body",
-            attach_gradient_flow_hooks(extractor="hidden"),
+            attach_gradient_flow_hooks(),
             ComponentContext(),
             backward=True,
+            extractor="hidden",
         )
 
 
@@ -121,8 +122,8 @@ def test_key_extractor_on_a_tensordict_output_matches_per_sample_gradients() -> 
     policy = Policy()
     model = PolicyAutoBuilder.wrap(policy)
     ctx = ComponentContext(strict=True)
-    model.attach("body", attach_relu_activation_hooks(extractor="hidden"), ctx)
-    model.attach("body", attach_fisher_information_hooks(extractor="hidden"), ctx, backward=True)
+    model.attach("body", attach_relu_activation_hooks(), ctx, extractor="hidden")
+    model.attach("body", attach_fisher_information_hooks(), ctx, backward=True, extractor="hidden")
     td, a = batch(16)
     F.cross_entropy(model(td), a).backward()
     got = StatsReporter(ctx).collect()
@@ -164,7 +165,7 @@ def test_nested_key_extractor_reads_tensordict_and_plain_mappings() -> None:
     policy = Policy(out_key=("next", "hidden"))
     model = PolicyAutoBuilder.wrap(policy)
     ctx = ComponentContext(strict=True)
-    model.attach("body", attach_relu_activation_hooks(extractor=("next", "hidden")), ctx)
+    model.attach("body", attach_relu_activation_hooks(), ctx, extractor=("next", "hidden"))
     td, a = batch(10)
     F.cross_entropy(model(td), a).backward()
     got = StatsReporter(ctx).collect()
@@ -178,7 +179,7 @@ def test_nested_key_extractor_reads_tensordict_and_plain_mappings() -> None:
 
     plain = PolicyAutoBuilder.wrap(nn.Sequential(Nested()), {"body": "0"})
     ctx = ComponentContext(strict=True)
-    plain.attach("body", attach_saturated_activation_hooks(extractor=("next", "hidden")), ctx)
+    plain.attach("body", attach_saturated_activation_hooks(), ctx, extractor=("next", "hidden"))
     x = 2 * torch.randn(9, 5)
     plain(x)
     got = StatsReporter(ctx).collect()
@@ -214,8 +215,8 @@ def test_index_extractor_on_a_tuple_output() -> None:
     model = PolicyAutoBuilder.wrap(policy, example_inputs=(torch.zeros(1, OBS),))
     assert model.output_kind("body") == "sequence"
     ctx = ComponentContext(strict=True)
-    model.attach("body", attach_relu_activation_hooks(extractor=0), ctx)
-    model.attach("body", attach_gradient_flow_hooks(extractor=0), ctx, backward=True)
+    model.attach("body", attach_relu_activation_hooks(), ctx, extractor=0)
+    model.attach("body", attach_gradient_flow_hooks(), ctx, backward=True, extractor=0)
     x, a = torch.randn(11, OBS), torch.randint(0, ACT, (11,))
     F.cross_entropy(model(x), a).backward()
     got = StatsReporter(ctx).collect()
@@ -231,7 +232,7 @@ def test_index_extractor_on_a_tuple_output() -> None:
 def test_index_out_of_range_and_missing_key_disable_the_probe_with_the_fix() -> None:
     model = PolicyAutoBuilder.wrap(TuplePolicy())
     ctx = ComponentContext()
-    model.attach("body", attach_relu_activation_hooks(extractor=5), ctx)
+    model.attach("body", attach_relu_activation_hooks(), ctx, extractor=5)
     model(torch.randn(3, OBS))
     assert (
         "extractor=5 is out of range: the component returned a tuple of 2 items"
@@ -239,7 +240,7 @@ def test_index_out_of_range_and_missing_key_disable_the_probe_with_the_fix() -> 
     )
     td_model = PolicyAutoBuilder.wrap(Policy())
     ctx = ComponentContext()
-    td_model.attach("body", attach_relu_activation_hooks(extractor="hiddn"), ctx)
+    td_model.attach("body", attach_relu_activation_hooks(), ctx, extractor="hiddn")
     td_model(batch()[0])
     msg = ctx.probe_errors["relu/body"]
     assert "extractor='hiddn': no such key" in msg and "'hidden'" in msg
@@ -247,7 +248,7 @@ def test_index_out_of_range_and_missing_key_disable_the_probe_with_the_fix() -> 
 
 
 @pytest.mark.parametrize("bad", [1.5, True, "", (), ("next", 1), ["hidden"], {"k": 1}])
-def test_bad_extractor_types_are_a_type_error_at_builder_time(bad) -> None:
+def test_bad_extractor_types_are_a_type_error_where_the_probe_is_placed(bad) -> None:
     for make in (
         attach_relu_activation_hooks,
         attach_saturated_activation_hooks,
@@ -255,7 +256,7 @@ def test_bad_extractor_types_are_a_type_error_at_builder_time(bad) -> None:
         attach_gradient_flow_hooks,
     ):
         with pytest.raises(TypeError, match="extractor must be a callable.*a key.*tuple index"):
-            make(extractor=bad)
+            make().place(extractor=bad)
 
 
 def big_tensordict_policy() -> tuple[TensorDictSequential, TensorDict]:

@@ -70,7 +70,7 @@ def test_builders_chain_and_duplicates():
         tool.add_training_hook("actor_mlp", None)
     fisher = attach_fisher_information_hooks()
     assert tool.add_training_backward_hook("actor_mlp", fisher) is tool
-    assert [(p, b is relu or b is fisher, bw) for p, b, bw in tool.hook_builders] == [
+    assert [(p, b is relu or b is fisher, bw) for p, b, bw, _ in tool.hook_builders] == [
         ("actor_mlp", True, None),  # placed by the probe's own direction
         ("critic_mlp", True, None),
         ("actor_mlp", True, True),

@@ -29,8 +29,8 @@ import torch
 from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from policy_probes.components import ProbeSpec, add_probe
-from policy_probes.hook_types import ProbeBuilder
 from policy_probes.probe_settings import ProbeSettings
+from policy_probes.probes.probe import ProbeBuilder
 from policy_probes.remedies import (
     Remedy,
     check_remedy,
@@ -257,16 +257,21 @@ class TrainTool(Section, ProbeSettings):
         return self
 
     # ------------------------------------------------------------------ probes and hooks
-    def add_training_hook(self, component_name: str, builder: ProbeBuilder) -> TrainTool:
+    def add_training_hook(
+        self, component_name: str, builder: ProbeBuilder, **placement: Any
+    ) -> TrainTool:
         """Attach a probe to a component name or glob, forward or backward as the probe
-        says (a plain hook closure: forward); returns self."""
-        add_probe(self._builders, component_name, builder, None)
+        says (a plain hook closure: forward); ``placement``: ``phases``, ``extractor``,
+        ``layout``, ``per_layer``, ``schedule`` (those the probe takes). Returns self."""
+        add_probe(self._builders, component_name, builder, None, placement)
         return self
 
-    def add_training_backward_hook(self, component_name: str, builder: ProbeBuilder) -> TrainTool:
+    def add_training_backward_hook(
+        self, component_name: str, builder: ProbeBuilder, **placement: Any
+    ) -> TrainTool:
         """Attach a backward probe (or plain backward hook closure); a forward probe is
         refused when the run attaches it. Returns self."""
-        add_probe(self._builders, component_name, builder, True)
+        add_probe(self._builders, component_name, builder, True, placement)
         return self
 
     def add_remedy(self, component_name: str, remedy: Remedy) -> TrainTool:
@@ -288,9 +293,9 @@ class TrainTool(Section, ProbeSettings):
 
     @property
     def hook_builders(self) -> list[ProbeSpec]:
-        """``(pattern, builder, backward)`` in the order they were added; ``backward`` is
-        True for :meth:`add_training_backward_hook`, None (the probe's own direction)
-        for :meth:`add_training_hook`."""
+        """``(pattern, builder, backward, placement)`` in the order they were added;
+        ``backward`` is True for :meth:`add_training_backward_hook`, None (the probe's own
+        direction) for :meth:`add_training_hook`."""
         return list(self._builders)
 
     def record_launch(self, target: str, overrides: list[str]) -> None:
@@ -307,10 +312,11 @@ class TrainTool(Section, ProbeSettings):
             "probes": [
                 {
                     "component": pattern,
-                    "builder": getattr(b, "probe", getattr(b, "__name__", type(b).__name__)),
+                    "builder": getattr(b, "name", getattr(b, "__name__", type(b).__name__)),
                     "backward": backward,
+                    **({"placement": placement} if placement else {}),
                 }
-                for pattern, b, backward in self._builders
+                for pattern, b, backward, placement in self._builders
             ],
             "added_remedies": [
                 {"component": pattern, "remedy": repr(r)} for pattern, r in self._remedies
@@ -419,10 +425,10 @@ class TrainTool(Section, ProbeSettings):
         """Attach this run's probes through ``session``; returns the components each
         pattern resolved to."""
         attached: dict[str, list[str]] = {}
-        for pattern, builder, backward in self._builders:
+        for pattern, builder, backward, placement in self._builders:
             before = len(session.policy.hook_handles)
             add = session.add_training_backward_hook if backward else session.add_training_hook
-            add(pattern, builder)
+            add(pattern, builder, **placement)
             new = session.policy.hook_handles[before:]
             attached.setdefault(pattern, []).extend(h.component for h in new)
         return attached

@@ -56,9 +56,9 @@ import torch
 from torch import nn
 
 from policy_probes.components import ProbeSpec, add_probe
-from policy_probes.hook_types import ProbeBuilder
 from policy_probes.lifecycle import preserved_rng
 from policy_probes.probe_settings import ProbeSettings
+from policy_probes.probes.probe import ProbeBuilder
 from policy_probes.run import Run, default_run_dir, held_outputs, remove_outputs
 from policy_probes.session import ProbeSession
 from policy_probes.torch_internals import child_modules
@@ -95,7 +95,9 @@ _HYPERPARAMETERS = (
     "policy_kwargs",
 )
 
-Probe = tuple[str, ProbeBuilder]
+#: ``(pattern, builder)`` or ``(pattern, builder, placement)`` (a dict of ``per_layer``,
+#: ``phases``, ... as ``add_training_hook`` takes them)
+Probe = tuple[str, ProbeBuilder] | tuple[str, ProbeBuilder, Mapping[str, Any]]
 
 log = logging.getLogger("policy_probes")
 
@@ -166,10 +168,10 @@ class ProbeCallback(BaseCallback):
         super().__init__(verbose)
         self.probing = probing if probing is not None else ProbeSettings()
         self._probes: list[ProbeSpec] = []
-        for pattern, builder in _pairs(probes, "probes"):
-            add_probe(self._probes, pattern, builder, None)
-        for pattern, builder in _pairs(backward_probes, "backward_probes"):
-            add_probe(self._probes, pattern, builder, True)
+        for pattern, builder, placement in _pairs(probes, "probes"):
+            add_probe(self._probes, pattern, builder, None, placement)
+        for pattern, builder, placement in _pairs(backward_probes, "backward_probes"):
+            add_probe(self._probes, pattern, builder, True, placement)
         self.components = dict(components or {})
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.user_config = dict(config or {})
@@ -181,19 +183,25 @@ class ProbeCallback(BaseCallback):
         self._masked_buffer: Any = None
 
     # ------------------------------------------------------------------ probes
-    def add_training_hook(self, pattern: str, builder: ProbeBuilder) -> ProbeCallback:
-        """Add a probe, placed by its direction (attached when ``learn()`` starts, or now
-        if it runs)."""
-        return self._add(pattern, builder, backward=None)
+    def add_training_hook(
+        self, pattern: str, builder: ProbeBuilder, **placement: Any
+    ) -> ProbeCallback:
+        """Add a probe, placed by its direction and ``placement`` (attached when
+        ``learn()`` starts, or now if it runs)."""
+        return self._add(pattern, builder, None, placement)
 
-    def add_training_backward_hook(self, pattern: str, builder: ProbeBuilder) -> ProbeCallback:
+    def add_training_backward_hook(
+        self, pattern: str, builder: ProbeBuilder, **placement: Any
+    ) -> ProbeCallback:
         """Add a backward probe (attached when ``learn()`` starts, or now if it runs)."""
-        return self._add(pattern, builder, backward=True)
+        return self._add(pattern, builder, True, placement)
 
-    def _add(self, pattern: str, builder: ProbeBuilder, backward: bool | None) -> ProbeCallback:
+    def _add(
+        self, pattern: str, builder: ProbeBuilder, backward: bool | None, placement: dict
+    ) -> ProbeCallback:
         if self.session is not None and not self.session.closed:
-            self.session._attach(pattern, builder, backward)
-        add_probe(self._probes, pattern, builder, backward)
+            self.session._attach(pattern, builder, backward, placement)
+        add_probe(self._probes, pattern, builder, backward, placement)
         return self
 
     # --------------------------------------------------------------- callbacks
@@ -221,8 +229,8 @@ class ProbeCallback(BaseCallback):
         )
         try:
             self._trace(session)
-            for pattern, builder, backward in self._probes:
-                session._attach(pattern, builder, backward)
+            for pattern, builder, backward, placement in self._probes:
+                session._attach(pattern, builder, backward, placement)
         except BaseException:
             session.close()
             if fresh:  # a failed start leaves nothing that blocks the corrected script
@@ -413,15 +421,17 @@ def _sequence_mask(mask: torch.Tensor, sample: Any) -> torch.Tensor:
     return mask.reshape(n_seq, -1) if n_seq and mask.numel() % n_seq == 0 else mask
 
 
-def _pairs(items: Iterable[Probe], what: str) -> list[Probe]:
+def _pairs(items: Iterable[Probe], what: str) -> list[tuple[str, ProbeBuilder, dict]]:
     out = []
     for item in items:
-        if not (isinstance(item, tuple | list) and len(item) == 2 and isinstance(item[0], str)):
+        ok = isinstance(item, tuple | list) and len(item) in (2, 3) and isinstance(item[0], str)
+        if not ok or (len(item) == 3 and not isinstance(item[2], Mapping)):
             raise TypeError(
                 f"{what} must hold (pattern, builder) pairs such as ('actor_mlp', "
-                f"attach_relu_activation_hooks()), got {item!r}"
+                f"attach_relu_activation_hooks()), or (pattern, builder, placement) with a "
+                f"placement dict such as {{'per_layer': False}}; got {item!r}"
             )
-        out.append((item[0], item[1]))
+        out.append((item[0], item[1], dict(item[2]) if len(item) == 3 else {}))
     return out
 
 

@@ -1,36 +1,37 @@
-"""The built-in probes: one module per probe, its tracker beside its builder."""
+"""The built-in probes: one module per probe, its measurement class beside the
+``attach_*_hooks()`` function that makes it (each registered with
+:mod:`policy_probes.plugins` when its module is imported)."""
 
-from policy_probes.probes.churn import ChurnState, attach_churn_hooks
-from policy_probes.probes.fisher import FisherInformationState, attach_fisher_information_hooks
-from policy_probes.probes.gradient_flow import GradientFlowState, attach_gradient_flow_hooks
-from policy_probes.probes.preactivation import (
-    PreactivationState,
-    attach_preactivation_hooks,
-)
-from policy_probes.probes.relu import ReLUActivationState, attach_relu_activation_hooks
+from policy_probes.probes.churn import Churn, attach_churn_hooks
+from policy_probes.probes.fisher import FisherInformation, attach_fisher_information_hooks
+from policy_probes.probes.gradient_flow import GradientFlow, attach_gradient_flow_hooks
+from policy_probes.probes.preactivation import Preactivation, attach_preactivation_hooks
+from policy_probes.probes.relu import ReLUActivation, attach_relu_activation_hooks
 from policy_probes.probes.relu_gradient_flow import (
-    ReLUGradientFlowState,
+    ReLUGradientFlow,
     attach_relu_gradient_flow_hooks,
 )
 from policy_probes.probes.saturation import (
-    SaturatedActivationState,
+    SaturatedActivation,
+    SaturatedSigmoid,
+    SaturatedTanh,
     attach_saturated_activation_hooks,
 )
-from policy_probes.probes.state import ProbeState
-from policy_probes.probes.utility import UtilityState, attach_utility_hooks
-from policy_probes.probes.weights import WeightsState, attach_weights_hooks
+from policy_probes.probes.utility import Utility, attach_utility_hooks
+from policy_probes.probes.weights import Weights, attach_weights_hooks
 
 __all__ = [
-    "ChurnState",
-    "FisherInformationState",
-    "GradientFlowState",
-    "PreactivationState",
-    "ProbeState",
-    "ReLUActivationState",
-    "ReLUGradientFlowState",
-    "SaturatedActivationState",
-    "UtilityState",
-    "WeightsState",
+    "Churn",
+    "FisherInformation",
+    "GradientFlow",
+    "Preactivation",
+    "ReLUActivation",
+    "ReLUGradientFlow",
+    "SaturatedActivation",
+    "SaturatedSigmoid",
+    "SaturatedTanh",
+    "Utility",
+    "Weights",
     "attach_churn_hooks",
     "attach_fisher_information_hooks",
     "attach_gradient_flow_hooks",

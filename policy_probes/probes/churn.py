@@ -29,31 +29,82 @@ trajectory is unchanged.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from policy_probes.context import ComponentContext
-from policy_probes.hook_types import ProbeHook
 from policy_probes.lifecycle.rng import preserved_rng
+from policy_probes.plugins import Rule, register
+from policy_probes.probes.probe import Probe
 from policy_probes.probes.rows import COUNT
-from policy_probes.probes.state import SUM, ProbeState, get_state
+from policy_probes.probes.state import SUM
 from policy_probes.processes import multi_process
+
+if TYPE_CHECKING:
+    from policy_probes.probes.observation import Observation
 
 KINDS = ("auto", "categorical", "value", "output")
 CHURN_PHASE = "churn"
 
 
-class ChurnState(ProbeState):
-    """Per component: sums and counts of the per-state changes, and their maxima."""
+@register
+class Churn(Probe):
+    """Per component: sums and counts of the per-state changes, and their maxima. It
+    records nothing in training passes: it runs its own forwards on the held-out batch at
+    the loop's ``rollout_end`` and at the report."""
 
-    probe = "churn"
+    name = "churn"
+    maker = "attach_churn_hooks()"
+    events = ("rollout_end", "epoch_end")
+    placements = ()
+    component_hook = False
+    docs = "docs/probes/churn.md"
+    metrics = {
+        "policy_kl": "mean KL(pi_before || pi_after) over the held-out states (categorical)",
+        "value_change": "mean |V_after - V_before| over the held-out states (value)",
+        "output_change": "mean |output_after - output_before| (categorical, output)",
+    }
+    rules = (
+        Rule(
+            name="churn_rising",
+            title="policy churn is rising",
+            metric="policy_kl",
+            direction="rising",
+            kind="ratio",
+            threshold=2.0,
+            floor=1e-4,
+            threshold_source="policy-probes default, not from a paper; rising churn comes "
+            "with plasticity loss in C-CHAIN (Tang et al., ICML 2025)",
+            docs="docs/probes/churn.md",
+            remedies=("churn reduction loss (C-CHAIN; not in policy_probes.remedies)",),
+            meaning="one epoch of updates changes the policy more and more on states it did "
+            "not train on: the updates interfere instead of generalise",
+        ),
+        Rule(
+            name="value_churn_rising",
+            title="value churn is rising",
+            metric="value_change",
+            direction="rising",
+            kind="ratio",
+            threshold=2.0,
+            floor=1e-4,
+            threshold_source="policy-probes default, not from a paper; C-CHAIN (Tang et al., "
+            "ICML 2025) measures |dV| on held-out states",
+            docs="docs/probes/churn.md",
+            remedies=("churn reduction loss (C-CHAIN; not in policy_probes.remedies)",),
+            meaning="one epoch of updates moves the value on states outside its data more and more",
+        ),
+    )
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, *, kind: str = "auto", batch_size: int = 256) -> None:
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {list(KINDS)}, got {kind!r}")
+        if not (isinstance(batch_size, int) and batch_size >= 1):
+            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+        super().__init__(kind=kind, batch_size=batch_size)
         self.modules: dict[str, nn.Module] = {}
         #: runs the model on a batch of observations (the policy's forward)
         self.forward: Callable[[torch.Tensor], Any] | None = None
@@ -64,10 +115,23 @@ class ChurnState(ProbeState):
         self.before: dict[str, torch.Tensor] = {}
         #: component -> metric -> max over the window (all-reduced with MAX)
         self.maxima: dict[str, dict[str, torch.Tensor]] = {}
-        self.batch_size = 256
+        self.batch_size = batch_size
 
-    def register_component(self, name: str, *, kind: str = "auto", **extra: Any) -> bool:
-        return super().register_component(name, kind=kind, **extra)
+    def attach(self, obs: Observation, module: nn.Module) -> list[RemovableHandle]:
+        self.modules[obs.component] = module
+        # the policy the probe is attached to runs the held-out forwards unless the loop
+        # hands another forward to rollout_end (also after a mid-epoch resume)
+        owner = getattr(obs.locate, "__self__", None)
+        if self.forward is None and isinstance(owner, nn.Module):
+            self.forward = owner
+        return []
+
+    def register_component(self, name: str, **settings: Any) -> bool:
+        """Register ``name``; its ``batch_size`` becomes the held-out batch's size."""
+        if not super().register_component(name, **settings):
+            return False
+        self.batch_size = self.settings[name].get("batch_size", self.batch_size)
+        return True
 
     def unregister_component(self, name: str) -> None:
         super().unregister_component(name)
@@ -233,48 +297,10 @@ class ChurnState(ProbeState):
         }
 
 
-class ChurnHook(ProbeHook):
-    """Records nothing in training passes; :meth:`attach` hands the component to the
-    tracker, which runs its own forwards on the held-out batch."""
-
-    probe = "churn"
-    builder_name = "attach_churn_hooks()"
-
-    def __init__(self, tracker: ChurnState, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.tracker = tracker
-
-    def __call__(self, module: nn.Module, first: Any, second: Any) -> None:
-        if not self.attached:
-            self.attach(module)
-
-    def attach(self, module: nn.Module) -> list[RemovableHandle]:
-        self.attached = True
-        self.tracker.modules[self.component] = module
-        # the policy the probe is attached to runs the held-out forwards unless the loop
-        # hands another forward to rollout_end (also after a mid-epoch resume)
-        owner = getattr(self.locate, "__self__", None)
-        if self.tracker.forward is None and isinstance(owner, nn.Module):
-            self.tracker.forward = owner
-        return []
-
-
-def attach_churn_hooks(*, kind: str = "auto", batch_size: int = 256) -> Any:
-    """Builder of the ``churn`` probe (docs/probes/churn.md): the change of the
+def attach_churn_hooks(*, kind: str = "auto", batch_size: int = 256) -> Churn:
+    """The ``churn`` probe (:class:`Churn`, docs/probes/churn.md): the change of the
     component's outputs on ``batch_size`` held-out states caused by an epoch's updates.
     ``kind``: ``"categorical"`` for a discrete actor head (policy KL), ``"value"`` for a
-    value head, ``"output"`` for anything else, ``"auto"``: value for one output."""
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {list(KINDS)}, got {kind!r}")
-    if not (isinstance(batch_size, int) and batch_size >= 1):
-        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-
-    def build(component_name: str, context: ComponentContext) -> ChurnHook | None:
-        tracker = get_state(context, "churn", ChurnState)
-        tracker.batch_size = batch_size
-        if not tracker.register_component(component_name, kind=kind):
-            return None
-        return ChurnHook(tracker, component_name, context, ("train",))
-
-    build.probe = "churn"  # type: ignore[attr-defined]
-    return build
+    value head, ``"output"`` for anything else, ``"auto"``: value for one output. It takes
+    no placement (it observes no training pass)."""
+    return Churn(kind=kind, batch_size=batch_size)

@@ -29,8 +29,8 @@ import functools
 import itertools
 import logging
 import math
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Literal
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
@@ -38,9 +38,8 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from policy_probes.context import ComponentContext
-from policy_probes.extractors import as_extractor
-from policy_probes.hook_types import BackwardHookBuilder, Extractor, ProbeError, ProbeHook
 from policy_probes.layers import HiddenLayer
+from policy_probes.plugins import Rule, register
 from policy_probes.probes.fisher_generic import (
     Call,
     Layout,
@@ -51,65 +50,114 @@ from policy_probes.probes.fisher_generic import (
     row_finite,
 )
 from policy_probes.probes.fisher_rules import LayerKind, LayerRule, chunk_bytes_for, layer_kind
+from policy_probes.probes.probe import Probe
 from policy_probes.probes.rows import COUNT, Rows
-from policy_probes.probes.state import (
-    Drained,
-    ProbeState,
-    as_rows,
-    get_state,
-    unit_rates,
-)
+from policy_probes.probes.state import Drained, as_rows, unit_rates
 from policy_probes.probes.weighted import Weighted
 from policy_probes.row_mask import loss_samples
-from policy_probes.sampling import Schedule, as_schedule, with_schedule
 from policy_probes.torch_internals import (
     queue_after_backward,
     tree_flatten_cached,
     tree_leaves,
     tree_unflatten,
 )
+from policy_probes.user_errors import ProbeError
+
+if TYPE_CHECKING:
+    from policy_probes.probes.observation import Observation
 
 log = logging.getLogger("policy_probes")
 
 DEAD_PARAM_THRESHOLD = 1e-8
 
 
-class FisherInformationState(ProbeState):
+@register
+class FisherInformation(Probe):
     """Sums of squared per-sample gradients: per output unit and per parameter entry."""
 
-    probe = "fisher"
+    name = "fisher"
+    maker = "attach_fisher_information_hooks()"
+    direction = "backward"
+    events = ("backward",)
+    docs = "docs/probes/fisher.md"
+    metrics = {
+        "trace": "sum of the diagonal Fisher over the component's covered parameters",
+        "unit": "per output unit: mean squared per-sample gradient",
+        "grad_noise_scale": "B_simple = tr(Sigma) / |G|^2 (McCandlish et al., 2018)",
+    }
+    console = ("trace",)
+    rules = (
+        Rule(
+            name="fisher_collapse",
+            title="the loss no longer depends on these parameters (Fisher trace collapsed)",
+            metric="trace",
+            direction="falling",
+            kind="ratio",
+            threshold=0.1,
+            floor=1e-12,
+            threshold_source="policy-probes default, not from a paper",
+            docs="docs/probes/fisher.md",
+            remedies=("redo", "shrink_and_perturb", "reset_layers"),
+            meaning="the per-sample gradients of the component's parameters fell to a tenth "
+            "of their early size",
+        ),
+        Rule(
+            name="gradient_noise_rising",
+            title="gradient noise is drowning the gradient signal",
+            metric="grad_noise_scale",
+            direction="rising",
+            kind="ratio",
+            threshold=10.0,
+            floor=1e-3,
+            threshold_source="policy-probes default, not from a paper; B_simple is "
+            "McCandlish et al., 2018",
+            docs="docs/probes/fisher.md",
+            remedies=("larger minibatches", "lower learning rate"),
+            meaning="the noise scale (the batch size at which the gradient signal matches its "
+            "noise) grew tenfold: minibatch gradients point in ever more random directions",
+        ),
+    )
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(
+        self,
+        *,
+        loss_reduction: Literal["mean", "sum"] = "mean",
+        dead_threshold: float = DEAD_PARAM_THRESHOLD,
+        param_every: int = 1,
+        generic: Literal["auto", "off"] = "auto",
+        chunk_bytes: int | None = None,
+    ) -> None:
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        if not (isinstance(param_every, int) and param_every >= 1):
+            raise ValueError(f"param_every must be an integer >= 1, got {param_every!r}")
+        if generic not in ("auto", "off"):
+            raise ValueError(f"generic must be 'auto' or 'off', got {generic!r}")
+        if chunk_bytes is not None and not (isinstance(chunk_bytes, int) and chunk_bytes >= 1):
+            raise ValueError(f"chunk_bytes must be an integer >= 1 (bytes), got {chunk_bytes!r}")
+        super().__init__(
+            loss_reduction=loss_reduction,
+            dead_threshold=dead_threshold,
+            param_every=param_every,
+            generic=generic,
+            chunk_bytes=chunk_bytes,
+        )
         #: (component, stream) -> the closed-form rule reducing that stream's rows
-        self.rules: dict[tuple[str, str], LayerRule] = {}
+        self.rules_of: dict[tuple[str, str], LayerRule] = {}
         #: component -> rows of its output gradient in the latest backward (the rows a
         #: mean loss on the component's output averages over)
         self.out_rows: dict[str, int] = {}
-
-    def register_component(
-        self,
-        name: str,
-        *,
-        loss_reduction: str = "mean",
-        dead_threshold: float = DEAD_PARAM_THRESHOLD,
-        chunk_bytes: int | None = None,
-        generic: str = "auto",
-        **extra: Any,
-    ) -> bool:
-        return super().register_component(
-            name,
-            loss_reduction=loss_reduction,
-            dead_threshold=dead_threshold,
-            chunk_bytes=chunk_bytes,
-            generic=generic,
-            **extra,
-        )
+        #: component -> the installers of every hook :meth:`attach` installs (found at
+        #: the first attach; later attaches, when the sampler re-arms the probe, install
+        #: the same hooks)
+        self.plans: dict[str, list[Callable[[], list[RemovableHandle]]]] = {}
+        #: component -> generic units whose inputs could not be split into samples
+        self.given_up: dict[str, set[nn.Module]] = {}
 
     def unregister_component(self, name: str) -> None:
         super().unregister_component(name)
-        for key in [k for k in self.rules if k[0] == name]:
-            del self.rules[key]
+        for key in [k for k in self.rules_of if k[0] == name]:
+            del self.rules_of[key]
         self.out_rows.pop(name, None)
 
     def sample_factor(
@@ -185,7 +233,7 @@ class FisherInformationState(ProbeState):
         """One backward pass through a layer with a closed-form ``rule``: the rows it
         reads (one per sample, see :class:`~policy_probes.probes.fisher_rules.LayerKind`)
         and the output gradient, flattened to as many rows."""
-        self.rules[(component, stream)] = rule
+        self.rules_of[(component, stream)] = rule
         g = grad_output.detach().reshape(x.shape[0], -1)
         f = self.sample_factor(component, g.shape[0], loss_scale, g)
         self._push(component, stream, (x, g), (None, f), weight)
@@ -295,7 +343,7 @@ class FisherInformationState(ProbeState):
             self._add(component, "nonfinite", kept.nonfinite_total(), COUNT)
             return
         kind, weight, bias = stream.split(":")[:3]
-        rule = self.rules.get((component, stream))
+        rule = self.rules_of.get((component, stream))
         x = cols[0]
         # Drop whole samples with a non-finite input or gradient (or activation output):
         # the row weight is 0 for a row with any non-finite entry (.clean is finite).
@@ -332,6 +380,33 @@ class FisherInformationState(ProbeState):
         for name, value in sq.items():
             self._add(component, f"param:{name}", value)
             self._add(component, f"param_samples:{name}", samples, COUNT)
+
+    def record_grad(
+        self,
+        obs: Observation,
+        module: nn.Module,
+        grad: torch.Tensor,
+        weight: Any,
+        loss_scale: float | torch.Tensor,
+    ) -> None:
+        self.update(obs.component, grad, loss_scale, weight=weight)
+
+    def plain_call_gaps(self, obs: Observation, module: nn.Module) -> str:
+        """The parametrised layers inside the component: the per-parameter Fisher
+        (``trace``, ``mean``, ``param.*`` keys) reads their inputs through forward hooks."""
+        params = [name for name, _ in module.named_parameters()]
+        if not params:
+            return ""
+        return (
+            f"the layers holding its parameters ({', '.join(params)}): the per-parameter "
+            f"Fisher (trace, mean, max, dead_param_fraction) reads their inputs through "
+            f"hooks of their own"
+        )
+
+    def attach(self, obs: Observation, module: nn.Module) -> list[RemovableHandle]:
+        if obs.component not in self.plans:
+            self.plans[obs.component] = _FisherHooks(self, obs).plan(module)
+        return [handle for install in self.plans[obs.component] for handle in install()]
 
     def param_fisher(self, component: str) -> dict[str, torch.Tensor]:
         """Per-entry diagonal Fisher of every covered parameter for the current window, on
@@ -430,16 +505,16 @@ def _noise(prefix: str, n: int, sq: float, gsq: float) -> dict[str, float]:
 class _GenericDelivery:
     """What one pass of a module on the generic route hands its output node: called with
     the gradients of its tapped outputs, it records the pass (:class:`Call`) with the
-    loop's loss scale, fault-guarded like the probe's own hook. One slotted object per
-    pass instead of two closures (with their cells), because a module called step by step
-    makes one per step and each lives until the backward: fewer objects for the garbage
-    collector's young generation to count."""
+    loop's loss scale, under the fault rule. One slotted object per pass instead of two
+    closures (with their cells), because a module called step by step makes one per step
+    and each lives until the backward: fewer objects for the garbage collector's young
+    generation to count."""
 
-    __slots__ = ("probe", "arrived", "layout", "tapped", "width", "rows", "weight")
+    __slots__ = ("obs", "arrived", "layout", "tapped", "width", "rows", "weight")
 
     def __init__(
         self,
-        probe: ProbeHook,
+        obs: Observation,
         arrived: Callable[[Call, float | torch.Tensor], None],
         layout: Layout,
         tapped: tuple[int, ...],
@@ -447,7 +522,7 @@ class _GenericDelivery:
         rows: int | None,
         weight: torch.Tensor | None,
     ) -> None:
-        self.probe = probe
+        self.obs = obs
         self.arrived = arrived
         self.layout = layout
         self.tapped = tapped
@@ -456,71 +531,38 @@ class _GenericDelivery:
         self.weight = weight
 
     def __call__(self, grads: tuple[torch.Tensor | None, ...]) -> None:
-        probe = self.probe
-        if not probe.enabled:
+        obs = self.obs
+        if not obs.enabled:
             return
         try:
             full: list[torch.Tensor | None] = [None] * self.width
             for i, g in zip(self.tapped, grads, strict=True):
                 full[i] = g
             call = Call(self.layout, full, self.weight, self.rows)
-            self.arrived(call, probe.context.loss_scale)
+            self.arrived(call, obs.context.loss_scale)
         except Exception as exc:  # a probe must never take training down
-            probe.fail(exc)
+            obs.fail(exc)
 
 
-class FisherInformationHook(ProbeHook):
-    probe = "fisher"
-    builder_name = "attach_fisher_information_hooks()"
-    backward = True
-    #: per-parameter Fisher from every k-th backward pass of each layer
-    param_every: int = 1
+class _FisherHooks:
+    """The hooks of the Fisher probe on the layers inside one component (the methods of
+    :meth:`FisherInformation.attach`): ``obs`` is the component's observation."""
 
-    def __init__(self, tracker: FisherInformationState, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.tracker = tracker
-        #: the layers :meth:`attach` hooks and how, found at the first attach (later
-        #: attaches, when the sampler re-arms the probe, install the same hooks)
-        self._plan: list[Callable[[], list[RemovableHandle]]] | None = None
-        #: generic units whose inputs could not be split into samples (left out for good)
-        self._given_up: set[nn.Module] = set()
+    def __init__(self, probe: FisherInformation, obs: Observation) -> None:
+        self.probe = probe
+        self.obs = obs
+        self.component = obs.component
+        self.param_every: int = probe.settings[obs.component]["param_every"]
+        self.given_up = probe.given_up.setdefault(obs.component, set())
 
-    def record_grad(
-        self,
-        module: nn.Module,
-        grad_output: torch.Tensor,
-        weight: torch.Tensor | None = None,
-        loss_scale: float | torch.Tensor = 1.0,
-    ) -> None:
-        self.tracker.update(self.component, grad_output, loss_scale, weight=weight)
-
-    # --------------------------------------------------------------- parameters
-    def plain_call_gaps(self, module: nn.Module) -> str:
-        """The parametrised layers inside the component: the per-parameter Fisher
-        (``trace``, ``mean``, ``param.*`` keys) reads their inputs through forward hooks."""
-        params = [name for name, _ in module.named_parameters()]
-        if not params:
-            return ""
-        return (
-            f"the layers holding its parameters ({', '.join(params)}): the per-parameter "
-            f"Fisher (trace, mean, max, dead_param_fraction) reads their inputs through "
-            f"hooks of their own"
-        )
-
-    def attach(self, module: nn.Module) -> list[RemovableHandle]:
-        self.attached = True
-        if self._plan is None:
-            self._plan = self._layer_plan(module)
-        return [handle for install in self._plan for handle in install()]
-
-    def _layer_plan(self, module: nn.Module) -> list[Callable[[], list[RemovableHandle]]]:
-        """The installers of every hook :meth:`attach` installs (each makes its hook
-        afresh and registers it), from one walk of the component's modules (parents
-        before their children); the parameters left out are listed in the settings
-        (``uncovered``) and warned about once."""
+    def plan(self, module: nn.Module) -> list[Callable[[], list[RemovableHandle]]]:
+        """The installers of every hook :meth:`FisherInformation.attach` installs (each
+        makes its hook afresh and registers it), from one walk of the component's modules
+        (parents before their children); the parameters left out are listed in the
+        settings (``uncovered``) and warned about once."""
         plan: list[Callable[[], list[RemovableHandle]]] = []
         covered: set[int] = set()
-        settings = self.tracker.settings[self.component]
+        settings = self.probe.settings[self.component]
         uncovered: dict[str, int] = {}
         inside: set[int] = set()  # the modules of generic units
         for sub_name, sub in module.named_modules():  # parents before their children
@@ -580,16 +622,16 @@ class FisherInformationHook(ProbeHook):
         self, module: nn.Module, make: Callable[..., Any], *args: Any
     ) -> list[RemovableHandle]:
         """Register ``make(*args)``, timed, as a forward hook of ``module``."""
-        return [module.register_forward_hook(self.timed(make(*args)))]
+        return [module.register_forward_hook(self.obs.timed(make(*args)))]
 
     def _generic_hooks(
         self, module: nn.Module, names: dict[str, str], sizes: dict[str, int]
     ) -> list[RemovableHandle]:
         """The generic route's forward hook on ``module``, unless it gave up on it."""
-        if module in self._given_up:
+        if module in self.given_up:
             return []
         hook = self._generic_hook(module, names, sizes)
-        return [module.register_forward_hook(self.timed(hook), with_kwargs=True)]
+        return [module.register_forward_hook(self.obs.timed(hook), with_kwargs=True)]
 
     def _generic_hook(self, module: nn.Module, names: dict[str, str], sizes: dict[str, int]) -> Any:
         """Forward hook of a module on the generic route: its inputs split into samples
@@ -599,6 +641,7 @@ class FisherInformationHook(ProbeHook):
         reduced together (a cell stepped over time: the per-sample gradient is the sum
         over steps). A module whose inputs cannot be split is reported once, listed as
         uncovered and no longer recorded; the rest of the probe carries on."""
+        obs, probe = self.obs, self.probe
         backwards = itertools.count()
         gave_up: list[bool] = [False]
         pending: list[Call] = []  # passes of the running backward, by arrival
@@ -608,16 +651,16 @@ class FisherInformationHook(ProbeHook):
             calls = list(pending)
             pending.clear()
             # param_every counts backwards here: all passes of one backward belong together
-            if not self.enabled or next(backwards) % self.param_every:
+            if not obs.enabled or next(backwards) % self.param_every:
                 return
             try:
                 by_batch: dict[int, list[Call]] = {}
                 for call in calls:
                     by_batch.setdefault(call.layout.batch, []).append(call)
                 for group in by_batch.values():
-                    self.tracker.update_generic(self.component, module, names, group, scale[0])
+                    probe.update_generic(self.component, module, names, group, scale[0])
             except Exception as exc:
-                self.fail(exc)
+                obs.fail(exc)
 
         def arrived(call: Call, loss_scale: float | torch.Tensor) -> None:
             if not pending:  # first pass of this backward: reduce when it ends
@@ -641,10 +684,10 @@ class FisherInformationHook(ProbeHook):
             rows = _output_rows(outs[0])
             try:
                 weight = _generic_sample_weight(
-                    self.context, mod, layout, outs[0], rows, self.component, (id(self), id(mod))
+                    obs.context, mod, layout, outs[0], rows, self.component, (id(obs), id(mod))
                 )
             except Exception as exc:
-                self.fail(exc)
+                obs.fail(exc)
                 return
             tapped = tuple(
                 i for i, t in enumerate(outs) if isinstance(t, torch.Tensor) and t.requires_grad
@@ -653,7 +696,7 @@ class FisherInformationHook(ProbeHook):
             # gradients are what flows in from outside only (an LSTM cell's c also reaches
             # its h inside the module; c's own gradient would count that path twice), and
             # in-place ops on them downstream leave that node's gradients intact
-            delivery = _GenericDelivery(self, arrived, layout, tapped, len(outs), rows, weight)
+            delivery = _GenericDelivery(obs, arrived, layout, tapped, len(outs), rows, weight)
             copies = OutputTap.apply(delivery, *(outs[i] for i in tapped))
             for i, t in zip(tapped, copies, strict=True):
                 outs[i] = t
@@ -664,10 +707,10 @@ class FisherInformationHook(ProbeHook):
     def _give_up(self, module: nn.Module, sizes: dict[str, int], exc: ProbeError) -> None:
         """List a generic unit's parameters (name -> entries) as uncovered after ``exc``
         said why; later attaches leave the unit alone."""
-        settings = self.tracker.settings[self.component]
+        settings = self.probe.settings[self.component]
         settings["uncovered"].update(sizes)
         settings["unsupported"] = list(settings["uncovered"])
-        self._given_up.add(module)
+        self.given_up.add(module)
         log.warning(
             "fisher probe on %r: %s; parameters %s are left out (uncovered/<name>)",
             self.component,
@@ -679,9 +722,10 @@ class FisherInformationHook(ProbeHook):
         """Whether this forward pass of a layer feeds the per-parameter Fisher: it will be
         backpropagated in an active phase, and it is one of every ``param_every`` such
         passes of the layer (``passes`` counts them; None: no sampling here)."""
+        obs = self.obs
         if not (
-            self.enabled
-            and self.context.phase in self.phases
+            obs.enabled
+            and obs.context.phase in obs.phases
             and torch.is_grad_enabled()
             and _carries_grad(output)
         ):
@@ -695,11 +739,13 @@ class FisherInformationHook(ProbeHook):
         layer: Any = None,
         samples: tuple[int, int] | None = None,
     ) -> None:
-        """Register ``compute(grad)`` on ``output`` (a pass :meth:`_recorded` accepted),
-        with the row-mask rows of ``output`` bound now (``layer`` tells layers apart).
-        ``samples = (samples, rows)``: the pushed rows are samples holding ``rows``
-        mask rows in all (a closed-form rule), see :meth:`RowMask.per_sample`."""
-        key, mask = (id(self), layer), self.context.row_mask
+        """Register ``compute(grad, weight, loss_scale)`` on ``output`` (a pass
+        :meth:`_recorded` accepted), with the row-mask rows of ``output`` bound now
+        (``layer`` tells layers apart). ``samples = (samples, rows)``: the pushed rows are
+        samples holding ``rows`` mask rows in all (a closed-form rule), see
+        :meth:`RowMask.per_sample`."""
+        obs = self.obs
+        key, mask = (id(obs), layer), obs.context.row_mask
         try:
             if mask is None:
                 weight = None
@@ -708,9 +754,9 @@ class FisherInformationHook(ProbeHook):
             else:
                 weight = mask.per_sample(output, *samples, None, self.component, key)
         except Exception as exc:
-            self.fail(exc)
+            obs.fail(exc)
             return
-        self.tap_grad(output, weight, compute)
+        obs.tap(output, weight, compute)
 
     def _through_activation_hook(
         self, activation: str, names: tuple[str | None, str | None]
@@ -734,14 +780,15 @@ class FisherInformationHook(ProbeHook):
         output: torch.Tensor,
     ) -> None:
         """On the gradient of the activation's ``output``: the Linear's input ``x``, the
-        output and its gradient go to :meth:`FisherInformationState.update_through_activation`."""
+        output and its gradient go to :meth:`FisherInformation.update_through_activation`."""
         # detached: a closure the output's own gradient hook holds must not hold the
         # output (autograd keeps hooks alive from C++, so that cycle is never freed)
         x, out = x.detach(), output.detach()
+        probe, component = self.probe, self.component
 
-        def compute(grad: torch.Tensor, *, weight: torch.Tensor | None, loss_scale: float) -> None:
-            self.tracker.update_through_activation(
-                self.component, activation, names, x, out, grad, loss_scale, weight=weight
+        def compute(grad: torch.Tensor, weight: Any, loss_scale: Any) -> None:
+            probe.update_through_activation(
+                component, activation, names, x, out, grad, loss_scale, weight=weight
             )
 
         self._tap(output, compute, names)
@@ -771,8 +818,8 @@ class FisherInformationHook(ProbeHook):
                 self._tap_through_activation(activation, names, x, output)
 
         return [
-            linear.register_forward_hook(self.timed(linear_hook)),
-            act.register_forward_hook(self.timed(act_hook)),
+            linear.register_forward_hook(self.obs.timed(linear_hook)),
+            act.register_forward_hook(self.obs.timed(act_hook)),
         ]
 
     def _layer_hook(self, kind: LayerKind, names: tuple[str | None, str | None]) -> Any:
@@ -780,6 +827,7 @@ class FisherInformationHook(ProbeHook):
         :data:`~policy_probes.probes.fisher_rules.LAYER_KINDS`): what the rule needs of
         the input, and the gradient of the output."""
         passes = itertools.count()
+        probe, component = self.probe, self.component
 
         def hook(mod: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
             if not self._recorded(output, passes):
@@ -787,11 +835,9 @@ class FisherInformationHook(ProbeHook):
             x = inputs[0].detach()  # the closure below must hold no autograd graph
             if kind.rows is None:  # nn.Linear: its input rows as they are
 
-                def compute(
-                    grad: torch.Tensor, *, weight: torch.Tensor | None, loss_scale: float
-                ) -> None:
-                    self.tracker.update_layer(
-                        self.component, kind.name, names, x, grad, loss_scale, weight=weight
+                def compute(grad: torch.Tensor, weight: Any, loss_scale: Any) -> None:
+                    probe.update_layer(
+                        component, kind.name, names, x, grad, loss_scale, weight=weight
                     )
 
                 self._tap(output, compute, names)
@@ -799,12 +845,8 @@ class FisherInformationHook(ProbeHook):
             rule, rows, shape = kind.rows(mod, names, x, output.detach())
             stream = f"{kind.name}:{names[0] or ''}:{names[1] or ''}:{shape}"
 
-            def compute_rule(
-                grad: torch.Tensor, *, weight: torch.Tensor | None, loss_scale: float
-            ) -> None:
-                self.tracker.update_rule(
-                    self.component, stream, rule, rows, grad, loss_scale, weight=weight
-                )
+            def compute_rule(grad: torch.Tensor, weight: Any, loss_scale: Any) -> None:
+                probe.update_rule(component, stream, rule, rows, grad, loss_scale, weight=weight)
 
             n = rows.shape[0]
             self._tap(output, compute_rule, names, (n, n * kind.positions(mod, rows, output)))
@@ -819,11 +861,9 @@ def attach_fisher_information_hooks(
     param_every: int = 1,
     generic: Literal["auto", "off"] = "auto",
     chunk_bytes: int | None = None,
-    phases: Iterable[str] | str = ("train",),
-    extractor: Extractor | None = None,
-    schedule: Schedule | str | None = None,
-) -> BackwardHookBuilder:
-    """Backward-hook builder for :class:`FisherInformationState`.
+) -> FisherInformation:
+    """The ``fisher`` probe (:class:`FisherInformation`), placed with ``phases``,
+    ``extractor`` and ``schedule``.
 
     ``loss_reduction`` says how the loss reduces over samples: ``"mean"`` (default,
     per-sample gradient = rows x autograd gradient) or ``"sum"``. ``param_every = k``
@@ -840,35 +880,13 @@ def attach_fisher_information_hooks(
     samples in the conv, embedding, norm and generic rules (default None: 8 MiB on the
     CPU, where cache-sized chunks run about twice as fast, 64 MiB on accelerators).
     """
-    if loss_reduction not in ("mean", "sum"):
-        raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
-    if not (isinstance(param_every, int) and param_every >= 1):
-        raise ValueError(f"param_every must be an integer >= 1, got {param_every!r}")
-    if generic not in ("auto", "off"):
-        raise ValueError(f"generic must be 'auto' or 'off', got {generic!r}")
-    if chunk_bytes is not None and not (isinstance(chunk_bytes, int) and chunk_bytes >= 1):
-        raise ValueError(f"chunk_bytes must be an integer >= 1 (bytes), got {chunk_bytes!r}")
-
-    extractor = as_extractor(extractor)
-
-    sched = as_schedule(schedule)
-
-    def build(component_name: str, context: ComponentContext) -> FisherInformationHook | None:
-        tracker = get_state(context, "fisher", FisherInformationState)
-        if not tracker.register_component(
-            component_name,
-            loss_reduction=loss_reduction,
-            dead_threshold=dead_threshold,
-            chunk_bytes=chunk_bytes,
-            generic=generic,
-        ):
-            return None
-        hook = FisherInformationHook(tracker, component_name, context, phases, extractor)
-        hook.param_every = param_every
-        return with_schedule(hook, sched)
-
-    build.probe = "fisher"  # type: ignore[attr-defined]
-    return build
+    return FisherInformation(
+        loss_reduction=loss_reduction,
+        dead_threshold=dead_threshold,
+        param_every=param_every,
+        generic=generic,
+        chunk_bytes=chunk_bytes,
+    )
 
 
 def _factor(push: tuple[int, Any]) -> float | torch.Tensor:

@@ -8,23 +8,25 @@ passes (as in Adam), smooths minibatch noise while following trends within an ep
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from policy_probes.hook_types import BackwardHookBuilder, Extractor
+from policy_probes.plugins import register
 from policy_probes.probes.layout import as_unit_rows
-from policy_probes.probes.per_layer import LayeredProbeHook, ProbedLayer, layered_builder
+from policy_probes.probes.per_layer import PerLayerProbe, ProbedLayer
 from policy_probes.probes.rows import COUNT, Rows
-from policy_probes.probes.state import Drained, ProbeState, unit_share
+from policy_probes.probes.state import Drained, unit_share
 from policy_probes.probes.weighted import Weighted
-from policy_probes.sampling import Schedule
+
+if TYPE_CHECKING:
+    from policy_probes.probes.observation import Observation
 
 BLOCKED_THRESHOLD = 1e-8
 
 
-class GradientFlowState(ProbeState):
+@register
+class GradientFlow(PerLayerProbe):
     """Bias-corrected EMA of per-unit gradient RMS across the backward passes of a window.
 
     ``ema`` and ``passes`` are averaged (not summed) across processes: every rank runs the
@@ -33,20 +35,23 @@ class GradientFlowState(ProbeState):
 
     mirrors_identical_rows = True  # consume() writes the accumulators only
 
-    probe = "gradient_flow"
+    name = "gradient_flow"
+    maker = "attach_gradient_flow_hooks()"
+    direction = "backward"
+    events = ("backward",)
+    docs = "docs/probes/gradient_flow.md"
+    metrics = {
+        "rms": "per unit: EMA of the RMS of its output gradient over the passes",
+        "mean": "mean of rms over the units",
+        "blocked_fraction": "share of units whose rms is below blocked_threshold",
+    }
+    console = ("mean",)
     mean_reduced = frozenset({"ema", "passes"})
 
-    def register_component(
-        self,
-        name: str,
-        *,
-        beta: float = 0.95,
-        blocked_threshold: float = BLOCKED_THRESHOLD,
-        **extra: Any,
-    ) -> bool:
-        return super().register_component(
-            name, beta=beta, blocked_threshold=blocked_threshold, **extra
-        )
+    def __init__(self, beta: float = 0.95, *, blocked_threshold: float = BLOCKED_THRESHOLD) -> None:
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"beta must lie in [0, 1), got {beta}")
+        super().__init__(beta=beta, blocked_threshold=blocked_threshold)
 
     def update(
         self,
@@ -130,6 +135,19 @@ class GradientFlowState(ProbeState):
         self._add(component, "nonfinite", total - finite.sum(), COUNT)
         self._add(component, "count", finite, COUNT)
 
+    def record_layer(
+        self, obs: Observation, layer: ProbedLayer, output: torch.Tensor, weight: Any
+    ) -> None:
+        """Subscribe to the gradient of ``layer``'s output (one shared tensor hook), which
+        arrives with ``weight``, the row-mask rows of ``output``."""
+        if not (output.requires_grad and torch.is_grad_enabled()):
+            return
+
+        def compute(grad: torch.Tensor, weight: Any, loss_scale: Any) -> None:
+            self.update(layer.component, grad, layer.channels_first, weight=weight)
+
+        obs.tap(output, weight, compute)
+
     def summarize(self, component: str, s: dict[str, torch.Tensor], cfg: dict[str, Any]) -> dict:
         k = float(s["passes"])
         correction = 1.0 - cfg["beta"] ** k if k > 0 else 1.0
@@ -160,51 +178,11 @@ def _passes(segments: list[int], scales: list[Any]) -> list[int]:
     return out
 
 
-class GradientFlowHook(LayeredProbeHook):
-    probe = "gradient_flow"
-    builder_name = "attach_gradient_flow_hooks()"
-    backward = True
-
-    def record_layer(
-        self, layer: ProbedLayer, output: torch.Tensor, weight: torch.Tensor | None = None
-    ) -> None:
-        """Subscribe to the gradient of ``layer``'s output (one shared tensor hook), which
-        arrives with ``weight``, the row-mask rows of ``output``."""
-        if not (output.requires_grad and torch.is_grad_enabled()):
-            return
-
-        def compute(grad: torch.Tensor, *, weight: torch.Tensor | None, loss_scale: Any) -> None:
-            self.tracker.update(layer.component, grad, layer.channels_first, weight=weight)
-
-        self.tap_grad(output, weight, compute)
-
-
 def attach_gradient_flow_hooks(
-    beta: float = 0.95,
-    *,
-    blocked_threshold: float = BLOCKED_THRESHOLD,
-    phases: Iterable[str] | str = ("train",),
-    extractor: Extractor | None = None,
-    layout: str = "auto",
-    per_layer: bool = True,
-    schedule: Schedule | str | None = None,
-) -> BackwardHookBuilder:
-    """Backward-hook builder for :class:`GradientFlowState`.
-
-    ``layout``: where the units are (per channel on conv outputs,
-    :mod:`~policy_probes.probes.layout`); ``per_layer``: also report the gradient at the
-    output of every activation layer inside the component
-    (:mod:`~policy_probes.probes.per_layer`)."""
-    if not 0.0 <= beta < 1.0:
-        raise ValueError(f"beta must lie in [0, 1), got {beta}")
-    return layered_builder(
-        "gradient_flow",
-        (GradientFlowState,),
-        GradientFlowHook,
-        {"beta": beta, "blocked_threshold": blocked_threshold},
-        phases=phases,
-        extractor=extractor,
-        layout=layout,
-        per_layer=per_layer,
-        schedule=schedule,
-    )
+    beta: float = 0.95, *, blocked_threshold: float = BLOCKED_THRESHOLD
+) -> GradientFlow:
+    """The ``gradient_flow`` probe (:class:`GradientFlow`): the EMA (``beta``) of each
+    output unit's gradient RMS. Placed with ``phases``, ``extractor``, ``layout`` (per
+    channel on conv outputs), ``per_layer`` (also the gradient at the output of every
+    activation layer inside the component) and ``schedule``."""
+    return GradientFlow(beta, blocked_threshold=blocked_threshold)

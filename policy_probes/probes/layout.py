@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.nn.modules import activation, batchnorm, conv, dropout, instancenorm, pooling
 
-from policy_probes.probes.state import ProbeState, as_rows
+from policy_probes.probes.state import as_rows
 from policy_probes.torch_internals import child_modules
 
 Layout = Literal["auto", "channels_first", "channels_last"]
@@ -158,25 +158,3 @@ def positions(t: torch.Tensor, channels_first: bool) -> int:
     if channels_first and t.dim() >= 3 and t.shape[0] and t.shape[1]:
         return t.numel() // (t.shape[0] * t.shape[1])
     return 1
-
-
-class ActivationState(ProbeState):
-    """Base of the trackers fed with a component's activations (``relu``,
-    ``saturation_*``): one ``"h"`` stream of unit rows laid out by ``channels_first``."""
-
-    mirrors_identical_rows = True  # consume() writes the accumulators only
-
-    def update(
-        self,
-        component: str,
-        h: torch.Tensor,
-        channels_first: bool = False,
-        *,
-        weight: torch.Tensor | None = None,
-    ) -> None:
-        """Add a batch of activations: units on the last axis (leading dims are samples),
-        or on axis 1 with ``channels_first`` (every sample and position is a row);
-        ``weight``: their row-mask rows (:meth:`ProbeState._push`)."""
-        if channels_first and h.dim() >= 3:
-            self.settings[component]["positions"] = positions(h, channels_first)
-        self._push(component, "h", (as_unit_rows(h, channels_first),), weight=weight)

@@ -17,26 +17,25 @@ the same context (``actor_mlp.layer_0`` or ``actor_mlp.*`` attached before or af
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from policy_probes.context import ComponentContext
-from policy_probes.extractors import as_extractor
-from policy_probes.hook_types import Extractor, ProbeError, ProbeHook, log
 from policy_probes.layers import LAYER_BLOCKS
-from policy_probes.probes.layout import (
-    ACTIVATION_MODULES,
-    check_layout,
-    output_channels_first,
-    resolve_channels_first,
-)
-from policy_probes.probes.state import get_state
-from policy_probes.sampling import Schedule, as_schedule, with_schedule
+from policy_probes.probes.layout import ACTIVATION_MODULES, as_unit_rows, positions
+from policy_probes.probes.observation import PLACEMENTS
+from policy_probes.probes.probe import Probe
+from policy_probes.user_errors import ProbeError
+
+if TYPE_CHECKING:
+    from policy_probes.probes.observation import Observation
+
+log = logging.getLogger("policy_probes")
 
 
 @dataclass(frozen=True)
@@ -84,59 +83,77 @@ def activation_layers(component: nn.Module) -> list[ActivationLayer]:
 
 @dataclass(frozen=True)
 class ProbedLayer:
-    """A layer a hook reads: its tracker component name, module and layout."""
+    """A layer a probe reads: its reported name, module and layout."""
 
     component: str
     module: nn.Module
     channels_first: bool
 
 
-class LayeredProbeHook(ProbeHook):
-    """A probe hook on a component's output and, with ``per_layer``, on the output of
-    every activation layer inside it that :meth:`selects`.
+class PerLayerProbe(Probe):
+    """A probe on a component's output and, with ``per_layer``, on the output of every
+    activation layer inside it that :meth:`selects`.
 
-    The layers and every layout are resolved once, at the first :meth:`attach` (later
-    attaches, when the phase re-arms the hooks, reinstall the same hooks). Subclasses
-    implement :meth:`record_layer`; the component's own output goes through
-    :meth:`record` / :meth:`record_grad` as for every :class:`ProbeHook`.
+    The layers and every layout are resolved once per component, at the first
+    :meth:`attach` (later attaches, when the phase re-arms the hooks, reinstall the same
+    hooks). The component's own output goes through :meth:`record` /
+    :meth:`record_grad`, a layer's through :meth:`record_layer`; by default all three
+    hand the rows to ``update(name, tensor, channels_first, weight=...)``.
     """
 
-    def __init__(
-        self,
-        tracker: Any,
-        component: str,
-        context: ComponentContext,
-        phases: Iterable[str] | str = ("train",),
-        extractor: Extractor | None = None,
-        *,
-        layout: str = "auto",
-        per_layer: bool = True,
+    placements = PLACEMENTS
+
+    def __init__(self, **settings: Any) -> None:
+        super().__init__(**settings)
+        #: component -> the layers it reads (resolved at its first attach)
+        self.layers: dict[str, list[ProbedLayer]] = {}
+        #: component -> layer -> the layer's hook handle
+        self._layer_handles: dict[str, dict[str, RemovableHandle]] = {}
+        #: component -> layers read in its current forward (a module run twice is refused)
+        self._seen: dict[str, set[str]] = {}
+        #: components inside a forward: a layer module called on its own (outside the
+        #: component, e.g. by a reference computation) is not this component's layer
+        self._inside: dict[str, bool] = {}
+
+    def update(
+        self, name: str, rows: torch.Tensor, channels_first: bool, *, weight: Any = None
     ) -> None:
-        super().__init__(component, context, phases, extractor)
-        self.tracker = tracker
-        self.layout = check_layout(layout)
-        self.per_layer = per_layer
-        self.channels_first = layout == "channels_first"
-        self.layers: list[ProbedLayer] | None = None
-        self._layer_handles: dict[str, RemovableHandle] = {}
-        #: layers read in the component's current forward (a module run twice is refused)
-        self._seen: set[str] = set()
-        #: inside a forward of the component: a layer module called on its own (outside
-        #: the component, e.g. by a reference computation) is not this component's layer
-        self._inside = False
+        raise NotImplementedError
 
     def selects(self, layer: ActivationLayer) -> bool:
         """Whether this probe reads ``layer`` (every activation layer by default)."""
         return True
 
-    def plain_call_gaps(self, module: nn.Module) -> str:
-        """A closure registered directly as a torch hook sees the component's output
+    def record(
+        self, obs: Observation, module: nn.Module, output: torch.Tensor, weight: Any
+    ) -> None:
+        self.update(obs.component, output, obs.channels_first, weight=weight)
+
+    def record_grad(
+        self,
+        obs: Observation,
+        module: nn.Module,
+        grad: torch.Tensor,
+        weight: Any,
+        loss_scale: float | torch.Tensor,
+    ) -> None:
+        self.update(obs.component, grad, obs.channels_first, weight=weight)
+
+    def record_layer(
+        self, obs: Observation, layer: ProbedLayer, output: torch.Tensor, weight: Any
+    ) -> None:
+        """Read one forward output of ``layer`` (not detached); ``weight``: its row-mask
+        rows (None without a mask)."""
+        self.update(layer.component, output, layer.channels_first, weight=weight)
+
+    def plain_call_gaps(self, obs: Observation, module: nn.Module) -> str:
+        """An observation registered directly as a torch hook sees the component's output
         only: it reports the component (as ``per_layer=False``). With ``per_layer``, the
         activation layers before the output, which only :meth:`attach` can hook, are
         named in one warning; a component whose only activation layer is its output
         (``nn.Sequential(nn.Linear, nn.ReLU)``) loses nothing and gets none."""
-        if self.per_layer:
-            self.per_layer = False
+        if obs.per_layer:
+            obs.per_layer = False
             layers = [layer.name for layer in activation_layers(module) if self.selects(layer)]
             inner = [name for name in layers if not _is_last(module, name)]
             if inner:
@@ -145,159 +162,114 @@ class LayeredProbeHook(ProbeHook):
                     "cannot see the activation layers inside it (%s) that per_layer=True "
                     "reads through hooks of their own; it reports the component's output "
                     "only. %s for every layer",
-                    self.probe,
-                    self.component,
+                    self.name,
+                    obs.component,
                     ", ".join(inner),
-                    self._attach_advice(capital=True),
+                    obs._attach_advice(capital=True),
                 )
         return ""
 
-    def attach(self, module: nn.Module) -> list[RemovableHandle]:
-        self.attached = True
-        if self.layers is None:
+    def attach(self, obs: Observation, module: nn.Module) -> list[RemovableHandle]:
+        component = obs.component
+        if component not in self.layers:
             # an extracted tensor need not be laid out as the module's output: "auto"
             # reads it channels last, an explicit layout is taken as given
-            auto_extracted = self.extractor is not None and self.layout == "auto"
-            self.channels_first = False if auto_extracted else self.resolve(module, "")
+            auto_extracted = obs.extractor is not None and obs.layout == "auto"
+            obs.channels_first = False if auto_extracted else obs.resolve_layout(module)
             layers = []
-            for layer in activation_layers(module) if self.per_layer else []:
-                name = f"{self.component}.{layer.name}"
-                if not self.selects(layer) or not self.tracker.claim_component(
-                    name, self, **self.tracker.settings[self.component]
+            for layer in activation_layers(module) if obs.per_layer else []:
+                name = f"{component}.{layer.name}"
+                if not self.selects(layer) or not self.claim_component(
+                    name, obs, **self.settings[component]
                 ):
                     continue  # not this probe's kind of layer, or probed on its own
-                layers.append(ProbedLayer(name, layer.module, self.resolve(module, layer.name)))
-            self.layers = layers
-        self._layer_handles = {
-            layer.component: layer.module.register_forward_hook(self._layer_hook(layer))
-            for layer in self.layers
-            if self.tracker.owns(layer.component, self)
+                layers.append(
+                    ProbedLayer(name, layer.module, obs.resolve_layout(module, layer.name))
+                )
+            self.layers[component] = layers
+        handles = self._layer_handles[component] = {
+            layer.component: layer.module.register_forward_hook(self._layer_hook(obs, layer))
+            for layer in self.layers[component]
+            if self.owns(layer.component, obs)
         }
-        if not self._layer_handles:
+        if not handles:
             return []
+
+        def start(_module: nn.Module, _inputs: Any) -> None:
+            self._seen[component] = set()
+            self._inside[component] = True
+
+        def end(_module: nn.Module, _inputs: Any, _output: Any) -> None:
+            self._inside[component] = False
+
         return [
-            module.register_forward_pre_hook(self._start_forward),
-            module.register_forward_hook(self._end_forward),
-            *self._layer_handles.values(),
+            module.register_forward_pre_hook(start),
+            module.register_forward_hook(end),
+            *handles.values(),
         ]
 
-    def _start_forward(self, _module: nn.Module, _inputs: Any) -> None:
-        self._seen.clear()
-        self._inside = True
+    def release(self, owner: Any, name: str) -> None:
+        """Stop reading layer ``name`` (another registration took it over)."""
+        handle = self._layer_handles.get(owner.component, {}).pop(name, None)
+        if handle is not None:
+            handle.remove()
 
-    def _end_forward(self, _module: nn.Module, _inputs: Any, _output: Any) -> None:
-        self._inside = False
+    def _layer_hook(self, obs: Observation, layer: ProbedLayer) -> Callable[..., None]:
+        component = obs.component
 
-    def _refuse_reused(self, layer: ProbedLayer) -> None:
+        def hook(_module: nn.Module, _inputs: Any, output: Any) -> None:
+            if not (
+                self._inside.get(component)
+                and obs.enabled
+                and obs.context.phase in obs.phases
+                and isinstance(output, torch.Tensor)
+                and self.owns(layer.component, obs)
+            ):
+                return
+            seen = self._seen[component]
+            if layer.component in seen:
+                self._refuse_reused(obs, layer)
+                return
+            seen.add(layer.component)
+            obs.call(self._read_layer, obs, layer, output)
+
+        return hook
+
+    def _read_layer(self, obs: Observation, layer: ProbedLayer, output: torch.Tensor) -> None:
+        # the mask rows bound in forward order, as the component hook binds its own
+        weight = obs.bind(output, layer.module, layer.component, layer.channels_first)
+        self.record_layer(obs, layer, output, weight)
+
+    def _refuse_reused(self, obs: Observation, layer: ProbedLayer) -> None:
         """Stop reading a layer module that runs more than once per forward of the
         component (one activation module applied after several layers): its uses would
         mix into one layer's statistics. Reported like a probe fault, for that layer only."""
         msg = (
-            f"{layer.component} runs more than once in one forward of {self.component!r} (the "
+            f"{layer.component} runs more than once in one forward of {obs.component!r} (the "
             f"same module applied at several places), so its outputs cannot be told apart as "
             f"one layer; it is no longer read per layer. Give each layer its own activation "
             f"module, or attach with per_layer=False"
         )
-        if self.context.strict:
+        if obs.context.strict:
             raise ProbeError(msg)
-        self.release(layer.component)
-        self.tracker.unregister_component(layer.component)
-        self.context.probe_errors[f"{self.probe}/{layer.component}"] = msg
-        log.error("probe %r: %s", self.probe, msg)
+        self.release(obs, layer.component)
+        self.unregister_component(layer.component)
+        obs.context.probe_errors[f"{self.name}/{layer.component}"] = msg
+        log.error("probe %r: %s", self.name, msg)
 
-    def release(self, name: str) -> None:
-        """Stop reading layer ``name`` (another registration took it over)."""
-        handle = self._layer_handles.pop(name, None)
-        if handle is not None:
-            handle.remove()
 
-    def resolve(self, module: nn.Module, sub: str) -> bool:
-        """Whether the output of ``sub`` inside the component (``""``: the component) is
-        read channels first (see :mod:`~policy_probes.probes.layout`)."""
-        if self.locate is not None:  # the policy: "auto" can look beyond the component
-            name = f"{self.component}.{sub}" if sub else self.component
-            return resolve_channels_first(self.layout, self.locate, name)
-        if self.layout == "auto" and not sub:
-            return bool(output_channels_first(module))
-        return resolve_channels_first(self.layout, module.get_submodule, sub)
+class ActivationProbe(PerLayerProbe):
+    """Base of the probes fed with a component's activations (``relu``, ``saturation_*``):
+    one ``"h"`` stream of unit rows laid out by ``channels_first``."""
 
-    def _layer_hook(self, layer: ProbedLayer) -> Callable[[nn.Module, Any, Any], None]:
-        def hook(_module: nn.Module, _inputs: Any, output: Any) -> None:
-            if not (
-                self._inside
-                and self.enabled
-                and self.context.phase in self.phases
-                and isinstance(output, torch.Tensor)
-                and self.tracker.owns(layer.component, self)
-            ):
-                return
-            if layer.component in self._seen:
-                self._refuse_reused(layer)
-                return
-            self._seen.add(layer.component)
-            # the mask rows bound in forward order, as the component hook binds its own
-            args = (layer, output)
-            self.masked_call(
-                self.record_layer, args, output, layer.module, layer.component, layer.channels_first
-            )
+    mirrors_identical_rows = True  # consume() writes the accumulators only
 
-        return hook
-
-    def record(
-        self, module: nn.Module, output: torch.Tensor, weight: torch.Tensor | None = None
+    def update(
+        self, name: str, h: torch.Tensor, channels_first: bool = False, *, weight: Any = None
     ) -> None:
-        """The component's output into the tracker."""
-        self.tracker.update(self.component, output, self.channels_first, weight=weight)
-
-    def record_grad(
-        self,
-        module: nn.Module,
-        grad: torch.Tensor,
-        weight: torch.Tensor | None = None,
-        loss_scale: float | torch.Tensor = 1.0,
-    ) -> None:
-        """The gradient at the component's output into the tracker."""
-        self.tracker.update(self.component, grad, self.channels_first, weight=weight)
-
-    def record_layer(
-        self, layer: ProbedLayer, output: torch.Tensor, weight: torch.Tensor | None = None
-    ) -> None:
-        """Read one forward output of ``layer`` (not detached; by default into the
-        tracker); ``weight``: the row-mask rows of ``output`` (None without a mask), for
-        its pushes, now or from a gradient hook."""
-        self.tracker.update(layer.component, output, layer.channels_first, weight=weight)
-
-
-def layered_builder(
-    key: str,
-    state: tuple[type, ...],
-    hook_cls: type[LayeredProbeHook],
-    settings: dict[str, Any],
-    *,
-    phases: Iterable[str] | str,
-    extractor: Extractor | None,
-    layout: str,
-    per_layer: bool,
-    schedule: Schedule | str | None,
-) -> Callable[[str, ComponentContext], LayeredProbeHook | None]:
-    """The builder of a :class:`LayeredProbeHook` probe: the tracker ``state`` (its class
-    and constructor arguments) under ``key`` in the context, ``component`` registered
-    there with ``settings``, and a ``hook_cls`` hook on its schedule (None if the
-    component is registered already). Checks ``layout``, ``extractor`` and ``schedule``
-    when the builder is made, so a bad argument fails in the recipe line that passed it."""
-    check_layout(layout)
-    extractor = as_extractor(extractor)
-    sched = as_schedule(schedule)
-    state_cls, *state_args = state
-
-    def build(component_name: str, context: ComponentContext) -> LayeredProbeHook | None:
-        tracker = get_state(context, key, state_cls, *state_args)
-        if not tracker.register_component(component_name, **settings):
-            return None
-        hook = hook_cls(
-            tracker, component_name, context, phases, extractor, layout=layout, per_layer=per_layer
-        )
-        return with_schedule(hook, sched)
-
-    build.probe = key  # type: ignore[attr-defined]
-    return build
+        """Add a batch of activations: units on the last axis (leading dims are samples),
+        or on axis 1 with ``channels_first`` (every sample and position is a row);
+        ``weight``: their row-mask rows (:meth:`_push`)."""
+        if channels_first and h.dim() >= 3:
+            self.settings[name]["positions"] = positions(h, channels_first)
+        self._push(name, "h", (as_unit_rows(h, channels_first),), weight=weight)

@@ -24,36 +24,65 @@ and for the component's own output y: ``feature_norm`` = mean_i ‖y_i‖₂.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from policy_probes.context import ComponentContext
-from policy_probes.hook_types import ProbeHook
+from policy_probes.plugins import Rule, register
+from policy_probes.probes.probe import Probe
 from policy_probes.probes.rows import COUNT
-from policy_probes.probes.state import SUM, Drained, ProbeState, as_rows, get_state
+from policy_probes.probes.state import SUM, Drained, as_rows
 from policy_probes.probes.weighted import Weighted
-from policy_probes.sampling import Schedule, as_schedule, with_schedule
+
+if TYPE_CHECKING:
+    from policy_probes.probes.observation import Observation
 
 DRIFT_EPS = 1e-8
 
 
-class PreactivationState(ProbeState):
+@register
+class Preactivation(Probe):
     """Per-unit sums of z and z² and counts per layer; row norms of the component output;
     the reference sums of the first ``reference_epochs`` reports (host, float64)."""
 
-    probe = "preactivation"
+    name = "preactivation"
+    maker = "attach_preactivation_hooks()"
+    placements = ("phases", "schedule")
+    docs = "docs/probes/preactivation.md"
+    metrics = {
+        "mean_drift": "per linear layer: mean |mu - mu0| / sigma0 over its units",
+        "std_ratio": "per linear layer: mean sigma / sigma0 over its units",
+        "feature_norm": "mean L2 norm of the component's output rows",
+    }
+    rules = (
+        Rule(
+            name="preactivation_drift",
+            title="pre-activations drift away from their early distribution",
+            metric="mean_drift",
+            direction="rising",
+            kind="level",
+            threshold=1.0,
+            min_change=0.5,
+            threshold_source="policy-probes default, not from a paper; pre-activation shift "
+            "is one of the three mechanisms of Lyle et al., 2024",
+            docs="docs/probes/preactivation.md",
+            remedies=("policy.layer_norm=true", "soft_shrink_perturb", "reset_layers"),
+            meaning="the mean pre-activation of the layer's units moved by more than one "
+            "early standard deviation: units drift into saturation or into the dead side of "
+            "the ReLU",
+        ),
+    )
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, *, reference_epochs: int = 3) -> None:
+        if not (isinstance(reference_epochs, int) and reference_epochs >= 1):
+            raise ValueError(f"reference_epochs must be an integer >= 1, got {reference_epochs!r}")
+        super().__init__(reference_epochs=reference_epochs)
         #: layer -> {"sum", "sq", "count", "windows"} over the first reports
         self.reference: dict[str, dict[str, torch.Tensor]] = {}
-
-    def register_component(self, name: str, *, reference_epochs: int = 3, **extra: Any) -> bool:
-        return super().register_component(name, reference_epochs=reference_epochs, **extra)
+        #: component -> its nn.Linear layers (reported name, module), found at attach
+        self.linears: dict[str, list[tuple[str, nn.Module]]] = {}
 
     def update_layer(
         self, layer: str, z: torch.Tensor, *, weight: torch.Tensor | None = None
@@ -115,6 +144,38 @@ class PreactivationState(ProbeState):
             out["std_ratio"] = float((sd / (sd0 + DRIFT_EPS))[both].mean())
         return out
 
+    def record(
+        self, obs: Observation, module: nn.Module, output: torch.Tensor, weight: Any
+    ) -> None:
+        self.update_output(obs.component, output, weight=weight)
+
+    def plain_call_gaps(self, obs: Observation, module: nn.Module) -> str:
+        names = [n for n, m in module.named_modules() if n and isinstance(m, nn.Linear)]
+        if not names and not isinstance(module, nn.Linear):
+            return ""
+        return f"the nn.Linear layers inside it ({', '.join(names) or 'itself'}), read through hooks of their own"
+
+    def attach(self, obs: Observation, module: nn.Module) -> list[RemovableHandle]:
+        component = obs.component
+        if component not in self.linears:
+            settings = self.settings[component]
+            layers = []
+            for name, sub in module.named_modules():
+                if not isinstance(sub, nn.Linear):
+                    continue
+                layer = f"{component}.{name}" if name else f"{component}.linear"
+                if self.register_component(layer, **settings):
+                    layers.append((layer, sub))
+            self.linears[component] = layers
+        return [
+            obs.inner_hook(
+                layer,
+                sub,
+                lambda z, weight, layer=layer: self.update_layer(layer, z, weight=weight),
+            )
+            for layer, sub in self.linears[component]
+        ]
+
     def state_dict(self) -> dict[str, Any]:
         out = super().state_dict()
         out["reference"] = {k: dict(v) for k, v in self.reference.items()}
@@ -137,66 +198,9 @@ def _moments(total: torch.Tensor, sq: torch.Tensor, count: torch.Tensor) -> tupl
     return mu, var.sqrt()
 
 
-class PreactivationHook(ProbeHook):
-    """Reads the component's output (feature norm) and, through hooks of its own, the
-    output of every ``nn.Linear`` inside it (the pre-activations)."""
-
-    probe = "preactivation"
-    builder_name = "attach_preactivation_hooks()"
-
-    def __init__(self, tracker: PreactivationState, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.tracker = tracker
-        self.layers: list[tuple[str, nn.Module]] | None = None
-
-    def record(
-        self, module: nn.Module, output: torch.Tensor, weight: torch.Tensor | None = None
-    ) -> None:
-        self.tracker.update_output(self.component, output, weight=weight)
-
-    def plain_call_gaps(self, module: nn.Module) -> str:
-        names = [n for n, m in module.named_modules() if n and isinstance(m, nn.Linear)]
-        if not names and not isinstance(module, nn.Linear):
-            return ""
-        return f"the nn.Linear layers inside it ({', '.join(names) or 'itself'}), read through hooks of their own"
-
-    def attach(self, module: nn.Module) -> list[RemovableHandle]:
-        self.attached = True
-        if self.layers is None:
-            settings = self.tracker.settings[self.component]
-            layers = []
-            for name, sub in module.named_modules():
-                if not isinstance(sub, nn.Linear):
-                    continue
-                layer = f"{self.component}.{name}" if name else f"{self.component}.linear"
-                if self.tracker.register_component(layer, **settings):
-                    layers.append((layer, sub))
-            self.layers = layers
-        return [
-            sub.register_forward_hook(self.inner_layer_hook(layer, self.tracker.update_layer))
-            for layer, sub in self.layers
-        ]
-
-
-def attach_preactivation_hooks(
-    *,
-    reference_epochs: int = 3,
-    phases: Iterable[str] | str = ("train",),
-    schedule: Schedule | str | None = None,
-) -> Any:
-    """Builder of the ``preactivation`` probe (docs/probes/preactivation.md): per
-    ``nn.Linear`` inside the component, pre-activation mean/std and their drift from the
-    first ``reference_epochs`` reports; the component output's feature norm."""
-    if not (isinstance(reference_epochs, int) and reference_epochs >= 1):
-        raise ValueError(f"reference_epochs must be an integer >= 1, got {reference_epochs!r}")
-    sched = as_schedule(schedule)
-
-    def build(component_name: str, context: ComponentContext) -> PreactivationHook | None:
-        tracker = get_state(context, "preactivation", PreactivationState)
-        if not tracker.register_component(component_name, reference_epochs=reference_epochs):
-            return None
-        hook = PreactivationHook(tracker, component_name, context, phases)
-        return with_schedule(hook, sched)
-
-    build.probe = "preactivation"  # type: ignore[attr-defined]
-    return build
+def attach_preactivation_hooks(*, reference_epochs: int = 3) -> Preactivation:
+    """The ``preactivation`` probe (:class:`Preactivation`, docs/probes/preactivation.md):
+    per ``nn.Linear`` inside the component, pre-activation mean/std and their drift from
+    the first ``reference_epochs`` reports; the component output's feature norm. Placed
+    with ``phases`` and ``schedule``."""
+    return Preactivation(reference_epochs=reference_epochs)

@@ -25,13 +25,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from policy_probes.hook_types import Extractor, HookBuilder
-from policy_probes.probes.layout import ActivationState
-from policy_probes.probes.per_layer import LayeredProbeHook, layered_builder
+from policy_probes.plugins import Rule, register
+from policy_probes.probes.per_layer import ActivationProbe
 from policy_probes.probes.rows import COUNT
 from policy_probes.probes.state import Drained, unit_rates
 from policy_probes.probes.weighted import Weighted
-from policy_probes.sampling import Schedule, standard_error
+from policy_probes.sampling import standard_error
 
 # ReDo divides by the layer mean plus a small constant; all-zero layers are all dormant.
 DORMANT_EPS = 1e-9
@@ -44,16 +43,71 @@ def tau_key(tau: float) -> str:
     return f"dormant_fraction_tau_{tau:g}"
 
 
-class ReLUActivationState(ActivationState):
-    """Per-unit counts of positive elements and sums of |h| over the window.
+@register
+class ReLUActivation(ActivationProbe):
+    """Dead, dormant, rarely and always active ReLU units: per-unit counts of positive
+    elements and sums of |h| over the window.
 
     :attr:`scores` keeps the per-unit ReDo scores of the last report (NaN for units with
     no finite value), for remedies that act on them (:mod:`policy_probes.remedies`)."""
 
-    probe = "relu"
+    name = "relu"
+    maker = "attach_relu_activation_hooks()"
+    docs = "docs/probes/relu.md"
+    metrics = {
+        "dead_fraction": "share of units never positive",
+        "dormant_fraction": "share of units whose ReDo score is at most tau",
+        "active_rate": "per unit: share of samples where it is positive",
+    }
+    console = ("dead_fraction", "dormant_fraction")
+    rules = (
+        Rule(
+            name="dormant_units",
+            title="dormant units are accumulating",
+            metric="dormant_fraction",
+            direction="rising",
+            kind="level",
+            threshold=0.1,
+            min_change=0.05,
+            threshold_source="policy-probes default, not from a paper; the dormancy score "
+            "and tau = 0.025 are ReDo's (Sokar et al., ICML 2023)",
+            docs="docs/probes/relu.md",
+            remedies=("redo", "shrink_and_perturb", "reset_layers"),
+            meaning="units whose mean |h| is at most tau of the layer mean: they pass almost "
+            "no signal forward and get almost no gradient, so the layer has lost capacity",
+        ),
+        Rule(
+            name="dead_units",
+            title="dead ReLU units are accumulating",
+            metric="dead_fraction",
+            direction="rising",
+            kind="level",
+            threshold=0.05,
+            min_change=0.05,
+            threshold_source="policy-probes default, not from a paper",
+            docs="docs/probes/relu.md",
+            remedies=("redo", "reset_layers"),
+            meaning="units never positive in an epoch get no gradient at all; they do not "
+            "recover by themselves",
+        ),
+    )
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(
+        self,
+        *,
+        tau: float = 0.025,
+        taus: Iterable[float] = DORMANT_TAUS,
+        rarely_active: float = 0.05,
+        always_active: float = 0.95,
+    ) -> None:
+        if not tau >= 0:
+            raise ValueError(f"tau must be >= 0, got {tau}")
+        taus = tuple(float(t) for t in taus)
+        if not all(t >= 0 for t in taus):
+            raise ValueError(f"every threshold in taus must be >= 0, got {taus}")
+        super().__init__(
+            tau=tau, taus=taus, rarely_active=rarely_active, always_active=always_active
+        )
         self.scores: dict[str, torch.Tensor] = {}
 
     def to_metrics(self) -> dict[str, float | list[float]]:
@@ -63,25 +117,6 @@ class ReLUActivationState(ActivationState):
     def _mirror_summary(self, component: str, source: str, summary: dict) -> dict:
         self.scores[component] = self.scores[source]
         return super()._mirror_summary(component, source, summary)
-
-    def register_component(
-        self,
-        name: str,
-        *,
-        tau: float = 0.025,
-        taus: tuple[float, ...] = DORMANT_TAUS,
-        rarely_active: float = 0.05,
-        always_active: float = 0.95,
-        **extra: Any,
-    ) -> bool:
-        return super().register_component(
-            name,
-            tau=tau,
-            taus=tuple(taus),
-            rarely_active=rarely_active,
-            always_active=always_active,
-            **extra,
-        )
 
     def consume(self, batch: Drained) -> None:
         component, (h,), weight = batch.component, batch.cols, batch.weight
@@ -140,46 +175,20 @@ def samples(count: torch.Tensor | np.ndarray, cfg: dict[str, Any]) -> float:
     return float(rows) if per_sample == 1 else rows / per_sample
 
 
-class ReLUActivationHook(LayeredProbeHook):
-    probe = "relu"
-    builder_name = "attach_relu_activation_hooks()"
-
-
 def attach_relu_activation_hooks(
     *,
     tau: float = 0.025,
     taus: Iterable[float] = DORMANT_TAUS,
     rarely_active: float = 0.05,
     always_active: float = 0.95,
-    phases: Iterable[str] | str = ("train",),
-    extractor: Extractor | None = None,
-    layout: str = "auto",
-    per_layer: bool = True,
-    schedule: Schedule | str | None = None,
-) -> HookBuilder:
-    """Forward-hook builder for :class:`ReLUActivationState`.
-
-    Attach it to a component whose output is post-activation (``actor_mlp`` of the
-    built-in policies, or ``actor_mlp.layer_0``); on a pre-activation (``...linear``) the
-    metrics describe the sign of the pre-activation instead. ``layout`` says where the
-    units are (:mod:`~policy_probes.probes.layout`: per channel on conv outputs);
-    ``per_layer`` also reports every activation layer inside the component
-    (:mod:`~policy_probes.probes.per_layer`). ``taus``: the thresholds of the
-    ``dormant_fraction_tau_<t>`` keys, reported beside ``dormant_fraction`` (at ``tau``).
-    """
-    if not tau >= 0:
-        raise ValueError(f"tau must be >= 0, got {tau}")
-    taus = tuple(float(t) for t in taus)
-    if not all(t >= 0 for t in taus):
-        raise ValueError(f"every threshold in taus must be >= 0, got {taus}")
-    return layered_builder(
-        "relu",
-        (ReLUActivationState,),
-        ReLUActivationHook,
-        {"tau": tau, "taus": taus, "rarely_active": rarely_active, "always_active": always_active},
-        phases=phases,
-        extractor=extractor,
-        layout=layout,
-        per_layer=per_layer,
-        schedule=schedule,
+) -> ReLUActivation:
+    """The ``relu`` probe (:class:`ReLUActivation`), for a component whose output is
+    post-activation (``actor_mlp`` of the built-in policies, or ``actor_mlp.layer_0``); on a
+    pre-activation (``...linear``) the metrics describe the sign of the pre-activation
+    instead. ``taus``: the thresholds of the ``dormant_fraction_tau_<t>`` keys, reported
+    beside ``dormant_fraction`` (at ``tau``). Placed with ``phases``, ``extractor``,
+    ``layout`` (per channel on conv outputs), ``per_layer`` (also every activation layer
+    inside the component) and ``schedule``."""
+    return ReLUActivation(
+        tau=tau, taus=taus, rarely_active=rarely_active, always_active=always_active
     )

@@ -15,44 +15,57 @@ modules and refuses to attach to a component without one.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from policy_probes.context import ComponentContext
-from policy_probes.hook_types import BackwardHookBuilder, ProbeError, ProbeHook
-from policy_probes.probes.layout import as_unit_rows, check_layout, resolve_channels_first
+from policy_probes.plugins import register
+from policy_probes.probes.layout import as_unit_rows
 from policy_probes.probes.per_layer import activation_layers
+from policy_probes.probes.probe import Probe
 from policy_probes.probes.rows import COUNT
-from policy_probes.probes.state import Drained, ProbeState, get_state, unit_rates, unit_share
+from policy_probes.probes.state import Drained, unit_rates, unit_share
 from policy_probes.probes.weighted import Weighted
-from policy_probes.row_mask import bound_weight
-from policy_probes.sampling import Schedule, as_schedule, tensor_rows, with_schedule
+from policy_probes.sampling import tensor_rows
+from policy_probes.user_errors import ProbeError
+
+if TYPE_CHECKING:
+    from policy_probes.probes.observation import Observation
 
 
-class ReLUGradientFlowState(ProbeState):
-    """Per ReLU layer and unit: samples seen and samples that passed gradient."""
+@register
+class ReLUGradientFlow(Probe):
+    """Per ReLU layer and unit: samples seen and samples that passed gradient. It reads
+    the gradient at the output of every ``nn.ReLU`` inside the component through hooks
+    :meth:`attach` installs (the component's own gradient is not what it reads)."""
 
-    probe = "relu_gradient_flow"
+    name = "relu_gradient_flow"
+    maker = "attach_relu_gradient_flow_hooks()"
+    direction = "backward"
+    events = ("backward",)
+    placements = ("phases", "layout", "per_layer", "schedule")
+    component_hook = False
+    docs = "docs/probes/relu_gradient_flow.md"
+    metrics = {
+        "pass_rate": "per unit: share of samples through which gradient passed",
+        "mean_pass_rate": "mean of pass_rate over the units",
+        "blocked_fraction": "share of units that passed no gradient",
+    }
+    console = ("mean_pass_rate",)
 
-    def register_component(
-        self,
-        name: str,
-        *,
-        layers: Iterable[str] = (),
-        layer_names: dict[str, str] | None = None,
-        **extra: Any,
-    ) -> bool:
+    def __init__(self) -> None:
+        super().__init__()
+        #: component -> (ReLU path inside it, module, channels first), resolved at attach
+        self.relus: dict[str, list[tuple[str, nn.Module, bool]]] = {}
+
+    def register_component(self, name: str, **settings: Any) -> bool:
         """``layers``: the ReLU modules' paths inside the component; ``layer_names``:
         ReLU path -> name of the layer it is reported under (``<name>.<layer>`` keys),
-        for the ReLUs reported per layer."""
-        return super().register_component(
-            name, layers=list(layers), layer_names=dict(layer_names or {}), **extra
-        )
+        for the ReLUs reported per layer (both set at attach)."""
+        return super().register_component(name, layers=[], layer_names={}, **settings)
 
     def update(
         self,
@@ -113,136 +126,69 @@ class ReLUGradientFlowState(ProbeState):
         out["nonfinite_fraction"] = nonfinite / elements if elements else 0.0
         return out
 
-
-class ReLUGradientFlowHook(ProbeHook):
-    """Measures through tensor hooks on the output of every ``nn.ReLU`` inside the
-    component (installed by :meth:`attach`); no hook on the component itself is needed,
-    because the component's ``grad_input`` is the gradient at its input, not at its ReLUs.
-    ``calls`` counts the ReLU-level backward calls."""
-
-    probe = "relu_gradient_flow"
-    builder_name = "attach_relu_gradient_flow_hooks()"
-    backward = True
-    component_hook = False
-
-    def __init__(
-        self,
-        tracker: ReLUGradientFlowState,
-        *args: Any,
-        layout: str = "auto",
-        per_layer: bool = True,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(*args, **kwargs)
-        self.tracker = tracker
-        self.layout = check_layout(layout)
-        self.per_layer = per_layer
-        #: (ReLU path inside the component, module, channels first), resolved at attach
-        self.relus: list[tuple[str, nn.Module, bool]] | None = None
-
-    def record_grad(
-        self,
-        module: nn.Module,
-        grad_output: torch.Tensor,
-        weight: torch.Tensor | None = None,
-        loss_scale: float | torch.Tensor = 1.0,
-    ) -> None:
-        """Nothing: the gradient at the component's output is not what this probe reads
-        (a closure registered directly after :meth:`attach` is called here)."""
-
-    def plain_call_gaps(self, module: nn.Module) -> str:
+    def plain_call_gaps(self, obs: Observation, module: nn.Module) -> str:
         return (
             "the nn.ReLU modules inside it: this probe reads the gradient at every ReLU's "
             "output through hooks on those modules, never the component's own gradient"
         )
 
-    def attach(self, module: nn.Module) -> list[RemovableHandle]:
-        if self.relus is None:
+    def attach(self, obs: Observation, module: nn.Module) -> list[RemovableHandle]:
+        component = obs.component
+        if component not in self.relus:
             relus = [(n, m) for n, m in module.named_modules() if isinstance(m, nn.ReLU)]
             if not relus:
                 raise ProbeError(
-                    f"relu_gradient_flow probe on component {self.component!r}: it holds no "
+                    f"relu_gradient_flow probe on component {component!r}: it holds no "
                     f"nn.ReLU module (functional relu calls cannot be hooked); attach it to a "
                     f"component built with nn.ReLU, or use attach_gradient_flow_hooks() instead"
                 )
-            settings = self.tracker.settings[self.component]
+            settings = self.settings[component]
             settings["layers"] = [n for n, _ in relus]
-            if self.per_layer:  # a HiddenLayer's ReLU is reported under the HiddenLayer
+            settings["per_layer"] = obs.per_layer
+            if obs.per_layer:  # a HiddenLayer's ReLU is reported under the HiddenLayer
                 settings["layer_names"] = {
                     layer.act_name: layer.name
                     for layer in activation_layers(module)
                     if isinstance(layer.act, nn.ReLU)
                 }
-            self.relus = [(n, m, self._channels_first(module, n)) for n, m in relus]
-        self.attached = True
+            self.relus[component] = [(n, m, obs.resolve_layout(module, n)) for n, m in relus]
+        first = self.relus[component][0][0]
         return [
-            m.register_forward_hook(self.timed(self._relu_hook(n, cf))) for n, m, cf in self.relus
+            m.register_forward_hook(obs.timed(self._relu_hook(obs, n, cf, n == first)))
+            for n, m, cf in self.relus[component]
         ]
 
-    def _channels_first(self, module: nn.Module, sub: str) -> bool:
-        if self.locate is not None:
-            name = f"{self.component}.{sub}" if sub else self.component
-            return resolve_channels_first(self.layout, self.locate, name)
-        return resolve_channels_first(self.layout, module.get_submodule, sub)
-
-    def _relu_hook(self, layer: str, channels_first: bool) -> Any:
+    def _relu_hook(self, obs: Observation, layer: str, channels_first: bool, first: bool) -> Any:
         def hook(_mod: nn.Module, _inputs: Any, output: Any) -> None:
             if not (
-                self.enabled
-                and self.context.phase in self.phases
+                obs.enabled
+                and obs.context.phase in obs.phases
                 and output.requires_grad
                 and torch.is_grad_enabled()
             ):
                 return
             relu_out = output.detach()
             try:  # the row-mask rows of this pass, bound in forward order
-                weight = bound_weight(
-                    self.context, relu_out, None, self.component, (id(self), layer), channels_first
-                )
+                weight = obs.bind(relu_out, None, obs.component, channels_first, key=layer)
             except Exception as exc:
-                self.fail(exc)
+                obs.fail(exc)
                 return
 
-            def record(grad: torch.Tensor, *, weight: torch.Tensor | None, loss_scale: Any) -> None:
-                self.calls += 1
-                if layer == self.relus[0][0]:  # rows observed: counted at the first ReLU
-                    self.rows += tensor_rows(grad, channels_first)
-                self.tracker.update(
-                    self.component, layer, grad, relu_out, channels_first, weight=weight
-                )
+            def record(grad: torch.Tensor, weight: Any, loss_scale: Any) -> None:
+                obs.calls += 1
+                if first:  # rows observed: counted at the first ReLU
+                    obs.rows += tensor_rows(grad, channels_first)
+                self.update(obs.component, layer, grad, relu_out, channels_first, weight=weight)
 
-            self.tap_grad(output, weight, record)
+            obs.tap(output, weight, record)
 
         return hook
 
 
-def attach_relu_gradient_flow_hooks(
-    *,
-    phases: Iterable[str] | str = ("train",),
-    layout: str = "auto",
-    per_layer: bool = True,
-    schedule: Schedule | str | None = None,
-) -> BackwardHookBuilder:
-    """Backward-hook builder for :class:`ReLUGradientFlowState`.
-
-    It reads the ``nn.ReLU`` modules inside the component, never the component's output,
-    so it takes no ``extractor``. ``layout``: where the units are (per channel after a
-    conv, :mod:`~policy_probes.probes.layout`); ``per_layer``: report each ReLU layer under
-    ``<component>.<layer>`` (else as ``<relu path>.pass_rate`` metrics of the component)."""
-    check_layout(layout)
-
-    sched = as_schedule(schedule)
-
-    def build(component_name: str, context: ComponentContext) -> ReLUGradientFlowHook | None:
-        tracker = get_state(context, "relu_gradient_flow", ReLUGradientFlowState)
-        if not tracker.register_component(component_name, per_layer=per_layer):
-            return None
-        return with_schedule(
-            ReLUGradientFlowHook(
-                tracker, component_name, context, phases, layout=layout, per_layer=per_layer
-            ),
-            sched,
-        )
-
-    build.probe = "relu_gradient_flow"  # type: ignore[attr-defined]
-    return build
+def attach_relu_gradient_flow_hooks() -> ReLUGradientFlow:
+    """The ``relu_gradient_flow`` probe (:class:`ReLUGradientFlow`). It reads the
+    ``nn.ReLU`` modules inside the component, never the component's output, so it is
+    placed without ``extractor``: with ``phases``, ``layout`` (per channel after a conv),
+    ``per_layer`` (each ReLU layer under ``<component>.<layer>``, else as ``<relu
+    path>.pass_rate`` metrics of the component) and ``schedule``."""
+    return ReLUGradientFlow()

@@ -7,20 +7,14 @@ h(1-h) (sigmoid) is near zero there, which ``mean_derivative`` reports directly.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 from torch import nn
 
-from policy_probes.hook_types import Extractor, HookBuilder
-from policy_probes.probes.layout import ActivationState, check_layout
-from policy_probes.probes.per_layer import (
-    ActivationLayer,
-    LayeredProbeHook,
-    layered_builder,
-)
+from policy_probes.plugins import register
+from policy_probes.probes.per_layer import ActivationLayer, ActivationProbe
 from policy_probes.probes.relu import samples
 from policy_probes.probes.rows import COUNT
 from policy_probes.probes.state import (
@@ -30,32 +24,39 @@ from policy_probes.probes.state import (
     unit_rates,
 )
 from policy_probes.probes.weighted import Weighted
-from policy_probes.sampling import Schedule, standard_error
+from policy_probes.sampling import standard_error
 
 SATURATING = ("tanh", "sigmoid")
 #: the activation module of each kind (the layers a per-layer saturation probe reads)
 SATURATING_MODULES: dict[str, type[nn.Module]] = {"tanh": nn.Tanh, "sigmoid": nn.Sigmoid}
 
 
-class SaturatedActivationState(ActivationState):
-    """Per-unit counts of saturated elements and sums of the activation derivative."""
+class SaturatedActivation(ActivationProbe):
+    """Saturated units of a bounded activation (:attr:`activation`, ``tanh`` or
+    ``sigmoid``): per-unit counts of saturated elements and sums of the derivative."""
 
-    def __init__(self, activation: str = "tanh") -> None:
-        if activation not in SATURATING:
+    activation: ClassVar[str] = "tanh"
+    docs = "docs/probes/saturation.md"
+    maker = "attach_saturated_activation_hooks()"
+    metrics = {
+        "saturated_fraction": "share of elements beyond the threshold",
+        "mean_derivative": "mean activation derivative over the elements",
+        "saturation_rate": "per unit: share of its elements that are saturated",
+    }
+    console = ("saturated_fraction",)
+
+    def __init__(self, *, threshold: float = 0.95, unit_threshold: float = 0.99) -> None:
+        low = 0.5 if self.activation == "sigmoid" else 0.0
+        if not low < threshold < 1.0:
             raise ValueError(
-                f"unsupported activation {activation!r} for the saturation probe; "
-                f"choose one of {list(SATURATING)}"
+                f"threshold for {self.activation} saturation must lie in ({low}, 1), got "
+                f"{threshold}"
             )
-        super().__init__()
-        self.activation = activation
-        self.probe = f"saturation_{activation}"
+        super().__init__(threshold=threshold, unit_threshold=unit_threshold)
 
-    def register_component(
-        self, name: str, *, threshold: float = 0.95, unit_threshold: float = 0.99, **extra: Any
-    ) -> bool:
-        return super().register_component(
-            name, threshold=threshold, unit_threshold=unit_threshold, **extra
-        )
+    def selects(self, layer: ActivationLayer) -> bool:
+        """Only layers of this probe's activation (tanh or sigmoid)."""
+        return isinstance(layer.act, SATURATING_MODULES[self.activation])
 
     def consume(self, batch: Drained) -> None:
         component, (h,), weight = batch.component, batch.cols, batch.weight
@@ -104,55 +105,34 @@ class SaturatedActivationState(ActivationState):
         }
 
 
-class SaturatedActivationHook(LayeredProbeHook):
-    builder_name = "attach_saturated_activation_hooks()"
+@register
+class SaturatedTanh(SaturatedActivation):
+    """Saturated tanh units: |h| > threshold."""
 
-    def __init__(self, tracker: SaturatedActivationState, *args: Any, **kwargs: Any) -> None:
-        super().__init__(tracker, *args, **kwargs)
-        self.probe = tracker.probe
+    name = "saturation_tanh"
+    activation = "tanh"
 
-    def selects(self, layer: ActivationLayer) -> bool:
-        """Only layers of this probe's activation (tanh or sigmoid)."""
-        return isinstance(layer.act, SATURATING_MODULES[self.tracker.activation])
+
+@register
+class SaturatedSigmoid(SaturatedActivation):
+    """Saturated sigmoid units: h < 1 - threshold or h > threshold."""
+
+    name = "saturation_sigmoid"
+    activation = "sigmoid"
 
 
 def attach_saturated_activation_hooks(
-    activation: str = "tanh",
-    *,
-    threshold: float = 0.95,
-    unit_threshold: float = 0.99,
-    phases: Iterable[str] | str = ("train",),
-    extractor: Extractor | None = None,
-    layout: str = "auto",
-    per_layer: bool = True,
-    schedule: Schedule | str | None = None,
-) -> HookBuilder:
-    """Forward-hook builder for :class:`SaturatedActivationState`.
-
-    Attach to a component whose output is the tanh/sigmoid activation itself (for example
-    ``actor_mlp`` of a tanh policy). ``layout``: where the units are (per channel on conv
-    outputs, :mod:`~policy_probes.probes.layout`); ``per_layer``: also report every
-    ``activation`` layer inside the component (:mod:`~policy_probes.probes.per_layer`).
-    """
-    check_layout(layout)
-    if activation not in SATURATING:
+    activation: str = "tanh", *, threshold: float = 0.95, unit_threshold: float = 0.99
+) -> SaturatedActivation:
+    """The ``saturation_<activation>`` probe (:class:`SaturatedTanh` or
+    :class:`SaturatedSigmoid`), for a component whose output is the tanh/sigmoid
+    activation itself (for example ``actor_mlp`` of a tanh policy). Placed with
+    ``phases``, ``extractor``, ``layout`` (per channel on conv outputs), ``per_layer``
+    (also every ``activation`` layer inside the component) and ``schedule``."""
+    probes = {"tanh": SaturatedTanh, "sigmoid": SaturatedSigmoid}
+    if activation not in probes:
         raise ValueError(
             f"unsupported activation {activation!r} for attach_saturated_activation_hooks; "
             f"choose one of {list(SATURATING)}"
         )
-    low = 0.5 if activation == "sigmoid" else 0.0
-    if not low < threshold < 1.0:
-        raise ValueError(
-            f"threshold for {activation} saturation must lie in ({low}, 1), got {threshold}"
-        )
-    return layered_builder(
-        f"saturation_{activation}",
-        (SaturatedActivationState, activation),
-        SaturatedActivationHook,
-        {"threshold": threshold, "unit_threshold": unit_threshold},
-        phases=phases,
-        extractor=extractor,
-        layout=layout,
-        per_layer=per_layer,
-        schedule=schedule,
-    )
+    return probes[activation](threshold=threshold, unit_threshold=unit_threshold)

@@ -110,9 +110,7 @@ class ProbeState:
             if owner is None:
                 return False
             self.unregister_component(name)
-            release = getattr(owner, "release", None)
-            if callable(release):
-                release(name)  # the claimer stops reading it
+            self.release(owner, name)  # the claimer stops reading it
         self.settings[name] = dict(settings)
         self.state[name] = {}
         return True
@@ -127,6 +125,9 @@ class ProbeState:
         self.state[name] = {}
         self.claimed[name] = owner
         return True
+
+    def release(self, owner: Any, name: str) -> None:
+        """``owner`` stops reading ``name``, which another registration took over."""
 
     def owns(self, name: str, owner: Any) -> bool:
         """Whether ``owner`` still holds its claim on ``name``."""

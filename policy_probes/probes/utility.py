@@ -23,41 +23,73 @@ module named by ``outgoing`` (``"actor_head"``), when given.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from policy_probes.context import ComponentContext
-from policy_probes.hook_types import ProbeError, ProbeHook
+from policy_probes.plugins import Rule, register
 from policy_probes.probes.per_layer import activation_layers
+from policy_probes.probes.probe import Probe
 from policy_probes.probes.rows import COUNT
-from policy_probes.probes.state import SUM, Drained, ProbeState, as_floats, as_rows, get_state
+from policy_probes.probes.state import SUM, Drained, as_floats, as_rows
 from policy_probes.probes.weighted import Weighted
-from policy_probes.sampling import Schedule, as_schedule, with_schedule
+from policy_probes.user_errors import ProbeError
+
+if TYPE_CHECKING:
+    from policy_probes.probes.observation import Observation
 
 UTILITY_EPS = 1e-12
 
 
-class UtilityState(ProbeState):
+@register
+class Utility(Probe):
     """Per-unit sums of |h| and counts per layer; the outgoing weights of each layer; the
-    running utility of each unit (host, float64; carried by :meth:`state_dict`)."""
+    running utility of each unit (host, float64; carried by :meth:`state_dict`). It reads
+    every scored activation layer through hooks of its own (the component's output is its
+    last layer's)."""
 
-    probe = "utility"
+    name = "utility"
+    maker = "attach_utility_hooks()"
+    placements = ("phases", "schedule")
+    component_hook = False
+    docs = "docs/probes/utility.md"
+    metrics = {
+        "utility": "per unit: CBP's running contribution utility",
+        "low_utility_fraction": "share of units whose utility is at most tau of the layer mean",
+    }
+    rules = (
+        Rule(
+            name="low_utility_units",
+            title="units with no contribution are accumulating",
+            metric="low_utility_fraction",
+            direction="rising",
+            kind="level",
+            threshold=0.1,
+            min_change=0.05,
+            threshold_source="policy-probes default, not from a paper; the utility is "
+            "continual backprop's (Dohare et al., Nature 2024)",
+            docs="docs/probes/utility.md",
+            remedies=("continual_backprop", "redo"),
+            meaning="units whose contribution |h| * sum|w_out| is negligible next to the layer's",
+        ),
+    )
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(
+        self, *, outgoing: str | None = None, decay: float = 0.9, tau: float = 0.025
+    ) -> None:
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"decay must be in [0, 1), got {decay}")
+        if not tau >= 0:
+            raise ValueError(f"tau must be >= 0, got {tau}")
+        super().__init__(outgoing=outgoing, decay=decay, tau=tau)
         #: layer -> the weight whose columns are the layer's outgoing weights
         self.outgoing: dict[str, torch.Tensor] = {}
         #: layer -> running utility per unit
         self.scores: dict[str, torch.Tensor] = {}
-
-    def register_component(
-        self, name: str, *, decay: float = 0.9, tau: float = 0.025, **extra: Any
-    ) -> bool:
-        return super().register_component(name, decay=decay, tau=tau, **extra)
+        #: component -> its scored layers (reported name, module), found at attach
+        self.scored: dict[str, list[tuple[str, nn.Module]]] = {}
 
     def update(self, layer: str, h: torch.Tensor, *, weight: torch.Tensor | None = None) -> None:
         self._push(layer, "h", (as_rows(h),), weight=weight)
@@ -104,6 +136,45 @@ class UtilityState(ProbeState):
             "low_utility_fraction": float((low & seen).sum()) / units,
         }
 
+    def plain_call_gaps(self, obs: Observation, module: nn.Module) -> str:
+        return "the activation layers inside it, read through hooks of their own"
+
+    def attach(self, obs: Observation, module: nn.Module) -> list[RemovableHandle]:
+        if obs.component not in self.scored:
+            self.scored[obs.component] = self._scored_layers(obs, module)
+        return [
+            obs.inner_hook(
+                name, sub, lambda h, weight, name=name: self.update(name, h, weight=weight)
+            )
+            for name, sub in self.scored[obs.component]
+        ]
+
+    def _scored_layers(self, obs: Observation, module: nn.Module) -> list[tuple[str, nn.Module]]:
+        order = {id(m): i for i, (_, m) in enumerate(module.named_modules())}
+        linears = [(order[id(m)], m) for m in module.modules() if isinstance(m, nn.Linear)]
+        settings = self.settings[obs.component]
+        tail: nn.Linear | None = None
+        if settings["outgoing"] is not None:
+            if obs.locate is None:
+                raise ProbeError(
+                    f"utility probe on {obs.component!r}: outgoing={settings['outgoing']!r} "
+                    f"needs the policy to look it up; attach through PolicyAutoBuilder.attach"
+                )
+            target = obs.locate(settings["outgoing"])
+            tail = next((m for m in target.modules() if isinstance(m, nn.Linear)), None)
+        out = []
+        for layer in activation_layers(module):
+            at = order[id(layer.module)]
+            nxt = next((m for i, m in linears if i > at and m not in layer.module.modules()), None)
+            nxt = nxt if nxt is not None else tail
+            if nxt is None:
+                continue  # nothing reads it inside the component and no outgoing= given
+            name = f"{obs.component}.{layer.name}"
+            if self.register_component(name, **settings):
+                self.outgoing[name] = nxt.weight
+                out.append((name, layer.module))
+        return out
+
     def state_dict(self) -> dict[str, Any]:
         out = super().state_dict()
         out["scores"] = {k: v.clone() for k, v in self.scores.items()}
@@ -116,89 +187,13 @@ class UtilityState(ProbeState):
         self.scores = {k: v.clone() for k, v in (state.get("scores") or {}).items()}
 
 
-class UtilityHook(ProbeHook):
-    """Reads every scored activation layer through hooks of its own (the component's
-    output is its last layer's)."""
-
-    probe = "utility"
-    builder_name = "attach_utility_hooks()"
-
-    def __init__(
-        self, tracker: UtilityState, *args: Any, outgoing: str | None = None, **kwargs: Any
-    ) -> None:
-        super().__init__(*args, **kwargs)
-        self.tracker = tracker
-        self.outgoing = outgoing
-        self.layers: list[tuple[str, nn.Module]] | None = None
-
-    def __call__(self, module: nn.Module, first: Any, second: Any) -> None:
-        if not self.attached and self.active():
-            self.check_plain_call(module, first, second)
-
-    def plain_call_gaps(self, module: nn.Module) -> str:
-        return "the activation layers inside it, read through hooks of their own"
-
-    def attach(self, module: nn.Module) -> list[RemovableHandle]:
-        self.attached = True
-        if self.layers is None:
-            self.layers = self._scored_layers(module)
-        return [
-            sub.register_forward_hook(self.inner_layer_hook(name, self.tracker.update))
-            for name, sub in self.layers
-        ]
-
-    def _scored_layers(self, module: nn.Module) -> list[tuple[str, nn.Module]]:
-        order = {id(m): i for i, (_, m) in enumerate(module.named_modules())}
-        linears = [(order[id(m)], m) for m in module.modules() if isinstance(m, nn.Linear)]
-        tail: nn.Linear | None = None
-        if self.outgoing is not None:
-            if self.locate is None:
-                raise ProbeError(
-                    f"utility probe on {self.component!r}: outgoing={self.outgoing!r} needs "
-                    f"the policy to look it up; attach through PolicyAutoBuilder.attach"
-                )
-            target = self.locate(self.outgoing)
-            tail = next((m for m in target.modules() if isinstance(m, nn.Linear)), None)
-        settings = self.tracker.settings[self.component]
-        out = []
-        for layer in activation_layers(module):
-            at = order[id(layer.module)]
-            nxt = next((m for i, m in linears if i > at and m not in layer.module.modules()), None)
-            nxt = nxt if nxt is not None else tail
-            if nxt is None:
-                continue  # nothing reads it inside the component and no outgoing= given
-            name = f"{self.component}.{layer.name}"
-            if self.tracker.register_component(name, **settings):
-                self.tracker.outgoing[name] = nxt.weight
-                out.append((name, layer.module))
-        return out
-
-
 def attach_utility_hooks(
-    *,
-    outgoing: str | None = None,
-    decay: float = 0.9,
-    tau: float = 0.025,
-    phases: Iterable[str] | str = ("train",),
-    schedule: Schedule | str | None = None,
-) -> Any:
-    """Builder of the ``utility`` probe (docs/probes/utility.md): CBP's contribution
+    *, outgoing: str | None = None, decay: float = 0.9, tau: float = 0.025
+) -> Utility:
+    """The ``utility`` probe (:class:`Utility`, docs/probes/utility.md): CBP's contribution
     utility per unit of every activation layer inside the component, and the fraction of
     units whose utility is at most ``tau`` of the layer mean. ``outgoing`` names the
     module that reads the component's output (``"actor_head"``), so its last layer is
-    scored too; ``decay``: η of the running score, applied once per report."""
-    if not 0.0 <= decay < 1.0:
-        raise ValueError(f"decay must be in [0, 1), got {decay}")
-    if not tau >= 0:
-        raise ValueError(f"tau must be >= 0, got {tau}")
-    sched = as_schedule(schedule)
-
-    def build(component_name: str, context: ComponentContext) -> UtilityHook | None:
-        tracker = get_state(context, "utility", UtilityState)
-        if not tracker.register_component(component_name, decay=decay, tau=tau):
-            return None
-        hook = UtilityHook(tracker, component_name, context, phases, outgoing=outgoing)
-        return with_schedule(hook, sched)
-
-    build.probe = "utility"  # type: ignore[attr-defined]
-    return build
+    scored too; ``decay``: η of the running score, applied once per report. Placed with
+    ``phases`` and ``schedule``."""
+    return Utility(outgoing=outgoing, decay=decay, tau=tau)

@@ -20,26 +20,71 @@ process of a data-parallel run, so there is nothing to all-reduce.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from policy_probes.context import ComponentContext
-from policy_probes.hook_types import ProbeHook
-from policy_probes.probes.state import SUM, ProbeState, get_state
+from policy_probes.plugins import Rule, register
+from policy_probes.probes.probe import Probe
+from policy_probes.probes.state import SUM
+
+if TYPE_CHECKING:
+    from policy_probes.probes.observation import Observation
 
 #: the sums one layer contributes, in order
 SUMS = ("sq", "abs", "count", "init_sq", "init_diff_sq", "prev_sq", "prev_diff_sq")
 
 
-class WeightsState(ProbeState):
+@register
+class Weights(Probe):
     """The component modules and their reference parameters (at attach, at the last
-    report); the sums are formed when the window is read (:meth:`to_metrics`)."""
+    report); the sums are formed when the window is read (:meth:`to_metrics`). Nothing
+    runs in forward or backward: :meth:`attach` hands it the component."""
 
-    probe = "weights"
+    name = "weights"
+    maker = "attach_weights_hooks()"
+    events = ("epoch_end",)
+    placements = ()
+    component_hook = False
+    docs = "docs/probes/weights.md"
+    metrics = {
+        "norm": "L2 norm of the layer's parameters",
+        "init_distance": "||theta - theta0|| / ||theta0||",
+        "update_ratio": "||theta - theta_prev|| / ||theta_prev||, one report apart",
+    }
+    rules = (
+        Rule(
+            name="weight_norm_growth",
+            title="weight norm keeps growing",
+            metric="norm",
+            direction="rising",
+            kind="ratio",
+            threshold=1.5,
+            floor=1e-6,
+            threshold_source="policy-probes default, not from a paper; parameter-norm growth "
+            "is one of the three mechanisms of Lyle et al., 2024",
+            docs="docs/probes/weights.md",
+            remedies=("l2_init", "soft_shrink_perturb", "policy.layer_norm=true"),
+            meaning="larger weights make units harder to move and the loss surface sharper",
+        ),
+        Rule(
+            name="updates_stalled",
+            title="updates barely move the weights",
+            metric="update_ratio",
+            direction="falling",
+            kind="ratio",
+            threshold=0.2,
+            floor=1e-9,
+            threshold_source="policy-probes default, not from a paper (an annealed learning "
+            "rate lowers it by design)",
+            docs="docs/probes/weights.md",
+            remedies=("soft_shrink_perturb", "l2_init", "reset_layers"),
+            meaning="each epoch's updates move the layer by a fifth or less of what they did "
+            "at the start",
+        ),
+    )
 
     def __init__(self) -> None:
         super().__init__()
@@ -48,6 +93,10 @@ class WeightsState(ProbeState):
         #: component -> layer -> [θ₀ copies], [θ_prev copies]
         self.init: dict[str, dict[str, list[torch.Tensor]]] = {}
         self.prev: dict[str, dict[str, list[torch.Tensor]]] = {}
+
+    def attach(self, obs: Observation, module: nn.Module) -> list[RemovableHandle]:
+        self.watch(obs.component, module)
+        return []
 
     def unregister_component(self, name: str) -> None:
         super().unregister_component(name)
@@ -138,36 +187,8 @@ def _weight_metrics(row: torch.Tensor) -> dict[str, float]:
     }
 
 
-class WeightsHook(ProbeHook):
-    """Reads nothing in forward; :meth:`attach` hands the component to the tracker."""
-
-    probe = "weights"
-    builder_name = "attach_weights_hooks()"
-
-    def __init__(self, tracker: WeightsState, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.tracker = tracker
-
-    def __call__(self, module: nn.Module, first: Any, second: Any) -> None:
-        if not self.attached:  # registered directly with torch: the module is here
-            self.attach(module)
-
-    def attach(self, module: nn.Module) -> list[RemovableHandle]:
-        self.attached = True
-        self.tracker.watch(self.component, module)
-        return []
-
-
-def attach_weights_hooks(*, phases: Iterable[str] | str = ("train",)) -> Any:
-    """Builder of the ``weights`` probe: per-layer ‖θ‖, mean |θ|, ‖θ − θ₀‖/‖θ₀‖ and the
-    update ratio ‖Δθ‖/‖θ‖ of the component (docs/probes/weights.md). θ₀ is taken when the
-    probe is attached: attach it before training."""
-
-    def build(component_name: str, context: ComponentContext) -> WeightsHook | None:
-        tracker = get_state(context, "weights", WeightsState)
-        if not tracker.register_component(component_name):
-            return None
-        return WeightsHook(tracker, component_name, context, phases)
-
-    build.probe = "weights"  # type: ignore[attr-defined]
-    return build
+def attach_weights_hooks() -> Weights:
+    """The ``weights`` probe (:class:`Weights`, docs/probes/weights.md): per-layer ‖θ‖,
+    mean |θ|, ‖θ − θ₀‖/‖θ₀‖ and the update ratio ‖Δθ‖/‖θ‖ of the component. θ₀ is taken
+    when the probe is attached: attach it before training. It takes no placement."""
+    return Weights()

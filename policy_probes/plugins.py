@@ -1,0 +1,218 @@
+"""Plugins: the probes, remedies and metric sinks a run selects by name.
+
+Each plugin is a class that says what it is (``kind`` and ``name``; a probe also its loop
+events, metrics, findings rules, console defaults and docs page) and registers itself by
+declaration with :func:`register`, as lifecycle hooks do with ``HookRegistry.register``.
+Everything that needs to know the plugins asks this registry: configuration selects them
+by name (``probes=[...]``, ``remedies=[...]``, ``sinks.<name>=true``), the findings engine
+reads the probes' rules, the console their default metrics, and ``policy-probes plugins``
+lists them. A plugin of your own, registered in a module your recipe imports, is
+selectable exactly like a built-in one.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any, Literal, TypeVar
+
+KINDS = ("probe", "remedy", "sink")
+_REGISTRY: dict[str, dict[str, type]] = {kind: {} for kind in KINDS}
+T = TypeVar("T", bound=type)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A findings rule a probe declares: its per-epoch ``metric`` (a metric name of the
+    probe, read for every component and layer it reports; or, with ``key``, one record key
+    of the run) and the condition that makes it a finding.
+
+    ``kind="level"``: the rolling median is at or beyond ``threshold`` (above for
+    ``"rising"``, below for ``"falling"``) and has moved by at least ``min_change`` from
+    the baseline in that direction. ``kind="ratio"``: the rolling median divided by the
+    baseline is at or beyond ``threshold`` (a factor: 2.0 = doubled, 0.2 = fell to a fifth),
+    and the rolling median is at least ``floor`` in size (values near 0 make ratios noise)."""
+
+    name: str
+    title: str
+    metric: str
+    direction: Literal["rising", "falling"]
+    kind: Literal["level", "ratio"]
+    threshold: float
+    threshold_source: str
+    docs: str
+    remedies: tuple[str, ...]
+    meaning: str
+    min_change: float = 0.0
+    floor: float = 0.0
+    #: the probe whose metric this is (set when the probe registers); None: ``metric``
+    #: is a key of the run's records (``train/value_target_std``)
+    probe: str | None = None
+
+    @property
+    def pattern(self) -> re.Pattern[str]:
+        """The record keys the rule reads; group ``component`` names the component."""
+        if self.probe is None:
+            return re.compile(re.escape(self.metric))
+        return re.compile(
+            rf"probes/{re.escape(self.probe)}/(?P<component>[^/]+)/{re.escape(self.metric)}"
+        )
+
+    def matches(self, key: str) -> str | None:
+        """The component (or the key itself for a run-level rule) when this rule reads
+        ``key``, else None."""
+        m = self.pattern.fullmatch(key)
+        if m is None:
+            return None
+        return m.groupdict().get("component") or key
+
+    def holds(self, value: float, baseline: float) -> bool:
+        if self.kind == "level":
+            if self.direction == "rising":
+                return value >= self.threshold and value - baseline >= self.min_change
+            return value <= self.threshold and baseline - value >= self.min_change
+        if baseline <= self.floor:  # too small to divide by (ratio rules read sizes >= 0)
+            return (
+                self.direction == "rising"
+                and self.floor > 0
+                and value >= self.threshold * self.floor
+            )
+        ratio = value / baseline
+        return ratio >= self.threshold if self.direction == "rising" else ratio <= self.threshold
+
+
+def register(cls: T) -> T:
+    """Class decorator: register a plugin under its ``kind`` and ``name`` (a probe's
+    rules are bound to it here). Another class under a taken name is refused."""
+    kind, name = getattr(cls, "kind", None), getattr(cls, "name", None)
+    if kind not in KINDS:
+        raise ValueError(f"{cls.__name__}.kind must be one of {KINDS}, got {kind!r}")
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z][\w-]*", name):
+        raise ValueError(f"{cls.__name__}.name must be an identifier, got {name!r}")
+    taken = _REGISTRY[kind].get(name)
+    if taken is not None and taken is not cls:
+        raise ValueError(f"a {kind} named {name!r} is already registered ({taken.__name__})")
+    if kind == "probe":  # a probe's rules read its own metrics
+        cls.rules = tuple(replace(r, probe=name) if r.probe is None else r for r in cls.rules)
+    _REGISTRY[kind][name] = cls
+    return cls
+
+
+def unregister(kind: str, name: str) -> None:
+    """Forget a plugin (tests that declare their own)."""
+    _REGISTRY[kind].pop(name, None)
+
+
+def registered(kind: str) -> dict[str, type]:
+    """The plugins of ``kind`` by name, in registration order."""
+    return dict(_REGISTRY[kind])
+
+
+def get(kind: str, name: str) -> type:
+    """The plugin ``name`` of ``kind``; a ``ValueError`` listing the registered ones."""
+    found = _REGISTRY[kind].get(name)
+    if found is None:
+        known = list(_REGISTRY[kind])
+        close = difflib.get_close_matches(name, known, n=3, cutoff=0.5)
+        hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+        raise ValueError(f"unknown {kind} {name!r}.{hint} Registered: {', '.join(known)}")
+    return found
+
+
+def findings_rules() -> tuple[Rule, ...]:
+    """Every registered probe's findings rules, in registration order."""
+    return tuple(rule for cls in _REGISTRY["probe"].values() for rule in cls.rules)
+
+
+def console_metrics() -> tuple[str, ...]:
+    """The console's default metric patterns the registered probes declare
+    (``probes/<probe>/*/<metric>``)."""
+    return tuple(
+        f"probes/{name}/*/{metric}"
+        for name, cls in _REGISTRY["probe"].items()
+        for metric in cls.console
+    )
+
+
+# ---------------------------------------------------------------------- specs
+#: arguments whose values are lists, written with ``|`` between items
+LIST_KEYS = ("layers", "consumer", "taus")
+
+
+def parse_spec(spec: str, kind: str) -> tuple[str, str, dict[str, Any]]:
+    """``"name@component[:key=value,...]"`` -> ``(name, component, arguments)`` for a
+    registered plugin of ``kind``; a ``ValueError`` says what is wrong. Values are read as
+    integers, floats, ``true``/``false``/``none``, or text; a list separates its items
+    with ``|`` (``layers=layer_1.linear|layer_0.linear``)."""
+    if not isinstance(spec, str):
+        raise ValueError(
+            f"a {kind} spec is a string 'name@component[:key=value,...]', got {spec!r}"
+        )
+    head, _, args = spec.strip().partition(":")
+    name, at, component = (part.strip() for part in head.partition("@"))
+    if not at or not name or not component:
+        raise ValueError(
+            f"{kind} spec {spec!r}: write 'name@component[:key=value,...]', e.g. "
+            f"'{'redo@critic_mlp:tau=0.025' if kind == 'remedy' else 'relu@actor_mlp:tau=0.1'}'"
+        )
+    try:
+        get(kind, name)
+    except ValueError as exc:
+        raise ValueError(f"{kind} spec {spec!r}: {exc}") from None
+    kwargs: dict[str, Any] = {}
+    for item in filter(None, (a.strip() for a in args.split(","))):
+        key, eq, text = (part.strip() for part in item.partition("="))
+        if not eq or not key:
+            raise ValueError(f"{kind} spec {spec!r}: {item!r} is not key=value")
+        if key in kwargs:
+            raise ValueError(f"{kind} spec {spec!r}: {key} is given twice; give each key once")
+        kwargs[key] = _value(key, text)
+    return name, component, kwargs
+
+
+def _value(key: str, text: str) -> Any:
+    if key in LIST_KEYS:
+        return [_value("", item.strip()) for item in text.split("|") if item.strip()]
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered in ("none", "null"):
+        return None
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def split_specs(value: Any, kind: str) -> list[str]:
+    """A list of specs, a JSON list, or one string of specs separated by ``;``."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        text = value.strip()
+        if not text.startswith("["):
+            return [s.strip() for s in text.split(";") if s.strip()]
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{kind} specs {text!r} are not a JSON list: {exc}") from None
+    if not isinstance(value, list | tuple) or not all(isinstance(s, str) for s in value):
+        raise ValueError(
+            f"{kind} specs must be a list of 'name@component[:key=value,...]' strings, "
+            f"got {value!r}"
+        )
+    return [s.strip() for s in value if s.strip()]
+
+
+def describe(kind: str, render: Callable[[type], str] | None = None) -> list[str]:
+    """One line per registered plugin of ``kind``: its name and first docstring line."""
+    out = []
+    for name, cls in _REGISTRY[kind].items():
+        line = render(cls) if render else ((cls.__doc__ or "").strip().splitlines() or [""])[0]
+        out.append(f"{name}: {line}")
+    return out
