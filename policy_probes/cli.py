@@ -32,6 +32,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from policy_probes import plugins
 from policy_probes.arms import add_arms_subcommand
 from policy_probes.control_channel import COMMANDS, ControlError, send_command
 from policy_probes.diagnose import add_diagnose_subcommand
@@ -653,6 +654,47 @@ def ctl_command(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------- entry point
+def add_plugins_subcommand(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "plugins",
+        help="list the registered probes, remedies and metric sinks",
+        description="The probes, remedies and metric sinks a run can select by name "
+        "(probes=[...], remedies=[...], sinks.<name>=true); yours too, once the module "
+        "that registers them is imported (a recipe: --recipe).",
+    )
+    p.add_argument("--kind", choices=plugins.KINDS, help="only this kind")
+    p.add_argument("--recipe", help="a recipe module to import first (its own plugins)")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of text")
+    p.set_defaults(handler=plugins_command)
+
+
+def plugins_command(args: argparse.Namespace) -> int:
+    import policy_probes.probes  # noqa: F401 - the built-ins register when imported
+    import policy_probes.remedies  # noqa: F401
+    import policy_probes.sinks  # noqa: F401
+
+    if args.recipe:
+        load_recipe(args.recipe)
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for kind in [args.kind] if args.kind else plugins.KINDS:
+        out[kind] = {name: plugins.info(cls) for name, cls in plugins.registered(kind).items()}
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    for kind, found in out.items():
+        print(f"{kind}s:".replace("ys:", "ies:"))
+        for name, info in found.items():
+            print(f"  {name}: {info['summary']}")
+            for key in ("direction", "events", "placements", "metrics", "findings", "console"):
+                if info.get(key):
+                    value = info[key]
+                    text = ", ".join(value) if isinstance(value, list | dict) else value
+                    print(f"    {key}: {text}")
+            if info.get("docs"):
+                print(f"    docs: {info['docs']}")
+    return 0
+
+
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     add_run_subcommand,
     add_resume_subcommand,
@@ -662,6 +704,7 @@ SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     add_report_subcommand,
     add_hooks_subcommand,
     add_diagnose_subcommand,
+    add_plugins_subcommand,
 ]
 
 

@@ -13,9 +13,9 @@ selectable exactly like a built-in one.
 from __future__ import annotations
 
 import difflib
+import inspect
 import json
 import re
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Literal, TypeVar
 
@@ -173,6 +173,30 @@ def parse_spec(spec: str, kind: str) -> tuple[str, str, dict[str, Any]]:
     return name, component, kwargs
 
 
+def from_spec(spec: str, kind: str) -> tuple[str, Any, dict[str, Any]]:
+    """``"name@component[:key=value,...]"`` -> ``(component, plugin, rest)``: the plugin
+    built from the arguments its constructor takes (a class's ``spec_keys`` name what its
+    ``**kwargs`` take); for a probe, ``rest`` holds the placement arguments. A
+    ``ValueError`` says what is wrong (unknown plugin or key, bad value)."""
+    name, component, kwargs = parse_spec(spec, kind)
+    cls = get(kind, name)
+    params = inspect.signature(cls).parameters.values()
+    known = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        known += list(getattr(cls, "spec_keys", ()))
+    rest = list(getattr(cls, "placements", ())) if kind == "probe" else []
+    for key in kwargs:
+        if key not in known and key not in rest:
+            raise ValueError(
+                f"{kind} spec {spec!r}: {key!r} is no key of {name}; keys: {known + rest}"
+            )
+    try:
+        made = cls(**{k: v for k, v in kwargs.items() if k in known})
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{kind} spec {spec!r}: {exc}") from None
+    return component, made, {k: v for k, v in kwargs.items() if k not in known}
+
+
 def _value(key: str, text: str) -> Any:
     if key in LIST_KEYS:
         return [_value("", item.strip()) for item in text.split("|") if item.strip()]
@@ -209,10 +233,18 @@ def split_specs(value: Any, kind: str) -> list[str]:
     return [s.strip() for s in value if s.strip()]
 
 
-def describe(kind: str, render: Callable[[type], str] | None = None) -> list[str]:
-    """One line per registered plugin of ``kind``: its name and first docstring line."""
-    out = []
-    for name, cls in _REGISTRY[kind].items():
-        line = render(cls) if render else ((cls.__doc__ or "").strip().splitlines() or [""])[0]
-        out.append(f"{name}: {line}")
+def info(cls: type) -> dict[str, Any]:
+    """What a plugin declares, as plain values (``policy-probes plugins``)."""
+    paragraph = (cls.__doc__ or "").strip().split("\n\n")[0]
+    out: dict[str, Any] = {"summary": " ".join(paragraph.split())}
+    if getattr(cls, "kind", None) == "probe":
+        out.update(
+            direction=cls.direction,
+            events=list(cls.events),
+            placements=list(cls.placements),
+            metrics=dict(cls.metrics),
+            findings=[rule.name for rule in cls.rules],
+            console=[f"probes/{cls.name}/*/{m}" for m in cls.console],
+        )
+    out["docs"] = getattr(cls, "docs", "")
     return out

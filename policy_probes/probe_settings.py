@@ -5,9 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+import policy_probes.probes  # noqa: F401 - registers the built-in probes
+import policy_probes.remedies  # noqa: F401 - registers the built-in remedies
 from policy_probes.lifecycle import HookSelectionError, TrainingHook, select_hooks
+from policy_probes.plugins import from_spec, split_specs
 from policy_probes.sampling import DEFAULT_BUDGET, as_schedule, check_budget
 from policy_probes.sinks import SinksConfig, WandbConfig
 
@@ -51,6 +54,19 @@ class ProbeSettings(BaseModel):
         description="Fire SNAPSHOT (expensive hooks such as hessian; the console's snapshot "
         "table) every N epochs; 0 = never.",
     )
+    probes: list[str] = Field(
+        default_factory=list,
+        description='Probes to attach besides those the code attaches, "name@component'
+        '[:key=value,...]" each (settings and placement), e.g. '
+        '"relu@actor_mlp:tau=0.05,per_layer=false"; `policy-probes plugins` lists the '
+        'names. A JSON list or one string of specs separated by ";".',
+    )
+    remedies: list[str] = Field(
+        default_factory=list,
+        description='Remedies to switch on, "name@component[:key=value,...]" each, e.g. '
+        '"redo@critic_mlp:tau=0.025,every_epochs=25" (docs/remedies.md); a JSON list or '
+        'one string of specs separated by ";".',
+    )
     sinks: SinksConfig = Field(default_factory=SinksConfig)
     wandb: WandbConfig = Field(default_factory=WandbConfig)
 
@@ -63,6 +79,15 @@ class ProbeSettings(BaseModel):
     @classmethod
     def _check_probe_schedule(cls, v: Any) -> str | None:
         return None if v is None else str(as_schedule(v))
+
+    @field_validator("probes", "remedies", mode="before")
+    @classmethod
+    def _check_specs(cls, v: Any, info: ValidationInfo) -> list[str]:
+        kind = "probe" if info.field_name == "probes" else "remedy"
+        specs = split_specs(v, kind)
+        for spec in specs:
+            from_spec(spec, kind)  # unknown plugin or key, bad value: a clear error now
+        return specs
 
     @field_validator("hooks", mode="before")
     @classmethod

@@ -47,6 +47,7 @@ from policy_probes.lifecycle import (
     preserved_rng,
     snapshot_due,
 )
+from policy_probes.plugins import from_spec
 from policy_probes.probe_settings import ProbeSettings
 from policy_probes.probes.probe import ProbeBuilder
 from policy_probes.remedies.base import Remedy, RemedyRunner
@@ -127,6 +128,8 @@ class ProbeSession:
         self._rollout_seen = False
         self._epoch_started = False
         self._step_hooks: list[Any] = []  # on the optimizer (pass ends, PRE_EPOCH)
+        #: remedies added before the loop bound its optimizer: (pattern, remedy, seed)
+        self._unbound_remedies: list[tuple[str, Remedy, int | None]] = []
         self._watching = False
         self._started = False
         #: remedies fired at every epoch_end (policy_probes.remedies)
@@ -154,6 +157,9 @@ class ProbeSession:
         )
         try:
             self._open_run()
+            for spec in self.probing.probes:  # the configuration's probes
+                component, probe, placement = from_spec(spec, "probe")
+                self._attach(component, probe, None, placement)
             if optimizer is not None or model_context is not None or loss_fn is not None:
                 self.bind(
                     optimizer, scheduler=scheduler, loss_fn=loss_fn, model_context=model_context
@@ -210,6 +216,13 @@ class ProbeSession:
             self.sampler.probe_batch_source = model_context  # probe batches through its loss
         self._watch_passes()
         self._check_hooks()
+        if optimizer is not None:  # the remedies added so far, then the configuration's
+            for pattern, remedy, seed in self._unbound_remedies:
+                self.add_remedy(pattern, remedy, seed=seed)
+            self._unbound_remedies = []
+            for spec in self.probing.remedies:
+                component, remedy, _ = from_spec(spec, "remedy")
+                self.add_remedy(component, remedy)
         return self
 
     def _watch_passes(self) -> None:
@@ -311,18 +324,15 @@ class ProbeSession:
         """Attach a remedy (``policy_probes.remedies``: ``redo``, ``shrink_and_perturb``,
         ``reset_layers``, ...) to a component name or glob; returns self. It fires in
         :meth:`epoch_end` after the epoch's metrics and before its records. Remedies
-        change the weights the optimizer trains, so the session needs the optimizer
-        (:meth:`bind`; a session without one, e.g. evaluation only, is refused).
-        ``seed``: of the remedy's generator when the remedy has none (default
-        ``torch.initial_seed()``)."""
+        change the weights the optimizer trains, so the session binds one when the loop
+        binds its optimizer (:meth:`bind`; before that it waits; a loop that starts
+        without one, e.g. evaluation only, is refused). ``seed``: of the remedy's
+        generator when the remedy has none (default ``torch.initial_seed()``)."""
         if self.closed:
             raise RuntimeError("this ProbeSession is closed; start a new one to add remedies")
         if self.optimizer is None:
-            raise ValueError(
-                "remedies change the policy's weights and reset the optimizer's state for "
-                "them; a ProbeSession without optimizer=... (evaluation only) cannot run "
-                "them. Pass the loop's optimizer to ProbeSession"
-            )
+            self._unbound_remedies.append((pattern, remedy, seed))
+            return self
         seed = torch.initial_seed() if seed is None else seed
         self.remedies.attach(self.policy, pattern, remedy, self.context, self.optimizer, seed)
         return self
@@ -541,6 +551,12 @@ class ProbeSession:
         if not self._started:  # the loop starts training: a refused start writes nothing
             if self.closed:
                 raise RuntimeError("this ProbeSession is closed")
+            if self._unbound_remedies or (self.probing.remedies and self.optimizer is None):
+                raise ValueError(
+                    "remedies change the policy's weights and reset the optimizer's state "
+                    "for them; a ProbeSession without optimizer=... (evaluation only) cannot "
+                    "run them. Pass the loop's optimizer to ProbeSession"
+                )
             self._check_hooks()
             self.run.write_config()
             self.run.open_sinks(self.probing.sinks, self.probing.wandb)

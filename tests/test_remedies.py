@@ -9,13 +9,12 @@ from conftest import JSONL_ONLY, REMEDY_SEED, ReluNet, remedy_seeds, remedy_sess
 from torch import nn
 
 from policy_probes import ProbeSettings, Run
+from policy_probes.plugins import from_spec, registered, split_specs
 from policy_probes.probes.relu import attach_relu_activation_hooks
 from policy_probes.remedies import (
-    parse_remedy_spec,
     redo,
     reset_layers,
     shrink_and_perturb,
-    split_remedy_specs,
 )
 from policy_probes.session import ProbeSession
 
@@ -245,6 +244,7 @@ def test_bad_configuration_messages(tmp_path):
     )
     with eval_only, pytest.raises(ValueError, match="without optimizer"):
         eval_only.add_remedy("head", reset_layers(last=1, every_epochs=1))
+        eval_only.set_phase("train")  # the loop starts without an optimizer: refused
 
 
 def test_redo_refuses_a_normalisation_between_a_layer_and_its_consumer(tmp_path):
@@ -261,6 +261,12 @@ def test_redo_refuses_a_normalisation_between_a_layer_and_its_consumer(tmp_path)
             session.add_remedy("body", redo(every_epochs=1))
 
 
+def parse_remedy_spec(spec: str):
+    component, remedy, rest = from_spec(spec, "remedy")
+    assert rest == {}
+    return component, remedy
+
+
 def test_specs():
     component, remedy = parse_remedy_spec("redo@critic_mlp:tau=0.025,every_epochs=25")
     assert component == "critic_mlp" and remedy.tau == 0.025
@@ -275,22 +281,30 @@ def test_specs():
         ">",
         0.3,
     )
-    assert split_remedy_specs('["redo@a:every_epochs=1", "redo@b:every_epochs=2"]') == [
+    assert split_specs('["redo@a:every_epochs=1", "redo@b:every_epochs=2"]', "remedy") == [
         "redo@a:every_epochs=1",
         "redo@b:every_epochs=2",
     ]
-    assert split_remedy_specs("redo@a:every_epochs=1; shrink_and_perturb@b:every_epochs=2") == [
+    specs = "redo@a:every_epochs=1; shrink_and_perturb@b:every_epochs=2"
+    assert split_specs(specs, "remedy") == [
         "redo@a:every_epochs=1",
         "shrink_and_perturb@b:every_epochs=2",
     ]
+    known = sorted(registered("remedy"))
+    assert known == [
+        "continual_backprop",
+        "l2_init",
+        "plasticity_injection",
+        "redo",
+        "reset_layers",
+        "shrink_and_perturb",
+        "soft_shrink_perturb",
+    ]
     with pytest.raises(
-        ValueError,
-        match=r"unknown remedy 'redoo'; known: \['continual_backprop', 'l2_init', "
-        r"'plasticity_injection', 'redo', 'reset_layers', 'shrink_and_perturb', "
-        r"'soft_shrink_perturb'\]",
+        ValueError, match=r"unknown remedy 'redoo'. Did you mean 'redo'\? Registered:"
     ):
         parse_remedy_spec("redoo@a:every_epochs=1")
-    with pytest.raises(ValueError, match="'taux=1' is not key=value with a key of redo; keys:"):
+    with pytest.raises(ValueError, match=r"'taux' is no key of redo; keys: \['tau', 'consumer'"):
         parse_remedy_spec("redo@a:taux=1,every_epochs=1")
     with pytest.raises(ValueError, match="tau must be >= 0"):
         parse_remedy_spec("redo@a:tau=-1,every_epochs=1")

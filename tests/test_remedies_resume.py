@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from policy_probes.cli import apply_overrides
+from policy_probes.plugins import from_spec
 from policy_probes.probes.relu import attach_relu_activation_hooks
 from policy_probes.remedies import shrink_and_perturb
 from trainers import EnvConfig, PolicyConfig, PPOConfig, TrainerHook, TrainTool
@@ -85,8 +86,10 @@ def test_remedies_field_accepts_specs_and_refuses_bad_ones(tmp_path):
             "remedies=redo@critic_mlp:tau=0.1,every_epochs=3;reset_layers@actor_head:last=1,every_epochs=5"
         ],
     )
-    assert [p for p, _ in t.remedy_list()] == ["actor_mlp", "critic_mlp", "actor_head"]
-    with pytest.raises(Exception, match=r"unknown remedy 'redox'; known:"):
+    added = [p for p, _ in t._remedies]  # the recipe's, then the configuration's
+    configured = [from_spec(spec, "remedy")[0] for spec in t.remedies]
+    assert added + configured == ["actor_mlp", "critic_mlp", "actor_head"]
+    with pytest.raises(Exception, match=r"unknown remedy 'redox'. Did you mean 'redo'\?"):
         apply_overrides(t, ["remedies=redox@critic_mlp:every_epochs=1"])
     with pytest.raises(ValueError, match="tau must be >= 0"):
         TrainTool(remedies=["redo@critic_mlp:tau=-1,every_epochs=1"])

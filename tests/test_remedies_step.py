@@ -14,10 +14,10 @@ import torch
 from conftest import REMEDY_SEED, ReluNet, remedy_seeds, remedy_session
 from torch import nn
 
+from policy_probes.plugins import from_spec
 from policy_probes.remedies import (
     continual_backprop,
     l2_init,
-    parse_remedy_spec,
     plasticity_injection,
     soft_shrink_perturb,
 )
@@ -308,6 +308,10 @@ def test_plasticity_injection_keeps_outputs_and_trains_only_the_new_copy(
         second = session.epoch_end(step=2)
         assert second["remedies/plasticity_injection/body/fired"] == 0.0  # injects once
     assert session.remedies.bound[0].firings == 1
+
+
+def parse_remedy_spec(spec: str):
+    return from_spec(spec, "remedy")[:2]
 
 
 def test_step_remedy_specs():

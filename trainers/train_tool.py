@@ -31,12 +31,7 @@ from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_vali
 from policy_probes.components import ProbeSpec, add_probe
 from policy_probes.probe_settings import ProbeSettings
 from policy_probes.probes.probe import ProbeBuilder
-from policy_probes.remedies import (
-    Remedy,
-    check_remedy,
-    parse_remedy_spec,
-    split_remedy_specs,
-)
+from policy_probes.remedies import Remedy, check_remedy
 from policy_probes.run import Run, default_run_dir
 from policy_probes.run_lock import RunDirLocked
 from policy_probes.runnable import ForkPoint, runnable
@@ -189,13 +184,6 @@ class TrainTool(Section, ProbeSettings):
     snapshot_every: int = Field(
         25, ge=0, description=ProbeSettings.model_fields["snapshot_every"].description
     )
-    remedies: list[str] = Field(
-        default_factory=list,
-        description='Remedies to switch on, "name@component[:key=value,...]" each, e.g. '
-        '"redo@critic_mlp:tau=0.025,every_epochs=25" (docs/remedies.md); a JSON list or '
-        'one string of specs separated by ";".',
-    )
-
     _builders: list[ProbeSpec] = PrivateAttr(default_factory=list)
     _remedies: list[tuple[str, Remedy]] = PrivateAttr(default_factory=list)
     _added_hooks: list[TrainerHook] = PrivateAttr(default_factory=list)
@@ -222,14 +210,6 @@ class TrainTool(Section, ProbeSettings):
                 f"with letters or digits"
             )
         return v
-
-    @field_validator("remedies", mode="before")
-    @classmethod
-    def _check_remedies(cls, v: Any) -> list[str]:
-        specs = split_remedy_specs(v)
-        for spec in specs:
-            parse_remedy_spec(spec)  # unknown remedy or key, bad value: clear error now
-        return specs
 
     @model_validator(mode="after")
     def _check_batch_sizes(self) -> TrainTool:
@@ -279,10 +259,6 @@ class TrainTool(Section, ProbeSettings):
         returns self. Its generator is seeded from :attr:`seed` unless it has its own."""
         self._remedies.append((component_name, check_remedy(remedy)))
         return self
-
-    def remedy_list(self) -> list[tuple[str, Remedy]]:
-        """``(pattern, remedy)``: those added with :meth:`add_remedy`, then :attr:`remedies`."""
-        return [*self._remedies, *(parse_remedy_spec(s) for s in self.remedies)]
 
     def add_trainer_hook(self, hook: TrainerHook) -> TrainTool:
         """Add a :class:`TrainerHook` (runs after the built-in ones); returns self."""
@@ -351,9 +327,8 @@ class TrainTool(Section, ProbeSettings):
                 session = ProbeSession(policy, run=Run(main=False), probing=self, loop=LOOP)
                 try:
                     attached = self._attach_probes(session)
-                    PPOTrainer(envs, policy, self.trainer, session=session)  # binds the loop
-                    for pattern, remedy in self.remedy_list():  # names, probes, consumers
-                        session.add_remedy(pattern, remedy, seed=self.seed)
+                    # the trainer binds the loop: every remedy checks its names and probes
+                    PPOTrainer(envs, policy, self.trainer, session=session)
                 finally:
                     session.close()
             finally:
@@ -422,8 +397,11 @@ class TrainTool(Section, ProbeSettings):
                 run.close(refused=refused)
 
     def _attach_probes(self, session: ProbeSession) -> dict[str, list[str]]:
-        """Attach this run's probes through ``session``; returns the components each
-        pattern resolved to."""
+        """Attach this run's probes and remedies (those its recipe added; ``probes`` and
+        ``remedies`` specs are the session's) through ``session``; returns the
+        components each probe pattern resolved to."""
+        for pattern, remedy in self._remedies:  # bound with the trainer's optimizer
+            session.add_remedy(pattern, remedy, seed=self.seed)
         attached: dict[str, list[str]] = {}
         for pattern, builder, backward, placement in self._builders:
             before = len(session.policy.hook_handles)
@@ -483,8 +461,6 @@ class TrainTool(Section, ProbeSettings):
                 device=dist_run.device,
                 seed=dist_run.seed(self.seed, self.env.num_envs),  # distinct envs per rank
             )
-            for pattern, remedy in self.remedy_list():  # before a resume loads their state
-                session.add_remedy(pattern, remedy, seed=self.seed)
             if dist_run.distributed:
                 trainer.wrap_ddp(dist_run.ddp_device_ids())
             if resume_from is not None:

@@ -21,12 +21,10 @@ from policy_probes.remedies.optim_state import SUPPORTED_OPTIMIZERS
 from policy_probes.remedies.plasticity_injection import PlasticityInjection, plasticity_injection
 from policy_probes.remedies.shrink_perturb import ShrinkAndPerturb, shrink_and_perturb
 from policy_probes.remedies.soft_shrink_perturb import SoftShrinkPerturb, soft_shrink_perturb
-from policy_probes.remedies.spec import REMEDIES, parse_remedy_spec, split_remedy_specs
 from policy_probes.remedies.step_remedy import StepRemedy
 from policy_probes.remedies.trigger import Threshold, Trigger
 
 __all__ = [
-    "REMEDIES",
     "ContinualBackprop",
     "L2Init",
     "PlasticityInjection",
@@ -47,9 +45,7 @@ __all__ = [
     "Threshold",
     "Trigger",
     "check_remedy",
-    "parse_remedy_spec",
     "redo",
     "reset_layers",
     "shrink_and_perturb",
-    "split_remedy_specs",
 ]

@@ -59,7 +59,10 @@ class Remedy:
     it from :meth:`state_dict`; checkpoints carry it.
     """
 
+    kind = "remedy"
     name: str = "remedy"
+    #: the keywords a spec may give besides the constructor's own (its ``**trigger``)
+    spec_keys = ("every_epochs", "when", "start_epoch", "cooldown", "seed")
     trigger: Trigger | None
 
     def __init__(

@@ -45,6 +45,7 @@ import torch
 from torch import nn
 from torch.nn.modules import conv
 
+from policy_probes.plugins import register
 from policy_probes.probes.layout import ACTIVATION_MODULES
 from policy_probes.processes import multi_process
 from policy_probes.remedies.base import RemedyTarget
@@ -98,8 +99,12 @@ def activation_after(component: nn.Module, producer: nn.Module) -> nn.Module:
     raise ValueError(f"no activation module follows {type(producer).__name__}")
 
 
+@register
 class ContinualBackprop(StepRemedy):
-    """See the module docstring; build with :func:`continual_backprop`."""
+    """Continual backprop (Dohare et al., Nature 2024): after every optimizer step, replace
+    the component's lowest-utility mature units (build with :func:`continual_backprop`)."""
+
+    docs = "docs/remedies.md"
 
     name = "continual_backprop"
 

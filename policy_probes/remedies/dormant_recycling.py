@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from policy_probes.plugins import register
 from policy_probes.remedies.base import Remedy, RemedyOptions, RemedyTarget
 from policy_probes.remedies.fresh_init import draw_seed, fresh_parameters
 from policy_probes.remedies.optim_state import reset_entries
@@ -36,8 +37,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("policy_probes")
 
 
+@register
 class ReDo(Remedy):
-    """See the module docstring; build with :func:`redo`."""
+    """ReDo (Sokar et al., ICML 2023): at its trigger, recycle the component's dormant units:
+    fresh incoming weights, zero outgoing ones (build with :func:`redo`)."""
+
+    docs = "docs/remedies.md"
 
     name = "redo"
 

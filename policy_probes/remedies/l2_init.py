@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from policy_probes.plugins import register
 from policy_probes.remedies.base import RemedyTarget
 from policy_probes.remedies.step_remedy import StepRemedy, StepState
 from policy_probes.remedies.structure import chosen_leaves
@@ -36,8 +37,12 @@ class L2State(StepState):
     anchors: list[torch.Tensor] = field(default_factory=list)
 
 
+@register
 class L2Init(StepRemedy):
-    """See the module docstring; build with :func:`l2_init`."""
+    """L2 Init (Kumar et al., 2023): before every optimizer step, pull the chosen layers'
+    parameters towards their initial values (build with :func:`l2_init`)."""
+
+    docs = "docs/remedies.md"
 
     name = "l2_init"
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from policy_probes.plugins import register
 from policy_probes.remedies.base import RemedyOptions, RemedyTarget
 from policy_probes.remedies.fresh_init import LayerRefresh, check_resettable
 from policy_probes.remedies.optim_state import reset_entries
@@ -25,8 +26,12 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack
 
 
+@register
 class ResetLayers(LayerRefresh):
-    """See the module docstring; build with :func:`reset_layers`."""
+    """Layer resets (Nikishin et al., 2022): at its trigger, give the chosen layers fresh
+    initial values and reset their optimizer state (build with :func:`reset_layers`)."""
+
+    docs = "docs/remedies.md"
 
     name = "reset_layers"
 

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from policy_probes.plugins import register
 from policy_probes.processes import multi_process
 from policy_probes.remedies.base import Remedy, RemedyOptions, RemedyTarget
 from policy_probes.remedies.fresh_init import check_resettable, draw_seed, fresh_parameters
@@ -82,8 +83,13 @@ def _optimizer_settings(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k not in ("params", "initial_lr")}
 
 
+@register
 class PlasticityInjection(Remedy):
-    """See the module docstring; build with :func:`plasticity_injection`."""
+    """Plasticity injection (Nikishin et al., NeurIPS 2023): freeze the component once and
+    add a fresh trainable copy minus a frozen one (build with
+    :func:`plasticity_injection`)."""
+
+    docs = "docs/remedies.md"
 
     name = "plasticity_injection"
 

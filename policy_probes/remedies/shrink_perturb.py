@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from policy_probes.plugins import register
 from policy_probes.remedies.base import RemedyOptions, RemedyTarget
 from policy_probes.remedies.fresh_init import LayerRefresh, check_resettable
 from policy_probes.remedies.structure import parametrised_leaves
@@ -26,8 +27,13 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack
 
 
+@register
 class ShrinkAndPerturb(LayerRefresh):
-    """See the module docstring; build with :func:`shrink_and_perturb`."""
+    """Shrink-and-perturb (Ash & Adams, 2020): at its trigger, theta <- shrink * theta +
+    noise * theta_init for every layer of the component (build with
+    :func:`shrink_and_perturb`)."""
+
+    docs = "docs/remedies.md"
 
     name = "shrink_and_perturb"
 

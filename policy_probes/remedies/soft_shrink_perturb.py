@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from policy_probes.plugins import register
 from policy_probes.remedies.base import RemedyTarget
 from policy_probes.remedies.fresh_init import check_resettable, refresh_layers
 from policy_probes.remedies.step_remedy import StepRemedy, StepState
@@ -33,8 +34,12 @@ class SoftState(StepState):
     layers: list[tuple[str, nn.Module]] = field(default_factory=list)
 
 
+@register
 class SoftShrinkPerturb(StepRemedy):
-    """See the module docstring; build with :func:`soft_shrink_perturb`."""
+    """Soft shrink-and-perturb (Juliani & Ash, 2024): a small shrink-and-perturb after
+    every optimizer step (build with :func:`soft_shrink_perturb`)."""
+
+    docs = "docs/remedies.md"
 
     name = "soft_shrink_perturb"
 
