@@ -107,7 +107,7 @@ def run_overrides(arm: str, seed: int, epochs: int, period: int, run_dir: Path) 
 def curves(metrics_path: Path, epochs: int) -> dict[str, list[float]]:
     """Per-epoch return, dormant fractions and units reset (NaN: not recorded) from the
     run's POST_EPOCH records."""
-    from policy_probes.sinks import read_jsonl
+    from policy_probes.records import read_jsonl
 
     out = {k: [math.nan] * epochs for k in ("return", *COMPONENTS, *MEASURES)}
     out["units_reset"] = [0.0] * epochs
@@ -151,7 +151,7 @@ def run_one(job: tuple[str, int, int, int, str]) -> dict[str, Any]:
     t0 = time.perf_counter()
     tool.invoke(overwrite=True)
     wall = time.perf_counter() - t0
-    from policy_probes.findings import diagnose_run
+    from policy_probes.analysis.findings import diagnose_run
 
     findings = [
         {
@@ -386,61 +386,28 @@ def first_fires(run_dir: Path) -> list[dict[str, Any]]:
     for each rule and component, the first epoch at which diagnosing the run's records
     up to that epoch yields it, and whether it still holds at the run's end (with its
     onset then)."""
-    from policy_probes.findings import (
-        MIN_WINDOWS,
-        RULES,
-        WINDOW,
-        diagnose,
-        evaluate,
-        series_of,
-    )
-    from policy_probes.sinks import read_jsonl
+    from policy_probes.analysis.findings import FindingsEngine
+    from policy_probes.records import POST_EPOCH, Record, RunRecords, iter_jsonl
 
-    records = [
-        r for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("hook_point") == "POST_EPOCH"
+    records, engine = RunRecords(), FindingsEngine()
+    first: dict[tuple[str, str], int] = {}
+    for line in iter_jsonl(run_dir / "metrics.jsonl"):
+        if line.get("hook_point") != POST_EPOCH:
+            continue
+        records.add(Record.from_json(line))
+        engine.update(records)  # what a diagnose of the records so far finds
+        for f in engine.findings():
+            first.setdefault((f.rule, f.component), line["epoch"])
+    at_end = {(f.rule, f.component): f.onset_epoch for f in engine.findings()}
+    return [
+        {
+            "rule": rule,
+            "component": component,
+            "first_epoch": epoch,
+            "onset_at_end": at_end.get((rule, component)),
+        }
+        for (rule, component), epoch in first.items()
     ]
-    table = series_of(records)
-    at_end = {(f.rule, f.component): f.onset_epoch for f in diagnose(records)}
-    out = []
-    for rule in RULES:
-        for key, points in table.items():
-            component = rule.matches(key)
-            if component is None:
-                continue
-            first = None
-            for t in range(MIN_WINDOWS * WINDOW, len(points) + 1):
-                # past 3 windows the window and baseline are fixed: one rolling pass
-                if t > MIN_WINDOWS * WINDOW:
-                    first = _first_holding(rule, points, t)
-                    break
-                if evaluate(rule, key, points[:t]) is not None:
-                    first = points[t - 1][0]
-                    break
-            if first is not None:
-                out.append(
-                    {
-                        "rule": rule.name,
-                        "component": component,
-                        "first_epoch": first,
-                        "onset_at_end": at_end.get((rule.name, component)),
-                    }
-                )
-    return out
-
-
-def _first_holding(rule: Any, points: list[tuple[int, float]], start: int) -> int | None:
-    """The first epoch >= the ``start``-th whose rolling median (``WINDOW`` epochs) meets
-    ``rule`` against the median of the first ``WINDOW`` epochs."""
-    import statistics
-
-    from policy_probes.findings import WINDOW
-
-    values = [v for _, v in points]
-    baseline = statistics.median(values[:WINDOW])
-    for i in range(start - 1, len(values)):
-        if rule.holds(statistics.median(values[i - WINDOW + 1 : i + 1]), baseline):
-            return points[i][0]
-    return None
 
 
 def lead_table(runs: list[dict[str, Any]], period: int, arm: str = "none") -> str:

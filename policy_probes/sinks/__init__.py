@@ -1,10 +1,10 @@
 """Metric sinks: where per-epoch metrics go (JSONL, CSV, W&B, TensorBoard, the console).
 
-Typical use by a training loop::
+Typical use (a :class:`~policy_probes.session.ProbeSession` does this for a training
+loop, adding the run's findings and figures)::
 
     group = build_sink_group(run_dir, SinksConfig(), WandbConfig(), config=resolved_config)
-    group.set_run_context(agent_step=agent_step)
-    group.emit(metrics, epoch, "POST_EPOCH")
+    group.emit(Record.of(metrics, epoch, "POST_EPOCH", agent_step))
     ...
     group.close()
 
@@ -18,24 +18,9 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from policy_probes.sinks.base import (
-    RESERVED_KEYS,
-    MetricSink,
-    SinkGroup,
-    finite_values,
-    flatten_metrics,
-    is_finite_number,
-    to_plain,
-)
+from policy_probes.sinks.base import MetricSink, SinkGroup
 from policy_probes.sinks.config import DEFAULT_CONSOLE_METRICS, SinksConfig, WandbConfig
-from policy_probes.sinks.jsonl import (
-    METRICS_JSONL,
-    JSONLSink,
-    iter_jsonl,
-    read_jsonl,
-    repair_truncated_tail,
-    rewind_jsonl,
-)
+from policy_probes.sinks.jsonl import JSONLSink, repair_truncated_tail, rewind_jsonl
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -49,8 +34,6 @@ logger = logging.getLogger("policy_probes.sinks")
 
 __all__ = [
     "DEFAULT_CONSOLE_METRICS",
-    "METRICS_JSONL",
-    "RESERVED_KEYS",
     "CSVSink",
     "ConsoleSink",
     "JSONLSink",
@@ -62,14 +45,8 @@ __all__ = [
     "WandbSink",
     "build_sink_group",
     "build_sinks",
-    "finite_values",
-    "flatten_metrics",
-    "is_finite_number",
-    "iter_jsonl",
-    "read_jsonl",
     "repair_truncated_tail",
     "rewind_jsonl",
-    "to_plain",
 ]
 
 _LAZY = {

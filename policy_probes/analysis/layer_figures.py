@@ -5,22 +5,25 @@ A probe attached with ``per_layer=True`` reports ``probes/<probe>/<component>/<m
 and ``probes/<probe>/<component>.<layer>/<metric>`` for every activation layer inside the
 component. These figures put a component's layers side by side: one figure per probe
 section and component, one panel per metric, one line per layer. One implementation with
-two consumers, as :mod:`~policy_probes.heatmaps`: the local report embeds them and the
-W&B sink logs them as images under ``layers/<section>/<component>``.
+two consumers, as :mod:`~policy_probes.analysis.heatmaps`: the local report embeds them
+and the session draws them for the sinks that log them as images under
+``layers/<section>/<component>`` (W&B, TensorBoard).
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
-from matplotlib.figure import Figure
 
-from policy_probes.heatmaps import fixed_margins
+from policy_probes.analysis.heatmaps import fixed_margins
+from policy_probes.records import RunRecords
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
 class Panel(NamedTuple):
@@ -144,9 +147,10 @@ def layer_groups(names: Iterable[str]) -> dict[str, list[str]]:
     return {c: sorted(layers, key=_natural) for c, layers in sorted(groups.items())}
 
 
-def layer_figures(series: Mapping[str, Series]) -> list[tuple[str, str, Figure]]:
-    """``(section slug, component, figure)`` for every section and component with
-    layers, from ``key -> [(epoch, value)]`` of the ``probes/...`` scalar keys."""
+def layer_figures(records: RunRecords) -> list[tuple[str, str, Figure]]:
+    """``(section slug, component, figure)`` for every section and component of
+    ``records`` with layers."""
+    series = {k: records.series(k) for k in records.scalars if is_layer_metric(k)}
     out = []
     for slug, _title, panels in LAYER_SECTIONS:
         names = {
@@ -173,6 +177,8 @@ def _figure(
     layers: list[str],
     panels: list[Panel],
 ) -> Figure:
+    from matplotlib.figure import Figure
+
     cols = min(2, len(panels))
     rows = math.ceil(len(panels) / cols)
     fig = Figure(figsize=(5.2 * cols, 3.0 * rows), dpi=100)
@@ -201,25 +207,3 @@ def _figure(
         ax.locator_params(axis="x", integer=True)
         ax.legend(fontsize=8, title="layer", title_fontsize=8)
     return fig
-
-
-class ScalarHistory:
-    """The last ``max_epochs`` values of each per-layer figure metric, in memory (the
-    W&B sink's counterpart of the report's metrics.jsonl)."""
-
-    def __init__(self, max_epochs: int = 1000) -> None:
-        self.max_epochs = max_epochs
-        self._data: dict[str, deque[tuple[int, float]]] = {}
-
-    def add(self, key: str, epoch: int, value: float) -> None:
-        hist = self._data.setdefault(key, deque(maxlen=self.max_epochs))
-        if hist and hist[-1][0] == epoch:
-            hist[-1] = (epoch, value)  # a second emit of the same epoch replaces the first
-        else:
-            hist.append((epoch, value))
-
-    def series(self) -> dict[str, list[tuple[int, float]]]:
-        return {k: list(v) for k, v in self._data.items()}
-
-    def __len__(self) -> int:
-        return len(self._data)

@@ -10,24 +10,29 @@ fires only when the condition holds at the run's last epoch and has held without
 break since; the *onset* is the first epoch of that stretch whose own value meets the
 condition (where a climb crossed the threshold).
 
-Findings are shown at the end of a run (console), at the top of ``report.html``, in the
-W&B run summary and by ``policy-probes diagnose RUN_DIR [--json]``
-(:mod:`policy_probes.diagnose`), which also works on a run still training: it reads
-``metrics.jsonl`` as it stands.
+A :class:`FindingsEngine` follows the rules over a run's records as they come: a
+training session evaluates it once per epoch and hands the findings to its sinks (shown
+at the end of a run on the console and in the W&B run summary); ``report.html`` opens with
+them and ``policy-probes diagnose RUN_DIR [--json]`` (:mod:`policy_probes.analysis.diagnose`)
+prints them, both from ``metrics.jsonl`` as it stands (also while the run trains).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
 import statistics
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-#: epochs of the rolling median and of the baseline (fewer on short runs, see :func:`window_for`)
+from policy_probes.records import Record, RunRecords
+
+#: epochs of the rolling median and of the baseline
 WINDOW = 5
 #: a series needs this many windows of epochs before a rule reads it: the baseline, the
 #: rolling median at the end, and one window between them (shorter: too short to call a
@@ -87,7 +92,7 @@ class Rule:
 _C = r"(?P<component>[^/]+)"
 PROJECT = "policy-probes default, not from a paper"
 
-RULES: tuple[Rule, ...] = (
+_RULES: tuple[Rule, ...] = (
     Rule(
         name="dormant_units",
         title="dormant units are accumulating",
@@ -277,7 +282,8 @@ class Finding:
     meaning: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The finding as a plain dict (the fields in order; what ``--json`` writes)."""
+        return {**vars(self), "remedies": list(self.remedies)}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Finding:
@@ -303,78 +309,86 @@ def _num(v: float) -> str:
     return f"{v:.3g}"
 
 
-def window_for(epochs: int, window: int = WINDOW) -> int | None:
-    """The rolling window for a series of ``epochs`` epochs: ``window``, or None when the
-    series is shorter than :data:`MIN_WINDOWS` windows (no finding then)."""
-    return window if epochs >= MIN_WINDOWS * window else None
+def default_rules() -> tuple[Rule, ...]:
+    """The rules :class:`FindingsEngine` and :func:`diagnose` apply unless given others."""
+    return _RULES
 
 
-def series_of(records: Iterable[Mapping[str, Any]]) -> dict[str, list[tuple[int, float]]]:
-    """``key -> [(epoch, value)]`` of the finite scalars of POST_EPOCH records (records
-    without a hook point count too); the last record of an epoch wins."""
-    table: dict[str, dict[int, float]] = {}
-    for rec in records:
-        epoch = rec.get("epoch")
-        if not isinstance(epoch, int) or rec.get("hook_point", "POST_EPOCH") != "POST_EPOCH":
-            continue
-        for key, value in rec.items():
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                continue
-            if key in ("epoch", "agent_step", "time") or not math.isfinite(value):
-                continue
-            table.setdefault(key, {})[epoch] = float(value)
-    return {k: sorted(v.items()) for k, v in table.items()}
+class _Trend:
+    """One rule on one series, followed point by point: the baseline (the median of the
+    first ``window`` values), the last ``2 * window`` points (the rolling median and the
+    slope read them), and the onset of the stretch over which the rule has held since."""
 
-
-def evaluate(
-    rule: Rule, key: str, points: Sequence[tuple[int, float]], window: int = WINDOW
-) -> Finding | None:
-    """``rule`` on one series; a :class:`Finding` when it holds at the last epoch."""
-    component = rule.matches(key)
-    w = window_for(len(points), window)
-    if component is None or w is None:
-        return None
-    epochs = [e for e, _ in points]
-    values = [v for _, v in points]
-    # medians: one noisy epoch (or two in a window of 5) moves neither
-    baseline = statistics.median(values[:w])
-    rolling = [statistics.median(values[i - w + 1 : i + 1]) for i in range(w - 1, len(values))]
-    holds = [rule.holds(r, baseline) for r in rolling]
-    if not holds[-1]:
-        return None
-    start = len(holds) - 1
-    while start > 0 and holds[start - 1]:
-        start -= 1
-    # the onset: the first epoch of the first window that met the condition from which
-    # the epoch's own value meets it too (where a step up or down happened)
-    first = start  # index of that window's first epoch in ``values``
-    onset = next(
-        (epochs[i] for i in range(first, start + w) if rule.holds(values[i], baseline)),
-        epochs[start + w - 1],
+    __slots__ = (
+        "rule",
+        "key",
+        "component",
+        "count",
+        "last",
+        "tail",
+        "baseline",
+        "rolling",
+        "onset",
     )
-    tail = list(zip(epochs, values, strict=True))[-2 * w :]
-    return Finding(
-        rule=rule.name,
-        title=rule.title,
-        metric=key,
-        component=component,
-        value=rolling[-1],
-        baseline=baseline,
-        slope=_slope(tail),
-        window=w,
-        onset_epoch=onset,
-        last_epoch=epochs[-1],
-        threshold=rule.threshold,
-        threshold_kind=rule.kind,
-        direction=rule.direction,
-        threshold_source=rule.threshold_source,
-        docs=rule.docs,
-        remedies=list(rule.remedies),
-        meaning=rule.meaning,
-    )
+
+    def __init__(self, rule: Rule, key: str, component: str, window: int) -> None:
+        self.rule, self.key, self.component = rule, key, component
+        self.count = 0
+        self.last: deque[float] = deque(maxlen=window)  # the rolling window's values
+        self.tail: deque[tuple[int, float]] = deque(maxlen=2 * window)
+        self.baseline: float | None = None
+        self.rolling = math.nan
+        #: the stretch's onset epoch (None: the rule does not hold at the last epoch)
+        self.onset: int | None = None
+
+    def add(self, epoch: int, value: float) -> None:
+        self.count += 1
+        self.tail.append((epoch, value))
+        self.last.append(value)
+        if len(self.last) < self.last.maxlen:
+            return
+        # medians: one noisy epoch (or two in a window of 5) moves neither
+        if self.baseline is None:  # the first window's
+            self.baseline = statistics.median(self.last)
+        self.rolling = statistics.median(self.last)
+        holds = self.rule.holds
+        if not holds(self.rolling, self.baseline):
+            self.onset = None
+        elif self.onset is None:
+            # the stretch starts with this window: the onset is its first epoch whose own
+            # value meets the condition too (where a step up or down happened)
+            window = itertools.islice(self.tail, len(self.tail) - len(self.last), None)
+            self.onset = next((e for e, v in window if holds(v, self.baseline)), epoch)
+
+    def finding(self, window: int) -> Finding | None:
+        """The finding when the rule holds at the last epoch of a series of at least
+        :data:`MIN_WINDOWS` windows."""
+        if self.onset is None or self.count < MIN_WINDOWS * window:
+            return None
+        rule = self.rule
+        return Finding(
+            rule=rule.name,
+            title=rule.title,
+            metric=self.key,
+            component=self.component,
+            value=self.rolling,
+            baseline=self.baseline,
+            slope=_slope(self.tail),
+            window=window,
+            onset_epoch=self.onset,
+            last_epoch=self.tail[-1][0],
+            threshold=rule.threshold,
+            threshold_kind=rule.kind,
+            direction=rule.direction,
+            threshold_source=rule.threshold_source,
+            docs=rule.docs,
+            remedies=list(rule.remedies),
+            meaning=rule.meaning,
+        )
 
 
 def _slope(points: Sequence[tuple[int, float]]) -> float:
+    """Least-squares slope per epoch of ``points``."""
     n = len(points)
     if n < 2:
         return 0.0
@@ -384,59 +398,139 @@ def _slope(points: Sequence[tuple[int, float]]) -> float:
     return sum((e - mx) * (v - my) for e, v in points) / var if var else 0.0
 
 
+class FindingsEngine:
+    """The rules over a :class:`~policy_probes.records.RunRecords` as it grows.
+
+    Each :meth:`update` reads only the points the store gained since the last one (one per
+    series and epoch while a run trains) and moves each rule's rolling window on by them,
+    so an epoch costs the same however long the run is, and what it keeps per series is
+    the baseline and the last two windows. :meth:`findings` are what :func:`diagnose`
+    finds on the same records. A store that rewrote an epoch it held (its ``revision``
+    moved) is read afresh.
+    """
+
+    def __init__(self, rules: Sequence[Rule] | None = None, window: int = WINDOW) -> None:
+        self.rules = tuple(default_rules() if rules is None else rules)
+        self.window = window
+        self._matches: dict[str, list[tuple[Rule, str]]] = {}
+        self._reset()
+
+    def _reset(self) -> None:
+        self._trends: dict[tuple[str, str], _Trend] = {}  # (rule name, key) -> its trend
+        self._followed: set[str] = set()
+        #: (trend, trend of a layer inside its component) -> their series are equal so far
+        self._twins: dict[tuple[_Trend, _Trend], bool] = {}
+        self._revision: int | None = None
+        self._read = 0  # the store's epoch records read
+
+    def reads(self, key: str) -> bool:
+        """Whether a rule reads ``key``."""
+        return bool(self._rules_of(key))
+
+    def _rules_of(self, key: str) -> list[tuple[Rule, str]]:
+        found = self._matches.get(key)
+        if found is None:
+            found = self._matches[key] = [
+                (rule, component) for rule in self.rules if (component := rule.matches(key))
+            ]
+        return found
+
+    def update(self, records: RunRecords) -> None:
+        """Read the points ``records`` gained since the last update."""
+        if records.revision != self._revision:
+            self._reset()  # an epoch was rewritten: read every point again
+            self._revision = records.revision
+        scalars = records.scalars
+        if len(scalars) != len(self._followed):  # keys are only ever added
+            for key in sorted(scalars.keys() - self._followed):
+                self._followed.add(key)
+                for rule, component in self._rules_of(key):
+                    trend = _Trend(rule, key, component, self.window)
+                    for other in self._trends.values():
+                        self._pair(trend, other)
+                    self._trends[(rule.name, key)] = trend
+        # one epoch record since the last update (a training run): its values only
+        epoch = records.last_epoch if records.epoch_records == self._read + 1 else None
+        self._read = records.epoch_records
+        fed: dict[_Trend, list[tuple[int, float]]] = {}
+        for trend in self._trends.values():
+            if epoch is not None and trend.count:
+                value = scalars[trend.key].get(epoch)
+                points = [(epoch, value)] if type(value) is float and math.isfinite(value) else []
+            else:
+                points = _points_after(
+                    scalars[trend.key], trend.tail[-1][0] if trend.tail else None
+                )
+            for e, v in points:
+                trend.add(e, v)
+            fed[trend] = points
+        for pair, equal in self._twins.items():
+            if equal:  # still equal: equal as long as they gain the same points
+                self._twins[pair] = fed[pair[0]] == fed[pair[1]]
+
+    def _pair(self, trend: _Trend, other: _Trend) -> None:
+        """Follow whether a component's series and one of its layers' are equal (the
+        component is then reported under the layer): both must be new to be equal."""
+        if other.rule is not trend.rule:
+            return
+        equal = not other.tail
+        if other.component.startswith(trend.component + "."):
+            self._twins[(trend, other)] = equal
+        elif trend.component.startswith(other.component + "."):
+            self._twins[(other, trend)] = equal
+
+    def findings(self) -> list[Finding]:
+        """Every finding at the last update, earliest onset first. A component whose
+        series is the same as one of its layers' (``actor_mlp`` is its last layer's
+        output) is reported once, under the layer."""
+        held = {t: f for t in self._trends.values() if (f := t.finding(self.window))}
+        shadowed = {
+            outer for (outer, inner), equal in self._twins.items() if equal and inner in held
+        }
+        by_key = sorted(held.items(), key=lambda item: item[0].key)
+        found = [
+            f for rule in self.rules for t, f in by_key if t.rule is rule and t not in shadowed
+        ]
+        found.sort(key=lambda f: (f.onset_epoch, f.rule, f.component))
+        return found
+
+
+def _points_after(series: Mapping[int, Any], epoch: int | None) -> list[tuple[int, float]]:
+    """The finite numbers (bools are not) of ``series`` after ``epoch`` (None: every
+    epoch), in epoch order. A series grown in epoch order is read from its end."""
+    if epoch is None:
+        items = sorted(series.items())
+    else:
+        items = []
+        for item in reversed(series.items()):
+            if item[0] <= epoch:
+                break
+            items.append(item)
+        items.reverse()
+    return [(e, v) for e, v in items if type(v) is float and math.isfinite(v)]
+
+
 def diagnose(
-    records: Iterable[Mapping[str, Any]],
-    rules: Sequence[Rule] = RULES,
+    records: RunRecords | Iterable[Mapping[str, Any]],
+    rules: Sequence[Rule] | None = None,
     window: int = WINDOW,
 ) -> list[Finding]:
-    """Every finding of ``rules`` on a run's records (``metrics.jsonl`` lines), earliest
-    onset first. A component whose series is the same as one of its layers'
-    (``actor_mlp`` is its last layer's output) is reported once, under the layer."""
-    table = series_of(records)
-    found: list[Finding] = []
-    for rule in rules:
-        hits = [f for key in sorted(table) if (f := evaluate(rule, key, table[key], window))]
-        found += _drop_duplicates(hits, table)
-    found.sort(key=lambda f: (f.onset_epoch, f.rule, f.component))
-    return found
-
-
-def _drop_duplicates(hits: list[Finding], table: Mapping[str, Any]) -> list[Finding]:
-    out = []
-    for f in hits:
-        twin = any(
-            g.component.startswith(f.component + ".") and table[g.metric] == table[f.metric]
-            for g in hits
-        )
-        if not twin:
-            out.append(f)
-    return out
-
-
-def read_records(path: Path) -> list[dict[str, Any]]:
-    """The records of a ``metrics.jsonl``; a line still being written (a run in progress)
-    or damaged is skipped."""
-    out = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(rec, dict):
-                out.append(rec)
-    return out
+    """Every finding of ``rules`` (default :func:`default_rules`) on a run's records (a
+    :class:`~policy_probes.records.RunRecords` or ``metrics.jsonl`` lines), earliest onset
+    first (:meth:`FindingsEngine.findings`)."""
+    if not isinstance(records, RunRecords):
+        lines, records = records, RunRecords()
+        for line in lines:
+            if isinstance(line.get("epoch"), int):
+                records.add(Record.from_json(line))
+    engine = FindingsEngine(rules, window)
+    engine.update(records)
+    return engine.findings()
 
 
 def diagnose_run(run_dir: Path, window: int = WINDOW) -> list[Finding]:
     """:func:`diagnose` on ``run_dir/metrics.jsonl`` (``FileNotFoundError`` without one)."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"{path} not found: RUN_DIR must be a run directory written with the jsonl sink "
-            f"on (sinks.jsonl=true)"
-        )
-    return diagnose(read_records(path), window=window)
+    return diagnose(RunRecords.read(run_dir), window=window)
 
 
 def to_json(findings: Sequence[Finding]) -> str:
@@ -510,42 +604,3 @@ def render_html(findings: Sequence[Finding]) -> str:
         + "".join(rows)
         + "</tbody></table>"
     )
-
-
-class FindingsCollector:
-    """The per-epoch values of the keys the rules read, kept from a sink's emits, so a
-    sink can state the findings when the run ends (the console, the W&B run summary)."""
-
-    def __init__(self, rules: Sequence[Rule] = RULES) -> None:
-        self.rules = tuple(rules)
-        self.records: dict[int, dict[str, Any]] = {}
-        self._read: dict[str, bool] = {}
-        #: the keys seen so far that the rules read (a record repeats its keys every
-        #: epoch, and the rules read a few dozen of its hundreds)
-        self._read_keys: list[str] = []
-
-    def reads(self, key: str) -> bool:
-        hit = self._read.get(key)
-        if hit is None:
-            hit = self._read[key] = any(r.matches(key) is not None for r in self.rules)
-        return hit
-
-    def add(self, metrics: Mapping[str, Any], epoch: int, hook_point: str) -> None:
-        """Keep the epoch's scalars of the keys the rules read (POST_EPOCH records)."""
-        if hook_point != "POST_EPOCH":
-            return
-        rec = self.records.setdefault(int(epoch), {"epoch": int(epoch)})
-        new = metrics.keys() - self._read.keys()  # keys not seen before (a set)
-        if new:
-            self._read_keys += [k for k in metrics if k in new and self.reads(k)]  # in order
-        for key in self._read_keys:
-            value = metrics.get(key)
-            if isinstance(value, int | float) and not isinstance(value, bool):
-                rec[key] = value
-
-    def findings(self, run_dir: Path | None = None) -> list[Finding]:
-        """The run's findings: from ``run_dir/metrics.jsonl`` when there is one (it holds
-        the epochs before a resume too), else from what this collector kept."""
-        if run_dir is not None and (Path(run_dir) / "metrics.jsonl").is_file():
-            return diagnose_run(Path(run_dir))
-        return diagnose(self.records.values(), self.rules)
