@@ -104,38 +104,33 @@ def run_overrides(arm: str, seed: int, epochs: int, period: int, run_dir: Path) 
     return out
 
 
-def curves(metrics_path: Path, epochs: int) -> dict[str, list[float]]:
+def curves(run_dir: Path, epochs: int) -> dict[str, list[float]]:
     """Per-epoch return, dormant fractions and units reset (NaN: not recorded) from the
     run's POST_EPOCH records."""
-    from policy_probes.records import read_jsonl
+    from policy_probes.records import RunRecords
 
-    out = {k: [math.nan] * epochs for k in ("return", *COMPONENTS, *MEASURES)}
-    out["units_reset"] = [0.0] * epochs
-    for rec in read_jsonl(metrics_path):
-        if rec.get("hook_point") != "POST_EPOCH" or not 1 <= rec["epoch"] <= epochs:
-            continue
-        i = rec["epoch"] - 1
-        if rec.get(RETURN_KEY) is not None:
-            out["return"][i] = float(rec[RETURN_KEY])
-        for c in COMPONENTS:
-            value = rec.get(f"probes/relu/{c}/dormant_fraction")
-            if value is not None:
-                out[c][i] = float(value)
-        for name, key in MEASURES.items():
-            value = rec.get(key)
-            if isinstance(value, int | float) and math.isfinite(value):
-                out[name][i] = float(value)
-        out["units_reset"][i] = float(
-            sum(
-                v
-                for k, v in rec.items()
-                if k.startswith("remedies/")
-                and k.endswith("/units_reset")
-                and k.split("/")[2] in COMPONENTS
-                and isinstance(v, int | float)
-            )
-        )
-    return out
+    run = RunRecords.read(run_dir)
+
+    def column(key: str) -> list[float]:
+        values = run.scalars.get(key, {})
+        return [float(values.get(e, math.nan)) for e in range(1, epochs + 1)]
+
+    resets = [
+        run.scalars[k]
+        for k in run.scalars
+        if k.startswith("remedies/")
+        and k.endswith("/units_reset")
+        and k.split("/")[2] in COMPONENTS
+    ]
+    return {
+        "return": column(RETURN_KEY),
+        **{c: column(f"probes/relu/{c}/dormant_fraction") for c in COMPONENTS},
+        **{name: column(key) for name, key in MEASURES.items()},
+        "units_reset": [
+            float(sum(v for r in resets if math.isfinite(v := r.get(e, 0.0))))
+            for e in range(1, epochs + 1)
+        ],
+    }
 
 
 def run_one(job: tuple[str, int, int, int, str]) -> dict[str, Any]:
@@ -166,7 +161,7 @@ def run_one(job: tuple[str, int, int, int, str]) -> dict[str, Any]:
         "run_dir": str(run_dir),
         "wall_seconds": wall,
         "findings": findings,
-        **curves(run_dir / "metrics.jsonl", epochs),
+        **curves(run_dir, epochs),
     }
 
 

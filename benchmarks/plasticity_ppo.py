@@ -128,7 +128,7 @@ def run_one(arm: str, seed: int, epochs: int, period: int, out: Path) -> dict[st
         "seed": seed,
         "run_dir": str(run_dir),
         "wall_seconds": time.perf_counter() - t0,
-        **curves(run_dir / "metrics.jsonl", epochs),
+        **curves(run_dir, epochs),
     }
 
 

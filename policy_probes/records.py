@@ -68,16 +68,10 @@ class Record:
 
     @classmethod
     def from_json(cls, line: Mapping[str, Any]) -> Record:
-        """The record of one ``metrics.jsonl`` line (already plain; the reserved fields out
-        of its metrics; a line without a hook point is an epoch's record)."""
-        metrics = {k: v for k, v in line.items() if k not in RESERVED_KEYS}
+        """The record of one ``metrics.jsonl`` line (a line without a hook point is an
+        epoch's record)."""
         step = line.get("agent_step")
-        return cls(
-            line["epoch"],
-            line.get("hook_point", POST_EPOCH),
-            step if isinstance(step, int) else None,
-            metrics,
-        )
+        return cls.of(line, line["epoch"], line.get("hook_point", POST_EPOCH), step)
 
 
 class RunRecords:
@@ -104,8 +98,6 @@ class RunRecords:
         self.records = 0
         #: the newest epoch of a POST_EPOCH record (None: none yet)
         self.last_epoch: int | None = None
-        #: POST_EPOCH records added
-        self.epoch_records = 0
         #: counts the adds that rewrote an epoch already held (an epoch again, or an
         #: earlier one): a reader that follows the store incrementally reads it afresh
         self.revision = 0
@@ -121,11 +113,11 @@ class RunRecords:
                 f"{path} not found: RUN_DIR must be a run directory written with the jsonl "
                 f"sink on (sinks.jsonl=true)"
             )
-        return cls().load(path)
+        return cls().extend(iter_jsonl(path))
 
-    def load(self, path: str | Path) -> RunRecords:
-        """Add the records of a ``metrics.jsonl`` file; returns self."""
-        for line in iter_jsonl(path):
+    def extend(self, lines: Iterable[Mapping[str, Any]]) -> RunRecords:
+        """Add the records of ``metrics.jsonl`` lines (those with an epoch); returns self."""
+        for line in lines:
             if isinstance(line.get("epoch"), int):
                 self.add(Record.from_json(line))
         return self
@@ -144,36 +136,25 @@ class RunRecords:
             self.last_epoch = epoch
         else:
             self.revision += 1
-        self.epoch_records += 1
         metrics = record.metrics
         if self.keep is not None:
             new = metrics.keys() - self._seen  # a record repeats its keys every epoch
             if new:
                 self._seen |= new
                 self._kept += [k for k in metrics if k in new and self.keep(k)]  # in order
-        scalars, vectors, get = self.scalars, self.vectors, metrics.get
         for key in metrics if self.keep is None else self._kept:
-            value = get(key, _ABSENT)
+            value = metrics.get(key, _ABSENT)
             kind = type(value)
-            if kind is float or kind is int or kind is bool:
-                series = scalars.get(key)
-                if series is None:
-                    series = scalars[key] = {}
-                if kind is int:
-                    value = float(value)
-                elif kind is float and not math.isfinite(value):
-                    if epoch in series:
-                        continue  # a value of this epoch stands
-                    value = math.nan
-            elif kind is list:
-                series = vectors.get(key)
-                if series is None:
-                    series = vectors[key] = {}
-            elif value is None:
-                series = scalars.setdefault(key, {})
+            if value is None or (kind is float and not math.isfinite(value)):
+                series = self.scalars.setdefault(key, {})
                 if epoch in series:
-                    continue
+                    continue  # a value of this epoch stands
                 value = math.nan
+            elif kind is float or kind is int or kind is bool:
+                series = self.scalars.setdefault(key, {})
+                value = float(value) if kind is int else value
+            elif kind is list:
+                series = self.vectors.setdefault(key, {})
             else:
                 continue  # strings, or a key this record lacks
             series[epoch] = value

@@ -341,3 +341,30 @@ def test_the_findings_of_a_training_run_are_those_of_its_metrics_jsonl(tmp_path:
             assert as_tuples(expected) == rules_afresh(lines[: i + 1], window)
             found += len(expected)
     assert found  # the comparisons held findings, not only empty lists
+
+
+def test_a_resumed_session_finds_over_the_whole_run(tmp_path: Path) -> None:
+    """A session that resumes a run reads its earlier records back: its findings are
+    those of the whole metrics.jsonl, the climb having started before the resume."""
+    from torch import nn
+
+    from policy_probes import ProbeSession, ProbeSettings, Run
+    from policy_probes.sinks import SinksConfig, WandbConfig
+
+    probing = ProbeSettings(
+        sinks=SinksConfig(console=False, csv=False, wandb=False), wandb=WandbConfig(mode="disabled")
+    )
+    run = climbing_run()
+    for part, resume in ((run[:20], False), (run[20:], True)):
+        with ProbeSession(nn.Linear(2, 2), run=Run(tmp_path, resume=resume), probing=probing) as s:
+            for rec in part:
+                s.log({k: v for k, v in rec.items() if k not in ("epoch", "hook_point")})
+                s.epoch_end(step=rec["agent_step"])
+            found = [f.to_dict() for f in s.analysis.findings.findings()]
+    assert [r["epoch"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == list(range(1, 31))
+    assert (
+        found
+        == [f.to_dict() for f in diagnose(run)]
+        == [f.to_dict() for f in diagnose_run(tmp_path)]
+    )
+    assert [(f["component"], f["onset_epoch"]) for f in found] == [("actor_mlp.layer_0", 16)]

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from policy_probes.records import Record, RunRecords
+from policy_probes.records import RunRecords
 
 #: epochs of the rolling median and of the baseline
 WINDOW = 5
@@ -319,18 +319,6 @@ class _Trend:
     first ``window`` values), the last ``2 * window`` points (the rolling median and the
     slope read them), and the onset of the stretch over which the rule has held since."""
 
-    __slots__ = (
-        "rule",
-        "key",
-        "component",
-        "count",
-        "last",
-        "tail",
-        "baseline",
-        "rolling",
-        "onset",
-    )
-
     def __init__(self, rule: Rule, key: str, component: str, window: int) -> None:
         self.rule, self.key, self.component = rule, key, component
         self.count = 0
@@ -421,13 +409,9 @@ class FindingsEngine:
         #: (trend, trend of a layer inside its component) -> their series are equal so far
         self._twins: dict[tuple[_Trend, _Trend], bool] = {}
         self._revision: int | None = None
-        self._read = 0  # the store's epoch records read
 
-    def reads(self, key: str) -> bool:
-        """Whether a rule reads ``key``."""
-        return bool(self._rules_of(key))
-
-    def _rules_of(self, key: str) -> list[tuple[Rule, str]]:
+    def rules_of(self, key: str) -> list[tuple[Rule, str]]:
+        """The rules that read ``key``, each with the component it names."""
         found = self._matches.get(key)
         if found is None:
             found = self._matches[key] = [
@@ -444,26 +428,17 @@ class FindingsEngine:
         if len(scalars) != len(self._followed):  # keys are only ever added
             for key in sorted(scalars.keys() - self._followed):
                 self._followed.add(key)
-                for rule, component in self._rules_of(key):
+                for rule, component in self.rules_of(key):
                     trend = _Trend(rule, key, component, self.window)
                     for other in self._trends.values():
                         self._pair(trend, other)
                     self._trends[(rule.name, key)] = trend
-        # one epoch record since the last update (a training run): its values only
-        epoch = records.last_epoch if records.epoch_records == self._read + 1 else None
-        self._read = records.epoch_records
         fed: dict[_Trend, list[tuple[int, float]]] = {}
         for trend in self._trends.values():
-            if epoch is not None and trend.count:
-                value = scalars[trend.key].get(epoch)
-                points = [(epoch, value)] if type(value) is float and math.isfinite(value) else []
-            else:
-                points = _points_after(
-                    scalars[trend.key], trend.tail[-1][0] if trend.tail else None
-                )
-            for e, v in points:
-                trend.add(e, v)
-            fed[trend] = points
+            since = trend.tail[-1][0] if trend.tail else None
+            points = fed[trend] = _points_after(scalars[trend.key], since)
+            for epoch, value in points:
+                trend.add(epoch, value)
         for pair, equal in self._twins.items():
             if equal:  # still equal: equal as long as they gain the same points
                 self._twins[pair] = fed[pair[0]] == fed[pair[1]]
@@ -498,16 +473,9 @@ class FindingsEngine:
 def _points_after(series: Mapping[int, Any], epoch: int | None) -> list[tuple[int, float]]:
     """The finite numbers (bools are not) of ``series`` after ``epoch`` (None: every
     epoch), in epoch order. A series grown in epoch order is read from its end."""
-    if epoch is None:
-        items = sorted(series.items())
-    else:
-        items = []
-        for item in reversed(series.items()):
-            if item[0] <= epoch:
-                break
-            items.append(item)
-        items.reverse()
-    return [(e, v) for e, v in items if type(v) is float and math.isfinite(v)]
+    items = series.items() if epoch is None else reversed(series.items())
+    newer = itertools.takewhile(lambda p: epoch is None or p[0] > epoch, items)
+    return sorted((e, v) for e, v in newer if type(v) is float and math.isfinite(v))
 
 
 def diagnose(
@@ -519,10 +487,7 @@ def diagnose(
     :class:`~policy_probes.records.RunRecords` or ``metrics.jsonl`` lines), earliest onset
     first (:meth:`FindingsEngine.findings`)."""
     if not isinstance(records, RunRecords):
-        lines, records = records, RunRecords()
-        for line in lines:
-            if isinstance(line.get("epoch"), int):
-                records.add(Record.from_json(line))
+        records = RunRecords().extend(records)
     engine = FindingsEngine(rules, window)
     engine.update(records)
     return engine.findings()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -177,33 +177,52 @@ def _figure(
     layers: list[str],
     panels: list[Panel],
 ) -> Figure:
-    from matplotlib.figure import Figure
-
-    cols = min(2, len(panels))
-    rows = math.ceil(len(panels) / cols)
-    fig = Figure(figsize=(5.2 * cols, 3.0 * rows), dpi=100)
-    fixed_margins(fig, rows, cols, top=0.55, hgap=1.0)
-    for i, (probe, metric, title, log, _) in enumerate(panels):
-        ax = fig.add_subplot(rows, cols, i + 1)
+    fig, axes = panel_grid(len(panels), height=3.0)
+    for ax, (probe, metric, title, log, _) in zip(axes, panels, strict=True):
         for layer in layers:
             points = series.get(f"probes/{probe}/{layer}/{metric}")
-            if not points:
-                continue
-            x = np.array([e for e, _ in points])
-            y = np.array([v for _, v in points], dtype=float)
-            if log:
-                y = np.where(y > 0, y, np.nan)
-            marker = "o" if len(x) <= 30 else None
-            label = layer[len(component) + 1 :]
-            ax.plot(x, y, marker=marker, markersize=3, linewidth=1.5, label=label)
-        if log:
-            ax.set_yscale("log")
-        elif metric.endswith("fraction"):
+            if points:
+                x, y = np.array([e for e, _ in points]), np.array([v for _, v in points], float)
+                plot_series(ax, x, y, label=layer[len(component) + 1 :], log=log)
+        if not log and metric.endswith("fraction"):
             ax.set_ylim(-0.03, 1.03)
-        ax.set_title(f"{title}: {component}", fontsize=10)
-        ax.set_xlabel("epoch", fontsize=9)
-        ax.grid(True, alpha=0.3)
-        ax.tick_params(labelsize=8)
-        ax.locator_params(axis="x", integer=True)
+        style_axes(ax, f"{title}: {component}", log=log)
         ax.legend(fontsize=8, title="layer", title_fontsize=8)
     return fig
+
+
+def panel_grid(
+    n: int, cols: int = 2, height: float = 2.8, width: float = 5.2
+) -> tuple[Figure, list[Any]]:
+    """A figure of ``n`` panels, ``cols`` to a row (the report's and these figures')."""
+    from matplotlib.figure import Figure
+
+    cols = min(cols, n)
+    rows = math.ceil(n / cols)
+    fig = Figure(figsize=(width * cols, height * rows), dpi=100)
+    fixed_margins(fig, rows, cols, top=0.55, hgap=1.0)
+    return fig, [fig.add_subplot(rows, cols, i + 1) for i in range(n)]
+
+
+def style_axes(ax: Any, title: str, log: bool = False, ylabel: str | None = None) -> None:
+    """Title, epoch axis, grid and tick sizes of a panel over epochs."""
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("epoch", fontsize=9)
+    if ylabel:
+        ax.set_ylabel(ylabel, fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.tick_params(labelsize=8)
+    ax.locator_params(axis="x", integer=True)
+    if log:
+        ax.set_yscale("log")
+
+
+def plot_series(
+    ax: Any, x: np.ndarray, y: np.ndarray, label: str | None = None, log: bool = False, **style: Any
+) -> Any:
+    """One line over epochs (markers on short series; values <= 0 left out on a log axis)."""
+    if log:
+        y = np.where(y > 0, y, np.nan)
+    marker = "o" if len(x) <= 30 else None
+    (line,) = ax.plot(x, y, marker=marker, markersize=3, linewidth=1.5, label=label, **style)
+    return line

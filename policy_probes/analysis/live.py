@@ -35,34 +35,31 @@ class LiveAnalysis:
 
     def keeps(self, key: str) -> bool:
         """Whether the store keeps ``key``: a rule reads it or a figure draws it."""
-        return self.findings.reads(key) or heatmap_spec(key) is not None or is_layer_metric(key)
+        return (
+            bool(self.findings.rules_of(key))
+            or heatmap_spec(key) is not None
+            or is_layer_metric(key)
+        )
 
     def load(self, run_dir: str | Path) -> None:
         """The records a resumed run holds already (its ``metrics.jsonl`` as rewound), so
         the findings and figures cover the whole run."""
         path = Path(run_dir) / METRICS_JSONL
-        if path.is_file():
-            for line in iter_jsonl(path):
-                if isinstance(line.get("epoch"), int):
-                    self._add(Record.from_json(line))
+        for line in iter_jsonl(path) if path.is_file() else ():
+            if isinstance(line.get("epoch"), int):
+                self.add(Record.from_json(line))
 
     def add(self, record: Record) -> Record:
-        """Keep ``record``; an epoch's record (``POST_EPOCH``) is returned with the run's
-        findings (plain dicts and their text), any other as it is."""
-        if not self._add(record):
+        """Keep ``record``; an epoch's record (``POST_EPOCH``) moves the findings on and is
+        returned with them (plain dicts and their text), any other as it is."""
+        self.records.add(record)
+        if record.hook_point != POST_EPOCH:
             return record
+        self.findings.update(self.records)
         found = self.findings.findings()
         findings = tuple(f.to_dict() for f in found)
         r = record
         return Record(r.epoch, r.hook_point, r.agent_step, r.metrics, findings, render_text(found))
-
-    def _add(self, record: Record) -> bool:
-        """Keep ``record`` and move the findings on; whether it is an epoch's record."""
-        self.records.add(record)
-        if record.hook_point != POST_EPOCH:
-            return False
-        self.findings.update(self.records)
-        return True
 
     def figures(self) -> dict[str, tuple[bytes, str]]:
         """The run's figures so far, keyed as the sinks log them: the units x epochs

@@ -41,7 +41,6 @@ from policy_probes.analysis.heatmaps import (
     HEATMAP_SPECS,
     component_of,
     figure_png,
-    fixed_margins,
     heatmap_figure,
     heatmap_spec,
     units_by_epochs,
@@ -52,6 +51,9 @@ from policy_probes.analysis.layer_figures import (
     Panel,
     layer_figures,
     layer_groups,
+    panel_grid,
+    plot_series,
+    style_axes,
 )
 from policy_probes.records import METRICS_JSONL, RunRecords
 from policy_probes.user_errors import positive_int
@@ -155,39 +157,6 @@ def _png_b64(fig: Figure) -> str:
     return base64.b64encode(figure_png(fig)).decode("ascii")
 
 
-def _panel_grid(
-    n: int, cols: int = 2, height: float = 2.8, width: float = 5.2
-) -> tuple[Figure, list[Any]]:
-    cols = min(cols, n)
-    rows = math.ceil(n / cols)
-    fig = Figure(figsize=(width * cols, height * rows), dpi=100)
-    fixed_margins(fig, rows, cols, top=0.55, hgap=1.0)
-    axes = [fig.add_subplot(rows, cols, i + 1) for i in range(n)]
-    return fig, axes
-
-
-def _style(ax, title: str, log: bool = False, ylabel: str | None = None) -> None:
-    ax.set_title(title, fontsize=10)
-    ax.set_xlabel("epoch", fontsize=9)
-    if ylabel:
-        ax.set_ylabel(ylabel, fontsize=9)
-    ax.grid(True, alpha=0.3)
-    ax.tick_params(labelsize=8)
-    ax.locator_params(axis="x", integer=True)
-    if log:
-        ax.set_yscale("log")
-
-
-def _plot(
-    ax, x: np.ndarray, y: np.ndarray, label: str | None = None, log: bool = False, **style: Any
-) -> Any:
-    if log:
-        y = np.where(y > 0, y, np.nan)
-    marker = "o" if len(x) <= 30 else None
-    (line,) = ax.plot(x, y, marker=marker, markersize=3, linewidth=1.5, label=label, **style)
-    return line
-
-
 def _overlay(
     ax, key: str, line: Any, overlays: Sequence[Overlay], label: str | None, log: bool = False
 ) -> None:
@@ -195,7 +164,7 @@ def _overlay(
     for o in overlays:
         if key in o.run.scalars:
             x, y = series(o.run, key)
-            _plot(
+            plot_series(
                 ax,
                 x,
                 y,
@@ -223,13 +192,13 @@ def returns_figure(run: RunRecords, overlays: Sequence[Overlay] = ()) -> Figure 
     present = [(k, label) for k, label in RETURN_KEYS if k in run.scalars]
     if not present:
         return None
-    fig, (ax,) = _panel_grid(1, cols=1, height=3.4, width=10.4)
+    fig, (ax,) = panel_grid(1, cols=1, height=3.4, width=10.4)
     for key, label in present:
         x, y = series(run, key)
-        line = _plot(ax, x, y, label=f"{label} ({key})")
+        line = plot_series(ax, x, y, label=f"{label} ({key})")
         _overlay(ax, key, line, overlays, label)
     _fork_lines(ax, overlays)
-    _style(ax, "Episode return", ylabel="return")
+    style_axes(ax, "Episode return", ylabel="return")
     ax.legend(fontsize=8)
     return fig
 
@@ -238,13 +207,13 @@ def training_figure(run: RunRecords, overlays: Sequence[Overlay] = ()) -> Figure
     present = [(k, t, log) for k, t, log in TRAIN_KEYS if k in run.scalars]
     if not present:
         return None
-    fig, axes = _panel_grid(len(present), cols=3, height=2.5)
+    fig, axes = panel_grid(len(present), cols=3, height=2.5)
     for ax, (key, title, log) in zip(axes, present, strict=True):
         x, y = series(run, key)
-        line = _plot(ax, x, y, log=log)
+        line = plot_series(ax, x, y, log=log)
         _overlay(ax, key, line, overlays, None, log=log)
         _fork_lines(ax, overlays)
-        _style(ax, f"{title}\n{key}", log=log)
+        style_axes(ax, f"{title}\n{key}", log=log)
     return fig
 
 
@@ -257,17 +226,17 @@ def probe_figure(
     present = [p for p in panels if components(run, p.probe, p.metric)]
     if not present:
         return None
-    fig, axes = _panel_grid(len(present), cols=2, height=3.0)
+    fig, axes = panel_grid(len(present), cols=2, height=3.0)
     for ax, (probe, metric, title, log, _) in zip(axes, present, strict=True):
         for comp in components(run, probe, metric, layers=False):
             key = f"probes/{probe}/{comp}/{metric}"
             x, y = series(run, key)
-            line = _plot(ax, x, y, label=comp, log=log)
+            line = plot_series(ax, x, y, label=comp, log=log)
             _overlay(ax, key, line, overlays, comp, log=log)
         _fork_lines(ax, overlays)
         if not log and metric.endswith("fraction"):
             ax.set_ylim(-0.03, 1.03)
-        _style(ax, title, log=log)
+        style_axes(ax, title, log=log)
         ax.legend(fontsize=8, title="component", title_fontsize=8)
     return fig
 

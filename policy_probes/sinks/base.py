@@ -175,10 +175,10 @@ class SinkGroup(MetricSink):
     def names(self) -> list[str]:
         return [s.name for s in self.sinks]
 
-    def _call(self, method: str, *args: Any) -> None:
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> None:
         with self._lock:
             for sink in list(self.sinks):
-                self._isolated(sink, method, *args)
+                self._isolated(sink, method, *args, **kwargs)
 
     def _isolated(self, sink: MetricSink, method: str, *args: Any, **kwargs: Any) -> Any:
         """``sink.method(*args)``; None and the sink switched off when it raises."""
@@ -227,19 +227,15 @@ class SinkGroup(MetricSink):
     # ------------------------------------------------------------------ MetricSink API
     def set_run_context(self, **kwargs: Any) -> None:
         super().set_run_context(**kwargs)
-        with self._lock:
-            for sink in list(self.sinks):
-                self._isolated(sink, "set_run_context", **kwargs)
+        self._call("set_run_context", **kwargs)
 
     def emit(self, record: Record) -> None:
         with self._lock:
             self._record = (record.epoch, record.hook_point)
             asking, figures = self._figures_for(record)
-            drawn = dataclasses.replace(record, figures=figures) if figures is not None else None
+            drawn = record if figures is None else dataclasses.replace(record, figures=figures)
             for sink in list(self.sinks):
-                self._isolated(
-                    sink, "emit", drawn if drawn is not None and sink in asking else record
-                )
+                self._isolated(sink, "emit", drawn if sink in asking else record)
 
     def flush(self) -> None:
         self._call("flush")

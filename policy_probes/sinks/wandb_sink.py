@@ -1,39 +1,17 @@
 """WandbSink: one Weights & Biases run per training run, files under ``run_dir/wandb/``.
 
-- Mode: ``offline`` without an API key, ``online`` with one, ``disabled`` on request
-  (see :class:`~policy_probes.sinks.config.WandbConfig`). Offline runs are uploaded later
-  with ``wandb sync run_dir/wandb/offline-run-*``.
-- Step axes: ``epoch`` (every metric's x axis, via ``define_metric("*", step_metric="epoch")``)
-  and ``agent_step`` (environment steps), both logged with every row.
-- Scalars become series, every epoch; per-unit vectors become ``wandb.Histogram``s (never
-  one series per unit) in the epochs divisible by ``histogram_every`` (default 10) and in
-  the run's last epoch, logged when the run closes: building and logging a probed
-  record's dozens of histograms cost more than all its scalars.
-- When the run closes (and at the epoch record of every ``heatmap_every``-th epoch if
-  set) the run's figures, drawn by the session's analysis when the sink asks for them
-  (:meth:`WandbSink.wants_figures`), are logged as ``wandb.Image`` objects: a units x epochs
-  heatmap per component of the ReLU active rate, per-unit Fisher and gradient RMS so far
-  under ``heatmaps/<probe>/<component>/<metric>``, and one figure per probe section and
-  component with one line per layer over the epochs so far
-  (:mod:`~policy_probes.analysis.layer_figures`: dead/dormant fractions, saturated units,
-  gradient flow) under ``layers/<section>/<component>``, the "which layer is dying" view
-  in one panel.
-- Per-layer keys ``probes/<probe>/<component>.<layer>/<metric>`` are logged as they are,
-  beside ``probes/<probe>/<component>/<metric>``: with the workspace's panel grouping set
-  to all segments, W&B makes one section per ``probes/<probe>/<name>`` prefix, so a
-  component's section is followed by one section per layer.
-- The run's findings, as the session hands them over with its last epoch record, go to
-  the run summary when the sink closes.
-- The run id is stored in ``run_dir/wandb/policy_probes_run_id`` and the run is opened with
-  ``resume="allow"``, so a resumed training run appends to the same W&B run. Each
-  ``wandb.init`` writes its own run folder; the sink reads back the earlier folders of its
-  run id (:mod:`.wandb_history`), logs only epochs beyond the last one they hold (a run
-  killed after its last checkpoint logged some epochs that the resumed run trains again),
-  logs from ``metrics.jsonl`` the epochs they lack (rows W&B had not written when the
-  process was killed), and continues their ``_step``: what ``wandb sync`` uploads has
-  every epoch once on one increasing step axis.
-- Secrets never reach W&B: config keys that look like credentials are redacted, and the
-  API key is never read by this module.
+Offline without an API key (``wandb sync`` uploads later). Every row carries ``epoch``
+(every metric's x axis) and ``agent_step``. Scalars are logged every epoch; per-unit
+vectors as ``wandb.Histogram`` objects only every ``histogram_every`` epochs and for the last
+epoch at close (building them cost more than all the scalars). The run's figures
+(heatmaps, per-layer figures), drawn by the session when :meth:`WandbSink.wants_figures`
+asks, are logged as images at close and every ``heatmap_every`` epochs; the findings the
+session hands over go to the run summary at close. A resumed training run appends to the
+same W&B run (the id is kept in ``run_dir/wandb/policy_probes_run_id``): the sink reads
+back what earlier processes logged (:mod:`.wandb_history`) and lines it up with
+``metrics.jsonl`` (:meth:`WandbSink._settle_resume`), so every epoch is uploaded once on
+one increasing step axis. Credential-like config values are redacted. ``docs/sinks.md``
+has the details.
 """
 
 from __future__ import annotations
