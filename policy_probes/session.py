@@ -534,6 +534,7 @@ class ProbeSession:
             self._check_hooks()
             self.run.write_config()
             self.run.open_sinks(self.probing.sinks, self.probing.wandb)
+            self.analysis.with_figures = any(s.logs_figures for s in self.sinks)
             if self.run.resume and self.run.main:  # the records before the resume
                 self.analysis.load(self.run_dir)
             self._started = True

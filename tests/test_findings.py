@@ -361,6 +361,7 @@ def test_a_resumed_session_finds_over_the_whole_run(tmp_path: Path) -> None:
                 s.log({k: v for k, v in rec.items() if k not in ("epoch", "hook_point")})
                 s.epoch_end(step=rec["agent_step"])
             found = [f.to_dict() for f in s.analysis.findings.findings()]
+            assert not s.analysis.with_figures  # no sink draws figures: their series not kept
     assert [r["epoch"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == list(range(1, 31))
     assert (
         found

@@ -309,3 +309,28 @@ def test_resume_lines_wandb_up_with_jsonl_by_records_not_epochs(tmp_path, held, 
     ]
     assert got == sequence
     assert [row["_step"] for row in rows] == list(range(len(rows)))
+
+
+def test_figures_every_heatmap_every_epochs_are_those_of_the_epochs_so_far(tmp_path):
+    """``heatmap_every=2``: the sink asks for the figures at the epoch records of epochs
+    0 and 2 and at close (epoch 3); each row's heatmaps are exactly what render_heatmaps
+    draws from the vectors of metrics.jsonl up to that epoch."""
+    cfg = WandbConfig(mode="offline", heatmap_every=2)
+    group = SinkGroup([JSONLSink(tmp_path), WandbSink(tmp_path, cfg)])
+    emit_probe_run(group, epochs=4)
+    group.close()
+    assert group.failures == {}
+    rows = history_rows(wandb_records(run_file(tmp_path)))
+    images = [row for row in rows if "heatmaps/fisher/actor_mlp/unit/path" in row]
+    assert [row["epoch"] for row in images] == [0, 2, 3]
+    lines = read_jsonl(tmp_path / "metrics.jsonl")
+    files = run_file(tmp_path).parent / "files"
+    for row in images:
+        drawn = render_heatmaps(RunRecords().extend(lines[: row["epoch"] + 1]))
+        for key, (png, caption) in drawn.items():
+            assert (files / row[f"{key}/path"]).read_bytes() == png, (row["epoch"], key)
+            assert row[f"{key}/caption"] == caption
+        assert {k.removesuffix("/_type") for k in row if k.startswith("layers/")} >= {
+            "layers/relu/actor_mlp",
+            "layers/gradients/actor_mlp",
+        }

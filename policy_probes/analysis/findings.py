@@ -348,11 +348,13 @@ class _Trend:
             window = itertools.islice(self.tail, len(self.tail) - len(self.last), None)
             self.onset = next((e for e, v in window if holds(v, self.baseline)), epoch)
 
-    def finding(self, window: int) -> Finding | None:
-        """The finding when the rule holds at the last epoch of a series of at least
+    def holds(self, window: int) -> bool:
+        """Whether the rule holds at the last epoch of a series of at least
         :data:`MIN_WINDOWS` windows."""
-        if self.onset is None or self.count < MIN_WINDOWS * window:
-            return None
+        return self.onset is not None and self.count >= MIN_WINDOWS * window
+
+    def finding(self, window: int) -> Finding:
+        """The finding, with its evidence, of a trend that :meth:`holds`."""
         rule = self.rule
         return Finding(
             rule=rule.name,
@@ -458,14 +460,10 @@ class FindingsEngine:
         """Every finding at the last update, earliest onset first. A component whose
         series is the same as one of its layers' (``actor_mlp`` is its last layer's
         output) is reported once, under the layer."""
-        held = {t: f for t in self._trends.values() if (f := t.finding(self.window))}
-        shadowed = {
-            outer for (outer, inner), equal in self._twins.items() if equal and inner in held
-        }
-        by_key = sorted(held.items(), key=lambda item: item[0].key)
-        found = [
-            f for rule in self.rules for t, f in by_key if t.rule is rule and t not in shadowed
-        ]
+        held = {t for t in self._trends.values() if t.holds(self.window)}
+        held -= {outer for (outer, inner), equal in self._twins.items() if equal and inner in held}
+        ordered = sorted(held, key=lambda t: (self.rules.index(t.rule), t.key))
+        found = [t.finding(self.window) for t in ordered]
         found.sort(key=lambda f: (f.onset_epoch, f.rule, f.component))
         return found
 
@@ -473,9 +471,16 @@ class FindingsEngine:
 def _points_after(series: Mapping[int, Any], epoch: int | None) -> list[tuple[int, float]]:
     """The finite numbers (bools are not) of ``series`` after ``epoch`` (None: every
     epoch), in epoch order. A series grown in epoch order is read from its end."""
-    items = series.items() if epoch is None else reversed(series.items())
-    newer = itertools.takewhile(lambda p: epoch is None or p[0] > epoch, items)
-    return sorted((e, v) for e, v in newer if type(v) is float and math.isfinite(v))
+    if epoch is None:
+        items = sorted(series.items())
+    else:
+        items = []
+        for item in reversed(series.items()):  # the newest first, as far as ``epoch``
+            if item[0] <= epoch:
+                break
+            items.append(item)
+        items.reverse()
+    return [(e, v) for e, v in items if type(v) is float and math.isfinite(v)]
 
 
 def diagnose(

@@ -32,14 +32,14 @@ class LiveAnalysis:
     ) -> None:
         self.findings = FindingsEngine(rules, window)
         self.records = RunRecords(keep=self.keeps, max_epochs=max_epochs)
+        #: whether to keep the series the figures draw (a sink may ask for them); set
+        #: before the first record (the store decides once per key)
+        self.with_figures = True
 
     def keeps(self, key: str) -> bool:
         """Whether the store keeps ``key``: a rule reads it or a figure draws it."""
-        return (
-            bool(self.findings.rules_of(key))
-            or heatmap_spec(key) is not None
-            or is_layer_metric(key)
-        )
+        figure = self.with_figures and (heatmap_spec(key) is not None or is_layer_metric(key))
+        return figure or bool(self.findings.rules_of(key))
 
     def load(self, run_dir: str | Path) -> None:
         """The records a resumed run holds already (its ``metrics.jsonl`` as rewound), so

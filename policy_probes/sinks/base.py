@@ -40,6 +40,9 @@ class MetricSink(ABC):
 
     #: short name used in fault reports and configuration
     name: str = "sink"
+    #: whether this sink may ask for the run's figures (:meth:`wants_figures`): the
+    #: session keeps the series they draw only when a sink of its group may
+    logs_figures: bool = False
 
     def __init__(self) -> None:
         self.run_context: dict[str, Any] = {}

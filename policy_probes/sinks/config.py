@@ -91,11 +91,15 @@ class WandbConfig(BaseModel):
     heatmap_every: int | None = Field(
         None,
         ge=1,
-        description="Also log the units x epochs heatmaps and per-layer figures every N "
-        "epochs (they are always logged when the run closes; ~0.1 s a figure).",
+        description="Also log the units x epochs heatmaps and per-layer figures with the "
+        "epoch record of every N-th epoch (they are always logged when the run closes; "
+        "~0.1 s a figure).",
     )
     heatmap_history: int = Field(
-        1000, ge=1, description="Epochs of per-unit vectors kept in memory for the heatmaps."
+        1000,
+        ge=1,
+        description="Epochs the session keeps of each series its figures draw (the heatmaps "
+        "and per-layer figures show the last N).",
     )
     histogram_every: int = Field(
         10,

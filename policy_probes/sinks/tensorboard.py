@@ -28,6 +28,7 @@ class TensorBoardSink(MetricSink):
     """Metrics to TensorBoard event files."""
 
     name = "tensorboard"
+    logs_figures = True
 
     def __init__(self, run_dir: str | Path) -> None:
         super().__init__()

@@ -51,6 +51,7 @@ class WandbSink(MetricSink):
     """Metrics to a W&B run (offline by default on machines without an API key)."""
 
     name = "wandb"
+    logs_figures = True
 
     def __init__(
         self,
