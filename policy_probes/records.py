@@ -1,12 +1,9 @@
-"""Records: the per-epoch records a run emits, made plain once, and the store of their series.
+"""Records: what a run emits, made plain once, and the store of their series.
 
-A :class:`Record` is one emit (epoch, hook point, agent step and a flat dict of plain
-values), the unit every sink writes and ``metrics.jsonl`` holds one line of. A
-:class:`RunRecords` keeps the series by key of a run's records: read from a run
-directory's ``metrics.jsonl`` (the report, ``diagnose``, ``arms``) or fed record by record
-while the run trains (the session's live store, bounded, from which the analysis draws
-findings and figures). The helpers that make values plain live here too, so that
-everything that reads or writes records agrees on one form. A leaf module: it imports
+A :class:`Record` is one emit, what every sink writes (``metrics.jsonl`` one line per
+record); a :class:`RunRecords` holds the series by key of a run's records, read from
+``metrics.jsonl`` or fed while the run trains. The helpers that make values plain live
+here too, so that every reader and writer agrees on one form. A leaf module: it imports
 nothing from ``policy_probes``.
 """
 
@@ -38,13 +35,10 @@ Figures = Mapping[str, tuple[bytes, str]]
 
 @dataclass(frozen=True, slots=True)
 class Record:
-    """One emit of a run: ``metrics`` is flat (``a/b/c`` keys) and plain (Python numbers,
-    bools, strings, None and flat lists of them), made so once for every sink.
-
-    The session adds what the analysis made of the run so far: on ``POST_EPOCH`` records
-    the run's ``findings`` (one plain dict per finding, earliest onset first) and their
-    text (``findings_text``), and ``figures`` for a sink that asked for them
-    (``MetricSink.wants_figures``). None where not handed over."""
+    """One emit: ``metrics`` flat (``a/b/c`` keys) and plain (Python numbers, bools,
+    strings, None and flat lists of them). What the session's analysis hands over: on
+    epoch (``POST_EPOCH``) records the run's ``findings`` (plain dicts, earliest onset
+    first) and their ``findings_text``; ``figures`` for a sink that asked for them."""
 
     epoch: int
     hook_point: str
