@@ -104,38 +104,33 @@ def run_overrides(arm: str, seed: int, epochs: int, period: int, run_dir: Path) 
     return out
 
 
-def curves(metrics_path: Path, epochs: int) -> dict[str, list[float]]:
+def curves(run_dir: Path, epochs: int) -> dict[str, list[float]]:
     """Per-epoch return, dormant fractions and units reset (NaN: not recorded) from the
     run's POST_EPOCH records."""
-    from policy_probes.sinks import read_jsonl
+    from policy_probes.records import RunRecords
 
-    out = {k: [math.nan] * epochs for k in ("return", *COMPONENTS, *MEASURES)}
-    out["units_reset"] = [0.0] * epochs
-    for rec in read_jsonl(metrics_path):
-        if rec.get("hook_point") != "POST_EPOCH" or not 1 <= rec["epoch"] <= epochs:
-            continue
-        i = rec["epoch"] - 1
-        if rec.get(RETURN_KEY) is not None:
-            out["return"][i] = float(rec[RETURN_KEY])
-        for c in COMPONENTS:
-            value = rec.get(f"probes/relu/{c}/dormant_fraction")
-            if value is not None:
-                out[c][i] = float(value)
-        for name, key in MEASURES.items():
-            value = rec.get(key)
-            if isinstance(value, int | float) and math.isfinite(value):
-                out[name][i] = float(value)
-        out["units_reset"][i] = float(
-            sum(
-                v
-                for k, v in rec.items()
-                if k.startswith("remedies/")
-                and k.endswith("/units_reset")
-                and k.split("/")[2] in COMPONENTS
-                and isinstance(v, int | float)
-            )
-        )
-    return out
+    run = RunRecords.read(run_dir)
+
+    def column(key: str) -> list[float]:
+        values = run.scalars.get(key, {})
+        return [float(values.get(e, math.nan)) for e in range(1, epochs + 1)]
+
+    resets = [
+        run.scalars[k]
+        for k in run.scalars
+        if k.startswith("remedies/")
+        and k.endswith("/units_reset")
+        and k.split("/")[2] in COMPONENTS
+    ]
+    return {
+        "return": column(RETURN_KEY),
+        **{c: column(f"probes/relu/{c}/dormant_fraction") for c in COMPONENTS},
+        **{name: column(key) for name, key in MEASURES.items()},
+        "units_reset": [
+            float(sum(v for r in resets if math.isfinite(v := r.get(e, 0.0))))
+            for e in range(1, epochs + 1)
+        ],
+    }
 
 
 def run_one(job: tuple[str, int, int, int, str]) -> dict[str, Any]:
@@ -151,7 +146,7 @@ def run_one(job: tuple[str, int, int, int, str]) -> dict[str, Any]:
     t0 = time.perf_counter()
     tool.invoke(overwrite=True)
     wall = time.perf_counter() - t0
-    from policy_probes.findings import diagnose_run
+    from policy_probes.analysis.findings import diagnose_run
 
     findings = [
         {
@@ -166,7 +161,7 @@ def run_one(job: tuple[str, int, int, int, str]) -> dict[str, Any]:
         "run_dir": str(run_dir),
         "wall_seconds": wall,
         "findings": findings,
-        **curves(run_dir / "metrics.jsonl", epochs),
+        **curves(run_dir, epochs),
     }
 
 
@@ -386,61 +381,28 @@ def first_fires(run_dir: Path) -> list[dict[str, Any]]:
     for each rule and component, the first epoch at which diagnosing the run's records
     up to that epoch yields it, and whether it still holds at the run's end (with its
     onset then)."""
-    from policy_probes.findings import (
-        MIN_WINDOWS,
-        RULES,
-        WINDOW,
-        diagnose,
-        evaluate,
-        series_of,
-    )
-    from policy_probes.sinks import read_jsonl
+    from policy_probes.analysis.findings import FindingsEngine
+    from policy_probes.records import POST_EPOCH, Record, RunRecords, iter_jsonl
 
-    records = [
-        r for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("hook_point") == "POST_EPOCH"
+    records, engine = RunRecords(), FindingsEngine()
+    first: dict[tuple[str, str], int] = {}
+    for line in iter_jsonl(run_dir / "metrics.jsonl"):
+        if line.get("hook_point") != POST_EPOCH:
+            continue
+        records.add(Record.from_json(line))
+        engine.update(records)  # what a diagnose of the records so far finds
+        for f in engine.findings():
+            first.setdefault((f.rule, f.component), line["epoch"])
+    at_end = {(f.rule, f.component): f.onset_epoch for f in engine.findings()}
+    return [
+        {
+            "rule": rule,
+            "component": component,
+            "first_epoch": epoch,
+            "onset_at_end": at_end.get((rule, component)),
+        }
+        for (rule, component), epoch in first.items()
     ]
-    table = series_of(records)
-    at_end = {(f.rule, f.component): f.onset_epoch for f in diagnose(records)}
-    out = []
-    for rule in RULES:
-        for key, points in table.items():
-            component = rule.matches(key)
-            if component is None:
-                continue
-            first = None
-            for t in range(MIN_WINDOWS * WINDOW, len(points) + 1):
-                # past 3 windows the window and baseline are fixed: one rolling pass
-                if t > MIN_WINDOWS * WINDOW:
-                    first = _first_holding(rule, points, t)
-                    break
-                if evaluate(rule, key, points[:t]) is not None:
-                    first = points[t - 1][0]
-                    break
-            if first is not None:
-                out.append(
-                    {
-                        "rule": rule.name,
-                        "component": component,
-                        "first_epoch": first,
-                        "onset_at_end": at_end.get((rule.name, component)),
-                    }
-                )
-    return out
-
-
-def _first_holding(rule: Any, points: list[tuple[int, float]], start: int) -> int | None:
-    """The first epoch >= the ``start``-th whose rolling median (``WINDOW`` epochs) meets
-    ``rule`` against the median of the first ``WINDOW`` epochs."""
-    import statistics
-
-    from policy_probes.findings import WINDOW
-
-    values = [v for _, v in points]
-    baseline = statistics.median(values[:WINDOW])
-    for i in range(start - 1, len(values)):
-        if rule.holds(statistics.median(values[i - WINDOW + 1 : i + 1]), baseline):
-            return points[i][0]
-    return None
 
 
 def lead_table(runs: list[dict[str, Any]], period: int, arm: str = "none") -> str:

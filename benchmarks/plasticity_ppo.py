@@ -16,7 +16,7 @@ features every 40, 64-64 ReLU actor and critic, constant lr 3e-3) once per arm a
 * ``adam_betas``: Adam with ``betas=(0.99, 0.99)`` (Dohare et al.'s PPO setting).
 
 Part 2, forked arms: every seed's ``none`` run is forked at epoch 240 (the middle) and 360
-(three quarters) with ``policy-probes arms`` (:mod:`policy_probes.arms`) into ``none``,
+(three quarters) with ``policy-probes arms`` (:mod:`policy_probes.analysis.arms`) into ``none``,
 ``l2_init``, ``soft_shrink_perturb``, ``continual_backprop`` (settings as above) and
 ``plasticity_injection`` (both MLPs, injected at the end of the first epoch after the
 fork). LayerNorm cannot be switched on in a fork (the checkpoint would not fit the
@@ -109,7 +109,7 @@ def run_overrides(arm: str, seed: int, epochs: int, period: int, run_dir: Path) 
 
 
 def finished(run_dir: Path, epochs: int) -> bool:
-    from policy_probes.arms import last_epoch
+    from policy_probes.analysis.arms import last_epoch
 
     return (run_dir / "metrics.jsonl").is_file() and last_epoch(run_dir) >= epochs
 
@@ -128,12 +128,12 @@ def run_one(arm: str, seed: int, epochs: int, period: int, out: Path) -> dict[st
         "seed": seed,
         "run_dir": str(run_dir),
         "wall_seconds": time.perf_counter() - t0,
-        **curves(run_dir / "metrics.jsonl", epochs),
+        **curves(run_dir, epochs),
     }
 
 
 def fork_test(parents: list[Path], epoch: int, out: Path) -> dict[str, Any]:
-    from policy_probes.arms import parse_arm, run_arms
+    from policy_probes.analysis.arms import parse_arm, run_arms
 
     arms = [parse_arm(text) for text in FORK_ARMS.values()]
     t0 = time.perf_counter()

@@ -46,8 +46,8 @@ METRICS = {
 
 def run(settings: dict[str, Any], steps: int) -> list[dict[str, Any]]:
     from benchmarks.cases import probe_builders
+    from policy_probes.records import iter_jsonl
     from policy_probes.sinks import SinksConfig, WandbConfig
-    from policy_probes.sinks.jsonl import iter_jsonl
     from trainers import (
         CheckpointConfig,
         EnvConfig,

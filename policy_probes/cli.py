@@ -33,9 +33,10 @@ from typing import Any
 from pydantic import BaseModel
 
 from policy_probes import plugins
-from policy_probes.arms import add_arms_subcommand
+from policy_probes.analysis.arms import add_arms_subcommand
+from policy_probes.analysis.diagnose import add_diagnose_subcommand
+from policy_probes.analysis.report import add_report_subcommand
 from policy_probes.control_channel import COMMANDS, ControlError, send_command
-from policy_probes.diagnose import add_diagnose_subcommand
 from policy_probes.lifecycle.cli import (
     HookSelection,
     add_hook_selection_arguments,
@@ -50,7 +51,6 @@ from policy_probes.overrides import (
     parse_value,
     valid_keys,
 )
-from policy_probes.report import add_report_subcommand
 from policy_probes.run import held_outputs
 from policy_probes.runnable import (
     ForkPoint,

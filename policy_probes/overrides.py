@@ -89,6 +89,8 @@ def valid_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
             out.extend([key, key + ".*"])
         else:
             out.append(key)
+    extra = getattr(model, "extra_keys", None)  # names a model accepts besides its fields
+    out.extend(f"{prefix}{name}" for name in (extra() if extra else ()))
     return out
 
 
@@ -98,6 +100,9 @@ def check_key(model: type[BaseModel], key: str) -> None:
     parts = key.split(".")
     for i, part in enumerate(parts):
         fields = current.model_fields if current is not None else {}
+        extra = getattr(current, "extra_keys", None)
+        if part not in fields and extra and part in extra() and i == len(parts) - 1:
+            return  # a name the model accepts besides its fields (a sink of your own)
         if part not in fields:
             keys = [k for k in valid_keys(model) if not k.endswith(".*")]
             close = difflib.get_close_matches(key, keys, n=4, cutoff=0.5)

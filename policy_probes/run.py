@@ -23,10 +23,9 @@ from typing import Any
 
 from policy_probes.atomic_write import write_text_atomic
 from policy_probes.processes import current_rank
+from policy_probes.records import iter_jsonl, to_plain
 from policy_probes.run_lock import RunDirLock, refuse_if_locked
 from policy_probes.sinks import SinkGroup, SinksConfig, WandbConfig, build_sinks
-from policy_probes.sinks.base import to_plain
-from policy_probes.sinks.jsonl import iter_jsonl
 from policy_probes.user_errors import mark_usage_error
 
 log = logging.getLogger("policy_probes")

@@ -35,6 +35,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from policy_probes.analysis.live import LiveAnalysis
 from policy_probes.components import PolicyAutoBuilder, ProbeHandle, ProbeSpec, add_probe
 from policy_probes.context import PHASES, ComponentContext
 from policy_probes.lifecycle import (
@@ -50,10 +51,10 @@ from policy_probes.lifecycle import (
 from policy_probes.plugins import from_spec
 from policy_probes.probe_settings import ProbeSettings
 from policy_probes.probes.probe import ProbeBuilder
+from policy_probes.records import POST_EPOCH, Record, plain_metrics
 from policy_probes.remedies.base import Remedy, RemedyRunner
 from policy_probes.run import Run
 from policy_probes.sampling import Sampler
-from policy_probes.sinks.base import to_plain
 from policy_probes.stats_reporter import StatsReporter
 
 log = logging.getLogger("policy_probes")
@@ -134,6 +135,8 @@ class ProbeSession:
         self._started = False
         #: remedies fired at every epoch_end (policy_probes.remedies)
         self.remedies = RemedyRunner()
+        #: the records emitted so far, their findings and figures (for the sinks)
+        self.analysis = LiveAnalysis(max_epochs=self.probing.wandb.heatmap_history)
         selected = self.probing.lifecycle_hooks()
         self.config = self.run.config = {
             "session": {
@@ -179,6 +182,7 @@ class ProbeSession:
         self.context.infer_phase = True
         #: the run's sinks (filled when the first epoch starts)
         self.sinks = run.sinks
+        self.sinks.draw_figures = self.analysis.figures
         self.sampler.on_choice = run.choice_recorder()  # the probe budget's choice
         if last is not None:
             self.epoch = last
@@ -560,6 +564,9 @@ class ProbeSession:
             self._check_hooks()
             self.run.write_config()
             self.run.open_sinks(self.probing.sinks, self.probing.wandb)
+            self.analysis.with_figures = any(s.logs_figures for s in self.sinks)
+            if self.run.resume and self.run.main:  # the records before the resume
+                self.analysis.load(self.run_dir)
             self._started = True
         if self._epoch_started:
             return {}
@@ -604,7 +611,7 @@ class ProbeSession:
         start, collected = time.perf_counter(), sampler.collect_seconds
         metrics, snapshot, steps = self._fire_epoch_points(logged)
         if self.remedies:  # after the epoch's metrics (ReDo reads its scores), before records
-            metrics.update(self.remedies.end_epoch(self.epoch + 1, metrics))
+            metrics.update(plain_metrics(self.remedies.end_epoch(self.epoch + 1, metrics)))
         self._emit(metrics, snapshot, steps)
         if not self.hooks.active:
             # with no lifecycle hook, the epoch's end is the probes' reporting: record
@@ -648,9 +655,11 @@ class ProbeSession:
             steps = {point.value: values for point, values in flushed.by_point.items()}
         elif snapshot_due(self.epoch, self.probing.snapshot_every):
             snapshot = {}
-        plain = {k: to_plain(v) for k, v in metrics.items()}
+        # plain once, for every sink and the analysis (flat keys, Python values)
+        plain = plain_metrics(metrics)
         if snapshot is not None:
-            snapshot = {k: to_plain(v) for k, v in snapshot.items()}
+            snapshot = plain_metrics(snapshot)
+        steps = {point: plain_metrics(values) for point, values in steps.items()}
         return plain, snapshot, steps
 
     def _emit(
@@ -659,14 +668,14 @@ class ProbeSession:
         snapshot: dict[str, Any] | None,
         steps: dict[str, dict[str, Any]],
     ) -> None:
-        """The epoch's records, in the documented order."""
-        epoch = self.record_epoch
-        self.sinks.set_run_context(agent_step=self.agent_step)
-        for point, values in steps.items():
-            self.sinks.emit(values, epoch, point)
-        self.sinks.emit(metrics, epoch, "POST_EPOCH")
+        """The epoch's records, in the documented order, through the live analysis (the
+        epoch's record carries the run's findings) to the sinks."""
+        epoch, step = self.record_epoch, self.agent_step
+        records = [*steps.items(), (POST_EPOCH, metrics)]
         if snapshot is not None:
-            self.sinks.emit(snapshot, epoch, "SNAPSHOT")
+            records.append(("SNAPSHOT", snapshot))
+        for point, values in records:
+            self.sinks.emit(self.analysis.add(Record(epoch, point, step, values)))
 
     def _epoch_learning_rate(self, logged: Mapping[str, Any]) -> float | None:
         """The rate the epoch trained with: the logged ``train/learning_rate`` when the

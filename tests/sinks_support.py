@@ -25,6 +25,9 @@ from policy_probes import (
     attach_relu_activation_hooks,
     attach_saturated_activation_hooks,
 )
+from policy_probes.analysis.live import LiveAnalysis
+from policy_probes.records import Record
+from policy_probes.sinks import SinkGroup
 
 #: units of actor_mlp.layer_0 forced dead (bias -50) so heatmaps show dead rows
 DEAD_UNITS = (0, 1, 2)
@@ -97,14 +100,18 @@ def probe_epochs(
 def emit_probe_run(
     sink, epochs: int = 3, snapshot_every: int | None = None
 ) -> list[tuple[int, int, dict[str, Any]]]:
-    """Feed a real probe run into ``sink`` (POST_EPOCH each epoch, SNAPSHOT every
-    ``snapshot_every`` epochs) and return what was emitted."""
+    """Feed a real probe run into ``sink`` as a session does (POST_EPOCH each epoch,
+    SNAPSHOT every ``snapshot_every`` epochs; each record through a live analysis, which
+    draws the figures a sink in a :class:`SinkGroup` asks for) and return what was
+    emitted."""
+    analysis = LiveAnalysis()
+    if isinstance(sink, SinkGroup):
+        sink.draw_figures = analysis.figures
     emitted = []
     for epoch, step, metrics in probe_epochs(epochs):
-        sink.set_run_context(agent_step=step)
-        sink.emit(metrics, epoch, "POST_EPOCH")
+        sink.emit(analysis.add(Record.of(metrics, epoch, "POST_EPOCH", step)))
         if snapshot_every and (epoch + 1) % snapshot_every == 0:
-            sink.emit({}, epoch, "SNAPSHOT")
+            sink.emit(analysis.add(Record.of({}, epoch, "SNAPSHOT", step)))
         emitted.append((epoch, step, metrics))
     return emitted
 
@@ -137,8 +144,8 @@ def rewind_and_emit(sink: Any, epochs: int, keep: int, key: str, again: float) -
     ``keep + 1`` once more with ``{key: again}``, the sink closed; returns what the
     rewind reported (the records it dropped)."""
     for epoch in range(epochs):
-        sink.emit({key: float(epoch)}, epoch, "POST_EPOCH")
+        sink.emit(Record.of({key: float(epoch)}, epoch))
     dropped = sink.rewind(keep)
-    sink.emit({key: again}, keep + 1, "POST_EPOCH")
+    sink.emit(Record.of({key: again}, keep + 1))
     sink.close()
     return dropped

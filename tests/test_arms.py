@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from run_control_support import EPOCHS, write_recipe
 
-from policy_probes.arms import ArmsError, compare, parse_arm
+from policy_probes.analysis.arms import ArmsError, compare, parse_arm
 from policy_probes.cli import main
 
 RETURN = "rollout/episode_return"

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from benchmarks import plasticity
-from policy_probes.sinks import read_jsonl
+from policy_probes.records import read_jsonl
 
 
 def test_plasticity_benchmark_writes_the_runs_curves_table_and_figure(tmp_path):

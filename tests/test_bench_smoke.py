@@ -307,7 +307,7 @@ def test_the_run_overhead_figure_sums_every_records_overhead_seconds(run_dirs):
     """``run_overhead_fraction`` of the recipe case is the sum of ``probes/overhead_seconds``
     over every record the run wrote (read back from its metrics.jsonl) over the timed
     seconds; a run without probes has none."""
-    from policy_probes.sinks.jsonl import read_jsonl
+    from policy_probes.records import read_jsonl
 
     p = dict(cases.DEFAULTS, total_timesteps=2048, probes=True, probe_budget=0.05)
     out = cases.recipe(p)
@@ -326,7 +326,7 @@ def test_the_recipe_case_with_the_headline_sinks_writes_the_offline_wandb_run(ru
     JSONL file does. The default ("files") opens no W&B run."""
     from wandb_reader import history_rows, run_file, wandb_records
 
-    from policy_probes.sinks.jsonl import read_jsonl
+    from policy_probes.records import read_jsonl
 
     p = dict(cases.DEFAULTS, total_timesteps=1024, probes=True, probe_budget=0.05)
     cases.recipe(dict(p, recipe_sinks="headline"))
@@ -341,7 +341,7 @@ def test_the_recipe_case_with_one_component_probes_reports_actor_mlp_alone(run_d
     """``recipe_probes="one_component"`` (the ``recipe_floor`` comparison): the recipe's
     four probes report ``actor_mlp`` and nothing else, no layer inside it and no
     ``critic_mlp``; the recipe's own probes report both components per layer."""
-    from policy_probes.sinks.jsonl import read_jsonl
+    from policy_probes.records import read_jsonl
 
     p = dict(cases.DEFAULTS, total_timesteps=1024, probes=True, probe_budget=0.05)
 

@@ -1,25 +1,28 @@
 """Findings on constructed runs: a climbing measure yields the finding for its layer with
 the epoch it crossed its threshold; a healthy (noisy, flat) run yields none; a single bad
-epoch is no trend; ``policy-probes diagnose --json`` round-trips."""
+epoch is no trend; ``policy-probes diagnose --json`` round-trips; the findings a session
+computes live, epoch by epoch, are those of the records so far."""
 
 from __future__ import annotations
 
 import json
+import math
 import random
-import re
+import statistics
 from pathlib import Path
 
 import pytest
 
-from policy_probes.cli import main
-from policy_probes.findings import (
-    RULES,
-    FindingsCollector,
+from policy_probes.analysis.findings import (
+    default_rules,
     diagnose,
     diagnose_run,
     from_json,
     render_text,
 )
+from policy_probes.analysis.live import LiveAnalysis
+from policy_probes.cli import main
+from policy_probes.records import Record, read_jsonl
 
 EPOCHS = 30
 
@@ -157,9 +160,11 @@ def climbing_run() -> list[dict]:
 
 
 def emit_all(sink, records: list[dict]) -> None:
+    """Feed ``records`` to ``sink`` as a session does: through a live analysis, which
+    hands the run's findings over with each epoch's record."""
+    analysis = LiveAnalysis()
     for rec in records:
-        metrics = {k: v for k, v in rec.items() if k not in ("epoch", "hook_point")}
-        sink.emit(metrics, rec["epoch"], "POST_EPOCH")
+        sink.emit(analysis.add(Record.from_json(rec)))
 
 
 def test_the_console_states_the_findings_when_the_run_ends() -> None:
@@ -196,7 +201,7 @@ def test_the_wandb_run_summary_holds_the_findings(tmp_path: Path) -> None:
 
 
 def test_report_html_opens_with_the_findings(tmp_path: Path) -> None:
-    from policy_probes.report import build_report
+    from policy_probes.analysis.report import build_report
 
     write_run(tmp_path / "run", climbing_run())
     page = build_report(tmp_path / "run").read_text()
@@ -207,26 +212,160 @@ def test_report_html_opens_with_the_findings(tmp_path: Path) -> None:
     assert "No findings" in build_report(tmp_path / "healthy").read_text()
 
 
-def test_the_collector_keeps_every_epochs_values_of_the_keys_the_rules_read() -> None:
-    """What a sink's FindingsCollector keeps equals, epoch by epoch, the numeric values of
-    the keys some rule's pattern matches, also for keys that first appear in a later
-    epoch, and its findings are those of the records themselves."""
+def rules_afresh(records: list[dict], window: int = 5) -> list[tuple]:
+    """The rules computed afresh from every epoch's finite float values, as the docs
+    state them: baseline = median of the first ``window`` values, the rolling median at
+    the last epoch meets the condition and has since the stretch began, the onset is the
+    first epoch of that stretch's first window whose own value meets it; a component
+    whose series equals one of its layers' is left to the layer."""
+    table: dict[str, dict[int, float]] = {}
+    for r in records:
+        if r.get("hook_point", "POST_EPOCH") == "POST_EPOCH":
+            for k, v in r.items():
+                if type(v) is float and math.isfinite(v):
+                    table.setdefault(k, {})[r["epoch"]] = v
+    found = []
+    for rule in default_rules():
+        hits = []
+        for key in sorted(table):
+            component, points = rule.matches(key), sorted(table[key].items())
+            if component is None or len(points) < 3 * window:
+                continue
+            epochs, values = [e for e, _ in points], [v for _, v in points]
+            base = statistics.median(values[:window])
+            rolling = [
+                statistics.median(values[i + 1 - window : i + 1])
+                for i in range(window - 1, len(values))
+            ]
+            holds = [rule.holds(m, base) for m in rolling]
+            if not holds[-1]:
+                continue
+            start = len(holds) - 1
+            while start and holds[start - 1]:
+                start -= 1
+            stretch = range(start, start + window)
+            onset = next(
+                (epochs[i] for i in stretch if rule.holds(values[i], base)), epochs[stretch[-1]]
+            )
+            hits.append((onset, rule.name, component, key, rolling[-1], base, epochs[-1]))
+        for hit in hits:
+            layers = [
+                h for h in hits if h[2].startswith(hit[2] + ".") and table[h[3]] == table[hit[3]]
+            ]
+            if not layers:
+                found.append(hit)
+    return sorted(found)
+
+
+def as_tuples(findings) -> list[tuple]:
+    keys = ("onset_epoch", "rule", "component", "metric", "value", "baseline", "last_epoch")
+    return sorted(tuple(f[k] for k in keys) for f in findings)
+
+
+def test_the_live_findings_are_those_of_the_records_so_far_at_every_epoch() -> None:
+    """Epoch by epoch, the findings a session hands its sinks (a live analysis fed one
+    record at a time, keeping only 8 epochs per series) are the rules computed afresh on
+    the records so far: also with a layer whose probe starts reporting later, values that
+    are no numbers (a bool, None), SNAPSHOT records between the epochs and a component
+    whose series is its last layer's until it is not."""
     records = climbing_run()
+    for r in records:
+        r["probes/relu/actor_mlp/dormant_fraction"] = r[
+            "probes/relu/actor_mlp.layer_0/dormant_fraction"
+        ]
+        r["probes/fisher/actor_mlp/trace"] = 2.0 * 0.85 ** r["epoch"]
+        r["probes/fisher/actor_mlp.layer_1/trace"] = 2.0 * 0.85 ** r["epoch"]
+    records[-1]["probes/fisher/actor_mlp/trace"] = 1e-3  # no longer the layer's series
     for r in records[10:]:  # a layer whose probe starts reporting later
         r["probes/relu/critic_mlp.layer_0/dormant_fraction"] = 0.01 * r["epoch"]
-        r["probes/relu/critic_mlp.layer_0/dead_fraction"] = True  # not a number to keep
-    collector = FindingsCollector()
+        r["probes/relu/critic_mlp.layer_0/dead_fraction"] = 0.005 * r["epoch"]
+    records[20]["probes/relu/critic_mlp.layer_0/dead_fraction"] = True  # not a number
+    records[21]["probes/relu/critic_mlp.layer_0/dead_fraction"] = None
+    analysis = LiveAnalysis(max_epochs=8)
+    so_far, seen = [], set()
     for r in records:
-        collector.add(r, r["epoch"], "POST_EPOCH")
-        collector.add({"probes/fisher/actor_mlp/trace": -1.0}, r["epoch"], "SNAPSHOT")
-    for r in records:
-        expected = {
-            k: v
-            for k, v in r.items()
-            if isinstance(v, int | float)
-            and not isinstance(v, bool)
-            and any(re.fullmatch(rule.pattern, k) for rule in RULES)
+        so_far.append(r)
+        record = analysis.add(Record.from_json(r))
+        assert as_tuples(record.findings) == rules_afresh(so_far), r["epoch"]
+        assert record.findings_text == render_text(diagnose(so_far))
+        seen |= {(f["rule"], f["component"]) for f in record.findings}
+        snapshot = {
+            "epoch": r["epoch"],
+            "hook_point": "SNAPSHOT",
+            "probes/fisher/actor_mlp/trace": 9.0,
         }
-        assert collector.records[r["epoch"]] == {"epoch": r["epoch"], **expected}
-    found = [f.to_dict() for f in collector.findings()]
-    assert found and found == [f.to_dict() for f in diagnose(records)]
+        assert analysis.add(Record.from_json(snapshot)).findings is None
+    assert seen >= {
+        ("dormant_units", "actor_mlp.layer_0"),
+        ("fisher_collapse", "actor_mlp.layer_1"),
+        ("fisher_collapse", "actor_mlp"),  # at the last epoch: its own series now
+        ("dead_units", "critic_mlp.layer_0"),
+    }
+    # the store kept 8 epochs of the series the rules read, nothing else
+    assert set(analysis.records.scalars) == {k for r in records for k in r if analysis.keeps(k)}
+    assert "rollout/episode_return" not in analysis.records.scalars
+    assert {len(s) for s in analysis.records.scalars.values()} == {8}
+
+
+def test_the_findings_of_a_training_run_are_those_of_its_metrics_jsonl(tmp_path: Path) -> None:
+    """A real training run: the findings its session handed the W&B sink with its last
+    epoch are what ``diagnose`` finds in its metrics.jsonl; and its records, read back
+    and fed one at a time with windows short enough for 8 epochs, give at each epoch what
+    ``diagnose`` gives on the lines so far."""
+    from sinks_support import tiny_cartpole
+    from wandb_reader import run_file, wandb_records
+
+    from policy_probes.sinks import SinksConfig, WandbConfig
+
+    tool = tiny_cartpole(
+        tmp_path,
+        epochs=8,
+        sinks=SinksConfig(console=False, csv=False, wandb=True),
+        wandb=WandbConfig(mode="offline"),
+    )
+    assert tool.invoke().sink_failures == {}
+    summary = {}
+    for r in wandb_records(run_file(tmp_path)):
+        if r.WhichOneof("record_type") == "summary":
+            for item in r.summary.update:
+                summary[item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
+    assert summary["findings/list"] == [f.to_dict() for f in diagnose_run(tmp_path)]
+    lines = read_jsonl(tmp_path / "metrics.jsonl")
+    found = 0
+    for window in (1, 2):
+        analysis = LiveAnalysis(window=window)
+        for i, line in enumerate(lines):
+            record = analysis.add(Record.from_json(line))
+            expected = [f.to_dict() for f in diagnose(lines[: i + 1], window=window)]
+            assert list(record.findings) == expected
+            assert as_tuples(expected) == rules_afresh(lines[: i + 1], window)
+            found += len(expected)
+    assert found  # the comparisons held findings, not only empty lists
+
+
+def test_a_resumed_session_finds_over_the_whole_run(tmp_path: Path) -> None:
+    """A session that resumes a run reads its earlier records back: its findings are
+    those of the whole metrics.jsonl, the climb having started before the resume."""
+    from torch import nn
+
+    from policy_probes import ProbeSession, ProbeSettings, Run
+    from policy_probes.sinks import SinksConfig, WandbConfig
+
+    probing = ProbeSettings(
+        sinks=SinksConfig(console=False, csv=False, wandb=False), wandb=WandbConfig(mode="disabled")
+    )
+    run = climbing_run()
+    for part, resume in ((run[:20], False), (run[20:], True)):
+        with ProbeSession(nn.Linear(2, 2), run=Run(tmp_path, resume=resume), probing=probing) as s:
+            for rec in part:
+                s.log({k: v for k, v in rec.items() if k not in ("epoch", "hook_point")})
+                s.epoch_end(step=rec["agent_step"])
+            found = [f.to_dict() for f in s.analysis.findings.findings()]
+            assert not s.analysis.with_figures  # no sink draws figures: their series not kept
+    assert [r["epoch"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == list(range(1, 31))
+    assert (
+        found
+        == [f.to_dict() for f in diagnose(run)]
+        == [f.to_dict() for f in diagnose_run(tmp_path)]
+    )
+    assert [(f["component"], f["onset_epoch"]) for f in found] == [("actor_mlp.layer_0", 16)]

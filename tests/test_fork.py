@@ -16,16 +16,15 @@ import pytest
 import torch
 from run_control_support import EPOCHS, assert_same_params, final_params, write_recipe
 
-from policy_probes.cli import main
-from policy_probes.layer_figures import PROBE_SECTIONS
-from policy_probes.report import (
+from policy_probes.analysis.layer_figures import PROBE_SECTIONS
+from policy_probes.analysis.report import (
     REPORT_HTML,
-    RunMetrics,
     find_overlays,
     probe_figure,
     returns_figure,
 )
-from policy_probes.sinks import read_jsonl
+from policy_probes.cli import main
+from policy_probes.records import RunRecords, read_jsonl
 from trainers.checkpoint import checkpoint_name, load_checkpoint
 
 torch.set_num_threads(1)
@@ -181,7 +180,7 @@ def test_report_overlays_the_parent_and_compared_runs_on_one_epoch_axis(parent, 
         ("parent", ":", None),
     ]
 
-    child_run = RunMetrics.load(lr_child / "metrics.jsonl")
+    child_run = RunRecords.read(lr_child)
     fig = returns_figure(child_run, overlays[:1])
     ax = fig.axes[0]
     lines = lines_by_label(ax)
@@ -278,7 +277,7 @@ def test_a_relative_parent_path_is_found_beside_the_child(tmp_path, monkeypatch)
     monkeypatch.chdir(elsewhere)  # "runs/p" does not resolve from here
     (overlay,), notes = find_overlays(runs / "c", config)
     assert notes == [] and overlay.fork_epoch == 2
-    assert overlay.run.series("rollout/episode_return")[1].tolist() == [10.0, 20.0, 30.0, 40.0]
+    assert [v for _, v in overlay.run.series("rollout/episode_return")] == [10.0, 20.0, 30.0, 40.0]
     config["parent"]["run_dir"] = "runs/gone"
     assert find_overlays(runs / "c", config) == (
         [],

@@ -8,13 +8,14 @@ import io
 import numpy as np
 from PIL import Image
 
-from policy_probes.heatmaps import (
-    VectorHistory,
+from policy_probes.analysis.heatmaps import (
     figure_png,
     heatmap_figure,
     heatmap_spec,
     render_heatmaps,
+    units_by_epochs,
 )
+from policy_probes.records import Record, RunRecords
 
 
 def pixels(png: bytes) -> np.ndarray:
@@ -23,7 +24,7 @@ def pixels(png: bytes) -> np.ndarray:
 
 def test_each_heatmap_is_what_a_fresh_figure_draws_and_equal_histories_are_drawn_once():
     rng = np.random.default_rng(0)
-    history = VectorHistory()
+    records = RunRecords()
     vectors = {
         "relu/actor/active_rate": [rng.random(8) for _ in range(6)],
         "relu/critic/active_rate": [rng.random(8) ** 3 for _ in range(6)],
@@ -36,16 +37,16 @@ def test_each_heatmap_is_what_a_fresh_figure_draws_and_equal_histories_are_drawn
     # a component's output is its last layer's: the same history under two keys
     vectors["relu/actor.layer_1/active_rate"] = vectors["relu/actor/active_rate"]
     for epoch in range(1, 7):
-        for key, rows in vectors.items():
-            history.add(f"probes/{key}", epoch, rows[epoch - 1].tolist())
+        metrics = {f"probes/{key}": rows[epoch - 1].tolist() for key, rows in vectors.items()}
+        records.add(Record.of(metrics, epoch))
 
-    out = render_heatmaps(history)
+    out = render_heatmaps(records)
 
     assert set(out) == {f"heatmaps/{key}" for key in vectors}
     shared = out["heatmaps/relu/actor/active_rate"][0]
     assert out["heatmaps/relu/actor.layer_1/active_rate"][0] is shared  # drawn once
     for key in vectors:
-        matrix, epochs = history.matrix(f"probes/{key}")
+        matrix, epochs = units_by_epochs((e, vectors[key][e - 1].tolist()) for e in range(1, 7))
         name = "actor = actor.layer_1" if key.startswith("relu/actor") else key.split("/")[1]
         spec = heatmap_spec(f"probes/{key}")
         fresh = figure_png(heatmap_figure(matrix, epochs, spec, name))

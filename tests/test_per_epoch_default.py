@@ -17,8 +17,8 @@ import torch
 from wandb_reader import history_rows, run_file, wandb_records
 
 from policy_probes.cli import apply_overrides, build_from_recipe
+from policy_probes.records import read_jsonl
 from policy_probes.sampling import DEFAULT_STRIDE
-from policy_probes.sinks import read_jsonl
 
 REPO = Path(__file__).resolve().parent.parent
 #: the cartpole recipe: 4 envs x 128 steps per epoch, 4 minibatches, 4 update epochs

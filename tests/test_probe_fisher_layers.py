@@ -675,7 +675,8 @@ def test_sb3_cnn_policy_features_fisher_covers_the_convolutions(tmp_path: Path) 
     from stable_baselines3 import PPO
 
     from policy_probes.integrations.sb3 import ProbeCallback
-    from policy_probes.sinks import SinksConfig, read_jsonl
+    from policy_probes.records import read_jsonl
+    from policy_probes.sinks import SinksConfig
 
     env = TinyImageEnv()
     env.observation_space.seed(0)

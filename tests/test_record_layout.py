@@ -19,8 +19,9 @@ from torch import nn
 
 from policy_probes import ProbeSettings, Run, attach_relu_activation_hooks
 from policy_probes.integrations.sb3 import ProbeCallback
+from policy_probes.records import read_jsonl
 from policy_probes.session import ProbeSession
-from policy_probes.sinks import SinksConfig, WandbConfig, read_jsonl
+from policy_probes.sinks import SinksConfig, WandbConfig
 from trainers import PolicyConfig, TrainTool, make_policy
 
 torch.set_num_threads(1)

@@ -31,8 +31,7 @@ from policy_probes.context import ComponentContext
 from policy_probes.probes.fisher import attach_fisher_information_hooks
 from policy_probes.probes.gradient_flow import attach_gradient_flow_hooks
 from policy_probes.probes.relu import attach_relu_activation_hooks
-from policy_probes.sinks import read_jsonl
-from policy_probes.sinks.jsonl import NONFINITE_KEY
+from policy_probes.records import NONFINITE_KEY, read_jsonl
 from trainers import TrainerHook, TrainTool
 from trainers.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
 
@@ -310,6 +309,7 @@ def test_cli_recipe_targets_that_do_not_resolve_exit_2(tmp_path, capsys):
 READ_ONLY_RUN = """
 import json, os, sys
 from pathlib import Path
+from policy_probes.records import Record
 from policy_probes.sinks import CSVSink, JSONLSink, SinkGroup
 run = Path(sys.argv[1])
 run.mkdir()
@@ -319,7 +319,7 @@ for epoch in range(4):
     if epoch >= 2:
         os.chmod(run, 0o555)  # read-only from now on
         metrics["probes/errors/relu/actor_mlp"] = 1.0  # a new CSV column: header rewrite
-    group.emit(metrics, epoch, "POST_EPOCH")
+    group.emit(Record.of(metrics, epoch, "POST_EPOCH"))
 group.close()
 print(json.dumps(group.failures))
 """

@@ -38,9 +38,10 @@ from wandb_reader import history_rows, wandb_records
 from policy_probes import ProbeSession, ProbeSettings, Run
 from policy_probes.cli import main
 from policy_probes.probes.relu import attach_relu_activation_hooks
+from policy_probes.records import Record, read_jsonl
 from policy_probes.run import RunDirConflict
 from policy_probes.run_lock import LOCK_FILE, RunDirLock, RunDirLocked, lock_owner
-from policy_probes.sinks import JSONLSink, SinksConfig, WandbConfig, read_jsonl
+from policy_probes.sinks import JSONLSink, SinksConfig, WandbConfig
 from trainers import TrainerHook, TrainTool
 from trainers.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
 from trainers.nonfinite_guard import (
@@ -505,7 +506,7 @@ def test_hook_config_and_cli_arguments_out_of_range_exit_2(tmp_path, capsys):
     assert exc.value.code == 2
     # report --out where no file can be written
     sink = JSONLSink(tmp_path)
-    sink.emit({"train/value_loss": 1.0}, 0, "POST_EPOCH")
+    sink.emit(Record.of({"train/value_loss": 1.0}, 0, "POST_EPOCH"))
     sink.close()
     blocker = tmp_path / "a_file"
     blocker.write_text("")

@@ -20,7 +20,7 @@ from run_control_support import write_recipe
 
 from policy_probes import ProbeSettings, Run
 from policy_probes.cli import main
-from policy_probes.sinks import read_jsonl
+from policy_probes.records import read_jsonl
 from trainers import TrainTool
 
 torch.set_num_threads(1)

@@ -14,18 +14,18 @@ from matplotlib.image import AxesImage
 from PIL import Image
 from sinks_support import DEAD_UNITS, emit_probe_run, tiny_cartpole
 
-from policy_probes.layer_figures import is_layer_metric, layer_figures, layer_groups
-from policy_probes.probes.saturation import attach_saturated_activation_hooks
-from policy_probes.report import (
+from policy_probes.analysis.layer_figures import layer_figures, layer_groups
+from policy_probes.analysis.report import (
     PROBE_SECTIONS,
     REPORT_HTML,
-    RunMetrics,
     add_report_subcommand,
     build_report,
     heatmap_figures,
     probe_figure,
 )
-from policy_probes.sinks import JSONLSink, SinksConfig, read_jsonl
+from policy_probes.probes.saturation import attach_saturated_activation_hooks
+from policy_probes.records import Record, RunRecords, read_jsonl
+from policy_probes.sinks import JSONLSink, SinksConfig
 
 IMG = re.compile(r'<img alt="([^"]*)" src="data:image/png;base64,([^"]+)">')
 
@@ -94,8 +94,7 @@ def test_heatmap_marks_dead_units_red(tmp_path):
     sink = JSONLSink(tmp_path)
     emit_probe_run(sink, epochs=3)
     sink.close()
-    run = RunMetrics.load(tmp_path / "metrics.jsonl")
-    figures = dict(heatmap_figures(run))
+    figures = dict(heatmap_figures(RunRecords.read(tmp_path)))
     fig = figures["probes/relu/actor_mlp.layer_0/active_rate"]
     (image,) = [a for a in fig.axes[0].get_children() if isinstance(a, AxesImage)]
     records = read_jsonl(tmp_path / "metrics.jsonl")
@@ -122,10 +121,8 @@ def test_report_subcommand_and_missing_metrics(run_dir, tmp_path, capsys):
 def test_report_of_a_run_without_probes_says_what_is_missing(tmp_path):
     sink = JSONLSink(tmp_path)
     for epoch in range(3):
-        sink.set_run_context(agent_step=100 * (epoch + 1))
-        sink.emit(
-            {"rollout/episode_return": float(epoch), "train/value_loss": None}, epoch, "POST_EPOCH"
-        )
+        metrics = {"rollout/episode_return": float(epoch), "train/value_loss": None}
+        sink.emit(Record.of(metrics, epoch, "POST_EPOCH", 100 * (epoch + 1)))
     sink.close()
     page = build_report(tmp_path).read_text()
     assert [alt for alt, _ in IMG.findall(page)] == ["episode return per epoch", "losses per epoch"]
@@ -136,9 +133,9 @@ def test_report_of_a_run_without_probes_says_what_is_missing(tmp_path):
 def test_per_layer_figures_draw_each_layer_series_and_component_figures_leave_layers_out(
     run_dir,
 ):
-    run = RunMetrics.load(run_dir / "metrics.jsonl")
-    series = {k: sorted(v.items()) for k, v in run.scalars.items() if is_layer_metric(k)}
-    figures = {(slug, comp): fig for slug, comp, fig in layer_figures(series)}
+    records = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["hook_point"] == "POST_EPOCH"]
+    run = RunRecords.read(run_dir)
+    figures = {(slug, comp): fig for slug, comp, fig in layer_figures(run)}
     fig = figures[("relu", "actor_mlp")]
     dead, dormant = fig.axes[0], fig.axes[1]
     assert dead.get_title() == "dead fraction (active rate 0): actor_mlp"
@@ -146,9 +143,8 @@ def test_per_layer_figures_draw_each_layer_series_and_component_figures_leave_la
     for ax, metric in ((dead, "dead_fraction"), (dormant, "dormant_fraction")):
         for line in ax.get_lines():
             key = f"probes/relu/actor_mlp.{line.get_label()}/{metric}"
-            epochs, values = run.series(key)
-            assert list(line.get_xdata()) == list(epochs)
-            np.testing.assert_array_equal(line.get_ydata(), values)
+            assert list(line.get_xdata()) == [r["epoch"] for r in records]
+            np.testing.assert_array_equal(line.get_ydata(), [r[key] for r in records])
     # the per-component figure: one line per component, its layers are drawn per layer
     per_component = probe_figure(run, PROBE_SECTIONS[0][2])
     assert [line.get_label() for line in per_component.axes[0].get_lines()] == [

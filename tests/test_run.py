@@ -13,9 +13,10 @@ import torch
 from conftest import TinyPolicy
 
 from policy_probes import ProbeSession, ProbeSettings, Run, attach_relu_activation_hooks
+from policy_probes.records import read_jsonl
 from policy_probes.run import RunDirConflict
 from policy_probes.run_lock import RunDirLocked
-from policy_probes.sinks import SinksConfig, WandbConfig, read_jsonl
+from policy_probes.sinks import SinksConfig, WandbConfig
 
 QUIET = ProbeSettings(sinks=SinksConfig(console=False), wandb=WandbConfig(mode="disabled"))
 

@@ -31,7 +31,8 @@ from policy_probes import (
 )
 from policy_probes.integrations.sb3 import ProbeCallback, sb3_components
 from policy_probes.probe_settings import ProbeSettings
-from policy_probes.sinks import SinksConfig, WandbConfig, read_jsonl
+from policy_probes.records import read_jsonl
+from policy_probes.sinks import SinksConfig, WandbConfig
 
 N_ENVS, N_STEPS, BATCH, N_EPOCHS, CYCLES = 2, 64, 64, 2, 3
 ROWS = N_ENVS * N_STEPS

@@ -22,7 +22,8 @@ from policy_probes import (
     attach_relu_gradient_flow_hooks,
 )
 from policy_probes.integrations.sb3 import ProbeCallback
-from policy_probes.sinks import SinksConfig, WandbConfig, read_jsonl
+from policy_probes.records import read_jsonl
+from policy_probes.sinks import SinksConfig, WandbConfig
 
 N_ENVS, N_STEPS, BATCH, N_EPOCHS, CYCLES = 2, 32, 32, 2, 2
 ROWS = N_ENVS * N_STEPS

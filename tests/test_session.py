@@ -22,8 +22,8 @@ from policy_probes import (
     attach_fisher_information_hooks,
     attach_relu_activation_hooks,
 )
+from policy_probes.records import read_jsonl
 from policy_probes.session import ProbeSession
-from policy_probes.sinks import read_jsonl
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "external.md"
 EXAMPLE_HEADER = "# cleanrl_ppo_with_probes.py"

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from sinks_support import emit_probe_run, tiny_cartpole
 
+from policy_probes.records import Record, read_jsonl
 from policy_probes.sinks import (
     CSVSink,
     JSONLSink,
@@ -20,7 +21,6 @@ from policy_probes.sinks import (
     SinksConfig,
     WandbConfig,
     build_sink_group,
-    read_jsonl,
 )
 
 
@@ -35,10 +35,10 @@ class FailsFromEpoch(MetricSink):
         self.calls: list[int] = []
         self.flushes = 0
 
-    def emit(self, metrics, epoch, hook_point):
-        self.calls.append(epoch)
-        if epoch >= self.fail_from:
-            raise RuntimeError(f"output broke at epoch {epoch}")
+    def emit(self, record):
+        self.calls.append(record.epoch)
+        if record.epoch >= self.fail_from:
+            raise RuntimeError(f"output broke at epoch {record.epoch}")
 
     def flush(self):
         self.flushes += 1
@@ -128,7 +128,7 @@ def test_close_and_flush_faults_are_isolated(tmp_path):
 
     jsonl = JSONLSink(tmp_path)
     group = SinkGroup([BadClose(99), jsonl])
-    group.emit({"x": 1.0}, 0, "POST_EPOCH")
+    group.emit(Record.of({"x": 1.0}, 0, "POST_EPOCH"))
     group.close()
     group.close()  # idempotent
     assert "cannot close" in group.failures["bad_close"]
@@ -158,7 +158,7 @@ def test_signal_flushes_every_sink_then_chains_to_the_previous_handler(tmp_path,
     restore = group.install_signal_flush()
     try:
         assert signal.getsignal(signal.SIGINT) == group._on_signal
-        group.emit({"x": 2.0}, 0, "POST_STEP")
+        group.emit(Record.of({"x": 2.0}, 0, "POST_STEP"))
         with pytest.raises(KeyboardInterrupt):  # the previous SIGINT handler still runs
             signal.raise_signal(signal.SIGINT)
         assert flaky.flushes == 1
@@ -175,7 +175,7 @@ def test_signal_flush_keeps_an_ignored_sigint_ignored(tmp_path, sigint_handler):
     group = SinkGroup([flaky, JSONLSink(tmp_path)])
     restore = group.install_signal_flush()
     try:
-        group.emit({"x": 3.0}, 0, "POST_STEP")
+        group.emit(Record.of({"x": 3.0}, 0, "POST_STEP"))
         signal.raise_signal(signal.SIGINT)  # flushed; nothing raised, the process goes on
         assert flaky.flushes == 1
     finally:
@@ -183,3 +183,60 @@ def test_signal_flush_keeps_an_ignored_sigint_ignored(tmp_path, sigint_handler):
     assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
     group.close()
     assert [r["x"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [3.0]
+
+
+class AsksForFigures(MetricSink):
+    """Asks for the run's figures at even epochs and at close; keeps what it is handed."""
+
+    name = "asks"
+
+    def __init__(self, broken: bool = False) -> None:
+        super().__init__()
+        self.broken = broken
+        self.handed: list[tuple[int, object]] = []
+        self.final: object = None
+
+    def wants_figures(self, record):
+        if self.broken:
+            raise RuntimeError("cannot tell")
+        return record is None or record.epoch % 2 == 0
+
+    def emit(self, record):
+        self.handed.append((record.epoch, record.figures))
+
+    def final_figures(self, figures):
+        self.final = figures
+
+
+def test_figures_are_drawn_once_for_the_sinks_that_ask_and_only_for_them(tmp_path, caplog):
+    drawings: list[dict] = []
+
+    def draw():
+        drawings.append({"heatmaps/x": (f"png {len(drawings)}".encode(), "caption")})
+        return drawings[-1]
+
+    first, second, broken = AsksForFigures(), AsksForFigures(), AsksForFigures(broken=True)
+    group = SinkGroup([first, JSONLSink(tmp_path), broken, second])
+    group.draw_figures = draw
+    for epoch in (1, 2, 3):
+        group.emit(Record.of({"x": float(epoch)}, epoch, "POST_EPOCH"))
+    assert len(drawings) == 1  # epoch 2's, drawn once for both sinks that asked
+    for sink in (first, second):
+        assert sink.handed == [(1, None), (2, drawings[0]), (3, None)]
+    assert "wants_figures() raised RuntimeError" in group.failures["asks"]
+    assert [r["x"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1.0, 2.0, 3.0]
+    assert "heatmaps/x" not in (tmp_path / "metrics.jsonl").read_text()
+    group.close()
+    assert len(drawings) == 2 and first.final is second.final is drawings[1]
+
+    # a drawing that fails costs the figures, never the records
+    def fails():
+        raise ValueError("no figure")
+
+    sink = AsksForFigures()
+    group = SinkGroup([sink])
+    group.draw_figures = fails
+    group.emit(Record.of({"x": 1.0}, 2))
+    group.close()
+    assert sink.handed == [(2, None)] and sink.final is None and group.failures == {}
+    assert any("drawing the run's figures failed" in r.getMessage() for r in caplog.records)

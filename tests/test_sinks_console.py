@@ -7,7 +7,8 @@ from rich.console import Console
 from rich.progress import Progress
 from sinks_support import emit_probe_run, tiny_cartpole
 
-from policy_probes.sinks import ConsoleSink, SinksConfig, read_jsonl
+from policy_probes.records import Record, read_jsonl
+from policy_probes.sinks import ConsoleSink, SinksConfig
 from policy_probes.sinks.console import DOWN, FLAT, UP, format_value, sparkline, trend_arrow
 
 
@@ -21,7 +22,9 @@ def test_snapshot_table_shows_real_values_and_trends(tmp_path):
     console = Console(record=True, width=160)
     sink = ConsoleSink(console=console, live=False)
     emitted = emit_probe_run(sink, epochs=3, snapshot_every=3)
-    sink.emit({"hessian/top_eigenvalue": 3.25, "hessian/per_layer/deep": 1.0}, 2, "SNAPSHOT")
+    sink.emit(
+        Record.of({"hessian/top_eigenvalue": 3.25, "hessian/per_layer/deep": 1.0}, 2, "SNAPSHOT")
+    )
     text = console.export_text()
     snapshot = text[text.index("snapshot, epoch 2") :]
     (_, _, prev), (_, step, last) = emitted[-2], emitted[-1]
@@ -126,7 +129,7 @@ def test_the_live_view_is_drawn_again_at_most_every_refresh_seconds(monkeypatch)
     sink.live_view = lambda: draws.append(sink.epoch) or view()
     for epoch, seconds in enumerate([0.0, 0.1, 0.2, 0.3, 0.6, 0.7, 1.0, 1.15]):
         clock[0] = 100.0 + seconds
-        sink.emit({"train/policy_loss": float(epoch)}, epoch, "POST_EPOCH")
+        sink.emit(Record.of({"train/policy_loss": float(epoch)}, epoch, "POST_EPOCH"))
         sink._live.refresh()  # as a progress bar's own refresh would
     assert draws == [0, 4, 7]
     clock[0] = 105.0  # long after, but nothing new: the drawing stands

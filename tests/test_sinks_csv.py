@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from sinks_support import emit_probe_run, rewind_and_emit
 
+from policy_probes.records import Record, vector_stats
 from policy_probes.sinks import CSVSink
-from policy_probes.sinks.base import vector_stats
 from policy_probes.sinks.csv_sink import BASE_COLUMNS, scalar_columns
 
 
@@ -50,10 +50,10 @@ def test_scalars_and_vector_summaries_of_a_real_run(tmp_path):
 
 def test_header_growth_keeps_old_rows_and_leaves_no_temp_file(tmp_path):
     sink = CSVSink(tmp_path)
-    sink.emit({"a": 1.0}, 0, "POST_EPOCH")
-    sink.emit({"a": 2.0, "b": [1.0, 3.0, float("nan")]}, 1, "POST_EPOCH")
-    sink.emit({"c": True, "a": None}, 2, "SNAPSHOT")
-    sink.emit({"a": 4.0}, 3, "POST_EPOCH")
+    sink.emit(Record.of({"a": 1.0}, 0, "POST_EPOCH"))
+    sink.emit(Record.of({"a": 2.0, "b": [1.0, 3.0, float("nan")]}, 1, "POST_EPOCH"))
+    sink.emit(Record.of({"c": True, "a": None}, 2, "SNAPSHOT"))
+    sink.emit(Record.of({"a": 4.0}, 3, "POST_EPOCH"))
     assert sink.rewrites == 3  # the first header, then b/*, then c
     sink.close()
     header, rows = read_rows(tmp_path / "metrics.csv")
@@ -73,7 +73,7 @@ def test_header_growth_keeps_old_rows_and_leaves_no_temp_file(tmp_path):
 def test_failed_rewrite_leaves_the_original_file_whole(tmp_path, monkeypatch):
     sink = CSVSink(tmp_path)
     for epoch in range(3):
-        sink.emit({"a": float(epoch)}, epoch, "POST_EPOCH")
+        sink.emit(Record.of({"a": float(epoch)}, epoch, "POST_EPOCH"))
     before = (tmp_path / "metrics.csv").read_bytes()
 
     def no_space(*_args, **_kwargs):
@@ -81,12 +81,12 @@ def test_failed_rewrite_leaves_the_original_file_whole(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "replace", no_space)  # the rename is the commit point
     with pytest.raises(OSError, match="No space"):
-        sink.emit({"a": 3.0, "new": 1.0}, 3, "POST_EPOCH")
+        sink.emit(Record.of({"a": 3.0, "new": 1.0}, 3, "POST_EPOCH"))
     monkeypatch.undo()
     assert (tmp_path / "metrics.csv").read_bytes() == before
     assert not sink.tmp_path.exists()
     # the sink still works with its old header afterwards
-    sink.emit({"a": 4.0}, 4, "POST_EPOCH")
+    sink.emit(Record.of({"a": 4.0}, 4, "POST_EPOCH"))
     sink.close()
     _, rows = read_rows(tmp_path / "metrics.csv")
     assert [r["a"] for r in rows] == ["0.0", "1.0", "2.0", "4.0"]
@@ -97,8 +97,7 @@ def test_leftovers_of_a_crash_are_cleaned_on_open(tmp_path):
     path.write_text("epoch,agent_step,hook_point,time,a\n0,10,POST_EPOCH,1.0,0.5\n1,20,POST_EP")
     (tmp_path / "metrics.csv.tmp").write_text("epoch,agent_step,hook_point,time,a,b\n0,10,POST")
     sink = CSVSink(tmp_path)
-    sink.set_run_context(agent_step=20)
-    sink.emit({"a": 0.75}, 1, "POST_EPOCH")
+    sink.emit(Record.of({"a": 0.75}, 1, "POST_EPOCH", 20))
     sink.close()
     header, rows = read_rows(path)
     assert header == [*BASE_COLUMNS, "a"]
@@ -122,7 +121,7 @@ def test_rewrite_streams_with_bounded_memory(tmp_path):
     assert not any(isinstance(v, list) and len(v) > 100 for v in vars(sink).values())
     tracemalloc.start()
     try:
-        sink.emit({"m0": 1.0, "wider": 2.0}, 20_000, "POST_EPOCH")
+        sink.emit(Record.of({"m0": 1.0, "wider": 2.0}, 20_000, "POST_EPOCH"))
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -142,9 +141,8 @@ def test_rewind_drops_later_epochs(tmp_path):
 
 
 def test_scalar_columns_of_odd_values():
-    cells = scalar_columns(
-        {"s": "a\nb", "none": None, "flag": False, "v": [None, float("inf")], "d": {"x": 2}}
-    )
+    odd = {"s": "a\nb", "none": None, "flag": False, "v": [None, float("inf")], "d": {"x": 2}}
+    cells = scalar_columns(Record.of(odd, 0).metrics)
     assert cells == {
         "s": "a b",
         "none": "",

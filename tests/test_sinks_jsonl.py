@@ -11,7 +11,8 @@ import torch
 from sinks_support import emit_probe_run, rewind_and_emit
 
 from policy_probes import ProbeSettings, Run
-from policy_probes.sinks import JSONLSink, read_jsonl, repair_truncated_tail, rewind_jsonl
+from policy_probes.records import Record, read_jsonl
+from policy_probes.sinks import JSONLSink, repair_truncated_tail, rewind_jsonl
 from policy_probes.sinks.csv_sink import CSVSink
 
 
@@ -41,8 +42,7 @@ def test_one_record_per_emit_with_epoch_step_and_values(tmp_path):
 
 def test_each_line_is_flushed_before_close(tmp_path):
     sink = JSONLSink(tmp_path)
-    sink.set_run_context(agent_step=7)
-    sink.emit({"train/x": 1.25}, 0, "POST_STEP")
+    sink.emit(Record.of({"train/x": 1.25}, 0, "POST_STEP", 7))
     # another reader sees the record without close() or flush()
     line = (tmp_path / "metrics.jsonl").read_text().splitlines()[0]
     assert json.loads(line)["train/x"] == 1.25
@@ -52,17 +52,19 @@ def test_each_line_is_flushed_before_close(tmp_path):
 def test_nonfinite_nested_torch_and_numpy_values(tmp_path):
     sink = JSONLSink(tmp_path)
     sink.emit(
-        {
-            "a": float("nan"),
-            "b": [1.0, float("inf"), None],
-            "hessian": {"top": np.float32(2.5), "per_layer": {"l0": torch.tensor(3.0)}},
-            "t": torch.tensor([1.0, 2.0]),
-            "flag": True,
-            "n": np.int64(4),
-            "epoch": 99,  # the emit's own epoch wins
-        },
-        5,
-        "POST_EPOCH",
+        Record.of(
+            {
+                "a": float("nan"),
+                "b": [1.0, float("inf"), None],
+                "hessian": {"top": np.float32(2.5), "per_layer": {"l0": torch.tensor(3.0)}},
+                "t": torch.tensor([1.0, 2.0]),
+                "flag": True,
+                "n": np.int64(4),
+                "epoch": 99,  # the record's own epoch wins
+            },
+            5,
+            "POST_EPOCH",
+        )
     )
     sink.close()
     text = (tmp_path / "metrics.jsonl").read_text()
@@ -81,7 +83,7 @@ def test_truncated_last_line_is_repaired_on_open(tmp_path):
     partial = '{"epoch": 3, "x": 1.'
     path.write_text("\n".join(good) + "\n" + partial)
     sink = JSONLSink(tmp_path)
-    sink.emit({"x": 9.0}, 3, "POST_EPOCH")
+    sink.emit(Record.of({"x": 9.0}, 3, "POST_EPOCH"))
     sink.close()
     records = read_jsonl(path)
     assert [r["epoch"] for r in records] == [0, 1, 2, 3]
@@ -117,21 +119,21 @@ def test_rewind_drops_later_epochs(tmp_path):
 
 def test_record_vectors_keep_finite_values_and_replace_nonfinite_ones():
     """Vectors of finite numbers are written as they are (bools and ints too); one NaN or
-    inf is replaced by None and the key listed under _nonfinite; a numpy float32 inside a
-    list becomes a Python float (float64 is a float already)."""
+    inf is replaced by None and the key listed under _nonfinite; numpy floats inside a
+    list become Python floats."""
     import numpy as np
 
-    from policy_probes.sinks.base import to_plain
-    from policy_probes.sinks.jsonl import make_record
+    from policy_probes.sinks.jsonl import json_line
 
     metrics = {
         "finite": [0.5, 1, True, -2.0],
         "one_nan": [0.5, float("nan"), 2.0],
         "numpy": [np.float64(0.25), np.float32(1.5)],
     }
-    plain = {k: to_plain(v) for k, v in metrics.items()}
-    assert plain["numpy"] == [0.25, 1.5] and type(plain["numpy"][1]) is float
-    record = make_record(plain, 3, "POST_EPOCH", 7)
+    plain = Record.of(metrics, 3, "POST_EPOCH", 7)
+    assert plain.metrics["numpy"] == [0.25, 1.5]
+    assert [type(v) for v in plain.metrics["numpy"]] == [float, float]
+    record = json_line(plain)
     assert record["finite"] == [0.5, 1, True, -2.0]
     assert record["one_nan"] == [0.5, None, 2.0]
     assert record["numpy"] == [0.25, 1.5]
@@ -156,11 +158,13 @@ def fsync_counter(monkeypatch):
 def test_epoch_ends_fsync_at_most_once_per_interval_and_flush_always(tmp_path, monkeypatch, make):
     calls = fsync_counter(monkeypatch)
     sink = make(tmp_path, fsync_seconds=3600.0)
-    sink.emit({"train/x": 0.0, "train/y": 0.0}, 0, "POST_EPOCH")  # (the CSV header is written)
+    sink.emit(
+        Record.of({"train/x": 0.0, "train/y": 0.0}, 0, "POST_EPOCH")
+    )  # (the CSV header is written)
     assert calls  # the first epoch end fsyncs
     calls.clear()
     for epoch in range(1, 5):
-        sink.emit({"train/x": float(epoch)}, epoch, "POST_EPOCH")
+        sink.emit(Record.of({"train/x": float(epoch)}, epoch, "POST_EPOCH"))
     assert calls == []  # the next four fall within the interval
     # every record reached the OS already: another reader sees all five
     assert len(sink.path.read_text().splitlines()) == 5 + (make is CSVSink)
@@ -169,11 +173,11 @@ def test_epoch_ends_fsync_at_most_once_per_interval_and_flush_always(tmp_path, m
     sink.close()
 
     every = make(tmp_path / "every", fsync_seconds=0.0)
-    every.emit({"train/x": 0.0, "train/y": 0.0}, 0, "POST_EPOCH")
+    every.emit(Record.of({"train/x": 0.0, "train/y": 0.0}, 0, "POST_EPOCH"))
     calls.clear()
     for epoch in range(1, 4):
-        every.emit({"train/x": float(epoch)}, epoch, "POST_EPOCH")
-        every.emit({"train/y": 1.0}, epoch, "POST_STEP")  # only epoch ends fsync
+        every.emit(Record.of({"train/x": float(epoch)}, epoch, "POST_EPOCH"))
+        every.emit(Record.of({"train/y": 1.0}, epoch, "POST_STEP"))  # only epoch ends fsync
     assert calls == [every._file.fileno()] * 3
     every.close()
 

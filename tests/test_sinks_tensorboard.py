@@ -7,13 +7,14 @@ import pytest
 from sinks_support import emit_probe_run
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from policy_probes.sinks import SinksConfig, TensorBoardSink, WandbConfig, build_sinks
+from policy_probes.sinks import SinkGroup, SinksConfig, TensorBoardSink, WandbConfig, build_sinks
 
 
 def test_scalars_histograms_and_heatmaps_read_back(tmp_path):
-    sink = TensorBoardSink(tmp_path)
-    emitted = emit_probe_run(sink, epochs=3, snapshot_every=3)
-    sink.close()
+    group = SinkGroup([TensorBoardSink(tmp_path)])  # it asks for the figures at SNAPSHOT
+    emitted = emit_probe_run(group, epochs=3, snapshot_every=3)
+    group.close()
+    assert group.failures == {}
     acc = EventAccumulator(
         str(tmp_path / "tensorboard"), size_guidance={"scalars": 0, "histograms": 0, "images": 0}
     )
@@ -52,6 +53,8 @@ def test_scalars_histograms_and_heatmaps_read_back(tmp_path):
             "heatmaps/gradient_flow/actor_mlp.layer_1/rms",
         ]
     )
+    # and the per-layer figures: actor_mlp's two ReLU layers, dead and blocked units
+    assert {"layers/relu/actor_mlp", "layers/gradients/actor_mlp"} <= set(tags["images"])
     (img,) = acc.Images("heatmaps/fisher/actor_mlp/unit")
     assert (
         img.step == emitted[-1][1]

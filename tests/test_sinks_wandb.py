@@ -10,14 +10,14 @@ import pytest
 from sinks_support import DEAD_UNITS, emit_probe_run, files_under, tiny_cartpole
 from wandb_reader import history_rows, run_file, wandb_records
 
-from policy_probes.heatmaps import VectorHistory, heatmap_spec, render_heatmaps
+from policy_probes.analysis.heatmaps import render_heatmaps
+from policy_probes.records import Record, RunRecords, read_jsonl
 from policy_probes.sinks import (
     JSONLSink,
     SinkGroup,
     SinksConfig,
     WandbConfig,
     WandbSink,
-    read_jsonl,
 )
 from policy_probes.sinks.config import api_key_configured
 from policy_probes.sinks.wandb_sink import RUN_ID_FILE, redact_secrets
@@ -98,20 +98,15 @@ def test_offline_run_holds_dead_relu_and_fisher_series_histograms_heatmaps_and_c
     assert images[0]["layers/saturation/critic_mlp/_type"] == "image-file"  # its tanh layer
     assert not [k for k in images[0] if k.startswith("layers/fisher")]  # fisher: per parameter
     # each image file is its own drawing: the heatmaps are exactly what render_heatmaps
-    # draws from the records' vectors (equal histories share a drawing), and no layer
-    # figure repeats another image
-    history = VectorHistory()
-    for rec in jsonl:
-        for key, value in rec.items():
-            if heatmap_spec(key) is not None:
-                history.add(key, rec["epoch"], value)
+    # draws from the vectors of metrics.jsonl (equal histories share a drawing), and no
+    # layer figure repeats another image
     files = run_file(tmp_path).parent / "files"
     stored = {
         k.removesuffix("/path"): (files / v).read_bytes()
         for k, v in images[0].items()
         if k.endswith("/path")
     }
-    drawn = render_heatmaps(history)
+    drawn = render_heatmaps(RunRecords.read(tmp_path))
     assert {k for k in stored if k.startswith("heatmaps/")} == set(drawn)
     for key, (png, _) in drawn.items():
         assert stored[key] == png, key
@@ -143,7 +138,11 @@ def test_histograms_every_n_epochs_and_the_last_epochs_at_close(tmp_path, epochs
     vectors = {e: rng.random(16).tolist() for e in range(epochs)}
     sink = WandbSink(tmp_path, WandbConfig(mode="offline", histogram_every=2), {})
     for e in range(epochs):
-        sink.emit({"train/x": float(e), "probes/relu/c/active_rate": vectors[e]}, e, "POST_EPOCH")
+        sink.emit(
+            Record.of(
+                {"train/x": float(e), "probes/relu/c/active_rate": vectors[e]}, e, "POST_EPOCH"
+            )
+        )
     sink.close()
     rows = history_rows(wandb_records(run_file(tmp_path)))
     assert [row["train/x"] for row in rows if "train/x" in row] == [float(e) for e in range(epochs)]
@@ -180,10 +179,10 @@ def test_api_key_never_reaches_run_files(tmp_path, monkeypatch):
 
 def test_resume_reuses_the_stored_run_id(tmp_path):
     first = WandbSink(tmp_path, WandbConfig(mode="offline"), {})
-    first.emit({"train/x": 1.0}, 0, "POST_EPOCH")
+    first.emit(Record.of({"train/x": 1.0}, 0, "POST_EPOCH"))
     first.close()
     second = WandbSink(tmp_path, WandbConfig(mode="offline"), {})
-    second.emit({"train/x": 2.0}, 1, "POST_EPOCH")
+    second.emit(Record.of({"train/x": 2.0}, 1, "POST_EPOCH"))
     second.close()
     stored = (tmp_path / "wandb" / RUN_ID_FILE).read_text().strip()
     assert first.run_id == second.run_id == stored
@@ -266,9 +265,8 @@ def test_short_training_run_writes_an_offline_run_matching_metrics_jsonl(tmp_pat
 
 def _emit_records(group: SinkGroup, records: list[tuple[int, str]]) -> None:
     for epoch, hook_point in records:
-        group.set_run_context(agent_step=100 * epoch)
         value = float(epoch) if hook_point == "POST_EPOCH" else -float(epoch)
-        group.emit({f"x/{hook_point.lower()}": value}, epoch, hook_point)
+        group.emit(Record.of({f"x/{hook_point.lower()}": value}, epoch, hook_point, 100 * epoch))
 
 
 @pytest.mark.parametrize(
@@ -287,7 +285,7 @@ def test_resume_lines_wandb_up_with_jsonl_by_records_not_epochs(tmp_path, held, 
     # the killed process: metrics.jsonl got 6 records, W&B only the first `held`
     jsonl = JSONLSink(tmp_path)
     for epoch, hook_point in sequence[:6]:
-        jsonl.emit({f"x/{hook_point.lower()}": 0.0}, epoch, hook_point)
+        jsonl.emit(Record.of({f"x/{hook_point.lower()}": 0.0}, epoch, hook_point))
     jsonl.close()
     first = WandbSink(tmp_path, cfg)
     _emit_records(SinkGroup([first]), sequence[:held])
@@ -311,3 +309,28 @@ def test_resume_lines_wandb_up_with_jsonl_by_records_not_epochs(tmp_path, held, 
     ]
     assert got == sequence
     assert [row["_step"] for row in rows] == list(range(len(rows)))
+
+
+def test_figures_every_heatmap_every_epochs_are_those_of_the_epochs_so_far(tmp_path):
+    """``heatmap_every=2``: the sink asks for the figures at the epoch records of epochs
+    0 and 2 and at close (epoch 3); each row's heatmaps are exactly what render_heatmaps
+    draws from the vectors of metrics.jsonl up to that epoch."""
+    cfg = WandbConfig(mode="offline", heatmap_every=2)
+    group = SinkGroup([JSONLSink(tmp_path), WandbSink(tmp_path, cfg)])
+    emit_probe_run(group, epochs=4)
+    group.close()
+    assert group.failures == {}
+    rows = history_rows(wandb_records(run_file(tmp_path)))
+    images = [row for row in rows if "heatmaps/fisher/actor_mlp/unit/path" in row]
+    assert [row["epoch"] for row in images] == [0, 2, 3]
+    lines = read_jsonl(tmp_path / "metrics.jsonl")
+    files = run_file(tmp_path).parent / "files"
+    for row in images:
+        drawn = render_heatmaps(RunRecords().extend(lines[: row["epoch"] + 1]))
+        for key, (png, caption) in drawn.items():
+            assert (files / row[f"{key}/path"]).read_bytes() == png, (row["epoch"], key)
+            assert row[f"{key}/caption"] == caption
+        assert {k.removesuffix("/_type") for k in row if k.startswith("layers/")} >= {
+            "layers/relu/actor_mlp",
+            "layers/gradients/actor_mlp",
+        }

@@ -12,7 +12,7 @@ from test_session import Capture, check_fisher_unit, check_tanh_saturation, load
 from torch import nn
 
 from policy_probes import ProbeSettings, Run
-from policy_probes.sinks import read_jsonl
+from policy_probes.records import read_jsonl
 
 HEADER = "# torchrl_ppo_with_probes.py"
 DEAD = (0, 1, 2)  # units of actor_mlp.0 killed before training

@@ -38,7 +38,7 @@ from policy_probes.lifecycle.points import STEP_POINTS, EpochWindow, HookPoint
 from policy_probes.lifecycle.rng import RNGState, capture_rng_state, restore_rng_state
 from policy_probes.lifecycle.run_context import RunDataContext
 from policy_probes.processes import current_rank as current_rank  # re-exported
-from policy_probes.sinks.base import flatten_metrics
+from policy_probes.records import flatten_metrics
 
 log = logging.getLogger("policy_probes.lifecycle")
 

@@ -1,15 +1,16 @@
 """Metric sinks: where per-epoch metrics go (JSONL, CSV, W&B, TensorBoard, the console).
 
-Typical use by a training loop::
+Typical use (a :class:`~policy_probes.session.ProbeSession` does this for a training
+loop, adding the run's findings and figures)::
 
     group = build_sink_group(run_dir, SinksConfig(), WandbConfig(), config=resolved_config)
-    group.set_run_context(agent_step=agent_step)
-    group.emit(metrics, epoch, "POST_EPOCH")
+    group.emit(Record.of(metrics, epoch, "POST_EPOCH", agent_step))
     ...
     group.close()
 
-Sinks that need heavy imports (rich, wandb, matplotlib, tensorboard) are imported only
-when used.
+Each sink is a plugin (:mod:`policy_probes.plugins`): the run opens every registered sink
+its configuration switches on (``sinks.<name>=true``), a sink of your own as well. The
+heavy libraries (wandb, tensorboard, matplotlib) are imported when a sink starts.
 """
 
 from __future__ import annotations
@@ -18,74 +19,42 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from policy_probes.sinks.base import (
-    RESERVED_KEYS,
-    MetricSink,
-    SinkGroup,
-    finite_values,
-    flatten_metrics,
-    is_finite_number,
-    to_plain,
-)
-from policy_probes.sinks.config import DEFAULT_CONSOLE_METRICS, SinksConfig, WandbConfig
-from policy_probes.sinks.jsonl import (
-    METRICS_JSONL,
-    JSONLSink,
-    iter_jsonl,
-    read_jsonl,
-    repair_truncated_tail,
-    rewind_jsonl,
-)
+from policy_probes import plugins
+from policy_probes.sinks.base import MetricSink, SinkGroup
+from policy_probes.sinks.config import SinksConfig, SinkSetup, WandbConfig, default_console_metrics
+
+# the built-in sinks register in this order, the order a run opens them in
+# isort: off
+from policy_probes.sinks.jsonl import JSONLSink, repair_truncated_tail, rewind_jsonl
+from policy_probes.sinks.csv_sink import CSVSink
+from policy_probes.sinks.tensorboard import TensorBoardSink
+from policy_probes.sinks.wandb_sink import WandbSink
+from policy_probes.sinks.console import ConsoleSink
+
+# isort: on
 
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from policy_probes.sinks.console import ConsoleSink
-    from policy_probes.sinks.csv_sink import CSVSink
-    from policy_probes.sinks.tensorboard import TensorBoardSink
-    from policy_probes.sinks.wandb_sink import WandbSink
-
 logger = logging.getLogger("policy_probes.sinks")
 
 __all__ = [
-    "DEFAULT_CONSOLE_METRICS",
-    "METRICS_JSONL",
-    "RESERVED_KEYS",
     "CSVSink",
     "ConsoleSink",
     "JSONLSink",
     "MetricSink",
     "SinkGroup",
+    "SinkSetup",
     "SinksConfig",
     "TensorBoardSink",
     "WandbConfig",
     "WandbSink",
     "build_sink_group",
     "build_sinks",
-    "finite_values",
-    "flatten_metrics",
-    "is_finite_number",
-    "iter_jsonl",
-    "read_jsonl",
+    "default_console_metrics",
     "repair_truncated_tail",
     "rewind_jsonl",
-    "to_plain",
 ]
-
-_LAZY = {
-    "CSVSink": "policy_probes.sinks.csv_sink",
-    "ConsoleSink": "policy_probes.sinks.console",
-    "TensorBoardSink": "policy_probes.sinks.tensorboard",
-    "WandbSink": "policy_probes.sinks.wandb_sink",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'policy_probes.sinks' has no attribute {name!r}")
 
 
 def build_sinks(
@@ -111,51 +80,17 @@ def build_sinks(
         console: a rich Console to share with a progress bar (the console sink's output).
         failures: filled with ``sink name -> reason`` for every sink that failed to start.
     """
-    run_dir = Path(run_dir)
-    factories: list[tuple[str, Any]] = []
-    if sinks.jsonl:
-        factories.append(("jsonl", lambda: JSONLSink(run_dir, fsync_seconds=sinks.fsync_seconds)))
-    if sinks.csv:
-
-        def _csv() -> MetricSink:
-            from policy_probes.sinks.csv_sink import CSVSink
-
-            return CSVSink(run_dir, fsync_seconds=sinks.fsync_seconds)
-
-        factories.append(("csv", _csv))
-    if sinks.tensorboard:
-
-        def _tb() -> MetricSink:
-            from policy_probes.sinks.tensorboard import TensorBoardSink
-
-            return TensorBoardSink(run_dir)
-
-        factories.append(("tensorboard", _tb))
-    if sinks.wandb and wandb.resolved_mode() != "disabled":
-
-        def _wandb() -> MetricSink:
-            from policy_probes.sinks.wandb_sink import WandbSink
-
-            return WandbSink(run_dir, wandb, config)
-
-        factories.append(("wandb", _wandb))
-    if sinks.console:
-
-        def _console() -> MetricSink:
-            from policy_probes.sinks.console import ConsoleSink
-
-            return ConsoleSink(
-                console=console, metrics=sinks.console_metrics, live=sinks.console_live
-            )
-
-        factories.append(("console", _console))
-
+    setup = SinkSetup(Path(run_dir), sinks, wandb, config, console)
     built: list[MetricSink] = []
-    for name, factory in factories:
+    for name, cls in plugins.registered("sink").items():
+        if not sinks.enabled(name):
+            continue
         try:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            sink = factory()
-            sink.set_run_context(run_dir=run_dir, config=config)
+            setup.run_dir.mkdir(parents=True, exist_ok=True)
+            sink = cls.from_setup(setup)
+            if sink is None:
+                continue
+            sink.set_run_context(run_dir=setup.run_dir, config=config)
         except Exception as exc:  # noqa: BLE001 - a sink must never stop the run
             reason = f"{type(exc).__name__}: {exc}"
             if failures is not None:

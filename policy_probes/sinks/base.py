@@ -1,14 +1,18 @@
-"""MetricSink: where per-epoch metrics go, and SinkGroup: the fan-out that isolates faults.
+"""MetricSink: where per-epoch records go, and SinkGroup: the fan-out that isolates faults.
 
-Probes, trackers and lifecycle hooks produce one flat ``dict[str, value]`` per emit; they
-never know which sinks are active. A :class:`SinkGroup` hands every emit to each sink and
-switches off a sink that raises (reported once, with the reason) so that a broken output
-can never stop training or keep the other outputs from receiving every epoch.
+Probes, trackers and lifecycle hooks produce metrics; the session makes each emit one
+plain :class:`~policy_probes.records.Record` (with the run's findings on the epoch's
+record) and hands it to a :class:`SinkGroup`, which hands it to each sink and switches
+off a sink that raises (reported once, with the reason) so that a broken output can never
+stop training or keep the other outputs from receiving every epoch. Sinks only write:
+they never compute findings or keep histories; the figures a sink wants (heatmaps,
+per-layer figures) are drawn by the session's analysis when the sink asks for them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -16,38 +20,65 @@ import signal
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from policy_probes.records import Figures, Record
+
+if TYPE_CHECKING:
+    from policy_probes.sinks.config import SinkSetup
 
 logger = logging.getLogger("policy_probes.sinks")
 
-#: fields every record carries beside the metrics
-RESERVED_KEYS = ("epoch", "agent_step", "hook_point")
-
 
 class MetricSink(ABC):
-    """One output for metrics (a file, a dashboard, the console).
+    """One output for records (a file, a dashboard, the console).
 
-    Lifecycle: ``set_run_context(...)`` whenever the run's context changes (at least the
-    ``agent_step`` before each emit), ``emit(...)`` once per hook point and epoch,
-    ``flush()`` at epoch end and on interruption, ``close()`` once at the end.
+    A sink class registered with :func:`policy_probes.plugins.register` is selected by
+    configuration like the built-in ones: ``sinks.<name>=true`` makes it with
+    :meth:`from_setup`. Lifecycle: ``set_run_context(...)`` whenever the run's context
+    changes, ``emit(record)`` once per hook point and epoch, ``flush()`` at epoch end and
+    on interruption, ``final_figures(...)`` just before ``close()`` when the sink asked for
+    them, ``close()`` once at the end.
     """
 
-    #: short name used in fault reports and configuration
+    kind: ClassVar[str] = "sink"
+    #: the name configuration selects it by (``sinks.<name>``) and fault reports use
     name: str = "sink"
+    docs: ClassVar[str] = "docs/sinks.md"
+    #: whether this sink may ask for the run's figures (:meth:`wants_figures`): the
+    #: session keeps the series they draw only when a sink of its group may
+    logs_figures: bool = False
 
     def __init__(self) -> None:
         self.run_context: dict[str, Any] = {}
 
+    @classmethod
+    def from_setup(cls, setup: SinkSetup) -> MetricSink | None:
+        """The sink of a run that switched it on (None: the configuration leaves it
+        nothing to do). By default made without arguments: :meth:`set_run_context` then
+        tells it the run directory and configuration before the first record."""
+        return cls()
+
     def set_run_context(self, **kwargs: Any) -> None:
-        """Update the run context: ``agent_step`` (env steps so far), ``run_dir``,
-        ``config`` (resolved config dict), ``rank``, ... Later calls update earlier ones."""
+        """Update the run context: ``run_dir``, ``config`` (resolved config dict),
+        ``ended`` (how the run ended), ... Later calls update earlier ones."""
         self.run_context.update(kwargs)
 
     @abstractmethod
-    def emit(self, metrics: Mapping[str, Any], epoch: int, hook_point: str) -> None:
-        """Record one flat dict of metrics for ``epoch`` at ``hook_point``."""
+    def emit(self, record: Record) -> None:
+        """Write one record (plain already; never changed by a sink)."""
+
+    def wants_figures(self, record: Record | None) -> bool:
+        """Whether this sink logs the run's figures with ``record`` (then it arrives with
+        ``record.figures``), or, for None, when it closes (:meth:`final_figures`). The
+        figures are drawn once for every sink that asks (seconds: ask seldom)."""
+        return False
+
+    def final_figures(self, figures: Figures) -> None:  # noqa: B027 - optional
+        """The run's figures as it ends, handed just before :meth:`close` when
+        ``wants_figures(None)``."""
 
     def flush(self) -> None:  # noqa: B027 - optional for sinks without buffers
         """Push buffered data to durable storage."""
@@ -118,10 +149,14 @@ class AppendFileSink(MetricSink):
 class SinkGroup(MetricSink):
     """Fan-out to several sinks with fault isolation.
 
-    A sink whose ``emit``, ``flush``, ``set_run_context`` or ``close`` raises is logged
-    once (error level, with the exception and traceback), recorded in :attr:`failures` and
-    removed from the group; the other sinks go on. The group itself never raises from these
-    methods.
+    A sink whose ``emit``, ``flush``, ``set_run_context``, ``wants_figures``,
+    ``final_figures`` or ``close`` raises is logged once (error level, with the exception
+    and traceback), recorded in :attr:`failures` and removed from the group; the other
+    sinks go on. The group itself never raises from these methods.
+
+    The figures: before each emit (and at close) the group asks every sink whether it
+    wants the run's figures; when one does, :attr:`draw_figures` draws them once and
+    the sinks that asked get them (``record.figures``, ``final_figures``).
     """
 
     name = "group"
@@ -134,6 +169,9 @@ class SinkGroup(MetricSink):
         #: sink name -> (epoch, hook point) of the first record it did not take (None:
         #: switched off outside emit, e.g. at flush or close)
         self.failed_at: dict[str, tuple[int, str] | None] = {}
+        #: draws the run's figures when a sink asks for them (set by the session that
+        #: feeds the group; None: no figures)
+        self.draw_figures: Callable[[], Figures] | None = None
         self._record: tuple[int, str] | None = None
         self._lock = threading.RLock()
         self._closed = False
@@ -157,10 +195,15 @@ class SinkGroup(MetricSink):
     def _call(self, method: str, *args: Any, **kwargs: Any) -> None:
         with self._lock:
             for sink in list(self.sinks):
-                try:
-                    getattr(sink, method)(*args, **kwargs)
-                except Exception as exc:  # noqa: BLE001 - isolation is the point
-                    self._switch_off(sink, method, exc)
+                self._isolated(sink, method, *args, **kwargs)
+
+    def _isolated(self, sink: MetricSink, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``sink.method(*args)``; None and the sink switched off when it raises."""
+        try:
+            return getattr(sink, method)(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - isolation is the point
+            self._switch_off(sink, method, exc)
+            return None
 
     def _switch_off(self, sink: MetricSink, method: str, exc: BaseException) -> None:
         reason = f"{type(exc).__name__}: {exc}"
@@ -184,14 +227,32 @@ class SinkGroup(MetricSink):
             with contextlib.suppress(Exception):
                 sink.close()
 
+    def _figures_for(self, record: Record | None) -> tuple[list[MetricSink], Figures | None]:
+        """The sinks that want the figures with ``record`` (None: at close), and the
+        figures drawn once for them (None when none asks or the drawing failed)."""
+        if self.draw_figures is None:
+            return [], None
+        asking = [s for s in list(self.sinks) if self._isolated(s, "wants_figures", record)]
+        if not asking:
+            return [], None
+        try:
+            return asking, self.draw_figures()
+        except Exception as exc:  # noqa: BLE001 - figures must never cost a record
+            logger.error("drawing the run's figures failed: %s", exc, exc_info=exc)
+            return [], None
+
     # ------------------------------------------------------------------ MetricSink API
     def set_run_context(self, **kwargs: Any) -> None:
         super().set_run_context(**kwargs)
         self._call("set_run_context", **kwargs)
 
-    def emit(self, metrics: Mapping[str, Any], epoch: int, hook_point: str) -> None:
-        self._record = (epoch, hook_point)
-        self._call("emit", metrics, epoch, hook_point)
+    def emit(self, record: Record) -> None:
+        with self._lock:
+            self._record = (record.epoch, record.hook_point)
+            asking, figures = self._figures_for(record)
+            drawn = record if figures is None else dataclasses.replace(record, figures=figures)
+            for sink in list(self.sinks):
+                self._isolated(sink, "emit", drawn if sink in asking else record)
 
     def flush(self) -> None:
         self._call("flush")
@@ -201,6 +262,9 @@ class SinkGroup(MetricSink):
             if self._closed:
                 return
             self._closed = True
+            asking, figures = self._figures_for(None)
+            for sink in asking if figures is not None else ():
+                self._isolated(sink, "final_figures", figures)
             self._call("close")
             self.restore_signal_handlers()
 
@@ -248,129 +312,3 @@ class SinkGroup(MetricSink):
         elif previous == signal.SIG_DFL:
             self.restore_signal_handlers()
             signal.raise_signal(signum)
-
-
-# ---------------------------------------------------------------------- value helpers
-def flatten_metrics(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Flatten nested mappings into ``a/b/c`` keys (lifecycle hooks may return nested dicts)."""
-    if not prefix and set(map(type, metrics)) <= {str} and not _any_nested(metrics.values()):
-        return dict(metrics)  # already flat: every emit of the built-in loops
-    out: dict[str, Any] = {}
-    for key, value in metrics.items():
-        full = f"{prefix}/{key}" if prefix else str(key)
-        if isinstance(value, Mapping):
-            out.update(flatten_metrics(value, full))
-        else:
-            out[full] = value
-    return out
-
-
-def plain_metrics(
-    metrics: Mapping[str, Any], skip: Iterable[str] = RESERVED_KEYS
-) -> Iterator[tuple[str, Any]]:
-    """``(a/b/c key, plain value)`` of every metric (:func:`flatten_metrics`,
-    :func:`to_plain`) whose key is not in ``skip`` (the record's own fields by default)."""
-    skip = frozenset(skip)
-    for key, value in flatten_metrics(metrics).items():
-        if key not in skip:
-            yield key, value if type(value) in _PLAIN_SCALARS else to_plain(value)
-
-
-#: the exact types for which a list is copied as it is; a list holding any other type
-#: (numpy scalars, tensors, nested lists) is converted element by element
-_PLAIN_SCALARS = frozenset({float, int, bool, str, type(None)})
-
-
-def _any_nested(values: Iterable[Any]) -> bool:
-    """Whether any of ``values`` is a mapping to flatten, asked once per distinct type: an
-    emit holds hundreds of values of a handful of types."""
-    return any(
-        kind is dict
-        or (kind not in _PLAIN_SCALARS and kind is not list and issubclass(kind, Mapping))
-        for kind in set(map(type, values))
-    )
-
-
-def to_plain(value: Any) -> Any:
-    """A JSON-safe copy of ``value``: Python floats, ints, bools, strings, lists, dicts
-    with string keys, or None.
-
-    Tensors and arrays with more than one element become flat lists; mappings keep their
-    structure; anything else that is not a number becomes its ``str`` (paths in a
-    configuration; a sink must never crash on an odd value).
-    """
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, Mapping):
-        return {str(k): to_plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        if _PLAIN_SCALARS.issuperset(map(type, value)):  # a per-unit vector: copy it
-            return list(value)
-        return [to_plain(v) for v in value]
-    tolist = getattr(value, "tolist", None)  # torch.Tensor, numpy arrays and scalars
-    if callable(tolist):
-        detach = getattr(value, "detach", None)
-        if callable(detach):
-            value = detach().cpu()
-            tolist = value.tolist
-        plain = tolist()
-        if isinstance(plain, list):
-            return [to_plain(v) for v in _flatten_list(plain)]
-        return plain
-    return str(value)
-
-
-def _flatten_list(values: list[Any]) -> Iterable[Any]:
-    for v in values:
-        if isinstance(v, list):
-            yield from _flatten_list(v)
-        else:
-            yield v
-
-
-def is_finite_number(value: Any) -> bool:
-    """True for ints and finite floats (bools count as numbers)."""
-    if isinstance(value, bool | int):
-        return True
-    return isinstance(value, float) and math.isfinite(value)
-
-
-def finite_values(values: Iterable[Any]) -> list[float]:
-    """The finite numeric elements of a per-unit vector (None and NaN/inf left out). A
-    list of finite floats is returned as it is (callers only read it)."""
-    if type(values) is not list:
-        values = list(values)
-    try:  # the common case, every element a finite float: C-level passes only
-        kinds = set(map(type, values))
-        if kinds <= _FLOATS and all(map(math.isfinite, values)):
-            return values if kinds <= {float} else list(map(float, values))
-    except TypeError:
-        pass
-    return [float(v) for v in values if is_finite_number(v)]
-
-
-_FLOATS = frozenset({float, int})
-
-
-def vector_stats(values: list[Any]) -> tuple[float, float, float] | None:
-    """Mean, min and max of the finite numeric elements of a per-unit vector (None when
-    it has none). The mean is ``math.fsum``'s exact sum over the count (of the elements
-    over the count where that sum leaves the float range).
-
-    A finite ``fsum`` of the whole list means every element is a finite number (a NaN
-    makes it NaN, an infinity infinite or a ValueError, anything else a TypeError), so
-    the common case needs no separate pass to check or filter the elements."""
-    try:
-        total = math.fsum(values)
-    except (TypeError, ValueError, OverflowError):
-        total = math.nan
-    if values and math.isfinite(total):
-        return total / len(values), float(min(values)), float(max(values))
-    finite = finite_values(values)
-    if not finite:
-        return None
-    try:
-        mean = math.fsum(finite) / len(finite)
-    except OverflowError:  # the sum leaves the float range, the mean does not
-        mean = math.fsum(v / len(finite) for v in finite)
-    return mean, min(finite), max(finite)

@@ -8,15 +8,21 @@ from __future__ import annotations
 
 import netrc
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from policy_probes import plugins
 from policy_probes.sinks.base import FSYNC_SECONDS
 
-#: metrics the console sink follows by default (missing ones are simply not shown)
-DEFAULT_CONSOLE_METRICS: tuple[str, ...] = (
+if TYPE_CHECKING:
+    from rich.console import Console
+
+#: the training loop's keys the console follows by default, before every registered
+#: probe's console metrics (missing ones are simply not shown)
+RUN_CONSOLE_METRICS: tuple[str, ...] = (
     "rollout/episode_return",
     "eval/return_mean",
     "train/policy_loss",
@@ -25,26 +31,30 @@ DEFAULT_CONSOLE_METRICS: tuple[str, ...] = (
     "train/approx_kl",
     "train/clipfrac",
     "perf/sps",
-    "probes/relu/*/dead_fraction",
-    "probes/relu/*/dormant_fraction",
-    "probes/fisher/*/trace",
-    "probes/gradient_flow/*/mean",
-    "probes/relu_gradient_flow/*/mean_pass_rate",
-    "probes/saturation_*/*/saturated_fraction",
 )
+
+
+def default_console_metrics() -> list[str]:
+    """:data:`RUN_CONSOLE_METRICS` and the console metrics every registered probe declares
+    (:func:`policy_probes.plugins.console_metrics`, a probe of your own included)."""
+    return [*RUN_CONSOLE_METRICS, *plugins.console_metrics()]
+
 
 WandbMode = Literal["online", "offline", "disabled"]
 
 
 class SinksConfig(BaseModel):
-    """Which outputs a run writes. All files go to ``run_dir``."""
+    """Which outputs a run writes. All files go to ``run_dir``. A sink of your own,
+    registered with :func:`policy_probes.plugins.register`, is switched on like a built-in
+    one: ``sinks.<its name>=true``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")
 
     console: bool = Field(True, description="Rich table at each SNAPSHOT and a live trend view.")
-    console_metrics: list[str] = Field(
-        default_factory=lambda: list(DEFAULT_CONSOLE_METRICS),
-        description="Keys or glob patterns ('probes/relu/*/dead_fraction') the console shows.",
+    console_metrics: list[str] | None = Field(
+        None,
+        description="Keys or glob patterns ('probes/relu/*/dead_fraction') the console shows; "
+        "null: the training keys and every registered probe's console metrics.",
     )
     console_live: bool = Field(
         True, description="Live trend view during training (only on an interactive terminal)."
@@ -64,11 +74,36 @@ class SinksConfig(BaseModel):
 
     @field_validator("console_metrics")
     @classmethod
-    def _non_empty_patterns(cls, v: list[str]) -> list[str]:
-        bad = [p for p in v if not p.strip()]
-        if bad:
+    def _non_empty_patterns(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and not all(p.strip() for p in v):
             raise ValueError("console_metrics holds an empty pattern; remove it")
         return v
+
+    @model_validator(mode="after")
+    def _registered_sinks_only(self) -> SinksConfig:
+        for key, value in (self.model_extra or {}).items():
+            if key not in self.extra_keys():
+                known = [*type(self).model_fields, *self.extra_keys()]
+                raise ValueError(
+                    f"unknown sinks key {key!r}: the keys are {', '.join(known)} (a sink of "
+                    f"your own is selectable once the module that registers it is imported)"
+                )
+            if not isinstance(value, bool):
+                raise ValueError(
+                    f"sinks.{key} switches a sink on or off: true or false, not {value!r}"
+                )
+        return self
+
+    @classmethod
+    def extra_keys(cls) -> list[str]:
+        """The registered sinks without a field of their own (sinks of your own)."""
+        return [name for name in plugins.registered("sink") if name not in cls.model_fields]
+
+    def enabled(self, name: str) -> bool:
+        """Whether the sink registered as ``name`` is switched on."""
+        if name in type(self).model_fields:
+            return bool(getattr(self, name))
+        return bool((self.model_extra or {}).get(name, False))
 
 
 class WandbConfig(BaseModel):
@@ -91,11 +126,15 @@ class WandbConfig(BaseModel):
     heatmap_every: int | None = Field(
         None,
         ge=1,
-        description="Also log the units x epochs heatmaps and per-layer figures every N "
-        "epochs (they are always logged when the run closes; ~0.1 s a figure).",
+        description="Also log the units x epochs heatmaps and per-layer figures with the "
+        "epoch record of every N-th epoch (they are always logged when the run closes; "
+        "~0.1 s a figure).",
     )
     heatmap_history: int = Field(
-        1000, ge=1, description="Epochs of per-unit vectors kept in memory for the heatmaps."
+        1000,
+        ge=1,
+        description="Epochs the session keeps of each series its figures draw (the heatmaps "
+        "and per-layer figures show the last N).",
     )
     histogram_every: int = Field(
         10,
@@ -137,3 +176,16 @@ def api_key_configured() -> bool:
     except (FileNotFoundError, netrc.NetrcParseError, OSError):
         return False
     return bool(auth and auth[2])
+
+
+@dataclass(frozen=True)
+class SinkSetup:
+    """What a sink is made from (:meth:`~policy_probes.sinks.base.MetricSink.from_setup`)."""
+
+    run_dir: Path
+    sinks: SinksConfig
+    wandb: WandbConfig
+    #: the run's resolved configuration
+    config: dict[str, Any]
+    #: the console shared with a progress bar, if any
+    console: Console | None = None

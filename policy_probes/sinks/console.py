@@ -9,6 +9,8 @@
   figures: the chosen metrics plus the SNAPSHOT's own shallow scalar keys (for example
   ``hessian/top_eigenvalue``). Per-unit vectors and deep keys (per-parameter Fisher, ...)
   are left out; they are in the files and dashboards.
+- When the sink closes, the run's findings as the session handed them over with its last
+  epoch record (``docs/findings.md``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import re
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from rich.console import Console, ConsoleOptions, Group, RenderResult
@@ -26,14 +28,10 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from policy_probes.findings import FindingsCollector, render_text
-from policy_probes.sinks.base import (
-    MetricSink,
-    flatten_metrics,
-    is_finite_number,
-    to_plain,
-)
-from policy_probes.sinks.config import DEFAULT_CONSOLE_METRICS
+from policy_probes.plugins import register
+from policy_probes.records import Record, is_finite_number
+from policy_probes.sinks.base import MetricSink
+from policy_probes.sinks.config import SinkSetup, default_console_metrics
 
 SPARK = "▁▂▃▄▅▆▇█"
 #: the live view is drawn again at most this often (seconds), however short the epochs
@@ -103,22 +101,33 @@ def format_value(value: float | int) -> str:
     return f"{value:.4g}"
 
 
+@register
 class ConsoleSink(MetricSink):
     """Rich console output: live trend view and SNAPSHOT tables."""
 
     name = "console"
 
+    @classmethod
+    def from_setup(cls, setup: SinkSetup) -> ConsoleSink:
+        return cls(
+            console=setup.console,
+            metrics=setup.sinks.console_metrics,
+            live=setup.sinks.console_live,
+        )
+
     def __init__(
         self,
         console: Console | None = None,
-        metrics: Sequence[str] = DEFAULT_CONSOLE_METRICS,
+        metrics: Sequence[str] | None = None,
         live: bool = True,
         history: int = 24,
         refresh_seconds: float = REFRESH_SECONDS,
     ) -> None:
         super().__init__()
         self.console = console if console is not None else Console(stderr=True)
-        self.patterns = [pattern_regex(p) for p in metrics]
+        self.patterns = [
+            pattern_regex(p) for p in (default_console_metrics() if metrics is None else metrics)
+        ]
         self.live_enabled = live
         self.history = history
         self.refresh_seconds = refresh_seconds
@@ -135,10 +144,11 @@ class ConsoleSink(MetricSink):
         self._epoch_of: dict[str, int] = {}
         self._snapshot: dict[str, float | int] = {}
         self.epoch: int | None = None
+        self.agent_step: int | None = None
         self._live: Live | None = None
         self._closed = False
-        #: what the plasticity rules read, for the findings printed at close
-        self.findings = FindingsCollector()
+        #: the run's findings as text, as last handed over, printed at close
+        self.findings_text: str | None = None
 
     # ------------------------------------------------------------------ selection
     def chosen(self, key: str) -> int | None:
@@ -152,20 +162,22 @@ class ConsoleSink(MetricSink):
             return index
 
     # ------------------------------------------------------------------ emit
-    def emit(self, metrics: Mapping[str, Any], epoch: int, hook_point: str) -> None:
+    def emit(self, record: Record) -> None:
         # the live view is drawn on the progress bar's thread too: it reads the series
         # under the lock (and never takes a rich lock while holding it)
         with self._lock:
-            if epoch != self.epoch:
+            if record.epoch != self.epoch:
                 self._snapshot = {}
-            self.epoch = int(epoch)
-            self.findings.add(metrics, epoch, hook_point)
-            snapshot = hook_point == "SNAPSHOT"
-            for key, value in flatten_metrics(metrics).items():
+            self.epoch = record.epoch
+            if record.agent_step is not None:
+                self.agent_step = record.agent_step
+            if record.findings_text is not None:
+                self.findings_text = record.findings_text
+            snapshot = record.hook_point == "SNAPSHOT"
+            for key, value in record.metrics.items():
                 chosen = self.chosen(key) is not None
                 if not (chosen or (snapshot and key.count("/") < SHALLOW_PARTS)):
-                    continue  # shown nowhere: not converted
-                value = to_plain(value)
+                    continue  # shown nowhere
                 if not is_finite_number(value):
                     continue  # vectors, None, NaN and strings are not shown
                 if chosen:
@@ -181,7 +193,7 @@ class ConsoleSink(MetricSink):
                 else:
                     self._snapshot[key] = value
             self._version += 1
-        if hook_point == "SNAPSHOT":
+        if snapshot:
             self.console.print(self.summary_table(title=f"snapshot, epoch {self.epoch}"))
         if self.live_enabled and self.console.is_terminal and not self._closed:
             if self._live is None:
@@ -224,8 +236,8 @@ class ConsoleSink(MetricSink):
 
     def summary_table(self, title: str | None = None) -> Table:
         """Compact table of the chosen metrics (and the SNAPSHOT's shallow scalars)."""
-        step = self.run_context.get("agent_step")
-        caption = f"agent_step {step:,}" if isinstance(step, int) else None
+        step = self.agent_step
+        caption = f"agent_step {step:,}" if step is not None else None
         table = Table(title=title, caption=caption, show_edge=False, pad_edge=False, expand=False)
         table.add_column("metric", style="cyan", no_wrap=True)
         table.add_column("value", justify="right", no_wrap=True)
@@ -269,5 +281,5 @@ class ConsoleSink(MetricSink):
         if self._latest:
             ended = self.run_context.get("ended") or "final"  # e.g. "stopped by SIGTERM"
             self.console.print(self.summary_table(title=f"{ended}, epoch {self.epoch}"))
-        if self.findings.records:  # what is going wrong (policy_probes.findings)
-            self.console.print(render_text(self.findings.findings()), markup=False, soft_wrap=True)
+        if self.findings_text is not None:  # what is going wrong
+            self.console.print(self.findings_text, markup=False, soft_wrap=True)

@@ -19,12 +19,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from policy_probes.sinks.base import (
-    FSYNC_SECONDS,
-    AppendFileSink,
-    plain_metrics,
-    vector_stats,
-)
+from policy_probes.plugins import register
+from policy_probes.records import Record, vector_stats
+from policy_probes.sinks.base import FSYNC_SECONDS, AppendFileSink
+from policy_probes.sinks.config import SinkSetup
 from policy_probes.sinks.jsonl import fsync_dir, repair_truncated_tail
 
 logger = logging.getLogger("policy_probes.sinks")
@@ -33,6 +31,7 @@ METRICS_CSV = "metrics.csv"
 BASE_COLUMNS = ("epoch", "agent_step", "hook_point", "time")
 
 
+@register
 class CSVSink(AppendFileSink):
     """Wide CSV of scalar metrics with atomic header growth."""
 
@@ -61,13 +60,17 @@ class CSVSink(AppendFileSink):
         #: number of header rewrites so far (for tests and diagnostics)
         self.rewrites = 0
 
+    @classmethod
+    def from_setup(cls, setup: SinkSetup) -> CSVSink:
+        return cls(setup.run_dir, fsync_seconds=setup.sinks.fsync_seconds)
+
     # ------------------------------------------------------------------ emit
-    def emit(self, metrics: Mapping[str, Any], epoch: int, hook_point: str) -> None:
-        values = scalar_columns(metrics)
-        values["epoch"] = int(epoch)
-        step = self.run_context.get("agent_step")
-        values["agent_step"] = "" if step is None else int(step)
-        values["hook_point"] = str(hook_point)
+    def emit(self, record: Record) -> None:
+        values = scalar_columns(record.metrics)
+        values["epoch"] = record.epoch
+        step = record.agent_step
+        values["agent_step"] = "" if step is None else step
+        values["hook_point"] = record.hook_point
         values["time"] = round(time.time(), 3)
         new = [c for c in BASE_COLUMNS if c not in self._index]
         new += [c for c in values if c not in self._index and c not in BASE_COLUMNS]
@@ -77,7 +80,7 @@ class CSVSink(AppendFileSink):
         for key, value in values.items():
             row[self._index[key]] = value
         self._writer.writerow(row)
-        self.written(hook_point)
+        self.written(record.hook_point)
 
     def _widen(self, new_columns: list[str]) -> None:
         """Rewrite the file with ``new_columns`` appended to the header (atomic, streaming)."""
@@ -157,10 +160,11 @@ def read_header(path: Path) -> list[str]:
 
 
 def scalar_columns(metrics: Mapping[str, Any]) -> dict[str, Any]:
-    """The CSV cells of one emit: scalars as they are (None -> empty, bool -> 0/1), vectors
-    as ``/mean``, ``/min``, ``/max`` of their finite elements (empty when none)."""
+    """The CSV cells of a record's plain metrics: scalars as they are (None -> empty, bool
+    -> 0/1), vectors as ``/mean``, ``/min``, ``/max`` of their finite elements (empty when
+    none)."""
     out: dict[str, Any] = {}
-    for key, value in plain_metrics(metrics, skip=BASE_COLUMNS):
+    for key, value in metrics.items():
         if isinstance(value, list):
             mean, low, high = vector_stats(value) or ("", "", "")
             out[f"{key}/mean"], out[f"{key}/min"], out[f"{key}/max"] = mean, low, high

@@ -18,21 +18,20 @@ import logging
 import math
 import os
 import time
-from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import orjson
 
-from policy_probes.sinks.base import FSYNC_SECONDS, AppendFileSink, plain_metrics
+from policy_probes.plugins import register
+from policy_probes.records import METRICS_JSONL, NONFINITE_KEY, Record
+from policy_probes.sinks.base import FSYNC_SECONDS, AppendFileSink
+from policy_probes.sinks.config import SinkSetup
 
 logger = logging.getLogger("policy_probes.sinks")
 
-METRICS_JSONL = "metrics.jsonl"
-#: key of the record field listing the metrics whose values were NaN or infinite
-NONFINITE_KEY = "_nonfinite"
 
-
+@register
 class JSONLSink(AppendFileSink):
     """Append-only JSON Lines file of every emit."""
 
@@ -56,17 +55,21 @@ class JSONLSink(AppendFileSink):
         self._open_append()
         self._warned_nonfinite: set[str] = set()
 
-    def emit(self, metrics: Mapping[str, Any], epoch: int, hook_point: str) -> None:
-        record = make_record(metrics, epoch, hook_point, self.run_context.get("agent_step"))
-        for key in record.get(NONFINITE_KEY, ()):
+    @classmethod
+    def from_setup(cls, setup: SinkSetup) -> JSONLSink:
+        return cls(setup.run_dir, fsync_seconds=setup.sinks.fsync_seconds)
+
+    def emit(self, record: Record) -> None:
+        line = json_line(record)
+        for key in line.get(NONFINITE_KEY, ()):
             if key not in self._warned_nonfinite:
                 self._warned_nonfinite.add(key)
                 logger.warning("metric %r has non-finite values; written as null", key)
         # orjson: ~15x faster than json on a record of per-unit vectors (1.1 ms -> 0.07 ms
         # for the cartpole recipe's 37 kB records); the same floats, shortest round-trip
-        # digits, non-finite values already replaced by None (make_record)
-        self._file.write(orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE).decode())
-        self.written(hook_point)
+        # digits, non-finite values already replaced by None (json_line)
+        self._file.write(orjson.dumps(line, option=orjson.OPT_APPEND_NEWLINE).decode())
+        self.written(record.hook_point)
 
     def rewind(self, last_epoch: int) -> int:
         """Drop records of epochs after ``last_epoch`` (a resumed run repeats them).
@@ -84,27 +87,24 @@ class JSONLSink(AppendFileSink):
         return f"JSONLSink({str(self.path)!r})"
 
 
-def make_record(
-    metrics: Mapping[str, Any], epoch: int, hook_point: str, agent_step: int | None
-) -> dict[str, Any]:
-    """The JSON record of one emit: reserved fields first, metrics flattened to plain
-    values, non-finite floats replaced by None and listed under ``"_nonfinite"``."""
-    record: dict[str, Any] = {
-        "epoch": int(epoch),
-        "agent_step": None if agent_step is None else int(agent_step),
-        "hook_point": str(hook_point),
+def json_line(record: Record) -> dict[str, Any]:
+    """The JSON object of one record: its fields first, then its metrics, non-finite
+    floats replaced by None and listed under ``"_nonfinite"``."""
+    line: dict[str, Any] = {
+        "epoch": record.epoch,
+        "agent_step": record.agent_step,
+        "hook_point": record.hook_point,
         "time": round(time.time(), 3),
     }
     nonfinite: list[str] = []
-    # the emit's own epoch/step/hook point win
-    for key, value in plain_metrics(metrics, skip=(*record, NONFINITE_KEY)):
+    for key, value in record.metrics.items():
         clean, had_nonfinite = _finite_or_none(value)
         if had_nonfinite:
             nonfinite.append(key)
-        record[key] = clean
+        line[key] = clean
     if nonfinite:
-        record[NONFINITE_KEY] = nonfinite
-    return record
+        line[NONFINITE_KEY] = nonfinite
+    return line
 
 
 def _finite_or_none(value: Any) -> tuple[Any, bool]:
@@ -161,27 +161,6 @@ def repair_truncated_tail(path: Path, chunk: int = 1 << 16) -> int:
         f.flush()
         os.fsync(f.fileno())
         return size - keep
-
-
-def iter_jsonl(path: str | Path) -> Iterator[dict[str, Any]]:
-    """Records of a metrics.jsonl file, one at a time. Lines that are not valid JSON
-    objects (a truncated tail) are skipped with a warning."""
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                logger.warning("%s:%d is not valid JSON (truncated write?); skipped", path, lineno)
-                continue
-            if isinstance(record, dict):
-                yield record
-
-
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """Every record of a metrics.jsonl file (see :func:`iter_jsonl`)."""
-    return list(iter_jsonl(path))
 
 
 def rewind_jsonl(path: str | Path, last_epoch: int) -> int:

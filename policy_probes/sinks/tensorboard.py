@@ -2,9 +2,11 @@
 
 Needs the ``tensorboard`` package (``pip install policy-probes[tensorboard]``). Scalars go
 to ``add_scalar``, per-unit vectors to ``add_histogram``, and at SNAPSHOT emits (and when
-the sink closes) the units x epochs heatmaps to ``add_image`` under ``heatmaps/...``. The
-x axis is the environment step (``agent_step``, as CleanRL's ``global_step``), or the epoch
-when no step is known; the epoch itself is logged as the scalar ``epoch``.
+the sink closes, unless the last epoch's are logged) the run's figures, drawn by the
+session (units x epochs heatmaps under ``heatmaps/...``, per-layer figures under
+``layers/...``), to ``add_image``. The x axis is the environment step (``agent_step``, as
+CleanRL's ``global_step``), or the epoch when no step is known; the epoch itself is logged
+as the scalar ``epoch``.
 
 View with ``tensorboard --logdir run_dir/tensorboard``.
 """
@@ -12,29 +14,26 @@ View with ``tensorboard --logdir run_dir/tensorboard``.
 from __future__ import annotations
 
 import io
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
-from policy_probes.heatmaps import VectorHistory, heatmap_spec, render_heatmaps
-from policy_probes.sinks.base import (
-    MetricSink,
-    finite_values,
-    is_finite_number,
-    plain_metrics,
-)
+from policy_probes.plugins import register
+from policy_probes.records import Figures, Record, finite_values, is_finite_number
+from policy_probes.sinks.base import MetricSink
+from policy_probes.sinks.config import SinkSetup
 
 TENSORBOARD_DIR = "tensorboard"
 
 
+@register
 class TensorBoardSink(MetricSink):
     """Metrics to TensorBoard event files."""
 
     name = "tensorboard"
+    logs_figures = True
 
-    def __init__(self, run_dir: str | Path, heatmap_history: int = 1000) -> None:
+    def __init__(self, run_dir: str | Path) -> None:
         super().__init__()
         try:
             from torch.utils.tensorboard import SummaryWriter
@@ -45,56 +44,54 @@ class TensorBoardSink(MetricSink):
             ) from exc
         self.log_dir = Path(run_dir) / TENSORBOARD_DIR
         self.writer = SummaryWriter(log_dir=str(self.log_dir))
-        self.history = VectorHistory(heatmap_history)
         self._last_step: int | None = None
         self._last_epoch: int | None = None
-        self._heatmaps_at: int | None = None
+        self._figures_at: int | None = None
 
-    def _step(self, epoch: int) -> int:
-        step = self.run_context.get("agent_step")
-        return int(step) if step is not None else int(epoch)
+    @classmethod
+    def from_setup(cls, setup: SinkSetup) -> TensorBoardSink:
+        return cls(setup.run_dir)
 
-    def emit(self, metrics: Mapping[str, Any], epoch: int, hook_point: str) -> None:
-        step = self._step(epoch)
-        self.writer.add_scalar("epoch", int(epoch), step)
-        for key, value in plain_metrics(metrics):
+    def emit(self, record: Record) -> None:
+        step = record.agent_step if record.agent_step is not None else record.epoch
+        self.writer.add_scalar("epoch", record.epoch, step)
+        for key, value in record.metrics.items():
             if isinstance(value, list):
                 finite = finite_values(value)
                 if finite:
                     self.writer.add_histogram(key, np.asarray(finite, dtype=np.float64), step)
-                if heatmap_spec(key) is not None:
-                    self.history.add(key, int(epoch), value)
             elif is_finite_number(value):
                 self.writer.add_scalar(key, float(value), step)
-        self._last_step, self._last_epoch = step, int(epoch)
-        if hook_point == "SNAPSHOT":
-            self._log_heatmaps(step, int(epoch))
-        if hook_point == "POST_EPOCH":
+        self._last_step, self._last_epoch = step, record.epoch
+        if record.figures is not None:
+            self._log_figures(record.figures, step, record.epoch)
+        if record.hook_point == "POST_EPOCH":
             self.writer.flush()
 
-    def _log_heatmaps(self, step: int, epoch: int) -> None:
+    def wants_figures(self, record: Record | None) -> bool:
+        """At SNAPSHOT records, and at close unless the last epoch's are logged."""
+        if record is None:
+            return self._last_epoch is not None and self._figures_at != self._last_epoch
+        return record.hook_point == "SNAPSHOT"
+
+    def final_figures(self, figures: Figures) -> None:
+        if self._last_epoch is not None:
+            self._log_figures(figures, self._last_step or 0, self._last_epoch)
+
+    def _log_figures(self, figures: Figures, step: int, epoch: int) -> None:
         from PIL import Image
 
-        for key, (png, _caption) in render_heatmaps(self.history).items():
+        for key, (png, _caption) in figures.items():
             rgb = np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
             self.writer.add_image(key, rgb, step, dataformats="HWC")
-        self._heatmaps_at = epoch
+        self._figures_at = epoch
 
     def flush(self) -> None:
         self.writer.flush()
 
     def close(self) -> None:
         writer = getattr(self, "writer", None)
-        if writer is None:
-            return
-        try:
-            if (
-                len(self.history)
-                and self._last_epoch is not None
-                and self._heatmaps_at != self._last_epoch
-            ):
-                self._log_heatmaps(self._last_step or 0, self._last_epoch)
-        finally:
+        if writer is not None:
             writer.close()
             self.writer = None
 

@@ -1,34 +1,17 @@
 """WandbSink: one Weights & Biases run per training run, files under ``run_dir/wandb/``.
 
-- Mode: ``offline`` without an API key, ``online`` with one, ``disabled`` on request
-  (see :class:`~policy_probes.sinks.config.WandbConfig`). Offline runs are uploaded later
-  with ``wandb sync run_dir/wandb/offline-run-*``.
-- Step axes: ``epoch`` (every metric's x axis, via ``define_metric("*", step_metric="epoch")``)
-  and ``agent_step`` (environment steps), both logged with every row.
-- Scalars become series, every epoch; per-unit vectors become ``wandb.Histogram``s (never
-  one series per unit) in the epochs divisible by ``histogram_every`` (default 10) and in
-  the run's last epoch, logged when the run closes: building and logging a probed
-  record's dozens of histograms cost more than all its scalars.
-- When the run closes (and every ``heatmap_every`` epochs if set) a units x epochs heatmap per component of the ReLU active rate, per-unit Fisher and gradient RMS
-  so far is logged as a ``wandb.Image`` under ``heatmaps/<probe>/<component>/<metric>``.
-- Per-layer keys ``probes/<probe>/<component>.<layer>/<metric>`` are logged as they are,
-  beside ``probes/<probe>/<component>/<metric>``: with the workspace's panel grouping set
-  to all segments, W&B makes one section per ``probes/<probe>/<name>`` prefix, so a
-  component's section is followed by one section per layer. At the same times as the
-  heatmaps, one figure per probe section and component with one line per layer over the
-  epochs so far (:mod:`~policy_probes.layer_figures`: dead/dormant fractions, saturated
-  units, gradient flow) is logged as a ``wandb.Image`` under ``layers/<section>/<component>``,
-  the "which layer is dying" view in one panel.
-- The run id is stored in ``run_dir/wandb/policy_probes_run_id`` and the run is opened with
-  ``resume="allow"``, so a resumed training run appends to the same W&B run. Each
-  ``wandb.init`` writes its own run folder; the sink reads back the earlier folders of its
-  run id (:mod:`.wandb_history`), logs only epochs beyond the last one they hold (a run
-  killed after its last checkpoint logged some epochs that the resumed run trains again),
-  logs from ``metrics.jsonl`` the epochs they lack (rows W&B had not written when the
-  process was killed), and continues their ``_step``: what ``wandb sync`` uploads has
-  every epoch once on one increasing step axis.
-- Secrets never reach W&B: config keys that look like credentials are redacted, and the
-  API key is never read by this module.
+Offline without an API key (``wandb sync`` uploads later). Every row carries ``epoch``
+(every metric's x axis) and ``agent_step``. Scalars are logged every epoch; per-unit
+vectors as ``wandb.Histogram`` objects only every ``histogram_every`` epochs and for the last
+epoch at close (building them cost more than all the scalars). The run's figures
+(heatmaps, per-layer figures), drawn by the session when :meth:`WandbSink.wants_figures`
+asks, are logged as images at close and every ``heatmap_every`` epochs; the findings the
+session hands over go to the run summary at close. A resumed training run appends to the
+same W&B run (the id is kept in ``run_dir/wandb/policy_probes_run_id``): the sink reads
+back what earlier processes logged (:mod:`.wandb_history`) and lines it up with
+``metrics.jsonl`` (:meth:`WandbSink._settle_resume`), so every epoch is uploaded once on
+one increasing step axis. Credential-like config values are redacted. ``docs/sinks.md``
+has the details.
 """
 
 from __future__ import annotations
@@ -44,32 +27,40 @@ from pathlib import Path
 from typing import Any
 
 from policy_probes.atomic_write import write_text_atomic
-from policy_probes.findings import FindingsCollector
-from policy_probes.heatmaps import VectorHistory, figure_png, heatmap_spec, render_heatmaps
-from policy_probes.layer_figures import ScalarHistory, is_layer_metric, layer_figures
-from policy_probes.sinks.base import (
-    MetricSink,
+from policy_probes.plugins import register
+from policy_probes.records import (
+    METRICS_JSONL,
+    POST_EPOCH,
+    Figures,
+    Record,
     finite_values,
     is_finite_number,
-    plain_metrics,
+    iter_jsonl,
 )
-from policy_probes.sinks.config import WandbConfig
-from policy_probes.sinks.jsonl import METRICS_JSONL, NONFINITE_KEY, iter_jsonl
+from policy_probes.sinks.base import MetricSink
+from policy_probes.sinks.config import SinkSetup, WandbConfig
 from policy_probes.sinks.wandb_history import run_history_position
 
 logger = logging.getLogger("policy_probes.sinks")
 
 RUN_ID_FILE = "policy_probes_run_id"
-#: the fields of a metrics.jsonl record that are not metrics
-_JSONL_FIELDS = {"epoch", "agent_step", "hook_point", "time", NONFINITE_KEY}
 _SECRET_KEY = re.compile(r"(api[_-]?key|token|secret|password|passwd|credential)", re.IGNORECASE)
 REDACTED = "<redacted>"
 
 
+@register
 class WandbSink(MetricSink):
     """Metrics to a W&B run (offline by default on machines without an API key)."""
 
     name = "wandb"
+    logs_figures = True
+
+    @classmethod
+    def from_setup(cls, setup: SinkSetup) -> WandbSink | None:
+        """None when ``wandb.mode`` resolves to ``disabled``."""
+        if setup.wandb.resolved_mode() == "disabled":
+            return None
+        return cls(setup.run_dir, setup.wandb, setup.config)
 
     def __init__(
         self,
@@ -98,15 +89,14 @@ class WandbSink(MetricSink):
         self._skip_emits = 0
         self._unsettled = continued
         self._step = position.next_step
-        self.history = VectorHistory(self.cfg.heatmap_history)
-        self.layer_history = ScalarHistory(self.cfg.heatmap_history)
         self._last_heatmap_epoch: int | None = None
         self._last_epoch: int | None = None
         #: (epoch, per-unit vectors) of the last logged row that left its histograms out
         #: (not a ``histogram_every`` epoch): logged at close if that epoch is the last
         self._unlogged_vectors: tuple[int, dict[str, list[float]]] | None = None
-        #: what the plasticity rules read, for the findings in the run summary at close
-        self.findings = FindingsCollector()
+        #: the run's findings as last handed over, for the run summary at close
+        self.findings: tuple[Mapping[str, Any], ...] | None = None
+        self._final_figures: Figures = {}
         settings = wandb.Settings(
             silent=True,
             console="off",  # the trainer owns the terminal; no stdout capture
@@ -134,49 +124,53 @@ class WandbSink(MetricSink):
         self.run.define_metric("*", step_metric="epoch")
 
     # ------------------------------------------------------------------ emit
-    def emit(self, metrics: Mapping[str, Any], epoch: int, hook_point: str) -> None:
+    def emit(self, record: Record) -> None:
         if self._unsettled:
             self._settle_resume(None)
-        wandb = self._wandb
-        epoch = int(epoch)
-        self.findings.add(metrics, epoch, hook_point)
+        epoch = record.epoch
+        if record.findings is not None:
+            self.findings = record.findings
         row: dict[str, Any] = {"epoch": epoch}
-        step = self.run_context.get("agent_step")
-        if step is not None:
-            row["agent_step"] = int(step)
+        if record.agent_step is not None:
+            row["agent_step"] = record.agent_step
         vectors: dict[str, list[float]] = {}
-        for key, value in plain_metrics(metrics):
+        for key, value in record.metrics.items():
             if isinstance(value, list):
                 vectors[key] = value
-                if heatmap_spec(key) is not None:
-                    self.history.add(key, epoch, value)
             elif isinstance(value, bool):
                 row[key] = int(value)
             elif is_finite_number(value):
                 row[key] = value
-                if is_layer_metric(key):
-                    self.layer_history.add(key, epoch, float(value))
             # None, NaN/inf and strings are left out of W&B (JSONL keeps them)
-        if self._skip_emits > 0:  # W&B holds this record already (the histories keep it)
+        if self._skip_emits > 0:  # W&B holds this record already
             self._skip_emits -= 1
             return
         if self.skip_through is not None and epoch <= self.skip_through:
-            return  # W&B holds this epoch already (the heatmap history still has it)
+            return  # W&B holds this epoch already
         self._last_epoch = epoch
         if epoch % self.cfg.histogram_every == 0:
-            row.update(histograms(wandb, vectors))
+            row.update(histograms(self._wandb, vectors))
             self._unlogged_vectors = None
         elif vectors:
             self._unlogged_vectors = (epoch, vectors)
-        # images at a slower cadence than the scalars: matplotlib takes ~0.1 s a figure
-        # (14 for the cartpole recipe's probes: 1.3 s, dozens of epochs' training)
-        every = self.cfg.heatmap_every
-        if every is not None and epoch % every == 0:
-            with tempfile.TemporaryDirectory() as folder:  # the PNGs until W&B copies them
-                row.update(self._heatmap_images(epoch, Path(folder)))
-                self._log(row)
-        else:
+        if not record.figures:
             self._log(row)
+            return
+        with tempfile.TemporaryDirectory() as folder:  # the PNGs until W&B copies them
+            row.update(self._images(record.figures, epoch, Path(folder)))
+            self._log(row)
+
+    def wants_figures(self, record: Record | None) -> bool:
+        """The figures at the epoch record of every ``heatmap_every``-th epoch (images at
+        a slower cadence than the scalars: matplotlib takes ~0.1 s a figure, 14 for the
+        cartpole recipe's probes), and at close unless the last epoch's are logged."""
+        if record is None:
+            return self._last_epoch is not None and self._last_epoch != self._last_heatmap_epoch
+        every = self.cfg.heatmap_every
+        return every is not None and record.hook_point == POST_EPOCH and record.epoch % every == 0
+
+    def final_figures(self, figures: Figures) -> None:
+        self._final_figures = figures
 
     def rewind(self, last_epoch: int) -> int:
         """A resume from the checkpoint of ``last_epoch``: W&B cannot drop rows, so the
@@ -203,7 +197,7 @@ class WandbSink(MetricSink):
             self.skip_through = self._held_last_epoch
             return
         records = [
-            r
+            Record.from_json(r)
             for r in iter_jsonl(path)
             if isinstance(r.get("epoch"), int) and (last_epoch is None or r["epoch"] <= last_epoch)
         ]
@@ -212,21 +206,15 @@ class WandbSink(MetricSink):
             self._skip_emits = held - len(records)
             return
         missing = records[held:]
-        saved = self.run_context.get("agent_step")
-        try:
-            for record in missing:
-                self.run_context["agent_step"] = record.get("agent_step")
-                metrics = {k: v for k, v in record.items() if k not in _JSONL_FIELDS}
-                self.emit(metrics, record["epoch"], record.get("hook_point", "POST_EPOCH"))
-        finally:
-            self.run_context["agent_step"] = saved
+        for record in missing:
+            self.emit(record)
         logger.warning(
             "W&B run %s lacked %d records of epochs %d-%d (not written before the previous "
             "process ended); logged them from %s",
             self.run_id,
             len(missing),
-            missing[0]["epoch"],
-            missing[-1]["epoch"],
+            missing[0].epoch,
+            missing[-1].epoch,
             path,
         )
 
@@ -235,32 +223,23 @@ class WandbSink(MetricSink):
         self.run.log(row, step=self._step)
         self._step += 1
 
-    def _heatmap_images(self, epoch: int, folder: Path) -> dict[str, Any]:
-        """``heatmaps/...`` -> ``wandb.Image`` of every tracked per-unit metric so far, and
-        ``layers/...`` of the per-layer figures. The PNGs are written to files in
+    def _images(self, figures: Figures, epoch: int, folder: Path) -> dict[str, Any]:
+        """``key -> wandb.Image`` of each figure. The PNGs are written to files in
         ``folder``, which must outlive the row's ``log`` (W&B copies them there): made
         from a file, an image is not decoded and encoded again as from a PIL image."""
-        # one file per drawing (equal histories share one); the entry holds the bytes, so
-        # no other drawing can take their id while this runs
-        files: dict[int, tuple[str, bytes]] = {}
+        # one file per drawing (equal histories share one); ``figures`` holds the bytes,
+        # so no other drawing can take their id while this runs
+        files: dict[int, str] = {}
 
         def image(png: bytes, caption: str) -> Any:
-            path = files.get(id(png), ("",))[0]
-            if not path:
-                path = str(folder / f"{len(files)}.png")
-                files[id(png)] = (path, png)
+            path = files.get(id(png))
+            if path is None:
+                path = files[id(png)] = str(folder / f"{len(files)}.png")
                 Path(path).write_bytes(png)
             return self._wandb.Image(path, caption=caption)
 
-        images = {
-            key: image(png, caption)
-            for key, (png, caption) in render_heatmaps(self.history).items()
-        }
-        for slug, component, fig in layer_figures(self.layer_history.series()):
-            caption = f"{slug} per layer of {component}, up to epoch {epoch}"
-            images[f"layers/{slug}/{component}"] = image(figure_png(fig), caption)
         self._last_heatmap_epoch = epoch
-        return images
+        return {key: image(png, caption) for key, (png, caption) in figures.items()}
 
     # ------------------------------------------------------------------ lifecycle
     def flush(self) -> None:
@@ -278,12 +257,8 @@ class WandbSink(MetricSink):
             if unlogged is not None and unlogged[0] == self._last_epoch:
                 final.update(histograms(self._wandb, unlogged[1]))  # the last epoch's
             with tempfile.TemporaryDirectory() as folder:  # the PNGs until W&B copies them
-                if (
-                    (len(self.history) or len(self.layer_history))
-                    and self._last_epoch is not None
-                    and self._last_epoch != self._last_heatmap_epoch
-                ):
-                    final.update(self._heatmap_images(self._last_epoch, Path(folder)))
+                if self._final_figures and self._last_epoch is not None:
+                    final.update(self._images(self._final_figures, self._last_epoch, Path(folder)))
                 if final:
                     run.log({"epoch": self._last_epoch, **final}, step=self._step)
                     self._step += 1
@@ -293,17 +268,11 @@ class WandbSink(MetricSink):
             self._wait_for_service()
 
     def _summarise_findings(self, run: Any) -> None:
-        """The run's findings (:mod:`policy_probes.findings`) in the run summary:
+        """The run's findings as last handed over (docs/findings.md) in the run summary:
         ``findings/count`` and ``findings/list`` (one dict per finding)."""
-        if not self.findings.records and not (self.run_dir / "metrics.jsonl").is_file():
-            return
-        try:
-            found = self.findings.findings(self.run_dir)
-        except Exception as exc:  # a diagnosis must never cost the run its W&B data
-            logger.error("findings for the W&B summary failed: %s", exc)
-            return
-        run.summary["findings/count"] = len(found)
-        run.summary["findings/list"] = [f.to_dict() for f in found]
+        if self.findings is not None:
+            run.summary["findings/count"] = len(self.findings)
+            run.summary["findings/list"] = [dict(f) for f in self.findings]
 
     def _wait_for_service(self) -> None:
         """Make the run's files complete before returning.

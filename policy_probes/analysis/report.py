@@ -1,15 +1,16 @@
 """The local dashboard: ``policy-probes report RUN_DIR`` -> ``RUN_DIR/report.html``.
 
-Built from ``metrics.jsonl`` alone (plus ``config.json`` when present), so it works for any
-run, finished, interrupted or still going. One self-contained HTML file: every figure is a
+Built from ``metrics.jsonl`` alone (read once into a
+:class:`~policy_probes.records.RunRecords`, plus ``config.json`` when present), so it works
+for any run, finished, interrupted or still going. One self-contained HTML file: every figure is a
 PNG drawn with matplotlib and embedded as base64, no network or external files needed.
 
 Sections (each only when the run recorded its metrics): returns, PPO losses and
 statistics, dead/dormant ReLU fractions per component, saturation, Fisher information,
 gradient flow, the same per layer (one figure per component, one line per activation
-layer inside it: :mod:`~policy_probes.layer_figures`), units x epochs heatmaps (ReLU active rate, per-unit Fisher, gradient RMS,
-the same figures the W&B sink logs at SNAPSHOT), and a table of every scalar's last, min
-and max value.
+layer inside it: :mod:`~policy_probes.analysis.layer_figures`), units x epochs heatmaps
+(ReLU active rate, per-unit Fisher, gradient RMS, the figures the W&B sink logs), and a
+table of every scalar's last, min and max value.
 
 Overlays: the returns, losses and per-component probe figures also draw, in the colour of
 each of the run's lines, the same series of the run's parent (a run started by
@@ -26,36 +27,35 @@ import html
 import json
 import math
 import time
-from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from matplotlib.figure import Figure
 
-from policy_probes.findings import diagnose, read_records
-from policy_probes.findings import render_html as render_findings_html
-from policy_probes.heatmaps import (
+from policy_probes.analysis.findings import diagnose
+from policy_probes.analysis.findings import render_html as render_findings_html
+from policy_probes.analysis.heatmaps import (
     HEATMAP_SPECS,
     component_of,
     figure_png,
-    fixed_margins,
     heatmap_figure,
     heatmap_spec,
     units_by_epochs,
 )
-from policy_probes.layer_figures import (
+from policy_probes.analysis.layer_figures import (
     LAYER_SECTIONS,
     PROBE_SECTIONS,
     Panel,
-    is_layer_metric,
     layer_figures,
     layer_groups,
+    panel_grid,
+    plot_series,
+    style_axes,
 )
-from policy_probes.sinks.base import is_finite_number
-from policy_probes.sinks.jsonl import METRICS_JSONL, iter_jsonl
+from policy_probes.records import METRICS_JSONL, RunRecords
 from policy_probes.user_errors import positive_int
 
 REPORT_HTML = "report.html"
@@ -82,63 +82,26 @@ OVERLAY_STYLES: tuple[Any, ...] = ("--", ":", "-.", (0, (5, 1, 1, 1, 1, 1)), (0,
 OVERLAY_ALPHA = 0.55
 
 
-@dataclass
-class RunMetrics:
-    """The time series of one run, one value per epoch (the last emit of an epoch wins)."""
+def series(run: RunRecords, key: str) -> tuple[np.ndarray, np.ndarray]:
+    """Epochs and values of a scalar key as arrays."""
+    points = run.series(key)
+    return np.array([e for e, _ in points]), np.array([v for _, v in points], dtype=float)
 
-    scalars: dict[str, dict[int, float]] = field(default_factory=lambda: defaultdict(dict))
-    vectors: dict[str, dict[int, list[float | None]]] = field(
-        default_factory=lambda: defaultdict(dict)
+
+def components(run: RunRecords, probe: str, metric: str, layers: bool = True) -> list[str]:
+    """Names with a ``probes/<probe>/<name>/<metric>`` series; ``layers=False`` leaves out
+    the layers of another recorded name (see :func:`layer_groups`)."""
+    prefix = f"probes/{probe}/"
+    suffix = f"/{metric}"
+    names = sorted(
+        k[len(prefix) : -len(suffix)]
+        for k in run.scalars
+        if k.startswith(prefix) and k.endswith(suffix)
     )
-    agent_step: dict[int, int] = field(default_factory=dict)
-    records: int = 0
-
-    @classmethod
-    def load(cls, path: Path) -> RunMetrics:
-        run = cls()
-        for rec in iter_jsonl(path):
-            epoch = rec.get("epoch")
-            if not isinstance(epoch, int):
-                continue
-            run.records += 1
-            if isinstance(rec.get("agent_step"), int):
-                run.agent_step[epoch] = rec["agent_step"]
-            for key, value in rec.items():
-                if key in ("epoch", "agent_step", "hook_point", "time") or key.startswith("_"):
-                    continue
-                if isinstance(value, list):
-                    run.vectors[key][epoch] = value
-                elif value is None:
-                    run.scalars[key].setdefault(epoch, math.nan)
-                elif is_finite_number(value):
-                    run.scalars[key][epoch] = float(value)
-        return run
-
-    def series(self, key: str) -> tuple[np.ndarray, np.ndarray]:
-        points = sorted(self.scalars.get(key, {}).items())
-        return np.array([e for e, _ in points]), np.array([v for _, v in points], dtype=float)
-
-    def components(self, probe: str, metric: str, layers: bool = True) -> list[str]:
-        """Names with a ``probes/<probe>/<name>/<metric>`` series; ``layers=False``
-        leaves out the layers of another recorded name (see :func:`layer_groups`)."""
-        prefix = f"probes/{probe}/"
-        suffix = f"/{metric}"
-        names = sorted(
-            k[len(prefix) : -len(suffix)]
-            for k in self.scalars
-            if k.startswith(prefix) and k.endswith(suffix)
-        )
-        if layers:
-            return names
-        inner = {layer for group in layer_groups(names).values() for layer in group}
-        return [n for n in names if n not in inner]
-
-    @property
-    def epochs(self) -> list[int]:
-        seen = {e for s in self.scalars.values() for e in s} | {
-            e for v in self.vectors.values() for e in v
-        }
-        return sorted(seen)
+    if layers:
+        return names
+    inner = {layer for group in layer_groups(names).values() for layer in group}
+    return [n for n in names if n not in inner]
 
 
 @dataclass
@@ -147,7 +110,7 @@ class Overlay:
     to compare with."""
 
     label: str
-    run: RunMetrics
+    run: RunRecords
     linestyle: Any
     fork_epoch: int | None = None
 
@@ -173,7 +136,7 @@ def find_overlays(
             overlays.append(
                 Overlay(
                     f"parent {found.resolve().name}",
-                    RunMetrics.load(found / METRICS_JSONL),
+                    RunRecords.read(found),
                     next(styles),
                     fork_epoch if isinstance(fork_epoch, int) else None,
                 )
@@ -185,7 +148,7 @@ def find_overlays(
         if not path.is_file():
             notes.append(f"compared run {other} (no {METRICS_JSONL})")
             continue
-        overlays.append(Overlay(Path(other).resolve().name, RunMetrics.load(path), next(styles)))
+        overlays.append(Overlay(Path(other).resolve().name, RunRecords.read(other), next(styles)))
     return overlays, notes
 
 
@@ -194,47 +157,14 @@ def _png_b64(fig: Figure) -> str:
     return base64.b64encode(figure_png(fig)).decode("ascii")
 
 
-def _panel_grid(
-    n: int, cols: int = 2, height: float = 2.8, width: float = 5.2
-) -> tuple[Figure, list[Any]]:
-    cols = min(cols, n)
-    rows = math.ceil(n / cols)
-    fig = Figure(figsize=(width * cols, height * rows), dpi=100)
-    fixed_margins(fig, rows, cols, top=0.55, hgap=1.0)
-    axes = [fig.add_subplot(rows, cols, i + 1) for i in range(n)]
-    return fig, axes
-
-
-def _style(ax, title: str, log: bool = False, ylabel: str | None = None) -> None:
-    ax.set_title(title, fontsize=10)
-    ax.set_xlabel("epoch", fontsize=9)
-    if ylabel:
-        ax.set_ylabel(ylabel, fontsize=9)
-    ax.grid(True, alpha=0.3)
-    ax.tick_params(labelsize=8)
-    ax.locator_params(axis="x", integer=True)
-    if log:
-        ax.set_yscale("log")
-
-
-def _plot(
-    ax, x: np.ndarray, y: np.ndarray, label: str | None = None, log: bool = False, **style: Any
-) -> Any:
-    if log:
-        y = np.where(y > 0, y, np.nan)
-    marker = "o" if len(x) <= 30 else None
-    (line,) = ax.plot(x, y, marker=marker, markersize=3, linewidth=1.5, label=label, **style)
-    return line
-
-
 def _overlay(
     ax, key: str, line: Any, overlays: Sequence[Overlay], label: str | None, log: bool = False
 ) -> None:
     """Draw ``key`` of each overlaid run in ``line``'s colour and the overlay's style."""
     for o in overlays:
         if key in o.run.scalars:
-            x, y = o.run.series(key)
-            _plot(
+            x, y = series(o.run, key)
+            plot_series(
                 ax,
                 x,
                 y,
@@ -258,60 +188,60 @@ def _fork_lines(ax, overlays: Sequence[Overlay]) -> None:
             )
 
 
-def returns_figure(run: RunMetrics, overlays: Sequence[Overlay] = ()) -> Figure | None:
+def returns_figure(run: RunRecords, overlays: Sequence[Overlay] = ()) -> Figure | None:
     present = [(k, label) for k, label in RETURN_KEYS if k in run.scalars]
     if not present:
         return None
-    fig, (ax,) = _panel_grid(1, cols=1, height=3.4, width=10.4)
+    fig, (ax,) = panel_grid(1, cols=1, height=3.4, width=10.4)
     for key, label in present:
-        x, y = run.series(key)
-        line = _plot(ax, x, y, label=f"{label} ({key})")
+        x, y = series(run, key)
+        line = plot_series(ax, x, y, label=f"{label} ({key})")
         _overlay(ax, key, line, overlays, label)
     _fork_lines(ax, overlays)
-    _style(ax, "Episode return", ylabel="return")
+    style_axes(ax, "Episode return", ylabel="return")
     ax.legend(fontsize=8)
     return fig
 
 
-def training_figure(run: RunMetrics, overlays: Sequence[Overlay] = ()) -> Figure | None:
+def training_figure(run: RunRecords, overlays: Sequence[Overlay] = ()) -> Figure | None:
     present = [(k, t, log) for k, t, log in TRAIN_KEYS if k in run.scalars]
     if not present:
         return None
-    fig, axes = _panel_grid(len(present), cols=3, height=2.5)
+    fig, axes = panel_grid(len(present), cols=3, height=2.5)
     for ax, (key, title, log) in zip(axes, present, strict=True):
-        x, y = run.series(key)
-        line = _plot(ax, x, y, log=log)
+        x, y = series(run, key)
+        line = plot_series(ax, x, y, log=log)
         _overlay(ax, key, line, overlays, None, log=log)
         _fork_lines(ax, overlays)
-        _style(ax, f"{title}\n{key}", log=log)
+        style_axes(ax, f"{title}\n{key}", log=log)
     return fig
 
 
 def probe_figure(
-    run: RunMetrics,
+    run: RunRecords,
     panels: Sequence[Panel],
     overlays: Sequence[Overlay] = (),
 ) -> Figure | None:
     """One panel per metric, one line per component (its layers are drawn per layer)."""
-    present = [p for p in panels if run.components(p.probe, p.metric)]
+    present = [p for p in panels if components(run, p.probe, p.metric)]
     if not present:
         return None
-    fig, axes = _panel_grid(len(present), cols=2, height=3.0)
+    fig, axes = panel_grid(len(present), cols=2, height=3.0)
     for ax, (probe, metric, title, log, _) in zip(axes, present, strict=True):
-        for comp in run.components(probe, metric, layers=False):
+        for comp in components(run, probe, metric, layers=False):
             key = f"probes/{probe}/{comp}/{metric}"
-            x, y = run.series(key)
-            line = _plot(ax, x, y, label=comp, log=log)
+            x, y = series(run, key)
+            line = plot_series(ax, x, y, label=comp, log=log)
             _overlay(ax, key, line, overlays, comp, log=log)
         _fork_lines(ax, overlays)
         if not log and metric.endswith("fraction"):
             ax.set_ylim(-0.03, 1.03)
-        _style(ax, title, log=log)
+        style_axes(ax, title, log=log)
         ax.legend(fontsize=8, title="component", title_fontsize=8)
     return fig
 
 
-def heatmap_figures(run: RunMetrics, max_epochs: int | None = None) -> list[tuple[str, Figure]]:
+def heatmap_figures(run: RunRecords, max_epochs: int | None = None) -> list[tuple[str, Figure]]:
     """One units x epochs heatmap per component and per-unit metric of :data:`HEATMAP_SPECS`."""
     out = []
     order = {spec: i for i, spec in enumerate(HEATMAP_SPECS)}
@@ -361,7 +291,7 @@ def _img(fig: Figure, alt: str) -> str:
     return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{_png_b64(fig)}">'
 
 
-def _scalar_table(run: RunMetrics) -> str:
+def _scalar_table(run: RunRecords) -> str:
     rows = []
     for key in sorted(run.scalars):
         values = [v for _, v in sorted(run.scalars[key].items())]
@@ -396,13 +326,7 @@ def build_report(
             f"max_heatmap_epochs must be >= 1 (or None for every epoch), got {max_heatmap_epochs}"
         )
     run_dir = Path(run_dir)
-    metrics_path = run_dir / METRICS_JSONL
-    if not metrics_path.is_file():
-        raise FileNotFoundError(
-            f"{metrics_path} not found: RUN_DIR must be a run directory written with the jsonl "
-            f"sink on (sinks.jsonl=true)"
-        )
-    run = RunMetrics.load(metrics_path)
+    run = RunRecords.read(run_dir)
     out = Path(out) if out is not None else run_dir / REPORT_HTML
     epochs = run.epochs
 
@@ -444,8 +368,8 @@ def build_report(
 
     if not epochs:
         parts.append('<p class="note">metrics.jsonl holds no epoch yet.</p>')
-    else:  # what is going wrong, first (policy_probes.findings)
-        parts.append(render_findings_html(diagnose(read_records(metrics_path))))
+    else:  # what is going wrong, first (policy_probes.analysis.findings)
+        parts.append(render_findings_html(diagnose(run)))
     missing: list[str] = []
 
     fig = returns_figure(run, overlays)
@@ -467,9 +391,7 @@ def build_report(
             ]
         else:
             missing.append(section.lower())
-    per_layer = layer_figures(
-        {k: sorted(v.items()) for k, v in run.scalars.items() if is_layer_metric(k)}
-    )
+    per_layer = layer_figures(run)
     for slug, section, _ in LAYER_SECTIONS:
         figures = [(comp, f) for s, comp, f in per_layer if s == slug]
         if figures:

@@ -1,5 +1,5 @@
 """``policy-probes diagnose RUN_DIR [--json]``: the findings of a run (finished or still
-training), from its ``metrics.jsonl`` (:mod:`policy_probes.findings`)."""
+training), from its ``metrics.jsonl`` (:mod:`policy_probes.analysis.findings`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from policy_probes.findings import WINDOW, diagnose_run, render_text, to_json
+from policy_probes.analysis.findings import WINDOW, diagnose_run, render_text, to_json
 
 
 def add_diagnose_subcommand(subparsers: argparse._SubParsersAction) -> None:

@@ -5,22 +5,25 @@ A probe attached with ``per_layer=True`` reports ``probes/<probe>/<component>/<m
 and ``probes/<probe>/<component>.<layer>/<metric>`` for every activation layer inside the
 component. These figures put a component's layers side by side: one figure per probe
 section and component, one panel per metric, one line per layer. One implementation with
-two consumers, as :mod:`~policy_probes.heatmaps`: the local report embeds them and the
-W&B sink logs them as images under ``layers/<section>/<component>``.
+two consumers, as :mod:`~policy_probes.analysis.heatmaps`: the local report embeds them
+and the session draws them for the sinks that log them as images under
+``layers/<section>/<component>`` (W&B, TensorBoard).
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
-from matplotlib.figure import Figure
 
-from policy_probes.heatmaps import fixed_margins
+from policy_probes.analysis.heatmaps import fixed_margins
+from policy_probes.records import RunRecords
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
 class Panel(NamedTuple):
@@ -144,9 +147,10 @@ def layer_groups(names: Iterable[str]) -> dict[str, list[str]]:
     return {c: sorted(layers, key=_natural) for c, layers in sorted(groups.items())}
 
 
-def layer_figures(series: Mapping[str, Series]) -> list[tuple[str, str, Figure]]:
-    """``(section slug, component, figure)`` for every section and component with
-    layers, from ``key -> [(epoch, value)]`` of the ``probes/...`` scalar keys."""
+def layer_figures(records: RunRecords) -> list[tuple[str, str, Figure]]:
+    """``(section slug, component, figure)`` for every section and component of
+    ``records`` with layers."""
+    series = {k: records.series(k) for k in records.scalars if is_layer_metric(k)}
     out = []
     for slug, _title, panels in LAYER_SECTIONS:
         names = {
@@ -173,53 +177,52 @@ def _figure(
     layers: list[str],
     panels: list[Panel],
 ) -> Figure:
-    cols = min(2, len(panels))
-    rows = math.ceil(len(panels) / cols)
-    fig = Figure(figsize=(5.2 * cols, 3.0 * rows), dpi=100)
-    fixed_margins(fig, rows, cols, top=0.55, hgap=1.0)
-    for i, (probe, metric, title, log, _) in enumerate(panels):
-        ax = fig.add_subplot(rows, cols, i + 1)
+    fig, axes = panel_grid(len(panels), height=3.0)
+    for ax, (probe, metric, title, log, _) in zip(axes, panels, strict=True):
         for layer in layers:
             points = series.get(f"probes/{probe}/{layer}/{metric}")
-            if not points:
-                continue
-            x = np.array([e for e, _ in points])
-            y = np.array([v for _, v in points], dtype=float)
-            if log:
-                y = np.where(y > 0, y, np.nan)
-            marker = "o" if len(x) <= 30 else None
-            label = layer[len(component) + 1 :]
-            ax.plot(x, y, marker=marker, markersize=3, linewidth=1.5, label=label)
-        if log:
-            ax.set_yscale("log")
-        elif metric.endswith("fraction"):
+            if points:
+                x, y = np.array([e for e, _ in points]), np.array([v for _, v in points], float)
+                plot_series(ax, x, y, label=layer[len(component) + 1 :], log=log)
+        if not log and metric.endswith("fraction"):
             ax.set_ylim(-0.03, 1.03)
-        ax.set_title(f"{title}: {component}", fontsize=10)
-        ax.set_xlabel("epoch", fontsize=9)
-        ax.grid(True, alpha=0.3)
-        ax.tick_params(labelsize=8)
-        ax.locator_params(axis="x", integer=True)
+        style_axes(ax, f"{title}: {component}", log=log)
         ax.legend(fontsize=8, title="layer", title_fontsize=8)
     return fig
 
 
-class ScalarHistory:
-    """The last ``max_epochs`` values of each per-layer figure metric, in memory (the
-    W&B sink's counterpart of the report's metrics.jsonl)."""
+def panel_grid(
+    n: int, cols: int = 2, height: float = 2.8, width: float = 5.2
+) -> tuple[Figure, list[Any]]:
+    """A figure of ``n`` panels, ``cols`` to a row (the report's and these figures')."""
+    from matplotlib.figure import Figure
 
-    def __init__(self, max_epochs: int = 1000) -> None:
-        self.max_epochs = max_epochs
-        self._data: dict[str, deque[tuple[int, float]]] = {}
+    cols = min(cols, n)
+    rows = math.ceil(n / cols)
+    fig = Figure(figsize=(width * cols, height * rows), dpi=100)
+    fixed_margins(fig, rows, cols, top=0.55, hgap=1.0)
+    return fig, [fig.add_subplot(rows, cols, i + 1) for i in range(n)]
 
-    def add(self, key: str, epoch: int, value: float) -> None:
-        hist = self._data.setdefault(key, deque(maxlen=self.max_epochs))
-        if hist and hist[-1][0] == epoch:
-            hist[-1] = (epoch, value)  # a second emit of the same epoch replaces the first
-        else:
-            hist.append((epoch, value))
 
-    def series(self) -> dict[str, list[tuple[int, float]]]:
-        return {k: list(v) for k, v in self._data.items()}
+def style_axes(ax: Any, title: str, log: bool = False, ylabel: str | None = None) -> None:
+    """Title, epoch axis, grid and tick sizes of a panel over epochs."""
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("epoch", fontsize=9)
+    if ylabel:
+        ax.set_ylabel(ylabel, fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.tick_params(labelsize=8)
+    ax.locator_params(axis="x", integer=True)
+    if log:
+        ax.set_yscale("log")
 
-    def __len__(self) -> int:
-        return len(self._data)
+
+def plot_series(
+    ax: Any, x: np.ndarray, y: np.ndarray, label: str | None = None, log: bool = False, **style: Any
+) -> Any:
+    """One line over epochs (markers on short series; values <= 0 left out on a log axis)."""
+    if log:
+        y = np.where(y > 0, y, np.nan)
+    marker = "o" if len(x) <= 30 else None
+    (line,) = ax.plot(x, y, marker=marker, markersize=3, linewidth=1.5, label=label, **style)
+    return line

@@ -1,7 +1,8 @@
 """Units x epochs heatmaps of per-unit probe vectors (active rate, Fisher, gradient RMS).
 
-One implementation with two consumers: the W&B sink logs these figures as images at each
-SNAPSHOT, and the local report embeds them as PNGs. Figures are built as
+One implementation with two consumers: the session draws them from its live store for the
+sinks that log them as images (W&B, TensorBoard), and the local report embeds them as
+PNGs. Figures are built as
 ``matplotlib.figure.Figure`` objects without pyplot, so no global backend or figure state
 is touched (safe inside training loops and threads). A column is one epoch, a row one unit,
 so a person sees which units died and when.
@@ -10,16 +11,17 @@ so a person sees which units died and when.
 from __future__ import annotations
 
 import io
-import math
-from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import matplotlib
 import numpy as np
-from matplotlib.colors import LogNorm, Normalize
-from matplotlib.figure import Figure
+
+from policy_probes.records import RunRecords
+
+if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn (a session may never)
+    from matplotlib.colors import Normalize
+    from matplotlib.figure import Figure
 
 
 @dataclass(frozen=True)
@@ -60,34 +62,6 @@ def heatmap_spec(key: str) -> HeatmapSpec | None:
 def component_of(key: str) -> str:
     """``probes/<probe>/<component>/<metric>`` -> ``<component>`` (may contain dots)."""
     return "/".join(key.split("/")[2:-1])
-
-
-class VectorHistory:
-    """The last ``max_epochs`` per-unit vectors of each heatmap metric, in memory.
-
-    Memory is bounded: O(keys x max_epochs x units).
-    """
-
-    def __init__(self, max_epochs: int = 1000) -> None:
-        self.max_epochs = max_epochs
-        self._data: dict[str, deque[tuple[int, list[float]]]] = {}
-
-    def add(self, key: str, epoch: int, vector: Sequence[float | None]) -> None:
-        hist = self._data.setdefault(key, deque(maxlen=self.max_epochs))
-        row = [math.nan if v is None else float(v) for v in vector]
-        if hist and hist[-1][0] == epoch:
-            hist[-1] = (epoch, row)  # a second emit of the same epoch replaces the first
-        else:
-            hist.append((epoch, row))
-
-    def tracked_keys(self) -> list[str]:
-        return list(self._data)
-
-    def __len__(self) -> int:
-        return len(self._data)
-
-    def matrix(self, key: str) -> tuple[np.ndarray, list[int]]:
-        return units_by_epochs(self._data.get(key, ()))
 
 
 def units_by_epochs(
@@ -146,6 +120,9 @@ def draw_heatmap(
 
 def _colours(matrix: np.ndarray, spec: HeatmapSpec) -> tuple[np.ndarray, Any, Normalize]:
     """The masked data, colour map and norm of ``matrix`` under ``spec``."""
+    import matplotlib
+    from matplotlib.colors import LogNorm, Normalize
+
     cmap = matplotlib.colormaps["viridis"].with_extremes(bad="lightgrey")
     data = np.ma.masked_invalid(matrix)
     if spec.log:
@@ -190,6 +167,8 @@ class _Canvas:
         component: str,
         figsize: tuple[float, float] = (7.0, 3.6),
     ) -> None:
+        from matplotlib.figure import Figure
+
         self.spec = spec
         self.epochs = list(epochs)
         self.figure = Figure(figsize=figsize, dpi=100)
@@ -240,18 +219,21 @@ def fixed_margins(
     )
 
 
-def render_heatmaps(history: VectorHistory) -> dict[str, tuple[bytes, str]]:
-    """PNG bytes and a caption of the heatmap of every tracked key, keyed
-    ``heatmaps/<probe>/<component>/<metric>`` (used by the W&B and TensorBoard sinks).
+def render_heatmaps(records: RunRecords) -> dict[str, tuple[bytes, str]]:
+    """PNG bytes and a caption of the heatmap of every per-unit key of ``records`` that
+    has one, keyed ``heatmaps/<probe>/<component>/<metric>`` (what the W&B and TensorBoard
+    sinks log).
 
     Keys whose histories are equal (a component's output and its last layer's) share one
     drawing, titled with both names; heatmaps of one metric, shape and epochs are drawn on
     one reused figure (:class:`_Canvas`)."""
     drawn: dict[tuple[Any, ...], tuple[list[str], np.ndarray, list[int], HeatmapSpec]] = {}
-    for key in history.tracked_keys():
+    for key, vectors in records.vectors.items():
         spec = heatmap_spec(key)
-        matrix, epochs = history.matrix(key)
-        if spec is None or matrix.size == 0:
+        if spec is None:
+            continue
+        matrix, epochs = units_by_epochs(sorted(vectors.items()))
+        if matrix.size == 0:
             continue
         # units_by_epochs writes one NaN for every missing or non-finite value: equal
         # histories have equal bytes

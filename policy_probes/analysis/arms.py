@@ -34,9 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from policy_probes.records import METRICS_JSONL, RunRecords
 from policy_probes.run import held_outputs
-from policy_probes.sinks.base import is_finite_number
-from policy_probes.sinks.jsonl import METRICS_JSONL, iter_jsonl
 from policy_probes.user_errors import positive_int
 
 #: the training return the comparison leads with
@@ -111,40 +110,30 @@ def unique_arms(arms: Sequence[Arm]) -> list[Arm]:
 
 
 # ---------------------------------------------------------------------- metrics
-def epoch_records(run_dir: Path) -> dict[int, dict[str, float]]:
-    """The POST_EPOCH scalars of a run by epoch (the last record of an epoch wins)."""
-    out: dict[int, dict[str, float]] = {}
-    for rec in iter_jsonl(Path(run_dir) / METRICS_JSONL):
-        if rec.get("hook_point") != "POST_EPOCH" or not isinstance(rec.get("epoch"), int):
-            continue
-        out[rec["epoch"]] = {k: float(v) for k, v in rec.items() if is_finite_number(v)}
-    return out
-
-
 def last_epoch(run_dir: Path) -> int:
-    records = epoch_records(run_dir)
-    return max(records) if records else 0
+    """The last epoch of a run's records (0: none)."""
+    return RunRecords.read(run_dir).last_epoch or 0
 
 
-def measures(records: dict[int, dict[str, float]], after: int) -> dict[str, float]:
+def measures(records: RunRecords, after: int) -> dict[str, float]:
     """Means over the epochs after ``after``: the return, the return of the last quarter
-    of those epochs and every probe metric (epochs without a value are left out)."""
-    epochs = sorted(e for e in records if e > after)
+    of those epochs and every probe metric (epochs without a finite value are left out)."""
+    epochs = [e for e in records.epochs if e > after]
     if not epochs:
         return {}
     last = epochs[-max(1, math.ceil(len(epochs) / 4)) :]
     out: dict[str, float] = {}
 
     def mean(key: str, which: Sequence[int]) -> float | None:
-        values = [records[e][key] for e in which if key in records[e]]
+        series = records.scalars.get(key, {})
+        values = [float(v) for e in which if math.isfinite(v := series.get(e, math.nan))]
         return sum(values) / len(values) if values else None
 
     for name, key, which in (("return", RETURN_KEY, epochs), ("return_last", RETURN_KEY, last)):
         value = mean(key, which)
         if value is not None:
             out[name] = value
-    keys = sorted({k for e in epochs for k in records[e] if k.startswith("probes/")})
-    for key in keys:
+    for key in sorted(k for k in records.scalars if k.startswith("probes/")):
         value = mean(key, epochs)
         if value is not None:
             out[key] = value
@@ -319,10 +308,12 @@ def run_arms(
         done = list(pool.map(lambda c: train_child(c, epoch, end), children))
     per_arm: dict[str, dict[str, dict[str, float]]] = {a.name: {} for a in arms}
     for child, label in zip(done, labels * len(arms), strict=True):
-        if child.returncode == 0 and last_epoch(child.run_dir) >= end:
-            records = epoch_records(child.run_dir)
-            if min(records) != epoch + 1:
-                child.errors.append(f"its records start at epoch {min(records)}, not {epoch + 1}")
+        records = RunRecords.read(child.run_dir) if child.returncode == 0 else None
+        if records is not None and (records.last_epoch or 0) >= end:
+            if records.epochs[0] != epoch + 1:
+                child.errors.append(
+                    f"its records start at epoch {records.epochs[0]}, not {epoch + 1}"
+                )
                 continue
             per_arm[child.arm.name][label] = measures(records, epoch)
         else:
@@ -357,7 +348,7 @@ def run_arms(
 def write_reports(out: Path, arms: Sequence[Arm], labels: Sequence[str], children: list[Child]):
     """One report per parent: the first arm's child (``none`` when given) with the other
     arms overlaid (and the parent, dashed)."""
-    from policy_probes.report import build_report
+    from policy_probes.analysis.report import build_report
 
     order = sorted(arms, key=lambda a: a.name != NONE)
     for label in labels:

@@ -1,0 +1,387 @@
+"""Findings: rules over a run's per-epoch metrics that say what is going wrong, with evidence.
+
+A *finding* is a statement a user can act on: which measure crossed which threshold, for
+which component or layer, since which epoch, how it has moved, where the threshold comes
+from, which docs page explains the measure and which remedies address it
+(:mod:`policy_probes.remedies`). The rules read trends, not single epochs: every rule
+works on the rolling median over ``window`` epochs (one noisy epoch moves nothing),
+compares it with the median of the run's first ``window`` epochs (the baseline), and
+fires only when the condition holds at the run's last epoch and has held without a
+break since; the *onset* is the first epoch of that stretch whose own value meets the
+condition (where a climb crossed the threshold).
+
+A :class:`FindingsEngine` follows the rules over a run's records as they come: a
+training session evaluates it once per epoch and hands the findings to its sinks (shown
+at the end of a run on the console and in the W&B run summary); ``report.html`` opens with
+them and ``policy-probes diagnose RUN_DIR [--json]`` (:mod:`policy_probes.analysis.diagnose`)
+prints them, both from ``metrics.jsonl`` as it stands (also while the run trains).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import statistics
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from policy_probes import plugins
+from policy_probes.plugins import Rule
+from policy_probes.records import RunRecords
+
+#: epochs of the rolling median and of the baseline
+WINDOW = 5
+#: a series needs this many windows of epochs before a rule reads it: the baseline, the
+#: rolling median at the end, and one window between them (shorter: too short to call a
+#: trend; at the probes' default of one observed pass per epoch, shorter windows fired on
+#: healthy 8-epoch runs)
+MIN_WINDOWS = 3
+
+
+
+#: the run-level rules: a key of the trainer's records, not a probe's metric
+RUN_RULES: tuple[Rule, ...] = (
+    Rule(
+        name="value_target_scale",
+        title="the value targets' scale keeps growing",
+        metric="train/value_target_std",
+        direction="rising",
+        kind="ratio",
+        threshold=4.0,
+        floor=1e-6,
+        threshold_source="policy-probes default, not from a paper; target scale is one of "
+        "the three mechanisms of Lyle et al., 2024",
+        docs="docs/trainer.md",
+        remedies=("return / reward normalisation", "policy.layer_norm=true"),
+        meaning="the value head regresses on targets four times as spread as at the start",
+    ),
+)
+
+
+@dataclass
+class Finding:
+    """One rule that holds for one component or layer, with its evidence."""
+
+    rule: str
+    title: str
+    #: the metric key the rule read
+    metric: str
+    #: the component or layer (``actor_mlp.layer_0``), or the key for run-level metrics
+    component: str
+    #: rolling median over ``window`` epochs at the last epoch
+    value: float
+    #: median of the run's first ``window`` epochs
+    baseline: float
+    #: least-squares slope per epoch over the last ``2 * window`` epochs
+    slope: float
+    window: int
+    #: the first epoch from which the condition has held to the end
+    onset_epoch: int
+    last_epoch: int
+    threshold: float
+    threshold_kind: str
+    direction: str
+    threshold_source: str
+    docs: str
+    remedies: list[str] = field(default_factory=list)
+    meaning: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The finding as a plain dict (the fields in order; what ``--json`` writes)."""
+        return {**vars(self), "remedies": list(self.remedies)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Finding:
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+
+    def condition(self) -> str:
+        """The threshold as a phrase (``>= 0.1``, ``x2 of baseline``)."""
+        op = ">=" if self.direction == "rising" else "<="
+        if self.threshold_kind == "ratio":
+            return f"{op} {self.threshold:g} x baseline"
+        return f"{op} {self.threshold:g}"
+
+    def summary(self) -> str:
+        """One line: what, where, how much, since when."""
+        return (
+            f"{self.component}: {self.title} ({self.metric.rsplit('/', 1)[-1]} "
+            f"{_num(self.baseline)} -> {_num(self.value)}, {self.condition()}, "
+            f"since epoch {self.onset_epoch})"
+        )
+
+
+def _num(v: float) -> str:
+    return f"{v:.3g}"
+
+
+def default_rules() -> tuple[Rule, ...]:
+    """The rules :class:`FindingsEngine` and :func:`diagnose` apply unless given others:
+    every registered probe's (:func:`policy_probes.plugins.findings_rules`, a probe of
+    your own included) and :data:`RUN_RULES`."""
+    return plugins.findings_rules() + RUN_RULES
+
+
+class _Trend:
+    """One rule on one series, followed point by point: the baseline (the median of the
+    first ``window`` values), the last ``2 * window`` points (the rolling median and the
+    slope read them), and the onset of the stretch over which the rule has held since."""
+
+    def __init__(self, rule: Rule, key: str, component: str, window: int) -> None:
+        self.rule, self.key, self.component = rule, key, component
+        self.count = 0
+        self.last: deque[float] = deque(maxlen=window)  # the rolling window's values
+        self.tail: deque[tuple[int, float]] = deque(maxlen=2 * window)
+        self.baseline: float | None = None
+        self.rolling = math.nan
+        #: the stretch's onset epoch (None: the rule does not hold at the last epoch)
+        self.onset: int | None = None
+
+    def add(self, epoch: int, value: float) -> None:
+        self.count += 1
+        self.tail.append((epoch, value))
+        self.last.append(value)
+        if len(self.last) < self.last.maxlen:
+            return
+        # medians: one noisy epoch (or two in a window of 5) moves neither
+        if self.baseline is None:  # the first window's
+            self.baseline = statistics.median(self.last)
+        self.rolling = statistics.median(self.last)
+        holds = self.rule.holds
+        if not holds(self.rolling, self.baseline):
+            self.onset = None
+        elif self.onset is None:
+            # the stretch starts with this window: the onset is its first epoch whose own
+            # value meets the condition too (where a step up or down happened)
+            window = itertools.islice(self.tail, len(self.tail) - len(self.last), None)
+            self.onset = next((e for e, v in window if holds(v, self.baseline)), epoch)
+
+    def holds(self, window: int) -> bool:
+        """Whether the rule holds at the last epoch of a series of at least
+        :data:`MIN_WINDOWS` windows."""
+        return self.onset is not None and self.count >= MIN_WINDOWS * window
+
+    def finding(self, window: int) -> Finding:
+        """The finding, with its evidence, of a trend that :meth:`holds`."""
+        rule = self.rule
+        return Finding(
+            rule=rule.name,
+            title=rule.title,
+            metric=self.key,
+            component=self.component,
+            value=self.rolling,
+            baseline=self.baseline,
+            slope=_slope(self.tail),
+            window=window,
+            onset_epoch=self.onset,
+            last_epoch=self.tail[-1][0],
+            threshold=rule.threshold,
+            threshold_kind=rule.kind,
+            direction=rule.direction,
+            threshold_source=rule.threshold_source,
+            docs=rule.docs,
+            remedies=list(rule.remedies),
+            meaning=rule.meaning,
+        )
+
+
+def _slope(points: Sequence[tuple[int, float]]) -> float:
+    """Least-squares slope per epoch of ``points``."""
+    n = len(points)
+    if n < 2:
+        return 0.0
+    mx = sum(e for e, _ in points) / n
+    my = sum(v for _, v in points) / n
+    var = sum((e - mx) ** 2 for e, _ in points)
+    return sum((e - mx) * (v - my) for e, v in points) / var if var else 0.0
+
+
+class FindingsEngine:
+    """The rules over a :class:`~policy_probes.records.RunRecords` as it grows.
+
+    Each :meth:`update` reads only the points the store gained since the last one (one per
+    series and epoch while a run trains) and moves each rule's rolling window on by them,
+    so an epoch costs the same however long the run is, and what it keeps per series is
+    the baseline and the last two windows. :meth:`findings` are what :func:`diagnose`
+    finds on the same records. A store that rewrote an epoch it held (its ``revision``
+    moved) is read afresh.
+    """
+
+    def __init__(self, rules: Sequence[Rule] | None = None, window: int = WINDOW) -> None:
+        self.rules = tuple(default_rules() if rules is None else rules)
+        self.window = window
+        self._matches: dict[str, list[tuple[Rule, str]]] = {}
+        self._reset()
+
+    def _reset(self) -> None:
+        self._trends: dict[tuple[str, str], _Trend] = {}  # (rule name, key) -> its trend
+        self._followed: set[str] = set()
+        #: (trend, trend of a layer inside its component) -> their series are equal so far
+        self._twins: dict[tuple[_Trend, _Trend], bool] = {}
+        self._revision: int | None = None
+
+    def rules_of(self, key: str) -> list[tuple[Rule, str]]:
+        """The rules that read ``key``, each with the component it names."""
+        found = self._matches.get(key)
+        if found is None:
+            found = self._matches[key] = [
+                (rule, component) for rule in self.rules if (component := rule.matches(key))
+            ]
+        return found
+
+    def update(self, records: RunRecords) -> None:
+        """Read the points ``records`` gained since the last update."""
+        if records.revision != self._revision:
+            self._reset()  # an epoch was rewritten: read every point again
+            self._revision = records.revision
+        scalars = records.scalars
+        if len(scalars) != len(self._followed):  # keys are only ever added
+            for key in sorted(scalars.keys() - self._followed):
+                self._followed.add(key)
+                for rule, component in self.rules_of(key):
+                    trend = _Trend(rule, key, component, self.window)
+                    for other in self._trends.values():
+                        self._pair(trend, other)
+                    self._trends[(rule.name, key)] = trend
+        fed: dict[_Trend, list[tuple[int, float]]] = {}
+        for trend in self._trends.values():
+            since = trend.tail[-1][0] if trend.tail else None
+            points = fed[trend] = _points_after(scalars[trend.key], since)
+            for epoch, value in points:
+                trend.add(epoch, value)
+        for pair, equal in self._twins.items():
+            if equal:  # still equal: equal as long as they gain the same points
+                self._twins[pair] = fed[pair[0]] == fed[pair[1]]
+
+    def _pair(self, trend: _Trend, other: _Trend) -> None:
+        """Follow whether a component's series and one of its layers' are equal (the
+        component is then reported under the layer): both must be new to be equal."""
+        if other.rule is not trend.rule:
+            return
+        equal = not other.tail
+        if other.component.startswith(trend.component + "."):
+            self._twins[(trend, other)] = equal
+        elif trend.component.startswith(other.component + "."):
+            self._twins[(other, trend)] = equal
+
+    def findings(self) -> list[Finding]:
+        """Every finding at the last update, earliest onset first. A component whose
+        series is the same as one of its layers' (``actor_mlp`` is its last layer's
+        output) is reported once, under the layer."""
+        held = {t for t in self._trends.values() if t.holds(self.window)}
+        held -= {outer for (outer, inner), equal in self._twins.items() if equal and inner in held}
+        ordered = sorted(held, key=lambda t: (self.rules.index(t.rule), t.key))
+        found = [t.finding(self.window) for t in ordered]
+        found.sort(key=lambda f: (f.onset_epoch, f.rule, f.component))
+        return found
+
+
+def _points_after(series: Mapping[int, Any], epoch: int | None) -> list[tuple[int, float]]:
+    """The finite numbers (bools are not) of ``series`` after ``epoch`` (None: every
+    epoch), in epoch order. A series grown in epoch order is read from its end."""
+    if epoch is None:
+        items = sorted(series.items())
+    else:
+        items = []
+        for item in reversed(series.items()):  # the newest first, as far as ``epoch``
+            if item[0] <= epoch:
+                break
+            items.append(item)
+        items.reverse()
+    return [(e, v) for e, v in items if type(v) is float and math.isfinite(v)]
+
+
+def diagnose(
+    records: RunRecords | Iterable[Mapping[str, Any]],
+    rules: Sequence[Rule] | None = None,
+    window: int = WINDOW,
+) -> list[Finding]:
+    """Every finding of ``rules`` (default :func:`default_rules`) on a run's records (a
+    :class:`~policy_probes.records.RunRecords` or ``metrics.jsonl`` lines), earliest onset
+    first (:meth:`FindingsEngine.findings`)."""
+    if not isinstance(records, RunRecords):
+        records = RunRecords().extend(records)
+    engine = FindingsEngine(rules, window)
+    engine.update(records)
+    return engine.findings()
+
+
+def diagnose_run(run_dir: Path, window: int = WINDOW) -> list[Finding]:
+    """:func:`diagnose` on ``run_dir/metrics.jsonl`` (``FileNotFoundError`` without one)."""
+    return diagnose(RunRecords.read(run_dir), window=window)
+
+
+def to_json(findings: Sequence[Finding]) -> str:
+    return json.dumps({"findings": [f.to_dict() for f in findings]}, indent=2)
+
+
+def from_json(text: str) -> list[Finding]:
+    return [Finding.from_dict(d) for d in json.loads(text)["findings"]]
+
+
+def render_text(findings: Sequence[Finding]) -> str:
+    """Plain text for terminals and logs: one block per finding."""
+    if not findings:
+        return "no findings: no plasticity measure crossed its threshold as a trend"
+    lines = [f"{len(findings)} finding(s):"]
+    for f in findings:
+        lines.append(f"- {f.summary()}")
+        lines.append(f"    why it matters: {f.meaning}")
+        lines.append(
+            f"    trend: {_num(f.slope)} per epoch over the last epochs; rolling median of "
+            f"{f.window} epochs; threshold from: {f.threshold_source}"
+        )
+        lines.append(f"    read: {f.docs}; remedies: {', '.join(f.remedies)}")
+    return "\n".join(lines)
+
+
+def render_html(findings: Sequence[Finding]) -> str:
+    """An HTML section for the top of ``report.html``."""
+    import html
+
+    if not findings:
+        return (
+            '<h2 id="findings">Findings</h2><p class="note">No findings: no plasticity '
+            "measure crossed its threshold as a trend (rolling medians, not single epochs).</p>"
+        )
+    rows = []
+    for f in findings:
+        rows.append(
+            "<tr>"
+            + "".join(
+                f"<td>{html.escape(str(c))}</td>"
+                for c in (
+                    f.component,
+                    f.title,
+                    f"{f.metric.rsplit('/', 1)[-1]}: {_num(f.baseline)} → {_num(f.value)}",
+                    f"{_num(f.slope)}/epoch",
+                    f.onset_epoch,
+                    f"{f.condition()} ({f.threshold_source})",
+                    ", ".join(f.remedies),
+                )
+            )
+            + f'<td><a href="{html.escape(f.docs)}">{html.escape(f.docs)}</a></td></tr>'
+        )
+    head = "".join(
+        f"<th>{h}</th>"
+        for h in (
+            "component",
+            "finding",
+            "evidence (baseline → now)",
+            "trend",
+            "since epoch",
+            "threshold",
+            "remedies",
+            "read",
+        )
+    )
+    return (
+        '<h2 id="findings">Findings</h2><table class="findings"><thead><tr>'
+        + head
+        + "</tr></thead><tbody>"
+        + "".join(rows)
+        + "</tbody></table>"
+    )

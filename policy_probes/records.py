@@ -1,0 +1,323 @@
+"""Records: what a run emits, made plain once, and the store of their series.
+
+A :class:`Record` is one emit, what every sink writes (``metrics.jsonl`` one line per
+record); a :class:`RunRecords` holds the series by key of a run's records, read from
+``metrics.jsonl`` or fed while the run trains. The helpers that make values plain live
+here too, so that every reader and writer agrees on one form. A leaf module: it imports
+nothing from ``policy_probes``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("policy_probes.sinks")
+
+METRICS_JSONL = "metrics.jsonl"
+_ABSENT = object()
+#: key of the JSONL field listing the metrics whose values were NaN or infinite
+NONFINITE_KEY = "_nonfinite"
+#: the fields a record carries beside its metrics (a metric of one of these names is left
+#: out: the record's own field wins)
+RESERVED_KEYS = ("epoch", "agent_step", "hook_point", "time", NONFINITE_KEY)
+#: the hook point of the epoch's own record; the series read these records only
+POST_EPOCH = "POST_EPOCH"
+
+#: rendered figures: ``heatmaps/...`` or ``layers/...`` key -> (PNG bytes, caption)
+Figures = Mapping[str, tuple[bytes, str]]
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One emit: ``metrics`` flat (``a/b/c`` keys) and plain (Python numbers, bools,
+    strings, None and flat lists of them). What the session's analysis hands over: on
+    epoch (``POST_EPOCH``) records the run's ``findings`` (plain dicts, earliest onset
+    first) and their ``findings_text``; ``figures`` for a sink that asked for them."""
+
+    epoch: int
+    hook_point: str
+    agent_step: int | None
+    metrics: Mapping[str, Any]
+    findings: tuple[Mapping[str, Any], ...] | None = None
+    findings_text: str | None = None
+    figures: Figures | None = None
+
+    @classmethod
+    def of(
+        cls,
+        metrics: Mapping[str, Any],
+        epoch: int,
+        hook_point: str = POST_EPOCH,
+        agent_step: int | None = None,
+    ) -> Record:
+        """The record of ``metrics`` (nested mappings flattened, values made plain)."""
+        step = None if agent_step is None else int(agent_step)
+        return cls(int(epoch), str(hook_point), step, plain_metrics(metrics))
+
+    @classmethod
+    def from_json(cls, line: Mapping[str, Any]) -> Record:
+        """The record of one ``metrics.jsonl`` line (a line without a hook point is an
+        epoch's record)."""
+        step = line.get("agent_step")
+        return cls.of(line, line["epoch"], line.get("hook_point", POST_EPOCH), step)
+
+
+class RunRecords:
+    """The series by key of a run's ``POST_EPOCH`` records: ``scalars[key][epoch]`` (a
+    float, a bool as it is, NaN where the value was None or not finite and no other
+    value came) and ``vectors[key][epoch]`` (a per-unit list). The last record of an epoch
+    wins. Records of other hook points count in :attr:`records` and :attr:`agent_step`.
+
+    ``keep``: which keys to keep (None: every key). ``max_epochs``: the epochs kept per
+    key (None: all); with it, epochs must come in order, and the oldest are dropped, so a
+    store fed for a whole run stays bounded.
+    """
+
+    def __init__(
+        self, keep: Callable[[str], bool] | None = None, max_epochs: int | None = None
+    ) -> None:
+        self.keep = keep
+        self.max_epochs = max_epochs
+        self.scalars: dict[str, dict[int, float]] = {}
+        self.vectors: dict[str, dict[int, list[Any]]] = {}
+        #: agent step by epoch
+        self.agent_step: dict[int, int] = {}
+        #: records added, every hook point
+        self.records = 0
+        #: the newest epoch of a POST_EPOCH record (None: none yet)
+        self.last_epoch: int | None = None
+        #: counts the adds that rewrote an epoch already held (an epoch again, or an
+        #: earlier one): a reader that follows the store incrementally reads it afresh
+        self.revision = 0
+        self._seen: set[str] = set()
+        self._kept: list[str] = []
+
+    @classmethod
+    def read(cls, run_dir: str | Path) -> RunRecords:
+        """Every record of ``run_dir/metrics.jsonl`` (``FileNotFoundError`` without one)."""
+        path = Path(run_dir) / METRICS_JSONL
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{path} not found: RUN_DIR must be a run directory written with the jsonl "
+                f"sink on (sinks.jsonl=true)"
+            )
+        return cls().extend(iter_jsonl(path))
+
+    def extend(self, lines: Iterable[Mapping[str, Any]]) -> RunRecords:
+        """Add the records of ``metrics.jsonl`` lines (those with an epoch); returns self."""
+        for line in lines:
+            if isinstance(line.get("epoch"), int):
+                self.add(Record.from_json(line))
+        return self
+
+    def add(self, record: Record) -> None:
+        """Add one record's values to the series of the keys kept."""
+        epoch, bound = record.epoch, self.max_epochs
+        self.records += 1
+        if record.agent_step is not None:
+            self.agent_step[epoch] = record.agent_step
+            if bound is not None and len(self.agent_step) > bound:
+                del self.agent_step[next(iter(self.agent_step))]
+        if record.hook_point != POST_EPOCH:
+            return
+        if self.last_epoch is None or epoch > self.last_epoch:
+            self.last_epoch = epoch
+        else:
+            self.revision += 1
+        metrics = record.metrics
+        if self.keep is not None:
+            new = metrics.keys() - self._seen  # a record repeats its keys every epoch
+            if new:
+                self._seen |= new
+                self._kept += [k for k in metrics if k in new and self.keep(k)]  # in order
+        for key in metrics if self.keep is None else self._kept:
+            value = metrics.get(key, _ABSENT)
+            kind = type(value)
+            if value is None or (kind is float and not math.isfinite(value)):
+                series = self.scalars.setdefault(key, {})
+                if epoch in series:
+                    continue  # a value of this epoch stands
+                value = math.nan
+            elif kind is float or kind is int or kind is bool:
+                series = self.scalars.setdefault(key, {})
+                value = float(value) if kind is int else value
+            elif kind is list:
+                series = self.vectors.setdefault(key, {})
+            else:
+                continue  # strings, or a key this record lacks
+            series[epoch] = value
+            if bound is not None and len(series) > bound:
+                del series[next(iter(series))]  # the oldest epoch (epochs come in order)
+
+    def series(self, key: str) -> list[tuple[int, float]]:
+        """``[(epoch, value)]`` of a scalar key, by epoch ([] for an unknown key)."""
+        return sorted(self.scalars.get(key, {}).items())
+
+    @property
+    def epochs(self) -> list[int]:
+        """Every epoch with a value, in order."""
+        seen = {e for s in self.scalars.values() for e in s}
+        return sorted(seen.union(*(v.keys() for v in self.vectors.values())))
+
+
+# ---------------------------------------------------------------------- metrics.jsonl
+def iter_jsonl(path: str | Path) -> Iterator[dict[str, Any]]:
+    """The JSON objects of a ``metrics.jsonl`` file, one at a time. A last line without
+    its newline (a record being written: a run in progress) is skipped quietly; another
+    line that is not a JSON object is skipped with a warning."""
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                if line.endswith("\n"):
+                    logger.warning("%s:%d is not valid JSON; skipped", path, lineno)
+                continue
+            if isinstance(record, dict):
+                yield record
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """Every record of a ``metrics.jsonl`` file (see :func:`iter_jsonl`)."""
+    return list(iter_jsonl(path))
+
+
+# ---------------------------------------------------------------------- plain values
+def flatten_metrics(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Flatten nested mappings into ``a/b/c`` keys (lifecycle hooks may return nested dicts)."""
+    if not prefix and _flat(metrics):
+        return dict(metrics)  # already flat: every emit of the built-in loops
+    out: dict[str, Any] = {}
+    for key, value in metrics.items():
+        full = f"{prefix}/{key}" if prefix else str(key)
+        if isinstance(value, Mapping):
+            out.update(flatten_metrics(value, full))
+        else:
+            out[full] = value
+    return out
+
+
+def plain_metrics(metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """``{a/b/c key: plain value}`` of every metric (:func:`flatten_metrics`,
+    :func:`to_plain`) but those named like a record's own fields (:data:`RESERVED_KEYS`)."""
+    flat = metrics if _flat(metrics) else flatten_metrics(metrics)
+    return {
+        k: v if type(v) in _PLAIN_SCALARS else to_plain(v)
+        for k, v in flat.items()
+        if k not in _RESERVED
+    }
+
+
+_RESERVED = frozenset(RESERVED_KEYS)
+#: the exact types that are plain as they are; a list holding any other type (numpy
+#: scalars, tensors, nested lists) is converted element by element
+_PLAIN_SCALARS = frozenset({float, int, bool, str, type(None)})
+
+
+def _flat(metrics: Mapping[str, Any]) -> bool:
+    """Whether ``metrics`` has only string keys and no mapping to flatten among its
+    values, asked once per distinct type: an emit holds hundreds of values of a handful
+    of types."""
+    return set(map(type, metrics)) <= {str} and not any(
+        kind is dict
+        or (kind not in _PLAIN_SCALARS and kind is not list and issubclass(kind, Mapping))
+        for kind in set(map(type, metrics.values()))
+    )
+
+
+def to_plain(value: Any) -> Any:
+    """A JSON-safe copy of ``value``: Python floats, ints, bools, strings, lists, dicts
+    with string keys, or None.
+
+    Tensors and arrays with more than one element become flat lists; numpy scalars (a
+    ``np.float64`` is a ``float`` subclass that JSON writers refuse) and other subclasses
+    of the plain types become the plain type; mappings keep their structure; anything
+    else becomes its ``str`` (paths in a configuration; a sink must never crash on an odd
+    value).
+    """
+    if type(value) in _PLAIN_SCALARS:
+        return value
+    if isinstance(value, Mapping):
+        return {str(k): to_plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        if _PLAIN_SCALARS.issuperset(map(type, value)):  # a per-unit vector: copy it
+            return list(value)
+        return [to_plain(v) for v in value]
+    tolist = getattr(value, "tolist", None)  # torch.Tensor, numpy arrays and scalars
+    if callable(tolist):
+        detach = getattr(value, "detach", None)
+        if callable(detach):
+            value = detach().cpu()
+            tolist = value.tolist
+        plain = tolist()
+        if isinstance(plain, list):
+            return [to_plain(v) for v in _flatten_list(plain)]
+        return to_plain(plain)
+    for kind in (bool, int, float, str):  # subclasses (an IntEnum, a str Enum)
+        if isinstance(value, kind):
+            return kind(value)
+    return str(value)
+
+
+def _flatten_list(values: list[Any]) -> Iterable[Any]:
+    for v in values:
+        if isinstance(v, list):
+            yield from _flatten_list(v)
+        else:
+            yield v
+
+
+def is_finite_number(value: Any) -> bool:
+    """True for ints and finite floats (bools count as numbers)."""
+    if isinstance(value, bool | int):
+        return True
+    return isinstance(value, float) and math.isfinite(value)
+
+
+def finite_values(values: Iterable[Any]) -> list[float]:
+    """The finite numeric elements of a per-unit vector (None and NaN/inf left out). A
+    list of finite floats is returned as it is (callers only read it)."""
+    if type(values) is not list:
+        values = list(values)
+    try:  # the common case, every element a finite float: C-level passes only
+        kinds = set(map(type, values))
+        if kinds <= _FLOATS and all(map(math.isfinite, values)):
+            return values if kinds <= {float} else list(map(float, values))
+    except TypeError:
+        pass
+    return [float(v) for v in values if is_finite_number(v)]
+
+
+_FLOATS = frozenset({float, int})
+
+
+def vector_stats(values: list[Any]) -> tuple[float, float, float] | None:
+    """Mean, min and max of the finite numeric elements of a per-unit vector (None when
+    it has none). The mean is ``math.fsum``'s exact sum over the count (of the elements
+    over the count where that sum leaves the float range).
+
+    A finite ``fsum`` of the whole list means every element is a finite number (a NaN
+    makes it NaN, an infinity infinite or a ValueError, anything else a TypeError), so
+    the common case needs no separate pass to check or filter the elements."""
+    try:
+        total = math.fsum(values)
+    except (TypeError, ValueError, OverflowError):
+        total = math.nan
+    if values and math.isfinite(total):
+        return total / len(values), float(min(values)), float(max(values))
+    finite = finite_values(values)
+    if not finite:
+        return None
+    try:
+        mean = math.fsum(finite) / len(finite)
+    except OverflowError:  # the sum leaves the float range, the mean does not
+        mean = math.fsum(v / len(finite) for v in finite)
+    return mean, min(finite), max(finite)
