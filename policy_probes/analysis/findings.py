@@ -42,7 +42,6 @@ WINDOW = 5
 MIN_WINDOWS = 3
 
 
-
 #: the run-level rules: a key of the trainer's records, not a probe's metric
 RUN_RULES: tuple[Rule, ...] = (
     Rule(
