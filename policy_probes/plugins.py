@@ -13,8 +13,10 @@ selectable exactly like a built-in one.
 from __future__ import annotations
 
 import difflib
+import importlib
 import inspect
 import json
+import logging
 import re
 from dataclasses import dataclass, replace
 from typing import Any, Literal, TypeVar
@@ -22,6 +24,7 @@ from typing import Any, Literal, TypeVar
 KINDS = ("probe", "remedy", "sink")
 _REGISTRY: dict[str, dict[str, type]] = {kind: {} for kind in KINDS}
 T = TypeVar("T", bound=type)
+log = logging.getLogger("policy_probes")
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,35 @@ def get(kind: str, name: str) -> type:
         hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
         raise ValueError(f"unknown {kind} {name!r}.{hint} Registered: {', '.join(known)}")
     return found
+
+
+def own_modules() -> list[str]:
+    """The modules outside this package that registered plugins: a run records them
+    (``config.json``'s ``plugin_modules``) so that a later ``diagnose`` or ``report``
+    applies their findings rules too (:func:`import_modules`)."""
+    found = {
+        cls.__module__
+        for plugins in _REGISTRY.values()
+        for cls in plugins.values()
+        if not cls.__module__.startswith("policy_probes.") and cls.__module__ != "__main__"
+    }
+    return sorted(found)
+
+
+def import_modules(names: Any) -> None:
+    """Import the modules a run recorded (:func:`own_modules`); one that cannot be
+    imported is named in a warning, since its rules are then not applied."""
+    for name in names if isinstance(names, list) else ():
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # noqa: BLE001 - any import failure leaves its rules out
+            log.warning(
+                "the run's plugins in module %r could not be imported (%s: %s), so their "
+                "findings rules are not applied; run from where that module is importable",
+                name,
+                type(exc).__name__,
+                exc,
+            )
 
 
 def findings_rules() -> tuple[Rule, ...]:

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from policy_probes import plugins
 from policy_probes.atomic_write import write_text_atomic
 from policy_probes.processes import current_rank
 from policy_probes.records import iter_jsonl, to_plain
@@ -250,6 +251,9 @@ class Run:
         """Write :attr:`config` to ``config.json`` (atomically; main process only)."""
         if not self.main:
             return
+        own = plugins.own_modules()
+        if own:  # so that diagnose and report find their findings rules
+            self.config["plugin_modules"] = own
         try:
             text = json.dumps(to_plain(self.config), indent=2)
             write_text_atomic(self.dir / "config.json", text + "\n")

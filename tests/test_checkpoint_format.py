@@ -61,10 +61,10 @@ def tool(run_dir: Path) -> TrainTool:
 
 
 def test_foreign_and_newer_checkpoints_fail_with_one_message(tmp_path):
-    for fmt in (99, 3, 2):
+    for fmt in (99, 4, 3):
         path = tmp_path / f"epoch_00000{fmt % 10}.pt"
         torch.save({"format": fmt, "epoch": 1, "policy": {}}, path)
-        with pytest.raises(CheckpointError, match=rf"in format {fmt} .* reads format 4 only"):
+        with pytest.raises(CheckpointError, match=rf"in format {fmt} .* reads format 5 only"):
             restore_trainer(None, load_checkpoint(path))  # type: ignore[arg-type]
     foreign = tmp_path / "weights.pt"
     torch.save({"actor.0.weight": torch.zeros(2, 2)}, foreign)
@@ -72,11 +72,11 @@ def test_foreign_and_newer_checkpoints_fail_with_one_message(tmp_path):
         load_checkpoint(foreign)
 
 
-def test_a_run_writes_format4_whose_state_dicts_round_trip(tmp_path):
+def test_a_run_writes_format5_whose_state_dicts_round_trip(tmp_path):
     run_dir = tmp_path / "run"
     tool(run_dir).invoke()
     ckpt = load_checkpoint(run_dir / "checkpoints" / "epoch_000003.pt")
-    assert ckpt["format"] == CHECKPOINT_FORMAT == 4 and ckpt["mid_epoch"] is None
+    assert ckpt["format"] == CHECKPOINT_FORMAT == 5 and ckpt["mid_epoch"] is None
     assert ckpt["session"]["epoch"] == 3 and not ckpt["session"]["epoch_started"]
     assert set(ckpt["session"]["trackers"]) == {"relu", "fisher"}
     assert "norms" in ckpt["session"]["hooks"]["hooks"]

@@ -4,7 +4,7 @@ A checkpoint is built from the ``state_dict()`` protocol (as in torch and Lightn
 :meth:`PPOTrainer.state_dict` (which holds :meth:`ProbeSession.state_dict`, which holds
 :meth:`HookManager.state_dict` and every tracker's ``state_dict()``), made a plain dict
 of tensors and Python containers, so it loads with ``torch.load(path, weights_only=True)``
-(no arbitrary code runs on load). Layout of format 4 (``docs/run_control.md``):
+(no arbitrary code runs on load). Layout of format 5 (``docs/run_control.md``):
 
 * ``format``; the counters ``epoch``, ``num_epochs``, ``agent_step``, ``optimizer_step``,
   ``seed``; ``policy``, ``optimizer``, ``scheduler`` state dicts;
@@ -54,7 +54,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("trainers")
 
-CHECKPOINT_FORMAT = 4
+#: 5: the probes' per-unit accumulators (relu, gradient_flow and relu_gradient_flow keep
+#: their non-finite counts and passes per unit, so alike layers are reduced as one)
+CHECKPOINT_FORMAT = 5
 #: test hook: ``SECONDS`` or ``SECONDS@FILENAME``: sleep inside :func:`atomic_save` between
 #: writing the temporary file and renaming it (for every file, or that one)
 SLOW_SAVE_ENV = "POLICY_PROBES_TEST_CHECKPOINT_SLEEP"

@@ -309,8 +309,22 @@ def diagnose(
 
 
 def diagnose_run(run_dir: Path, window: int = WINDOW) -> list[Finding]:
-    """:func:`diagnose` on ``run_dir/metrics.jsonl`` (``FileNotFoundError`` without one)."""
-    return diagnose(RunRecords.read(run_dir), window=window)
+    """:func:`diagnose` on ``run_dir/metrics.jsonl`` (``FileNotFoundError`` without one),
+    with the rules of the plugins the run registered (:func:`run_rules`)."""
+    records = RunRecords.read(run_dir)
+    return diagnose(records, run_rules(run_dir), window=window)
+
+
+def run_rules(run_dir: Path) -> tuple[Rule, ...]:
+    """:func:`default_rules` once the modules that registered the run's own plugins
+    (``config.json``'s ``plugin_modules``) are imported."""
+    path = Path(run_dir) / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    except (OSError, ValueError):
+        config = {}
+    plugins.import_modules(config.get("plugin_modules") if isinstance(config, dict) else None)
+    return default_rules()
 
 
 def to_json(findings: Sequence[Finding]) -> str:

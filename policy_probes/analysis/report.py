@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 from matplotlib.figure import Figure
 
-from policy_probes.analysis.findings import diagnose
+from policy_probes.analysis.findings import diagnose, run_rules
 from policy_probes.analysis.findings import render_html as render_findings_html
 from policy_probes.analysis.heatmaps import (
     HEATMAP_SPECS,
@@ -369,7 +369,7 @@ def build_report(
     if not epochs:
         parts.append('<p class="note">metrics.jsonl holds no epoch yet.</p>')
     else:  # what is going wrong, first (policy_probes.analysis.findings)
-        parts.append(render_findings_html(diagnose(run)))
+        parts.append(render_findings_html(diagnose(run, run_rules(run_dir))))
     missing: list[str] = []
 
     fig = returns_figure(run, overlays)

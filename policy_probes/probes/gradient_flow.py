@@ -8,15 +8,17 @@ passes (as in Adam), smooths minibatch noise while following trends within an ep
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from policy_probes.plugins import register
 from policy_probes.probes.layout import as_unit_rows
 from policy_probes.probes.per_layer import PerLayerProbe, ProbedLayer
 from policy_probes.probes.rows import COUNT, Rows
-from policy_probes.probes.state import Drained, unit_share
+from policy_probes.probes.state import Drained
 from policy_probes.probes.weighted import Weighted
 
 if TYPE_CHECKING:
@@ -34,6 +36,7 @@ class GradientFlow(PerLayerProbe):
     """
 
     mirrors_identical_rows = True  # consume() writes the accumulators only
+    batch_units = True  # per-unit accumulators from per-column reductions
 
     name = "gradient_flow"
     maker = "attach_gradient_flow_hooks()"
@@ -106,9 +109,9 @@ class GradientFlow(PerLayerProbe):
         )
         ema = self._acc(component, "ema", rms[0], torch.float64)
         ema.mul_(beta**p).add_(weights @ rms)
-        self._acc(component, "passes", rms[0, 0], torch.float64).add_(float(p))
+        self._acc(component, "passes", rms[0], torch.float64).add_(float(p))  # per unit
         finite = counts.sum(0).to(COUNT)
-        self._add(component, "nonfinite", g.numel() - finite.sum(), COUNT)
+        self._add(component, "nonfinite", g.shape[0] - finite, COUNT)
         self._add(component, "count", finite, COUNT)
 
     def _consume_masked(
@@ -129,10 +132,9 @@ class GradientFlow(PerLayerProbe):
         weights = torch.pow(beta, later).mul_(valid).mul_(1.0 - beta)
         ema = self._acc(component, "ema", rms[0], torch.float64)
         ema.mul_(torch.pow(beta, valid.sum())).add_(weights @ rms)
-        self._acc(component, "passes", rms[0, 0], torch.float64).add_(valid.sum())
+        self._acc(component, "passes", rms[0], torch.float64).add_(valid.sum())
         finite = counts.sum(0).round_().to(COUNT)
-        total = kept.sum().round_().to(COUNT) * drained.clean.shape[1]
-        self._add(component, "nonfinite", total - finite.sum(), COUNT)
+        self._add(component, "nonfinite", kept.sum().round_().to(COUNT) - finite, COUNT)
         self._add(component, "count", finite, COUNT)
 
     def record_layer(
@@ -149,19 +151,36 @@ class GradientFlow(PerLayerProbe):
         obs.tap(output, weight, compute)
 
     def summarize(self, component: str, s: dict[str, torch.Tensor], cfg: dict[str, Any]) -> dict:
-        k = float(s["passes"])
-        correction = 1.0 - cfg["beta"] ** k if k > 0 else 1.0
-        rms = s["ema"].numpy() / correction  # numpy: see ReLUActivationState.summarize
-        finite_total = int(s["count"].sum())
-        elements = finite_total + int(s["nonfinite"])
-        return {
-            "rms": rms.tolist(),
-            "mean": float(rms.mean()),
-            "min": float(rms.min()),
-            "blocked_fraction": unit_share(rms < cfg["blocked_threshold"]),
-            "passes": k,
-            "nonfinite_fraction": (elements - finite_total) / elements if elements else 0.0,
-        }
+        return self.summarize_alike([component], s, cfg)[0]
+
+    def summarize_alike(
+        self, components: list[str], s: dict[str, torch.Tensor], cfg: dict[str, Any]
+    ) -> list[dict]:
+        parts = len(components)  # numpy, each layer's units in one row: see ReLUActivation
+        passes = s["passes"].numpy().reshape(parts, -1)
+        ks = [float(row[0]) if row.size else 0.0 for row in passes]
+        corrections = [1.0 - cfg["beta"] ** k if k > 0 else 1.0 for k in ks]
+        rms = s["ema"].numpy().reshape(parts, -1) / np.array(corrections)[:, None]
+        finite = s["count"].numpy().reshape(parts, -1).sum(1).tolist()
+        nonfinite = s["nonfinite"].numpy().reshape(parts, -1).sum(1).tolist()
+        means = rms.mean(1).tolist()
+        lows = rms.min(1, initial=np.inf).tolist()
+        blocked = np.count_nonzero(rms < cfg["blocked_threshold"], axis=1).tolist()
+        out = []
+        for i in range(parts):
+            elements = finite[i] + nonfinite[i]
+            units = rms.shape[1]
+            out.append(
+                {
+                    "rms": rms[i].tolist(),
+                    "mean": means[i] if units else math.nan,
+                    "min": lows[i] if units else math.nan,
+                    "blocked_fraction": blocked[i] / units if units else math.nan,
+                    "passes": ks[i],
+                    "nonfinite_fraction": (elements - finite[i]) / elements if elements else 0.0,
+                }
+            )
+        return out
 
 
 def _passes(segments: list[int], scales: list[Any]) -> list[int]:

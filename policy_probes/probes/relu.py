@@ -28,7 +28,7 @@ import torch
 from policy_probes.plugins import Rule, register
 from policy_probes.probes.per_layer import ActivationProbe
 from policy_probes.probes.rows import COUNT
-from policy_probes.probes.state import Drained, unit_rates
+from policy_probes.probes.state import Drained, row_means, unit_rates
 from policy_probes.probes.weighted import Weighted
 from policy_probes.sampling import standard_error
 
@@ -52,6 +52,7 @@ class ReLUActivation(ActivationProbe):
     no finite value), for remedies that act on them (:mod:`policy_probes.remedies`)."""
 
     name = "relu"
+    batch_units = True
     maker = "attach_relu_activation_hooks()"
     docs = "docs/probes/relu.md"
     metrics = {
@@ -121,50 +122,58 @@ class ReLUActivation(ActivationProbe):
     def consume(self, batch: Drained) -> None:
         component, (h,), weight = batch.component, batch.cols, batch.weight
         kept = Weighted(h, weight)  # rows the row mask keeps (all without one)
-        count = kept.finite_count()
-        abs_sum = kept.sums(torch.abs(h.clean, out=self.scratch(h.clean)))
-        active = kept.counts(h.positive())
-        self._add(component, "count", count, COUNT)
-        self._add(component, "active", active, COUNT)
-        self._add(component, "abs_sum", abs_sum)
-        # finite elements that are <= 0, and non-finite ones, follow from the counts
-        self._add(component, "nonpos", count.sum() - active.sum(), COUNT)
-        self._add(component, "nonfinite", kept.nonfinite_total(), COUNT)
+        self._add(component, "count", kept.finite_count(), COUNT)
+        self._add(component, "active", kept.counts(h.positive()), COUNT)
+        self._add(component, "abs_sum", kept.sums(torch.abs(h.clean, out=self.scratch(h.clean))))
+        self._add(component, "nonfinite", kept.nonfinite_counts(), COUNT)
 
     def summarize(self, component: str, s: dict[str, torch.Tensor], cfg: dict[str, Any]) -> dict:
-        # numpy on the host copies: a few dozen reductions of one layer's units, where
-        # each torch call would cost more in dispatch than in arithmetic
-        count = s["count"].numpy()
-        active_rate = unit_rates(s["active"].numpy(), count)
-        mean_abs = unit_rates(s["abs_sum"].numpy(), count)
+        return self.summarize_alike([component], s, cfg)[0]
+
+    def summarize_alike(
+        self, components: list[str], s: dict[str, torch.Tensor], cfg: dict[str, Any]
+    ) -> list[dict]:
+        # numpy on the host copies, every layer's units in one row: a few dozen reductions,
+        # where each torch call would cost more in dispatch than in arithmetic
+        parts = len(components)
+        count = s["count"].numpy().reshape(parts, -1)
+        active = s["active"].numpy().reshape(parts, -1)
+        active_rate = unit_rates(active, count)
+        mean_abs = unit_rates(s["abs_sum"].numpy().reshape(parts, -1), count)
         seen = count > 0
-        units = int(np.count_nonzero(seen))
-        layer_mean = float(mean_abs[seen].mean()) if units else 0.0
-        score = mean_abs / (layer_mean + DORMANT_EPS)
-        self.scores[component] = torch.from_numpy(np.where(seen, score, np.nan))
-        finite_total = int(count.sum())
-        elements = finite_total + int(s["nonfinite"])
-
-        def frac(mask: np.ndarray) -> float:
-            return int(np.count_nonzero(mask & seen)) / units if units else 0.0
-
-        zero = float(s["nonpos"]) / finite_total if finite_total else 0.0
+        units = np.count_nonzero(seen, axis=1).tolist()
+        score = mean_abs / (row_means(mean_abs, seen) + DORMANT_EPS)[:, None]
+        finite_total = count.sum(1).tolist()
+        nonpos = (count.sum(1) - active.sum(1)).tolist()  # finite elements <= 0
+        nonfinite = s["nonfinite"].numpy().reshape(parts, -1).sum(1).tolist()
         # standard errors as for independent rows (policy_probes.sampling.standard_error)
-        se = np.sqrt(active_rate * (1 - active_rate) / np.maximum(count, 1))
-        by_tau = {tau_key(t): frac(score <= t) for t in cfg.get("taus", DORMANT_TAUS)}
-        return {
-            **by_tau,
-            "active_rate": active_rate.tolist(),
-            "active_rate_se": float(se[seen].mean()) if units else 0.0,
-            "dead_fraction": frac(active_rate == 0),
-            "dormant_fraction": frac(score <= cfg["tau"]),
-            "rarely_active_fraction": frac(active_rate < cfg["rarely_active"]),
-            "always_active_fraction": frac(active_rate > cfg["always_active"]),
-            "zero_fraction": zero,
-            "zero_fraction_se": standard_error(zero, finite_total),
-            "nonfinite_fraction": (elements - finite_total) / elements if elements else 0.0,
-            "samples": samples(count, cfg),
+        se = row_means(np.sqrt(active_rate * (1 - active_rate) / np.maximum(count, 1)), seen)
+        masks = {
+            **{tau_key(t): score <= t for t in cfg.get("taus", DORMANT_TAUS)},
+            "dead_fraction": active_rate == 0,
+            "dormant_fraction": score <= cfg["tau"],
+            "rarely_active_fraction": active_rate < cfg["rarely_active"],
+            "always_active_fraction": active_rate > cfg["always_active"],
         }
+        shares = {k: np.count_nonzero(m & seen, axis=1).tolist() for k, m in masks.items()}
+        scores = np.where(seen, score, np.nan)
+        out = []
+        for i, component in enumerate(components):
+            self.scores[component] = torch.from_numpy(scores[i])
+            n, total = units[i], finite_total[i]
+            elements = total + nonfinite[i]
+            zero = nonpos[i] / total if total else 0.0
+            summary = {k: v[i] / n if n else 0.0 for k, v in shares.items()}
+            summary.update(
+                active_rate=active_rate[i].tolist(),
+                active_rate_se=float(se[i]),
+                zero_fraction=zero,
+                zero_fraction_se=standard_error(zero, total),
+                nonfinite_fraction=(elements - total) / elements if elements else 0.0,
+                samples=samples(count[i], cfg),
+            )
+            out.append(summary)
+        return out
 
 
 def samples(count: torch.Tensor | np.ndarray, cfg: dict[str, Any]) -> float:

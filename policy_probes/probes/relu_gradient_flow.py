@@ -48,6 +48,7 @@ class ReLUGradientFlow(Probe):
     events = ("backward",)
     placements = ("phases", "layout", "per_layer", "schedule")
     component_hook = False
+    batch_units = True  # per-unit accumulators from per-column reductions
     docs = "docs/probes/relu_gradient_flow.md"
     metrics = {
         "pass_rate": "per unit: share of samples through which gradient passed",
@@ -91,7 +92,7 @@ class ReLUGradientFlow(Probe):
         kept = Weighted(g, batch.weight)  # rows the row mask keeps (all without one)
         self._add(component, f"count:{stream}", kept.finite_count(), COUNT)
         self._add(component, f"passed:{stream}", kept.counts(passed), COUNT)
-        self._add(component, f"nonfinite:{stream}", kept.nonfinite_total(), COUNT)
+        self._add(component, f"nonfinite:{stream}", kept.nonfinite_counts(), COUNT)
 
     def summarize(self, component: str, s: dict[str, torch.Tensor], cfg: dict[str, Any]) -> dict:
         out: dict[str, Any] = {}
@@ -103,15 +104,15 @@ class ReLUGradientFlow(Probe):
             rate = unit_rates(a[f"passed:{layer}"], count)
             all_rates.append(rate)
             finite_total += int(count.sum())
-            nonfinite += int(a[f"nonfinite:{layer}"])
+            nonfinite += int(a[f"nonfinite:{layer}"].sum())
             named = cfg["layer_names"].get(layer)
             if named is not None:  # per layer: probes/<probe>/<component>.<layer>/<metric>
-                layer_elements = int(count.sum()) + int(a[f"nonfinite:{layer}"])
+                layer_elements = int(count.sum()) + int(a[f"nonfinite:{layer}"].sum())
                 out[(named, "pass_rate")] = rate.tolist()
                 out[(named, "mean_pass_rate")] = float(rate.mean())
                 out[(named, "blocked_fraction")] = unit_share(rate == 0)
                 out[(named, "nonfinite_fraction")] = (
-                    int(a[f"nonfinite:{layer}"]) / layer_elements if layer_elements else 0.0
+                    int(a[f"nonfinite:{layer}"].sum()) / layer_elements if layer_elements else 0.0
                 )
             elif len(cfg["layers"]) > 1 and not cfg.get("per_layer", False):
                 out[f"{layer or '<self>'}.pass_rate"] = rate.tolist()

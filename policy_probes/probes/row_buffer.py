@@ -29,6 +29,7 @@ no version counter; they are copied at the push.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -140,18 +141,12 @@ class RowBuffer:
         every push, its scales, and the rows' weights (None if no push had one); the
         buffer is empty afterwards. The rows stay valid until this buffer's next
         :meth:`take`."""
-        pending, versions, weights = self.pending, self.versions, self.weights
+        pending, weights = self.pending, self.weights
         segments, scales, rows = self.segments, self.scales, self.rows
-        self.clear()
-        for block, seen in zip(pending, versions, strict=True):
-            if seen != -1 and version_counter(block) != seen:
-                self.copy_pushes = True
-                raise InPlaceModified(
-                    "a probed tensor was modified in place after the probe read it (an in-place "
-                    "op on a module output or its gradient), so this window's rows are lost; "
-                    "the probe copies what it reads from now on. Use out-of-place ops on "
-                    "probed outputs to keep the zero-copy path."
-                )
+        try:
+            self._check_versions()
+        finally:
+            self.clear()
         out = []
         columns = len(self.layout)
         for col in range(columns):
@@ -181,6 +176,78 @@ class RowBuffer:
                 materialise() if drain_round is None else drain_round.rows(refs, materialise)
             )
         return tuple(out), segments, scales, self._weight_column(weights, segments, rows)
+
+    def _check_versions(self) -> None:
+        """Raise :class:`InPlaceModified` if a held block changed since its push (and copy
+        every push from then on)."""
+        for block, seen in zip(self.pending, self.versions, strict=True):
+            if seen != -1 and version_counter(block) != seen:
+                self.copy_pushes = True
+                raise InPlaceModified(
+                    "a probed tensor was modified in place after the probe read it (an in-place "
+                    "op on a module output or its gradient), so this window's rows are lost; "
+                    "the probe copies what it reads from now on. Use out-of-place ops on "
+                    "probed outputs to keep the zero-copy path."
+                )
+
+    def alike_signature(self) -> tuple[Any, ...] | None:
+        """What another buffer must share for both to be reduced side by side
+        (:meth:`take_alike`): the pushes' row counts and scales and the column layout; None
+        for rows that are not plain 2-D blocks or carry a row mask."""
+        if any(w is not None for w in self.weights) or any(b.dim() != 2 for b in self.pending):
+            return None
+        return (self.layout, tuple(self.segments), tuple(self.scales))
+
+    @staticmethod
+    def take_alike(
+        buffers: list[RowBuffer], drain_round: DrainRound | None = None
+    ) -> tuple[tuple[Rows, ...], list[int], list[tuple[float | None, ...] | None], None]:
+        """:meth:`take` of buffers with the same :meth:`alike_signature`, their columns side
+        by side: one :class:`Rows` per block column holding every buffer's units, in
+        buffer order. Raises :class:`InPlaceModified` (every buffer still holding its
+        rows) if a held block changed."""
+        for buf in buffers:
+            buf._check_versions()
+        first = buffers[0]
+        segments, scales, rows, layout = first.segments, first.scales, first.rows, first.layout
+        pending = [buf.pending for buf in buffers]
+        for buf in buffers:
+            buf.clear()
+        parts, columns = len(buffers), len(layout)
+        out = []
+        for col in range(columns):
+            # push by push, each push's blocks of every buffer side by side
+            refs = [held[i] for i in range(col, len(pending[0]), columns) for held in pending]
+
+            def materialise(refs: list[torch.Tensor] = refs, col: int = col) -> Rows:
+                width = layout[col][0] * parts
+                aux = lambda k: first._alike_slot(col, 2 + k, width, rows)  # noqa: E731
+                values = first._alike_slot(col, 0, width, rows)
+                start = 0
+                for i, n in enumerate(segments):
+                    torch.cat(
+                        refs[i * parts : (i + 1) * parts], dim=1, out=values[start : start + n]
+                    )
+                    start += n
+                if _finite_on_cpu(values):
+                    return Rows.finite(values, aux)
+                return Rows.split(values, first._alike_slot(col, 1, width, rows), aux)
+
+            out.append(
+                materialise() if drain_round is None else drain_round.rows(refs, materialise)
+            )
+        return tuple(out), segments, scales, None
+
+    def _alike_slot(self, col: int, slot: int, width: int, rows: int) -> torch.Tensor:
+        """Storage ``slot`` of block column ``col`` of a :meth:`take_alike` led by this
+        buffer, ``rows`` x ``width`` (allocated at the most rows asked so far)."""
+        key = (col, slot, width)
+        t = self.storage.get(key)
+        if t is None or t.shape[0] < rows:
+            _, dtype, device = self.layout[col]
+            dtype = dtype if torch.empty((), dtype=dtype).element_size() >= 4 else torch.float32
+            t = self.storage[key] = torch.empty((rows, width), dtype=dtype, device=device)
+        return t[:rows]
 
     def _weight_column(
         self, weights: list[torch.Tensor | None], segments: list[int], rows: int

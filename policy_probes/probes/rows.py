@@ -107,7 +107,16 @@ class Rows:
         """Finite entries per column (int64)."""
         if self.all_finite:
             return self._cached("finite_count", self._full_count)
-        return self._cached("finite_count", lambda: self.num_rows - self.nonfinite.sum(0).to(COUNT))
+        return self._cached("finite_count", lambda: self.num_rows - self.nonfinite_count())
+
+    def nonfinite_count(self) -> torch.Tensor:
+        """Non-finite entries per column (int64)."""
+        if self.all_finite:
+            return self._cached(
+                "nonfinite_count",
+                lambda: torch.zeros(self.clean.shape[1:], dtype=COUNT, device=self.clean.device),
+            )
+        return self._cached("nonfinite_count", lambda: column_counts(self.nonfinite))
 
     def _full_count(self) -> torch.Tensor:
         clean = self.clean

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from policy_probes.context import ComponentContext
-from policy_probes.probes.row_buffer import RowBuffer, block_rows
+from policy_probes.probes.row_buffer import InPlaceModified, RowBuffer, block_rows
 from policy_probes.probes.rows import COUNT as COUNT  # re-exported for custom trackers
 from policy_probes.probes.rows import DrainRound, Rows
 from policy_probes.processes import multi_process
@@ -41,6 +41,12 @@ SUM = torch.float64
 #: storage and scratch tensors this large are released at the end of a window
 #: (:meth:`ProbeState.reset`) instead of being kept for the next one
 RELEASED_BYTES = 1 << 20
+#: the component and stream name under which alike streams are reduced as one
+#: (:attr:`ProbeState.batch_units`); a tracker that keys accumulators by stream writes
+#: keys holding it, and each stream gets the key with its own name in its place
+ALIKE = "<alike>"
+#: a (component, stream) pair: one row buffer
+Member = tuple[str, str]
 
 
 @dataclass(frozen=True)
@@ -83,6 +89,14 @@ class ProbeState:
     #: is its last layer's output) can share that component's accumulators instead of
     #: reducing the same rows twice (:meth:`_drain_buffers`)
     mirrors_identical_rows: bool = False
+    #: whether :meth:`consume` writes per-unit accumulators only (units on the last axis)
+    #: from per-column reductions, so that streams whose rows are alike (the same pushes
+    #: of the same width and dtype, plain 2-D rows, no row mask, equal settings) are
+    #: reduced as one: their columns side by side, one set of kernels for all of them
+    #: (every layer of every component of a probe, where an MLP's layers are equally
+    #: wide), each stream's accumulators a view of the shared ones
+    #: (:meth:`_consume_alike`); :meth:`summarize_alike` may then summarise them at once
+    batch_units: bool = False
 
     def __init__(self) -> None:
         self.state: dict[str, dict[str, torch.Tensor]] = {}
@@ -99,6 +113,15 @@ class ProbeState:
         #: component -> the component whose accumulators it shares in this window (both
         #: were shown the same rows from the window's start; see :meth:`_drain_buffers`)
         self.mirrors: dict[str, str] = {}
+        #: alike streams reduced as one in this window -> their shared accumulators,
+        #: which each stream's are views of (:meth:`_consume_alike`)
+        self.alike: dict[tuple[Member, ...], dict[str, torch.Tensor]] = {}
+        #: the streams that accumulated anything in this window, and the components
+        #: whose accumulators were loaded (:meth:`load_state_dict`)
+        self._fed: set[Member] = set()
+        self._loaded: set[str] = set()
+        #: stream -> the shared accumulators its own are views of
+        self._viewing: dict[Member, dict[str, torch.Tensor]] = {}
 
     # ----------------------------------------------------------- components
     def register_component(self, name: str, **settings: Any) -> bool:
@@ -136,6 +159,9 @@ class ProbeState:
     def unregister_component(self, name: str) -> None:
         """Forget ``name`` (used when attaching its hook failed)."""
         self._unmirror_all()
+        self.alike = {k: v for k, v in self.alike.items() if all(c != name for c, _ in k)}
+        self._fed = {m for m in self._fed if m[0] != name}
+        self._viewing = {m: v for m, v in self._viewing.items() if m[0] != name}
         self.settings.pop(name, None)
         self.claimed.pop(name, None)
         self.state.pop(name, None)
@@ -259,45 +285,135 @@ class ProbeState:
                 tracker.seconds = getattr(tracker, "seconds", 0.0) + time.perf_counter() - start
 
     def _drain_buffers(self, drain_round: DrainRound) -> None:
-        batches: dict[str, list[Drained]] = {}
-        for (component, stream), buf in self.buffers.items():
-            if not buf.rows:
+        held = [(key, buf) for key, buf in self.buffers.items() if buf.rows]
+        if self.mirrors_identical_rows and held:
+            mirrored = self._mirrored(held)
+            for (component, _), buf in held:
+                if component in mirrored:
+                    buf.clear()  # the rows its source holds: reduced there
+            held = [(key, buf) for key, buf in held if key[0] not in mirrored]
+        taken: list[tuple[list[Member], tuple[Any, ...]]] = []
+        lost: set[str] = set()
+        for group in self._alike_groups(held):
+            if len(group) > 1:
+                try:
+                    taken.append(
+                        (
+                            [k for k, _ in group],
+                            RowBuffer.take_alike([b for _, b in group], drain_round),
+                        )
+                    )
+                    continue
+                except InPlaceModified:
+                    pass  # each alone: the buffer that holds the changed rows loses them
+            for key, buf in group:
+                try:
+                    taken.append(([key], buf.take(drain_round)))
+                except Exception as exc:  # a reduction must never take training down
+                    self._lose_window(key[0], exc)  # its other buffers are emptied too
+                    lost.add(key[0])
+        for members, (cols, segments, scales, weight) in taken:
+            components = {c for c, _ in members}
+            if components & lost:
                 continue
             try:
-                batch = Drained(component, stream, *buf.take(drain_round))
+                if len(members) == 1:
+                    ((component, stream),) = members
+                    self.consume(Drained(component, stream, cols, segments, scales, weight))
+                    self._fed.add((component, stream))
+                else:
+                    self._consume_alike(members, Drained(ALIKE, ALIKE, cols, segments, scales))
             except Exception as exc:  # a reduction must never take training down
-                self._lose_window(component, exc)  # its other buffers are emptied too
-                batches.pop(component, None)
-                continue
-            batches.setdefault(component, []).append(batch)
-        mirrored = self._mirrored(batches) if self.mirrors_identical_rows else set()
-        for component, drained in batches.items():
-            if component in mirrored:
-                continue
-            for batch in drained:
-                try:
-                    self.consume(batch)
-                except Exception as exc:  # a reduction must never take training down
+                for component in components:
                     self._lose_window(component, exc)
-                    break
+                lost |= components
 
-    def _mirrored(self, batches: dict[str, list[Drained]]) -> set[str]:
+    def _alike_groups(
+        self, held: list[tuple[Member, RowBuffer]]
+    ) -> list[list[tuple[Member, RowBuffer]]]:
+        """``held`` in groups of alike streams (:attr:`batch_units`), in order."""
+        if not self.batch_units:
+            return [[item] for item in held]
+        groups: list[list[tuple[Member, RowBuffer]]] = []
+        signatures: list[Any] = []
+        for key, buf in held:
+            signature = buf.alike_signature()
+            if signature is not None:
+                for i, other in enumerate(signatures):
+                    if (
+                        other == signature
+                        and self.settings[groups[i][0][0][0]] == self.settings[key[0]]
+                    ):
+                        groups[i].append((key, buf))
+                        break
+                else:
+                    signatures.append(signature)
+                    groups.append([(key, buf)])
+            else:
+                signatures.append(None)
+                groups.append([(key, buf)])
+        return groups
+
+    def _consume_alike(self, members: list[Member], batch: Drained) -> None:
+        """Reduce the rows of alike streams, side by side in ``batch``, in one
+        :meth:`consume` under the name :data:`ALIKE`. In a window they start together, each
+        stream's accumulators are views of the shared ones (added to in place from then
+        on); streams that accumulated apart before (a loaded checkpoint, a lost window)
+        get their share of these sums added instead, element by element as their own
+        reduction would."""
+        names = tuple(members)
+        shared = self.alike.get(names)
+        together = shared is not None and all(self._viewing.get(m) is shared for m in members)
+        if not together and not any(self._fed_before(m) for m in members):
+            shared, together = {}, True
+        target = shared if together and shared is not None else {}
+        before = dict(target)
+        self.state[ALIKE], self.settings[ALIKE] = target, self.settings[members[0][0]]
+        try:
+            self.consume(batch)
+        finally:
+            del self.state[ALIKE], self.settings[ALIKE]
+        for key, t in target.items():
+            if together and before.get(key) is t:
+                continue  # added to in place: the views see it
+            for (component, stream), part in zip(members, unit_parts(t, len(members)), strict=True):
+                own = key.replace(ALIKE, stream)
+                acc = self.state[component].get(own)
+                if together:
+                    self.state[component][own] = part
+                elif acc is None:
+                    self.state[component][own] = part.clone()
+                else:
+                    acc.add_(part)
+        if together:
+            self.alike[names] = target
+            self._viewing.update((m, target) for m in members)
+        self._fed.update(members)
+
+    def _fed_before(self, member: Member) -> bool:
+        return member in self._fed or member[0] in self._loaded
+
+    def _mirrored(self, held: list[tuple[Member, RowBuffer]]) -> set[str]:
         """The components of this drain that share another's accumulators instead of
-        reducing: every held row of theirs is a row the other holds, in the same pushes
-        (the round's materialised columns are the same objects), with equal settings, no
-        row mask, and both were empty when the sharing began (or already share). A
-        sharing that ends gets its own copy of the accumulators before anything is
-        reduced, so each component's sums stay exactly those of its own rows."""
+        reducing: every held row of theirs is a row the other holds (the same tensors
+        viewed alike), in the same pushes, with equal settings, no row mask, and both were
+        empty when the sharing began (or already share). A sharing that ends gets its own
+        copy of the accumulators before anything is reduced, so each component's sums stay
+        exactly those of its own rows."""
+        streams: dict[str, list[Any]] = {}
+        masked: set[str] = set()
+        for (component, stream), buf in held:
+            if any(w is not None for w in buf.weights):
+                masked.add(component)
+            streams.setdefault(component, []).append(
+                (stream, tuple(map(_view_key, buf.pending)), tuple(buf.segments), tuple(buf.scales))
+            )
         first: dict[tuple[Any, ...], str] = {}
         mirrored: dict[str, str] = {}
-        for component, drained in batches.items():
-            if any(b.weight is not None for b in drained):
+        for component, held_streams in streams.items():
+            if component in masked:
                 continue
-            key = tuple(
-                (b.stream, tuple(map(id, b.cols)), tuple(b.segments), tuple(b.scales))
-                for b in drained
-            )
-            source = first.setdefault(key, component)
+            source = first.setdefault(tuple(held_streams), component)
             if source == component or self.settings[component] != self.settings[source]:
                 continue
             if self.mirrors.get(component) == source or (
@@ -309,7 +425,7 @@ class ProbeState:
         ended = [
             c
             for c, source in self.mirrors.items()
-            if mirrored.get(c) != source and (c in batches or source in batches)
+            if mirrored.get(c) != source and (c in streams or source in streams)
         ]
         for component in ended:
             self._unmirror(component)
@@ -335,6 +451,9 @@ class ProbeState:
             if comp == component:
                 buf.clear()
         self.state[component].clear()
+        self._fed = {m for m in self._fed if m[0] != component}
+        self._viewing = {m: v for m, v in self._viewing.items() if m[0] != component}
+        self._loaded.discard(component)
         self.errors[component] = f"{type(exc).__name__}: {exc}"
 
     def flush(self) -> None:
@@ -364,6 +483,10 @@ class ProbeState:
         for component in self.mirrors:
             self.state[component] = {}
         self.mirrors.clear()
+        self.alike.clear()
+        self._fed.clear()
+        self._loaded.clear()
+        self._viewing.clear()
         for st in self.state.values():
             st.clear()
         for buf in self.buffers.values():
@@ -435,6 +558,7 @@ class ProbeState:
             self.state[component] = {
                 k: v if device is None else v.to(device) for k, v in accumulators.items()
             }
+            self._loaded.add(component)
         self.errors.update(state.get("errors") or {})
 
     # ----------------------------------------------------------- reporting
@@ -449,9 +573,9 @@ class ProbeState:
         ``probes/<probe>/<component>.<layer>/<metric>``.
         """
         self.flush()
-        summaries: dict[str, dict[Any, Any]] = {}
+        summaries = self._summarize_alike()
         for comp, st in self.state.items():
-            if st and comp not in self.mirrors:
+            if st and comp not in self.mirrors and comp not in summaries:
                 summaries[comp] = self.summarize(comp, _to_host(st), self.settings[comp])
         for comp, source in self.mirrors.items():
             shared = summaries.get(source)
@@ -474,6 +598,34 @@ class ProbeState:
         self, component: str, state: dict[str, torch.Tensor], settings: dict[str, Any]
     ) -> dict[str, float | list[float]]:
         raise NotImplementedError
+
+    def summarize_alike(
+        self, components: list[str], state: dict[str, torch.Tensor], settings: dict[str, Any]
+    ) -> list[dict[str, Any]] | None:
+        """The summaries of ``components`` at once, from the accumulators they share
+        (:meth:`_consume_alike`: every one of them holds its units side by side on the last
+        axis of ``state``'s), each exactly what :meth:`summarize` makes of its own; None
+        (the default): one :meth:`summarize` per component."""
+        return None
+
+    def _summarize_alike(self) -> dict[str, dict[Any, Any]]:
+        """:meth:`summarize_alike` for each group of components whose accumulators are all
+        views of one shared set and nothing else."""
+        out: dict[str, dict[Any, Any]] = {}
+        for members, shared in self.alike.items():
+            components = [c for c, _ in members]
+            settings = self.settings[components[0]]
+            if len(set(components)) != len(components) or not all(
+                self._viewing.get(m) is shared
+                and len(self.state[m[0]]) == len(shared)
+                and self.settings[m[0]] == settings
+                for m in members
+            ):
+                continue
+            summaries = self.summarize_alike(components, _to_host(shared), settings)
+            if summaries is not None:
+                out.update(zip(components, summaries, strict=True))
+        return out
 
     def _mirror_summary(
         self, component: str, source: str, summary: dict[Any, Any]
@@ -555,6 +707,20 @@ def unit_rates(count: np.ndarray, total: np.ndarray) -> np.ndarray:
     return out
 
 
+def row_means(values: np.ndarray, keep: np.ndarray) -> np.ndarray:
+    """Per row of ``values``, the mean of the entries where ``keep`` holds (0.0 for a row
+    with none): one reduction for the rows that keep every entry, the same numbers as
+    ``values[i][keep[i]].mean()`` row by row."""
+    out = np.zeros(len(values))
+    full = keep.all(axis=1)
+    if full.any():
+        out[full] = values[full].mean(axis=1)
+    for i in np.flatnonzero(~full):
+        if keep[i].any():
+            out[i] = values[i][keep[i]].mean()
+    return out
+
+
 def unit_share(mask: np.ndarray) -> float:
     """The share of units where ``mask`` holds (NaN for no units, as a mean over none)."""
     return int(np.count_nonzero(mask)) / mask.size if mask.size else math.nan
@@ -581,3 +747,20 @@ def as_rows(t: torch.Tensor) -> torch.Tensor:
     if t.dim() == 0:
         return t.reshape(1, 1)
     return t.reshape(-1, t.shape[-1])
+
+
+def unit_parts(t: torch.Tensor, parts: int) -> tuple[torch.Tensor, ...]:
+    """``t``'s last axis cut into ``parts`` equal views (the streams reduced side by side,
+    :meth:`ProbeState._consume_alike`)."""
+    if t.dim() == 0 or t.shape[-1] % parts:
+        raise ValueError(
+            f"a tracker with batch_units=True wrote an accumulator of shape "
+            f"{tuple(t.shape)}, which does not hold {parts} streams' units on its last axis"
+        )
+    return t.unflatten(-1, (parts, -1)).unbind(-2)
+
+
+def _view_key(t: torch.Tensor) -> tuple[Any, ...]:
+    """What tells a held tensor's rows apart from another's (the same memory viewed alike
+    shows the same values; their version counters are checked when taken)."""
+    return (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)

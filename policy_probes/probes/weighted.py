@@ -51,6 +51,12 @@ class Weighted:
             return self.rows.finite_count()
         return self.num_rows - self.counts(self.rows.nonfinite)
 
+    def nonfinite_counts(self) -> torch.Tensor:
+        """Non-finite entries per column among kept rows (int64)."""
+        if self.weight is None:
+            return self.rows.nonfinite_count()
+        return self.counts(self.rows.nonfinite)
+
     def nonfinite_total(self) -> torch.Tensor:
         """Non-finite entries among kept rows (int64 scalar)."""
         if self.weight is None:
