@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from policy_probes.probes import GradientFlow, ReLUActivation, ReLUGradientFlow
+from policy_probes.probes import FisherInformation, GradientFlow, ReLUActivation, ReLUGradientFlow
 
 torch.set_num_threads(1)
 
@@ -144,3 +144,28 @@ def test_streams_that_are_not_alike_are_reduced_apart() -> None:
     tracker.flush()
     assert [len(members) for members in tracker.alike] == [2]
     assert tracker.to_metrics() == fed(ReLUActivation(), data, batch=False).to_metrics()
+
+
+def test_fisher_reduces_alike_output_gradients_as_one_and_its_layers_apart() -> None:
+    grads = {c: [rows(16, 64, 10 * i + p) for p in range(3)] for i, c in enumerate("ab")}
+
+    def fisher(batch: bool) -> FisherInformation:
+        tracker = FisherInformation()
+        if not batch:
+            tracker.batches = lambda stream: False
+        for component in grads:
+            tracker.register_component(component)
+        for p in range(3):
+            for component, blocks in grads.items():
+                tracker.update(component, blocks[p])
+        return tracker
+
+    together = fisher(True)
+    together.flush()
+    assert list(together.alike) == [(("a", "out"), ("b", "out"))]
+    metrics = together.to_metrics()
+    assert metrics == fisher(False).to_metrics()
+    for component, blocks in grads.items():  # per unit: mean of (f g)^2, f = 16 rows
+        g = torch.cat(blocks).double() * 16
+        expected = (g**2).mean(0).tolist()
+        assert metrics[f"probes/fisher/{component}/unit"] == pytest.approx(expected)

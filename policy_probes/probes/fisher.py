@@ -52,7 +52,7 @@ from policy_probes.probes.fisher_generic import (
 from policy_probes.probes.fisher_rules import LayerKind, LayerRule, chunk_bytes_for, layer_kind
 from policy_probes.probes.probe import Probe
 from policy_probes.probes.rows import COUNT, Rows
-from policy_probes.probes.state import Drained, as_rows, unit_rates
+from policy_probes.probes.state import ALIKE, Drained, as_rows, unit_rates
 from policy_probes.probes.weighted import Weighted
 from policy_probes.row_mask import loss_samples
 from policy_probes.torch_internals import (
@@ -318,6 +318,11 @@ class FisherInformation(Probe):
         stream = f"linear@{activation}:{names[0] or ''}:{names[1] or ''}"
         self._push(component, stream, (as_rows(x), as_rows(act_out), g), (None, None, f), weight)
 
+    def batches(self, stream: str) -> bool:
+        """The output gradients' stream (per-unit accumulators) is reduced with the alike
+        ones of other components; the layers' streams (per-parameter ones) are not."""
+        return stream == "out"
+
     def consume(self, batch: Drained) -> None:
         component, stream, cols = batch.component, batch.stream, batch.cols
         mask = batch.weight  # the row mask's rows (``weight`` names a parameter below)
@@ -334,13 +339,13 @@ class FisherInformation(Probe):
             lo = hi
         if mask is not None:  # masked rows: factor 0 (and not counted below)
             w.mul_(mask.to(w.dtype))
-        if stream == "out":
+        if stream in ("out", ALIKE):
             # sum_i (f_i g_i)^2 per unit: one matrix-vector product with f^2
             unit_sq = torch.mv(g.square().T, w.square_())
             self._add(component, "unit_sq", unit_sq)
             kept = Weighted(g, mask)  # rows the row mask keeps (all without one)
             self._add(component, "unit_count", kept.finite_count(), COUNT)
-            self._add(component, "nonfinite", kept.nonfinite_total(), COUNT)
+            self._add(component, "nonfinite", kept.nonfinite_counts(), COUNT)
             return
         kind, weight, bias = stream.split(":")[:3]
         rule = self.rules_of.get((component, stream))
@@ -428,8 +433,9 @@ class FisherInformation(Probe):
         if "unit_sq" in a:
             count = a["unit_count"]
             out["unit"] = unit_rates(a["unit_sq"], count).tolist()
-            elements = int(count.sum()) + int(a["nonfinite"])
-            out["nonfinite_fraction"] = int(a["nonfinite"]) / elements if elements else 0.0
+            nonfinite = int(a["nonfinite"].sum())
+            elements = int(count.sum()) + nonfinite
+            out["nonfinite_fraction"] = nonfinite / elements if elements else 0.0
             out["samples"] = float(int(count.max()) if count.size else 0)
         # per parameter, not over one concatenated copy: the layers of a conv encoder
         # hold millions of entries, and each pass over them counts

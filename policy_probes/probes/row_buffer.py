@@ -193,8 +193,11 @@ class RowBuffer:
     def alike_signature(self) -> tuple[Any, ...] | None:
         """What another buffer must share for both to be reduced side by side
         (:meth:`take_alike`): the pushes' row counts and scales and the column layout; None
-        for rows that are not plain 2-D blocks or carry a row mask."""
+        for rows that are not plain 2-D blocks, carry a row mask or a tensor scale (comparing
+        it would read it back)."""
         if any(w is not None for w in self.weights) or any(b.dim() != 2 for b in self.pending):
+            return None
+        if any(isinstance(f, torch.Tensor) for push in self.scales if push for f in push):
             return None
         return (self.layout, tuple(self.segments), tuple(self.scales))
 

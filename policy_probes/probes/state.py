@@ -328,16 +328,18 @@ class ProbeState:
                     self._lose_window(component, exc)
                 lost |= components
 
+    def batches(self, stream: str) -> bool:
+        """Whether ``stream`` may be reduced with alike streams (:attr:`batch_units`)."""
+        return self.batch_units
+
     def _alike_groups(
         self, held: list[tuple[Member, RowBuffer]]
     ) -> list[list[tuple[Member, RowBuffer]]]:
         """``held`` in groups of alike streams (:attr:`batch_units`), in order."""
-        if not self.batch_units:
-            return [[item] for item in held]
         groups: list[list[tuple[Member, RowBuffer]]] = []
         signatures: list[Any] = []
         for key, buf in held:
-            signature = buf.alike_signature()
+            signature = buf.alike_signature() if self.batches(key[1]) else None
             if signature is not None:
                 for i, other in enumerate(signatures):
                     if (
@@ -586,12 +588,14 @@ class ProbeState:
                     comp, _to_host(self.state[comp]), self.settings[comp]
                 )
         out: dict[str, float | list[float]] = {}
+        root = f"probes/{self.probe}/"
         for comp in self.state:
+            prefix = f"{root}{comp}/"
             for metric, value in summaries.get(comp, {}).items():
                 if isinstance(metric, tuple):
-                    out[self.key(f"{comp}.{metric[0]}", metric[1])] = value
+                    out[f"{root}{comp}.{metric[0]}/{metric[1]}"] = value
                 else:
-                    out[self.key(comp, metric)] = value
+                    out[prefix + metric] = value
         return out
 
     def summarize(
