@@ -27,16 +27,15 @@ import json
 import sys
 import tempfile
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 import policy_probes as pp
+import trainers
 from benchmarks.cleanrl_style import cleanrl_atari
 from benchmarks.clocks import Clocks
-
-if TYPE_CHECKING:
-    from trainers import EnvConfig, PolicyConfig, TrainTool
+from policy_probes.sinks import SinksConfig, WandbConfig
 
 DEFAULTS: dict[str, Any] = {
     "env_id": "CartPole-v1",
@@ -100,22 +99,18 @@ class OverheadTotal:
         self._saved: Any = None
 
     def __enter__(self) -> OverheadTotal:
-        from policy_probes.session import ProbeSession
-
-        self._saved = original = ProbeSession.epoch_end
+        self._saved = original = pp.ProbeSession.epoch_end
 
         def epoch_end(session: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
             record = original(session, *args, **kwargs)
             self.seconds += float(record.get("probes/overhead_seconds") or 0.0)
             return record
 
-        ProbeSession.epoch_end = epoch_end
+        pp.ProbeSession.epoch_end = epoch_end
         return self
 
     def __exit__(self, *exc: object) -> None:
-        from policy_probes.session import ProbeSession
-
-        ProbeSession.epoch_end = self._saved
+        pp.ProbeSession.epoch_end = self._saved
 
     def fraction(self, clocks: Clocks) -> float | None:
         """The summed overhead as a share of the timed region (None: nothing charged)."""
@@ -171,39 +166,37 @@ def recurrent_probe_builders() -> list[tuple[str, Any, dict[str, Any]]]:
     return out
 
 
-def env_and_policy(p: dict[str, Any]) -> tuple[EnvConfig, PolicyConfig]:
+def env_and_policy(p: dict[str, Any]) -> tuple[trainers.EnvConfig, trainers.PolicyConfig]:
     """The environment and policy settings of ``p`` (``ours`` and ``bare``)."""
-    from trainers import EnvConfig, PolicyConfig
-
-    env = EnvConfig(
+    env = trainers.EnvConfig(
         id=p["env_id"],
         num_envs=p["num_envs"],
         vectorization=p["vectorization"],
         clip_reward=p["clip_reward"],
     )
     hidden = [p["hidden"], p["hidden"]]
-    return env, PolicyConfig(hidden_sizes=hidden, activation=p["activation"], encoder=p["encoder"])
+    policy = trainers.PolicyConfig(
+        hidden_sizes=hidden, activation=p["activation"], encoder=p["encoder"]
+    )
+    return env, policy
 
 
-def train_tool(p: dict[str, Any], prefix: str = "pp-bench-") -> TrainTool:
+def train_tool(p: dict[str, Any], prefix: str = "pp-bench-") -> trainers.TrainTool:
     """The ``ours`` case's run of ``p`` in a new temporary directory (``prefix``):
     evaluation, checkpoints and every sink but JSONL (``jsonl``) off, with the lifecycle
     hooks and, with ``probes``, the probes ``p`` names (with ``encoder="nature_cnn"``
     those of :func:`recipes.atari.add_probes`)."""
-    from policy_probes.sinks import SinksConfig, WandbConfig
-    from trainers import CheckpointConfig, EvalConfig, PPOConfig, TrainTool
-
     env, policy = env_and_policy(p)
-    tool = TrainTool(
+    tool = trainers.TrainTool(
         env=env,
         policy=policy,
-        trainer=PPOConfig(
+        trainer=trainers.PPOConfig(
             **{k: p[k] for k in PPO_KEYS},
             compile=p["compile"],
             compile_backend=p["compile_backend"],
         ),
-        evaluation=EvalConfig(every_epochs=0, at_end=False),
-        checkpoint=CheckpointConfig(every_epochs=0, at_end=False),
+        evaluation=trainers.EvalConfig(every_epochs=0, at_end=False),
+        checkpoint=trainers.CheckpointConfig(every_epochs=0, at_end=False),
         sinks=SinksConfig(
             console=False, jsonl=p["jsonl"], csv=False, wandb=False, tensorboard=False
         ),
@@ -239,8 +232,6 @@ def time_session_calls(totals: list[float]) -> None:
     """Time every trainer-callback dispatch and the session calls through which the
     trainer reaches probes, hooks and sinks, into ``totals`` (seconds, calls): the
     measurement instrument of ``time_callbacks``, in this process only."""
-    from policy_probes.session import ProbeSession
-    from trainers.callbacks import CallbackList
 
     def timed(method: Any) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -253,23 +244,21 @@ def time_session_calls(totals: list[float]) -> None:
 
         return call
 
-    CallbackList._each = timed(CallbackList._each)
+    trainers.CallbackList._each = timed(trainers.CallbackList._each)
     for name in ("epoch_start", "rollout_end", "pre_step", "post_step", "epoch_end"):
-        setattr(ProbeSession, name, timed(getattr(ProbeSession, name)))
+        setattr(pp.ProbeSession, name, timed(getattr(pp.ProbeSession, name)))
 
 
 def ours(p: dict[str, Any]) -> dict[str, Any]:
     """:func:`train_tool` timed, with per epoch the trackers' bytes, the update phase's
     seconds and the lifecycle hooks that reported (``lifecycle_fired``), and dynamo's
     counts (:func:`dynamo_counts`)."""
-    from trainers import TrainerHook
-
     tool = train_tool(p)
     memory: list[int] = []
     update_seconds: list[float] = []
     fired: dict[str, int] = {name: 0 for name in p["lifecycle_hooks"]}
 
-    class EpochRecorder(TrainerHook):
+    class EpochRecorder(trainers.TrainerHook):
         def on_epoch_end(self, state: Any) -> None:
             if p["track_memory"]:
                 memory.append(sum(t.nbytes() for t in state.context.model_metrics.values()))
@@ -285,7 +274,7 @@ def ours(p: dict[str, Any]) -> dict[str, Any]:
 
         run = wandb.init(mode="offline", dir=str(tool.run_dir), project="policy-probes-bench")
 
-        class Watch(TrainerHook):
+        class Watch(trainers.TrainerHook):
             def on_new_training_run(self, state: Any) -> None:
                 wandb.watch(state.policy, log="all", log_freq=1)
 
@@ -323,19 +312,18 @@ def dynamo_counts() -> dict[str, int]:
 
 
 def bare(p: dict[str, Any]) -> dict[str, Any]:
-    from trainers import PPOConfig
     from trainers.envs import make_vector_env
-    from trainers.policy_factory import make_policy
-    from trainers.ppo import PPOTrainer
     from trainers.train_tool import seed_everything
 
-    cfg = PPOConfig(**{k: p[k] for k in PPO_KEYS})
+    cfg = trainers.PPOConfig(**{k: p[k] for k in PPO_KEYS})
     clocks = Clocks()
     seed_everything(p["seed"])
     env_config, policy_config = env_and_policy(p)
     envs = make_vector_env(env_config, gamma=cfg.gamma)
-    policy = make_policy(envs.single_observation_space, envs.single_action_space, policy_config)
-    state = PPOTrainer(envs, policy, cfg, seed=p["seed"]).train()
+    policy = trainers.make_policy(
+        envs.single_observation_space, envs.single_action_space, policy_config
+    )
+    state = trainers.PPOTrainer(envs, policy, cfg, seed=p["seed"]).train()
     clocks.stop()
     envs.close()
     return clocks.result(state.agent_step)
@@ -344,7 +332,6 @@ def bare(p: dict[str, Any]) -> dict[str, Any]:
 def sb3(p: dict[str, Any]) -> dict[str, Any]:
     from stable_baselines3 import PPO
     from stable_baselines3.common.env_util import make_vec_env
-    from torch import nn
 
     algo, policy, extra = PPO, "MlpPolicy", {}
     if p.get("recurrent"):
@@ -371,7 +358,7 @@ def sb3(p: dict[str, Any]) -> dict[str, Any]:
         max_grad_norm=0.5,
         policy_kwargs={
             "net_arch": {"pi": [p["hidden"]] * 2, "vf": [p["hidden"]] * 2},
-            "activation_fn": nn.ReLU if p["activation"] == "relu" else nn.Tanh,
+            "activation_fn": torch.nn.ReLU if p["activation"] == "relu" else torch.nn.Tanh,
             **extra,
         },
         device="cpu",
@@ -380,9 +367,7 @@ def sb3(p: dict[str, Any]) -> dict[str, Any]:
     )
     callback = None
     if p.get("probe_callback"):
-        from policy_probes import ProbeSettings
         from policy_probes.integrations.sb3 import ProbeCallback
-        from policy_probes.sinks import SinksConfig, WandbConfig
 
         builders = probe_builders(per_layer=p["per_layer"], components=tuple(p["probe_components"]))
         if p.get("recurrent"):
@@ -390,7 +375,7 @@ def sb3(p: dict[str, Any]) -> dict[str, Any]:
         callback = ProbeCallback(
             probes=builders,
             run_dir=tempfile.mkdtemp(prefix="pp-bench-sb3-"),
-            probing=ProbeSettings(
+            probing=pp.ProbeSettings(
                 sinks=SinksConfig(console=False, jsonl=True, csv=False, wandb=False),
                 wandb=WandbConfig(mode="disabled"),
                 probe_budget=p["probe_budget"],
@@ -438,13 +423,12 @@ def recipe(p: dict[str, Any]) -> dict[str, Any]:
     ``recipe_probes="one_component"`` :func:`recipes.cartpole.add_probes` on
     ``actor_mlp`` alone without per-layer keys."""
     from recipes.cartpole import add_probes, train
-    from trainers import TrainTool
 
     if p["recipe_probes"] not in ("shipped", "one_component"):
         raise ValueError(f"recipe_probes: 'shipped' or 'one_component', not {p['recipe_probes']!r}")
     tool = train()
     if not p["probes"] or p["recipe_probes"] != "shipped":
-        tool = TrainTool.model_validate(tool.model_dump())  # the configuration alone
+        tool = trainers.TrainTool.model_validate(tool.model_dump())  # the configuration alone
     if p["probes"] and p["recipe_probes"] == "one_component":
         add_probes(tool, ("actor_mlp",), per_layer=False)
     tool.trainer.total_timesteps = p["total_timesteps"]
@@ -473,7 +457,8 @@ CASES = {"ours": ours, "bare": bare, "sb3": sb3, "recipe": recipe, "cleanrl_atar
 
 def warm_imports(case: str) -> None:
     """Import what the timed region would otherwise import lazily, for both sides alike
-    (the first ``torch.optim`` optimizer imports ``torch._dynamo``: 1-2 s)."""
+    (the first ``torch.optim`` optimizer imports ``torch._dynamo``: 1-2 s; the toolkit and
+    the trainer are imported with this module)."""
     param = torch.zeros(1, requires_grad=True)
     opt = torch.optim.Adam([param])
     param.sum().backward()
@@ -486,9 +471,6 @@ def warm_imports(case: str) -> None:
         # the callback side would otherwise import the toolkit (~0.5 s) inside its region
         from policy_probes.integrations import sb3  # noqa: F401
         from policy_probes.sinks import jsonl  # noqa: F401
-    else:
-        import trainers  # noqa: F401
-        from policy_probes import sinks  # noqa: F401
 
 
 def main() -> None:
