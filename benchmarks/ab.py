@@ -2,13 +2,13 @@
 
 Each measurement runs ``python -m benchmarks.cases CASE PARAMS`` in its own process (one
 torch thread, nothing shared with the other side) and reads back the JSON line the case
-prints: the seconds it spent in the timed region and what it did. Pairs are adjacent in
-time, so drifts of the machine (other load, thermal state) hit both sides alike; the
-median of the per-pair ratios is the reported figure.
+prints. Pairs are adjacent in time, so drifts of the machine (other load, thermal state)
+hit both sides alike; the median of the per-pair ratios is the reported figure.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -16,11 +16,13 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
 
 
 @dataclass
@@ -85,6 +87,20 @@ class Comparison:
 IN_PROCESS = False
 
 
+def json_result(
+    cmd: list[str], env: dict[str, str], what: str, timeout: float | None = None
+) -> dict[str, Any]:
+    """Run ``cmd`` in the repository root and return the last JSON line it printed;
+    ``RuntimeError`` naming ``what`` with the end of its stderr when it fails."""
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{what} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1])
+
+
 def run_case(case: str, params: dict[str, Any], timeout: float = 900) -> dict[str, Any]:
     """Run one measurement in a fresh interpreter and return its JSON result."""
     if IN_PROCESS:
@@ -94,31 +110,25 @@ def run_case(case: str, params: dict[str, Any], timeout: float = 900) -> dict[st
         return json.loads(json.dumps(cases.CASES[case](dict(cases.DEFAULTS, **params))))
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", WANDB_SILENT="true")
     env.setdefault("WANDB_MODE", "offline")
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.cases", case, json.dumps(params)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(
-            f"case {case} {params} failed ({proc.returncode}):\n{proc.stderr[-3000:]}"
-        )
-    return json.loads(lines[-1])
+    cmd = [sys.executable, "-m", "benchmarks.cases", case, json.dumps(params)]
+    return json_result(cmd, env, f"case {case} {params}", timeout)
 
 
-def interleave(comparisons: list[Comparison], repeats: int, log: Any = print) -> None:
-    """Fill every comparison with ``repeats`` A/B pairs, alternating which side goes first."""
+def interleave(
+    comparisons: list[Comparison],
+    repeats: int,
+    log: Any = print,
+    run: Callable[[Side], dict[str, Any]] | None = None,
+    after_round: Callable[[], None] | None = None,
+) -> None:
+    """Fill every comparison with ``repeats`` A/B pairs, alternating which side goes first;
+    ``run`` measures a side (default :func:`run_case`), ``after_round`` is called after
+    every round of pairs."""
+    run = run or (lambda side: run_case(side.case, side.params))
     for r in range(repeats):
         for comp in comparisons:
             order = (comp.a, comp.b) if r % 2 == 0 else (comp.b, comp.a)
-            results = {}
-            for side in order:
-                results[side.label] = run_case(side.case, side.params)
+            results = {side.label: run(side) for side in order}
             ra, rb = results[comp.a.label], results[comp.b.label]
             comp.seconds_a.append(ra["seconds"])
             comp.seconds_b.append(rb["seconds"])
@@ -128,6 +138,8 @@ def interleave(comparisons: list[Comparison], repeats: int, log: Any = print) ->
                 f"[{r + 1}/{repeats}] {comp.name}: {comp.a.label} {ra['seconds']:.3f}s  "
                 f"{comp.b.label} {rb['seconds']:.3f}s  ratio {rb['seconds'] / ra['seconds']:.3f}"
             )
+        if after_round:
+            after_round()
 
 
 def machine() -> dict[str, Any]:
@@ -144,11 +156,15 @@ def machine() -> dict[str, Any]:
     }
 
 
-def write_results(path: Path, title: str, comparisons: list[Comparison], **extra: Any) -> None:
+def write_json(path: Path, payload: dict[str, Any], indent: int | None = 2) -> None:
+    """``payload`` as JSON (and a newline) at ``path``, its folder created."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=indent) + "\n")
+
+
+def write_results(path: Path, title: str, comparisons: list[Comparison], **extra: Any) -> None:
     payload = {"title": title, "machine": machine(), "comparisons": [c.row() for c in comparisons]}
-    payload.update(extra)
-    path.write_text(json.dumps(payload, indent=2) + "\n")
+    write_json(path, {**payload, **extra})
 
 
 def adding(name: str, a: Side, b_label: str, target: str = "", **params: Any) -> Comparison:
@@ -180,15 +196,13 @@ def measure_and_record(
     ratios: str = "overhead",
     ratio_label: str = "B/A wall time",
 ) -> None:
-    """What a benchmark's ``main`` does with its comparisons: run them interleaved
-    (``args.repeats`` pairs), print the table and write ``args.out`` with every
-    comparison's median ratio under ``ratios``. The titles default to those of an overhead
-    benchmark named ``what``: ``what (wall time with / without)`` over the table and
-    ``what: t(B)/t(A)`` in the results."""
-    table_title = table_title or f"{what} (wall time with / without)"
-    results_title = results_title or f"{what}: t(B)/t(A)"
+    """Run the comparisons interleaved (``args.repeats`` pairs), print the table and write
+    ``args.out`` with every comparison's median ratio under ``ratios``. The titles default
+    to ``what (wall time with / without)`` over the table and ``what: t(B)/t(A)`` in the
+    results."""
     interleave(comparisons, args.repeats)
-    print_table(table_title, comparisons, ratio_label=ratio_label)
+    print_table(table_title or f"{what} (wall time with / without)", comparisons, ratio_label)
+    results_title = results_title or f"{what}: t(B)/t(A)"
     write_results(args.out, results_title, comparisons, **{ratios: summary(comparisons)})
 
 
@@ -198,19 +212,8 @@ def print_table(
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=title)
-    for col in (
-        "comparison",
-        "A",
-        "B",
-        "median A (s)",
-        "median B (s)",
-        ratio_label,
-        "CPU-time ratio",
-        "pairs",
-        "target",
-    ):
-        table.add_column(col)
+    header = ("comparison", "A", "B", "median A (s)", "median B (s)", ratio_label)
+    table = Table(*header, "CPU-time ratio", "pairs", "target", title=title)
     for c in comparisons:
         table.add_row(
             c.name,
@@ -226,9 +229,6 @@ def print_table(
     Console().print(table)
 
 
-RESULTS = ROOT / "benchmarks" / "results"
-
-
 def parse_args(
     description: str,
     default_repeats: int,
@@ -237,12 +237,10 @@ def parse_args(
     comparison_keys: list[str] | None = None,
     default_keys: list[str] | None = None,
 ) -> Any:
-    """The command line every benchmark script shares: ``--quick``, ``--repeats``, ``--out``;
-    with ``comparison_keys`` also ``--only KEY,...`` (``args.only``: the keys chosen,
-    ``default_keys`` or all by default; a subset written to the default place goes to
-    ``NAME_KEY_....json`` beside it, so that it never replaces the full results)."""
-    import argparse
-
+    """The command line every A/B script shares: ``--quick``, ``--repeats``, ``--out``,
+    ``--inprocess``; with ``comparison_keys`` also ``--only KEY,...`` (``args.only``: the
+    keys chosen, ``default_keys`` or all by default; a subset written to the default place
+    goes to ``NAME_KEY_....json`` beside it, so that it never replaces the full results)."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument(
         "--quick",

@@ -1,49 +1,24 @@
-"""Timed cases for the A/B benchmarks; each prints one JSON line.
+"""Timed cases for the A/B benchmarks (docs/benchmarks.md, "Method"); each prints one JSON
+line.
 
     python -m benchmarks.cases ours '{"total_timesteps": 20480, "probes": true}'
 
-Cases:
-* ``ours``: the built-in PPO trainer through :class:`trainers.TrainTool` (sinks, evaluation
-  and checkpoints off unless asked), optionally with all five module probes on
-  ``actor_mlp`` and ``critic_mlp`` and/or W&B's own ``wandb.watch(log="all", log_freq=1)``.
-  With ``encoder="nature_cnn"`` (and an ALE ``env_id``) the policy is the NatureCNN
-  actor-critic and the probes are those of ``recipes/atari.py`` (:func:`recipes.atari.add_probes`).
-* ``bare``: the bare loop: :class:`trainers.PPOTrainer` driven directly, with an empty
-  callback list and the session it makes itself: no TrainTool, no sinks (that session
-  has an empty sink group and no lifecycle hook), no run directory. The reference of the empty-path benchmark.
-* ``recipe``: ``recipes.cartpole`` as it ships, console and W&B off, with or without its
-  probes (:func:`recipe`).
-* ``sb3``: Stable-Baselines3 PPO with the same hyperparameters, optionally
-  (``probe_callback``) with :class:`policy_probes.integrations.sb3.ProbeCallback` carrying
-  the same five probes on the actor and critic extractors. With ``recurrent``:
-  sb3-contrib's ``RecurrentPPO`` (``MlpLstmPolicy``, LSTMs of ``hidden`` units), whose
-  callback adds relu, saturation, Fisher and gradient flow on ``lstm_actor`` and
-  ``lstm_critic`` and reads the padding masks of every minibatch.
+* ``ours``: the built-in PPO trainer through :class:`trainers.TrainTool` (:func:`train_tool`),
+  optionally with W&B's ``wandb.watch(log="all", log_freq=1)``;
+* ``bare``: :class:`trainers.PPOTrainer` driven directly with the session it makes itself: no
+  TrainTool, no sinks, no run directory (the empty-path benchmark's reference);
+* ``recipe``: ``recipes.cartpole`` as it ships (:func:`recipe`);
+* ``sb3``: Stable-Baselines3 PPO with the same hyperparameters (sb3-contrib's
+  ``RecurrentPPO`` with ``recurrent``), optionally (``probe_callback``) with
+  :class:`policy_probes.integrations.sb3.ProbeCallback` carrying :func:`probe_builders`
+  (and :func:`recurrent_probe_builders`);
+* ``cleanrl_atari``: :mod:`benchmarks.cleanrl_style`.
 
-``ours`` and ``sb3`` take ``probe_budget`` and ``probe_schedule`` (the probes' sampling,
-:mod:`policy_probes.sampling`; default every pass; the toolkit's default is
-``probe_budget=0.05``) and report the last epoch's ``overhead_fraction`` and
-``observe_every``, and ``run_overhead_fraction``: the sampler's figure over the whole run
-(every record's ``probes/overhead_seconds`` over the timed seconds, :class:`OverheadTotal`).
-
-``ours`` takes ``compile`` and ``compile_backend`` (``trainer.compile``: the update's
-forward under ``torch.compile``) and reports the graphs dynamo compiled and its graph
-breaks (``compiled_graphs``, ``graph_breaks``).
-
-``ours`` also takes ``lifecycle_hooks`` (names for ``TrainTool.hooks``) and
-``hook_config`` (``TrainTool.hook_config``) for the lifecycle-intervention benchmark, and
-``snapshot_every`` (``TrainTool.snapshot_every``; None keeps its default),
-``time_callbacks`` (time every trainer-callback dispatch and the trainer's session
-calls: ``callback_seconds``) and
-``track_memory`` (default true: record the trackers' bytes after every epoch). Every
-``ours`` run also reports each epoch's update-phase seconds and, per lifecycle hook, the
-number of epochs in which it reported metrics (``lifecycle_fired``).
-
-The timed region is building the run and training it (``invoke()`` / ``PPO(...)`` +
-``learn()``); interpreter start and imports are outside it. Each case reports the
-region's wall time (``seconds``, the measurement) and the CPU time of its process
-(``cpu_seconds``: less sensitive to other load on a shared machine; it leaves out
-other processes such as W&B's service).
+Parameters: :data:`DEFAULTS` updated with the JSON given. The timed region is building the
+run and training it; interpreter start and imports are outside it. Each case reports the
+region's wall time (``seconds``, the measurement) and its process's CPU time
+(``cpu_seconds``), and the probed ones the sampler's figures (:func:`sampling_of`,
+:class:`OverheadTotal`).
 """
 
 from __future__ import annotations
@@ -56,7 +31,11 @@ from typing import Any
 
 import torch
 
+import policy_probes as pp
+import trainers
+from benchmarks.cleanrl_style import cleanrl_atari
 from benchmarks.clocks import Clocks
+from policy_probes.sinks import SinksConfig, WandbConfig
 
 DEFAULTS: dict[str, Any] = {
     "env_id": "CartPole-v1",
@@ -72,20 +51,23 @@ DEFAULTS: dict[str, Any] = {
     "vectorization": "sync",
     "probes": False,
     # which probes ``probes=True`` attaches: "core" (probe_builders) or "plasticity"
-    # (plasticity_probe_builders: the issue-24 measures)
+    # (plasticity_probe_builders)
     "probe_set": "core",
     "fisher_param_every": 1,
     "per_layer": True,
     "jsonl": False,
     "wandb_watch": False,
+    # record the trackers' bytes after every epoch (tracker_bytes_per_epoch)
     "track_memory": True,
+    # TrainTool.hooks, hook_config and snapshot_every (None keeps its default)
     "lifecycle_hooks": [],
     "hook_config": {},
     "snapshot_every": None,
+    # time every trainer-callback dispatch and session call (callback_seconds)
     "time_callbacks": False,
     "seed": 1,
-    # the probes' sampling (policy_probes.sampling); None/None = every pass, what the
-    # benchmarks measured before sampling existed. The toolkit's default is budget 0.05.
+    # the probes' sampling (policy_probes.sampling); None/None = every pass. The
+    # toolkit's default is budget 0.05.
     "probe_budget": None,
     "probe_schedule": None,
     # trainer.compile (docs/compile.md): torch.compile the update's forward
@@ -93,48 +75,42 @@ DEFAULTS: dict[str, Any] = {
     "compile_backend": "inductor",
     # the torch device of ``ours``, ``recipe`` and ``cleanrl_atari`` ("cpu" or "cuda")
     "device": "cpu",
-    # the sinks of ``recipe``: "files" (JSONL and CSV; console and W&B off) or "headline"
-    # (as ``policy-probes run`` starts the recipe: console and offline W&B as well)
+    # the sinks of ``recipe``: "files" (JSONL and CSV) or "headline" (console and
+    # offline W&B as well, as ``policy-probes run`` starts it)
     "recipe_sinks": "files",
-    # the probes of ``recipe``: "shipped" (its four probes on ``actor_mlp`` and
-    # ``critic_mlp``, per layer) or "one_component" (the same four on ``actor_mlp``
-    # alone, ``per_layer=False``: one row block per probe and pass, the least a report
-    # of these four probes can reduce)
+    # the probes of ``recipe``: "shipped" or "one_component" (its four on ``actor_mlp``
+    # alone, ``per_layer=False``: the least a report of these probes can reduce)
     "recipe_probes": "shipped",
     # the components the five probes of ``sb3`` (ProbeCallback) watch
     "probe_components": ["actor_mlp", "critic_mlp"],
 }
+#: the PPOConfig fields every case takes from its parameters
+PPO_KEYS = ("total_timesteps", "num_steps", "num_minibatches", "update_epochs")
 
 
 class OverheadTotal:
-    """The sampler's own cost figure over a whole run: while active, sums the
-    ``probes/overhead_seconds`` of every record the run's sessions make (the benchmark's
-    instrument, in this process only). The last epoch's ``overhead_fraction`` alone
-    understates it: an epoch's end is charged to the next epoch, and the last one has
-    none."""
+    """While active, sums the ``probes/overhead_seconds`` of every record the run's
+    sessions make (this process only): the sampler's cost figure over a whole run. The
+    last epoch's ``overhead_fraction`` alone understates it: an epoch's end is charged to
+    the next epoch, and the last one has none."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
         self._saved: Any = None
 
     def __enter__(self) -> OverheadTotal:
-        from policy_probes.session import ProbeSession
-
-        self._saved = ProbeSession.epoch_end
-        original = self._saved
+        self._saved = original = pp.ProbeSession.epoch_end
 
         def epoch_end(session: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
             record = original(session, *args, **kwargs)
             self.seconds += float(record.get("probes/overhead_seconds") or 0.0)
             return record
 
-        ProbeSession.epoch_end = epoch_end
+        pp.ProbeSession.epoch_end = epoch_end
         return self
 
     def __exit__(self, *exc: object) -> None:
-        from policy_probes.session import ProbeSession
-
-        ProbeSession.epoch_end = self._saved
+        pp.ProbeSession.epoch_end = self._saved
 
     def fraction(self, clocks: Clocks) -> float | None:
         """The summed overhead as a share of the timed region (None: nothing charged)."""
@@ -146,23 +122,17 @@ def probe_builders(
     per_layer: bool = True,
     components: tuple[str, ...] = ("actor_mlp", "critic_mlp"),
 ) -> list[tuple[str, Any, dict[str, Any]]]:
-    from policy_probes import (
-        attach_fisher_information_hooks,
-        attach_gradient_flow_hooks,
-        attach_relu_activation_hooks,
-        attach_relu_gradient_flow_hooks,
-        attach_saturated_activation_hooks,
-    )
-
+    """``(component, builder, placement)`` of the five module probes (relu,
+    saturation_tanh, fisher, gradient_flow, relu_gradient_flow) on each of ``components``."""
     layers = {"per_layer": per_layer}
     out = []
     for component in components:
         out += [
-            (component, attach_relu_activation_hooks(), layers),
-            (component, attach_saturated_activation_hooks("tanh"), layers),
-            (component, attach_fisher_information_hooks(param_every=fisher_param_every), {}),
-            (component, attach_gradient_flow_hooks(), layers),
-            (component, attach_relu_gradient_flow_hooks(), layers),
+            (component, pp.attach_relu_activation_hooks(), layers),
+            (component, pp.attach_saturated_activation_hooks("tanh"), layers),
+            (component, pp.attach_fisher_information_hooks(param_every=fisher_param_every), {}),
+            (component, pp.attach_gradient_flow_hooks(), layers),
+            (component, pp.attach_relu_gradient_flow_hooks(), layers),
         ]
     return out
 
@@ -170,90 +140,70 @@ def probe_builders(
 def plasticity_probe_builders() -> list[tuple[str, Any, dict[str, Any]]]:
     """The plasticity measures: weights, preactivation and utility on both MLPs, churn on
     both heads (the actor's as categorical logits)."""
-    from policy_probes import (
-        attach_churn_hooks,
-        attach_preactivation_hooks,
-        attach_utility_hooks,
-        attach_weights_hooks,
-    )
-
     out = []
     for component, head in (("actor_mlp", "actor_head"), ("critic_mlp", "critic_head")):
         out += [
-            (component, attach_weights_hooks(), {}),
-            (component, attach_preactivation_hooks(), {}),
-            (component, attach_utility_hooks(outgoing=head), {}),
+            (component, pp.attach_weights_hooks(), {}),
+            (component, pp.attach_preactivation_hooks(), {}),
+            (component, pp.attach_utility_hooks(outgoing=head), {}),
         ]
-    out += [
-        ("actor_head", attach_churn_hooks(kind="categorical"), {}),
-        ("critic_head", attach_churn_hooks(), {}),
+    return out + [
+        ("actor_head", pp.attach_churn_hooks(kind="categorical"), {}),
+        ("critic_head", pp.attach_churn_hooks(), {}),
     ]
-    return out
 
 
 def recurrent_probe_builders() -> list[tuple[str, Any, dict[str, Any]]]:
     """The probes that apply to an LSTM's output, on RecurrentPPO's two LSTMs."""
-    from policy_probes import (
-        attach_fisher_information_hooks,
-        attach_gradient_flow_hooks,
-        attach_relu_activation_hooks,
-        attach_saturated_activation_hooks,
-    )
-
     out = []
     for component in ("lstm_actor", "lstm_critic"):
         out += [
-            (component, attach_relu_activation_hooks(), {}),
-            (component, attach_saturated_activation_hooks("tanh"), {}),
-            (component, attach_fisher_information_hooks(), {}),
-            (component, attach_gradient_flow_hooks(), {}),
+            (component, pp.attach_relu_activation_hooks(), {}),
+            (component, pp.attach_saturated_activation_hooks("tanh"), {}),
+            (component, pp.attach_fisher_information_hooks(), {}),
+            (component, pp.attach_gradient_flow_hooks(), {}),
         ]
     return out
 
 
-def ours(p: dict[str, Any]) -> dict[str, Any]:
-
-    from policy_probes.sinks import SinksConfig, WandbConfig
-    from trainers import (
-        CheckpointConfig,
-        EnvConfig,
-        EvalConfig,
-        PolicyConfig,
-        PPOConfig,
-        TrainerHook,
-        TrainTool,
+def env_and_policy(p: dict[str, Any]) -> tuple[trainers.EnvConfig, trainers.PolicyConfig]:
+    """The environment and policy settings of ``p`` (``ours`` and ``bare``)."""
+    env = trainers.EnvConfig(
+        id=p["env_id"],
+        num_envs=p["num_envs"],
+        vectorization=p["vectorization"],
+        clip_reward=p["clip_reward"],
     )
+    hidden = [p["hidden"], p["hidden"]]
+    policy = trainers.PolicyConfig(
+        hidden_sizes=hidden, activation=p["activation"], encoder=p["encoder"]
+    )
+    return env, policy
 
-    run_dir = tempfile.mkdtemp(prefix="pp-bench-")
-    tool = TrainTool(
-        env=EnvConfig(
-            id=p["env_id"],
-            num_envs=p["num_envs"],
-            vectorization=p["vectorization"],
-            clip_reward=p["clip_reward"],
-        ),
-        policy=PolicyConfig(
-            hidden_sizes=[p["hidden"], p["hidden"]],
-            activation=p["activation"],
-            encoder=p["encoder"],
-        ),
-        trainer=PPOConfig(
-            total_timesteps=p["total_timesteps"],
-            num_steps=p["num_steps"],
-            num_minibatches=p["num_minibatches"],
-            update_epochs=p["update_epochs"],
+
+def train_tool(p: dict[str, Any], prefix: str = "pp-bench-") -> trainers.TrainTool:
+    """The ``ours`` case's run of ``p`` in a new temporary directory (``prefix``):
+    evaluation, checkpoints and every sink but JSONL (``jsonl``) off, with the lifecycle
+    hooks and, with ``probes``, the probes ``p`` names (with ``encoder="nature_cnn"``
+    those of :func:`recipes.atari.add_probes`)."""
+    env, policy = env_and_policy(p)
+    tool = trainers.TrainTool(
+        env=env,
+        policy=policy,
+        trainer=trainers.PPOConfig(
+            **{k: p[k] for k in PPO_KEYS},
             compile=p["compile"],
             compile_backend=p["compile_backend"],
         ),
-        evaluation=EvalConfig(every_epochs=0, at_end=False),
-        checkpoint=CheckpointConfig(every_epochs=0, at_end=False),
+        evaluation=trainers.EvalConfig(every_epochs=0, at_end=False),
+        checkpoint=trainers.CheckpointConfig(every_epochs=0, at_end=False),
         sinks=SinksConfig(
             console=False, jsonl=p["jsonl"], csv=False, wandb=False, tensorboard=False
         ),
         wandb=WandbConfig(mode="disabled"),
         seed=p["seed"],
         device=p["device"],
-        run_dir=run_dir,
+        run_dir=tempfile.mkdtemp(prefix=prefix),
         torch_threads=1,
         probe_budget=p["probe_budget"],
         probe_schedule=p["probe_schedule"],
@@ -275,14 +225,40 @@ def ours(p: dict[str, Any]) -> dict[str, Any]:
         )
         for component, builder, placement in builders:
             tool.add_training_hook(component, builder, **placement)
+    return tool
+
+
+def time_session_calls(totals: list[float]) -> None:
+    """Time every trainer-callback dispatch and the session calls through which the
+    trainer reaches probes, hooks and sinks, into ``totals`` (seconds, calls): the
+    measurement instrument of ``time_callbacks``, in this process only."""
+
+    def timed(method: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                totals[0] += time.perf_counter() - t
+                totals[1] += 1
+
+        return call
+
+    trainers.CallbackList._each = timed(trainers.CallbackList._each)
+    for name in ("epoch_start", "rollout_end", "pre_step", "post_step", "epoch_end"):
+        setattr(pp.ProbeSession, name, timed(getattr(pp.ProbeSession, name)))
+
+
+def ours(p: dict[str, Any]) -> dict[str, Any]:
+    """:func:`train_tool` timed, with per epoch the trackers' bytes, the update phase's
+    seconds and the lifecycle hooks that reported (``lifecycle_fired``), and dynamo's
+    counts (:func:`dynamo_counts`)."""
+    tool = train_tool(p)
     memory: list[int] = []
     update_seconds: list[float] = []
     fired: dict[str, int] = {name: 0 for name in p["lifecycle_hooks"]}
 
-    class EpochRecorder(TrainerHook):
-        """Per epoch: device bytes held by the probe trackers after the collection, the
-        update phase's seconds, and which lifecycle hooks reported (fired)."""
-
+    class EpochRecorder(trainers.TrainerHook):
         def on_epoch_end(self, state: Any) -> None:
             if p["track_memory"]:
                 memory.append(sum(t.nbytes() for t in state.context.model_metrics.values()))
@@ -296,34 +272,16 @@ def ours(p: dict[str, Any]) -> dict[str, Any]:
     if p["wandb_watch"]:
         import wandb
 
-        run = wandb.init(mode="offline", dir=run_dir, project="policy-probes-bench")
+        run = wandb.init(mode="offline", dir=str(tool.run_dir), project="policy-probes-bench")
 
-        class Watch(TrainerHook):
+        class Watch(trainers.TrainerHook):
             def on_new_training_run(self, state: Any) -> None:
                 wandb.watch(state.policy, log="all", log_freq=1)
 
         tool.add_trainer_hook(Watch())
     callback_time = [0.0, 0]
     if p["time_callbacks"]:
-        from policy_probes.session import ProbeSession
-        from trainers.callbacks import CallbackList
-
-        def timed(method: Any) -> Any:
-            def call(*args: Any, **kwargs: Any) -> Any:
-                t = time.perf_counter()
-                try:
-                    return method(*args, **kwargs)
-                finally:
-                    callback_time[0] += time.perf_counter() - t
-                    callback_time[1] += 1
-
-            return call
-
-        # this process only: the measurement instrument (trainer callbacks, and the
-        # session calls through which the trainer reaches probes, hooks and sinks)
-        CallbackList._each = timed(CallbackList._each)
-        for name in ("epoch_start", "rollout_end", "pre_step", "post_step", "epoch_end"):
-            setattr(ProbeSession, name, timed(getattr(ProbeSession, name)))
+        time_session_calls(callback_time)
     clocks = Clocks()
     with OverheadTotal() as overhead:
         result = tool.invoke()
@@ -354,40 +312,18 @@ def dynamo_counts() -> dict[str, int]:
 
 
 def bare(p: dict[str, Any]) -> dict[str, Any]:
-    from trainers import EnvConfig, PolicyConfig, PPOConfig
     from trainers.envs import make_vector_env
-    from trainers.policy_factory import make_policy
-    from trainers.ppo import PPOTrainer
     from trainers.train_tool import seed_everything
 
-    cfg = PPOConfig(
-        total_timesteps=p["total_timesteps"],
-        num_steps=p["num_steps"],
-        num_minibatches=p["num_minibatches"],
-        update_epochs=p["update_epochs"],
-    )
+    cfg = trainers.PPOConfig(**{k: p[k] for k in PPO_KEYS})
     clocks = Clocks()
     seed_everything(p["seed"])
-    envs = make_vector_env(
-        EnvConfig(
-            id=p["env_id"],
-            num_envs=p["num_envs"],
-            vectorization=p["vectorization"],
-            clip_reward=p["clip_reward"],
-        ),
-        gamma=cfg.gamma,
+    env_config, policy_config = env_and_policy(p)
+    envs = make_vector_env(env_config, gamma=cfg.gamma)
+    policy = trainers.make_policy(
+        envs.single_observation_space, envs.single_action_space, policy_config
     )
-    policy = make_policy(
-        envs.single_observation_space,
-        envs.single_action_space,
-        PolicyConfig(
-            hidden_sizes=[p["hidden"], p["hidden"]],
-            activation=p["activation"],
-            encoder=p["encoder"],
-        ),
-    )
-    trainer = PPOTrainer(envs, policy, cfg, seed=p["seed"])
-    state = trainer.train()
+    state = trainers.PPOTrainer(envs, policy, cfg, seed=p["seed"]).train()
     clocks.stop()
     envs.close()
     return clocks.result(state.agent_step)
@@ -396,7 +332,6 @@ def bare(p: dict[str, Any]) -> dict[str, Any]:
 def sb3(p: dict[str, Any]) -> dict[str, Any]:
     from stable_baselines3 import PPO
     from stable_baselines3.common.env_util import make_vec_env
-    from torch import nn
 
     algo, policy, extra = PPO, "MlpPolicy", {}
     if p.get("recurrent"):
@@ -423,7 +358,7 @@ def sb3(p: dict[str, Any]) -> dict[str, Any]:
         max_grad_norm=0.5,
         policy_kwargs={
             "net_arch": {"pi": [p["hidden"]] * 2, "vf": [p["hidden"]] * 2},
-            "activation_fn": nn.ReLU if p["activation"] == "relu" else nn.Tanh,
+            "activation_fn": torch.nn.ReLU if p["activation"] == "relu" else torch.nn.Tanh,
             **extra,
         },
         device="cpu",
@@ -432,9 +367,7 @@ def sb3(p: dict[str, Any]) -> dict[str, Any]:
     )
     callback = None
     if p.get("probe_callback"):
-        from policy_probes import ProbeSettings
         from policy_probes.integrations.sb3 import ProbeCallback
-        from policy_probes.sinks import SinksConfig, WandbConfig
 
         builders = probe_builders(per_layer=p["per_layer"], components=tuple(p["probe_components"]))
         if p.get("recurrent"):
@@ -442,7 +375,7 @@ def sb3(p: dict[str, Any]) -> dict[str, Any]:
         callback = ProbeCallback(
             probes=builders,
             run_dir=tempfile.mkdtemp(prefix="pp-bench-sb3-"),
-            probing=ProbeSettings(
+            probing=pp.ProbeSettings(
                 sinks=SinksConfig(console=False, jsonl=True, csv=False, wandb=False),
                 wandb=WandbConfig(mode="disabled"),
                 probe_budget=p["probe_budget"],
@@ -484,21 +417,18 @@ def sampling_of(metrics: dict[str, Any]) -> dict[str, Any]:
 
 
 def recipe(p: dict[str, Any]) -> dict[str, Any]:
-    """``recipes.cartpole`` as it ships (its four probes on ``actor_mlp`` and
-    ``critic_mlp``, evaluation every 10 epochs, JSONL and CSV metrics, checkpoints) with
-    the console and W&B off (``recipe_sinks="files"``) or on, W&B offline, as
-    ``policy-probes run`` starts it (``"headline"``), and ``total_timesteps`` and the
-    sampling from ``p``; without ``probes`` the same configuration with no probe
-    attached, with ``recipe_probes="one_component"`` its probes on ``actor_mlp`` alone
-    without per-layer keys (:func:`recipes.cartpole.add_probes`)."""
+    """``recipes.cartpole`` as it ships (evaluation, JSONL and CSV metrics, checkpoints)
+    with the sinks of ``recipe_sinks`` and ``total_timesteps`` and the sampling from
+    ``p``; without ``probes`` the same configuration with no probe attached; with
+    ``recipe_probes="one_component"`` :func:`recipes.cartpole.add_probes` on
+    ``actor_mlp`` alone without per-layer keys."""
     from recipes.cartpole import add_probes, train
-    from trainers import TrainTool
 
     if p["recipe_probes"] not in ("shipped", "one_component"):
         raise ValueError(f"recipe_probes: 'shipped' or 'one_component', not {p['recipe_probes']!r}")
     tool = train()
     if not p["probes"] or p["recipe_probes"] != "shipped":
-        tool = TrainTool.model_validate(tool.model_dump())  # the configuration alone
+        tool = trainers.TrainTool.model_validate(tool.model_dump())  # the configuration alone
     if p["probes"] and p["recipe_probes"] == "one_component":
         add_probes(tool, ("actor_mlp",), per_layer=False)
     tool.trainer.total_timesteps = p["total_timesteps"]
@@ -522,23 +452,13 @@ def recipe(p: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-def cleanrl_atari(p: dict[str, Any]) -> dict[str, Any]:
-    """A CleanRL ``ppo_atari.py``-style loop on the trainer's env (:mod:`benchmarks.cleanrl_style`)."""
-    from benchmarks.cleanrl_style import cleanrl_atari as run
-
-    return run(p)
-
-
 CASES = {"ours": ours, "bare": bare, "sb3": sb3, "recipe": recipe, "cleanrl_atari": cleanrl_atari}
 
 
 def warm_imports(case: str) -> None:
-    """Import what the timed region would otherwise import lazily, for both sides alike.
-
-    The first ``torch.optim`` optimizer construction imports ``torch._dynamo`` (about 1-2 s
-    on the benchmark machine); without this, both sides would spend that inside their
-    timed region and the ratio would measure import time, not training.
-    """
+    """Import what the timed region would otherwise import lazily, for both sides alike
+    (the first ``torch.optim`` optimizer imports ``torch._dynamo``: 1-2 s; the toolkit and
+    the trainer are imported with this module)."""
     param = torch.zeros(1, requires_grad=True)
     opt = torch.optim.Adam([param])
     param.sum().backward()
@@ -551,9 +471,6 @@ def warm_imports(case: str) -> None:
         # the callback side would otherwise import the toolkit (~0.5 s) inside its region
         from policy_probes.integrations import sb3  # noqa: F401
         from policy_probes.sinks import jsonl  # noqa: F401
-    else:
-        import trainers  # noqa: F401
-        from policy_probes import sinks  # noqa: F401
 
 
 def main() -> None:

@@ -1,51 +1,27 @@
 """A CleanRL-style PPO loop on Atari: the timing baseline of the trainer.
 
-``cleanrl_atari(p)`` is one self-contained training loop in the manner of CleanRL's
-``ppo_atari.py`` (Huang et al., "The 37 implementation details of PPO"): everything
-visible in one function, read top to bottom. It exists so that the project's own trainer
-(``trainers/ppo.py``, the ``ours`` case of :mod:`benchmarks.cases`) can be timed against
-"CleanRL's ppo_atari settings" on the same machine and device. It is a **timing
-baseline, not a learning reference**: nothing here is checked against CleanRL's scores.
+:func:`cleanrl_atari` is one self-contained loop in the manner of CleanRL's
+``ppo_atari.py`` (Huang et al., "The 37 implementation details of PPO"), so that the
+trainer (the ``ours`` case of :mod:`benchmarks.cases`) can be timed against it on the same
+machine and device. It is a **timing baseline, not a learning reference**.
 
-Settings (CleanRL's ``ppo_atari.py``): NatureCNN (conv 32 8x8/4, conv 64 4x4/2, conv 64
-3x3/1, linear 512, ReLU) with orthogonal init (gain sqrt(2) for the body, 0.01 for the
-actor head, 1 for the critic head, biases 0), pixels divided by 255; Adam, lr 2.5e-4,
-eps 1e-5, annealed linearly to 0 over the iterations; gamma 0.99, GAE lambda 0.95;
-``num_minibatches`` (4) minibatches and ``update_epochs`` (4) passes per rollout; clip
-0.1, clipped value loss, per-minibatch advantage normalisation, entropy 0.01, value 0.5,
-global grad-norm clip 0.5, no target KL; ``torch.backends.cudnn.deterministic = True``
-(CleanRL's ``torch_deterministic``; restored on return). Rollout storage (float32, as
-CleanRL keeps it) lives on the device; the rollout runs under ``torch.no_grad()``,
-samples with ``torch.distributions.Categorical`` and makes one ``.cpu().numpy()``
-transfer per step for the env. Minibatch order comes from ``np.random.shuffle``; the
-``.item()`` calls CleanRL makes (clip fraction per minibatch, the logged losses per
-iteration) are kept, its TensorBoard writes and prints are not.
-
-Timed region, steps and params follow :mod:`benchmarks.cases`: ``p`` is
-``cases.DEFAULTS`` updated with the benchmark's params (``env_id``, ``num_envs``,
-``num_steps``, ``num_minibatches``, ``update_epochs``, ``total_timesteps``, ``seed``,
-``clip_reward``, optionally ``device``); the clocks run from before the env is built to
-the end of training; the agent steps are ``total_timesteps // (num_envs * num_steps)``
-whole rollouts, as the trainer counts them. A smoke run (Breakout, 2 envs x 64 steps, two
-rollouts)::
-
-    python -m benchmarks.cases cleanrl_atari '{"env_id": "ALE/Breakout-v5", "clip_reward": 1.0, "num_envs": 2, "num_steps": 64, "total_timesteps": 256}'
+Settings as ``ppo_atari.py``: NatureCNN with orthogonal init, pixels / 255; Adam (lr
+2.5e-4 annealed linearly to 0, eps 1e-5); gamma 0.99, GAE lambda 0.95; clip 0.1, clipped
+value loss, per-minibatch advantage normalisation, entropy 0.01, value 0.5, grad-norm clip
+0.5; ``cudnn.deterministic`` (restored on return). Rollout storage lives on the device, one
+``.cpu().numpy()`` per step for the env, and CleanRL's ``.item()`` calls are kept (its
+TensorBoard writes are not). ``p`` is ``cases.DEFAULTS`` with the benchmark's params; the
+steps are whole rollouts, as the trainer counts them.
 
 Differences from CleanRL's script, so that only the loop differs from the trainer's run:
+the environment is the trainer's (:func:`trainers.envs.make_vector_env`, sync, the
+:class:`~trainers.config.AtariConfig` defaults), not CleanRL's SB3 wrappers; and with
+gymnasium's ``NEXT_STEP`` autoreset, this loop keeps CleanRL's ``next_done`` bookkeeping,
+so the reset step after an episode's end enters the batch as a spurious transition and
+truncations count as terminations (the trainer masks the one and bootstraps the other: a
+negligible difference in work on Atari-length episodes).
 
-* The environment is the trainer's (:func:`trainers.envs.make_vector_env`, sync
-  vectorisation, :class:`~trainers.config.AtariConfig` defaults: gymnasium's
-  ``AtariPreprocessing`` with 30 no-op starts, frame skip 4, 84x84 grayscale, 4 stacked
-  frames, no life-loss termination and no FIRE reset, sticky actions of ``ALE/*-v5``;
-  rewards clipped to ``[-clip_reward, clip_reward]``), not CleanRL's SB3 wrapper stack.
-* Autoreset is gymnasium's ``NEXT_STEP``: the step that ends an episode returns the
-  episode's final observation, and the following step resets the env, ignores its action
-  and returns reward 0. This loop keeps CleanRL's simpler ``next_done`` bookkeeping, so
-  that reset step enters the batch as a (spurious) transition from the final to the
-  first observation, and truncations are treated as terminations. The trainer instead
-  masks the reset step out of GAE and the minibatches and bootstraps truncations from
-  V(final observation): per episode end it trains on one sample less, a negligible
-  difference in work on Atari-length episodes.
+    python -m benchmarks.cases cleanrl_atari '{"env_id": "ALE/Breakout-v5", "clip_reward": 1.0, "num_envs": 2, "num_steps": 64, "total_timesteps": 256}'
 """
 
 from __future__ import annotations

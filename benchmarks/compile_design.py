@@ -1,21 +1,13 @@
 """How probes should meet ``torch.compile``: the measurement that chose the design.
 
-Two designs for a probe hook on a compiled MLP (64-64 ReLU, 4 inputs, 3 outputs,
-minibatch 128, Adam; one hook on the second ReLU reading the activation forward and its
-gradient through a tensor hook, the work of a ``relu`` + ``fisher`` probe):
-
-* ``traced``: the hook is installed and removed at pass boundaries, as the sampler
-  does, with its body under ``torch.compiler.disable``, so dynamo traces the module call
-  and breaks the graph at the hook;
-* ``eager``: the shipped design (:mod:`policy_probes.compiled`): the hook is installed
-  with ``torch.compiler.set_stance("force_eager")`` for the observed pass and removed with
-  the stance restored, so unobserved passes run the compiled graph.
-
-For each design and each observation rate (every pass, every 4th, none after the first)
-a fresh process trains ``--passes`` passes and reports the milliseconds per pass after
-the first 20 (compiles and warm-up) and dynamo's counts: frames compiled, graphs, graph
-breaks. Processes run interleaved (traced, eager, traced, ...), ``--repeats`` each; the
-table gives medians.
+A hook on the second ReLU of a compiled 64-64 ReLU MLP (minibatch 128, Adam) reads the
+activation and, through a tensor hook, its gradient, in two designs: ``traced`` (the
+hook's body under ``torch.compiler.disable``: dynamo traces the module call and breaks
+the graph at the hook) and ``eager`` (the shipped design, :mod:`policy_probes.compiled`:
+the observed pass runs under ``torch.compiler.set_stance("force_eager")``). Per design and
+observation rate (:data:`RATES`) a fresh process trains ``--passes`` passes and reports
+milliseconds per pass after the first 20 and dynamo's counts; processes run interleaved,
+``--repeats`` each, and the table gives medians (docs/compile.md).
 
     python -m benchmarks.compile_design [--backend inductor] [--repeats 5] [--passes 300]
 """
@@ -26,11 +18,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
-from benchmarks.ab import RESULTS, ROOT, machine
+from benchmarks.ab import RESULTS, json_result, machine
 
 RATES = {"every": 1, "every_4": 4, "first_only": 10**9}
 
@@ -110,16 +101,12 @@ def main(argv: list[str] | None = None) -> None:
     runs: dict[str, list[dict]] = {}
     for r in range(args.repeats):
         for rate in RATES:
-            designs = ("traced", "eager") if r % 2 == 0 else ("eager", "traced")
-            for design in designs:
+            for design in ("traced", "eager") if r % 2 == 0 else ("eager", "traced"):
                 cmd = [sys.executable, "-m", "benchmarks.compile_design", "--one", design, rate]
                 cmd += ["--backend", args.backend, "--passes", str(args.passes)]
-                out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-                lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
-                if out.returncode != 0 or not lines:
-                    raise RuntimeError(out.stderr[-3000:])
-                runs.setdefault(f"{design}/{rate}", []).append(json.loads(lines[-1]))
-                print(f"[{r + 1}/{args.repeats}] {design}/{rate}: {runs[f'{design}/{rate}'][-1]}")
+                key = f"{design}/{rate}"
+                runs.setdefault(key, []).append(json_result(cmd, env, key))
+                print(f"[{r + 1}/{args.repeats}] {key}: {runs[key][-1]}")
     table = {
         key: {
             "median_ms_per_pass": statistics.median(x["ms_per_pass"] for x in vals),

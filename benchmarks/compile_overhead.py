@@ -1,25 +1,13 @@
 """Benchmark: probes on a compiled policy (``trainer.compile=true``, inductor), against the
 same compiled run without probes, and compiled against eager training.
 
-The built-in trainer on CartPole (the throughput benchmark's setup with a ReLU policy:
-4 envs x 128 steps, 4 minibatches, 4 update epochs, 40 epochs), the five module probes on
-``actor_mlp`` and ``critic_mlp`` (as in ``benchmarks.probe_overhead``). Probes observe
-their passes eagerly (``docs/compile.md``), so their price under compile is the eager
-pass they take plus what the probes themselves cost:
-
-* ``default``: compiled, probes at the toolkit's default (``probe_budget=0.05``) against
-  compiled without probes (target <= 1.05);
-* ``every``: compiled, probes on every pass (every pass then runs eagerly) against
-  compiled without probes (measured);
-* ``compile``: compiled against eager, both without probes (what compiling buys here);
-* ``every_eager``: compiled with probes on every pass against eager with probes on every
-  pass (the same eager passes: the difference is dynamo's dispatch to the eager code).
-
-Each run reports the graphs dynamo compiled and the graph breaks it met (``extra``).
-The timed region includes compiling (the first epoch): inductor's on-disk cache makes
-later processes' compiles mostly cache hits, which is what a user's second run sees too.
-The update phases after the first epoch (``update_seconds``) give the steady state: their
-B/A ratio per pair is written as ``steady_update_ratios_b_over_a``.
+The probe-overhead benchmark's CartPole setup (ReLU policy, the five module probes on
+``actor_mlp`` and ``critic_mlp``, 40 epochs); ``--only`` keys: ``default`` (compiled,
+probes at ``probe_budget=0.05``, against compiled without probes), ``every`` (the same at
+every pass), ``compile`` (compiled against eager, no probes) and ``every_eager`` (probes on
+every pass, compiled against eager). The timed region includes compiling; the update
+phases after the first epoch give the steady state (``steady_update_ratios_b_over_a``).
+Results are written after every round.
 
     python -m benchmarks.compile_overhead [--quick] [--repeats N] [--out PATH] [--only KEYS]
         [--backend inductor]
@@ -30,17 +18,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from functools import partial
 from pathlib import Path
 
-from benchmarks.ab import (
-    Comparison,
-    Side,
-    parse_args,
-    print_table,
-    run_case,
-    summary,
-    write_results,
-)
+from benchmarks import ab
 
 #: ``--only`` keys, in the order the comparisons run
 KEYS = ["default", "every", "compile", "every_eager"]
@@ -48,38 +29,35 @@ KEYS = ["default", "every", "compile", "every_eager"]
 
 def comparisons(
     quick: bool, only: list[str] | None = None, backend: str = "inductor"
-) -> list[Comparison]:
+) -> list[ab.Comparison]:
     base = {"total_timesteps": 512 if quick else 20_480, "activation": "relu"}
     compiled = dict(base, compile=True, compile_backend=backend)
     every = {"probes": True, "probe_budget": None, "probe_schedule": None}
+    plain = ab.Side("compiled, no probes", "ours", compiled)
+    probed = ab.Side("compiled, probes every pass", "ours", dict(compiled, **every))
     comps = {
-        "default": Comparison(
+        "default": ab.adding(
             "compiled: five probes x 2 at the default budget",
-            Side("compiled, no probes", "ours", compiled),
-            Side(
-                "compiled, probes (budget 0.05)",
-                "ours",
-                dict(compiled, probes=True, probe_budget=0.05),
-            ),
-            target="<= 1.05",
+            plain,
+            "compiled, probes (budget 0.05)",
+            "<= 1.05",
+            probes=True,
+            probe_budget=0.05,
         ),
-        "every": Comparison(
-            "compiled: five probes x 2 on every pass",
-            Side("compiled, no probes", "ours", compiled),
-            Side("compiled, probes every pass", "ours", dict(compiled, **every)),
-            target="measured",
+        "every": ab.Comparison(
+            "compiled: five probes x 2 on every pass", plain, probed, "measured"
         ),
-        "compile": Comparison(
+        "compile": ab.Comparison(
             "compiled vs eager, no probes",
-            Side("eager", "ours", dict(base)),
-            Side("compiled", "ours", compiled),
-            target="measured",
+            ab.Side("eager", "ours", dict(base)),
+            ab.Side("compiled", "ours", compiled),
+            "measured",
         ),
-        "every_eager": Comparison(
+        "every_eager": ab.Comparison(
             "probes on every pass: compiled vs eager",
-            Side("eager, probes every pass", "ours", dict(base, **every)),
-            Side("compiled, probes every pass", "ours", dict(compiled, **every)),
-            target="measured",
+            ab.Side("eager, probes every pass", "ours", dict(base, **every)),
+            probed,
+            "measured",
         ),
     }
     return [comps[k] for k in (only or KEYS)]
@@ -101,43 +79,35 @@ def main(argv: list[str] | None = None) -> None:
     backend = argparse.ArgumentParser(add_help=False)
     backend.add_argument("--backend", default="inductor", help="torch.compile backend")
     chosen, rest = backend.parse_known_args(argv)
-    args = parse_args(__doc__.splitlines()[0], 6, "compile_overhead.json", rest, KEYS)
+    args = ab.parse_args(__doc__.splitlines()[0], 6, "compile_overhead.json", rest, KEYS)
     comps = comparisons(args.quick, args.only, chosen.backend)
-    for r in range(args.repeats):  # ab.interleave, written after every round
-        for comp in comps:
-            order = (comp.a, comp.b) if r % 2 == 0 else (comp.b, comp.a)
-            results = {side.label: run_retrying(side) for side in order}
-            ra, rb = results[comp.a.label], results[comp.b.label]
-            comp.seconds_a.append(ra.pop("seconds"))
-            comp.seconds_b.append(rb.pop("seconds"))
-            comp.extra_a.append(ra)
-            comp.extra_b.append(rb)
-            print(f"[{r + 1}/{args.repeats}] {comp.name}: ratio {comp.ratios[-1]:.3f}", flush=True)
-        record(args.out, comps)
-    print_table("compiled policies: wall time B / A", comps)
+    log = partial(print, flush=True)
+    ab.interleave(comps, args.repeats, log, run_retrying, lambda: record(args.out, comps))
+    ab.print_table("compiled policies: wall time B / A", comps)
     for comp in json.loads(args.out.read_text())["comparisons"]:
         ratio = comp["median_steady_update_ratio_b_over_a"]
         print(f"{comp['name']}: update phases after epoch 1, B/A {ratio:.3f}")
 
 
-def run_retrying(side: Side) -> dict:
+def run_retrying(side: ab.Side) -> dict:
     """One measurement; run again once if the process failed (a shared machine's
     processes are sometimes killed from outside)."""
     try:
-        return run_case(side.case, side.params)
+        return ab.run_case(side.case, side.params)
     except RuntimeError as exc:
         print(f"retrying {side.label}: {str(exc).splitlines()[0]}", flush=True)
-        return run_case(side.case, side.params)
+        return ab.run_case(side.case, side.params)
 
 
-def record(path: Path, comps: list[Comparison]) -> None:
-    write_results(path, "compile overhead: t(B)/t(A)", comps, overhead=summary(comps))
-    payload = json.loads(path.read_text())
+def record(path: Path, comps: list[ab.Comparison]) -> None:
+    """The results so far, with the steady-state update ratios of every comparison."""
+    payload = {"title": "compile overhead: t(B)/t(A)", "machine": ab.machine()}
+    payload |= {"comparisons": [c.row() for c in comps], "overhead": ab.summary(comps)}
     for comp in payload["comparisons"]:
         ratios = steady_update_ratios(comp)
         comp["steady_update_ratios_b_over_a"] = ratios
         comp["median_steady_update_ratio_b_over_a"] = statistics.median(ratios)
-    path.write_text(json.dumps(payload, indent=2) + "\n")
+    ab.write_json(path, payload)
 
 
 if __name__ == "__main__":

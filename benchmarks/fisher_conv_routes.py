@@ -1,12 +1,9 @@
 """The conv Fisher's two exact routes timed against each other on one device: the
-grouped correlation (``ConvRule.squares(method="correlate")``, the CPU's default) and the
-im2col contraction (``"unfold"``, the accelerators' default until measured), on
-NatureCNN's three conv layers. Which route a device takes by default is chosen from this
-measurement (docs/probes/fisher.md, "Cost").
-
-Per layer and batch size: the median of ``--repeats`` timed calls after two warm-ups
-(``torch.cuda.synchronize`` around each on CUDA; one thread on the CPU), and on CUDA the
-peak memory the call allocates. Both routes are checked to agree before timing.
+grouped correlation (``ConvRule.squares(method="correlate")``) and the im2col contraction
+(``"unfold"``) on NatureCNN's three conv layers; the default route of each device is chosen
+from this measurement (docs/probes/fisher.md, "Cost"). Per layer and batch size: the
+median of ``--repeats`` timed calls after two warm-ups and, on CUDA, the peak memory a
+call allocates; both routes are checked to agree first.
 
     python -m benchmarks.fisher_conv_routes [--device cuda] [--batches 256,1024] [--repeats 10]
 """
@@ -24,10 +21,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from benchmarks.ab import RESULTS, write_json
 from policy_probes.probes.fisher_rules import ConvRule, chunk_bytes_for
 from trainers.nature_cnn import NATURE_CONVS, conv_output_size
 
-RESULTS = Path(__file__).resolve().parent / "results"
 METHODS = ("correlate", "unfold")
 
 
@@ -101,10 +98,8 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps(row), flush=True)
             rows.append(row)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu, one thread"
-    out = args.out or RESULTS / f"fisher_conv_routes_{device.type}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
     payload = {"device": name, "torch": torch.__version__, "chunk_bytes": chunk, "rows": rows}
-    out.write_text(json.dumps(payload, indent=2) + "\n")
+    write_json(args.out or RESULTS / f"fisher_conv_routes_{device.type}.json", payload)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -51,14 +52,13 @@ def nature_cnn() -> nn.Module:
     )
 
 
-def make_pass(
-    body: nn.Module, width: int, x: torch.Tensor, probed: bool, **settings: object
-) -> Callable[[], None]:
+def make_pass(body: nn.Module, width: int, x: torch.Tensor, probed: bool) -> Callable[[], None]:
+    """One training pass of ``body`` + a 6-way linear head on ``x``, with the Fisher probe
+    on ``body`` when ``probed`` (its tracker flushed after every pass)."""
     model = PolicyAutoBuilder.wrap(nn.Sequential(body, nn.Linear(width, 6)), {"body": "0"})
     ctx = ComponentContext()
     if probed:
-        builder = attach_fisher_information_hooks(**settings)
-        model.attach("body", builder, ctx, backward=True)
+        model.attach("body", attach_fisher_information_hooks(), ctx, backward=True)
     a = torch.randint(0, 6, (x.shape[0],))
 
     def one() -> None:
@@ -78,9 +78,15 @@ def seconds(step: Callable[[], None], passes: int) -> float:
 
 
 def measure(
-    name: str, build: Callable[[bool], Callable[[], None]], repeats: int, passes: int
+    name: str,
+    body: Callable[[], nn.Module],
+    width: int,
+    x: torch.Tensor,
+    repeats: int,
+    passes: int,
 ) -> dict:
-    plain, probed = build(False), build(True)
+    """Plain and probed passes of a new ``body()`` each, alternating, ``repeats`` pairs."""
+    plain, probed = make_pass(body(), width, x, False), make_pass(body(), width, x, True)
     pairs = []
     for r in range(repeats):
         order = (plain, probed) if r % 2 == 0 else (probed, plain)
@@ -113,25 +119,11 @@ def main() -> None:
     rows = []
     for batch, seq, hidden in ((64, 16, 64), (256, 16, 64)):
         x = torch.randn(batch, seq, 32)
-        rows.append(
-            measure(
-                f"LSTM(32->{hidden}) batch {batch} x {seq} steps",
-                lambda probed, x=x, hidden=hidden: make_pass(
-                    LSTMPolicy(32, hidden), hidden, x, probed
-                ),
-                repeats,
-                passes,
-            )
-        )
+        name = f"LSTM(32->{hidden}) batch {batch} x {seq} steps"
+        rows.append(measure(name, partial(LSTMPolicy, 32, hidden), hidden, x, repeats, passes))
     x = torch.rand(64, 4, 84, 84)
-    rows.append(
-        measure(
-            "NatureCNN batch 64 (conv rule)",
-            lambda probed: make_pass(nature_cnn(), 512, x, probed),
-            repeats,
-            max(passes // 2, 1),
-        )
-    )
+    cnn = "NatureCNN batch 64 (conv rule)"
+    rows.append(measure(cnn, nature_cnn, 512, x, repeats, max(passes // 2, 1)))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     machine = {"python": platform.python_version(), "torch": torch.__version__}
     args.out.write_text(json.dumps({"machine": machine, "rows": rows}, indent=2))

@@ -1,19 +1,11 @@
 """Probe overhead and trainer speed on a CUDA GPU: the GPU rows of docs/benchmarks.md.
 
-The same A/B harness as every benchmark (:mod:`benchmarks.ab`: fresh interpreters, A B /
-B A pairs, median of the per-pair ratios), with every side on ``device=cuda``:
-
-* ``recipe`` / ``recipe_every``: the cartpole recipe as it ships (its probes on
-  ``actor_mlp`` and ``critic_mlp``, JSONL/CSV sinks, evaluation, checkpoints) against the
-  same configuration without probes, at the default sampling and at every pass;
-* ``atari`` / ``atari_every``: the Atari recipe's probes (NatureCNN encoder per layer,
-  both heads) on the trainer, Breakout, 8 envs x 128 steps, against no probes;
-* ``cleanrl``: the trainer without probes against a CleanRL ``ppo_atari.py``-style loop
-  (:mod:`benchmarks.cleanrl_style`) on the same environment and settings: ratio > 1 means
-  the trainer is slower.
-
-Each result row names the GPU. A side whose probes were disabled by a fault lists them
-under ``probe_errors`` (its time would then understate the cost).
+Every side on ``device=cuda``: the cartpole recipe (``recipe``, ``recipe_every``) and the
+Atari recipe's probes on Breakout (``atari``, ``atari_every``) against no probes, at the
+default sampling and at every pass; and (``cleanrl``) the trainer without probes against
+the CleanRL ``ppo_atari.py``-style loop of :mod:`benchmarks.cleanrl_style` (ratio > 1:
+the trainer is slower). Sides whose probes a fault disabled list them under
+``probe_errors``.
 
     python -m benchmarks.gpu_overhead [--quick] [--repeats N] [--out PATH] [--only KEYS]
 """
@@ -36,6 +28,7 @@ def comparisons(quick: bool, only: list[str] | None = None) -> list[Comparison]:
     )
     atari = dict(atari_params(quick, total_timesteps=4096), **CUDA)
     bare_atari = Side("no probes", "ours", atari)
+    name = "Atari recipe (NatureCNN)"
     comps = {
         "recipe": adding(
             "cartpole recipe, default (GPU)", recipe, "recipe", probes=True, **DEFAULT
@@ -43,11 +36,9 @@ def comparisons(quick: bool, only: list[str] | None = None) -> list[Comparison]:
         "recipe_every": adding(
             "cartpole recipe, every pass (GPU)", recipe, "recipe", probes=True, **EVERY
         ),
-        "atari": adding(
-            "Atari recipe (NatureCNN), default (GPU)", bare_atari, "probes", probes=True, **DEFAULT
-        ),
+        "atari": adding(f"{name}, default (GPU)", bare_atari, "probes", probes=True, **DEFAULT),
         "atari_every": adding(
-            "Atari recipe (NatureCNN), every pass (GPU)", bare_atari, "probes", probes=True, **EVERY
+            f"{name}, every pass (GPU)", bare_atari, "probes", probes=True, **EVERY
         ),
         "cleanrl": Comparison(
             "trainer vs CleanRL ppo_atari-style loop, no probes (GPU)",

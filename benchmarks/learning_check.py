@@ -16,11 +16,12 @@ time on the long Pendulum budget; the steps it took are reported).
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import time
 from pathlib import Path
 from typing import Any
+
+from benchmarks.ab import write_json
 
 CHECKS: dict[str, dict[str, Any]] = {
     "cartpole": {
@@ -106,18 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="learning check")
-    for col in (
-        "recipe",
-        "seed",
-        "steps run",
-        "best eval",
-        "final eval",
-        "first step >= threshold",
-        "SPS",
-        "pass",
-    ):
-        table.add_column(col)
+    head = ("recipe", "seed", "steps run", "best eval", "final eval", "first step >= threshold")
+    table = Table(*head, "SPS", "pass", title="learning check")
     summary = {}
     for n in names:
         rows = [r for r in results if r["recipe"] == n]
@@ -134,21 +125,15 @@ def main(argv: list[str] | None = None) -> int:
             )
         c = CHECKS[n]
         passed = sum(r["passed"] for r in rows)
-        summary[n] = {
-            **c,
-            "seeds": len(rows),
-            "passed": passed,
-            "ok": passed >= min(c["need"], len(rows)),
-        }
+        summary[n] = {**c, "seeds": len(rows), "passed": passed}
+        summary[n]["ok"] = passed >= min(c["need"], len(rows))
     Console().print(table)
     for n, s in summary.items():
         print(
             f"{n}: {s['passed']}/{s['seeds']} seeds reached {s['threshold']} within {s['budget']:,} steps "
             f"(need {s['need']}/5) -> {'PASS' if s['ok'] else 'FAIL'}"
         )
-    (out / "results.json").write_text(
-        json.dumps({"summary": summary, "runs": results}, indent=2) + "\n"
-    )
+    write_json(out / "results.json", {"summary": summary, "runs": results})
     print(f"results: {out / 'results.json'}")
     return 0 if all(s["ok"] for s in summary.values()) else 1
 

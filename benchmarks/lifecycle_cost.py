@@ -1,17 +1,11 @@
 """Benchmark 5: cost of the lifecycle interventions ``hessian``, ``policy_fisher`` and
 ``counterfactual``.
 
-For each hook two comparisons against the same run without lifecycle hooks (CartPole
-setup of the throughput benchmark, 50 epochs):
-
-* *default schedule*: the hook as a user gets it (``TrainTool(hooks=[name])``): the
-  amortised overhead, wall time with / without;
-* *every epoch*: the hook firing in every epoch (``hessian`` fires at SNAPSHOT, so
-  ``snapshot_every=1``; the other two fire every epoch by default). Its cost per firing
-  in *update-phase equivalents* is (t_B - t_A) / firings / (median update-phase seconds
-  of run A): 1.0 means one firing costs as much as one epoch's whole PPO update phase.
-
-Firings are counted from the epochs in which the hook reported metrics.
+Per hook, against the same run without lifecycle hooks (the throughput benchmark's
+CartPole setup, 50 epochs): the hook at its default schedule (the amortised overhead),
+and the hook firing in every epoch (``hessian`` with ``snapshot_every=1``), whose cost per
+firing is reported in *update-phase equivalents*: (t_B - t_A) / firings / (median
+update-phase seconds of run A). Firings are the epochs in which the hook reported metrics.
 
     python -m benchmarks.lifecycle_cost [--quick] [--repeats N] [--out PATH]
 """
@@ -20,39 +14,33 @@ from __future__ import annotations
 
 import statistics
 
-from benchmarks.ab import Comparison, Side, interleave, parse_args, print_table, write_results
+from benchmarks import ab
 
 HOOKS = ("hessian", "policy_fisher", "counterfactual")
 
 
-def comparisons(quick: bool) -> list[Comparison]:
+def comparisons(quick: bool) -> list[ab.Comparison]:
     base = {"total_timesteps": 2 * 512 if quick else 50 * 512, "track_memory": False}
-    plain = Side("no hooks", "ours", dict(base))
+    plain = ab.Side("no hooks", "ours", dict(base))
     out = []
     for name in HOOKS:
-        out.append(
-            Comparison(
-                f"{name} (default schedule)",
-                plain,
-                Side(name, "ours", dict(base, lifecycle_hooks=[name])),
-                target="amortised",
-            )
-        )
-        every = dict(base, lifecycle_hooks=[name])
-        if name == "hessian":
-            every["snapshot_every"] = 1
-        out.append(
-            Comparison(
+        hooked = dict(base, lifecycle_hooks=[name])
+        every = dict(hooked, snapshot_every=1) if name == "hessian" else dict(hooked)
+        out += [
+            ab.Comparison(
+                f"{name} (default schedule)", plain, ab.Side(name, "ours", hooked), "amortised"
+            ),
+            ab.Comparison(
                 f"{name} (every epoch)",
                 plain,
-                Side(f"{name} every epoch", "ours", every),
-                target="per firing",
-            )
-        )
+                ab.Side(f"{name} every epoch", "ours", every),
+                "per firing",
+            ),
+        ]
     return out
 
 
-def update_phase_equivalents(comp: Comparison, name: str) -> dict:
+def update_phase_equivalents(comp: ab.Comparison, name: str) -> dict:
     """Cost of one firing in units of one epoch's update phase (medians over pairs)."""
     per_pair = []
     for ta, tb, ea, eb in zip(
@@ -69,16 +57,15 @@ def update_phase_equivalents(comp: Comparison, name: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(__doc__.splitlines()[0], 3, "lifecycle_cost.json", argv)
+    args = ab.parse_args(__doc__.splitlines()[0], 3, "lifecycle_cost.json", argv)
     comps = comparisons(args.quick)
-    interleave(comps, args.repeats)
-    print_table("lifecycle interventions (wall time with / without)", comps)
+    ab.interleave(comps, args.repeats)
+    ab.print_table("lifecycle interventions (wall time with / without)", comps)
     cost = {}
     for comp in comps:
-        name = comp.name.split(" ")[0]
-        cost[comp.name] = update_phase_equivalents(comp, name)
+        cost[comp.name] = update_phase_equivalents(comp, comp.name.split(" ")[0])
         print(f"{comp.name}: {cost[comp.name]}")
-    write_results(
+    ab.write_results(
         args.out,
         "lifecycle interventions: t(with hook)/t(without); cost per firing",
         comps,

@@ -2,27 +2,11 @@
 per-epoch issue: the cartpole recipe, SB3 PPO + ProbeCallback, the Atari recipe
 (NatureCNN) and sb3-contrib RecurrentPPO + ProbeCallback.
 
-Side B of every ``default`` comparison runs at the toolkit's default sampling (passes 0,
-16, 32, ... of every epoch, every epoch reporting, the budget of 0.05 checked once):
-``probe_budget=0.05`` given explicitly, because the cases' own default is every pass.
-``every`` comparisons observe every pass (``probe_budget=None``).
-
-Keys for ``--only``: ``recipe`` (the cartpole recipe as it ships, JSONL/CSV sinks,
-evaluation and checkpoints, 51,200 steps = 100 epochs), ``recipe_headline`` (the same with
-the console and offline W&B sinks on as well, as ``policy-probes run`` starts it; no
-target of the issue, the cost a user of the headline command sees), ``recipe_floor`` (the
-recipe with its four probes on ``actor_mlp`` alone and ``per_layer=False``: one row block
-per probe and pass, the least any batching of layers and components could leave the report
-of these probes to reduce; no target, a bound on the ``recipe`` target), ``sb3_floor``
-(the same bound for ``sb3``: its five probes on ``actor_mlp`` alone, ``per_layer=False``;
-the two bounds run only when named in ``--only``), ``sb3`` (SB3 PPO + ProbeCallback, five
-probes x 2 components, 32,768 steps), ``atari`` (the Atari recipe's probes on the
-NatureCNN PPO, Breakout, 8 envs x 128 steps, 4096 steps = 4 epochs), ``recurrent``
-(RecurrentPPO + ProbeCallback, 18 probes on LSTMs and MLPs with the padding mask, 4096
-steps), ``every_five`` (five probes x 2 on the CartPole MLPs at every pass, 20,480 steps)
-and ``every_atari`` (the Atari recipe's probes at every pass). Same harness as every
-benchmark (:mod:`benchmarks.ab`): fresh interpreters, A B / B A pairs, median of the
-per-pair ratios.
+``default`` comparisons give the toolkit's default sampling explicitly
+(``probe_budget=0.05``; the cases' own default is every pass), ``every_*`` ones observe
+every pass. ``recipe_headline`` adds the console and offline W&B sinks; the bounds
+``recipe_floor`` and ``sb3_floor`` (the probes on ``actor_mlp`` alone, no per-layer keys)
+run only when named in ``--only``.
 
     python -m benchmarks.per_epoch_default [--quick] [--repeats N] [--out PATH] [--only KEYS]
 """
@@ -50,95 +34,67 @@ EVERY = {"probe_budget": None, "probe_schedule": None}
 
 
 def comparisons(quick: bool, only: list[str] | None = None) -> list[Comparison]:
-    atari = atari_params(quick, total_timesteps=4096)
-    recipe = Side("recipe, no probes", "recipe", {"total_timesteps": 4096 if quick else 51_200})
+    recipe_steps = {"total_timesteps": 4096 if quick else 51_200}
+    recipe = Side("recipe, no probes", "recipe", recipe_steps)
     headline = Side(
         "recipe with console and W&B, no probes",
         "recipe",
-        {"total_timesteps": 4096 if quick else 51_200, "recipe_sinks": "headline"},
+        dict(recipe_steps, recipe_sinks="headline"),
     )
-    sb3 = Side("sb3", "sb3", {"total_timesteps": 1024 if quick else 32_768, "activation": "relu"})
-    recurrent = Side(
-        "recurrent ppo",
-        "sb3",
-        {"total_timesteps": 512 if quick else 4096, "activation": "relu", "recurrent": True},
-    )
-    five = Side(
-        "no probes", "ours", {"total_timesteps": 512 if quick else 20_480, "activation": "relu"}
-    )
+    relu = {"activation": "relu"}
+    sb3 = Side("sb3", "sb3", {"total_timesteps": 1024 if quick else 32_768, **relu})
+    recurrent = {"total_timesteps": 512 if quick else 4096, **relu, "recurrent": True}
+    five = Side("no probes", "ours", {"total_timesteps": 512 if quick else 20_480, **relu})
+    atari = Side("no probes", "ours", atari_params(quick, total_timesteps=4096))
+    probes, callback = {"probes": True}, {"probe_callback": True}
+    one = {"per_layer": False, "probe_components": ["actor_mlp"]}
     comps = {
-        "recipe": adding(
-            "cartpole recipe, default", recipe, "recipe", "<= 1.05", probes=True, **DEFAULT
-        ),
-        "recipe_headline": adding(
+        # key: (name, side A, label of B, target, what B adds)
+        "recipe": ("cartpole recipe, default", recipe, "recipe", "<= 1.05", probes),
+        "recipe_headline": (
             "cartpole recipe with console and W&B sinks, default",
             headline,
             "recipe",
             "-",
-            probes=True,
-            **DEFAULT,
+            probes,
         ),
-        "recipe_floor": adding(
+        "recipe_floor": (
             "cartpole recipe, its four probes on one component, default",
             recipe,
             "four probes, actor_mlp alone",
             "-",
-            probes=True,
-            recipe_probes="one_component",
-            **DEFAULT,
+            dict(probes, recipe_probes="one_component"),
         ),
-        "sb3": adding(
-            "SB3 PPO + ProbeCallback, default",
-            sb3,
-            "+ ProbeCallback",
-            "<= 1.05",
-            probe_callback=True,
-            **DEFAULT,
-        ),
-        "sb3_floor": adding(
+        "sb3": ("SB3 PPO + ProbeCallback, default", sb3, "+ ProbeCallback", "<= 1.05", callback),
+        "sb3_floor": (
             "SB3 PPO + ProbeCallback, five probes on one component, default",
             sb3,
             "+ ProbeCallback, actor_mlp alone",
             "-",
-            probe_callback=True,
-            per_layer=False,
-            probe_components=["actor_mlp"],
-            **DEFAULT,
+            dict(callback, **one),
         ),
-        "atari": adding(
-            "Atari recipe (NatureCNN), default",
-            Side("no probes", "ours", atari),
-            "probes",
-            "<= 1.05",
-            probes=True,
-            **DEFAULT,
-        ),
-        "recurrent": adding(
+        "atari": ("Atari recipe (NatureCNN), default", atari, "probes", "<= 1.05", probes),
+        "recurrent": (
             "RecurrentPPO + ProbeCallback, default",
-            recurrent,
+            Side("recurrent ppo", "sb3", recurrent),
             "+ ProbeCallback",
             "<= 1.10",
-            probe_callback=True,
-            **DEFAULT,
+            callback,
         ),
-        "every_five": adding(
+    }
+    every = {
+        "every_five": (
             "five probes x 2 (CartPole MLPs), every pass",
             five,
             "probes",
             "<= 1.30",
-            probes=True,
-            **EVERY,
+            probes,
         ),
-        "every_atari": adding(
-            "Atari recipe (NatureCNN), every pass",
-            Side("no probes", "ours", atari),
-            "probes",
-            "<= 1.50",
-            probes=True,
-            **EVERY,
-        ),
+        "every_atari": ("Atari recipe (NatureCNN), every pass", atari, "probes", "<= 1.50", probes),
     }
-    return [comps[k] for k in (only or KEYS)]
+    made = {k: adding(*spec[:4], **spec[4], **DEFAULT) for k, spec in comps.items()}
+    made.update({k: adding(*spec[:4], **spec[4], **EVERY) for k, spec in every.items()})
+    return [made[k] for k in (only or KEYS)]
 
 
 def main(argv: list[str] | None = None) -> None:

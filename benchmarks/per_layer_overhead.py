@@ -1,9 +1,6 @@
 """The cost of per-layer reporting alone: the per_layer row of benchmarks.probe_overhead.
 
-Five probes on actor_mlp and critic_mlp of the CartPole ReLU policy, every training step,
-``per_layer=False`` (A) against ``per_layer=True`` (B, the default), A/B interleaved.
-
-    python -m benchmarks.per_layer_overhead [--quick] [--repeats N] [--out PATH]
+python -m benchmarks.per_layer_overhead [--quick] [--repeats N] [--out PATH]
 """
 
 from __future__ import annotations

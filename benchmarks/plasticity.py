@@ -1,21 +1,12 @@
 """Plasticity experiment: permuted-observation CartPole, with and without each remedy.
 
-Every run is ``recipes.cartpole_permuted.train`` (CartPole whose 4 observation features
-are permuted every ``--period`` epochs, a 64-64 ReLU actor-critic trained by PPO at a
-constant lr 3e-3, ReLU activation probes on ``actor_mlp`` and ``critic_mlp``) with the
-overrides of one arm, exactly as ``policy-probes run ... key=value`` would apply them:
-
-* ``none``: no remedy;
-* ``redo``: ReDo (tau 0.1) on both MLPs every 10 epochs;
-* ``shrink_and_perturb``: theta <- 0.8 theta + 0.01 theta_init on both MLPs every 10 epochs;
-* ``reset_layers``: the last hidden layer of both MLPs re-initialised every 40 epochs.
-
-The same seed gives every arm the same sequence of permutations. Per run it keeps the
-training episode return, the dormant fraction of each MLP (score <= 0.025, the ReLU
-probe's default) and the units the remedies reset, per epoch; it writes the figure
-(``--figure``: return smoothed over 10 epochs, dormant fractions; mean and +-1 std over
-seeds), the results (``--results``: every run's curves) and the table in ``--doc``
-between the ``plasticity:begin``/``plasticity:end`` markers, with the command line.
+Every run is ``recipes.cartpole_permuted.train_measured`` (CartPole whose 4 observation
+features are permuted every ``--period`` epochs; docs/plasticity.md) with the overrides of
+one arm of :data:`ARMS`, exactly as ``policy-probes run ... key=value`` would apply them;
+the same seed gives every arm the same permutations. It writes the figure (``--figure``:
+return smoothed over 10 epochs and dormant fractions, mean and +-1 std over seeds), every
+run's curves (``--results``) and the tables in ``--doc`` between the
+``plasticity:begin``/``plasticity:end`` markers (and ``plasticity-measures`` ones).
 
     nice python -m benchmarks.plasticity --seeds 1,2,3,4,5 --jobs 2     # make plasticity
     python -m benchmarks.plasticity --from-results     # redraw figure and tables only
@@ -36,41 +27,44 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.ab import write_json
+
 RECIPE = "recipes.cartpole_permuted.train_measured"
 COMPONENTS = ("actor_mlp", "critic_mlp")
-#: the plasticity measures kept per epoch (name -> POST_EPOCH key)
+BATCH = 4 * 128  # agent steps per epoch (the recipe's 4 envs x 128 steps)
+
+
+def _both(name: str, key: str) -> dict[str, str]:
+    """``name_actor`` and ``name_critic``: ``key`` with ``{c}`` as each MLP."""
+    return {f"{name}_{c.removesuffix('_mlp')}": key.format(c=c) for c in COMPONENTS}
+
+
+def _layers(name: str, key: str) -> dict[str, str]:
+    """``name_actor_l0`` ... ``name_critic_l1``: ``key`` with ``{c}`` as each MLP's layer."""
+    return {
+        f"{name}_{c.removesuffix('_mlp')}_l{i}": key.format(c=f"{c}.layer_{i}")
+        for c in COMPONENTS
+        for i in (0, 1)
+    }
+
+
+#: the plasticity measures kept (name -> POST_EPOCH key), as per-period means
 MEASURES: dict[str, str] = {
-    "dormant_actor": "probes/relu/actor_mlp/dormant_fraction",
-    "dormant_critic": "probes/relu/critic_mlp/dormant_fraction",
-    "dormant_tau0.1_actor": "probes/relu/actor_mlp/dormant_fraction_tau_0.1",
-    "dormant_tau0.1_critic": "probes/relu/critic_mlp/dormant_fraction_tau_0.1",
-    "dead_actor": "probes/relu/actor_mlp/dead_fraction",
-    "dead_critic": "probes/relu/critic_mlp/dead_fraction",
+    **_both("dormant", "probes/relu/{c}/dormant_fraction"),
+    **_both("dormant_tau0.1", "probes/relu/{c}/dormant_fraction_tau_0.1"),
+    **_both("dead", "probes/relu/{c}/dead_fraction"),
     "policy_kl": "probes/churn/actor_head/policy_kl",
     "value_change": "probes/churn/critic_head/value_change",
-    "weight_norm_actor": "probes/weights/actor_mlp/norm",
-    "weight_norm_critic": "probes/weights/critic_mlp/norm",
-    "init_distance_actor": "probes/weights/actor_mlp/init_distance",
-    "init_distance_critic": "probes/weights/critic_mlp/init_distance",
-    "update_ratio_actor": "probes/weights/actor_mlp/update_ratio",
-    "update_ratio_critic": "probes/weights/critic_mlp/update_ratio",
-    "preact_drift_actor_l0": "probes/preactivation/actor_mlp.layer_0.linear/mean_drift",
-    "preact_drift_actor_l1": "probes/preactivation/actor_mlp.layer_1.linear/mean_drift",
-    "preact_drift_critic_l0": "probes/preactivation/critic_mlp.layer_0.linear/mean_drift",
-    "preact_drift_critic_l1": "probes/preactivation/critic_mlp.layer_1.linear/mean_drift",
-    "feature_norm_actor": "probes/preactivation/actor_mlp/feature_norm",
-    "feature_norm_critic": "probes/preactivation/critic_mlp/feature_norm",
-    "low_utility_actor_l0": "probes/utility/actor_mlp.layer_0/low_utility_fraction",
-    "low_utility_actor_l1": "probes/utility/actor_mlp.layer_1/low_utility_fraction",
-    "low_utility_critic_l0": "probes/utility/critic_mlp.layer_0/low_utility_fraction",
-    "low_utility_critic_l1": "probes/utility/critic_mlp.layer_1/low_utility_fraction",
-    "fisher_trace_actor": "probes/fisher/actor_mlp/trace",
-    "fisher_trace_critic": "probes/fisher/critic_mlp/trace",
-    "noise_scale_actor": "probes/fisher/actor_mlp/grad_noise_scale",
-    "noise_scale_critic": "probes/fisher/critic_mlp/grad_noise_scale",
+    **_both("weight_norm", "probes/weights/{c}/norm"),
+    **_both("init_distance", "probes/weights/{c}/init_distance"),
+    **_both("update_ratio", "probes/weights/{c}/update_ratio"),
+    **_layers("preact_drift", "probes/preactivation/{c}.linear/mean_drift"),
+    **_both("feature_norm", "probes/preactivation/{c}/feature_norm"),
+    **_layers("low_utility", "probes/utility/{c}/low_utility_fraction"),
+    **_both("fisher_trace", "probes/fisher/{c}/trace"),
+    **_both("noise_scale", "probes/fisher/{c}/grad_noise_scale"),
     "value_target_std": "train/value_target_std",
 }
-# (the results keep each measure as its per-period means, the curves above per epoch)
 ARMS: dict[str, list[str]] = {
     "none": [],
     "redo": [f"redo@{c}:tau=0.1,every_epochs=10" for c in COMPONENTS],
@@ -82,31 +76,33 @@ ARMS: dict[str, list[str]] = {
 RETURN_KEY = "rollout/episode_return"
 SMOOTH = 10  # epochs in the figure's moving average of the return
 BEGIN, END = "<!-- plasticity:begin -->", "<!-- plasticity:end -->"
+NO_CHECKPOINTS = ["checkpoint.every_epochs=0", "checkpoint.at_end=false"]
 
 
-def run_overrides(arm: str, seed: int, epochs: int, period: int, run_dir: Path) -> list[str]:
-    """The ``key=value`` overrides of one run (the batch is the recipe's 4 envs x 128 steps)."""
-    batch = 4 * 128
-    out = [
+def base_overrides(seed: int, epochs: int, period: int, run_dir: Path) -> list[str]:
+    """The ``key=value`` overrides every run of the experiments shares: seed, length,
+    permutation period, run directory, and no console, CSV, TensorBoard or W&B."""
+    return [
         f"seed={seed}",
         f"run_dir={run_dir}",
-        f"trainer.total_timesteps={epochs * batch}",
-        f"env.permute_obs_every={period * batch}",
-        "checkpoint.every_epochs=0",
-        "checkpoint.at_end=false",
+        f"trainer.total_timesteps={epochs * BATCH}",
+        f"env.permute_obs_every={period * BATCH}",
         "sinks.console=false",
         "sinks.csv=false",
         "sinks.tensorboard=false",
         "wandb.mode=disabled",
     ]
-    if ARMS[arm]:
-        out.append(f"remedies={json.dumps(ARMS[arm])}")
-    return out
+
+
+def run_overrides(arm: str, seed: int, epochs: int, period: int, run_dir: Path) -> list[str]:
+    """The overrides of one run: :func:`base_overrides`, no checkpoints, the arm's remedies."""
+    out = base_overrides(seed, epochs, period, run_dir) + NO_CHECKPOINTS
+    return out + ([f"remedies={json.dumps(ARMS[arm])}"] if ARMS[arm] else [])
 
 
 def curves(run_dir: Path, epochs: int) -> dict[str, list[float]]:
-    """Per-epoch return, dormant fractions and units reset (NaN: not recorded) from the
-    run's POST_EPOCH records."""
+    """Per-epoch return, dormant fractions, measures and units reset (NaN: not recorded)
+    from the run's POST_EPOCH records."""
     from policy_probes.records import RunRecords
 
     run = RunRecords.read(run_dir)
@@ -116,8 +112,8 @@ def curves(run_dir: Path, epochs: int) -> dict[str, list[float]]:
         return [float(values.get(e, math.nan)) for e in range(1, epochs + 1)]
 
     resets = [
-        run.scalars[k]
-        for k in run.scalars
+        values
+        for k, values in run.scalars.items()
         if k.startswith("remedies/")
         and k.endswith("/units_reset")
         and k.split("/")[2] in COMPONENTS
@@ -134,10 +130,11 @@ def curves(run_dir: Path, epochs: int) -> dict[str, list[float]]:
 
 
 def run_one(job: tuple[str, int, int, int, str]) -> dict[str, Any]:
-    """Train one arm with one seed; its curves and wall time."""
+    """Train one arm with one seed; its curves, findings and wall time."""
     arm, seed, epochs, period, out_root = job
     import torch
 
+    from policy_probes.analysis.findings import diagnose_run
     from policy_probes.cli import apply_overrides, load_recipe
 
     torch.set_num_threads(1)
@@ -146,15 +143,8 @@ def run_one(job: tuple[str, int, int, int, str]) -> dict[str, Any]:
     t0 = time.perf_counter()
     tool.invoke(overwrite=True)
     wall = time.perf_counter() - t0
-    from policy_probes.analysis.findings import diagnose_run
-
-    findings = [
-        {
-            k: f.to_dict()[k]
-            for k in ("rule", "component", "metric", "onset_epoch", "value", "baseline")
-        }
-        for f in diagnose_run(run_dir)
-    ]
+    keys = ("rule", "component", "metric", "onset_epoch", "value", "baseline")
+    findings = [{k: f.to_dict()[k] for k in keys} for f in diagnose_run(run_dir)]
     return {
         "arm": arm,
         "seed": seed,
@@ -211,18 +201,23 @@ COLUMNS = (
 )
 
 
+def markdown(head: list[str], rows: list[list[str]]) -> str:
+    """A markdown table of ``head`` and ``rows``."""
+    lines = ["| " + " | ".join(cells) + " |" for cells in (head, *rows)]
+    return "\n".join([lines[0], "|" + "---|" * len(head), *lines[1:]])
+
+
 def table(summary: dict[str, Any], arms: list[str], seeds: list[int]) -> str:
     """Markdown table: mean +- std over seeds for each arm."""
-    head = "| arm | " + " | ".join(title for _, title, _ in COLUMNS) + " |"
-    rows = [head, "|" + "---|" * (len(COLUMNS) + 1)]
+    rows = []
     for arm in arms:
-        cells = []
+        cells = [arm]
         for key, _, fmt in COLUMNS:
             values = np.array([summary[f"{arm}/{s}"][key] for s in seeds])
             spread = f" ± {fmt.replace('+', '').format(values.std())}" if len(values) > 1 else ""
             cells.append(fmt.format(values.mean()) + spread)
-        rows.append(f"| {arm} | " + " | ".join(cells) + " |")
-    return "\n".join(rows)
+        rows.append(cells)
+    return markdown(["arm", *(title for _, title, _ in COLUMNS)], rows)
 
 
 def moving_mean(v: np.ndarray, width: int) -> np.ndarray:
@@ -241,8 +236,7 @@ def figure(runs: list[dict[str, Any]], arms: list[str], period: int, path: Path)
 
     panels = [
         ("return", f"training episode return ({SMOOTH}-epoch mean)"),
-        ("actor_mlp", "dormant fraction, actor_mlp (tau 0.025)"),
-        ("critic_mlp", "dormant fraction, critic_mlp (tau 0.025)"),
+        *((c, f"dormant fraction, {c} (tau 0.025)") for c in COMPONENTS),
     ]
     fig = Figure(figsize=(10, 9), dpi=110, layout="constrained")
     axes = fig.subplots(len(panels), 1, sharex=True)
@@ -287,10 +281,8 @@ def write_doc(path: Path, block: str, begin: str = BEGIN, end: str = END) -> Non
 
 
 # ---------------------------------------------------------------------- measures
-MEASURES_BEGIN, MEASURES_END = (
-    "<!-- plasticity-measures:begin -->",
-    "<!-- plasticity-measures:end -->",
-)
+MEASURES_BEGIN = "<!-- plasticity-measures:begin -->"
+MEASURES_END = "<!-- plasticity-measures:end -->"
 PERMUTATIONS = 10_000  # of the permutation test of each rank correlation
 DECLINE = 0.9  # the return has declined once the later periods average below 90 % of the peak
 
@@ -330,19 +322,12 @@ def measure_change(means: list[float]) -> float:
         return float(np.nanmean(means[half:]) - np.nanmean(means[:half]))
 
 
-def correlation_table(
-    runs: list[dict[str, Any]], summary: dict[str, Any], arms: list[str], period: int
-) -> str:
+def correlation_table(runs: list[dict[str, Any]], summary: dict[str, Any], arms: list[str]) -> str:
     """One row per measure: Spearman's rho between its change (2nd half - 1st half) and
     the return change across every run (all seeds and arms), its permutation p, and the
     mean change per arm."""
-    head = (
-        "| measure | key | rho with return change | p | "
-        + " | ".join(f"change, {a}" for a in arms)
-        + " |"
-    )
-    rows = [head, "|" + "---|" * (4 + len(arms))]
     ret = np.array([summary[f"{r['arm']}/{r['seed']}"]["return_change"] for r in runs])
+    rows = []
     for name, key in MEASURES.items():
         if not any(name in r for r in runs):
             continue
@@ -353,12 +338,9 @@ def correlation_table(
         for a in arms:
             v = change[[r["arm"] == a for r in runs]]
             per_arm.append(f"{np.nanmean(v):+.3g}" if np.isfinite(v).any() else "–")
-        rows.append(
-            f"| {name} | `{key}` | {rho:+.2f} (n={int(ok.sum())}) | {p:.3f} | "
-            + " | ".join(per_arm)
-            + " |"
-        )
-    return "\n".join(rows)
+        rows.append([name, f"`{key}`", f"{rho:+.2f} (n={int(ok.sum())})", f"{p:.3f}", *per_arm])
+    head = ["measure", "key", "rho with return change", "p", *(f"change, {a}" for a in arms)]
+    return markdown(head, rows)
 
 
 def decline_epoch(values: list[float], period: int) -> int | None:
@@ -397,12 +379,17 @@ def first_fires(run_dir: Path) -> list[dict[str, Any]]:
     return [
         {
             "rule": rule,
-            "component": component,
+            "component": comp,
             "first_epoch": epoch,
-            "onset_at_end": at_end.get((rule, component)),
+            "onset_at_end": at_end.get((rule, comp)),
         }
-        for (rule, component), epoch in first.items()
+        for (rule, comp), epoch in first.items()
     ]
+
+
+def held(run: dict[str, Any]) -> list[dict[str, Any]]:
+    """The findings of the run's :func:`first_fires` that still hold at its end."""
+    return [f for f in run.get("first_fires", []) if f["onset_at_end"] is not None]
 
 
 def lead_table(runs: list[dict[str, Any]], period: int, arm: str = "none") -> str:
@@ -410,97 +397,58 @@ def lead_table(runs: list[dict[str, Any]], period: int, arm: str = "none") -> st
     the run's end the epoch a live diagnose first showed it and its lead (decline epoch
     minus that epoch: positive = the finding came first)."""
     chosen = [r for r in runs if r["arm"] == arm and "first_fires" in r]
-    kinds = sorted(
-        {
-            (f["rule"], f["component"])
-            for r in chosen
-            for f in r["first_fires"]
-            if f["onset_at_end"] is not None
-        }
-    )
-    head = (
-        "| seed | return starts to fall | "
-        + " | ".join(f"{rule} {comp}" for rule, comp in kinds)
-        + " |"
-    )
+    kinds = sorted({(f["rule"], f["component"]) for r in chosen for f in held(r)})
     if not kinds:
         return "(no finding held at the end of a run)"
-    rows = [head, "|" + "---|" * (2 + len(kinds))]
+    rows = []
     for r in chosen:
         decline = decline_epoch(r["return"], period)
-        fired = {(f["rule"], f["component"]): f for f in r["first_fires"]}
-        cells = []
+        fired = {(f["rule"], f["component"]): f["first_epoch"] for f in held(r)}
+        cells = [str(r["seed"]), str(decline) if decline is not None else "no decline"]
         for kind in kinds:
-            f = fired.get(kind)
-            if f is None or f["onset_at_end"] is None:
+            first = fired.get(kind)
+            if first is None:
                 cells.append("–")
             elif decline is None:
-                cells.append(f"{f['first_epoch']}")
+                cells.append(f"{first}")
             else:
-                cells.append(f"{f['first_epoch']} ({decline - f['first_epoch']:+d})")
-        rows.append(
-            f"| {r['seed']} | {decline if decline is not None else 'no decline'} | "
-            + " | ".join(cells)
-            + " |"
-        )
-    return "\n".join(rows)
+                cells.append(f"{first} ({decline - first:+d})")
+        rows.append(cells)
+    head = ["seed", "return starts to fall", *(f"{rule} {comp}" for rule, comp in kinds)]
+    return markdown(head, rows)
 
 
 def findings_table(runs: list[dict[str, Any]], arms: list[str], period: int) -> str:
     """Per rule: in how many runs of each arm it holds at the run's end, and the median
     lead over the runs whose return declines."""
-    rules = sorted(
-        {f["rule"] for r in runs for f in r.get("first_fires", []) if f["onset_at_end"] is not None}
-    )
-    head = (
-        "| rule | "
-        + " | ".join(f"runs, {a}" for a in arms)
-        + " | median lead (epochs), runs with a decline |"
-    )
-    rows = [head, "|" + "---|" * (2 + len(arms))]
-    for rule in rules:
-        cells, leads = [], []
+    rows = []
+    for rule in sorted({f["rule"] for r in runs for f in held(r)}):
+        cells, leads = [rule], []
         for a in arms:
             mine = [r for r in runs if r["arm"] == a]
-            hit = [
-                r
-                for r in mine
-                if any(
-                    f["rule"] == rule and f["onset_at_end"] is not None
-                    for f in r.get("first_fires", [])
-                )
-            ]
-            cells.append(f"{len(hit)}/{len(mine)}")
-            for r in hit:
-                decline = decline_epoch(r["return"], period)
+            firsts = [[f["first_epoch"] for f in held(r) if f["rule"] == rule] for r in mine]
+            cells.append(f"{sum(map(bool, firsts))}/{len(mine)}")
+            for r, epochs in zip(mine, firsts, strict=True):
+                decline = decline_epoch(r["return"], period) if epochs else None
                 if decline is not None:
-                    first = min(
-                        f["first_epoch"]
-                        for f in r["first_fires"]
-                        if f["rule"] == rule and f["onset_at_end"] is not None
-                    )
-                    leads.append(decline - first)
-        lead = f"{np.median(leads):+.0f} (n={len(leads)})" if leads else "–"
-        rows.append(f"| {rule} | " + " | ".join(cells) + f" | {lead} |")
-    return "\n".join(rows)
+                    leads.append(decline - min(epochs))
+        cells.append(f"{np.median(leads):+.0f} (n={len(leads)})" if leads else "–")
+        rows.append(cells)
+    head = ["rule", *(f"runs, {a}" for a in arms), "median lead (epochs), runs with a decline"]
+    return markdown(head, rows)
 
 
 def measures_block(
     runs: list[dict[str, Any]], summary: dict[str, Any], arms: list[str], period: int
 ) -> str:
     """The doc section on the plasticity measures: correlations, findings, lead times."""
-    declines = {f"{r['arm']}/{r['seed']}": decline_epoch(r["return"], period) for r in runs}
-    parts = []
-    for r in runs:
-        if r["arm"] == "none":
-            epoch = declines["none/" + str(r["seed"])]
-            parts.append(f"seed {r['seed']}: {epoch if epoch is not None else 'none'}")
-    none_declines = ", ".join(parts)
+    declines = [(r["seed"], decline_epoch(r["return"], period)) for r in runs if r["arm"] == "none"]
+    none_declines = ", ".join(f"seed {s}: {'none' if e is None else e}" for s, e in declines)
     return (
         "Rank correlation (Spearman) across all runs (seeds x arms) between each measure's "
         "change (mean over periods 7-12 minus mean over periods 1-6) and the return change "
         f"(the same halves, %); p from {PERMUTATIONS} permutations:\n\n"
-        f"{correlation_table(runs, summary, arms, period)}\n\n"
+        f"{correlation_table(runs, summary, arms)}\n\n"
         "Findings (`policy-probes diagnose`) that hold at the end of the run, per arm, and "
         "their median lead over the return's decline (decline epoch minus the epoch a live "
         "`diagnose` first showed the finding; positive: the finding came first):\n\n"
@@ -516,20 +464,18 @@ def period_table(
 ) -> str:
     """Markdown table: one row per arm, one column per period, the mean over seeds of
     ``key``'s per-period mean."""
-    n = len(runs[0][key]) // period
-    rows = ["| arm | " + " | ".join(str(k + 1) for k in range(n)) + " |"]
-    rows.append("|" + "---|" * (n + 1))
+    rows = []
     for arm in arms:
         means = np.vstack([period_means(r[key], period) for r in runs if r["arm"] == arm])
         with np.errstate(all="ignore"):
-            rows.append(
-                f"| {arm} | " + " | ".join(fmt.format(v) for v in np.nanmean(means, 0)) + " |"
-            )
-    return "\n".join(rows)
+            rows.append([arm, *(fmt.format(v) for v in np.nanmean(means, 0))])
+    n = len(runs[0][key]) // period
+    return markdown(["arm", *(str(k + 1) for k in range(n))], rows)
 
 
+# ---------------------------------------------------------------------- command line
 def load_results(path: Path) -> dict[str, Any]:
-    """A results file written by :func:`main`, null values back to NaN."""
+    """A results file written by :func:`publish`, null values back to NaN."""
     data = json.loads(path.read_text())
     data["runs"] = [
         {
@@ -541,65 +487,88 @@ def load_results(path: Path) -> dict[str, Any]:
     return data
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser(doc: str, name: str) -> argparse.ArgumentParser:
+    """The options the plasticity experiments share; ``name`` names their default outputs."""
     p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--seeds", default="1,2,3,4,5", help="comma-separated seeds")
-    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {list(ARMS)}")
     p.add_argument("--epochs", type=int, default=480, help="epochs per run (512 steps each)")
     p.add_argument("--period", type=int, default=40, help="epochs between permutations")
-    p.add_argument("--jobs", type=int, default=2, help="parallel processes (one core each)")
-    p.add_argument("--out", default="runs/plasticity", help="run directories go here")
-    p.add_argument("--results", default="benchmarks/results/plasticity.json")
-    p.add_argument("--figure", default="docs/figures/plasticity.png")
+    p.add_argument("--out", default=f"runs/{name}", help="run directories go here")
+    p.add_argument("--results", default=f"benchmarks/results/{name}.json")
+    p.add_argument("--figure", default=f"docs/figures/{name}.png")
     p.add_argument("--doc", default="docs/plasticity.md")
     p.add_argument(
         "--from-results",
         action="store_true",
         help="train nothing: redraw the figure and tables from the --results file",
     )
-    args = p.parse_args(argv)
-    results = Path(args.results)
-    data = load_results(results) if args.from_results else train_arms(p, args, argv)
+    return p
+
+
+def command(module: str, argv: list[str] | None) -> str:
+    """The command line that ran ``module`` with ``argv`` (the process's arguments by default)."""
+    return f"python -m {module} " + shlex.join(sys.argv[1:] if argv is None else argv)
+
+
+def publish(
+    data: dict[str, Any], args: argparse.Namespace, name: str, how: str, components: tuple[str, ...]
+) -> tuple[dict[str, Any], str, str]:
+    """Write ``data`` with every run's summary to ``--results`` and draw ``--figure``;
+    the summary, the markdown table and the doc block: the command (run as ``how``), the
+    table, the figure (``name``) and the per-period return and dormant fractions of
+    ``components``."""
     runs, arms, seeds, period = data["runs"], list(data["arms"]), data["seeds"], data["period"]
     summary = summarize(runs, period)
+    plain_summary = {k: plain(v) for k, v in summary.items()}
+    write_json(
+        Path(args.results),
+        {**data, "summary": plain_summary, "runs": [plain(r) for r in runs]},
+        None,
+    )
+    figure(runs, arms, period, Path(args.figure))
+    md = table(summary, arms, seeds)
+    tables = [("Training episode return", period_table(runs, arms, "return", period, "{:.0f}"))]
+    tables += [
+        (f"Dormant fraction of {c}", period_table(runs, arms, c, period, "{:.2f}"))
+        for c in components
+    ]
+    block = (
+        f"Reproduce: `nice {data['command']}` ({how}). {len(seeds)} seeds "
+        f"({', '.join(map(str, seeds))}), {data['epochs']} epochs of 512 agent steps, a new "
+        f"permutation every {period} epochs; mean ± std over seeds.\n\n{md}\n\n"
+        f"![{name}]({os.path.relpath(args.figure, Path(args.doc).parent)})\n\n"
+        + "\n\n".join(f"{title} per period (mean over seeds):\n\n{t}" for title, t in tables)
+    )
+    return summary, md, block
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser(__doc__, "plasticity")
+    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {list(ARMS)}")
+    p.add_argument("--jobs", type=int, default=2, help="parallel processes (one core each)")
+    args = p.parse_args(argv)
+    data = load_results(Path(args.results)) if args.from_results else train_arms(p, args, argv)
+    runs, period = data["runs"], data["period"]
     for r in runs:  # what a live diagnose showed, from the run's records when they are here
-        metrics = Path(r["run_dir"]) / "metrics.jsonl"
-        if "first_fires" not in r and metrics.is_file():
+        if "first_fires" not in r and (Path(r["run_dir"]) / "metrics.jsonl").is_file():
             r["first_fires"] = first_fires(Path(r["run_dir"]))
         # the measures are kept as per-period means (their per-epoch values stay in the
         # run's metrics.jsonl): 20 runs x 29 measures x 480 epochs would be megabytes
         for name in MEASURES:
             if name in r and len(r[name]) == data["epochs"]:
                 r[name] = [float(v) for v in period_means(r[name], period)]
-    # (--from-results rewrites the same runs with the summary this version computes)
-    results.parent.mkdir(parents=True, exist_ok=True)
-    plain_summary = {k: plain(v) for k, v in summary.items()}
-    plain_runs = [plain(r) for r in runs]
-    results.write_text(json.dumps({**data, "summary": plain_summary, "runs": plain_runs}) + "\n")
-    figure(runs, arms, period, Path(args.figure))
-    md = table(summary, arms, seeds)
-    block = (
-        f"Reproduce: `nice {data['command']}` ({len(runs)} runs, "
-        f"{data['wall_seconds'] / 60:.1f} min wall with --jobs {data['jobs']}). "
-        f"{len(seeds)} seeds ({', '.join(map(str, seeds))}), {data['epochs']} epochs of 512 "
-        f"agent steps, a new permutation every {period} epochs; mean ± std over seeds.\n\n"
-        f"{md}\n\n![plasticity]({os.path.relpath(args.figure, Path(args.doc).parent)})\n\n"
-        f"Training episode return per period (mean over seeds):\n\n"
-        f"{period_table(runs, arms, 'return', period, '{:.0f}')}\n\n"
-        f"Dormant fraction of actor_mlp per period (mean over seeds):\n\n"
-        f"{period_table(runs, arms, 'actor_mlp', period, '{:.2f}')}\n\n"
-        f"Dormant fraction of critic_mlp per period (mean over seeds):\n\n"
-        f"{period_table(runs, arms, 'critic_mlp', period, '{:.2f}')}"
-    )
-    write_doc(Path(args.doc), block)
+    how = f"{len(runs)} runs, {data['wall_seconds'] / 60:.1f} min wall with --jobs {data['jobs']}"
+    summary, md, block = publish(data, args, "plasticity", how, COMPONENTS)
     doc = Path(args.doc)
+    write_doc(doc, block)
     if MEASURES_BEGIN in doc.read_text() and any(name in r for r in runs for name in MEASURES):
         # only into a doc that has the section's markers (docs/plasticity.md does)
+        arms = list(data["arms"])
         write_doc(doc, measures_block(runs, summary, arms, period), MEASURES_BEGIN, MEASURES_END)
     print(md)
-    print(f"figure: {args.figure}; tables: {args.doc}; results: {results}")
+    print(f"figure: {args.figure}; tables: {args.doc}; results: {Path(args.results)}")
     return 0
 
 
@@ -619,9 +588,8 @@ def train_arms(
     else:
         with mp.get_context("spawn").Pool(args.jobs) as pool:
             runs = pool.map(run_one, jobs, chunksize=1)
-    given = sys.argv[1:] if argv is None else argv
     return {
-        "command": "python -m benchmarks.plasticity " + shlex.join(given),
+        "command": command("benchmarks.plasticity", argv),
         "arms": {a: ARMS[a] for a in arms},
         "seeds": seeds,
         "epochs": args.epochs,

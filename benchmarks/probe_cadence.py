@@ -2,19 +2,13 @@
 alone and all five together, observing every 1, 4, 16 or 64 training passes, on the
 CartPole MLP actor-critic and the Atari NatureCNN actor-critic (CPU, one torch thread).
 
-Cockpit (Schneider et al., NeurIPS 2021) reports the run time of a training loop with its
-instruments against the same loop without them, per configuration and tracking interval;
-this script does the same for our probes. One process times every configuration of one
-model on the same minibatch (warm caches, no start-up in the figure), interleaved and
-repeated in a shuffled order: a pass is a PPO-style update (forward through the policy,
-clipped-surrogate + value + entropy loss, backward, Adam step), an epoch is 16 passes
-and ends with ``ProbeSession.epoch_end`` (the probes' report and the JSONL record), and
-the probes observe passes 0, k, 2k, ... of the run (``probe_schedule="every_k:k"``). The
-figure is the median over repetitions of (time with the probes) / (time without), timed
-as the thread's CPU time (``time.thread_time``; one torch thread, so all of the loop's
-work): on a shared machine wall time also counts the time other processes held the core.
-The bare loop also ends its epochs with ``epoch_end`` (a session with no probe), so the
-report is the probes' own cost.
+As Cockpit (Schneider et al., NeurIPS 2021) reports its instruments: the run time of a
+training loop with the probes over the same loop without them, per configuration and
+interval. One process times every configuration of one model on the same minibatch,
+interleaved in a shuffled order: a pass is a PPO-style update, an epoch 16 passes ending
+in ``ProbeSession.epoch_end`` (the bare loop's too), and the probes observe passes 0, k,
+2k, ... (``probe_schedule="every_k:k"``). Timed as the thread's CPU time (one torch
+thread: all of the loop's work; wall time would count other processes on a shared core).
 
     python -m benchmarks.probe_cadence [--repeats N] [--out PATH] [--quick] [--models mlp,cnn]
 """
@@ -22,11 +16,11 @@ report is the probes' own cost.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +28,8 @@ import gymnasium as gym
 import numpy as np
 import torch
 
-from benchmarks.ab import RESULTS, machine
+import policy_probes as pp
+from benchmarks.ab import RESULTS, machine, write_json
 
 PROBES = ("relu", "saturation", "fisher", "gradient_flow", "relu_gradient_flow")
 CADENCES = (1, 4, 16, 64)
@@ -47,20 +42,13 @@ COCKPIT = {
 
 
 def builders(names: tuple[str, ...]) -> list[tuple[Any, bool]]:
-    from policy_probes import (
-        attach_fisher_information_hooks,
-        attach_gradient_flow_hooks,
-        attach_relu_activation_hooks,
-        attach_relu_gradient_flow_hooks,
-        attach_saturated_activation_hooks,
-    )
-
+    """``(builder, backward)`` of each of the probes ``names``."""
     make = {
-        "relu": (attach_relu_activation_hooks, False),
-        "saturation": (lambda: attach_saturated_activation_hooks("tanh"), False),
-        "fisher": (attach_fisher_information_hooks, True),
-        "gradient_flow": (attach_gradient_flow_hooks, True),
-        "relu_gradient_flow": (attach_relu_gradient_flow_hooks, True),
+        "relu": (pp.attach_relu_activation_hooks, False),
+        "saturation": (partial(pp.attach_saturated_activation_hooks, "tanh"), False),
+        "fisher": (pp.attach_fisher_information_hooks, True),
+        "gradient_flow": (pp.attach_gradient_flow_hooks, True),
+        "relu_gradient_flow": (pp.attach_relu_gradient_flow_hooks, True),
     }
     return [(make[n][0](), make[n][1]) for n in names]
 
@@ -112,10 +100,12 @@ def timed_run(kind: str, names: tuple[str, ...], every: int, passes: int) -> flo
         with session:
             for component in components:
                 for builder, backward in builders(names):
-                    if backward:
-                        session.add_training_backward_hook(component, builder)
-                    else:
-                        session.add_training_hook(component, builder)
+                    attach = (
+                        session.add_training_backward_hook
+                        if backward
+                        else session.add_training_hook
+                    )
+                    attach(component, builder)
             start = time.thread_time()
             for i in range(passes):
                 if i % PASSES_PER_EPOCH == 0:
@@ -166,21 +156,17 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{'probe':22s}" + "".join(f"{'k=' + str(c):>9s}" for c in cadences))
         for label, by_k in rows.items():
             print(f"{label:22s}" + "".join(f"{by_k[str(c)]:9.3f}" for c in cadences))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps(
-            {
-                "title": "probe overhead by probe and cadence (Cockpit's format)",
-                "machine": machine(),
-                "repeats": args.repeats,
-                "passes": passes,
-                "bare_seconds": {k: statistics.median(times[(k, (), 1)]) for k in passes},
-                "ratios": table,
-                "cockpit": COCKPIT,
-            },
-            indent=2,
-        )
-        + "\n"
+    write_json(
+        args.out,
+        {
+            "title": "probe overhead by probe and cadence (Cockpit's format)",
+            "machine": machine(),
+            "repeats": args.repeats,
+            "passes": passes,
+            "bare_seconds": {k: statistics.median(times[(k, (), 1)]) for k in passes},
+            "ratios": table,
+            "cockpit": COCKPIT,
+        },
     )
 
 

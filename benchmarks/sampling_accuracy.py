@@ -1,14 +1,12 @@
 """The accuracy side of sampling: how far a sampled epoch metric is from the every-pass
 value over a run.
 
-The same seeded run of the built-in trainer (CartPole, 64-64 ReLU policy, the five module
-probes on ``actor_mlp`` and ``critic_mlp``; sinks JSONL only) is trained once per
-sampling setting. Probes never change training, so every run follows the same trajectory
-(checked: ``train/*`` values equal), and each epoch's sampled metric can be compared with
-the every-pass value of the same epoch. Reported per setting and metric, over the epochs
-in which the sampled run reported it: the median and 90th percentile of the absolute
-error (fractions and rates) or of the relative error (Fisher trace, gradient RMS), the
-share of epochs reported, and the median rows observed.
+The same seeded run (:func:`benchmarks.cases.train_tool`: CartPole, ReLU policy, the five
+module probes, JSONL only) is trained once per sampling setting. Probes never change
+training (checked: ``train/*`` values equal), so each epoch's sampled metric is compared
+with the every-pass value of the same epoch: per setting and metric, the median and 90th
+percentile of the absolute or relative error (:data:`METRICS`), the share of epochs
+reported, and the median rows observed.
 
     python -m benchmarks.sampling_accuracy [--quick] [--out PATH]
 """
@@ -18,11 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from benchmarks.ab import RESULTS, write_json
+
+ROWS = "probes/relu/actor_mlp/rows_observed"
 SETTINGS = {
     "every": {"probe_budget": None, "probe_schedule": "every"},
     "default (one pass in 16 per epoch)": {"probe_budget": 0.05},
@@ -45,34 +44,12 @@ METRICS = {
 
 
 def run(settings: dict[str, Any], steps: int) -> list[dict[str, Any]]:
-    from benchmarks.cases import probe_builders
+    """The POST_EPOCH records of the run with the sampling ``settings``."""
+    from benchmarks.cases import DEFAULTS, train_tool
     from policy_probes.records import iter_jsonl
-    from policy_probes.sinks import SinksConfig, WandbConfig
-    from trainers import (
-        CheckpointConfig,
-        EnvConfig,
-        EvalConfig,
-        PolicyConfig,
-        PPOConfig,
-        TrainTool,
-    )
 
-    tool = TrainTool(
-        env=EnvConfig(num_envs=4, vectorization="sync"),
-        policy=PolicyConfig(hidden_sizes=[64, 64], activation="relu"),
-        trainer=PPOConfig(total_timesteps=steps, num_steps=128, num_minibatches=4, update_epochs=4),
-        evaluation=EvalConfig(every_epochs=0, at_end=False),
-        checkpoint=CheckpointConfig(every_epochs=0, at_end=False),
-        sinks=SinksConfig(console=False, jsonl=True, csv=False, wandb=False, tensorboard=False),
-        wandb=WandbConfig(mode="disabled"),
-        run_dir=tempfile.mkdtemp(prefix="pp-accuracy-"),
-        torch_threads=1,
-        seed=1,
-        **settings,
-    )
-    for component, builder, placement in probe_builders():
-        tool.add_training_hook(component, builder, **placement)
-    result = tool.invoke()
+    p = dict(DEFAULTS, activation="relu", probes=True, jsonl=True, total_timesteps=steps)
+    result = train_tool({**p, **settings}, prefix="pp-accuracy-").invoke()
     records = iter_jsonl(result.run_dir / "metrics.jsonl")
     return [r for r in records if r.get("hook_point") == "POST_EPOCH"]
 
@@ -88,6 +65,12 @@ def error(kind: str, sampled: Any, exact: Any) -> float:
 def quantile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
+
+
+def median_of(records: list[dict], key: str, missing: Any = None) -> Any:
+    """The median of ``key`` over the records that have it (``missing`` when none does)."""
+    values = [r[key] for r in records if key in r]
+    return statistics.median(values) if values else missing
 
 
 def compare(exact: list[dict], sampled: list[dict]) -> dict[str, Any]:
@@ -112,20 +95,9 @@ def compare(exact: list[dict], sampled: list[dict]) -> dict[str, Any]:
             "p90_error": quantile(errors, 0.9),
             "epochs_reported": len(errors) / len(exact),
         }
-    rows = [
-        s["probes/relu/actor_mlp/rows_observed"]
-        for s in sampled
-        if "probes/relu/actor_mlp/rows_observed" in s
-    ]
-    out["median_rows_observed_relu_actor"] = statistics.median(rows) if rows else 0
-    se = [
-        s["probes/relu/actor_mlp/active_rate_se"]
-        for s in sampled
-        if "probes/relu/actor_mlp/active_rate_se" in s
-    ]
-    out["median_active_rate_se"] = statistics.median(se) if se else None
-    fractions = [s["probes/overhead_fraction"] for s in sampled if "probes/overhead_fraction" in s]
-    out["median_overhead_fraction"] = statistics.median(fractions) if fractions else None
+    out["median_rows_observed_relu_actor"] = median_of(sampled, ROWS, 0)
+    out["median_active_rate_se"] = median_of(sampled, "probes/relu/actor_mlp/active_rate_se")
+    out["median_overhead_fraction"] = median_of(sampled, "probes/overhead_fraction")
     return out
 
 
@@ -139,17 +111,12 @@ def main(argv: list[str] | None = None) -> None:
     exact = records["every"]
     report = {name: compare(exact, recs) for name, recs in records.items() if name != "every"}
     report["every"] = {
-        "median_rows_observed_relu_actor": statistics.median(
-            r["probes/relu/actor_mlp/rows_observed"] for r in exact
-        ),
+        "median_rows_observed_relu_actor": statistics.median(r[ROWS] for r in exact),
         "median_overhead_fraction": statistics.median(r["probes/overhead_fraction"] for r in exact),
     }
     for name, rep in report.items():
         print(name, json.dumps(rep, indent=1))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps({"steps": steps, "settings": SETTINGS, "report": report}, indent=1) + "\n"
-    )
+    write_json(args.out, {"steps": steps, "settings": SETTINGS, "report": report}, indent=1)
 
 
 if __name__ == "__main__":

@@ -1,27 +1,12 @@
 """Probe overhead by design (issue 13): the five probes under the default overhead budget,
 at every pass, and with a probe batch; widths 64/256/1024; SB3 + ProbeCallback.
 
-Every comparison is probe-free (A) against probed (B) on the throughput benchmark's
-CartPole setup with a ReLU policy (the relu_gradient_flow probe needs ``nn.ReLU``): all
-five module probes on ``actor_mlp`` and ``critic_mlp``. B's sampling
-(:mod:`policy_probes.sampling`):
-
-* ``default``: ``probe_budget=0.05`` (the toolkit's default: every k-th pass, k set per
-  epoch from the measured overhead);
-* ``every``: ``probe_budget=None`` (every pass, exact; what benchmark 2 measured);
-* ``probe_batch``: ``probe_schedule="probe_batch:256"`` (one dedicated forward and
-  backward on 256 rollout rows per epoch, no hook in any training pass).
-
-Keys for ``--only``: ``default``, ``every``, ``probe_batch`` (the three sides at width
-64), ``widths`` (default and every
-pass at 256 and 1024), ``sb3`` (SB3 PPO + ProbeCallback at the default and at every pass;
-``sb3_default``: the default alone, for runs with many pairs), ``recipe``
-(``recipes.cartpole`` as it ships, 51,200 steps = 100 epochs, with and without its
-probes: evaluation, JSONL/CSV sinks and checkpoints on both sides), and at the default
-only, longer runs: ``sb3_long`` (SB3 + ProbeCallback, 131,072 steps) and ``recipe_full``
-(the cartpole recipe at its own 200,000 steps).
-Same harness as every benchmark (:mod:`benchmarks.ab`): fresh interpreters, A B / B A
-pairs, median of the per-pair ratios, CPU-time ratios beside them.
+Probe-free (A) against probed (B), B sampled as in :data:`SAMPLING`. ``--only`` keys:
+``default``, ``every``, ``probe_batch`` (the five probes x 2 on the CartPole ReLU MLPs),
+``widths`` (default and every pass at 256 and 1024), ``sb3`` (SB3 PPO + ProbeCallback;
+``sb3_default``: its default row alone), ``recipe`` (``recipes.cartpole`` as it ships,
+51,200 steps), and at the default only, longer runs: ``sb3_long`` (131,072 steps) and
+``recipe_full`` (200,000 steps).
 
     python -m benchmarks.sampling_overhead [--quick] [--repeats N] [--out PATH] [--only KEYS]
 """
@@ -77,28 +62,23 @@ def comparisons(quick: bool, only: list[str] | None = None) -> list[Comparison]:
         "SB3 + ProbeCallback", Side("sb3", "sb3", sb3), "+ ProbeCallback", probe_callback=True
     )
     out["sb3_default"] = out["sb3"][:1]  # the target's comparison alone, for more pairs
-    # the cartpole recipe as it ships (evaluation, JSONL and CSV sinks, checkpoints)
     shipped = {"total_timesteps": 4096 if quick else 51_200}
     out["recipe"] = sampled(
         "cartpole recipe", Side("recipe, no probes", "recipe", shipped), "recipe", probes=True
     )
     # at the default only, longer runs
-    long_runs = {
-        "sb3_long": (
-            "SB3 + ProbeCallback, 131072 steps",
-            Side("sb3", "sb3", dict(sb3, total_timesteps=2048 if quick else 131_072)),
-            "+ ProbeCallback",
-            {"probe_callback": True},
-        ),
-        "recipe_full": (
-            "cartpole recipe, 200000 steps",
-            Side("recipe, no probes", "recipe", {"total_timesteps": 4096 if quick else 200_000}),
-            "recipe",
-            {"probes": True},
-        ),
-    }
-    for key, (name, side, b_label, switch) in long_runs.items():
-        out[key] = sampled(name, side, b_label, ("default",), **switch)
+    sb3_long = Side("sb3", "sb3", dict(sb3, total_timesteps=2048 if quick else 131_072))
+    out["sb3_long"] = sampled(
+        "SB3 + ProbeCallback, 131072 steps",
+        sb3_long,
+        "+ ProbeCallback",
+        ("default",),
+        probe_callback=True,
+    )
+    full = Side("recipe, no probes", "recipe", {"total_timesteps": 4096 if quick else 200_000})
+    out["recipe_full"] = sampled(
+        "cartpole recipe, 200000 steps", full, "recipe", ("default",), probes=True
+    )
     return [c for key in (only or KEYS) for c in out[key]]
 
 

@@ -37,12 +37,7 @@ def table(payload: dict) -> list[str]:
             f"| {c['name']} | {c['a']['label']} | {c['b']['label']} "
             f"| {c['median_seconds_a']:.2f} | {c['median_seconds_b']:.2f} "
             f"| **{c['median_ratio_b_over_a']:.3f}** | {min(r):.2f}-{max(r):.2f} "
-            f"| {cpu:.3f} | {len(r)} | {c['target']} |"
-            if cpu is not None
-            else f"| {c['name']} | {c['a']['label']} | {c['b']['label']} "
-            f"| {c['median_seconds_a']:.2f} | {c['median_seconds_b']:.2f} "
-            f"| **{c['median_ratio_b_over_a']:.3f}** | {min(r):.2f}-{max(r):.2f} "
-            f"| - | {len(r)} | {c['target']} |"
+            f"| {'-' if cpu is None else f'{cpu:.3f}'} | {len(r)} | {c['target']} |"
         )
     return lines
 

@@ -1,12 +1,6 @@
 """Breakout (ALE) from pixels: PPO with a NatureCNN encoder, CleanRL ``ppo_atari.py``
-hyperparameters, and probes on every encoder layer and both heads.
-
-The probes sit on the ``encoder`` component and report per layer (the activation
-probes' default): dead/dormant ReLU channels of each conv layer and units of the fc layer
-(``probes/relu/encoder.conv_0/...`` ... ``encoder.fc``), and gradient flow likewise; the
-Fisher information of every encoder parameter (``conv_0.conv.weight.trace``, ...) and of
-``actor_head`` and ``critic_head``. The heads are linear (logits and value), so the ReLU
-probe stays on the encoder. Another game: ``env.id=ALE/Pong-v5``.
+hyperparameters, and probes on every encoder layer and both heads (:func:`add_probes`).
+Another game: ``env.id=ALE/Pong-v5``.
 
     policy-probes run recipes.atari.train trainer.total_timesteps=100000 seed=3
 """
@@ -57,10 +51,10 @@ def train() -> TrainTool:
 
 
 def add_probes(cfg: TrainTool) -> TrainTool:
-    """The recipe's probes on a NatureCNN policy (the benchmarks attach the same set):
-    ReLU activations of the encoder and each of its layers (per channel on the conv
-    layers); Fisher information and gradient flow of the encoder (per layer) and both
-    heads."""
+    """The recipe's probes on a NatureCNN policy (the benchmarks attach the same set): ReLU
+    activations of the encoder and each of its layers (per channel on the conv layers; the
+    heads are linear); Fisher information and gradient flow of the encoder (per layer) and
+    both heads."""
     cfg.add_training_hook(ENCODER, attach_relu_activation_hooks())
     for pattern in (ENCODER, *HEADS):
         cfg.add_training_backward_hook(pattern, attach_fisher_information_hooks())

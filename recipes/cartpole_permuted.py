@@ -1,14 +1,12 @@
 """CartPole-v1 whose observation features are permuted every 40 epochs: a task that keeps
 changing, on which a ReLU policy loses plasticity (docs/plasticity.md).
 
-The permutation of period k is drawn from the run's seed and k (``env.permute_obs_every``,
-:class:`trainers.envs.PermuteObservation`), so every arm of an experiment with the same
-seed sees the same sequence of tasks. The learning rate is high (3e-3) and constant, so
-later periods are not learnt more slowly merely because the step size decayed. Only the
-ReLU activation probe is attached: it gives the dormant fractions and the per-unit scores
-that ReDo reads. Switch a remedy on from the command line::
+The permutation of period k is drawn from the run's seed and k
+(:class:`trainers.envs.PermuteObservation`): every arm of an experiment with the same seed
+sees the same tasks. The constant learning rate keeps later periods from being learnt
+more slowly merely because the step size decayed. Only the ReLU probe is attached (the
+dormant scores that ReDo reads). Switch a remedy on from the command line::
 
-    policy-probes run recipes.cartpole_permuted.train seed=2
     policy-probes run recipes.cartpole_permuted.train \\
         remedies='["redo@actor_mlp:tau=0.1,every_epochs=10","redo@critic_mlp:tau=0.1,every_epochs=10"]'
 """

@@ -1,10 +1,7 @@
 """Pendulum-v1 (continuous actions, diagonal Gaussian policy) with saturation and Fisher
-probes.
-
-Hyperparameters (measured in docs/learning.md): 8 envs x 256 steps, 32 minibatches of 64,
-10 update epochs, lr 1e-3 annealed, gamma 0.9 (Pendulum's reward is dense and its useful
-horizon short; 0.99 learns far slower), lambda 0.95, clip 0.2, vf 0.5, max grad norm 0.5,
-no entropy bonus, observation and reward normalisation, tanh 64-64 networks.
+probes. Hyperparameters as measured in docs/learning.md: gamma 0.9 (Pendulum's reward is
+dense and its useful horizon short; 0.99 learns far slower), no entropy bonus, observation
+and reward normalisation.
 """
 
 from __future__ import annotations
