@@ -1,20 +1,11 @@
-"""Multi-process PPO on ``torch.distributed``: the process group, per-rank seeds, and the
-epoch statistics of all ranks.
+"""Multi-process PPO on ``torch.distributed`` (``docs/distributed.md``): the process group,
+per-rank seeds, and the epoch statistics of all ranks.
 
-Launch with torchrun (``docs/distributed.md``)::
-
-    torchrun --nproc_per_node=4 -m policy_probes.cli run recipes.cartpole.train
-
-torchrun starts one process per rank and sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-``MASTER_ADDR`` and ``MASTER_PORT``. :class:`DistributedRun` reads them, initialises the
-default process group (gloo for CPU training, nccl for CUDA), gives each rank its GPU,
-and destroys the group when the run ends. Without those variables it describes a single
-process (rank 0 of 1) and touches nothing, so a plain run is exactly what it was.
-
-Each rank steps its own environments (seeded by :func:`rank_seed`) and DDP averages the
-gradients (``PPOTrainer.wrap_ddp``). :class:`RankStatisticsHook` turns the per-rank
-rollout and loss statistics into global ones once per epoch and makes ``agent_step``
-count the steps of every rank.
+Launch with ``torchrun --nproc_per_node=4 -m policy_probes.cli run recipes.cartpole.train``.
+:class:`DistributedRun` reads torchrun's variables and owns the process group (without
+them it is rank 0 of 1 and touches nothing). Each rank steps its own environments (seeded
+by :func:`rank_seed`) and DDP averages the gradients (``PPOTrainer.wrap_ddp``);
+:class:`RankStatisticsHook` makes the epoch statistics and ``agent_step`` global.
 """
 
 from __future__ import annotations
@@ -44,18 +35,10 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def backend_for(device: torch.device) -> str:
-    """nccl for CUDA training, gloo for the CPU."""
-    return "nccl" if device.type == "cuda" else "gloo"
-
-
 def rank_seed(seed: int, rank: int, num_envs: int = 1) -> int:
-    """The seed of rank ``rank``'s environments, action sampling and minibatch order.
-
-    ``seed + rank * stride`` with ``stride = max(1000, num_envs)``: vector envs seed env
-    ``i`` with ``seed + i``, so ranks never share an environment seed. Rank 0 keeps
-    ``seed``, so a one-process run is the run it always was.
-    """
+    """The seed of rank ``rank``'s environments, action sampling and minibatch order:
+    ``seed + rank * max(1000, num_envs)`` (vector envs seed env ``i`` with ``seed + i``, so
+    ranks never share an environment seed; rank 0 keeps ``seed``)."""
     if rank < 0:
         raise ValueError(f"rank must be >= 0, got {rank}")
     return seed + rank * max(RANK_SEED_STRIDE, num_envs)
@@ -63,9 +46,8 @@ def rank_seed(seed: int, rank: int, num_envs: int = 1) -> int:
 
 def per_rank_config(cfg: PPOConfig, world_size: int, num_envs: int) -> PPOConfig:
     """The PPO configuration one rank trains with: ``total_timesteps`` is the budget of
-    all ranks together (as in CleanRL's multi-GPU PPO), so each rank runs
-    ``total_timesteps // (world_size * num_envs * num_steps)`` epochs. Raises
-    ``ValueError`` when that is less than one epoch."""
+    all ranks together (as in CleanRL's multi-GPU PPO); ``ValueError`` when that is less
+    than one epoch."""
     if world_size == 1:
         return cfg
     rollout = world_size * num_envs * cfg.num_steps
@@ -80,13 +62,10 @@ def per_rank_config(cfg: PPOConfig, world_size: int, num_envs: int) -> PPOConfig
 
 
 class DistributedRun:
-    """The process group of one training run, as a context manager.
-
-    ``with DistributedRun(device) as run:`` initialises the default process group when
-    the process was launched by torchrun and no group exists yet, and destroys it on
-    exit (also after an error). A group that already existed (a user who called
-    ``init_process_group`` before ``TrainTool.invoke``) is used and left alone. Outside
-    torchrun it is rank 0 of a world of 1 and does nothing.
+    """The process group of one training run, as a context manager: initialises the
+    default group (gloo on the CPU, nccl for CUDA) when launched by torchrun and none exists
+    yet, and destroys it on exit (also after an error). A group that already existed is
+    used and left alone. Outside torchrun it is rank 0 of a world of 1 and does nothing.
 
     Attributes: ``rank``, ``world_size``, ``local_rank``, ``device`` (for CUDA the GPU
     ``cuda:<local_rank>``), ``owns_group`` (this object created the group).
@@ -149,7 +128,7 @@ class DistributedRun:
                 f"or set every one of {', '.join(TORCHRUN_VARS)}"
             )
         self.local_rank = int(os.environ["LOCAL_RANK"])
-        backend = backend_for(self.requested_device)
+        backend = "nccl" if self.requested_device.type == "cuda" else "gloo"
         if backend == "nccl":
             if not torch.cuda.is_available():
                 raise RuntimeError(
@@ -171,15 +150,11 @@ class DistributedRun:
     def close(self, barrier: bool = False) -> None:
         """Destroy the process group if :meth:`start` created it.
 
-        A rank must not tear down its gloo connections while another still uses them, or
-        at interpreter exit (a rank then aborts with "terminate called without an active
-        exception" and torchrun reports the run failed). So, in this order:
-
-        1. collect garbage: the trainer's DistributedDataParallel sits in reference cycles
-           and its reducer holds the group, which would otherwise stay open, behind
-           ``destroy_process_group``, until the interpreter shuts down;
-        2. ``barrier`` (a run that ended cleanly): wait until every rank is done;
-        3. destroy the group, which now frees its connections and threads.
+        A rank must not tear down its gloo connections while another still uses them, or at
+        interpreter exit (a rank then aborts with "terminate called without an active
+        exception"). So: collect garbage (the trainer's DDP sits in reference cycles and its
+        reducer holds the group open), then ``barrier`` (a run that ended cleanly), then
+        destroy the group.
         """
         owned, self.owns_group = self.owns_group and dist.is_initialized(), False
         if not owned:
@@ -220,21 +195,13 @@ class DistributedRun:
         return box[0]
 
     def barrier(self) -> None:
-        """Wait for every rank (no-op when alone): e.g. all ranks have inspected the run
-        directory before rank 0 writes into it."""
+        """Wait for every rank (no-op when alone)."""
         if self.distributed:
             dist.barrier()
 
     def seed(self, seed: int, num_envs: int = 1) -> int:
         """This rank's seed (:func:`rank_seed`)."""
         return rank_seed(seed, self.rank, num_envs)
-
-
-def reduce_device() -> torch.device:
-    """Where collectives run: the current GPU for nccl, the CPU for gloo."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 # Rollout statistics: how each one combines across ranks.
@@ -245,18 +212,12 @@ _SUMMED_LOSS = ("batch_size",)
 
 
 class RankStatisticsHook(TrainerHook):
-    """Makes the statistics of a multi-process run describe all ranks together.
-
-    * ``on_rollout_start``: ``agent_step`` counts every rank's environment steps (each
-      rollout adds ``world_size x num_envs x num_steps``; the rollout adds its own share).
-    * ``on_train_phase_end`` (one all-reduce of a few floats): episode statistics over
-      the episodes of every rank (``episodes`` summed, ``episode_return``/``length``
-      means weighted by episodes, ``episode_return_max``/``min`` over ranks),
-      ``rollout_sps`` summed (global throughput), ``sps`` / ``update_seconds`` /
-      ``valid_fraction`` and every loss statistic averaged over ranks, ``batch_size``
-      summed.
-
-    It runs on every rank (the reduction is a collective) and before the other hooks.
+    """Makes the statistics of a multi-process run describe all ranks together:
+    ``agent_step`` counts every rank's steps (``on_rollout_start``), and once per epoch
+    (``on_train_phase_end``) the episode statistics cover every rank's episodes
+    (``episodes``, ``rollout_sps`` and ``batch_size`` summed, return/length means weighted
+    by episodes, max/min over ranks) while the other statistics are averaged over ranks.
+    It runs on every rank (a collective) and before the other hooks.
     """
 
     run_on_all_ranks = True
@@ -284,7 +245,8 @@ class RankStatisticsHook(TrainerHook):
             rs.get("episode_return_max", -float("inf")),
             -rs.get("episode_return_min", float("inf")),
         ]
-        device = reduce_device()
+        nccl = dist.get_backend() == "nccl"  # collectives on the current GPU, else the CPU
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         total = torch.tensor(sums, dtype=torch.float64, device=device)
         peak = torch.tensor(extremes, dtype=torch.float64, device=device)
         dist.all_reduce(total, op=dist.ReduceOp.SUM)

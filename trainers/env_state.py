@@ -1,18 +1,16 @@
 """Exact save and restore of a vector environment's state, for bit-identical resume.
 
 Gymnasium has no state API, but the classic-control envs, their vector implementations
-and the standard wrappers keep their whole state in plain attributes: numpy arrays,
-numbers, ``np.random.Generator`` objects, deques. :func:`capture_env_state` walks the
-wrapper stack (and the sub-envs of a ``SyncVectorEnv``) and records those attributes as
-tensors and plain containers, so a checkpoint holding them still loads with
-``torch.load(weights_only=True)``; :func:`restore_env_state` writes them back into a
-freshly built env of the same configuration. An ale-py ``AtariEnv`` keeps the game in
-its emulator: that state (system RNG included) is saved through ALE's own
-``cloneState`` / ``restoreState`` as bytes; it lacks the action that sticky actions
-repeat, so only games with ``repeat_action_probability=0`` are captured. An env whose
-state lives elsewhere (a physics engine, another process as in ``AsyncVectorEnv``, a
-sticky-action ALE game) raises :class:`EnvStateError`, and the trainer then falls back
-to re-seeding.
+and the standard wrappers keep their whole state in plain attributes (numpy arrays,
+numbers, ``np.random.Generator`` objects, deques). :func:`capture_env_state` walks the
+wrapper stack (and the sub-envs of a ``SyncVectorEnv``) and records those as tensors and
+plain containers (loadable with ``torch.load(weights_only=True)``);
+:func:`restore_env_state` writes them back into a freshly built env of the same
+configuration. An ale-py ``AtariEnv``'s emulator state is saved with ALE's
+``cloneState`` (it lacks the action sticky actions repeat, so only games with
+``repeat_action_probability=0`` are captured). An env whose state lives elsewhere (a
+physics engine, another process as in ``AsyncVectorEnv``) raises :class:`EnvStateError`,
+and the trainer then falls back to re-seeding.
 """
 
 from __future__ import annotations
@@ -72,16 +70,14 @@ def _encode(value: Any) -> tuple[bool, Any]:
             "dtype": arr.dtype.str,
             "scalar": isinstance(value, np.generic),
         }
-    if isinstance(value, deque):
+    if isinstance(value, deque | tuple | list):
         items = [_encode(v) for v in value]
-        if all(ok for ok, _ in items):
-            return True, {"deque": [e for _, e in items], "maxlen": value.maxlen}
-        return False, None
-    if isinstance(value, tuple | list):
-        items = [_encode(v) for v in value]
-        if all(ok for ok, _ in items):
-            return True, {"seq": [e for _, e in items], "tuple": isinstance(value, tuple)}
-        return False, None
+        if not all(ok for ok, _ in items):
+            return False, None
+        encoded = [e for _, e in items]
+        if isinstance(value, deque):
+            return True, {"deque": encoded, "maxlen": value.maxlen}
+        return True, {"seq": encoded, "tuple": isinstance(value, tuple)}
     return False, None
 
 

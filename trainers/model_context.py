@@ -1,66 +1,38 @@
 """PPOModelDataContext: what lifecycle interventions may do inside the PPO trainer.
 
 It is :class:`~policy_probes.lifecycle.LoopModelDataContext` pointed at the trainer's
-rollout storage and its update step, so a replayed update epoch is exactly the one the
-loop runs: the same minibatch split (``num_minibatches`` of the valid transitions),
-per-minibatch advantage normalisation, micro-batches with ``context.loss_scale``, global
-gradient clipping and Adam step (:meth:`PPOTrainer.accumulate_gradients` and
-:meth:`PPOTrainer.clip_and_step`), and the target-KL early stop. Nothing of the PPO update
-is written twice.
+rollout storage and its update step (:meth:`PPOTrainer.accumulate_gradients`,
+:meth:`PPOTrainer.clip_and_step`, the target-KL early stop), so a replayed update epoch is
+exactly the one the loop runs; nothing of the PPO update is written twice.
 
 An ``order`` is a tensor of flat rollout indices (``t * num_envs + env``), as
 :meth:`RolloutStorage.shuffled_order` returns; ``None`` is the natural order of the valid
-transitions. The action-distribution protocol uses the policy's own sampling and
-scoring: ``policy.act(obs)[0]`` and ``policy.evaluate_actions(obs, actions)[0]``.
+transitions.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from policy_probes.lifecycle import LoopModelDataContext
 from policy_probes.lifecycle.model_context import Grads
-from trainers.config import PPOConfig
-from trainers.policy import ActorCriticPolicy
-from trainers.rollout import Minibatch, RolloutStorage
+from trainers.rollout import Minibatch
 
-
-class PPOLoop(Protocol):
-    """What :class:`PPOModelDataContext` uses of the trainer (:class:`~trainers.ppo.PPOTrainer`
-    has it all; this module does not import it)."""
-
-    cfg: PPOConfig
-    policy: ActorCriticPolicy
-    optimizer: torch.optim.Optimizer
-    scheduler: Any
-    storage: RolloutStorage
-    sample_generator: torch.Generator
-    shuffle_generator: torch.Generator
-    rollout_ready: bool
-
-    def minibatch_loss(
-        self, batch: Minibatch, policy: ActorCriticPolicy | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-    def accumulate_gradients(self, batch: Minibatch, *, sync: bool = False) -> torch.Tensor: ...
-
-    def clip_and_step(self, step: bool = True) -> torch.Tensor: ...
-
-    def kl_exceeds_target(self, stats: torch.Tensor) -> bool: ...
+if TYPE_CHECKING:
+    from trainers.ppo import PPOTrainer
 
 
 class PPOModelDataContext(LoopModelDataContext):
     """The :class:`~policy_probes.lifecycle.ModelDataContext` of one
     :class:`~trainers.ppo.PPOTrainer` run (its policy, Adam, LR schedule and rollout).
-
-    Checkpoints also hold the trainer's own generators (action sampling, minibatch
+    Its checkpoints also hold the trainer's own generators (action sampling, minibatch
     order), so not even a hook that draws from them can change the trajectory.
     """
 
-    def __init__(self, trainer: PPOLoop) -> None:
+    def __init__(self, trainer: PPOTrainer) -> None:
         cfg = trainer.cfg
         super().__init__(
             trainer.policy,
