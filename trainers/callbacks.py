@@ -185,9 +185,5 @@ class CallbackList(TrainerHook):
                     raise
                 name = getattr(hook, "name", type(hook).__name__)
                 state.hook_errors[f"{name}.{event}"] = f"{type(exc).__name__}: {exc}"
-                log.exception(
-                    "trainer hook %s raised in %s (epoch %d); training goes on",
-                    name,
-                    event,
-                    state.epoch,
-                )
+                where = f"{name} raised in {event} (epoch {state.epoch})"
+                log.exception(f"trainer hook {where}; training goes on")

@@ -345,11 +345,8 @@ class CheckpointHook(TrainerHook):
             first = not self.failed
             self.failed.append((state.epoch, reason))
             log.error(
-                "checkpoint of epoch %d could not be written (%s); training goes on, the "
-                "newest checkpoint is %s",
-                state.epoch,
-                reason,
-                state.last_checkpoint or "none",
+                f"checkpoint of epoch {state.epoch} could not be written ({reason}); training "
+                f"goes on, the newest checkpoint is {state.last_checkpoint or 'none'}",
                 exc_info=exc if first else None,
             )
 

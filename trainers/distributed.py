@@ -110,13 +110,8 @@ class DistributedRun:
             self.device = torch.device("cuda", self.local_rank)
             torch.cuda.set_device(self.device)
         if self.world_size > 1:
-            log.info(
-                "distributed run: rank %d of %d (%s, device %s)",
-                self.rank,
-                self.world_size,
-                dist.get_backend(),
-                self.device,
-            )
+            where = f"{dist.get_backend()}, device {self.device}"
+            log.info(f"distributed run: rank {self.rank} of {self.world_size} ({where})")
         return self
 
     def _init_from_env(self) -> None:

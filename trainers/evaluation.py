@@ -139,15 +139,10 @@ class EvaluationHook(TrainerHook):
             if now - said[0] >= PROGRESS_SECONDS:
                 said[0] = now
                 log.info(
-                    "evaluation after epoch %d: %d of %d episodes done, %d of at most %d "
-                    "steps per env, %.0f s (evaluation.episodes, evaluation.max_steps; "
-                    "evaluation.at_end=false skips the final one)",
-                    state.epoch,
-                    done,
-                    asked,
-                    steps,
-                    max_steps,
-                    now - started,
+                    f"evaluation after epoch {state.epoch}: {done} of {asked} episodes done, "
+                    f"{steps} of at most {max_steps} steps per env, {now - started:.0f} s "
+                    f"(evaluation.episodes, evaluation.max_steps; evaluation.at_end=false "
+                    f"skips the final one)"
                 )
 
         try:
@@ -165,16 +160,12 @@ class EvaluationHook(TrainerHook):
         finally:
             policy.train(was_training)
         if scores.get("episodes", 0) < self.episodes:
+            why = "; raise evaluation.max_steps to finish them"
+            if max_steps < self.max_steps:
+                why = " (the bound of a short run's final evaluation)"
             log.warning(
-                "evaluation after epoch %d stopped at %d steps per env with %d of %d episodes "
-                "finished%s",
-                state.epoch,
-                max_steps,
-                int(scores.get("episodes", 0)),
-                self.episodes,
-                " (the bound of a short run's final evaluation)"
-                if max_steps < self.max_steps
-                else "; raise evaluation.max_steps to finish them",
+                f"evaluation after epoch {state.epoch} stopped at {max_steps} steps per env "
+                f"with {int(scores.get('episodes', 0))} of {self.episodes} episodes finished{why}"
             )
         self.evaluations += 1
         scores["epoch"] = float(state.epoch)

@@ -64,12 +64,8 @@ def describe_nonfinite_input(
     ``obs`` is ``(steps, envs, features)``, ``rewards`` ``(steps, envs)``, ``next_obs`` the
     observation after the last step; ``agent_step`` is the count when the rollout began."""
     num_steps, num_envs = obs.shape[0], obs.shape[1]
-    full = torch.cat(
-        [
-            obs.detach().cpu(),
-            torch.as_tensor(np.asarray(next_obs)).reshape(1, num_envs, -1).to(obs.dtype),
-        ]
-    )
+    last = torch.as_tensor(np.asarray(next_obs)).reshape(1, num_envs, -1).to(obs.dtype)
+    full = torch.cat([obs.detach().cpu(), last])
     bad_obs = ~torch.isfinite(full)
     bad_reward = ~np.isfinite(rewards)
     first_obs_step = int(bad_obs.any(dim=(1, 2)).nonzero()[0]) if bad_obs.any() else None
@@ -98,11 +94,9 @@ def describe_nonfinite_input(
         if normalized
         else ""
     )
-    kept = (
-        f"the last finite checkpoint is {last_checkpoint}"
-        if last_checkpoint is not None
-        else "no checkpoint was written"
-    )
+    kept = "no checkpoint was written"
+    if last_checkpoint is not None:
+        kept = f"the last finite checkpoint is {last_checkpoint}"
     return (
         f"non-finite input from env {env}{others}: {what} at epoch {epoch}, rollout {where} "
         f"(agent step {agent_step + min(step, num_steps) * num_envs + env}); the run stopped "

@@ -240,14 +240,9 @@ class UpdateProgress:
         if bad_steps:
             update_epoch, minibatch, step = self.ran[int(first_bad)][1]
             log.warning(
-                "non-finite loss at epoch %d, update epoch %d, minibatch %d (step %d); "
-                "%d of this epoch's %d optimizer steps had a non-finite loss",
-                epoch,
-                update_epoch,
-                minibatch,
-                step,
-                int(bad_steps),
-                len(self.ran),
+                f"non-finite loss at epoch {epoch}, update epoch {update_epoch}, minibatch "
+                f"{minibatch} (step {step}); {int(bad_steps)} of this epoch's {len(self.ran)} "
+                f"optimizer steps had a non-finite loss"
             )
         return out
 
@@ -806,10 +801,8 @@ class PPOTrainer:
     def _reseed_envs(self, why: str) -> None:
         seed = self.seed + self.state.agent_step
         log.warning(
-            "%s: the environments are re-seeded with seed %d, so the resumed run is not "
-            "bit-identical to an uninterrupted one",
-            why,
-            seed,
+            f"{why}: the environments are re-seeded with seed {seed}, so the resumed run is "
+            f"not bit-identical to an uninterrupted one"
         )
         self.next_obs, _ = self.envs.reset(seed=seed)
         self.prev_done[:] = False

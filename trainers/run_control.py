@@ -344,19 +344,14 @@ def resume_trainer(
         )
     if done == planned and not ckpt.get("mid_epoch"):
         log.warning(
-            "%s is at the run's last epoch (%d of trainer.total_timesteps=%d): nothing is "
-            "left to train; raise trainer.total_timesteps to train further",
-            path,
-            done,
-            trainer.cfg.total_timesteps,
+            f"{path} is at the run's last epoch ({done} of trainer.total_timesteps="
+            f"{trainer.cfg.total_timesteps}): nothing is left to train; raise "
+            f"trainer.total_timesteps to train further"
         )
     restore_trainer(trainer, ckpt, restore_envs=own_envs)
     trainer.state.last_checkpoint = path  # the newest finite one until the run writes more
     run.rewind(done)
+    mid = " (mid-epoch)" if ckpt.get("mid_epoch") else ""
     log.warning(
-        "resuming from %s: epoch %d%s, optimizer step %d",
-        path,
-        ckpt["epoch"],
-        " (mid-epoch)" if ckpt.get("mid_epoch") else "",
-        ckpt["optimizer_step"],
+        f"resuming from {path}: epoch {ckpt['epoch']}{mid}, optimizer step {ckpt['optimizer_step']}"
     )

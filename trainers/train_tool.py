@@ -512,15 +512,11 @@ class TrainTool(Section, ProbeSettings):
             bound = final_evaluation_bound(self.trainer.total_timesteps, n_eval, ev.max_steps)
         if bound is not None and main:
             log.warning(
-                "the final evaluation (%d episodes on %d envs, up to evaluation.max_steps=%d "
-                "steps per env) could take longer than this run's training (%d agent steps); "
-                "it stops at %d steps per env. evaluation.at_end=false skips it, "
-                "evaluation.short_run_bound=false lifts the cap",
-                ev.episodes,
-                n_eval,
-                ev.max_steps,
-                self.trainer.total_timesteps,
-                bound,
+                f"the final evaluation ({ev.episodes} episodes on {n_eval} envs, up to "
+                f"evaluation.max_steps={ev.max_steps} steps per env) could take longer than "
+                f"this run's training ({self.trainer.total_timesteps} agent steps); it stops at "
+                f"{bound} steps per env. evaluation.at_end=false skips it, "
+                f"evaluation.short_run_bound=false lifts the cap"
             )
         return EvaluationHook(
             lambda: make_vector_env(env_cfg, num_envs=n_eval),
