@@ -114,16 +114,11 @@ def rng_state_from_plain(state: dict[str, Any]) -> RNGState:
     """Inverse of :func:`rng_state_to_plain` (a CUDA state is kept only where CUDA is)."""
     n, p = state["numpy"], state["python"]
     cuda = state.get("cuda") if torch.cuda.is_available() else None
+    keys = n["keys"].numpy().astype(np.uint32)
     return RNGState(
         torch_cpu=state["torch"],
         torch_cuda=tuple(cuda) if cuda is not None else None,
-        numpy=(
-            n["name"],
-            n["keys"].numpy().astype(np.uint32),
-            n["pos"],
-            n["has_gauss"],
-            n["cached_gaussian"],
-        ),
+        numpy=(n["name"], keys, n["pos"], n["has_gauss"], n["cached_gaussian"]),
         python=(p["version"], tuple(int(v) for v in p["state"].tolist()), p["gauss_next"]),
     )
 

@@ -47,11 +47,8 @@ def is_atari(env_id: str) -> bool:
 
 def _numeric(annotation: Any) -> bool:
     """Whether a field holds an int or float (possibly optional), not a bool."""
-    if annotation in (int, float):
-        return True
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        return any(_numeric(a) for a in typing.get_args(annotation))
-    return False
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    return annotation in (int, float) or (union and any(map(_numeric, typing.get_args(annotation))))
 
 
 class Section(BaseModel):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import os
 from datetime import timedelta
 from typing import Any
@@ -74,9 +75,7 @@ class DistributedRun:
     def __init__(self, device: torch.device | str = "cpu", timeout_s: float | None = None) -> None:
         self.requested_device = torch.device(device)
         self.timeout_s = timeout_s
-        self.rank = 0
-        self.world_size = 1
-        self.local_rank = 0
+        self.rank, self.world_size, self.local_rank = 0, 1, 0
         self.device = self.requested_device
         self.owns_group = False
 
@@ -229,16 +228,16 @@ class RankStatisticsHook(TrainerHook):
     def on_train_phase_end(self, state: TrainerState) -> None:
         if self.world_size == 1:
             return
-        rs, ls = state.rollout_stats, state.loss_stats
+        rs, ls, n = state.rollout_stats, state.loss_stats, self.world_size
         episodes = float(rs.get("episodes", 0.0))
-        loss_keys = sorted(ls)
+        rates, loss_keys = (*_SUMMED[1:], *_AVERAGED), sorted(ls)
         sums = [episodes]
         sums += [rs.get(k, 0.0) * episodes if episodes else 0.0 for k in _EPISODE_MEANS]
-        sums += [float(rs.get(k, 0.0)) for k in (*_SUMMED[1:], *_AVERAGED)]
+        sums += [float(rs.get(k, 0.0)) for k in rates]
         sums += [float(ls[k]) for k in loss_keys]
         extremes = [
-            rs.get("episode_return_max", -float("inf")),
-            -rs.get("episode_return_min", float("inf")),
+            rs.get("episode_return_max", -math.inf),
+            -rs.get("episode_return_min", math.inf),
         ]
         nccl = dist.get_backend() == "nccl"  # collectives on the current GPU, else the CPU
         device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
@@ -246,24 +245,18 @@ class RankStatisticsHook(TrainerHook):
         peak = torch.tensor(extremes, dtype=torch.float64, device=device)
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        total_h, peak_h = total.tolist(), peak.tolist()  # once per epoch
-
-        n = self.world_size
-        all_episodes = total_h[0]
+        totals, (top, neg_bottom) = iter(total.tolist()), peak.tolist()  # once per epoch
+        all_episodes = next(totals)
         out = {"episodes": all_episodes}
+        means = {k: next(totals) for k in _EPISODE_MEANS}
         if all_episodes > 0:
-            out.update({k: total_h[1 + i] / all_episodes for i, k in enumerate(_EPISODE_MEANS)})
-            out["episode_return_max"] = peak_h[0]
-            out["episode_return_min"] = -peak_h[1]
-        offset = 1 + len(_EPISODE_MEANS)
-        for i, k in enumerate((*_SUMMED[1:], *_AVERAGED)):
+            out.update({k: m / all_episodes for k, m in means.items()})
+            out["episode_return_max"], out["episode_return_min"] = top, -neg_bottom
+        for k, value in zip(rates, totals, strict=False):  # totals goes on
             if k in rs:
-                value = total_h[offset + i]
                 out[k] = value if k in _SUMMED else value / n
         for k in ("episode_return", "episode_length", "episode_return_max", "episode_return_min"):
             rs.pop(k, None)  # a rank without episodes reports the global ones too
         rs.update(out)
-        offset += len(_SUMMED) - 1 + len(_AVERAGED)
-        for i, k in enumerate(loss_keys):
-            value = total_h[offset + i]
+        for k, value in zip(loss_keys, totals, strict=True):
             ls[k] = value if k in _SUMMED_LOSS else value / n

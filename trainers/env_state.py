@@ -52,33 +52,30 @@ def _nodes(env: Any, path: str = "env") -> list[tuple[str, Any]]:
     return out
 
 
-def _encode(value: Any) -> tuple[bool, Any]:
-    """``(ok, encoded)``: ok is False for values that are not plain state."""
+def _encode(value: Any) -> dict[str, Any] | None:
+    """``value`` encoded as plain state, or None for values that are not plain state."""
     if type(value) in PLAIN:  # exact types: np.float64 subclasses float but pickles as numpy
-        return True, {"plain": value}
+        return {"plain": value}
     if isinstance(value, np.random.Generator):
-        return True, {
-            "generator": type(value.bit_generator).__name__,
-            "state": value.bit_generator.state,
-        }
+        bit_generator = value.bit_generator
+        return {"generator": type(bit_generator).__name__, "state": bit_generator.state}
     if isinstance(value, np.ndarray | np.generic):
         arr = np.asarray(value)
         if arr.dtype.kind not in "biuf":
-            return False, None
-        return True, {
+            return None
+        return {
             "array": torch.from_numpy(arr.copy()),
             "dtype": arr.dtype.str,
             "scalar": isinstance(value, np.generic),
         }
     if isinstance(value, deque | tuple | list):
         items = [_encode(v) for v in value]
-        if not all(ok for ok, _ in items):
-            return False, None
-        encoded = [e for _, e in items]
+        if any(e is None for e in items):
+            return None
         if isinstance(value, deque):
-            return True, {"deque": encoded, "maxlen": value.maxlen}
-        return True, {"seq": encoded, "tuple": isinstance(value, tuple)}
-    return False, None
+            return {"deque": items, "maxlen": value.maxlen}
+        return {"seq": items, "tuple": isinstance(value, tuple)}
+    return None
 
 
 def _decode(enc: dict[str, Any]) -> Any:
@@ -130,8 +127,8 @@ def capture_env_state(env: gym.vector.VectorEnv) -> dict[str, Any]:
         for key, value in vars(obj).items():
             if key in SKIPPED or isinstance(value, gym.Space):
                 continue
-            ok, enc = _encode(value)
-            if ok:
+            enc = _encode(value)
+            if enc is not None:
                 attrs[key] = enc
         nodes[path] = {"class": type(obj).__name__, "attrs": attrs}
         if _is_ale(obj):

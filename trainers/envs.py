@@ -48,6 +48,7 @@ def make_vector_env(cfg: EnvConfig, num_envs: int | None = None, gamma: float = 
             f"environment {cfg.id!r} registers no vector_entry_point; use "
             f"env.vectorization=sync or env.vectorization=async"
         )
+    kwargs, wrappers = cfg.kwargs, None
     if is_atari(cfg.id):
         if mode == "vector_entry_point":
             raise ValueError(
@@ -61,16 +62,9 @@ def make_vector_env(cfg: EnvConfig, num_envs: int | None = None, gamma: float = 
                 f"env.atari.frame_skip instead"
             )
         # frame skipping is AtariPreprocessing's (max of the last two frames), not the game's
-        kwargs = {**cfg.kwargs, "frameskip": 1}
-        env = gym.make_vec(
-            cfg.id,
-            num_envs=n,
-            vectorization_mode=mode or "sync",
-            wrappers=atari_wrappers(cfg.atari),
-            **kwargs,
-        )
-    else:
-        env = gym.make_vec(cfg.id, num_envs=n, vectorization_mode=mode, **cfg.kwargs)
+        kwargs, wrappers = {**cfg.kwargs, "frameskip": 1}, atari_wrappers(cfg.atari)
+        mode = mode or "sync"
+    env = gym.make_vec(cfg.id, num_envs=n, vectorization_mode=mode, wrappers=wrappers, **kwargs)
     autoreset = env.metadata.get("autoreset_mode", AutoresetMode.NEXT_STEP)
     if autoreset != AutoresetMode.NEXT_STEP:
         env.close()

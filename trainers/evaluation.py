@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import gymnasium as gym
@@ -86,32 +87,23 @@ def evaluate_policy(
     }
 
 
+@dataclass(eq=False, repr=False)
 class EvaluationHook(TrainerHook):
     """Every ``every_epochs`` epochs (and after the last one when ``at_end``), run
     ``episodes`` deterministic episodes and store the scores in ``state.eval_scores``
     (with ``epoch`` = the epoch they belong to)."""
 
-    def __init__(
-        self,
-        make_envs: Callable[[], gym.vector.VectorEnv],
-        *,
-        every_epochs: int = 10,
-        episodes: int = 10,
-        at_end: bool = True,
-        seed: int = 0,
-        max_steps: int = 100_000,
-        final_max_steps: int | None = None,
-    ) -> None:
-        self.make_envs = make_envs
-        self.every_epochs = every_epochs
-        self.episodes = episodes
-        self.at_end = at_end
-        self.seed = seed
-        self.max_steps = max_steps
-        #: the step cap per env of the evaluation after the last epoch (None: max_steps)
-        self.final_max_steps = final_max_steps
-        self.envs: gym.vector.VectorEnv | None = None
-        self.evaluations = 0
+    make_envs: Callable[[], gym.vector.VectorEnv]
+    _: KW_ONLY
+    every_epochs: int = 10
+    episodes: int = 10
+    at_end: bool = True
+    seed: int = 0
+    max_steps: int = 100_000
+    #: the step cap per env of the evaluation after the last epoch (None: max_steps)
+    final_max_steps: int | None = None
+    envs: gym.vector.VectorEnv | None = field(default=None, init=False)
+    evaluations: int = field(default=0, init=False)
 
     def on_train_phase_end(self, state: TrainerState) -> None:
         # before the epoch's record is written, which reports the scores as eval/*

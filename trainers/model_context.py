@@ -134,10 +134,7 @@ class PPOModelDataContext(LoopModelDataContext):
         if step and self._kl_stopped:
             return {n: torch.zeros_like(p) for n, p in self.named_parameters().items()}
         grads = super().run_training_epoch(order, step)
-        if (
-            step
-            and self._last_stats is not None
-            and self.trainer.kl_exceeds_target(self._last_stats)
-        ):
+        stats = self._last_stats
+        if step and stats is not None and self.trainer.kl_exceeds_target(stats):
             self._kl_stopped = True
         return grads

@@ -711,6 +711,13 @@ class PPOTrainer:
             env: dict[str, Any] = {"state": capture_env_state(self.envs), "reason": None}
         except EnvStateError as exc:
             env = {"state": None, "reason": str(exc)}
+        mid = None
+        if (p := self.update_progress) is not None:
+            mid = {
+                "update": {k: v for k, v in vars(p).items() if k != "ran"},
+                "storage": self.storage.state_dict(),
+                "rollout_stats": dict(s.rollout_stats),
+            }
         return {
             "epoch": s.epoch,
             "num_epochs": s.num_epochs,
@@ -734,16 +741,7 @@ class PPOTrainer:
             "trainer_hooks": {
                 type(h).__name__: h.state_dict() for h in self.hooks if hasattr(h, "state_dict")
             },
-            "mid_epoch": None if self.update_progress is None else self._mid_epoch_state(),
-        }
-
-    def _mid_epoch_state(self) -> dict[str, Any]:
-        p = self.update_progress
-        assert p is not None
-        return {
-            "update": {k: v for k, v in vars(p).items() if k != "ran"},
-            "storage": self.storage.state_dict(),
-            "rollout_stats": dict(self.state.rollout_stats),
+            "mid_epoch": mid,
         }
 
     def load_state_dict(self, state: Mapping[str, Any], *, restore_envs: bool = True) -> None:

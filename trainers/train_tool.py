@@ -483,12 +483,8 @@ class TrainTool(Section, ProbeSettings):
         evaluation = self._evaluation_hook(dist_run.is_main)
         if evaluation is not None:
             hooks.append(evaluation)
-        checkpointer = CheckpointHook(
-            run.dir / "checkpoints",
-            every_epochs=self.checkpoint.every_epochs,
-            keep_last=self.checkpoint.keep_last,
-            at_end=self.checkpoint.at_end,
-        )
+        # the checkpoint section's fields are the hook's arguments
+        checkpointer = CheckpointHook(run.dir / "checkpoints", **self.checkpoint.model_dump())
         if self.checkpoint.every_epochs > 0 or self.checkpoint.at_end:
             # on_epoch_end comes after the epoch's records: never ahead of the metrics
             hooks.append(checkpointer)
