@@ -33,16 +33,6 @@ from policy_probes.lifecycle.manager import current_rank
 
 log = logging.getLogger("trainers")
 
-HOOK_METHODS = (
-    "on_new_training_run",
-    "on_rollout_start",
-    "on_rollout_end",
-    "on_mb_end",
-    "on_train_phase_end",
-    "on_epoch_end",
-    "on_training_end",
-)
-
 
 @dataclass
 class TrainerState:
@@ -110,6 +100,10 @@ class TrainerHook:
 
     def on_training_end(self, state: TrainerState) -> None:
         """Once, at the end, also when training failed (``state.error``) or was stopped."""
+
+
+#: the event methods, in firing order
+HOOK_METHODS = tuple(name for name in vars(TrainerHook) if name.startswith("on_"))
 
 
 class CallbackList(TrainerHook):

@@ -72,7 +72,6 @@ class CNNActorCriticPolicy(ActorCriticPolicy):
                 layer_init(m, math.sqrt(2))
         self._init_heads()
 
-    # ------------------------------------------------------------------ networks
     def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(logits or Gaussian mean, value)`` for a batch of frames (``(B, C, H, W)`` or
         flattened ``(B, C*H*W)``, raw pixel values)."""
@@ -86,7 +85,6 @@ class CNNActorCriticPolicy(ActorCriticPolicy):
         out = self.actor_head(self.encoder(obs))
         return out.argmax(-1) if self.discrete else out
 
-    # ------------------------------------------------------------------ module path only
     def hooks_idle(self) -> bool:
         """Always False: rollouts and updates go through the modules (the MLP policy's
         hook-free shortcuts save module dispatch, a small cost next to convolutions)."""

@@ -79,7 +79,6 @@ class DistributedRun:
         self.device = self.requested_device
         self.owns_group = False
 
-    # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> DistributedRun:
         self.start()
         return self
@@ -160,7 +159,6 @@ class DistributedRun:
         finally:
             dist.destroy_process_group()
 
-    # ------------------------------------------------------------------ helpers
     @property
     def distributed(self) -> bool:
         """More than one process trains."""

@@ -50,7 +50,6 @@ class PPOModelDataContext(LoopModelDataContext):
         self._last_stats: torch.Tensor | None = None
         self._generators: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    # ------------------------------------------------------------ checkpoints
     def _trainer_generators(self) -> tuple[torch.Generator, torch.Generator]:
         return self.trainer.sample_generator, self.trainer.shuffle_generator
 
@@ -76,7 +75,6 @@ class PPOModelDataContext(LoopModelDataContext):
         super().restore_pre_epoch()
         self._kl_stopped = False
 
-    # ------------------------------------------------------------------ data
     def _require_data(self) -> None:
         if not self.trainer.rollout_ready:
             raise RuntimeError(
@@ -113,7 +111,6 @@ class PPOModelDataContext(LoopModelDataContext):
         self._require_data()
         return self.storage.valid_observations()
 
-    # ---------------------------------------------------------- computations
     def train_minibatch(self, batch: Minibatch, step: bool = True) -> list[torch.Tensor | None]:
         """The trainer's own step on ``batch`` (micro-batches, clipping, Adam); returns
         the gradients before clipping."""

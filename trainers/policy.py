@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import gymnasium as gym
@@ -217,6 +218,7 @@ class ActorCriticPolicy(PolicyAutoBuilder):
         return out.argmax(-1) if self.discrete else out
 
 
+@dataclass(eq=False)
 class StackedMLPs:
     """Actor and critic MLPs of the same shape evaluated as one network (rollout steps):
     about half the tensor ops of the two networks.
@@ -228,16 +230,11 @@ class StackedMLPs:
     (:meth:`ActorCriticPolicy.rollout_forward`), use it only once :meth:`reproduces` holds.
     """
 
-    def __init__(
-        self,
-        first: tuple[torch.Tensor, torch.Tensor],
-        rest: list[tuple[torch.Tensor, torch.Tensor]],
-        activation: nn.Module,
-        actor_head: nn.Linear,
-        critic_head: nn.Linear,
-    ) -> None:
-        self.first, self.rest, self.activation = first, rest, activation
-        self.actor_head, self.critic_head = actor_head, critic_head
+    first: tuple[torch.Tensor, torch.Tensor]
+    rest: list[tuple[torch.Tensor, torch.Tensor]]
+    activation: nn.Module
+    actor_head: nn.Linear
+    critic_head: nn.Linear
 
     @classmethod
     def build(cls, policy: ActorCriticPolicy) -> StackedMLPs | None:

@@ -24,7 +24,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import nullcontext
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import gymnasium as gym
@@ -75,7 +75,8 @@ NORMALIZATION_WRAPPERS = {"obs_rms": vw.NormalizeObservation, "return_rms": vw.N
 def normalize_advantages(batch: Minibatch) -> Minibatch:
     """Advantages rescaled to mean 0, std 1 within the minibatch (before micro-batching)."""
     adv = batch.advantages
-    return replace(batch, advantages=(adv - adv.mean()) / (adv.std() + 1e-8))
+    adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+    return Minibatch(batch.obs, batch.actions, batch.logprobs, batch.values, adv, batch.returns)
 
 
 class EvaluateActions(nn.Module):
