@@ -1,20 +1,13 @@
 """Trainer lifecycle callbacks: :class:`TrainerHook`, :class:`TrainerState`, :class:`CallbackList`.
 
-Firing order (see ``docs/trainer.md``)::
+Firing order (the full diagram with the session's calls: ``docs/trainer.md``)::
 
     on_new_training_run
     for epoch in 1..num_epochs:
-        (session.epoch_start: PRE_EPOCH)
-        on_rollout_start
-        (collect num_steps x num_envs transitions, phase "rollout"; GAE)
-        (session.rollout_end: POST_ROLLOUT)
-        on_rollout_end
-        for update_epoch in 0..update_epochs-1:
-            for mb_idx in 0..num_minibatches-1:
-                (forward/backward/optimizer step, phase "train")
-                on_mb_end
+        on_rollout_start; (rollout, GAE); on_rollout_end
+        for update_epoch, for mb_idx: (optimizer step); on_mb_end
         on_train_phase_end          (scheduler already stepped; EvaluationHook evaluates)
-        (session.epoch_end: POST_EPOCH, SNAPSHOT, the epoch's records; state.metrics)
+        (session.epoch_end: the epoch's records; state.metrics)
         on_epoch_end                (CheckpointHook, ProgressHook, RunControl, ...)
     on_training_end                 (also after an exception; state.error is set then)
 
@@ -40,33 +33,15 @@ from policy_probes.lifecycle.manager import current_rank
 
 log = logging.getLogger("trainers")
 
-HOOK_METHODS = (
-    "on_new_training_run",
-    "on_rollout_start",
-    "on_rollout_end",
-    "on_mb_end",
-    "on_train_phase_end",
-    "on_epoch_end",
-    "on_training_end",
-)
-
 
 @dataclass
 class TrainerState:
-    """Everything a hook can read (and a few things it may set) during training.
-
-    Counters: ``epoch`` (1-based index of the current rollout+update cycle, 0 before the
-    first), ``num_epochs``, ``agent_step`` (environment steps so far, all envs),
-    ``update_epoch`` and ``mb_idx`` (position inside the update phase), ``optimizer_step``.
-    Statistics of the current epoch (host floats, filled once per epoch):
-    ``rollout_stats`` (episode return/length, SPS), ``loss_stats`` (policy/value loss,
-    entropy, KL, clipfrac, explained variance, learning rate), ``eval_scores`` (set by
-    :class:`~trainers.evaluation.EvaluationHook`), ``metrics`` (the epoch's record, as
-    ``session.epoch_end`` returned it) and ``probe_metrics`` (its ``probes/*`` part), both
-    set before ``on_epoch_end``. ``last_checkpoint`` is set by
-    :class:`~trainers.checkpoint.CheckpointHook`. A hook may set ``stop_training = True``
-    to end the run after the current epoch. ``trainer`` is the
-    :class:`~trainers.ppo.PPOTrainer` (typed ``Any``: this module does not import it).
+    """Everything a hook can read (and a few things it may set) during training; each
+    field is described in ``docs/trainer.md``. ``epoch`` is 1-based (0 before the first);
+    the statistics are host floats, filled once per epoch; ``metrics`` (the epoch's record)
+    and ``probe_metrics`` (its ``probes/*`` part) are set before ``on_epoch_end``. A hook
+    may set ``stop_training = True`` to end the run after the current epoch. ``trainer``
+    is the :class:`~trainers.ppo.PPOTrainer` (typed ``Any``: this module does not import it).
     """
 
     trainer: Any
@@ -94,14 +69,11 @@ class TrainerState:
 
 
 class TrainerHook:
-    """Base class of trainer callbacks: override the methods you need.
+    """Base class of trainer callbacks: override the methods you need."""
 
-    Attributes:
-        critical: when True an exception in this hook stops training (re-raised).
-        run_on_all_ranks: when True the hook also runs on ranks other than 0.
-    """
-
+    #: an exception in this hook stops training (re-raised)
     critical: bool = False
+    #: the hook also runs on ranks other than 0
     run_on_all_ranks: bool = False
 
     @property
@@ -128,6 +100,10 @@ class TrainerHook:
 
     def on_training_end(self, state: TrainerState) -> None:
         """Once, at the end, also when training failed (``state.error``) or was stopped."""
+
+
+#: the event methods, in firing order
+HOOK_METHODS = tuple(name for name in vars(TrainerHook) if name.startswith("on_"))
 
 
 class CallbackList(TrainerHook):
@@ -203,9 +179,5 @@ class CallbackList(TrainerHook):
                     raise
                 name = getattr(hook, "name", type(hook).__name__)
                 state.hook_errors[f"{name}.{event}"] = f"{type(exc).__name__}: {exc}"
-                log.exception(
-                    "trainer hook %s raised in %s (epoch %d); training goes on",
-                    name,
-                    event,
-                    state.epoch,
-                )
+                where = f"{name} raised in {event} (epoch {state.epoch})"
+                log.exception(f"trainer hook {where}; training goes on")

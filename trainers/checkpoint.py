@@ -1,29 +1,13 @@
 """Checkpoints: the full training state, written atomically, read safely, resumed exactly.
 
-A checkpoint is built from the ``state_dict()`` protocol (as in torch and Lightning):
-:meth:`PPOTrainer.state_dict` (which holds :meth:`ProbeSession.state_dict`, which holds
-:meth:`HookManager.state_dict` and every tracker's ``state_dict()``), made a plain dict
-of tensors and Python containers, so it loads with ``torch.load(path, weights_only=True)``
-(no arbitrary code runs on load). Layout of format 5 (``docs/run_control.md``):
-
-* ``format``; the counters ``epoch``, ``num_epochs``, ``agent_step``, ``optimizer_step``,
-  ``seed``; ``policy``, ``optimizer``, ``scheduler`` state dicts;
-* ``rng`` (torch CPU and CUDA, numpy, Python ``random``) and ``trainer_rng`` (the
-  trainer's sample/shuffle generators);
-* ``env`` (the vector env's state, :mod:`trainers.env_state`; envs it cannot capture,
-  such as ``AsyncVectorEnv``, are re-seeded on resume with a warning), ``next_obs``,
-  ``prev_done``, ``episodes``, ``normalization``, ``trained_seconds``;
-* ``session``: the epoch counters, the epoch's metrics so far, the lifecycle hooks'
-  state (e.g. ``norms`` keeps the initial weights) and the hook manager's carried
-  gradients and buffered step records, the probe trackers' sums and counts;
-* ``trainer_hooks``: callbacks with a ``state_dict`` (the evaluation counter);
-* ``mid_epoch`` (a checkpoint written at a minibatch boundary by ``ctl checkpoint``,
-  ``ctl stop`` or a signal; None otherwise): the position in the update phase
-  (:class:`~trainers.ppo.UpdateProgress`), the rollout storage and its statistics;
-* ``config``: the run configuration (JSON).
-
-A checkpoint of any other format fails with one :class:`CheckpointError` that names its
-format (:func:`check_format`).
+A checkpoint is :meth:`PPOTrainer.state_dict` (which holds
+:meth:`ProbeSession.state_dict`, which holds the lifecycle hooks' and trackers' states) made
+a plain dict of tensors and Python containers, so it loads with
+``torch.load(path, weights_only=True)`` (no code runs on load), plus ``format``, ``rng``
+(the process RNGs) and ``config`` (the run configuration, JSON). ``mid_epoch`` is None
+unless it was written at a minibatch boundary (``ctl checkpoint``, ``ctl stop``, a signal).
+What each part holds and why: ``docs/run_control.md``. A checkpoint of any other format
+fails with one :class:`CheckpointError` that names its format (:func:`check_format`).
 
 Files: ``epoch_<E>.pt`` after epoch E completed; ``epoch_<E>-step_<S>.pt`` in the middle
 of epoch E at optimizer step S (it sorts after ``epoch_<E-1>.pt``, before ``epoch_<E>.pt``).
@@ -54,8 +38,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("trainers")
 
-#: 5: the probes' per-unit accumulators (relu, gradient_flow and relu_gradient_flow keep
-#: their non-finite counts and passes per unit, so alike layers are reduced as one)
+#: 5: relu, gradient_flow and relu_gradient_flow keep per-unit accumulators
 CHECKPOINT_FORMAT = 5
 #: test hook: ``SECONDS`` or ``SECONDS@FILENAME``: sleep inside :func:`atomic_save` between
 #: writing the temporary file and renaming it (for every file, or that one)
@@ -72,8 +55,8 @@ class CheckpointError(RuntimeError):
 # ---------------------------------------------------------------------- plain containers
 def to_plain_state(obj: Any, where: str = "state") -> Any:
     """``obj`` as tensors and plain containers only (what ``weights_only`` loads): numpy
-    arrays become tensors, numpy scalars and enum members plain values. Raises
-    ``TypeError`` naming ``where`` for anything else."""
+    arrays become tensors, numpy scalars and enum members plain values; anything else
+    raises ``TypeError`` naming ``where``."""
     if isinstance(obj, torch.Tensor):
         return obj.detach()
     if obj is None or type(obj) in (bool, int, float, str):
@@ -131,29 +114,19 @@ def rng_state_from_plain(state: dict[str, Any]) -> RNGState:
     """Inverse of :func:`rng_state_to_plain` (a CUDA state is kept only where CUDA is)."""
     n, p = state["numpy"], state["python"]
     cuda = state.get("cuda") if torch.cuda.is_available() else None
+    keys = n["keys"].numpy().astype(np.uint32)
     return RNGState(
         torch_cpu=state["torch"],
         torch_cuda=tuple(cuda) if cuda is not None else None,
-        numpy=(
-            n["name"],
-            n["keys"].numpy().astype(np.uint32),
-            n["pos"],
-            n["has_gauss"],
-            n["cached_gaussian"],
-        ),
+        numpy=(n["name"], keys, n["pos"], n["has_gauss"], n["cached_gaussian"]),
         python=(p["version"], tuple(int(v) for v in p["state"].tolist()), p["gauss_next"]),
     )
 
 
 # ---------------------------------------------------------------------- checkpoints
 def trainer_checkpoint(trainer: PPOTrainer) -> dict[str, Any]:
-    """Everything needed to continue ``trainer`` exactly: :meth:`PPOTrainer.state_dict`
-    as plain containers, the process-wide RNG states, the run configuration and the
-    format number (see the module docstring).
-
-    Called at an epoch end or, while :attr:`PPOTrainer.update_progress` is set, at a
-    minibatch boundary (then the checkpoint is a mid-epoch one).
-    """
+    """Everything needed to continue ``trainer`` exactly (see the module docstring); a
+    mid-epoch checkpoint while :attr:`PPOTrainer.update_progress` is set."""
     state = dict(trainer.state_dict())
     session = dict(state.pop("session"))
     manager = dict(session.pop("hooks"))
@@ -188,12 +161,8 @@ def restore_trainer(
     trainer: PPOTrainer, ckpt: dict[str, Any], *, restore_envs: bool = True
 ) -> None:
     """Load a checkpoint dict into a freshly built ``trainer`` (same configuration), so that
-    ``trainer.train()`` continues exactly where the checkpointed run was.
-
-    ``restore_envs=False`` re-seeds the environments instead of restoring the saved ones
-    (ranks other than 0 of a distributed run: the checkpoint holds rank 0's envs).
-    A checkpoint in another format is refused (:func:`check_format`).
-    """
+    ``trainer.train()`` continues exactly where the checkpointed run was
+    (``restore_envs``: :meth:`PPOTrainer.load_state_dict`; other formats refused)."""
     ckpt = check_format(ckpt)
     try:
         trainer.load_state_dict(ckpt, restore_envs=restore_envs)
@@ -291,13 +260,10 @@ def list_checkpoints(directory: Path) -> list[Path]:
     )
 
 
-def remove_stale_temp_files(directory: Path) -> int:
+def remove_stale_temp_files(directory: Path) -> None:
     """Delete temporary files left by a process killed inside :func:`atomic_save`."""
-    removed = 0
     for tmp in Path(directory).glob(".epoch_*.tmp"):
         tmp.unlink(missing_ok=True)
-        removed += 1
-    return removed
 
 
 def newest_valid_checkpoint(directory: Path) -> tuple[Path, dict[str, Any]]:
@@ -318,12 +284,9 @@ def newest_valid_checkpoint(directory: Path) -> tuple[Path, dict[str, Any]]:
 
 class CheckpointHook(TrainerHook):
     """Saves ``run_dir/checkpoints/epoch_<NNNNNN>.pt`` every ``every_epochs`` epochs and at
-    the end of training (also after an early stop); keeps the newest ``keep_last``.
-
-    It runs at ``on_epoch_end``, after the epoch's records were written
-    (``session.epoch_end``): a checkpoint never gets ahead of the metric files, which a
-    resume rewinds to the checkpoint's epoch. :meth:`save` is also what run control calls mid-epoch.
-    """
+    the end of training (also after an early stop); keeps the newest ``keep_last``. It runs
+    at ``on_epoch_end``, after the epoch's records were written: a checkpoint never gets
+    ahead of the metric files. Run control calls :meth:`save` mid-epoch."""
 
     def __init__(
         self, directory: str | Path, every_epochs: int = 25, keep_last: int = 3, at_end: bool = True
@@ -339,9 +302,8 @@ class CheckpointHook(TrainerHook):
         self.failed: list[tuple[int, str]] = []
 
     def save(self, state: TrainerState) -> Path:
-        """Write the trainer's state now (mid-epoch while its update phase is under way).
-        Non-finite parameters are never written: :class:`NonFiniteParametersError`
-        (the run stops; the directory keeps its last finite checkpoint)."""
+        """Write the trainer's state now (mid-epoch while its update phase is under way);
+        non-finite parameters raise :class:`NonFiniteParametersError` instead."""
         trainer = state.trainer
         check_finite_parameters(trainer.policy, state.epoch)
         mid = trainer.update_progress is not None
@@ -361,17 +323,12 @@ class CheckpointHook(TrainerHook):
             self._save_or_record(state)
 
     def on_training_end(self, state: TrainerState) -> None:
-        if (
-            self.at_end
-            and state.error is None
-            and state.epoch > 0
-            and self.saved_epoch != state.epoch
-        ):
+        if self.at_end and state.error is None and 0 < state.epoch != self.saved_epoch:
             self._save_or_record(state)
 
     def _save_or_record(self, state: TrainerState) -> None:
-        """:meth:`save`; a write that fails (disk full, permissions) is recorded in :attr:`failed` and logged (with its traceback the first time), and
-        training goes on; the run's summary says which checkpoints are missing."""
+        """:meth:`save`; a failed write (disk full, permissions) is recorded in
+        :attr:`failed` and logged (with its traceback the first time), and training goes on."""
         try:
             self.save(state)
         except Exception as exc:
@@ -383,11 +340,8 @@ class CheckpointHook(TrainerHook):
             first = not self.failed
             self.failed.append((state.epoch, reason))
             log.error(
-                "checkpoint of epoch %d could not be written (%s); training goes on, the "
-                "newest checkpoint is %s",
-                state.epoch,
-                reason,
-                state.last_checkpoint or "none",
+                f"checkpoint of epoch {state.epoch} could not be written ({reason}); training "
+                f"goes on, the newest checkpoint is {state.last_checkpoint or 'none'}",
                 exc_info=exc if first else None,
             )
 

@@ -1,11 +1,10 @@
 """The pixel actor-critic: a NatureCNN encoder shared by a linear actor head and a linear
 critic head (CleanRL ``ppo_atari.py``).
 
-Components (see ``docs/policies.md``): ``encoder`` (:class:`~trainers.nature_cnn.NatureCNN`,
-its layers ``encoder.conv_<i>`` and ``encoder.fc`` addressable), ``actor_head`` (logits or
-Gaussian mean) and ``critic_head`` (state value), both reading the encoder's 512 features.
-Observations stay uint8 in the rollout storage; the encoder scales them by 1/255. The
-action distributions are the MLP policy's (:class:`~trainers.policy.ActorCriticPolicy`).
+Components (``docs/policies.md``): ``encoder`` (:class:`~trainers.nature_cnn.NatureCNN`),
+``actor_head`` and ``critic_head``, both reading the encoder's 512 features. Observations
+stay uint8 in the rollout storage. The action distributions are those of
+:class:`~trainers.policy.ActorCriticPolicy`.
 """
 
 from __future__ import annotations
@@ -67,14 +66,12 @@ class CNNActorCriticPolicy(ActorCriticPolicy):
 
     def reset_parameters(self) -> None:
         """Orthogonal init as CleanRL ``ppo_atari.py``: gain sqrt(2) on every convolution
-        and the 512-unit layer, 0.01 on the policy head, 1.0 on the value head, zero
-        biases."""
+        and the 512-unit layer, zero biases, and the heads' gains."""
         for m in self.encoder.modules():
             if isinstance(m, nn.Conv2d | nn.Linear):
                 layer_init(m, math.sqrt(2))
         self._init_heads()
 
-    # ------------------------------------------------------------------ networks
     def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(logits or Gaussian mean, value)`` for a batch of frames (``(B, C, H, W)`` or
         flattened ``(B, C*H*W)``, raw pixel values)."""
@@ -88,11 +85,9 @@ class CNNActorCriticPolicy(ActorCriticPolicy):
         out = self.actor_head(self.encoder(obs))
         return out.argmax(-1) if self.discrete else out
 
-    # ------------------------------------------------------------------ module path only
     def hooks_idle(self) -> bool:
-        """Always False: rollouts and updates go through the modules (hooks fire). The
-        hook-free shortcuts of the MLP policy (:class:`~trainers.policy.StackedMLPs`,
-        direct ``forward`` calls) save module dispatch, a small cost next to convolutions."""
+        """Always False: rollouts and updates go through the modules (the MLP policy's
+        hook-free shortcuts save module dispatch, a small cost next to convolutions)."""
         return False
 
     def rollout_forward(self, example: torch.Tensor) -> Forward:

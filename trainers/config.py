@@ -1,7 +1,5 @@
 """Configuration sections of a training run: environment, policy, PPO, evaluation, checkpoints.
 
-Every model rejects unknown fields (``extra="forbid"``) so a typo on the command line
-(``trainer.num_step=64``) fails with the list of valid keys instead of being ignored.
 Checks that need several sections at once (minibatch size against batch size) live in
 :class:`trainers.train_tool.TrainTool`.
 """
@@ -49,18 +47,14 @@ def is_atari(env_id: str) -> bool:
 
 def _numeric(annotation: Any) -> bool:
     """Whether a field holds an int or float (possibly optional), not a bool."""
-    if annotation in (int, float):
-        return True
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        return any(_numeric(a) for a in typing.get_args(annotation))
-    return False
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    return annotation in (int, float) or (union and any(map(_numeric, typing.get_args(annotation))))
 
 
 class Section(BaseModel):
-    """A configuration model: unknown keys, non-finite floats (``Infinity``, ``NaN``)
-    and ``true``/``false`` for a number are refused, each with the key's name (pydantic
-    would otherwise train on them silently: ``adam_eps=Infinity`` never moves the
-    policy, ``seed=true`` runs with seed 1)."""
+    """A configuration model: unknown keys (a typo such as ``trainer.num_step=64``),
+    non-finite floats and ``true``/``false`` for a number are refused, each with the key's
+    name (pydantic would otherwise take ``seed=true`` as seed 1)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -74,10 +68,9 @@ class Section(BaseModel):
 
 
 class AtariConfig(Section):
-    """Preprocessing of ALE environments (Mnih et al. 2015; Machado et al. 2018), applied
-    to every ``ALE/...`` id: gymnasium's ``AtariPreprocessing`` on an env made with
-    ``frameskip=1``, then ``FrameStackObservation``. Observations are uint8 frames of
-    shape ``(frame_stack, screen_size, screen_size)``."""
+    """Preprocessing of ALE ids (Mnih et al. 2015; Machado et al. 2018): gymnasium's
+    ``AtariPreprocessing`` on an env made with ``frameskip=1``, then
+    ``FrameStackObservation``; uint8 frames of shape ``(frame_stack, screen_size, screen_size)``."""
 
     noop_max: int = Field(30, ge=0, description="Up to N random no-op actions after reset.")
     frame_skip: int = Field(
@@ -162,8 +155,8 @@ class EnvConfig(Section):
 
 
 def _retry_with_ale(env_id: str) -> bool:
-    """True if ``env_id`` is known once ale-py's ids are registered (done lazily: importing
-    ale-py costs time that non-Atari runs need not pay)."""
+    """True if ``env_id`` is known once ale-py's ids are registered (lazily: importing
+    ale-py costs time)."""
     if not register_ale_envs():
         return False
     try:

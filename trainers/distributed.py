@@ -1,26 +1,18 @@
-"""Multi-process PPO on ``torch.distributed``: the process group, per-rank seeds, and the
-epoch statistics of all ranks.
+"""Multi-process PPO on ``torch.distributed`` (``docs/distributed.md``): the process group,
+per-rank seeds, and the epoch statistics of all ranks.
 
-Launch with torchrun (``docs/distributed.md``)::
-
-    torchrun --nproc_per_node=4 -m policy_probes.cli run recipes.cartpole.train
-
-torchrun starts one process per rank and sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-``MASTER_ADDR`` and ``MASTER_PORT``. :class:`DistributedRun` reads them, initialises the
-default process group (gloo for CPU training, nccl for CUDA), gives each rank its GPU,
-and destroys the group when the run ends. Without those variables it describes a single
-process (rank 0 of 1) and touches nothing, so a plain run is exactly what it was.
-
-Each rank steps its own environments (seeded by :func:`rank_seed`) and DDP averages the
-gradients (``PPOTrainer.wrap_ddp``). :class:`RankStatisticsHook` turns the per-rank
-rollout and loss statistics into global ones once per epoch and makes ``agent_step``
-count the steps of every rank.
+Launch with ``torchrun --nproc_per_node=4 -m policy_probes.cli run recipes.cartpole.train``.
+:class:`DistributedRun` reads torchrun's variables and owns the process group (without
+them it is rank 0 of 1 and touches nothing). Each rank steps its own environments (seeded
+by :func:`rank_seed`) and DDP averages the gradients (``PPOTrainer.wrap_ddp``);
+:class:`RankStatisticsHook` makes the epoch statistics and ``agent_step`` global.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
+import math
 import os
 from datetime import timedelta
 from typing import Any
@@ -44,18 +36,10 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def backend_for(device: torch.device) -> str:
-    """nccl for CUDA training, gloo for the CPU."""
-    return "nccl" if device.type == "cuda" else "gloo"
-
-
 def rank_seed(seed: int, rank: int, num_envs: int = 1) -> int:
-    """The seed of rank ``rank``'s environments, action sampling and minibatch order.
-
-    ``seed + rank * stride`` with ``stride = max(1000, num_envs)``: vector envs seed env
-    ``i`` with ``seed + i``, so ranks never share an environment seed. Rank 0 keeps
-    ``seed``, so a one-process run is the run it always was.
-    """
+    """The seed of rank ``rank``'s environments, action sampling and minibatch order:
+    ``seed + rank * max(1000, num_envs)`` (vector envs seed env ``i`` with ``seed + i``, so
+    ranks never share an environment seed; rank 0 keeps ``seed``)."""
     if rank < 0:
         raise ValueError(f"rank must be >= 0, got {rank}")
     return seed + rank * max(RANK_SEED_STRIDE, num_envs)
@@ -63,9 +47,8 @@ def rank_seed(seed: int, rank: int, num_envs: int = 1) -> int:
 
 def per_rank_config(cfg: PPOConfig, world_size: int, num_envs: int) -> PPOConfig:
     """The PPO configuration one rank trains with: ``total_timesteps`` is the budget of
-    all ranks together (as in CleanRL's multi-GPU PPO), so each rank runs
-    ``total_timesteps // (world_size * num_envs * num_steps)`` epochs. Raises
-    ``ValueError`` when that is less than one epoch."""
+    all ranks together (as in CleanRL's multi-GPU PPO); ``ValueError`` when that is less
+    than one epoch."""
     if world_size == 1:
         return cfg
     rollout = world_size * num_envs * cfg.num_steps
@@ -80,13 +63,10 @@ def per_rank_config(cfg: PPOConfig, world_size: int, num_envs: int) -> PPOConfig
 
 
 class DistributedRun:
-    """The process group of one training run, as a context manager.
-
-    ``with DistributedRun(device) as run:`` initialises the default process group when
-    the process was launched by torchrun and no group exists yet, and destroys it on
-    exit (also after an error). A group that already existed (a user who called
-    ``init_process_group`` before ``TrainTool.invoke``) is used and left alone. Outside
-    torchrun it is rank 0 of a world of 1 and does nothing.
+    """The process group of one training run, as a context manager: initialises the
+    default group (gloo on the CPU, nccl for CUDA) when launched by torchrun and none exists
+    yet, and destroys it on exit (also after an error). A group that already existed is
+    used and left alone. Outside torchrun it is rank 0 of a world of 1 and does nothing.
 
     Attributes: ``rank``, ``world_size``, ``local_rank``, ``device`` (for CUDA the GPU
     ``cuda:<local_rank>``), ``owns_group`` (this object created the group).
@@ -95,13 +75,10 @@ class DistributedRun:
     def __init__(self, device: torch.device | str = "cpu", timeout_s: float | None = None) -> None:
         self.requested_device = torch.device(device)
         self.timeout_s = timeout_s
-        self.rank = 0
-        self.world_size = 1
-        self.local_rank = 0
+        self.rank, self.world_size, self.local_rank = 0, 1, 0
         self.device = self.requested_device
         self.owns_group = False
 
-    # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> DistributedRun:
         self.start()
         return self
@@ -131,13 +108,8 @@ class DistributedRun:
             self.device = torch.device("cuda", self.local_rank)
             torch.cuda.set_device(self.device)
         if self.world_size > 1:
-            log.info(
-                "distributed run: rank %d of %d (%s, device %s)",
-                self.rank,
-                self.world_size,
-                dist.get_backend(),
-                self.device,
-            )
+            where = f"{dist.get_backend()}, device {self.device}"
+            log.info(f"distributed run: rank {self.rank} of {self.world_size} ({where})")
         return self
 
     def _init_from_env(self) -> None:
@@ -149,7 +121,7 @@ class DistributedRun:
                 f"or set every one of {', '.join(TORCHRUN_VARS)}"
             )
         self.local_rank = int(os.environ["LOCAL_RANK"])
-        backend = backend_for(self.requested_device)
+        backend = "nccl" if self.requested_device.type == "cuda" else "gloo"
         if backend == "nccl":
             if not torch.cuda.is_available():
                 raise RuntimeError(
@@ -171,15 +143,11 @@ class DistributedRun:
     def close(self, barrier: bool = False) -> None:
         """Destroy the process group if :meth:`start` created it.
 
-        A rank must not tear down its gloo connections while another still uses them, or
-        at interpreter exit (a rank then aborts with "terminate called without an active
-        exception" and torchrun reports the run failed). So, in this order:
-
-        1. collect garbage: the trainer's DistributedDataParallel sits in reference cycles
-           and its reducer holds the group, which would otherwise stay open, behind
-           ``destroy_process_group``, until the interpreter shuts down;
-        2. ``barrier`` (a run that ended cleanly): wait until every rank is done;
-        3. destroy the group, which now frees its connections and threads.
+        A rank must not tear down its gloo connections while another still uses them, or at
+        interpreter exit (a rank then aborts with "terminate called without an active
+        exception"). So: collect garbage (the trainer's DDP sits in reference cycles and its
+        reducer holds the group open), then ``barrier`` (a run that ended cleanly), then
+        destroy the group.
         """
         owned, self.owns_group = self.owns_group and dist.is_initialized(), False
         if not owned:
@@ -191,7 +159,6 @@ class DistributedRun:
         finally:
             dist.destroy_process_group()
 
-    # ------------------------------------------------------------------ helpers
     @property
     def distributed(self) -> bool:
         """More than one process trains."""
@@ -220,21 +187,13 @@ class DistributedRun:
         return box[0]
 
     def barrier(self) -> None:
-        """Wait for every rank (no-op when alone): e.g. all ranks have inspected the run
-        directory before rank 0 writes into it."""
+        """Wait for every rank (no-op when alone)."""
         if self.distributed:
             dist.barrier()
 
     def seed(self, seed: int, num_envs: int = 1) -> int:
         """This rank's seed (:func:`rank_seed`)."""
         return rank_seed(seed, self.rank, num_envs)
-
-
-def reduce_device() -> torch.device:
-    """Where collectives run: the current GPU for nccl, the CPU for gloo."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 # Rollout statistics: how each one combines across ranks.
@@ -245,18 +204,12 @@ _SUMMED_LOSS = ("batch_size",)
 
 
 class RankStatisticsHook(TrainerHook):
-    """Makes the statistics of a multi-process run describe all ranks together.
-
-    * ``on_rollout_start``: ``agent_step`` counts every rank's environment steps (each
-      rollout adds ``world_size x num_envs x num_steps``; the rollout adds its own share).
-    * ``on_train_phase_end`` (one all-reduce of a few floats): episode statistics over
-      the episodes of every rank (``episodes`` summed, ``episode_return``/``length``
-      means weighted by episodes, ``episode_return_max``/``min`` over ranks),
-      ``rollout_sps`` summed (global throughput), ``sps`` / ``update_seconds`` /
-      ``valid_fraction`` and every loss statistic averaged over ranks, ``batch_size``
-      summed.
-
-    It runs on every rank (the reduction is a collective) and before the other hooks.
+    """Makes the statistics of a multi-process run describe all ranks together:
+    ``agent_step`` counts every rank's steps (``on_rollout_start``), and once per epoch
+    (``on_train_phase_end``) the episode statistics cover every rank's episodes
+    (``episodes``, ``rollout_sps`` and ``batch_size`` summed, return/length means weighted
+    by episodes, max/min over ranks) while the other statistics are averaged over ranks.
+    It runs on every rank (a collective) and before the other hooks.
     """
 
     run_on_all_ranks = True
@@ -273,40 +226,35 @@ class RankStatisticsHook(TrainerHook):
     def on_train_phase_end(self, state: TrainerState) -> None:
         if self.world_size == 1:
             return
-        rs, ls = state.rollout_stats, state.loss_stats
+        rs, ls, n = state.rollout_stats, state.loss_stats, self.world_size
         episodes = float(rs.get("episodes", 0.0))
-        loss_keys = sorted(ls)
+        rates, loss_keys = (*_SUMMED[1:], *_AVERAGED), sorted(ls)
         sums = [episodes]
         sums += [rs.get(k, 0.0) * episodes if episodes else 0.0 for k in _EPISODE_MEANS]
-        sums += [float(rs.get(k, 0.0)) for k in (*_SUMMED[1:], *_AVERAGED)]
+        sums += [float(rs.get(k, 0.0)) for k in rates]
         sums += [float(ls[k]) for k in loss_keys]
         extremes = [
-            rs.get("episode_return_max", -float("inf")),
-            -rs.get("episode_return_min", float("inf")),
+            rs.get("episode_return_max", -math.inf),
+            -rs.get("episode_return_min", math.inf),
         ]
-        device = reduce_device()
+        nccl = dist.get_backend() == "nccl"  # collectives on the current GPU, else the CPU
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         total = torch.tensor(sums, dtype=torch.float64, device=device)
         peak = torch.tensor(extremes, dtype=torch.float64, device=device)
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        total_h, peak_h = total.tolist(), peak.tolist()  # once per epoch
-
-        n = self.world_size
-        all_episodes = total_h[0]
+        totals, (top, neg_bottom) = iter(total.tolist()), peak.tolist()  # once per epoch
+        all_episodes = next(totals)
         out = {"episodes": all_episodes}
+        means = {k: next(totals) for k in _EPISODE_MEANS}
         if all_episodes > 0:
-            out.update({k: total_h[1 + i] / all_episodes for i, k in enumerate(_EPISODE_MEANS)})
-            out["episode_return_max"] = peak_h[0]
-            out["episode_return_min"] = -peak_h[1]
-        offset = 1 + len(_EPISODE_MEANS)
-        for i, k in enumerate((*_SUMMED[1:], *_AVERAGED)):
+            out.update({k: m / all_episodes for k, m in means.items()})
+            out["episode_return_max"], out["episode_return_min"] = top, -neg_bottom
+        for k, value in zip(rates, totals, strict=False):  # totals goes on
             if k in rs:
-                value = total_h[offset + i]
                 out[k] = value if k in _SUMMED else value / n
         for k in ("episode_return", "episode_length", "episode_return_max", "episode_return_min"):
             rs.pop(k, None)  # a rank without episodes reports the global ones too
         rs.update(out)
-        offset += len(_SUMMED) - 1 + len(_AVERAGED)
-        for i, k in enumerate(loss_keys):
-            value = total_h[offset + i]
+        for k, value in zip(loss_keys, totals, strict=True):
             ls[k] = value if k in _SUMMED_LOSS else value / n

@@ -1,18 +1,16 @@
 """Exact save and restore of a vector environment's state, for bit-identical resume.
 
 Gymnasium has no state API, but the classic-control envs, their vector implementations
-and the standard wrappers keep their whole state in plain attributes: numpy arrays,
-numbers, ``np.random.Generator`` objects, deques. :func:`capture_env_state` walks the
-wrapper stack (and the sub-envs of a ``SyncVectorEnv``) and records those attributes as
-tensors and plain containers, so a checkpoint holding them still loads with
-``torch.load(weights_only=True)``; :func:`restore_env_state` writes them back into a
-freshly built env of the same configuration. An ale-py ``AtariEnv`` keeps the game in
-its emulator: that state (system RNG included) is saved through ALE's own
-``cloneState`` / ``restoreState`` as bytes; it lacks the action that sticky actions
-repeat, so only games with ``repeat_action_probability=0`` are captured. An env whose
-state lives elsewhere (a physics engine, another process as in ``AsyncVectorEnv``, a
-sticky-action ALE game) raises :class:`EnvStateError`, and the trainer then falls back
-to re-seeding.
+and the standard wrappers keep their whole state in plain attributes (numpy arrays,
+numbers, ``np.random.Generator`` objects, deques). :func:`capture_env_state` walks the
+wrapper stack (and the sub-envs of a ``SyncVectorEnv``) and records those as tensors and
+plain containers (loadable with ``torch.load(weights_only=True)``);
+:func:`restore_env_state` writes them back into a freshly built env of the same
+configuration. An ale-py ``AtariEnv``'s emulator state is saved with ALE's
+``cloneState`` (it lacks the action sticky actions repeat, so only games with
+``repeat_action_probability=0`` are captured). An env whose state lives elsewhere (a
+physics engine, another process as in ``AsyncVectorEnv``) raises :class:`EnvStateError`,
+and the trainer then falls back to re-seeding.
 """
 
 from __future__ import annotations
@@ -54,35 +52,30 @@ def _nodes(env: Any, path: str = "env") -> list[tuple[str, Any]]:
     return out
 
 
-def _encode(value: Any) -> tuple[bool, Any]:
-    """``(ok, encoded)``: ok is False for values that are not plain state."""
+def _encode(value: Any) -> dict[str, Any] | None:
+    """``value`` encoded as plain state, or None for values that are not plain state."""
     if type(value) in PLAIN:  # exact types: np.float64 subclasses float but pickles as numpy
-        return True, {"plain": value}
+        return {"plain": value}
     if isinstance(value, np.random.Generator):
-        return True, {
-            "generator": type(value.bit_generator).__name__,
-            "state": value.bit_generator.state,
-        }
+        bit_generator = value.bit_generator
+        return {"generator": type(bit_generator).__name__, "state": bit_generator.state}
     if isinstance(value, np.ndarray | np.generic):
         arr = np.asarray(value)
         if arr.dtype.kind not in "biuf":
-            return False, None
-        return True, {
+            return None
+        return {
             "array": torch.from_numpy(arr.copy()),
             "dtype": arr.dtype.str,
             "scalar": isinstance(value, np.generic),
         }
-    if isinstance(value, deque):
+    if isinstance(value, deque | tuple | list):
         items = [_encode(v) for v in value]
-        if all(ok for ok, _ in items):
-            return True, {"deque": [e for _, e in items], "maxlen": value.maxlen}
-        return False, None
-    if isinstance(value, tuple | list):
-        items = [_encode(v) for v in value]
-        if all(ok for ok, _ in items):
-            return True, {"seq": [e for _, e in items], "tuple": isinstance(value, tuple)}
-        return False, None
-    return False, None
+        if any(e is None for e in items):
+            return None
+        if isinstance(value, deque):
+            return {"deque": items, "maxlen": value.maxlen}
+        return {"seq": items, "tuple": isinstance(value, tuple)}
+    return None
 
 
 def _decode(enc: dict[str, Any]) -> Any:
@@ -134,8 +127,8 @@ def capture_env_state(env: gym.vector.VectorEnv) -> dict[str, Any]:
         for key, value in vars(obj).items():
             if key in SKIPPED or isinstance(value, gym.Space):
                 continue
-            ok, enc = _encode(value)
-            if ok:
+            enc = _encode(value)
+            if enc is not None:
                 attrs[key] = enc
         nodes[path] = {"class": type(obj).__name__, "attrs": attrs}
         if _is_ale(obj):

@@ -1,14 +1,11 @@
 """Gymnasium vector environments for training and evaluation.
 
-The stack, innermost first: for ALE ids (``ALE/Breakout-v5``, ...) each sub-env is
-``AtariPreprocessing`` and ``FrameStackObservation`` around the game made with
-``frameskip=1`` (:func:`atari_wrappers`); then the vector env (``sync``, ``async`` or the
-env's own batched implementation via ``gym.make_vec(..., vectorization_mode=...)``),
-episode statistics on the raw rewards (``RecordEpisodeStatistics``), then the optional
-action clipping and observation / reward normalisation wrappers. Every layer uses
-gymnasium's default ``NEXT_STEP`` autoreset: after a step that ends an episode, the next
-``step()`` returns the reset observation and ignores its action. The trainer relies on
-that and refuses any other mode.
+The stack, innermost first: the Atari preprocessing of ALE ids (:func:`atari_wrappers`),
+the vector env (``gym.make_vec``), episode statistics on the raw rewards, then the
+optional action clipping, observation permutation and normalisation wrappers. The trainer
+relies on gymnasium's default ``NEXT_STEP`` autoreset (after a step that ends an episode,
+the next ``step()`` returns the reset observation and ignores its action) and refuses any
+other mode.
 """
 
 from __future__ import annotations
@@ -26,8 +23,7 @@ from trainers.config import AtariConfig, EnvConfig, is_atari
 
 def atari_wrappers(cfg: AtariConfig) -> list[Callable[[gym.Env], gym.Env]]:
     """The per-env preprocessing of an ALE game: no-op starts, frame skip with max-pooling
-    of the last two frames, grayscale resize, optional life-loss termination, frame
-    stacking (the reset frame repeated to fill the stack)."""
+    of the last two frames, grayscale resize, optional life-loss termination, frame stacking."""
     return [
         partial(
             gym.wrappers.AtariPreprocessing,
@@ -43,11 +39,8 @@ def atari_wrappers(cfg: AtariConfig) -> list[Callable[[gym.Env], gym.Env]]:
 
 
 def make_vector_env(cfg: EnvConfig, num_envs: int | None = None, gamma: float = 0.99) -> VectorEnv:
-    """Build the wrapped vector env described by ``cfg`` (``num_envs`` overrides its count;
-    ``gamma`` is the discount of the return whose std scales rewards).
-
-    The env is not reset here; the caller seeds it with ``env.reset(seed=...)``.
-    """
+    """The wrapped vector env described by ``cfg``, not reset yet (``num_envs`` overrides
+    its count; ``gamma`` is the discount of the return whose std scales rewards)."""
     n = cfg.num_envs if num_envs is None else num_envs
     mode = None if cfg.vectorization == "auto" else cfg.vectorization
     if mode == "vector_entry_point" and gym.spec(cfg.id).vector_entry_point is None:
@@ -55,6 +48,7 @@ def make_vector_env(cfg: EnvConfig, num_envs: int | None = None, gamma: float = 
             f"environment {cfg.id!r} registers no vector_entry_point; use "
             f"env.vectorization=sync or env.vectorization=async"
         )
+    kwargs, wrappers = cfg.kwargs, None
     if is_atari(cfg.id):
         if mode == "vector_entry_point":
             raise ValueError(
@@ -68,16 +62,9 @@ def make_vector_env(cfg: EnvConfig, num_envs: int | None = None, gamma: float = 
                 f"env.atari.frame_skip instead"
             )
         # frame skipping is AtariPreprocessing's (max of the last two frames), not the game's
-        kwargs = {**cfg.kwargs, "frameskip": 1}
-        env = gym.make_vec(
-            cfg.id,
-            num_envs=n,
-            vectorization_mode=mode or "sync",
-            wrappers=atari_wrappers(cfg.atari),
-            **kwargs,
-        )
-    else:
-        env = gym.make_vec(cfg.id, num_envs=n, vectorization_mode=mode, **cfg.kwargs)
+        kwargs, wrappers = {**cfg.kwargs, "frameskip": 1}, atari_wrappers(cfg.atari)
+        mode = mode or "sync"
+    env = gym.make_vec(cfg.id, num_envs=n, vectorization_mode=mode, wrappers=wrappers, **kwargs)
     autoreset = env.metadata.get("autoreset_mode", AutoresetMode.NEXT_STEP)
     if autoreset != AutoresetMode.NEXT_STEP:
         env.close()
@@ -116,13 +103,9 @@ def make_vector_env(cfg: EnvConfig, num_envs: int | None = None, gamma: float = 
 
 class PermuteObservation(gym.vector.VectorObservationWrapper):
     """Permutes the features of flat observations, with a new permutation every ``every``
-    agent steps (transitions summed over the sub-envs).
-
-    Period ``k = agent_steps // every`` (counted when the observation is returned; a reset
-    does not restart the count) uses the identity for ``k = 0`` and otherwise the
-    permutation drawn by ``np.random.default_rng([seed, k])``, redrawn while it equals the
-    previous period's. ``seed`` is the first seed given to ``reset``; no global RNG is
-    used, and the counter and seed are plain attributes, so a checkpoint of the env
+    agent steps (summed over the sub-envs; a reset does not restart the count): period
+    ``agent_steps // every`` uses :func:`permutation_of_period` of the first seed given to
+    ``reset``. Counter and seed are plain attributes, so a checkpoint of the env
     (:mod:`trainers.env_state`) resumes the same sequence of permutations.
     """
 
@@ -171,8 +154,9 @@ class PermuteObservation(gym.vector.VectorObservationWrapper):
 
 
 def permutation_of_period(n: int, seed: int, period: int) -> np.ndarray:
-    """The feature order :class:`PermuteObservation` uses in ``period``: the identity for
-    period 0, else a seeded permutation that differs from the previous period's."""
+    """The feature order of ``period``: the identity for period 0, else
+    ``np.random.default_rng([seed, period]).permutation(n)``, redrawn while it equals the
+    previous period's."""
     order = np.arange(n)
     previous = order
     for k in range(1, period + 1):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import gymnasium as gym
@@ -86,32 +87,23 @@ def evaluate_policy(
     }
 
 
+@dataclass(eq=False, repr=False)
 class EvaluationHook(TrainerHook):
     """Every ``every_epochs`` epochs (and after the last one when ``at_end``), run
     ``episodes`` deterministic episodes and store the scores in ``state.eval_scores``
     (with ``epoch`` = the epoch they belong to)."""
 
-    def __init__(
-        self,
-        make_envs: Callable[[], gym.vector.VectorEnv],
-        *,
-        every_epochs: int = 10,
-        episodes: int = 10,
-        at_end: bool = True,
-        seed: int = 0,
-        max_steps: int = 100_000,
-        final_max_steps: int | None = None,
-    ) -> None:
-        self.make_envs = make_envs
-        self.every_epochs = every_epochs
-        self.episodes = episodes
-        self.at_end = at_end
-        self.seed = seed
-        self.max_steps = max_steps
-        #: the step cap per env of the evaluation after the last epoch (None: max_steps)
-        self.final_max_steps = final_max_steps
-        self.envs: gym.vector.VectorEnv | None = None
-        self.evaluations = 0
+    make_envs: Callable[[], gym.vector.VectorEnv]
+    _: KW_ONLY
+    every_epochs: int = 10
+    episodes: int = 10
+    at_end: bool = True
+    seed: int = 0
+    max_steps: int = 100_000
+    #: the step cap per env of the evaluation after the last epoch (None: max_steps)
+    final_max_steps: int | None = None
+    envs: gym.vector.VectorEnv | None = field(default=None, init=False)
+    evaluations: int = field(default=0, init=False)
 
     def on_train_phase_end(self, state: TrainerState) -> None:
         # before the epoch's record is written, which reports the scores as eval/*
@@ -139,15 +131,10 @@ class EvaluationHook(TrainerHook):
             if now - said[0] >= PROGRESS_SECONDS:
                 said[0] = now
                 log.info(
-                    "evaluation after epoch %d: %d of %d episodes done, %d of at most %d "
-                    "steps per env, %.0f s (evaluation.episodes, evaluation.max_steps; "
-                    "evaluation.at_end=false skips the final one)",
-                    state.epoch,
-                    done,
-                    asked,
-                    steps,
-                    max_steps,
-                    now - started,
+                    f"evaluation after epoch {state.epoch}: {done} of {asked} episodes done, "
+                    f"{steps} of at most {max_steps} steps per env, {now - started:.0f} s "
+                    f"(evaluation.episodes, evaluation.max_steps; evaluation.at_end=false "
+                    f"skips the final one)"
                 )
 
         try:
@@ -165,16 +152,12 @@ class EvaluationHook(TrainerHook):
         finally:
             policy.train(was_training)
         if scores.get("episodes", 0) < self.episodes:
+            why = "; raise evaluation.max_steps to finish them"
+            if max_steps < self.max_steps:
+                why = " (the bound of a short run's final evaluation)"
             log.warning(
-                "evaluation after epoch %d stopped at %d steps per env with %d of %d episodes "
-                "finished%s",
-                state.epoch,
-                max_steps,
-                int(scores.get("episodes", 0)),
-                self.episodes,
-                " (the bound of a short run's final evaluation)"
-                if max_steps < self.max_steps
-                else "; raise evaluation.max_steps to finish them",
+                f"evaluation after epoch {state.epoch} stopped at {max_steps} steps per env "
+                f"with {int(scores.get('episodes', 0))} of {self.episodes} episodes finished{why}"
             )
         self.evaluations += 1
         scores["epoch"] = float(state.epoch)

@@ -2,13 +2,11 @@
 
 ``policy-probes fork RUN_DIR --epoch N NEW_RUN_DIR [key=value ...]`` (and
 ``TrainTool.invoke(fork_from=ForkPoint(RUN_DIR, N))``) builds the child with the parent's
-recipe, overrides and the new overrides, restores ``RUN_DIR/checkpoints/epoch_N.pt`` into
-it exactly as a resume would (policy, optimizer, RNGs, environments, probe and hook
-state), then re-applies the child's own optimizer hyperparameters, which the optimizer's
-state dict would otherwise bring back from the parent. The child writes its own files in
-NEW_RUN_DIR; its metric records start at epoch N + 1 (the parent's first N epochs stay in
-the parent's files) and its ``config.json`` records ``parent: {run_dir, epoch,
-checkpoint}``. With no change, the child's epochs N + 1 ... are the parent's, bit for bit.
+recipe and overrides plus the new ones, restores ``RUN_DIR/checkpoints/epoch_N.pt`` into
+it exactly as a resume would, then re-applies the child's own optimizer hyperparameters.
+The child's records start at epoch N + 1 in NEW_RUN_DIR; its ``config.json`` records
+``parent: {run_dir, epoch, checkpoint}``. With no change, the child's epochs are the
+parent's, bit for bit.
 """
 
 from __future__ import annotations
@@ -32,8 +30,8 @@ if TYPE_CHECKING:
 
 
 class ForkError(ValueError):
-    """The fork cannot start: the parent is not a run, the epoch has no checkpoint, the
-    child's directory is the parent's; the message says what to change."""
+    """The fork cannot start (the parent is not a run, the epoch has no checkpoint, ...);
+    the message says what to change."""
 
     usage_error = True  # the CLI prints it without a traceback (exit status 2)
 
@@ -88,10 +86,9 @@ def check_fork_length(point: ForkPoint, num_epochs: int) -> None:
 
 
 def apply_optimizer_config(trainer: PPOTrainer, cfg: PPOConfig) -> None:
-    """Give the restored optimizer the child's learning rate, Adam epsilon and betas: the parent's
-    state dict carried the parent's. The learning rate is set as the scheduler sets it
-    (``learning_rate * factor(epochs done)``), so an unchanged fork keeps the very same
-    float."""
+    """Give the restored optimizer the child's learning rate, Adam epsilon and betas (the
+    parent's state dict carried the parent's); the learning rate is set as the scheduler
+    sets it, so an unchanged fork keeps the very same float."""
     scheduler = trainer.scheduler
     groups = trainer.optimizer.param_groups
     scheduler.base_lrs = [cfg.learning_rate for _ in groups]

@@ -1,66 +1,38 @@
 """PPOModelDataContext: what lifecycle interventions may do inside the PPO trainer.
 
 It is :class:`~policy_probes.lifecycle.LoopModelDataContext` pointed at the trainer's
-rollout storage and its update step, so a replayed update epoch is exactly the one the
-loop runs: the same minibatch split (``num_minibatches`` of the valid transitions),
-per-minibatch advantage normalisation, micro-batches with ``context.loss_scale``, global
-gradient clipping and Adam step (:meth:`PPOTrainer.accumulate_gradients` and
-:meth:`PPOTrainer.clip_and_step`), and the target-KL early stop. Nothing of the PPO update
-is written twice.
+rollout storage and its update step (:meth:`PPOTrainer.accumulate_gradients`,
+:meth:`PPOTrainer.clip_and_step`, the target-KL early stop), so a replayed update epoch is
+exactly the one the loop runs; nothing of the PPO update is written twice.
 
 An ``order`` is a tensor of flat rollout indices (``t * num_envs + env``), as
 :meth:`RolloutStorage.shuffled_order` returns; ``None`` is the natural order of the valid
-transitions. The action-distribution protocol uses the policy's own sampling and
-scoring: ``policy.act(obs)[0]`` and ``policy.evaluate_actions(obs, actions)[0]``.
+transitions.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from policy_probes.lifecycle import LoopModelDataContext
 from policy_probes.lifecycle.model_context import Grads
-from trainers.config import PPOConfig
-from trainers.policy import ActorCriticPolicy
-from trainers.rollout import Minibatch, RolloutStorage
+from trainers.rollout import Minibatch
 
-
-class PPOLoop(Protocol):
-    """What :class:`PPOModelDataContext` uses of the trainer (:class:`~trainers.ppo.PPOTrainer`
-    has it all; this module does not import it)."""
-
-    cfg: PPOConfig
-    policy: ActorCriticPolicy
-    optimizer: torch.optim.Optimizer
-    scheduler: Any
-    storage: RolloutStorage
-    sample_generator: torch.Generator
-    shuffle_generator: torch.Generator
-    rollout_ready: bool
-
-    def minibatch_loss(
-        self, batch: Minibatch, policy: ActorCriticPolicy | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-    def accumulate_gradients(self, batch: Minibatch, *, sync: bool = False) -> torch.Tensor: ...
-
-    def clip_and_step(self, step: bool = True) -> torch.Tensor: ...
-
-    def kl_exceeds_target(self, stats: torch.Tensor) -> bool: ...
+if TYPE_CHECKING:
+    from trainers.ppo import PPOTrainer
 
 
 class PPOModelDataContext(LoopModelDataContext):
     """The :class:`~policy_probes.lifecycle.ModelDataContext` of one
     :class:`~trainers.ppo.PPOTrainer` run (its policy, Adam, LR schedule and rollout).
-
-    Checkpoints also hold the trainer's own generators (action sampling, minibatch
+    Its checkpoints also hold the trainer's own generators (action sampling, minibatch
     order), so not even a hook that draws from them can change the trajectory.
     """
 
-    def __init__(self, trainer: PPOLoop) -> None:
+    def __init__(self, trainer: PPOTrainer) -> None:
         cfg = trainer.cfg
         super().__init__(
             trainer.policy,
@@ -78,7 +50,6 @@ class PPOModelDataContext(LoopModelDataContext):
         self._last_stats: torch.Tensor | None = None
         self._generators: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    # ------------------------------------------------------------ checkpoints
     def _trainer_generators(self) -> tuple[torch.Generator, torch.Generator]:
         return self.trainer.sample_generator, self.trainer.shuffle_generator
 
@@ -104,7 +75,6 @@ class PPOModelDataContext(LoopModelDataContext):
         super().restore_pre_epoch()
         self._kl_stopped = False
 
-    # ------------------------------------------------------------------ data
     def _require_data(self) -> None:
         if not self.trainer.rollout_ready:
             raise RuntimeError(
@@ -141,7 +111,6 @@ class PPOModelDataContext(LoopModelDataContext):
         self._require_data()
         return self.storage.valid_observations()
 
-    # ---------------------------------------------------------- computations
     def train_minibatch(self, batch: Minibatch, step: bool = True) -> list[torch.Tensor | None]:
         """The trainer's own step on ``batch`` (micro-batches, clipping, Adam); returns
         the gradients before clipping."""
@@ -162,10 +131,7 @@ class PPOModelDataContext(LoopModelDataContext):
         if step and self._kl_stopped:
             return {n: torch.zeros_like(p) for n, p in self.named_parameters().items()}
         grads = super().run_training_epoch(order, step)
-        if (
-            step
-            and self._last_stats is not None
-            and self.trainer.kl_exceeds_target(self._last_stats)
-        ):
+        stats = self._last_stats
+        if step and stats is not None and self.trainer.kl_exceeds_target(stats):
             self._kl_stopped = True
         return grads

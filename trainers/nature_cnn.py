@@ -1,11 +1,9 @@
 """The NatureCNN pixel encoder (Mnih et al. 2015) with every layer addressable by name.
 
-Layers: ``conv_0`` (32 filters 8x8, stride 4), ``conv_1`` (64 4x4, stride 2), ``conv_2``
-(64 3x3, stride 1), each a :class:`ConvLayer` with children ``conv`` and ``act`` (ReLU),
-then the flattened feature map into ``fc``, a
-:class:`~policy_probes.layers.HiddenLayer` (``linear`` 512 units and ``act`` ReLU). A
-probe on ``encoder.conv_1`` sees that layer's post-activation feature map, one on
-``encoder.conv_1.conv`` its pre-activation, one on the encoder itself the 512 features.
+Layers ``conv_0`` .. ``conv_2`` (:data:`NATURE_CONVS`), each a :class:`ConvLayer` with
+children ``conv`` and ``act`` (ReLU), then ``fc``, a :class:`~policy_probes.layers.HiddenLayer`
+of 512 ReLU units on the flattened feature map. A probe on ``encoder.conv_1`` sees that
+layer's post-activation feature map, one on ``encoder.conv_1.conv`` its pre-activation.
 """
 
 from __future__ import annotations
@@ -29,11 +27,8 @@ def conv_output_size(size: int, kernel: int, stride: int) -> int:
 
 class NatureCNN(nn.Module):
     """Raw pixels ``(..., C, H, W)`` (or flattened ``(..., C*H*W)``, as the rollout storage
-    holds them), any dtype, values 0..255, to ``(..., 512)`` ReLU features.
-
-    The input is converted to float and scaled by 1/255 inside the forward, so
-    observations can stay uint8 everywhere else (rollout storage: a quarter of float32's
-    memory).
+    holds them), values 0..255, to ``(..., 512)`` ReLU features. The forward scales them by
+    1/255, so observations stay uint8 everywhere else (a quarter of float32's memory).
     """
 
     def __init__(self, observation_shape: tuple[int, int, int], layer_norm: bool = False) -> None:

@@ -1,15 +1,12 @@
 """The non-finite guard: NaN or infinite observations and rewards stop the run.
 
-One NaN in an observation feature makes every activation of the first layer NaN, then
-the loss, then every parameter after one optimizer step, and every checkpoint after that
-is worthless. The trainer therefore checks what the environments returned where it
-enters the trainer: once per rollout, at its end, over the whole rollout storage (one
-reduction on the device and one host read; the rewards are already on the host), before
-the update could learn from it. A non-finite value stops the run with
-:class:`NonFiniteInputError` (the CLI exits with status 2) naming the env index, the
-observation feature (or the reward) and the step; no checkpoint is written after it, so
-the run directory keeps its last finite checkpoint. :func:`check_finite_parameters` is
-the second line of defence: a checkpoint is never written with non-finite parameters.
+One NaN in an observation feature makes the loss NaN, then every parameter after one
+optimizer step, and every checkpoint after that worthless. So the trainer checks what the
+environments returned once per rollout, before the update (one device reduction and one
+host read); a non-finite value stops the run with :class:`NonFiniteInputError` naming the
+env, the feature (or the reward) and the step, and the run directory keeps its last finite
+checkpoint. :func:`check_finite_parameters` is the second line of defence: a checkpoint is
+never written with non-finite parameters.
 """
 
 from __future__ import annotations
@@ -26,15 +23,15 @@ NONFINITE_EXIT_CODE = 2
 
 
 class NonFiniteInputError(RuntimeError):
-    """An observation or reward of the rollout is NaN or infinite; the message names the
-    env index, the feature and the step. ``exit_code`` is the CLI's exit status."""
+    """An observation or reward of the rollout is NaN or infinite; ``exit_code`` is the
+    CLI's exit status."""
 
     exit_code = NONFINITE_EXIT_CODE
 
 
 class NonFiniteParametersError(RuntimeError):
     """The policy's parameters are no longer finite; no checkpoint is written. ``fatal``:
-    raised from a trainer hook (the checkpoint hook), it ends the run anyway."""
+    raised from a trainer hook, it ends the run anyway."""
 
     exit_code = NONFINITE_EXIT_CODE
     fatal = True
@@ -64,17 +61,11 @@ def describe_nonfinite_input(
     normalized: bool = False,
 ) -> str:
     """Where the first non-finite input is (error path only: host transfers are fine).
-
-    ``obs`` is ``(steps, envs, features)``, ``rewards`` ``(steps, envs)``, ``next_obs``
-    ``(envs, features...)`` (the observation after the last step); ``agent_step`` is the
-    step count when the rollout began."""
+    ``obs`` is ``(steps, envs, features)``, ``rewards`` ``(steps, envs)``, ``next_obs`` the
+    observation after the last step; ``agent_step`` is the count when the rollout began."""
     num_steps, num_envs = obs.shape[0], obs.shape[1]
-    full = torch.cat(
-        [
-            obs.detach().cpu(),
-            torch.as_tensor(np.asarray(next_obs)).reshape(1, num_envs, -1).to(obs.dtype),
-        ]
-    )
+    last = torch.as_tensor(np.asarray(next_obs)).reshape(1, num_envs, -1).to(obs.dtype)
+    full = torch.cat([obs.detach().cpu(), last])
     bad_obs = ~torch.isfinite(full)
     bad_reward = ~np.isfinite(rewards)
     first_obs_step = int(bad_obs.any(dim=(1, 2)).nonzero()[0]) if bad_obs.any() else None
@@ -103,11 +94,9 @@ def describe_nonfinite_input(
         if normalized
         else ""
     )
-    kept = (
-        f"the last finite checkpoint is {last_checkpoint}"
-        if last_checkpoint is not None
-        else "no checkpoint was written"
-    )
+    kept = "no checkpoint was written"
+    if last_checkpoint is not None:
+        kept = f"the last finite checkpoint is {last_checkpoint}"
     return (
         f"non-finite input from env {env}{others}: {what} at epoch {epoch}, rollout {where} "
         f"(agent step {agent_step + min(step, num_steps) * num_envs + env}); the run stopped "

@@ -1,20 +1,18 @@
 """The built-in MLP actor-critic: separate actor and critic networks with named components.
 
-Components (see ``docs/policies.md``): ``actor_mlp`` and ``critic_mlp`` (MLPs ending in
-their activation, so probes on them see post-activation values; hidden layers are
-``<mlp>.layer_<i>`` with ``.linear`` and ``.act``), ``actor_head`` (logits or Gaussian
-mean) and ``critic_head`` (state value). Gaussian policies also hold a state-independent
-``log_std`` parameter.
-
-The action distributions are written out (log-softmax categorical, diagonal Gaussian)
-instead of going through ``torch.distributions`` so the rollout step stays a handful of
-tensor ops and samples from the trainer's own ``torch.Generator``.
+Components (``docs/policies.md``): ``actor_mlp`` and ``critic_mlp`` (MLPs ending in their
+activation; hidden layers ``<mlp>.layer_<i>`` with ``.linear`` and ``.act``), ``actor_head``
+(logits or Gaussian mean) and ``critic_head`` (state value); Gaussian policies also hold a
+state-independent ``log_std``. The action distributions are written out instead of going
+through ``torch.distributions``: the rollout step stays a handful of tensor ops and samples
+from the trainer's own ``torch.Generator``.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import gymnasium as gym
@@ -111,8 +109,7 @@ class ActorCriticPolicy(PolicyAutoBuilder):
 
     def reset_parameters(self) -> None:
         """Orthogonal init (Engstrom et al. 2020, CleanRL): gain sqrt(2) on hidden layers,
-        0.01 on the policy head (near-uniform initial policy), 1.0 on the value head,
-        zero biases."""
+        zero biases, and :meth:`_init_heads`."""
         for mlp in (self.actor_mlp, self.critic_mlp):
             for m in mlp.modules():
                 if isinstance(m, nn.Linear):
@@ -128,25 +125,19 @@ class ActorCriticPolicy(PolicyAutoBuilder):
     # ------------------------------------------------------------------ networks
     def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(logits or Gaussian mean, value)`` for a batch of flat observations."""
-        return self.actor_head(self.actor_mlp(obs)), self.critic_head(self.critic_mlp(obs)).squeeze(
-            -1
-        )
+        out = self.actor_head(self.actor_mlp(obs))
+        return out, self.critic_head(self.critic_mlp(obs)).squeeze(-1)
 
     def value(self, obs: torch.Tensor) -> torch.Tensor:
         return self.critic_head(self.critic_mlp(obs)).squeeze(-1)
 
     # ------------------------------------------------------------------ hook-free path
     def hooks_idle(self) -> bool:
-        """True when no torch hook is installed on the policy's modules, nor globally.
-
-        Then :meth:`rollout_forward` and :meth:`evaluate_actions` run the layers'
-        ``forward`` directly instead of going through ``nn.Module.__call__``, whose
-        dispatch is a large part of a small MLP's cost on the CPU. Probes keep their torch
-        hooks installed only in the phases they record in (see
-        :class:`~policy_probes.components.ProbeHandle`), so with the default ``("train",)``
-        probes the rollout is hook-free; any hook that is installed keeps the ordinary
-        path, so it always fires.
-        """
+        """True when no torch hook is installed on the policy's modules, nor globally:
+        then :meth:`rollout_forward` and :meth:`evaluate_actions` call the layers'
+        ``forward`` directly, skipping ``nn.Module.__call__``'s dispatch (a large part of a
+        small MLP's cost on the CPU). Probes install their hooks only in the phases they
+        record in, so an installed hook always fires."""
         return (
             type(self).forward is ActorCriticPolicy.forward
             and not global_module_hooks_installed()
@@ -154,8 +145,7 @@ class ActorCriticPolicy(PolicyAutoBuilder):
         )
 
     def _forward_direct(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`forward` without ``nn.Module.__call__`` (no hooks fire): same operations,
-        same result."""
+        """:meth:`forward` without ``nn.Module.__call__``: same operations, same result."""
         return (
             _linear(self.actor_head, _mlp(self.actor_mlp, obs)),
             _linear(self.critic_head, _mlp(self.critic_mlp, obs)).squeeze(-1),
@@ -165,14 +155,10 @@ class ActorCriticPolicy(PolicyAutoBuilder):
         """The forward for a rollout of hook-free steps: ``obs -> (logits or mean, value)``.
 
         Call it once per rollout, under ``torch.inference_mode()`` and only when
-        :meth:`hooks_idle` (the parameters must not change while it is in use). On the
-        CPU, when actor and critic MLPs have the same hidden sizes and activation, both
-        are evaluated as one network (:class:`StackedMLPs`: about half the tensor ops per
-        step). That is used only if it reproduces :meth:`forward` bit for bit on
-        ``example`` (a batch of the rollout's shape): whether the stacked matrix products
-        round exactly like the separate ones depends on the BLAS kernels the shapes select,
-        so it is checked once per rollout here; otherwise the per-layer path
-        (:meth:`_forward_direct`, the same operations as the modules) is returned.
+        :meth:`hooks_idle` (the parameters must not change while it is in use). On the CPU
+        it is :class:`StackedMLPs` when that reproduces :meth:`forward` bit for bit on
+        ``example`` (a batch of the rollout's shape; the rounding of the stacked products
+        depends on the BLAS kernels the shapes select), else :meth:`_forward_direct`.
         """
         if example.device.type == "cpu":
             stacked = StackedMLPs.build(self)
@@ -188,14 +174,12 @@ class ActorCriticPolicy(PolicyAutoBuilder):
         *,
         forward: Forward | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Sample ``(action, log_prob, value)``; one forward through both networks.
+        """Sample ``(action, log_prob, value)``; ``forward`` replaces ``self(obs)`` (the
+        trainer passes :meth:`rollout_forward` for hook-free rollouts).
 
-        ``forward`` replaces the module call (``self(obs)``): the trainer passes
-        :meth:`rollout_forward` for hook-free rollouts. Categorical actions are drawn by
-        inverse transform sampling: one uniform number per row, the first action whose
-        cumulative probability exceeds it (``searchsorted``; clamped to the last action
-        for the rare ``u`` above a cumulative sum that rounded below 1). Exact in
-        distribution and cheaper per step than ``torch.multinomial``.
+        Categorical actions are drawn by inverse transform sampling (exact in distribution,
+        cheaper than ``torch.multinomial``): the first action whose cumulative probability
+        exceeds a uniform ``u``, clamped to the last for a cumulative sum rounded below 1.
         """
         out, value = self(obs) if forward is None else forward(obs)
         if self.discrete:
@@ -234,35 +218,28 @@ class ActorCriticPolicy(PolicyAutoBuilder):
         return out.argmax(-1) if self.discrete else out
 
 
+@dataclass(eq=False)
 class StackedMLPs:
-    """Actor and critic MLPs of the same shape evaluated as one network (rollout steps).
+    """Actor and critic MLPs of the same shape evaluated as one network (rollout steps):
+    about half the tensor ops of the two networks.
 
-    The first hidden layer is one ``F.linear`` with both weight matrices concatenated
-    (``[B, 2h]``); every later hidden layer is one ``torch.baddbmm`` over the two halves
-    (``[2, B, h]``) with the weights stacked to ``[2, h_in, h_out]`` (transposed views of
-    ``[2, h_out, h_in]``, the layout ``F.linear`` uses); the activation runs once on both;
-    the heads are separate ``F.linear`` calls. That is about half the tensor ops of the two
-    networks. The stacked weights are copies, valid while the parameters do not change:
-    build it per rollout (:meth:`ActorCriticPolicy.rollout_forward`) and use it only after
-    :meth:`reproduces` confirmed it matches the module path bit for bit.
+    The first hidden layer is one ``F.linear`` on both weight matrices concatenated
+    (``[B, 2h]``); every later one a ``torch.baddbmm`` over the two halves (``[2, B, h]``)
+    with the weights stacked to ``[2, h_in, h_out]``; the activation runs once on both.
+    The stacked weights are copies: build it per rollout
+    (:meth:`ActorCriticPolicy.rollout_forward`), use it only once :meth:`reproduces` holds.
     """
 
-    def __init__(
-        self,
-        first: tuple[torch.Tensor, torch.Tensor],
-        rest: list[tuple[torch.Tensor, torch.Tensor]],
-        activation: nn.Module,
-        actor_head: nn.Linear,
-        critic_head: nn.Linear,
-    ) -> None:
-        self.first, self.rest, self.activation = first, rest, activation
-        self.actor_head, self.critic_head = actor_head, critic_head
+    first: tuple[torch.Tensor, torch.Tensor]
+    rest: list[tuple[torch.Tensor, torch.Tensor]]
+    activation: nn.Module
+    actor_head: nn.Linear
+    critic_head: nn.Linear
 
     @classmethod
     def build(cls, policy: ActorCriticPolicy) -> StackedMLPs | None:
         """The stacked network of ``policy``, or None when the two MLPs differ in layer
-        sizes or activation (or are not the plain :class:`~policy_probes.layers.MLP`
-        layout of ``HiddenLayer(linear, act)`` blocks)."""
+        sizes or activation, or are not plain ``HiddenLayer(linear, act)`` blocks."""
         actor, critic = list(policy.actor_mlp.children()), list(policy.critic_mlp.children())
         if not actor or len(actor) != len(critic):
             return None

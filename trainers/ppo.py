@@ -12,12 +12,7 @@ Details that matter and where they are:
 * global gradient clipping, gradient accumulation over micro-batches, target-KL early
   stop: :meth:`PPOTrainer.train_minibatch` and :meth:`PPOTrainer.update`
 
-Per-step statistics stay on the device and are transferred once per epoch. The probes,
-lifecycle hooks (``docs/lifecycle.md``) and sinks are driven through a
-:class:`~policy_probes.session.ProbeSession`, with the same calls as any other loop
-(``docs/external.md``): ``epoch_start`` (PRE_EPOCH), phases, ``rollout_end``
-(POST_ROLLOUT), ``pre_step``/``post_step`` (only when a selected hook fires there) and
-``epoch_end`` (POST_EPOCH, SNAPSHOT and the epoch's records).
+Per-step statistics stay on the device and are transferred once per epoch.
 """
 
 from __future__ import annotations
@@ -72,11 +67,9 @@ ROLLOUT_KEYS = (
     "valid_fraction",
 )
 PERF_KEYS = ("sps", "rollout_sps", "update_seconds")
-#: (state key, wrapper class, attribute) of the running statistics a checkpoint keeps
-NORMALIZATION_WRAPPERS = (
-    ("obs_rms", vw.NormalizeObservation, "obs_rms"),
-    ("return_rms", vw.NormalizeReward, "return_rms"),
-)
+#: wrapper attribute (also the state key) -> wrapper class of the running statistics a
+#: checkpoint keeps
+NORMALIZATION_WRAPPERS = {"obs_rms": vw.NormalizeObservation, "return_rms": vw.NormalizeReward}
 
 
 def normalize_advantages(batch: Minibatch) -> Minibatch:
@@ -87,13 +80,9 @@ def normalize_advantages(batch: Minibatch) -> Minibatch:
 
 
 class EvaluateActions(nn.Module):
-    """``policy.evaluate_actions`` as a module's ``forward``.
-
-    DistributedDataParallel averages gradients only for passes through the forward of
-    the module it wraps, and the PPO loss needs ``evaluate_actions``, not the policy's
-    ``forward``; the trainer wraps this module instead (:meth:`PPOTrainer.wrap_ddp`).
-    Probes stay on the policy's own components, which this module calls unchanged.
-    """
+    """``policy.evaluate_actions`` as a module's ``forward``: DistributedDataParallel
+    averages gradients only for passes through the forward of the module it wraps
+    (:meth:`PPOTrainer.wrap_ddp`). Probes stay on the policy's components, called unchanged."""
 
     def __init__(self, policy: ActorCriticPolicy) -> None:
         super().__init__()
@@ -112,12 +101,9 @@ def ppo_loss(
     *,
     evaluate: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The PPO loss on ``batch`` (advantages used as given) and its statistics.
-
-    Returns ``(loss, stats)`` where ``stats`` is a detached 1-D tensor ordered as
-    :data:`LOSS_STATS`. The loss is a mean over the batch's samples. ``evaluate``
-    replaces ``policy.evaluate_actions`` (the DDP-wrapped :class:`EvaluateActions` of a
-    multi-process run).
+    """The PPO loss on ``batch`` (advantages used as given; a mean over its samples) and
+    its statistics, a detached 1-D tensor ordered as :data:`LOSS_STATS`. ``evaluate``
+    replaces ``policy.evaluate_actions`` (DDP-wrapped or compiled :class:`EvaluateActions`).
     """
     evaluate = policy.evaluate_actions if evaluate is None else evaluate
     newlogprob, entropy, newvalue = evaluate(batch.obs, batch.actions)
@@ -149,14 +135,12 @@ def ppo_loss(
         ratio_m1 = ratio - 1
         approx_kl = (ratio_m1 - logratio).mean()
         clipfrac = (ratio_m1.abs() > cfg.clip_coef).float().mean()
-        # (stack under no_grad: the result is detached, no per-statistic detach needed)
         stats = torch.stack([pg_loss, v_loss, entropy_loss, old_approx_kl, approx_kl, clipfrac])
     return loss, stats
 
 
-#: DistributedDataParallel's switch for the buffer broadcast before every forward:
-#: ``forward_sync_buffers`` in recent torch (2.13), ``broadcast_buffers`` (deprecated there) in
-#: older ones (2.11)
+#: DDP's switch for the buffer broadcast before every forward (``broadcast_buffers`` before
+#: torch 2.13)
 NO_FORWARD_BUFFER_SYNC = (
     {"forward_sync_buffers": False}
     if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
@@ -164,29 +148,33 @@ NO_FORWARD_BUFFER_SYNC = (
 )
 
 
-def check_rollout_size(cfg: PPOConfig, batch_size: int) -> None:
-    """Refuse a run shorter than one rollout, or a rollout too small for its minibatches."""
-    if cfg.total_timesteps < batch_size:
+def check_rollout_size(cfg: PPOConfig, batch: int) -> None:
+    """Refuse a run shorter than one rollout of ``batch`` samples, or a rollout too small
+    for its minibatches of micro-batches of at least 2 samples."""
+    if cfg.total_timesteps < batch:
         raise ValueError(
-            f"trainer.total_timesteps={cfg.total_timesteps} is less than one rollout "
-            f"(env.num_envs * trainer.num_steps = {batch_size}); raise total_timesteps"
+            f"trainer.total_timesteps={cfg.total_timesteps} is smaller than one rollout "
+            f"(env.num_envs * trainer.num_steps = {batch}); raise total_timesteps or lower "
+            f"num_steps / num_envs"
         )
-    if cfg.num_minibatches * cfg.micro_batches * 2 > batch_size:
+    if cfg.num_minibatches > batch:
         raise ValueError(
-            f"rollout of {batch_size} samples is too small for {cfg.num_minibatches} "
-            f"minibatches of {cfg.micro_batches} micro-batches (need at least 2 samples "
-            f"each); lower trainer.num_minibatches / trainer.micro_batches"
+            f"trainer.num_minibatches={cfg.num_minibatches} is larger than the rollout batch "
+            f"(env.num_envs * trainer.num_steps = {batch}): the minibatch would be larger "
+            f"than the batch; lower num_minibatches"
+        )
+    if batch // cfg.num_minibatches < 2 * cfg.micro_batches:
+        raise ValueError(
+            f"minibatches of {batch // cfg.num_minibatches} samples cannot be split into "
+            f"trainer.micro_batches={cfg.micro_batches} micro-batches of at least 2 samples; "
+            f"lower micro_batches or num_minibatches"
         )
 
 
 def learning_rate_factor(anneal: bool, num_epochs: int) -> Callable[[int], float]:
     """The scheduler's factor: epoch i (1-based) trains with lr * (1 - (i - 1) / num_epochs)
     when annealing, else lr."""
-
-    def factor(done_epochs: int) -> float:
-        return 1.0 - done_epochs / num_epochs if anneal else 1.0
-
-    return factor
+    return lambda done_epochs: 1.0 - done_epochs / num_epochs if anneal else 1.0
 
 
 def compiled_evaluate(policy: ActorCriticPolicy, cfg: PPOConfig) -> Callable[..., Any] | None:
@@ -199,9 +187,9 @@ def compiled_evaluate(policy: ActorCriticPolicy, cfg: PPOConfig) -> Callable[...
 
 @dataclass
 class UpdateProgress:
-    """Where the update phase of the current epoch stands: the running sums of the loss
-    statistics, the update epoch, its minibatch order and the next minibatch. A mid-epoch
-    checkpoint saves it, so a resumed run trains on exactly the remaining minibatches."""
+    """Where the update phase of the current epoch stands (running sums of the loss
+    statistics, update epoch, its minibatch order, next minibatch); a mid-epoch checkpoint
+    saves it, so a resumed run trains on exactly the remaining minibatches."""
 
     learning_rate: float
     sums: torch.Tensor
@@ -211,9 +199,8 @@ class UpdateProgress:
     steps: int = 0
     update_epochs_run: int = 0
     last_stats: torch.Tensor | None = None
-    #: (statistics, (update epoch, minibatch, step)) of every minibatch this process ran
-    #: in the phase (device tensors; not checkpointed): non-finite losses are found and
-    #: located once per epoch, not per step
+    #: (statistics, (update epoch, minibatch, step)) of every minibatch run in the phase
+    #: (not checkpointed): non-finite losses are located once per epoch, not per step
     ran: list[tuple[torch.Tensor, tuple[int, int, int]]] = field(default_factory=list)
 
     def minibatches(
@@ -254,32 +241,24 @@ class UpdateProgress:
         if bad_steps:
             update_epoch, minibatch, step = self.ran[int(first_bad)][1]
             log.warning(
-                "non-finite loss at epoch %d, update epoch %d, minibatch %d (step %d); "
-                "%d of this epoch's %d optimizer steps had a non-finite loss",
-                epoch,
-                update_epoch,
-                minibatch,
-                step,
-                int(bad_steps),
-                len(self.ran),
+                f"non-finite loss at epoch {epoch}, update epoch {update_epoch}, minibatch "
+                f"{minibatch} (step {step}); {int(bad_steps)} of this epoch's {len(self.ran)} "
+                f"optimizer steps had a non-finite loss"
             )
         return out
 
 
 class PPOTrainer:
-    """The PPO loop over a gymnasium vector env and an :class:`ActorCriticPolicy`.
+    """The PPO loop over a gymnasium vector env and an :class:`ActorCriticPolicy`. One
+    *epoch* is one rollout of ``num_steps`` x ``num_envs`` steps, then ``update_epochs``
+    passes of ``num_minibatches`` minibatches over it.
 
-    One *epoch* is one rollout of ``num_steps`` x ``num_envs`` steps followed by
-    ``update_epochs`` passes of ``num_minibatches`` minibatches over it.
-
-    The probes, lifecycle hooks and sinks reach the loop through ``session``, a
-    :class:`~policy_probes.session.ProbeSession` on ``policy`` (``TrainTool`` builds it
-    from the run's settings), which the trainer drives with the calls every loop makes
-    (``docs/external.md``): phases ``"rollout"`` and ``"train"``, ``rollout_end``,
-    ``pre_step``/``post_step`` (only when a selected hook fires there), ``epoch_end``.
-    The trainer hands the session its optimizer, scheduler and the interventions' model
-    context (:meth:`ProbeSession.bind`). Without a session the trainer makes one that
-    writes nothing (the records are only returned, in ``state.metrics``).
+    Probes, lifecycle hooks (``docs/lifecycle.md``) and sinks reach the loop through
+    ``session``, a :class:`~policy_probes.session.ProbeSession` on ``policy``, driven with
+    the calls every loop makes (``docs/external.md``): ``epoch_start``, phases
+    ``"rollout"`` and ``"train"``, ``rollout_end``, ``pre_step``/``post_step`` (only when a
+    selected hook fires there), ``epoch_end``. Without a session the trainer makes one
+    that writes nothing (the records are only returned, in ``state.metrics``).
     """
 
     def __init__(
@@ -305,8 +284,7 @@ class PPOTrainer:
         self.batch_size = self.num_envs * cfg.num_steps
         self.num_epochs = cfg.total_timesteps // self.batch_size
         check_rollout_size(cfg, self.batch_size)
-        # fused: one kernel per step for all parameters instead of a dozen ops per tensor
-        # (same Adam update; supported on CPU and CUDA for float parameters).
+        # fused: one kernel per step for all parameters (same Adam update)
         self.optimizer = torch.optim.Adam(
             policy.parameters(),
             lr=cfg.learning_rate,
@@ -351,8 +329,7 @@ class PPOTrainer:
         #: seconds of training so far (rollouts and updates; pauses excluded)
         self.trained_seconds = 0.0
         self._clock_start = 0.0
-        #: the update phase under way (set during update(); restored from a mid-epoch
-        #: checkpoint, in which case train() continues that epoch's update phase)
+        #: the update phase under way (also restored from a mid-epoch checkpoint)
         self.update_progress: UpdateProgress | None = None
         #: True once a rollout and its advantages are in the storage (POST_ROLLOUT)
         self.rollout_ready = False
@@ -410,20 +387,17 @@ class PPOTrainer:
     def rollout_end(self) -> None:
         """The rollout and its advantages are ready, no update yet: the session's
         ``rollout_end`` (the rollout's observations when a probe or hook reads them)."""
-        session = self.session
-        self.session.rollout_end(
-            observations=self.storage.valid_observations() if session.wants_observations else None,
-            agent_step=self.state.agent_step,
-            stats={f"rollout/{k}": v for k, v in self.state.rollout_stats.items()},
-        )
+        session, state = self.session, self.state
+        observations = self.storage.valid_observations() if session.wants_observations else None
+        stats = {f"rollout/{k}": v for k, v in state.rollout_stats.items()}
+        session.rollout_end(observations=observations, agent_step=state.agent_step, stats=stats)
 
     def epoch_statistics(self) -> dict[str, Any]:
         """The trainer's own statistics of the epoch as ``section/name`` keys: ``train/*``
         (losses, KL, clipfrac, explained variance, learning rate, grad norm),
         ``rollout/*`` (episodes that ended in the rollout), ``perf/*`` (SPS), ``eval/*``
         (epochs with an evaluation) and ``trainer/hook_errors``."""
-        state = self.state
-        rs = state.rollout_stats
+        state, rs = self.state, self.state.rollout_stats
         out: dict[str, Any] = {f"train/{k}": v for k, v in state.loss_stats.items()}
         out.update({f"rollout/{k}": rs[k] for k in ROLLOUT_KEYS if k in rs})
         out.update({f"perf/{k}": rs[k] for k in PERF_KEYS if k in rs})
@@ -464,7 +438,7 @@ class PPOTrainer:
         except Exception:
             if self.state.error is None:
                 raise
-            # a critical hook failing during cleanup must not hide the original error
+            # (a critical hook failing during cleanup must not hide the original error)
 
     # ================================================================== rollout
     def collect_rollout(self) -> None:
@@ -479,8 +453,7 @@ class PPOTrainer:
         actions, logprobs, values = [], [], []
         with torch.inference_mode():
             obs_steps = st.obs.unbind(0)  # views into the storage, one per step
-            # On the CPU the env's observations are written straight into the storage's
-            # memory through a numpy view (no tensor ops per step).
+            # on the CPU the observations go straight into the storage through a numpy view
             obs_host = st.obs.numpy().reshape(cfg.num_steps, *obs.shape) if on_cpu else None
             for step in range(cfg.num_steps):
                 if obs_host is not None:
@@ -488,8 +461,7 @@ class PPOTrainer:
                 else:
                     obs_steps[step].copy_(torch.from_numpy(np.asarray(obs)).view(n, -1))
                 if step == 0:
-                    # Skip nn.Module hook dispatch while no probe records in this phase
-                    # (the default probes record in "train" only); checked once per rollout.
+                    # no nn.Module hook dispatch while no probe records in this phase
                     forward = policy.rollout_forward(obs_steps[0]) if policy.hooks_idle() else None
                 action, logprob, value = policy.act(obs_steps[step], gen, forward=forward)
                 actions.append(action)
@@ -608,24 +580,20 @@ class PPOTrainer:
         self, batch: Minibatch, policy: ActorCriticPolicy | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:func:`ppo_loss` on ``batch`` with the trainer's advantage normalisation, in
-        one pass (no micro-batches): the loss the update minimises on that minibatch."""
+        one pass (no micro-batches)."""
         if self.cfg.norm_adv:
             batch = normalize_advantages(batch)
         return ppo_loss(self.policy if policy is None else policy, batch, self.cfg)
 
-    #: DistributedDataParallel around :class:`EvaluateActions` of the policy in a
-    #: multi-process run (:meth:`wrap_ddp`); None in a single process
+    #: DDP around :class:`EvaluateActions` of the policy (:meth:`wrap_ddp`); None alone
     ddp: DistributedDataParallel | None = None
 
     def wrap_ddp(self, device_ids: list[int] | None = None) -> DistributedDataParallel:
-        """Average the loop's gradients over the processes of the default group.
-
-        Wraps :class:`EvaluateActions` of the policy in DistributedDataParallel (which
-        broadcasts rank 0's parameters, so every rank starts from the same policy). The
-        policy, its probes, the optimizer and the lifecycle hooks keep using the plain
-        module; only :meth:`accumulate_gradients` with ``sync=True`` (the loop's own
-        step) goes through DDP. Call it on every rank before :meth:`train`.
-        """
+        """Average the loop's gradients over the processes of the default group: wraps
+        :class:`EvaluateActions` in DDP (which broadcasts rank 0's parameters). Only
+        :meth:`accumulate_gradients` with ``sync=True`` goes through DDP; the probes,
+        optimizer and lifecycle hooks use the plain policy. Call it on every rank before
+        :meth:`train`."""
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
                 "wrap_ddp() needs an initialised torch.distributed process group; launch with "
@@ -641,23 +609,19 @@ class PPOTrainer:
         """``zero_grad`` then backward of the PPO loss on ``batch``; returns the loss
         statistics (:data:`LOSS_STATS`, a device tensor).
 
-        With ``micro_batches = k`` the minibatch is split into k micro-batches whose
-        gradients accumulate: each backpropagates ``loss * (micro_size / minibatch_size)``
-        and ``context.loss_scale`` holds that factor while it runs (the Fisher probe
-        divides it out to recover per-sample gradients).
-
-        ``sync=True`` (the training loop's step) averages the gradients over all ranks
-        through DDP when :meth:`wrap_ddp` was called: micro-batches run under
-        ``no_sync()`` except the last, whose backward all-reduces the accumulated
-        gradients once. Lifecycle interventions call it with ``sync=False``; their extra
-        passes run on rank 0 alone and must not wait for the other ranks.
+        With ``micro_batches = k`` the k micro-batches' gradients accumulate: each
+        backpropagates ``loss * (micro_size / minibatch_size)``, the factor that
+        ``context.loss_scale`` holds meanwhile (the Fisher probe divides it out).
+        ``sync=True`` (the loop's step) averages the gradients over the ranks through DDP
+        (one all-reduce, in the last micro-batch's backward); lifecycle interventions use
+        ``sync=False``: their passes run on rank 0 alone.
         """
         cfg = self.cfg
         ddp = self.ddp if sync else None
         evaluate = ddp if ddp is not None else self.compiled_evaluate
         if cfg.norm_adv:
             batch = normalize_advantages(batch)
-        # optimizer.zero_grad(set_to_none=True) without its profiler and foreach bookkeeping
+        # optimizer.zero_grad(set_to_none=True) without its bookkeeping
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 p.grad = None
@@ -684,9 +648,9 @@ class PPOTrainer:
     def _mean_stats_over_ranks(
         self, stats: torch.Tensor, ddp: DistributedDataParallel | None
     ) -> torch.Tensor:
-        """``stats`` averaged over the ranks when the target-KL early stop needs it."""
+        """``stats`` averaged over the ranks when the target-KL early stop needs it (the
+        same decision on every rank)."""
         if ddp is not None and self.cfg.target_kl is not None:
-            # the target-KL early stop must be the same decision on every rank
             dist.all_reduce(stats)
             stats /= dist.get_world_size()
         return stats
@@ -698,24 +662,16 @@ class PPOTrainer:
         return target is not None and float(stats[LOSS_STATS.index("approx_kl")]) > target
 
     def loss_from_stats(self, stats: torch.Tensor) -> torch.Tensor:
-        """The minibatch loss recomposed from its statistics, as :func:`ppo_loss` composes
-        it (so the loop computes no extra tensor when no hook wants the loss)."""
-        i = LOSS_STATS.index
-        cfg = self.cfg
-        return (
-            stats[i("policy_loss")]
-            - cfg.ent_coef * stats[i("entropy")]
-            + cfg.vf_coef * stats[i("value_loss")]
-        )
+        """The minibatch loss recomposed from its statistics as :func:`ppo_loss` composes it
+        (the loop computes no extra tensor when no hook wants the loss)."""
+        policy_loss, value_loss, entropy = stats[:3]  # LOSS_STATS order
+        return policy_loss - self.cfg.ent_coef * entropy + self.cfg.vf_coef * value_loss
 
     def clip_and_step(self, step: bool = True) -> torch.Tensor:
         """Global gradient-norm clipping of the optimizer's parameters, then
-        ``optimizer.step()`` (when ``step``); returns the gradient norm before clipping
-        (device tensor)."""
-        cfg = self.cfg
-        max_norm = cfg.max_grad_norm if cfg.max_grad_norm is not None else math.inf
-        # the optimizer's parameters: the policy's (a listing of param_groups costs a
-        # twentieth of policy.parameters())
+        ``optimizer.step()`` (when ``step``); returns the pre-clip norm (device tensor)."""
+        max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else math.inf
+        # the policy's parameters (param_groups lists them faster than policy.parameters())
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         grad_norm = nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], max_norm)
         if step:
@@ -726,10 +682,10 @@ class PPOTrainer:
     def normalization_state(self) -> dict[str, Any]:
         """Running statistics of the observation/reward normalisation wrappers (tensors)."""
         out: dict[str, Any] = {}
-        for key, cls, attr in NORMALIZATION_WRAPPERS:
+        for key, cls in NORMALIZATION_WRAPPERS.items():
             wrapper = find_wrapper(self.envs, cls)
             if wrapper is not None:
-                rms = getattr(wrapper, attr)
+                rms = getattr(wrapper, key)
                 out[key] = {
                     "mean": torch.as_tensor(np.asarray(rms.mean, dtype=np.float64)),
                     "var": torch.as_tensor(np.asarray(rms.var, dtype=np.float64)),
@@ -738,30 +694,31 @@ class PPOTrainer:
         return out
 
     def load_normalization_state(self, state: dict[str, Any]) -> None:
-        for key, cls, attr in NORMALIZATION_WRAPPERS:
+        for key, cls in NORMALIZATION_WRAPPERS.items():
             wrapper = find_wrapper(self.envs, cls)
             if key in state and wrapper is not None:
-                rms = getattr(wrapper, attr)
+                rms = getattr(wrapper, key)
                 rms.mean = state[key]["mean"].numpy().astype(np.asarray(rms.mean).dtype)
                 rms.var = state[key]["var"].numpy().astype(np.asarray(rms.var).dtype)
                 rms.count = state[key]["count"]
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything an exact continuation of this run needs, except the process-wide
-        RNGs (a checkpoint adds those: :mod:`trainers.checkpoint`): counters, policy,
-        optimizer, scheduler, the trainer's generators, the normalisation statistics, the
-        envs' state (or why it could not be captured), the pending observation, done
-        flags and episode accumulators, the training time, the session
-        (:meth:`ProbeSession.state_dict`: lifecycle hooks, trackers, the epoch's metrics
-        so far), the trainer callbacks that have a ``state_dict``, and while the update
-        phase is under way (:attr:`update_progress`) its position, the rollout storage
-        and the rollout statistics (``mid_epoch``; None at an epoch boundary).
-        Values are tensors, numpy arrays and plain containers."""
+        """Everything an exact continuation of this run needs except the process-wide RNGs
+        (a checkpoint adds those; its layout: :mod:`trainers.checkpoint`), as tensors,
+        numpy arrays and plain containers. ``mid_epoch`` (None at an epoch boundary) holds
+        the update phase's position, the rollout storage and its statistics."""
         s = self.state
         try:
             env: dict[str, Any] = {"state": capture_env_state(self.envs), "reason": None}
         except EnvStateError as exc:
             env = {"state": None, "reason": str(exc)}
+        mid = None
+        if (p := self.update_progress) is not None:
+            mid = {
+                "update": {k: v for k, v in vars(p).items() if k != "ran"},
+                "storage": self.storage.state_dict(),
+                "rollout_stats": dict(s.rollout_stats),
+            }
         return {
             "epoch": s.epoch,
             "num_epochs": s.num_epochs,
@@ -785,26 +742,16 @@ class PPOTrainer:
             "trainer_hooks": {
                 type(h).__name__: h.state_dict() for h in self.hooks if hasattr(h, "state_dict")
             },
-            "mid_epoch": None if self.update_progress is None else self._mid_epoch_state(),
-        }
-
-    def _mid_epoch_state(self) -> dict[str, Any]:
-        p = self.update_progress
-        assert p is not None
-        return {
-            "update": {k: v for k, v in vars(p).items() if k != "ran"},
-            "storage": self.storage.state_dict(),
-            "rollout_stats": dict(self.state.rollout_stats),
+            "mid_epoch": mid,
         }
 
     def load_state_dict(self, state: Mapping[str, Any], *, restore_envs: bool = True) -> None:
         """Inverse of :meth:`state_dict` into a trainer built with the same configuration.
 
-        ``restore_envs=False`` re-seeds the environments instead of restoring the saved
-        ones and keeps the probe trackers empty (ranks other than 0 of a distributed run:
-        the state holds rank 0's envs and probe sums). Envs whose state was not saved are
-        re-seeded too, with a warning: that run is not bit-identical to an uninterrupted
-        one. Raises ``ValueError`` when the policy or optimizer does not fit."""
+        ``restore_envs=False`` (ranks other than 0 of a distributed run) re-seeds the
+        environments and keeps the probe trackers empty; envs whose state was not saved
+        are re-seeded too, with a warning (not bit-identical to an uninterrupted run).
+        Raises ``ValueError`` when the policy or optimizer does not fit."""
         try:
             self.policy.load_state_dict(state["policy"])
             self.optimizer.load_state_dict(state["optimizer"])
@@ -842,10 +789,9 @@ class PPOTrainer:
         mid = state["mid_epoch"]
         self.update_progress = None
         if mid:
-            u = dict(mid["update"])
-            for key in ("sums", "order", "last_stats"):
-                if u[key] is not None:
-                    u[key] = u[key].to(self.device)
+            u = {
+                k: v.to(self.device) if torch.is_tensor(v) else v for k, v in mid["update"].items()
+            }
             self.update_progress = UpdateProgress(**u)
             self.storage.load_state_dict(mid["storage"])
             s.rollout_stats = dict(mid["rollout_stats"])
@@ -854,10 +800,8 @@ class PPOTrainer:
     def _reseed_envs(self, why: str) -> None:
         seed = self.seed + self.state.agent_step
         log.warning(
-            "%s: the environments are re-seeded with seed %d, so the resumed run is not "
-            "bit-identical to an uninterrupted one",
-            why,
-            seed,
+            f"{why}: the environments are re-seeded with seed {seed}, so the resumed run is "
+            f"not bit-identical to an uninterrupted one"
         )
         self.next_obs, _ = self.envs.reset(seed=seed)
         self.prev_done[:] = False

@@ -55,11 +55,8 @@ class ProgressHook(TrainerHook):
     def on_epoch_end(self, state: TrainerState) -> None:
         if self.progress is None:
             return
-        ret = (
-            state.eval_scores.get("return_mean")
-            if state.eval_scores.get("epoch") == state.epoch
-            else None
-        )
+        evaluated = state.eval_scores.get("epoch") == state.epoch
+        ret = state.eval_scores.get("return_mean") if evaluated else None
         if ret is None:
             ret = state.rollout_stats.get("episode_return")
         self.progress.update(

@@ -37,8 +37,8 @@ class Minibatch:
         return self.obs.shape[0]
 
     def split(self, k: int) -> list[Minibatch]:
-        """``k`` contiguous parts of (almost) equal size (views): the minibatches of a
-        gathered rollout, the micro-batches of a minibatch for gradient accumulation."""
+        """``k`` contiguous parts of (almost) equal size (views): minibatches of a gathered
+        rollout, micro-batches of a minibatch."""
         parts = [torch.tensor_split(getattr(self, f.name), k) for f in fields(self)]
         return [Minibatch(*p) for p in zip(*parts, strict=True)]
 
@@ -76,12 +76,9 @@ def compute_gae(
 
 
 class RolloutStorage:
-    """Buffers for ``num_steps`` x ``num_envs`` transitions, allocated once.
-
-    Tensors the policy reads (observations, actions, log-probs, values) live on the
-    training device; what the environment returns (rewards, terminated, truncated, valid)
-    stays in numpy on the host and moves once per rollout in :meth:`compute_returns`.
-    """
+    """Buffers for ``num_steps`` x ``num_envs`` transitions, allocated once: what the
+    policy reads on the training device, what the environment returns (rewards,
+    terminated, truncated, valid) in numpy on the host (moved once per rollout)."""
 
     def __init__(
         self,
@@ -128,9 +125,8 @@ class RolloutStorage:
         )
         self.advantages.copy_(torch.from_numpy(adv))
         self.returns.copy_(torch.from_numpy(ret))
-        self.valid_indices = torch.from_numpy(np.flatnonzero(self.valid.reshape(-1))).to(
-            self.device
-        )
+        valid = np.flatnonzero(self.valid.reshape(-1))
+        self.valid_indices = torch.from_numpy(valid).to(self.device)
 
     def state_dict(self) -> dict[str, torch.Tensor | np.ndarray]:
         """The rollout's buffers (a mid-epoch checkpoint resumes its update phase on them)."""
@@ -171,25 +167,16 @@ class RolloutStorage:
         return self.valid_indices[perm]
 
     def minibatches(self, order: torch.Tensor, num_minibatches: int) -> Iterator[Minibatch]:
-        """Split ``order`` (flat indices) into ``num_minibatches`` (almost) equal minibatches.
-
-        The transitions are gathered in ``order`` once (one index op per field) and the
-        minibatches are contiguous slices of that: the same rows in the same order as
-        gathering each minibatch's indices, with a quarter of the index ops at 4
-        minibatches.
-        """
+        """Split ``order`` (flat indices) into ``num_minibatches`` (almost) equal minibatches:
+        contiguous slices of the transitions gathered once in ``order`` (one index op per
+        field instead of one per field and minibatch)."""
         yield from self.gather(order).split(num_minibatches)
 
-    def explained_variance(self) -> float:
-        """1 - Var[returns - values] / Var[returns] over valid transitions (host transfer)."""
-        return self.value_statistics()["explained_variance"]
-
     def value_statistics(self) -> dict[str, float]:
-        """Over the valid transitions, in one host transfer: ``explained_variance``, and
-        the scale of the value targets (the GAE returns) that the value loss regresses
-        on, ``value_target_abs_mean`` = mean |R| and ``value_target_std`` = std(R) (the
-        regression-target scale of Lyle et al., "Disentangling the causes of plasticity
-        loss", 2024)."""
+        """Over the valid transitions, in one host transfer: ``explained_variance``
+        (1 - Var[R - V] / Var[R]) and the scale of the value targets R (the GAE returns),
+        ``value_target_abs_mean`` = mean |R| and ``value_target_std`` = std(R) (Lyle et al.,
+        "Disentangling the causes of plasticity loss", 2024)."""
         flat = self.num_steps * self.num_envs
         y = self.returns.view(flat)[self.valid_indices].double()
         v = self.values.view(flat)[self.valid_indices].double()

@@ -1,25 +1,17 @@
-"""Run control: a clean stop on SIGINT/SIGTERM and the ``policy-probes ctl`` command channel.
+"""Run control: a clean stop on SIGINT/SIGTERM and the ``policy-probes ctl`` command channel
+(``docs/run_control.md``).
 
 :class:`RunControl` is a trainer hook that acts at *minibatch boundaries* (after each
-optimizer step, ``on_mb_end``) and at epoch ends:
-
-* **Signals.** SIGINT or SIGTERM only sets a flag. At the next boundary (the minibatch
-  under way finishes first) the run writes a checkpoint, flushes every sink and raises
-  :class:`RunStopped`, whose ``exit_code`` is 130 (SIGINT) or 143 (SIGTERM); the CLI exits
-  with it. A second signal stops at once (``KeyboardInterrupt`` / the default action).
-* **Commands** (:mod:`policy_probes.control_channel`): ``checkpoint`` writes a checkpoint
-  now and goes on; ``pause`` waits (sleeping with backoff, no CPU) until ``resume``,
-  serving ``checkpoint`` and ``stop`` meanwhile; ``stop`` checkpoints, flushes and stops
-  (exit status 0). Each command is acknowledged in the channel.
-
-Checkpoints written at a minibatch boundary are mid-epoch checkpoints
-(:mod:`trainers.checkpoint`): ``policy-probes resume`` continues the interrupted update
-phase with the remaining minibatches, bit-identical to an uninterrupted run on CPU.
+optimizer step) and at epoch ends. A signal only sets a flag; at the next boundary the run
+writes a (mid-epoch) checkpoint, flushes every sink and raises :class:`RunStopped` (exit
+status 130 for SIGINT, 143 for SIGTERM); a second signal stops at once. Commands
+(:mod:`policy_probes.control_channel`): ``checkpoint``, ``pause`` (sleeping with backoff
+until ``resume``, serving ``checkpoint`` and ``stop`` meanwhile), ``stop`` (exit status 0).
 
 In a ``torch.distributed`` run every rank runs this hook: rank 0 reads the channel, and
 each boundary's decision (the highest signal any rank received, rank 0's command) is
-all-reduced over a gloo group, so all ranks stop, pause and resume at the same
-minibatch; rank 0 writes the checkpoint.
+all-reduced over a gloo group, so all ranks act at the same minibatch; rank 0 writes the
+checkpoint.
 """
 
 from __future__ import annotations
@@ -70,11 +62,9 @@ CTL_STOP_EXIT_CODE = 0
 
 
 class RunStopped(BaseException):
-    """Training stopped on request (signal or ``ctl stop``) after writing a checkpoint.
-
-    A ``BaseException`` like ``KeyboardInterrupt``: a stop is not an error that
-    ``except Exception`` should swallow. ``exit_code`` is what the CLI exits with.
-    """
+    """Training stopped on request (signal or ``ctl stop``) after writing a checkpoint; a
+    ``BaseException`` like ``KeyboardInterrupt`` (not an error for ``except Exception`` to
+    swallow). ``exit_code`` is what the CLI exits with."""
 
     def __init__(self, message: str, exit_code: int, checkpoint: Path | None, epoch: int) -> None:
         super().__init__(message)
@@ -86,14 +76,10 @@ class RunStopped(BaseException):
 class RunControl(TrainerHook):
     """Serves signals and ``ctl`` commands at minibatch boundaries (see the module doc).
 
-    Args:
-        run_dir: the run directory (its ``control/`` folder is the command channel).
-        checkpointer: writes the checkpoints (the run's :class:`CheckpointHook`, also when
-            periodic checkpoints are off).
-        sinks: flushed before a stop.
-        poll_interval: seconds between looks at the channel while training (signals are
-            checked at every boundary; the look is a directory listing).
-        max_pause_poll: longest sleep between looks while paused.
+    ``run_dir``'s ``control/`` folder is the command channel; ``checkpointer`` writes the
+    checkpoints (also when periodic ones are off); ``sinks`` are flushed before a stop;
+    ``poll_interval``: seconds between looks at the channel while training (signals are
+    checked at every boundary); ``max_pause_poll``: longest sleep between looks while paused.
     """
 
     critical = True  # RunStopped must leave the loop; other errors are bugs worth seeing
@@ -125,7 +111,7 @@ class RunControl(TrainerHook):
     @contextlib.contextmanager
     def handling_signals(self) -> Iterator[RunControl]:
         """Install the SIGINT/SIGTERM handlers for the ``with`` block (main thread only;
-        elsewhere signals keep their handlers and only ``ctl`` works)."""
+        elsewhere only ``ctl`` works)."""
         main = threading.current_thread() is threading.main_thread()
         if main:
             for sig in SIGNAL_EXIT_CODES:
@@ -185,30 +171,28 @@ class RunControl(TrainerHook):
             withdraw_run(self.run_dir)
 
     # ------------------------------------------------------------------ serving
-    def _next_decision(self) -> tuple[int, Request | None]:
-        """This boundary's ``(signal or 0, request or None)``, the same on every rank."""
+    def _next_request(self, state: TrainerState) -> Request | None:
+        """This boundary's request or None, the same on every rank; a pending signal (on
+        any rank) stops the run here."""
         if current_rank() == 0:
             self._pending.extend(take_requests(self.run_dir))
         request = self._pending.popleft() if self._pending else None
         signum = self.signal or 0
-        if not self._distributed:
-            return signum, request
-        code = COMMANDS.index(request.command) + 1 if request and request.command in COMMANDS else 0
-        decision = torch.tensor([signum, code], dtype=torch.int64)
-        dist.all_reduce(decision, op=dist.ReduceOp.MAX, group=self._group)
-        signum, code = (int(v) for v in decision.tolist())
-        if request is None and code:
-            request = Request(id="", command=COMMANDS[code - 1])  # another rank's view
-        return signum, request
+        if self._distributed:
+            known = request is not None and request.command in COMMANDS
+            code = COMMANDS.index(request.command) + 1 if known else 0
+            decision = torch.tensor([signum, code], dtype=torch.int64)
+            dist.all_reduce(decision, op=dist.ReduceOp.MAX, group=self._group)
+            signum, code = (int(v) for v in decision.tolist())
+            if request is None and code:
+                request = Request(id="", command=COMMANDS[code - 1])  # another rank's view
+        if signum:
+            self.stop(state, signal.Signals(signum).name, SIGNAL_EXIT_CODES[signum])
+        return request
 
     def serve(self, state: TrainerState) -> None:
         """Act on a pending signal and on every pending command."""
-        while True:
-            signum, request = self._next_decision()
-            if signum:
-                self.stop(state, signal.Signals(signum).name, SIGNAL_EXIT_CODES[signum])
-            if request is None:
-                return
+        while (request := self._next_request(state)) is not None:
             self._handle(state, request)
 
     def _handle(self, state: TrainerState, request: Request) -> None:
@@ -222,11 +206,8 @@ class RunControl(TrainerHook):
             else:
                 self._ack(request, False, f"checkpoint failed {where}: {error}")
         elif request.command == "pause":
-            self._ack(
-                request,
-                True,
-                f"paused {where}; `policy-probes ctl {self.run_dir} resume` continues",
-            )
+            resume = f"`policy-probes ctl {self.run_dir} resume` continues"
+            self._ack(request, True, f"paused {where}; {resume}")
             self._pause(state)
         elif request.command == "resume":
             self._ack(request, True, f"the run is not paused ({where})")
@@ -245,9 +226,7 @@ class RunControl(TrainerHook):
                 if current_rank() == 0:
                     time.sleep(delay)  # the other ranks wait inside the all-reduce
                 delay = min(2 * delay, self.max_pause_poll)
-                signum, request = self._next_decision()
-                if signum:
-                    self.stop(state, signal.Signals(signum).name, SIGNAL_EXIT_CODES[signum])
+                request = self._next_request(state)
                 if request is None:
                     continue
                 delay = 0.01
@@ -290,8 +269,7 @@ class RunControl(TrainerHook):
         """Write a checkpoint on rank 0 (reusing this epoch's if it was just written)."""
         if current_rank() != 0:
             return None, None
-        trainer = state.trainer
-        if trainer.update_progress is None and self.checkpointer.saved_epoch == state.epoch:
+        if state.trainer.update_progress is None and self.checkpointer.saved_epoch == state.epoch:
             return state.last_checkpoint, None
         try:
             return self.checkpointer.save(state), None
@@ -308,8 +286,7 @@ class RunControl(TrainerHook):
 
     @staticmethod
     def _where(state: TrainerState) -> str:
-        trainer = state.trainer
-        p = trainer.update_progress
+        p = state.trainer.update_progress
         if p is None:
             return f"at the end of epoch {state.epoch} (optimizer step {state.optimizer_step})"
         return (
@@ -321,11 +298,9 @@ class RunControl(TrainerHook):
 # ---------------------------------------------------------------------- resuming
 def select_checkpoint(run: Run, resume: bool | str | Path) -> tuple[Path, dict[str, Any]] | None:
     """The checkpoint a resumed run starts from (None: no resume, or none yet).
-
-    ``resume=True``: the newest checkpoint that loads (an unreadable one is reported by
-    name and the previous one used); when the run died before its first checkpoint, its
-    records are dropped and it starts again (same seed, same run). ``resume=PATH``: that
-    checkpoint."""
+    ``resume=True``: the newest that loads (an unreadable one is reported and the previous
+    one used; a run that died before its first checkpoint drops its records and starts
+    again); ``resume=PATH``: that checkpoint."""
     if not resume:
         return None
     directory = run.dir / "checkpoints"
@@ -356,9 +331,8 @@ def select_checkpoint(run: Run, resume: bool | str | Path) -> tuple[Path, dict[s
 def resume_trainer(
     trainer: Any, run: Run, resume_from: tuple[Path, dict[str, Any]], *, own_envs: bool
 ) -> None:
-    """Restore ``trainer`` from the checkpoint and rewind the metric files to it: records of
-    epochs after the checkpoint (written before a crash) are dropped, so every epoch
-    appears exactly once once the resumed run has rewritten them."""
+    """Restore ``trainer`` from the checkpoint and rewind the metric files to it (records
+    of later epochs, written before a crash, are dropped: every epoch appears once)."""
     path, ckpt = resume_from
     done, planned = completed_epochs(ckpt), trainer.num_epochs
     if done > planned:  # before anything changes: the run stays as it was
@@ -370,19 +344,14 @@ def resume_trainer(
         )
     if done == planned and not ckpt.get("mid_epoch"):
         log.warning(
-            "%s is at the run's last epoch (%d of trainer.total_timesteps=%d): nothing is "
-            "left to train; raise trainer.total_timesteps to train further",
-            path,
-            done,
-            trainer.cfg.total_timesteps,
+            f"{path} is at the run's last epoch ({done} of trainer.total_timesteps="
+            f"{trainer.cfg.total_timesteps}): nothing is left to train; raise "
+            f"trainer.total_timesteps to train further"
         )
     restore_trainer(trainer, ckpt, restore_envs=own_envs)
     trainer.state.last_checkpoint = path  # the newest finite one until the run writes more
     run.rewind(done)
+    mid = " (mid-epoch)" if ckpt.get("mid_epoch") else ""
     log.warning(
-        "resuming from %s: epoch %d%s, optimizer step %d",
-        path,
-        ckpt["epoch"],
-        " (mid-epoch)" if ckpt.get("mid_epoch") else "",
-        ckpt["optimizer_step"],
+        f"resuming from {path}: epoch {ckpt['epoch']}{mid}, optimizer step {ckpt['optimizer_step']}"
     )

@@ -11,8 +11,8 @@ and returns it; the CLI (``policy-probes run``) applies ``key=value`` overrides 
     cfg.hook_config = {"hessian.iters": 30}
     result = cfg.invoke()
 
-Hook builders live in private attributes, so they are not part of the validated
-configuration (and survive ``model_copy(update=...)``).
+Hook builders live in private attributes: not validated configuration, and they survive
+``model_copy(update=...)``.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ from trainers.evaluation import EvaluationHook, final_evaluation_bound
 from trainers.fork import apply_optimizer_config, check_fork_length, fork_checkpoint, parent_record
 from trainers.policy import ActorCriticPolicy
 from trainers.policy_factory import make_policy
-from trainers.ppo import LOOP, PPOTrainer
+from trainers.ppo import LOOP, PPOTrainer, check_rollout_size
 from trainers.run_control import RunControl, resume_trainer, select_checkpoint
 
 log = logging.getLogger("trainers")
@@ -79,11 +79,11 @@ class TrainResult:
     eval_scores: dict[str, float] = field(default_factory=dict)
     hook_errors: dict[str, str] = field(default_factory=dict)
     sink_failures: dict[str, str] = field(default_factory=dict)
-    #: one line per output the run could not write (a metric sink switched off, the
-    #: checkpoints that failed): what is missing and from which epoch; empty when none
+    #: one line per output the run could not write (a metric sink switched off, failed
+    #: checkpoints): what is missing and from which epoch
     lost_outputs: list[str] = field(default_factory=list)
-    #: this process's rank and the number of processes (0 and 1 outside torchrun); only
-    #: rank 0 writes outputs and has ``metrics``
+    #: this process's rank and the number of processes; only rank 0 writes outputs and
+    #: has ``metrics``
     rank: int = 0
     world_size: int = 1
 
@@ -213,27 +213,7 @@ class TrainTool(Section, ProbeSettings):
 
     @model_validator(mode="after")
     def _check_batch_sizes(self) -> TrainTool:
-        t = self.trainer
-        batch = self.env.num_envs * t.num_steps
-        if t.total_timesteps < batch:
-            raise ValueError(
-                f"trainer.total_timesteps={t.total_timesteps} is smaller than one rollout "
-                f"(env.num_envs * trainer.num_steps = {batch}); raise total_timesteps or lower "
-                f"num_steps / num_envs"
-            )
-        if t.num_minibatches > batch:
-            raise ValueError(
-                f"trainer.num_minibatches={t.num_minibatches} is larger than the rollout batch "
-                f"(env.num_envs * trainer.num_steps = {batch}): the minibatch would be larger "
-                f"than the batch; lower num_minibatches"
-            )
-        minibatch = batch // t.num_minibatches
-        if minibatch < 2 * t.micro_batches:
-            raise ValueError(
-                f"minibatches of {minibatch} samples cannot be split into "
-                f"trainer.micro_batches={t.micro_batches} micro-batches of at least 2 samples; "
-                f"lower micro_batches or num_minibatches"
-            )
+        check_rollout_size(self.trainer, self.rollout_size)
         return self
 
     # ------------------------------------------------------------------ probes and hooks
@@ -307,20 +287,18 @@ class TrainTool(Section, ProbeSettings):
         return default_run_dir(f"{name}-{self.seed}")
 
     def check_setup(self, *, overwrite: bool = False) -> dict[str, list[str]]:
-        """Everything a run checks before its first environment step, without writing
-        anything (``policy-probes run --dry-run``): the device, the run directory (not a
-        file, not held by a live run, holding no other run unless ``overwrite``), the
-        environment, the policy, and every probe attached to its components. Returns the
-        components each probe pattern resolved to. Errors are those :meth:`invoke` would
-        raise, tagged as usage errors."""
-        try:
+        """Everything a run checks before its first environment step, writing nothing
+        (``policy-probes run --dry-run``): device, run directory (not a file, not held by a
+        live run, holding no other run unless ``overwrite``), environment, policy, and every
+        probe attached to its components. Returns the components each probe pattern
+        resolved to. Errors are those :meth:`invoke` would raise, tagged as usage errors."""
+        with usage_errors():
             resolve_device(self.device)
             if self.run_dir is not None:
                 Run(self.run_dir, overwrite=overwrite).check()  # reads only
             seed_everything(self.seed)
             envs = make_vector_env(self.env, gamma=self.trainer.gamma)
             try:
-                # the policy the run builds (a NatureCNN one for policy.encoder=nature_cnn)
                 policy = make_policy(
                     envs.single_observation_space, envs.single_action_space, self.policy
                 )
@@ -333,9 +311,6 @@ class TrainTool(Section, ProbeSettings):
                     session.close()
             finally:
                 envs.close()
-        except SETUP_ERROR_TYPES as exc:
-            mark_usage_error(exc)
-            raise
         return attached
 
     @quiet_output_only_backward_hooks()
@@ -346,33 +321,21 @@ class TrainTool(Section, ProbeSettings):
         overwrite: bool = False,
         fork_from: ForkPoint | None = None,
     ) -> TrainResult:
-        """Build envs, policy, probes, sinks and trainer; train; always clean up.
+        """Build envs, policy, probes, sinks and trainer; train; always clean up (hook
+        handles removed, envs and sinks closed, also after a failure or interruption).
 
-        The run holds ``run_dir/run.lock`` while it runs: a second run, resume or
-        ProbeSession into the same directory is refused naming this one
-        (:mod:`policy_probes.run_lock`). A ``run_dir`` that already holds a run is refused
-        unless ``overwrite`` (its outputs are deleted first) or ``resume`` (``True``: continue from its newest valid
-        checkpoint; a path: from that checkpoint; ``docs/run_control.md``). SIGINT/SIGTERM
-        and ``policy-probes ctl stop`` end the run at a minibatch boundary with a
-        checkpoint by raising :class:`~trainers.run_control.RunStopped`. ``fork_from``:
-        start from the end of that epoch of another run, in this run's own ``run_dir``
-        (:mod:`trainers.fork`; with ``resume``, a fork that wrote no checkpoint yet starts
-        again from its parent's).
-
-        Every builder is attached before the first environment step (an unknown component
-        name raises ``KeyError`` listing the available ones). Every hook handle is removed,
-        envs and sinks closed, also when training fails or is interrupted.
-
-        Under torchrun every process calls it: the process group is created here and
-        destroyed at the end, DDP averages the gradients, each rank steps its own
-        environments, and rank 0 alone writes config, metrics, W&B and checkpoints
-        (``docs/distributed.md``).
+        The run holds ``run_dir/run.lock`` (:mod:`policy_probes.run_lock`). A ``run_dir``
+        that already holds a run is refused unless ``overwrite`` (its outputs are deleted
+        first) or ``resume`` (``True``: from its newest valid checkpoint; a path: from that
+        one; ``docs/run_control.md``). SIGINT/SIGTERM and ``policy-probes ctl stop`` end
+        the run at a minibatch boundary with a checkpoint, raising
+        :class:`~trainers.run_control.RunStopped`. ``fork_from``: start from the end of
+        that epoch of another run (:mod:`trainers.fork`; with ``resume``, a fork that wrote
+        no checkpoint yet starts again from its parent's). Under torchrun every process
+        calls it; rank 0 alone writes outputs (``docs/distributed.md``).
         """
-        try:
+        with usage_errors():
             device = resolve_device(self.device)
-        except ValueError as exc:
-            mark_usage_error(exc)
-            raise
         with DistributedRun(device) as dist_run:
             run_dir = Path(self.run_dir) if self.run_dir is not None else self.default_run_dir()
             run_dir = dist_run.broadcast(run_dir)  # rank 0's choice (default names hold a time)
@@ -419,11 +382,10 @@ class TrainTool(Section, ProbeSettings):
         resume: bool | str | Path = False,
         fork_from: ForkPoint | None = None,
     ) -> TrainResult:
-        """:meth:`invoke` inside the process group ``dist_run`` (rank 0 of 1 when alone),
-        holding the lock on its run directory. Errors raised before the first environment step
-        are the configuration's (unknown component, builder mistakes, a checkpoint that
-        does not fit): they are tagged as usage errors, and ``config.json`` is written
-        only once the run starts, so a failed start or resume leaves the run as it was."""
+        """:meth:`invoke` inside the process group ``dist_run``, holding the run directory's
+        lock. Errors before the first environment step are the configuration's: tagged as
+        usage errors; ``config.json`` is written only once the run starts, so a failed
+        start or resume leaves the run as it was."""
         if self.torch_threads is not None:
             torch.set_num_threads(self.torch_threads)
         with usage_errors():
@@ -497,8 +459,8 @@ class TrainTool(Section, ProbeSettings):
         fork_from: ForkPoint | None,
         resumed_from: tuple[Path, Any] | None,
     ) -> dict[str, Any]:
-        """:meth:`resolved_config` and where this run came from: its directory, the
-        parent of a fork, the checkpoint a resume started from, the process group."""
+        """:meth:`resolved_config` and where this run came from (directory, fork parent,
+        resumed checkpoint, process group)."""
         config = self.resolved_config()
         config["run_dir"] = str(run.dir)
         if fork_from is not None:
@@ -512,21 +474,17 @@ class TrainTool(Section, ProbeSettings):
     def _trainer_hooks(
         self, dist_run: DistributedRun, run: Run
     ) -> tuple[list[TrainerHook], CheckpointHook, RunControl]:
-        """The trainer's callbacks in firing order: rank statistics (torchrun), the
-        evaluation, checkpoints, the progress bar, the recipe's own hooks and run control
-        (signals, ``policy-probes ctl``); with the checkpointer and run control."""
+        """The trainer's callbacks in firing order (rank statistics, evaluation,
+        checkpoints, progress bar, the recipe's own hooks, run control), with the
+        checkpointer and run control."""
         hooks: list[TrainerHook] = []
         if dist_run.distributed:
             hooks.append(RankStatisticsHook(dist_run.world_size))
         evaluation = self._evaluation_hook(dist_run.is_main)
         if evaluation is not None:
             hooks.append(evaluation)
-        checkpointer = CheckpointHook(
-            run.dir / "checkpoints",
-            every_epochs=self.checkpoint.every_epochs,
-            keep_last=self.checkpoint.keep_last,
-            at_end=self.checkpoint.at_end,
-        )
+        # the checkpoint section's fields are the hook's arguments
+        checkpointer = CheckpointHook(run.dir / "checkpoints", **self.checkpoint.model_dump())
         if self.checkpoint.every_epochs > 0 or self.checkpoint.at_end:
             # on_epoch_end comes after the epoch's records: never ahead of the metrics
             hooks.append(checkpointer)
@@ -550,15 +508,11 @@ class TrainTool(Section, ProbeSettings):
             bound = final_evaluation_bound(self.trainer.total_timesteps, n_eval, ev.max_steps)
         if bound is not None and main:
             log.warning(
-                "the final evaluation (%d episodes on %d envs, up to evaluation.max_steps=%d "
-                "steps per env) could take longer than this run's training (%d agent steps); "
-                "it stops at %d steps per env. evaluation.at_end=false skips it, "
-                "evaluation.short_run_bound=false lifts the cap",
-                ev.episodes,
-                n_eval,
-                ev.max_steps,
-                self.trainer.total_timesteps,
-                bound,
+                f"the final evaluation ({ev.episodes} episodes on {n_eval} envs, up to "
+                f"evaluation.max_steps={ev.max_steps} steps per env) could take longer than "
+                f"this run's training ({self.trainer.total_timesteps} agent steps); it stops at "
+                f"{bound} steps per env. evaluation.at_end=false skips it, "
+                f"evaluation.short_run_bound=false lifts the cap"
             )
         return EvaluationHook(
             lambda: make_vector_env(env_cfg, num_envs=n_eval),
