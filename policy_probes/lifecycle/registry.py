@@ -127,26 +127,18 @@ def parse_hook_config(
     ``{"hessian": {"iters": 30}}`` (TrainTool).
     """
     out: dict[str, dict[str, Any]] = {}
-    if entries is None:
-        return out
+    items: list[tuple[str, Any]] = []
     if isinstance(entries, Mapping):
-        items: list[tuple[str, Any]] = []
         for key, value in entries.items():
             if isinstance(value, Mapping) and "." not in key:
                 items.extend((f"{key}.{p}", v) for p, v in value.items())
             else:
                 items.append((key, value))
-    else:
-        items = []
+    elif entries is not None:
+        shape = {"shape": "name.param=value", "example": "hessian.iters=30"}
         for entry in entries:
             items.append(
-                split_assignment(
-                    entry,
-                    what="hook config",
-                    shape="name.param=value",
-                    example="hessian.iters=30",
-                    error=HookSelectionError,
-                )
+                split_assignment(entry, what="hook config", error=HookSelectionError, **shape)
             )
     for key, value in items:
         hook, dot, param = key.partition(".")
@@ -162,15 +154,11 @@ def resolve_hook_names(hooks: Iterable[str] = (), with_hooks: str | None = None)
     """Hook names from explicit names (or group names) plus a group keyword, in
     registration order, with the auto-included hooks added when any is selected."""
     wanted: set[str] = set()
-    for item in hooks:
-        for name in str(item).split(","):
-            name = name.strip()
-            if not name:
-                continue
-            if name in GROUPS or name in KEYWORDS:
-                wanted.update(HookRegistry.expand(name))
-            else:
-                wanted.add(HookRegistry.get(name).name)
+    for name in (n.strip() for item in hooks for n in str(item).split(",")):
+        if name in GROUPS or name in KEYWORDS:
+            wanted.update(HookRegistry.expand(name))
+        elif name:
+            wanted.add(HookRegistry.get(name).name)
     if with_hooks:
         wanted.update(HookRegistry.expand(with_hooks))
     if not wanted:

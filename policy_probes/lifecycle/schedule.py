@@ -35,7 +35,6 @@ class StepSchedule:
         if self.warmup < 0:
             raise ValueError(f"schedule warmup must be >= 0, got {self.warmup}")
 
-    # ------------------------------------------------------------ constructors
     @classmethod
     def continual(cls, warmup: int = 0) -> StepSchedule:
         return cls("continual", warmup=warmup)
@@ -81,7 +80,6 @@ class StepSchedule:
                 raise
         raise ValueError(f"bad schedule {spec!r}; {usage}")
 
-    # ------------------------------------------------------------------- query
     def due(self, index: int) -> bool:
         """Whether the hook fires at step (or epoch) ``index``."""
         k = index - self.warmup
