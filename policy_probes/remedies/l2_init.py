@@ -3,17 +3,15 @@
 Juliani & Ash 2024, "A Study of Plasticity Loss in On-Policy Deep Reinforcement
 Learning"; Dohare et al. 2024 pair L2 with CBP).
 
-Before every optimizer step, for every parameter of the chosen layers of the component
-that has a gradient,
+Before every optimizer step (after the loop's clipping), every parameter of the chosen
+layers that has a gradient gets
 
     grad <- grad + coef * (theta - theta_0)
 
-the gradient of ``coef / 2 * ||theta - theta_0||^2``: the regularised objective, applied in
-the step without changing the loss the loop computes and logs. ``theta_0`` are the
-parameters when the remedy is attached; the built-in ``TrainTool`` attaches remedies to
-the freshly built (seeded) policy before a resume or fork loads a checkpoint, so
-``theta_0`` is the run's initialisation there too (a fork's is its parent's: same recipe,
-same seed). The term is added after the loop's gradient clipping.
+the gradient of ``coef / 2 * ||theta - theta_0||^2``, without changing the loss the loop
+computes and logs. ``theta_0``: the parameters when the remedy is attached (``TrainTool``
+attaches to the freshly built seeded policy before a resume or fork loads a checkpoint,
+so it is the run's initialisation there too).
 """
 
 from __future__ import annotations
@@ -26,7 +24,7 @@ import torch
 from torch import nn
 
 from policy_probes.plugins import register
-from policy_probes.remedies.base import RemedyTarget
+from policy_probes.remedies.base import RemedyTarget, checked, name_list
 from policy_probes.remedies.step_remedy import StepRemedy, StepState
 from policy_probes.remedies.structure import chosen_leaves
 
@@ -43,8 +41,8 @@ class L2Init(StepRemedy):
     parameters towards their initial values (build with :func:`l2_init`)."""
 
     docs = "docs/remedies.md"
-
     name = "l2_init"
+    setting_names = ("coef", "layers")
 
     def __init__(
         self,
@@ -53,16 +51,9 @@ class L2Init(StepRemedy):
         layers: Sequence[str] | str | None = None,
         seed: int | None = None,
     ) -> None:
-        if isinstance(coef, bool) or not float(coef) > 0:
-            raise ValueError(f"coef must be > 0, got {coef!r}")
+        self.coef = checked("coef", coef, lambda v: v > 0, "> 0")
         super().__init__(seed=seed)
-        self.coef = float(coef)
-        self.layers = (
-            [layers] if isinstance(layers, str) else None if layers is None else list(layers)
-        )
-
-    def settings(self) -> dict[str, Any]:
-        return {"coef": self.coef, "layers": self.layers}
+        self.layers = name_list(layers)
 
     def prepare(self, target: RemedyTarget) -> L2State:
         state = L2State()
@@ -108,7 +99,7 @@ def l2_init(
     *,
     seed: int | None = None,
 ) -> L2Init:
-    """L2 towards the initial parameters of the component it is attached to, at every
-    optimizer step (``grad += coef * (theta - theta_0)``; :mod:`policy_probes.remedies.l2_init`).
-    ``layers``: names inside the component (default: all its parametrised layers)."""
+    """``grad += coef * (theta - theta_0)`` at every optimizer step on the component it is
+    attached to (:mod:`policy_probes.remedies.l2_init`); ``layers``: names inside the
+    component (default: all its parametrised layers)."""
     return L2Init(coef=coef, layers=layers, seed=seed)

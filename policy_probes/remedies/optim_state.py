@@ -1,13 +1,11 @@
-"""Optimiser state of the weights a remedy changes: which optimisers are supported, and
-how their per-parameter state entries are reset.
+"""Optimiser state of the weights a remedy changes: the supported optimisers and how their
+per-parameter entries are reset.
 
-Adam and AdamW keep ``exp_avg`` and ``exp_avg_sq`` (and ``max_exp_avg_sq`` with
-``amsgrad``) shaped like the parameter, and one ``step`` per parameter tensor; SGD with
-momentum keeps ``momentum_buffer``. A remedy that changes some entries of a tensor zeroes
-exactly those entries of its moment buffers and leaves ``step`` alone (it counts the
-tensor's updates, not the entries'; ReDo's reference implementation resets the moments
-only). A remedy that re-initialises a whole tensor also sets its ``step`` to 0, so the
-tensor restarts Adam's bias correction as a fresh one would.
+A remedy changing some entries of a tensor zeroes exactly those entries of its moment
+buffers (Adam's ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``; SGD's ``momentum_buffer``)
+and keeps ``step`` (it counts the tensor's updates; ReDo's reference code resets the
+moments only). Re-initialising a whole tensor also sets ``step`` to 0, so it restarts
+Adam's bias correction as a fresh one would.
 """
 
 from __future__ import annotations
@@ -50,15 +48,12 @@ def reset_entries(
         return  # never stepped: nothing to reset
     for key in MOMENT_KEYS:
         buf = state.get(key)
-        if not isinstance(buf, torch.Tensor):
-            continue
-        if dim is None:
+        if isinstance(buf, torch.Tensor) and dim is None:
             buf.zero_()
-        else:
+        elif isinstance(buf, torch.Tensor):
             buf.index_fill_(dim, index.to(buf.device), 0)
     if dim is None and "step" in state:
-        step = state["step"]
-        if isinstance(step, torch.Tensor):
-            step.zero_()
+        if isinstance(state["step"], torch.Tensor):
+            state["step"].zero_()
         else:
             state["step"] = 0

@@ -6,24 +6,21 @@ After every optimizer step, every parameter of the chosen layers of the componen
 
     theta <- shrink * theta + noise * theta_init
 
-where ``theta_init`` is a fresh initialisation of the layer (its own
-``reset_parameters()``, one seed per layer per step drawn from the remedy's generator:
-:mod:`~policy_probes.remedies.fresh_init`), as :mod:`~policy_probes.remedies.shrink_perturb`
-does at a firing. ``shrink`` close to 1 and ``noise`` small keep each step's change small.
-The optimizer state is kept.
+as :mod:`~policy_probes.remedies.shrink_perturb` does at a firing (one seed per layer per
+step); ``shrink`` close to 1 and ``noise`` small keep each change small. The optimizer
+state is kept.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
 
 from policy_probes.plugins import register
-from policy_probes.remedies.base import RemedyTarget
+from policy_probes.remedies.base import RemedyTarget, checked, name_list
 from policy_probes.remedies.fresh_init import check_resettable, refresh_layers
 from policy_probes.remedies.step_remedy import StepRemedy, StepState
 from policy_probes.remedies.structure import chosen_leaves
@@ -40,8 +37,8 @@ class SoftShrinkPerturb(StepRemedy):
     every optimizer step (build with :func:`soft_shrink_perturb`)."""
 
     docs = "docs/remedies.md"
-
     name = "soft_shrink_perturb"
+    setting_names = ("shrink", "noise", "layers")
 
     def __init__(
         self,
@@ -51,18 +48,10 @@ class SoftShrinkPerturb(StepRemedy):
         layers: Sequence[str] | str | None = None,
         seed: int | None = None,
     ) -> None:
-        if isinstance(shrink, bool) or not 0.0 < float(shrink) <= 1.0:
-            raise ValueError(f"shrink must be in (0, 1], got {shrink!r}")
-        if isinstance(noise, bool) or not float(noise) >= 0.0:
-            raise ValueError(f"noise must be >= 0, got {noise!r}")
+        self.shrink = checked("shrink", shrink, lambda v: 0 < v <= 1, "in (0, 1]")
+        self.noise = checked("noise", noise, lambda v: v >= 0, ">= 0")
         super().__init__(seed=seed)
-        self.shrink, self.noise = float(shrink), float(noise)
-        self.layers = (
-            [layers] if isinstance(layers, str) else None if layers is None else list(layers)
-        )
-
-    def settings(self) -> dict[str, Any]:
-        return {"shrink": self.shrink, "noise": self.noise, "layers": self.layers}
+        self.layers = name_list(layers)
 
     def prepare(self, target: RemedyTarget) -> SoftState:
         layers = chosen_leaves("soft_shrink_perturb", target, self.layers)
