@@ -60,21 +60,12 @@ class HookConfig(BaseModel):
 class TrainingHook:
     """An observer: reads the run at its hook points and returns metrics.
 
-    Declarations (class attributes): ``name`` (registry name and metric namespace),
-    ``description`` (for ``hooks list``), ``hook_points``, ``loop_points`` (optional, per
-    loop type: points with ``(min_epoch, max_epoch)`` windows, e.g. ``{"ppo":
-    {HookPoint.POST_EPOCH: (10, None)}}``; the hook then fires only in the loops it
-    names), ``step_schedule`` (at PRE_STEP/POST_STEP, on the global optimizer step),
-    ``epoch_schedule`` (at the epoch points; ``None``: every epoch), the ``needs_*`` flags
-    (what the manager prepares; nothing unless an active hook asks), ``cost`` (one of
-    :data:`COST_CLASSES`), ``metrics`` (key pattern -> meaning, for ``hooks describe``),
-    ``namespaced`` (False: keys kept as returned, e.g. ``train/...``), ``auto_include``
-    (joins every non-empty selection), ``groups`` (named groups besides
-    observers/interventions/full), ``order`` (dispatch rank, lower first: observers 100,
-    interventions 200, debug 300), ``run_on_all_ranks`` (else rank 0 only; set it for
-    hooks in collectives), ``runs_model`` (True: the manager puts the component context
-    in the ``"hook"`` phase while it runs, so module probes ignore its passes; hooks that
-    only read state set False) and ``Config`` (a :class:`HookConfig` subclass).
+    Its class attributes declare it (``docs/lifecycle.md``): ``loop_points`` (optional)
+    restricts it to the loop types it names, with ``(min_epoch, max_epoch)`` windows per
+    point; ``namespaced = False`` keeps keys as returned (``train/...``); ``order`` ranks
+    dispatch (observers 100, interventions 200, debug 300); ``run_on_all_ranks`` (else rank
+    0 only) is for hooks in collectives; ``runs_model = False`` (hooks that only read
+    state) leaves the probes' phase alone while it runs.
     """
 
     name: ClassVar[str] = ""

@@ -82,9 +82,7 @@ LoopPointsSpec = Mapping[
 
 
 def resolve_points(
-    loop: str,
-    hook_points: Iterable[HookPoint | str],
-    loop_points: LoopPointsSpec | None,
+    loop: str, hook_points: Iterable[HookPoint | str], loop_points: LoopPointsSpec | None
 ) -> dict[HookPoint, EpochWindow]:
     """The points (with epoch windows) at which a hook fires in a loop of type ``loop``:
     all its ``hook_points`` in any loop, or with ``loop_points`` only those listed for

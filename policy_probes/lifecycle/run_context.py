@@ -18,26 +18,17 @@ EMPTY: Mapping[str, Any] = MappingProxyType({})
 
 @dataclass(frozen=True)
 class RunDataContext:
-    """The state of the run at one firing of one hook point (read-only: an observer that
-    changes the model, the optimizer or a tensor it is given alters the trajectory; code
-    that must change state belongs in an
-    :class:`~policy_probes.lifecycle.hook.InterventionHook`).
+    """The state of the run at one firing of one hook point, read-only (code that changes
+    state belongs in an :class:`~policy_probes.lifecycle.hook.InterventionHook`).
 
-    ``epoch`` is the records' epoch number (from 1 in the built-in trainer, from the
-    ``Run``'s ``first_epoch`` in a ``ProbeSession``); ``step`` the global optimizer step
-    (from 0) at PRE_STEP/POST_STEP, at epoch points the steps taken so far or ``None``;
-    ``agent_step`` the environment steps so far; ``update_epoch``, ``minibatch``,
-    ``batch`` and ``loss`` the position and minibatch at step points; ``config`` the loop's
-    configuration (the PPO trainer's TrainTool); ``stats`` the loop's loss, rollout,
-    evaluation and performance statistics (``train/policy_loss``, ``perf/sps``, ...);
-    ``observations`` the rollout's, ``(samples, *obs_shape)``.
-
-    ``grads`` (only when an active hook ``needs_grads``): at PRE_STEP the minibatch's
-    live ``param.grad`` before clipping (read only), at POST_STEP and epoch points the mean
-    of the epoch's PRE_STEP gradients so far; ``prev_step_grads`` (``needs_prev_step_grads``):
+    ``epoch``: the records' epoch; ``step``: the global optimizer step (from 0) at step
+    points, the steps so far (or ``None``) at epoch points; ``stats``: the loop's
+    ``train/``, ``rollout/``, ``eval/``, ``perf/`` statistics; ``observations``: the
+    rollout's, ``(samples, *obs_shape)``. ``grads`` (only for ``needs_grads``): at
+    PRE_STEP the live pre-clip ``param.grad`` (read only), elsewhere the mean of the
+    epoch's PRE_STEP gradients so far; ``prev_step_grads`` (``needs_prev_step_grads``):
     copies of the previous step's. ``last_metrics``: the latest metrics per point, with
-    those of hooks already run in this firing (step-point values may be device tensors).
-    ``extra``: anything else the loop hands its hooks.
+    this firing's so far. ``docs/lifecycle.md`` lists what the trainer passes.
     """
 
     point: HookPoint

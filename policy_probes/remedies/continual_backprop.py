@@ -2,27 +2,18 @@
 "Loss of plasticity in deep continual learning", Nature; reference code
 shibhansh/loss-of-plasticity, ``lop/algos/gnt.py``).
 
-For every hidden unit ``i`` of the component's unit layers
-(:mod:`~policy_probes.remedies.structure`), after every optimizer step:
-
-1. ``age_i += 1``; ``u_i <- eta * u_i + (1 - eta) * mean|h_i| * sum_k |w_ik|``, with
-   ``mean|h_i|`` the mean absolute activation over the step's training forwards (and
-   positions, for a convolution; forwards with gradients enabled only) and ``w_ik`` its
-   outgoing weights after the step;
-2. of the units older than ``maturity_threshold`` ``m`` (``E``), ``replacement_rate * |E|``
-   is added to a running count whose integer part ``n`` is replaced (the fraction kept):
-   the ``n`` with the lowest bias-corrected utility ``u_i / (1 - eta^age_i)`` (ties: lowest
-   index);
-3. a replaced unit gets fresh incoming weights from the layer's initialiser (one seed per
-   layer and step from the remedy's generator), zero outgoing weights (outputs unchanged),
-   zero optimizer moments on exactly those weights (``step`` kept), utility and age 0.
-
-Defaults are Dohare et al.'s PPO settings (``lop/rl/cfg/ant/cbp.yml``: ``rr: 1e-4``,
-``mt: 10000``; eta 0.99). Unlike the reference code the outgoing magnitude is a sum (the
-paper's formula; the code's mean ranks a layer's units identically), the fractional count
-always accumulates, and the next layer's bias is not corrected. No host sync per step: the
-eligible units are counted on the host from the replacement counts of the last ``m``
-steps; selection and replacement run on the device.
+After every optimizer step, for every hidden unit ``i`` of the component's unit layers:
+``age_i += 1`` and ``u_i <- eta * u_i + (1 - eta) * mean|h_i| * sum_k |w_ik|`` (mean
+absolute activation over the step's training forwards, and positions for a convolution;
+outgoing weights after the step). Of the units with ``age > m`` (``maturity_threshold``),
+``replacement_rate * |E|`` is added to a count whose integer part ``n`` is replaced: the
+``n`` lowest bias-corrected utilities ``u_i / (1 - eta^age_i)`` (ties: lowest index) get
+fresh incoming weights (one seed per layer and step), zero outgoing weights and optimizer
+moments (``step`` kept), utility and age 0. Defaults: the paper's PPO settings
+(``lop/rl/cfg/ant/cbp.yml``; eta 0.99). Unlike the reference code the outgoing magnitude
+is a sum (the paper's formula), the count always accumulates and the next layer's bias is
+not corrected. No host sync per step: eligibility is counted on the host from the last
+``m`` steps' replacement counts.
 """
 
 from __future__ import annotations
@@ -85,8 +76,7 @@ def output_magnitude(layer: UnitLayer) -> torch.Tensor:
 
 @register
 class ContinualBackprop(StepRemedy):
-    """Continual backprop (Dohare et al., Nature 2024): after every optimizer step, replace
-    the component's lowest-utility mature units (build with :func:`continual_backprop`)."""
+    """Continual backprop (Dohare et al., Nature 2024; :func:`continual_backprop`)."""
 
     docs = "docs/remedies.md"
     name = "continual_backprop"
@@ -122,16 +112,10 @@ class ContinualBackprop(StepRemedy):
                     f"continual_backprop on {target.component!r}: {layer.producer_name!r} is a "
                     f"recurrent layer; CBP replaces units of nn.Linear and nn.Conv1d/2d/3d layers"
                 )
-            w = layer.producer.weight
-            zeros = torch.zeros(layer.units, device=w.device, dtype=torch.float32)
-            state.layers.append(
-                CBPLayer(
-                    layer,
-                    util=zeros.clone(),
-                    ages=torch.zeros(layer.units, device=w.device, dtype=torch.long),
-                    h_sum=zeros.clone(),
-                )
-            )
+            device = layer.producer.weight.device
+            util = torch.zeros(layer.units, device=device, dtype=torch.float32)
+            ages = torch.zeros(layer.units, device=device, dtype=torch.long)
+            state.layers.append(CBPLayer(layer, util, ages, h_sum=util.clone()))
         return state
 
     def start(self, target: RemedyTarget, prepared: CBPState, generator: torch.Generator) -> None:
@@ -195,15 +179,11 @@ class ContinualBackprop(StepRemedy):
             entry.replaced_epoch += n
 
     def epoch_report(self, target: RemedyTarget, prepared: CBPState) -> dict[str, float]:
-        out: dict[str, float] = {}
-        total = 0
+        out = {f"{e.layer.name}/units_reset": float(e.replaced_epoch) for e in prepared.layers}
+        out["units_reset"] = float(sum(e.replaced_epoch for e in prepared.layers))
+        out.pop(f"{target.component}/units_reset", None)  # the component total says it
         for entry in prepared.layers:
-            out[f"{entry.layer.name}/units_reset"] = float(entry.replaced_epoch)
-            total += entry.replaced_epoch
             entry.replaced_epoch = 0
-        out["units_reset"] = float(total)
-        if out.get(f"{target.component}/units_reset") is not None:
-            out.pop(f"{target.component}/units_reset")  # the component total says it
         return out
 
     def state_dict(self, prepared: CBPState) -> dict[str, Any]:

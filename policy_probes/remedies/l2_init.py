@@ -37,8 +37,7 @@ class L2State(StepState):
 
 @register
 class L2Init(StepRemedy):
-    """L2 Init (Kumar et al., 2023): before every optimizer step, pull the chosen layers'
-    parameters towards their initial values (build with :func:`l2_init`)."""
+    """L2 Init (Kumar et al., 2023; :func:`l2_init`)."""
 
     docs = "docs/remedies.md"
     name = "l2_init"
@@ -70,20 +69,14 @@ class L2Init(StepRemedy):
                     p.grad.add_(p.detach() - anchor, alpha=self.coef)
 
     def epoch_report(self, target: RemedyTarget, prepared: L2State) -> dict[str, float]:
+        pairs = zip(prepared.params, prepared.anchors, strict=True)
         with torch.no_grad():
-            total = sum(
-                (p.detach() - a).double().square().sum()
-                for (_, p), a in zip(prepared.params, prepared.anchors, strict=True)
-            )
+            total = sum((p.detach() - a).double().square().sum() for (_, p), a in pairs)
         return {"distance": float(torch.as_tensor(total).sqrt())}  # once per epoch
 
     def state_dict(self, prepared: L2State) -> dict[str, Any]:
-        return {
-            **super().state_dict(prepared),
-            "anchors": {
-                n: a.clone() for (n, _), a in zip(prepared.params, prepared.anchors, strict=True)
-            },
-        }
+        pairs = zip(prepared.params, prepared.anchors, strict=True)
+        return {**super().state_dict(prepared), "anchors": {n: a.clone() for (n, _), a in pairs}}
 
     def load_state_dict(self, prepared: L2State, state: Any) -> None:
         super().load_state_dict(prepared, state)
@@ -94,10 +87,7 @@ class L2Init(StepRemedy):
 
 
 def l2_init(
-    coef: float = 1e-3,
-    layers: Sequence[str] | str | None = None,
-    *,
-    seed: int | None = None,
+    coef: float = 1e-3, layers: Sequence[str] | str | None = None, *, seed: int | None = None
 ) -> L2Init:
     """``grad += coef * (theta - theta_0)`` at every optimizer step on the component it is
     attached to (:mod:`policy_probes.remedies.l2_init`); ``layers``: names inside the

@@ -11,14 +11,11 @@ remedy's generator) and ``theta'_0`` a frozen copy of it: the new terms cancel, 
 outputs are bit-identical at the injection, and from then on only ``theta'`` trains (if
 injecting at epoch k helps, the network had been losing plasticity by k).
 
-A forward hook on the component adds the two terms (probes on its inner layers see
-``h_theta`` only); ``theta'`` is trained by an optimizer of the loop's optimizer's class,
-its hyperparameters copied from the loop's first parameter group at every step (so
-schedules apply), stepped right after it. ``theta'``, ``theta'_0`` and that optimizer live
-in the remedy's state (checkpoints carry it), not in the policy's ``state_dict``.
-Limitations: the loop's gradient clipping does not include ``theta'``; single-process
-runs only; for a single ``nn.Linear`` (linear in its parameters) injection only restarts
-the optimizer state, so inject into a component with a nonlinearity.
+A forward hook on the component adds the two terms; ``theta'`` is trained by an optimizer
+of the loop's optimizer's class, stepped right after it with the loop's current
+hyperparameters; the copies and that optimizer live in the remedy's state (checkpoints
+carry it). Limitations (docs/remedies.md): no gradient clipping of ``theta'``, one
+process only, and a single ``nn.Linear`` only restarts its optimizer state.
 """
 
 from __future__ import annotations
@@ -76,8 +73,7 @@ def _optimizer_settings(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
 
 @register
 class PlasticityInjection(Remedy):
-    """Plasticity injection (Nikishin et al., NeurIPS 2023): freeze the component once and
-    add a fresh trainable copy minus a frozen one (:func:`plasticity_injection`)."""
+    """Plasticity injection (Nikishin et al., NeurIPS 2023; :func:`plasticity_injection`)."""
 
     docs = "docs/remedies.md"
     name = "plasticity_injection"
