@@ -1,11 +1,6 @@
-"""HookManager: dispatches lifecycle hooks at the loop's hook points.
-
-Nothing is prepared unless an active hook declares it needs it; observers run under
-``torch.no_grad``, interventions inside a guardian checkpoint restored after each, every
-global RNG is restored after each hook, and while a hook that runs the model is due the
-component context is in the ``"hook"`` phase. A hook that raises is logged (traceback the
-first time), reported as ``hook_name/error = 1.0``, and training goes on. See
-``docs/lifecycle.md``.
+"""HookManager: dispatches lifecycle hooks at the loop's hook points (the protocol:
+``docs/lifecycle.md``). A hook that raises is logged (traceback the first time), reported
+as ``hook_name/error = 1.0``, and training goes on.
 """
 
 from __future__ import annotations
@@ -53,10 +48,9 @@ class StepRecord:
 
 @dataclass(frozen=True)
 class StepFlush:
-    """What :meth:`HookManager.flush` returns: per-key means over the epoch's step
-    firings (``summary``), the same means per step point (``by_point``, for sinks that
-    record each point separately) and every firing's own values (``records``), on the
-    host."""
+    """What :meth:`HookManager.flush` returns, on the host: per-key means over the epoch's
+    step firings (``summary``), the same per step point (``by_point``) and every firing's
+    own values (``records``)."""
 
     summary: dict[str, Any] = field(default_factory=dict)
     records: list[StepRecord] = field(default_factory=list)
@@ -93,9 +87,7 @@ class HookManager:
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"hooks selected twice: {dupes}")
-        self.loop = loop
-        self.offload_state = offload_state
-        self.strict = strict
+        self.loop, self.offload_state, self.strict = loop, offload_state, strict
         self._bound: dict[str, Any] = {}
         self.bind(model=model, optimizer=optimizer, scheduler=scheduler, config=config)
         self.bind(component_context=component_context)
@@ -110,17 +102,15 @@ class HookManager:
         self.errors: dict[str, int] = {}
         self.error_messages: dict[str, str] = {}
         self._records: list[StepRecord] = []
-        self._grad_sum: dict[str, torch.Tensor] | None
-        self._reset_grads(None)
+        self._reset_grads(None)  # _grad_sum, _grad_steps, _grad_epoch
         self._prev_grads: dict[str, torch.Tensor] | None = None
-        self._warned: set[str] = set()
+        self._warned_pre_epoch = False
         if offload_state:
             for h in self.hooks:
                 h.move_state("cpu")
 
     def bind(self, **objects: Any) -> HookManager:
-        """Bind model, optimizer, scheduler, config or component_context (``None`` keeps
-        what was bound)."""
+        """Bind model, optimizer, scheduler, config or component_context (``None``: kept)."""
         allowed = {"model", "optimizer", "scheduler", "config", "component_context"}
         unknown = set(objects) - allowed
         if unknown:
@@ -166,22 +156,19 @@ class HookManager:
                 f"accepts: {sorted(_CONTEXT_FIELDS - _MANAGED_FIELDS)}"
             )
         ctx_fields = {**self._bound, **fields}
-        model: nn.Module | None = ctx_fields.get("model")
         cache: list[ModelDataContext] = []
-
         if point is HookPoint.PRE_EPOCH and self.needs_grads:
             self._reset_grads(epoch)
         if point is HookPoint.PRE_EPOCH and self.needs_pre_epoch_state:
             mctx = self._model_ctx(model_ctx, cache)
             if mctx is not None:
                 mctx.capture_pre_epoch()
-            elif "pre_epoch" not in self._warned:
-                self._warned.add("pre_epoch")
+            elif not self._warned_pre_epoch:
+                self._warned_pre_epoch = True
                 log.warning("a hook needs the pre-epoch state but fire(PRE_EPOCH) got no model_ctx")
-
         current_grads = None
         if point is HookPoint.PRE_STEP and (self.needs_grads or self.needs_prev_step_grads):
-            current_grads = self._live_grads(model)
+            current_grads = self._live_grads(ctx_fields.get("model"))
         due = [h for h, win in self._by_point.get(point, ()) if h.is_due(point, epoch, step, win)]
         metrics: dict[str, Any] = {}
         if due:
@@ -304,8 +291,8 @@ class HookManager:
             log.warning("hook %r has raised %d times (last: %s)", hook.name, count, message)
 
     def flush(self) -> StepFlush:
-        """Move the buffered step-point metrics to the host (one transfer per device) and
-        return them with their per-epoch means; call once per epoch."""
+        """The buffered step-point metrics on the host (one transfer per device) with their
+        per-epoch means; call once per epoch."""
         records, self._records = self._records, []
         if not records:
             return StepFlush()
@@ -334,9 +321,8 @@ class HookManager:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Inverse of :meth:`state_dict`. Tensors move to the model's device (hook state
-        stays on the CPU with ``offload_state``); a saved hook this selection lacks is
-        ignored, a selected hook the state lacks keeps its fresh state."""
+        """Inverse of :meth:`state_dict`: tensors move to the model's device (hook state to
+        the CPU with ``offload_state``); hooks missing on either side are left alone."""
         device = device_of(self._bound.get("model"))
         hook_device = torch.device("cpu") if self.offload_state else device
         saved_hooks = state.get("hooks") or {}
@@ -385,7 +371,8 @@ class HookManager:
         return MappingProxyType({n: g / self._grad_steps for n, g in self._grad_sum.items()})
 
     def _reset_grads(self, epoch: int | None) -> None:
-        self._grad_sum, self._grad_steps, self._grad_epoch = None, 0, epoch
+        self._grad_sum: dict[str, torch.Tensor] | None = None
+        self._grad_steps, self._grad_epoch = 0, epoch
 
     @torch.no_grad()
     def _after_step(self, epoch: int, grads: dict[str, torch.Tensor]) -> None:

@@ -1,11 +1,6 @@
-"""ModelDataContext: what an intervention may do to the model and the current data.
-
-Interventions reach the optimizer and the data only through this interface.
-:class:`LoopModelDataContext` implements it for any loop of a model, an optimizer (+
-scheduler), a ``loss_fn(model, batch)`` and the current data as minibatches (the PPO
-trainer and ProbeSession build on it). Its action-distribution protocol (for
-``policy_fisher``) uses ``sample_fn`` / ``log_prob_fn`` when given, else the model's
-``get_distribution(obs)`` (docs/lifecycle.md).
+"""ModelDataContext: what an intervention may do to the model and the current data (it
+reaches the optimizer and the data only through it); :class:`LoopModelDataContext`
+implements it for any minibatch loop (the PPO trainer and ProbeSession build on it).
 """
 
 from __future__ import annotations
@@ -54,8 +49,7 @@ class ModelDataContext(ABC):
 
     @abstractmethod
     def save_checkpoint(self, full: bool = True) -> int:
-        """Copy the training state (``full``: model, optimizer, scheduler, gradients and
-        every RNG; else model and gradients) and return a token."""
+        """Copy model and gradients (``full``: also optimizer, scheduler, every RNG); a token."""
 
     @abstractmethod
     def restore_checkpoint(self, token: int) -> None:
@@ -67,8 +61,7 @@ class ModelDataContext(ABC):
 
     @abstractmethod
     def capture_pre_epoch(self) -> None:
-        """Remember model, optimizer and scheduler state at PRE_EPOCH (called when an
-        active hook ``needs_pre_epoch_state``)."""
+        """Remember model, optimizer and scheduler at PRE_EPOCH (``needs_pre_epoch_state``)."""
 
     @abstractmethod
     def restore_pre_epoch(self) -> None:
@@ -80,8 +73,7 @@ class ModelDataContext(ABC):
 
     @abstractmethod
     def random_order(self, generator: torch.Generator | None = None) -> Any:
-        """A random ``order`` for :meth:`minibatches` from ``generator`` (default: the
-        global torch RNG, restored after every hook)."""
+        """A random ``order`` for :meth:`minibatches` (default: from the global torch RNG)."""
 
     def get_shuffled_loader(self) -> list[Any]:
         """The current data in a random minibatch order."""
@@ -93,13 +85,11 @@ class ModelDataContext(ABC):
 
     @abstractmethod
     def compute_loss(self, batch: Any = None) -> torch.Tensor:
-        """The training loss (with graph) on ``batch``; ``None``: on all the current data
-        (minibatch losses weighted by size)."""
+        """The training loss (with graph) on ``batch``; ``None``: size-weighted on all data."""
 
     @abstractmethod
     def compute_batch_gradients(self, batch: Any = None) -> Grads:
-        """Gradients of the loss on one minibatch (``None``: the first); ``param.grad`` is
-        left as it was."""
+        """Gradients of the loss on one minibatch (``None``: the first); ``param.grad`` kept."""
 
     @abstractmethod
     def compute_gradients(self) -> Grads:
@@ -107,9 +97,8 @@ class ModelDataContext(ABC):
 
     @abstractmethod
     def run_training_epoch(self, order: Any = None, step: bool = True) -> Grads:
-        """One update epoch in ``order`` as the loop runs it (zero_grad, backward, clipping,
-        ``optimizer.step()`` when ``step``); returns the size-weighted mean of the
-        minibatch gradients before clipping."""
+        """One update epoch in ``order`` as the loop runs it (``optimizer.step()`` when
+        ``step``); the size-weighted mean of the minibatch gradients before clipping."""
 
     @abstractmethod
     def apply_perturbation(
@@ -196,7 +185,8 @@ class LoopModelDataContext(ModelDataContext):
     permutation of sample indices cut into consecutive minibatches, as PPO does).
     ``max_grad_norm``: global gradient-norm clipping before ``optimizer.step()``;
     ``obs_key``: where a minibatch holds the observations (key or attribute);
-    ``sample_fn``, ``log_prob_fn``: the action-distribution protocol (module docstring).
+    ``sample_fn(model, obs)``, ``log_prob_fn(model, obs, actions)``: the action
+    distribution (for ``policy_fisher``; default: the model's ``get_distribution(obs)``).
     """
 
     def __init__(
@@ -315,8 +305,8 @@ class LoopModelDataContext(ModelDataContext):
             yield self._minibatches[int(i)]
 
     def rows(self, idx: torch.Tensor) -> Any:
-        """Samples ``idx`` (indices into the epoch's data, as :meth:`random_order` orders
-        them) as one batch; minibatches are joined first (tensors, mappings or tuples)."""
+        """Samples ``idx`` of the epoch's data (as :meth:`random_order` numbers them) as one
+        batch; minibatches are joined first."""
         self._require_data()
         data = self._data if self._data is not None else _join(list(self._minibatches))
         return _index(data, idx.to(device_of(data)))
@@ -361,8 +351,7 @@ class LoopModelDataContext(ModelDataContext):
         return acc
 
     def train_minibatch(self, batch: Any, step: bool = True) -> list[torch.Tensor | None]:
-        """One gradient step exactly as the loop takes it (zero_grad, backward, clipping,
-        ``optimizer.step()``); returns the gradients before clipping, in
+        """One gradient step exactly as the loop takes it; the gradients before clipping in
         :meth:`named_parameters` order. Override for micro-batching or other details."""
         params = list(self.named_parameters().values())
         self.optimizer.zero_grad()
@@ -430,8 +419,8 @@ class LoopModelDataContext(ModelDataContext):
 
 
 def device_of(obj: Any) -> torch.device:
-    """Where ``obj`` lives: a module's first parameter, a tensor, or the first tensor
-    among a mapping's values or a sequence's items; the CPU when there is none."""
+    """The device of a tensor, a module's first parameter or a mapping's or sequence's first
+    tensor; the CPU when there is none."""
     if isinstance(obj, torch.Tensor):
         return obj.device
     if isinstance(obj, nn.Module):

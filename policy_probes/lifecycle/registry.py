@@ -1,10 +1,8 @@
 """HookRegistry and hook selection: names, groups and per-hook configuration.
 
-Groups: ``none``, ``minimal`` (training_metrics, norms), ``observers`` (every observer),
-``interventions`` (every intervention except debug ones), ``full`` (observers +
-interventions). Keywords: ``all`` (= full) and ``with_debug`` (full plus the debug
-interventions). ``training_metrics`` joins any selection that is not empty. The probes'
-trackers are no hook: every ``epoch_end`` reports them.
+Groups: ``none``, ``minimal`` (training_metrics, norms), ``observers``, ``interventions``
+(without debug ones), ``full`` (both); keywords ``all`` (= full) and ``with_debug`` (full
+and the debug interventions). ``training_metrics`` joins any non-empty selection.
 """
 
 from __future__ import annotations
@@ -90,8 +88,7 @@ class HookRegistry:
 
     @classmethod
     def classes(cls) -> list[type[TrainingHook]]:
-        ranked = enumerate(cls._hooks.values())
-        return [c for _, c in sorted(ranked, key=lambda item: (item[1].order, item[0]))]
+        return sorted(cls._hooks.values(), key=lambda c: c.order)  # stable: ties keep registration
 
     @classmethod
     def expand(cls, group: str) -> list[str]:
@@ -121,11 +118,8 @@ class HookRegistry:
 def parse_hook_config(
     entries: Mapping[str, Any] | Iterable[str] | None,
 ) -> dict[str, dict[str, Any]]:
-    """Normalise hook configuration to ``{hook: {param: value}}``.
-
-    Accepts ``["hessian.iters=30", ...]`` (CLI), ``{"hessian.iters": 30}`` or
-    ``{"hessian": {"iters": 30}}`` (TrainTool).
-    """
+    """``["hessian.iters=30", ...]`` (CLI), ``{"hessian.iters": 30}`` or ``{"hessian":
+    {"iters": 30}}`` (TrainTool) as ``{hook: {param: value}}``."""
     out: dict[str, dict[str, Any]] = {}
     items: list[tuple[str, Any]] = []
     if isinstance(entries, Mapping):
@@ -172,12 +166,9 @@ def select_hooks(
     with_hooks: str | None = None,
     hook_config: Mapping[str, Any] | Iterable[str] | None = None,
 ) -> list[TrainingHook]:
-    """Instantiate the selected hooks with their configuration.
-
-    Raises :class:`HookSelectionError` naming the valid choices for an unknown hook,
-    group or parameter, for a bad parameter value, and for configuration of a hook that
-    is not selected.
-    """
+    """Instantiate the selected hooks with their configuration; a
+    :class:`HookSelectionError` names the valid choices for an unknown hook, group or
+    parameter, a bad value, or configuration of a hook that is not selected."""
     names = resolve_hook_names(hooks, with_hooks)
     config = parse_hook_config(hook_config)
     stray = [h for h in config if h not in names]

@@ -1,10 +1,7 @@
-"""TrainingSnapshot: a deep copy of everything an intervention could change.
-
-Model parameters and buffers, the modules' train/eval flags, optimizer state (moments,
-step counts, hyperparameters), scheduler state, ``param.grad`` tensors and every global
-RNG. Restoring writes the saved values back *in place* wherever the structure still
-matches, so references the loop holds (parameters, optimizer state tensors, parameter
-group dicts) stay valid.
+"""TrainingSnapshot: a deep copy of everything an intervention could change (parameters,
+buffers, train flags, optimizer and scheduler state, ``param.grad``, every RNG). Restoring
+writes back *in place* where the structure still matches, so references the loop holds
+(parameters, optimizer state tensors, parameter-group dicts) stay valid.
 """
 
 from __future__ import annotations

@@ -244,14 +244,11 @@ class RemedyRunner:
         ``pattern`` names; ``seed`` is used when the remedy has none."""
         check_remedy(remedy)
         base = remedy.seed if remedy.seed is not None else seed
-        return [
-            self.add(
-                remedy,
-                RemedyTarget(name, policy.get_component(name), policy, context, optimizer),
-                base,
-            )
+        targets = (
+            RemedyTarget(name, policy.get_component(name), policy, context, optimizer)
             for name in policy.resolve(pattern)
-        ]
+        )
+        return [self.add(remedy, target, base) for target in targets]
 
     def __bool__(self) -> bool:
         return bool(self.bound)

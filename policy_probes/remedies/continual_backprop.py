@@ -2,18 +2,14 @@
 "Loss of plasticity in deep continual learning", Nature; reference code
 shibhansh/loss-of-plasticity, ``lop/algos/gnt.py``).
 
-After every optimizer step, for every hidden unit ``i`` of the component's unit layers:
-``age_i += 1`` and ``u_i <- eta * u_i + (1 - eta) * mean|h_i| * sum_k |w_ik|`` (mean
-absolute activation over the step's training forwards, and positions for a convolution;
-outgoing weights after the step). Of the units with ``age > m`` (``maturity_threshold``),
-``replacement_rate * |E|`` is added to a count whose integer part ``n`` is replaced: the
-``n`` lowest bias-corrected utilities ``u_i / (1 - eta^age_i)`` (ties: lowest index) get
-fresh incoming weights (one seed per layer and step), zero outgoing weights and optimizer
-moments (``step`` kept), utility and age 0. Defaults: the paper's PPO settings
-(``lop/rl/cfg/ant/cbp.yml``; eta 0.99). Unlike the reference code the outgoing magnitude
-is a sum (the paper's formula), the count always accumulates and the next layer's bias is
-not corrected. No host sync per step: eligibility is counted on the host from the last
-``m`` steps' replacement counts.
+After every optimizer step each unit ``i`` of the component's unit layers ages by one and
+``u_i <- eta * u_i + (1 - eta) * mean|h_i| * sum_k |w_ik|`` (activations of the step's
+training forwards, outgoing weights after it). ``replacement_rate * |E|`` (``E``: units
+with ``age > maturity_threshold``) accumulates into a count whose integer part ``n`` is
+replaced: the ``n`` lowest ``u_i / (1 - eta^age_i)`` get fresh incoming weights, zero
+outgoing weights and moments, utility and age 0 (outputs unchanged). Defaults: the paper's
+PPO settings. How it differs from the reference code, and why it needs no host sync per
+step: ``docs/remedies.md``.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""Fresh initial values for a layer, drawn from a remedy's own generator.
-
-The layer's own ``reset_parameters()`` runs on a parameter-only CPU twin of it, with the
-CPU generator seeded with ``seed`` (one draw from the remedy's ``torch.Generator``) inside
-``torch.random.fork_rng``: the process-wide RNG is left as it was, and the values depend
-on the remedy's generator only (the same on every device, also after a resume).
+"""Fresh initial values for a layer from a remedy's own generator: the layer's
+``reset_parameters()`` on a parameter-only CPU twin, with the CPU generator seeded with
+one draw from the remedy's ``torch.Generator`` inside ``torch.random.fork_rng`` (the
+process-wide RNG is left alone; the values are the same on every device and on resume).
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
 """L2 towards the initial parameters ("L2 Init"; Kumar, Marklund, Van Roy 2023,
 "Maintaining Plasticity in Continual Learning via Regenerative Regularization"; in PPO:
 Juliani & Ash 2024, "A Study of Plasticity Loss in On-Policy Deep Reinforcement
-Learning"; Dohare et al. 2024 pair L2 with CBP).
+Learning").
 
-Before every optimizer step (after the loop's clipping), every parameter of the chosen
-layers that has a gradient gets
-
-    grad <- grad + coef * (theta - theta_0)
-
-the gradient of ``coef / 2 * ||theta - theta_0||^2``, without changing the loss the loop
-computes and logs. ``theta_0``: the parameters when the remedy is attached (``TrainTool``
-attaches to the freshly built seeded policy before a resume or fork loads a checkpoint,
-so it is the run's initialisation there too).
+Before every optimizer step (after the loop's clipping) each parameter of the chosen
+layers with a gradient gets ``grad <- grad + coef * (theta - theta_0)``, the gradient of
+``coef / 2 * ||theta - theta_0||^2``; the loss the loop logs is unchanged. ``theta_0``:
+the parameters when the remedy is attached (the run's initialisation, also on resume).
 """
 
 from __future__ import annotations

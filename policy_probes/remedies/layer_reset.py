@@ -1,9 +1,6 @@
-"""Layer resets (Nikishin et al. 2022, "The Primacy Bias in Deep Reinforcement Learning").
-
-At a firing the chosen parametrised layers (``layers=[...]``, names inside the component,
-or the ``last=n``) get fresh values from their own ``reset_parameters()``
-(:mod:`~policy_probes.remedies.fresh_init`) and a fresh optimiser state (moments and
-``step`` zeroed).
+"""Layer resets (Nikishin et al. 2022, "The Primacy Bias in Deep Reinforcement Learning"):
+at a firing the chosen layers (``layers=[...]`` or the ``last=n``) get fresh values from
+their ``reset_parameters()`` and a fresh optimiser state (moments and ``step`` zeroed).
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """Optimiser state of the weights a remedy changes: the supported optimisers and how their
-per-parameter entries are reset.
-
-A remedy changing some entries of a tensor zeroes exactly those entries of its moment
-buffers (Adam's ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``; SGD's ``momentum_buffer``)
-and keeps ``step`` (it counts the tensor's updates; ReDo's reference code resets the
-moments only). Re-initialising a whole tensor also sets ``step`` to 0, so it restarts
-Adam's bias correction as a fresh one would.
+per-parameter entries are reset. Changing some entries of a tensor zeroes exactly those
+moment entries and keeps ``step`` (as ReDo's reference code does); re-initialising a
+whole tensor also sets ``step`` to 0, restarting Adam's bias correction.
 """
 
 from __future__ import annotations

@@ -1,27 +1,18 @@
 """Plasticity injection (Nikishin, Oh, Ostrovski, Lyle, Pascanu, Dabney, Barreto 2023,
 "Deep Reinforcement Learning with Plasticity Injection", NeurIPS).
 
-At its firing (the first epoch its trigger is due; it injects once) the component
-``h_theta`` is frozen and its output becomes
-
-    h_theta(x) + h_theta'(x) - h_theta'_0(x)
-
-with ``theta'`` a fresh initialisation of the component (one seed per layer from the
-remedy's generator) and ``theta'_0`` a frozen copy of it: the new terms cancel, so the
-outputs are bit-identical at the injection, and from then on only ``theta'`` trains (if
-injecting at epoch k helps, the network had been losing plasticity by k).
-
-A forward hook on the component adds the two terms; ``theta'`` is trained by an optimizer
-of the loop's optimizer's class, stepped right after it with the loop's current
-hyperparameters; the copies and that optimizer live in the remedy's state (checkpoints
-carry it). Limitations (docs/remedies.md): no gradient clipping of ``theta'``, one
-process only, and a single ``nn.Linear`` only restarts its optimizer state.
+At its firing (once: the first epoch its trigger is due) the component ``h_theta`` is
+frozen and its output becomes ``h_theta(x) + h_theta'(x) - h_theta'_0(x)``, with
+``theta'`` a fresh initialisation (one seed per layer) and ``theta'_0`` a frozen copy of
+it: the outputs are bit-identical at the injection, and only ``theta'`` trains, with an
+optimizer of the loop's class stepped right after the loop's. The copies and that
+optimizer live in the remedy's state (checkpoints carry it). Limitations (no clipping of
+``theta'``, one process, a single ``nn.Linear``): ``docs/remedies.md``.
 """
 
 from __future__ import annotations
 
 import copy
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +26,7 @@ from policy_probes.remedies.base import Remedy, RemedyOptions, RemedyTarget
 from policy_probes.remedies.fresh_init import check_resettable, refresh_layers
 from policy_probes.remedies.structure import parametrised_leaves
 from policy_probes.remedies.trigger import Threshold
-from policy_probes.torch_internals import HOOK_DICTS
+from policy_probes.torch_internals import hooks_set_aside
 
 
 @dataclass
@@ -53,14 +44,8 @@ class Injection:
 def hook_free_copy(module: nn.Module) -> nn.Module:
     """A deep copy of ``module`` without its modules' torch hooks (set aside while copying)
     and without gradients."""
-    saved = [(m, name, getattr(m, name)) for m in module.modules() for name in HOOK_DICTS]
-    try:
-        for m, name, _ in saved:
-            setattr(m, name, OrderedDict())
+    with hooks_set_aside(module):
         twin = copy.deepcopy(module)
-    finally:
-        for m, name, hooks in saved:
-            setattr(m, name, hooks)
     for p in twin.parameters():
         p.grad = None
     return twin

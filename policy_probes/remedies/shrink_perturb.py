@@ -1,12 +1,8 @@
 """Shrink-and-perturb (Ash & Adams 2020, "On Warm-Starting Neural Network Training").
 
-At a firing every parameter of every parametrised layer of the component becomes
-
-    theta <- shrink * theta + noise * theta_init
-
-with ``theta_init`` a fresh initialisation of the layer
-(:mod:`~policy_probes.remedies.fresh_init`). The optimiser state is kept (the weights
-move continuously; the paper does not touch it either).
+At a firing each parameter of the component's parametrised layers becomes
+``theta <- shrink * theta + noise * theta_init`` (``theta_init``: a fresh initialisation
+of the layer, :mod:`~policy_probes.remedies.fresh_init`); the optimiser state is kept.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
-"""Soft shrink-and-perturb: a small shrink-and-perturb after every optimizer step
-(Ash & Adams 2020 for the operation; Juliani & Ash 2024, "A Study of Plasticity Loss in
-On-Policy Deep Reinforcement Learning", for applying it softly, every step, in PPO).
-
-After every optimizer step, every parameter of the chosen layers of the component becomes
-
-    theta <- shrink * theta + noise * theta_init
-
-as :mod:`~policy_probes.remedies.shrink_perturb` does at a firing (one seed per layer per
-step); ``shrink`` close to 1 and ``noise`` small keep each change small. The optimizer
-state is kept.
+"""Soft shrink-and-perturb (Ash & Adams 2020 for the operation; Juliani & Ash 2024, "A
+Study of Plasticity Loss in On-Policy Deep Reinforcement Learning", for applying it every
+step in PPO): after every optimizer step each parameter of the chosen layers becomes
+``theta <- shrink * theta + noise * theta_init`` (one fresh initialisation per layer and
+step, :mod:`~policy_probes.remedies.fresh_init`); the optimizer state is kept.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
-"""Where a component's units are: the layers that produce them and those that read them.
-
-The component's leaves are taken in registration order (the order a ``Sequential``, an
-:class:`~policy_probes.layers.MLP` or a :class:`~policy_probes.layers.ConvLayer` stack runs
-them). A *unit layer* is an ``nn.Linear``/``nn.Conv1d/2d/3d`` followed by an activation
-before the next parametrised layer, or an ``nn.LSTM``/``nn.GRU`` giving the component's
-output; its *consumers* read its units next: the next parametrised layer, or for the last
-one the components named by ``consumer=`` (else the policy's ``component_consumers``).
-Only elementwise modules, pooling and ``nn.Flatten`` may run in between, so a unit's
-outgoing weights are the consumer's input columns of it: column (or in-channel) ``u``, or
-after a channel-major flatten of ``(B, C, H, W)`` columns ``u*H*W ... (u+1)*H*W - 1``.
+"""Where a component's units are: the layers that produce them (*unit layers*: a Linear or
+convolution followed by an activation, or a recurrent layer giving the output) and their
+*consumers* (the next parametrised layer, or the components named as the last one's
+consumers), found from the component's leaves in registration order. Only elementwise
+modules, pooling and ``nn.Flatten`` may run in between, so a unit's outgoing weights are
+its consumer's input columns (after a channel-major flatten of ``(B, C, H, W)``, columns
+``u*H*W ... (u+1)*H*W - 1``); ``docs/remedies.md`` has the details.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
-"""When a remedy fires: on a schedule, when a probe metric crosses a threshold, or both.
-
-Checked at the end of every epoch (counted from 1: the built-in trainer's record numbers;
-a ``ProbeSession``'s record ``n - 1`` is epoch ``n``), after its metrics are computed:
-``every_epochs=k`` is due at epochs k, 2k, ...; ``when="probes/relu/critic_mlp/
-dormant_fraction>0.3"`` when the epoch's metric compares true (``>``, ``>=``, ``<``,
-``<=``; not in an epoch without it); both: at the scheduled epochs where it holds.
-``start_epoch``: never before it; ``cooldown=c``: at least ``c`` epochs between firings.
+"""When a remedy fires (checked at the end of every epoch, counted from 1, after its
+metrics): ``every_epochs=k`` at epochs k, 2k, ...; ``when="<metric key><op><number>"``
+when the epoch's metric compares true (not in an epoch without it); both: at the
+scheduled epochs where it holds; never before ``start_epoch``, and at least ``cooldown``
+epochs between firings (``docs/remedies.md``).
 """
 
 from __future__ import annotations
