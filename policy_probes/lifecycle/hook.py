@@ -182,8 +182,7 @@ class InterventionHook(TrainingHook):
 
 
 class DebugInterventionHook(InterventionHook):
-    """An intervention for testing the machinery; only the ``with_debug`` keyword (or its
-    name) selects it."""
+    """An intervention that tests the machinery; only ``with_debug`` or its name selects it."""
 
     debug: ClassVar[bool] = True
     cost: ClassVar[str] = "cheap"

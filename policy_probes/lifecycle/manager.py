@@ -291,8 +291,7 @@ class HookManager:
             log.warning("hook %r has raised %d times (last: %s)", hook.name, count, message)
 
     def flush(self) -> StepFlush:
-        """The buffered step-point metrics on the host (one transfer per device) with their
-        per-epoch means; call once per epoch."""
+        """The buffered step-point metrics on the host, with their means; call once per epoch."""
         records, self._records = self._records, []
         if not records:
             return StepFlush()
@@ -321,8 +320,7 @@ class HookManager:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Inverse of :meth:`state_dict`: tensors move to the model's device (hook state to
-        the CPU with ``offload_state``); hooks missing on either side are left alone."""
+        """Inverse of :meth:`state_dict` (tensors to the model's device; unmatched hooks kept)."""
         device = device_of(self._bound.get("model"))
         hook_device = torch.device("cpu") if self.offload_state else device
         saved_hooks = state.get("hooks") or {}

@@ -25,8 +25,7 @@ LossFn = Callable[[nn.Module, Any], Any]
 
 
 class ModelDataContext(ABC):
-    """The operations an :class:`~policy_probes.lifecycle.hook.InterventionHook` may use;
-    what it changes is undone by the manager's guardian checkpoint."""
+    """What an intervention may do; the manager's guardian checkpoint undoes it afterwards."""
 
     @property
     @abstractmethod
@@ -97,8 +96,7 @@ class ModelDataContext(ABC):
 
     @abstractmethod
     def run_training_epoch(self, order: Any = None, step: bool = True) -> Grads:
-        """One update epoch in ``order`` as the loop runs it (``optimizer.step()`` when
-        ``step``); the size-weighted mean of the minibatch gradients before clipping."""
+        """One update epoch in ``order`` as the loop runs it; the mean pre-clip gradients."""
 
     @abstractmethod
     def apply_perturbation(
@@ -305,8 +303,7 @@ class LoopModelDataContext(ModelDataContext):
             yield self._minibatches[int(i)]
 
     def rows(self, idx: torch.Tensor) -> Any:
-        """Samples ``idx`` of the epoch's data (as :meth:`random_order` numbers them) as one
-        batch; minibatches are joined first."""
+        """Samples ``idx`` (numbered as :meth:`random_order` numbers them) as one batch."""
         self._require_data()
         data = self._data if self._data is not None else _join(list(self._minibatches))
         return _index(data, idx.to(device_of(data)))
@@ -419,8 +416,7 @@ class LoopModelDataContext(ModelDataContext):
 
 
 def device_of(obj: Any) -> torch.device:
-    """The device of a tensor, a module's first parameter or a mapping's or sequence's first
-    tensor; the CPU when there is none."""
+    """The device of a tensor, module, mapping or sequence (its first tensor), else the CPU."""
     if isinstance(obj, torch.Tensor):
         return obj.device
     if isinstance(obj, nn.Module):

@@ -101,6 +101,5 @@ def resolve_points(
 
 
 def snapshot_due(epoch: int, snapshot_every: int) -> bool:
-    """True on the epochs (counted from 0) where the loop fires SNAPSHOT: every
-    ``snapshot_every``-th; ``snapshot_every <= 0`` disables it."""
+    """Whether SNAPSHOT fires at ``epoch`` (from 0): every ``snapshot_every``-th, if > 0."""
     return snapshot_every > 0 and (epoch + 1) % snapshot_every == 0

@@ -118,8 +118,7 @@ class HookRegistry:
 def parse_hook_config(
     entries: Mapping[str, Any] | Iterable[str] | None,
 ) -> dict[str, dict[str, Any]]:
-    """``["hessian.iters=30", ...]`` (CLI), ``{"hessian.iters": 30}`` or ``{"hessian":
-    {"iters": 30}}`` (TrainTool) as ``{hook: {param: value}}``."""
+    """CLI entries (``hessian.iters=30``) or a mapping as ``{hook: {param: value}}``."""
     out: dict[str, dict[str, Any]] = {}
     items: list[tuple[str, Any]] = []
     if isinstance(entries, Mapping):
@@ -145,8 +144,7 @@ def parse_hook_config(
 
 
 def resolve_hook_names(hooks: Iterable[str] = (), with_hooks: str | None = None) -> list[str]:
-    """Hook names from explicit names (or group names) plus a group keyword, in
-    registration order, with the auto-included hooks added when any is selected."""
+    """The selected names in registration order, auto-included hooks added to any selection."""
     wanted: set[str] = set()
     for name in (n.strip() for item in hooks for n in str(item).split(",")):
         if name in GROUPS or name in KEYWORDS:

@@ -49,8 +49,7 @@ class StepSchedule:
 
     @classmethod
     def parse(cls, spec: str | StepSchedule) -> StepSchedule:
-        """Parse ``"continual"``, ``"stride:4"``, ``"burst:2/10"``, each optionally followed
-        by ``",warmup:N"`` (the form used by ``--hook-config name.schedule=...``)."""
+        """``continual``, ``stride:4`` or ``burst:2/10``, each optionally with ``,warmup:N``."""
         if isinstance(spec, StepSchedule):
             return spec
         usage = (

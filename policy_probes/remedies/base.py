@@ -73,8 +73,7 @@ class Remedy:
         self.seed = None if seed is None else int(seed)
 
     def reads_components(self, component: str) -> list[str]:
-        """The components whose probe metrics it reads on ``component`` (the one a
-        ``when=`` threshold on a ``probes/`` key names); the sampler pins them."""
+        """The components a ``when=`` on a ``probes/`` key reads (the sampler pins them)."""
         when = getattr(self.trigger, "when", None)  # per-step remedies have no trigger
         if when is None or not when.key.startswith("probes/"):
             return []
@@ -99,8 +98,7 @@ class Remedy:
         """Called once bound (its generator seeded); per-step remedies hook the optimizer."""
 
     def epoch_metrics(self, target: RemedyTarget, prepared: Any) -> dict[str, float]:
-        """What a per-step remedy did in the epoch (keys under ``remedies/<name>/``; one
-        without ``/`` under the component)."""
+        """What a per-step remedy did in the epoch (a key without ``/``: under the component)."""
         return {}
 
     def state_dict(self, prepared: Any) -> dict[str, Any]:
@@ -123,8 +121,7 @@ class Remedy:
 
 
 def checked(name: str, value: Any, ok: Callable[[float], bool], rule: str) -> float:
-    """``float(value)`` when ``ok`` holds for it, else ``ValueError("<name> must be <rule>,
-    got <value>")`` (a bool is no number here)."""
+    """``float(value)`` if ``ok`` holds (never for a bool), else a ValueError: name must be rule."""
     if isinstance(value, bool) or not ok(float(value)):
         raise ValueError(f"{name} must be {rule}, got {value!r}")
     return float(value)
@@ -240,8 +237,7 @@ class RemedyRunner:
         optimizer: torch.optim.Optimizer,
         seed: int,
     ) -> list[BoundRemedy]:
-        """Bind ``remedy`` to every component of ``policy`` (a PolicyAutoBuilder) that
-        ``pattern`` names; ``seed`` is used when the remedy has none."""
+        """Bind ``remedy`` to every component ``pattern`` names (``seed``: when it has none)."""
         check_remedy(remedy)
         base = remedy.seed if remedy.seed is not None else seed
         targets = (

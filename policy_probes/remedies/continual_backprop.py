@@ -216,8 +216,7 @@ def continual_backprop(
     consumer: str | Sequence[str] | None = None,
     seed: int | None = None,
 ) -> ContinualBackprop:
-    """Continual backprop on the component it is attached to, after every optimizer step
-    (:mod:`policy_probes.remedies.continual_backprop`); ``consumer`` as for :func:`redo`."""
+    """Continual backprop on the component it is attached to; ``consumer`` as for :func:`redo`."""
     return ContinualBackprop(
         replacement_rate=replacement_rate,
         maturity_threshold=maturity_threshold,

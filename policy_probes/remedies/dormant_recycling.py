@@ -103,8 +103,7 @@ class ReDo(Remedy):
 
 
 def recycle(layer: UnitLayer, units: torch.Tensor, seed: int, optimizer: Any) -> None:
-    """Re-initialise the incoming and zero the outgoing weights of ``units`` of ``layer``
-    (fresh values from ``seed``), and zero their optimiser moments."""
+    """Fresh incoming and zero outgoing weights and moments for ``units`` of ``layer``."""
     producer = layer.producer
     fresh = fresh_parameters(producer, seed)
     hidden = layer.units

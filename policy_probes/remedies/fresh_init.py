@@ -22,8 +22,7 @@ def draw_seed(generator: torch.Generator) -> int:
 
 
 def fresh_parameters(module: nn.Module, seed: int) -> dict[str, torch.Tensor]:
-    """``module``'s own parameters (not its children's) as its ``reset_parameters()``
-    initialises them with the CPU generator seeded with ``seed``, on the CPU."""
+    """``module``'s own parameters as ``reset_parameters()`` draws them from ``seed`` (CPU)."""
     reset = getattr(module, "reset_parameters", None)
     if not callable(reset):
         raise TypeError(
@@ -68,8 +67,7 @@ def refresh_layers(
 
 
 class LayerRefresh(Remedy):
-    """A remedy mixing fresh initial values into whole layers: a subclass chooses them
-    (:meth:`prepare`, ``[(name, layer)]``) and what each parameter becomes (:meth:`update`)."""
+    """A remedy mixing fresh values into the layers :meth:`prepare` chooses (:meth:`update`)."""
 
     def update(self, target: RemedyTarget, param: nn.Parameter, fresh: torch.Tensor) -> None:
         """Change ``param`` given its ``fresh`` initial values (under ``no_grad``)."""

@@ -84,7 +84,5 @@ class L2Init(StepRemedy):
 def l2_init(
     coef: float = 1e-3, layers: Sequence[str] | str | None = None, *, seed: int | None = None
 ) -> L2Init:
-    """``grad += coef * (theta - theta_0)`` at every optimizer step on the component it is
-    attached to (:mod:`policy_probes.remedies.l2_init`); ``layers``: names inside the
-    component (default: all its parametrised layers)."""
+    """L2 Init on the component it is attached to (module docstring)."""
     return L2Init(coef=coef, layers=layers, seed=seed)

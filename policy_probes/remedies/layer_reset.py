@@ -68,6 +68,5 @@ def reset_layers(
     when: str | Threshold | None = None,
     **options: Unpack[RemedyOptions],
 ) -> ResetLayers:
-    """Reset ``layers`` (names inside the component) or the ``last`` n parametrised layers
-    of the component it is attached to (:mod:`policy_probes.remedies.layer_reset`)."""
+    """Reset ``layers`` (names inside the component) or the ``last`` n (module docstring)."""
     return ResetLayers(layers=layers, last=last, every_epochs=every_epochs, when=when, **options)

@@ -37,8 +37,7 @@ def reset_entries(
     dim: int | None = None,
     index: torch.Tensor | None = None,
 ) -> None:
-    """Zero the moment entries of ``param`` at ``index`` along ``dim``; with ``dim=None``
-    the whole tensor's state: every moment and ``step``."""
+    """Zero ``param``'s moment entries at ``index`` along ``dim`` (``None``: all, and ``step``)."""
     state = optimizer.state.get(param)
     if not state:
         return  # never stepped: nothing to reset

@@ -42,8 +42,7 @@ class Injection:
 
 
 def hook_free_copy(module: nn.Module) -> nn.Module:
-    """A deep copy of ``module`` without its modules' torch hooks (set aside while copying)
-    and without gradients."""
+    """A deep copy of ``module`` without its modules' torch hooks and gradients."""
     with hooks_set_aside(module):
         twin = copy.deepcopy(module)
     for p in twin.parameters():
@@ -143,6 +142,5 @@ def plasticity_injection(
     when: str | Threshold | None = None,
     **options: Unpack[RemedyOptions],
 ) -> PlasticityInjection:
-    """Plasticity injection into the component it is attached to, once, at the first
-    epoch its trigger is due (:mod:`policy_probes.remedies.plasticity_injection`)."""
+    """Plasticity injection into the component it is attached to, once (module docstring)."""
     return PlasticityInjection(every_epochs=every_epochs, when=when, **options)

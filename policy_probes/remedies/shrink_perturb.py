@@ -49,8 +49,7 @@ def shrink_and_perturb(
     when: str | Threshold | None = None,
     **options: Unpack[RemedyOptions],
 ) -> ShrinkAndPerturb:
-    """Shrink-and-perturb on the component it is attached to (``theta <- shrink * theta +
-    noise * theta_init``; :mod:`policy_probes.remedies.shrink_perturb`)."""
+    """Shrink-and-perturb on the component it is attached to (module docstring)."""
     return ShrinkAndPerturb(
         shrink=shrink, noise=noise, every_epochs=every_epochs, when=when, **options
     )

@@ -65,6 +65,5 @@ def soft_shrink_perturb(
     *,
     seed: int | None = None,
 ) -> SoftShrinkPerturb:
-    """``theta <- shrink * theta + noise * theta_init`` after every optimizer step on the
-    component it is attached to (:mod:`policy_probes.remedies.soft_shrink_perturb`)."""
+    """Soft shrink-and-perturb on the component it is attached to (module docstring)."""
     return SoftShrinkPerturb(shrink=shrink, noise=noise, layers=layers, seed=seed)

@@ -15,8 +15,7 @@ from policy_probes.remedies.base import Remedy, RemedyTarget
 
 @dataclass
 class StepState:
-    """Per-component state of a step remedy: its hook handles and the optimizer steps it
-    acted on in the epoch under way."""
+    """A step remedy's hook handles and the optimizer steps it acted on this epoch."""
 
     handles: list[Any] = field(default_factory=list)
     steps: int = 0
@@ -28,8 +27,7 @@ class StepState:
 
 
 class StepRemedy(Remedy):
-    """Base of the per-step remedies: subclasses implement :meth:`prepare` (returning a
-    :class:`StepState`), :meth:`before_step` and/or :meth:`after_step`."""
+    """Base of per-step remedies: they implement :meth:`before_step` or :meth:`after_step`."""
 
     trigger = None
 

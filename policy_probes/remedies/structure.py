@@ -71,8 +71,7 @@ class UnitLayer:
 
 
 def leaves(component: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The component's leaf modules in registration order (the component itself when it
-    has no children)."""
+    """The component's leaf modules in registration order (else the component itself)."""
     out = [(n, m) for n, m in component.named_modules() if not any(True for _ in m.children())]
     return out or [("", component)]
 
@@ -151,8 +150,7 @@ def as_consumer(name: str, module: nn.Module, producer: nn.Module, where: str) -
 
 
 def first_consumer(name: str, module: nn.Module, producer: nn.Module, where: str) -> Consumer:
-    """The first parametrised leaf of ``module`` (a named consumer component), reached
-    through pass-through modules only."""
+    """The first parametrised leaf of ``module``, reached through pass-through modules only."""
     for sub, leaf in leaves(module):
         full = f"{name}.{sub}" if sub else name
         if has_parameters(leaf):
@@ -169,8 +167,7 @@ def first_consumer(name: str, module: nn.Module, producer: nn.Module, where: str
 def chosen_leaves(
     remedy: str, target: Any, layers: Sequence[str] | None
 ) -> list[tuple[str, nn.Module]]:
-    """The parametrised leaves of a remedy's target (a ``RemedyTarget``), or those
-    ``layers`` (names inside the component) name; a ``ValueError`` lists them otherwise."""
+    """The target's parametrised leaves, or those ``layers`` (names inside it) name."""
     found = parametrised_leaves(target.component, target.module)
     if layers is None:
         return found
@@ -191,8 +188,7 @@ def chosen_leaves(
 def target_unit_layers(
     target: Any, consumer: Sequence[str] | None, remedy: str = "ReDo"
 ) -> list[UnitLayer]:
-    """:func:`unit_layers` of a remedy's target (a ``RemedyTarget``), its output read by
-    the components ``consumer`` names, else by its ``component_consumers`` entry."""
+    """:func:`unit_layers` of a target (consumers: ``consumer``, else the policy's)."""
     names = consumer
     if names is None:
         names = (getattr(target.policy, "component_consumers", None) or {}).get(

@@ -59,8 +59,7 @@ def rank_metrics(
 
 
 def default_components(model: nn.Module) -> list[str]:
-    """Feature extractors: the top-level components (or children) that are not a
-    single ``nn.Linear`` head."""
+    """Feature extractors: the top-level components (or children) but single ``nn.Linear`` heads."""
     comps = getattr(model, "components", None)
     items = comps.items() if isinstance(comps, dict) and comps else model.named_children()
     return [n for n, m in items if not isinstance(m, nn.Linear)]
@@ -79,8 +78,7 @@ def _module(model: nn.Module, name: str) -> nn.Module:
 
 @HookRegistry.register
 class FeatureRankHook(TrainingHook):
-    """Runs ``model(observations)`` once on (up to ``max_samples`` evenly spaced) rollout
-    observations and measures the rank of each chosen component's output."""
+    """The ranks of the chosen components' outputs on (evenly spaced) rollout observations."""
 
     name = "feature_rank"
     description = "effective rank, srank, stable rank, feature rank of component outputs"

@@ -95,8 +95,7 @@ def hutchinson_trace(hvp: HessianOperator, samples: int) -> tuple[float, float]:
 
 @HookRegistry.register
 class HessianHook(InterventionHook):
-    """Top Hessian eigenvalue (power iteration, warm-started from the previous firing's
-    eigenvector) and Hutchinson trace of the training loss on the current data."""
+    """Top eigenvalue (warm-started power iteration) and Hutchinson trace of the loss Hessian."""
 
     name = "hessian"
     description = "top Hessian eigenvalue (power iteration on HVPs) and Hutchinson trace"
