@@ -102,22 +102,12 @@ def hooks_list_command(args: argparse.Namespace) -> int:
     table = Table(title="lifecycle hooks")
     for column in ("name", "kind", "points", "cost", "groups", "description"):
         table.add_column(column, no_wrap=column in ("name", "cost"))
+    listed = ("minimal", "observers", "interventions", "full")
     for cls in HookRegistry.classes():
-        groups = [
-            g
-            for g in ("minimal", "observers", "interventions", "full")
-            if cls.name in HookRegistry.expand(g)
-        ]
-        if cls.debug:
-            groups = ["with_debug"]
-        table.add_row(
-            cls.name,
-            cls.kind(),
-            ", ".join(p.name for p in cls.hook_points),
-            cls.cost,
-            ", ".join(groups),
-            cls.description,
-        )
+        groups = [g for g in listed if cls.name in HookRegistry.expand(g)]
+        groups = ", ".join(["with_debug"] if cls.debug else groups)
+        points = ", ".join(p.name for p in cls.hook_points)
+        table.add_row(cls.name, cls.kind(), points, cls.cost, groups, cls.description)
     console = Console()
     console.print(table)
     console.print(

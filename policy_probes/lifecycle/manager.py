@@ -48,9 +48,7 @@ class StepRecord:
 
 @dataclass(frozen=True)
 class StepFlush:
-    """What :meth:`HookManager.flush` returns, on the host: per-key means over the epoch's
-    step firings (``summary``), the same per step point (``by_point``) and every firing's
-    own values (``records``)."""
+    """What :meth:`HookManager.flush` returns: epoch means (also per point) and every firing."""
 
     summary: dict[str, Any] = field(default_factory=dict)
     records: list[StepRecord] = field(default_factory=list)

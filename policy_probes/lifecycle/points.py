@@ -84,9 +84,7 @@ LoopPointsSpec = Mapping[
 def resolve_points(
     loop: str, hook_points: Iterable[HookPoint | str], loop_points: LoopPointsSpec | None
 ) -> dict[HookPoint, EpochWindow]:
-    """The points (with epoch windows) at which a hook fires in a loop of type ``loop``:
-    all its ``hook_points`` in any loop, or with ``loop_points`` only those listed for
-    ``loop``."""
+    """A hook's points (with windows) in a ``loop``: its ``hook_points``, or its ``loop_points``."""
     if loop_points is None:
         return {HookPoint.parse(p): ALWAYS for p in hook_points}
     spec = loop_points.get(loop)

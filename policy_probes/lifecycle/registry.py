@@ -164,9 +164,7 @@ def select_hooks(
     with_hooks: str | None = None,
     hook_config: Mapping[str, Any] | Iterable[str] | None = None,
 ) -> list[TrainingHook]:
-    """Instantiate the selected hooks with their configuration; a
-    :class:`HookSelectionError` names the valid choices for an unknown hook, group or
-    parameter, a bad value, or configuration of a hook that is not selected."""
+    """The selected hooks, configured; a :class:`HookSelectionError` lists the valid choices."""
     names = resolve_hook_names(hooks, with_hooks)
     config = parse_hook_config(hook_config)
     stray = [h for h in config if h not in names]

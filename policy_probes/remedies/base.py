@@ -35,9 +35,7 @@ class RemedyTarget:
 
 
 class RemedyOptions(TypedDict, total=False):
-    """The keyword-only arguments a triggered remedy's factory passes on to :class:`Remedy`
-    (``**options``): see :class:`~policy_probes.remedies.trigger.Trigger`; ``seed``: its
-    generator's (default: the run's)."""
+    """A triggered remedy factory's keyword-only ``**options``: trigger settings and ``seed``."""
 
     start_epoch: int
     cooldown: int

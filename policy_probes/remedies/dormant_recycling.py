@@ -106,8 +106,7 @@ def recycle(layer: UnitLayer, units: torch.Tensor, seed: int, optimizer: Any) ->
     """Fresh incoming and zero outgoing weights and moments for ``units`` of ``layer``."""
     producer = layer.producer
     fresh = fresh_parameters(producer, seed)
-    hidden = layer.units
-    rows = torch.cat([units + g * hidden for g in range(layer.gates)])
+    rows = torch.cat([units + g * layer.units for g in range(layer.gates)])
     with torch.no_grad():
         for name, param in producer.named_parameters(recurse=False):
             idx = rows.to(param.device)
@@ -119,9 +118,8 @@ def recycle(layer: UnitLayer, units: torch.Tensor, seed: int, optimizer: Any) ->
         if isinstance(producer, RECURRENT):  # the unit's own recurrent outputs
             zero_columns(producer.weight_hh_l0, units, 1, optimizer)
         for consumer in layer.consumers:
-            zero_columns(
-                getattr(consumer.module, consumer.weight_name), units, consumer.block, optimizer
-            )
+            weight = getattr(consumer.module, consumer.weight_name)
+            zero_columns(weight, units, consumer.block, optimizer)
 
 
 def zero_columns(weight: torch.Tensor, units: torch.Tensor, block: int, optimizer: Any) -> None:
