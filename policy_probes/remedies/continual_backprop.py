@@ -72,7 +72,8 @@ def output_magnitude(layer: UnitLayer) -> torch.Tensor:
 
 @register
 class ContinualBackprop(StepRemedy):
-    """Continual backprop (Dohare et al., Nature 2024; :func:`continual_backprop`)."""
+    """Continual backprop (Dohare et al., Nature 2024): after every optimizer step, replace
+    the component's lowest-utility mature units (build with :func:`continual_backprop`)."""
 
     docs = "docs/remedies.md"
     name = "continual_backprop"

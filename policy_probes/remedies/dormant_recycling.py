@@ -31,7 +31,8 @@ log = logging.getLogger("policy_probes")
 
 @register
 class ReDo(Remedy):
-    """ReDo (Sokar et al., ICML 2023; :func:`redo`)."""
+    """ReDo (Sokar et al., ICML 2023): at its trigger, recycle the component's dormant units:
+    fresh incoming weights, zero outgoing ones (build with :func:`redo`)."""
 
     docs = "docs/remedies.md"
     name = "redo"

@@ -32,7 +32,8 @@ class L2State(StepState):
 
 @register
 class L2Init(StepRemedy):
-    """L2 Init (Kumar et al., 2023; :func:`l2_init`)."""
+    """L2 Init (Kumar et al., 2023): before every optimizer step, pull the chosen layers'
+    parameters towards their initial values (build with :func:`l2_init`)."""
 
     docs = "docs/remedies.md"
     name = "l2_init"

@@ -22,7 +22,8 @@ from policy_probes.remedies.trigger import Threshold
 
 @register
 class ResetLayers(LayerRefresh):
-    """Layer resets (Nikishin et al., 2022; :func:`reset_layers`)."""
+    """Layer resets (Nikishin et al., 2022): at its trigger, give the chosen layers fresh
+    initial values and reset their optimizer state (build with :func:`reset_layers`)."""
 
     docs = "docs/remedies.md"
     name = "reset_layers"

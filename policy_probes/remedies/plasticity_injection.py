@@ -57,7 +57,9 @@ def _optimizer_settings(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
 
 @register
 class PlasticityInjection(Remedy):
-    """Plasticity injection (Nikishin et al., NeurIPS 2023; :func:`plasticity_injection`)."""
+    """Plasticity injection (Nikishin et al., NeurIPS 2023): freeze the component once and
+    add a fresh trainable copy minus a frozen one (build with
+    :func:`plasticity_injection`)."""
 
     docs = "docs/remedies.md"
     name = "plasticity_injection"

@@ -22,7 +22,9 @@ from policy_probes.remedies.trigger import Threshold
 
 @register
 class ShrinkAndPerturb(LayerRefresh):
-    """Shrink-and-perturb (Ash & Adams, 2020; :func:`shrink_and_perturb`)."""
+    """Shrink-and-perturb (Ash & Adams, 2020): at its trigger, theta <- shrink * theta +
+    noise * theta_init for every layer of the component (build with
+    :func:`shrink_and_perturb`)."""
 
     docs = "docs/remedies.md"
     name = "shrink_and_perturb"

@@ -27,7 +27,8 @@ class SoftState(StepState):
 
 @register
 class SoftShrinkPerturb(StepRemedy):
-    """Soft shrink-and-perturb (Juliani & Ash, 2024; :func:`soft_shrink_perturb`)."""
+    """Soft shrink-and-perturb (Juliani & Ash, 2024): a small shrink-and-perturb after
+    every optimizer step (build with :func:`soft_shrink_perturb`)."""
 
     docs = "docs/remedies.md"
     name = "soft_shrink_perturb"
