@@ -1,8 +1,6 @@
-"""Lifecycle hooks: code that runs at well-defined points of a training loop.
-
-Observers (:class:`TrainingHook`) read the run; interventions (:class:`InterventionHook`)
-may change training state temporarily inside a guardian checkpoint that is always
-restored, so they never alter the training trajectory. See ``docs/lifecycle.md``.
+"""Lifecycle hooks: code run at well-defined points of a training loop. Observers read the
+run; interventions change training state only inside a guardian checkpoint that is always
+restored, so they never alter the trajectory (``docs/lifecycle.md``).
 """
 
 import policy_probes.lifecycle.hooks  # noqa: F401  (registers the built-in hooks)

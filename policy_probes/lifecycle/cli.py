@@ -1,10 +1,5 @@
 """``policy-probes hooks list|describe`` and the ``--hooks`` / ``--with-hooks`` /
-``--hook-config`` options.
-
-Wire-up in ``policy_probes/cli.py``: append :func:`add_hooks_subcommand` to its
-subcommands; call :func:`add_hook_selection_arguments` on a parser that trains and
-:func:`selection_from_args` on its parsed arguments.
-"""
+``--hook-config`` options (wired up in ``policy_probes/cli.py``)."""
 
 from __future__ import annotations
 
@@ -25,6 +20,8 @@ from policy_probes.lifecycle.registry import (
 )
 
 EXIT_USAGE = 2
+_DESCRIBED = ("hook_points", "intervention_points", "loop_points", "step_schedule")
+_DESCRIBED += ("epoch_schedule", "cost", "needs", "namespace", "ranks")
 
 
 @dataclass
@@ -103,28 +100,14 @@ def hooks_list_command(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     table = Table(title="lifecycle hooks")
-    table.add_column("name", no_wrap=True)
-    table.add_column("kind")
-    table.add_column("points")
-    table.add_column("cost", no_wrap=True)
-    table.add_column("groups")
-    table.add_column("description")
+    for column in ("name", "kind", "points", "cost", "groups", "description"):
+        table.add_column(column, no_wrap=column in ("name", "cost"))
+    listed = ("minimal", "observers", "interventions", "full")
     for cls in HookRegistry.classes():
-        groups = [
-            g
-            for g in ("minimal", "observers", "interventions", "full")
-            if cls.name in HookRegistry.expand(g)
-        ]
-        if cls.debug:
-            groups = ["with_debug"]
-        table.add_row(
-            cls.name,
-            cls.kind(),
-            ", ".join(p.name for p in cls.hook_points),
-            cls.cost,
-            ", ".join(groups),
-            cls.description,
-        )
+        groups = [g for g in listed if cls.name in HookRegistry.expand(g)]
+        groups = ", ".join(["with_debug"] if cls.debug else groups)
+        points = ", ".join(p.name for p in cls.hook_points)
+        table.add_row(cls.name, cls.kind(), points, cls.cost, groups, cls.description)
     console = Console()
     console.print(table)
     console.print(
@@ -146,22 +129,12 @@ def hooks_describe_command(args: argparse.Namespace) -> int:
     info = cls.describe()
     console = Console()
     console.print(f"[bold]{info['name']}[/bold] ({info['kind']}): {info['description']}")
-    for key in (
-        "hook_points",
-        "intervention_points",
-        "loop_points",
-        "step_schedule",
-        "epoch_schedule",
-        "cost",
-        "needs",
-        "namespace",
-        "ranks",
-    ):
+    for key in _DESCRIBED:
         if key in info:
             value = info[key]
-            if isinstance(value, list) and not value:
-                value = "nothing"
-            console.print(f"  {key}: {', '.join(value) if isinstance(value, list) else value}")
+            if isinstance(value, list):
+                value = ", ".join(value) or "nothing"
+            console.print(f"  {key}: {value}")
     params = Table(title="parameters (--hook-config NAME.PARAM=VALUE)")
     params.add_column("parameter")
     params.add_column("default")

@@ -1,22 +1,9 @@
 """Lifecycle hooks: observers (:class:`TrainingHook`) and interventions
-(:class:`InterventionHook`).
+(:class:`InterventionHook`); ``docs/lifecycle.md`` ("Writing a hook") has an example.
 
-A hook is a class with a few declarations and one method::
-
-    @HookRegistry.register
-    class WeightNorm(TrainingHook):
-        name = "weight_norm"
-        hook_points = (HookPoint.POST_EPOCH,)
-        cost = "cheap"
-        metrics = {"total": "L2 norm of all parameters"}
-
-        def compute(self, ctx: RunDataContext) -> dict:
-            return {"total": torch.linalg.vector_norm(
-                torch.stack([p.norm() for p in ctx.model.parameters()]))}
-
-The manager namespaces what it returns as ``weight_norm/total``. Values may be floats,
-0-d tensors (kept on the device and transferred once per epoch at step points), lists
-of floats or nested dicts (flattened with ``/``).
+The manager namespaces a hook's metrics as ``name/metric``. Values may be floats, 0-d
+tensors (kept on the device and transferred once per epoch at step points), lists of
+floats or nested dicts (flattened with ``/``).
 """
 
 from __future__ import annotations
@@ -45,15 +32,14 @@ COST_CLASSES: tuple[str, ...] = ("free", "cheap", "moderate", "expensive")
 """free: reads numbers the loop already has. cheap: a pass over the parameters.
 moderate: extra forward passes. expensive: extra backward passes or update epochs."""
 
+_NEEDS = ("needs_grads", "needs_prev_step_grads", "needs_pre_epoch_state")
+
 
 class HookConfig(BaseModel):
-    """Parameters every hook accepts (``--hook-config name.param=value``).
-
-    ``schedule``: StepSchedule of the step points (``"stride:4"``, ``"burst:2/10,warmup:5"``).
-    ``epochs``: schedule over epochs for the epoch points (``"stride:10"``: every 10th).
-    ``min_epoch`` / ``max_epoch``: inclusive window of epochs in which the hook fires (the
-    records' epoch numbers).
-    """
+    """Parameters every hook accepts (``--hook-config name.param=value``): ``schedule``
+    (a :class:`StepSchedule` of the step points, ``"stride:4"``), ``epochs`` (one over the
+    epoch points) and the inclusive epoch window ``min_epoch`` / ``max_epoch`` (the
+    records' epoch numbers)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     schedule: str | None = None
@@ -74,34 +60,12 @@ class HookConfig(BaseModel):
 class TrainingHook:
     """An observer: reads the run at its hook points and returns metrics.
 
-    Class attributes (declarations):
-        name: registry name and metric namespace (``name/metric``).
-        description: one line for ``policy-probes hooks list``.
-        hook_points: where the hook fires.
-        loop_points: optional per-loop-type points with ``(min_epoch, max_epoch)``
-            windows, e.g. ``{"ppo": {HookPoint.POST_EPOCH: (10, None)}}``; when given,
-            the hook fires only in the loops it names.
-        step_schedule: when it fires at PRE_STEP/POST_STEP (global optimizer step).
-        epoch_schedule: when it fires at the epoch points (``None``: every epoch).
-        needs_grads, needs_prev_step_grads, needs_pre_epoch_state: what the manager must
-            prepare for it (nothing is prepared unless some active hook asks).
-        cost: one of :data:`COST_CLASSES`.
-        metrics: metric key (pattern) -> description, for ``hooks describe``.
-        namespaced: False keeps the hook's keys as returned (used by hooks whose keys
-            already carry their own namespace, e.g. ``probes/...``, ``train/...``).
-        auto_include: selected whenever any hook is selected.
-        groups: the named groups besides observers/interventions/full it belongs to.
-        order: dispatch rank within a firing (lower first; ties in registration order):
-            observers 100, interventions 200, debug interventions 300 by default.
-        run_on_all_ranks: in a distributed run, hooks run on rank 0 only unless this is
-            True (the trainer callbacks' convention); set it for hooks that take part in
-            collectives.
-        runs_model: whether the hook runs forward or backward passes through the model.
-            While such a hook is dispatched the manager switches the component context to
-            the ``"hook"`` phase, so module probes neither record nor stay installed;
-            hooks that only read parameters, gradients, optimizer state or statistics set
-            it to False and the probes' hooks stay as they are.
-        Config: pydantic model of its parameters (extends :class:`HookConfig`).
+    Its class attributes declare it (``docs/lifecycle.md``): ``loop_points`` (optional)
+    restricts it to the loop types it names, with ``(min_epoch, max_epoch)`` windows per
+    point; ``namespaced = False`` keeps keys as returned (``train/...``); ``order`` ranks
+    dispatch (observers 100, interventions 200, debug 300); ``run_on_all_ranks`` (else rank
+    0 only) is for hooks in collectives; ``runs_model = False`` (hooks that only read
+    state) leaves the probes' phase alone while it runs.
     """
 
     name: ClassVar[str] = ""
@@ -133,12 +97,10 @@ class TrainingHook:
         if self.config.epochs is not None:
             self.epoch_schedule = StepSchedule.parse(self.config.epochs)
 
-    # --------------------------------------------------------------- observer
     def compute(self, ctx: RunDataContext) -> dict[str, Any]:
         """Return this firing's metrics (un-namespaced)."""
         raise NotImplementedError(f"hook {self.name!r} must implement compute(ctx)")
 
-    # --------------------------------------------------------------- dispatch
     def points(self, loop: str) -> dict[HookPoint, EpochWindow]:
         """Points (with epoch windows) where this hook fires in a loop of type ``loop``."""
         resolved = resolve_points(loop, self.hook_points, self.loop_points)
@@ -156,12 +118,10 @@ class TrainingHook:
             return step is None or self.step_schedule.due(step)
         return self.epoch_schedule is None or self.epoch_schedule.due(epoch)
 
-    # ------------------------------------------------------------------ state
     def move_state(self, device: torch.device | str) -> None:
         """Move every tensor in :attr:`state` (nested dicts/lists too) to ``device``."""
         self.state = _move(self.state, torch.device(device))
 
-    # -------------------------------------------------------------- describe
     @classmethod
     def kind(cls) -> str:
         if cls.debug:
@@ -171,10 +131,6 @@ class TrainingHook:
     @classmethod
     def describe(cls) -> dict[str, Any]:
         """What ``policy-probes hooks describe NAME`` prints."""
-        params = {
-            n: {"default": f.default, "type": getattr(f.annotation, "__name__", str(f.annotation))}
-            for n, f in cls.Config.model_fields.items()
-        }
         out: dict[str, Any] = {
             "name": cls.name,
             "kind": cls.kind(),
@@ -183,15 +139,17 @@ class TrainingHook:
             "step_schedule": str(cls.step_schedule),
             "epoch_schedule": str(cls.epoch_schedule) if cls.epoch_schedule else "every epoch",
             "cost": cls.cost,
-            "needs": [
-                flag
-                for flag in ("needs_grads", "needs_prev_step_grads", "needs_pre_epoch_state")
-                if getattr(cls, flag)
-            ],
+            "needs": [flag for flag in _NEEDS if getattr(cls, flag)],
             "metrics": dict(cls.metrics),
             "namespace": f"{cls.name}/" if cls.namespaced else "(keys kept as returned)",
             "ranks": "all ranks" if cls.run_on_all_ranks else "rank 0 only",
-            "parameters": params,
+            "parameters": {
+                n: {
+                    "default": f.default,
+                    "type": getattr(f.annotation, "__name__", str(f.annotation)),
+                }
+                for n, f in cls.Config.model_fields.items()
+            },
         }
         if cls.loop_points is not None:
             out["loop_points"] = {k: str(v) for k, v in cls.loop_points.items()}
@@ -202,13 +160,10 @@ class TrainingHook:
 
 
 class InterventionHook(TrainingHook):
-    """A hook that may change training state temporarily.
-
-    At its ``intervention_points`` (``None``: all of its points) the manager calls
-    :meth:`intervene` inside a guardian checkpoint (model, optimizer, scheduler,
-    gradients, every RNG) that is restored afterwards whatever happens; at its other
-    points it calls :meth:`compute` like an observer.
-    """
+    """A hook that may change training state temporarily: at its ``intervention_points``
+    (``None``: all of its points) the manager calls :meth:`intervene` inside a guardian
+    checkpoint (model, optimizer, scheduler, gradients, every RNG) that is restored
+    afterwards whatever happens; at its other points it calls :meth:`compute`."""
 
     intervention_points: ClassVar[tuple[HookPoint, ...] | None] = None
     cost: ClassVar[str] = "expensive"
@@ -227,8 +182,7 @@ class InterventionHook(TrainingHook):
 
 
 class DebugInterventionHook(InterventionHook):
-    """An intervention for testing the machinery; never part of a bulk selection except
-    the ``with_debug`` keyword."""
+    """An intervention that tests the machinery; only ``with_debug`` or its name selects it."""
 
     debug: ClassVar[bool] = True
     cost: ClassVar[str] = "cheap"

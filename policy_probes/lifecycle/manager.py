@@ -1,21 +1,6 @@
-"""HookManager: dispatches lifecycle hooks at the loop's hook points.
-
-At every firing the manager
-
-1. returns at once when no hook is selected (one attribute check);
-2. prepares only what active hooks declared they need (pre-epoch snapshot at PRE_EPOCH,
-   gradient accumulation and previous-step gradients at PRE_STEP);
-3. picks the hooks due at this point (points, loop_points windows, schedules);
-4. sets ``ComponentContext.phase = "hook"`` while a due hook runs the model
-   (``runs_model``), so module probes ignore the extra passes;
-5. runs the observers (under ``torch.no_grad``), then the interventions inside one
-   guardian checkpoint that is restored after each intervention in a ``finally``;
-   every global RNG is restored after each hook;
-6. namespaces the metrics ``hook_name/metric``, keeps them as the last metrics of the
-   point, and buffers step-point metrics until :meth:`HookManager.flush`.
-
-A hook that raises is logged (with its traceback the first time), reported as
-``hook_name/error = 1.0``, and training goes on.
+"""HookManager: dispatches lifecycle hooks at the loop's hook points (the protocol:
+``docs/lifecycle.md``). A hook that raises is logged (traceback the first time), reported
+as ``hook_name/error = 1.0``, and training goes on.
 """
 
 from __future__ import annotations
@@ -25,6 +10,7 @@ import logging
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from types import MappingProxyType
 from typing import Any
 
@@ -62,10 +48,7 @@ class StepRecord:
 
 @dataclass(frozen=True)
 class StepFlush:
-    """What :meth:`HookManager.flush` returns: per-key means over the epoch's step
-    firings (``summary``), the same means per step point (``by_point``, for sinks that
-    record each point separately) and every firing's own values (``records``), on the
-    host."""
+    """What :meth:`HookManager.flush` returns: epoch means (also per point) and every firing."""
 
     summary: dict[str, Any] = field(default_factory=dict)
     records: list[StepRecord] = field(default_factory=list)
@@ -73,19 +56,13 @@ class StepFlush:
 
 
 class HookManager:
-    """Runs lifecycle hooks at hook points; see the module docstring for the protocol.
-
-    Args:
-        hooks: selected hook instances (see :func:`~policy_probes.lifecycle.registry.select_hooks`).
-        loop: the driver's loop type, for the hooks' ``loop_points`` (required: the
-            built-in trainer passes ``"ppo"``, ProbeSession ``"external"``).
-        model, optimizer, scheduler, config, component_context: bound once here (or
-            with :meth:`bind`) and handed to every :class:`RunDataContext`.
-        offload_state: move the hooks' state tensors to the CPU between firings.
-        strict: re-raise hook exceptions instead of reporting them.
-        rank: this process's rank (default: the ``torch.distributed`` rank, 0 when it is
-            not initialised). On ranks other than 0 only hooks with
-            ``run_on_all_ranks = True`` are kept.
+    """Runs the selected ``hooks`` (:func:`~policy_probes.lifecycle.registry.select_hooks`)
+    in a loop of type ``loop`` (``"ppo"``: the built-in trainer, ``"external"``:
+    ProbeSession). ``model``, ``optimizer``, ``scheduler``, ``config`` and
+    ``component_context`` are bound here (or with :meth:`bind`) and handed to every
+    :class:`RunDataContext`. ``offload_state``: the hooks' state tensors wait on the CPU
+    between firings; ``strict``: hook exceptions are re-raised; ``rank`` (default: the
+    ``torch.distributed`` rank, else 0): off rank 0 only ``run_on_all_ranks`` hooks are kept.
     """
 
     def __init__(
@@ -108,17 +85,10 @@ class HookManager:
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"hooks selected twice: {dupes}")
-        self.loop = loop
-        self.offload_state = offload_state
-        self.strict = strict
+        self.loop, self.offload_state, self.strict = loop, offload_state, strict
         self._bound: dict[str, Any] = {}
-        self.bind(
-            model=model,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            config=config,
-            component_context=component_context,
-        )
+        self.bind(model=model, optimizer=optimizer, scheduler=scheduler, config=config)
+        self.bind(component_context=component_context)
         self._by_point: dict[HookPoint, list[tuple[TrainingHook, EpochWindow]]] = {}
         for hook in self.hooks:
             for point, window in hook.points(loop).items():
@@ -130,19 +100,15 @@ class HookManager:
         self.errors: dict[str, int] = {}
         self.error_messages: dict[str, str] = {}
         self._records: list[StepRecord] = []
-        self._grad_sum: dict[str, torch.Tensor] | None = None
-        self._grad_steps = 0
-        self._grad_epoch: int | None = None
+        self._reset_grads(None)  # _grad_sum, _grad_steps, _grad_epoch
         self._prev_grads: dict[str, torch.Tensor] | None = None
-        self._warned: set[str] = set()
+        self._warned_pre_epoch = False
         if offload_state:
             for h in self.hooks:
                 h.move_state("cpu")
 
-    # ----------------------------------------------------------------- set-up
     def bind(self, **objects: Any) -> HookManager:
-        """Bind model, optimizer, scheduler, config or component_context (``None`` keeps
-        what was bound)."""
+        """Bind model, optimizer, scheduler, config or component_context (``None``: kept)."""
         allowed = {"model", "optimizer", "scheduler", "config", "component_context"}
         unknown = set(objects) - allowed
         if unknown:
@@ -158,7 +124,6 @@ class HookManager:
     def hooks_at(self, point: HookPoint) -> list[TrainingHook]:
         return [h for h, _ in self._by_point.get(HookPoint.parse(point), ())]
 
-    # ------------------------------------------------------------------- fire
     def fire(
         self,
         point: HookPoint | str,
@@ -170,12 +135,11 @@ class HookManager:
     ) -> dict[str, Any]:
         """Run the hooks due at ``point``; return their namespaced metrics (host values).
 
-        At PRE_STEP/POST_STEP the metrics are buffered instead (call :meth:`flush` once
-        per epoch) and ``{}`` is returned; ``step`` (the global optimizer step) is
-        required there. ``model_ctx`` is a :class:`ModelDataContext` or a zero-argument
-        factory; it is used only when an intervention is due (or at PRE_EPOCH when a
-        hook needs the pre-epoch state). Other keyword arguments are
-        :class:`RunDataContext` fields (``batch``, ``loss``, ``stats``, ...).
+        At PRE_STEP/POST_STEP (``step``, the global optimizer step, required) the metrics
+        are buffered for :meth:`flush` and ``{}`` is returned. ``model_ctx`` (a
+        :class:`ModelDataContext` or a zero-argument factory) is used only when an
+        intervention is due or a hook needs the pre-epoch state. Other keyword arguments
+        are :class:`RunDataContext` fields (``batch``, ``loss``, ``stats``, ...).
         """
         if not self.hooks:
             return {}
@@ -190,32 +154,25 @@ class HookManager:
                 f"accepts: {sorted(_CONTEXT_FIELDS - _MANAGED_FIELDS)}"
             )
         ctx_fields = {**self._bound, **fields}
-        model: nn.Module | None = ctx_fields.get("model")
         cache: list[ModelDataContext] = []
-
         if point is HookPoint.PRE_EPOCH and self.needs_grads:
             self._reset_grads(epoch)
         if point is HookPoint.PRE_EPOCH and self.needs_pre_epoch_state:
             mctx = self._model_ctx(model_ctx, cache)
-            if mctx is None:
-                self._warn_once(
-                    "pre_epoch",
-                    "a hook needs the pre-epoch state but fire(PRE_EPOCH) got no model_ctx",
-                )
-            else:
+            if mctx is not None:
                 mctx.capture_pre_epoch()
-
+            elif not self._warned_pre_epoch:
+                self._warned_pre_epoch = True
+                log.warning("a hook needs the pre-epoch state but fire(PRE_EPOCH) got no model_ctx")
         current_grads = None
         if point is HookPoint.PRE_STEP and (self.needs_grads or self.needs_prev_step_grads):
-            current_grads = self._live_grads(model)
-
+            current_grads = self._live_grads(ctx_fields.get("model"))
         due = [h for h, win in self._by_point.get(point, ()) if h.is_due(point, epoch, step, win)]
         metrics: dict[str, Any] = {}
         if due:
             metrics = self._dispatch(
                 point, epoch, step, due, ctx_fields, current_grads, model_ctx, cache
             )
-
         if current_grads is not None:
             self._after_step(epoch, current_grads)
         if is_step:
@@ -243,9 +200,9 @@ class HookManager:
             step=step,
             loop=self.loop,
             grads=self._grads_for(point, current_grads),
-            prev_step_grads=MappingProxyType(self._prev_grads)
-            if self._prev_grads is not None
-            else None,
+            prev_step_grads=None
+            if self._prev_grads is None
+            else MappingProxyType(self._prev_grads),
             last_metrics=MappingProxyType(self.last_metrics),
             **ctx_fields,
         )
@@ -262,52 +219,33 @@ class HookManager:
             observers = [h for h in due if not h.intervenes_at(point)]
             interventions = [h for h in due if h.intervenes_at(point)]
             for hook in observers:
-                self._run(hook, point, current, rng, device, lambda h=hook: _observe(h, run_ctx))
-            if interventions:
-                self._intervene(
-                    point, interventions, run_ctx, current, rng, device, model_ctx, cache
+                self._run(hook, point, current, rng, device, partial(_observe, hook, run_ctx))
+            mctx = self._model_ctx(model_ctx, cache) if interventions else None
+            if interventions and mctx is None:
+                err = RuntimeError(
+                    f"intervention due at {point.name} but fire() got no model_ctx; pass "
+                    f"model_ctx=<ModelDataContext or factory>"
                 )
-            # Every hook ran inside _run, which put the RNGs back after it (numpy's state
-            # round trip is ~35 us each way, so it is not done a second time here).
-            completed = True
+                for hook in interventions:
+                    self._fail(hook, point, err, current)
+            elif interventions:
+                token = mctx.save_checkpoint(full=True)  # the guardian
+                try:
+                    for hook in interventions:
+                        try:
+                            call = partial(hook.intervene, run_ctx, mctx)
+                            self._run(hook, point, current, rng, device, call)
+                        finally:
+                            mctx.restore_checkpoint(token)
+                finally:
+                    mctx.discard_checkpoint(token)
+            completed = True  # _run put the RNGs back after each hook: no second restore
         finally:
             if not completed:
                 restore_rng_state(rng)
             if cc is not None:
                 cc.phase = previous_phase
         return current
-
-    def _intervene(
-        self,
-        point: HookPoint,
-        hooks: list[TrainingHook],
-        run_ctx: RunDataContext,
-        current: dict[str, Any],
-        rng: RNGState,
-        device: torch.device,
-        model_ctx: ModelContextSource,
-        cache: list[ModelDataContext],
-    ) -> None:
-        mctx = self._model_ctx(model_ctx, cache)
-        if mctx is None:
-            err = RuntimeError(
-                f"intervention due at {point.name} but fire() got no model_ctx; pass "
-                f"model_ctx=<ModelDataContext or factory>"
-            )
-            for hook in hooks:
-                self._fail(hook, point, err, current)
-            return
-        token = mctx.save_checkpoint(full=True)  # the guardian
-        try:
-            for hook in hooks:
-                try:
-                    self._run(
-                        hook, point, current, rng, device, lambda h=hook: h.intervene(run_ctx, mctx)
-                    )
-                finally:
-                    mctx.restore_checkpoint(token)
-        finally:
-            mctx.discard_checkpoint(token)
 
     def _run(
         self,
@@ -322,14 +260,12 @@ class HookManager:
             if self.offload_state:
                 hook.move_state(device)
             out = call()
-            if out is None:
-                out = {}
-            if not isinstance(out, Mapping):
+            if not isinstance(out, Mapping | None):
                 raise TypeError(
                     f"returned {type(out).__name__}; a hook must return a dict of metrics"
                 )
             prefix = f"{hook.name}/" if hook.namespaced else ""
-            for key, value in flatten_metrics(out).items():
+            for key, value in flatten_metrics(out or {}).items():
                 current[prefix + key] = value
         except Exception as exc:
             self._fail(hook, point, exc, current)
@@ -345,22 +281,15 @@ class HookManager:
             raise exc
         count = self.errors.get(hook.name, 0) + 1
         self.errors[hook.name] = count
-        self.error_messages[hook.name] = f"{type(exc).__name__}: {exc}"
+        message = self.error_messages[hook.name] = f"{type(exc).__name__}: {exc}"
         current[f"{hook.name}/error"] = 1.0
         if count == 1:
             log.error("hook %r raised at %s; training goes on", hook.name, point.name, exc_info=exc)
         elif count & (count - 1) == 0:  # 2, 4, 8, ... to keep the log readable
-            log.warning(
-                "hook %r has raised %d times (last: %s)",
-                hook.name,
-                count,
-                self.error_messages[hook.name],
-            )
+            log.warning("hook %r has raised %d times (last: %s)", hook.name, count, message)
 
-    # ------------------------------------------------------------------ flush
     def flush(self) -> StepFlush:
-        """Move the buffered step-point metrics to the host (one transfer per device) and
-        return them with their per-epoch means; call once per epoch."""
+        """The buffered step-point metrics on the host, with their means; call once per epoch."""
         records, self._records = self._records, []
         if not records:
             return StepFlush()
@@ -371,14 +300,10 @@ class HookManager:
         }
         return StepFlush(summary=_summarise(host), records=host, by_point=by_point)
 
-    # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """What a resumed run needs to fire on as this one would (tensors and plain
-        containers): every hook's ``state`` (hooks with an empty state are left out), the
-        gradients carried across steps (the epoch's sum for ``needs_grads`` hooks, the
-        previous step's for ``needs_prev_step_grads``), the last metrics per point and
-        the step-point metrics buffered since the last :meth:`flush`. Selection and
-        hook settings are configuration, not state."""
+        """What a resumed run needs to fire on as this one would: every non-empty hook
+        ``state``, the gradients carried across steps, the last metrics per point and the
+        step-point metrics not yet flushed (selection and settings are configuration)."""
         return {
             "hooks": {h.name: h.state for h in self.hooks if h.state},
             "grad_sum": self._grad_sum,
@@ -393,9 +318,7 @@ class HookManager:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Inverse of :meth:`state_dict`. Tensors move to the model's device (hook state
-        stays on the CPU with ``offload_state``); a saved hook this selection lacks is
-        ignored, a selected hook the state lacks keeps its fresh state."""
+        """Inverse of :meth:`state_dict` (tensors to the model's device; unmatched hooks kept)."""
         device = device_of(self._bound.get("model"))
         hook_device = torch.device("cpu") if self.offload_state else device
         saved_hooks = state.get("hooks") or {}
@@ -416,32 +339,21 @@ class HookManager:
             HookPoint(p): dict(m) for p, m in (state.get("last_metrics") or {}).items()
         }
         self._records = [
-            StepRecord(
-                HookPoint(r["point"]),
-                int(r["epoch"]),
-                int(r["step"]),
-                dict(r["metrics"]),
-            )
+            StepRecord(HookPoint(r["point"]), int(r["epoch"]), int(r["step"]), dict(r["metrics"]))
             for r in state.get("records") or ()
         ]
 
-    # ---------------------------------------------------------- demand work
     def _model_ctx(
         self, source: ModelContextSource, cache: list[ModelDataContext]
     ) -> ModelDataContext | None:
-        if cache:
-            return cache[0]
-        if source is None:
-            return None
-        mctx = source if isinstance(source, ModelDataContext) else source()
-        cache.append(mctx)
-        return mctx
+        if not cache and source is not None:
+            cache.append(source if isinstance(source, ModelDataContext) else source())
+        return cache[0] if cache else None
 
     @staticmethod
     def _live_grads(model: nn.Module | None) -> dict[str, torch.Tensor]:
-        if model is None:
-            return {}
-        return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        params = () if model is None else model.named_parameters()
+        return {n: p.grad for n, p in params if p.grad is not None}
 
     def _grads_for(
         self, point: HookPoint, current: dict[str, torch.Tensor] | None
@@ -454,8 +366,9 @@ class HookManager:
             return None
         return MappingProxyType({n: g / self._grad_steps for n, g in self._grad_sum.items()})
 
-    def _reset_grads(self, epoch: int) -> None:
-        self._grad_sum, self._grad_steps, self._grad_epoch = None, 0, epoch
+    def _reset_grads(self, epoch: int | None) -> None:
+        self._grad_sum: dict[str, torch.Tensor] | None = None
+        self._grad_steps, self._grad_epoch = 0, epoch
 
     @torch.no_grad()
     def _after_step(self, epoch: int, grads: dict[str, torch.Tensor]) -> None:
@@ -463,21 +376,15 @@ class HookManager:
             if self._grad_epoch != epoch:
                 self._reset_grads(epoch)
             if self._grad_sum is None:
-                self._grad_sum = {n: g.detach().clone() for n, g in grads.items()}
-            else:
-                for n, g in grads.items():
-                    if n in self._grad_sum:
-                        self._grad_sum[n].add_(g)
-                    else:
-                        self._grad_sum[n] = g.detach().clone()
+                self._grad_sum = {}
+            for n, g in grads.items():
+                if n in self._grad_sum:
+                    self._grad_sum[n].add_(g)
+                else:
+                    self._grad_sum[n] = g.detach().clone()
             self._grad_steps += 1
         if self.needs_prev_step_grads:
             self._prev_grads = {n: g.detach().clone() for n, g in grads.items()}
-
-    def _warn_once(self, key: str, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            log.warning(message)
 
 
 def _observe(hook: TrainingHook, run_ctx: RunDataContext) -> Any:
@@ -488,11 +395,7 @@ def _observe(hook: TrainingHook, run_ctx: RunDataContext) -> Any:
 def _host_value(v: Any) -> Any:
     if isinstance(v, torch.Tensor):
         v = v.detach()
-        return (
-            float(v)
-            if v.numel() == 1 and v.dim() == 0
-            else [float(x) for x in v.reshape(-1).tolist()]
-        )
+        return float(v) if v.dim() == 0 else [float(x) for x in v.reshape(-1).tolist()]
     if hasattr(v, "item") and getattr(v, "ndim", None) == 0:  # numpy scalars
         return v.item()
     return v
@@ -518,11 +421,15 @@ def _records_to_host(records: list[StepRecord]) -> list[StepRecord]:
             chunk = flat[offset : offset + n]
             values[(i, k)] = chunk[0] if t.dim() == 0 else chunk
             offset += n
-    out = []
-    for i, r in enumerate(records):
-        m = {k: values.get((i, k), _host_value(v)) for k, v in r.metrics.items()}
-        out.append(StepRecord(r.point, r.epoch, r.step, m))
-    return out
+    return [
+        StepRecord(
+            r.point,
+            r.epoch,
+            r.step,
+            {k: values.get((i, k), _host_value(v)) for k, v in r.metrics.items()},
+        )
+        for i, r in enumerate(records)
+    ]
 
 
 def _summarise(records: list[StepRecord]) -> dict[str, Any]:

@@ -1,16 +1,6 @@
-"""ModelDataContext: what an intervention may do to the model and the current data.
-
-Interventions never touch the optimizer or the data directly; they go through this
-interface, which the loop implements. :class:`LoopModelDataContext` implements it for any
-loop made of a model, an optimizer (+ optional scheduler), a ``loss_fn(model, batch)``
-and the current data as minibatches; the PPO trainer builds on it with its PPO loss and
-rollout minibatches, and ProbeSession uses it for external loops.
-
-Action-distribution protocol (used by ``policy_fisher``): :meth:`sample_actions` and
-:meth:`action_log_prob`. The generic implementation calls ``sample_fn(model, obs)`` /
-``log_prob_fn(model, obs, actions)`` when given, otherwise the model's
-``get_distribution(obs)`` (a ``torch.distributions.Distribution`` whose ``log_prob``
-returns one value per sample).
+"""ModelDataContext: what an intervention may do to the model and the current data (it
+reaches the optimizer and the data only through it); :class:`LoopModelDataContext`
+implements it for any minibatch loop (the PPO trainer and ProbeSession build on it).
 """
 
 from __future__ import annotations
@@ -35,13 +25,8 @@ LossFn = Callable[[nn.Module, Any], Any]
 
 
 class ModelDataContext(ABC):
-    """The operations an :class:`~policy_probes.lifecycle.hook.InterventionHook` may use.
+    """What an intervention may do; the manager's guardian checkpoint undoes it afterwards."""
 
-    Everything an intervention changes through this interface is undone by the guardian
-    checkpoint the :class:`~policy_probes.lifecycle.manager.HookManager` takes around it.
-    """
-
-    # -------------------------------------------------------------- read-only
     @property
     @abstractmethod
     def model(self) -> nn.Module:
@@ -61,11 +46,9 @@ class ModelDataContext(ABC):
         """The trainable parameters, in ``model.named_parameters()`` order."""
         return OrderedDict((n, p) for n, p in self.model.named_parameters() if p.requires_grad)
 
-    # ------------------------------------------------------------ checkpoints
     @abstractmethod
     def save_checkpoint(self, full: bool = True) -> int:
-        """Copy the training state and return a token. ``full=True``: model, optimizer,
-        scheduler, gradients and every RNG; ``full=False``: model and gradients only."""
+        """Copy model and gradients (``full``: also optimizer, scheduler, every RNG); a token."""
 
     @abstractmethod
     def restore_checkpoint(self, token: int) -> None:
@@ -77,22 +60,19 @@ class ModelDataContext(ABC):
 
     @abstractmethod
     def capture_pre_epoch(self) -> None:
-        """Remember model, optimizer and scheduler state at the start of the epoch (the
-        manager calls this at PRE_EPOCH when an active hook ``needs_pre_epoch_state``)."""
+        """Remember model, optimizer and scheduler at PRE_EPOCH (``needs_pre_epoch_state``)."""
 
     @abstractmethod
     def restore_pre_epoch(self) -> None:
         """Put model, optimizer and scheduler back to their state at PRE_EPOCH."""
 
-    # ------------------------------------------------------------------ data
     @abstractmethod
     def minibatches(self, order: Any = None) -> Iterator[Any]:
         """The current data as minibatches in ``order`` (``None``: natural order)."""
 
     @abstractmethod
     def random_order(self, generator: torch.Generator | None = None) -> Any:
-        """A random ``order`` for :meth:`minibatches`, drawn from ``generator`` (default:
-        the global torch RNG, which the manager restores after every hook)."""
+        """A random ``order`` for :meth:`minibatches` (default: from the global torch RNG)."""
 
     def get_shuffled_loader(self) -> list[Any]:
         """The current data in a random minibatch order."""
@@ -102,16 +82,13 @@ class ModelDataContext(ABC):
     def observations(self) -> torch.Tensor:
         """Every observation of the current data, ``(samples, *obs_shape)``."""
 
-    # ---------------------------------------------------------- computations
     @abstractmethod
     def compute_loss(self, batch: Any = None) -> torch.Tensor:
-        """The training loss (with autograd graph) on ``batch``; ``None``: on all the
-        current data (minibatch losses weighted by minibatch size)."""
+        """The training loss (with graph) on ``batch``; ``None``: size-weighted on all data."""
 
     @abstractmethod
     def compute_batch_gradients(self, batch: Any = None) -> Grads:
-        """Gradients of the loss on one minibatch (``None``: the first in natural order);
-        ``param.grad`` is left as it was."""
+        """Gradients of the loss on one minibatch (``None``: the first); ``param.grad`` kept."""
 
     @abstractmethod
     def compute_gradients(self) -> Grads:
@@ -119,9 +96,7 @@ class ModelDataContext(ABC):
 
     @abstractmethod
     def run_training_epoch(self, order: Any = None, step: bool = True) -> Grads:
-        """One update epoch over the current data in ``order``, as the loop does it
-        (zero_grad, backward, clipping, ``optimizer.step()`` when ``step``); returns the
-        size-weighted mean of the minibatch gradients before clipping."""
+        """One update epoch in ``order`` as the loop runs it; the mean pre-clip gradients."""
 
     @abstractmethod
     def apply_perturbation(
@@ -139,8 +114,7 @@ class ModelDataContext(ABC):
 
 
 def batch_size(batch: Any) -> int:
-    """Samples in a minibatch: first dimension of a tensor, of the first tensor of a
-    mapping or sequence, or ``len(batch)``."""
+    """Samples in a minibatch: first dimension of its (first) tensor, or ``len(batch)``."""
     if isinstance(batch, torch.Tensor):
         return int(batch.shape[0]) if batch.dim() else 1
     if isinstance(batch, Mapping):
@@ -202,21 +176,15 @@ def _join(batches: list[Any]) -> Any:
 class LoopModelDataContext(ModelDataContext):
     """A :class:`ModelDataContext` for any loop of minibatch gradient steps.
 
-    Args:
-        model: the policy.
-        optimizer: its optimizer.
-        loss_fn: ``loss_fn(model, batch) -> loss`` (or ``(loss, ...)``), the exact loss
-            the loop trains with (mean over the minibatch's samples).
-        minibatches: the current data as a sequence of minibatches; an ``order`` is then a
-            sequence of minibatch indices. Or give
-        data: the current data as one batch (tensor, mapping or tuple of tensors with
-            samples on the first dimension) and ``minibatch_size``; an ``order`` is then a
-            permutation of sample indices cut into consecutive minibatches, as PPO does.
-        scheduler: the learning-rate scheduler (checkpointed with the optimizer).
-        max_grad_norm: global gradient-norm clipping applied before ``optimizer.step()``.
-        update_epochs: how many update epochs the real update phase runs.
-        obs_key: where the observations are in a minibatch (key or attribute).
-        sample_fn, log_prob_fn: the action-distribution protocol (module docstring).
+    ``loss_fn(model, batch) -> loss`` (or ``(loss, ...)``) is the exact loss the loop
+    trains with (mean over the minibatch). The current data is either ``minibatches`` (an
+    ``order`` is then a sequence of minibatch indices) or one batch ``data`` (tensor,
+    mapping or tuple of tensors, samples first) with ``minibatch_size`` (an ``order`` is a
+    permutation of sample indices cut into consecutive minibatches, as PPO does).
+    ``max_grad_norm``: global gradient-norm clipping before ``optimizer.step()``;
+    ``obs_key``: where a minibatch holds the observations (key or attribute);
+    ``sample_fn(model, obs)``, ``log_prob_fn(model, obs, actions)``: the action
+    distribution (for ``policy_fisher``; default: the model's ``get_distribution(obs)``).
     """
 
     def __init__(
@@ -235,21 +203,13 @@ class LoopModelDataContext(ModelDataContext):
         sample_fn: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
         log_prob_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
-        self._model = model
-        self.optimizer = optimizer
-        self.scheduler = scheduler
-        self.loss_fn = loss_fn
-        self.max_grad_norm = max_grad_norm
+        self._model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.loss_fn, self.max_grad_norm = loss_fn, max_grad_norm
         self._update_epochs = int(update_epochs)
-        self.obs_key = obs_key
-        self.sample_fn = sample_fn
-        self.log_prob_fn = log_prob_fn
+        self.obs_key, self.sample_fn, self.log_prob_fn = obs_key, sample_fn, log_prob_fn
         self._checkpoints: dict[int, TrainingSnapshot] = {}
         self._tokens = itertools.count()
         self._pre_epoch: TrainingSnapshot | None = None
-        self._minibatches: Sequence[Any] | None = None
-        self._data: Any = None
-        self._minibatch_size: int | None = None
         self.set_data(minibatches=minibatches, data=data, minibatch_size=minibatch_size)
 
     def set_data(
@@ -266,11 +226,8 @@ class LoopModelDataContext(ModelDataContext):
             )
         if data is not None and (minibatch_size is None or minibatch_size < 1):
             raise ValueError("data=... needs minibatch_size=<positive int>")
-        self._minibatches = minibatches
-        self._data = data
-        self._minibatch_size = minibatch_size
+        self._minibatches, self._data, self._minibatch_size = minibatches, data, minibatch_size
 
-    # -------------------------------------------------------------- read-only
     @property
     def model(self) -> nn.Module:
         return self._model
@@ -279,15 +236,11 @@ class LoopModelDataContext(ModelDataContext):
     def update_epochs(self) -> int:
         return self._update_epochs
 
-    # ------------------------------------------------------------ checkpoints
     def save_checkpoint(self, full: bool = True) -> int:
         token = next(self._tokens)
+        optimizer, scheduler = (self.optimizer, self.scheduler) if full else (None, None)
         self._checkpoints[token] = capture_training_state(
-            self.model,
-            self.optimizer if full else None,
-            self.scheduler if full else None,
-            grads=True,
-            rng=full,
+            self.model, optimizer, scheduler, rng=full
         )
         return token
 
@@ -298,13 +251,12 @@ class LoopModelDataContext(ModelDataContext):
         self._checkpoints.pop(token, None)
 
     def _snapshot(self, token: int) -> TrainingSnapshot:
-        try:
-            return self._checkpoints[token]
-        except KeyError:
+        if token not in self._checkpoints:
             raise KeyError(
                 f"no checkpoint with token {token!r} (discarded or never saved); live tokens: "
                 f"{sorted(self._checkpoints)}"
-            ) from None
+            )
+        return self._checkpoints[token]
 
     def capture_pre_epoch(self) -> None:
         self._pre_epoch = capture_training_state(
@@ -319,7 +271,6 @@ class LoopModelDataContext(ModelDataContext):
             )
         restore_training_state(self._pre_epoch, self.model, self.optimizer, self.scheduler)
 
-    # ------------------------------------------------------------------ data
     def _require_data(self) -> None:
         if self._minibatches is None and self._data is None:
             raise RuntimeError(
@@ -352,8 +303,7 @@ class LoopModelDataContext(ModelDataContext):
             yield self._minibatches[int(i)]
 
     def rows(self, idx: torch.Tensor) -> Any:
-        """Samples ``idx`` (indices into the epoch's data, as :meth:`random_order` orders
-        them) as one batch; minibatches are joined first (tensors, mappings or tuples)."""
+        """Samples ``idx`` (numbered as :meth:`random_order` numbers them) as one batch."""
         self._require_data()
         data = self._data if self._data is not None else _join(list(self._minibatches))
         return _index(data, idx.to(device_of(data)))
@@ -364,7 +314,6 @@ class LoopModelDataContext(ModelDataContext):
             return batch_field(self._data, self.obs_key)
         return torch.cat([batch_field(b, self.obs_key) for b in self._minibatches])
 
-    # ---------------------------------------------------------- computations
     def loss(self, batch: Any) -> torch.Tensor:
         """``loss_fn(model, batch)``, unwrapping ``(loss, stats)`` results."""
         out = self.loss_fn(self.model, batch)
@@ -399,8 +348,7 @@ class LoopModelDataContext(ModelDataContext):
         return acc
 
     def train_minibatch(self, batch: Any, step: bool = True) -> list[torch.Tensor | None]:
-        """One gradient step exactly as the loop takes it (zero_grad, backward, clipping,
-        ``optimizer.step()``); returns the gradients before clipping, in
+        """One gradient step exactly as the loop takes it; the gradients before clipping in
         :meth:`named_parameters` order. Override for micro-batching or other details."""
         params = list(self.named_parameters().values())
         self.optimizer.zero_grad()
@@ -446,7 +394,6 @@ class LoopModelDataContext(ModelDataContext):
         for p, d in pairs:
             p.add_(d.to(p.device, p.dtype), alpha=scale)
 
-    # ------------------------------------------------------ action distribution
     def _distribution(self, obs: torch.Tensor) -> Any:
         get = getattr(self.model, "get_distribution", None)
         if get is None:
@@ -469,17 +416,12 @@ class LoopModelDataContext(ModelDataContext):
 
 
 def device_of(obj: Any) -> torch.device:
-    """Where ``obj`` lives: a module's first parameter, a tensor, or the first tensor
-    among a mapping's values or a sequence's items; the CPU when there is none."""
-    if obj is None:
-        return torch.device("cpu")
+    """The device of a tensor, module, mapping or sequence (its first tensor), else the CPU."""
     if isinstance(obj, torch.Tensor):
         return obj.device
     if isinstance(obj, nn.Module):
-        values: Any = obj.parameters()
-    else:
-        values = obj.values() if isinstance(obj, Mapping) else obj
-    for v in values:
-        if isinstance(v, torch.Tensor):
-            return v.device
-    return torch.device("cpu")
+        obj = obj.parameters()
+    elif isinstance(obj, Mapping):
+        obj = obj.values()
+    values = () if obj is None else obj
+    return next((v.device for v in values if isinstance(v, torch.Tensor)), torch.device("cpu"))

@@ -1,5 +1,4 @@
-"""Grouping a model's parameters by layer and by component, for per-layer and
-per-component hook metrics."""
+"""A model's parameters grouped by layer and by component (per-layer/-component metrics)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
-"""Where in a training loop lifecycle hooks fire, and for which epochs.
-
-Firing order of one PPO epoch (``docs/lifecycle.md`` has the diagram)::
-
-    PRE_EPOCH -> rollout -> POST_ROLLOUT
-      -> for each update epoch, for each minibatch:
-           forward/backward -> PRE_STEP -> clip + optimizer.step() -> POST_STEP
-      -> scheduler step, evaluation -> POST_EPOCH -> SNAPSHOT (every ``snapshot_every``)
-"""
+"""Where in a training loop lifecycle hooks fire (in the order of :class:`HookPoint`;
+``docs/lifecycle.md`` has the diagram), and for which epochs."""
 
 from __future__ import annotations
 
@@ -89,31 +82,22 @@ LoopPointsSpec = Mapping[
 
 
 def resolve_points(
-    loop: str,
-    hook_points: Iterable[HookPoint | str],
-    loop_points: LoopPointsSpec | None,
+    loop: str, hook_points: Iterable[HookPoint | str], loop_points: LoopPointsSpec | None
 ) -> dict[HookPoint, EpochWindow]:
-    """The points (with epoch windows) at which a hook fires in a loop of type ``loop``.
-
-    Without ``loop_points`` the hook fires at every one of its ``hook_points`` in any
-    loop. With ``loop_points`` it fires only in the loops named there, at the points
-    listed for that loop.
-    """
+    """A hook's points (with windows) in a ``loop``: its ``hook_points``, or its ``loop_points``."""
     if loop_points is None:
         return {HookPoint.parse(p): ALWAYS for p in hook_points}
     spec = loop_points.get(loop)
     if spec is None:
         return {}
     if isinstance(spec, Mapping):
-        out: dict[HookPoint, EpochWindow] = {}
-        for p, win in spec.items():
-            out[HookPoint.parse(p)] = ALWAYS if win is None else EpochWindow(*win)
-        return out
+        return {
+            HookPoint.parse(p): ALWAYS if win is None else EpochWindow(*win)
+            for p, win in spec.items()
+        }
     return {HookPoint.parse(p): ALWAYS for p in spec}
 
 
 def snapshot_due(epoch: int, snapshot_every: int) -> bool:
-    """True on the epochs where the loop fires SNAPSHOT (epochs counted from 0; the
-    ``snapshot_every``-th, ``2*snapshot_every``-th, ... epoch). ``snapshot_every <= 0``
-    disables SNAPSHOT."""
+    """Whether SNAPSHOT fires at ``epoch`` (from 0): every ``snapshot_every``-th, if > 0."""
     return snapshot_every > 0 and (epoch + 1) % snapshot_every == 0

@@ -1,10 +1,8 @@
 """HookRegistry and hook selection: names, groups and per-hook configuration.
 
-Groups: ``none``, ``minimal`` (training_metrics, norms), ``observers`` (every observer),
-``interventions`` (every intervention except debug ones), ``full`` (observers +
-interventions). Keywords: ``all`` (= full) and ``with_debug`` (full plus the debug
-interventions). ``training_metrics`` joins any selection that is not empty. The probes'
-trackers are no hook: every ``epoch_end`` reports them.
+Groups: ``none``, ``minimal`` (training_metrics, norms), ``observers``, ``interventions``
+(without debug ones), ``full`` (both); keywords ``all`` (= full) and ``with_debug`` (full
+and the debug interventions). ``training_metrics`` joins any non-empty selection.
 """
 
 from __future__ import annotations
@@ -90,8 +88,7 @@ class HookRegistry:
 
     @classmethod
     def classes(cls) -> list[type[TrainingHook]]:
-        ranked = enumerate(cls._hooks.values())
-        return [c for _, c in sorted(ranked, key=lambda item: (item[1].order, item[0]))]
+        return sorted(cls._hooks.values(), key=lambda c: c.order)  # stable: ties keep registration
 
     @classmethod
     def expand(cls, group: str) -> list[str]:
@@ -121,32 +118,20 @@ class HookRegistry:
 def parse_hook_config(
     entries: Mapping[str, Any] | Iterable[str] | None,
 ) -> dict[str, dict[str, Any]]:
-    """Normalise hook configuration to ``{hook: {param: value}}``.
-
-    Accepts ``["hessian.iters=30", ...]`` (CLI), ``{"hessian.iters": 30}`` or
-    ``{"hessian": {"iters": 30}}`` (TrainTool).
-    """
+    """CLI entries (``hessian.iters=30``) or a mapping as ``{hook: {param: value}}``."""
     out: dict[str, dict[str, Any]] = {}
-    if entries is None:
-        return out
+    items: list[tuple[str, Any]] = []
     if isinstance(entries, Mapping):
-        items: list[tuple[str, Any]] = []
         for key, value in entries.items():
             if isinstance(value, Mapping) and "." not in key:
                 items.extend((f"{key}.{p}", v) for p, v in value.items())
             else:
                 items.append((key, value))
-    else:
-        items = []
+    elif entries is not None:
+        shape = {"shape": "name.param=value", "example": "hessian.iters=30"}
         for entry in entries:
             items.append(
-                split_assignment(
-                    entry,
-                    what="hook config",
-                    shape="name.param=value",
-                    example="hessian.iters=30",
-                    error=HookSelectionError,
-                )
+                split_assignment(entry, what="hook config", error=HookSelectionError, **shape)
             )
     for key, value in items:
         hook, dot, param = key.partition(".")
@@ -159,18 +144,13 @@ def parse_hook_config(
 
 
 def resolve_hook_names(hooks: Iterable[str] = (), with_hooks: str | None = None) -> list[str]:
-    """Hook names from explicit names (or group names) plus a group keyword, in
-    registration order, with the auto-included hooks added when any is selected."""
+    """The selected names in registration order, auto-included hooks added to any selection."""
     wanted: set[str] = set()
-    for item in hooks:
-        for name in str(item).split(","):
-            name = name.strip()
-            if not name:
-                continue
-            if name in GROUPS or name in KEYWORDS:
-                wanted.update(HookRegistry.expand(name))
-            else:
-                wanted.add(HookRegistry.get(name).name)
+    for name in (n.strip() for item in hooks for n in str(item).split(",")):
+        if name in GROUPS or name in KEYWORDS:
+            wanted.update(HookRegistry.expand(name))
+        elif name:
+            wanted.add(HookRegistry.get(name).name)
     if with_hooks:
         wanted.update(HookRegistry.expand(with_hooks))
     if not wanted:
@@ -184,12 +164,7 @@ def select_hooks(
     with_hooks: str | None = None,
     hook_config: Mapping[str, Any] | Iterable[str] | None = None,
 ) -> list[TrainingHook]:
-    """Instantiate the selected hooks with their configuration.
-
-    Raises :class:`HookSelectionError` naming the valid choices for an unknown hook,
-    group or parameter, for a bad parameter value, and for configuration of a hook that
-    is not selected.
-    """
+    """The selected hooks, configured; a :class:`HookSelectionError` lists the valid choices."""
     names = resolve_hook_names(hooks, with_hooks)
     config = parse_hook_config(hook_config)
     stray = [h for h in config if h not in names]

@@ -1,8 +1,5 @@
-"""Capture and restore every global random number generator a training loop uses.
-
-Covers torch (CPU and every initialised CUDA device), numpy's global generator and
-Python's ``random``. Generators owned by objects (a ``torch.Generator`` passed around,
-gymnasium environments' ``np_random``) are not global; hooks do not touch them.
+"""Capture and restore every global RNG a training loop uses: torch (CPU and every
+initialised CUDA device), numpy's global generator and Python's ``random``.
 """
 
 from __future__ import annotations

@@ -18,41 +18,17 @@ EMPTY: Mapping[str, Any] = MappingProxyType({})
 
 @dataclass(frozen=True)
 class RunDataContext:
-    """The state of the run at one firing of one hook point.
+    """The state of the run at one firing of one hook point, read-only (code that changes
+    state belongs in an :class:`~policy_probes.lifecycle.hook.InterventionHook`).
 
-    Hooks must treat everything here as read-only: an observer that changes the model,
-    the optimizer or a tensor it is given alters the training trajectory. Code that must
-    change state belongs in an :class:`~policy_probes.lifecycle.hook.InterventionHook`.
-
-    Attributes:
-        point: the hook point that fired.
-        loop: the loop type (``"ppo"``, ``"external"``).
-        epoch: the epoch as the records number it (from 1 in the built-in trainer, from
-            the ``Run``'s ``first_epoch``, 0 by default, in a ``ProbeSession``).
-        step: the global optimizer step (counted from 0) at PRE_STEP/POST_STEP; at epoch
-            points the number of optimizer steps taken so far, or ``None``.
-        agent_step: environment steps collected so far.
-        update_epoch, minibatch: position inside the update phase at step points.
-        model: the policy being trained.
-        optimizer, scheduler: the loop's optimizer and learning-rate scheduler.
-        config: the loop's configuration object (for the PPO trainer, its TrainTool).
-        batch: the current minibatch at step points.
-        loss: the current minibatch's loss tensor at step points.
-        learning_rate: the learning rate in use.
-        stats: loss, rollout, evaluation and performance statistics the loop reports
-            (``train/policy_loss``, ``rollout/episode_return``, ``perf/sps``, ...).
-        observations: the current rollout's observations, flat ``(samples, *obs_shape)``.
-        grads: only when an active hook declares ``needs_grads``: at PRE_STEP the
-            minibatch's gradients before clipping (the live ``param.grad`` tensors, read
-            them only); at POST_STEP and the epoch points the mean of the PRE_STEP
-            gradients of the current epoch so far. Keyed by parameter name.
-        prev_step_grads: only when an active hook declares ``needs_prev_step_grads``:
-            the gradients of the previous optimizer step (copies).
-        component_context: the probes' :class:`ComponentContext` (its trackers).
-        last_metrics: the latest metrics per hook point, including those of hooks that
-            already ran in this firing (namespaced keys; step-point values may be device
-            tensors).
-        extra: anything else the loop wants to hand to its hooks.
+    ``epoch``: the records' epoch; ``step``: the global optimizer step (from 0) at step
+    points, the steps so far (or ``None``) at epoch points; ``stats``: the loop's
+    ``train/``, ``rollout/``, ``eval/``, ``perf/`` statistics; ``observations``: the
+    rollout's, ``(samples, *obs_shape)``. ``grads`` (only for ``needs_grads``): at
+    PRE_STEP the live pre-clip ``param.grad`` (read only), elsewhere the mean of the
+    epoch's PRE_STEP gradients so far; ``prev_step_grads`` (``needs_prev_step_grads``):
+    copies of the previous step's. ``last_metrics``: the latest metrics per point, with
+    this firing's so far. ``docs/lifecycle.md`` lists what the trainer passes.
     """
 
     point: HookPoint

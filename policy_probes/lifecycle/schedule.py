@@ -35,7 +35,6 @@ class StepSchedule:
         if self.warmup < 0:
             raise ValueError(f"schedule warmup must be >= 0, got {self.warmup}")
 
-    # ------------------------------------------------------------ constructors
     @classmethod
     def continual(cls, warmup: int = 0) -> StepSchedule:
         return cls("continual", warmup=warmup)
@@ -50,8 +49,7 @@ class StepSchedule:
 
     @classmethod
     def parse(cls, spec: str | StepSchedule) -> StepSchedule:
-        """Parse ``"continual"``, ``"stride:4"``, ``"burst:2/10"``, each optionally followed
-        by ``",warmup:N"`` (the form used by ``--hook-config name.schedule=...``)."""
+        """``continual``, ``stride:4`` or ``burst:2/10``, each optionally with ``,warmup:N``."""
         if isinstance(spec, StepSchedule):
             return spec
         usage = (
@@ -81,7 +79,6 @@ class StepSchedule:
                 raise
         raise ValueError(f"bad schedule {spec!r}; {usage}")
 
-    # ------------------------------------------------------------------- query
     def due(self, index: int) -> bool:
         """Whether the hook fires at step (or epoch) ``index``."""
         k = index - self.warmup

@@ -1,10 +1,7 @@
-"""TrainingSnapshot: a deep copy of everything an intervention could change.
-
-Model parameters and buffers, the modules' train/eval flags, optimizer state (moments,
-step counts, hyperparameters), scheduler state, ``param.grad`` tensors and every global
-RNG. Restoring writes the saved values back *in place* wherever the structure still
-matches, so references the loop holds (parameters, optimizer state tensors, parameter
-group dicts) stay valid.
+"""TrainingSnapshot: a deep copy of everything an intervention could change (parameters,
+buffers, train flags, optimizer and scheduler state, ``param.grad``, every RNG). Restoring
+writes back *in place* where the structure still matches, so references the loop holds
+(parameters, optimizer state tensors, parameter-group dicts) stay valid.
 """
 
 from __future__ import annotations
@@ -111,35 +108,28 @@ def restore_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict[str, A
         return
     for group, sgroup in zip(groups, saved_groups, strict=True):
         for key, value in sgroup.items():
-            if key == "params":
-                continue
-            current = group.get(key)
-            if _same_layout(current, value):
-                current.copy_(value)
-            else:
-                group[key] = copy.deepcopy(value)
+            if key != "params":
+                current = group.get(key)
+                same = _same_layout(current, value)
+                group[key] = current.copy_(value) if same else copy.deepcopy(value)
         for key in [k for k in group if k not in sgroup and k != "params"]:
             del group[key]
     params = [p for g in groups for p in g["params"]]
     restored: dict[torch.Tensor, dict[str, Any]] = {}
     for index, param in enumerate(params):
         pstate = saved["state"].get(index)
-        if pstate is None:
-            continue
-        live = optimizer.state.get(param, {})
-        out: dict[str, Any] = {}
-        for key, value in pstate.items():
-            current = live.get(key)
-            if _same_layout(current, value):
-                current.copy_(value)
-                out[key] = current
-            elif isinstance(value, torch.Tensor):
-                out[key] = value.clone()
-            else:
-                out[key] = copy.deepcopy(value)
-        restored[param] = out
+        if pstate is not None:
+            live = optimizer.state.get(param, {})
+            restored[param] = {k: _copied(live.get(k), v) for k, v in pstate.items()}
     optimizer.state.clear()
     optimizer.state.update(restored)
+
+
+def _copied(current: Any, value: Any) -> Any:
+    """``value`` written into ``current`` when their layouts match, else a copy of it."""
+    if _same_layout(current, value):
+        return current.copy_(value)
+    return value.clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
 
 
 def _same_layout(current: Any, value: Any) -> bool:

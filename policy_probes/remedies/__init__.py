@@ -1,9 +1,6 @@
-"""Remedies for lost plasticity, fired from the probes' own measurements.
-
-Attach one like a probe (``session.add_remedy("critic_mlp", redo(tau=0.025,
-every_epochs=25))`` or ``TrainTool.add_remedy``), or switch one on from the command line
-(``remedies='["redo@critic_mlp:tau=0.025,every_epochs=25"]'``). See ``docs/remedies.md``.
-Unlike lifecycle interventions, remedies change the trajectory on purpose.
+"""Remedies for lost plasticity, fired from the probes' own measurements; unlike lifecycle
+interventions they change the trajectory on purpose. Attach one with ``add_remedy`` or a
+``remedies=`` spec (``"redo@critic_mlp:tau=0.025,every_epochs=25"``; ``docs/remedies.md``).
 """
 
 from policy_probes.remedies.base import (

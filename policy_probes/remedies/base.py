@@ -1,18 +1,17 @@
 """Remedies, bound to components, and the runner that fires them at the end of an epoch.
 
-A :class:`Remedy` is configuration (``redo(tau=0.025, every_epochs=25)``); attaching it
-to a component (``session.add_remedy("critic_mlp", ...)``) binds it: the bound remedy
-holds the component's layers, the optimiser, its own ``torch.Generator`` and its
-firing record, which is what a checkpoint stores (:meth:`BoundRemedy.state_dict`).
+A :class:`Remedy` is configuration (``redo(tau=0.025, every_epochs=25)``); attaching it to
+a component binds it (:class:`BoundRemedy`: the component's layers, the optimiser, its own
+``torch.Generator`` and its firing record, which checkpoints store).
 """
 
 from __future__ import annotations
 
 import logging
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import Any, TypedDict
 
 import torch
 from torch import nn
@@ -20,9 +19,6 @@ from torch import nn
 from policy_probes.context import ComponentContext
 from policy_probes.remedies.optim_state import check_optimizer
 from policy_probes.remedies.trigger import Threshold, Trigger
-
-if TYPE_CHECKING:
-    pass  # typing.Unpack from Python 3.11
 
 log = logging.getLogger("policy_probes")
 
@@ -39,9 +35,7 @@ class RemedyTarget:
 
 
 class RemedyOptions(TypedDict, total=False):
-    """The keyword-only arguments every triggered remedy's factory passes on to
-    :class:`Remedy` (``**options``): the first epoch its trigger may fire at, the epochs it
-    waits after a firing, and its generator's seed (default: the run's seed)."""
+    """A triggered remedy factory's keyword-only ``**options``: trigger settings and ``seed``."""
 
     start_epoch: int
     cooldown: int
@@ -50,19 +44,16 @@ class RemedyOptions(TypedDict, total=False):
 
 class Remedy:
     """Base of the remedies: a name, a trigger and an optional seed. Subclasses implement
-    :meth:`prepare` (checks and layer lookup, at attach time) and :meth:`apply`.
-
-    A remedy that acts at every optimizer step instead of at triggered epoch ends
-    (:class:`~policy_probes.remedies.step_remedy.StepRemedy`) has ``trigger = None``,
-    installs its optimizer hooks in :meth:`start` and reports in :meth:`epoch_metrics`.
-    A remedy with state of its own (beyond the generator and the firing record) returns
-    it from :meth:`state_dict`; checkpoints carry it.
-    """
+    :meth:`prepare` (checks and layer lookup, at attach time) and :meth:`apply`; one with
+    state of its own returns it from :meth:`state_dict` (checkpoints carry it). Per-step
+    remedies (:class:`~policy_probes.remedies.step_remedy.StepRemedy`) have no trigger."""
 
     kind = "remedy"
     name: str = "remedy"
     #: the keywords a spec may give besides the constructor's own (its ``**trigger``)
     spec_keys = ("every_epochs", "when", "start_epoch", "cooldown", "seed")
+    #: the attributes holding its own arguments (:meth:`settings`)
+    setting_names: tuple[str, ...] = ()
     trigger: Trigger | None
 
     def __init__(
@@ -80,10 +71,8 @@ class Remedy:
         self.seed = None if seed is None else int(seed)
 
     def reads_components(self, component: str) -> list[str]:
-        """The components whose probe metrics this remedy reads when attached to
-        ``component``: the one a ``when=`` threshold on a ``probes/`` key names (the
-        sampler pins them, :meth:`policy_probes.sampling.Sampler.pin`)."""
-        when = self.trigger.when
+        """The components a ``when=`` on a ``probes/`` key reads (the sampler pins them)."""
+        when = getattr(self.trigger, "when", None)  # per-step remedies have no trigger
         if when is None or not when.key.startswith("probes/"):
             return []
         parts = when.key.split("/")
@@ -96,21 +85,18 @@ class Remedy:
     def apply(
         self, target: RemedyTarget, prepared: Any, generator: torch.Generator
     ) -> dict[str, int] | None:
-        """Change the weights now; returns units reset per layer name (None: it did not
-        fire after all)."""
+        """Change the weights now; units reset per layer name (None: it did not fire)."""
         raise NotImplementedError
 
     def settings(self) -> dict[str, Any]:
         """The remedy's own arguments (for ``repr`` and the run's configuration)."""
-        return {}
+        return {name: getattr(self, name) for name in self.setting_names}
 
     def start(self, target: RemedyTarget, prepared: Any, generator: torch.Generator) -> None:
-        """Called once the remedy is bound (its generator seeded): per-step remedies
-        register their optimizer hooks here. Default: nothing."""
+        """Called once bound (its generator seeded); per-step remedies hook the optimizer."""
 
     def epoch_metrics(self, target: RemedyTarget, prepared: Any) -> dict[str, float]:
-        """What a per-step remedy did during the epoch just ended (keys relative to
-        ``remedies/<name>/``; a key without ``/`` is put under the component)."""
+        """What a per-step remedy did in the epoch (a key without ``/``: under the component)."""
         return {}
 
     def state_dict(self, prepared: Any) -> dict[str, Any]:
@@ -121,13 +107,27 @@ class Remedy:
         """Inverse of :meth:`state_dict`."""
 
     def __repr__(self) -> str:
-        t = self.trigger
-        args = {**self.settings(), "every_epochs": t.every_epochs, "when": t.when}
-        args.update(start_epoch=t.start_epoch, cooldown=t.cooldown, seed=self.seed)
+        args = {**self.settings()}
+        if (t := self.trigger) is not None:
+            args.update(every_epochs=t.every_epochs, when=t.when)
+            args.update(start_epoch=t.start_epoch, cooldown=t.cooldown)
+        args["seed"] = self.seed
         text = ", ".join(
             f"{k}={(str(v) if k == 'when' else v)!r}" for k, v in args.items() if v is not None
         )
         return f"{self.name}({text})"
+
+
+def checked(name: str, value: Any, ok: Callable[[float], bool], rule: str) -> float:
+    """``float(value)`` if ``ok`` holds (never for a bool), else a ValueError: name must be rule."""
+    if isinstance(value, bool) or not ok(float(value)):
+        raise ValueError(f"{name} must be {rule}, got {value!r}")
+    return float(value)
+
+
+def name_list(names: Sequence[str] | str | None) -> list[str] | None:
+    """Layer or component names as a list (one may be given as a string), or ``None``."""
+    return None if names is None else [names] if isinstance(names, str) else list(names)
 
 
 def check_remedy(remedy: object) -> Remedy:
@@ -141,8 +141,7 @@ def check_remedy(remedy: object) -> Remedy:
 
 
 def remedy_seed(base: int, name: str, component: str) -> int:
-    """The generator seed of ``name`` on ``component``: distinct streams per remedy and
-    component from one run seed."""
+    """The generator seed of ``name`` on ``component`` (distinct streams from one seed)."""
     return (int(base) * 1_000_003 + zlib.crc32(f"{name}@{component}".encode())) % 2**63
 
 
@@ -161,8 +160,7 @@ class BoundRemedy:
         self.firings = 0
         self.warned_key = False  # a `when=` key the metrics never hold: said once
         remedy.start(target, self.prepared, self.generator)
-        # what the remedy reads from the probes must not depend on measured time (the
-        # budget's one-time calibration does): deterministic for a seed and settings
+        # what it reads from the probes must not depend on measured time (the budget's)
         sampler = target.context.sampler
         if sampler is not None:
             for component in remedy.reads_components(target.component):
@@ -170,10 +168,11 @@ class BoundRemedy:
 
     def end_epoch(self, epoch: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
         """Fire when due at the end of ``epoch`` (counted from 1); the epoch's metrics."""
-        prefix = f"remedies/{self.remedy.name}/{self.target.component}"
+        root = f"remedies/{self.remedy.name}"
+        prefix = f"{root}/{self.target.component}"
         if self.remedy.trigger is None:  # acts at every optimizer step
             return {
-                (f"remedies/{self.remedy.name}/{k}" if "/" in k else f"{prefix}/{k}"): v
+                (f"{root}/{k}" if "/" in k else f"{prefix}/{k}"): v
                 for k, v in self.remedy.epoch_metrics(self.target, self.prepared).items()
             }
         when = self.remedy.trigger.when
@@ -182,17 +181,17 @@ class BoundRemedy:
             if problem is not None:
                 self.warned_key = True
                 log.warning("remedy %s: %s", self.key, problem)
-        if not self.remedy.trigger.due(epoch, metrics, self.last_fired):
-            return {f"{prefix}/fired": 0.0, f"{prefix}/units_reset": 0.0}
-        per_layer = self.remedy.apply(self.target, self.prepared, self.generator)
-        if per_layer is None:  # the remedy declined (a one-off that has acted already)
+        per_layer = None
+        if self.remedy.trigger.due(epoch, metrics, self.last_fired):
+            per_layer = self.remedy.apply(self.target, self.prepared, self.generator)
+        if per_layer is None:  # not due, or declined (a one-off that has acted already)
             return {f"{prefix}/fired": 0.0, f"{prefix}/units_reset": 0.0}
         self.last_fired, self.firings = epoch, self.firings + 1
         out: dict[str, Any] = {f"{prefix}/fired": 1.0}
         out[f"{prefix}/units_reset"] = float(sum(per_layer.values()))
         for layer, units in per_layer.items():
             if layer != self.target.component:
-                out[f"remedies/{self.remedy.name}/{layer}/units_reset"] = float(units)
+                out[f"{root}/{layer}/units_reset"] = float(units)
         log.info("remedy %s fired at epoch %d: %s", self.key, epoch, per_layer)
         return out
 
@@ -236,18 +235,14 @@ class RemedyRunner:
         optimizer: torch.optim.Optimizer,
         seed: int,
     ) -> list[BoundRemedy]:
-        """Bind ``remedy`` to every component of ``policy`` (a PolicyAutoBuilder) that
-        ``pattern`` names; ``seed`` is used when the remedy has none."""
+        """Bind ``remedy`` to every component ``pattern`` names (``seed``: when it has none)."""
         check_remedy(remedy)
         base = remedy.seed if remedy.seed is not None else seed
-        return [
-            self.add(
-                remedy,
-                RemedyTarget(name, policy.get_component(name), policy, context, optimizer),
-                base,
-            )
+        targets = (
+            RemedyTarget(name, policy.get_component(name), policy, context, optimizer)
             for name in policy.resolve(pattern)
-        ]
+        )
+        return [self.add(remedy, target, base) for target in targets]
 
     def __bool__(self) -> bool:
         return bool(self.bound)

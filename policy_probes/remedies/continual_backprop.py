@@ -2,36 +2,14 @@
 "Loss of plasticity in deep continual learning", Nature; reference code
 shibhansh/loss-of-plasticity, ``lop/algos/gnt.py``).
 
-For every hidden unit ``i`` of the component's unit layers (a Linear or convolution
-followed by an activation; :mod:`~policy_probes.remedies.structure`) the remedy keeps its
-own running *contribution utility*, its *age* (optimizer steps since it was created) and,
-after every optimizer step,
-
-1. ``age_i += 1``; ``u_i <- eta * u_i + (1 - eta) * mean|h_i| * sum_k |w_ik|``, where
-   ``mean|h_i|`` is the unit's mean absolute activation over the samples of the step's
-   training forwards (and over positions for a convolution; forwards with gradients
-   enabled only) and ``w_ik`` its outgoing weights after the step;
-2. with ``E`` the units older than ``maturity_threshold`` (``age > m``), it adds
-   ``replacement_rate * |E|`` to a running count and replaces the integer part ``n`` of
-   it (the count keeps the fraction): the ``n`` units of ``E`` with the lowest
-   bias-corrected utility ``u_i / (1 - eta^age_i)`` (ties: lowest index first);
-3. a replaced unit gets fresh incoming weights from the layer's own initialiser (one seed
-   per replacing layer and step from the remedy's generator), zero outgoing weights (so
-   the outputs are unchanged at that moment), zero optimizer moments on exactly those
-   weights (``step`` kept, :mod:`~policy_probes.remedies.optim_state`), utility 0 and age 0.
-
-Defaults are Dohare et al.'s PPO settings (``lop/rl/cfg/ant/cbp.yml``: ``rr: 1e-4``,
-``mt: 10000``; decay 0.99, the GnT default and the paper's eta). Differences to the
-reference code: the outgoing-weight magnitude is a sum (the paper's formula; the code
-uses the mean, which ranks units of one layer identically), the fractional count is
-always accumulated (the code's ``accumulate=True``; its default draws a random number),
-and the next layer's bias is not corrected by the replaced units' mean activation (the
-outputs stay exactly those of the model with the outgoing weights zeroed).
-
-Host synchronisation: none per step. Which units are eligible is counted on the host from
-the replacement counts of the last ``maturity_threshold`` steps (a unit replaced at step
-``r`` is ineligible until step ``r + m``), so the number to replace is known without
-reading the device; the selection and the replacement run on the device.
+After every optimizer step each unit ``i`` of the component's unit layers ages by one and
+``u_i <- eta * u_i + (1 - eta) * mean|h_i| * sum_k |w_ik|`` (activations of the step's
+training forwards, outgoing weights after it). ``replacement_rate * |E|`` (``E``: units
+with ``age > maturity_threshold``) accumulates into a count whose integer part ``n`` is
+replaced: the ``n`` lowest ``u_i / (1 - eta^age_i)`` get fresh incoming weights, zero
+outgoing weights and moments, utility and age 0 (outputs unchanged). Defaults: the paper's
+PPO settings. How it differs from the reference code, and why it needs no host sync per
+step: ``docs/remedies.md``.
 """
 
 from __future__ import annotations
@@ -46,13 +24,12 @@ from torch import nn
 from torch.nn.modules import conv
 
 from policy_probes.plugins import register
-from policy_probes.probes.layout import ACTIVATION_MODULES
 from policy_probes.processes import multi_process
-from policy_probes.remedies.base import RemedyTarget
+from policy_probes.remedies.base import RemedyTarget, checked, name_list
 from policy_probes.remedies.dormant_recycling import recycle
 from policy_probes.remedies.fresh_init import draw_seed
 from policy_probes.remedies.step_remedy import StepRemedy, StepState
-from policy_probes.remedies.structure import RECURRENT, UnitLayer, leaves, target_unit_layers
+from policy_probes.remedies.structure import RECURRENT, UnitLayer, target_unit_layers
 
 
 @dataclass
@@ -69,6 +46,10 @@ class CBPLayer:
     #: (step, units replaced) of the last maturity_threshold steps
     recent: deque = field(default_factory=deque)
     replaced_epoch: int = 0
+
+
+#: the per-unit tensors of a :class:`CBPLayer`
+_TENSORS = ("util", "ages", "h_sum")
 
 
 @dataclass
@@ -89,24 +70,14 @@ def output_magnitude(layer: UnitLayer) -> torch.Tensor:
     return total
 
 
-def activation_after(component: nn.Module, producer: nn.Module) -> nn.Module:
-    """The activation module that follows ``producer`` among the component's leaves."""
-    items = leaves(component)
-    start = next(i for i, (_, m) in enumerate(items) if m is producer)
-    for _, m in items[start + 1 :]:
-        if isinstance(m, ACTIVATION_MODULES):
-            return m
-    raise ValueError(f"no activation module follows {type(producer).__name__}")
-
-
 @register
 class ContinualBackprop(StepRemedy):
     """Continual backprop (Dohare et al., Nature 2024): after every optimizer step, replace
     the component's lowest-utility mature units (build with :func:`continual_backprop`)."""
 
     docs = "docs/remedies.md"
-
     name = "continual_backprop"
+    setting_names = ("replacement_rate", "maturity_threshold", "decay", "consumer")
 
     def __init__(
         self,
@@ -117,27 +88,17 @@ class ContinualBackprop(StepRemedy):
         consumer: str | Sequence[str] | None = None,
         seed: int | None = None,
     ) -> None:
-        if isinstance(replacement_rate, bool) or not 0.0 < float(replacement_rate) <= 1.0:
-            raise ValueError(f"replacement_rate must be in (0, 1], got {replacement_rate!r}")
+        self.replacement_rate = checked(
+            "replacement_rate", replacement_rate, lambda v: 0 < v <= 1, "in (0, 1]"
+        )
         if isinstance(maturity_threshold, bool) or int(maturity_threshold) != maturity_threshold:
             raise ValueError(f"maturity_threshold must be an integer, got {maturity_threshold!r}")
         if int(maturity_threshold) < 0:
             raise ValueError(f"maturity_threshold must be >= 0, got {maturity_threshold!r}")
-        if isinstance(decay, bool) or not 0.0 <= float(decay) < 1.0:
-            raise ValueError(f"decay must be in [0, 1), got {decay!r}")
-        super().__init__(seed=seed)
-        self.replacement_rate = float(replacement_rate)
         self.maturity_threshold = int(maturity_threshold)
-        self.decay = float(decay)
-        self.consumer = (consumer,) if isinstance(consumer, str) else consumer
-
-    def settings(self) -> dict[str, Any]:
-        return {
-            "replacement_rate": self.replacement_rate,
-            "maturity_threshold": self.maturity_threshold,
-            "decay": self.decay,
-            "consumer": None if self.consumer is None else list(self.consumer),
-        }
+        self.decay = checked("decay", decay, lambda v: 0 <= v < 1, "in [0, 1)")
+        super().__init__(seed=seed)
+        self.consumer = name_list(consumer)
 
     def prepare(self, target: RemedyTarget) -> CBPState:
         found = target_unit_layers(target, self.consumer, remedy="continual_backprop")
@@ -148,16 +109,10 @@ class ContinualBackprop(StepRemedy):
                     f"continual_backprop on {target.component!r}: {layer.producer_name!r} is a "
                     f"recurrent layer; CBP replaces units of nn.Linear and nn.Conv1d/2d/3d layers"
                 )
-            w = layer.producer.weight
-            zeros = torch.zeros(layer.units, device=w.device, dtype=torch.float32)
-            state.layers.append(
-                CBPLayer(
-                    layer,
-                    util=zeros.clone(),
-                    ages=torch.zeros(layer.units, device=w.device, dtype=torch.long),
-                    h_sum=zeros.clone(),
-                )
-            )
+            device = layer.producer.weight.device
+            util = torch.zeros(layer.units, device=device, dtype=torch.float32)
+            ages = torch.zeros(layer.units, device=device, dtype=torch.long)
+            state.layers.append(CBPLayer(layer, util, ages, h_sum=util.clone()))
         return state
 
     def start(self, target: RemedyTarget, prepared: CBPState, generator: torch.Generator) -> None:
@@ -168,11 +123,9 @@ class ContinualBackprop(StepRemedy):
             )
         super().start(target, prepared, generator)
         for entry in prepared.layers:
-            act = activation_after(target.module, entry.layer.producer)
             conv_layer = isinstance(entry.layer.producer, conv._ConvNd)
-            prepared.handles.append(
-                act.register_forward_hook(self._features_hook(entry, conv_layer))
-            )
+            hook = self._features_hook(entry, conv_layer)
+            prepared.handles.append(entry.layer.activation.register_forward_hook(hook))
 
     @staticmethod
     def _features_hook(entry: CBPLayer, conv_layer: bool) -> Any:
@@ -223,43 +176,33 @@ class ContinualBackprop(StepRemedy):
             entry.replaced_epoch += n
 
     def epoch_report(self, target: RemedyTarget, prepared: CBPState) -> dict[str, float]:
-        out: dict[str, float] = {}
-        total = 0
+        out = {f"{e.layer.name}/units_reset": float(e.replaced_epoch) for e in prepared.layers}
+        out["units_reset"] = float(sum(e.replaced_epoch for e in prepared.layers))
+        out.pop(f"{target.component}/units_reset", None)  # the component total says it
         for entry in prepared.layers:
-            out[f"{entry.layer.name}/units_reset"] = float(entry.replaced_epoch)
-            total += entry.replaced_epoch
             entry.replaced_epoch = 0
-        out["units_reset"] = float(total)
-        if out.get(f"{target.component}/units_reset") is not None:
-            out.pop(f"{target.component}/units_reset")  # the component total says it
         return out
 
     def state_dict(self, prepared: CBPState) -> dict[str, Any]:
-        return {
-            **super().state_dict(prepared),
-            "step": prepared.step,
-            "layers": {
-                e.layer.name: {
-                    "util": e.util.clone(),
-                    "ages": e.ages.clone(),
-                    "h_sum": e.h_sum.clone(),
-                    "h_count": e.h_count,
-                    "pending": e.pending,
-                    "recent": list(e.recent),
-                    "replaced_epoch": e.replaced_epoch,
-                }
-                for e in prepared.layers
-            },
+        layers = {
+            e.layer.name: {
+                **{k: getattr(e, k).clone() for k in _TENSORS},
+                "h_count": e.h_count,
+                "pending": e.pending,
+                "recent": list(e.recent),
+                "replaced_epoch": e.replaced_epoch,
+            }
+            for e in prepared.layers
         }
+        return {**super().state_dict(prepared), "step": prepared.step, "layers": layers}
 
     def load_state_dict(self, prepared: CBPState, state: Any) -> None:
         super().load_state_dict(prepared, state)
         prepared.step = int(state["step"])
         for e in prepared.layers:
             saved = state["layers"][e.layer.name]
-            e.util.copy_(saved["util"])
-            e.ages.copy_(saved["ages"])
-            e.h_sum.copy_(saved["h_sum"])
+            for k in _TENSORS:
+                getattr(e, k).copy_(saved[k])
             e.h_count = int(saved["h_count"])
             e.pending = float(saved["pending"])
             e.recent = deque((int(s), int(n)) for s, n in saved["recent"])
@@ -274,9 +217,7 @@ def continual_backprop(
     consumer: str | Sequence[str] | None = None,
     seed: int | None = None,
 ) -> ContinualBackprop:
-    """Continual backprop on the component it is attached to, after every optimizer step
-    (:mod:`policy_probes.remedies.continual_backprop`). ``consumer``: the component(s)
-    reading the component's output (default: the policy's ``component_consumers``)."""
+    """Continual backprop on the component it is attached to; ``consumer`` as for :func:`redo`."""
     return ContinualBackprop(
         replacement_rate=replacement_rate,
         maturity_threshold=maturity_threshold,

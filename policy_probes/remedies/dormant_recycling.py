@@ -1,38 +1,30 @@
 """ReDo: recycle dormant units (Sokar et al. 2023, "The Dormant Neuron Phenomenon in Deep
 Reinforcement Learning").
 
-At a firing, unit ``u`` of a layer is dormant when its score from the ReLU probe
-(:mod:`policy_probes.probes.relu`), ``s_u = mean|h_u| / (layer mean + eps)`` over the
-epoch's observed passes, is ``<= tau``. For every dormant unit ReDo
-
-* re-initialises its incoming weights (row ``u`` of a Linear weight, out-channel ``u`` of
-  a conv weight, entry ``u`` of the bias; for an LSTM/GRU the rows ``g*H + u`` of every
-  gate ``g`` in ``weight_ih``, ``weight_hh`` and both biases) with the layer's own
-  initialiser (:mod:`~policy_probes.remedies.fresh_init`);
-* zeroes its outgoing weights (the consumer's input columns of ``u``,
-  :mod:`~policy_probes.remedies.structure`; for an LSTM/GRU also column ``u`` of its own
-  ``weight_hh``), so the policy's outputs are unchanged at the firing;
-* zeroes the optimiser's moment entries of exactly those weights (``step`` is kept:
-  :mod:`~policy_probes.remedies.optim_state`).
+Unit ``u`` is dormant when its ReLU-probe score ``s_u = mean|h_u| / (layer mean + eps)``
+over the epoch's observed passes is ``<= tau``. ReDo gives it fresh incoming weights from
+the layer's own initialiser (row ``u``, bias entry ``u``; for an LSTM/GRU rows ``g*H + u``
+of every gate ``g``), zeroes its outgoing weights (the consumer's input columns of ``u``,
+:mod:`~policy_probes.remedies.structure`; for an LSTM/GRU also column ``u`` of its own
+``weight_hh``), so the outputs are unchanged at the firing, and zeroes the optimiser's
+moment entries of exactly those weights (``step`` kept).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+from typing_extensions import Unpack
 
 from policy_probes.plugins import register
-from policy_probes.remedies.base import Remedy, RemedyOptions, RemedyTarget
+from policy_probes.remedies.base import Remedy, RemedyOptions, RemedyTarget, checked, name_list
 from policy_probes.remedies.fresh_init import draw_seed, fresh_parameters
 from policy_probes.remedies.optim_state import reset_entries
 from policy_probes.remedies.structure import RECURRENT, UnitLayer, target_unit_layers
 from policy_probes.remedies.trigger import Threshold
-
-if TYPE_CHECKING:
-    from typing_extensions import Unpack
 
 log = logging.getLogger("policy_probes")
 
@@ -43,23 +35,17 @@ class ReDo(Remedy):
     fresh incoming weights, zero outgoing ones (build with :func:`redo`)."""
 
     docs = "docs/remedies.md"
-
     name = "redo"
+    setting_names = ("tau", "consumer")
 
     def __init__(
         self, *, tau: float = 0.025, consumer: str | Sequence[str] | None = None, **trigger: Any
     ) -> None:
-        if isinstance(tau, bool) or not float(tau) >= 0:
-            raise ValueError(
-                f"tau must be >= 0 (a unit is dormant when its score <= tau), got {tau!r}"
-            )
+        rule = ">= 0 (a unit is dormant when its score <= tau)"
+        self.tau = checked("tau", tau, lambda v: v >= 0, rule)
         super().__init__(**trigger)
-        self.tau = float(tau)
-        self.consumer = (consumer,) if isinstance(consumer, str) else consumer
+        self.consumer = name_list(consumer)
         self._warned: set[str] = set()
-
-    def settings(self) -> dict[str, Any]:
-        return {"tau": self.tau, "consumer": None if self.consumer is None else list(self.consumer)}
 
     def reads_components(self, component: str) -> list[str]:
         """The ReLU probe's scores of ``component``, besides a threshold's component."""
@@ -118,12 +104,10 @@ class ReDo(Remedy):
 
 
 def recycle(layer: UnitLayer, units: torch.Tensor, seed: int, optimizer: Any) -> None:
-    """Re-initialise the incoming and zero the outgoing weights of ``units`` of ``layer``
-    (fresh values from ``seed``), and zero their optimiser moments."""
+    """Fresh incoming and zero outgoing weights and moments for ``units`` of ``layer``."""
     producer = layer.producer
     fresh = fresh_parameters(producer, seed)
-    hidden = layer.units
-    rows = torch.cat([units + g * hidden for g in range(layer.gates)])
+    rows = torch.cat([units + g * layer.units for g in range(layer.gates)])
     with torch.no_grad():
         for name, param in producer.named_parameters(recurse=False):
             idx = rows.to(param.device)
@@ -135,9 +119,8 @@ def recycle(layer: UnitLayer, units: torch.Tensor, seed: int, optimizer: Any) ->
         if isinstance(producer, RECURRENT):  # the unit's own recurrent outputs
             zero_columns(producer.weight_hh_l0, units, 1, optimizer)
         for consumer in layer.consumers:
-            zero_columns(
-                getattr(consumer.module, consumer.weight_name), units, consumer.block, optimizer
-            )
+            weight = getattr(consumer.module, consumer.weight_name)
+            zero_columns(weight, units, consumer.block, optimizer)
 
 
 def zero_columns(weight: torch.Tensor, units: torch.Tensor, block: int, optimizer: Any) -> None:
@@ -156,13 +139,10 @@ def redo(
     consumer: str | Sequence[str] | None = None,
     **options: Unpack[RemedyOptions],
 ) -> ReDo:
-    """ReDo on the component it is attached to (see :mod:`policy_probes.remedies.dormant_recycling`).
-
-    ``tau``: units with score ``<= tau`` are recycled. ``every_epochs``, ``when``,
-    ``start_epoch``, ``cooldown``: the trigger (:mod:`~policy_probes.remedies.trigger`).
-    ``consumer``: the component(s) reading the component's output (default: the policy's
-    ``component_consumers``). ``seed``: the generator's seed (default: the run's seed).
-    """
+    """ReDo on the component it is attached to (:mod:`policy_probes.remedies.dormant_recycling`):
+    units with score ``<= tau`` are recycled when the trigger
+    (:mod:`~policy_probes.remedies.trigger`) is due. ``consumer``: the component(s) reading
+    the component's output (default: the policy's ``component_consumers``)."""
     return ReDo(tau=tau, consumer=consumer, every_epochs=every_epochs, when=when, **options)
 
 

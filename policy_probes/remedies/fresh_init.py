@@ -1,12 +1,7 @@
-"""Fresh initial values for a layer, drawn from a remedy's own generator.
-
-A remedy re-initialises with the layer's own initialiser: the module's
-``reset_parameters()``, run on a parameter-only twin of the layer (same parameter names,
-shapes and dtypes, on the CPU) with the CPU generator seeded with ``seed`` inside
-``torch.random.fork_rng``, so the process-wide RNG (CPU and CUDA) is left as it was.
-``seed`` is one draw from the remedy's ``torch.Generator``: the values depend on that
-generator's state only, so a seeded run re-initialises the same values on every device,
-also after a resume.
+"""Fresh initial values for a layer from a remedy's own generator: the layer's
+``reset_parameters()`` on a parameter-only CPU twin, with the CPU generator seeded with
+one draw from the remedy's ``torch.Generator`` inside ``torch.random.fork_rng`` (the
+process-wide RNG is left alone; the values are the same on every device and on resume).
 """
 
 from __future__ import annotations
@@ -27,8 +22,7 @@ def draw_seed(generator: torch.Generator) -> int:
 
 
 def fresh_parameters(module: nn.Module, seed: int) -> dict[str, torch.Tensor]:
-    """``module``'s own parameters (not its children's) as its ``reset_parameters()``
-    initialises them with the CPU generator seeded with ``seed``, on the CPU."""
+    """``module``'s own parameters as ``reset_parameters()`` draws them from ``seed`` (CPU)."""
     reset = getattr(module, "reset_parameters", None)
     if not callable(reset):
         raise TypeError(
@@ -59,9 +53,9 @@ def refresh_layers(
     generator: torch.Generator,
     update: Callable[[nn.Parameter, torch.Tensor], None],
 ) -> dict[str, int]:
-    """For every layer, in order: draw its fresh initial values (one seed from
-    ``generator``) and call ``update(param, fresh)`` for each of its own parameters, under
-    ``no_grad``. Returns the output units of every layer."""
+    """For every layer in order, draw fresh values (one seed from ``generator``) and call
+    ``update(param, fresh)`` on each of its own parameters under ``no_grad``; returns the
+    output units of every layer."""
     out: dict[str, int] = {}
     with torch.no_grad():
         for name, module in layers:
@@ -73,9 +67,7 @@ def refresh_layers(
 
 
 class LayerRefresh(Remedy):
-    """A remedy that mixes fresh initial values into whole layers: a subclass chooses the
-    layers (:meth:`prepare`, a ``[(name, layer)]`` list) and what each parameter becomes
-    (:meth:`update`)."""
+    """A remedy mixing fresh values into the layers :meth:`prepare` chooses (:meth:`update`)."""
 
     def update(self, target: RemedyTarget, param: nn.Parameter, fresh: torch.Tensor) -> None:
         """Change ``param`` given its ``fresh`` initial values (under ``no_grad``)."""

@@ -1,19 +1,12 @@
 """L2 towards the initial parameters ("L2 Init"; Kumar, Marklund, Van Roy 2023,
 "Maintaining Plasticity in Continual Learning via Regenerative Regularization"; in PPO:
 Juliani & Ash 2024, "A Study of Plasticity Loss in On-Policy Deep Reinforcement
-Learning"; Dohare et al. 2024 pair L2 with CBP).
+Learning").
 
-Before every optimizer step, for every parameter of the chosen layers of the component
-that has a gradient,
-
-    grad <- grad + coef * (theta - theta_0)
-
-the gradient of ``coef / 2 * ||theta - theta_0||^2``: the regularised objective, applied in
-the step without changing the loss the loop computes and logs. ``theta_0`` are the
-parameters when the remedy is attached; the built-in ``TrainTool`` attaches remedies to
-the freshly built (seeded) policy before a resume or fork loads a checkpoint, so
-``theta_0`` is the run's initialisation there too (a fork's is its parent's: same recipe,
-same seed). The term is added after the loop's gradient clipping.
+Before every optimizer step (after the loop's clipping) each parameter of the chosen
+layers with a gradient gets ``grad <- grad + coef * (theta - theta_0)``, the gradient of
+``coef / 2 * ||theta - theta_0||^2``; the loss the loop logs is unchanged. ``theta_0``:
+the parameters when the remedy is attached (the run's initialisation, also on resume).
 """
 
 from __future__ import annotations
@@ -26,7 +19,7 @@ import torch
 from torch import nn
 
 from policy_probes.plugins import register
-from policy_probes.remedies.base import RemedyTarget
+from policy_probes.remedies.base import RemedyTarget, checked, name_list
 from policy_probes.remedies.step_remedy import StepRemedy, StepState
 from policy_probes.remedies.structure import chosen_leaves
 
@@ -43,8 +36,8 @@ class L2Init(StepRemedy):
     parameters towards their initial values (build with :func:`l2_init`)."""
 
     docs = "docs/remedies.md"
-
     name = "l2_init"
+    setting_names = ("coef", "layers")
 
     def __init__(
         self,
@@ -53,16 +46,9 @@ class L2Init(StepRemedy):
         layers: Sequence[str] | str | None = None,
         seed: int | None = None,
     ) -> None:
-        if isinstance(coef, bool) or not float(coef) > 0:
-            raise ValueError(f"coef must be > 0, got {coef!r}")
+        self.coef = checked("coef", coef, lambda v: v > 0, "> 0")
         super().__init__(seed=seed)
-        self.coef = float(coef)
-        self.layers = (
-            [layers] if isinstance(layers, str) else None if layers is None else list(layers)
-        )
-
-    def settings(self) -> dict[str, Any]:
-        return {"coef": self.coef, "layers": self.layers}
+        self.layers = name_list(layers)
 
     def prepare(self, target: RemedyTarget) -> L2State:
         state = L2State()
@@ -79,20 +65,14 @@ class L2Init(StepRemedy):
                     p.grad.add_(p.detach() - anchor, alpha=self.coef)
 
     def epoch_report(self, target: RemedyTarget, prepared: L2State) -> dict[str, float]:
+        pairs = zip(prepared.params, prepared.anchors, strict=True)
         with torch.no_grad():
-            total = sum(
-                (p.detach() - a).double().square().sum()
-                for (_, p), a in zip(prepared.params, prepared.anchors, strict=True)
-            )
+            total = sum((p.detach() - a).double().square().sum() for (_, p), a in pairs)
         return {"distance": float(torch.as_tensor(total).sqrt())}  # once per epoch
 
     def state_dict(self, prepared: L2State) -> dict[str, Any]:
-        return {
-            **super().state_dict(prepared),
-            "anchors": {
-                n: a.clone() for (n, _), a in zip(prepared.params, prepared.anchors, strict=True)
-            },
-        }
+        pairs = zip(prepared.params, prepared.anchors, strict=True)
+        return {**super().state_dict(prepared), "anchors": {n: a.clone() for (n, _), a in pairs}}
 
     def load_state_dict(self, prepared: L2State, state: Any) -> None:
         super().load_state_dict(prepared, state)
@@ -103,12 +83,7 @@ class L2Init(StepRemedy):
 
 
 def l2_init(
-    coef: float = 1e-3,
-    layers: Sequence[str] | str | None = None,
-    *,
-    seed: int | None = None,
+    coef: float = 1e-3, layers: Sequence[str] | str | None = None, *, seed: int | None = None
 ) -> L2Init:
-    """L2 towards the initial parameters of the component it is attached to, at every
-    optimizer step (``grad += coef * (theta - theta_0)``; :mod:`policy_probes.remedies.l2_init`).
-    ``layers``: names inside the component (default: all its parametrised layers)."""
+    """L2 Init on the component it is attached to (module docstring)."""
     return L2Init(coef=coef, layers=layers, seed=seed)

@@ -1,29 +1,23 @@
-"""Layer resets (Nikishin et al. 2022, "The Primacy Bias in Deep Reinforcement Learning").
-
-At a firing the chosen parametrised layers of the component (``layers=[...]``, dotted
-names inside the component, or the ``last=n`` of them in registration order) get fresh
-initial values from their own ``reset_parameters()`` (drawn from the remedy's generator:
-:mod:`~policy_probes.remedies.fresh_init`), and their optimiser state is reset entirely
-(moments zeroed and ``step`` set to 0, as for a freshly created tensor).
+"""Layer resets (Nikishin et al. 2022, "The Primacy Bias in Deep Reinforcement Learning"):
+at a firing the chosen layers (``layers=[...]`` or the ``last=n``) get fresh values from
+their ``reset_parameters()`` and a fresh optimiser state (moments and ``step`` zeroed).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
+from typing_extensions import Unpack
 
 from policy_probes.plugins import register
-from policy_probes.remedies.base import RemedyOptions, RemedyTarget
+from policy_probes.remedies.base import RemedyOptions, RemedyTarget, name_list
 from policy_probes.remedies.fresh_init import LayerRefresh, check_resettable
 from policy_probes.remedies.optim_state import reset_entries
 from policy_probes.remedies.structure import chosen_leaves, parametrised_leaves
 from policy_probes.remedies.trigger import Threshold
-
-if TYPE_CHECKING:
-    from typing_extensions import Unpack
 
 
 @register
@@ -32,8 +26,8 @@ class ResetLayers(LayerRefresh):
     initial values and reset their optimizer state (build with :func:`reset_layers`)."""
 
     docs = "docs/remedies.md"
-
     name = "reset_layers"
+    setting_names = ("layers", "last")
 
     def __init__(
         self, *, layers: Sequence[str] | str | None = None, last: int | None = None, **trigger: Any
@@ -46,13 +40,8 @@ class ResetLayers(LayerRefresh):
         if last is not None and (isinstance(last, bool) or int(last) < 1):
             raise ValueError(f"last must be a positive integer, got {last!r}")
         super().__init__(**trigger)
-        self.layers = (
-            [layers] if isinstance(layers, str) else None if layers is None else list(layers)
-        )
+        self.layers = name_list(layers)
         self.last = None if last is None else int(last)
-
-    def settings(self) -> dict[str, Any]:
-        return {"layers": self.layers, "last": self.last}
 
     def prepare(self, target: RemedyTarget) -> list[tuple[str, nn.Module]]:
         if self.last is not None:
@@ -80,6 +69,5 @@ def reset_layers(
     when: str | Threshold | None = None,
     **options: Unpack[RemedyOptions],
 ) -> ResetLayers:
-    """Reset ``layers`` (names inside the component) or the ``last`` n parametrised layers
-    of the component it is attached to (:mod:`policy_probes.remedies.layer_reset`)."""
+    """Reset ``layers`` (names inside the component) or the ``last`` n (module docstring)."""
     return ResetLayers(layers=layers, last=last, every_epochs=every_epochs, when=when, **options)

@@ -1,13 +1,7 @@
-"""Optimiser state of the weights a remedy changes: which optimisers are supported, and
-how their per-parameter state entries are reset.
-
-Adam and AdamW keep ``exp_avg`` and ``exp_avg_sq`` (and ``max_exp_avg_sq`` with
-``amsgrad``) shaped like the parameter, and one ``step`` per parameter tensor; SGD with
-momentum keeps ``momentum_buffer``. A remedy that changes some entries of a tensor zeroes
-exactly those entries of its moment buffers and leaves ``step`` alone (it counts the
-tensor's updates, not the entries'; ReDo's reference implementation resets the moments
-only). A remedy that re-initialises a whole tensor also sets its ``step`` to 0, so the
-tensor restarts Adam's bias correction as a fresh one would.
+"""Optimiser state of the weights a remedy changes: the supported optimisers and how their
+per-parameter entries are reset. Changing some entries of a tensor zeroes exactly those
+moment entries and keeps ``step`` (as ReDo's reference code does); re-initialising a
+whole tensor also sets ``step`` to 0, restarting Adam's bias correction.
 """
 
 from __future__ import annotations
@@ -43,22 +37,18 @@ def reset_entries(
     dim: int | None = None,
     index: torch.Tensor | None = None,
 ) -> None:
-    """Zero the moment entries of ``param`` at ``index`` along ``dim``; with ``dim=None``
-    the whole tensor's state: every moment and ``step``."""
+    """Zero ``param``'s moment entries at ``index`` along ``dim`` (``None``: all, and ``step``)."""
     state = optimizer.state.get(param)
     if not state:
         return  # never stepped: nothing to reset
     for key in MOMENT_KEYS:
         buf = state.get(key)
-        if not isinstance(buf, torch.Tensor):
-            continue
-        if dim is None:
+        if isinstance(buf, torch.Tensor) and dim is None:
             buf.zero_()
-        else:
+        elif isinstance(buf, torch.Tensor):
             buf.index_fill_(dim, index.to(buf.device), 0)
     if dim is None and "step" in state:
-        step = state["step"]
-        if isinstance(step, torch.Tensor):
-            step.zero_()
+        if isinstance(state["step"], torch.Tensor):
+            state["step"].zero_()
         else:
             state["step"] = 0

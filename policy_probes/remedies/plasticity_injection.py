@@ -1,53 +1,32 @@
 """Plasticity injection (Nikishin, Oh, Ostrovski, Lyle, Pascanu, Dabney, Barreto 2023,
 "Deep Reinforcement Learning with Plasticity Injection", NeurIPS).
 
-At its firing (the first epoch its trigger is due; it injects once) the component
-``h_theta`` (e.g. ``actor_mlp``, or a head) is frozen and its output becomes
-
-    h_theta(x) + h_theta'(x) - h_theta'_0(x)
-
-where ``theta'`` is a fresh initialisation of the component (its layers' own
-``reset_parameters()``, one seed per layer from the remedy's generator) and
-``theta'_0`` a frozen copy of it: the two new terms cancel exactly, so the outputs are
-bit-identical at the moment of injection, and from then on only ``theta'`` trains. The
-paper's diagnostic: if injecting at epoch k improves learning, the network had been
-losing plasticity by k.
-
-How it is built: a forward hook on the component adds ``h_theta'(x) - h_theta'_0(x)`` to
-its output (so probes on the component see the injected output; probes on its inner
-layers see the frozen ``h_theta`` only); ``theta`` stops training
-(``requires_grad=False``); ``theta'`` is trained by an optimizer of the loop's
-optimizer's class and hyperparameters (learning rate, betas, eps, weight decay copied
-from its first parameter group at every step, so schedules apply), stepped right after
-the loop's optimizer. ``theta'``, ``theta'_0`` and that optimizer's state live in the
-remedy's state (checkpoints carry it; a resumed run rebuilds the injection), not in the
-policy's ``state_dict``. Limitations: the loop's global gradient-norm clipping does not
-include ``theta'`` (its gradients are not clipped); single-process runs only (under DDP
-the new parameters would not be all-reduced). For a single ``nn.Linear`` the injected
-output is linear in the parameters, so injection only restarts the optimizer state:
-inject into a component with a nonlinearity (an MLP) to add plasticity.
+At its firing (once: the first epoch its trigger is due) the component ``h_theta`` is
+frozen and its output becomes ``h_theta(x) + h_theta'(x) - h_theta'_0(x)``, with
+``theta'`` a fresh initialisation (one seed per layer) and ``theta'_0`` a frozen copy of
+it: the outputs are bit-identical at the injection, and only ``theta'`` trains, with an
+optimizer of the loop's class stepped right after the loop's. The copies and that
+optimizer live in the remedy's state (checkpoints carry it). Limitations (no clipping of
+``theta'``, one process, a single ``nn.Linear``): ``docs/remedies.md``.
 """
 
 from __future__ import annotations
 
 import copy
-from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
+from typing_extensions import Unpack
 
 from policy_probes.plugins import register
 from policy_probes.processes import multi_process
 from policy_probes.remedies.base import Remedy, RemedyOptions, RemedyTarget
-from policy_probes.remedies.fresh_init import check_resettable, draw_seed, fresh_parameters
-from policy_probes.remedies.structure import layer_units, parametrised_leaves
+from policy_probes.remedies.fresh_init import check_resettable, refresh_layers
+from policy_probes.remedies.structure import parametrised_leaves
 from policy_probes.remedies.trigger import Threshold
-from policy_probes.torch_internals import HOOK_DICTS
-
-if TYPE_CHECKING:
-    from typing_extensions import Unpack
+from policy_probes.torch_internals import hooks_set_aside
 
 
 @dataclass
@@ -63,16 +42,9 @@ class Injection:
 
 
 def hook_free_copy(module: nn.Module) -> nn.Module:
-    """A deep copy of ``module`` without the torch hooks its modules carry (probes) and
-    without gradients; the hooks are set aside while copying, never copied."""
-    saved = [(m, name, getattr(m, name)) for m in module.modules() for name in HOOK_DICTS]
-    try:
-        for m, name, _ in saved:
-            setattr(m, name, OrderedDict())
+    """A deep copy of ``module`` without its modules' torch hooks and gradients."""
+    with hooks_set_aside(module):
         twin = copy.deepcopy(module)
-    finally:
-        for m, name, hooks in saved:
-            setattr(m, name, hooks)
     for p in twin.parameters():
         p.grad = None
     return twin
@@ -90,7 +62,6 @@ class PlasticityInjection(Remedy):
     :func:`plasticity_injection`)."""
 
     docs = "docs/remedies.md"
-
     name = "plasticity_injection"
 
     def prepare(self, target: RemedyTarget) -> Injection:
@@ -109,19 +80,12 @@ class PlasticityInjection(Remedy):
                 "parameters would not be all-reduced across ranks)"
             )
         trainable = hook_free_copy(target.module)
-        names = [n for n, _ in prepared.layers]
-        by_name = dict(
-            (f"{target.component}.{n}" if n else target.component, m)
+        by_name = {
+            f"{target.component}.{n}" if n else target.component: m
             for n, m in trainable.named_modules()
-        )
-        out: dict[str, int] = {}
-        with torch.no_grad():
-            for name in names:
-                module = by_name[name]
-                fresh = fresh_parameters(module, draw_seed(generator))
-                for pname, p in module.named_parameters(recurse=False):
-                    p.copy_(fresh[pname].to(p))
-                out[name] = layer_units(module)
+        }
+        layers = [(name, by_name[name]) for name, _ in prepared.layers]
+        out = refresh_layers(layers, generator, lambda p, fresh: p.copy_(fresh))
         self._install(target, prepared, trainable, hook_free_copy(trainable))
         return out
 
@@ -180,6 +144,5 @@ def plasticity_injection(
     when: str | Threshold | None = None,
     **options: Unpack[RemedyOptions],
 ) -> PlasticityInjection:
-    """Plasticity injection into the component it is attached to, once, at the first
-    epoch its trigger is due (:mod:`policy_probes.remedies.plasticity_injection`)."""
+    """Plasticity injection into the component it is attached to, once (module docstring)."""
     return PlasticityInjection(every_epochs=every_epochs, when=when, **options)

@@ -1,30 +1,23 @@
 """Shrink-and-perturb (Ash & Adams 2020, "On Warm-Starting Neural Network Training").
 
-At a firing every parameter of every parametrised layer of the component becomes
-
-    theta <- shrink * theta + noise * theta_init
-
-where ``theta_init`` is a fresh initialisation of the same layer (its own
-``reset_parameters()``, drawn from the remedy's generator:
-:mod:`~policy_probes.remedies.fresh_init`). The optimiser state is kept: the weights move
-continuously, and the paper applies the operation between trainings without touching it.
+At a firing each parameter of the component's parametrised layers becomes
+``theta <- shrink * theta + noise * theta_init`` (``theta_init``: a fresh initialisation
+of the layer, :mod:`~policy_probes.remedies.fresh_init`); the optimiser state is kept.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
+from typing_extensions import Unpack
 
 from policy_probes.plugins import register
-from policy_probes.remedies.base import RemedyOptions, RemedyTarget
+from policy_probes.remedies.base import RemedyOptions, RemedyTarget, checked
 from policy_probes.remedies.fresh_init import LayerRefresh, check_resettable
 from policy_probes.remedies.structure import parametrised_leaves
 from policy_probes.remedies.trigger import Threshold
-
-if TYPE_CHECKING:
-    from typing_extensions import Unpack
 
 
 @register
@@ -34,19 +27,13 @@ class ShrinkAndPerturb(LayerRefresh):
     :func:`shrink_and_perturb`)."""
 
     docs = "docs/remedies.md"
-
     name = "shrink_and_perturb"
+    setting_names = ("shrink", "noise")
 
     def __init__(self, *, shrink: float = 0.8, noise: float = 0.01, **trigger: Any) -> None:
-        if isinstance(shrink, bool) or not 0.0 <= float(shrink) <= 1.0:
-            raise ValueError(f"shrink must be in [0, 1], got {shrink!r}")
-        if isinstance(noise, bool) or not float(noise) >= 0.0:
-            raise ValueError(f"noise must be >= 0, got {noise!r}")
+        self.shrink = checked("shrink", shrink, lambda v: 0 <= v <= 1, "in [0, 1]")
+        self.noise = checked("noise", noise, lambda v: v >= 0, ">= 0")
         super().__init__(**trigger)
-        self.shrink, self.noise = float(shrink), float(noise)
-
-    def settings(self) -> dict[str, Any]:
-        return {"shrink": self.shrink, "noise": self.noise}
 
     def prepare(self, target: RemedyTarget) -> list[tuple[str, nn.Module]]:
         layers = parametrised_leaves(target.component, target.module)
@@ -64,8 +51,7 @@ def shrink_and_perturb(
     when: str | Threshold | None = None,
     **options: Unpack[RemedyOptions],
 ) -> ShrinkAndPerturb:
-    """Shrink-and-perturb on the component it is attached to (``theta <- shrink * theta +
-    noise * theta_init``; :mod:`policy_probes.remedies.shrink_perturb`)."""
+    """Shrink-and-perturb on the component it is attached to (module docstring)."""
     return ShrinkAndPerturb(
         shrink=shrink, noise=noise, every_epochs=every_epochs, when=when, **options
     )

@@ -1,29 +1,20 @@
-"""Soft shrink-and-perturb: a small shrink-and-perturb after every optimizer step
-(Ash & Adams 2020 for the operation; Juliani & Ash 2024, "A Study of Plasticity Loss in
-On-Policy Deep Reinforcement Learning", for applying it softly, every step, in PPO).
-
-After every optimizer step, every parameter of the chosen layers of the component becomes
-
-    theta <- shrink * theta + noise * theta_init
-
-where ``theta_init`` is a fresh initialisation of the layer (its own
-``reset_parameters()``, one seed per layer per step drawn from the remedy's generator:
-:mod:`~policy_probes.remedies.fresh_init`), as :mod:`~policy_probes.remedies.shrink_perturb`
-does at a firing. ``shrink`` close to 1 and ``noise`` small keep each step's change small.
-The optimizer state is kept.
+"""Soft shrink-and-perturb (Ash & Adams 2020 for the operation; Juliani & Ash 2024, "A
+Study of Plasticity Loss in On-Policy Deep Reinforcement Learning", for applying it every
+step in PPO): after every optimizer step each parameter of the chosen layers becomes
+``theta <- shrink * theta + noise * theta_init`` (one fresh initialisation per layer and
+step, :mod:`~policy_probes.remedies.fresh_init`); the optimizer state is kept.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
 
 from policy_probes.plugins import register
-from policy_probes.remedies.base import RemedyTarget
+from policy_probes.remedies.base import RemedyTarget, checked, name_list
 from policy_probes.remedies.fresh_init import check_resettable, refresh_layers
 from policy_probes.remedies.step_remedy import StepRemedy, StepState
 from policy_probes.remedies.structure import chosen_leaves
@@ -40,8 +31,8 @@ class SoftShrinkPerturb(StepRemedy):
     every optimizer step (build with :func:`soft_shrink_perturb`)."""
 
     docs = "docs/remedies.md"
-
     name = "soft_shrink_perturb"
+    setting_names = ("shrink", "noise", "layers")
 
     def __init__(
         self,
@@ -51,18 +42,10 @@ class SoftShrinkPerturb(StepRemedy):
         layers: Sequence[str] | str | None = None,
         seed: int | None = None,
     ) -> None:
-        if isinstance(shrink, bool) or not 0.0 < float(shrink) <= 1.0:
-            raise ValueError(f"shrink must be in (0, 1], got {shrink!r}")
-        if isinstance(noise, bool) or not float(noise) >= 0.0:
-            raise ValueError(f"noise must be >= 0, got {noise!r}")
+        self.shrink = checked("shrink", shrink, lambda v: 0 < v <= 1, "in (0, 1]")
+        self.noise = checked("noise", noise, lambda v: v >= 0, ">= 0")
         super().__init__(seed=seed)
-        self.shrink, self.noise = float(shrink), float(noise)
-        self.layers = (
-            [layers] if isinstance(layers, str) else None if layers is None else list(layers)
-        )
-
-    def settings(self) -> dict[str, Any]:
-        return {"shrink": self.shrink, "noise": self.noise, "layers": self.layers}
+        self.layers = name_list(layers)
 
     def prepare(self, target: RemedyTarget) -> SoftState:
         layers = chosen_leaves("soft_shrink_perturb", target, self.layers)
@@ -83,6 +66,5 @@ def soft_shrink_perturb(
     *,
     seed: int | None = None,
 ) -> SoftShrinkPerturb:
-    """``theta <- shrink * theta + noise * theta_init`` after every optimizer step on the
-    component it is attached to (:mod:`policy_probes.remedies.soft_shrink_perturb`)."""
+    """Soft shrink-and-perturb on the component it is attached to (module docstring)."""
     return SoftShrinkPerturb(shrink=shrink, noise=noise, layers=layers, seed=seed)

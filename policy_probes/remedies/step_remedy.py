@@ -1,9 +1,6 @@
-"""Remedies that act at every optimizer step instead of at triggered epoch ends.
-
-They hook the loop's optimizer (``register_step_pre_hook`` / ``register_step_post_hook``)
-when they are bound, so they act on every ``optimizer.step()`` from then on, whatever
-loop calls it. They have no trigger (``trigger = None``); at the end of every epoch the
-runner logs what they did (:meth:`StepRemedy.epoch_metrics`).
+"""Remedies that act at every optimizer step instead of at triggered epoch ends: bound,
+they hook the loop's optimizer (step pre/post hooks), so they act on every
+``optimizer.step()`` whatever loop calls it; every epoch end reports what they did.
 """
 
 from __future__ import annotations
@@ -18,8 +15,7 @@ from policy_probes.remedies.base import Remedy, RemedyTarget
 
 @dataclass
 class StepState:
-    """Per-component state of a step remedy: the hook handles and the optimizer steps it
-    acted on in the epoch under way."""
+    """A step remedy's hook handles and the optimizer steps it acted on this epoch."""
 
     handles: list[Any] = field(default_factory=list)
     steps: int = 0
@@ -31,17 +27,13 @@ class StepState:
 
 
 class StepRemedy(Remedy):
-    """Base of the per-step remedies: subclasses implement :meth:`prepare` (returning a
-    :class:`StepState`), :meth:`before_step` and/or :meth:`after_step`."""
+    """Base of per-step remedies: they implement :meth:`before_step` or :meth:`after_step`."""
 
     trigger = None
 
     def __init__(self, *, seed: int | None = None) -> None:
         super().__init__(every_epochs=1, seed=seed)  # the seed's checks; no epoch trigger
         self.trigger = None
-
-    def reads_components(self, component: str) -> list[str]:
-        return []
 
     def start(self, target: RemedyTarget, prepared: StepState, generator: torch.Generator) -> None:
         opt = target.optimizer
@@ -81,8 +73,3 @@ class StepRemedy(Remedy):
 
     def load_state_dict(self, prepared: StepState, state: Any) -> None:
         prepared.steps = int(state.get("steps", 0))
-
-    def __repr__(self) -> str:
-        args = {**self.settings(), "seed": self.seed}
-        text = ", ".join(f"{k}={v!r}" for k, v in args.items() if v is not None)
-        return f"{self.name}({text})"

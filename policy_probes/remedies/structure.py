@@ -1,20 +1,10 @@
-"""Where a component's units are: the layers that produce them and the layers that read
-them, found from the component's structure.
-
-The leaves of a component (modules without children) are taken in registration order,
-which is the order in which a ``Sequential``, an :class:`~policy_probes.layers.MLP` or a
-:class:`~policy_probes.layers.ConvLayer` stack runs them. A *unit layer* is a
-parametrised layer (``nn.Linear``, ``nn.Conv1d/2d/3d``) followed by an activation module
-before the next parametrised layer, or an ``nn.LSTM``/``nn.GRU`` whose output is the
-component's output. Its units are its output features, channels or hidden units; its
-*consumers* are the parametrised layers that read them next: the next one in the
-component, or for the component's last layer the modules named as its consumers
-(``consumer=`` of the remedy, else the policy's ``component_consumers``). Between a unit
-layer and its consumer only elementwise modules, pooling and ``nn.Flatten`` may run, so a
-unit's outgoing weights are exactly the consumer's input columns of that unit: column
-``u`` of a Linear or in-channel ``u`` of a convolution, or after flattening a conv
-output channel-major (``x.flatten(1)`` of ``(B, C, H, W)``) the block of ``H*W``
-columns ``u*H*W ... (u+1)*H*W - 1``.
+"""Where a component's units are: the layers that produce them (*unit layers*: a Linear or
+convolution followed by an activation, or a recurrent layer giving the output) and their
+*consumers* (the next parametrised layer, or the components named as the last one's
+consumers), found from the component's leaves in registration order. Only elementwise
+modules, pooling and ``nn.Flatten`` may run in between, so a unit's outgoing weights are
+its consumer's input columns (after a channel-major flatten of ``(B, C, H, W)``, columns
+``u*H*W ... (u+1)*H*W - 1``); ``docs/remedies.md`` has the details.
 """
 
 from __future__ import annotations
@@ -71,6 +61,8 @@ class UnitLayer:
     producer_name: str
     units: int
     consumers: tuple[Consumer, ...]
+    #: the activation module that follows the producer (None for a recurrent layer)
+    activation: nn.Module | None = None
 
     @property
     def gates(self) -> int:
@@ -79,8 +71,7 @@ class UnitLayer:
 
 
 def leaves(component: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The component's leaf modules in registration order (the component itself when it
-    has no children)."""
+    """The component's leaf modules in registration order (else the component itself)."""
     out = [(n, m) for n, m in component.named_modules() if not any(True for _ in m.children())]
     return out or [("", component)]
 
@@ -159,8 +150,7 @@ def as_consumer(name: str, module: nn.Module, producer: nn.Module, where: str) -
 
 
 def first_consumer(name: str, module: nn.Module, producer: nn.Module, where: str) -> Consumer:
-    """The first parametrised leaf of ``module`` (a named consumer component), reached
-    through pass-through modules only."""
+    """The first parametrised leaf of ``module``, reached through pass-through modules only."""
     for sub, leaf in leaves(module):
         full = f"{name}.{sub}" if sub else name
         if has_parameters(leaf):
@@ -177,9 +167,7 @@ def first_consumer(name: str, module: nn.Module, producer: nn.Module, where: str
 def chosen_leaves(
     remedy: str, target: Any, layers: Sequence[str] | None
 ) -> list[tuple[str, nn.Module]]:
-    """The parametrised leaves of a remedy's target component (a ``RemedyTarget``), or
-    those ``layers`` (dotted names inside the component) name; a ``ValueError`` lists the
-    names for an unknown one."""
+    """The target's parametrised leaves, or those ``layers`` (names inside it) name."""
     found = parametrised_leaves(target.component, target.module)
     if layers is None:
         return found
@@ -200,9 +188,7 @@ def chosen_leaves(
 def target_unit_layers(
     target: Any, consumer: Sequence[str] | None, remedy: str = "ReDo"
 ) -> list[UnitLayer]:
-    """:func:`unit_layers` of a remedy's target (a ``RemedyTarget``): the consumers of its
-    output are the components named by ``consumer``, else the policy's
-    ``component_consumers`` entry for it."""
+    """:func:`unit_layers` of a target (consumers: ``consumer``, else the policy's)."""
     names = consumer
     if names is None:
         names = (getattr(target.policy, "component_consumers", None) or {}).get(
@@ -219,10 +205,9 @@ def unit_layers(
     external: Sequence[tuple[str, nn.Module]],
     remedy: str = "ReDo",
 ) -> list[UnitLayer]:
-    """The unit layers of ``component``, in order; ``external`` are the consumers of its
-    output (name, module). Raises ``ValueError`` for structures whose units cannot be
-    recycled without changing the outputs (a normalisation between a layer and its
-    consumer, a last layer with no named consumer)."""
+    """The unit layers of ``component`` in order; ``external``: (name, module) of the
+    consumers of its output. A ``ValueError`` for structures whose units cannot be recycled
+    without changing the outputs (a normalisation before a consumer, no named consumer)."""
     where = f"{remedy} on {component_name!r}"
     names: dict[int, str] = {id(a.act): a.name for a in activation_layers(component)}
     if isinstance(component, LAYER_BLOCKS):
@@ -234,7 +219,7 @@ def unit_layers(
         pname, producer = items[i]
         end = params[k + 1] if k + 1 < len(params) else len(items)
         between = items[i + 1 : end]
-        acts = [n for n, m in between if isinstance(m, ACTIVATION_MODULES)]
+        acts = [m for _, m in between if isinstance(m, ACTIVATION_MODULES)]
         last = k + 1 == len(params)
         recurrent_out = isinstance(producer, RECURRENT) and last and not between
         if not (isinstance(producer, nn.Linear | conv._ConvNd) and acts) and not recurrent_out:
@@ -248,12 +233,8 @@ def unit_layers(
                     f"outgoing weights would not keep the outputs. Use reset_layers or "
                     f"shrink_and_perturb on this component"
                 )
-        if recurrent_out:
-            key = component_name
-        else:
-            act_module = dict(between)[acts[-1]]
-            layer = names.get(id(act_module))
-            key = component_name if not layer else f"{component_name}.{layer}"
+        layer = names.get(id(acts[-1])) if acts else None  # a recurrent output: no activation
+        key = f"{component_name}.{layer}" if layer else component_name
         aliases = (component_name,) if last and key != component_name else ()
         if not last:
             cname, cmod = items[end]
@@ -268,7 +249,10 @@ def unit_layers(
                 f"component_consumers mapping"
             )
         full = f"{component_name}.{pname}" if pname else component_name
-        out.append(UnitLayer(key, aliases, producer, full, unit_count(producer), consumers))
+        activation = acts[0] if acts else None
+        out.append(
+            UnitLayer(key, aliases, producer, full, unit_count(producer), consumers, activation)
+        )
     if not out:
         raise ValueError(
             f"{where}: no layer in it is followed by an activation (nor is it a recurrent "
@@ -278,8 +262,7 @@ def unit_layers(
 
 
 def parametrised_leaves(component_name: str, component: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The leaves of ``component`` that own parameters, as (dotted name inside the policy,
-    module)."""
+    """The leaves of ``component`` that own parameters: (dotted name in the policy, module)."""
     return [
         (f"{component_name}.{n}" if n else component_name, m)
         for n, m in leaves(component)

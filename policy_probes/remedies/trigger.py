@@ -1,30 +1,19 @@
-"""When a remedy fires: on a schedule, when a probe metric crosses a threshold, or both.
-
-Epochs are counted from 1 here (the built-in trainer's record numbers; a ``ProbeSession``
-numbers its records from 0, so its record ``n - 1`` is epoch ``n``). A remedy is checked
-at the end of every epoch, after that epoch's metrics are computed:
-
-* ``every_epochs=k``: due at epochs k, 2k, 3k, ...
-* ``when="probes/relu/critic_mlp/dormant_fraction>0.3"``: due when the epoch's metric
-  compares true (``>``, ``>=``, ``<``, ``<=``); an epoch without that metric (the probe
-  observed no pass) is not due.
-* both: due at the scheduled epochs where the threshold holds.
-* ``start_epoch``: never before this epoch; ``cooldown=c``: at least ``c`` epochs
-  without a firing between two firings.
+"""When a remedy fires (checked at the end of every epoch, counted from 1, after its
+metrics): ``every_epochs=k`` at epochs k, 2k, ...; ``when="<metric key><op><number>"``
+when the epoch's metric compares true (not in an epoch without it); both: at the
+scheduled epochs where it holds; never before ``start_epoch``, and at least ``cooldown``
+epochs between firings (``docs/remedies.md``).
 """
 
 from __future__ import annotations
 
 import difflib
-import logging
 import math
 import operator
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
-
-log = logging.getLogger("policy_probes")
 
 OPERATORS: dict[str, Callable[[float, float], bool]] = {
     ">=": operator.ge,
@@ -47,13 +36,11 @@ class Threshold:
     def parse(cls, text: str) -> Threshold:
         """``"probes/relu/critic_mlp/dormant_fraction>0.3"`` -> Threshold."""
         m = _THRESHOLD.match(text)
-        value = None
-        if m:
-            try:
-                value = float(m["value"])
-            except ValueError:
-                value = None
-        if m is None or value is None or not math.isfinite(value):
+        try:
+            value = float(m["value"]) if m else math.nan
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value):
             raise ValueError(
                 f"when={text!r} is not a threshold; write '<metric key><op><number>' with op "
                 f"one of {list(OPERATORS)}, e.g. when='probes/relu/critic_mlp/dormant_fraction>0.3'"
@@ -71,9 +58,9 @@ class Threshold:
         return f"{self.key}{self.op}{self.value:g}"
 
     def misspelled(self, metrics: Mapping[str, Any]) -> str | None:
-        """Why the key looks wrong, when it is not among ``metrics`` although the
-        probe and component it names reported this epoch (or a key close to it did);
-        None when it is there or the probe simply observed nothing."""
+        """Why the key looks wrong when ``metrics`` lack it although its probe and
+        component (or a key close to it) reported; None when it is there or the probe
+        observed nothing."""
         if self.key in metrics:
             return None
         group = self.key.rsplit("/", 1)[0] + "/"

@@ -1,7 +1,5 @@
-"""The built-in lifecycle hooks (importing this package registers them).
-
-Within one firing hooks run by their ``order``: the loop's own statistics first, then
-the observers, then the interventions (ties alphabetically, the import order below).
+"""The built-in lifecycle hooks (importing this package registers them); within one firing
+they run by ``order``, ties in the import order below.
 """
 
 from policy_probes.lifecycle.hooks.adam_dynamics import AdamDynamicsHook

@@ -24,7 +24,7 @@ class AdamDynamicsHook(TrainingHook):
     decoupled weight decay of AdamW is not included). Read-only: no guardian needed."""
 
     name = "adam_dynamics"
-    runs_model = False  # reads state only; no passes through the model
+    runs_model = False  # reads state only
     description = "Adam first/second moments, effective step, eps-dominated fraction"
     hook_points = (HookPoint.POST_EPOCH,)
     cost = "cheap"
@@ -85,8 +85,7 @@ class AdamDynamicsHook(TrainingHook):
             "step_abs_mean": flat_step.abs().mean(),
             "step_abs_max": flat_step.abs().max(),
             "step_rms": flat_step.square().mean().sqrt(),
-            "update_ratio": torch.linalg.vector_norm(flat_step)
-            / torch.linalg.vector_norm(torch.cat(params)).clamp_min(1e-12),
+            "update_ratio": _norm_ratio(flat_step, torch.cat(params)),
             "snr_mean": torch.cat(snr).mean(),
             "eps_dominated_fraction": eps_count / flat_step.numel(),
             "optimizer_step": t_max,
@@ -94,13 +93,13 @@ class AdamDynamicsHook(TrainingHook):
         if self.config.per_layer:
             pmap = dict(model.named_parameters())
             for layer, members in layer_groups(model).items():
-                present = [n for n in members if n in steps]
-                if not present:
-                    continue
-                s = torch.cat([steps[n].reshape(-1) for n in present])
-                w = torch.cat([pmap[n].detach().double().reshape(-1) for n in present])
-                out[f"step_rms/{layer}"] = s.square().mean().sqrt()
-                out[f"update_ratio/{layer}"] = torch.linalg.vector_norm(
-                    s
-                ) / torch.linalg.vector_norm(w).clamp_min(1e-12)
+                if present := [n for n in members if n in steps]:
+                    s = torch.cat([steps[n].reshape(-1) for n in present])
+                    w = torch.cat([pmap[n].detach().double().reshape(-1) for n in present])
+                    out[f"step_rms/{layer}"] = s.square().mean().sqrt()
+                    out[f"update_ratio/{layer}"] = _norm_ratio(s, w)
         return out
+
+
+def _norm_ratio(step: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.vector_norm(step) / torch.linalg.vector_norm(weights).clamp_min(1e-12)

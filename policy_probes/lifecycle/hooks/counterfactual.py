@@ -77,27 +77,26 @@ class CounterfactualHook(InterventionHook):
             replays.append(_flat(params))
             with torch.no_grad():
                 losses.append(float(model_ctx.compute_loss()))
+        norm, cosine = torch.linalg.vector_norm, torch.nn.functional.cosine_similarity
         update = real - pre
-        update_norm = float(torch.linalg.vector_norm(update))
-        dists = [float(torch.linalg.vector_norm(r - real)) for r in replays]
-        cosines = [
-            float(torch.nn.functional.cosine_similarity(r - pre, update, dim=0, eps=1e-30))
-            for r in replays
-        ]
-        pairs = [
-            float(torch.linalg.vector_norm(a - b)) for a, b in itertools.combinations(replays, 2)
-        ]
-        mean_dist = math.fsum(dists) / len(dists)
+        update_norm = float(norm(update))
+        dists = [float(norm(r - real)) for r in replays]
+        cosines = [float(cosine(r - pre, update, dim=0, eps=1e-30)) for r in replays]
+        pairs = [float(norm(a - b)) for a, b in itertools.combinations(replays, 2)]
         out: dict[str, Any] = {
-            "param_distance": mean_dist,
+            "param_distance": _mean(dists),
             "param_distance_max": max(dists),
             "update_norm": update_norm,
-            "relative_distance": mean_dist / update_norm if update_norm > 0 else math.nan,
-            "update_cosine": math.fsum(cosines) / len(cosines),
+            "relative_distance": _mean(dists) / update_norm if update_norm > 0 else math.nan,
+            "update_cosine": _mean(cosines),
             "loss_real": loss_real,
-            "loss_replay": math.fsum(losses) / len(losses),
-            "loss_delta": math.fsum(x - loss_real for x in losses) / len(losses),
+            "loss_replay": _mean(losses),
+            "loss_delta": _mean([x - loss_real for x in losses]),
         }
         if pairs:
-            out["replay_spread"] = math.fsum(pairs) / len(pairs)
+            out["replay_spread"] = _mean(pairs)
         return out
+
+
+def _mean(values: list[float]) -> float:
+    return math.fsum(values) / len(values)

@@ -12,6 +12,7 @@ With sigma_1 >= ... >= sigma_d the singular values of the feature matrix Phi
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
@@ -59,8 +60,7 @@ def rank_metrics(
 
 
 def default_components(model: nn.Module) -> list[str]:
-    """Feature extractors: the top-level components (or children) that are not a
-    single ``nn.Linear`` head."""
+    """Feature extractors: the top-level components (or children) but single ``nn.Linear`` heads."""
     comps = getattr(model, "components", None)
     items = comps.items() if isinstance(comps, dict) and comps else model.named_children()
     return [n for n, m in items if not isinstance(m, nn.Linear)]
@@ -77,10 +77,14 @@ def _module(model: nn.Module, name: str) -> nn.Module:
         raise KeyError(f"feature_rank: no component {name!r}; available: {names}") from None
 
 
+def _grab(outputs: dict[str, torch.Tensor], name: str, _m: nn.Module, _i: Any, out: Any) -> None:
+    if isinstance(out, torch.Tensor):
+        outputs.setdefault(name, out.detach())
+
+
 @HookRegistry.register
 class FeatureRankHook(TrainingHook):
-    """Runs ``model(observations)`` once on (up to ``max_samples`` evenly spaced) rollout
-    observations and measures the rank of each chosen component's output."""
+    """The ranks of the chosen components' outputs on (evenly spaced) rollout observations."""
 
     name = "feature_rank"
     description = "effective rank, srank, stable rank, feature rank of component outputs"
@@ -102,14 +106,8 @@ class FeatureRankHook(TrainingHook):
             obs = obs[torch.linspace(0, n - 1, self.config.max_samples, device=obs.device).long()]
         names = self.config.components or default_components(model)
         outputs: dict[str, torch.Tensor] = {}
-        handles = []
-        for name in names:
-
-            def grab(_m: nn.Module, _i: Any, out: Any, name: str = name) -> None:
-                if isinstance(out, torch.Tensor):
-                    outputs.setdefault(name, out.detach())
-
-            handles.append(_module(model, name).register_forward_hook(grab))
+        grab = partial(_grab, outputs)
+        handles = [_module(model, n).register_forward_hook(partial(grab, n)) for n in names]
         buffers = [b.detach().clone() for b in model.buffers()]  # e.g. BatchNorm running stats
         try:
             model(obs)
@@ -124,8 +122,6 @@ class FeatureRankHook(TrainingHook):
                 f"feature_rank: component(s) {missing} produced no tensor output during "
                 f"model(observations); choose others with feature_rank.components=..."
             )
-        out: dict[str, Any] = {}
-        for name, feats in outputs.items():
-            for key, value in rank_metrics(feats, self.config.delta, self.config.epsilon).items():
-                out[f"{name}/{key}"] = value
-        return out
+        cfg = self.config
+        ranks = {name: rank_metrics(f, cfg.delta, cfg.epsilon) for name, f in outputs.items()}
+        return {f"{name}/{key}": v for name, r in ranks.items() for key, v in r.items()}

@@ -95,8 +95,7 @@ def hutchinson_trace(hvp: HessianOperator, samples: int) -> tuple[float, float]:
 
 @HookRegistry.register
 class HessianHook(InterventionHook):
-    """Top Hessian eigenvalue (power iteration, warm-started from the previous firing's
-    eigenvector) and Hutchinson trace of the training loss on the current data."""
+    """Top eigenvalue (warm-started power iteration) and Hutchinson trace of the loss Hessian."""
 
     name = "hessian"
     description = "top Hessian eigenvalue (power iteration on HVPs) and Hutchinson trace"
@@ -112,20 +111,15 @@ class HessianHook(InterventionHook):
     }
 
     def intervene(self, run_ctx: RunDataContext, model_ctx: ModelDataContext) -> dict[str, Any]:
-        batches = list(model_ctx.minibatches())
-        if self.config.max_batches is not None:
-            batches = batches[: self.config.max_batches]
+        batches = list(model_ctx.minibatches())[: self.config.max_batches]  # None: all
         hvp = HessianOperator(model_ctx, batches)
         v0 = self.state.get("v") if self.config.warm_start else None
         if v0 is None or [t.shape for t in v0] != [p.shape for p in hvp.params]:
             v0 = [torch.randn_like(p) for p in hvp.params]
         lam, v, iters = top_eigenvalue(hvp, v0, self.config.iters, self.config.tol)
         self.state["v"] = [t.detach().clone() for t in v]
-        out: dict[str, Any] = {
-            "top_eigenvalue": lam,
-            "iterations": iters,
-            "loss": float(hvp.loss.detach()),
-        }
+        loss = float(hvp.loss.detach())
+        out: dict[str, Any] = {"top_eigenvalue": lam, "iterations": iters, "loss": loss}
         if self.config.trace_samples > 0:
             out["trace"], out["trace_std_error"] = hutchinson_trace(hvp, self.config.trace_samples)
         return out

@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 
 from policy_probes.lifecycle.hook import HookConfig, TrainingHook
 from policy_probes.lifecycle.param_groups import layer_groups
@@ -23,14 +22,12 @@ def _group_norms(
     tensors: dict[str, torch.Tensor], groups: dict[str, list[str]]
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Total L2 norm and L2 norm per group (device tensors; no host transfer)."""
+    norm = torch.linalg.vector_norm
     per = {}
     for layer, names in groups.items():
-        present = [tensors[n] for n in names if n in tensors]
-        if present:
-            per[layer] = torch.linalg.vector_norm(
-                torch.stack([torch.linalg.vector_norm(t) for t in present])
-            )
-    total = torch.linalg.vector_norm(torch.stack(list(per.values()))) if per else torch.zeros(())
+        if present := [norm(tensors[n]) for n in names if n in tensors]:
+            per[layer] = norm(torch.stack(present))
+    total = norm(torch.stack(list(per.values()))) if per else torch.zeros(())
     return total, per
 
 
@@ -58,44 +55,37 @@ class NormsHook(TrainingHook):
         "dist_from_init/<layer>": "per layer",
     }
 
-    def _params(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
-
     def compute(self, ctx: RunDataContext) -> dict[str, Any]:
         model = ctx.require("model", self.name)
         groups = layer_groups(model)
-        params = self._params(model)
+        params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
         if "init" not in self.state:
             self.state["init"] = {n: t.clone() for n, t in params.items()}
             self.state["prev"] = {n: t.clone() for n, t in params.items()}
-        if ctx.point is HookPoint.PRE_EPOCH:
-            return {}
-        per_layer = self.config.per_layer
         out: dict[str, Any] = {}
+        if ctx.point is HookPoint.PRE_EPOCH:
+            return out
         if ctx.point is HookPoint.PRE_STEP:
             grads = {n: p.grad.detach() for n, p in model.named_parameters() if p.grad is not None}
-            total, per = _group_norms(grads, groups)
-            out["grad_norm"] = total
-            if per_layer:
-                out.update({f"grad_norm/{k}": v for k, v in per.items()})
+            self._report(out, "grad_norm", *_group_norms(grads, groups))
             return out
         # POST_EPOCH (or any other epoch point)
         prev, init = self.state["prev"], self.state["init"]
-        for key, tensors in (
-            ("weight_norm", params),
-            ("dist_from_init", {n: params[n] - init[n] for n in params if n in init}),
-        ):
-            total, per = _group_norms(tensors, groups)
-            out[key] = total
-            if per_layer:
-                out.update({f"{key}/{k}": v for k, v in per.items()})
-        delta_total, delta = _group_norms(
-            {n: params[n] - prev[n] for n in params if n in prev}, groups
-        )
+        self._report(out, "weight_norm", *_group_norms(params, groups))
+        dist = {n: params[n] - init[n] for n in params if n in init}
+        self._report(out, "dist_from_init", *_group_norms(dist, groups))
+        delta = {n: params[n] - prev[n] for n in params if n in prev}
+        delta_total, delta_per = _group_norms(delta, groups)
         prev_total, prev_per = _group_norms(prev, groups)
-        out["update_ratio"] = delta_total / prev_total.clamp_min(1e-12)
-        if per_layer:
-            for k, v in delta.items():
-                out[f"update_ratio/{k}"] = v / prev_per[k].clamp_min(1e-12)
+        per_layer = self.config.per_layer
+        ratios = {k: v / prev_per[k].clamp_min(1e-12) for k, v in delta_per.items() if per_layer}
+        self._report(out, "update_ratio", delta_total / prev_total.clamp_min(1e-12), ratios)
         self.state["prev"] = {n: t.clone() for n, t in params.items()}
         return out
+
+    def _report(
+        self, out: dict[str, Any], key: str, total: torch.Tensor, per: dict[str, torch.Tensor]
+    ) -> None:
+        out[key] = total
+        if self.config.per_layer:
+            out.update({f"{key}/{k}": v for k, v in per.items()})

@@ -48,8 +48,7 @@ def _no_distribution_validation() -> Iterator[None]:
 
 
 class _LogProb(nn.Module):
-    """Makes ``model_ctx.action_log_prob`` a module call so ``functional_call`` can swap
-    the policy's parameters."""
+    """``model_ctx.action_log_prob`` as a module, so ``functional_call`` can swap parameters."""
 
     def __init__(self, model_ctx: ModelDataContext) -> None:
         super().__init__()
@@ -98,8 +97,7 @@ def per_sample_log_prob_grads_loop(
 
 @HookRegistry.register
 class PolicyFisherHook(InterventionHook):
-    """Diagonal true Fisher of pi(a|s) over (up to ``max_samples`` evenly spaced) rollout
-    states, with one action sampled per state; reported per component."""
+    """Diagonal true Fisher over (evenly spaced) rollout states, one sampled action each."""
 
     name = "policy_fisher"
     description = "true Fisher of the action distribution (sampled actions), per component trace"

@@ -12,8 +12,7 @@ from policy_probes.lifecycle.run_context import RunDataContext
 
 @HookRegistry.register
 class TrainingMetricsHook(TrainingHook):
-    """Returns ``RunDataContext.stats`` unchanged (keys keep their ``train/``,
-    ``rollout/``, ``eval/``, ``perf/`` namespaces) plus ``train/learning_rate``."""
+    """``RunDataContext.stats`` as they are, plus ``train/learning_rate``."""
 
     name = "training_metrics"
     runs_model = False  # reads state only; no passes through the model
