@@ -2,9 +2,9 @@
 
 Churn (CHAIN, NeurIPS 2024; C-CHAIN, Tang, Obando-Ceron, Castro, Courville, Berseth,
 ICML 2025) is the change of a network's outputs on data outside the minibatch caused by
-an update; plasticity loss comes with rising churn. This probe measures it per epoch: a
-fixed batch of held-out states is run through the policy before the epoch's updates and
-again after them, and the probed component's outputs are compared row by row:
+an update; plasticity loss comes with rising churn. A batch of held-out states is run
+through the policy before the epoch's updates and after them, and the component's
+outputs are compared row by row:
 
 * ``kind="categorical"`` (a discrete actor head's logits): the policy KL
   KL(π_before ‖ π_after) = Σ_a p_a (log p_a − log q_a) per state (``policy_kl``) and the
@@ -16,14 +16,11 @@ again after them, and the probed component's outputs are compared row by row:
 each as its mean and its max over the held-out states. ``"auto"`` is ``"value"`` for a
 one-wide output and ``"output"`` otherwise.
 
-The held-out batch: ``batch_size`` states evenly spaced through a rollout. A loop hands
-the rollout's observations in after the rollout (``ProbeSession.rollout_end``, which the
-trainer and the SB3 ``ProbeCallback`` call too, hands them to :meth:`ChurnState.rollout_end`); they become the held-out
-batch of the **next** epoch, whose updates never saw them (in the first epoch the current
-rollout's states are used). ``ChurnState.fix_batch(obs)`` sets one batch for the whole run
-instead. The forwards run without gradients, in the phase ``"churn"`` (no other probe
-records them), with every global random generator restored afterwards, so the training
-trajectory is unchanged.
+The held-out batch: ``batch_size`` states evenly spaced through the rollout the loop hands
+to :meth:`Churn.rollout_end` (``ProbeSession.rollout_end``), used in the **next** epoch,
+whose updates never saw them (the first epoch uses its own); :meth:`Churn.fix_batch` sets
+one batch for the whole run. The forwards run without gradients in the phase ``"churn"``
+(no other probe records them), global random generators restored: training is unchanged.
 """
 
 from __future__ import annotations
@@ -52,9 +49,8 @@ CHURN_PHASE = "churn"
 
 @register
 class Churn(Probe):
-    """Per component: sums and counts of the per-state changes, and their maxima. It
-    records nothing in training passes: it runs its own forwards on the held-out batch at
-    the loop's ``rollout_end`` and at the report."""
+    """Per component: sums and counts of the per-state changes, and their maxima, from
+    its own forwards on the held-out batch (at ``rollout_end`` and at the report)."""
 
     name = "churn"
     maker = "attach_churn_hooks()"
@@ -119,8 +115,7 @@ class Churn(Probe):
 
     def attach(self, obs: Observation, module: nn.Module) -> list[RemovableHandle]:
         self.modules[obs.component] = module
-        # the policy the probe is attached to runs the held-out forwards unless the loop
-        # hands another forward to rollout_end (also after a mid-epoch resume)
+        # the policy runs the held-out forwards unless the loop hands rollout_end another
         owner = getattr(obs.locate, "__self__", None)
         if self.forward is None and isinstance(owner, nn.Module):
             self.forward = owner
@@ -157,10 +152,9 @@ class Churn(Probe):
         observations: torch.Tensor | None = None,
         forward: Callable[[torch.Tensor], Any] | None = None,
     ) -> None:
-        """After the rollout, before the updates (the session calls it at its
-        ``rollout_end``): record the outputs on the held-out batch; ``observations``
-        (this rollout's, flat rows) become the next epoch's; ``forward``: what runs the model
-        on them (the session passes its policy)."""
+        """After the rollout, before the updates: record the outputs on the held-out batch;
+        ``observations`` (this rollout's, flat rows) become the next epoch's; ``forward``
+        runs the model on them (the session passes its policy)."""
         self.end_epoch()  # a previous epoch not reported yet (a longer reporting window)
         if forward is not None:
             self.forward = forward
@@ -176,8 +170,7 @@ class Churn(Probe):
         self.before = self._outputs(batch)
 
     def _outputs(self, batch: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The probed components' outputs on ``batch``: one forward without gradients in
-        the ``churn`` phase, global RNGs restored."""
+        """The probed components' outputs on ``batch`` (no gradients, phase ``churn``)."""
         captured: dict[str, torch.Tensor] = {}
 
         def capture(name: str) -> Callable[..., None]:
@@ -300,7 +293,6 @@ class Churn(Probe):
 def attach_churn_hooks(*, kind: str = "auto", batch_size: int = 256) -> Churn:
     """The ``churn`` probe (:class:`Churn`, docs/probes/churn.md): the change of the
     component's outputs on ``batch_size`` held-out states caused by an epoch's updates.
-    ``kind``: ``"categorical"`` for a discrete actor head (policy KL), ``"value"`` for a
-    value head, ``"output"`` for anything else, ``"auto"``: value for one output. It takes
-    no placement (it observes no training pass)."""
+    ``kind``: ``"categorical"`` (policy KL), ``"value"``, ``"output"`` or ``"auto"``
+    (value for one output). It takes no placement."""
     return Churn(kind=kind, batch_size=batch_size)

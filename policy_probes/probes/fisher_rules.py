@@ -25,9 +25,8 @@ from policy_probes.torch_internals import conv_padding
 
 #: default bound on the temporaries of one chunk of samples (bytes) on accelerators
 CHUNK_BYTES = 64 << 20
-#: the same on the CPU: chunks that stay in a server CPU's last-level cache. Measured on
-#: the NatureCNN's conv layers (256 samples, one thread, 32 MiB L3): 234 ms at 64 MiB,
-#: 127 ms at 32 MiB, 111 ms at 8 MiB, 100 ms at 4 MiB, 113 ms at 2 MiB
+#: the same on the CPU: chunks that stay in a server CPU's last-level cache (about twice
+#: as fast as 64 MiB on the NatureCNN's conv layers; docs/benchmarks.md)
 CPU_CHUNK_BYTES = 8 << 20
 
 
@@ -82,8 +81,7 @@ class LayerRule:
 
 def accumulate(acc: dict[str, torch.Tensor], name: str | None, value: torch.Tensor) -> None:
     """Add ``value`` to ``acc[name]`` (nothing when ``name`` is None); the first value is
-    stored as a float64 copy (:data:`~policy_probes.probes.state.SUM`), later ones are
-    added with type promotion, exactly as converted copies would be."""
+    stored as a float64 copy, later ones added with (exact) type promotion."""
     if name is None:
         return
     if name in acc:
@@ -97,14 +95,11 @@ class ConvRule(LayerRule):
     """``nn.Conv1d`` / ``nn.Conv2d``. Per sample and group the weight gradient is
     ``dW[o, c, i, j] = sum_{p, q} g[o, p, q] * x[c, p*s + i*d, q*s + j*d]`` (``x`` the
     padded input, ``s`` the stride, ``d`` the dilation): a correlation of the input with
-    the output gradient dilated by the stride. It is computed as one grouped convolution
-    for a chunk of samples (the samples are the groups, the input channels the batch, each
-    sample's output gradient the kernel), read at every ``d``-th position; exact like the
-    im2col contraction, and cheaper because no (samples, C k k, positions) column tensor
-    is written: NatureCNN's layers on 256 frames, 22 / 19 / 21 ms against 51 / 26 / 18 ms
-    on one CPU thread (the small third layer is a little slower), 0.76 / 0.56 / 0.46 ms
-    against 3.78 / 1.93 / 1.42 ms on an H200, so it is the route on every device
-    (:meth:`squares`). The bias gradient is the output gradient summed over positions."""
+    the output gradient dilated by the stride, computed as one grouped convolution per
+    chunk of samples (samples are the groups, input channels the batch, each sample's
+    output gradient the kernel), read at every ``d``-th position. Exact like the im2col
+    contraction and faster on the CPU and an H200 (no column tensor is written;
+    docs/probes/fisher.md). The bias gradient is the output gradient summed over positions."""
 
     in_shape: tuple[int, ...]  # (C, L) or (C, H, W) of one sample
     out_shape: tuple[int, ...]
@@ -141,9 +136,8 @@ class ConvRule(LayerRule):
         chunk_bytes: int,
         method: str | None = None,
     ) -> dict[str, torch.Tensor]:
-        """See :meth:`LayerRule.squares`. ``method``: ``"correlate"`` (one grouped
-        convolution per chunk; the default, measured faster on the CPU and on an H200:
-        docs/probes/fisher.md) or ``"unfold"`` (im2col + einsum). Both are exact."""
+        """See :meth:`LayerRule.squares`. ``method``: ``"correlate"`` (the default) or
+        ``"unfold"`` (im2col + einsum). Both are exact."""
         if method is None:
             method = "correlate"
         if method not in ("correlate", "unfold"):
@@ -325,10 +319,9 @@ def _group_norm_rows(norm: nn.GroupNorm, names: Names, x: Tensor, out: Tensor) -
 @dataclass(frozen=True)
 class LayerKind:
     """How the Fisher reads one layer type: ``rows(module, names, x, out)`` gives a
-    forward pass's :class:`LayerRule`, the rows to hold for the drain (input or normalised
-    input, one per sample) and a key telling per-sample shapes apart; ``positions(module,
-    rows, out)`` the positions summed inside one sample (a row mask may give one entry per
-    position). ``rows`` is None for ``nn.Linear``, whose rows are its input as is."""
+    pass's :class:`LayerRule`, the rows to hold (input or normalised input, one per
+    sample) and a key telling per-sample shapes apart (None for ``nn.Linear``: its input
+    as is); ``positions(module, rows, out)`` the positions summed inside one sample."""
 
     name: str
     rows: Callable[..., Held] | None = None
@@ -356,9 +349,8 @@ LAYER_KINDS: dict[type[nn.Module], LayerKind] = {
 
 def layer_kind(module: nn.Module) -> LayerKind | None:
     """The closed-form reading of ``module``'s own parameters (:data:`LAYER_KINDS`), or
-    None: a type not in the table, or one whose ``forward`` is overridden (a subclass may
-    compute anything). An embedding with ``scale_grad_by_freq`` has none: the batch's
-    index counts scale every sample's gradient."""
+    None: a type not in the table, an overridden ``forward``, or an embedding with
+    ``scale_grad_by_freq`` (the batch's index counts scale every sample's gradient)."""
     for cls in type(module).__mro__:
         kind = LAYER_KINDS.get(cls)
         if kind is not None:

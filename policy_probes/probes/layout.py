@@ -1,25 +1,19 @@
 """Which axis of a probed tensor holds the units: channels first (conv) or last (dense).
 
-The activation probes read a tensor as ``(samples, units)``. A dense layer's output
-``(..., U)`` has its units last and every leading dimension is a sample. A convolution's
-output ``(B, C, *spatial)`` (``nn.Conv1d``: ``(B, C, L)``, ``nn.Conv2d``: ``(B, C, H, W)``)
-has its units (channels) on axis 1; every (sample, position) pair is a row. The probes
-take a ``layout`` keyword:
+The probes read a tensor as ``(samples, units)``: a dense output ``(..., U)`` has its units
+last, every leading dimension a sample; a convolution's ``(B, C, *spatial)`` has its units
+(channels) on axis 1, every (sample, position) pair a row. The ``layout`` keyword:
 
-* ``"channels_last"``: units on the last axis (the behaviour for every tensor before
-  layouts existed).
+* ``"channels_last"``: units on the last axis.
 * ``"channels_first"``: units on axis 1 for tensors of 3 or more dimensions.
-* ``"auto"`` (default): channels first when the probed module produces a conv-like
-  output, decided once when the probe is attached from the module types: a conv, pooling
-  or batch/instance/group norm module is channels first; an elementwise module
-  (activation, dropout, identity) takes the layout of the module before it (its previous
-  sibling in registration order, then its parent's previous sibling, ...); a container
-  takes the layout of its last non-elementwise child; any other module (``nn.Linear``,
-  ``nn.LayerNorm``, ``nn.Flatten``, custom leaves) is channels last.
+* ``"auto"`` (default), decided at attach from the module types: a conv, pooling or
+  batch/instance/group norm module is channels first; an elementwise module (activation,
+  dropout, identity) takes the layout of the module before it (its previous sibling, then
+  its parent's, ...); a container that of its last non-elementwise child; any other
+  module (``nn.Linear``, ``nn.Flatten``, custom leaves) is channels last.
 
-Tensors of 2 or fewer dimensions are read the same way under every layout, so an MLP is
-unaffected. The channels-first view is taken in the hook (``movedim``, a view: no copy, no
-kernel); the ``(N * positions, C)`` rows are materialised at the drain.
+Tensors of 2 or fewer dimensions read the same under every layout. The channels-first
+view is taken in the hook (``movedim``: no copy); the rows are materialised at the drain.
 """
 
 from __future__ import annotations
@@ -114,10 +108,9 @@ def resolve_channels_first(
 ) -> bool:
     """Whether the output of the module ``lookup(name)`` is read channels first.
 
-    ``lookup`` maps a dotted name to a module (``PolicyAutoBuilder.get_component`` or
-    ``nn.Module.get_submodule``); "auto" walks up the dotted name to find the module that
-    feeds an elementwise one. Without a ``lookup``, or when nothing before the module
-    decides, the output is channels last.
+    ``lookup`` maps a dotted name to a module (``PolicyAutoBuilder.get_component``,
+    ``nn.Module.get_submodule``); "auto" walks up the dotted name to the module that feeds
+    an elementwise one. Without a ``lookup``, or when nothing decides, it is channels last.
     """
     if layout != "auto":
         return layout == "channels_first"

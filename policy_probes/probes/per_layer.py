@@ -1,18 +1,12 @@
 """Per-layer probing: every activation layer inside a component, reported beside it.
 
-A probe attached to ``actor_mlp`` reads the component's output (the last hidden layer)
-and, with ``per_layer=True`` (the default of the activation and gradient-flow probes),
-the output of every activation layer inside it, each under its own name
-``<component>.<layer>``: keys ``probes/<probe>/actor_mlp.layer_0/<metric>`` beside
-``probes/<probe>/actor_mlp/<metric>``. An *activation layer* is a
-:class:`~policy_probes.layers.HiddenLayer` or :class:`~policy_probes.layers.ConvLayer`
-(its ``.act`` child is the same layer and is not counted again) or an activation module (:data:`~policy_probes.probes.layout.ACTIVATION_MODULES`).
-
-The component's output is often the last layer's output: both keys are reported, and the
-tensor is materialised once at the drain (:class:`~policy_probes.probes.rows.DrainRound`
-shares block columns that hold the same memory). A layer probed under its own name in
-the same context (``actor_mlp.layer_0`` or ``actor_mlp.*`` attached before or after
-``actor_mlp``) is left to that registration and its settings.
+A probe attached to ``actor_mlp`` reads the component's output and, with
+``per_layer=True``, the output of every activation layer inside it under its own name:
+``probes/<probe>/actor_mlp.layer_0/<metric>`` beside ``probes/<probe>/actor_mlp/<metric>``.
+An *activation layer* is a :class:`~policy_probes.layers.HiddenLayer` or
+:class:`~policy_probes.layers.ConvLayer` (its ``.act`` child is not counted again) or an
+activation module (:data:`~policy_probes.probes.layout.ACTIVATION_MODULES`). A layer
+probed under its own name in the same context is left to that registration.
 """
 
 from __future__ import annotations
@@ -40,15 +34,13 @@ log = logging.getLogger("policy_probes")
 
 @dataclass(frozen=True)
 class ActivationLayer:
-    """One activation layer inside a component."""
+    """One activation layer inside a component: its dotted path (``"layer_0"``), the
+    module whose output is its activation, the activation module (a HiddenLayer's
+    ``.act``) and that module's dotted path."""
 
-    #: dotted path inside the component (``"layer_0"``, ``"cnn.1"``)
     name: str
-    #: the module whose output is the layer's activation
     module: nn.Module
-    #: the activation module itself (the ``.act`` of a HiddenLayer)
     act: nn.Module
-    #: dotted path of :attr:`act` inside the component
     act_name: str
 
 
@@ -92,13 +84,9 @@ class ProbedLayer:
 
 class PerLayerProbe(Probe):
     """A probe on a component's output and, with ``per_layer``, on the output of every
-    activation layer inside it that :meth:`selects`.
-
-    The layers and every layout are resolved once per component, at the first
-    :meth:`attach` (later attaches, when the phase re-arms the hooks, reinstall the same
-    hooks). The component's own output goes through :meth:`record` /
-    :meth:`record_grad`, a layer's through :meth:`record_layer`; by default all three
-    hand the rows to ``update(name, tensor, channels_first, weight=...)``.
+    activation layer inside it that :meth:`selects` (resolved at the first :meth:`attach`).
+    :meth:`record`, :meth:`record_grad` and :meth:`record_layer` hand the rows to
+    ``update(name, tensor, channels_first, weight=...)``.
     """
 
     placements = PLACEMENTS
@@ -111,8 +99,7 @@ class PerLayerProbe(Probe):
         self._layer_handles: dict[str, dict[str, RemovableHandle]] = {}
         #: component -> layers read in its current forward (a module run twice is refused)
         self._seen: dict[str, set[str]] = {}
-        #: components inside a forward: a layer module called on its own (outside the
-        #: component, e.g. by a reference computation) is not this component's layer
+        #: components inside a forward (a layer module called outside it is not read)
         self._inside: dict[str, bool] = {}
 
     def update(
@@ -148,10 +135,8 @@ class PerLayerProbe(Probe):
 
     def plain_call_gaps(self, obs: Observation, module: nn.Module) -> str:
         """An observation registered directly as a torch hook sees the component's output
-        only: it reports the component (as ``per_layer=False``). With ``per_layer``, the
-        activation layers before the output, which only :meth:`attach` can hook, are
-        named in one warning; a component whose only activation layer is its output
-        (``nn.Sequential(nn.Linear, nn.ReLU)``) loses nothing and gets none."""
+        only (as ``per_layer=False``); with ``per_layer``, one warning names the activation
+        layers before the output that it cannot see."""
         if obs.per_layer:
             obs.per_layer = False
             layers = [layer.name for layer in activation_layers(module) if self.selects(layer)]
@@ -172,8 +157,7 @@ class PerLayerProbe(Probe):
     def attach(self, obs: Observation, module: nn.Module) -> list[RemovableHandle]:
         component = obs.component
         if component not in self.layers:
-            # an extracted tensor need not be laid out as the module's output: "auto"
-            # reads it channels last, an explicit layout is taken as given
+            # "auto" reads an extracted tensor channels last
             auto_extracted = obs.extractor is not None and obs.layout == "auto"
             obs.channels_first = False if auto_extracted else obs.resolve_layout(module)
             layers = []
@@ -242,8 +226,7 @@ class PerLayerProbe(Probe):
 
     def _refuse_reused(self, obs: Observation, layer: ProbedLayer) -> None:
         """Stop reading a layer module that runs more than once per forward of the
-        component (one activation module applied after several layers): its uses would
-        mix into one layer's statistics. Reported like a probe fault, for that layer only."""
+        component (its uses would mix); reported like a probe fault, for that layer only."""
         msg = (
             f"{layer.component} runs more than once in one forward of {obs.component!r} (the "
             f"same module applied at several places), so its outputs cannot be told apart as "
@@ -267,9 +250,8 @@ class ActivationProbe(PerLayerProbe):
     def update(
         self, name: str, h: torch.Tensor, channels_first: bool = False, *, weight: Any = None
     ) -> None:
-        """Add a batch of activations: units on the last axis (leading dims are samples),
-        or on axis 1 with ``channels_first`` (every sample and position is a row);
-        ``weight``: their row-mask rows (:meth:`_push`)."""
+        """Add a batch of activations: units on the last axis, or on axis 1 with
+        ``channels_first`` (every sample and position a row); ``weight``: row-mask rows."""
         if channels_first and h.dim() >= 3:
             self.settings[name]["positions"] = positions(h, channels_first)
         self._push(name, "h", (as_unit_rows(h, channels_first),), weight=weight)

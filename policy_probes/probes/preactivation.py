@@ -89,11 +89,6 @@ class Preactivation(Probe):
     ) -> None:
         self._push(layer, "z", (as_rows(z),), weight=weight)
 
-    def update_output(
-        self, component: str, y: torch.Tensor, *, weight: torch.Tensor | None = None
-    ) -> None:
-        self._push(component, "y", (as_rows(y),), weight=weight)
-
     def consume(self, batch: Drained) -> None:
         component, (x,), weight = batch.component, batch.cols, batch.weight
         kept = Weighted(x, weight)
@@ -147,7 +142,7 @@ class Preactivation(Probe):
     def record(
         self, obs: Observation, module: nn.Module, output: torch.Tensor, weight: Any
     ) -> None:
-        self.update_output(obs.component, output, weight=weight)
+        self._push(obs.component, "y", (as_rows(output),), weight=weight)
 
     def plain_call_gaps(self, obs: Observation, module: nn.Module) -> str:
         names = [n for n, m in module.named_modules() if n and isinstance(m, nn.Linear)]
@@ -201,6 +196,6 @@ def _moments(total: torch.Tensor, sq: torch.Tensor, count: torch.Tensor) -> tupl
 def attach_preactivation_hooks(*, reference_epochs: int = 3) -> Preactivation:
     """The ``preactivation`` probe (:class:`Preactivation`, docs/probes/preactivation.md):
     per ``nn.Linear`` inside the component, pre-activation mean/std and their drift from
-    the first ``reference_epochs`` reports; the component output's feature norm. Placed
-    with ``phases`` and ``schedule``."""
+    the first ``reference_epochs`` reports; the output's feature norm. Placed with
+    ``phases`` and ``schedule``."""
     return Preactivation(reference_epochs=reference_epochs)

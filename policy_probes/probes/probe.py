@@ -11,18 +11,15 @@ that declares what it is and implements how it measures:
   findings rules, :class:`~policy_probes.plugins.Rule`), ``console`` (the metrics the
   console follows by default) and ``docs`` (its docs page);
 * **how it measures**: :meth:`record` / :meth:`record_grad` take what the component's hook
-  saw, :meth:`attach` installs hooks on layers inside the component, and the
-  accumulator machinery of :class:`~policy_probes.probes.state.ProbeState` (rows held by
-  reference, reduced in :meth:`consume` into sums and counts, summarised on the host in
-  :meth:`summarize`) turns it into metrics.
+  saw, :meth:`attach` installs hooks on layers inside the component, and
+  :class:`~policy_probes.probes.state.ProbeState` (rows held by reference, reduced in
+  :meth:`consume`, summarised on the host in :meth:`summarize`) turns it into metrics.
 
-An instance carries the probe's settings (``ReLUActivation(tau=0.05)``; the built-in
-``attach_*_hooks()`` functions make them). Attaching it (``add_training_hook(pattern,
-probe, per_layer=False)``) places it: the :class:`Placement` (phases, extractor, layout,
-per-layer, schedule) is an argument of the attach, checked here once for every probe.
-The first instance attached in a context becomes that context's tracker
-(``context.model_metrics[name]``); components attached through other instances of the
-same probe register there with their own settings.
+An instance carries the probe's settings (``ReLUActivation(tau=0.05)``); attaching it
+(``add_training_hook(pattern, probe, per_layer=False)``) places it with a
+:class:`Placement`. The first instance attached in a context becomes its tracker
+(``context.model_metrics[name]``); other instances of the probe register their
+components there with their own settings.
 """
 
 from __future__ import annotations
@@ -84,11 +81,10 @@ class Probe(ProbeState):
     def __call__(
         self, component: str, context: ComponentContext, placement: Placement | None = None
     ) -> Observation | None:
-        """Attach to ``component`` in ``context`` (the builder protocol
-        ``(component, context) -> hook``): the context's instance of this probe
-        registers the component with this instance's settings; returns the component's
-        :class:`~policy_probes.probes.observation.Observation`, or None if the component is
-        registered already."""
+        """Attach to ``component`` in ``context`` (the builder protocol): the context's
+        instance of this probe registers it with this instance's settings; returns its
+        :class:`~policy_probes.probes.observation.Observation`, or None if it is registered
+        already."""
         tracker = context.model_metrics.get(self.name)
         if tracker is None:
             tracker = self if self.context is None else type(self)(**self.options)
@@ -132,9 +128,8 @@ class Probe(ProbeState):
         raise NotImplementedError(f"{type(self).__name__} reads no gradient")
 
     def attach(self, obs: Observation, module: nn.Module) -> list[RemovableHandle]:
-        """Install the hooks this probe needs on submodules of ``module`` (the component);
-        resolve layers and layouts at the first call (later calls, when the sampler
-        re-arms the probe, install the same hooks). Returns their handles."""
+        """Install the hooks this probe needs on submodules of ``module`` (the component),
+        resolving layers and layouts at the first call; returns their handles."""
         return []
 
     def plain_call_gaps(self, obs: Observation, module: nn.Module) -> str:

@@ -1,29 +1,20 @@
 """RowBuffer: the sample rows a tracker has been shown and not yet reduced.
 
-A hook call costs no tensor work at all: the buffer keeps a *reference* to each block the
-hook saw (the activation or gradient autograd produced anyway) and its version counter.
-When the trackers drain, :meth:`RowBuffer.take` concatenates the held blocks once per
-block column into preallocated storage of the buffer's own and splits them into finite
-values and a non-finite indicator (:class:`~policy_probes.probes.rows.Rows`; on the CPU a
-column whose sum is finite skips the split, and a single contiguous block is not even
-copied); a column whose held tensors another tracker already materialised in the same
-:class:`~policy_probes.probes.rows.DrainRound` is shared instead. A block is ``(rows, columns)``,
-or ``(..., columns)`` with every leading dimension a row (a channels-first view of a conv
-output, ``(B, *spatial, C)``, made rows by the copy at :meth:`take`). Several aligned blocks
-(for example a layer's inputs and output gradients) share the row positions; per-push
-scale factors are handed to the reduction, which applies them to its own results.
-A push may carry a row weight (the mask entries of its rows, see
-:mod:`policy_probes.row_mask`), held by reference like the blocks; :meth:`RowBuffer.take`
-hands the reduction one weight per row (1 for pushes without one), or None when no push
-of the window carried one.
+A hook call costs no tensor work: the buffer keeps a *reference* to each block the hook saw
+and its version counter. At the drain :meth:`RowBuffer.take` concatenates the held blocks
+once per block column into the buffer's own storage and splits them into finite values and
+a non-finite indicator (:class:`~policy_probes.probes.rows.Rows`; on the CPU a finite column
+skips the split, a single contiguous block is not even copied), or shares a column another
+tracker materialised in the same :class:`~policy_probes.probes.rows.DrainRound`. A block is
+``(rows, columns)``, or ``(..., columns)`` with every leading dimension a row (a conv
+output's channels-last view). Aligned blocks (a layer's input and output gradient) share
+row positions; per-push scales and row weights (:mod:`policy_probes.row_mask`; 1 for a push
+without one, None when no push had one) go to the reduction with the rows.
 
-Held tensors are not copied, so an in-place change between the hook and the reduction
-would be read instead of what the hook saw. Every block's ``_version`` is compared at
-:meth:`take`; a changed one raises :class:`InPlaceModified`, and from then on the buffer
-copies each push (``copy_pushes``), so later windows are exact again. The rows held are
-bounded (``max_rows`` rows; ``max_elements`` elements in the widest block), so memory
-does not grow with the number of steps. Inference tensors (``torch.inference_mode``) have
-no version counter; they are copied at the push.
+An in-place change of a held block between hook and drain is caught by its ``_version`` at
+:meth:`take` (:class:`InPlaceModified`); the buffer then copies every push. Inference
+tensors have no version counter and are copied at the push. The rows held are bounded
+(``max_rows`` rows, ``max_elements`` elements in the widest block).
 """
 
 from __future__ import annotations
@@ -37,6 +28,10 @@ from policy_probes.probes.rows import DrainRound, Rows
 from policy_probes.torch_internals import version_counter
 
 Layout = tuple[tuple[int, torch.dtype, torch.device], ...]
+#: one push's scales (None: as is)
+Scales = tuple[float | None, ...] | None
+#: what :meth:`RowBuffer.take` hands the reduction: columns, push row counts, scales, weights
+Taken = tuple[tuple[Rows, ...], list[int], list[Scales], torch.Tensor | None]
 
 
 def block_rows(block: torch.Tensor) -> int:
@@ -55,13 +50,12 @@ class RowBuffer:
         self.max_elements = max_elements
         self.max_rows = max_rows
         #: the held blocks, flat: push i's block of column c at ``i * columns + c`` (no
-        #: tuple per push: a step-by-step LSTM pushes hundreds per pass, and every
-        #: container held until the drain counts toward the GC's next collection)
+        #: tuple per push: fewer objects for the GC when an LSTM pushes once per step)
         self.pending: list[torch.Tensor] = []
         #: each held block's version counter at the push (-1: a copy, nothing to check)
         self.versions: list[int] = []
         self.segments: list[int] = []
-        self.scales: list[tuple[float | None, ...] | None] = []
+        self.scales: list[Scales] = []
         self.weights: list[torch.Tensor | None] = []
         self.rows = 0
         self.capacity = 0
@@ -71,10 +65,6 @@ class RowBuffer:
         self.storage: dict[tuple[int, int], torch.Tensor] = {}
         #: copy every push (set after an in-place change of a held block was detected)
         self.copy_pushes = False
-
-    @staticmethod
-    def _layout(blocks: tuple[torch.Tensor, ...]) -> Layout:
-        return tuple((b.shape[-1], b.dtype, b.device) for b in blocks)
 
     def accepts(self, blocks: tuple[torch.Tensor, ...]) -> bool:
         """True if ``blocks`` fit behind the rows already held, in the same layout."""
@@ -90,9 +80,8 @@ class RowBuffer:
 
     def reserve(self, blocks: tuple[torch.Tensor, ...]) -> bool:
         """Set an empty buffer's layout and capacity for ``blocks``; False if rows are
-        still held. A push larger than the capacity raises the capacity to it (never
-        lowered for the same layout), so it waits and drains with the other probes' rows
-        like any push: the buffer's storage is bounded by the largest single push."""
+        still held. A push larger than the capacity raises it (never lowered for the same
+        layout), so storage is bounded by the largest single push."""
         if self.rows:
             return False
         # the widest block sets the row count, so streams of one layer fill up together
@@ -100,7 +89,7 @@ class RowBuffer:
         capacity = self.max_elements // max(width, 1)
         if self.max_rows is not None:
             capacity = min(capacity, self.max_rows)
-        layout = self._layout(blocks)
+        layout = tuple((b.shape[-1], b.dtype, b.device) for b in blocks)
         if layout == self.layout:
             capacity = max(capacity, self.capacity)
         capacity = max(capacity, block_rows(blocks[0]))
@@ -112,7 +101,7 @@ class RowBuffer:
     def append(
         self,
         blocks: tuple[torch.Tensor, ...],
-        scales: tuple[float | None, ...] | None,
+        scales: Scales,
         weight: torch.Tensor | None = None,
     ) -> None:
         if self.copy_pushes or any(b.is_inference() for b in blocks):
@@ -128,19 +117,11 @@ class RowBuffer:
         self.scales.append(scales)
         self.weights.append(weight)
 
-    def take(
-        self, drain_round: DrainRound | None = None
-    ) -> tuple[
-        tuple[Rows, ...],
-        list[int],
-        list[tuple[float | None, ...] | None],
-        torch.Tensor | None,
-    ]:
+    def take(self, drain_round: DrainRound) -> Taken:
         """The held rows, one :class:`Rows` per block column (shared through
-        ``drain_round`` with other buffers that hold the same tensors), the row count of
-        every push, its scales, and the rows' weights (None if no push had one); the
-        buffer is empty afterwards. The rows stay valid until this buffer's next
-        :meth:`take`."""
+        ``drain_round``), every push's row count and scales, and the rows' weights (None if
+        no push had one); the buffer is empty afterwards. The rows stay valid until this
+        buffer's next :meth:`take`."""
         pending, weights = self.pending, self.weights
         segments, scales, rows = self.segments, self.scales, self.rows
         try:
@@ -172,9 +153,7 @@ class RowBuffer:
                     return Rows.finite(values, aux)
                 return Rows.split(values, self._slot(col, 1)[:rows], aux)
 
-            out.append(
-                materialise() if drain_round is None else drain_round.rows(refs, materialise)
-            )
+            out.append(drain_round.rows(refs, materialise))
         return tuple(out), segments, scales, self._weight_column(weights, segments, rows)
 
     def _check_versions(self) -> None:
@@ -192,9 +171,8 @@ class RowBuffer:
 
     def alike_signature(self) -> tuple[Any, ...] | None:
         """What another buffer must share for both to be reduced side by side
-        (:meth:`take_alike`): the pushes' row counts and scales and the column layout; None
-        for rows that are not plain 2-D blocks, carry a row mask or a tensor scale (comparing
-        it would read it back)."""
+        (:meth:`take_alike`): push row counts, scales and column layout; None for rows that
+        are not plain 2-D, carry a row mask or a tensor scale (comparing would read it back)."""
         if any(w is not None for w in self.weights) or any(b.dim() != 2 for b in self.pending):
             return None
         if any(isinstance(f, torch.Tensor) for push in self.scales if push for f in push):
@@ -202,9 +180,7 @@ class RowBuffer:
         return (self.layout, tuple(self.segments), tuple(self.scales))
 
     @staticmethod
-    def take_alike(
-        buffers: list[RowBuffer], drain_round: DrainRound | None = None
-    ) -> tuple[tuple[Rows, ...], list[int], list[tuple[float | None, ...] | None], None]:
+    def take_alike(buffers: list[RowBuffer], drain_round: DrainRound) -> Taken:
         """:meth:`take` of buffers with the same :meth:`alike_signature`, their columns side
         by side: one :class:`Rows` per block column holding every buffer's units, in
         buffer order. Raises :class:`InPlaceModified` (every buffer still holding its
@@ -236,9 +212,7 @@ class RowBuffer:
                     return Rows.finite(values, aux)
                 return Rows.split(values, first._alike_slot(col, 1, width, rows), aux)
 
-            out.append(
-                materialise() if drain_round is None else drain_round.rows(refs, materialise)
-            )
+            out.append(drain_round.rows(refs, materialise))
         return tuple(out), segments, scales, None
 
     def _alike_slot(self, col: int, slot: int, width: int, rows: int) -> torch.Tensor:
@@ -303,26 +277,20 @@ class RowBuffer:
     @property
     def nbytes(self) -> int:
         """Bytes of the buffer's own storage plus the held blocks it keeps alive."""
-        own = sum(s.nbytes for s in self.storage.values())
-        held = sum(b.nbytes for b in self.pending)
-        return own + held
+        return sum(s.nbytes for s in self.storage.values()) + sum(b.nbytes for b in self.pending)
 
 
 def _finite_on_cpu(t: torch.Tensor) -> bool:
-    """Whether every entry of ``t`` is finite, asked only of a CPU tensor (on the CPU,
-    reading a value back is not a device synchronisation, so the answer may be used inside
-    a hook's drain too; elsewhere it is never asked). A finite sum means every entry is
-    finite (NaN and inf propagate); a sum that overflows only sends finite rows down the
-    splitting path, which is exact too. One read-only pass, 20x cheaper than
-    ``isfinite().all()`` on the CPU."""
+    """Whether every entry of ``t`` is finite, asked of CPU tensors only (False elsewhere:
+    reading back would synchronise a device). A finite sum means finite entries (NaN and
+    inf propagate); an overflowing sum only sends finite rows down the exact splitting
+    path. One read-only pass, 20x cheaper than ``isfinite().all()``."""
     return t.device.type == "cpu" and math.isfinite(float(t.sum()))
 
 
 def _finite_where_it_lies(t: torch.Tensor) -> bool:
-    """Whether a column's one held block can be reduced where it lies, without the copy
-    that splits it into finite values and a non-finite indicator: contiguous rows on the
-    CPU, at least single precision, every entry finite. For the large activations of a
-    conv policy this saves the copy and two to four passes over the rows."""
+    """Whether a column's one held block can be reduced where it lies, without the
+    splitting copy: contiguous, on the CPU, at least single precision, all finite."""
     return (
         t.device.type == "cpu"
         and t.element_size() >= 4  # half precision is widened into the storage

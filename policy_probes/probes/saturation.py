@@ -82,7 +82,7 @@ class SaturatedActivation(ActivationProbe):
         self._add(component, "nonfinite", kept.nonfinite_total(), COUNT)
 
     def summarize(self, component: str, s: dict[str, torch.Tensor], cfg: dict[str, Any]) -> dict:
-        count = s["count"].numpy()  # numpy: see ReLUActivationState.summarize
+        count = s["count"].numpy()  # numpy: see ReLUActivation.summarize_alike
         saturated_units = s["saturated"].numpy()
         rate = unit_rates(saturated_units, count)
         seen = count > 0
@@ -125,10 +125,9 @@ def attach_saturated_activation_hooks(
     activation: str = "tanh", *, threshold: float = 0.95, unit_threshold: float = 0.99
 ) -> SaturatedActivation:
     """The ``saturation_<activation>`` probe (:class:`SaturatedTanh` or
-    :class:`SaturatedSigmoid`), for a component whose output is the tanh/sigmoid
-    activation itself (for example ``actor_mlp`` of a tanh policy). Placed with
-    ``phases``, ``extractor``, ``layout`` (per channel on conv outputs), ``per_layer``
-    (also every ``activation`` layer inside the component) and ``schedule``."""
+    :class:`SaturatedSigmoid`), for a component whose output is the activation itself
+    (``actor_mlp`` of a tanh policy). Placed with ``phases``, ``extractor``, ``layout``,
+    ``per_layer`` (also every ``activation`` layer inside) and ``schedule``."""
     probes = {"tanh": SaturatedTanh, "sigmoid": SaturatedSigmoid}
     if activation not in probes:
         raise ValueError(

@@ -1,19 +1,13 @@
 """ProbeState: the common machinery of every tracker.
 
-A tracker holds, per registered component, a dict of accumulator tensors (sums and
-counts) that live on the device of the data they summarise. Because the state is sums
-and counts, :meth:`ProbeState.all_reduce` can add it across processes, so a distributed
-run reports statistics over the union of every rank's samples.
-
-Hooks do not reduce each minibatch themselves. They hand the rows they see to a
+A tracker holds, per registered component, accumulator tensors (sums and counts) on the
+device of the data they summarise; being sums and counts, :meth:`ProbeState.all_reduce`
+adds them across processes. Hooks hand their rows to a
 :class:`~policy_probes.probes.row_buffer.RowBuffer`, which holds them by reference (no
-tensor work in the hook at all), and the tracker reduces the buffer into its
-accumulators when it is full or when the window is read: one concatenation per block
-column, then one set of reduction kernels for all the buffered rows. On small policies
-this turns a dozen tiny kernels per hook call into none, which is what keeps probe
-overhead near zero; the buffer's size is fixed (``buffer_elements`` per stream), so
-memory does not grow with the number of steps. :meth:`ProbeState.to_metrics` moves the
-accumulators to the host once per window.
+tensor work in the hook), and the tracker reduces the buffer when it is full or the window
+is read: one concatenation per block column, one set of kernels for all the held rows.
+The buffer's size is fixed, so memory does not grow with the number of steps.
+:meth:`ProbeState.to_metrics` moves the accumulators to the host once per window.
 """
 
 from __future__ import annotations
@@ -29,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from policy_probes.context import ComponentContext
-from policy_probes.probes.row_buffer import InPlaceModified, RowBuffer, block_rows
+from policy_probes.probes.row_buffer import InPlaceModified, RowBuffer, Scales, block_rows
 from policy_probes.probes.rows import COUNT as COUNT  # re-exported for custom trackers
 from policy_probes.probes.rows import DrainRound, Rows
 from policy_probes.processes import multi_process
@@ -41,9 +35,8 @@ SUM = torch.float64
 #: storage and scratch tensors this large are released at the end of a window
 #: (:meth:`ProbeState.reset`) instead of being kept for the next one
 RELEASED_BYTES = 1 << 20
-#: the component and stream name under which alike streams are reduced as one
-#: (:attr:`ProbeState.batch_units`); a tracker that keys accumulators by stream writes
-#: keys holding it, and each stream gets the key with its own name in its place
+#: the component and stream name of alike streams reduced as one (:attr:`ProbeState.batch_units`);
+#: in a key written per stream, each stream gets its own name in its place
 ALIKE = "<alike>"
 #: a (component, stream) pair: one row buffer
 Member = tuple[str, str]
@@ -60,7 +53,7 @@ class Drained:
     #: the row count of every push, in order
     segments: list[int]
     #: every push's scales (None for a push without)
-    scales: list[tuple[float | None, ...] | None]
+    scales: list[Scales]
     #: ``(N,)`` 0/1 per row under a row mask (reduce with
     #: :class:`~policy_probes.probes.weighted.Weighted`); None without one
     weight: torch.Tensor | None = None
@@ -85,16 +78,12 @@ class ProbeState:
     #: (:mod:`policy_probes.sampling`)
     seconds: float = 0.0
     #: whether :meth:`consume` writes nothing but the component's accumulators, so a
-    #: component whose held rows are the very rows of another (a component's output that
-    #: is its last layer's output) can share that component's accumulators instead of
-    #: reducing the same rows twice (:meth:`_drain_buffers`)
+    #: component holding the very rows of another (its output is its last layer's) can
+    #: share that one's accumulators instead of reducing the same rows twice (:meth:`_mirrored`)
     mirrors_identical_rows: bool = False
     #: whether :meth:`consume` writes per-unit accumulators only (units on the last axis)
-    #: from per-column reductions, so that streams whose rows are alike (the same pushes
-    #: of the same width and dtype, plain 2-D rows, no row mask, equal settings) are
-    #: reduced as one: their columns side by side, one set of kernels for all of them
-    #: (every layer of every component of a probe, where an MLP's layers are equally
-    #: wide), each stream's accumulators a view of the shared ones
+    #: from per-column reductions, so alike streams (same pushes, width and dtype, plain 2-D
+    #: rows, no row mask, equal settings) are reduced as one, side by side
     #: (:meth:`_consume_alike`); :meth:`summarize_alike` may then summarise them at once
     batch_units: bool = False
 
@@ -108,13 +97,11 @@ class ProbeState:
         self._scratch: dict[tuple[Any, ...], torch.Tensor] = {}
         #: component -> reason, for reductions that failed (reported by StatsReporter)
         self.errors: dict[str, str] = {}
-        #: the context whose trackers drain together (set by :func:`get_state`)
+        #: the context whose trackers drain together
         self.context: ComponentContext | None = None
-        #: component -> the component whose accumulators it shares in this window (both
-        #: were shown the same rows from the window's start; see :meth:`_drain_buffers`)
+        #: component -> the component whose accumulators it shares in this window (:meth:`_mirrored`)
         self.mirrors: dict[str, str] = {}
-        #: alike streams reduced as one in this window -> their shared accumulators,
-        #: which each stream's are views of (:meth:`_consume_alike`)
+        #: alike streams reduced as one in this window -> their shared accumulators
         self.alike: dict[tuple[Member, ...], dict[str, torch.Tensor]] = {}
         #: the streams that accumulated anything in this window, and the components
         #: whose accumulators were loaded (:meth:`load_state_dict`)
@@ -187,10 +174,9 @@ class ProbeState:
         return t
 
     def _add(self, component: str, key: str, value: torch.Tensor, dtype: torch.dtype = SUM) -> None:
-        """Add ``value`` to the accumulator ``key`` of ``component`` (of ``dtype``). A
-        value of a narrower dtype needs no conversion first: the first use converts it
-        with its copy, and later ones add it with type promotion, exactly as a converted
-        copy would (float32 widens to float64 without rounding), one operation less."""
+        """Add ``value`` to the accumulator ``key`` of ``component`` (of ``dtype``): the
+        first use converts it with its copy, later ones add it with type promotion (exact:
+        float32 widens to float64 without rounding), so no conversion op is needed."""
         st = self.state[component]
         acc = st.get(key)
         if acc is None:  # first use in the window: a copy (one op, not zeros + add)
@@ -210,17 +196,12 @@ class ProbeState:
         component: str,
         stream: str,
         blocks: tuple[torch.Tensor, ...],
-        scales: tuple[float | None, ...] | None = None,
+        scales: Scales = None,
         weight: torch.Tensor | None = None,
     ) -> None:
-        """Hold aligned row blocks (same number of rows) for :meth:`consume`.
-
-        ``scales`` are per-push factors of the blocks (``None`` = as is), handed to
-        :meth:`consume` with the rows. ``weight``: the row-mask rows of the blocks, as
-        the hook bound them (``record(..., weight=...)``); None without a mask. A full
-        buffer drains every tracker of the context (:meth:`drain`) before it takes the
-        push.
-        """
+        """Hold aligned row blocks (same number of rows) for :meth:`consume`, with
+        per-push ``scales`` (None = as is) and ``weight``, the blocks' row-mask rows (None
+        without a mask). A full buffer drains every tracker of the context first."""
         if weight is not None and weight.numel() != block_rows(blocks[0]):
             raise ValueError(
                 f"probe {self.probe!r} on component {component!r}: the row mask bound to this "
@@ -233,18 +214,15 @@ class ProbeState:
                 self.buffer_elements, self.buffer_rows
             )
         if not buf.accepts(blocks):
-            # empties every buffer of the context, this one included; inside a hook, whose
-            # timing already counts this drain as the probe's cost
+            # inside a hook, whose timing already counts this drain as the probe's cost
             self.drain(timed=False)
             buf.reserve(blocks)
         buf.append(blocks, scales, weight)
 
     def scratch(self, like: torch.Tensor, slot: int = 0) -> torch.Tensor:
         """A reusable tensor shaped like ``like`` (contents undefined; half precision
-        widened to float32), for the temporaries of :meth:`consume`; ``slot`` tells apart
-        several needed at once. Allocated once per column layout at a full buffer's row
-        count (larger only for a single push bigger than a buffer), so its size does not
-        depend on how many rows a particular flush holds."""
+        widened to float32) for the temporaries of :meth:`consume`; ``slot`` tells apart
+        several at once. Allocated once per column layout at a full buffer's row count."""
         dtype = like.dtype if like.element_size() >= 4 else torch.float32
         rows, tail = like.shape[0], tuple(like.shape[1:])
         key = (slot, tail, dtype, like.device)
@@ -259,17 +237,15 @@ class ProbeState:
 
     def drain(self, *, timed: bool = True) -> None:
         """Reduce every held row of every tracker of this tracker's context (or of this
-        tracker alone, without a context) in one :class:`~policy_probes.probes.rows.DrainRound`,
-        so block columns that several probes hold are materialised once. With ``timed``
-        each tracker's share is added to its ``seconds`` (what the sampler counts as the
-        probe's cost); a drain inside a probe's hook (``timed=False``) is counted by the
-        hook's own timing, and reads nothing back from a device (on the CPU it reads
-        whether a column is finite, which synchronises nothing).
+        tracker alone, without one) in one :class:`~policy_probes.probes.rows.DrainRound`,
+        so block columns several probes hold are materialised once. With ``timed`` each
+        tracker's share is added to its ``seconds`` (the sampler's cost); a drain inside a
+        hook (``timed=False``) is counted by the hook's timing. Reads nothing back from a
+        device.
 
-        A component whose rows cannot be reduced (for example because its width changed
-        within a window, or a held tensor was changed in place) loses that window's data,
-        and the reason is kept in :attr:`errors` for
-        :class:`~policy_probes.stats_reporter.StatsReporter` to report; the other
+        A component whose rows cannot be reduced (its width changed within a window, a held
+        tensor was changed in place) loses that window's data, the reason kept in
+        :attr:`errors` for :class:`~policy_probes.stats_reporter.StatsReporter`; the other
         components and trackers are unaffected.
         """
         drain_round = DrainRound()
@@ -297,12 +273,8 @@ class ProbeState:
         for group in self._alike_groups(held):
             if len(group) > 1:
                 try:
-                    taken.append(
-                        (
-                            [k for k, _ in group],
-                            RowBuffer.take_alike([b for _, b in group], drain_round),
-                        )
-                    )
+                    keys = [k for k, _ in group]
+                    taken.append((keys, RowBuffer.take_alike([b for _, b in group], drain_round)))
                     continue
                 except InPlaceModified:
                     pass  # each alone: the buffer that holds the changed rows loses them
@@ -340,33 +312,28 @@ class ProbeState:
         signatures: list[Any] = []
         for key, buf in held:
             signature = buf.alike_signature() if self.batches(key[1]) else None
-            if signature is not None:
-                for i, other in enumerate(signatures):
-                    if (
-                        other == signature
-                        and self.settings[groups[i][0][0][0]] == self.settings[key[0]]
-                    ):
-                        groups[i].append((key, buf))
-                        break
-                else:
-                    signatures.append(signature)
-                    groups.append([(key, buf)])
+            for group, other in zip(groups, signatures, strict=True):
+                if (
+                    signature is not None
+                    and other == signature
+                    and self.settings[group[0][0][0]] == self.settings[key[0]]
+                ):
+                    group.append((key, buf))
+                    break
             else:
-                signatures.append(None)
+                signatures.append(signature)
                 groups.append([(key, buf)])
         return groups
 
     def _consume_alike(self, members: list[Member], batch: Drained) -> None:
-        """Reduce the rows of alike streams, side by side in ``batch``, in one
-        :meth:`consume` under the name :data:`ALIKE`. In a window they start together, each
-        stream's accumulators are views of the shared ones (added to in place from then
-        on); streams that accumulated apart before (a loaded checkpoint, a lost window)
-        get their share of these sums added instead, element by element as their own
-        reduction would."""
+        """Reduce alike streams, side by side in ``batch``, in one :meth:`consume` under
+        :data:`ALIKE`. Streams that start a window together get views of the shared
+        accumulators; streams that accumulated apart before (a loaded checkpoint, a lost
+        window) get their share added, element by element as their own reduction would."""
         names = tuple(members)
         shared = self.alike.get(names)
         together = shared is not None and all(self._viewing.get(m) is shared for m in members)
-        if not together and not any(self._fed_before(m) for m in members):
+        if not together and not any(m in self._fed or m[0] in self._loaded for m in members):
             shared, together = {}, True
         target = shared if together and shared is not None else {}
         before = dict(target)
@@ -392,16 +359,11 @@ class ProbeState:
             self._viewing.update((m, target) for m in members)
         self._fed.update(members)
 
-    def _fed_before(self, member: Member) -> bool:
-        return member in self._fed or member[0] in self._loaded
-
     def _mirrored(self, held: list[tuple[Member, RowBuffer]]) -> set[str]:
         """The components of this drain that share another's accumulators instead of
-        reducing: every held row of theirs is a row the other holds (the same tensors
-        viewed alike), in the same pushes, with equal settings, no row mask, and both were
-        empty when the sharing began (or already share). A sharing that ends gets its own
-        copy of the accumulators before anything is reduced, so each component's sums stay
-        exactly those of its own rows."""
+        reducing: they hold the same tensors viewed alike, in the same pushes, with equal
+        settings and no row mask, and both were empty when the sharing began (or already
+        share). A sharing that ends first gets its own copy of the accumulators."""
         streams: dict[str, list[Any]] = {}
         masked: set[str] = set()
         for (component, stream), buf in held:
@@ -464,24 +426,16 @@ class ProbeState:
 
     def consume(self, batch: Drained) -> None:
         """Reduce one stream's drained rows (:class:`Drained`) into accumulators with
-        :meth:`_add`. Under a row mask ``batch.weight`` is set: sums must then be over the
-        rows of weight 1 and counts must count only them (see
-        :class:`~policy_probes.probes.weighted.Weighted`).
-
-        Temporaries go into :meth:`scratch`, so a reduction allocates nothing of the
-        buffer's size (allocating and faulting in fresh megabyte-sized temporaries cost
-        more than the arithmetic).
-        """
+        :meth:`_add`. Under a row mask (``batch.weight``) sums and counts are over the rows
+        of weight 1 only (:class:`~policy_probes.probes.weighted.Weighted`). Temporaries go
+        into :meth:`scratch`: fresh buffer-sized ones cost more than the arithmetic."""
         raise NotImplementedError
 
     # ----------------------------------------------------------- window
     def reset(self) -> None:
-        """Start a new window: drop every accumulator (reallocated on the next update)
-        and every buffered row. The buffers' storage and the reduction scratch are kept
-        for reuse, except tensors of :data:`RELEASED_BYTES` or more: held from one report
-        to the next they sit among the training step's own large allocations, which then
-        come back from the OS page by page (measured on the Atari recipe: double the page
-        faults on half of the update's passes, 140 -> 165 ms each)."""
+        """Start a new window: drop every accumulator and buffered row. Buffer storage and
+        scratch are kept for reuse, except tensors of :data:`RELEASED_BYTES` or more (held
+        between reports they make the training step's own large allocations page-fault)."""
         for component in self.mirrors:
             self.state[component] = {}
         self.mirrors.clear()
@@ -511,7 +465,8 @@ class ProbeState:
         layouts: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(layouts, layout, group=group)
         union = sorted({entry for lay in layouts for entry in lay})
-        device = _reduce_device(group)
+        nccl = dist.get_backend(group) == "nccl" and torch.cuda.is_available()
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         world = dist.get_world_size(group)
         for comp, key, shape, dtype_name in union:
             dtype = getattr(torch, dtype_name.removeprefix("torch."))
@@ -672,27 +627,6 @@ def _to_host(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             out[k] = flat[offset : offset + n].reshape(t.shape)
             offset += n
     return out
-
-
-def _reduce_device(group: Any) -> torch.device:
-    backend = dist.get_backend(group)
-    if backend == "nccl" and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def get_state(context: ComponentContext, key: str, cls: type[ProbeState], *args: Any) -> Any:
-    """The tracker stored under ``key`` in ``context.model_metrics``, created with
-    ``cls(*args)`` if absent."""
-    tracker = context.model_metrics.get(key)
-    if tracker is None:
-        tracker = context.model_metrics[key] = cls(*args)
-        tracker.context = context
-    elif not isinstance(tracker, cls):
-        raise TypeError(
-            f"context.model_metrics[{key!r}] holds a {type(tracker).__name__}, expected {cls.__name__}"
-        )
-    return tracker
 
 
 def rates(count: torch.Tensor, total: torch.Tensor) -> torch.Tensor:

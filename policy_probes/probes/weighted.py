@@ -21,11 +21,6 @@ class Weighted:
         self.rows = rows
         self.weight = weight
 
-    def _w(self, like: torch.Tensor) -> torch.Tensor:
-        assert self.weight is not None
-        w = self.weight
-        return w if w.dtype == like.dtype else w.to(like.dtype)
-
     @property
     def num_rows(self) -> int | torch.Tensor:
         """Kept rows (an int without a mask)."""
@@ -35,9 +30,10 @@ class Weighted:
 
     def sums(self, x: torch.Tensor) -> torch.Tensor:
         """Per-column sum over kept rows of ``x`` (N, U)."""
-        if self.weight is None:
+        w = self.weight
+        if w is None:
             return x.sum(0)
-        return torch.mv(x.T, self._w(x))
+        return torch.mv(x.T, w if w.dtype == x.dtype else w.to(x.dtype))
 
     def counts(self, indicators: torch.Tensor) -> torch.Tensor:
         """Per-column number of kept rows where a 0/1 ``indicators`` is 1 (int64)."""

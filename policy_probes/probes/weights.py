@@ -13,9 +13,8 @@ whole, with θ the layer's parameters concatenated:
 * ``update_ratio`` = ‖θ − θ_prev‖ / ‖θ_prev‖, θ_prev the parameters at the previous
   report (one epoch's updates at the default sampling)
 
-Nothing runs in forward or backward: the probe reads the parameters once per report, on
-their device, and moves one vector of sums to the host. Parameters are the same on every
-process of a data-parallel run, so there is nothing to all-reduce.
+Nothing runs in forward or backward: the parameters are read once per report, on their
+device (one transfer of sums); they are the same on every process, so nothing is all-reduced.
 """
 
 from __future__ import annotations
@@ -39,9 +38,8 @@ SUMS = ("sq", "abs", "count", "init_sq", "init_diff_sq", "prev_sq", "prev_diff_s
 
 @register
 class Weights(Probe):
-    """The component modules and their reference parameters (at attach, at the last
-    report); the sums are formed when the window is read (:meth:`to_metrics`). Nothing
-    runs in forward or backward: :meth:`attach` hands it the component."""
+    """The component's layers and their reference parameters (at attach, at the last
+    report); the sums are formed in :meth:`to_metrics`."""
 
     name = "weights"
     maker = "attach_weights_hooks()"
@@ -189,6 +187,6 @@ def _weight_metrics(row: torch.Tensor) -> dict[str, float]:
 
 def attach_weights_hooks() -> Weights:
     """The ``weights`` probe (:class:`Weights`, docs/probes/weights.md): per-layer ‖θ‖,
-    mean |θ|, ‖θ − θ₀‖/‖θ₀‖ and the update ratio ‖Δθ‖/‖θ‖ of the component. θ₀ is taken
-    when the probe is attached: attach it before training. It takes no placement."""
+    mean |θ|, ‖θ − θ₀‖/‖θ₀‖ and the update ratio ‖Δθ‖/‖θ‖. θ₀ is taken at attach: attach
+    it before training. It takes no placement."""
     return Weights()
