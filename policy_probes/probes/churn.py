@@ -37,7 +37,7 @@ from policy_probes.lifecycle.rng import preserved_rng
 from policy_probes.plugins import Rule, register
 from policy_probes.probes.probe import Probe
 from policy_probes.probes.rows import COUNT
-from policy_probes.probes.state import SUM
+from policy_probes.probes.state import SUM, Device
 from policy_probes.processes import multi_process
 
 if TYPE_CHECKING:
@@ -273,9 +273,7 @@ class Churn(Probe):
         out["maxima"] = {c: dict(m) for c, m in self.maxima.items()}
         return out
 
-    def load_state_dict(
-        self, state: dict[str, Any], device: torch.device | str | None = None
-    ) -> None:
+    def load_state_dict(self, state: dict[str, Any], device: Device = None) -> None:
         super().load_state_dict(state, device)
         held = state.get("held_out") or {}
 

@@ -7,8 +7,8 @@ loop scales the loss, e.g. for gradient accumulation). Autograd delivers
 g_i = dL/dy_i = (c/n) dl_i/dy_i, so the per-sample gradient is (n/c) g_i. With
 ``loss_reduction="sum"`` (L = c * sum_i l_i) it is g_i / c.
 
-Per-parameter Fisher is computed exactly from cached layer inputs, never from
-per-sample gradient tensors and never from ``param.grad``:
+Per-parameter Fisher is computed exactly from cached layer inputs (never from per-sample
+gradient tensors or ``param.grad``):
 
 * ``nn.Linear`` (y = x W^T + b): F_W = f^2 sum_i (g_i^2)^T (x_i^2) / N, F_b = f^2 sum_i g_i^2 / N
 * ``nn.Conv1d``/``nn.Conv2d``, ``nn.Embedding``, ``nn.LayerNorm`` (any shape) and
@@ -186,8 +186,8 @@ class FisherInformation(Probe):
         *,
         weight: torch.Tensor | None = None,
     ) -> None:
-        """Per-unit Fisher of the component output from one backward pass; ``weight``:
-        the row-mask rows of ``grad_output`` (every ``update_*`` takes it)."""
+        """Per-unit Fisher of the component output from one backward pass; ``weight``
+        (every ``update_*``): the row-mask rows of the gradient."""
         g = as_rows(grad_output)
         self.out_rows[component] = g.shape[0]
         f = self.sample_factor(component, g.shape[0], loss_scale, g)
@@ -222,9 +222,8 @@ class FisherInformation(Probe):
         *,
         weight: torch.Tensor | None = None,
     ) -> None:
-        """One backward pass through a layer with a closed-form ``rule``: the rows it
-        reads (one per sample, see :class:`~policy_probes.probes.fisher_rules.LayerKind`)
-        and the output gradient, flattened to as many rows."""
+        """One backward pass through a layer with a closed-form ``rule``: its rows (one per
+        sample, :class:`~policy_probes.probes.fisher_rules.LayerKind`) and output gradient."""
         self.rules_of[(component, stream)] = rule
         g = grad_output.detach().reshape(x.shape[0], -1)
         f = self.sample_factor(component, g.shape[0], loss_scale, g)
@@ -489,9 +488,8 @@ def _noise(prefix: str, n: int, sq: float, gsq: float) -> dict[str, float]:
 
 
 class _GenericDelivery:
-    """Called with the gradients of a generic-route pass's tapped outputs: records the pass
-    (:class:`Call`) with the loop's loss scale, under the fault rule. Slotted, one per pass
-    (a module stepped over time makes one per step, alive until the backward)."""
+    """Records a generic-route pass (:class:`Call`) when its tapped outputs' gradients
+    arrive, under the fault rule (slotted: one per pass, alive until the backward)."""
 
     __slots__ = ("obs", "arrived", "layout", "tapped", "width", "rows", "weight")
 
@@ -607,9 +605,8 @@ class _FisherHooks:
 
     def _generic_hook(self, module: nn.Module, names: dict[str, str], sizes: dict[str, int]) -> Any:
         """Forward hook of a module on the generic route: its inputs split into samples
-        (:func:`~policy_probes.probes.fisher_generic.batch_layout`); once its outputs'
-        gradients arrive the pass joins the backward's other passes of the module, all
-        reduced together when the backward ends (a cell stepped over time). A module whose
+        (:func:`~policy_probes.probes.fisher_generic.batch_layout`), the passes of one
+        backward reduced together when it ends (a cell stepped over time). A module whose
         inputs cannot be split is reported once, listed as uncovered and left alone."""
         obs, probe = self.obs, self.probe
         backwards = itertools.count()
@@ -705,13 +702,15 @@ class _FisherHooks:
     def _tap(
         self,
         output: torch.Tensor,
-        compute: Any,
+        update: Callable[..., None],
+        args: tuple[Any, ...],
         layer: Any = None,
         samples: tuple[int, int] | None = None,
     ) -> None:
-        """Register ``compute(grad, weight, loss_scale)`` on ``output`` with its row-mask
-        rows bound now (``layer`` tells layers apart). ``samples = (samples, rows)``: the
-        pushed rows are samples holding ``rows`` mask rows in all (:meth:`RowMask.per_sample`)."""
+        """On the gradient of ``output`` call ``update(*args, grad, loss_scale, weight=)``,
+        the row-mask rows of ``output`` bound now (``layer`` tells layers apart).
+        ``samples = (samples, rows)``: the pushed rows are samples holding ``rows`` mask
+        rows in all (:meth:`RowMask.per_sample`). ``args`` must hold no autograd graph."""
         obs = self.obs
         key, mask = (id(obs), layer), obs.context.row_mask
         try:
@@ -724,6 +723,10 @@ class _FisherHooks:
         except Exception as exc:
             obs.fail(exc)
             return
+
+        def compute(grad: torch.Tensor, weight: Any, loss_scale: Any) -> None:
+            update(*args, grad, loss_scale, weight=weight)
+
         obs.tap(output, weight, compute)
 
     def _through_activation_hook(
@@ -745,18 +748,10 @@ class _FisherHooks:
         x: torch.Tensor,
         output: torch.Tensor,
     ) -> None:
-        """On the gradient of the activation's ``output``: the Linear's input ``x``, the
-        output and its gradient go to :meth:`FisherInformation.update_through_activation`."""
+        """:meth:`FisherInformation.update_through_activation` on ``output``'s gradient."""
         # detached: a hook held by the output must not hold it (a cycle never freed)
-        x, out = x.detach(), output.detach()
-        probe, component = self.probe, self.component
-
-        def compute(grad: torch.Tensor, weight: Any, loss_scale: Any) -> None:
-            probe.update_through_activation(
-                component, activation, names, x, out, grad, loss_scale, weight=weight
-            )
-
-        self._tap(output, compute, names)
+        args = (self.component, activation, names, x.detach(), output.detach())
+        self._tap(output, self.probe.update_through_activation, args, names)
 
     def _sequential_pair_hooks(
         self,
@@ -794,24 +789,15 @@ class _FisherHooks:
         def hook(mod: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
             if not self._recorded(output, passes):
                 return
-            x = inputs[0].detach()  # the closure below must hold no autograd graph
+            x = inputs[0].detach()
             if kind.rows is None:  # nn.Linear: its input rows as they are
-
-                def compute(grad: torch.Tensor, weight: Any, loss_scale: Any) -> None:
-                    probe.update_layer(
-                        component, kind.name, names, x, grad, loss_scale, weight=weight
-                    )
-
-                self._tap(output, compute, names)
+                self._tap(output, probe.update_layer, (component, kind.name, names, x), names)
                 return
             rule, rows, shape = kind.rows(mod, names, x, output.detach())
             stream = f"{kind.name}:{names[0] or ''}:{names[1] or ''}:{shape}"
-
-            def compute_rule(grad: torch.Tensor, weight: Any, loss_scale: Any) -> None:
-                probe.update_rule(component, stream, rule, rows, grad, loss_scale, weight=weight)
-
             n = rows.shape[0]
-            self._tap(output, compute_rule, names, (n, n * kind.positions(mod, rows, output)))
+            samples = (n, n * kind.positions(mod, rows, output))
+            self._tap(output, probe.update_rule, (component, stream, rule, rows), names, samples)
 
         return hook
 
@@ -924,9 +910,8 @@ DERIVATIVES: dict[str, Any] = {
 
 
 def derivable_hidden_layer(module: nn.Module) -> str | None:
-    """The activation name (``leaky_relu=<slope>`` for LeakyReLU) if ``module`` is a
-    :class:`~policy_probes.layers.HiddenLayer` computing ``act(linear(x))`` (no layer
-    norm in between) with an activation of :data:`ACTIVATIONS`, else None."""
+    """:func:`derivable_activation` of ``module`` if it is a
+    :class:`~policy_probes.layers.HiddenLayer` computing ``act(linear(x))``, else None."""
     if type(module).forward is not HiddenLayer.forward or type(module.linear) is not nn.Linear:
         return None
     return derivable_activation(module.act) if module.norm is None else None
@@ -947,8 +932,7 @@ def derivable_sequential_pairs(
     module: nn.Module,
 ) -> list[tuple[str, tuple[nn.Linear, nn.Module, str]]]:
     """``(child name, (linear, activation module, activation name))`` for every
-    ``nn.Linear`` child of a plain ``nn.Sequential`` followed directly by a derivable
-    activation (e.g. SB3's MLP extractors)."""
+    ``nn.Linear`` child of a plain ``nn.Sequential`` followed by a derivable activation."""
     if type(module).forward is not nn.Sequential.forward:
         return []
     children = list(module.named_children())

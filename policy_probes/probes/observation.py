@@ -33,11 +33,7 @@ from policy_probes.context import ComponentContext
 from policy_probes.extractors import as_extractor, gradient_target
 from policy_probes.grad_tap import on_grad
 from policy_probes.outputs import describe_output, extractor_example
-from policy_probes.probes.layout import (
-    check_layout,
-    output_channels_first,
-    resolve_channels_first,
-)
+from policy_probes.probes.layout import check_layout, output_channels_first, resolve_channels_first
 from policy_probes.recurrent import default_extractor
 from policy_probes.row_mask import bound_weight
 from policy_probes.sampling import Schedule, as_schedule, tensor_rows

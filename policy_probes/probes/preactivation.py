@@ -33,7 +33,7 @@ from torch.utils.hooks import RemovableHandle
 from policy_probes.plugins import Rule, register
 from policy_probes.probes.probe import Probe
 from policy_probes.probes.rows import COUNT
-from policy_probes.probes.state import SUM, Drained, as_rows
+from policy_probes.probes.state import SUM, Device, Drained, as_rows
 from policy_probes.probes.weighted import Weighted
 
 if TYPE_CHECKING:
@@ -176,9 +176,7 @@ class Preactivation(Probe):
         out["reference"] = {k: dict(v) for k, v in self.reference.items()}
         return out
 
-    def load_state_dict(
-        self, state: dict[str, Any], device: torch.device | str | None = None
-    ) -> None:
+    def load_state_dict(self, state: dict[str, Any], device: Device = None) -> None:
         super().load_state_dict(state, device)
         self.reference = {
             k: {n: t.clone() for n, t in v.items()}

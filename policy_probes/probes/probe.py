@@ -1,25 +1,15 @@
 """The probe contract: a probe is one measurement object, placed when it is attached.
 
-A probe is a subclass of :class:`Probe`, registered with :func:`policy_probes.plugins.register`,
-that declares what it is and implements how it measures:
-
-* **what it is** (class attributes): ``name`` (its keys are
-  ``probes/<name>/<component>/<metric>``), ``direction`` (``"forward"``: it reads module
-  outputs; ``"backward"``: their gradients), ``events`` (the loop events it needs:
-  ``"forward"``/``"backward"`` passes, ``"rollout_end"``, ``"epoch_end"``), ``placements``
-  (the placement arguments it takes), ``metrics`` (metric -> meaning), ``rules`` (its
-  findings rules, :class:`~policy_probes.plugins.Rule`), ``console`` (the metrics the
-  console follows by default) and ``docs`` (its docs page);
-* **how it measures**: :meth:`record` / :meth:`record_grad` take what the component's hook
-  saw, :meth:`attach` installs hooks on layers inside the component, and
-  :class:`~policy_probes.probes.state.ProbeState` (rows held by reference, reduced in
-  :meth:`consume`, summarised on the host in :meth:`summarize`) turns it into metrics.
+A probe is a subclass of :class:`Probe`, registered with :func:`policy_probes.plugins.register`.
+Its class attributes say what it is (``name``, ``direction``, ``events``, ``placements``,
+``metrics``, ``rules``, ``console``, ``docs``: the table in docs/components.md); it
+measures through :meth:`record` / :meth:`record_grad` (what the component's hook saw),
+:meth:`attach` (hooks on layers inside the component) and the accumulators of
+:class:`~policy_probes.probes.state.ProbeState`.
 
 An instance carries the probe's settings (``ReLUActivation(tau=0.05)``); attaching it
-(``add_training_hook(pattern, probe, per_layer=False)``) places it with a
-:class:`Placement`. The first instance attached in a context becomes its tracker
-(``context.model_metrics[name]``); other instances of the probe register their
-components there with their own settings.
+places it with a :class:`Placement`. The first instance attached in a context becomes its
+tracker (``context.model_metrics[name]``), where other instances register their components.
 """
 
 from __future__ import annotations
@@ -33,11 +23,7 @@ from torch.utils.hooks import RemovableHandle
 
 from policy_probes.context import ComponentContext
 from policy_probes.plugins import Rule
-from policy_probes.probes.observation import (
-    CLOSURE_PLACEMENTS,
-    Observation,
-    Placement,
-)
+from policy_probes.probes.observation import CLOSURE_PLACEMENTS, Observation, Placement
 from policy_probes.probes.state import ProbeState
 
 

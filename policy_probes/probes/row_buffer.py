@@ -46,7 +46,7 @@ class InPlaceModified(RuntimeError):
 class RowBuffer:
     """Aligned column blocks of at most ``max_rows`` rows and ``max_elements`` elements."""
 
-    def __init__(self, max_elements: int, max_rows: int | None = None) -> None:
+    def __init__(self, max_elements: int, max_rows: int) -> None:
         self.max_elements = max_elements
         self.max_rows = max_rows
         #: the held blocks, flat: push i's block of column c at ``i * columns + c`` (no
@@ -60,10 +60,9 @@ class RowBuffer:
         self.rows = 0
         self.capacity = 0
         self.layout: Layout = ()
-        #: the buffer's own copies of the rows and their derived quantities, allocated once
-        #: per layout at :meth:`take`: (block column, slot) -> (capacity, width) tensor
+        #: (block column, slot) -> the buffer's own (capacity, width) storage (:meth:`_slot`)
         self.storage: dict[tuple[int, int], torch.Tensor] = {}
-        #: copy every push (set after an in-place change of a held block was detected)
+        #: copy every push (set once an in-place change of a held block was detected)
         self.copy_pushes = False
 
     def accepts(self, blocks: tuple[torch.Tensor, ...]) -> bool:
@@ -86,9 +85,7 @@ class RowBuffer:
             return False
         # the widest block sets the row count, so streams of one layer fill up together
         width = max(b.shape[-1] for b in blocks)
-        capacity = self.max_elements // max(width, 1)
-        if self.max_rows is not None:
-            capacity = min(capacity, self.max_rows)
+        capacity = min(self.max_elements // max(width, 1), self.max_rows)
         layout = tuple((b.shape[-1], b.dtype, b.device) for b in blocks)
         if layout == self.layout:
             capacity = max(capacity, self.capacity)
@@ -118,10 +115,8 @@ class RowBuffer:
         self.weights.append(weight)
 
     def take(self, drain_round: DrainRound) -> Taken:
-        """The held rows, one :class:`Rows` per block column (shared through
-        ``drain_round``), every push's row count and scales, and the rows' weights (None if
-        no push had one); the buffer is empty afterwards. The rows stay valid until this
-        buffer's next :meth:`take`."""
+        """The held rows (:data:`Taken`; columns shared through ``drain_round``), valid until
+        this buffer's next :meth:`take`; the buffer is empty afterwards."""
         pending, weights = self.pending, self.weights
         segments, scales, rows = self.segments, self.scales, self.rows
         try:
@@ -181,10 +176,9 @@ class RowBuffer:
 
     @staticmethod
     def take_alike(buffers: list[RowBuffer], drain_round: DrainRound) -> Taken:
-        """:meth:`take` of buffers with the same :meth:`alike_signature`, their columns side
-        by side: one :class:`Rows` per block column holding every buffer's units, in
-        buffer order. Raises :class:`InPlaceModified` (every buffer still holding its
-        rows) if a held block changed."""
+        """:meth:`take` of buffers with the same :meth:`alike_signature`, their units side
+        by side in buffer order. Raises :class:`InPlaceModified` (every buffer still
+        holding its rows) if a held block changed."""
         for buf in buffers:
             buf._check_versions()
         first = buffers[0]
@@ -250,8 +244,7 @@ class RowBuffer:
 
     def _slot(self, col: int, slot: int) -> torch.Tensor:
         """Storage ``slot`` of block column ``col`` (values, non-finite indicator, derived
-        quantities), allocated once per layout at the buffer's capacity; half precision
-        is widened to float32."""
+        quantities) at the buffer's capacity; half precision widened to float32."""
         key = (col, slot)
         t = self.storage.get(key)
         if t is None:
@@ -263,15 +256,10 @@ class RowBuffer:
     def clear(self) -> None:
         """Drop the held rows (the storage is kept for reuse)."""
         self.rows = 0
-        self.pending = []
-        self.versions = []
-        self.segments = []
-        self.scales = []
-        self.weights = []
+        self.pending, self.versions, self.segments, self.scales, self.weights = [], [], [], [], []
 
     def release(self, min_bytes: int) -> None:
-        """Free the storage tensors of ``min_bytes`` or more (reallocated at the next
-        :meth:`take` that needs them)."""
+        """Free the storage tensors of ``min_bytes`` or more (reallocated when needed)."""
         self.storage = {k: t for k, t in self.storage.items() if t.nbytes < min_bytes}
 
     @property

@@ -17,12 +17,7 @@ from policy_probes.plugins import register
 from policy_probes.probes.per_layer import ActivationLayer, ActivationProbe
 from policy_probes.probes.relu import samples
 from policy_probes.probes.rows import COUNT
-from policy_probes.probes.state import (
-    SUM,
-    Drained,
-    indicator_,
-    unit_rates,
-)
+from policy_probes.probes.state import SUM, Drained, indicator_, unit_rates
 from policy_probes.probes.weighted import Weighted
 from policy_probes.sampling import standard_error
 

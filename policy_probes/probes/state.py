@@ -40,6 +40,8 @@ RELEASED_BYTES = 1 << 20
 ALIKE = "<alike>"
 #: a (component, stream) pair: one row buffer
 Member = tuple[str, str]
+#: where loaded accumulators go (None: where they were saved)
+Device = torch.device | str | None
 
 
 @dataclass(frozen=True)
@@ -60,22 +62,17 @@ class Drained:
 
 
 class ProbeState:
-    """Base of the trackers. Subclasses set :attr:`probe` and implement ``update`` and
-    ``summarize``.
-
-    ``summarize(component, state, settings)`` receives the component's accumulators
-    already moved to the CPU and returns ``metric -> float | list[float]``.
-    """
+    """Base of the trackers: subclasses set :attr:`probe`, push rows (:meth:`_push`) and
+    implement :meth:`consume` and ``summarize(component, state, settings)``, which gets the
+    accumulators on the CPU and returns ``metric -> float | list[float]``."""
 
     probe: str = "probe"
     #: accumulators that are averaged (not summed) across processes
     mean_reduced: frozenset[str] = frozenset()
-    #: capacity of each row buffer: at most ``buffer_rows`` rows and ``buffer_elements``
-    #: elements (rows x columns); 2048 rows of 64 float32 units are 512 KiB
+    #: capacity of each row buffer: ``buffer_rows`` rows, ``buffer_elements`` elements
     buffer_rows: int = 2048
     buffer_elements: int = 1 << 20
-    #: seconds spent draining (reducing held rows) since the sampler last looked
-    #: (:mod:`policy_probes.sampling`)
+    #: seconds spent draining since the sampler (:mod:`policy_probes.sampling`) last looked
     seconds: float = 0.0
     #: whether :meth:`consume` writes nothing but the component's accumulators, so a
     #: component holding the very rows of another (its output is its last layer's) can
@@ -90,8 +87,7 @@ class ProbeState:
     def __init__(self) -> None:
         self.state: dict[str, dict[str, torch.Tensor]] = {}
         self.settings: dict[str, dict[str, Any]] = {}
-        #: component -> the hook that registered it for a layer of its own component
-        #: (:meth:`claim_component`); a builder attached to that name takes it over
+        #: component -> the hook that claimed it as a layer of its own (:meth:`claim_component`)
         self.claimed: dict[str, Any] = {}
         self.buffers: dict[tuple[str, str], RowBuffer] = {}
         self._scratch: dict[tuple[Any, ...], torch.Tensor] = {}
@@ -103,8 +99,7 @@ class ProbeState:
         self.mirrors: dict[str, str] = {}
         #: alike streams reduced as one in this window -> their shared accumulators
         self.alike: dict[tuple[Member, ...], dict[str, torch.Tensor]] = {}
-        #: the streams that accumulated anything in this window, and the components
-        #: whose accumulators were loaded (:meth:`load_state_dict`)
+        #: streams that accumulated in this window; components loaded (:meth:`load_state_dict`)
         self._fed: set[Member] = set()
         self._loaded: set[str] = set()
         #: stream -> the shared accumulators its own are views of
@@ -236,18 +231,12 @@ class ProbeState:
         return t[:rows]
 
     def drain(self, *, timed: bool = True) -> None:
-        """Reduce every held row of every tracker of this tracker's context (or of this
-        tracker alone, without one) in one :class:`~policy_probes.probes.rows.DrainRound`,
-        so block columns several probes hold are materialised once. With ``timed`` each
-        tracker's share is added to its ``seconds`` (the sampler's cost); a drain inside a
-        hook (``timed=False``) is counted by the hook's timing. Reads nothing back from a
-        device.
-
-        A component whose rows cannot be reduced (its width changed within a window, a held
-        tensor was changed in place) loses that window's data, the reason kept in
-        :attr:`errors` for :class:`~policy_probes.stats_reporter.StatsReporter`; the other
-        components and trackers are unaffected.
-        """
+        """Reduce every held row of every tracker of the context (or of this one, without
+        a context) in one :class:`~policy_probes.probes.rows.DrainRound`, reading nothing
+        back from a device. With ``timed`` each tracker's share is added to its
+        ``seconds``; a drain inside a hook (``timed=False``) is the hook's cost. A component
+        whose rows cannot be reduced (width changed, a held tensor changed in place) loses
+        the window, the reason kept in :attr:`errors`; the others are unaffected."""
         drain_round = DrainRound()
         peers = [self]
         if self.context is not None:
@@ -438,11 +427,8 @@ class ProbeState:
         between reports they make the training step's own large allocations page-fault)."""
         for component in self.mirrors:
             self.state[component] = {}
-        self.mirrors.clear()
-        self.alike.clear()
-        self._fed.clear()
-        self._loaded.clear()
-        self._viewing.clear()
+        for table in (self.mirrors, self.alike, self._fed, self._loaded, self._viewing):
+            table.clear()
         for st in self.state.values():
             st.clear()
         for buf in self.buffers.values():
@@ -482,9 +468,8 @@ class ProbeState:
 
     # ----------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """The window so far: every component's accumulators (sums and counts, held rows
-        reduced first) and the reduction failures. Settings are configuration: a resumed
-        run attaches the same probes, then loads this."""
+        """The window so far: every component's accumulators (held rows reduced first) and
+        the reduction failures (settings are configuration, not saved)."""
         self.flush()
         return {
             # a shared window is saved as two (a copy), so a resumed run's components
@@ -496,12 +481,9 @@ class ProbeState:
             "errors": dict(self.errors),
         }
 
-    def load_state_dict(
-        self, state: dict[str, Any], device: torch.device | str | None = None
-    ) -> None:
-        """Replace the window with a saved one; ``device``: where the accumulators go
-        (the probed model's device; default: where they were saved). A saved component
-        this tracker does not probe is skipped with a warning."""
+    def load_state_dict(self, state: dict[str, Any], device: Device = None) -> None:
+        """Replace the window with a saved one, the accumulators moved to ``device``. A
+        saved component this tracker does not probe is skipped with a warning."""
         self.reset()
         for component, accumulators in state["state"].items():
             if component not in self.state:
@@ -523,12 +505,9 @@ class ProbeState:
         return f"probes/{self.probe}/{component}/{metric}"
 
     def to_metrics(self) -> dict[str, float | list[float]]:
-        """Flat ``probes/<probe>/<component>/<metric>`` dict for the current window.
-
-        Components that recorded nothing in the window report nothing. A ``summarize``
-        key ``(layer, metric)`` is a metric of a layer inside the component, reported as
-        ``probes/<probe>/<component>.<layer>/<metric>``.
-        """
+        """Flat ``probes/<probe>/<component>/<metric>`` dict for the current window
+        (nothing for components that recorded nothing); a ``summarize`` key ``(layer,
+        metric)`` is reported as ``probes/<probe>/<component>.<layer>/<metric>``."""
         self.flush()
         summaries = self._summarize_alike()
         for comp, st in self.state.items():
@@ -561,10 +540,9 @@ class ProbeState:
     def summarize_alike(
         self, components: list[str], state: dict[str, torch.Tensor], settings: dict[str, Any]
     ) -> list[dict[str, Any]] | None:
-        """The summaries of ``components`` at once, from the accumulators they share
-        (:meth:`_consume_alike`: every one of them holds its units side by side on the last
-        axis of ``state``'s), each exactly what :meth:`summarize` makes of its own; None
-        (the default): one :meth:`summarize` per component."""
+        """The summaries of ``components`` at once from their shared accumulators (units
+        side by side on the last axis), each exactly what :meth:`summarize` makes of its
+        own; None (the default): one :meth:`summarize` per component."""
         return None
 
     def _summarize_alike(self) -> dict[str, dict[Any, Any]]:
@@ -589,10 +567,9 @@ class ProbeState:
     def _mirror_summary(
         self, component: str, source: str, summary: dict[Any, Any]
     ) -> dict[Any, Any]:
-        """The summary of ``component``, which shares ``source``'s accumulators (see
-        :attr:`mirrors`): ``source``'s, its lists copied (a sink may hold one); a tracker
-        whose ``summarize`` keeps per-component results overrides this to keep them for
-        ``component`` too."""
+        """The summary of ``component``, which shares ``source``'s accumulators:
+        ``source``'s, its lists copied (a sink may hold one). Trackers that keep
+        per-component results in ``summarize`` override this."""
         return {k: list(v) if isinstance(v, list) else v for k, v in summary.items()}
 
     def nbytes(self) -> int:
@@ -611,8 +588,7 @@ class ProbeState:
 
 
 def _to_host(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """One device-to-host transfer per dtype for all of a component's accumulators (none
-    when they are on the CPU already: summaries only read them)."""
+    """One device-to-host transfer per dtype of a component's accumulators (none on the CPU)."""
     if all(t.device.type == "cpu" for t in state.values()):
         return dict(state)
     out: dict[str, torch.Tensor] = {}
@@ -638,17 +614,15 @@ def rates(count: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
 
 
 def unit_rates(count: np.ndarray, total: np.ndarray) -> np.ndarray:
-    """:func:`rates` on host arrays (float64): count/total, 0 where total is 0. Summaries
-    of a layer's units run faster in numpy than as a dozen tiny torch calls."""
+    """:func:`rates` on host arrays (float64): count/total, 0 where total is 0."""
     out = np.zeros(total.shape, dtype=np.float64)
     np.divide(count, total, out=out, where=total > 0)
     return out
 
 
 def row_means(values: np.ndarray, keep: np.ndarray) -> np.ndarray:
-    """Per row of ``values``, the mean of the entries where ``keep`` holds (0.0 for a row
-    with none): one reduction for the rows that keep every entry, the same numbers as
-    ``values[i][keep[i]].mean()`` row by row."""
+    """Per row of ``values``, ``values[i][keep[i]].mean()`` (0.0 for a row with none); one
+    reduction for the rows that keep every entry."""
     out = np.zeros(len(values))
     full = keep.all(axis=1)
     if full.any():
@@ -676,8 +650,7 @@ def as_floats(t: torch.Tensor) -> list[float]:
 
 def as_rows(t: torch.Tensor) -> torch.Tensor:
     """``t`` detached, as (samples, units): leading dimensions are samples, the last is
-    units. A 2-D tensor that needs no grad is returned as is (hooks call this on every
-    pass, and buffers hold the result, so it must not keep an autograd graph alive)."""
+    units (a 2-D tensor that needs no grad as is)."""
     if t.requires_grad:
         t = t.detach()
     if t.dim() == 2:
@@ -688,8 +661,7 @@ def as_rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def unit_parts(t: torch.Tensor, parts: int) -> tuple[torch.Tensor, ...]:
-    """``t``'s last axis cut into ``parts`` equal views (the streams reduced side by side,
-    :meth:`ProbeState._consume_alike`)."""
+    """``t``'s last axis cut into ``parts`` equal views (:meth:`ProbeState._consume_alike`)."""
     if t.dim() == 0 or t.shape[-1] % parts:
         raise ValueError(
             f"a tracker with batch_units=True wrote an accumulator of shape "
@@ -699,6 +671,5 @@ def unit_parts(t: torch.Tensor, parts: int) -> tuple[torch.Tensor, ...]:
 
 
 def _view_key(t: torch.Tensor) -> tuple[Any, ...]:
-    """What tells a held tensor's rows apart from another's (the same memory viewed alike
-    shows the same values; their version counters are checked when taken)."""
+    """What tells a held tensor's rows apart from another's (the same memory viewed alike)."""
     return (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)

@@ -31,7 +31,7 @@ from policy_probes.plugins import Rule, register
 from policy_probes.probes.per_layer import activation_layers
 from policy_probes.probes.probe import Probe
 from policy_probes.probes.rows import COUNT
-from policy_probes.probes.state import SUM, Drained, as_floats, as_rows
+from policy_probes.probes.state import SUM, Device, Drained, as_floats, as_rows
 from policy_probes.probes.weighted import Weighted
 from policy_probes.user_errors import ProbeError
 
@@ -176,9 +176,7 @@ class Utility(Probe):
         out["scores"] = {k: v.clone() for k, v in self.scores.items()}
         return out
 
-    def load_state_dict(
-        self, state: dict[str, Any], device: torch.device | str | None = None
-    ) -> None:
+    def load_state_dict(self, state: dict[str, Any], device: Device = None) -> None:
         super().load_state_dict(state, device)
         self.scores = {k: v.clone() for k, v in (state.get("scores") or {}).items()}
 

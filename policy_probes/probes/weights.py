@@ -27,7 +27,7 @@ from torch.utils.hooks import RemovableHandle
 
 from policy_probes.plugins import Rule, register
 from policy_probes.probes.probe import Probe
-from policy_probes.probes.state import SUM
+from policy_probes.probes.state import SUM, Device
 
 if TYPE_CHECKING:
     from policy_probes.probes.observation import Observation
@@ -161,9 +161,7 @@ class Weights(Probe):
         out["references"] = {"init": self.init, "prev": self.prev}
         return out
 
-    def load_state_dict(
-        self, state: dict[str, Any], device: torch.device | str | None = None
-    ) -> None:
+    def load_state_dict(self, state: dict[str, Any], device: Device = None) -> None:
         super().load_state_dict(state, device)
         refs = state.get("references") or {}
         for which, table in (("init", self.init), ("prev", self.prev)):
