@@ -13,8 +13,7 @@ outputs are compared row by row:
 * ``kind="output"`` (anything else: a Gaussian mean, features): the mean over the output's
   entries of |Δ| per state (``output_change``)
 
-each as its mean and its max over the held-out states. ``"auto"`` is ``"value"`` for a
-one-wide output and ``"output"`` otherwise.
+each as its mean and max over the held-out states (``"auto"``: ``"value"`` for one output).
 
 The held-out batch: ``batch_size`` states evenly spaced through the rollout the loop hands
 to :meth:`Churn.rollout_end` (``ProbeSession.rollout_end``), used in the **next** epoch,

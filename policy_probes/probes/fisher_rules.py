@@ -1,12 +1,10 @@
 """Closed-form per-sample Fisher rules of the layers policies use, applied at the drain.
 
-A rule knows one layer's geometry. The hook holds, per backward pass, the layer's input
-(for the norms: the normalised input) and the gradient of its output, each flattened to
-one row per sample; at the drain :meth:`LayerRule.squares` receives those rows, the
-gradient already multiplied by the per-row weight ``w`` (the per-sample factor, 0 for a
-dropped row), and returns ``sum_i (d l_i / d theta)^2`` for each parameter. Samples are
-processed in chunks of at most ``chunk_bytes`` of temporaries, so a large batch of
-images never materialises more than that.
+The hook holds, per backward pass, the layer's input (for the norms: normalised) and
+output gradient, one row per sample; :meth:`LayerRule.squares` gets them at the drain, the
+gradient multiplied by each row's weight (the per-sample factor, 0 for a dropped row), and
+returns ``sum_i (d l_i / d theta)^2`` per parameter, in chunks of samples whose
+temporaries stay within ``chunk_bytes``.
 """
 
 from __future__ import annotations
@@ -71,9 +69,7 @@ class LayerRule:
 
     names: Names
 
-    def squares(
-        self, x: torch.Tensor, gw: torch.Tensor, chunk_bytes: int
-    ) -> dict[str, torch.Tensor]:
+    def squares(self, x: Tensor, gw: Tensor, chunk_bytes: int) -> dict[str, Tensor]:
         """Per parameter, the sum over rows of the squared per-sample gradient, from the
         rows of the input ``x`` and of the weighted output gradient ``gw``."""
         raise NotImplementedError
@@ -112,9 +108,7 @@ class ConvRule(LayerRule):
     groups: int
 
     @classmethod
-    def of(
-        cls, conv: nn.Conv1d | nn.Conv2d, names: Names, x: torch.Tensor, out: torch.Tensor
-    ) -> ConvRule:
+    def of(cls, conv: nn.Conv1d | nn.Conv2d, names: Names, x: Tensor, out: Tensor) -> ConvRule:
         """The rule of one pass: batched input ``x`` and output ``out``."""
         return cls(
             names,
@@ -130,12 +124,8 @@ class ConvRule(LayerRule):
         )
 
     def squares(
-        self,
-        x: torch.Tensor,
-        gw: torch.Tensor,
-        chunk_bytes: int,
-        method: str | None = None,
-    ) -> dict[str, torch.Tensor]:
+        self, x: Tensor, gw: Tensor, chunk_bytes: int, method: str | None = None
+    ) -> dict[str, Tensor]:
         """See :meth:`LayerRule.squares`. ``method``: ``"correlate"`` (the default) or
         ``"unfold"`` (im2col + einsum). Both are exact."""
         if method is None:
@@ -245,9 +235,7 @@ class EmbeddingRule(LayerRule):
     dim: int
     padding_idx: int | None
 
-    def squares(
-        self, x: torch.Tensor, gw: torch.Tensor, chunk_bytes: int
-    ) -> dict[str, torch.Tensor]:
+    def squares(self, x: Tensor, gw: Tensor, chunk_bytes: int) -> dict[str, Tensor]:
         positions = x.shape[1]
         per_sample = 4 * (positions * positions + 3 * positions * self.dim)
         out = torch.zeros(self.num_embeddings, self.dim, dtype=SUM, device=gw.device)
@@ -266,16 +254,13 @@ class EmbeddingRule(LayerRule):
 class NormRule(LayerRule):
     """``nn.LayerNorm`` (any ``normalized_shape``) and ``nn.GroupNorm``, from the
     normalised input ``xhat``: per sample ``d l / d w = sum_positions g * xhat`` and
-    ``d l / d b = sum_positions g`` for each affine entry. ``channels`` entries, each
-    summing ``positions`` values of a sample (LayerNorm: every entry is its own
-    position, ``positions = 1``; GroupNorm: a channel's spatial positions)."""
+    ``d l / d b = sum_positions g`` for each affine entry (LayerNorm: ``positions = 1``;
+    GroupNorm: a channel's spatial positions)."""
 
     shape: tuple[int, ...]  # the affine parameters' shape
     positions: int
 
-    def squares(
-        self, x: torch.Tensor, gw: torch.Tensor, chunk_bytes: int
-    ) -> dict[str, torch.Tensor]:
+    def squares(self, x: Tensor, gw: Tensor, chunk_bytes: int) -> dict[str, Tensor]:
         weight, bias = self.names
         channels = math.prod(self.shape)
         per_sample = 3 * x.element_size() * channels * self.positions

@@ -29,11 +29,8 @@ BLOCKED_THRESHOLD = 1e-8
 
 @register
 class GradientFlow(PerLayerProbe):
-    """Bias-corrected EMA of per-unit gradient RMS across the backward passes of a window.
-
-    ``ema`` and ``passes`` are averaged (not summed) across processes: every rank runs the
-    same number of passes, so the mean of the per-rank EMAs is the EMA of the mean RMS.
-    """
+    """Bias-corrected EMA of per-unit gradient RMS across the backward passes of a window
+    (``ema`` and ``passes`` are averaged across processes, which run as many passes)."""
 
     mirrors_identical_rows = True  # consume() writes the accumulators only
     batch_units = True  # per-unit accumulators from per-column reductions

@@ -87,8 +87,7 @@ def check_layout(layout: str) -> str:
 
 def output_channels_first(module: nn.Module) -> bool | None:
     """Whether ``module``'s output is channels first, from its type and children; None
-    when it only passes its input's layout on (elementwise modules, or containers of
-    them)."""
+    when it passes its input's layout on (elementwise modules and containers of them)."""
     if isinstance(module, CHANNEL_MODULES):
         return True
     if isinstance(module, ELEMENTWISE_MODULES):
@@ -137,9 +136,8 @@ def resolve_channels_first(
 
 
 def as_unit_rows(t: torch.Tensor, channels_first: bool) -> torch.Tensor:
-    """``t`` detached, with its units on the last axis: :func:`as_rows` for channels
-    last or for tensors of fewer than 3 dimensions; otherwise the view
-    ``(B, *spatial, C)`` (no copy), whose leading dimensions are the rows."""
+    """``t`` detached, units on the last axis: :func:`as_rows`, or for channels first
+    and 3 or more dimensions the view ``(B, *spatial, C)`` (no copy)."""
     if channels_first and t.dim() >= 3:
         return (t.detach() if t.requires_grad else t).movedim(1, -1)
     return as_rows(t)

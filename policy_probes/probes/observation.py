@@ -261,21 +261,14 @@ class Observation:
         ``record(output, weight)`` with ``output``'s row-mask rows bound, timed and under
         the fault rule (tensor outputs only, in the probe's phases)."""
 
+        def bound(output: torch.Tensor, mod: nn.Module) -> None:
+            record(output, self.bind(output, mod, name, channels_first))
+
         def hook(mod: nn.Module, _inputs: Any, output: Any) -> None:
             if self.active() and isinstance(output, torch.Tensor):
-                self.call(self._bound_call, record, output, mod, name, channels_first)
+                self.call(bound, output, mod)
 
         return module.register_forward_hook(hook)
-
-    def _bound_call(
-        self,
-        record: Callable[[torch.Tensor, torch.Tensor | None], None],
-        output: torch.Tensor,
-        module: nn.Module,
-        name: str,
-        channels_first: bool,
-    ) -> None:
-        record(output, self.bind(output, module, name, channels_first))
 
     def tap(
         self,

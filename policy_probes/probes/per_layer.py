@@ -201,6 +201,11 @@ class PerLayerProbe(Probe):
     def _layer_hook(self, obs: Observation, layer: ProbedLayer) -> Callable[..., None]:
         component = obs.component
 
+        def read(output: torch.Tensor) -> None:
+            # the mask rows bound in forward order, as the component hook binds its own
+            weight = obs.bind(output, layer.module, layer.component, layer.channels_first)
+            self.record_layer(obs, layer, output, weight)
+
         def hook(_module: nn.Module, _inputs: Any, output: Any) -> None:
             if not (
                 self._inside.get(component)
@@ -215,14 +220,9 @@ class PerLayerProbe(Probe):
                 self._refuse_reused(obs, layer)
                 return
             seen.add(layer.component)
-            obs.call(self._read_layer, obs, layer, output)
+            obs.call(read, output)
 
         return hook
-
-    def _read_layer(self, obs: Observation, layer: ProbedLayer, output: torch.Tensor) -> None:
-        # the mask rows bound in forward order, as the component hook binds its own
-        weight = obs.bind(output, layer.module, layer.component, layer.channels_first)
-        self.record_layer(obs, layer, output, weight)
 
     def _refuse_reused(self, obs: Observation, layer: ProbedLayer) -> None:
         """Stop reading a layer module that runs more than once per forward of the

@@ -1,15 +1,13 @@
 """Pre-activation probe: per-layer pre-activation mean and std, their drift from the first
 epochs, and the feature norm of the component's output.
 
-Pre-activation distribution shift is one of the three independent mechanisms of
-plasticity loss in Lyle et al., "Disentangling the causes of plasticity loss in neural
-networks" (2024): as training goes on the pre-activations z = Wx + b of a layer's units
-drift away from where they started, into saturation or into the dead side of a ReLU.
-The feature norm (mean ‖y_i‖ of the component's output rows) is one of Plasticine's
-metrics.
+Pre-activation distribution shift is one of the three mechanisms of plasticity loss in
+Lyle et al., "Disentangling the causes of plasticity loss in neural networks" (2024): the
+pre-activations z = Wx + b drift into saturation or the dead side of a ReLU. The feature
+norm (mean ‖y_i‖ of the output rows) is one of Plasticine's metrics.
 
-For every ``nn.Linear`` inside the component (a *layer*, ``actor_mlp.layer_0.linear``),
-with z_iu the pre-activation of unit u on row i, over the window's (kept) rows:
+For every ``nn.Linear`` inside the component (``actor_mlp.layer_0.linear``), with z_iu
+the pre-activation of unit u on row i, over the window's (kept) rows:
 
 * μ_u = mean_i z_iu, σ_u = sqrt(mean_i z_iu² − μ_u²)
 * ``mean`` = (1/U) Σ_u μ_u, ``std`` = (1/U) Σ_u σ_u
@@ -44,8 +42,8 @@ DRIFT_EPS = 1e-8
 
 @register
 class Preactivation(Probe):
-    """Per-unit sums of z and z² and counts per layer; row norms of the component output;
-    the reference sums of the first ``reference_epochs`` reports (host, float64)."""
+    """Per-unit sums of z, z² and counts per layer; the output's row norms; the reference
+    sums of the first ``reference_epochs`` reports (host, float64)."""
 
     name = "preactivation"
     maker = "attach_preactivation_hooks()"

@@ -7,8 +7,8 @@ non-zero output gradient (non-finite values count as not passing). ``pass_rate[u
 the fraction of samples for which it did; units with pass rate 0 over the window are
 ``blocked``: their incoming weights got no gradient from the probed loss at all.
 
-Functional ``F.relu`` calls are invisible to module hooks; the probe needs ``nn.ReLU``
-modules and refuses to attach to a component without one.
+Functional ``F.relu`` calls are invisible to module hooks: it refuses a component
+without ``nn.ReLU`` modules.
 """
 
 from __future__ import annotations

@@ -96,10 +96,7 @@ class RowBuffer:
         return True
 
     def append(
-        self,
-        blocks: tuple[torch.Tensor, ...],
-        scales: Scales,
-        weight: torch.Tensor | None = None,
+        self, blocks: tuple[torch.Tensor, ...], scales: Scales, weight: torch.Tensor | None = None
     ) -> None:
         if self.copy_pushes or any(b.is_inference() for b in blocks):
             # inference tensors have no version counter to check: hold a copy instead

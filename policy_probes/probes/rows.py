@@ -24,13 +24,9 @@ COUNT = torch.int64
 
 
 class Rows:
-    """One block column of drained rows, ``(N, U)``: :attr:`clean` (the values, non-finite
-    entries replaced by 0) and :attr:`nonfinite` (1.0 at the replaced entries, else 0.0).
-
-    Both are read-only for the reductions (other probes may share them); the derived
-    quantities are computed on first use into storage that ``aux(slot)`` provides and
-    are cached for the rest of the round.
-    """
+    """One block column of drained rows, ``(N, U)``: :attr:`clean` (non-finite entries
+    replaced by 0) and :attr:`nonfinite` (1.0 at those entries), read-only (probes share
+    them); derived quantities are cached on first use in the storage ``aux(slot)`` gives."""
 
     def __init__(
         self,
@@ -39,8 +35,7 @@ class Rows:
         aux: Callable[[int], torch.Tensor],
     ) -> None:
         self.clean = clean
-        #: every entry is known finite (:meth:`finite`): the non-finite indicator is a
-        #: broadcast zero and its counts are known without reading anything
+        #: every entry is known finite (:meth:`finite`): counts need no reading
         self.all_finite = nonfinite is None
         self._nonfinite = nonfinite
         self._aux = aux
@@ -48,8 +43,7 @@ class Rows:
 
     @property
     def nonfinite(self) -> torch.Tensor:
-        """1.0 at the entries that were not finite, else 0.0 (a broadcast zero, made
-        when first asked, for rows known finite)."""
+        """1.0 at the entries that were not finite, else 0.0 (a broadcast zero when known)."""
         if self._nonfinite is None:
             self._nonfinite = self.clean.new_zeros(()).expand(self.clean.shape)
         return self._nonfinite
@@ -84,8 +78,7 @@ class Rows:
 
     @classmethod
     def finite(cls, values: torch.Tensor, aux: Callable[[int], torch.Tensor]) -> Rows:
-        """Rows of ``values`` known to be all finite, read where they lie (not copied; the
-        non-finite indicator is a broadcast zero, its counts known)."""
+        """Rows of ``values`` known to be all finite, read where they lie (not copied)."""
         return cls(values, None, aux)
 
     @property
@@ -158,8 +151,8 @@ class DrainRound:
         self._rows: dict[tuple[int, ...], tuple[Rows, Sequence[torch.Tensor]]] = {}
 
     def rows(self, refs: Sequence[torch.Tensor], materialise: Callable[[], Rows]) -> Rows:
-        """The round's :class:`Rows` of ``refs``, made by ``materialise()`` the first
-        time (and again, unshared, for a key whose views differ)."""
+        """The round's :class:`Rows` of ``refs``, made by ``materialise()`` the first time
+        (and again, unshared, for a key whose views differ)."""
         key = tuple(t.data_ptr() for t in refs)
         hit = self._rows.get(key)
         if hit is not None and all(map(_same_view, refs, hit[1])):

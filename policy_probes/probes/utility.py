@@ -13,10 +13,8 @@ report) folded into the running score with ``decay`` η (the first report starts
 A unit is *low-utility* when its score is at most ``tau`` of the layer's mean score
 (normalised like ReDo's dormancy score).
 
-Layers: every activation layer inside the component (:mod:`~policy_probes.probes.per_layer`)
-followed by an ``nn.Linear`` inside it (the next in module order); the last one's
-outgoing weights are those of the first ``nn.Linear`` of the module named by
-``outgoing`` (``"actor_head"``), when given.
+Layers: every activation layer inside the component followed by an ``nn.Linear`` inside it
+(the next in module order), and the last one when ``outgoing`` names the module reading it.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Column reductions of drained rows weighted by a row mask (see :mod:`policy_probes.row_mask`).
 
-Trackers reduce drained rows with plain column sums and counts; under a row mask the same
-reductions become sums over the kept rows and numbers of kept rows. :class:`Weighted`
-gives both forms behind one interface, so a tracker's ``consume`` reads the same with and
-without a mask (without one it is exactly the unweighted code, cached counts included).
+Under a row mask a tracker's column sums and counts are over the kept rows only;
+:class:`Weighted` gives both forms behind one interface (without a mask exactly the
+unweighted code, cached counts included).
 """
 
 from __future__ import annotations

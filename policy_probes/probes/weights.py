@@ -1,11 +1,10 @@
 """Weights probe: per-layer parameter norm, distance from initialisation, update ratio.
 
-Two of the mechanisms of plasticity loss are read off the parameters themselves:
-parameter-norm growth (Lyle et al., "Disentangling the causes of plasticity loss", 2024)
-and how far, and how fast, the weights move (Plasticine's "weight difference from
-initialisation" and "weight magnitude"). For every module inside the component that holds
-parameters of its own (a *layer*: ``actor_mlp.layer_0.linear``) and for the component as a
-whole, with θ the layer's parameters concatenated:
+Parameter-norm growth (Lyle et al., "Disentangling the causes of plasticity loss", 2024)
+and how far and fast the weights move (Plasticine's "weight difference from
+initialisation" and "weight magnitude"), for every module inside the component holding
+parameters of its own (``actor_mlp.layer_0.linear``) and the component as a whole, with θ
+the parameters concatenated:
 
 * ``norm`` = ‖θ‖₂
 * ``magnitude`` = mean |θ_j|
