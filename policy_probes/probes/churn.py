@@ -1,10 +1,9 @@
 """Churn probe: how much an epoch's updates change the outputs on states held out of them.
 
 Churn (CHAIN, NeurIPS 2024; C-CHAIN, Tang, Obando-Ceron, Castro, Courville, Berseth,
-ICML 2025) is the change of a network's outputs on data outside the minibatch caused by
-an update; plasticity loss comes with rising churn. A batch of held-out states is run
-through the policy before the epoch's updates and after them, and the component's
-outputs are compared row by row:
+ICML 2025) is the change an update causes in a network's outputs on data outside the
+minibatch; plasticity loss comes with rising churn. The component's outputs on held-out
+states before and after an epoch's updates are compared row by row:
 
 * ``kind="categorical"`` (a discrete actor head's logits): the policy KL
   KL(π_before ‖ π_after) = Σ_a p_a (log p_a − log q_a) per state (``policy_kl``) and the
@@ -15,16 +14,16 @@ outputs are compared row by row:
 
 each as its mean and max over the held-out states (``"auto"``: ``"value"`` for one output).
 
-The held-out batch: ``batch_size`` states evenly spaced through the rollout the loop hands
-to :meth:`Churn.rollout_end` (``ProbeSession.rollout_end``), used in the **next** epoch,
-whose updates never saw them (the first epoch uses its own); :meth:`Churn.fix_batch` sets
-one batch for the whole run. The forwards run without gradients in the phase ``"churn"``
-(no other probe records them), global random generators restored: training is unchanged.
+The held-out batch: ``batch_size`` states evenly spaced through the rollout handed to
+:meth:`Churn.rollout_end`, used in the **next** epoch (the first uses its own), or one
+batch for the run (:meth:`Churn.fix_batch`). The forwards run without gradients in the
+phase ``"churn"``, global random generators restored: training is unchanged.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -104,7 +103,7 @@ class Churn(Probe):
         #: runs the model on a batch of observations (the policy's forward)
         self.forward: Callable[[torch.Tensor], Any] | None = None
         self.fixed: torch.Tensor | None = None
-        #: a subset of the last rollout: the next epoch's held-out batch
+        #: the next epoch's held-out batch (from the last rollout)
         self.pending: torch.Tensor | None = None
         self.batch: torch.Tensor | None = None
         self.before: dict[str, torch.Tensor] = {}
@@ -152,8 +151,7 @@ class Churn(Probe):
         forward: Callable[[torch.Tensor], Any] | None = None,
     ) -> None:
         """After the rollout, before the updates: record the outputs on the held-out batch;
-        ``observations`` (this rollout's, flat rows) become the next epoch's; ``forward``
-        runs the model on them (the session passes its policy)."""
+        ``observations`` (flat rows) become the next epoch's; ``forward`` runs the model."""
         self.end_epoch()  # a previous epoch not reported yet (a longer reporting window)
         if forward is not None:
             self.forward = forward
@@ -172,14 +170,11 @@ class Churn(Probe):
         """The probed components' outputs on ``batch`` (no gradients, phase ``churn``)."""
         captured: dict[str, torch.Tensor] = {}
 
-        def capture(name: str) -> Callable[..., None]:
-            def hook(_m: nn.Module, _i: Any, out: Any) -> None:
-                if isinstance(out, torch.Tensor):
-                    captured[name] = out.detach().to(SUM)
+        def capture(name: str, _m: nn.Module, _i: Any, out: Any) -> None:
+            if isinstance(out, torch.Tensor):
+                captured[name] = out.detach().to(SUM)
 
-            return hook
-
-        handles = [m.register_forward_hook(capture(n)) for n, m in self.modules.items()]
+        handles = [m.register_forward_hook(partial(capture, n)) for n, m in self.modules.items()]
         context = self.context
         phase = context.phase if context is not None else None
         try:
@@ -288,8 +283,7 @@ class Churn(Probe):
 
 
 def attach_churn_hooks(*, kind: str = "auto", batch_size: int = 256) -> Churn:
-    """The ``churn`` probe (:class:`Churn`, docs/probes/churn.md): the change of the
-    component's outputs on ``batch_size`` held-out states caused by an epoch's updates.
-    ``kind``: ``"categorical"`` (policy KL), ``"value"``, ``"output"`` or ``"auto"``
-    (value for one output). It takes no placement."""
+    """The ``churn`` probe (:class:`Churn`, docs/probes/churn.md) on ``batch_size`` held-out
+    states; ``kind``: ``"categorical"`` (policy KL), ``"value"``, ``"output"`` or
+    ``"auto"`` (value for one output). It takes no placement."""
     return Churn(kind=kind, batch_size=batch_size)

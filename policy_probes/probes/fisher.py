@@ -46,7 +46,7 @@ from policy_probes.probes.fisher_generic import (
     per_sample_squares,
     row_finite,
 )
-from policy_probes.probes.fisher_rules import LayerKind, LayerRule, chunk_bytes_for, layer_kind
+from policy_probes.probes.fisher_rules import Names, chunk_bytes_for, layer_kind
 from policy_probes.probes.probe import Probe
 from policy_probes.probes.rows import COUNT, Rows
 from policy_probes.probes.state import ALIKE, Drained, as_rows, unit_rates
@@ -61,6 +61,7 @@ from policy_probes.torch_internals import (
 from policy_probes.user_errors import ProbeError
 
 if TYPE_CHECKING:
+    from policy_probes.probes.fisher_rules import LayerKind, LayerRule
     from policy_probes.probes.observation import Observation
 
 log = logging.getLogger("policy_probes")
@@ -150,8 +151,7 @@ class FisherInformation(Probe):
 
     def unregister_component(self, name: str) -> None:
         super().unregister_component(name)
-        for key in [k for k in self.rules_of if k[0] == name]:
-            del self.rules_of[key]
+        self.rules_of = {k: v for k, v in self.rules_of.items() if k[0] != name}
         self.out_rows.pop(name, None)
 
     def sample_factor(
@@ -197,15 +197,14 @@ class FisherInformation(Probe):
         self,
         component: str,
         kind: str,
-        names: tuple[str | None, str | None],
+        names: Names,
         x: torch.Tensor,
         grad_output: torch.Tensor,
         loss_scale: float | torch.Tensor = 1.0,
         *,
         weight: torch.Tensor | None = None,
     ) -> None:
-        """One backward pass through an ``nn.Linear``: its input and output gradient;
-        ``names`` = (weight, bias) names or None."""
+        """One backward pass through an ``nn.Linear`` (``names``: weight, bias or None)."""
         g = as_rows(grad_output)
         f = self.sample_factor(component, g.shape[0], loss_scale, g)
         stream = f"{kind}:{names[0] or ''}:{names[1] or ''}"
@@ -237,11 +236,9 @@ class FisherInformation(Probe):
         calls: list[Call],
         loss_scale: float | torch.Tensor = 1.0,
     ) -> None:
-        """The passes of one backward through a module on the generic route, over the
-        same samples (:func:`~policy_probes.probes.fisher_generic.per_sample_squares`),
-        reduced right away (``torch.func`` needs the module). Samples with a non-finite
-        input or gradient in any pass, or masked in every pass (``Call.weight``), get
-        weight 0 and are not counted; the others their per-sample factor."""
+        """The passes of one backward through a module on the generic route, reduced right
+        away (:func:`~policy_probes.probes.fisher_generic.per_sample_squares`). Samples
+        non-finite in any pass or masked in every pass get weight 0 and are not counted."""
         n = calls[0].layout.batch
         like = next((g for c in calls for g in c.grads if g is not None), None)
         # Several rows per sample (an LSTM's steps): the loss averages over the
@@ -286,7 +283,7 @@ class FisherInformation(Probe):
         self,
         component: str,
         activation: str,
-        names: tuple[str | None, str | None],
+        names: Names,
         x: torch.Tensor,
         act_out: torch.Tensor,
         act_grad: torch.Tensor,
@@ -294,10 +291,9 @@ class FisherInformation(Probe):
         *,
         weight: torch.Tensor | None = None,
     ) -> None:
-        """One backward pass through ``act(linear(x))`` with an ``activation`` whose
-        derivative follows from its output (:data:`ACTIVATIONS`): the Linear's output
-        gradient ``act_grad * act'(act_out)`` is formed at the drain, from tensors other
-        probes read too (no autograd hook on the Linear's output)."""
+        """One backward pass through ``act(linear(x))`` (:data:`ACTIVATIONS`): the Linear's
+        output gradient ``act_grad * act'(act_out)`` is formed at the drain, from tensors
+        other probes read too (no autograd hook on the Linear's output)."""
         g = as_rows(act_grad)
         f = self.sample_factor(component, g.shape[0], loss_scale, g)
         stream = f"linear@{activation}:{names[0] or ''}:{names[1] or ''}"
@@ -380,8 +376,7 @@ class FisherInformation(Probe):
         self.update(obs.component, grad, loss_scale, weight=weight)
 
     def plain_call_gaps(self, obs: Observation, module: nn.Module) -> str:
-        """The parametrised layers inside the component, whose inputs the per-parameter
-        Fisher reads through forward hooks."""
+        """The parametrised layers inside the component (hooked for their inputs)."""
         params = [name for name, _ in module.named_parameters()]
         if not params:
             return ""
@@ -397,8 +392,7 @@ class FisherInformation(Probe):
         return [handle for install in self.plans[obs.component] for handle in install()]
 
     def param_fisher(self, component: str) -> dict[str, torch.Tensor]:
-        """Per-entry diagonal Fisher of every covered parameter in the current window, on
-        the host (:meth:`to_metrics` reports summaries)."""
+        """Per-entry diagonal Fisher of every covered parameter in the window, on the host."""
         self.flush()
         st = self.state[component]
         out = {}
@@ -442,8 +436,7 @@ class FisherInformation(Probe):
             out["dead_param_fraction"] = dead / entries if entries else math.nan
         out.update(noise_scale(a, traces))
         uncovered = cfg.get("uncovered", {})
-        for name, entries in uncovered.items():
-            out[f"uncovered/{name}"] = float(entries)
+        out.update((f"uncovered/{name}", float(n)) for name, n in uncovered.items())
         out["unsupported_params"] = float(len(uncovered))
         return out
 
@@ -531,9 +524,8 @@ class _FisherHooks:
         self.given_up = probe.given_up.setdefault(obs.component, set())
 
     def plan(self, module: nn.Module) -> list[Callable[[], list[RemovableHandle]]]:
-        """The installers of every hook :meth:`FisherInformation.attach` installs, from one
-        walk of the component's modules; the parameters left out are listed in the
-        settings (``uncovered``) and warned about once."""
+        """The installers of every hook :meth:`FisherInformation.attach` installs; the
+        parameters left out are listed (``uncovered``) and warned about once."""
         plan: list[Callable[[], list[RemovableHandle]]] = []
         covered: set[int] = set()
         settings = self.probe.settings[self.component]
@@ -686,9 +678,8 @@ class _FisherHooks:
         )
 
     def _recorded(self, output: Any, passes: Iterator[int] | None) -> bool:
-        """Whether this forward pass of a layer feeds the per-parameter Fisher: it will be
-        backpropagated in an active phase, and it is one of every ``param_every`` such
-        passes (``passes`` counts them; None: no sampling here)."""
+        """Whether this forward pass feeds the per-parameter Fisher: backpropagated in an
+        active phase, one of every ``param_every`` (``passes`` counts; None: all)."""
         obs = self.obs
         if not (
             obs.enabled
@@ -707,10 +698,9 @@ class _FisherHooks:
         layer: Any = None,
         samples: tuple[int, int] | None = None,
     ) -> None:
-        """On the gradient of ``output`` call ``update(*args, grad, loss_scale, weight=)``,
-        the row-mask rows of ``output`` bound now (``layer`` tells layers apart).
-        ``samples = (samples, rows)``: the pushed rows are samples holding ``rows`` mask
-        rows in all (:meth:`RowMask.per_sample`). ``args`` must hold no autograd graph."""
+        """On the gradient of ``output`` call ``update(*args, grad, loss_scale, weight=)``
+        (``args`` hold no autograd graph), the row-mask rows bound now; ``samples =
+        (samples, rows)``: samples holding ``rows`` mask rows (:meth:`RowMask.per_sample`)."""
         obs = self.obs
         key, mask = (id(obs), layer), obs.context.row_mask
         try:
@@ -729,9 +719,7 @@ class _FisherHooks:
 
         obs.tap(output, weight, compute)
 
-    def _through_activation_hook(
-        self, activation: str, names: tuple[str | None, str | None]
-    ) -> Any:
+    def _through_activation_hook(self, activation: str, names: Names) -> Any:
         """Forward hook of a :class:`~policy_probes.layers.HiddenLayer`."""
         passes = itertools.count()
 
@@ -742,11 +730,7 @@ class _FisherHooks:
         return hook
 
     def _tap_through_activation(
-        self,
-        activation: str,
-        names: tuple[str | None, str | None],
-        x: torch.Tensor,
-        output: torch.Tensor,
+        self, activation: str, names: Names, x: torch.Tensor, output: torch.Tensor
     ) -> None:
         """:meth:`FisherInformation.update_through_activation` on ``output``'s gradient."""
         # detached: a hook held by the output must not hold it (a cycle never freed)
@@ -754,11 +738,7 @@ class _FisherHooks:
         self._tap(output, self.probe.update_through_activation, args, names)
 
     def _sequential_pair_hooks(
-        self,
-        linear: nn.Linear,
-        act: nn.Module,
-        activation: str,
-        names: tuple[str | None, str | None],
+        self, linear: nn.Linear, act: nn.Module, activation: str, names: Names
     ) -> list[RemovableHandle]:
         """Forward hooks of an ``nn.Sequential``'s Linear and the activation right after
         it: when the activation received exactly the Linear's output, the pair is read
@@ -780,9 +760,8 @@ class _FisherHooks:
             act.register_forward_hook(self.obs.timed(act_hook)),
         ]
 
-    def _layer_hook(self, kind: LayerKind, names: tuple[str | None, str | None]) -> Any:
-        """Forward hook of a layer read in closed form
-        (:data:`~policy_probes.probes.fisher_rules.LAYER_KINDS`)."""
+    def _layer_hook(self, kind: LayerKind, names: Names) -> Any:
+        """Forward hook of a layer read in closed form (``LAYER_KINDS``)."""
         passes = itertools.count()
         probe, component = self.probe, self.component
 
@@ -811,19 +790,14 @@ def attach_fisher_information_hooks(
     chunk_bytes: int | None = None,
 ) -> FisherInformation:
     """The ``fisher`` probe (:class:`FisherInformation`), placed with ``phases``,
-    ``extractor`` and ``schedule``.
-
-    ``loss_reduction``: how the loss reduces over samples, ``"mean"`` (per-sample
-    gradient = rows x autograd gradient) or ``"sum"``. ``param_every = k`` computes the
-    per-parameter Fisher from every k-th backward pass of each covered layer (an unbiased
-    estimate; the per-unit Fisher still uses every pass): wide layers may want 4, as the
-    extra weight-gradient-sized matmul per ``nn.Linear`` grows with width.
-    ``generic="auto"`` covers every parametrised module without a closed-form rule
-    exactly through ``torch.func`` (several times a plain backward of it); ``"off"``
-    lists them under ``uncovered/<name>``. ``chunk_bytes`` bounds the temporaries of one
-    chunk of samples in the conv, embedding, norm and generic rules (None: 8 MiB on the
-    CPU, 64 MiB on accelerators).
-    """
+    ``extractor`` and ``schedule``. ``loss_reduction``: ``"mean"`` (per-sample gradient =
+    rows x autograd gradient) or ``"sum"``. ``param_every = k``: the per-parameter Fisher
+    from every k-th backward pass of each layer (unbiased; the per-unit Fisher uses every
+    pass), for wide layers, whose extra weight-gradient-sized matmul costs. ``generic``:
+    ``"auto"`` covers modules without a closed-form rule exactly through ``torch.func``
+    (several times a plain backward of them), ``"off"`` lists them under
+    ``uncovered/<name>``. ``chunk_bytes`` bounds one chunk's temporaries in the conv,
+    embedding, norm and generic rules (None: 8 MiB on the CPU, 64 MiB on accelerators)."""
     return FisherInformation(
         loss_reduction=loss_reduction,
         dead_threshold=dead_threshold,
@@ -834,8 +808,7 @@ def attach_fisher_information_hooks(
 
 
 def _factor(push: tuple[int, Any]) -> float | torch.Tensor:
-    """The per-sample factor of one push (its gradient block's scale; 1 if none): a
-    float, or a 0-dim device tensor under a row mask."""
+    """The per-sample factor of one push (its gradient block's scale; 1 if none)."""
     scales = push[1]
     if scales is None or scales[-1] is None:
         return 1.0
@@ -864,7 +837,7 @@ def _carries_grad(output: Any) -> bool:
     return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(output))
 
 
-def _names(prefix: str, layer: nn.Module) -> tuple[str | None, str | None]:
+def _names(prefix: str, layer: nn.Module) -> Names:
     """The names of ``layer``'s (weight, bias) under ``prefix``; None for one it lacks."""
     return tuple(  # type: ignore[return-value]
         f"{prefix}{k}" if getattr(layer, k, None) is not None else None for k in ("weight", "bias")
@@ -873,9 +846,7 @@ def _names(prefix: str, layer: nn.Module) -> tuple[str | None, str | None]:
 
 def _owns_uncovered_parameters(module: nn.Module) -> bool:
     """Whether ``module`` holds parameters of its own that no closed-form rule covers."""
-    if layer_kind(module) is not None:
-        return False
-    return next(module.parameters(recurse=False), None) is not None
+    return layer_kind(module) is None and next(module.parameters(recurse=False), None) is not None
 
 
 def _generic_capable(module: nn.Module) -> bool:
@@ -897,8 +868,7 @@ ACTIVATIONS: dict[type[nn.Module], str] = {
     nn.Identity: "identity",
     nn.LeakyReLU: "leaky_relu",
 }
-#: act'(z) from the finite activation output ``a``, written into ``out``, exactly as
-#: autograd forms it (``slope``: LeakyReLU's)
+#: act'(z) from the finite activation output ``a`` into ``out``, exactly as autograd forms it
 DERIVATIVES: dict[str, Any] = {
     "relu": lambda a, out, slope: out.copy_(a.positive()),  # 1[a > 0]
     "tanh": lambda a, out, slope: torch.mul(a.square(), -1.0, out=out).add_(1.0),  # 1 - a^2

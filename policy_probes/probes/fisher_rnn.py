@@ -65,8 +65,7 @@ class _Direction:
 
 @dataclass
 class _GateGrads:
-    """A direction's per-step tensors stacked in time order, with the gradients of its
-    pre-activations."""
+    """A direction's per-step tensors stacked in time order, with their gradients."""
 
     suffix: str
     x: torch.Tensor
@@ -219,8 +218,7 @@ def _joined(calls: Sequence[Any]) -> Any | None:
 
 
 def _by_call(directions: list[_GateGrads], calls: int) -> list[_GateGrads]:
-    """The joined re-run's tensors, (time, calls x batch, ...), as the calls' steps one
-    after another along time, (calls x time, batch, ...)."""
+    """The joined re-run's (time, calls x batch, ...) as (calls x time, batch, ...)."""
 
     def steps(t: torch.Tensor) -> torch.Tensor:
         time_, rows = t.shape[0], t.shape[1] // calls

@@ -29,8 +29,8 @@ CPU_CHUNK_BYTES = 8 << 20
 
 
 def chunk_bytes_for(setting: int | None, device: torch.device) -> int:
-    """The chunk bound in force: ``setting``, or by default (None) :data:`CPU_CHUNK_BYTES`
-    on the CPU and :data:`CHUNK_BYTES` elsewhere (larger kernels pay on accelerators)."""
+    """The chunk bound in force: ``setting``, else :data:`CPU_CHUNK_BYTES` on the CPU and
+    :data:`CHUNK_BYTES` elsewhere."""
     if setting is not None:
         return setting
     return CPU_CHUNK_BYTES if device.type == "cpu" else CHUNK_BYTES
@@ -56,8 +56,7 @@ def _no_tf32(x: Tensor) -> Iterator[None]:
 
 
 def chunks(rows: int, per_sample_bytes: int, chunk_bytes: int) -> Iterator[tuple[int, int]]:
-    """``(lo, hi)`` row ranges whose temporaries stay within ``chunk_bytes`` (at least
-    one sample per chunk)."""
+    """``(lo, hi)`` row ranges whose temporaries stay within ``chunk_bytes`` (min 1 row)."""
     step = max(1, chunk_bytes // max(per_sample_bytes, 1))
     for lo in range(0, rows, step):
         yield lo, min(lo + step, rows)
@@ -93,9 +92,8 @@ class ConvRule(LayerRule):
     padded input, ``s`` the stride, ``d`` the dilation): a correlation of the input with
     the output gradient dilated by the stride, computed as one grouped convolution per
     chunk of samples (samples are the groups, input channels the batch, each sample's
-    output gradient the kernel), read at every ``d``-th position. Exact like the im2col
-    contraction and faster on the CPU and an H200 (no column tensor is written;
-    docs/probes/fisher.md). The bias gradient is the output gradient summed over positions."""
+    output gradient the kernel), read at every ``d``-th position: exact like im2col, and
+    faster (docs/probes/fisher.md). The bias gradient: the output gradient's position sum."""
 
     in_shape: tuple[int, ...]  # (C, L) or (C, H, W) of one sample
     out_shape: tuple[int, ...]
@@ -177,8 +175,7 @@ class ConvRule(LayerRule):
         return sq.permute(1, 2, 0, 3, 4).reshape(self.weight_shape)
 
     def _unfolded(self, xc: Tensor, gc: Tensor, g: _Geometry) -> Tensor:
-        """The same by im2col: the output gradient contracted with the input's columns
-        over output positions."""
+        """The same by im2col (output gradient x input columns over positions)."""
         n, groups = xc.shape[0], self.groups
         positions, width = math.prod(g.out_hw), math.prod(self.weight_shape[1:])
         cols = F.unfold(xc, g.kernel, dilation=g.dilation, stride=g.stride)
@@ -333,9 +330,8 @@ LAYER_KINDS: dict[type[nn.Module], LayerKind] = {
 
 
 def layer_kind(module: nn.Module) -> LayerKind | None:
-    """The closed-form reading of ``module``'s own parameters (:data:`LAYER_KINDS`), or
-    None: a type not in the table, an overridden ``forward``, or an embedding with
-    ``scale_grad_by_freq`` (the batch's index counts scale every sample's gradient)."""
+    """The closed-form reading of ``module``'s own parameters (:data:`LAYER_KINDS`); None
+    for other types, an overridden ``forward`` or ``scale_grad_by_freq`` (batch-dependent)."""
     for cls in type(module).__mro__:
         kind = LAYER_KINDS.get(cls)
         if kind is not None:

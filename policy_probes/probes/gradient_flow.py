@@ -61,9 +61,8 @@ class GradientFlow(PerLayerProbe):
         *,
         weight: torch.Tensor | None = None,
     ) -> None:
-        """Add one backward pass (one gradient delivery; ``channels_first``: units on axis
-        1). Under a row mask the deliveries of one ``row_mask`` block are one pass (an LSTM
-        stepped over time): the push's scale is the block's serial."""
+        """Add one backward pass (one gradient delivery); under a row mask the deliveries of
+        one ``row_mask`` block are one pass (an LSTM stepped over time: scale = its serial)."""
         mask = self.context.row_mask if self.context is not None else None
         scales = None if mask is None else (mask.serial,)
         rows = as_unit_rows(grad_output, channels_first)
@@ -193,6 +192,5 @@ def attach_gradient_flow_hooks(
     beta: float = 0.95, *, blocked_threshold: float = BLOCKED_THRESHOLD
 ) -> GradientFlow:
     """The ``gradient_flow`` probe (:class:`GradientFlow`): the EMA (``beta``) of each
-    output unit's gradient RMS. Placed with ``phases``, ``extractor``, ``layout``,
-    ``per_layer`` (also at every activation layer inside) and ``schedule``."""
+    output unit's gradient RMS. Placed with every placement argument."""
     return GradientFlow(beta, blocked_threshold=blocked_threshold)

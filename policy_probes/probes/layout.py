@@ -1,8 +1,7 @@
 """Which axis of a probed tensor holds the units: channels first (conv) or last (dense).
 
-The probes read a tensor as ``(samples, units)``: a dense output ``(..., U)`` has its units
-last, every leading dimension a sample; a convolution's ``(B, C, *spatial)`` has its units
-(channels) on axis 1, every (sample, position) pair a row. The ``layout`` keyword:
+Probes read ``(samples, units)``: a dense output's units are last, a convolution's
+``(B, C, *spatial)`` on axis 1, every (sample, position) a row. The ``layout`` keyword:
 
 * ``"channels_last"``: units on the last axis.
 * ``"channels_first"``: units on axis 1 for tensors of 3 or more dimensions.
@@ -105,12 +104,10 @@ def output_channels_first(module: nn.Module) -> bool | None:
 def resolve_channels_first(
     layout: str, lookup: Callable[[str], nn.Module] | None, name: str
 ) -> bool:
-    """Whether the output of the module ``lookup(name)`` is read channels first.
-
+    """Whether the output of the module ``lookup(name)`` is read channels first;
     ``lookup`` maps a dotted name to a module (``PolicyAutoBuilder.get_component``,
-    ``nn.Module.get_submodule``); "auto" walks up the dotted name to the module that feeds
-    an elementwise one. Without a ``lookup``, or when nothing decides, it is channels last.
-    """
+    ``nn.Module.get_submodule``). "auto" walks up the dotted name to the module feeding an
+    elementwise one; without a ``lookup``, or when nothing decides, it is channels last."""
     if layout != "auto":
         return layout == "channels_first"
     if lookup is None:
@@ -144,8 +141,7 @@ def as_unit_rows(t: torch.Tensor, channels_first: bool) -> torch.Tensor:
 
 
 def positions(t: torch.Tensor, channels_first: bool) -> int:
-    """Rows per sample of :func:`as_unit_rows`: the product of the spatial dimensions
-    (1 for 2-D tensors and channels last)."""
+    """Rows per sample of :func:`as_unit_rows` (the spatial size; 1 for channels last)."""
     if channels_first and t.dim() >= 3 and t.shape[0] and t.shape[1]:
         return t.numel() // (t.shape[0] * t.shape[1])
     return 1

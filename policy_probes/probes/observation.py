@@ -1,8 +1,6 @@
 """Observation: one probe on one component, the single path from torch hooks to a probe.
 
-Every hook a probe installs goes through an :class:`Observation` (the component's own
-hook or the gradient of its output, the hooks on layers inside it, a builder's plain hook
-closure), on the same path:
+Every hook a probe installs (and a builder's plain hook closure) takes the same path:
 
 1. a phase check (no tensor work); forward probes skip a pass inferred to be a rollout;
 2. the tensor: the placement's extractor, else the output itself, else the recurrent
@@ -12,9 +10,6 @@ closure), on the same path:
 5. the fault rule: a probe that raises is disabled, reported once and counted in
    ``context.probe_errors`` (re-raised when ``context.strict``);
 6. one clock: the seconds the probe spent, which the sampler counts as its cost.
-
-A closure registered with torch directly is checked at its first call
-(:meth:`Observation.check_plain_call`).
 """
 
 from __future__ import annotations
@@ -62,8 +57,7 @@ class Placement:
 
     @classmethod
     def of(cls, takes: Iterable[str], what: str, **given: Any) -> Placement:
-        """The placement ``given`` as keywords, for ``what`` (a probe or closure) that
-        takes ``takes``; a clear error for anything else."""
+        """The placement ``given``, for ``what`` (a probe or closure) taking ``takes``."""
         takes = tuple(takes)
         unknown = [k for k in given if k not in PLACEMENTS]
         if unknown:
@@ -93,18 +87,13 @@ class Placement:
 
 #: the placement a plain hook closure takes
 CLOSURE_PLACEMENTS = ("phases", "extractor")
-
-
 log = logging.getLogger("policy_probes")
 
 
 class Observation:
-    """One probe (or plain hook closure) on one component, with its placement.
-
-    ``probe`` is the probe's name (error keys ``probes/errors/<probe>/<component>``, the
-    sampler's counts), ``tracker`` the :class:`~policy_probes.probes.probe.Probe` that measures
-    (None for a closure). ``calls``, ``rows`` and ``seconds`` are what the sampler reads.
-    """
+    """One probe (or plain hook closure) on one component, with its placement: ``probe``
+    is its name, ``tracker`` the :class:`~policy_probes.probes.probe.Probe` that measures
+    (None for a closure); the sampler reads ``calls``, ``rows`` and ``seconds``."""
 
     def __init__(
         self,
@@ -155,8 +144,8 @@ class Observation:
         return bool(self.backward) or not self.context.inference_pass()
 
     def extract(self, output: Any, module: nn.Module | None = None) -> torch.Tensor:
-        """The tensor this probe reads from a component output: the extractor's, else the
-        output itself, else the recurrent default for ``module``."""
+        """The tensor read from a component output: the extractor's, else the output,
+        else the recurrent default for ``module``."""
         if self.extractor is not None:
             out = self.extractor(output)
             if not isinstance(out, torch.Tensor):
@@ -238,8 +227,7 @@ class Observation:
             self.seconds += time.perf_counter() - start
 
     def timed(self, hook: Callable[..., Any]) -> Callable[..., Any]:
-        """``hook`` (a torch hook the probe installs besides its component hook) with its
-        time added to :attr:`seconds`; the hook guards its own faults."""
+        """``hook`` (guarding its own faults) with its time added to :attr:`seconds`."""
 
         def run(*args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
@@ -257,9 +245,8 @@ class Observation:
         record: Callable[[torch.Tensor, torch.Tensor | None], None],
         channels_first: bool = False,
     ) -> RemovableHandle:
-        """A forward hook on ``module`` inside the component, reported as ``name``: calls
-        ``record(output, weight)`` with ``output``'s row-mask rows bound, timed and under
-        the fault rule (tensor outputs only, in the probe's phases)."""
+        """A forward hook on ``module`` (reported as ``name``) calling ``record(output,
+        weight)`` with its row-mask rows, timed, under the fault rule, in active passes."""
 
         def bound(output: torch.Tensor, mod: nn.Module) -> None:
             record(output, self.bind(output, mod, name, channels_first))
@@ -276,15 +263,13 @@ class Observation:
         weight: torch.Tensor | None,
         compute: Callable[[torch.Tensor, torch.Tensor | None, Any], None],
     ) -> None:
-        """Call ``compute(grad, weight, loss_scale)`` with the gradient of ``output`` (one
-        tensor hook shared by the probes, :func:`~policy_probes.grad_tap.on_grad`) and the
-        loop's ``context.loss_scale`` as it arrives; timed, under the fault rule."""
+        """Call ``compute(grad, weight, loss_scale)`` with the gradient of ``output``
+        (:func:`~policy_probes.grad_tap.on_grad`), timed, under the fault rule."""
         on_grad(output, _GradCall(self, compute, weight))
 
     def grad_delivery(self, module: nn.Module, tensor: torch.Tensor) -> Callable | None:
-        """The gradient hook for ``tensor``, the component's output in this forward,
-        delivering through :meth:`_deliver` with its row-mask rows bound now (None if
-        binding failed: the probe is disabled then)."""
+        """The gradient hook for ``tensor``, the component's output, delivering through
+        :meth:`_deliver` with its row-mask rows bound now (None if binding failed)."""
         try:
             weight = self.bind(tensor, module, self.component, self.channels_first)
         except Exception as exc:
@@ -293,9 +278,8 @@ class Observation:
         return _ComponentGrad(self, module, weight)
 
     def fail(self, exc: BaseException) -> None:
-        """The fault rule: re-raise when ``context.strict``; otherwise disable this
-        observation for the rest of the run, record the error under
-        ``"<probe>/<component>"`` in ``context.probe_errors`` and log it once."""
+        """The fault rule: re-raise when ``context.strict``; else disable this observation,
+        record the error in ``context.probe_errors`` and log it once."""
         if self.context.strict:
             raise exc
         self.enabled = False
@@ -307,16 +291,14 @@ class Observation:
 
     # ------------------------------------------------------- set-up
     def attach(self, module: nn.Module) -> list[RemovableHandle]:
-        """Install the hooks the probe needs on submodules of the component (resolving
-        layouts and layers at the first call); returns their handles."""
+        """Install the probe's hooks inside the component (:meth:`Probe.attach`)."""
         self.attached = True
         if self.tracker is None:
             return []
         return list(self.tracker.attach(self, module))
 
     def resolve_layout(self, module: nn.Module, sub: str = "") -> bool:
-        """Whether the output of ``sub`` inside the component (``""``: the component) is
-        read channels first under this placement's layout."""
+        """Whether the output of ``sub`` (``""``: the component) is read channels first."""
         if self.locate is not None:  # the policy: "auto" can look beyond the component
             name = f"{self.component}.{sub}" if sub else self.component
             return resolve_channels_first(self.layout, self.locate, name)
@@ -425,8 +407,7 @@ class _GradCall:
 
 
 def grad_tap(obs: Observation, extractor: Callable | None) -> Callable:
-    """The forward hook that hands a backward observation the gradient of the
-    component's output (``extractor`` picks the tensor) through a tensor hook."""
+    """The forward hook handing a backward observation its output's gradient."""
 
     def tap(module: nn.Module, _inputs: Any, output: Any) -> None:
         if not obs.active():

@@ -1,12 +1,9 @@
 """Per-layer probing: every activation layer inside a component, reported beside it.
 
-A probe attached to ``actor_mlp`` reads the component's output and, with
-``per_layer=True``, the output of every activation layer inside it under its own name:
-``probes/<probe>/actor_mlp.layer_0/<metric>`` beside ``probes/<probe>/actor_mlp/<metric>``.
-An *activation layer* is a :class:`~policy_probes.layers.HiddenLayer` or
-:class:`~policy_probes.layers.ConvLayer` (its ``.act`` child is not counted again) or an
-activation module (:data:`~policy_probes.probes.layout.ACTIVATION_MODULES`). A layer
-probed under its own name in the same context is left to that registration.
+With ``per_layer=True`` a probe on ``actor_mlp`` also reads every activation layer inside
+it (``probes/<probe>/actor_mlp.layer_0/<metric>``): a :class:`~policy_probes.layers.HiddenLayer`
+or :class:`~policy_probes.layers.ConvLayer` (its ``.act`` not counted again) or an
+activation module. A layer probed under its own name is left to that registration.
 """
 
 from __future__ import annotations
@@ -34,9 +31,8 @@ log = logging.getLogger("policy_probes")
 
 @dataclass(frozen=True)
 class ActivationLayer:
-    """One activation layer inside a component: its dotted path (``"layer_0"``), the
-    module whose output is its activation, the activation module (a HiddenLayer's
-    ``.act``) and that module's dotted path."""
+    """One activation layer inside a component: its path, the module whose output it is,
+    the activation module (a HiddenLayer's ``.act``) and that one's path."""
 
     name: str
     module: nn.Module
@@ -45,8 +41,8 @@ class ActivationLayer:
 
 
 def _is_last(component: nn.Module, path: str) -> bool:
-    """Whether the submodule at ``path`` is the last child at every level down from
-    ``component``: in a sequential stack, the module whose output is the component's."""
+    """Whether the submodule at ``path`` is the last child at every level (its output is
+    the component's)."""
     module = component
     for part in path.split("."):
         children = list(module.named_children())
@@ -86,8 +82,7 @@ class PerLayerProbe(Probe):
     """A probe on a component's output and, with ``per_layer``, on the output of every
     activation layer inside it that :meth:`selects` (resolved at the first :meth:`attach`).
     :meth:`record`, :meth:`record_grad` and :meth:`record_layer` hand the rows to
-    ``update(name, tensor, channels_first, weight=...)``.
-    """
+    ``update(name, tensor, channels_first, weight=...)``."""
 
     placements = PLACEMENTS
 
@@ -129,8 +124,7 @@ class PerLayerProbe(Probe):
     def record_layer(
         self, obs: Observation, layer: ProbedLayer, output: torch.Tensor, weight: Any
     ) -> None:
-        """Read one forward output of ``layer`` (not detached); ``weight``: its row-mask
-        rows (None without a mask)."""
+        """Read one forward output of ``layer`` (not detached) and its row-mask rows."""
         self.update(layer.component, output, layer.channels_first, weight=weight)
 
     def plain_call_gaps(self, obs: Observation, module: nn.Module) -> str:

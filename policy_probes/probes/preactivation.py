@@ -11,10 +11,8 @@ the pre-activation of unit u on row i, over the window's (kept) rows:
 
 * μ_u = mean_i z_iu, σ_u = sqrt(mean_i z_iu² − μ_u²)
 * ``mean`` = (1/U) Σ_u μ_u, ``std`` = (1/U) Σ_u σ_u
-* reference μ_u⁰, σ_u⁰: the same over every row of the first ``reference_epochs``
-  reports (sums carried over the windows)
-* ``mean_drift`` = (1/U) Σ_u |μ_u − μ_u⁰| / (σ_u⁰ + 1e-8): how far the units' means moved,
-  in units of their early spread
+* reference μ_u⁰, σ_u⁰: the same over every row of the first ``reference_epochs`` reports
+* ``mean_drift`` = (1/U) Σ_u |μ_u − μ_u⁰| / (σ_u⁰ + 1e-8)
 * ``std_ratio`` = (1/U) Σ_u σ_u / (σ_u⁰ + 1e-8)
 
 and for the component's own output y: ``feature_norm`` = mean_i ‖y_i‖₂.
@@ -116,17 +114,13 @@ class Preactivation(Probe):
         mu, sd = _moments(s["sum"], s["sq"], count)
         ref = self.reference.get(component)
         if ref is None or int(ref["windows"]) < cfg["reference_epochs"]:
+            now = {"sum": s["sum"], "sq": s["sq"], "count": count}
             if ref is None:  # the first reports build the reference
-                ref = self.reference[component] = {
-                    "sum": torch.zeros_like(s["sum"]),
-                    "sq": torch.zeros_like(s["sq"]),
-                    "count": torch.zeros_like(count),
-                    "windows": torch.zeros((), dtype=COUNT),
-                }
+                ref = self.reference[component] = {k: torch.zeros_like(v) for k, v in now.items()}
+                ref["windows"] = torch.zeros((), dtype=COUNT)
             if ref["sum"].shape == s["sum"].shape:
-                ref["sum"] += s["sum"]
-                ref["sq"] += s["sq"]
-                ref["count"] += count
+                for key, value in now.items():
+                    ref[key] += value
                 ref["windows"] += 1
         mu0, sd0 = _moments(ref["sum"], ref["sq"], ref["count"])
         both = seen & (ref["count"] > 0)
@@ -190,8 +184,7 @@ def _moments(total: torch.Tensor, sq: torch.Tensor, count: torch.Tensor) -> tupl
 
 
 def attach_preactivation_hooks(*, reference_epochs: int = 3) -> Preactivation:
-    """The ``preactivation`` probe (:class:`Preactivation`, docs/probes/preactivation.md):
-    per ``nn.Linear`` inside the component, pre-activation mean/std and their drift from
-    the first ``reference_epochs`` reports; the output's feature norm. Placed with
-    ``phases`` and ``schedule``."""
+    """The ``preactivation`` probe (:class:`Preactivation`, docs/probes/preactivation.md),
+    drift measured from the first ``reference_epochs`` reports; placed with ``phases`` and
+    ``schedule``."""
     return Preactivation(reference_epochs=reference_epochs)

@@ -68,9 +68,8 @@ class Probe(ProbeState):
         self, component: str, context: ComponentContext, placement: Placement | None = None
     ) -> Observation | None:
         """Attach to ``component`` in ``context`` (the builder protocol): the context's
-        instance of this probe registers it with this instance's settings; returns its
-        :class:`~policy_probes.probes.observation.Observation`, or None if it is registered
-        already."""
+        instance registers it with these settings; its :class:`Observation`, or None if
+        it is registered already."""
         tracker = context.model_metrics.get(self.name)
         if tracker is None:
             tracker = self if self.context is None else type(self)(**self.options)
@@ -97,8 +96,7 @@ class Probe(ProbeState):
     def record(
         self, obs: Observation, module: nn.Module, output: torch.Tensor, weight: Any
     ) -> None:
-        """Read one forward output of the component (detached); ``weight``: its row-mask
-        rows (None without a mask), for :meth:`_push`."""
+        """Read one forward output of the component (detached) and its row-mask rows."""
         raise NotImplementedError(f"{type(self).__name__} reads no forward output")
 
     def record_grad(
@@ -109,8 +107,8 @@ class Probe(ProbeState):
         weight: Any,
         loss_scale: float | torch.Tensor,
     ) -> None:
-        """Read one gradient of the component's output (detached); ``weight`` as in
-        :meth:`record`, ``loss_scale`` the loop's ``context.loss_scale`` as it arrived."""
+        """Read one gradient of the component's output, as :meth:`record`, with the loop's
+        ``loss_scale``."""
         raise NotImplementedError(f"{type(self).__name__} reads no gradient")
 
     def attach(self, obs: Observation, module: nn.Module) -> list[RemovableHandle]:
@@ -119,8 +117,8 @@ class Probe(ProbeState):
         return []
 
     def plain_call_gaps(self, obs: Observation, module: nn.Module) -> str:
-        """What this probe measures through hooks :meth:`attach` installs on submodules
-        (empty: an observation registered directly as a torch hook sees all it reports)."""
+        """What this probe reads through :meth:`attach`'s hooks, which a plain torch hook
+        registration cannot see (empty: nothing)."""
         return ""
 
 

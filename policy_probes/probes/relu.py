@@ -169,8 +169,7 @@ class ReLUActivation(ActivationProbe):
 
 
 def samples(count: torch.Tensor | np.ndarray, cfg: dict[str, Any]) -> float:
-    """Batch rows recorded: the largest per-unit count of finite values, over the
-    positions per sample of a channels-first output."""
+    """Batch rows recorded: the largest per-unit finite count over positions per sample."""
     rows = int(count.max()) if math.prod(count.shape) else 0
     per_sample = cfg.get("positions", 1)
     return float(rows) if per_sample == 1 else rows / per_sample
@@ -186,8 +185,7 @@ def attach_relu_activation_hooks(
     """The ``relu`` probe (:class:`ReLUActivation`), for a component whose output is
     post-activation (``actor_mlp``; on a pre-activation the metrics describe its sign).
     ``taus``: the thresholds of the ``dormant_fraction_tau_<t>`` keys, beside
-    ``dormant_fraction`` (at ``tau``). Placed with ``phases``, ``extractor``, ``layout``,
-    ``per_layer`` (also every activation layer inside) and ``schedule``."""
+    ``dormant_fraction`` (at ``tau``). Placed with every placement argument."""
     return ReLUActivation(
         tau=tau, taus=taus, rarely_active=rarely_active, always_active=always_active
     )

@@ -74,8 +74,7 @@ class ReLUGradientFlow(Probe):
         *,
         weight: torch.Tensor | None = None,
     ) -> None:
-        """Add one backward pass through ReLU ``layer``: its output gradient and output
-        (``channels_first``: units on axis 1), ``weight``: their row-mask rows."""
+        """Add one backward pass through ReLU ``layer``: its output gradient and output."""
         rows = (as_unit_rows(grad_out, channels_first), as_unit_rows(relu_out, channels_first))
         self._push(component, layer, rows, weight=weight)
 
@@ -180,8 +179,7 @@ def _pass_metrics(rate: np.ndarray, finite: int, nonfinite: int) -> dict[str, An
 
 
 def attach_relu_gradient_flow_hooks() -> ReLUGradientFlow:
-    """The ``relu_gradient_flow`` probe (:class:`ReLUGradientFlow`). It reads the
-    ``nn.ReLU`` modules inside the component, so it is placed with ``phases``, ``layout``,
-    ``per_layer`` (each ReLU layer under ``<component>.<layer>``, else as ``<relu
+    """The ``relu_gradient_flow`` probe (:class:`ReLUGradientFlow`), placed with ``phases``,
+    ``layout``, ``per_layer`` (each ReLU layer under ``<component>.<layer>``, else as ``<relu
     path>.pass_rate`` metrics of the component) and ``schedule``."""
     return ReLUGradientFlow()

@@ -1,20 +1,14 @@
 """RowBuffer: the sample rows a tracker has been shown and not yet reduced.
 
 A hook call costs no tensor work: the buffer keeps a *reference* to each block the hook saw
-and its version counter. At the drain :meth:`RowBuffer.take` concatenates the held blocks
-once per block column into the buffer's own storage and splits them into finite values and
-a non-finite indicator (:class:`~policy_probes.probes.rows.Rows`; on the CPU a finite column
-skips the split, a single contiguous block is not even copied), or shares a column another
-tracker materialised in the same :class:`~policy_probes.probes.rows.DrainRound`. A block is
-``(rows, columns)``, or ``(..., columns)`` with every leading dimension a row (a conv
-output's channels-last view). Aligned blocks (a layer's input and output gradient) share
-row positions; per-push scales and row weights (:mod:`policy_probes.row_mask`; 1 for a push
-without one, None when no push had one) go to the reduction with the rows.
-
-An in-place change of a held block between hook and drain is caught by its ``_version`` at
-:meth:`take` (:class:`InPlaceModified`); the buffer then copies every push. Inference
-tensors have no version counter and are copied at the push. The rows held are bounded
-(``max_rows`` rows, ``max_elements`` elements in the widest block).
+(``(..., columns)``, every leading dimension a row) and its version counter. At the drain
+:meth:`RowBuffer.take` concatenates the held blocks once per column into the buffer's own
+storage as :class:`~policy_probes.probes.rows.Rows` (on the CPU a finite column skips the
+split, a single contiguous block is not copied), shared through the
+:class:`~policy_probes.probes.rows.DrainRound`; per-push scales and row weights
+(:mod:`policy_probes.row_mask`) go along. An in-place change of a held block is caught by
+its ``_version`` (:class:`InPlaceModified`); the buffer then copies every push, as it does
+inference tensors (no version counter).
 """
 
 from __future__ import annotations
@@ -78,9 +72,8 @@ class RowBuffer:
         )
 
     def reserve(self, blocks: tuple[torch.Tensor, ...]) -> bool:
-        """Set an empty buffer's layout and capacity for ``blocks``; False if rows are
-        still held. A push larger than the capacity raises it (never lowered for the same
-        layout), so storage is bounded by the largest single push."""
+        """Set an empty buffer's layout and capacity for ``blocks`` (False if rows are held);
+        a larger push raises the capacity, never lowered for the same layout."""
         if self.rows:
             return False
         # the widest block sets the row count, so streams of one layer fill up together
@@ -149,8 +142,7 @@ class RowBuffer:
         return tuple(out), segments, scales, self._weight_column(weights, segments, rows)
 
     def _check_versions(self) -> None:
-        """Raise :class:`InPlaceModified` if a held block changed since its push (and copy
-        every push from then on)."""
+        """Raise :class:`InPlaceModified` if a held block changed since its push."""
         for block, seen in zip(self.pending, self.versions, strict=True):
             if seen != -1 and version_counter(block) != seen:
                 self.copy_pushes = True
@@ -173,9 +165,8 @@ class RowBuffer:
 
     @staticmethod
     def take_alike(buffers: list[RowBuffer], drain_round: DrainRound) -> Taken:
-        """:meth:`take` of buffers with the same :meth:`alike_signature`, their units side
-        by side in buffer order. Raises :class:`InPlaceModified` (every buffer still
-        holding its rows) if a held block changed."""
+        """:meth:`take` of buffers with the same :meth:`alike_signature`, units side by side;
+        :class:`InPlaceModified` (every buffer still holding its rows) if a block changed."""
         for buf in buffers:
             buf._check_versions()
         first = buffers[0]
@@ -207,8 +198,7 @@ class RowBuffer:
         return tuple(out), segments, scales, None
 
     def _alike_slot(self, col: int, slot: int, width: int, rows: int) -> torch.Tensor:
-        """Storage ``slot`` of block column ``col`` of a :meth:`take_alike` led by this
-        buffer, ``rows`` x ``width`` (allocated at the most rows asked so far)."""
+        """:meth:`_slot` of a :meth:`take_alike` led by this buffer, ``rows`` x ``width``."""
         key = (col, slot, width)
         t = self.storage.get(key)
         if t is None or t.shape[0] < rows:

@@ -1,15 +1,10 @@
 """Drained rows, materialised once and shared by every probe that reads the same tensors.
 
-Several probes often read the very same tensors (``relu``, ``saturation`` and
-``relu_gradient_flow`` an MLP's output; ``fisher``, ``gradient_flow`` and
-``relu_gradient_flow`` its gradient). The trackers of a context therefore drain together
-(:class:`DrainRound`, :meth:`~policy_probes.probes.state.ProbeState.drain`): a block column
-held by several is concatenated and split into finite values and a non-finite indicator
-once, and its squares, positive indicators and counts are computed at most once.
-
-Float arithmetic only (``x - x`` is NaN exactly where ``x`` is not finite): ops that
-produce bool tensors cost several times more on the CPU. Half precision is widened to
-float32 when materialised, so counts and sums stay exact.
+Several probes often read the very same tensors (an MLP's output, its gradient), so the
+trackers of a context drain together (:class:`DrainRound`): a block column held by several
+is materialised once, its squares, positive indicators and counts computed at most once.
+Float arithmetic only (``x - x`` is NaN exactly where ``x`` is not finite; bool ops cost
+several times more on the CPU); half precision is widened to float32, keeping sums exact.
 """
 
 from __future__ import annotations
@@ -139,13 +134,9 @@ class Rows:
 
 
 class DrainRound:
-    """The materialised columns of one drain, keyed by the memory the held tensors view.
-
-    Probes hold different tensor objects for the same data, so the key is every held
-    tensor's data pointer, and a hit must agree on device, dtype, shape and strides too
-    (version counters were checked at :meth:`RowBuffer.take`). The round keeps the held
-    tensors alive, so no key's memory can be reused meanwhile.
-    """
+    """The materialised columns of one drain, keyed by the held tensors' data pointers
+    (a hit must agree on device, dtype, shape and strides too); the round keeps the held
+    tensors alive, so no key's memory is reused meanwhile."""
 
     def __init__(self) -> None:
         self._rows: dict[tuple[int, ...], tuple[Rows, Sequence[torch.Tensor]]] = {}

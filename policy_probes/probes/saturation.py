@@ -121,8 +121,7 @@ def attach_saturated_activation_hooks(
 ) -> SaturatedActivation:
     """The ``saturation_<activation>`` probe (:class:`SaturatedTanh` or
     :class:`SaturatedSigmoid`), for a component whose output is the activation itself
-    (``actor_mlp`` of a tanh policy). Placed with ``phases``, ``extractor``, ``layout``,
-    ``per_layer`` (also every ``activation`` layer inside) and ``schedule``."""
+    (``actor_mlp`` of a tanh policy). Placed with every placement argument."""
     probes = {"tanh": SaturatedTanh, "sigmoid": SaturatedSigmoid}
     if activation not in probes:
         raise ValueError(

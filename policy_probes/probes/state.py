@@ -1,12 +1,9 @@
 """ProbeState: the common machinery of every tracker.
 
-A tracker holds, per registered component, accumulator tensors (sums and counts) on the
-device of the data they summarise; being sums and counts, :meth:`ProbeState.all_reduce`
-adds them across processes. Hooks hand their rows to a
-:class:`~policy_probes.probes.row_buffer.RowBuffer`, which holds them by reference (no
-tensor work in the hook), and the tracker reduces the buffer when it is full or the window
-is read: one concatenation per block column, one set of kernels for all the held rows.
-The buffer's size is fixed, so memory does not grow with the number of steps.
+A tracker holds, per registered component, accumulator tensors (sums and counts, which
+:meth:`ProbeState.all_reduce` adds across processes) on the data's device. Hooks hand
+their rows to a :class:`~policy_probes.probes.row_buffer.RowBuffer` by reference; a full
+buffer, or reading the window, reduces them with one set of kernels for all held rows.
 :meth:`ProbeState.to_metrics` moves the accumulators to the host once per window.
 """
 
@@ -46,18 +43,15 @@ Device = torch.device | str | None
 
 @dataclass(frozen=True)
 class Drained:
-    """One stream's held rows, as :meth:`ProbeState.consume` reduces them."""
+    """One stream's held rows for :meth:`ProbeState.consume`: one **read-only** :class:`Rows`
+    per block column (probes share them), every push's row count and scales, and under a
+    row mask each row's 0/1 ``weight`` (:class:`~policy_probes.probes.weighted.Weighted`)."""
 
     component: str
     stream: str
-    #: one :class:`Rows` per pushed block column (**read-only**: other probes may share it)
     cols: tuple[Rows, ...]
-    #: the row count of every push, in order
     segments: list[int]
-    #: every push's scales (None for a push without)
     scales: list[Scales]
-    #: ``(N,)`` 0/1 per row under a row mask (reduce with
-    #: :class:`~policy_probes.probes.weighted.Weighted`); None without one
     weight: torch.Tensor | None = None
 
 
@@ -78,10 +72,9 @@ class ProbeState:
     #: component holding the very rows of another (its output is its last layer's) can
     #: share that one's accumulators instead of reducing the same rows twice (:meth:`_mirrored`)
     mirrors_identical_rows: bool = False
-    #: whether :meth:`consume` writes per-unit accumulators only (units on the last axis)
-    #: from per-column reductions, so alike streams (same pushes, width and dtype, plain 2-D
-    #: rows, no row mask, equal settings) are reduced as one, side by side
-    #: (:meth:`_consume_alike`); :meth:`summarize_alike` may then summarise them at once
+    #: whether :meth:`consume` writes per-unit accumulators only (units last) from column
+    #: reductions, so alike streams (:meth:`RowBuffer.alike_signature`, equal settings) are
+    #: reduced as one, side by side (:meth:`_consume_alike`, :meth:`summarize_alike`)
     batch_units: bool = False
 
     def __init__(self) -> None:
@@ -95,7 +88,7 @@ class ProbeState:
         self.errors: dict[str, str] = {}
         #: the context whose trackers drain together
         self.context: ComponentContext | None = None
-        #: component -> the component whose accumulators it shares in this window (:meth:`_mirrored`)
+        #: component -> the component whose accumulators it shares this window (:meth:`_mirrored`)
         self.mirrors: dict[str, str] = {}
         #: alike streams reduced as one in this window -> their shared accumulators
         self.alike: dict[tuple[Member, ...], dict[str, torch.Tensor]] = {}
@@ -107,9 +100,8 @@ class ProbeState:
 
     # ----------------------------------------------------------- components
     def register_component(self, name: str, **settings: Any) -> bool:
-        """Register ``name``; return False (and change nothing) if it already is, unless
-        a per-layer probe only claimed it (:meth:`claim_component`): then this
-        registration replaces the claim and its settings."""
+        """Register ``name``; False (nothing changed) if it already is, unless a per-layer
+        probe only claimed it (:meth:`claim_component`): this registration replaces that."""
         if name in self.settings:
             owner = self.claimed.pop(name, None)
             if owner is None:
@@ -121,9 +113,8 @@ class ProbeState:
         return True
 
     def claim_component(self, name: str, owner: Any, **settings: Any) -> bool:
-        """Register ``name`` for ``owner``, a hook that reads it as a layer inside its
-        own component; False if ``name`` is registered already. The claim lasts until a
-        builder registers ``name`` itself (:meth:`register_component`)."""
+        """Register ``name`` for ``owner``, which reads it as a layer inside its own
+        component, until a builder registers it; False if registered already."""
         if name in self.settings:
             return False
         self.settings[name] = dict(settings)
@@ -169,9 +160,8 @@ class ProbeState:
         return t
 
     def _add(self, component: str, key: str, value: torch.Tensor, dtype: torch.dtype = SUM) -> None:
-        """Add ``value`` to the accumulator ``key`` of ``component`` (of ``dtype``): the
-        first use converts it with its copy, later ones add it with type promotion (exact:
-        float32 widens to float64 without rounding), so no conversion op is needed."""
+        """Add ``value`` to the accumulator ``key`` of ``component`` (of ``dtype``); later
+        adds rely on exact type promotion instead of a conversion op."""
         st = self.state[component]
         acc = st.get(key)
         if acc is None:  # first use in the window: a copy (one op, not zeros + add)
@@ -194,9 +184,8 @@ class ProbeState:
         scales: Scales = None,
         weight: torch.Tensor | None = None,
     ) -> None:
-        """Hold aligned row blocks (same number of rows) for :meth:`consume`, with
-        per-push ``scales`` (None = as is) and ``weight``, the blocks' row-mask rows (None
-        without a mask). A full buffer drains every tracker of the context first."""
+        """Hold aligned row blocks for :meth:`consume`, with ``scales`` (None = as is) and
+        ``weight`` (row-mask rows); a full buffer drains every tracker of the context first."""
         if weight is not None and weight.numel() != block_rows(blocks[0]):
             raise ValueError(
                 f"probe {self.probe!r} on component {component!r}: the row mask bound to this "
@@ -215,9 +204,8 @@ class ProbeState:
         buf.append(blocks, scales, weight)
 
     def scratch(self, like: torch.Tensor, slot: int = 0) -> torch.Tensor:
-        """A reusable tensor shaped like ``like`` (contents undefined; half precision
-        widened to float32) for the temporaries of :meth:`consume`; ``slot`` tells apart
-        several at once. Allocated once per column layout at a full buffer's row count."""
+        """A reusable tensor shaped like ``like`` (contents undefined, half precision
+        widened) for the temporaries of :meth:`consume`; ``slot`` tells several apart."""
         dtype = like.dtype if like.element_size() >= 4 else torch.float32
         rows, tail = like.shape[0], tuple(like.shape[1:])
         key = (slot, tail, dtype, like.device)
@@ -316,9 +304,8 @@ class ProbeState:
 
     def _consume_alike(self, members: list[Member], batch: Drained) -> None:
         """Reduce alike streams, side by side in ``batch``, in one :meth:`consume` under
-        :data:`ALIKE`. Streams that start a window together get views of the shared
-        accumulators; streams that accumulated apart before (a loaded checkpoint, a lost
-        window) get their share added, element by element as their own reduction would."""
+        :data:`ALIKE`: streams that start a window together get views of the shared sums,
+        others (a loaded checkpoint, a lost window) their share added to their own."""
         names = tuple(members)
         shared = self.alike.get(names)
         together = shared is not None and all(self._viewing.get(m) is shared for m in members)
@@ -350,9 +337,8 @@ class ProbeState:
 
     def _mirrored(self, held: list[tuple[Member, RowBuffer]]) -> set[str]:
         """The components of this drain that share another's accumulators instead of
-        reducing: they hold the same tensors viewed alike, in the same pushes, with equal
-        settings and no row mask, and both were empty when the sharing began (or already
-        share). A sharing that ends first gets its own copy of the accumulators."""
+        reducing: the same tensors in the same pushes, equal settings, no row mask, both
+        empty when the sharing began; a sharing that ends first copies the accumulators."""
         streams: dict[str, list[Any]] = {}
         masked: set[str] = set()
         for (component, stream), buf in held:
@@ -397,8 +383,7 @@ class ProbeState:
             self._unmirror(component)
 
     def _lose_window(self, component: str, exc: Exception) -> None:
-        """Drop ``component``'s accumulators and held rows for this window and keep the
-        reason for :class:`~policy_probes.stats_reporter.StatsReporter`."""
+        """Drop ``component``'s window (accumulators, held rows), keeping the reason."""
         self._unmirror_all()
         for (comp, _), buf in self.buffers.items():
             if comp == component:
@@ -414,17 +399,15 @@ class ProbeState:
         self.drain()
 
     def consume(self, batch: Drained) -> None:
-        """Reduce one stream's drained rows (:class:`Drained`) into accumulators with
-        :meth:`_add`. Under a row mask (``batch.weight``) sums and counts are over the rows
-        of weight 1 only (:class:`~policy_probes.probes.weighted.Weighted`). Temporaries go
-        into :meth:`scratch`: fresh buffer-sized ones cost more than the arithmetic."""
+        """Reduce one stream's rows (:class:`Drained`) with :meth:`_add`, under a row mask
+        over the rows of weight 1 only (:class:`~policy_probes.probes.weighted.Weighted`),
+        temporaries in :meth:`scratch`."""
         raise NotImplementedError
 
     # ----------------------------------------------------------- window
     def reset(self) -> None:
-        """Start a new window: drop every accumulator and buffered row. Buffer storage and
-        scratch are kept for reuse, except tensors of :data:`RELEASED_BYTES` or more (held
-        between reports they make the training step's own large allocations page-fault)."""
+        """Start a new window: drop every accumulator and held row; keep storage and scratch
+        below :data:`RELEASED_BYTES` (larger ones make the step's own allocations fault)."""
         for component in self.mirrors:
             self.state[component] = {}
         for table in (self.mirrors, self.alike, self._fed, self._loaded, self._viewing):
@@ -437,8 +420,8 @@ class ProbeState:
         self._scratch = {k: t for k, t in self._scratch.items() if t.nbytes < RELEASED_BYTES}
 
     def all_reduce(self, group: Any = None) -> None:
-        """Add every accumulator across the processes of ``group`` (no-op when not
-        distributed). Ranks that saw no data for a key contribute zeros."""
+        """Add every accumulator across the processes of ``group`` (zeros for a key a rank
+        lacks; no-op when not distributed)."""
         self.flush()
         if not multi_process(group):
             return
@@ -468,8 +451,7 @@ class ProbeState:
 
     # ----------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """The window so far: every component's accumulators (held rows reduced first) and
-        the reduction failures (settings are configuration, not saved)."""
+        """The window so far: accumulators (held rows reduced first) and failures."""
         self.flush()
         return {
             # a shared window is saved as two (a copy), so a resumed run's components
@@ -505,9 +487,8 @@ class ProbeState:
         return f"probes/{self.probe}/{component}/{metric}"
 
     def to_metrics(self) -> dict[str, float | list[float]]:
-        """Flat ``probes/<probe>/<component>/<metric>`` dict for the current window
-        (nothing for components that recorded nothing); a ``summarize`` key ``(layer,
-        metric)`` is reported as ``probes/<probe>/<component>.<layer>/<metric>``."""
+        """``probes/<probe>/<component>/<metric>`` of the window; a ``summarize`` key
+        ``(layer, metric)`` becomes ``probes/<probe>/<component>.<layer>/<metric>``."""
         self.flush()
         summaries = self._summarize_alike()
         for comp, st in self.state.items():
@@ -540,14 +521,12 @@ class ProbeState:
     def summarize_alike(
         self, components: list[str], state: dict[str, torch.Tensor], settings: dict[str, Any]
     ) -> list[dict[str, Any]] | None:
-        """The summaries of ``components`` at once from their shared accumulators (units
-        side by side on the last axis), each exactly what :meth:`summarize` makes of its
-        own; None (the default): one :meth:`summarize` per component."""
+        """Each of ``components``' :meth:`summarize` at once, from their shared accumulators
+        (units side by side on the last axis); None (default): one call per component."""
         return None
 
     def _summarize_alike(self) -> dict[str, dict[Any, Any]]:
-        """:meth:`summarize_alike` for each group of components whose accumulators are all
-        views of one shared set and nothing else."""
+        """:meth:`summarize_alike` for each group whose accumulators are views of one set."""
         out: dict[str, dict[Any, Any]] = {}
         for members, shared in self.alike.items():
             components = [c for c, _ in members]
@@ -639,8 +618,7 @@ def unit_share(mask: np.ndarray) -> float:
 
 
 def indicator_(x: torch.Tensor) -> torch.Tensor:
-    """1.0 where ``x > 0``, else 0.0, **in place** (float ops, see
-    :mod:`~policy_probes.probes.rows`); ``x`` finite."""
+    """1.0 where the finite ``x > 0``, else 0.0, **in place** (float ops)."""
     return x.sign_().clamp_(min=0.0)
 
 

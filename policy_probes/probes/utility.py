@@ -183,8 +183,7 @@ def attach_utility_hooks(
     *, outgoing: str | None = None, decay: float = 0.9, tau: float = 0.025
 ) -> Utility:
     """The ``utility`` probe (:class:`Utility`, docs/probes/utility.md): CBP's contribution
-    utility per unit of every activation layer inside the component, and the fraction of
-    units at most ``tau`` of the layer mean. ``outgoing`` names the module reading the
-    component's output (``"actor_head"``), so its last layer is scored too; ``decay``: η,
-    applied once per report. Placed with ``phases`` and ``schedule``."""
+    utility and the low-utility fraction (at most ``tau`` of the layer mean). ``outgoing``
+    names the module reading the component's output (``"actor_head"``) so its last layer
+    is scored too; ``decay``: η, once per report. Placed with ``phases`` and ``schedule``."""
     return Utility(outgoing=outgoing, decay=decay, tau=tau)

@@ -12,8 +12,7 @@ the parameters concatenated:
 * ``update_ratio`` = ‖θ − θ_prev‖ / ‖θ_prev‖, θ_prev the parameters at the previous
   report (one epoch's updates at the default sampling)
 
-Nothing runs in forward or backward: the parameters are read once per report, on their
-device (one transfer of sums); they are the same on every process, so nothing is all-reduced.
+Read once per report on the parameters' device (the same on every process: no all-reduce).
 """
 
 from __future__ import annotations
@@ -101,8 +100,7 @@ class Weights(Probe):
             table.pop(name, None)
 
     def watch(self, component: str, module: nn.Module) -> None:
-        """Record ``module``'s layers and their parameters now as θ₀ and θ_prev (the
-        first call only: re-arming the hooks keeps the references)."""
+        """Record ``module``'s layers and their parameters now as θ₀ and θ_prev (once)."""
         if component in self.layers:
             return
         layers: dict[str, list[nn.Parameter]] = {}
