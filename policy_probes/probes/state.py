@@ -289,16 +289,19 @@ class ProbeState:
         signatures: list[Any] = []
         for key, buf in held:
             signature = buf.alike_signature() if self.batches(key[1]) else None
-            for group, other in zip(groups, signatures, strict=True):
-                if (
-                    signature is not None
-                    and other == signature
-                    and self.settings[group[0][0][0]] == self.settings[key[0]]
-                ):
-                    group.append((key, buf))
-                    break
+            if signature is not None:
+                for i, other in enumerate(signatures):
+                    if (
+                        other == signature
+                        and self.settings[groups[i][0][0][0]] == self.settings[key[0]]
+                    ):
+                        groups[i].append((key, buf))
+                        break
+                else:
+                    signatures.append(signature)
+                    groups.append([(key, buf)])
             else:
-                signatures.append(signature)
+                signatures.append(None)
                 groups.append([(key, buf)])
         return groups
 
