@@ -1,10 +1,9 @@
 """Churn probe: how much an epoch's updates change the outputs on states held out of them.
 
 Churn (CHAIN, NeurIPS 2024; C-CHAIN, Tang, Obando-Ceron, Castro, Courville, Berseth,
-ICML 2025) is the change of a network's outputs on data outside the minibatch caused by
-an update; plasticity loss comes with rising churn. This probe measures it per epoch: a
-fixed batch of held-out states is run through the policy before the epoch's updates and
-again after them, and the probed component's outputs are compared row by row:
+ICML 2025) is the change an update causes in a network's outputs on data outside the
+minibatch; plasticity loss comes with rising churn. The component's outputs on held-out
+states before and after an epoch's updates are compared row by row:
 
 * ``kind="categorical"`` (a discrete actor head's logits): the policy KL
   KL(π_before ‖ π_after) = Σ_a p_a (log p_a − log q_a) per state (``policy_kl``) and the
@@ -13,22 +12,18 @@ again after them, and the probed component's outputs are compared row by row:
 * ``kind="output"`` (anything else: a Gaussian mean, features): the mean over the output's
   entries of |Δ| per state (``output_change``)
 
-each as its mean and its max over the held-out states. ``"auto"`` is ``"value"`` for a
-one-wide output and ``"output"`` otherwise.
+each as its mean and max over the held-out states (``"auto"``: ``"value"`` for one output).
 
-The held-out batch: ``batch_size`` states evenly spaced through a rollout. A loop hands
-the rollout's observations in after the rollout (``ProbeSession.rollout_end``, which the
-trainer and the SB3 ``ProbeCallback`` call too, hands them to :meth:`ChurnState.rollout_end`); they become the held-out
-batch of the **next** epoch, whose updates never saw them (in the first epoch the current
-rollout's states are used). ``ChurnState.fix_batch(obs)`` sets one batch for the whole run
-instead. The forwards run without gradients, in the phase ``"churn"`` (no other probe
-records them), with every global random generator restored afterwards, so the training
-trajectory is unchanged.
+The held-out batch: ``batch_size`` states evenly spaced through the rollout handed to
+:meth:`Churn.rollout_end`, used in the **next** epoch (the first uses its own), or one
+batch for the run (:meth:`Churn.fix_batch`). The forwards run without gradients in the
+phase ``"churn"``, global random generators restored: training is unchanged.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -40,7 +35,7 @@ from policy_probes.lifecycle.rng import preserved_rng
 from policy_probes.plugins import Rule, register
 from policy_probes.probes.probe import Probe
 from policy_probes.probes.rows import COUNT
-from policy_probes.probes.state import SUM
+from policy_probes.probes.state import SUM, Device
 from policy_probes.processes import multi_process
 
 if TYPE_CHECKING:
@@ -52,9 +47,8 @@ CHURN_PHASE = "churn"
 
 @register
 class Churn(Probe):
-    """Per component: sums and counts of the per-state changes, and their maxima. It
-    records nothing in training passes: it runs its own forwards on the held-out batch at
-    the loop's ``rollout_end`` and at the report."""
+    """Per component: sums and counts of the per-state changes, and their maxima, from
+    its own forwards on the held-out batch (at ``rollout_end`` and at the report)."""
 
     name = "churn"
     maker = "attach_churn_hooks()"
@@ -109,7 +103,7 @@ class Churn(Probe):
         #: runs the model on a batch of observations (the policy's forward)
         self.forward: Callable[[torch.Tensor], Any] | None = None
         self.fixed: torch.Tensor | None = None
-        #: a subset of the last rollout: the next epoch's held-out batch
+        #: the next epoch's held-out batch (from the last rollout)
         self.pending: torch.Tensor | None = None
         self.batch: torch.Tensor | None = None
         self.before: dict[str, torch.Tensor] = {}
@@ -119,8 +113,7 @@ class Churn(Probe):
 
     def attach(self, obs: Observation, module: nn.Module) -> list[RemovableHandle]:
         self.modules[obs.component] = module
-        # the policy the probe is attached to runs the held-out forwards unless the loop
-        # hands another forward to rollout_end (also after a mid-epoch resume)
+        # the policy runs the held-out forwards unless the loop hands rollout_end another
         owner = getattr(obs.locate, "__self__", None)
         if self.forward is None and isinstance(owner, nn.Module):
             self.forward = owner
@@ -157,10 +150,8 @@ class Churn(Probe):
         observations: torch.Tensor | None = None,
         forward: Callable[[torch.Tensor], Any] | None = None,
     ) -> None:
-        """After the rollout, before the updates (the session calls it at its
-        ``rollout_end``): record the outputs on the held-out batch; ``observations``
-        (this rollout's, flat rows) become the next epoch's; ``forward``: what runs the model
-        on them (the session passes its policy)."""
+        """After the rollout, before the updates: record the outputs on the held-out batch;
+        ``observations`` (flat rows) become the next epoch's; ``forward`` runs the model."""
         self.end_epoch()  # a previous epoch not reported yet (a longer reporting window)
         if forward is not None:
             self.forward = forward
@@ -176,18 +167,14 @@ class Churn(Probe):
         self.before = self._outputs(batch)
 
     def _outputs(self, batch: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The probed components' outputs on ``batch``: one forward without gradients in
-        the ``churn`` phase, global RNGs restored."""
+        """The probed components' outputs on ``batch`` (no gradients, phase ``churn``)."""
         captured: dict[str, torch.Tensor] = {}
 
-        def capture(name: str) -> Callable[..., None]:
-            def hook(_m: nn.Module, _i: Any, out: Any) -> None:
-                if isinstance(out, torch.Tensor):
-                    captured[name] = out.detach().to(SUM)
+        def capture(name: str, _m: nn.Module, _i: Any, out: Any) -> None:
+            if isinstance(out, torch.Tensor):
+                captured[name] = out.detach().to(SUM)
 
-            return hook
-
-        handles = [m.register_forward_hook(capture(n)) for n, m in self.modules.items()]
+        handles = [m.register_forward_hook(partial(capture, n)) for n, m in self.modules.items()]
         context = self.context
         phase = context.phase if context is not None else None
         try:
@@ -280,9 +267,7 @@ class Churn(Probe):
         out["maxima"] = {c: dict(m) for c, m in self.maxima.items()}
         return out
 
-    def load_state_dict(
-        self, state: dict[str, Any], device: torch.device | str | None = None
-    ) -> None:
+    def load_state_dict(self, state: dict[str, Any], device: Device = None) -> None:
         super().load_state_dict(state, device)
         held = state.get("held_out") or {}
 
@@ -298,9 +283,7 @@ class Churn(Probe):
 
 
 def attach_churn_hooks(*, kind: str = "auto", batch_size: int = 256) -> Churn:
-    """The ``churn`` probe (:class:`Churn`, docs/probes/churn.md): the change of the
-    component's outputs on ``batch_size`` held-out states caused by an epoch's updates.
-    ``kind``: ``"categorical"`` for a discrete actor head (policy KL), ``"value"`` for a
-    value head, ``"output"`` for anything else, ``"auto"``: value for one output. It takes
-    no placement (it observes no training pass)."""
+    """The ``churn`` probe (:class:`Churn`, docs/probes/churn.md) on ``batch_size`` held-out
+    states; ``kind``: ``"categorical"`` (policy KL), ``"value"``, ``"output"`` or
+    ``"auto"`` (value for one output). It takes no placement."""
     return Churn(kind=kind, batch_size=batch_size)

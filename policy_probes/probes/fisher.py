@@ -7,19 +7,17 @@ loop scales the loss, e.g. for gradient accumulation). Autograd delivers
 g_i = dL/dy_i = (c/n) dl_i/dy_i, so the per-sample gradient is (n/c) g_i. With
 ``loss_reduction="sum"`` (L = c * sum_i l_i) it is g_i / c.
 
-Per-parameter Fisher is computed exactly from cached layer inputs, never from
-per-sample gradient tensors and never from ``param.grad``:
+Per-parameter Fisher is computed exactly from cached layer inputs (never from per-sample
+gradient tensors or ``param.grad``):
 
 * ``nn.Linear`` (y = x W^T + b): F_W = f^2 sum_i (g_i^2)^T (x_i^2) / N, F_b = f^2 sum_i g_i^2 / N
 * ``nn.Conv1d``/``nn.Conv2d``, ``nn.Embedding``, ``nn.LayerNorm`` (any shape) and
   ``nn.GroupNorm``: the closed-form rules of :mod:`policy_probes.probes.fisher_rules`
 
-where f is the per-sample factor above. Every other parametrised module (``nn.LSTM``,
-``nn.GRU``, the RNN cells, ``nn.MultiheadAttention``, user layers) goes through the exact
-``torch.func`` route of :mod:`policy_probes.probes.fisher_generic` unless
-``generic="off"`` (``nn.LSTM``/``nn.GRU``/``nn.RNN`` there take the gate-gradient rule
-of :mod:`policy_probes.probes.fisher_rnn`). Parameters neither covers are listed by name
-(``uncovered/<name>`` = number of entries) and counted in ``unsupported_params``.
+where f is the per-sample factor above. Every other parametrised module (recurrent
+layers, attention, user layers) goes through the exact ``torch.func`` route of
+:mod:`policy_probes.probes.fisher_generic` unless ``generic="off"``. Parameters neither
+covers are listed (``uncovered/<name>`` = number of entries, ``unsupported_params``).
 """
 
 from __future__ import annotations
@@ -37,7 +35,6 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from policy_probes.context import ComponentContext
 from policy_probes.layers import HiddenLayer
 from policy_probes.plugins import Rule, register
 from policy_probes.probes.fisher_generic import (
@@ -49,7 +46,7 @@ from policy_probes.probes.fisher_generic import (
     per_sample_squares,
     row_finite,
 )
-from policy_probes.probes.fisher_rules import LayerKind, LayerRule, chunk_bytes_for, layer_kind
+from policy_probes.probes.fisher_rules import Names, chunk_bytes_for, layer_kind
 from policy_probes.probes.probe import Probe
 from policy_probes.probes.rows import COUNT, Rows
 from policy_probes.probes.state import ALIKE, Drained, as_rows, unit_rates
@@ -64,6 +61,7 @@ from policy_probes.torch_internals import (
 from policy_probes.user_errors import ProbeError
 
 if TYPE_CHECKING:
+    from policy_probes.probes.fisher_rules import LayerKind, LayerRule
     from policy_probes.probes.observation import Observation
 
 log = logging.getLogger("policy_probes")
@@ -144,20 +142,16 @@ class FisherInformation(Probe):
         )
         #: (component, stream) -> the closed-form rule reducing that stream's rows
         self.rules_of: dict[tuple[str, str], LayerRule] = {}
-        #: component -> rows of its output gradient in the latest backward (the rows a
-        #: mean loss on the component's output averages over)
+        #: component -> rows of its output gradient in the latest backward
         self.out_rows: dict[str, int] = {}
-        #: component -> the installers of every hook :meth:`attach` installs (found at
-        #: the first attach; later attaches, when the sampler re-arms the probe, install
-        #: the same hooks)
+        #: component -> the installers of every hook :meth:`attach` installs (found once)
         self.plans: dict[str, list[Callable[[], list[RemovableHandle]]]] = {}
         #: component -> generic units whose inputs could not be split into samples
         self.given_up: dict[str, set[nn.Module]] = {}
 
     def unregister_component(self, name: str) -> None:
         super().unregister_component(name)
-        for key in [k for k in self.rules_of if k[0] == name]:
-            del self.rules_of[key]
+        self.rules_of = {k: v for k, v in self.rules_of.items() if k[0] != name}
         self.out_rows.pop(name, None)
 
     def sample_factor(
@@ -168,11 +162,9 @@ class FisherInformation(Probe):
         like: torch.Tensor | None = None,
     ) -> float | torch.Tensor:
         """Factor turning the autograd gradient of one row into its per-sample gradient.
-        A mean loss averages over :func:`~policy_probes.row_mask.loss_samples` samples:
-        ``context.loss_samples``, else the kept rows of the row mask (a device tensor),
-        else ``rows``. ``loss_scale`` may be a 0-dim device tensor (an AMP grad scaler's
-        scale, :meth:`~policy_probes.session.ProbeSession.scale_loss`): it is divided
-        out on the device, never read back."""
+        A mean loss averages over :func:`~policy_probes.row_mask.loss_samples` samples
+        (``context.loss_samples``, else the row mask's kept rows, else ``rows``).
+        ``loss_scale`` may be a 0-dim device tensor (an AMP scale): never read back."""
         if isinstance(loss_scale, torch.Tensor):
             scale: float | torch.Tensor = loss_scale.detach()
         else:
@@ -194,8 +186,8 @@ class FisherInformation(Probe):
         *,
         weight: torch.Tensor | None = None,
     ) -> None:
-        """Per-unit Fisher of the component output from one backward pass; ``weight``:
-        the row-mask rows of ``grad_output`` (every ``update_*`` takes it)."""
+        """Per-unit Fisher of the component output from one backward pass; ``weight``
+        (every ``update_*``): the row-mask rows of the gradient."""
         g = as_rows(grad_output)
         self.out_rows[component] = g.shape[0]
         f = self.sample_factor(component, g.shape[0], loss_scale, g)
@@ -205,15 +197,14 @@ class FisherInformation(Probe):
         self,
         component: str,
         kind: str,
-        names: tuple[str | None, str | None],
+        names: Names,
         x: torch.Tensor,
         grad_output: torch.Tensor,
         loss_scale: float | torch.Tensor = 1.0,
         *,
         weight: torch.Tensor | None = None,
     ) -> None:
-        """One backward pass through an ``nn.Linear``: its input and output gradient;
-        ``names`` = (weight, bias) names or None."""
+        """One backward pass through an ``nn.Linear`` (``names``: weight, bias or None)."""
         g = as_rows(grad_output)
         f = self.sample_factor(component, g.shape[0], loss_scale, g)
         stream = f"{kind}:{names[0] or ''}:{names[1] or ''}"
@@ -230,9 +221,8 @@ class FisherInformation(Probe):
         *,
         weight: torch.Tensor | None = None,
     ) -> None:
-        """One backward pass through a layer with a closed-form ``rule``: the rows it
-        reads (one per sample, see :class:`~policy_probes.probes.fisher_rules.LayerKind`)
-        and the output gradient, flattened to as many rows."""
+        """One backward pass through a layer with a closed-form ``rule``: its rows (one per
+        sample, :class:`~policy_probes.probes.fisher_rules.LayerKind`) and output gradient."""
         self.rules_of[(component, stream)] = rule
         g = grad_output.detach().reshape(x.shape[0], -1)
         f = self.sample_factor(component, g.shape[0], loss_scale, g)
@@ -246,33 +236,26 @@ class FisherInformation(Probe):
         calls: list[Call],
         loss_scale: float | torch.Tensor = 1.0,
     ) -> None:
-        """The passes of one backward through a module on the generic route, over the
-        same samples (see :func:`~policy_probes.probes.fisher_generic.per_sample_squares`).
-        Reduced right away (``torch.func`` needs the module, not rows): samples with a
-        non-finite input or gradient in any pass get weight 0, the others their
-        per-sample factor. Under a row mask a sample is kept when any of its rows is in
-        any pass (each pass bound its samples' mask entries, ``Call.weight``); masked
-        samples get weight 0 and are not counted."""
+        """The passes of one backward through a module on the generic route, reduced right
+        away (:func:`~policy_probes.probes.fisher_generic.per_sample_squares`). Samples
+        non-finite in any pass or masked in every pass get weight 0 and are not counted."""
         n = calls[0].layout.batch
         like = next((g for c in calls for g in c.grads if g is not None), None)
-        # A unit whose output holds several rows per sample (an LSTM's steps) cannot tell
-        # whether the loss averages over its steps or its sequences: the component's
-        # output can (B*T rows for a loss on every step, B after a pooling over time),
-        # and a Linear on those rows uses the same count. One row per sample: n.
+        # Several rows per sample (an LSTM's steps): the loss averages over the
+        # component output's rows (B*T for a loss on every step, B after pooling), as a
+        # Linear on those rows counts them. One row per sample: n.
         rows = n
         if any(c.rows is not None and c.rows > c.layout.batch for c in calls):
             fallback = sum(c.layout.batch if c.rows is None else c.rows for c in calls)
             rows = self.out_rows.get(component, fallback)
         f = self.sample_factor(component, rows, loss_scale, like)
         checks = []
-        for call in calls:
-            lay = call.layout
+        for c in calls:
+            lay = c.layout
             checks += [
                 (t, d) for t, d in zip(lay.leaves, lay.in_dims, strict=True) if d is not None
             ]
-            checks += [
-                (g, d) for g, d in zip(call.grads, lay.out_dims, strict=True) if g is not None
-            ]
+            checks += [(g, d) for g, d in zip(c.grads, lay.out_dims, strict=True) if g is not None]
         ok = row_finite(checks, n)
         kept = None
         for call in calls:
@@ -300,7 +283,7 @@ class FisherInformation(Probe):
         self,
         component: str,
         activation: str,
-        names: tuple[str | None, str | None],
+        names: Names,
         x: torch.Tensor,
         act_out: torch.Tensor,
         act_grad: torch.Tensor,
@@ -308,19 +291,16 @@ class FisherInformation(Probe):
         *,
         weight: torch.Tensor | None = None,
     ) -> None:
-        """One backward pass through ``act(linear(x))`` with an elementwise ``activation``
-        whose derivative follows from its output (:data:`ACTIVATIONS`): the
-        Linear's output gradient is ``act_grad * act'(act_out)``, formed at the drain. The
-        activation's output and its gradient are the tensors other probes read too, so no
-        autograd hook on the Linear's output is needed."""
+        """One backward pass through ``act(linear(x))`` (:data:`ACTIVATIONS`): the Linear's
+        output gradient ``act_grad * act'(act_out)`` is formed at the drain, from tensors
+        other probes read too (no autograd hook on the Linear's output)."""
         g = as_rows(act_grad)
         f = self.sample_factor(component, g.shape[0], loss_scale, g)
         stream = f"linear@{activation}:{names[0] or ''}:{names[1] or ''}"
         self._push(component, stream, (as_rows(x), as_rows(act_out), g), (None, None, f), weight)
 
     def batches(self, stream: str) -> bool:
-        """The output gradients' stream (per-unit accumulators) is reduced with the alike
-        ones of other components; the layers' streams (per-parameter ones) are not."""
+        """Only the output gradients' stream (per-unit accumulators) is reduced alike."""
         return stream == "out"
 
     def consume(self, batch: Drained) -> None:
@@ -350,8 +330,7 @@ class FisherInformation(Probe):
         kind, weight, bias = stream.split(":")[:3]
         rule = self.rules_of.get((component, stream))
         x = cols[0]
-        # Drop whole samples with a non-finite input or gradient (or activation output):
-        # the row weight is 0 for a row with any non-finite entry (.clean is finite).
+        # a row with any non-finite input, gradient or activation output gets weight 0
         if mask is None and all(c.all_finite for c in cols):  # every row is a sample
             samples = torch.full((), x.num_rows, dtype=COUNT, device=w.device)
         else:
@@ -397,8 +376,7 @@ class FisherInformation(Probe):
         self.update(obs.component, grad, loss_scale, weight=weight)
 
     def plain_call_gaps(self, obs: Observation, module: nn.Module) -> str:
-        """The parametrised layers inside the component: the per-parameter Fisher
-        (``trace``, ``mean``, ``param.*`` keys) reads their inputs through forward hooks."""
+        """The parametrised layers inside the component (hooked for their inputs)."""
         params = [name for name, _ in module.named_parameters()]
         if not params:
             return ""
@@ -414,8 +392,7 @@ class FisherInformation(Probe):
         return [handle for install in self.plans[obs.component] for handle in install()]
 
     def param_fisher(self, component: str) -> dict[str, torch.Tensor]:
-        """Per-entry diagonal Fisher of every covered parameter for the current window, on
-        the host (for analysis; :meth:`to_metrics` reports summaries)."""
+        """Per-entry diagonal Fisher of every covered parameter in the window, on the host."""
         self.flush()
         st = self.state[component]
         out = {}
@@ -427,7 +404,7 @@ class FisherInformation(Probe):
         return out
 
     def summarize(self, component: str, s: dict[str, torch.Tensor], cfg: dict[str, Any]) -> dict:
-        # numpy on the host copies (see ReLUActivationState.summarize)
+        # numpy on the host copies (see ReLUActivation.summarize_alike)
         a = {key: t.numpy() for key, t in s.items()}
         out: dict[str, Any] = {}
         if "unit_sq" in a:
@@ -437,8 +414,7 @@ class FisherInformation(Probe):
             elements = int(count.sum()) + nonfinite
             out["nonfinite_fraction"] = nonfinite / elements if elements else 0.0
             out["samples"] = float(int(count.max()) if count.size else 0)
-        # per parameter, not over one concatenated copy: the layers of a conv encoder
-        # hold millions of entries, and each pass over them counts
+        # per parameter, not over one concatenated copy (a conv encoder's millions of entries)
         traces: dict[str, float] = {}
         entries = dead = 0
         peak = -math.inf
@@ -460,15 +436,12 @@ class FisherInformation(Probe):
             out["dead_param_fraction"] = dead / entries if entries else math.nan
         out.update(noise_scale(a, traces))
         uncovered = cfg.get("uncovered", {})
-        for name, entries in uncovered.items():
-            out[f"uncovered/{name}"] = float(entries)
+        out.update((f"uncovered/{name}", float(n)) for name, n in uncovered.items())
         out["unsupported_params"] = float(len(uncovered))
         return out
 
 
-def noise_scale(
-    s: dict[str, np.ndarray], traces: dict[str, float] | None = None
-) -> dict[str, float]:
+def noise_scale(s: dict[str, np.ndarray], traces: dict[str, float]) -> dict[str, float]:
     """Gradient noise scale B_simple = tr(Σ) / |G|² (McCandlish et al., 2018, "An
     empirical model of large-batch training") over the parameters whose summed per-sample
     gradient the probe holds (``nn.Linear`` weights and biases).
@@ -476,8 +449,8 @@ def noise_scale(
     With N samples, S = (1/N) Σ_i |g_i|² (the Fisher trace of those parameters) and
     ḡ = (1/N) Σ_i g_i, the unbiased estimates (the paper's two-batch-size estimator with
     batch sizes 1 and N) are |G|² ≈ (N |ḡ|² − S) / (N − 1) and
-    tr(Σ) ≈ N (S − |ḡ|²) / (N − 1). Reported only when N > 1 and |G|² > 0. ``traces``:
-    the parameters' S where the caller has it already (the Fisher's per-parameter trace)."""
+    tr(Σ) ≈ N (S − |ḡ|²) / (N − 1), reported when N > 1 (the noise scale when |G|² > 0).
+    ``traces``: every parameter's S (the Fisher's per-parameter trace)."""
     out: dict[str, float] = {}
     total_sq, total_gsq, n_min = 0.0, 0.0, None
     for key, gsum in s.items():
@@ -487,8 +460,7 @@ def noise_scale(
         n = int(s[f"param_samples:{name}"])
         if n < 2:
             continue
-        # S of this parameter
-        sq = traces[name] if traces and name in traces else float(s[f"param:{name}"].sum()) / n
+        sq = traces[name]  # S
         gsq = float(((gsum / n) ** 2).sum())  # |ḡ|²
         total_sq += sq
         total_gsq += gsq
@@ -509,12 +481,8 @@ def _noise(prefix: str, n: int, sq: float, gsq: float) -> dict[str, float]:
 
 
 class _GenericDelivery:
-    """What one pass of a module on the generic route hands its output node: called with
-    the gradients of its tapped outputs, it records the pass (:class:`Call`) with the
-    loop's loss scale, under the fault rule. One slotted object per pass instead of two
-    closures (with their cells), because a module called step by step makes one per step
-    and each lives until the backward: fewer objects for the garbage collector's young
-    generation to count."""
+    """Records a generic-route pass (:class:`Call`) when its tapped outputs' gradients
+    arrive, under the fault rule (slotted: one per pass, alive until the backward)."""
 
     __slots__ = ("obs", "arrived", "layout", "tapped", "width", "rows", "weight")
 
@@ -528,13 +496,8 @@ class _GenericDelivery:
         rows: int | None,
         weight: torch.Tensor | None,
     ) -> None:
-        self.obs = obs
-        self.arrived = arrived
-        self.layout = layout
-        self.tapped = tapped
-        self.width = width  # the outputs themselves are not held
-        self.rows = rows
-        self.weight = weight
+        self.obs, self.arrived, self.layout, self.tapped = obs, arrived, layout, tapped
+        self.width, self.rows, self.weight = width, rows, weight  # outputs are not held
 
     def __call__(self, grads: tuple[torch.Tensor | None, ...]) -> None:
         obs = self.obs
@@ -551,8 +514,7 @@ class _GenericDelivery:
 
 
 class _FisherHooks:
-    """The hooks of the Fisher probe on the layers inside one component (the methods of
-    :meth:`FisherInformation.attach`): ``obs`` is the component's observation."""
+    """The Fisher probe's hooks on the layers inside the component of ``obs``."""
 
     def __init__(self, probe: FisherInformation, obs: Observation) -> None:
         self.probe = probe
@@ -562,14 +524,11 @@ class _FisherHooks:
         self.given_up = probe.given_up.setdefault(obs.component, set())
 
     def plan(self, module: nn.Module) -> list[Callable[[], list[RemovableHandle]]]:
-        """The installers of every hook :meth:`FisherInformation.attach` installs (each
-        makes its hook afresh and registers it), from one walk of the component's modules
-        (parents before their children); the parameters left out are listed in the
-        settings (``uncovered``) and warned about once."""
+        """The installers of every hook :meth:`FisherInformation.attach` installs; the
+        parameters left out are listed (``uncovered``) and warned about once."""
         plan: list[Callable[[], list[RemovableHandle]]] = []
         covered: set[int] = set()
         settings = self.probe.settings[self.component]
-        uncovered: dict[str, int] = {}
         inside: set[int] = set()  # the modules of generic units
         for sub_name, sub in module.named_modules():  # parents before their children
             if id(sub) in inside:
@@ -578,9 +537,8 @@ class _FisherHooks:
             own = list(sub.parameters(recurse=False))
             generic = settings["generic"] == "auto" and _owns_uncovered_parameters(sub)
             if generic and _generic_capable(sub):
-                # the unit's whole subtree goes through torch.func (its forward may
-                # use a child's parameters without calling the child, e.g. the
-                # out_proj of nn.MultiheadAttention), so no closed-form hook inside it
+                # the whole subtree goes through torch.func (a forward may use a child's
+                # parameters without calling it: nn.MultiheadAttention's out_proj)
                 names = {k: f"{prefix}{k}" for k, _ in sub.named_parameters()}
                 sizes = {f"{prefix}{k}": p.numel() for k, p in sub.named_parameters()}
                 plan.append(functools.partial(self._generic_hooks, sub, names, sizes))
@@ -606,9 +564,7 @@ class _FisherHooks:
                     functools.partial(self._forward_hook, sub, make, kind, _names(prefix, sub))
                 )
                 covered.update(id(p) for p in own)
-        for name, p in module.named_parameters():
-            if id(p) not in covered:
-                uncovered[name] = p.numel()
+        uncovered = {n: p.numel() for n, p in module.named_parameters() if id(p) not in covered}
         settings["uncovered"] = uncovered
         settings["unsupported"] = list(uncovered)
         if uncovered:
@@ -641,12 +597,9 @@ class _FisherHooks:
 
     def _generic_hook(self, module: nn.Module, names: dict[str, str], sizes: dict[str, int]) -> Any:
         """Forward hook of a module on the generic route: its inputs split into samples
-        (:func:`~policy_probes.probes.fisher_generic.batch_layout`) and, once every
-        output leaf's gradient is known (one multi-grad hook), the pass joins the
-        backward's other passes of the module; at the end of the backward they are
-        reduced together (a cell stepped over time: the per-sample gradient is the sum
-        over steps). A module whose inputs cannot be split is reported once, listed as
-        uncovered and no longer recorded; the rest of the probe carries on."""
+        (:func:`~policy_probes.probes.fisher_generic.batch_layout`), the passes of one
+        backward reduced together when it ends (a cell stepped over time). A module whose
+        inputs cannot be split is reported once, listed as uncovered and left alone."""
         obs, probe = self.obs, self.probe
         backwards = itertools.count()
         gave_up: list[bool] = [False]
@@ -688,20 +641,21 @@ class _FisherHooks:
             ]
             outs, spec = tree_flatten_cached(output)
             rows = _output_rows(outs[0])
-            try:
-                weight = _generic_sample_weight(
-                    obs.context, mod, layout, outs[0], rows, self.component, (id(obs), id(mod))
-                )
+            mask = obs.context.row_mask
+            try:  # the mask entries of its samples: kept when any of its rows is
+                weight = None
+                if mask is not None:
+                    key = (id(obs), id(mod))
+                    weight = mask.per_sample(outs[0], layout.batch, rows, mod, self.component, key)
             except Exception as exc:
                 obs.fail(exc)
                 return
             tapped = tuple(
                 i for i, t in enumerate(outs) if isinstance(t, torch.Tensor) and t.requires_grad
             )
-            # the module returns copies of its outputs from one autograd node: their
-            # gradients are what flows in from outside only (an LSTM cell's c also reaches
-            # its h inside the module; c's own gradient would count that path twice), and
-            # in-place ops on them downstream leave that node's gradients intact
+            # copies of the outputs from one autograd node: their gradients flow in from
+            # outside only (an LSTM cell's c also reaches its h inside), and in-place ops
+            # downstream leave them intact
             delivery = _GenericDelivery(obs, arrived, layout, tapped, len(outs), rows, weight)
             copies = OutputTap.apply(delivery, *(outs[i] for i in tapped))
             for i, t in zip(tapped, copies, strict=True):
@@ -711,8 +665,7 @@ class _FisherHooks:
         return hook
 
     def _give_up(self, module: nn.Module, sizes: dict[str, int], exc: ProbeError) -> None:
-        """List a generic unit's parameters (name -> entries) as uncovered after ``exc``
-        said why; later attaches leave the unit alone."""
+        """List a generic unit's parameters (name -> entries) as uncovered after ``exc``."""
         settings = self.probe.settings[self.component]
         settings["uncovered"].update(sizes)
         settings["unsupported"] = list(settings["uncovered"])
@@ -725,9 +678,8 @@ class _FisherHooks:
         )
 
     def _recorded(self, output: Any, passes: Iterator[int] | None) -> bool:
-        """Whether this forward pass of a layer feeds the per-parameter Fisher: it will be
-        backpropagated in an active phase, and it is one of every ``param_every`` such
-        passes of the layer (``passes`` counts them; None: no sampling here)."""
+        """Whether this forward pass feeds the per-parameter Fisher: backpropagated in an
+        active phase, one of every ``param_every`` (``passes`` counts; None: all)."""
         obs = self.obs
         if not (
             obs.enabled
@@ -741,15 +693,14 @@ class _FisherHooks:
     def _tap(
         self,
         output: torch.Tensor,
-        compute: Any,
+        update: Callable[..., None],
+        args: tuple[Any, ...],
         layer: Any = None,
         samples: tuple[int, int] | None = None,
     ) -> None:
-        """Register ``compute(grad, weight, loss_scale)`` on ``output`` (a pass
-        :meth:`_recorded` accepted), with the row-mask rows of ``output`` bound now
-        (``layer`` tells layers apart). ``samples = (samples, rows)``: the pushed rows are
-        samples holding ``rows`` mask rows in all (a closed-form rule), see
-        :meth:`RowMask.per_sample`."""
+        """On the gradient of ``output`` call ``update(*args, grad, loss_scale, weight=)``
+        (``args`` hold no autograd graph), the row-mask rows bound now; ``samples =
+        (samples, rows)``: samples holding ``rows`` mask rows (:meth:`RowMask.per_sample`)."""
         obs = self.obs
         key, mask = (id(obs), layer), obs.context.row_mask
         try:
@@ -762,14 +713,14 @@ class _FisherHooks:
         except Exception as exc:
             obs.fail(exc)
             return
+
+        def compute(grad: torch.Tensor, weight: Any, loss_scale: Any) -> None:
+            update(*args, grad, loss_scale, weight=weight)
+
         obs.tap(output, weight, compute)
 
-    def _through_activation_hook(
-        self, activation: str, names: tuple[str | None, str | None]
-    ) -> Any:
-        """Forward hook of a :class:`~policy_probes.layers.HiddenLayer`: its input and
-        output, and the gradient of its output (shared with other probes)."""
-
+    def _through_activation_hook(self, activation: str, names: Names) -> Any:
+        """Forward hook of a :class:`~policy_probes.layers.HiddenLayer`."""
         passes = itertools.count()
 
         def hook(mod: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
@@ -779,38 +730,19 @@ class _FisherHooks:
         return hook
 
     def _tap_through_activation(
-        self,
-        activation: str,
-        names: tuple[str | None, str | None],
-        x: torch.Tensor,
-        output: torch.Tensor,
+        self, activation: str, names: Names, x: torch.Tensor, output: torch.Tensor
     ) -> None:
-        """On the gradient of the activation's ``output``: the Linear's input ``x``, the
-        output and its gradient go to :meth:`FisherInformation.update_through_activation`."""
-        # detached: a closure the output's own gradient hook holds must not hold the
-        # output (autograd keeps hooks alive from C++, so that cycle is never freed)
-        x, out = x.detach(), output.detach()
-        probe, component = self.probe, self.component
-
-        def compute(grad: torch.Tensor, weight: Any, loss_scale: Any) -> None:
-            probe.update_through_activation(
-                component, activation, names, x, out, grad, loss_scale, weight=weight
-            )
-
-        self._tap(output, compute, names)
+        """:meth:`FisherInformation.update_through_activation` on ``output``'s gradient."""
+        # detached: a hook held by the output must not hold it (a cycle never freed)
+        args = (self.component, activation, names, x.detach(), output.detach())
+        self._tap(output, self.probe.update_through_activation, args, names)
 
     def _sequential_pair_hooks(
-        self,
-        linear: nn.Linear,
-        act: nn.Module,
-        activation: str,
-        names: tuple[str | None, str | None],
+        self, linear: nn.Linear, act: nn.Module, activation: str, names: Names
     ) -> list[RemovableHandle]:
         """Forward hooks of an ``nn.Sequential``'s Linear and the activation right after
-        it: the Linear's hook keeps its input and output, the activation's hook checks
-        that it received exactly that output and then reads the pair like a
-        :class:`~policy_probes.layers.HiddenLayer` (the same autograd hook as the other
-        probes on the activation's output)."""
+        it: when the activation received exactly the Linear's output, the pair is read
+        like a :class:`~policy_probes.layers.HiddenLayer`."""
         seen: list[Any] = [None, None]  # the Linear's (input, output) of this pass
         passes = itertools.count()
 
@@ -828,34 +760,23 @@ class _FisherHooks:
             act.register_forward_hook(self.obs.timed(act_hook)),
         ]
 
-    def _layer_hook(self, kind: LayerKind, names: tuple[str | None, str | None]) -> Any:
-        """Forward hook of a layer read in closed form (its entry of
-        :data:`~policy_probes.probes.fisher_rules.LAYER_KINDS`): what the rule needs of
-        the input, and the gradient of the output."""
+    def _layer_hook(self, kind: LayerKind, names: Names) -> Any:
+        """Forward hook of a layer read in closed form (``LAYER_KINDS``)."""
         passes = itertools.count()
         probe, component = self.probe, self.component
 
         def hook(mod: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
             if not self._recorded(output, passes):
                 return
-            x = inputs[0].detach()  # the closure below must hold no autograd graph
+            x = inputs[0].detach()
             if kind.rows is None:  # nn.Linear: its input rows as they are
-
-                def compute(grad: torch.Tensor, weight: Any, loss_scale: Any) -> None:
-                    probe.update_layer(
-                        component, kind.name, names, x, grad, loss_scale, weight=weight
-                    )
-
-                self._tap(output, compute, names)
+                self._tap(output, probe.update_layer, (component, kind.name, names, x), names)
                 return
             rule, rows, shape = kind.rows(mod, names, x, output.detach())
             stream = f"{kind.name}:{names[0] or ''}:{names[1] or ''}:{shape}"
-
-            def compute_rule(grad: torch.Tensor, weight: Any, loss_scale: Any) -> None:
-                probe.update_rule(component, stream, rule, rows, grad, loss_scale, weight=weight)
-
             n = rows.shape[0]
-            self._tap(output, compute_rule, names, (n, n * kind.positions(mod, rows, output)))
+            samples = (n, n * kind.positions(mod, rows, output))
+            self._tap(output, probe.update_rule, (component, stream, rule, rows), names, samples)
 
         return hook
 
@@ -869,23 +790,14 @@ def attach_fisher_information_hooks(
     chunk_bytes: int | None = None,
 ) -> FisherInformation:
     """The ``fisher`` probe (:class:`FisherInformation`), placed with ``phases``,
-    ``extractor`` and ``schedule``.
-
-    ``loss_reduction`` says how the loss reduces over samples: ``"mean"`` (default,
-    per-sample gradient = rows x autograd gradient) or ``"sum"``. ``param_every = k``
-    computes the per-parameter Fisher from every k-th backward pass of each covered
-    layer (the mean over the rows of those passes: an unbiased estimate of the window's
-    Fisher; ``param_samples`` counts them); the per-unit Fisher of the output still uses
-    every pass. Its one extra weight-gradient-sized matmul per ``nn.Linear`` is the
-    probe's cost that grows with width, so wide layers may want ``param_every=4``.
-
-    ``generic="auto"`` (default) covers every parametrised module without a closed-form
-    rule (recurrent layers, attention, user layers) exactly through ``torch.func``
-    (several times a plain backward of that module); ``"off"`` leaves them out, listed
-    under ``uncovered/<name>``. ``chunk_bytes`` bounds the temporaries of one chunk of
-    samples in the conv, embedding, norm and generic rules (default None: 8 MiB on the
-    CPU, where cache-sized chunks run about twice as fast, 64 MiB on accelerators).
-    """
+    ``extractor`` and ``schedule``. ``loss_reduction``: ``"mean"`` (per-sample gradient =
+    rows x autograd gradient) or ``"sum"``. ``param_every = k``: the per-parameter Fisher
+    from every k-th backward pass of each layer (unbiased; the per-unit Fisher uses every
+    pass), for wide layers, whose extra weight-gradient-sized matmul costs. ``generic``:
+    ``"auto"`` covers modules without a closed-form rule exactly through ``torch.func``
+    (several times a plain backward of them), ``"off"`` lists them under
+    ``uncovered/<name>``. ``chunk_bytes`` bounds one chunk's temporaries in the conv,
+    embedding, norm and generic rules (None: 8 MiB on the CPU, 64 MiB on accelerators)."""
     return FisherInformation(
         loss_reduction=loss_reduction,
         dead_threshold=dead_threshold,
@@ -896,8 +808,7 @@ def attach_fisher_information_hooks(
 
 
 def _factor(push: tuple[int, Any]) -> float | torch.Tensor:
-    """The per-sample factor of one push (its gradient block's scale; 1 if none): a
-    float, or a 0-dim device tensor under a row mask (never read on the host)."""
+    """The per-sample factor of one push (its gradient block's scale; 1 if none)."""
     scales = push[1]
     if scales is None or scales[-1] is None:
         return 1.0
@@ -911,28 +822,9 @@ def _factor_key(push: tuple[int, Any]) -> Any:
     return ("tensor", id(f)) if isinstance(f, torch.Tensor) else f
 
 
-def _generic_sample_weight(
-    context: ComponentContext,
-    module: nn.Module,
-    layout: Any,
-    first: Any,
-    rows: int | None,
-    component: str,
-    key: Any,
-) -> torch.Tensor | None:
-    """The row-mask entries of the samples of one pass on the generic route (None without
-    a mask): a sample holds the ``rows`` rows of ``first``, the pass's first output,
-    along its batch dimension (an ``nn.LSTM``'s steps), kept when any of them is."""
-    mask = context.row_mask
-    if mask is None:
-        return None
-    return mask.per_sample(first, layout.batch, rows, module, component, key)
-
-
 def _output_rows(first: Any) -> int | None:
-    """Rows of a generic unit's first output read as ``(rows, features)``: what a row
-    mask is matched against and what a mean loss over the output averages over (None:
-    not a tensor)."""
+    """Rows of a generic unit's first output read as ``(rows, features)``, as a row mask
+    and a mean loss count them (None: not a tensor)."""
     if not isinstance(first, torch.Tensor):
         return None
     return first.numel() // max(first.shape[-1], 1) if first.dim() > 1 else first.numel()
@@ -945,7 +837,7 @@ def _carries_grad(output: Any) -> bool:
     return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(output))
 
 
-def _names(prefix: str, layer: nn.Module) -> tuple[str | None, str | None]:
+def _names(prefix: str, layer: nn.Module) -> Names:
     """The names of ``layer``'s (weight, bias) under ``prefix``; None for one it lacks."""
     return tuple(  # type: ignore[return-value]
         f"{prefix}{k}" if getattr(layer, k, None) is not None else None for k in ("weight", "bias")
@@ -954,16 +846,13 @@ def _names(prefix: str, layer: nn.Module) -> tuple[str | None, str | None]:
 
 def _owns_uncovered_parameters(module: nn.Module) -> bool:
     """Whether ``module`` holds parameters of its own that no closed-form rule covers."""
-    if layer_kind(module) is not None:
-        return False
-    return next(module.parameters(recurse=False), None) is not None
+    return layer_kind(module) is None and next(module.parameters(recurse=False), None) is not None
 
 
 def _generic_capable(module: nn.Module) -> bool:
-    """Whether the generic route can take ``module``: it has a forward of its own (not a
-    parameter holder such as ``nn.ParameterList``) and no batch-dependent gradient
-    (``nn.Embedding(scale_grad_by_freq=True)``, batch norm: one sample's gradient
-    depends on the rest of the batch, so it has no per-sample gradient to square)."""
+    """Whether the generic route can take ``module``: a forward of its own (not an
+    ``nn.ParameterList``) and per-sample gradients (not batch norm or
+    ``nn.Embedding(scale_grad_by_freq=True)``, whose gradients depend on the batch)."""
     if type(module).forward is nn.Module.forward:
         return False
     if isinstance(module, nn.modules.batchnorm._BatchNorm):
@@ -971,8 +860,7 @@ def _generic_capable(module: nn.Module) -> bool:
     return not (isinstance(module, nn.Embedding) and module.scale_grad_by_freq)
 
 
-#: activations whose derivative follows exactly from their output a, by type: the Fisher
-#: of the Linear before one needs no autograd hook of its own (see update_through_activation)
+#: activations whose derivative follows exactly from their output (update_through_activation)
 ACTIVATIONS: dict[type[nn.Module], str] = {
     nn.ReLU: "relu",
     nn.Tanh: "tanh",
@@ -980,8 +868,7 @@ ACTIVATIONS: dict[type[nn.Module], str] = {
     nn.Identity: "identity",
     nn.LeakyReLU: "leaky_relu",
 }
-#: act'(z) from the finite activation output ``a``, written into ``out``, exactly as
-#: autograd forms it (``slope``: LeakyReLU's)
+#: act'(z) from the finite activation output ``a`` into ``out``, exactly as autograd forms it
 DERIVATIVES: dict[str, Any] = {
     "relu": lambda a, out, slope: out.copy_(a.positive()),  # 1[a > 0]
     "tanh": lambda a, out, slope: torch.mul(a.square(), -1.0, out=out).add_(1.0),  # 1 - a^2
@@ -993,9 +880,8 @@ DERIVATIVES: dict[str, Any] = {
 
 
 def derivable_hidden_layer(module: nn.Module) -> str | None:
-    """The activation name (``leaky_relu=<slope>`` for LeakyReLU) if ``module`` is a
-    :class:`~policy_probes.layers.HiddenLayer` computing ``act(linear(x))`` (no layer
-    norm in between) with an activation of :data:`ACTIVATIONS`, else None."""
+    """:func:`derivable_activation` of ``module`` if it is a
+    :class:`~policy_probes.layers.HiddenLayer` computing ``act(linear(x))``, else None."""
     if type(module).forward is not HiddenLayer.forward or type(module.linear) is not nn.Linear:
         return None
     return derivable_activation(module.act) if module.norm is None else None
@@ -1016,8 +902,7 @@ def derivable_sequential_pairs(
     module: nn.Module,
 ) -> list[tuple[str, tuple[nn.Linear, nn.Module, str]]]:
     """``(child name, (linear, activation module, activation name))`` for every
-    ``nn.Linear`` child of a plain ``nn.Sequential`` followed directly by a derivable
-    activation (e.g. SB3's MLP extractors)."""
+    ``nn.Linear`` child of a plain ``nn.Sequential`` followed by a derivable activation."""
     if type(module).forward is not nn.Sequential.forward:
         return []
     children = list(module.named_children())

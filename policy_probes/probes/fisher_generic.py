@@ -1,15 +1,12 @@
 """Exact per-sample Fisher of any parametrised module through ``torch.func``.
 
-For a module without a closed-form rule (``nn.LSTM``, ``nn.GRU``, the RNN cells,
-``nn.MultiheadAttention``, user layers) the hook keeps the module's inputs of one pass
-and receives the gradients of its outputs. The per-sample parameter gradient is then the
-vector-Jacobian product of sample i alone: ``d l_i / d theta = f * d <y_i, g_i> / d theta``
-with the module re-run on that sample's inputs, which ``torch.func.vmap`` over
-``torch.func.grad`` of ``torch.func.functional_call`` forms for a whole chunk of samples
-at once. :func:`batch_layout` says where the batch dimension of every input and output
-is (dim 1 for ``nn.LSTM``/``nn.GRU`` inputs without ``batch_first`` and for their hidden
-states); a module whose inputs it cannot split into samples raises :class:`ProbeError`
-with what to change.
+For a module without a closed-form rule (recurrent layers and cells,
+``nn.MultiheadAttention``, user layers) the hook keeps the inputs of one pass and receives
+the gradients of its outputs. The per-sample parameter gradient is the vector-Jacobian
+product of sample i alone, ``d l_i / d theta = f * d <y_i, g_i> / d theta``, with the
+module re-run on that sample's inputs: ``torch.func.vmap`` over ``torch.func.grad`` of
+``torch.func.functional_call``, a chunk of samples at once. :func:`batch_layout` says
+where every input's and output's batch dimension is, or raises :class:`ProbeError`.
 """
 
 from __future__ import annotations
@@ -38,9 +35,8 @@ from policy_probes.user_errors import ProbeError
 @dataclass
 class Layout:
     """One pass of a module split into samples: the flattened ``(args, kwargs)`` leaves
-    (hidden states the module would create itself made explicit), each leaf's batch
-    dimension (None: shared by all samples, or not a tensor) and the batch dimension of
-    every output leaf (None: not a tensor)."""
+    (implicit hidden states made explicit), each leaf's batch dimension (None: shared, or
+    not a tensor) and each output leaf's (None: not a tensor)."""
 
     leaves: list[Any]
     spec: Any
@@ -90,8 +86,7 @@ def batch_layout(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> L
 
 
 def _has_dropout(module: nn.Module) -> bool:
-    """Dropout with p > 0 anywhere in ``module``: a dropout layer, or the ``dropout``
-    setting of a stacked RNN or an attention block."""
+    """Dropout with p > 0 anywhere in ``module`` (layers, stacked RNNs, attention)."""
     for m in module.modules():
         if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
             return True
@@ -178,10 +173,9 @@ def _attention_layout(
 
 
 class OutputTap(torch.autograd.Function):
-    """Identity on the output tensors of one pass of a module, as copies from one node:
-    its backward hands the gradients of all of them at once (None where none flowed) to
-    ``callback``. Being copies, in-place ops on them downstream do not hide this node's
-    gradients (a hook on a tensor modified in place is never called)."""
+    """Identity on the output tensors of one pass, as copies from one node whose backward
+    hands all their gradients (None where none flowed) to ``callback``; being copies,
+    in-place ops on them downstream do not hide those gradients."""
 
     @staticmethod
     def forward(ctx: Any, callback: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -198,8 +192,7 @@ class OutputTap(torch.autograd.Function):
 @dataclass
 class Call:
     """One pass of the module whose output gradients arrived: ``layout`` (inputs split
-    into samples), the gradient of every output leaf (None: none) and the row-mask
-    entries of its samples."""
+    into samples) and the gradient of every output leaf (None: none)."""
 
     layout: Layout
     grads: list[torch.Tensor | None]
@@ -214,16 +207,13 @@ def per_sample_squares(
     module: nn.Module, calls: Sequence[Call], w: torch.Tensor, chunk_bytes: int
 ) -> dict[str, torch.Tensor]:
     """``sum_i w_i^2 (sum_calls d <y_i, g_i> / d theta)^2`` for every parameter of
-    ``module`` (``w``: one weight per sample, 0 for a dropped sample). ``calls`` are the
-    passes of one backward over the same samples (an RNN cell stepped over time): a
-    sample's gradient is the sum over them, squared afterwards. ``nn.LSTM``/``nn.GRU``/
-    ``nn.RNN`` take the faster, equally exact gate-gradient rule of
-    :mod:`~policy_probes.probes.fisher_rnn`."""
+    ``module`` (``w``: one weight per sample, 0 for a dropped one). ``calls`` are the
+    passes of one backward over the same samples (a cell stepped over time). Recurrent
+    layers take the faster, equally exact rule of :mod:`~policy_probes.probes.fisher_rnn`."""
     if gate_rule_applies(module):
         return rnn_per_sample_squares(module, calls, w, chunk_bytes)
     params = {k: p.detach() for k, p in module.named_parameters()}
-    # copies of the buffers (not differentiated): a forward that updates one in place
-    # updates the copy
+    # copies of the buffers: a forward that updates one in place updates the copy
     buffers = {k: b.clone() for k, b in module.named_buffers()}
     n = calls[0].layout.batch
     plans = []  # per call: leaves, batched leaf positions, gradient positions, scaled grads
@@ -281,9 +271,8 @@ def per_sample_squares(
 
 
 class _unbatched_backends:
-    """oneDNN and cuDNN off while vmap runs: their fused RNN kernels have no batching
-    rule (a slow per-sample fallback, or an error for ``nn.GRU``); the composite
-    kernels they replace do. The user's settings are restored on exit."""
+    """oneDNN and cuDNN off while vmap runs (their fused RNN kernels have no batching
+    rule); the user's settings restored on exit."""
 
     def __enter__(self) -> None:
         self.saved = (torch.backends.mkldnn.enabled, torch.backends.cudnn.enabled)
@@ -309,8 +298,8 @@ def row_finite(tensors: Sequence[tuple[torch.Tensor, int]], n: int) -> torch.Ten
 
 
 def clean(t: Any) -> Any:
-    """A float tensor with its non-finite entries set to 0 (a dropped sample must not
-    turn its zero-weighted gradient into NaN), detached; anything else as is."""
+    """A float tensor detached, its non-finite entries 0 (a dropped sample's zero weight
+    must not meet NaN); anything else as is."""
     if isinstance(t, torch.Tensor):
         t = t.detach()
         return torch.nan_to_num(t, 0.0, 0.0, 0.0) if t.is_floating_point() else t

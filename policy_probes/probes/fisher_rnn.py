@@ -8,10 +8,9 @@ the per-sample weight gradients are contractions over time,
     d l_b / d W_ih = sum_t dA^x_t[b] (x) x_t[b],   d l_b / d b_ih = sum_t dA^x_t[b]
     d l_b / d W_hh = sum_t dA^h_t[b] (x) h_{t-1}[b], d l_b / d b_hh = sum_t dA^h_t[b]
 
-one batched matmul per weight and chunk of samples, instead of ``vmap`` materialising
-one gradient per sample and step. The re-run follows PyTorch's cell equations (gate
-order i, f, g, o for the LSTM; r, z, n with ``n = tanh(A^x_n + r * A^h_n)`` for the
-GRU). Layers with ``proj_size`` go through the ``torch.func`` route instead.
+one batched matmul per weight and chunk of samples. The re-run follows PyTorch's cell
+equations (LSTM gates i, f, g, o; GRU r, z, n with ``n = tanh(A^x_n + r * A^h_n)``).
+Layers with ``proj_size`` go through the ``torch.func`` route instead.
 """
 
 from __future__ import annotations
@@ -31,10 +30,7 @@ from policy_probes.probes.fisher_rules import accumulate, chunks
 def gate_rule_applies(module: nn.Module) -> bool:
     """Whether :func:`rnn_per_sample_squares` covers ``module``: a plain ``nn.LSTM``
     (without projections), ``nn.GRU`` or ``nn.RNN``."""
-    kinds = (nn.LSTM, nn.GRU, nn.RNN)
-    if type(module) not in kinds:
-        return False
-    return not getattr(module, "proj_size", 0)
+    return type(module) in (nn.LSTM, nn.GRU, nn.RNN) and not getattr(module, "proj_size", 0)
 
 
 def _cell(
@@ -57,9 +53,8 @@ def _cell(
 
 @dataclass
 class _Direction:
-    """One layer and direction of a re-run: its parameters' name suffix, its input
-    ``x`` (time, batch, features), and per time step the previous hidden state and the
-    two pre-activations (``ax`` for all steps at once)."""
+    """One layer and direction of a re-run: its parameters' name suffix, input ``x``
+    (time, batch, features), per step the previous hidden state and pre-activations."""
 
     suffix: str
     x: torch.Tensor
@@ -70,8 +65,7 @@ class _Direction:
 
 @dataclass
 class _GateGrads:
-    """A direction's per-step tensors stacked in time order, with the gradients of its
-    pre-activations: all the per-sample weight gradients need."""
+    """A direction's per-step tensors stacked in time order, with their gradients."""
 
     suffix: str
     x: torch.Tensor
@@ -156,9 +150,8 @@ def _gate_grads(module: nn.Module, call: Any, w: torch.Tensor) -> list[_GateGrad
 def rnn_per_sample_squares(
     module: nn.Module, calls: Sequence[Any], w: torch.Tensor, chunk_bytes: int
 ) -> dict[str, torch.Tensor]:
-    """Same contract as :func:`~policy_probes.probes.fisher_generic.per_sample_squares`
-    for a module :func:`gate_rule_applies` to; ``calls`` hold layouts made by
-    ``batch_layout`` (input, then h_0 and c_0 for an LSTM)."""
+    """:func:`~policy_probes.probes.fisher_generic.per_sample_squares` for a module
+    :func:`gate_rule_applies` to (layout leaves: input, h_0, and c_0 for an LSTM)."""
     joined = _joined(calls)
     if joined is None:
         per_call = [_gate_grads(module, call, w) for call in calls]
@@ -167,9 +160,7 @@ def rnn_per_sample_squares(
     width = sum(d.dax.shape[-1] * (d.x.shape[-1] + d.prev.shape[-1]) for d in per_call[0])
     acc: dict[str, torch.Tensor] = {}
     for j, first in enumerate(per_call[0]):
-        # the calls of one backward hold the same samples: a sample's gradient is the sum
-        # over every call's steps, so the calls' steps are joined into one time axis
-        # (one contraction per weight and chunk, not one per call)
+        # a sample's gradient sums over every call's steps: one time axis for all calls
         dax, x, dah, prev = (
             torch.cat([getattr(directions[j], k) for directions in per_call])
             for k in ("dax", "x", "dah", "prev")
@@ -190,10 +181,9 @@ def rnn_per_sample_squares(
 
 
 def _joined(calls: Sequence[Any]) -> Any | None:
-    """The calls of one backward as one pass over ``len(calls) x batch`` samples (their
-    inputs, states and output gradients concatenated along the batch): a per-step loop
-    calls the layer once a step, and each call's re-run only needs its own inputs and
-    states. None when there is one call, or the calls differ in shapes or layout."""
+    """The calls of one backward (a per-step loop) as one pass over ``len(calls) x batch``
+    samples, concatenated along the batch; None for one call or calls that differ in
+    shapes or layout."""
     if len(calls) < 2:
         return None
     lay = calls[0].layout
@@ -228,9 +218,7 @@ def _joined(calls: Sequence[Any]) -> Any | None:
 
 
 def _by_call(directions: list[_GateGrads], calls: int) -> list[_GateGrads]:
-    """The joined re-run's tensors, (time, calls x batch, ...), as the calls' steps one
-    after another along time, (calls x time, batch, ...): a sample's gradient is the sum
-    over every call's steps."""
+    """The joined re-run's (time, calls x batch, ...) as (calls x time, batch, ...)."""
 
     def steps(t: torch.Tensor) -> torch.Tensor:
         time_, rows = t.shape[0], t.shape[1] // calls

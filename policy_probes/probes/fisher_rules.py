@@ -1,12 +1,10 @@
 """Closed-form per-sample Fisher rules of the layers policies use, applied at the drain.
 
-A rule knows one layer's geometry. The hook holds, per backward pass, the layer's input
-(for the norms: the normalised input) and the gradient of its output, each flattened to
-one row per sample; at the drain :meth:`LayerRule.squares` receives those rows, the
-gradient already multiplied by the per-row weight ``w`` (the per-sample factor, 0 for a
-dropped row), and returns ``sum_i (d l_i / d theta)^2`` for each parameter. Samples are
-processed in chunks of at most ``chunk_bytes`` of temporaries, so a large batch of
-images never materialises more than that.
+The hook holds, per backward pass, the layer's input (for the norms: normalised) and
+output gradient, one row per sample; :meth:`LayerRule.squares` gets them at the drain, the
+gradient multiplied by each row's weight (the per-sample factor, 0 for a dropped row), and
+returns ``sum_i (d l_i / d theta)^2`` per parameter, in chunks of samples whose
+temporaries stay within ``chunk_bytes``.
 """
 
 from __future__ import annotations
@@ -25,15 +23,14 @@ from policy_probes.torch_internals import conv_padding
 
 #: default bound on the temporaries of one chunk of samples (bytes) on accelerators
 CHUNK_BYTES = 64 << 20
-#: the same on the CPU: chunks that stay in a server CPU's last-level cache. Measured on
-#: the NatureCNN's conv layers (256 samples, one thread, 32 MiB L3): 234 ms at 64 MiB,
-#: 127 ms at 32 MiB, 111 ms at 8 MiB, 100 ms at 4 MiB, 113 ms at 2 MiB
+#: the same on the CPU: chunks that stay in a server CPU's last-level cache (about twice
+#: as fast as 64 MiB on the NatureCNN's conv layers; docs/benchmarks.md)
 CPU_CHUNK_BYTES = 8 << 20
 
 
 def chunk_bytes_for(setting: int | None, device: torch.device) -> int:
-    """The chunk bound in force: ``setting``, or by default (None) :data:`CPU_CHUNK_BYTES`
-    on the CPU and :data:`CHUNK_BYTES` elsewhere (larger kernels pay on accelerators)."""
+    """The chunk bound in force: ``setting``, else :data:`CPU_CHUNK_BYTES` on the CPU and
+    :data:`CHUNK_BYTES` elsewhere."""
     if setting is not None:
         return setting
     return CPU_CHUNK_BYTES if device.type == "cpu" else CHUNK_BYTES
@@ -59,8 +56,7 @@ def _no_tf32(x: Tensor) -> Iterator[None]:
 
 
 def chunks(rows: int, per_sample_bytes: int, chunk_bytes: int) -> Iterator[tuple[int, int]]:
-    """``(lo, hi)`` row ranges whose temporaries stay within ``chunk_bytes`` (at least
-    one sample per chunk)."""
+    """``(lo, hi)`` row ranges whose temporaries stay within ``chunk_bytes`` (min 1 row)."""
     step = max(1, chunk_bytes // max(per_sample_bytes, 1))
     for lo in range(0, rows, step):
         yield lo, min(lo + step, rows)
@@ -72,9 +68,7 @@ class LayerRule:
 
     names: Names
 
-    def squares(
-        self, x: torch.Tensor, gw: torch.Tensor, chunk_bytes: int
-    ) -> dict[str, torch.Tensor]:
+    def squares(self, x: Tensor, gw: Tensor, chunk_bytes: int) -> dict[str, Tensor]:
         """Per parameter, the sum over rows of the squared per-sample gradient, from the
         rows of the input ``x`` and of the weighted output gradient ``gw``."""
         raise NotImplementedError
@@ -82,8 +76,7 @@ class LayerRule:
 
 def accumulate(acc: dict[str, torch.Tensor], name: str | None, value: torch.Tensor) -> None:
     """Add ``value`` to ``acc[name]`` (nothing when ``name`` is None); the first value is
-    stored as a float64 copy (:data:`~policy_probes.probes.state.SUM`), later ones are
-    added with type promotion, exactly as converted copies would be."""
+    stored as a float64 copy, later ones added with (exact) type promotion."""
     if name is None:
         return
     if name in acc:
@@ -97,14 +90,10 @@ class ConvRule(LayerRule):
     """``nn.Conv1d`` / ``nn.Conv2d``. Per sample and group the weight gradient is
     ``dW[o, c, i, j] = sum_{p, q} g[o, p, q] * x[c, p*s + i*d, q*s + j*d]`` (``x`` the
     padded input, ``s`` the stride, ``d`` the dilation): a correlation of the input with
-    the output gradient dilated by the stride. It is computed as one grouped convolution
-    for a chunk of samples (the samples are the groups, the input channels the batch, each
-    sample's output gradient the kernel), read at every ``d``-th position; exact like the
-    im2col contraction, and cheaper because no (samples, C k k, positions) column tensor
-    is written: NatureCNN's layers on 256 frames, 22 / 19 / 21 ms against 51 / 26 / 18 ms
-    on one CPU thread (the small third layer is a little slower), 0.76 / 0.56 / 0.46 ms
-    against 3.78 / 1.93 / 1.42 ms on an H200, so it is the route on every device
-    (:meth:`squares`). The bias gradient is the output gradient summed over positions."""
+    the output gradient dilated by the stride, computed as one grouped convolution per
+    chunk of samples (samples are the groups, input channels the batch, each sample's
+    output gradient the kernel), read at every ``d``-th position: exact like im2col, and
+    faster (docs/probes/fisher.md). The bias gradient: the output gradient's position sum."""
 
     in_shape: tuple[int, ...]  # (C, L) or (C, H, W) of one sample
     out_shape: tuple[int, ...]
@@ -117,9 +106,7 @@ class ConvRule(LayerRule):
     groups: int
 
     @classmethod
-    def of(
-        cls, conv: nn.Conv1d | nn.Conv2d, names: Names, x: torch.Tensor, out: torch.Tensor
-    ) -> ConvRule:
+    def of(cls, conv: nn.Conv1d | nn.Conv2d, names: Names, x: Tensor, out: Tensor) -> ConvRule:
         """The rule of one pass: batched input ``x`` and output ``out``."""
         return cls(
             names,
@@ -135,15 +122,10 @@ class ConvRule(LayerRule):
         )
 
     def squares(
-        self,
-        x: torch.Tensor,
-        gw: torch.Tensor,
-        chunk_bytes: int,
-        method: str | None = None,
-    ) -> dict[str, torch.Tensor]:
-        """See :meth:`LayerRule.squares`. ``method``: ``"correlate"`` (one grouped
-        convolution per chunk; the default, measured faster on the CPU and on an H200:
-        docs/probes/fisher.md) or ``"unfold"`` (im2col + einsum). Both are exact."""
+        self, x: Tensor, gw: Tensor, chunk_bytes: int, method: str | None = None
+    ) -> dict[str, Tensor]:
+        """See :meth:`LayerRule.squares`. ``method``: ``"correlate"`` (the default) or
+        ``"unfold"`` (im2col + einsum). Both are exact."""
         if method is None:
             method = "correlate"
         if method not in ("correlate", "unfold"):
@@ -193,8 +175,7 @@ class ConvRule(LayerRule):
         return sq.permute(1, 2, 0, 3, 4).reshape(self.weight_shape)
 
     def _unfolded(self, xc: Tensor, gc: Tensor, g: _Geometry) -> Tensor:
-        """The same by im2col: the output gradient contracted with the input's columns
-        over output positions."""
+        """The same by im2col (output gradient x input columns over positions)."""
         n, groups = xc.shape[0], self.groups
         positions, width = math.prod(g.out_hw), math.prod(self.weight_shape[1:])
         cols = F.unfold(xc, g.kernel, dilation=g.dilation, stride=g.stride)
@@ -251,9 +232,7 @@ class EmbeddingRule(LayerRule):
     dim: int
     padding_idx: int | None
 
-    def squares(
-        self, x: torch.Tensor, gw: torch.Tensor, chunk_bytes: int
-    ) -> dict[str, torch.Tensor]:
+    def squares(self, x: Tensor, gw: Tensor, chunk_bytes: int) -> dict[str, Tensor]:
         positions = x.shape[1]
         per_sample = 4 * (positions * positions + 3 * positions * self.dim)
         out = torch.zeros(self.num_embeddings, self.dim, dtype=SUM, device=gw.device)
@@ -272,16 +251,13 @@ class EmbeddingRule(LayerRule):
 class NormRule(LayerRule):
     """``nn.LayerNorm`` (any ``normalized_shape``) and ``nn.GroupNorm``, from the
     normalised input ``xhat``: per sample ``d l / d w = sum_positions g * xhat`` and
-    ``d l / d b = sum_positions g`` for each affine entry. ``channels`` entries, each
-    summing ``positions`` values of a sample (LayerNorm: every entry is its own
-    position, ``positions = 1``; GroupNorm: a channel's spatial positions)."""
+    ``d l / d b = sum_positions g`` for each affine entry (LayerNorm: ``positions = 1``;
+    GroupNorm: a channel's spatial positions)."""
 
     shape: tuple[int, ...]  # the affine parameters' shape
     positions: int
 
-    def squares(
-        self, x: torch.Tensor, gw: torch.Tensor, chunk_bytes: int
-    ) -> dict[str, torch.Tensor]:
+    def squares(self, x: Tensor, gw: Tensor, chunk_bytes: int) -> dict[str, Tensor]:
         weight, bias = self.names
         channels = math.prod(self.shape)
         per_sample = 3 * x.element_size() * channels * self.positions
@@ -325,10 +301,9 @@ def _group_norm_rows(norm: nn.GroupNorm, names: Names, x: Tensor, out: Tensor) -
 @dataclass(frozen=True)
 class LayerKind:
     """How the Fisher reads one layer type: ``rows(module, names, x, out)`` gives a
-    forward pass's :class:`LayerRule`, the rows to hold for the drain (input or normalised
-    input, one per sample) and a key telling per-sample shapes apart; ``positions(module,
-    rows, out)`` the positions summed inside one sample (a row mask may give one entry per
-    position). ``rows`` is None for ``nn.Linear``, whose rows are its input as is."""
+    pass's :class:`LayerRule`, the rows to hold (input or normalised input, one per
+    sample) and a key telling per-sample shapes apart (None for ``nn.Linear``: its input
+    as is); ``positions(module, rows, out)`` the positions summed inside one sample."""
 
     name: str
     rows: Callable[..., Held] | None = None
@@ -355,10 +330,8 @@ LAYER_KINDS: dict[type[nn.Module], LayerKind] = {
 
 
 def layer_kind(module: nn.Module) -> LayerKind | None:
-    """The closed-form reading of ``module``'s own parameters (:data:`LAYER_KINDS`), or
-    None: a type not in the table, or one whose ``forward`` is overridden (a subclass may
-    compute anything). An embedding with ``scale_grad_by_freq`` has none: the batch's
-    index counts scale every sample's gradient."""
+    """The closed-form reading of ``module``'s own parameters (:data:`LAYER_KINDS`); None
+    for other types, an overridden ``forward`` or ``scale_grad_by_freq`` (batch-dependent)."""
     for cls in type(module).__mro__:
         kind = LAYER_KINDS.get(cls)
         if kind is not None:

@@ -29,11 +29,8 @@ BLOCKED_THRESHOLD = 1e-8
 
 @register
 class GradientFlow(PerLayerProbe):
-    """Bias-corrected EMA of per-unit gradient RMS across the backward passes of a window.
-
-    ``ema`` and ``passes`` are averaged (not summed) across processes: every rank runs the
-    same number of passes, so the mean of the per-rank EMAs is the EMA of the mean RMS.
-    """
+    """Bias-corrected EMA of per-unit gradient RMS across the backward passes of a window
+    (``ema`` and ``passes`` are averaged across processes, which run as many passes)."""
 
     mirrors_identical_rows = True  # consume() writes the accumulators only
     batch_units = True  # per-unit accumulators from per-column reductions
@@ -64,12 +61,8 @@ class GradientFlow(PerLayerProbe):
         *,
         weight: torch.Tensor | None = None,
     ) -> None:
-        """Add one backward pass (all rows of one gradient delivery; with
-        ``channels_first`` the units are on axis 1 and every sample and position is a row;
-        ``weight``: their row-mask rows).
-        Under a row mask, every delivery inside one ``row_mask`` block is one pass (an LSTM
-        called once per step delivers one gradient per step): the push's scale is the
-        block's serial."""
+        """Add one backward pass (one gradient delivery); under a row mask the deliveries of
+        one ``row_mask`` block are one pass (an LSTM stepped over time: scale = its serial)."""
         mask = self.context.row_mask if self.context is not None else None
         scales = None if mask is None else (mask.serial,)
         rows = as_unit_rows(grad_output, channels_first)
@@ -85,7 +78,6 @@ class GradientFlow(PerLayerProbe):
             self._consume_masked(component, drained, segments, weight, beta)
             return
         # finite samples per pass and unit = rows of the pass - its non-finite entries
-        # (built on the device from Python ints: no host-to-device copy in a hook)
         if len(set(segments)) == 1:  # equal passes: one reshape, no loop
             p, n = len(segments), segments[0]
             sums = sq.reshape(p, n, -1).sum(1)
@@ -140,8 +132,7 @@ class GradientFlow(PerLayerProbe):
     def record_layer(
         self, obs: Observation, layer: ProbedLayer, output: torch.Tensor, weight: Any
     ) -> None:
-        """Subscribe to the gradient of ``layer``'s output (one shared tensor hook), which
-        arrives with ``weight``, the row-mask rows of ``output``."""
+        """Subscribe to the gradient of ``layer``'s output, with its row-mask rows."""
         if not (output.requires_grad and torch.is_grad_enabled()):
             return
 
@@ -201,7 +192,5 @@ def attach_gradient_flow_hooks(
     beta: float = 0.95, *, blocked_threshold: float = BLOCKED_THRESHOLD
 ) -> GradientFlow:
     """The ``gradient_flow`` probe (:class:`GradientFlow`): the EMA (``beta``) of each
-    output unit's gradient RMS. Placed with ``phases``, ``extractor``, ``layout`` (per
-    channel on conv outputs), ``per_layer`` (also the gradient at the output of every
-    activation layer inside the component) and ``schedule``."""
+    output unit's gradient RMS. Placed with every placement argument."""
     return GradientFlow(beta, blocked_threshold=blocked_threshold)

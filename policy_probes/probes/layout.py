@@ -1,25 +1,18 @@
 """Which axis of a probed tensor holds the units: channels first (conv) or last (dense).
 
-The activation probes read a tensor as ``(samples, units)``. A dense layer's output
-``(..., U)`` has its units last and every leading dimension is a sample. A convolution's
-output ``(B, C, *spatial)`` (``nn.Conv1d``: ``(B, C, L)``, ``nn.Conv2d``: ``(B, C, H, W)``)
-has its units (channels) on axis 1; every (sample, position) pair is a row. The probes
-take a ``layout`` keyword:
+Probes read ``(samples, units)``: a dense output's units are last, a convolution's
+``(B, C, *spatial)`` on axis 1, every (sample, position) a row. The ``layout`` keyword:
 
-* ``"channels_last"``: units on the last axis (the behaviour for every tensor before
-  layouts existed).
+* ``"channels_last"``: units on the last axis.
 * ``"channels_first"``: units on axis 1 for tensors of 3 or more dimensions.
-* ``"auto"`` (default): channels first when the probed module produces a conv-like
-  output, decided once when the probe is attached from the module types: a conv, pooling
-  or batch/instance/group norm module is channels first; an elementwise module
-  (activation, dropout, identity) takes the layout of the module before it (its previous
-  sibling in registration order, then its parent's previous sibling, ...); a container
-  takes the layout of its last non-elementwise child; any other module (``nn.Linear``,
-  ``nn.LayerNorm``, ``nn.Flatten``, custom leaves) is channels last.
+* ``"auto"`` (default), decided at attach from the module types: a conv, pooling or
+  batch/instance/group norm module is channels first; an elementwise module (activation,
+  dropout, identity) takes the layout of the module before it (its previous sibling, then
+  its parent's, ...); a container that of its last non-elementwise child; any other
+  module (``nn.Linear``, ``nn.Flatten``, custom leaves) is channels last.
 
-Tensors of 2 or fewer dimensions are read the same way under every layout, so an MLP is
-unaffected. The channels-first view is taken in the hook (``movedim``, a view: no copy, no
-kernel); the ``(N * positions, C)`` rows are materialised at the drain.
+Tensors of 2 or fewer dimensions read the same under every layout. The channels-first
+view is taken in the hook (``movedim``: no copy); the rows are materialised at the drain.
 """
 
 from __future__ import annotations
@@ -93,8 +86,7 @@ def check_layout(layout: str) -> str:
 
 def output_channels_first(module: nn.Module) -> bool | None:
     """Whether ``module``'s output is channels first, from its type and children; None
-    when it only passes its input's layout on (elementwise modules, or containers of
-    them)."""
+    when it passes its input's layout on (elementwise modules and containers of them)."""
     if isinstance(module, CHANNEL_MODULES):
         return True
     if isinstance(module, ELEMENTWISE_MODULES):
@@ -112,13 +104,10 @@ def output_channels_first(module: nn.Module) -> bool | None:
 def resolve_channels_first(
     layout: str, lookup: Callable[[str], nn.Module] | None, name: str
 ) -> bool:
-    """Whether the output of the module ``lookup(name)`` is read channels first.
-
-    ``lookup`` maps a dotted name to a module (``PolicyAutoBuilder.get_component`` or
-    ``nn.Module.get_submodule``); "auto" walks up the dotted name to find the module that
-    feeds an elementwise one. Without a ``lookup``, or when nothing before the module
-    decides, the output is channels last.
-    """
+    """Whether the output of the module ``lookup(name)`` is read channels first;
+    ``lookup`` maps a dotted name to a module (``PolicyAutoBuilder.get_component``,
+    ``nn.Module.get_submodule``). "auto" walks up the dotted name to the module feeding an
+    elementwise one; without a ``lookup``, or when nothing decides, it is channels last."""
     if layout != "auto":
         return layout == "channels_first"
     if lookup is None:
@@ -144,17 +133,15 @@ def resolve_channels_first(
 
 
 def as_unit_rows(t: torch.Tensor, channels_first: bool) -> torch.Tensor:
-    """``t`` detached, with its units on the last axis: :func:`as_rows` for channels
-    last or for tensors of fewer than 3 dimensions; otherwise the view
-    ``(B, *spatial, C)`` (no copy), whose leading dimensions are the rows."""
+    """``t`` detached, units on the last axis: :func:`as_rows`, or for channels first
+    and 3 or more dimensions the view ``(B, *spatial, C)`` (no copy)."""
     if channels_first and t.dim() >= 3:
         return (t.detach() if t.requires_grad else t).movedim(1, -1)
     return as_rows(t)
 
 
 def positions(t: torch.Tensor, channels_first: bool) -> int:
-    """Rows per sample of :func:`as_unit_rows`: the product of the spatial dimensions
-    (1 for 2-D tensors and channels last)."""
+    """Rows per sample of :func:`as_unit_rows` (the spatial size; 1 for channels last)."""
     if channels_first and t.dim() >= 3 and t.shape[0] and t.shape[1]:
         return t.numel() // (t.shape[0] * t.shape[1])
     return 1

@@ -1,23 +1,15 @@
 """Observation: one probe on one component, the single path from torch hooks to a probe.
 
-Every hook a probe installs goes through an :class:`Observation`: the component's own
-forward hook (or, for a backward probe, the gradient of its output), the hooks on layers
-inside it, and a plain hook closure a builder returned. The path is the same for all:
+Every hook a probe installs (and a builder's plain hook closure) takes the same path:
 
-1. a phase check (a string comparison, no tensor work), and for forward probes a pass
-   the context infers to be a rollout is skipped;
+1. a phase check (no tensor work); forward probes skip a pass inferred to be a rollout;
 2. the tensor: the placement's extractor, else the output itself, else the recurrent
    default (``policy_probes.recurrent``); detached;
-3. the row-mask rows of that tensor, bound now (per-step calls count in forward order;
-   :mod:`policy_probes.row_mask`);
+3. its row-mask rows, bound now (:mod:`policy_probes.row_mask`);
 4. the probe's method (:class:`~policy_probes.probes.probe.Probe`), or the closure;
 5. the fault rule: a probe that raises is disabled, reported once and counted in
    ``context.probe_errors`` (re-raised when ``context.strict``);
 6. one clock: the seconds the probe spent, which the sampler counts as its cost.
-
-A closure registered with torch directly (``module.register_forward_hook(obs)``) is
-checked at its first call (:meth:`Observation.check_plain_call`): what it can see is what
-an attached probe sees, or a :class:`ProbeError` names what to call instead.
 """
 
 from __future__ import annotations
@@ -36,11 +28,7 @@ from policy_probes.context import ComponentContext
 from policy_probes.extractors import as_extractor, gradient_target
 from policy_probes.grad_tap import on_grad
 from policy_probes.outputs import describe_output, extractor_example
-from policy_probes.probes.layout import (
-    check_layout,
-    output_channels_first,
-    resolve_channels_first,
-)
+from policy_probes.probes.layout import check_layout, output_channels_first, resolve_channels_first
 from policy_probes.recurrent import default_extractor
 from policy_probes.row_mask import bound_weight
 from policy_probes.sampling import Schedule, as_schedule, tensor_rows
@@ -55,13 +43,11 @@ PLACEMENTS = ("phases", "extractor", "layout", "per_layer", "schedule")
 
 @dataclass(frozen=True)
 class Placement:
-    """Where and when a probe observes: ``phases`` (the loop phases it records in; None:
-    the probe's default, ``("train",)``, and every phase for a plain closure),
-    ``extractor`` (how to pick the tensor out of a non-tensor output,
-    :mod:`policy_probes.extractors`), ``layout`` (where the units are:
-    :mod:`policy_probes.probes.layout`), ``per_layer`` (also report every layer inside
-    the component) and ``schedule`` (which passes it observes,
-    :mod:`policy_probes.sampling`)."""
+    """Where and when a probe observes: ``phases`` (None: ``("train",)`` for a probe,
+    every phase for a plain closure), ``extractor`` (picks the tensor out of a non-tensor
+    output, :mod:`policy_probes.extractors`), ``layout`` (where the units are,
+    :mod:`policy_probes.probes.layout`), ``per_layer`` (also every layer inside the
+    component) and ``schedule`` (which passes, :mod:`policy_probes.sampling`)."""
 
     phases: frozenset[str] | None = None
     extractor: Any = None
@@ -71,8 +57,7 @@ class Placement:
 
     @classmethod
     def of(cls, takes: Iterable[str], what: str, **given: Any) -> Placement:
-        """The placement ``given`` as keywords, for ``what`` (a probe or closure) that
-        takes the arguments ``takes``; a clear error for anything else."""
+        """The placement ``given``, for ``what`` (a probe or closure) taking ``takes``."""
         takes = tuple(takes)
         unknown = [k for k in given if k not in PLACEMENTS]
         if unknown:
@@ -102,18 +87,13 @@ class Placement:
 
 #: the placement a plain hook closure takes
 CLOSURE_PLACEMENTS = ("phases", "extractor")
-
-
 log = logging.getLogger("policy_probes")
 
 
 class Observation:
-    """One probe (or plain hook closure) on one component, with its placement.
-
-    ``probe`` is the probe's name (error keys ``probes/errors/<probe>/<component>``, the
-    sampler's counts), ``tracker`` the :class:`~policy_probes.probes.probe.Probe` that measures
-    (None for a closure). ``calls``, ``rows`` and ``seconds`` are what the sampler reads.
-    """
+    """One probe (or plain hook closure) on one component, with its placement: ``probe``
+    is its name, ``tracker`` the :class:`~policy_probes.probes.probe.Probe` that measures
+    (None for a closure); the sampler reads ``calls``, ``rows`` and ``seconds``."""
 
     def __init__(
         self,
@@ -129,20 +109,17 @@ class Observation:
         self.probe = tracker.name if tracker is not None else label
         self.component = component
         self.context = context
-        #: the phases it records in (None: a closure given none records in every phase)
+        #: None: a closure given no phases records in every phase
         self.phases = placement.phases if placement.phases or tracker is None else PROBE_PHASES
         self.extractor = as_extractor(placement.extractor)
         self.schedule = placement.schedule
         self.layout = placement.layout
         self.per_layer = placement.per_layer
-        #: whether the component's output is read with its units on axis 1 (resolved
-        #: from the layout at attach; the row mask is bound per sample then)
+        #: the component's output has its units on axis 1 (resolved at attach)
         self.channels_first = placement.layout == "channels_first"
-        #: the direction of a probe; a closure's is the registration's (None: forward
-        #: unless attached backward)
+        #: a closure's direction is its registration's (None until known)
         self.backward: bool | None = None if tracker is None else tracker.backward
-        #: the probe measures through its component hook (not only through hooks
-        #: :meth:`attach` installs on submodules)
+        #: it measures through its component hook (not only through :meth:`attach`'s)
         self.component_hook = tracker is None or tracker.component_hook
         #: the sampler picks the passes a probe observes (closures observe every pass)
         self.sampled = tracker is not None
@@ -157,8 +134,7 @@ class Observation:
     # ------------------------------------------------------------- the path
     def active(self) -> bool:
         """Records now: enabled, in one of its phases, and (forward probes) not in a pass
-        the context infers to be a rollout (:meth:`ComponentContext.inference_pass`). A
-        closure without phases of its own records in every phase and pass."""
+        inferred to be a rollout (:meth:`ComponentContext.inference_pass`)."""
         if not self.enabled:
             return False
         if self.phases is None:
@@ -168,8 +144,8 @@ class Observation:
         return bool(self.backward) or not self.context.inference_pass()
 
     def extract(self, output: Any, module: nn.Module | None = None) -> torch.Tensor:
-        """The tensor this probe reads from a component output: the extractor's, else the
-        output itself, else the recurrent default for ``module``."""
+        """The tensor read from a component output: the extractor's, else the output,
+        else the recurrent default for ``module``."""
         if self.extractor is not None:
             out = self.extractor(output)
             if not isinstance(out, torch.Tensor):
@@ -251,8 +227,7 @@ class Observation:
             self.seconds += time.perf_counter() - start
 
     def timed(self, hook: Callable[..., Any]) -> Callable[..., Any]:
-        """``hook`` (a torch hook the probe installs besides its component hook) with its
-        time added to :attr:`seconds`; the hook guards its own faults."""
+        """``hook`` (guarding its own faults) with its time added to :attr:`seconds`."""
 
         def run(*args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
@@ -270,25 +245,17 @@ class Observation:
         record: Callable[[torch.Tensor, torch.Tensor | None], None],
         channels_first: bool = False,
     ) -> RemovableHandle:
-        """A forward hook on ``module`` inside the component, reported as ``name``: calls
-        ``record(output, weight)`` with the row-mask rows of ``output`` bound, timed and
-        under the fault rule (tensor outputs only, in the probe's phases)."""
+        """A forward hook on ``module`` (reported as ``name``) calling ``record(output,
+        weight)`` with its row-mask rows, timed, under the fault rule, in active passes."""
+
+        def bound(output: torch.Tensor, mod: nn.Module) -> None:
+            record(output, self.bind(output, mod, name, channels_first))
 
         def hook(mod: nn.Module, _inputs: Any, output: Any) -> None:
             if self.active() and isinstance(output, torch.Tensor):
-                self.call(self._bound_call, record, output, mod, name, channels_first)
+                self.call(bound, output, mod)
 
         return module.register_forward_hook(hook)
-
-    def _bound_call(
-        self,
-        record: Callable[[torch.Tensor, torch.Tensor | None], None],
-        output: torch.Tensor,
-        module: nn.Module,
-        name: str,
-        channels_first: bool,
-    ) -> None:
-        record(output, self.bind(output, module, name, channels_first))
 
     def tap(
         self,
@@ -296,17 +263,13 @@ class Observation:
         weight: torch.Tensor | None,
         compute: Callable[[torch.Tensor, torch.Tensor | None, Any], None],
     ) -> None:
-        """Call ``compute(grad, weight, loss_scale)`` with the gradient of ``output`` (one
-        tensor hook shared by the probes, :func:`~policy_probes.grad_tap.on_grad`),
-        ``weight`` being the rows bound in the forward, ``loss_scale`` the loop's
-        ``context.loss_scale`` as the gradient arrives; timed and under the fault rule,
-        skipped once the probe is disabled."""
+        """Call ``compute(grad, weight, loss_scale)`` with the gradient of ``output``
+        (:func:`~policy_probes.grad_tap.on_grad`), timed, under the fault rule."""
         on_grad(output, _GradCall(self, compute, weight))
 
     def grad_delivery(self, module: nn.Module, tensor: torch.Tensor) -> Callable | None:
-        """The gradient hook for ``tensor``, the component's output in this forward: it
-        delivers the gradient through :meth:`_deliver` with the row-mask rows of
-        ``tensor`` bound now. None if binding failed (the probe is disabled then)."""
+        """The gradient hook for ``tensor``, the component's output, delivering through
+        :meth:`_deliver` with its row-mask rows bound now (None if binding failed)."""
         try:
             weight = self.bind(tensor, module, self.component, self.channels_first)
         except Exception as exc:
@@ -315,9 +278,8 @@ class Observation:
         return _ComponentGrad(self, module, weight)
 
     def fail(self, exc: BaseException) -> None:
-        """The fault rule: re-raise when ``context.strict``; otherwise disable this
-        observation for the rest of the run, record the error under
-        ``"<probe>/<component>"`` in ``context.probe_errors`` and log it once."""
+        """The fault rule: re-raise when ``context.strict``; else disable this observation,
+        record the error in ``context.probe_errors`` and log it once."""
         if self.context.strict:
             raise exc
         self.enabled = False
@@ -329,16 +291,14 @@ class Observation:
 
     # ------------------------------------------------------- set-up
     def attach(self, module: nn.Module) -> list[RemovableHandle]:
-        """Install the hooks the probe needs on submodules of the component (resolving
-        layouts and layers at the first call); returns their handles."""
+        """Install the probe's hooks inside the component (:meth:`Probe.attach`)."""
         self.attached = True
         if self.tracker is None:
             return []
         return list(self.tracker.attach(self, module))
 
     def resolve_layout(self, module: nn.Module, sub: str = "") -> bool:
-        """Whether the output of ``sub`` inside the component (``""``: the component) is
-        read channels first under this placement's layout."""
+        """Whether the output of ``sub`` (``""``: the component) is read channels first."""
         if self.locate is not None:  # the policy: "auto" can look beyond the component
             name = f"{self.component}.{sub}" if sub else self.component
             return resolve_channels_first(self.layout, self.locate, name)
@@ -347,15 +307,12 @@ class Observation:
         return resolve_channels_first(self.layout, module.get_submodule, sub)
 
     def check_plain_call(self, module: nn.Module, first: Any, second: Any) -> None:
-        """A call from a torch hook the user registered with this observation directly
-        (``PolicyAutoBuilder.attach`` runs :meth:`attach` first and delivers backward
-        probes the gradient with ``grad_input=None``). At the first such call: refuse
-        the wrong direction and a component whose measurement needs the hooks
-        :meth:`attach` installs before the forward (``Probe.plain_call_gaps``); otherwise
-        run :meth:`attach` now, which installs nothing then and resolves what it would.
-        Backward calls also need what the gradient tap does: no extractor, one output
-        tensor, and (checked on every call) no row mask. Raises :class:`ProbeError`
-        (outside the fault rule: a set-up mistake, not a fault of the probe)."""
+        """A call from a torch hook the user registered with this observation directly.
+        At the first one: refuse the wrong direction and a component whose measurement
+        needs the hooks :meth:`attach` installs (``Probe.plain_call_gaps``); otherwise run
+        :meth:`attach` now (it resolves layouts, installs nothing). A full backward hook
+        also needs no extractor, one output tensor and (every call) no row mask. Raises
+        :class:`ProbeError` (outside the fault rule: a set-up mistake)."""
         if self.backward is None:  # a closure registered directly: its registration says
             self.backward = in_backward_pass()
         if not self.attached:
@@ -423,30 +380,25 @@ class Observation:
 
 
 class _ComponentGrad:
-    """``grad -> obs._deliver(module, None, (grad,), weight)``: the component gradient's
-    delivery, one slotted object per pass instead of a closure with three cells (a
-    module called step by step makes one per step, alive until the backward)."""
+    """``grad -> obs._deliver(module, None, (grad,), weight)``, slotted: a module called
+    step by step makes one per step, alive until the backward (fewer objects than a closure)."""
 
     __slots__ = ("obs", "module", "weight")
 
     def __init__(self, obs: Observation, module: nn.Module, weight: torch.Tensor | None) -> None:
-        self.obs = obs
-        self.module = module
-        self.weight = weight
+        self.obs, self.module, self.weight = obs, module, weight
 
     def __call__(self, grad: torch.Tensor) -> None:
         self.obs._deliver(self.module, None, (grad,), self.weight)
 
 
 class _GradCall:
-    """A gradient subscription of :meth:`Observation.tap`, slotted for the same reason."""
+    """A gradient subscription of :meth:`Observation.tap` (slotted like :class:`_ComponentGrad`)."""
 
     __slots__ = ("obs", "compute", "weight")
 
     def __init__(self, obs: Observation, compute: Callable, weight: torch.Tensor | None) -> None:
-        self.obs = obs
-        self.compute = compute
-        self.weight = weight
+        self.obs, self.compute, self.weight = obs, compute, weight
 
     def __call__(self, grad: torch.Tensor) -> None:
         obs = self.obs
@@ -455,8 +407,7 @@ class _GradCall:
 
 
 def grad_tap(obs: Observation, extractor: Callable | None) -> Callable:
-    """The forward hook that hands a backward observation the gradient of the
-    component's output (``extractor`` picks the tensor) through a tensor hook."""
+    """The forward hook handing a backward observation its output's gradient."""
 
     def tap(module: nn.Module, _inputs: Any, output: Any) -> None:
         if not obs.active():

@@ -1,18 +1,9 @@
 """Per-layer probing: every activation layer inside a component, reported beside it.
 
-A probe attached to ``actor_mlp`` reads the component's output (the last hidden layer)
-and, with ``per_layer=True`` (the default of the activation and gradient-flow probes),
-the output of every activation layer inside it, each under its own name
-``<component>.<layer>``: keys ``probes/<probe>/actor_mlp.layer_0/<metric>`` beside
-``probes/<probe>/actor_mlp/<metric>``. An *activation layer* is a
-:class:`~policy_probes.layers.HiddenLayer` or :class:`~policy_probes.layers.ConvLayer`
-(its ``.act`` child is the same layer and is not counted again) or an activation module (:data:`~policy_probes.probes.layout.ACTIVATION_MODULES`).
-
-The component's output is often the last layer's output: both keys are reported, and the
-tensor is materialised once at the drain (:class:`~policy_probes.probes.rows.DrainRound`
-shares block columns that hold the same memory). A layer probed under its own name in
-the same context (``actor_mlp.layer_0`` or ``actor_mlp.*`` attached before or after
-``actor_mlp``) is left to that registration and its settings.
+With ``per_layer=True`` a probe on ``actor_mlp`` also reads every activation layer inside
+it (``probes/<probe>/actor_mlp.layer_0/<metric>``): a :class:`~policy_probes.layers.HiddenLayer`
+or :class:`~policy_probes.layers.ConvLayer` (its ``.act`` not counted again) or an
+activation module. A layer probed under its own name is left to that registration.
 """
 
 from __future__ import annotations
@@ -40,21 +31,18 @@ log = logging.getLogger("policy_probes")
 
 @dataclass(frozen=True)
 class ActivationLayer:
-    """One activation layer inside a component."""
+    """One activation layer inside a component: its path, the module whose output it is,
+    the activation module (a HiddenLayer's ``.act``) and that one's path."""
 
-    #: dotted path inside the component (``"layer_0"``, ``"cnn.1"``)
     name: str
-    #: the module whose output is the layer's activation
     module: nn.Module
-    #: the activation module itself (the ``.act`` of a HiddenLayer)
     act: nn.Module
-    #: dotted path of :attr:`act` inside the component
     act_name: str
 
 
 def _is_last(component: nn.Module, path: str) -> bool:
-    """Whether the submodule at ``path`` is the last child at every level down from
-    ``component``: in a sequential stack, the module whose output is the component's."""
+    """Whether the submodule at ``path`` is the last child at every level (its output is
+    the component's)."""
     module = component
     for part in path.split("."):
         children = list(module.named_children())
@@ -92,14 +80,9 @@ class ProbedLayer:
 
 class PerLayerProbe(Probe):
     """A probe on a component's output and, with ``per_layer``, on the output of every
-    activation layer inside it that :meth:`selects`.
-
-    The layers and every layout are resolved once per component, at the first
-    :meth:`attach` (later attaches, when the phase re-arms the hooks, reinstall the same
-    hooks). The component's own output goes through :meth:`record` /
-    :meth:`record_grad`, a layer's through :meth:`record_layer`; by default all three
-    hand the rows to ``update(name, tensor, channels_first, weight=...)``.
-    """
+    activation layer inside it that :meth:`selects` (resolved at the first :meth:`attach`).
+    :meth:`record`, :meth:`record_grad` and :meth:`record_layer` hand the rows to
+    ``update(name, tensor, channels_first, weight=...)``."""
 
     placements = PLACEMENTS
 
@@ -111,8 +94,7 @@ class PerLayerProbe(Probe):
         self._layer_handles: dict[str, dict[str, RemovableHandle]] = {}
         #: component -> layers read in its current forward (a module run twice is refused)
         self._seen: dict[str, set[str]] = {}
-        #: components inside a forward: a layer module called on its own (outside the
-        #: component, e.g. by a reference computation) is not this component's layer
+        #: components inside a forward (a layer module called outside it is not read)
         self._inside: dict[str, bool] = {}
 
     def update(
@@ -142,16 +124,13 @@ class PerLayerProbe(Probe):
     def record_layer(
         self, obs: Observation, layer: ProbedLayer, output: torch.Tensor, weight: Any
     ) -> None:
-        """Read one forward output of ``layer`` (not detached); ``weight``: its row-mask
-        rows (None without a mask)."""
+        """Read one forward output of ``layer`` (not detached) and its row-mask rows."""
         self.update(layer.component, output, layer.channels_first, weight=weight)
 
     def plain_call_gaps(self, obs: Observation, module: nn.Module) -> str:
         """An observation registered directly as a torch hook sees the component's output
-        only: it reports the component (as ``per_layer=False``). With ``per_layer``, the
-        activation layers before the output, which only :meth:`attach` can hook, are
-        named in one warning; a component whose only activation layer is its output
-        (``nn.Sequential(nn.Linear, nn.ReLU)``) loses nothing and gets none."""
+        only (as ``per_layer=False``); with ``per_layer``, one warning names the activation
+        layers before the output that it cannot see."""
         if obs.per_layer:
             obs.per_layer = False
             layers = [layer.name for layer in activation_layers(module) if self.selects(layer)]
@@ -172,8 +151,7 @@ class PerLayerProbe(Probe):
     def attach(self, obs: Observation, module: nn.Module) -> list[RemovableHandle]:
         component = obs.component
         if component not in self.layers:
-            # an extracted tensor need not be laid out as the module's output: "auto"
-            # reads it channels last, an explicit layout is taken as given
+            # "auto" reads an extracted tensor channels last
             auto_extracted = obs.extractor is not None and obs.layout == "auto"
             obs.channels_first = False if auto_extracted else obs.resolve_layout(module)
             layers = []
@@ -217,6 +195,11 @@ class PerLayerProbe(Probe):
     def _layer_hook(self, obs: Observation, layer: ProbedLayer) -> Callable[..., None]:
         component = obs.component
 
+        def read(output: torch.Tensor) -> None:
+            # the mask rows bound in forward order, as the component hook binds its own
+            weight = obs.bind(output, layer.module, layer.component, layer.channels_first)
+            self.record_layer(obs, layer, output, weight)
+
         def hook(_module: nn.Module, _inputs: Any, output: Any) -> None:
             if not (
                 self._inside.get(component)
@@ -231,19 +214,13 @@ class PerLayerProbe(Probe):
                 self._refuse_reused(obs, layer)
                 return
             seen.add(layer.component)
-            obs.call(self._read_layer, obs, layer, output)
+            obs.call(read, output)
 
         return hook
 
-    def _read_layer(self, obs: Observation, layer: ProbedLayer, output: torch.Tensor) -> None:
-        # the mask rows bound in forward order, as the component hook binds its own
-        weight = obs.bind(output, layer.module, layer.component, layer.channels_first)
-        self.record_layer(obs, layer, output, weight)
-
     def _refuse_reused(self, obs: Observation, layer: ProbedLayer) -> None:
         """Stop reading a layer module that runs more than once per forward of the
-        component (one activation module applied after several layers): its uses would
-        mix into one layer's statistics. Reported like a probe fault, for that layer only."""
+        component (its uses would mix); reported like a probe fault, for that layer only."""
         msg = (
             f"{layer.component} runs more than once in one forward of {obs.component!r} (the "
             f"same module applied at several places), so its outputs cannot be told apart as "
@@ -267,9 +244,8 @@ class ActivationProbe(PerLayerProbe):
     def update(
         self, name: str, h: torch.Tensor, channels_first: bool = False, *, weight: Any = None
     ) -> None:
-        """Add a batch of activations: units on the last axis (leading dims are samples),
-        or on axis 1 with ``channels_first`` (every sample and position is a row);
-        ``weight``: their row-mask rows (:meth:`_push`)."""
+        """Add a batch of activations: units on the last axis, or on axis 1 with
+        ``channels_first`` (every sample and position a row); ``weight``: row-mask rows."""
         if channels_first and h.dim() >= 3:
             self.settings[name]["positions"] = positions(h, channels_first)
         self._push(name, "h", (as_unit_rows(h, channels_first),), weight=weight)

@@ -1,22 +1,18 @@
 """Pre-activation probe: per-layer pre-activation mean and std, their drift from the first
 epochs, and the feature norm of the component's output.
 
-Pre-activation distribution shift is one of the three independent mechanisms of
-plasticity loss in Lyle et al., "Disentangling the causes of plasticity loss in neural
-networks" (2024): as training goes on the pre-activations z = Wx + b of a layer's units
-drift away from where they started, into saturation or into the dead side of a ReLU.
-The feature norm (mean ‖y_i‖ of the component's output rows) is one of Plasticine's
-metrics.
+Pre-activation distribution shift is one of the three mechanisms of plasticity loss in
+Lyle et al., "Disentangling the causes of plasticity loss in neural networks" (2024): the
+pre-activations z = Wx + b drift into saturation or the dead side of a ReLU. The feature
+norm (mean ‖y_i‖ of the output rows) is one of Plasticine's metrics.
 
-For every ``nn.Linear`` inside the component (a *layer*, ``actor_mlp.layer_0.linear``),
-with z_iu the pre-activation of unit u on row i, over the window's (kept) rows:
+For every ``nn.Linear`` inside the component (``actor_mlp.layer_0.linear``), with z_iu
+the pre-activation of unit u on row i, over the window's (kept) rows:
 
 * μ_u = mean_i z_iu, σ_u = sqrt(mean_i z_iu² − μ_u²)
 * ``mean`` = (1/U) Σ_u μ_u, ``std`` = (1/U) Σ_u σ_u
-* reference μ_u⁰, σ_u⁰: the same over every row of the first ``reference_epochs``
-  reports (sums carried over the windows)
-* ``mean_drift`` = (1/U) Σ_u |μ_u − μ_u⁰| / (σ_u⁰ + 1e-8): how far the units' means moved,
-  in units of their early spread
+* reference μ_u⁰, σ_u⁰: the same over every row of the first ``reference_epochs`` reports
+* ``mean_drift`` = (1/U) Σ_u |μ_u − μ_u⁰| / (σ_u⁰ + 1e-8)
 * ``std_ratio`` = (1/U) Σ_u σ_u / (σ_u⁰ + 1e-8)
 
 and for the component's own output y: ``feature_norm`` = mean_i ‖y_i‖₂.
@@ -33,7 +29,7 @@ from torch.utils.hooks import RemovableHandle
 from policy_probes.plugins import Rule, register
 from policy_probes.probes.probe import Probe
 from policy_probes.probes.rows import COUNT
-from policy_probes.probes.state import SUM, Drained, as_rows
+from policy_probes.probes.state import SUM, Device, Drained, as_rows
 from policy_probes.probes.weighted import Weighted
 
 if TYPE_CHECKING:
@@ -44,8 +40,8 @@ DRIFT_EPS = 1e-8
 
 @register
 class Preactivation(Probe):
-    """Per-unit sums of z and z² and counts per layer; row norms of the component output;
-    the reference sums of the first ``reference_epochs`` reports (host, float64)."""
+    """Per-unit sums of z, z² and counts per layer; the output's row norms; the reference
+    sums of the first ``reference_epochs`` reports (host, float64)."""
 
     name = "preactivation"
     maker = "attach_preactivation_hooks()"
@@ -89,11 +85,6 @@ class Preactivation(Probe):
     ) -> None:
         self._push(layer, "z", (as_rows(z),), weight=weight)
 
-    def update_output(
-        self, component: str, y: torch.Tensor, *, weight: torch.Tensor | None = None
-    ) -> None:
-        self._push(component, "y", (as_rows(y),), weight=weight)
-
     def consume(self, batch: Drained) -> None:
         component, (x,), weight = batch.component, batch.cols, batch.weight
         kept = Weighted(x, weight)
@@ -123,17 +114,13 @@ class Preactivation(Probe):
         mu, sd = _moments(s["sum"], s["sq"], count)
         ref = self.reference.get(component)
         if ref is None or int(ref["windows"]) < cfg["reference_epochs"]:
+            now = {"sum": s["sum"], "sq": s["sq"], "count": count}
             if ref is None:  # the first reports build the reference
-                ref = self.reference[component] = {
-                    "sum": torch.zeros_like(s["sum"]),
-                    "sq": torch.zeros_like(s["sq"]),
-                    "count": torch.zeros_like(count),
-                    "windows": torch.zeros((), dtype=COUNT),
-                }
+                ref = self.reference[component] = {k: torch.zeros_like(v) for k, v in now.items()}
+                ref["windows"] = torch.zeros((), dtype=COUNT)
             if ref["sum"].shape == s["sum"].shape:
-                ref["sum"] += s["sum"]
-                ref["sq"] += s["sq"]
-                ref["count"] += count
+                for key, value in now.items():
+                    ref[key] += value
                 ref["windows"] += 1
         mu0, sd0 = _moments(ref["sum"], ref["sq"], ref["count"])
         both = seen & (ref["count"] > 0)
@@ -147,7 +134,7 @@ class Preactivation(Probe):
     def record(
         self, obs: Observation, module: nn.Module, output: torch.Tensor, weight: Any
     ) -> None:
-        self.update_output(obs.component, output, weight=weight)
+        self._push(obs.component, "y", (as_rows(output),), weight=weight)
 
     def plain_call_gaps(self, obs: Observation, module: nn.Module) -> str:
         names = [n for n, m in module.named_modules() if n and isinstance(m, nn.Linear)]
@@ -181,9 +168,7 @@ class Preactivation(Probe):
         out["reference"] = {k: dict(v) for k, v in self.reference.items()}
         return out
 
-    def load_state_dict(
-        self, state: dict[str, Any], device: torch.device | str | None = None
-    ) -> None:
+    def load_state_dict(self, state: dict[str, Any], device: Device = None) -> None:
         super().load_state_dict(state, device)
         self.reference = {
             k: {n: t.clone() for n, t in v.items()}
@@ -199,8 +184,7 @@ def _moments(total: torch.Tensor, sq: torch.Tensor, count: torch.Tensor) -> tupl
 
 
 def attach_preactivation_hooks(*, reference_epochs: int = 3) -> Preactivation:
-    """The ``preactivation`` probe (:class:`Preactivation`, docs/probes/preactivation.md):
-    per ``nn.Linear`` inside the component, pre-activation mean/std and their drift from
-    the first ``reference_epochs`` reports; the component output's feature norm. Placed
-    with ``phases`` and ``schedule``."""
+    """The ``preactivation`` probe (:class:`Preactivation`, docs/probes/preactivation.md),
+    drift measured from the first ``reference_epochs`` reports; placed with ``phases`` and
+    ``schedule``."""
     return Preactivation(reference_epochs=reference_epochs)

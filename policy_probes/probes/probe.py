@@ -1,28 +1,15 @@
 """The probe contract: a probe is one measurement object, placed when it is attached.
 
-A probe is a subclass of :class:`Probe`, registered with :func:`policy_probes.plugins.register`,
-that declares what it is and implements how it measures:
+A probe is a subclass of :class:`Probe`, registered with :func:`policy_probes.plugins.register`.
+Its class attributes say what it is (``name``, ``direction``, ``events``, ``placements``,
+``metrics``, ``rules``, ``console``, ``docs``: the table in docs/components.md); it
+measures through :meth:`record` / :meth:`record_grad` (what the component's hook saw),
+:meth:`attach` (hooks on layers inside the component) and the accumulators of
+:class:`~policy_probes.probes.state.ProbeState`.
 
-* **what it is** (class attributes): ``name`` (its keys are
-  ``probes/<name>/<component>/<metric>``), ``direction`` (``"forward"``: it reads module
-  outputs; ``"backward"``: their gradients), ``events`` (the loop events it needs:
-  ``"forward"``/``"backward"`` passes, ``"rollout_end"``, ``"epoch_end"``), ``placements``
-  (the placement arguments it takes), ``metrics`` (metric -> meaning), ``rules`` (its
-  findings rules, :class:`~policy_probes.plugins.Rule`), ``console`` (the metrics the
-  console follows by default) and ``docs`` (its docs page);
-* **how it measures**: :meth:`record` / :meth:`record_grad` take what the component's hook
-  saw, :meth:`attach` installs hooks on layers inside the component, and the
-  accumulator machinery of :class:`~policy_probes.probes.state.ProbeState` (rows held by
-  reference, reduced in :meth:`consume` into sums and counts, summarised on the host in
-  :meth:`summarize`) turns it into metrics.
-
-An instance carries the probe's settings (``ReLUActivation(tau=0.05)``; the built-in
-``attach_*_hooks()`` functions make them). Attaching it (``add_training_hook(pattern,
-probe, per_layer=False)``) places it: the :class:`Placement` (phases, extractor, layout,
-per-layer, schedule) is an argument of the attach, checked here once for every probe.
-The first instance attached in a context becomes that context's tracker
-(``context.model_metrics[name]``); components attached through other instances of the
-same probe register there with their own settings.
+An instance carries the probe's settings (``ReLUActivation(tau=0.05)``); attaching it
+places it with a :class:`Placement`. The first instance attached in a context becomes its
+tracker (``context.model_metrics[name]``), where other instances register their components.
 """
 
 from __future__ import annotations
@@ -36,11 +23,7 @@ from torch.utils.hooks import RemovableHandle
 
 from policy_probes.context import ComponentContext
 from policy_probes.plugins import Rule
-from policy_probes.probes.observation import (
-    CLOSURE_PLACEMENTS,
-    Observation,
-    Placement,
-)
+from policy_probes.probes.observation import CLOSURE_PLACEMENTS, Observation, Placement
 from policy_probes.probes.state import ProbeState
 
 
@@ -84,11 +67,9 @@ class Probe(ProbeState):
     def __call__(
         self, component: str, context: ComponentContext, placement: Placement | None = None
     ) -> Observation | None:
-        """Attach to ``component`` in ``context`` (the builder protocol
-        ``(component, context) -> hook``): the context's instance of this probe
-        registers the component with this instance's settings; returns the component's
-        :class:`~policy_probes.probes.observation.Observation`, or None if the component is
-        registered already."""
+        """Attach to ``component`` in ``context`` (the builder protocol): the context's
+        instance registers it with these settings; its :class:`Observation`, or None if
+        it is registered already."""
         tracker = context.model_metrics.get(self.name)
         if tracker is None:
             tracker = self if self.context is None else type(self)(**self.options)
@@ -115,8 +96,7 @@ class Probe(ProbeState):
     def record(
         self, obs: Observation, module: nn.Module, output: torch.Tensor, weight: Any
     ) -> None:
-        """Read one forward output of the component (detached); ``weight``: its row-mask
-        rows (None without a mask), for :meth:`_push`."""
+        """Read one forward output of the component (detached) and its row-mask rows."""
         raise NotImplementedError(f"{type(self).__name__} reads no forward output")
 
     def record_grad(
@@ -127,19 +107,18 @@ class Probe(ProbeState):
         weight: Any,
         loss_scale: float | torch.Tensor,
     ) -> None:
-        """Read one gradient of the component's output (detached); ``weight`` as in
-        :meth:`record`, ``loss_scale`` the loop's ``context.loss_scale`` as it arrived."""
+        """Read one gradient of the component's output, as :meth:`record`, with the loop's
+        ``loss_scale``."""
         raise NotImplementedError(f"{type(self).__name__} reads no gradient")
 
     def attach(self, obs: Observation, module: nn.Module) -> list[RemovableHandle]:
-        """Install the hooks this probe needs on submodules of ``module`` (the component);
-        resolve layers and layouts at the first call (later calls, when the sampler
-        re-arms the probe, install the same hooks). Returns their handles."""
+        """Install the hooks this probe needs on submodules of ``module`` (the component),
+        resolving layers and layouts at the first call; returns their handles."""
         return []
 
     def plain_call_gaps(self, obs: Observation, module: nn.Module) -> str:
-        """What this probe measures through hooks :meth:`attach` installs on submodules
-        (empty: an observation registered directly as a torch hook sees all it reports)."""
+        """What this probe reads through :meth:`attach`'s hooks, which a plain torch hook
+        registration cannot see (empty: nothing)."""
         return ""
 
 

@@ -38,18 +38,11 @@ DORMANT_EPS = 1e-9
 DORMANT_TAUS: tuple[float, ...] = (0.0, 0.025, 0.1)
 
 
-def tau_key(tau: float) -> str:
-    """``dormant_fraction_tau_<tau>`` (``%g``: 0, 0.025, 0.1)."""
-    return f"dormant_fraction_tau_{tau:g}"
-
-
 @register
 class ReLUActivation(ActivationProbe):
     """Dead, dormant, rarely and always active ReLU units: per-unit counts of positive
-    elements and sums of |h| over the window.
-
-    :attr:`scores` keeps the per-unit ReDo scores of the last report (NaN for units with
-    no finite value), for remedies that act on them (:mod:`policy_probes.remedies`)."""
+    elements and sums of |h| over the window. :attr:`scores` keeps the per-unit ReDo
+    scores of the last report (NaN for units with no finite value) for the remedies."""
 
     name = "relu"
     batch_units = True
@@ -133,8 +126,7 @@ class ReLUActivation(ActivationProbe):
     def summarize_alike(
         self, components: list[str], s: dict[str, torch.Tensor], cfg: dict[str, Any]
     ) -> list[dict]:
-        # numpy on the host copies, every layer's units in one row: a few dozen reductions,
-        # where each torch call would cost more in dispatch than in arithmetic
+        # numpy on the host copies, a row per layer (torch calls cost more in dispatch)
         parts = len(components)
         count = s["count"].numpy().reshape(parts, -1)
         active = s["active"].numpy().reshape(parts, -1)
@@ -149,7 +141,7 @@ class ReLUActivation(ActivationProbe):
         # standard errors as for independent rows (policy_probes.sampling.standard_error)
         se = row_means(np.sqrt(active_rate * (1 - active_rate) / np.maximum(count, 1)), seen)
         masks = {
-            **{tau_key(t): score <= t for t in cfg.get("taus", DORMANT_TAUS)},
+            **{f"dormant_fraction_tau_{t:g}": score <= t for t in cfg.get("taus", DORMANT_TAUS)},
             "dead_fraction": active_rate == 0,
             "dormant_fraction": score <= cfg["tau"],
             "rarely_active_fraction": active_rate < cfg["rarely_active"],
@@ -177,8 +169,7 @@ class ReLUActivation(ActivationProbe):
 
 
 def samples(count: torch.Tensor | np.ndarray, cfg: dict[str, Any]) -> float:
-    """Batch rows recorded: the largest per-unit count of finite values, divided by the
-    positions per sample of a channels-first output (its spatial size)."""
+    """Batch rows recorded: the largest per-unit finite count over positions per sample."""
     rows = int(count.max()) if math.prod(count.shape) else 0
     per_sample = cfg.get("positions", 1)
     return float(rows) if per_sample == 1 else rows / per_sample
@@ -192,12 +183,9 @@ def attach_relu_activation_hooks(
     always_active: float = 0.95,
 ) -> ReLUActivation:
     """The ``relu`` probe (:class:`ReLUActivation`), for a component whose output is
-    post-activation (``actor_mlp`` of the built-in policies, or ``actor_mlp.layer_0``); on a
-    pre-activation (``...linear``) the metrics describe the sign of the pre-activation
-    instead. ``taus``: the thresholds of the ``dormant_fraction_tau_<t>`` keys, reported
-    beside ``dormant_fraction`` (at ``tau``). Placed with ``phases``, ``extractor``,
-    ``layout`` (per channel on conv outputs), ``per_layer`` (also every activation layer
-    inside the component) and ``schedule``."""
+    post-activation (``actor_mlp``; on a pre-activation the metrics describe its sign).
+    ``taus``: the thresholds of the ``dormant_fraction_tau_<t>`` keys, beside
+    ``dormant_fraction`` (at ``tau``). Placed with every placement argument."""
     return ReLUActivation(
         tau=tau, taus=taus, rarely_active=rarely_active, always_active=always_active
     )

@@ -3,14 +3,12 @@
 For every ``nn.ReLU`` inside the component (or the component itself when it is one), the
 gradient at the ReLU's input is dL/dy * 1[x > 0]. A unit passes gradient for a sample when
 that product is non-zero, i.e. when the unit was active (y = relu(x) > 0) and received a
-non-zero output gradient (non-finite outputs and gradients count as not passing, as the
-``relu`` probe counts a non-finite output as not active). ``pass_rate[u]`` is the
-fraction of samples for which it did;
-units with pass rate 0 over the whole window are ``blocked``: their incoming weights got
-no gradient from the probed loss at all.
+non-zero output gradient (non-finite values count as not passing). ``pass_rate[u]`` is
+the fraction of samples for which it did; units with pass rate 0 over the window are
+``blocked``: their incoming weights got no gradient from the probed loss at all.
 
-Functional ``F.relu`` calls are invisible to module hooks; the probe needs ``nn.ReLU``
-modules and refuses to attach to a component without one.
+Functional ``F.relu`` calls are invisible to module hooks: it refuses a component
+without ``nn.ReLU`` modules.
 """
 
 from __future__ import annotations
@@ -38,9 +36,8 @@ if TYPE_CHECKING:
 
 @register
 class ReLUGradientFlow(Probe):
-    """Per ReLU layer and unit: samples seen and samples that passed gradient. It reads
-    the gradient at the output of every ``nn.ReLU`` inside the component through hooks
-    :meth:`attach` installs (the component's own gradient is not what it reads)."""
+    """Per ReLU layer and unit: samples seen and samples that passed gradient, from the
+    gradient at the output of every ``nn.ReLU`` inside the component (hooks of its own)."""
 
     name = "relu_gradient_flow"
     maker = "attach_relu_gradient_flow_hooks()"
@@ -63,9 +60,8 @@ class ReLUGradientFlow(Probe):
         self.relus: dict[str, list[tuple[str, nn.Module, bool]]] = {}
 
     def register_component(self, name: str, **settings: Any) -> bool:
-        """``layers``: the ReLU modules' paths inside the component; ``layer_names``:
-        ReLU path -> name of the layer it is reported under (``<name>.<layer>`` keys),
-        for the ReLUs reported per layer (both set at attach)."""
+        """``layers``: the ReLU modules' paths inside the component; ``layer_names``: ReLU
+        path -> the layer it is reported under per layer (both set at attach)."""
         return super().register_component(name, layers=[], layer_names={}, **settings)
 
     def update(
@@ -78,16 +74,13 @@ class ReLUGradientFlow(Probe):
         *,
         weight: torch.Tensor | None = None,
     ) -> None:
-        """Add one backward pass through ReLU ``layer``: its output gradient and output
-        (with ``channels_first``, units on axis 1 and every sample and position a row),
-        ``weight``: their row-mask rows."""
+        """Add one backward pass through ReLU ``layer``: its output gradient and output."""
         rows = (as_unit_rows(grad_out, channels_first), as_unit_rows(relu_out, channels_first))
         self._push(component, layer, rows, weight=weight)
 
     def consume(self, batch: Drained) -> None:
         component, stream, (g, out) = batch.component, batch.stream, batch.cols
-        # g != 0 (finite: non-finite gradients are 0 in g.clean and never pass) and the
-        # unit was active (a finite output > 0)
+        # g != 0 (non-finite gradients are 0 in g.clean) and a finite output > 0
         passed = torch.abs(g.clean, out=self.scratch(g.clean)).sign_().mul_(out.positive())
         kept = Weighted(g, batch.weight)  # rows the row mask keeps (all without one)
         self._add(component, f"count:{stream}", kept.finite_count(), COUNT)
@@ -96,35 +89,24 @@ class ReLUGradientFlow(Probe):
 
     def summarize(self, component: str, s: dict[str, torch.Tensor], cfg: dict[str, Any]) -> dict:
         out: dict[str, Any] = {}
-        a = {key: t.numpy() for key, t in s.items()}  # numpy: see ReLUActivationState
+        a = {key: t.numpy() for key, t in s.items()}  # numpy: see ReLUActivation
         layers = [layer for layer in cfg["layers"] if f"count:{layer}" in a]
         all_rates, finite_total, nonfinite = [], 0, 0
         for layer in layers:
-            count = a[f"count:{layer}"]
+            count, bad = a[f"count:{layer}"], int(a[f"nonfinite:{layer}"].sum())
             rate = unit_rates(a[f"passed:{layer}"], count)
             all_rates.append(rate)
             finite_total += int(count.sum())
-            nonfinite += int(a[f"nonfinite:{layer}"].sum())
+            nonfinite += bad
             named = cfg["layer_names"].get(layer)
             if named is not None:  # per layer: probes/<probe>/<component>.<layer>/<metric>
-                layer_elements = int(count.sum()) + int(a[f"nonfinite:{layer}"].sum())
-                out[(named, "pass_rate")] = rate.tolist()
-                out[(named, "mean_pass_rate")] = float(rate.mean())
-                out[(named, "blocked_fraction")] = unit_share(rate == 0)
-                out[(named, "nonfinite_fraction")] = (
-                    int(a[f"nonfinite:{layer}"].sum()) / layer_elements if layer_elements else 0.0
-                )
+                for metric, value in _pass_metrics(rate, int(count.sum()), bad).items():
+                    out[(named, metric)] = value
             elif len(cfg["layers"]) > 1 and not cfg.get("per_layer", False):
                 out[f"{layer or '<self>'}.pass_rate"] = rate.tolist()
                 out[f"{layer or '<self>'}.blocked_fraction"] = unit_share(rate == 0)
-        if not all_rates:
-            return out
-        rate = np.concatenate(all_rates)
-        out["pass_rate"] = rate.tolist()
-        out["mean_pass_rate"] = float(rate.mean())
-        out["blocked_fraction"] = unit_share(rate == 0)
-        elements = finite_total + nonfinite
-        out["nonfinite_fraction"] = nonfinite / elements if elements else 0.0
+        if all_rates:
+            out.update(_pass_metrics(np.concatenate(all_rates), finite_total, nonfinite))
         return out
 
     def plain_call_gaps(self, obs: Observation, module: nn.Module) -> str:
@@ -186,10 +168,18 @@ class ReLUGradientFlow(Probe):
         return hook
 
 
+def _pass_metrics(rate: np.ndarray, finite: int, nonfinite: int) -> dict[str, Any]:
+    elements = finite + nonfinite
+    return {
+        "pass_rate": rate.tolist(),
+        "mean_pass_rate": float(rate.mean()),
+        "blocked_fraction": unit_share(rate == 0),
+        "nonfinite_fraction": nonfinite / elements if elements else 0.0,
+    }
+
+
 def attach_relu_gradient_flow_hooks() -> ReLUGradientFlow:
-    """The ``relu_gradient_flow`` probe (:class:`ReLUGradientFlow`). It reads the
-    ``nn.ReLU`` modules inside the component, never the component's output, so it is
-    placed without ``extractor``: with ``phases``, ``layout`` (per channel after a conv),
-    ``per_layer`` (each ReLU layer under ``<component>.<layer>``, else as ``<relu
+    """The ``relu_gradient_flow`` probe (:class:`ReLUGradientFlow`), placed with ``phases``,
+    ``layout``, ``per_layer`` (each ReLU layer under ``<component>.<layer>``, else as ``<relu
     path>.pass_rate`` metrics of the component) and ``schedule``."""
     return ReLUGradientFlow()

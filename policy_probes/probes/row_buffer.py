@@ -1,29 +1,14 @@
 """RowBuffer: the sample rows a tracker has been shown and not yet reduced.
 
-A hook call costs no tensor work at all: the buffer keeps a *reference* to each block the
-hook saw (the activation or gradient autograd produced anyway) and its version counter.
-When the trackers drain, :meth:`RowBuffer.take` concatenates the held blocks once per
-block column into preallocated storage of the buffer's own and splits them into finite
-values and a non-finite indicator (:class:`~policy_probes.probes.rows.Rows`; on the CPU a
-column whose sum is finite skips the split, and a single contiguous block is not even
-copied); a column whose held tensors another tracker already materialised in the same
-:class:`~policy_probes.probes.rows.DrainRound` is shared instead. A block is ``(rows, columns)``,
-or ``(..., columns)`` with every leading dimension a row (a channels-first view of a conv
-output, ``(B, *spatial, C)``, made rows by the copy at :meth:`take`). Several aligned blocks
-(for example a layer's inputs and output gradients) share the row positions; per-push
-scale factors are handed to the reduction, which applies them to its own results.
-A push may carry a row weight (the mask entries of its rows, see
-:mod:`policy_probes.row_mask`), held by reference like the blocks; :meth:`RowBuffer.take`
-hands the reduction one weight per row (1 for pushes without one), or None when no push
-of the window carried one.
-
-Held tensors are not copied, so an in-place change between the hook and the reduction
-would be read instead of what the hook saw. Every block's ``_version`` is compared at
-:meth:`take`; a changed one raises :class:`InPlaceModified`, and from then on the buffer
-copies each push (``copy_pushes``), so later windows are exact again. The rows held are
-bounded (``max_rows`` rows; ``max_elements`` elements in the widest block), so memory
-does not grow with the number of steps. Inference tensors (``torch.inference_mode``) have
-no version counter; they are copied at the push.
+A hook call costs no tensor work: the buffer keeps a *reference* to each block the hook saw
+(``(..., columns)``, every leading dimension a row) and its version counter. At the drain
+:meth:`RowBuffer.take` concatenates the held blocks once per column into the buffer's own
+storage as :class:`~policy_probes.probes.rows.Rows` (on the CPU a finite column skips the
+split, a single contiguous block is not copied), shared through the
+:class:`~policy_probes.probes.rows.DrainRound`; per-push scales and row weights
+(:mod:`policy_probes.row_mask`) go along. An in-place change of a held block is caught by
+its ``_version`` (:class:`InPlaceModified`); the buffer then copies every push, as it does
+inference tensors (no version counter).
 """
 
 from __future__ import annotations
@@ -37,6 +22,10 @@ from policy_probes.probes.rows import DrainRound, Rows
 from policy_probes.torch_internals import version_counter
 
 Layout = tuple[tuple[int, torch.dtype, torch.device], ...]
+#: one push's scales (None: as is)
+Scales = tuple[float | None, ...] | None
+#: what :meth:`RowBuffer.take` hands the reduction: columns, push row counts, scales, weights
+Taken = tuple[tuple[Rows, ...], list[int], list[Scales], torch.Tensor | None]
 
 
 def block_rows(block: torch.Tensor) -> int:
@@ -51,30 +40,24 @@ class InPlaceModified(RuntimeError):
 class RowBuffer:
     """Aligned column blocks of at most ``max_rows`` rows and ``max_elements`` elements."""
 
-    def __init__(self, max_elements: int, max_rows: int | None = None) -> None:
+    def __init__(self, max_elements: int, max_rows: int) -> None:
         self.max_elements = max_elements
         self.max_rows = max_rows
         #: the held blocks, flat: push i's block of column c at ``i * columns + c`` (no
-        #: tuple per push: a step-by-step LSTM pushes hundreds per pass, and every
-        #: container held until the drain counts toward the GC's next collection)
+        #: tuple per push: fewer objects for the GC when an LSTM pushes once per step)
         self.pending: list[torch.Tensor] = []
         #: each held block's version counter at the push (-1: a copy, nothing to check)
         self.versions: list[int] = []
         self.segments: list[int] = []
-        self.scales: list[tuple[float | None, ...] | None] = []
+        self.scales: list[Scales] = []
         self.weights: list[torch.Tensor | None] = []
         self.rows = 0
         self.capacity = 0
         self.layout: Layout = ()
-        #: the buffer's own copies of the rows and their derived quantities, allocated once
-        #: per layout at :meth:`take`: (block column, slot) -> (capacity, width) tensor
+        #: (block column, slot) -> the buffer's own (capacity, width) storage (:meth:`_slot`)
         self.storage: dict[tuple[int, int], torch.Tensor] = {}
-        #: copy every push (set after an in-place change of a held block was detected)
+        #: copy every push (set once an in-place change of a held block was detected)
         self.copy_pushes = False
-
-    @staticmethod
-    def _layout(blocks: tuple[torch.Tensor, ...]) -> Layout:
-        return tuple((b.shape[-1], b.dtype, b.device) for b in blocks)
 
     def accepts(self, blocks: tuple[torch.Tensor, ...]) -> bool:
         """True if ``blocks`` fit behind the rows already held, in the same layout."""
@@ -89,18 +72,14 @@ class RowBuffer:
         )
 
     def reserve(self, blocks: tuple[torch.Tensor, ...]) -> bool:
-        """Set an empty buffer's layout and capacity for ``blocks``; False if rows are
-        still held. A push larger than the capacity raises the capacity to it (never
-        lowered for the same layout), so it waits and drains with the other probes' rows
-        like any push: the buffer's storage is bounded by the largest single push."""
+        """Set an empty buffer's layout and capacity for ``blocks`` (False if rows are held);
+        a larger push raises the capacity, never lowered for the same layout."""
         if self.rows:
             return False
         # the widest block sets the row count, so streams of one layer fill up together
         width = max(b.shape[-1] for b in blocks)
-        capacity = self.max_elements // max(width, 1)
-        if self.max_rows is not None:
-            capacity = min(capacity, self.max_rows)
-        layout = self._layout(blocks)
+        capacity = min(self.max_elements // max(width, 1), self.max_rows)
+        layout = tuple((b.shape[-1], b.dtype, b.device) for b in blocks)
         if layout == self.layout:
             capacity = max(capacity, self.capacity)
         capacity = max(capacity, block_rows(blocks[0]))
@@ -110,10 +89,7 @@ class RowBuffer:
         return True
 
     def append(
-        self,
-        blocks: tuple[torch.Tensor, ...],
-        scales: tuple[float | None, ...] | None,
-        weight: torch.Tensor | None = None,
+        self, blocks: tuple[torch.Tensor, ...], scales: Scales, weight: torch.Tensor | None = None
     ) -> None:
         if self.copy_pushes or any(b.is_inference() for b in blocks):
             # inference tensors have no version counter to check: hold a copy instead
@@ -128,19 +104,9 @@ class RowBuffer:
         self.scales.append(scales)
         self.weights.append(weight)
 
-    def take(
-        self, drain_round: DrainRound | None = None
-    ) -> tuple[
-        tuple[Rows, ...],
-        list[int],
-        list[tuple[float | None, ...] | None],
-        torch.Tensor | None,
-    ]:
-        """The held rows, one :class:`Rows` per block column (shared through
-        ``drain_round`` with other buffers that hold the same tensors), the row count of
-        every push, its scales, and the rows' weights (None if no push had one); the
-        buffer is empty afterwards. The rows stay valid until this buffer's next
-        :meth:`take`."""
+    def take(self, drain_round: DrainRound) -> Taken:
+        """The held rows (:data:`Taken`; columns shared through ``drain_round``), valid until
+        this buffer's next :meth:`take`; the buffer is empty afterwards."""
         pending, weights = self.pending, self.weights
         segments, scales, rows = self.segments, self.scales, self.rows
         try:
@@ -172,14 +138,11 @@ class RowBuffer:
                     return Rows.finite(values, aux)
                 return Rows.split(values, self._slot(col, 1)[:rows], aux)
 
-            out.append(
-                materialise() if drain_round is None else drain_round.rows(refs, materialise)
-            )
+            out.append(drain_round.rows(refs, materialise))
         return tuple(out), segments, scales, self._weight_column(weights, segments, rows)
 
     def _check_versions(self) -> None:
-        """Raise :class:`InPlaceModified` if a held block changed since its push (and copy
-        every push from then on)."""
+        """Raise :class:`InPlaceModified` if a held block changed since its push."""
         for block, seen in zip(self.pending, self.versions, strict=True):
             if seen != -1 and version_counter(block) != seen:
                 self.copy_pushes = True
@@ -192,9 +155,8 @@ class RowBuffer:
 
     def alike_signature(self) -> tuple[Any, ...] | None:
         """What another buffer must share for both to be reduced side by side
-        (:meth:`take_alike`): the pushes' row counts and scales and the column layout; None
-        for rows that are not plain 2-D blocks, carry a row mask or a tensor scale (comparing
-        it would read it back)."""
+        (:meth:`take_alike`): push row counts, scales and column layout; None for rows that
+        are not plain 2-D, carry a row mask or a tensor scale (comparing would read it back)."""
         if any(w is not None for w in self.weights) or any(b.dim() != 2 for b in self.pending):
             return None
         if any(isinstance(f, torch.Tensor) for push in self.scales if push for f in push):
@@ -202,13 +164,9 @@ class RowBuffer:
         return (self.layout, tuple(self.segments), tuple(self.scales))
 
     @staticmethod
-    def take_alike(
-        buffers: list[RowBuffer], drain_round: DrainRound | None = None
-    ) -> tuple[tuple[Rows, ...], list[int], list[tuple[float | None, ...] | None], None]:
-        """:meth:`take` of buffers with the same :meth:`alike_signature`, their columns side
-        by side: one :class:`Rows` per block column holding every buffer's units, in
-        buffer order. Raises :class:`InPlaceModified` (every buffer still holding its
-        rows) if a held block changed."""
+    def take_alike(buffers: list[RowBuffer], drain_round: DrainRound) -> Taken:
+        """:meth:`take` of buffers with the same :meth:`alike_signature`, units side by side;
+        :class:`InPlaceModified` (every buffer still holding its rows) if a block changed."""
         for buf in buffers:
             buf._check_versions()
         first = buffers[0]
@@ -236,14 +194,11 @@ class RowBuffer:
                     return Rows.finite(values, aux)
                 return Rows.split(values, first._alike_slot(col, 1, width, rows), aux)
 
-            out.append(
-                materialise() if drain_round is None else drain_round.rows(refs, materialise)
-            )
+            out.append(drain_round.rows(refs, materialise))
         return tuple(out), segments, scales, None
 
     def _alike_slot(self, col: int, slot: int, width: int, rows: int) -> torch.Tensor:
-        """Storage ``slot`` of block column ``col`` of a :meth:`take_alike` led by this
-        buffer, ``rows`` x ``width`` (allocated at the most rows asked so far)."""
+        """:meth:`_slot` of a :meth:`take_alike` led by this buffer, ``rows`` x ``width``."""
         key = (col, slot, width)
         t = self.storage.get(key)
         if t is None or t.shape[0] < rows:
@@ -276,8 +231,7 @@ class RowBuffer:
 
     def _slot(self, col: int, slot: int) -> torch.Tensor:
         """Storage ``slot`` of block column ``col`` (values, non-finite indicator, derived
-        quantities), allocated once per layout at the buffer's capacity; half precision
-        is widened to float32."""
+        quantities) at the buffer's capacity; half precision widened to float32."""
         key = (col, slot)
         t = self.storage.get(key)
         if t is None:
@@ -289,40 +243,29 @@ class RowBuffer:
     def clear(self) -> None:
         """Drop the held rows (the storage is kept for reuse)."""
         self.rows = 0
-        self.pending = []
-        self.versions = []
-        self.segments = []
-        self.scales = []
-        self.weights = []
+        self.pending, self.versions, self.segments, self.scales, self.weights = [], [], [], [], []
 
     def release(self, min_bytes: int) -> None:
-        """Free the storage tensors of ``min_bytes`` or more (reallocated at the next
-        :meth:`take` that needs them)."""
+        """Free the storage tensors of ``min_bytes`` or more (reallocated when needed)."""
         self.storage = {k: t for k, t in self.storage.items() if t.nbytes < min_bytes}
 
     @property
     def nbytes(self) -> int:
         """Bytes of the buffer's own storage plus the held blocks it keeps alive."""
-        own = sum(s.nbytes for s in self.storage.values())
-        held = sum(b.nbytes for b in self.pending)
-        return own + held
+        return sum(s.nbytes for s in self.storage.values()) + sum(b.nbytes for b in self.pending)
 
 
 def _finite_on_cpu(t: torch.Tensor) -> bool:
-    """Whether every entry of ``t`` is finite, asked only of a CPU tensor (on the CPU,
-    reading a value back is not a device synchronisation, so the answer may be used inside
-    a hook's drain too; elsewhere it is never asked). A finite sum means every entry is
-    finite (NaN and inf propagate); a sum that overflows only sends finite rows down the
-    splitting path, which is exact too. One read-only pass, 20x cheaper than
-    ``isfinite().all()`` on the CPU."""
+    """Whether every entry of ``t`` is finite, asked of CPU tensors only (False elsewhere:
+    reading back would synchronise a device). A finite sum means finite entries (NaN and
+    inf propagate); an overflowing sum only sends finite rows down the exact splitting
+    path. One read-only pass, 20x cheaper than ``isfinite().all()``."""
     return t.device.type == "cpu" and math.isfinite(float(t.sum()))
 
 
 def _finite_where_it_lies(t: torch.Tensor) -> bool:
-    """Whether a column's one held block can be reduced where it lies, without the copy
-    that splits it into finite values and a non-finite indicator: contiguous rows on the
-    CPU, at least single precision, every entry finite. For the large activations of a
-    conv policy this saves the copy and two to four passes over the rows."""
+    """Whether a column's one held block can be reduced where it lies, without the
+    splitting copy: contiguous, on the CPU, at least single precision, all finite."""
     return (
         t.device.type == "cpu"
         and t.element_size() >= 4  # half precision is widened into the storage

@@ -17,12 +17,7 @@ from policy_probes.plugins import register
 from policy_probes.probes.per_layer import ActivationLayer, ActivationProbe
 from policy_probes.probes.relu import samples
 from policy_probes.probes.rows import COUNT
-from policy_probes.probes.state import (
-    SUM,
-    Drained,
-    indicator_,
-    unit_rates,
-)
+from policy_probes.probes.state import SUM, Drained, indicator_, unit_rates
 from policy_probes.probes.weighted import Weighted
 from policy_probes.sampling import standard_error
 
@@ -82,7 +77,7 @@ class SaturatedActivation(ActivationProbe):
         self._add(component, "nonfinite", kept.nonfinite_total(), COUNT)
 
     def summarize(self, component: str, s: dict[str, torch.Tensor], cfg: dict[str, Any]) -> dict:
-        count = s["count"].numpy()  # numpy: see ReLUActivationState.summarize
+        count = s["count"].numpy()  # numpy: see ReLUActivation.summarize_alike
         saturated_units = s["saturated"].numpy()
         rate = unit_rates(saturated_units, count)
         seen = count > 0
@@ -125,10 +120,8 @@ def attach_saturated_activation_hooks(
     activation: str = "tanh", *, threshold: float = 0.95, unit_threshold: float = 0.99
 ) -> SaturatedActivation:
     """The ``saturation_<activation>`` probe (:class:`SaturatedTanh` or
-    :class:`SaturatedSigmoid`), for a component whose output is the tanh/sigmoid
-    activation itself (for example ``actor_mlp`` of a tanh policy). Placed with
-    ``phases``, ``extractor``, ``layout`` (per channel on conv outputs), ``per_layer``
-    (also every ``activation`` layer inside the component) and ``schedule``."""
+    :class:`SaturatedSigmoid`), for a component whose output is the activation itself
+    (``actor_mlp`` of a tanh policy). Placed with every placement argument."""
     probes = {"tanh": SaturatedTanh, "sigmoid": SaturatedSigmoid}
     if activation not in probes:
         raise ValueError(

@@ -1,19 +1,10 @@
 """ProbeState: the common machinery of every tracker.
 
-A tracker holds, per registered component, a dict of accumulator tensors (sums and
-counts) that live on the device of the data they summarise. Because the state is sums
-and counts, :meth:`ProbeState.all_reduce` can add it across processes, so a distributed
-run reports statistics over the union of every rank's samples.
-
-Hooks do not reduce each minibatch themselves. They hand the rows they see to a
-:class:`~policy_probes.probes.row_buffer.RowBuffer`, which holds them by reference (no
-tensor work in the hook at all), and the tracker reduces the buffer into its
-accumulators when it is full or when the window is read: one concatenation per block
-column, then one set of reduction kernels for all the buffered rows. On small policies
-this turns a dozen tiny kernels per hook call into none, which is what keeps probe
-overhead near zero; the buffer's size is fixed (``buffer_elements`` per stream), so
-memory does not grow with the number of steps. :meth:`ProbeState.to_metrics` moves the
-accumulators to the host once per window.
+A tracker holds, per registered component, accumulator tensors (sums and counts, which
+:meth:`ProbeState.all_reduce` adds across processes) on the data's device. Hooks hand
+their rows to a :class:`~policy_probes.probes.row_buffer.RowBuffer` by reference; a full
+buffer, or reading the window, reduces them with one set of kernels for all held rows.
+:meth:`ProbeState.to_metrics` moves the accumulators to the host once per window.
 """
 
 from __future__ import annotations
@@ -29,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from policy_probes.context import ComponentContext
-from policy_probes.probes.row_buffer import InPlaceModified, RowBuffer, block_rows
+from policy_probes.probes.row_buffer import InPlaceModified, RowBuffer, Scales, block_rows
 from policy_probes.probes.rows import COUNT as COUNT  # re-exported for custom trackers
 from policy_probes.probes.rows import DrainRound, Rows
 from policy_probes.processes import multi_process
@@ -41,83 +32,67 @@ SUM = torch.float64
 #: storage and scratch tensors this large are released at the end of a window
 #: (:meth:`ProbeState.reset`) instead of being kept for the next one
 RELEASED_BYTES = 1 << 20
-#: the component and stream name under which alike streams are reduced as one
-#: (:attr:`ProbeState.batch_units`); a tracker that keys accumulators by stream writes
-#: keys holding it, and each stream gets the key with its own name in its place
+#: the component and stream name of alike streams reduced as one (:attr:`ProbeState.batch_units`);
+#: in a key written per stream, each stream gets its own name in its place
 ALIKE = "<alike>"
 #: a (component, stream) pair: one row buffer
 Member = tuple[str, str]
+#: where loaded accumulators go (None: where they were saved)
+Device = torch.device | str | None
 
 
 @dataclass(frozen=True)
 class Drained:
-    """One stream's held rows, as :meth:`ProbeState.consume` reduces them."""
+    """One stream's held rows for :meth:`ProbeState.consume`: one **read-only** :class:`Rows`
+    per block column (probes share them), every push's row count and scales, and under a
+    row mask each row's 0/1 ``weight`` (:class:`~policy_probes.probes.weighted.Weighted`)."""
 
     component: str
     stream: str
-    #: one :class:`Rows` per pushed block column (**read-only**: other probes may share it)
     cols: tuple[Rows, ...]
-    #: the row count of every push, in order
     segments: list[int]
-    #: every push's scales (None for a push without)
-    scales: list[tuple[float | None, ...] | None]
-    #: ``(N,)`` 0/1 per row under a row mask (reduce with
-    #: :class:`~policy_probes.probes.weighted.Weighted`); None without one
+    scales: list[Scales]
     weight: torch.Tensor | None = None
 
 
 class ProbeState:
-    """Base of the trackers. Subclasses set :attr:`probe` and implement ``update`` and
-    ``summarize``.
-
-    ``summarize(component, state, settings)`` receives the component's accumulators
-    already moved to the CPU and returns ``metric -> float | list[float]``.
-    """
+    """Base of the trackers: subclasses set :attr:`probe`, push rows (:meth:`_push`) and
+    implement :meth:`consume` and ``summarize(component, state, settings)``, which gets the
+    accumulators on the CPU and returns ``metric -> float | list[float]``."""
 
     probe: str = "probe"
     #: accumulators that are averaged (not summed) across processes
     mean_reduced: frozenset[str] = frozenset()
-    #: capacity of each row buffer: at most ``buffer_rows`` rows and ``buffer_elements``
-    #: elements (rows x columns); 2048 rows of 64 float32 units are 512 KiB
+    #: capacity of each row buffer: ``buffer_rows`` rows, ``buffer_elements`` elements
     buffer_rows: int = 2048
     buffer_elements: int = 1 << 20
-    #: seconds spent draining (reducing held rows) since the sampler last looked
-    #: (:mod:`policy_probes.sampling`)
+    #: seconds spent draining since the sampler (:mod:`policy_probes.sampling`) last looked
     seconds: float = 0.0
     #: whether :meth:`consume` writes nothing but the component's accumulators, so a
-    #: component whose held rows are the very rows of another (a component's output that
-    #: is its last layer's output) can share that component's accumulators instead of
-    #: reducing the same rows twice (:meth:`_drain_buffers`)
+    #: component holding the very rows of another (its output is its last layer's) can
+    #: share that one's accumulators instead of reducing the same rows twice (:meth:`_mirrored`)
     mirrors_identical_rows: bool = False
-    #: whether :meth:`consume` writes per-unit accumulators only (units on the last axis)
-    #: from per-column reductions, so that streams whose rows are alike (the same pushes
-    #: of the same width and dtype, plain 2-D rows, no row mask, equal settings) are
-    #: reduced as one: their columns side by side, one set of kernels for all of them
-    #: (every layer of every component of a probe, where an MLP's layers are equally
-    #: wide), each stream's accumulators a view of the shared ones
-    #: (:meth:`_consume_alike`); :meth:`summarize_alike` may then summarise them at once
+    #: whether :meth:`consume` writes per-unit accumulators only (units last) from column
+    #: reductions, so alike streams (:meth:`RowBuffer.alike_signature`, equal settings) are
+    #: reduced as one, side by side (:meth:`_consume_alike`, :meth:`summarize_alike`)
     batch_units: bool = False
 
     def __init__(self) -> None:
         self.state: dict[str, dict[str, torch.Tensor]] = {}
         self.settings: dict[str, dict[str, Any]] = {}
-        #: component -> the hook that registered it for a layer of its own component
-        #: (:meth:`claim_component`); a builder attached to that name takes it over
+        #: component -> the hook that claimed it as a layer of its own (:meth:`claim_component`)
         self.claimed: dict[str, Any] = {}
         self.buffers: dict[tuple[str, str], RowBuffer] = {}
         self._scratch: dict[tuple[Any, ...], torch.Tensor] = {}
         #: component -> reason, for reductions that failed (reported by StatsReporter)
         self.errors: dict[str, str] = {}
-        #: the context whose trackers drain together (set by :func:`get_state`)
+        #: the context whose trackers drain together
         self.context: ComponentContext | None = None
-        #: component -> the component whose accumulators it shares in this window (both
-        #: were shown the same rows from the window's start; see :meth:`_drain_buffers`)
+        #: component -> the component whose accumulators it shares this window (:meth:`_mirrored`)
         self.mirrors: dict[str, str] = {}
-        #: alike streams reduced as one in this window -> their shared accumulators,
-        #: which each stream's are views of (:meth:`_consume_alike`)
+        #: alike streams reduced as one in this window -> their shared accumulators
         self.alike: dict[tuple[Member, ...], dict[str, torch.Tensor]] = {}
-        #: the streams that accumulated anything in this window, and the components
-        #: whose accumulators were loaded (:meth:`load_state_dict`)
+        #: streams that accumulated in this window; components loaded (:meth:`load_state_dict`)
         self._fed: set[Member] = set()
         self._loaded: set[str] = set()
         #: stream -> the shared accumulators its own are views of
@@ -125,9 +100,8 @@ class ProbeState:
 
     # ----------------------------------------------------------- components
     def register_component(self, name: str, **settings: Any) -> bool:
-        """Register ``name``; return False (and change nothing) if it already is, unless
-        a per-layer probe only claimed it (:meth:`claim_component`): then this
-        registration replaces the claim and its settings."""
+        """Register ``name``; False (nothing changed) if it already is, unless a per-layer
+        probe only claimed it (:meth:`claim_component`): this registration replaces that."""
         if name in self.settings:
             owner = self.claimed.pop(name, None)
             if owner is None:
@@ -139,9 +113,8 @@ class ProbeState:
         return True
 
     def claim_component(self, name: str, owner: Any, **settings: Any) -> bool:
-        """Register ``name`` for ``owner``, a hook that reads it as a layer inside its
-        own component; False if ``name`` is registered already. The claim lasts until a
-        builder registers ``name`` itself (:meth:`register_component`)."""
+        """Register ``name`` for ``owner``, which reads it as a layer inside its own
+        component, until a builder registers it; False if registered already."""
         if name in self.settings:
             return False
         self.settings[name] = dict(settings)
@@ -187,10 +160,8 @@ class ProbeState:
         return t
 
     def _add(self, component: str, key: str, value: torch.Tensor, dtype: torch.dtype = SUM) -> None:
-        """Add ``value`` to the accumulator ``key`` of ``component`` (of ``dtype``). A
-        value of a narrower dtype needs no conversion first: the first use converts it
-        with its copy, and later ones add it with type promotion, exactly as a converted
-        copy would (float32 widens to float64 without rounding), one operation less."""
+        """Add ``value`` to the accumulator ``key`` of ``component`` (of ``dtype``); later
+        adds rely on exact type promotion instead of a conversion op."""
         st = self.state[component]
         acc = st.get(key)
         if acc is None:  # first use in the window: a copy (one op, not zeros + add)
@@ -210,17 +181,11 @@ class ProbeState:
         component: str,
         stream: str,
         blocks: tuple[torch.Tensor, ...],
-        scales: tuple[float | None, ...] | None = None,
+        scales: Scales = None,
         weight: torch.Tensor | None = None,
     ) -> None:
-        """Hold aligned row blocks (same number of rows) for :meth:`consume`.
-
-        ``scales`` are per-push factors of the blocks (``None`` = as is), handed to
-        :meth:`consume` with the rows. ``weight``: the row-mask rows of the blocks, as
-        the hook bound them (``record(..., weight=...)``); None without a mask. A full
-        buffer drains every tracker of the context (:meth:`drain`) before it takes the
-        push.
-        """
+        """Hold aligned row blocks for :meth:`consume`, with ``scales`` (None = as is) and
+        ``weight`` (row-mask rows); a full buffer drains every tracker of the context first."""
         if weight is not None and weight.numel() != block_rows(blocks[0]):
             raise ValueError(
                 f"probe {self.probe!r} on component {component!r}: the row mask bound to this "
@@ -233,18 +198,14 @@ class ProbeState:
                 self.buffer_elements, self.buffer_rows
             )
         if not buf.accepts(blocks):
-            # empties every buffer of the context, this one included; inside a hook, whose
-            # timing already counts this drain as the probe's cost
+            # inside a hook, whose timing already counts this drain as the probe's cost
             self.drain(timed=False)
             buf.reserve(blocks)
         buf.append(blocks, scales, weight)
 
     def scratch(self, like: torch.Tensor, slot: int = 0) -> torch.Tensor:
-        """A reusable tensor shaped like ``like`` (contents undefined; half precision
-        widened to float32), for the temporaries of :meth:`consume`; ``slot`` tells apart
-        several needed at once. Allocated once per column layout at a full buffer's row
-        count (larger only for a single push bigger than a buffer), so its size does not
-        depend on how many rows a particular flush holds."""
+        """A reusable tensor shaped like ``like`` (contents undefined, half precision
+        widened) for the temporaries of :meth:`consume`; ``slot`` tells several apart."""
         dtype = like.dtype if like.element_size() >= 4 else torch.float32
         rows, tail = like.shape[0], tuple(like.shape[1:])
         key = (slot, tail, dtype, like.device)
@@ -258,20 +219,12 @@ class ProbeState:
         return t[:rows]
 
     def drain(self, *, timed: bool = True) -> None:
-        """Reduce every held row of every tracker of this tracker's context (or of this
-        tracker alone, without a context) in one :class:`~policy_probes.probes.rows.DrainRound`,
-        so block columns that several probes hold are materialised once. With ``timed``
-        each tracker's share is added to its ``seconds`` (what the sampler counts as the
-        probe's cost); a drain inside a probe's hook (``timed=False``) is counted by the
-        hook's own timing, and reads nothing back from a device (on the CPU it reads
-        whether a column is finite, which synchronises nothing).
-
-        A component whose rows cannot be reduced (for example because its width changed
-        within a window, or a held tensor was changed in place) loses that window's data,
-        and the reason is kept in :attr:`errors` for
-        :class:`~policy_probes.stats_reporter.StatsReporter` to report; the other
-        components and trackers are unaffected.
-        """
+        """Reduce every held row of every tracker of the context (or of this one, without
+        a context) in one :class:`~policy_probes.probes.rows.DrainRound`, reading nothing
+        back from a device. With ``timed`` each tracker's share is added to its
+        ``seconds``; a drain inside a hook (``timed=False``) is the hook's cost. A component
+        whose rows cannot be reduced (width changed, a held tensor changed in place) loses
+        the window, the reason kept in :attr:`errors`; the others are unaffected."""
         drain_round = DrainRound()
         peers = [self]
         if self.context is not None:
@@ -297,12 +250,8 @@ class ProbeState:
         for group in self._alike_groups(held):
             if len(group) > 1:
                 try:
-                    taken.append(
-                        (
-                            [k for k, _ in group],
-                            RowBuffer.take_alike([b for _, b in group], drain_round),
-                        )
-                    )
+                    keys = [k for k, _ in group]
+                    taken.append((keys, RowBuffer.take_alike([b for _, b in group], drain_round)))
                     continue
                 except InPlaceModified:
                     pass  # each alone: the buffer that holds the changed rows loses them
@@ -357,16 +306,13 @@ class ProbeState:
         return groups
 
     def _consume_alike(self, members: list[Member], batch: Drained) -> None:
-        """Reduce the rows of alike streams, side by side in ``batch``, in one
-        :meth:`consume` under the name :data:`ALIKE`. In a window they start together, each
-        stream's accumulators are views of the shared ones (added to in place from then
-        on); streams that accumulated apart before (a loaded checkpoint, a lost window)
-        get their share of these sums added instead, element by element as their own
-        reduction would."""
+        """Reduce alike streams, side by side in ``batch``, in one :meth:`consume` under
+        :data:`ALIKE`: streams that start a window together get views of the shared sums,
+        others (a loaded checkpoint, a lost window) their share added to their own."""
         names = tuple(members)
         shared = self.alike.get(names)
         together = shared is not None and all(self._viewing.get(m) is shared for m in members)
-        if not together and not any(self._fed_before(m) for m in members):
+        if not together and not any(m in self._fed or m[0] in self._loaded for m in members):
             shared, together = {}, True
         target = shared if together and shared is not None else {}
         before = dict(target)
@@ -392,16 +338,10 @@ class ProbeState:
             self._viewing.update((m, target) for m in members)
         self._fed.update(members)
 
-    def _fed_before(self, member: Member) -> bool:
-        return member in self._fed or member[0] in self._loaded
-
     def _mirrored(self, held: list[tuple[Member, RowBuffer]]) -> set[str]:
         """The components of this drain that share another's accumulators instead of
-        reducing: every held row of theirs is a row the other holds (the same tensors
-        viewed alike), in the same pushes, with equal settings, no row mask, and both were
-        empty when the sharing began (or already share). A sharing that ends gets its own
-        copy of the accumulators before anything is reduced, so each component's sums stay
-        exactly those of its own rows."""
+        reducing: the same tensors in the same pushes, equal settings, no row mask, both
+        empty when the sharing began; a sharing that ends first copies the accumulators."""
         streams: dict[str, list[Any]] = {}
         masked: set[str] = set()
         for (component, stream), buf in held:
@@ -446,8 +386,7 @@ class ProbeState:
             self._unmirror(component)
 
     def _lose_window(self, component: str, exc: Exception) -> None:
-        """Drop ``component``'s accumulators and held rows for this window and keep the
-        reason for :class:`~policy_probes.stats_reporter.StatsReporter`."""
+        """Drop ``component``'s window (accumulators, held rows), keeping the reason."""
         self._unmirror_all()
         for (comp, _), buf in self.buffers.items():
             if comp == component:
@@ -463,32 +402,19 @@ class ProbeState:
         self.drain()
 
     def consume(self, batch: Drained) -> None:
-        """Reduce one stream's drained rows (:class:`Drained`) into accumulators with
-        :meth:`_add`. Under a row mask ``batch.weight`` is set: sums must then be over the
-        rows of weight 1 and counts must count only them (see
-        :class:`~policy_probes.probes.weighted.Weighted`).
-
-        Temporaries go into :meth:`scratch`, so a reduction allocates nothing of the
-        buffer's size (allocating and faulting in fresh megabyte-sized temporaries cost
-        more than the arithmetic).
-        """
+        """Reduce one stream's rows (:class:`Drained`) with :meth:`_add`, under a row mask
+        over the rows of weight 1 only (:class:`~policy_probes.probes.weighted.Weighted`),
+        temporaries in :meth:`scratch`."""
         raise NotImplementedError
 
     # ----------------------------------------------------------- window
     def reset(self) -> None:
-        """Start a new window: drop every accumulator (reallocated on the next update)
-        and every buffered row. The buffers' storage and the reduction scratch are kept
-        for reuse, except tensors of :data:`RELEASED_BYTES` or more: held from one report
-        to the next they sit among the training step's own large allocations, which then
-        come back from the OS page by page (measured on the Atari recipe: double the page
-        faults on half of the update's passes, 140 -> 165 ms each)."""
+        """Start a new window: drop every accumulator and held row; keep storage and scratch
+        below :data:`RELEASED_BYTES` (larger ones make the step's own allocations fault)."""
         for component in self.mirrors:
             self.state[component] = {}
-        self.mirrors.clear()
-        self.alike.clear()
-        self._fed.clear()
-        self._loaded.clear()
-        self._viewing.clear()
+        for table in (self.mirrors, self.alike, self._fed, self._loaded, self._viewing):
+            table.clear()
         for st in self.state.values():
             st.clear()
         for buf in self.buffers.values():
@@ -497,8 +423,8 @@ class ProbeState:
         self._scratch = {k: t for k, t in self._scratch.items() if t.nbytes < RELEASED_BYTES}
 
     def all_reduce(self, group: Any = None) -> None:
-        """Add every accumulator across the processes of ``group`` (no-op when not
-        distributed). Ranks that saw no data for a key contribute zeros."""
+        """Add every accumulator across the processes of ``group`` (zeros for a key a rank
+        lacks; no-op when not distributed)."""
         self.flush()
         if not multi_process(group):
             return
@@ -511,7 +437,8 @@ class ProbeState:
         layouts: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(layouts, layout, group=group)
         union = sorted({entry for lay in layouts for entry in lay})
-        device = _reduce_device(group)
+        nccl = dist.get_backend(group) == "nccl" and torch.cuda.is_available()
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         world = dist.get_world_size(group)
         for comp, key, shape, dtype_name in union:
             dtype = getattr(torch, dtype_name.removeprefix("torch."))
@@ -527,9 +454,7 @@ class ProbeState:
 
     # ----------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """The window so far: every component's accumulators (sums and counts, held rows
-        reduced first) and the reduction failures. Settings are configuration: a resumed
-        run attaches the same probes, then loads this."""
+        """The window so far: accumulators (held rows reduced first) and failures."""
         self.flush()
         return {
             # a shared window is saved as two (a copy), so a resumed run's components
@@ -541,12 +466,9 @@ class ProbeState:
             "errors": dict(self.errors),
         }
 
-    def load_state_dict(
-        self, state: dict[str, Any], device: torch.device | str | None = None
-    ) -> None:
-        """Replace the window with a saved one; ``device``: where the accumulators go
-        (the probed model's device; default: where they were saved). A saved component
-        this tracker does not probe is skipped with a warning."""
+    def load_state_dict(self, state: dict[str, Any], device: Device = None) -> None:
+        """Replace the window with a saved one, the accumulators moved to ``device``. A
+        saved component this tracker does not probe is skipped with a warning."""
         self.reset()
         for component, accumulators in state["state"].items():
             if component not in self.state:
@@ -568,12 +490,8 @@ class ProbeState:
         return f"probes/{self.probe}/{component}/{metric}"
 
     def to_metrics(self) -> dict[str, float | list[float]]:
-        """Flat ``probes/<probe>/<component>/<metric>`` dict for the current window.
-
-        Components that recorded nothing in the window report nothing. A ``summarize``
-        key ``(layer, metric)`` is a metric of a layer inside the component, reported as
-        ``probes/<probe>/<component>.<layer>/<metric>``.
-        """
+        """``probes/<probe>/<component>/<metric>`` of the window; a ``summarize`` key
+        ``(layer, metric)`` becomes ``probes/<probe>/<component>.<layer>/<metric>``."""
         self.flush()
         summaries = self._summarize_alike()
         for comp, st in self.state.items():
@@ -606,15 +524,12 @@ class ProbeState:
     def summarize_alike(
         self, components: list[str], state: dict[str, torch.Tensor], settings: dict[str, Any]
     ) -> list[dict[str, Any]] | None:
-        """The summaries of ``components`` at once, from the accumulators they share
-        (:meth:`_consume_alike`: every one of them holds its units side by side on the last
-        axis of ``state``'s), each exactly what :meth:`summarize` makes of its own; None
-        (the default): one :meth:`summarize` per component."""
+        """Each of ``components``' :meth:`summarize` at once, from their shared accumulators
+        (units side by side on the last axis); None (default): one call per component."""
         return None
 
     def _summarize_alike(self) -> dict[str, dict[Any, Any]]:
-        """:meth:`summarize_alike` for each group of components whose accumulators are all
-        views of one shared set and nothing else."""
+        """:meth:`summarize_alike` for each group whose accumulators are views of one set."""
         out: dict[str, dict[Any, Any]] = {}
         for members, shared in self.alike.items():
             components = [c for c, _ in members]
@@ -634,10 +549,9 @@ class ProbeState:
     def _mirror_summary(
         self, component: str, source: str, summary: dict[Any, Any]
     ) -> dict[Any, Any]:
-        """The summary of ``component``, which shares ``source``'s accumulators (see
-        :attr:`mirrors`): ``source``'s, its lists copied (a sink may hold one); a tracker
-        whose ``summarize`` keeps per-component results overrides this to keep them for
-        ``component`` too."""
+        """The summary of ``component``, which shares ``source``'s accumulators:
+        ``source``'s, its lists copied (a sink may hold one). Trackers that keep
+        per-component results in ``summarize`` override this."""
         return {k: list(v) if isinstance(v, list) else v for k, v in summary.items()}
 
     def nbytes(self) -> int:
@@ -656,8 +570,7 @@ class ProbeState:
 
 
 def _to_host(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """One device-to-host transfer per dtype for all of a component's accumulators (none
-    when they are on the CPU already: summaries only read them)."""
+    """One device-to-host transfer per dtype of a component's accumulators (none on the CPU)."""
     if all(t.device.type == "cpu" for t in state.values()):
         return dict(state)
     out: dict[str, torch.Tensor] = {}
@@ -674,27 +587,6 @@ def _to_host(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _reduce_device(group: Any) -> torch.device:
-    backend = dist.get_backend(group)
-    if backend == "nccl" and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def get_state(context: ComponentContext, key: str, cls: type[ProbeState], *args: Any) -> Any:
-    """The tracker stored under ``key`` in ``context.model_metrics``, created with
-    ``cls(*args)`` if absent."""
-    tracker = context.model_metrics.get(key)
-    if tracker is None:
-        tracker = context.model_metrics[key] = cls(*args)
-        tracker.context = context
-    elif not isinstance(tracker, cls):
-        raise TypeError(
-            f"context.model_metrics[{key!r}] holds a {type(tracker).__name__}, expected {cls.__name__}"
-        )
-    return tracker
-
-
 def rates(count: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
     """count/total elementwise, 0 where total is 0 (never NaN)."""
     total = total.to(torch.float64)
@@ -704,17 +596,15 @@ def rates(count: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
 
 
 def unit_rates(count: np.ndarray, total: np.ndarray) -> np.ndarray:
-    """:func:`rates` on host arrays (float64): count/total, 0 where total is 0. Summaries
-    of a layer's units run faster in numpy than as a dozen tiny torch calls."""
+    """:func:`rates` on host arrays (float64): count/total, 0 where total is 0."""
     out = np.zeros(total.shape, dtype=np.float64)
     np.divide(count, total, out=out, where=total > 0)
     return out
 
 
 def row_means(values: np.ndarray, keep: np.ndarray) -> np.ndarray:
-    """Per row of ``values``, the mean of the entries where ``keep`` holds (0.0 for a row
-    with none): one reduction for the rows that keep every entry, the same numbers as
-    ``values[i][keep[i]].mean()`` row by row."""
+    """Per row of ``values``, ``values[i][keep[i]].mean()`` (0.0 for a row with none); one
+    reduction for the rows that keep every entry."""
     out = np.zeros(len(values))
     full = keep.all(axis=1)
     if full.any():
@@ -731,8 +621,7 @@ def unit_share(mask: np.ndarray) -> float:
 
 
 def indicator_(x: torch.Tensor) -> torch.Tensor:
-    """1.0 where ``x > 0``, else 0.0, **in place** (float ops, see
-    :mod:`~policy_probes.probes.rows`); ``x`` finite."""
+    """1.0 where the finite ``x > 0``, else 0.0, **in place** (float ops)."""
     return x.sign_().clamp_(min=0.0)
 
 
@@ -742,8 +631,7 @@ def as_floats(t: torch.Tensor) -> list[float]:
 
 def as_rows(t: torch.Tensor) -> torch.Tensor:
     """``t`` detached, as (samples, units): leading dimensions are samples, the last is
-    units. A 2-D tensor that needs no grad is returned as is (hooks call this on every
-    pass, and buffers hold the result, so it must not keep an autograd graph alive)."""
+    units (a 2-D tensor that needs no grad as is)."""
     if t.requires_grad:
         t = t.detach()
     if t.dim() == 2:
@@ -754,8 +642,7 @@ def as_rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def unit_parts(t: torch.Tensor, parts: int) -> tuple[torch.Tensor, ...]:
-    """``t``'s last axis cut into ``parts`` equal views (the streams reduced side by side,
-    :meth:`ProbeState._consume_alike`)."""
+    """``t``'s last axis cut into ``parts`` equal views (:meth:`ProbeState._consume_alike`)."""
     if t.dim() == 0 or t.shape[-1] % parts:
         raise ValueError(
             f"a tracker with batch_units=True wrote an accumulator of shape "
@@ -765,6 +652,5 @@ def unit_parts(t: torch.Tensor, parts: int) -> tuple[torch.Tensor, ...]:
 
 
 def _view_key(t: torch.Tensor) -> tuple[Any, ...]:
-    """What tells a held tensor's rows apart from another's (the same memory viewed alike
-    shows the same values; their version counters are checked when taken)."""
+    """What tells a held tensor's rows apart from another's (the same memory viewed alike)."""
     return (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)

@@ -7,18 +7,14 @@ of how much the unit passes on to the next layer:
     u_i ← η u_i + (1 − η) |h_i| Σ_k |w_ki|
 
 with h_i the unit's activation and w_ki its outgoing weights (column i of the next
-layer's weight). CBP updates it at every step and replaces the lowest-utility mature
-units. This probe computes it once per report from the window's sums: the contribution
-c_i = mean_rows |h_i| × Σ_k |w_ki| (mean |h| over the window's kept rows, the outgoing
-weights as they are at the report), folded into the running score with ``decay`` η; the
-first report starts the score at c_i. A unit is *low-utility* when its score is at most
-``tau`` of the layer's mean score (normalised like ReDo's dormancy score, so the fraction
-does not depend on the layer's scale).
+layer's weight). CBP updates it every step; this probe once per report, from the
+contribution c_i = mean_rows |h_i| × Σ_k |w_ki| (the window's kept rows, the weights at the
+report) folded into the running score with ``decay`` η (the first report starts at c_i).
+A unit is *low-utility* when its score is at most ``tau`` of the layer's mean score
+(normalised like ReDo's dormancy score).
 
-Layers: every activation layer inside the component (:mod:`~policy_probes.probes.per_layer`)
-whose output feeds an ``nn.Linear`` later inside the component (the next one in module
-order); the last one's outgoing weights are those of the first ``nn.Linear`` of the
-module named by ``outgoing`` (``"actor_head"``), when given.
+Layers: every activation layer inside the component followed by an ``nn.Linear`` inside it
+(the next in module order), and the last one when ``outgoing`` names the module reading it.
 """
 
 from __future__ import annotations
@@ -33,7 +29,7 @@ from policy_probes.plugins import Rule, register
 from policy_probes.probes.per_layer import activation_layers
 from policy_probes.probes.probe import Probe
 from policy_probes.probes.rows import COUNT
-from policy_probes.probes.state import SUM, Drained, as_floats, as_rows
+from policy_probes.probes.state import SUM, Device, Drained, as_floats, as_rows
 from policy_probes.probes.weighted import Weighted
 from policy_probes.user_errors import ProbeError
 
@@ -45,10 +41,8 @@ UTILITY_EPS = 1e-12
 
 @register
 class Utility(Probe):
-    """Per-unit sums of |h| and counts per layer; the outgoing weights of each layer; the
-    running utility of each unit (host, float64; carried by :meth:`state_dict`). It reads
-    every scored activation layer through hooks of its own (the component's output is its
-    last layer's)."""
+    """Per-unit sums of |h| and counts per scored layer (read through hooks of its own);
+    each layer's outgoing weights; the running utility per unit (host, float64)."""
 
     name = "utility"
     maker = "attach_utility_hooks()"
@@ -180,9 +174,7 @@ class Utility(Probe):
         out["scores"] = {k: v.clone() for k, v in self.scores.items()}
         return out
 
-    def load_state_dict(
-        self, state: dict[str, Any], device: torch.device | str | None = None
-    ) -> None:
+    def load_state_dict(self, state: dict[str, Any], device: Device = None) -> None:
         super().load_state_dict(state, device)
         self.scores = {k: v.clone() for k, v in (state.get("scores") or {}).items()}
 
@@ -191,9 +183,7 @@ def attach_utility_hooks(
     *, outgoing: str | None = None, decay: float = 0.9, tau: float = 0.025
 ) -> Utility:
     """The ``utility`` probe (:class:`Utility`, docs/probes/utility.md): CBP's contribution
-    utility per unit of every activation layer inside the component, and the fraction of
-    units whose utility is at most ``tau`` of the layer mean. ``outgoing`` names the
-    module that reads the component's output (``"actor_head"``), so its last layer is
-    scored too; ``decay``: η of the running score, applied once per report. Placed with
-    ``phases`` and ``schedule``."""
+    utility and the low-utility fraction (at most ``tau`` of the layer mean). ``outgoing``
+    names the module reading the component's output (``"actor_head"``) so its last layer
+    is scored too; ``decay``: η, once per report. Placed with ``phases`` and ``schedule``."""
     return Utility(outgoing=outgoing, decay=decay, tau=tau)

@@ -1,9 +1,8 @@
 """Column reductions of drained rows weighted by a row mask (see :mod:`policy_probes.row_mask`).
 
-Trackers reduce drained rows with plain column sums and counts; under a row mask the same
-reductions become sums over the kept rows and numbers of kept rows. :class:`Weighted`
-gives both forms behind one interface, so a tracker's ``consume`` reads the same with and
-without a mask (without one it is exactly the unweighted code, cached counts included).
+Under a row mask a tracker's column sums and counts are over the kept rows only;
+:class:`Weighted` gives both forms behind one interface (without a mask exactly the
+unweighted code, cached counts included).
 """
 
 from __future__ import annotations
@@ -21,11 +20,6 @@ class Weighted:
         self.rows = rows
         self.weight = weight
 
-    def _w(self, like: torch.Tensor) -> torch.Tensor:
-        assert self.weight is not None
-        w = self.weight
-        return w if w.dtype == like.dtype else w.to(like.dtype)
-
     @property
     def num_rows(self) -> int | torch.Tensor:
         """Kept rows (an int without a mask)."""
@@ -35,9 +29,10 @@ class Weighted:
 
     def sums(self, x: torch.Tensor) -> torch.Tensor:
         """Per-column sum over kept rows of ``x`` (N, U)."""
-        if self.weight is None:
+        w = self.weight
+        if w is None:
             return x.sum(0)
-        return torch.mv(x.T, self._w(x))
+        return torch.mv(x.T, w if w.dtype == x.dtype else w.to(x.dtype))
 
     def counts(self, indicators: torch.Tensor) -> torch.Tensor:
         """Per-column number of kept rows where a 0/1 ``indicators`` is 1 (int64)."""

@@ -1,11 +1,10 @@
 """Weights probe: per-layer parameter norm, distance from initialisation, update ratio.
 
-Two of the mechanisms of plasticity loss are read off the parameters themselves:
-parameter-norm growth (Lyle et al., "Disentangling the causes of plasticity loss", 2024)
-and how far, and how fast, the weights move (Plasticine's "weight difference from
-initialisation" and "weight magnitude"). For every module inside the component that holds
-parameters of its own (a *layer*: ``actor_mlp.layer_0.linear``) and for the component as a
-whole, with θ the layer's parameters concatenated:
+Parameter-norm growth (Lyle et al., "Disentangling the causes of plasticity loss", 2024)
+and how far and fast the weights move (Plasticine's "weight difference from
+initialisation" and "weight magnitude"), for every module inside the component holding
+parameters of its own (``actor_mlp.layer_0.linear``) and the component as a whole, with θ
+the parameters concatenated:
 
 * ``norm`` = ‖θ‖₂
 * ``magnitude`` = mean |θ_j|
@@ -13,9 +12,7 @@ whole, with θ the layer's parameters concatenated:
 * ``update_ratio`` = ‖θ − θ_prev‖ / ‖θ_prev‖, θ_prev the parameters at the previous
   report (one epoch's updates at the default sampling)
 
-Nothing runs in forward or backward: the probe reads the parameters once per report, on
-their device, and moves one vector of sums to the host. Parameters are the same on every
-process of a data-parallel run, so there is nothing to all-reduce.
+Read once per report on the parameters' device (the same on every process: no all-reduce).
 """
 
 from __future__ import annotations
@@ -28,7 +25,7 @@ from torch.utils.hooks import RemovableHandle
 
 from policy_probes.plugins import Rule, register
 from policy_probes.probes.probe import Probe
-from policy_probes.probes.state import SUM
+from policy_probes.probes.state import SUM, Device
 
 if TYPE_CHECKING:
     from policy_probes.probes.observation import Observation
@@ -39,9 +36,8 @@ SUMS = ("sq", "abs", "count", "init_sq", "init_diff_sq", "prev_sq", "prev_diff_s
 
 @register
 class Weights(Probe):
-    """The component modules and their reference parameters (at attach, at the last
-    report); the sums are formed when the window is read (:meth:`to_metrics`). Nothing
-    runs in forward or backward: :meth:`attach` hands it the component."""
+    """The component's layers and their reference parameters (at attach, at the last
+    report); the sums are formed in :meth:`to_metrics`."""
 
     name = "weights"
     maker = "attach_weights_hooks()"
@@ -104,8 +100,7 @@ class Weights(Probe):
             table.pop(name, None)
 
     def watch(self, component: str, module: nn.Module) -> None:
-        """Record ``module``'s layers and their parameters now as θ₀ and θ_prev (the
-        first call only: re-arming the hooks keeps the references)."""
+        """Record ``module``'s layers and their parameters now as θ₀ and θ_prev (once)."""
         if component in self.layers:
             return
         layers: dict[str, list[nn.Parameter]] = {}
@@ -163,9 +158,7 @@ class Weights(Probe):
         out["references"] = {"init": self.init, "prev": self.prev}
         return out
 
-    def load_state_dict(
-        self, state: dict[str, Any], device: torch.device | str | None = None
-    ) -> None:
+    def load_state_dict(self, state: dict[str, Any], device: Device = None) -> None:
         super().load_state_dict(state, device)
         refs = state.get("references") or {}
         for which, table in (("init", self.init), ("prev", self.prev)):
@@ -189,6 +182,6 @@ def _weight_metrics(row: torch.Tensor) -> dict[str, float]:
 
 def attach_weights_hooks() -> Weights:
     """The ``weights`` probe (:class:`Weights`, docs/probes/weights.md): per-layer ‖θ‖,
-    mean |θ|, ‖θ − θ₀‖/‖θ₀‖ and the update ratio ‖Δθ‖/‖θ‖ of the component. θ₀ is taken
-    when the probe is attached: attach it before training. It takes no placement."""
+    mean |θ|, ‖θ − θ₀‖/‖θ₀‖ and the update ratio ‖Δθ‖/‖θ‖. θ₀ is taken at attach: attach
+    it before training. It takes no placement."""
     return Weights()
