@@ -36,12 +36,9 @@ GLOB_CHARS = set("*?[")
 
 class ProbeHandle(RemovableHandle):
     """A ``RemovableHandle`` for everything one registration installed (the component
-    hook and any hooks a probe put on submodules).
-
-    For a probe (a hook with ``phases`` and a ``context``) the handle follows the
-    context's phase: :meth:`sync` installs the torch hooks while the probe records in the
-    current phase and removes them otherwise, so modules run hook-free in phases where no
-    probe records. :meth:`remove` is final.
+    hook and any hooks a probe put on submodules). For a probe, :meth:`sync` installs the
+    torch hooks while the probe records in the current phase and pass and removes them
+    otherwise, so modules run hook-free then. :meth:`remove` is final.
     """
 
     def __init__(
@@ -72,9 +69,7 @@ class ProbeHandle(RemovableHandle):
             return False
         if hook.phases is not None and hook.context.phase not in hook.phases:
             return False
-        sampler = getattr(
-            hook.context, "sampler", None
-        )  # which passes it observes (policy_probes.sampling)
+        sampler = getattr(hook.context, "sampler", None)  # which passes it observes
         return sampler is None or sampler.observes(self)
 
     def sync(self) -> None:
@@ -99,31 +94,20 @@ class ProbeHandle(RemovableHandle):
             self.owner._release(self)
 
 
+_GLOB_TOKENS = re.compile(r"\*\*|\*|\?|\[[^]]*]|.", re.S)
+_GLOB_REGEX = {"**": ".*", "*": r"[^.]*", "?": r"[^.]"}
+
+
 def glob_to_regex(pattern: str) -> re.Pattern[str]:
-    out, i = [], 0
-    while i < len(pattern):
-        c = pattern[i]
-        if pattern.startswith("**", i):
-            out.append(".*")
-            i += 2
-            continue
-        if c == "*":
-            out.append(r"[^.]*")
-        elif c == "?":
-            out.append(r"[^.]")
-        elif c == "[":
-            j = pattern.find("]", i + 1)
-            if j == -1:
-                out.append(re.escape(c))
-            else:
-                body = pattern[i + 1 : j]
-                if body.startswith("!"):
-                    body = "^" + body[1:]
-                out.append(f"[{body}]")
-                i = j
+    out = []
+    for token in _GLOB_TOKENS.findall(pattern):
+        if token in _GLOB_REGEX:
+            out.append(_GLOB_REGEX[token])
+        elif len(token) > 1:  # a [...] class; [!...] negates as in fnmatch
+            body = token[1:-1]
+            out.append(f"[^{body[1:]}]" if body.startswith("!") else f"[{body}]")
         else:
-            out.append(re.escape(c))
-        i += 1
+            out.append(re.escape(token))
     return re.compile("".join(out) + r"\Z")
 
 
@@ -168,14 +152,10 @@ class PolicyAutoBuilder(nn.Module):
         components: Mapping[str, nn.Module | str] | None = None,
         example_inputs: tuple[Any, ...] | None = None,
     ) -> PolicyAutoBuilder:
-        """Make an existing module probe-able without changing it.
-
-        ``components`` maps names to submodules or dotted submodule paths of ``module``;
-        ``None`` takes every direct child under its attribute name (nested parts are then
-        addressable by dotted names). ``example_inputs`` (optional) runs one forward pass
-        under ``no_grad`` to learn what each component returns, so backward probes on
-        components that cannot carry a backward hook fail when attached.
-        """
+        """Make an existing module probe-able without changing it. ``components`` maps
+        names to submodules or dotted submodule paths of ``module``; ``None`` takes every
+        direct child under its attribute name. ``example_inputs``: one traced forward
+        (:meth:`trace_outputs`), so backward probes that cannot fire fail when attached."""
         inner = unwrap(module)  # torch.compile(module): hooks go on the module it runs
         if inner is not module and isinstance(inner, PolicyAutoBuilder) and components is None:
             if example_inputs is not None:
@@ -260,11 +240,8 @@ class PolicyAutoBuilder(nn.Module):
     # ----------------------------------------------------------- output kinds
     @torch.no_grad()
     def trace_outputs(self, *args: Any, **kwargs: Any) -> dict[str, str]:
-        """Run one forward pass and record what every addressable part returns.
-
-        The pass runs in eval mode (no BatchNorm statistics update) with forked RNG
-        states, so tracing leaves the model and the random streams as they were.
-        """
+        """Run one forward pass and record what every addressable part returns, in eval
+        mode with forked RNG states (the model and random streams stay as they were)."""
         kinds: dict[str, str] = {}
         notes: dict[str, tuple[str, str]] = {}
         handles = []
@@ -317,15 +294,12 @@ class PolicyAutoBuilder(nn.Module):
         """Install ``hook`` to receive the gradient of one component's output.
 
         A plain closure on a component that returns a tensor gets
-        ``register_full_backward_hook`` (``(module, grad_input, grad_output)``). A probe,
-        and any hook on a component that returns a mapping, tuple or other object, is
-        delivered the output gradient through a tensor hook registered by a forward hook,
-        with ``grad_input=None``: that path costs one tensor hook per recorded pass,
-        installs nothing while the probe's phase is inactive (so rollouts and
-        ``torch.func`` transforms run on the bare module), and needs no wrapping of the
-        module's inputs and outputs. Non-tensor outputs need the placement's
-        ``extractor``; without one, attaching raises :class:`ProbeError` at once if the
-        output type is known (see :meth:`trace_outputs`), else on the first forward.
+        ``register_full_backward_hook``. A probe, and any hook on a component that returns
+        a mapping, tuple or other object, gets the output gradient through a tensor hook a
+        forward hook registers (``grad_input=None``): one tensor hook per recorded pass,
+        nothing installed while the probe is inactive. Non-tensor outputs need the
+        placement's ``extractor``; without one, attaching raises :class:`ProbeError` if the
+        output type is known (:meth:`trace_outputs`), else the first forward does.
         """
         module = self.get_component(component_name)
         _check_inplace(module, component_name)
@@ -360,15 +334,12 @@ class PolicyAutoBuilder(nn.Module):
         backward: bool | None = None,
         **placement: Any,
     ) -> list[ProbeHandle]:
-        """Resolve ``pattern`` and attach ``builder`` to each name it resolves to: a
-        :class:`~policy_probes.probes.probe.Probe`, or a plain builder ``(component, context) ->
-        hook closure | None`` whose closures go through the same path (fault rule, clock).
-
-        A probe carries its direction and is placed by it; ``backward`` is for closures
-        (forward unless ``backward=True``) and, when given, must agree with the probe's
-        own direction. ``placement``: ``phases``, ``extractor``, ``layout``,
-        ``per_layer``, ``schedule`` (:class:`~policy_probes.probes.probe.Placement`; each probe
-        says which it takes)."""
+        """Attach ``builder`` to each name ``pattern`` resolves to: a
+        :class:`~policy_probes.probes.probe.Probe`, or a plain builder ``(component,
+        context) -> hook closure | None`` whose closures go through the same path (fault
+        rule, clock). ``backward`` is for closures (forward unless True); for a probe, when
+        given, it must agree with the probe's direction. ``placement``: those of
+        :class:`~policy_probes.probes.probe.Placement` the probe takes."""
         check_builder(builder, pattern)
         check_compiled(self)
         place = placement_of(builder, **placement)
@@ -477,9 +448,8 @@ def add_probe(
     backward: bool | None,
     placement: dict[str, Any],
 ) -> None:
-    """Add a probe a driver is given (TrainTool, ProbeSession, ProbeCallback) to ``probes``
-    after the checks: a pattern, a builder, a placement it takes, not the same builder on
-    the same pattern twice."""
+    """Check a probe a driver is given (a pattern, a builder, a placement it takes, not
+    the same builder on the same pattern twice) and add it to ``probes``."""
     if not isinstance(pattern, str) or not pattern:
         raise TypeError(f"component pattern must be a non-empty string, got {pattern!r}")
     check_builder(builder, pattern)
@@ -528,25 +498,10 @@ def _forget(hook: Observation, component: str) -> None:
 #: probe reads; ``inplace`` on other modules (a TensorDictModule writing its outputs into
 #: the input TensorDict) says nothing about activations
 INPLACE_OVERWRITING = (
-    nn.ReLU,
-    nn.ReLU6,
-    nn.LeakyReLU,
-    nn.RReLU,
-    nn.ELU,
-    nn.CELU,
-    nn.SELU,
-    nn.SiLU,
-    nn.Mish,
-    nn.Hardtanh,
-    nn.Hardsigmoid,
-    nn.Hardswish,
-    nn.Threshold,
-    nn.Dropout,
-    nn.Dropout1d,
-    nn.Dropout2d,
-    nn.Dropout3d,
-    nn.AlphaDropout,
-    nn.FeatureAlphaDropout,
+    *(nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.RReLU, nn.ELU, nn.CELU, nn.SELU, nn.SiLU, nn.Mish),
+    *(nn.Hardtanh, nn.Hardsigmoid, nn.Hardswish, nn.Threshold),
+    *(nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d),
+    *(nn.AlphaDropout, nn.FeatureAlphaDropout),
 )
 
 

@@ -1,16 +1,11 @@
 """Extractors: how a probe picks the tensor it reads out of a component's output.
 
-The ``extractor`` argument of every builder may be
-
-* a callable ``output -> torch.Tensor`` (``extractor=lambda out: out.features``);
-* a key of a mapping or TensorDict output (``extractor="hidden"``), or a nested key as a
-  tuple of strings (``extractor=("next", "hidden")``, TensorDict's own spelling; a plain
-  mapping of mappings is walked level by level);
-* an index into a tuple or list output (``extractor=0`` for ``(output, hidden_state)``).
-
-:func:`as_extractor` turns the argument into a callable when the builder is created, so a
-wrong type is a ``TypeError`` before training starts. A key or index that does not match
-the output raises :class:`ProbeError` from the hook, under the probe fault rule.
+A builder's ``extractor`` is a callable ``output -> torch.Tensor``, a key of a mapping or
+TensorDict output (``"hidden"``), a nested key as a tuple of strings (``("next",
+"hidden")``; a plain mapping of mappings is walked level by level), or an index into a
+tuple or list output (``0`` for ``(output, hidden_state)``). :func:`as_extractor` checks
+it when the builder is created (``TypeError``); a key or index that does not match the
+output raises :class:`ProbeError` from the hook, under the probe fault rule.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """Short descriptions of what a component returned, for error messages.
 
-A component may return a tensor, a mapping, a tuple, or a TensorDict (TorchRL's modules
-do). Error messages name the keys or the length, never the contents: a TensorDict is a
-``Mapping`` whose iteration yields its batch *rows* (sub-TensorDicts), so it is read
-through ``keys()`` only. TensorDict is recognised without importing it: an object can
-only be one if the ``tensordict`` package is already loaded.
+Messages name the keys or the length, never the contents: a TensorDict is a ``Mapping``
+whose iteration yields its batch rows, so it is read through ``keys()`` only. TensorDict
+is recognised without importing it (an object can only be one if ``tensordict`` is
+already loaded).
 """
 
 from __future__ import annotations

@@ -19,36 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.modules import module as torch_module
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten  # noqa: F401 - re-exported
 from torch.utils.hooks import RemovableHandle
-
-__all__ = [
-    "HOOK_DICTS",
-    "OUTPUT_ONLY_BACKWARD_WARNING",
-    "child_modules",
-    "compiled_call",
-    "compiled_original",
-    "force_eager_stance",
-    "is_compiled_wrapper",
-    "conv_padding",
-    "global_module_hooks_installed",
-    "hooks_set_aside",
-    "in_backward_pass",
-    "init_unbound_handle",
-    "module_hook_count",
-    "module_hooks_installed",
-    "own_parameter_twin",
-    "set_last_lr",
-    "queue_after_backward",
-    "quiet_output_only_backward_hooks",
-    "tensor_slot",
-    "set_tensor_slot",
-    "tree_flatten",
-    "tree_flatten_cached",
-    "tree_leaves",
-    "tree_unflatten",
-    "version_counter",
-]
 
 #: the per-module dicts that hold forward, forward-pre, backward and backward-pre hooks
 HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
@@ -70,10 +42,8 @@ def child_modules(module: nn.Module) -> list[tuple[str, nn.Module | None]]:
 
 
 def module_hooks_installed(module: nn.Module) -> bool:
-    """True if any module in ``module``'s subtree has a torch hook of any kind.
-
-    An explicit walk of the child dicts, about half the cost of ``modules()``: trainers
-    call it once per minibatch to pick a hook-free path."""
+    """True if any module in ``module``'s subtree has a torch hook of any kind (a walk of
+    the child dicts, half the cost of ``modules()``: trainers call it per minibatch)."""
     stack: list[nn.Module | None] = [module]
     while stack:
         m = stack.pop()
@@ -144,9 +114,8 @@ def init_unbound_handle(handle: RemovableHandle) -> None:
 
 @contextmanager
 def quiet_output_only_backward_hooks() -> Iterator[None]:
-    """Silence :data:`OUTPUT_ONLY_BACKWARD_WARNING` inside the block only: a full backward
-    hook on a policy's first component sees its output gradient, which is what a probe
-    reads, so the warning says nothing the probes do not expect."""
+    """Silence :data:`OUTPUT_ONLY_BACKWARD_WARNING` inside the block (the output gradient
+    is what a probe reads)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=OUTPUT_ONLY_BACKWARD_WARNING)
         yield
@@ -214,11 +183,9 @@ def conv_padding(conv: nn.Conv1d | nn.Conv2d | nn.Conv3d) -> tuple[int, ...]:
 
 def tree_leaves(tree: Any) -> list[Any]:
     """The leaves of ``tree`` in ``tree_flatten``'s order. Plain tuples, lists and dicts
-    (an LSTM's ``(out, (h, c))``, a module's ``(args, kwargs)``) are walked here, in
-    microseconds, where torch's pytree takes about 20 per call and leaves a reference
-    cycle behind (its recursive helper), garbage that only the GC frees: a step-by-step
-    LSTM calls a hook per step. Anything else (namedtuples, registered nodes) goes
-    through ``tree_flatten``."""
+    are walked here, in microseconds (torch's pytree takes about 20 per call and leaves a
+    reference cycle only the GC frees; a step-by-step LSTM calls a hook per step);
+    anything else goes through ``tree_flatten``."""
     leaves: list[Any] = []
     return leaves if _walk(tree, leaves) is not None else tree_flatten(tree)[0]
 
