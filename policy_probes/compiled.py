@@ -1,12 +1,10 @@
 """Probes on policies compiled with ``torch.compile``: observed passes run eagerly.
 
-Dynamo cannot trace what probes do (Python state, tensor hooks, timers), and hooks that
-come and go at pass boundaries would change what a compiled graph guards on. So while any
-probe of a policy is armed, the toolkit sets ``torch.compiler.set_stance("force_eager")``:
-every compiled module or function runs its original Python code, where the hooks fire.
-When the last probe is disarmed the previous stance comes back, and unobserved passes run
-the compiled graph untouched (no graph break, no recompile). CUDA graphs are refused when
-probes attach (an eager pass between replays is unverified). See ``docs/compile.md``.
+Dynamo cannot trace what probes do, and hooks that come and go would change what a graph
+guards on. So while any probe of a policy is armed, ``torch.compiler.set_stance(
+"force_eager")`` makes compiled code run its Python, where the hooks fire; unobserved
+passes run the compiled graph untouched. CUDA graphs are refused when probes attach (an
+eager pass between replays is unverified). See ``docs/compile.md``.
 """
 
 from __future__ import annotations
@@ -88,8 +86,7 @@ def eager_held() -> bool:
 
 
 def unwrap(module: nn.Module) -> nn.Module:
-    """The module a ``torch.compile(module)`` wraps (the module itself otherwise): hooks go
-    on its submodules, which the compiled wrapper runs."""
+    """The module a ``torch.compile(module)`` wraps (hooks go there), else ``module``."""
     while is_compiled_wrapper(module):
         module = compiled_original(module)
     return module

@@ -1,10 +1,9 @@
 """PolicyAutoBuilder: a policy made of named components that probes can attach to.
 
-Names are addressable at every depth: ``actor_mlp`` is a top-level component and
-``actor_mlp.layer_0`` / ``actor_mlp.layer_0.linear`` are its submodules. Patterns may use
-globs: ``*`` matches within one dotted level (``actor_mlp.*`` selects ``actor_mlp.layer_0``
-and ``actor_mlp.layer_1`` but not ``actor_mlp.layer_0.linear``), ``**`` crosses levels,
-``?`` and ``[...]`` work as in :mod:`fnmatch`.
+Names are addressable at every depth (``actor_mlp``, ``actor_mlp.layer_0.linear``).
+Patterns may use globs: ``*`` matches within one dotted level (``actor_mlp.*`` selects
+``actor_mlp.layer_0`` but not ``actor_mlp.layer_0.linear``), ``**`` crosses levels, ``?``
+and ``[...]`` work as in :mod:`fnmatch`.
 """
 
 from __future__ import annotations
@@ -122,12 +121,9 @@ def output_kind(output: Any) -> str:
 
 
 class PolicyAutoBuilder(nn.Module):
-    """An ``nn.Module`` whose named parts can be probed.
-
-    Build one from a component spec (name -> ``nn.Module`` or a spec such as
-    :class:`~policy_probes.layers.MLPSpec`) and define ``forward`` in a subclass, or make
-    any existing module probe-able with :meth:`wrap`.
-    """
+    """An ``nn.Module`` whose named parts can be probed: build one from a component spec
+    (name -> ``nn.Module`` or a spec such as :class:`~policy_probes.layers.MLPSpec`) and
+    define ``forward`` in a subclass, or make any module probe-able with :meth:`wrap`."""
 
     def __init__(self, spec: Mapping[str, nn.Module | MLPSpec | LinearSpec] | None = None) -> None:
         super().__init__()
@@ -144,7 +140,6 @@ class PolicyAutoBuilder(nn.Module):
             self.add_module(name, module)
             self._component_modules[name] = module
 
-    # ------------------------------------------------------------ construction
     @classmethod
     def wrap(
         cls,
@@ -165,7 +160,7 @@ class PolicyAutoBuilder(nn.Module):
         wrapper = cls()
         wrapper.module = module
         if components is None:
-            components = {n: m for n, m in module.named_children()}
+            components = dict(module.named_children())
             if not components:
                 components = {type(module).__name__.lower(): module}
         owned = {id(m) for m in module.modules()}
@@ -194,7 +189,6 @@ class PolicyAutoBuilder(nn.Module):
             raise NotImplementedError(f"{type(self).__name__} must define forward()")
         return inner(*args, **kwargs)
 
-    # ------------------------------------------------------------------ names
     @property
     def components(self) -> OrderedDict[str, nn.Module]:
         return OrderedDict(self._component_modules)
@@ -237,7 +231,6 @@ class PolicyAutoBuilder(nn.Module):
         hint = f" Closest: {', '.join(close)}." if close else ""
         return f"unknown {what} {name!r}.{hint} Available components: {', '.join(names)}"
 
-    # ----------------------------------------------------------- output kinds
     @torch.no_grad()
     def trace_outputs(self, *args: Any, **kwargs: Any) -> dict[str, str]:
         """Run one forward pass and record what every addressable part returns, in eval
@@ -255,7 +248,8 @@ class PolicyAutoBuilder(nn.Module):
         modes = {m: m.training for m in self.modules()}
         # the generators of the CUDA devices the pass can draw on: the model's and inputs'
         tensors = [*self.parameters(), *self.buffers(), *tree_leaves((args, kwargs))]
-        cuda = sorted({t.device.index or 0 for t in tensors if _on_cuda(t)})
+        on_cuda = (t for t in tensors if isinstance(t, torch.Tensor) and t.device.type == "cuda")
+        cuda = sorted({t.device.index or 0 for t in on_cuda})
         try:
             # compiled parts run their Python code: the tracing hooks fire, nothing compiles
             with torch.random.fork_rng(devices=cuda), eager_block():
@@ -273,13 +267,11 @@ class PolicyAutoBuilder(nn.Module):
         """``tensor``, ``mapping``, ``sequence``, ``object`` or ``unknown`` (not traced)."""
         return self._output_kinds.get(name, "unknown")
 
-    # ---------------------------------------------------------- registration
     def register_component_hook_rule(
         self, *, component_name: str, hook: Observation
     ) -> ProbeHandle:
-        """Install ``hook`` (an :class:`~policy_probes.probes.observation.Observation`) as a
-        forward hook ``(module, inputs, output)`` on one component, with the hooks its
-        probe installs inside it."""
+        """Install ``hook`` as a forward hook on one component, with the hooks its probe
+        installs inside it."""
         module = self.get_component(component_name)
 
         def install() -> list[RemovableHandle]:
@@ -291,16 +283,12 @@ class PolicyAutoBuilder(nn.Module):
     def register_component_backward_hook_rule(
         self, *, component_name: str, hook: Observation
     ) -> ProbeHandle:
-        """Install ``hook`` to receive the gradient of one component's output.
-
-        A plain closure on a component that returns a tensor gets
-        ``register_full_backward_hook``. A probe, and any hook on a component that returns
-        a mapping, tuple or other object, gets the output gradient through a tensor hook a
-        forward hook registers (``grad_input=None``): one tensor hook per recorded pass,
-        nothing installed while the probe is inactive. Non-tensor outputs need the
+        """Install ``hook`` to receive the gradient of one component's output: a plain
+        closure on a tensor-returning component through ``register_full_backward_hook``,
+        anything else through a tensor hook a forward hook registers (``grad_input=None``;
+        nothing installed while the probe is inactive). Non-tensor outputs need the
         placement's ``extractor``; without one, attaching raises :class:`ProbeError` if the
-        output type is known (:meth:`trace_outputs`), else the first forward does.
-        """
+        output type is known (:meth:`trace_outputs`), else the first forward does."""
         module = self.get_component(component_name)
         _check_inplace(module, component_name)
         # the recurrent default applies only when the placement gives no extractor
@@ -369,15 +357,14 @@ class PolicyAutoBuilder(nn.Module):
             if hook is None:
                 continue
             hook.locate = self.get_component
-            rule = (
-                self.register_component_backward_hook_rule
-                if hook.backward
-                else self.register_component_hook_rule
-            )
+            rule = self.register_component_hook_rule
+            if hook.backward:
+                rule = self.register_component_backward_hook_rule
             try:
                 out.append(rule(component_name=name, hook=hook))
-            except Exception:
-                _forget(hook, name)  # so a corrected builder can be attached in this context
+            except Exception:  # forget it, so a corrected builder can be attached here
+                if hook.tracker is not None:
+                    hook.tracker.unregister_component(name)
                 raise
         return out
 
@@ -410,8 +397,7 @@ class PolicyAutoBuilder(nn.Module):
         self._hold_eager()
 
     def _hold_eager(self) -> None:
-        """Compiled code runs eagerly while a probe is armed (or the lifecycle layer runs
-        its hooks), so the hooks fire; unobserved passes run the compiled graph
+        """Compiled code runs eagerly while a probe is armed or lifecycle hooks run
         (:mod:`policy_probes.compiled`)."""
         lifecycle = any(c.phase == "hook" for c in self._contexts)
         hold_eager(self, lifecycle or any(h.armed for h in self._handles))
@@ -422,8 +408,7 @@ class PolicyAutoBuilder(nn.Module):
         return list(self._handles)
 
     def hooks_installed(self) -> bool:
-        """True if any torch hook is installed on any module of this policy (trainers
-        call it once per minibatch to pick the hook-free path)."""
+        """True if any torch hook is installed on any module of this policy."""
         return module_hooks_installed(self)
 
     def remove_hooks(self) -> None:
@@ -489,11 +474,6 @@ def check_builder(builder: Any, pattern: str) -> None:
         pass
 
 
-def _forget(hook: Observation, component: str) -> None:
-    if hook.tracker is not None:
-        hook.tracker.unregister_component(component)
-
-
 #: torch modules whose ``inplace=True`` overwrites their input, the activation a backward
 #: probe reads; ``inplace`` on other modules (a TensorDictModule writing its outputs into
 #: the input TensorDict) says nothing about activations
@@ -514,7 +494,3 @@ def _check_inplace(module: nn.Module, name: str) -> None:
                 f"(inplace=True); in-place activations overwrite the tensors a backward probe "
                 f"reads. Build it with inplace=False."
             )
-
-
-def _on_cuda(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and value.device.type == "cuda"

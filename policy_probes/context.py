@@ -17,28 +17,22 @@ class ComponentContext:
     """Shared state between a training loop and the probes attached to a policy.
 
     Attributes:
-        model_metrics: trackers keyed by probe name (``"relu"``, ``"fisher"``, ...);
-            builders get or create theirs here, :class:`StatsReporter` reads them.
-        phase: what the loop is doing now; probes record only in their ``phases``
-            (default ``("train",)``). Trainers set ``"rollout"`` while collecting
-            experience, the lifecycle layer ``"hook"`` while its hooks run. A new phase
-            tells the policies to install the hooks of the probes that record in it and
-            remove the others, so a phase no probe records in runs the bare modules.
+        model_metrics: trackers keyed by probe name (``"relu"``, ``"fisher"``, ...), read
+            by :class:`StatsReporter`.
+        phase: what the loop is doing now (``"rollout"``, ``"train"``, ``"eval"``; the
+            lifecycle layer's ``"hook"``); probes record only in their ``phases``. A new
+            phase arms the hooks of the probes that record in it and removes the others.
         loss_scale: the factor the loop multiplied the mean loss by before ``backward()``
-            (``1/k`` for ``k`` micro-batches); the Fisher probe divides it out. A 0-dim
-            device tensor (an AMP scaler's scale, ``ProbeSession.scale_loss``) is never
-            read back.
+            (``1/k`` for ``k`` micro-batches; a 0-dim device tensor is never read back).
         loss_samples: how many samples the loss averages over when that is not the rows
-            of one probed pass (an LSTM cell called per step); ``None``: the kept rows of
-            :attr:`row_mask`, else the rows of each pass. The Fisher probe's per-sample
-            factor is ``loss_samples / loss_scale``.
+            of one probed pass (``None``: :func:`~policy_probes.row_mask.loss_samples`).
+            The Fisher probe's per-sample factor is ``loss_samples / loss_scale``.
         row_mask: the :class:`~policy_probes.row_mask.RowMask` of the rows the loss uses
-            (``ProbeSession.row_mask(mask)``, or assign a tensor); ``None``: every row.
+            (assign a tensor); ``None``: every row.
         strict: a probe that raises stops training; otherwise it is disabled, reported
             once and counted in :attr:`probe_errors` (``"<probe>/<component>" -> message``).
-        infer_phase: set while the loop has not said what it does (a ``ProbeSession``
-            before its first ``set_phase``): forward passes without gradients are then
-            taken as rollout or evaluation and forward probes do not record them.
+        infer_phase: set while the loop has not said what it does: forward passes without
+            gradients are then taken as rollout or evaluation, not recorded.
     """
 
     def __init__(
@@ -59,9 +53,7 @@ class ComponentContext:
         self._row_mask: Any = None
         self.infer_phase = False
         self._inferred_once = False
-        #: the :class:`~policy_probes.sampling.Sampler` choosing which passes probes
-        #: observe; ``None``: every pass of their phases
-        self.sampler: Any = None
+        self.sampler: Any = None  # which passes probes observe (None: every pass)
 
     @property
     def row_mask(self) -> Any:
@@ -82,15 +74,12 @@ class ComponentContext:
 
     @phase.setter
     def phase(self, value: str) -> None:
-        if value == self._phase:
-            return
-        self._phase = value
-        for listener in self._phase_listeners:
-            listener(value)
+        if value != self._phase:
+            self._phase = value
+            self.resync()
 
     def resync(self) -> None:
-        """Tell the phase listeners to re-check which hooks to install (the sampler's pass
-        boundaries: same phase, other observed probes)."""
+        """Tell the phase listeners to re-check which hooks to install (pass boundaries)."""
         for listener in self._phase_listeners:
             listener(self._phase)
 

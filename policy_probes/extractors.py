@@ -81,15 +81,17 @@ def as_extractor(spec: Extractor | None) -> Callable[[Any], Any] | None:
     """The callable for a builder's ``extractor`` argument (``None`` stays ``None``)."""
     if spec is None or callable(spec):
         return spec
-    if isinstance(spec, bool):  # an int subclass, but never meant as an index
-        raise TypeError(_bad_spec(spec))
-    if isinstance(spec, int):
+    if isinstance(spec, int) and not isinstance(spec, bool):  # True is no index
         return IndexExtractor(spec)
     if isinstance(spec, str) and spec:
         return KeyExtractor(spec)
     if isinstance(spec, tuple) and spec and all(isinstance(k, str) and k for k in spec):
         return KeyExtractor(spec[0] if len(spec) == 1 else spec)
-    raise TypeError(_bad_spec(spec))
+    raise TypeError(
+        f'extractor must be a callable output -> tensor, a key (extractor="hidden"), a '
+        f'nested key (extractor=("next", "hidden")) or a tuple index (extractor=0); got '
+        f"{type(spec).__name__} {spec!r:.60}"
+    )
 
 
 def gradient_target(
@@ -109,17 +111,8 @@ def gradient_target(
     )
 
 
-def _bad_spec(spec: Any) -> str:
-    return (
-        f'extractor must be a callable output -> tensor, a key (extractor="hidden"), a '
-        f'nested key (extractor=("next", "hidden")) or a tuple index (extractor=0); got '
-        f"{type(spec).__name__} {spec!r:.60}"
-    )
-
-
 def _lookup(output: Mapping, key: Key) -> Any:
-    """``output[key]`` or ``None`` when absent; nested keys through TensorDict's own
-    lookup, or level by level in plain mappings."""
+    """``output[key]`` or ``None`` when absent (nested keys: level by level)."""
     if is_tensordict(output):
         try:
             return output.get(key, None)

@@ -1,10 +1,9 @@
 """One autograd tensor hook per tensor, shared by every probe that wants its gradient.
 
-Several probes often read the gradient of the same tensor (``fisher``, ``gradient_flow``
-and ``relu_gradient_flow`` on an MLP's output). Each ``Tensor.register_hook`` costs a
-registration in the forward and a call into Python in the backward, so :func:`on_grad`
-registers one hook per tensor and fans the gradient out to the subscribers, in
-subscription order. The subscriber list lives on the tensor, freed with it.
+Several probes often read the gradient of the same tensor, and each
+``Tensor.register_hook`` costs a registration and a call into Python, so :func:`on_grad`
+registers one hook per tensor and fans the gradient out to the subscribers in order. The
+subscriber list lives on the tensor, freed with it.
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
 """Recurrent cores (LSTM, GRU, RNN and their cells): the tensor a probe reads by default.
 
-A probe attached without an ``extractor`` to such a module reads: for ``nn.LSTM`` /
-``nn.GRU`` / ``nn.RNN`` the per-step ``output`` sequence (a ``PackedSequence`` gives its
-``.data``, the real steps only); for ``nn.LSTMCell`` ``h``; ``nn.GRUCell`` and
-``nn.RNNCell`` already return the hidden state. Every call is one pass and every row (one
-``(step, sequence)`` pair) one sample, so a sequence called at once or step by step gives
-the same ``samples`` and per-unit statistics. A cell's ``h`` is also the next step's
-state, so its gradient carries what flows back from later steps; ``output``'s is the
-loss's direct gradient at each step. See ``docs/components.md``.
+A probe attached without an ``extractor`` reads the per-step ``output`` of ``nn.LSTM`` /
+``nn.GRU`` / ``nn.RNN`` (a ``PackedSequence``'s ``.data``: the real steps only) and the
+``h`` of ``nn.LSTMCell`` (``nn.GRUCell``/``nn.RNNCell`` return it). Every call is a pass
+and every ``(step, sequence)`` row a sample, so a sequence called at once or per step
+gives the same statistics; a cell's ``h`` gradient also carries what flows back from
+later steps. See ``docs/components.md``.
 """
 
 from __future__ import annotations

@@ -1,21 +1,13 @@
 """Row masks: rows the loss leaves out (padded sequence steps) are left out of every probe.
 
-A loop whose loss masks rows (RecurrentPPO pads its sequences) states the mask around
-its forward and backward (``with session.row_mask(mask): ...``); every built-in tracker
-then weighs each row by its mask entry at the drain, so a masked row changes no statistic
-and no ``samples`` count. Nothing is indexed in a hook (no boolean indexing, no
-``nonzero``, no host sync): the hook binds a view of the mask to its tensor and passes it
-with the rows it pushes (``weight=``; :class:`~policy_probes.probes.weighted.Weighted`).
-
-How a mask lines up with a probed tensor (all leading dimensions are rows; the full
-rules are in ``docs/external.md``, "Masked rows"): as many rows as mask entries read the
-mask in the tensor's row order (batch-major), except time-major sequence outputs
-(``batch_first=False``, or a ``(time, batch, features)`` tensor under a ``(batch, time)``
-mask with ``batch != time``), which read the transposed mask; a tensor of ``batch`` rows
-under a ``(batch, time)`` mask is a per-step call, whose k-th call in the block reads
-column ``k``; a conv output read per channel has one entry per sample, expanded over its
-positions. Anything else is an error that says which shapes to pass. The Fisher probe's
-per-sample factor comes from :func:`loss_samples`.
+A loop whose loss masks rows states the mask around its forward and backward (``with
+session.row_mask(mask): ...``); every built-in tracker then weighs each row by its mask
+entry at the drain, so a masked row changes no statistic and no ``samples`` count.
+Nothing is indexed in a hook (no host sync): the hook binds a view of the mask to its
+tensor and pushes it with the rows (``weight=``). How a mask lines up with a probed
+tensor (row order, time-major sequence outputs, per-step calls, conv outputs read per
+channel) is in ``docs/external.md``, "Masked rows"; a mismatch is an error that says
+which shapes to pass. The Fisher probe's per-sample factor comes from :func:`loss_samples`.
 """
 
 from __future__ import annotations
@@ -74,8 +66,7 @@ class RowMask:
         return self._kept
 
     def on(self, device: torch.device) -> RowMask:
-        """This mask on ``device`` (copied once per device, non-blocking to an
-        accelerator)."""
+        """This mask on ``device`` (copied once per device, non-blocking)."""
         if device == self.weights.device:
             return self
         other = self._on.get(device)
@@ -166,19 +157,17 @@ class RowMask:
                 )
             self._steps[key] = step + 1
             return mask.weights[:, step]
+        if len(lead) == 1 and tensor.dim() >= 3:
+            rule = "read per channel: one row per sample, axis 0"
+        else:
+            rule = "every dimension but the last is a row"
         raise ValueError(
             f"row_mask: the mask has shape {self.shape} ({self.numel} rows) but component "
             f"{component!r} produced a tensor with {rows} rows (shape {tuple(tensor.shape)}, "
-            f"{_row_rule(tensor, lead)}). Pass one mask entry per row of the "
+            f"{rule}). Pass one mask entry per row of the "
             f"minibatch, shape ({rows},) in the order the rows are flattened, or a (batch, "
             f"time) mask for sequences (a per-step call of batch rows reads one column)"
         )
-
-
-def _row_rule(tensor: torch.Tensor, lead: tuple[int, ...]) -> str:
-    if len(lead) == 1 and tensor.dim() >= 3:
-        return "read per channel: one row per sample, axis 0"
-    return "every dimension but the last is a row"
 
 
 def bound_weight(

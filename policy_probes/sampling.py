@@ -1,25 +1,18 @@
 """Which training passes the probes observe, and what observing costs (docs/sampling.md).
 
-A :class:`Schedule` says which passes a probe observes; a :class:`Sampler` (one per
-:class:`ComponentContext`, at ``context.sampler``) applies it. Schedules: :func:`every`,
-:func:`every_k` (counted over the whole run), :func:`per_epoch` (stride from the previous
-epoch's pass count), :func:`probe_batch` (no training pass: one dedicated forward and
-backward on the epoch's data at its end) and the default :func:`budgeted` (passes 0, k,
-2k, ... of each epoch, so every epoch reports every probe).
+A :class:`Schedule` (:func:`every`, :func:`every_k`, :func:`per_epoch`,
+:func:`probe_batch`, the default :func:`budgeted`) says which passes a probe observes; a
+:class:`Sampler` (``context.sampler``) applies it. A pass ends at the optimizer's step
+post-hook or an explicit :meth:`Sampler.next_pass`; the sampler then arms the torch hooks
+of the probes that observe the next pass and removes the others, so an unobserved pass
+runs the bare modules. Which passes are observed depends only on pass counters and
+settings stored with the run, never on an RNG or wall time.
 
-A pass ends at the optimizer's step post-hook (:meth:`Sampler.watch_optimizer`) or an
-explicit :meth:`Sampler.next_pass`; the sampler then installs the torch hooks of the
-probes that observe the next pass and removes the others
-(:meth:`policy_probes.components.ProbeHandle.sync`), so an unobserved pass runs the bare
-modules. Which passes are observed depends only on pass counters and settings stored with
-the run, never on a random number generator or on wall time.
-
-Cost is measured without host synchronisation: ``time.perf_counter`` around the probes'
-own work, plus torch's hook dispatch estimated from :func:`dispatch_costs` (host-side
-times on a GPU, what the loop waits for). It is reported (``probes/overhead_fraction``)
-and steers nothing but the budget's one-time calibration at the end of
-:data:`CALIBRATION_EPOCH` (:meth:`Sampler._calibrate`), whose choice is kept in
-:meth:`Sampler.state_dict` (resume and fork reuse it) and never revised.
+Cost is measured without host synchronisation (``time.perf_counter`` around the probes'
+work, plus torch's hook dispatch estimated by :func:`dispatch_costs`; host-side times on
+a GPU). It is reported and steers nothing but the budget's one-time calibration at the
+end of :data:`CALIBRATION_EPOCH` (:meth:`Sampler._calibrate`), kept in
+:meth:`Sampler.state_dict` and never revised.
 """
 
 from __future__ import annotations
@@ -102,8 +95,7 @@ def probe_batch(rows: int) -> Schedule:
 
 
 def budgeted() -> Schedule:
-    """Observe passes 0, k, 2k, ... of every epoch (k = :data:`DEFAULT_STRIDE`, or the
-    stride the budget's one-time calibration chose): at least one pass in every epoch."""
+    """Observe passes 0, k, 2k, ... of every epoch (k: :data:`DEFAULT_STRIDE` or larger)."""
     return Schedule("budget")
 
 
@@ -142,8 +134,7 @@ def check_budget(budget: float | None) -> float | None:
 
 
 def _shares(passes_seconds: float, parts: dict[str, float], wall: float) -> str:
-    """The calibration warning's breakdown: each part's share of the epoch, largest
-    first (the observed passes as projected at one pass per epoch)."""
+    """The calibration warning's breakdown: each part's share of the epoch, largest first."""
     named = {
         "observed passes": passes_seconds,
         "report": parts["report"],
@@ -225,12 +216,11 @@ class Sampler:
     """Applies schedules to the probe handles of one context and keeps the overhead budget.
 
     Args:
-        context: the :class:`~policy_probes.context.ComponentContext` of the probes; the
-            sampler sets ``context.sampler = self``.
+        context: the probes' :class:`~policy_probes.context.ComponentContext` (its
+            ``sampler`` becomes this one).
         schedule: the default for probes built without ``schedule=`` (``None``:
-            :func:`budgeted` when ``budget`` is set, else :func:`every`).
-        budget: the fraction of wall time the probes may take (``None``: no budget;
-            budgeted probes then observe every pass).
+            :func:`budgeted` under a budget, else :func:`every`).
+        budget: the fraction of wall time the probes may take (``None``: every pass).
     """
 
     def __init__(
@@ -242,14 +232,10 @@ class Sampler:
     ) -> None:
         self.context = context
         self.budget = check_budget(budget)
-        default = as_schedule(schedule)
-        if default is None:
-            default = budgeted() if self.budget is not None else every()
-        self.default = default
-        #: training passes ended over the run / in the current epoch
-        self.passes = 0
-        self.epochs = 0
-        self.epoch_passes = 0
+        #: the schedule of probes built without ``schedule=``
+        self.default = as_schedule(schedule) or (budgeted() if self.budget is not None else every())
+        #: training passes ended over the run / in the current epoch; epochs ended
+        self.passes = self.epoch_passes = self.epochs = 0
         self.last_epoch_passes: int | None = None
         #: inside the dedicated probe-batch pass (only probe_batch schedules observe it)
         self.in_probe_batch = False
@@ -282,7 +268,6 @@ class Sampler:
         self.epoch_start = time.perf_counter()
         context.sampler = self
 
-    # ------------------------------------------------------------ schedules
     def schedule_of(self, hook: Any) -> Schedule:
         s = getattr(hook, "schedule", None) or self.default
         if s.kind == "probe_batch" and self.probe_batch_source is None:
@@ -299,8 +284,7 @@ class Sampler:
         self.context.resync()
 
     def observes(self, handle: Any) -> bool:
-        """Whether the probe of ``handle`` observes the pass under way (called by
-        :meth:`ProbeHandle.wanted`; host-side counters only)."""
+        """Whether the probe of ``handle`` observes the pass under way (host-side only)."""
         hook = handle.hook
         key = id(handle)
         if key not in self.handles:
@@ -338,8 +322,7 @@ class Sampler:
         return i % stride == 0 and i // stride < arg
 
     def probe_batch_rows(self) -> int | None:
-        """The rows of this epoch's probe batch (the most any probe asks), or None when no
-        probe waits for one."""
+        """Rows of this epoch's probe batch (the most any probe asks); None: none waits."""
         rows = [
             s.rows
             for h in self.handles.values()
@@ -349,10 +332,8 @@ class Sampler:
             rows = [self.default.rows]
         return max(rows) if rows else None
 
-    # ------------------------------------------------------------ passes
     def next_pass(self) -> None:
-        """End the training pass under way: count what the probes observed in it and
-        arm the hooks of the probes that observe the next one."""
+        """End the pass under way: count what it observed, arm the probes of the next."""
         t0 = time.perf_counter()
         if self._answers is None or any(self._answers):  # else no probe observed this pass
             self._account()
@@ -394,7 +375,6 @@ class Sampler:
 
         return optimizer.register_step_post_hook(ended)
 
-    # ------------------------------------------------------------ epochs
     def charge(self, seconds: float) -> None:
         """Count ``seconds`` of the session's epoch end beyond the collection (record
         conversion, sinks) in the next epoch's overhead; nothing without a probe."""
@@ -402,8 +382,7 @@ class Sampler:
             self._charged += max(seconds, 0.0)
 
     def before_collect(self) -> None:
-        """Run this epoch's probe batch, if a probe waits for one (called by
-        :class:`~policy_probes.stats_reporter.StatsReporter` before the trackers report)."""
+        """Run this epoch's probe batch, if a probe waits for one (before the report)."""
         if self.probe_batch_source is not None and self.probe_batch_rows() is not None:
             source = self.probe_batch_source
             if not hasattr(source, "rows"):  # a factory: build the model context now
@@ -411,11 +390,10 @@ class Sampler:
             run_probe_batch(self, source, self.generator)
 
     def end_epoch(self, trackers: list[Any], *, report_seconds: float = 0.0) -> dict[str, float]:
-        """Close the epoch's accounting (after the trackers' ``to_metrics``, which took
-        ``report_seconds``). Returns ``probes/overhead_fraction``,
-        ``probes/overhead_seconds`` and its parts (:meth:`overhead_parts`), per probe and
-        component ``passes_observed`` / ``rows_observed``, and ``observe_every`` of
-        budgeted probes; calibrates once at the end of :data:`CALIBRATION_EPOCH`."""
+        """Close the epoch's accounting (the trackers' ``to_metrics`` took ``report_seconds``):
+        ``probes/overhead_fraction``, ``probes/overhead_seconds`` and its parts
+        (:meth:`overhead_parts`), ``passes_observed`` / ``rows_observed`` per probe and
+        component, ``observe_every`` of budgeted probes; calibrates once (:meth:`_calibrate`)."""
         if not self.handles:  # no probe attached: nothing to report
             self.epoch_start = time.perf_counter()
             return {}
@@ -483,11 +461,10 @@ class Sampler:
         return out
 
     def overhead_parts(self, cost: dict[str, float], report_seconds: float) -> dict[str, float]:
-        """The epoch's ``probes/overhead_seconds`` in parts that add up to it (seconds):
-        ``passes.<probe>`` (its hooks in the passes it observed: bodies, estimated torch
-        dispatch, drains), ``report`` (collecting the trackers), ``arming`` (installing
-        and removing hooks), ``sampler`` (this bookkeeping and the probe batch's own
-        forward and backward) and ``records`` (the previous epoch end's records and sinks)."""
+        """The epoch's ``probes/overhead_seconds`` in parts (seconds) that add up to it:
+        ``passes.<probe>`` (its hooks in observed passes: bodies, estimated dispatch,
+        drains), ``report``, ``arming`` (installing and removing hooks), ``sampler`` (this
+        bookkeeping, the probe batch's own pass), ``records`` (the last epoch end's sinks)."""
         parts = {f"passes.{probe}": seconds for probe, seconds in sorted(cost.items())}
         parts["report"] = report_seconds
         parts["arming"] = self.sync_seconds
@@ -516,11 +493,10 @@ class Sampler:
         wall: float,
         parts: dict[str, float],
     ) -> None:
-        """Choose the budgeted probes' strides once, from this epoch's measured costs:
-        double the stride of the probe with the largest projected cost until an epoch's
-        projected cost is within :data:`AIM` of the budget, or every budgeted probe
-        observes one pass per epoch (then a warning: the budget cannot be met without
-        leaving epochs unobserved). ``parts``: the epoch's :meth:`overhead_parts`."""
+        """Choose the budgeted probes' strides once, from this epoch's costs (``parts``:
+        :meth:`overhead_parts`): double the stride of the probe with the largest projected
+        cost until an epoch's projection is within :data:`AIM` of the budget, or every
+        budgeted probe observes one pass per epoch (then a warning)."""
         overhead = sum(parts.values())
         fixed = overhead - sum(cost.values())  # the parts besides the observed passes
         probes = self.budgeted_probes()
@@ -567,17 +543,11 @@ class Sampler:
         }
 
     def state_dict(self) -> dict[str, Any]:
-        """Pass counters, strides and this epoch's observed passes and rows (plain values,
-        for checkpoints): a resumed run observes what the uninterrupted run would have."""
-        self._account()
+        """Pass counters, strides and this epoch's counts, so a resumed run observes what
+        the uninterrupted run would have."""
         counts = {
-            f"{c.probe}/{c.component}": [
-                c.passes,
-                c.rows + self.handles[key].hook.rows,
-                c.total_passes,
-                c.total_rows + self.handles[key].hook.rows,
-            ]
-            for key, c in self.counts.items()
+            name: [c.passes, c.rows + held, c.total_passes, c.total_rows + held]
+            for name, c, held in self._held_counts()
         }
         return {
             "passes": self.passes,
@@ -611,14 +581,19 @@ class Sampler:
 
     def totals(self) -> dict[str, tuple[int, int]]:
         """``"<probe>/<component>" -> (passes, rows)`` observed over the run so far."""
-        self._account()
         return {
-            f"{c.probe}/{c.component}": (
-                c.total_passes + c.passes,
-                c.total_rows + self.handles[key].hook.rows,
-            )
-            for key, c in self.counts.items()
+            name: (c.total_passes + c.passes, c.total_rows + held)
+            for name, c, held in self._held_counts()
         }
+
+    def _held_counts(self) -> list[tuple[str, _HookCount, int]]:
+        """``("<probe>/<component>", counts, rows its hook holds)`` of every probe, after
+        counting the pass under way."""
+        self._account()
+        return [
+            (f"{c.probe}/{c.component}", c, self.handles[key].hook.rows)
+            for key, c in self.counts.items()
+        ]
 
 
 def _restore_count(count: _HookCount, saved: list[int]) -> None:

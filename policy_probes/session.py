@@ -1,8 +1,7 @@
 """ProbeSession: the probes, lifecycle observers and sinks, driven by any training loop.
 
-Every loop drives its probes through one session: the built-in trainer (``TrainTool``
-builds one and hands it to ``PPOTrainer``), the Stable-Baselines3 ``ProbeCallback``, and a
-loop of your own (a CleanRL-style script, your own code)::
+Every loop drives its probes through one session: the built-in trainer, the
+Stable-Baselines3 ``ProbeCallback``, and a loop of your own (CleanRL-style)::
 
     probing = ProbeSettings(sinks=SinksConfig(console=False))
     with ProbeSession(agent, run="runs/ppo", probing=probing, optimizer=opt) as session:
@@ -15,9 +14,8 @@ loop of your own (a CleanRL-style script, your own code)::
             session.log({"train/value_loss": v_loss})
             session.epoch_end(step=global_step) # one record per epoch to every sink
 
-Records number epochs from 1. Leaving the ``with`` block (normally or by an exception)
-removes every hook the session installed and closes its run (sinks and lock). See
-``docs/external.md``.
+Leaving the ``with`` block (normally or by an exception) removes every hook the session
+installed and closes its run. See ``docs/external.md``.
 """
 
 from __future__ import annotations
@@ -64,18 +62,16 @@ class ProbeSession:
     """Probes, lifecycle observers and metric sinks for a training loop.
 
     Args:
-        model: the policy, any ``nn.Module``; wrapped with :meth:`PolicyAutoBuilder.wrap`
-            unless it is a :class:`PolicyAutoBuilder` (the module itself is not changed).
-        run: a :class:`~policy_probes.run.Run` or a path (default ``runs/session-<time>``).
-            The session opens it (on a resumed run it goes on after the last recorded
-            epoch), writes ``config.json`` and opens its sinks when the first epoch starts
-            (a loop that fails before writes nothing), and closes it.
+        model: the policy, any ``nn.Module`` (wrapped, not changed, unless it is a
+            :class:`PolicyAutoBuilder`).
+        run: a :class:`~policy_probes.run.Run` or a path (default ``runs/session-<time>``),
+            opened now (a resumed run goes on after its last recorded epoch); its
+            ``config.json`` and sinks are written when the first epoch starts.
         probing: the probe settings (:class:`~policy_probes.probe_settings.ProbeSettings`).
         components: names for parts of ``model`` (``{"actor_mlp": "actor.0"}``), passed to
             ``wrap``; ``None`` names every direct child after its attribute.
-        example_inputs: positional arguments for one traced forward pass (RNGs restored),
-            so a backward probe on a component that returns a tuple or mapping fails when
-            attached.
+        example_inputs: positional arguments for one traced forward pass, so a backward
+            probe on a component that returns a tuple or mapping fails when attached.
         config: your run configuration; stored in ``config.json`` and the W&B run's config.
         optimizer, scheduler, loss_fn, model_context: as :meth:`bind` takes them (a loop
             that builds them after the session calls :meth:`bind` itself).
@@ -161,20 +157,17 @@ class ProbeSession:
             raise
 
     def _open_run(self) -> None:
-        """Open the run (lock, claim); go on after the last recorded epoch of a resumed
-        run. Its sinks open when the first epoch starts (:meth:`epoch_start`)."""
+        """Open the run; a resumed run goes on after its last recorded epoch."""
         run = self.run
         if not run.opened:
             run.open()
-        last = run.last_recorded_epoch() if run.resume else None
+        if run.resume and (last := run.last_recorded_epoch()) is not None:
+            self.epoch = last
         # no set_phase() yet: forwards without gradients are not training passes
         self.context.infer_phase = True
-        #: the run's sinks (filled when the first epoch starts)
-        self.sinks = run.sinks
+        self.sinks = run.sinks  # the run's sinks (filled when the first epoch starts)
         self.sinks.draw_figures = self.analysis.figures
         self.sampler.on_choice = run.choice_recorder()  # the probe budget's choice
-        if last is not None:
-            self.epoch = last
 
     def bind(
         self,
@@ -185,12 +178,11 @@ class ProbeSession:
         model_context: ModelDataContext | None = None,
     ) -> ProbeSession:
         """The loop's training objects: ``optimizer`` (its steps end the probes' passes;
-        ``adam_dynamics``, remedies and interventions need it), its ``scheduler``, and
-        ``loss_fn(model, minibatch) -> loss`` (the exact mean loss the loop trains with),
-        which with ``optimizer`` enables the interventions (given the epoch's data:
-        :meth:`set_data` or :meth:`rollout_end`) and ``probe_batch`` schedules; or
-        ``model_context``, a ready :class:`ModelDataContext` (or a zero-argument factory)
-        instead of ``loss_fn``. Returns self."""
+        remedies and interventions need it), its ``scheduler``, and ``loss_fn(model,
+        minibatch) -> loss`` (the exact mean loss the loop trains with), which enables the
+        interventions (given the epoch's data, :meth:`set_data`) and ``probe_batch``
+        schedules; or ``model_context``, a ready :class:`ModelDataContext` (or a
+        zero-argument factory) instead of ``loss_fn``. Returns self."""
         if loss_fn is not None and model_context is None:
             if optimizer is None:
                 raise ValueError("loss_fn=... needs optimizer=... (interventions replay updates)")
@@ -217,8 +209,7 @@ class ProbeSession:
         return self
 
     def _watch_passes(self) -> None:
-        """End a probe pass at every optimizer step, once there are probes (a loop without
-        probes pays nothing per step)."""
+        """End a probe pass at every optimizer step, once there are probes."""
         if not self._watching and self.optimizer is not None and self._probes:
             self._step_hooks.append(self.sampler.watch_optimizer(self.optimizer))
             self._watching = True
@@ -264,27 +255,23 @@ class ProbeSession:
 
     @property
     def wants_observations(self) -> bool:
-        """Whether a probe or lifecycle hook reads the rollout's observations at
-        :meth:`rollout_end` (a loop may skip building them otherwise)."""
+        """Whether a probe or lifecycle hook reads the observations :meth:`rollout_end` takes."""
         return bool(self.hooks.hooks_at(HookPoint.POST_ROLLOUT)) or any(
             hasattr(t, "rollout_end") for t in self.context.model_metrics.values()
         )
 
-    # ------------------------------------------------------------------ probes
     def add_training_hook(
         self, pattern: str, builder: ProbeBuilder, **placement: Any
     ) -> ProbeSession:
-        """Attach a probe to a component name or glob now, forward or backward as the
-        probe says (a plain hook closure: forward); ``placement``: those of
-        :class:`~policy_probes.probes.probe.Placement` the probe takes. Returns self.
-        An unknown name raises ``KeyError`` listing the available names."""
+        """Attach a probe (or a plain forward hook closure) to a component name or glob
+        now; ``placement``: those of :class:`~policy_probes.probes.probe.Placement` the
+        probe takes. Returns self; an unknown name raises ``KeyError`` listing the names."""
         return self._attach(pattern, builder, None, placement)
 
     def add_training_backward_hook(
         self, pattern: str, builder: ProbeBuilder, **placement: Any
     ) -> ProbeSession:
-        """Attach a backward probe (or plain backward hook closure) now; a forward probe
-        is refused. Returns self."""
+        """Attach a backward probe (or plain backward hook closure) now; returns self."""
         return self._attach(pattern, builder, True, placement)
 
     def _attach(
@@ -309,11 +296,9 @@ class ProbeSession:
         return self
 
     def add_remedy(self, pattern: str, remedy: Remedy, *, seed: int | None = None) -> ProbeSession:
-        """Attach a remedy (:mod:`policy_probes.remedies`) to a component name or glob;
-        returns self. It fires in :meth:`epoch_end` after the epoch's metrics, before its
-        records. It waits for the loop's optimizer (:meth:`bind`; a loop that starts
-        without one is refused). ``seed``: of the remedy's generator when it has none
-        (default ``torch.initial_seed()``)."""
+        """Attach a remedy (:mod:`policy_probes.remedies`) to a component name or glob,
+        fired in :meth:`epoch_end` before the records, once the loop binds its optimizer.
+        ``seed``: of its generator if it has none (default ``torch.initial_seed()``)."""
         if self.closed:
             raise RuntimeError("this ProbeSession is closed; start a new one to add remedies")
         if self.optimizer is None:
@@ -324,8 +309,7 @@ class ProbeSession:
         return self
 
     def next_pass(self) -> None:
-        """End a training pass (a loop without an optimizer calls this after each update
-        step; :mod:`policy_probes.sampling`)."""
+        """End a training pass (a loop without an optimizer calls it after each update)."""
         self.sampler.next_pass()
 
     @property
@@ -333,14 +317,12 @@ class ProbeSession:
         """Every name a probe can be attached to."""
         return self.policy.component_names()
 
-    # ------------------------------------------------------------------ phases
     @property
     def current_phase(self) -> str:
         return self.context.phase
 
     def set_phase(self, name: str) -> None:
-        """``"rollout"`` while collecting experience, ``"train"`` while updating,
-        ``"eval"`` while evaluating. Probes record only in their ``phases``
+        """``"rollout"``, ``"train"`` or ``"eval"``: probes record only in their ``phases``
         (default ``("train",)``)."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"phase must be a non-empty string such as {PHASES}, got {name!r}")
@@ -362,7 +344,6 @@ class ProbeSession:
         finally:
             self.context.phase = previous
 
-    # --------------------------------------------------------------- row masks
     @contextmanager
     def row_mask(
         self, mask: torch.Tensor | None, *, loss_samples: float | torch.Tensor | None = None
@@ -383,20 +364,17 @@ class ProbeSession:
 
     def set_loss_samples(self, n: float | torch.Tensor | None) -> None:
         """State how many samples the loss averages over (the Fisher probe's per-sample
-        factor), until changed; ``None`` restores the default (:func:`~policy_probes.
-        row_mask.loss_samples`)."""
+        factor) until changed; ``None``: the default (the kept rows or each pass's)."""
         if n is not None and not isinstance(n, torch.Tensor) and not n > 0:
             raise ValueError(f"loss_samples must be a positive number of samples, got {n!r}")
         self.context.loss_samples = n
 
     def scale_loss(self, loss: torch.Tensor, scaler: torch.amp.GradScaler) -> torch.Tensor:
-        """``scaler.scale(loss)`` for mixed precision that also tells the probes the factor
-        (``context.loss_scale``: a 0-dim device tensor, divided out on the device). Call it
-        instead of ``scaler.scale(loss)`` before each ``backward()``."""
+        """``scaler.scale(loss)`` (mixed precision) that also tells the probes the factor as
+        a 0-dim device tensor (``context.loss_scale``); call it before each backward."""
         self.context.loss_scale = scaler.scale(torch.ones((), device=loss.device))
         return scaler.scale(loss)
 
-    # ----------------------------------------------------------------- metrics
     def log(self, metrics: Mapping[str, Any], *, reduce: Literal["last", "mean"] = "last") -> None:
         """Add the loop's own scalars to the current epoch's record: ``reduce="last"``
         keeps the last value logged under a key, ``"mean"`` the mean of this epoch's.
@@ -414,7 +392,6 @@ class ProbeSession:
                 self._sums[key] = (total + value, n + 1)
                 self._logged.pop(key, None)
 
-    # --------------------------------------------------------- lifecycle points
     def set_data(
         self,
         *,
@@ -463,8 +440,7 @@ class ProbeSession:
 
     @property
     def optimizer_step(self) -> int:
-        """The loop's optimizer steps so far (the hooks' ``step``), advanced by
-        :meth:`post_step`; a loop that does not call it at every step sets it."""
+        """The loop's optimizer steps so far (the hooks' ``step``; :meth:`post_step`)."""
         return self._step
 
     @optimizer_step.setter
@@ -487,8 +463,7 @@ class ProbeSession:
         self._fire_step(HookPoint.PRE_STEP, batch, step, fields)
 
     def post_step(self, *, batch: Any = None, step: int | None = None, **fields: Any) -> None:
-        """Fire POST_STEP right after ``optimizer.step()`` and count the optimizer step
-        (``step`` and ``fields`` as in :meth:`pre_step`)."""
+        """Fire POST_STEP right after ``optimizer.step()`` and count the step (as pre_step)."""
         self._fire_step(HookPoint.POST_STEP, batch, step, fields)
         self._step += 1
 
@@ -501,8 +476,7 @@ class ProbeSession:
         self._fire(point, batch=batch, **fields)
 
     def _fire(self, point: HookPoint, *, pending: bool = False, **fields: Any) -> dict[str, Any]:
-        """Fire ``point`` at the current epoch and optimizer step; ``pending``: its metrics
-        join this epoch's record."""
+        """Fire ``point`` now; ``pending``: its metrics join this epoch's record."""
         out = self.hooks.fire(
             point, epoch=self.record_epoch, step=self._step, model_ctx=self.model_context, **fields
         )
@@ -511,11 +485,10 @@ class ProbeSession:
         return out
 
     def epoch_start(self, **fields: Any) -> dict[str, Any]:
-        """Start the current epoch: fire PRE_EPOCH once per epoch; its metrics join the
-        epoch's record. The session calls it at an epoch's first call (a phase, a step
-        point, ...; with a PRE_EPOCH hook also the first optimizer step); a loop calls it
-        itself to pass ``fields`` (``RunDataContext`` fields). The first epoch's start
-        writes ``config.json`` and opens the sinks."""
+        """Start the current epoch: fire PRE_EPOCH once (its metrics join the epoch's
+        record). Every session call of an epoch (and with a PRE_EPOCH hook its first
+        optimizer step) calls it; a loop calls it to pass ``fields`` (``RunDataContext``
+        fields). The first epoch's start writes ``config.json`` and opens the sinks."""
         if not self._started:  # the loop starts training: a refused start writes nothing
             if self.closed:
                 raise RuntimeError("this ProbeSession is closed")
@@ -543,19 +516,18 @@ class ProbeSession:
         """The current epoch as records (and lifecycle hooks) number it, from 1."""
         return self.epoch + 1
 
-    # --------------------------------------------------------------- epoch end
     def epoch_end(self, step: int, **extra: Any) -> dict[str, Any]:
-        """Close the current epoch and emit its records to every sink; returns the
-        epoch's metrics as host values. ``step``: the agent step (environment steps so
-        far); ``extra``: more metrics for the record. Order (``docs/external.md``): the
-        trackers are collected, POST_EPOCH fires, SNAPSHOT when due, the step points are
-        flushed; then a record per step point that reported, the ``POST_EPOCH`` record
-        and in SNAPSHOT epochs a ``SNAPSHOT`` record."""
+        """Close the current epoch, emit its records to every sink and return its metrics
+        (host values). ``step``: the agent step (environment steps so far); ``extra``: more
+        metrics. Records, in order (``docs/external.md``): one per step point that
+        reported, the ``POST_EPOCH`` record, and in SNAPSHOT epochs a ``SNAPSHOT`` record."""
         if self.closed:
             raise RuntimeError("this ProbeSession is closed")
         self.epoch_start()
         self.agent_step = int(step)
-        logged = self._take_logged()
+        logged = dict(self._logged)  # and the means of what was logged with reduce="mean"
+        logged.update((key, total / n) for key, (total, n) in self._sums.items())
+        self._logged, self._sums = {}, {}
         logged.update(extra)
         sampler = self.sampler
         start, collected = time.perf_counter(), sampler.collect_seconds
@@ -569,8 +541,7 @@ class ProbeSession:
             record = Record(self.record_epoch, point, self.agent_step, values)
             self.sinks.emit(self.analysis.add(record))
         if not self.hooks.active:
-            # with no lifecycle hook, the epoch's end is the probes' reporting: record
-            # conversion and sinks (the collection is counted already)
+            # no lifecycle hook: the epoch end beyond the collection is the probes' cost
             collected = sampler.collect_seconds - collected
             sampler.charge(time.perf_counter() - start - collected)
         self._pending = {}
@@ -588,7 +559,14 @@ class ProbeSession:
         steps: dict[str, dict[str, Any]] = {}
         metrics.update(StatsReporter(self.context).collect())  # every rank: a collective
         if self.hooks.active:
-            self._warn_missing_rollout_end()
+            rollout_hooks = [h.name for h in self.hooks.hooks_at(HookPoint.POST_ROLLOUT)]
+            if rollout_hooks and not self._rollout_seen:
+                log.warning(
+                    "lifecycle hooks %s fire at POST_ROLLOUT: call session.rollout_end("
+                    "observations=...) after each rollout",
+                    rollout_hooks,
+                )
+                self._rollout_seen = True  # warn once
             metrics.update(self._pending)
             lr = self._epoch_learning_rate(logged)
             metrics.update(
@@ -606,14 +584,13 @@ class ProbeSession:
             snapshot = {}
         # plain once, for every sink and the analysis (flat keys, Python values)
         plain = plain_metrics(metrics)
-        if snapshot is not None:
-            snapshot = plain_metrics(snapshot)
+        snapshot = None if snapshot is None else plain_metrics(snapshot)
         steps = {point: plain_metrics(values) for point, values in steps.items()}
         return plain, snapshot, steps
 
     def _epoch_learning_rate(self, logged: Mapping[str, Any]) -> float | None:
-        """The logged ``train/learning_rate`` (the scheduler may have stepped since), else
-        the optimizer's."""
+        """The logged ``train/learning_rate`` (the scheduler may have stepped), else the
+        optimizer's."""
         lr = logged.get("train/learning_rate")
         if lr is not None:
             return float(lr)
@@ -621,28 +598,10 @@ class ProbeSession:
             return float(self.optimizer.param_groups[0]["lr"])
         return None
 
-    def _warn_missing_rollout_end(self) -> None:
-        if self.hooks.hooks_at(HookPoint.POST_ROLLOUT) and not self._rollout_seen:
-            log.warning(
-                "lifecycle hooks %s fire at POST_ROLLOUT: call session.rollout_end("
-                "observations=...) after each rollout",
-                [h.name for h in self.hooks.hooks_at(HookPoint.POST_ROLLOUT)],
-            )
-            self._rollout_seen = True  # warn once
-
-    def _take_logged(self) -> dict[str, Any]:
-        out = dict(self._logged)
-        for key, (total, n) in self._sums.items():
-            out[key] = total / n
-        self._logged, self._sums = {}, {}
-        return out
-
-    # ------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        """The session's state for a checkpoint: counters, this epoch's logged and
-        pending metrics, the hooks', sampler's, remedies' and trackers' state. Probes,
-        hooks and sinks are configuration: a resumed loop builds them, then loads this.
-        The sinks are flushed first, so a resume never finds fewer records than its epoch."""
+        """The session's state for a checkpoint (probes, hooks and sinks are configuration:
+        a resumed loop builds them, then loads this). The sinks are flushed first, so a
+        resume never finds fewer records than its epoch."""
         self.sinks.flush()
         return {
             "epoch": self.epoch,
@@ -687,7 +646,6 @@ class ProbeSession:
                 continue
             tracker.load_state_dict(saved, device=device)
 
-    # ------------------------------------------------------------------- close
     def remove_hooks(self) -> None:
         """Remove every torch hook this session installed (its trackers keep their data)."""
         while self._handles:
@@ -696,8 +654,7 @@ class ProbeSession:
             self._step_hooks.pop().remove()
 
     def close(self) -> None:
-        """Remove every hook and close the run; idempotent. Metrics logged since the last
-        :meth:`epoch_end` are not emitted."""
+        """Remove every hook and close the run (idempotent; unemitted metrics are lost)."""
         if self.closed:
             return
         self.closed = True
@@ -714,8 +671,7 @@ class ProbeSession:
 
     def __repr__(self) -> str:
         return (
-            f"ProbeSession(model={type(self.module).__name__}, "
-            f"run_dir={str(self.run_dir)!r}, "
+            f"ProbeSession(model={type(self.module).__name__}, run_dir={str(self.run_dir)!r}, "
             f"epoch={self.epoch}, probes={len(self._probes)}, "
             f"hooks={[h.name for h in self.hooks.hooks]}, closed={self.closed})"
         )

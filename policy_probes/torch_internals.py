@@ -1,10 +1,8 @@
 """Every use of torch's private API in policy-probes, in one place.
 
-torch keeps these names out of its public API, so a torch upgrade may change them;
-``tests/test_torch_internals.py`` pins the behaviour each helper relies on for the
-installed version, so such a change fails there, in one place, instead of deep inside a
-probe. Code elsewhere in the toolkit (and in ``trainers/``) calls these helpers and never
-touches the private names itself.
+A torch upgrade may change these names; ``tests/test_torch_internals.py`` pins what each
+helper relies on, so such a change fails there instead of deep inside a probe. The rest of
+the toolkit (and ``trainers/``) calls these helpers, never the private names.
 """
 
 from __future__ import annotations
@@ -81,8 +79,7 @@ def module_hook_count(module: nn.Module) -> int:
 
 
 def global_module_hooks_installed() -> bool:
-    """True if torch has global module hooks (``register_module_forward_hook`` and
-    friends); they fire on every module call."""
+    """True if torch has global module hooks (``register_module_forward_hook``, ...)."""
     return any(getattr(torch_module, d) for d in _GLOBAL_HOOK_DICTS)
 
 
@@ -114,8 +111,7 @@ def init_unbound_handle(handle: RemovableHandle) -> None:
 
 @contextmanager
 def quiet_output_only_backward_hooks() -> Iterator[None]:
-    """Silence :data:`OUTPUT_ONLY_BACKWARD_WARNING` inside the block (the output gradient
-    is what a probe reads)."""
+    """Silence :data:`OUTPUT_ONLY_BACKWARD_WARNING` (probes read output gradients)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=OUTPUT_ONLY_BACKWARD_WARNING)
         yield
@@ -153,8 +149,7 @@ def version_counter(tensor: torch.Tensor) -> int:
 
 
 def tensor_slot(tensor: torch.Tensor, name: str) -> Any:
-    """The Python attribute ``name`` stored on ``tensor`` by :func:`set_tensor_slot`, or
-    None (the attribute lives as long as the tensor object)."""
+    """The attribute ``name`` :func:`set_tensor_slot` stored on ``tensor``, or None."""
     return tensor.__dict__.get(name)
 
 
@@ -170,8 +165,7 @@ def queue_after_backward(callback: Callable[[], None]) -> None:
 
 
 def in_backward_pass() -> bool:
-    """True while autograd runs a backward pass on this thread (inside a tensor or
-    module backward hook)."""
+    """True while autograd runs a backward pass on this thread."""
     return torch._C._current_graph_task_id() != -1
 
 
