@@ -37,8 +37,7 @@ class ProbeHandle(RemovableHandle):
     """A ``RemovableHandle`` for everything one registration installed (the component
     hook and any hooks a probe put on submodules). For a probe, :meth:`sync` installs the
     torch hooks while the probe records in the current phase and pass and removes them
-    otherwise, so modules run hook-free then. :meth:`remove` is final.
-    """
+    otherwise, so modules run hook-free then. :meth:`remove` is final."""
 
     def __init__(
         self,

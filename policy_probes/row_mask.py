@@ -27,10 +27,8 @@ _serials = itertools.count()
 
 class RowMask:
     """A 0/1 row mask held as float weights, with the step counters of per-step calls.
-
-    ``mask`` is ``(rows,)`` or ``(batch, time)``, bool or numeric (non-zero = kept). The
-    float copy is made once here, on the mask's device; hooks only take views of it.
-    """
+    ``mask`` is ``(rows,)`` or ``(batch, time)``, bool or numeric (non-zero = kept); the
+    float copy is made once here, on the mask's device, and hooks only take views of it."""
 
     def __init__(self, mask: torch.Tensor) -> None:
         if not isinstance(mask, torch.Tensor):

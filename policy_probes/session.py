@@ -14,8 +14,10 @@ Stable-Baselines3 ``ProbeCallback``, and a loop of your own (CleanRL-style)::
             session.log({"train/value_loss": v_loss})
             session.epoch_end(step=global_step) # one record per epoch to every sink
 
-Leaving the ``with`` block (normally or by an exception) removes every hook the session
-installed and closes its run. See ``docs/external.md``.
+Records number epochs from 1; PRE_EPOCH fires at an epoch's first session call, so a loop
+resumed from :meth:`~ProbeSession.load_state_dict` fires it on the loaded state. Leaving
+the ``with`` block (even by an exception) removes every hook and closes the run. See
+``docs/external.md``.
 """
 
 from __future__ import annotations
@@ -364,7 +366,7 @@ class ProbeSession:
 
     def set_loss_samples(self, n: float | torch.Tensor | None) -> None:
         """State how many samples the loss averages over (the Fisher probe's per-sample
-        factor) until changed; ``None``: the default (the kept rows or each pass's)."""
+        factor) until changed; ``None``: the row mask's kept rows, else each pass's rows."""
         if n is not None and not isinstance(n, torch.Tensor) and not n > 0:
             raise ValueError(f"loss_samples must be a positive number of samples, got {n!r}")
         self.context.loss_samples = n

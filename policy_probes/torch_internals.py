@@ -84,9 +84,8 @@ def global_module_hooks_installed() -> bool:
 
 
 class hooks_set_aside:
-    """The module hooks of ``module``'s subtree set aside inside the ``with`` block (for
-    re-running the module on single samples without the probes reading those passes),
-    and put back, the same dict objects, on exit."""
+    """The module hooks of ``module``'s subtree set aside inside the ``with`` block (a
+    re-run the probes must not read), and the same dict objects put back on exit."""
 
     def __init__(self, module: nn.Module) -> None:
         self.modules = list(module.modules())
@@ -135,8 +134,7 @@ def compiled_call(module: nn.Module) -> Callable[..., Any] | None:
 
 def force_eager_stance() -> Callable[[], None]:
     """Set ``torch.compiler.set_stance("force_eager")`` now; returns the function that
-    restores the stance that was set before (``set_stance`` applies when called, and its
-    context manager's exit restores the previous stance)."""
+    restores the previous stance (the exit of ``set_stance``'s context manager)."""
     stance = torch.compiler.set_stance("force_eager")
     return lambda: stance.__exit__(None, None, None)
 
@@ -185,9 +183,8 @@ def tree_leaves(tree: Any) -> list[Any]:
 
 
 def tree_flatten_cached(tree: Any) -> tuple[list[Any], Any]:
-    """``tree_flatten(tree)``, its spec built once per structure of plain tuples, lists
-    and dicts of tensors and Python scalars (see :func:`tree_leaves`); other trees are
-    flattened by torch."""
+    """``tree_flatten(tree)``, its spec built once per structure of plain containers of
+    tensors and scalars (:func:`tree_leaves`); other trees are flattened by torch."""
     leaves: list[Any] = []
     key = _walk(tree, leaves)
     if key is None:
