@@ -353,8 +353,8 @@ class ProbeSession:
         """Leave out of every probe the rows the loss masks, for the forward and backward
         inside the block. ``mask`` is ``(rows,)`` or ``(batch, time)``, 1 (or True) where
         the loss uses the row; ``None`` keeps every row. ``loss_samples``: how many samples
-        the loss averages over (default: the kept rows). Alignment:
-        :mod:`policy_probes.row_mask`."""
+        the loss averages over (default: the kept rows). How a mask lines up with each
+        probed tensor: ``docs/external.md``."""
         previous = (self.context.row_mask, self.context.loss_samples)
         self.context.row_mask = mask  # a fresh RowMask: per-step counts start at 0
         if loss_samples is not None:
