@@ -1,21 +1,10 @@
 """Probes on policies compiled with ``torch.compile``: observed passes run eagerly.
 
-Dynamo cannot trace what probes do (Python state, tensor hooks, timers), and hooks that are
-installed and removed at pass boundaries would change what a compiled graph guards on. So
-while any probe of a policy is armed (the passes its sampler observes, see
-:mod:`policy_probes.sampling`), the toolkit sets ``torch.compiler.set_stance("force_eager")``:
-every ``torch.compile``'d module or function (a policy, its forward, a whole update step)
-then runs its original Python code, where the probes' hooks fire as in an eager run. When
-the last probe is disarmed, the stance before it comes back, and unobserved passes run the
-compiled graph, untouched: no graph breaks, and no recompile caused by the probes.
-
-This was chosen by measurement (docs/compile.md, ``benchmarks/compile_design.py``): hooks
-left visible to dynamo (their bodies under ``torch.compiler.disable``) break the graph at
-the probed module on every pass, observed or not.
-
-CUDA graphs (``mode="reduce-overhead"``, ``"max-autotune"`` or ``triton.cudagraphs``) are
-refused when probes attach: an eager pass between CUDA-graph replays is not something this
-toolkit has verified.
+Dynamo cannot trace what probes do, and hooks that come and go would change what a graph
+guards on. So while any probe of a policy is armed, ``torch.compiler.set_stance(
+"force_eager")`` makes compiled code run its Python, where the hooks fire; unobserved
+passes run the compiled graph untouched. CUDA graphs are refused when probes attach (an
+eager pass between replays is unverified). See ``docs/compile.md``.
 """
 
 from __future__ import annotations
@@ -76,14 +65,13 @@ def _release(key: int) -> None:
 
 
 class _Claim:
-    """A holder of the eager stance for the length of one ``with`` block."""
+    """A holder of the eager stance for one ``with`` block."""
 
 
 @contextlib.contextmanager
 def eager_block() -> Iterator[None]:
-    """``force_eager`` for the block, as one more claim on the stance: a claim given
-    back inside the block (a probed policy collected meanwhile) cannot end it, and the
-    block's end cannot undo a claim taken inside it, as a nested ``set_stance`` would."""
+    """``force_eager`` for the block, as one more claim on the stance (unlike a nested
+    ``set_stance``, its end cannot undo a claim taken inside it, nor the reverse)."""
     claim = _Claim()
     hold_eager(claim, True)
     try:
@@ -98,44 +86,30 @@ def eager_held() -> bool:
 
 
 def unwrap(module: nn.Module) -> nn.Module:
-    """The module a ``torch.compile(module)`` wraps (the module itself otherwise): hooks go
-    on its submodules, which the compiled wrapper runs."""
+    """The module a ``torch.compile(module)`` wraps (hooks go there), else ``module``."""
     while is_compiled_wrapper(module):
         module = compiled_original(module)
     return module
 
 
-def compiled_parts(module: nn.Module) -> list[tuple[str, Any]]:
-    """``(name, compiled)`` of every compiled part of ``module``'s tree (the root as
-    ``""``): ``torch.compile(module)`` wrappers and modules compiled in place with
-    ``module.compile()``."""
-    out: list[tuple[str, Any]] = []
-    for name, m in module.named_modules():
-        if is_compiled_wrapper(m):
-            out.append((name, m))
-        elif compiled_call(m) is not None:
-            out.append((name, compiled_call(m)))
-    return out
-
-
-def uses_cuda_graphs(compiled: Any) -> bool:
+def _uses_cuda_graphs(compiled: Any) -> bool:
     """Whether a ``torch.compile`` result (module or function) records CUDA graphs."""
     get = getattr(compiled, "get_compiler_config", None)
-    if not callable(get):
-        return False
     try:
-        config = get()
+        config = get() if callable(get) else None
     except Exception:  # a backend without a config: no inductor CUDA graphs
         return False
     return bool(isinstance(config, dict) and config.get("triton.cudagraphs"))
 
 
 def check_compiled(module: nn.Module, *extra: Any) -> None:
-    """Refuse probes on a compiled part that uses CUDA graphs (called at attach time).
-
-    ``extra``: further ``torch.compile`` results (functions) the loop calls."""
-    for name, part in [*compiled_parts(module), *(("", f) for f in extra)]:
-        if uses_cuda_graphs(part):
+    """Refuse probes on a compiled part that uses CUDA graphs (called at attach time):
+    ``torch.compile(module)`` wrappers and ``module.compile()`` calls in ``module``'s
+    tree, and ``extra`` ``torch.compile`` results (functions) the loop calls."""
+    tree = module.named_modules()
+    parts = [(name, sub if is_compiled_wrapper(sub) else compiled_call(sub)) for name, sub in tree]
+    for name, part in [*parts, *(("", fn) for fn in extra)]:
+        if _uses_cuda_graphs(part):
             where = f" ({name})" if name else ""
             raise ProbeError(
                 f"probes cannot observe a policy compiled with CUDA graphs{where}: "

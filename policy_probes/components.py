@@ -1,10 +1,9 @@
 """PolicyAutoBuilder: a policy made of named components that probes can attach to.
 
-Names are addressable at every depth: ``actor_mlp`` is a top-level component and
-``actor_mlp.layer_0`` / ``actor_mlp.layer_0.linear`` are its submodules. Patterns may use
-globs: ``*`` matches within one dotted level (``actor_mlp.*`` selects ``actor_mlp.layer_0``
-and ``actor_mlp.layer_1`` but not ``actor_mlp.layer_0.linear``), ``**`` crosses levels,
-``?`` and ``[...]`` work as in :mod:`fnmatch`.
+Names are addressable at every depth (``actor_mlp``, ``actor_mlp.layer_0.linear``).
+Patterns may use globs: ``*`` matches within one dotted level (``actor_mlp.*`` selects
+``actor_mlp.layer_0`` but not ``actor_mlp.layer_0.linear``), ``**`` crosses levels, ``?``
+and ``[...]`` work as in :mod:`fnmatch`.
 """
 
 from __future__ import annotations
@@ -36,13 +35,9 @@ GLOB_CHARS = set("*?[")
 
 class ProbeHandle(RemovableHandle):
     """A ``RemovableHandle`` for everything one registration installed (the component
-    hook and any hooks a probe put on submodules).
-
-    For a probe (a hook with ``phases`` and a ``context``) the handle follows the
-    context's phase: :meth:`sync` installs the torch hooks while the probe records in the
-    current phase and removes them otherwise, so modules run hook-free in phases where no
-    probe records. :meth:`remove` is final.
-    """
+    hook and any hooks a probe put on submodules). For a probe, :meth:`sync` installs the
+    torch hooks while the probe records in the current phase and pass and removes them
+    otherwise, so modules run hook-free then. :meth:`remove` is final."""
 
     def __init__(
         self,
@@ -72,9 +67,7 @@ class ProbeHandle(RemovableHandle):
             return False
         if hook.phases is not None and hook.context.phase not in hook.phases:
             return False
-        sampler = getattr(
-            hook.context, "sampler", None
-        )  # which passes it observes (policy_probes.sampling)
+        sampler = getattr(hook.context, "sampler", None)  # which passes it observes
         return sampler is None or sampler.observes(self)
 
     def sync(self) -> None:
@@ -99,31 +92,20 @@ class ProbeHandle(RemovableHandle):
             self.owner._release(self)
 
 
+_GLOB_TOKENS = re.compile(r"\*\*|\*|\?|\[[^]]*]|.", re.S)
+_GLOB_REGEX = {"**": ".*", "*": r"[^.]*", "?": r"[^.]"}
+
+
 def glob_to_regex(pattern: str) -> re.Pattern[str]:
-    out, i = [], 0
-    while i < len(pattern):
-        c = pattern[i]
-        if pattern.startswith("**", i):
-            out.append(".*")
-            i += 2
-            continue
-        if c == "*":
-            out.append(r"[^.]*")
-        elif c == "?":
-            out.append(r"[^.]")
-        elif c == "[":
-            j = pattern.find("]", i + 1)
-            if j == -1:
-                out.append(re.escape(c))
-            else:
-                body = pattern[i + 1 : j]
-                if body.startswith("!"):
-                    body = "^" + body[1:]
-                out.append(f"[{body}]")
-                i = j
+    out = []
+    for token in _GLOB_TOKENS.findall(pattern):
+        if token in _GLOB_REGEX:
+            out.append(_GLOB_REGEX[token])
+        elif len(token) > 1:  # a [...] class; [!...] negates as in fnmatch
+            body = token[1:-1]
+            out.append(f"[^{body[1:]}]" if body.startswith("!") else f"[{body}]")
         else:
-            out.append(re.escape(c))
-        i += 1
+            out.append(re.escape(token))
     return re.compile("".join(out) + r"\Z")
 
 
@@ -138,12 +120,9 @@ def output_kind(output: Any) -> str:
 
 
 class PolicyAutoBuilder(nn.Module):
-    """An ``nn.Module`` whose named parts can be probed.
-
-    Build one from a component spec (name -> ``nn.Module`` or a spec such as
-    :class:`~policy_probes.layers.MLPSpec`) and define ``forward`` in a subclass, or make
-    any existing module probe-able with :meth:`wrap`.
-    """
+    """An ``nn.Module`` whose named parts can be probed: build one from a component spec
+    (name -> ``nn.Module`` or a spec such as :class:`~policy_probes.layers.MLPSpec`) and
+    define ``forward`` in a subclass, or make any module probe-able with :meth:`wrap`."""
 
     def __init__(self, spec: Mapping[str, nn.Module | MLPSpec | LinearSpec] | None = None) -> None:
         super().__init__()
@@ -160,7 +139,6 @@ class PolicyAutoBuilder(nn.Module):
             self.add_module(name, module)
             self._component_modules[name] = module
 
-    # ------------------------------------------------------------ construction
     @classmethod
     def wrap(
         cls,
@@ -168,14 +146,10 @@ class PolicyAutoBuilder(nn.Module):
         components: Mapping[str, nn.Module | str] | None = None,
         example_inputs: tuple[Any, ...] | None = None,
     ) -> PolicyAutoBuilder:
-        """Make an existing module probe-able without changing it.
-
-        ``components`` maps names to submodules or dotted submodule paths of ``module``;
-        ``None`` takes every direct child under its attribute name (nested parts are then
-        addressable by dotted names). ``example_inputs`` (optional) runs one forward pass
-        under ``no_grad`` to learn what each component returns, so backward probes on
-        components that cannot carry a backward hook fail when attached.
-        """
+        """Make an existing module probe-able without changing it. ``components`` maps
+        names to submodules or dotted submodule paths of ``module``; ``None`` takes every
+        direct child under its attribute name. ``example_inputs``: one traced forward
+        (:meth:`trace_outputs`), so backward probes that cannot fire fail when attached."""
         inner = unwrap(module)  # torch.compile(module): hooks go on the module it runs
         if inner is not module and isinstance(inner, PolicyAutoBuilder) and components is None:
             if example_inputs is not None:
@@ -185,7 +159,7 @@ class PolicyAutoBuilder(nn.Module):
         wrapper = cls()
         wrapper.module = module
         if components is None:
-            components = {n: m for n, m in module.named_children()}
+            components = dict(module.named_children())
             if not components:
                 components = {type(module).__name__.lower(): module}
         owned = {id(m) for m in module.modules()}
@@ -214,7 +188,6 @@ class PolicyAutoBuilder(nn.Module):
             raise NotImplementedError(f"{type(self).__name__} must define forward()")
         return inner(*args, **kwargs)
 
-    # ------------------------------------------------------------------ names
     @property
     def components(self) -> OrderedDict[str, nn.Module]:
         return OrderedDict(self._component_modules)
@@ -257,14 +230,10 @@ class PolicyAutoBuilder(nn.Module):
         hint = f" Closest: {', '.join(close)}." if close else ""
         return f"unknown {what} {name!r}.{hint} Available components: {', '.join(names)}"
 
-    # ----------------------------------------------------------- output kinds
     @torch.no_grad()
     def trace_outputs(self, *args: Any, **kwargs: Any) -> dict[str, str]:
-        """Run one forward pass and record what every addressable part returns.
-
-        The pass runs in eval mode (no BatchNorm statistics update) with forked RNG
-        states, so tracing leaves the model and the random streams as they were.
-        """
+        """Run one forward pass and record what every addressable part returns, in eval
+        mode with forked RNG states (the model and random streams stay as they were)."""
         kinds: dict[str, str] = {}
         notes: dict[str, tuple[str, str]] = {}
         handles = []
@@ -278,7 +247,8 @@ class PolicyAutoBuilder(nn.Module):
         modes = {m: m.training for m in self.modules()}
         # the generators of the CUDA devices the pass can draw on: the model's and inputs'
         tensors = [*self.parameters(), *self.buffers(), *tree_leaves((args, kwargs))]
-        cuda = sorted({t.device.index or 0 for t in tensors if _on_cuda(t)})
+        on_cuda = (t for t in tensors if isinstance(t, torch.Tensor) and t.device.type == "cuda")
+        cuda = sorted({t.device.index or 0 for t in on_cuda})
         try:
             # compiled parts run their Python code: the tracing hooks fire, nothing compiles
             with torch.random.fork_rng(devices=cuda), eager_block():
@@ -296,13 +266,11 @@ class PolicyAutoBuilder(nn.Module):
         """``tensor``, ``mapping``, ``sequence``, ``object`` or ``unknown`` (not traced)."""
         return self._output_kinds.get(name, "unknown")
 
-    # ---------------------------------------------------------- registration
     def register_component_hook_rule(
         self, *, component_name: str, hook: Observation
     ) -> ProbeHandle:
-        """Install ``hook`` (an :class:`~policy_probes.probes.observation.Observation`) as a
-        forward hook ``(module, inputs, output)`` on one component, with the hooks its
-        probe installs inside it."""
+        """Install ``hook`` as a forward hook on one component, with the hooks its probe
+        installs inside it."""
         module = self.get_component(component_name)
 
         def install() -> list[RemovableHandle]:
@@ -314,19 +282,12 @@ class PolicyAutoBuilder(nn.Module):
     def register_component_backward_hook_rule(
         self, *, component_name: str, hook: Observation
     ) -> ProbeHandle:
-        """Install ``hook`` to receive the gradient of one component's output.
-
-        A plain closure on a component that returns a tensor gets
-        ``register_full_backward_hook`` (``(module, grad_input, grad_output)``). A probe,
-        and any hook on a component that returns a mapping, tuple or other object, is
-        delivered the output gradient through a tensor hook registered by a forward hook,
-        with ``grad_input=None``: that path costs one tensor hook per recorded pass,
-        installs nothing while the probe's phase is inactive (so rollouts and
-        ``torch.func`` transforms run on the bare module), and needs no wrapping of the
-        module's inputs and outputs. Non-tensor outputs need the placement's
-        ``extractor``; without one, attaching raises :class:`ProbeError` at once if the
-        output type is known (see :meth:`trace_outputs`), else on the first forward.
-        """
+        """Install ``hook`` to receive the gradient of one component's output: a plain
+        closure on a tensor-returning component through ``register_full_backward_hook``,
+        anything else through a tensor hook a forward hook registers (``grad_input=None``;
+        nothing installed while the probe is inactive). Non-tensor outputs need the
+        placement's ``extractor``; without one, attaching raises :class:`ProbeError` if the
+        output type is known (:meth:`trace_outputs`), else the first forward does."""
         module = self.get_component(component_name)
         _check_inplace(module, component_name)
         # the recurrent default applies only when the placement gives no extractor
@@ -360,15 +321,12 @@ class PolicyAutoBuilder(nn.Module):
         backward: bool | None = None,
         **placement: Any,
     ) -> list[ProbeHandle]:
-        """Resolve ``pattern`` and attach ``builder`` to each name it resolves to: a
-        :class:`~policy_probes.probes.probe.Probe`, or a plain builder ``(component, context) ->
-        hook closure | None`` whose closures go through the same path (fault rule, clock).
-
-        A probe carries its direction and is placed by it; ``backward`` is for closures
-        (forward unless ``backward=True``) and, when given, must agree with the probe's
-        own direction. ``placement``: ``phases``, ``extractor``, ``layout``,
-        ``per_layer``, ``schedule`` (:class:`~policy_probes.probes.probe.Placement`; each probe
-        says which it takes)."""
+        """Attach ``builder`` to each name ``pattern`` resolves to: a
+        :class:`~policy_probes.probes.probe.Probe`, or a plain builder ``(component,
+        context) -> hook closure | None`` whose closures go through the same path (fault
+        rule, clock). ``backward`` is for closures (forward unless True); for a probe, when
+        given, it must agree with the probe's direction. ``placement``: those of
+        :class:`~policy_probes.probes.probe.Placement` the probe takes."""
         check_builder(builder, pattern)
         check_compiled(self)
         place = placement_of(builder, **placement)
@@ -398,15 +356,14 @@ class PolicyAutoBuilder(nn.Module):
             if hook is None:
                 continue
             hook.locate = self.get_component
-            rule = (
-                self.register_component_backward_hook_rule
-                if hook.backward
-                else self.register_component_hook_rule
-            )
+            rule = self.register_component_hook_rule
+            if hook.backward:
+                rule = self.register_component_backward_hook_rule
             try:
                 out.append(rule(component_name=name, hook=hook))
-            except Exception:
-                _forget(hook, name)  # so a corrected builder can be attached in this context
+            except Exception:  # forget it, so a corrected builder can be attached here
+                if hook.tracker is not None:
+                    hook.tracker.unregister_component(name)
                 raise
         return out
 
@@ -439,8 +396,7 @@ class PolicyAutoBuilder(nn.Module):
         self._hold_eager()
 
     def _hold_eager(self) -> None:
-        """Compiled code runs eagerly while a probe is armed (or the lifecycle layer runs
-        its hooks), so the hooks fire; unobserved passes run the compiled graph
+        """Compiled code runs eagerly while a probe is armed or lifecycle hooks run
         (:mod:`policy_probes.compiled`)."""
         lifecycle = any(c.phase == "hook" for c in self._contexts)
         hold_eager(self, lifecycle or any(h.armed for h in self._handles))
@@ -451,8 +407,7 @@ class PolicyAutoBuilder(nn.Module):
         return list(self._handles)
 
     def hooks_installed(self) -> bool:
-        """True if any torch hook is installed on any module of this policy (trainers
-        call it once per minibatch to pick the hook-free path)."""
+        """True if any torch hook is installed on any module of this policy."""
         return module_hooks_installed(self)
 
     def remove_hooks(self) -> None:
@@ -477,9 +432,8 @@ def add_probe(
     backward: bool | None,
     placement: dict[str, Any],
 ) -> None:
-    """Add a probe a driver is given (TrainTool, ProbeSession, ProbeCallback) to ``probes``
-    after the checks: a pattern, a builder, a placement it takes, not the same builder on
-    the same pattern twice."""
+    """Check a probe a driver is given (a pattern, a builder, a placement it takes, not
+    the same builder on the same pattern twice) and add it to ``probes``."""
     if not isinstance(pattern, str) or not pattern:
         raise TypeError(f"component pattern must be a non-empty string, got {pattern!r}")
     check_builder(builder, pattern)
@@ -519,34 +473,14 @@ def check_builder(builder: Any, pattern: str) -> None:
         pass
 
 
-def _forget(hook: Observation, component: str) -> None:
-    if hook.tracker is not None:
-        hook.tracker.unregister_component(component)
-
-
 #: torch modules whose ``inplace=True`` overwrites their input, the activation a backward
 #: probe reads; ``inplace`` on other modules (a TensorDictModule writing its outputs into
 #: the input TensorDict) says nothing about activations
 INPLACE_OVERWRITING = (
-    nn.ReLU,
-    nn.ReLU6,
-    nn.LeakyReLU,
-    nn.RReLU,
-    nn.ELU,
-    nn.CELU,
-    nn.SELU,
-    nn.SiLU,
-    nn.Mish,
-    nn.Hardtanh,
-    nn.Hardsigmoid,
-    nn.Hardswish,
-    nn.Threshold,
-    nn.Dropout,
-    nn.Dropout1d,
-    nn.Dropout2d,
-    nn.Dropout3d,
-    nn.AlphaDropout,
-    nn.FeatureAlphaDropout,
+    *(nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.RReLU, nn.ELU, nn.CELU, nn.SELU, nn.SiLU, nn.Mish),
+    *(nn.Hardtanh, nn.Hardsigmoid, nn.Hardswish, nn.Threshold),
+    *(nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d),
+    *(nn.AlphaDropout, nn.FeatureAlphaDropout),
 )
 
 
@@ -559,7 +493,3 @@ def _check_inplace(module: nn.Module, name: str) -> None:
                 f"(inplace=True); in-place activations overwrite the tensors a backward probe "
                 f"reads. Build it with inplace=False."
             )
-
-
-def _on_cuda(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and value.device.type == "cuda"

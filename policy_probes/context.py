@@ -17,37 +17,22 @@ class ComponentContext:
     """Shared state between a training loop and the probes attached to a policy.
 
     Attributes:
-        model_metrics: trackers keyed by probe name (``"relu"``, ``"fisher"``, ...).
-            Builders get or create their tracker here; :class:`StatsReporter` reads them.
-        phase: what the loop is doing now. Probes record only while ``phase`` is one of
-            their ``phases`` (default ``("train",)``), so rollout inference never mixes
-            with training samples. Trainers set ``"rollout"`` while collecting experience;
-            the lifecycle layer sets ``"hook"`` while its hooks run. Setting a new phase
-            notifies the policies the probes are attached to, which install the torch hooks
-            of the probes that record in it and remove the others, so a phase in which no
-            probe records runs the bare modules.
-        loss_scale: the factor by which the loop multiplied the mean-reduced loss before
-            ``backward()`` (for example ``1/k`` when a minibatch is split into ``k``
-            micro-batches), set before each backward. It is read as each gradient reaches
-            the probes and passed to them as ``loss_scale=``; the Fisher probe divides it
-            out to recover per-sample gradients. A 0-dim device tensor is accepted (an AMP
-            grad scaler's scale: ``ProbeSession.scale_loss``) and never read back.
-        loss_samples: how many samples the loss averages over, when that is not the rows
-            of one probed pass (an LSTM cell called once per step: the loss averages over
-            ``steps x batch`` rows). ``None`` (default): the kept rows of :attr:`row_mask`
-            when a mask is set, else the rows of each pass. The Fisher probe's per-sample
-            factor is ``loss_samples / loss_scale``.
+        model_metrics: trackers keyed by probe name (``"relu"``, ``"fisher"``, ...), read
+            by :class:`StatsReporter`.
+        phase: what the loop is doing now (``"rollout"``, ``"train"``, ``"eval"``; the
+            lifecycle layer's ``"hook"``); probes record only in their ``phases``. A new
+            phase arms the hooks of the probes that record in it and removes the others.
+        loss_scale: the factor the loop multiplied the mean loss by before ``backward()``
+            (``1/k`` for ``k`` micro-batches; a 0-dim device tensor is never read back).
+        loss_samples: how many samples the loss averages over when that is not the rows
+            of one probed pass (``None``: :func:`~policy_probes.row_mask.loss_samples`).
+            The Fisher probe's per-sample factor is ``loss_samples / loss_scale``.
         row_mask: the :class:`~policy_probes.row_mask.RowMask` of the rows the loss uses
-            (set it with ``ProbeSession.row_mask(mask)`` or assign a tensor); ``None``:
-            every row counts. See ``policy_probes/row_mask.py`` for how it aligns.
-        strict: when True a probe that raises stops training; otherwise the probe is
-            disabled, reported once, and counted in :attr:`probe_errors`.
-        probe_errors: ``"<probe>/<component>" -> message`` for every probe disabled
-            after raising.
-        infer_phase: set by a loop that has not said what it is doing (a
-            ``ProbeSession`` before its first ``set_phase``): forward passes without
-            gradients (``torch.no_grad()``, ``torch.inference_mode()``) are then taken for
-            rollout or evaluation passes, and forward probes do not record them.
+            (assign a tensor); ``None``: every row.
+        strict: a probe that raises stops training; otherwise it is disabled, reported
+            once and counted in :attr:`probe_errors` (``"<probe>/<component>" -> message``).
+        infer_phase: set while the loop has not said what it does: forward passes without
+            gradients are then taken as rollout or evaluation, not recorded.
     """
 
     def __init__(
@@ -68,9 +53,7 @@ class ComponentContext:
         self._row_mask: Any = None
         self.infer_phase = False
         self._inferred_once = False
-        #: the :class:`~policy_probes.sampling.Sampler` choosing which passes probes
-        #: observe; ``None``: every pass of their phases
-        self.sampler: Any = None
+        self.sampler: Any = None  # which passes probes observe (None: every pass)
 
     @property
     def row_mask(self) -> Any:
@@ -91,22 +74,18 @@ class ComponentContext:
 
     @phase.setter
     def phase(self, value: str) -> None:
-        if value == self._phase:
-            return
-        self._phase = value
-        for listener in self._phase_listeners:
-            listener(value)
+        if value != self._phase:
+            self._phase = value
+            self.resync()
 
     def resync(self) -> None:
-        """Tell the phase listeners to re-check which hooks to install (a pass boundary
-        of the sampler: the phase is unchanged, the observed probes may not be)."""
+        """Tell the phase listeners to re-check which hooks to install (pass boundaries)."""
         for listener in self._phase_listeners:
             listener(self._phase)
 
     def inference_pass(self) -> bool:
-        """Whether the forward pass under way is inferred not to be training: no phase set
-        (:attr:`infer_phase`) and gradients off. A host-side flag check, no tensor work.
-        The first such pass is logged once."""
+        """Whether the forward pass under way is inferred not to be training (no phase set,
+        :attr:`infer_phase`, and gradients off); host-side flags only, warns once."""
         if not self.infer_phase or torch.is_grad_enabled():
             return False
         if not self._inferred_once:

@@ -1,16 +1,11 @@
 """Extractors: how a probe picks the tensor it reads out of a component's output.
 
-The ``extractor`` argument of every builder may be
-
-* a callable ``output -> torch.Tensor`` (``extractor=lambda out: out.features``);
-* a key of a mapping or TensorDict output (``extractor="hidden"``), or a nested key as a
-  tuple of strings (``extractor=("next", "hidden")``, TensorDict's own spelling; a plain
-  mapping of mappings is walked level by level);
-* an index into a tuple or list output (``extractor=0`` for ``(output, hidden_state)``).
-
-:func:`as_extractor` turns the argument into a callable when the builder is created, so a
-wrong type is a ``TypeError`` before training starts. A key or index that does not match
-the output raises :class:`ProbeError` from the hook, under the probe fault rule.
+A builder's ``extractor`` is a callable ``output -> torch.Tensor``, a key of a mapping or
+TensorDict output (``"hidden"``), a nested key as a tuple of strings (``("next",
+"hidden")``; a plain mapping of mappings is walked level by level), or an index into a
+tuple or list output (``0`` for ``(output, hidden_state)``). :func:`as_extractor` checks
+it when the builder is created (``TypeError``); a key or index that does not match the
+output raises :class:`ProbeError` from the hook, under the probe fault rule.
 """
 
 from __future__ import annotations
@@ -86,15 +81,17 @@ def as_extractor(spec: Extractor | None) -> Callable[[Any], Any] | None:
     """The callable for a builder's ``extractor`` argument (``None`` stays ``None``)."""
     if spec is None or callable(spec):
         return spec
-    if isinstance(spec, bool):  # an int subclass, but never meant as an index
-        raise TypeError(_bad_spec(spec))
-    if isinstance(spec, int):
+    if isinstance(spec, int) and not isinstance(spec, bool):  # True is no index
         return IndexExtractor(spec)
     if isinstance(spec, str) and spec:
         return KeyExtractor(spec)
     if isinstance(spec, tuple) and spec and all(isinstance(k, str) and k for k in spec):
         return KeyExtractor(spec[0] if len(spec) == 1 else spec)
-    raise TypeError(_bad_spec(spec))
+    raise TypeError(
+        f'extractor must be a callable output -> tensor, a key (extractor="hidden"), a '
+        f'nested key (extractor=("next", "hidden")) or a tuple index (extractor=0); got '
+        f"{type(spec).__name__} {spec!r:.60}"
+    )
 
 
 def gradient_target(
@@ -114,17 +111,8 @@ def gradient_target(
     )
 
 
-def _bad_spec(spec: Any) -> str:
-    return (
-        f'extractor must be a callable output -> tensor, a key (extractor="hidden"), a '
-        f'nested key (extractor=("next", "hidden")) or a tuple index (extractor=0); got '
-        f"{type(spec).__name__} {spec!r:.60}"
-    )
-
-
 def _lookup(output: Mapping, key: Key) -> Any:
-    """``output[key]`` or ``None`` when absent; nested keys through TensorDict's own
-    lookup, or level by level in plain mappings."""
+    """``output[key]`` or ``None`` when absent (nested keys: level by level)."""
     if is_tensordict(output):
         try:
             return output.get(key, None)

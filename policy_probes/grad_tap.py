@@ -1,12 +1,9 @@
 """One autograd tensor hook per tensor, shared by every probe that wants its gradient.
 
-Several probes often read the gradient of the same tensor: on an MLP component that ends
-in its activation, ``fisher`` (per-unit), ``gradient_flow`` and ``relu_gradient_flow``
-(last ReLU) all want the gradient of the component's output. Each
-``Tensor.register_hook`` costs a registration in the forward pass and a call from the
-autograd engine into Python in the backward pass, so :func:`on_grad` registers one hook
-per tensor and fans the gradient out to the subscribers, in subscription order. The
-subscriber list lives on the tensor itself, so it is freed with the tensor.
+Several probes often read the gradient of the same tensor, and each
+``Tensor.register_hook`` costs a registration and a call into Python, so :func:`on_grad`
+registers one hook per tensor and fans the gradient out to the subscribers in order. The
+subscriber list lives on the tensor, freed with it.
 """
 
 from __future__ import annotations
@@ -27,14 +24,10 @@ _warned_traced = False
 
 
 def on_grad(tensor: torch.Tensor, callback: GradCallback) -> None:
-    """Call ``callback(grad)`` when the gradient of ``tensor`` is computed (``tensor``
-    must require grad). The callback must not modify ``grad`` or return anything; a
-    callback that raises propagates into ``backward()``, so probes guard their own.
-
-    The callback must not hold ``tensor`` itself (hold ``tensor.detach()``): autograd
-    keeps the hook alive from C++, so a hook that refers back to its tensor forms a cycle
-    Python's garbage collector cannot see, and the tensor and its graph are never freed.
-    """
+    """Call ``callback(grad)`` when the gradient of ``tensor`` (which requires grad) is
+    computed. The callback must not modify ``grad``, return anything or raise (that
+    propagates into ``backward()``), nor hold ``tensor`` itself (hold ``tensor.detach()``):
+    autograd keeps the hook alive from C++, so that cycle would never be freed."""
     if torch.compiler.is_compiling():  # dynamo cannot trace the tensor's Python slot
         _traced()
         return
@@ -48,10 +41,8 @@ def on_grad(tensor: torch.Tensor, callback: GradCallback) -> None:
 
 
 class _FanOut:
-    """The one tensor hook of a tapped tensor: hands the gradient to every subscriber.
-    A slotted object rather than a closure (one object instead of a function, its cell
-    and closure tuple): a module called step by step taps a tensor per step, each alive
-    until the backward."""
+    """The one tensor hook of a tapped tensor: hands the gradient to every subscriber (a
+    slotted object, lighter than a closure: a per-step module taps a tensor per step)."""
 
     __slots__ = ("subscribers",)
 

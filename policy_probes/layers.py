@@ -1,9 +1,8 @@
 """Building blocks and component specs for policies made of named parts.
 
 An MLP built here names every hidden layer ``layer_<i>`` with children ``linear`` and
-``act``, so a probe can address ``actor_mlp`` (post-activation output of the last
-hidden layer), ``actor_mlp.layer_0`` (post-activation output of the first) or
-``actor_mlp.layer_0.linear`` (its pre-activation).
+``act``, so a probe can address ``actor_mlp`` (the last layer's activation),
+``actor_mlp.layer_0`` (the first's) or ``actor_mlp.layer_0.linear`` (its pre-activation).
 """
 
 from __future__ import annotations
@@ -60,11 +59,9 @@ class HiddenLayer(nn.Module):
 
 
 class ConvLayer(nn.Module):
-    """``act(conv(x))`` with both parts addressable by name: the convolutional counterpart
-    of :class:`HiddenLayer` (a 2-d convolution, unpadded). With ``layer_norm=True``
-    ``act(norm(conv(x)))``, ``norm`` a layer norm over each sample's whole feature map
-    (``nn.GroupNorm(1, C)``: statistics over channels and positions, a scale and shift per
-    channel)."""
+    """``act(conv(x))`` (an unpadded 2-d convolution), the convolutional counterpart of
+    :class:`HiddenLayer`. With ``layer_norm=True`` ``act(norm(conv(x)))``, ``norm`` a
+    ``nn.GroupNorm(1, C)``: statistics over each sample's channels and positions."""
 
     def __init__(
         self,
@@ -92,11 +89,8 @@ LAYER_BLOCKS = (HiddenLayer, ConvLayer)
 
 
 class MLP(nn.Module):
-    """Stack of :class:`HiddenLayer` blocks named ``layer_0``, ``layer_1``, ...
-
-    The output is the post-activation output of the last hidden layer, so a probe on
-    the whole MLP sees activations, not pre-activations.
-    """
+    """Stack of :class:`HiddenLayer` blocks named ``layer_0``, ``layer_1``, ...; its output
+    is the last block's activation, so a probe on the whole MLP sees activations."""
 
     def __init__(
         self,

@@ -1,10 +1,9 @@
 """Short descriptions of what a component returned, for error messages.
 
-A component may return a tensor, a mapping, a tuple, or a TensorDict (TorchRL's modules
-do). Error messages name the keys or the length, never the contents: a TensorDict is a
-``Mapping`` whose iteration yields its batch *rows* (sub-TensorDicts), so it is read
-through ``keys()`` only. TensorDict is recognised without importing it: an object can
-only be one if the ``tensordict`` package is already loaded.
+Messages name the keys or the length, never the contents: a TensorDict is a ``Mapping``
+whose iteration yields its batch rows, so it is read through ``keys()`` only. TensorDict
+is recognised without importing it (an object can only be one if ``tensordict`` is
+already loaded).
 """
 
 from __future__ import annotations
@@ -59,10 +58,8 @@ def describe_output(obj: Any) -> str:
 
 def extractor_example(obj: Any, module: Any = None) -> str:
     """An ``extractor=`` for error messages: the first of ``module.out_keys`` (a
-    TensorDictModule's declared outputs) present in ``obj``, else the first key (or
-    index) of ``obj`` holding a floating-point tensor that requires grad, which the
-    module computed rather than passed through (a TensorDict output also holds the
-    module's inputs); otherwise the form, ``extractor="<key>"`` or ``extractor=<index>``."""
+    TensorDictModule's outputs) in ``obj``, else the first key (or index) holding a float
+    tensor that requires grad (computed, not a passed-through input), else the form."""
     if isinstance(obj, Mapping):
         for key in getattr(module, "out_keys", None) or ():
             if isinstance(_get(obj, key), torch.Tensor):
@@ -91,6 +88,4 @@ def _computed(value: Any) -> bool:
 
 
 def _key_literal(key: Any) -> str:
-    if isinstance(key, str):
-        return f'extractor="{key}"'
-    return f"extractor={key!r}"
+    return f'extractor="{key}"' if isinstance(key, str) else f"extractor={key!r}"

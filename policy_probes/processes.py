@@ -17,7 +17,6 @@ def current_rank() -> int:
 
 
 def multi_process(group: Any = None) -> bool:
-    """Whether ``group`` (default: the default group) spans more than one process, so
-    sums must be added across processes."""
+    """Whether ``group`` (default: the default group) spans more than one process."""
     dist = torch.distributed
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1

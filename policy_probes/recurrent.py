@@ -1,24 +1,11 @@
 """Recurrent cores (LSTM, GRU, RNN and their cells): the tensor a probe reads by default.
 
-``nn.LSTM`` returns ``(output, (h_n, c_n))``, ``nn.GRU``/``nn.RNN`` ``(output, h_n)`` and
-``nn.LSTMCell`` ``(h, c)``, so a probe on them would need an ``extractor``. When a probe
-without one is attached to such a module (or to a component that is one), it reads:
-
-* ``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN``: ``output``, the per-step output sequence (the top
-  layer's ``h_t`` for every step); a ``PackedSequence`` output gives its ``.data``, the
-  real steps only, so packed sequences need no row mask;
-* ``nn.LSTMCell``: ``h`` (the hidden state, which is also the cell's output);
-* ``nn.GRUCell`` / ``nn.RNNCell``: already return the hidden state tensor.
-
-Passes and samples. Every call of the module is one pass; every row of the tensor read
-(every dimension but the last) is one sample: one ``(step, sequence)`` pair. A sequence
-of ``T`` steps of ``B`` sequences is one pass of ``T x B`` samples when the module is called
-once on the whole sequence, and ``T`` passes of ``B`` samples when it is called once per
-step; ``samples`` and the per-unit statistics are the same either way. The gradient a
-backward probe reads is the gradient of the tensor read: for ``nn.LSTM``/``nn.GRU``
-``output`` (called at once or per step, where the next step gets ``h_n``) it is the loss's
-direct gradient at each step; for a cell, whose ``h`` is both the output and the next
-step's state, it also carries the gradient that flows back from later steps.
+A probe attached without an ``extractor`` reads the per-step ``output`` of ``nn.LSTM`` /
+``nn.GRU`` / ``nn.RNN`` (a ``PackedSequence``'s ``.data``: the real steps only) and the
+``h`` of ``nn.LSTMCell`` (``nn.GRUCell``/``nn.RNNCell`` return it). Every call is a pass
+and every ``(step, sequence)`` row a sample, so a sequence called at once or per step
+gives the same statistics; a cell's ``h`` gradient also carries what flows back from
+later steps. See ``docs/components.md``.
 """
 
 from __future__ import annotations

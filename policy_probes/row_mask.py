@@ -1,42 +1,13 @@
 """Row masks: rows the loss leaves out (padded sequence steps) are left out of every probe.
 
-A loop whose loss masks rows (RecurrentPPO pads its sequences to one length and averages
-the loss over the real steps only) states the mask around its forward and backward::
-
-    with session.row_mask(mask):     # mask: (rows,) or (batch, time), 1 = the loss uses it
-        loss = masked_mean(...)
-        loss.backward()
-
-Every built-in tracker then weighs each row by its mask entry at the drain: sums become
-sums over the kept rows and counts become numbers of kept rows, so a masked row changes
-no statistic and no ``samples`` count. Nothing is indexed in a hook (no boolean indexing,
-no ``nonzero``): the hook binds a view of the mask to its tensor and passes it with the
-rows it pushes (``weight=``), the buffer holds it with them, and the trackers weigh the
-rows when they drain (see
-:meth:`RowMask.weight_for` and :class:`~policy_probes.probes.weighted.Weighted`).
-
-How a mask lines up with a probed tensor (all leading dimensions are rows):
-
-* the tensor has as many rows as the mask has entries: the mask read in the tensor's
-  row order (row-major flattening of ``(batch, time)``, i.e. batch-major), except the
-  output sequence of an ``nn.LSTM``/``nn.GRU``/``nn.RNN``/``nn.MultiheadAttention`` with
-  ``batch_first=False``, and any ``(time, batch, features)`` tensor of a ``(batch,
-  time)`` mask with ``batch != time`` (a component wrapping such a module), whose rows
-  are time-major: they read the transposed mask (with ``batch == time`` the shape cannot
-  tell; pass the mask in the tensor's row order, ``mask.T.reshape(-1)``);
-* a 2-D ``(batch, time)`` mask and a tensor of ``batch`` rows (a per-step call: an
-  ``nn.LSTMCell`` in a loop, or an ``nn.LSTM`` fed one step at a time): the k-th call of
-  the module inside the ``row_mask`` block reads column ``k``;
-* a conv output read per channel (``layout``, :mod:`policy_probes.probes.layout`):
-  ``(B, C, *spatial)`` has one mask row per sample ``B`` (matched by the rules above,
-  with ``B`` as the rows); each sample's entry is expanded over its positions, in the row
-  order of the ``(B, *spatial, C)`` rows the probes read, so every statistic is over the
-  positions of the kept samples and ``samples`` counts kept samples;
-* anything else is an error that says which shapes to pass.
-
-The per-sample factor of the Fisher probe (the number of samples the loss averages over)
-comes from :func:`loss_samples`: ``context.loss_samples`` when the loop states it, else
-the number of kept rows of the mask, else the rows of the pass (the rule without masks).
+A loop whose loss masks rows states the mask around its forward and backward (``with
+session.row_mask(mask): ...``); every built-in tracker then weighs each row by its mask
+entry at the drain, so a masked row changes no statistic and no ``samples`` count.
+Nothing is indexed in a hook (no host sync): the hook binds a view of the mask to its
+tensor and pushes it with the rows (``weight=``). How a mask lines up with a probed
+tensor (row order, time-major sequence outputs, per-step calls, conv outputs read per
+channel) is in ``docs/external.md``, "Masked rows"; a mismatch is an error that says
+which shapes to pass. The Fisher probe's per-sample factor comes from :func:`loss_samples`.
 """
 
 from __future__ import annotations
@@ -56,10 +27,8 @@ _serials = itertools.count()
 
 class RowMask:
     """A 0/1 row mask held as float weights, with the step counters of per-step calls.
-
-    ``mask`` is ``(rows,)`` or ``(batch, time)``, bool or numeric (non-zero = kept). The
-    float copy is made once here, on the mask's device; hooks only take views of it.
-    """
+    ``mask`` is ``(rows,)`` or ``(batch, time)``, bool or numeric (non-zero = kept); the
+    float copy is made once here, on the mask's device, and hooks only take views of it."""
 
     def __init__(self, mask: torch.Tensor) -> None:
         if not isinstance(mask, torch.Tensor):
@@ -95,9 +64,7 @@ class RowMask:
         return self._kept
 
     def on(self, device: torch.device) -> RowMask:
-        """This mask on ``device`` (copied once per device, inside the first hook that
-        needs it: a copy to an accelerator does not wait for it, as the remedies' copies
-        of fresh values do not)."""
+        """This mask on ``device`` (copied once per device, non-blocking)."""
         if device == self.weights.device:
             return self
         other = self._on.get(device)
@@ -116,12 +83,10 @@ class RowMask:
         channels_first: bool = False,
     ) -> torch.Tensor:
         """The mask entries of ``tensor``'s rows, ``(rows,)``: a view of the mask (for
-        time-major rows a copy made once per mask), aligned as the module docstring says.
-        ``key`` identifies the caller for per-step calls (each hook counts the calls it
-        sees). With ``channels_first`` (a conv output ``(B, C, *spatial)`` read per
-        channel) the mask has one entry per sample ``B`` and the result is the view
-        ``(B, positions)`` of it expanded over each sample's positions: the row order of
-        the ``(B, *spatial, C)`` view the probes push."""
+        time-major rows a copy made once per mask). ``key`` identifies the caller for
+        per-step calls. With ``channels_first`` (a conv output ``(B, C, *spatial)``) the
+        result is ``(B, positions)``: each sample's entry expanded over its positions, in
+        the row order of the ``(B, *spatial, C)`` view the probes push."""
         if channels_first and tensor.dim() >= 3:
             per_sample = math.prod(tensor.shape[2:])
             weight = self._sample_weight(tensor, (tensor.shape[0],), None, component, key)
@@ -137,12 +102,10 @@ class RowMask:
         component: str,
         key: Any,
     ) -> torch.Tensor:
-        """The mask entries of ``samples`` samples that each hold ``rows / samples`` rows
-        (a conv's or embedding's positions, an ``nn.LSTM``'s steps), ``(samples,)``: a
-        sample is kept when any of its rows is (its gradient sums its rows, and a masked
-        row adds nothing when the loss masks it). A mask of one entry per sample is read
-        as is; a mask of one entry per row is read in the module's row order, batch-major
-        for a 2-D ``(batch, time)`` mask; a per-step call reads one column."""
+        """The mask entries of ``samples`` samples of ``rows / samples`` rows each (a
+        conv's positions, an ``nn.LSTM``'s steps), ``(samples,)``: a sample is kept when
+        any of its rows is. A mask of one entry per sample is read as is, one of one
+        entry per row in the module's row order; a per-step call reads one column."""
         mask = self.on(tensor.device)
         if self.numel == samples:
             return mask._flat
@@ -192,19 +155,17 @@ class RowMask:
                 )
             self._steps[key] = step + 1
             return mask.weights[:, step]
+        if len(lead) == 1 and tensor.dim() >= 3:
+            rule = "read per channel: one row per sample, axis 0"
+        else:
+            rule = "every dimension but the last is a row"
         raise ValueError(
             f"row_mask: the mask has shape {self.shape} ({self.numel} rows) but component "
             f"{component!r} produced a tensor with {rows} rows (shape {tuple(tensor.shape)}, "
-            f"{_row_rule(tensor, lead)}). Pass one mask entry per row of the "
+            f"{rule}). Pass one mask entry per row of the "
             f"minibatch, shape ({rows},) in the order the rows are flattened, or a (batch, "
             f"time) mask for sequences (a per-step call of batch rows reads one column)"
         )
-
-
-def _row_rule(tensor: torch.Tensor, lead: tuple[int, ...]) -> str:
-    if len(lead) == 1 and tensor.dim() >= 3:
-        return "read per channel: one row per sample, axis 0"
-    return "every dimension but the last is a row"
 
 
 def bound_weight(
@@ -215,9 +176,9 @@ def bound_weight(
     key: Any,
     channels_first: bool = False,
 ) -> torch.Tensor | None:
-    """The mask rows of ``tensor`` under ``context.row_mask`` (None without a mask), for
-    a tensor read with its units on the last axis, or on axis 1 with ``channels_first``.
-    Call it when the tensor is produced (the forward), so per-step calls count in order."""
+    """The mask rows of ``tensor`` under ``context.row_mask`` (None without a mask), units
+    on the last axis (axis 1 with ``channels_first``). Call it when the tensor is
+    produced (the forward), so per-step calls count in order."""
     mask = getattr(context, "row_mask", None)
     if mask is None:
         return None

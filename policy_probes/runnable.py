@@ -1,12 +1,10 @@
 """The written contract between ``policy-probes run`` and what a recipe returns.
 
-A recipe is a function that returns a :class:`Runnable`: a pydantic model (the CLI
-applies ``key=value`` overrides to its fields and re-validates it) with the methods
-below. ``trainers.TrainTool`` is the built-in one; the toolkit never imports
-``trainers``, so another trainer can be driven from the CLI by implementing this protocol.
-``invoke`` returns a :class:`RunResult`, whose fields the CLI reports. A Runnable whose
-``invoke`` also takes ``fork_from`` (a :class:`ForkPoint`) can be forked
-(``policy-probes fork``); the others still run and resume.
+A recipe returns a :class:`Runnable`: a pydantic model (the CLI applies ``key=value``
+overrides to its fields and re-validates it) with the methods below; ``invoke`` returns a
+:class:`RunResult`. ``trainers.TrainTool`` is the built-in one; the toolkit never imports
+``trainers``, so any trainer implementing this protocol can be driven from the CLI. One
+whose ``invoke`` also takes ``fork_from`` (a :class:`ForkPoint`) can be forked.
 """
 
 from __future__ import annotations
@@ -59,20 +57,16 @@ class Runnable(Protocol):
     def invoke(self, *, resume: bool | str | Path = False, overwrite: bool = False) -> RunResult:
         """Train. ``resume``: continue the run in ``run_dir`` (True: from its newest valid
         checkpoint; a path: from that one); ``overwrite``: replace a run in ``run_dir``."""
-        ...
 
     def record_launch(self, target: str, overrides: list[str]) -> None:
         """Remember the recipe target and overrides (``policy-probes resume`` reruns them)."""
-        ...
 
     def resolved_config(self) -> dict[str, Any]:
         """The configuration as the run records it (``--dry-run`` prints it)."""
-        ...
 
     def check_setup(self, *, overwrite: bool = False) -> dict[str, list[str]]:
         """Check everything the run checks before its first step, writing nothing;
         return the components each probe pattern resolved to (``--dry-run``)."""
-        ...
 
 
 #: the methods of :class:`Runnable`, in the order a message lists them
@@ -81,8 +75,7 @@ RESULT_FIELDS: tuple[str, ...] = tuple(typing.get_type_hints(RunResult))
 
 
 def runnable_problems(obj: Any) -> list[str]:
-    """What ``obj`` (an instance or a class) lacks to be a :class:`Runnable` pydantic
-    model; empty when it conforms."""
+    """What ``obj`` (instance or class) lacks to be a :class:`Runnable` pydantic model."""
     cls = obj if isinstance(obj, type) else type(obj)
     problems = []
     if not issubclass(cls, BaseModel):

@@ -1,45 +1,18 @@
-"""Which training passes the probes observe, and what observing costs.
+"""Which training passes the probes observe, and what observing costs (docs/sampling.md).
 
-Probes do not need every pass: dormancy, saturation and a Fisher diagonal estimated from
-a few thousand rows are as useful as from every row. A :class:`Schedule` says which passes
-a probe observes, and a :class:`Sampler` (one per :class:`ComponentContext`, at
-``context.sampler``) applies it:
+A :class:`Schedule` (:func:`every`, :func:`every_k`, :func:`per_epoch`,
+:func:`probe_batch`, the default :func:`budgeted`) says which passes a probe observes; a
+:class:`Sampler` (``context.sampler``) applies it. A pass ends at the optimizer's step
+post-hook or an explicit :meth:`Sampler.next_pass`; the sampler then arms the torch hooks
+of the probes that observe the next pass and removes the others, so an unobserved pass
+runs the bare modules. Which passes are observed depends only on pass counters and
+settings stored with the run, never on an RNG or wall time.
 
-* :func:`every` - every training pass (exact over all passes; what runs without a sampler);
-* :func:`every_k` - every k-th training pass (counted over the whole run, so k larger than
-  an epoch's passes observes one pass every few epochs);
-* :func:`per_epoch` - n passes per epoch, spread evenly over it (the stride comes from
-  the previous epoch's pass count; the first epoch observes its first n passes);
-* :func:`probe_batch` - no training pass at all: at the epoch's end the loop runs one
-  dedicated forward and backward on ``rows`` rows of the epoch's data
-  (:meth:`policy_probes.session.ProbeSession.epoch_end`), outside the optimiser step;
-* :func:`budgeted` - the default: every k-th pass *of each epoch*, starting with its first
-  (k = :data:`DEFAULT_STRIDE` unless the budget's one-time calibration chose a larger one),
-  so every epoch observes at least one pass and reports every probe.
-
-**Pass boundaries** are not module hooks: the optimizer's step post-hook (registered by
-:meth:`Sampler.watch_optimizer`) or an explicit :meth:`Sampler.next_pass` ends a pass;
-the sampler then installs the torch hooks of the probes that observe the next pass and
-removes the others (:meth:`policy_probes.components.ProbeHandle.sync`), so an unobserved
-pass runs the bare modules. Which passes are observed depends only on pass counters and
-settings stored with the run, never on a random number generator or on wall time.
-
-**Cost** is measured without host synchronisation: ``time.perf_counter`` around the
-probes' own hook bodies, gradient-tap registrations, drains and ``to_metrics``, plus torch's
-hook dispatch, which cannot be timed from inside: it is estimated as (module hooks fired)
-x :data:`dispatch_costs` ``[0]`` + (tensor hooks fired) x ``[1]``, constants measured once
-per process on an ``nn.Identity`` (:func:`dispatch_costs`). On a GPU these are host-side
-times (kernel launches are asynchronous), which is the cost the training loop waits for.
-The measured cost is reported (``probes/overhead_fraction``); it does not steer which
-passes are observed, except once:
-
-**Budget**: with ``budget=b`` (the default, 5 %) the sampler checks the cost once, at the
-end of the calibration epoch (:data:`CALIBRATION_EPOCH`): if the projected cost of the
-next epochs exceeds b / (1 - b) of the probe-free time, it doubles the stride of the
-probe with the largest projected cost until it fits or every probe observes one pass per
-epoch. The choice is made once, kept in :meth:`Sampler.state_dict` (checkpoints, so
-resume and fork reuse it), reported every epoch (``probes/<probe>/observe_every``) and
-never revised; no epoch goes unreported.
+Cost is measured without host synchronisation (``time.perf_counter`` around the probes'
+work, plus torch's hook dispatch estimated by :func:`dispatch_costs`; host-side times on
+a GPU). It is reported and steers nothing but the budget's one-time calibration at the
+end of :data:`CALIBRATION_EPOCH` (:meth:`Sampler._calibrate`), kept in
+:meth:`Sampler.state_dict` and never revised.
 """
 
 from __future__ import annotations
@@ -122,12 +95,11 @@ def probe_batch(rows: int) -> Schedule:
 
 
 def budgeted() -> Schedule:
-    """Observe passes 0, k, 2k, ... of every epoch (k = :data:`DEFAULT_STRIDE`, or the
-    stride the budget's one-time calibration chose): at least one pass in every epoch."""
+    """Observe passes 0, k, 2k, ... of every epoch (k: :data:`DEFAULT_STRIDE` or larger)."""
     return Schedule("budget")
 
 
-_SPEC = re.compile(r"^(every|budget|every_k|per_epoch|probe_batch)(?::(-?\d+))?$")
+_SPEC = re.compile(r"^(?:(every|budget)|(every_k|per_epoch|probe_batch):(-?\d+))$")
 
 
 def as_schedule(value: Schedule | str | None) -> Schedule | None:
@@ -135,16 +107,13 @@ def as_schedule(value: Schedule | str | None) -> Schedule | None:
     ``"budget"``, ``"every_k:4"``, ``"per_epoch:2"``, ``"probe_batch:256"``."""
     if value is None or isinstance(value, Schedule):
         return value
-    if isinstance(value, str):
-        match = _SPEC.match(value.strip())
-        if match:
-            kind, arg = match.groups()
-            if kind in ("every", "budget") and arg is None:
-                return every() if kind == "every" else budgeted()
-            if kind not in ("every", "budget") and arg is not None:
-                return {"every_k": every_k, "per_epoch": per_epoch, "probe_batch": probe_batch}[
-                    kind
-                ](int(arg))
+    match = _SPEC.match(value.strip()) if isinstance(value, str) else None
+    if match:
+        plain, kind, arg = match.groups()
+        if plain is not None:
+            return every() if plain == "every" else budgeted()
+        build = {"every_k": every_k, "per_epoch": per_epoch, "probe_batch": probe_batch}[kind]
+        return build(int(arg))
     raise ValueError(
         f"schedule must be a Schedule (every(), every_k(k), per_epoch(n), probe_batch(rows), "
         f"budgeted()) or one of 'every', 'budget', 'every_k:<k>', 'per_epoch:<n>', "
@@ -165,8 +134,7 @@ def check_budget(budget: float | None) -> float | None:
 
 
 def _shares(passes_seconds: float, parts: dict[str, float], wall: float) -> str:
-    """The calibration warning's breakdown: each part's share of the epoch, largest
-    first (the observed passes as projected at one pass per epoch)."""
+    """The calibration warning's breakdown: each part's share of the epoch, largest first."""
     named = {
         "observed passes": passes_seconds,
         "report": parts["report"],
@@ -182,9 +150,8 @@ def _shares(passes_seconds: float, parts: dict[str, float], wall: float) -> str:
 def dispatch_costs() -> tuple[float, float]:
     """Seconds torch spends dispatching one forward hook on a module call, and one tensor
     hook (registration plus its call from the autograd engine), measured once per process
-    against the same work without the hook (fastest of 3 rounds of 30 calls, 15 for the
-    backward; about 5 ms in all, counted in the first epoch's overhead). No RNG is
-    touched."""
+    against the same work without the hook (fastest of 3 rounds; about 5 ms in all,
+    counted in the first epoch's overhead). No RNG is touched."""
     module = nn.Identity()
     x = torch.ones(4, 4)
     w = torch.ones(4, 4, requires_grad=True)
@@ -249,12 +216,11 @@ class Sampler:
     """Applies schedules to the probe handles of one context and keeps the overhead budget.
 
     Args:
-        context: the :class:`~policy_probes.context.ComponentContext` of the probes; the
-            sampler sets ``context.sampler = self``.
+        context: the probes' :class:`~policy_probes.context.ComponentContext` (its
+            ``sampler`` becomes this one).
         schedule: the default for probes built without ``schedule=`` (``None``:
-            :func:`budgeted` when ``budget`` is set, else :func:`every`).
-        budget: the fraction of wall time the probes may take (``None``: no budget;
-            budgeted probes then observe every pass).
+            :func:`budgeted` under a budget, else :func:`every`).
+        budget: the fraction of wall time the probes may take (``None``: every pass).
     """
 
     def __init__(
@@ -266,49 +232,35 @@ class Sampler:
     ) -> None:
         self.context = context
         self.budget = check_budget(budget)
-        default = as_schedule(schedule)
-        if default is None:
-            default = budgeted() if self.budget is not None else every()
-        self.default = default
-        #: training passes ended over the run / in the current epoch
-        self.passes = 0
-        self.epochs = 0
-        self.epoch_passes = 0
+        #: the schedule of probes built without ``schedule=``
+        self.default = as_schedule(schedule) or (budgeted() if self.budget is not None else every())
+        #: training passes ended over the run / in the current epoch; epochs ended
+        self.passes = self.epoch_passes = self.epochs = 0
         self.last_epoch_passes: int | None = None
         #: inside the dedicated probe-batch pass (only probe_batch schedules observe it)
         self.in_probe_batch = False
-        #: where probe batches come from: a model context with ``loss``, ``num_samples``
-        #: and ``rows``, or a zero-argument function that builds one when the first probe
-        #: batch runs (set by the loop; ``None``: probe_batch schedules are budgeted)
+        #: a model context with ``loss``, ``num_samples`` and ``rows``, or a zero-argument
+        #: function that builds one (``None``: probe_batch schedules are budgeted)
         self.probe_batch_source: Any = None
-        #: draws the probe batch's rows (never a global RNG)
-        self.generator = torch.Generator().manual_seed(0)
-        #: probe -> k of the budgeted probes whose stride the calibration chose (the
-        #: others use DEFAULT_STRIDE)
+        self.generator = torch.Generator().manual_seed(0)  # the probe batch's rows
+        #: probe -> k the calibration chose (the other budgeted probes: DEFAULT_STRIDE)
         self.observe_every: dict[str, int] = {}
         #: probe -> seconds per observed pass, as measured in the calibration epoch
         self.cost_per_pass: dict[str, float] = {}
-        #: the epoch whose end chose the strides (None: not yet, or no budget)
-        self.calibrated_epoch: int | None = None
+        self.calibrated_epoch: int | None = None  # None: not yet, or no budget
         #: called with the choice once it is made (the session records it in config.json)
         self.on_choice: Callable[[dict[str, Any]], None] | None = None
         self.handles: dict[int, Any] = {}
         self.counts: dict[int, _HookCount] = {}
         self.own_seconds = 0.0
-        #: seconds spent installing and removing the probes' torch hooks (phase changes
-        #: and pass boundaries; added by PolicyAutoBuilder._sync_handles)
+        #: installing and removing the probes' torch hooks (PolicyAutoBuilder._sync_handles)
         self.sync_seconds = 0.0
-        #: seconds spent in StatsReporter.collect over the run (the session subtracts it
-        #: from the epoch end it charges, see :meth:`charge`)
+        #: StatsReporter.collect over the run (the session leaves it out of :meth:`charge`)
         self.collect_seconds = 0.0
-        #: the epoch end beyond the collection, charged after the epoch's record was
-        #: made (:meth:`charge`): counted in the next epoch's overhead
-        self._charged = 0.0
-        #: components whose probes feed remedies (:meth:`pin`)
-        self.pinned: set[str] = set()
+        self._charged = 0.0  # the previous epoch end beyond the collection (:meth:`charge`)
+        self.pinned: set[str] = set()  # components whose probes feed remedies (:meth:`pin`)
         self._warned = False
-        #: counts from a checkpoint, for probes not registered yet
-        self._restored: dict[str, list[int]] = {}
+        self._restored: dict[str, list[int]] = {}  # checkpoint counts of unregistered probes
         #: the distinct rules of the registered probes and their answers for the pass
         #: under way (None: recompute; see next_pass)
         self._rules: list[tuple[str, int]] | None = None
@@ -316,31 +268,23 @@ class Sampler:
         self.epoch_start = time.perf_counter()
         context.sampler = self
 
-    @property
-    def probe_batch_available(self) -> bool:
-        return self.probe_batch_source is not None
-
-    # ------------------------------------------------------------ schedules
     def schedule_of(self, hook: Any) -> Schedule:
         s = getattr(hook, "schedule", None) or self.default
-        if s.kind == "probe_batch" and not self.probe_batch_available:
+        if s.kind == "probe_batch" and self.probe_batch_source is None:
             s = budgeted() if self.budget is not None else every()
         if s.kind == "budget" and self.budget is None:
             return every()
         return s
 
     def pin(self, component: str) -> None:
-        """Make what the probes on ``component`` report depend only on the seed and the
-        settings, for a remedy that acts on it (:mod:`policy_probes.remedies`): its
-        budgeted probes keep :data:`DEFAULT_STRIDE`, whatever the budget's calibration
-        chose from measured time."""
+        """Keep :data:`DEFAULT_STRIDE` for the budgeted probes on ``component`` (a remedy
+        acts on what they report, which must depend on the seed only, not measured time)."""
         self.pinned.add(component)
         self._rules = self._answers = None
         self.context.resync()
 
     def observes(self, handle: Any) -> bool:
-        """Whether the probe of ``handle`` observes the pass under way (called by
-        :meth:`ProbeHandle.wanted`; host-side counters only)."""
+        """Whether the probe of ``handle`` observes the pass under way (host-side only)."""
         hook = handle.hook
         key = id(handle)
         if key not in self.handles:
@@ -377,11 +321,8 @@ class Sampler:
         i = self.epoch_passes
         return i % stride == 0 and i // stride < arg
 
-    def uses_probe_batch(self) -> bool:
-        """Whether any attached probe waits for a probe batch (the smallest rows asked)."""
-        return self.probe_batch_rows() is not None
-
     def probe_batch_rows(self) -> int | None:
+        """Rows of this epoch's probe batch (the most any probe asks); None: none waits."""
         rows = [
             s.rows
             for h in self.handles.values()
@@ -391,10 +332,8 @@ class Sampler:
             rows = [self.default.rows]
         return max(rows) if rows else None
 
-    # ------------------------------------------------------------ passes
     def next_pass(self) -> None:
-        """End the training pass under way: count what the probes observed in it and
-        arm the hooks of the probes that observe the next one."""
+        """End the pass under way: count what it observed, arm the probes of the next."""
         t0 = time.perf_counter()
         if self._answers is None or any(self._answers):  # else no probe observed this pass
             self._account()
@@ -436,32 +375,25 @@ class Sampler:
 
         return optimizer.register_step_post_hook(ended)
 
-    # ------------------------------------------------------------ epochs
     def charge(self, seconds: float) -> None:
-        """Count ``seconds`` of the loop's own work for the probes (the session's epoch end
-        beyond the collection: lifecycle dispatch, record conversion, sinks) in the next
-        epoch's overhead; nothing without an attached probe."""
+        """Count ``seconds`` of the session's epoch end beyond the collection (record
+        conversion, sinks) in the next epoch's overhead; nothing without a probe."""
         if self.handles:
             self._charged += max(seconds, 0.0)
 
     def before_collect(self) -> None:
-        """Run this epoch's probe batch, if a probe waits for one (called by
-        :class:`~policy_probes.stats_reporter.StatsReporter` before the trackers report)."""
-        if self.probe_batch_available and self.uses_probe_batch():
+        """Run this epoch's probe batch, if a probe waits for one (before the report)."""
+        if self.probe_batch_source is not None and self.probe_batch_rows() is not None:
             source = self.probe_batch_source
             if not hasattr(source, "rows"):  # a factory: build the model context now
                 source = self.probe_batch_source = source()
             run_probe_batch(self, source, self.generator)
 
     def end_epoch(self, trackers: list[Any], *, report_seconds: float = 0.0) -> dict[str, float]:
-        """Close the epoch's accounting (after the trackers' ``to_metrics``, which took
-        ``report_seconds``). Returns ``probes/overhead_fraction`` and
-        ``probes/overhead_seconds`` (the probes' measured cost in this epoch, with the
-        previous epoch's end beyond the collection) and its parts
-        (``probes/overhead_seconds/<part>``, :meth:`overhead_parts`), per probe and
-        component ``passes_observed`` / ``rows_observed``, and ``observe_every`` of
-        budgeted probes. At the end of :data:`CALIBRATION_EPOCH` under a budget, chooses
-        the strides once (:meth:`_calibrate`)."""
+        """Close the epoch's accounting (the trackers' ``to_metrics`` took ``report_seconds``):
+        ``probes/overhead_fraction``, ``probes/overhead_seconds`` and its parts
+        (:meth:`overhead_parts`), ``passes_observed`` / ``rows_observed`` per probe and
+        component, ``observe_every`` of budgeted probes; calibrates once (:meth:`_calibrate`)."""
         if not self.handles:  # no probe attached: nothing to report
             self.epoch_start = time.perf_counter()
             return {}
@@ -529,14 +461,10 @@ class Sampler:
         return out
 
     def overhead_parts(self, cost: dict[str, float], report_seconds: float) -> dict[str, float]:
-        """Where the epoch's ``probes/overhead_seconds`` went, in seconds that add up to
-        it: ``passes.<probe>`` (the probe's hooks in the passes, or the probe batch, it
-        observed: their bodies, their estimated torch dispatch and the drains inside
-        them), ``report`` (collecting the trackers at the epoch's end: the report's drains
-        and summaries), ``arming`` (installing and removing hooks at pass and phase
-        boundaries), ``sampler`` (this bookkeeping, and the probe batch's own forward and
-        backward) and ``records`` (the previous epoch's end beyond the collection: its
-        records made plain and written to the sinks)."""
+        """The epoch's ``probes/overhead_seconds`` in parts (seconds) that add up to it:
+        ``passes.<probe>`` (its hooks in observed passes: bodies, estimated dispatch,
+        drains), ``report``, ``arming`` (installing and removing hooks), ``sampler`` (this
+        bookkeeping, the probe batch's own pass), ``records`` (the last epoch end's sinks)."""
         parts = {f"passes.{probe}": seconds for probe, seconds in sorted(cost.items())}
         parts["report"] = report_seconds
         parts["arming"] = self.sync_seconds
@@ -553,8 +481,7 @@ class Sampler:
         }
 
     def strides(self) -> dict[str, int]:
-        """``probe -> k`` of every budgeted probe (it observes passes 0, k, 2k, ... of
-        each epoch)."""
+        """``probe -> k`` of every budgeted probe (passes 0, k, 2k, ... of each epoch)."""
         return {
             p: self.observe_every.get(p, DEFAULT_STRIDE) for p in sorted(self.budgeted_probes())
         }
@@ -566,12 +493,10 @@ class Sampler:
         wall: float,
         parts: dict[str, float],
     ) -> None:
-        """Choose the budgeted probes' strides once, from this epoch's measured costs:
-        from :data:`DEFAULT_STRIDE`, double the stride of the probe with the largest
-        projected cost until the projected cost of an epoch is within :data:`AIM` of the
-        budget, or every budgeted probe observes one pass per epoch (a stride of at
-        least the epoch's passes; then a warning says the budget cannot be met without
-        leaving epochs unobserved). ``parts``: the epoch's :meth:`overhead_parts`."""
+        """Choose the budgeted probes' strides once, from this epoch's costs (``parts``:
+        :meth:`overhead_parts`): double the stride of the probe with the largest projected
+        cost until an epoch's projection is within :data:`AIM` of the budget, or every
+        budgeted probe observes one pass per epoch (then a warning)."""
         overhead = sum(parts.values())
         fixed = overhead - sum(cost.values())  # the parts besides the observed passes
         probes = self.budgeted_probes()
@@ -618,18 +543,11 @@ class Sampler:
         }
 
     def state_dict(self) -> dict[str, Any]:
-        """Pass counters, sampling rates and this epoch's observed passes and rows (plain
-        values, for checkpoints): a resumed run observes the passes the uninterrupted run
-        would have, and reports the whole epoch's counts."""
-        self._account()
+        """Pass counters, strides and this epoch's counts, so a resumed run observes what
+        the uninterrupted run would have."""
         counts = {
-            f"{c.probe}/{c.component}": [
-                c.passes,
-                c.rows + self.handles[key].hook.rows,
-                c.total_passes,
-                c.total_rows + self.handles[key].hook.rows,
-            ]
-            for key, c in self.counts.items()
+            name: [c.passes, c.rows + held, c.total_passes, c.total_rows + held]
+            for name, c, held in self._held_counts()
         }
         return {
             "passes": self.passes,
@@ -663,19 +581,23 @@ class Sampler:
 
     def totals(self) -> dict[str, tuple[int, int]]:
         """``"<probe>/<component>" -> (passes, rows)`` observed over the run so far."""
-        self._account()
         return {
-            f"{c.probe}/{c.component}": (
-                c.total_passes + c.passes,
-                c.total_rows + self.handles[key].hook.rows,
-            )
-            for key, c in self.counts.items()
+            name: (c.total_passes + c.passes, c.total_rows + held)
+            for name, c, held in self._held_counts()
         }
+
+    def _held_counts(self) -> list[tuple[str, _HookCount, int]]:
+        """``("<probe>/<component>", counts, rows its hook holds)`` of every probe, after
+        counting the pass under way."""
+        self._account()
+        return [
+            (f"{c.probe}/{c.component}", c, self.handles[key].hook.rows)
+            for key, c in self.counts.items()
+        ]
 
 
 def _restore_count(count: _HookCount, saved: list[int]) -> None:
-    """Counts from :meth:`Sampler.state_dict`: the epoch's passes and rows, and the run's
-    totals."""
+    """Counts from :meth:`Sampler.state_dict` (the epoch's passes and rows, the run's)."""
     count.passes, count.rows, count.total_passes, count.total_rows = saved
 
 
@@ -688,12 +610,10 @@ def standard_error(rate: float, n: float) -> float:
 
 
 def run_probe_batch(sampler: Sampler, model_ctx: Any, generator: torch.Generator) -> int:
-    """Run the probe batch of this epoch: ``rows`` rows drawn (with ``generator``, never a
-    global RNG) from ``model_ctx``'s current data, one forward and backward through its
-    ``loss`` with only the probe-batch probes armed. The backward is
-    ``torch.autograd.grad`` (no ``.grad`` is written), every global RNG and every module
-    buffer (BatchNorm statistics) is restored, the optimizer is not involved. Returns the
-    rows used (0: no probe waits for a probe batch)."""
+    """Run this epoch's probe batch: rows drawn with ``generator`` (never a global RNG)
+    from ``model_ctx``'s data, one forward and ``torch.autograd.grad`` through its
+    ``loss`` with only the probe-batch probes armed; no ``.grad`` written, every global
+    RNG and module buffer restored. Returns the rows used (0: no probe waits for one)."""
     rows = sampler.probe_batch_rows()
     if rows is None:
         return 0

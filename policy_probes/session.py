@@ -1,8 +1,7 @@
 """ProbeSession: the probes, lifecycle observers and sinks, driven by any training loop.
 
-Every loop drives its probes through one session: the built-in trainer (``TrainTool``
-builds one and hands it to ``PPOTrainer``), the Stable-Baselines3 ``ProbeCallback``, and a
-loop of your own (a CleanRL-style script, your own code)::
+Every loop drives its probes through one session: the built-in trainer, the
+Stable-Baselines3 ``ProbeCallback``, and a loop of your own (CleanRL-style)::
 
     probing = ProbeSettings(sinks=SinksConfig(console=False))
     with ProbeSession(agent, run="runs/ppo", probing=probing, optimizer=opt) as session:
@@ -15,11 +14,10 @@ loop of your own (a CleanRL-style script, your own code)::
             session.log({"train/value_loss": v_loss})
             session.epoch_end(step=global_step) # one record per epoch to every sink
 
-Records number epochs from 1. PRE_EPOCH fires at the first session call of an epoch (or
-at :meth:`ProbeSession.epoch_start`), so a loop resumed from :meth:`~ProbeSession.
-load_state_dict` fires it on the loaded state. Leaving the ``with`` block (normally or by
-an exception) removes every hook the session installed and closes its run
-(:class:`~policy_probes.run.Run`: sinks and lock). See ``docs/external.md``.
+Records number epochs from 1; PRE_EPOCH fires at an epoch's first session call, so a loop
+resumed from :meth:`~ProbeSession.load_state_dict` fires it on the loaded state. Leaving
+the ``with`` block (even by an exception) removes every hook and closes the run. See
+``docs/external.md``.
 """
 
 from __future__ import annotations
@@ -29,7 +27,6 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from types import TracebackType
 from typing import Any, Literal
 
 import torch
@@ -67,25 +64,19 @@ class ProbeSession:
     """Probes, lifecycle observers and metric sinks for a training loop.
 
     Args:
-        model: the policy, any ``nn.Module``. A :class:`PolicyAutoBuilder` is used as is;
-            anything else is wrapped with :meth:`PolicyAutoBuilder.wrap` (the module itself
-            is not changed; hooks go on its submodules).
-        run: a :class:`~policy_probes.run.Run` or a path (default ``runs/session-<time>``).
-            The session opens it (lock and claim; on a resumed run it goes on after the
-            last recorded epoch), writes ``config.json`` and opens its sinks when the first
-            epoch starts (a loop that fails before writes nothing), and closes it.
-        probing: the probe settings (:class:`~policy_probes.probe_settings.ProbeSettings`:
-            faults, lifecycle hooks, sampling, snapshots, sinks).
+        model: the policy, any ``nn.Module`` (wrapped, not changed, unless it is a
+            :class:`PolicyAutoBuilder`).
+        run: a :class:`~policy_probes.run.Run` or a path (default ``runs/session-<time>``),
+            opened now (a resumed run goes on after its last recorded epoch); its
+            ``config.json`` and sinks are written when the first epoch starts.
+        probing: the probe settings (:class:`~policy_probes.probe_settings.ProbeSettings`).
         components: names for parts of ``model`` (``{"actor_mlp": "actor.0"}``), passed to
-            ``wrap``; ``None`` names every direct child after its attribute. Deeper parts
-            are always reachable by dotted names (``"actor.1"``).
-        example_inputs: positional arguments for one traced forward pass (under
-            ``no_grad``, with every RNG restored afterwards), so a backward probe on a
-            component that returns a tuple or mapping fails when attached.
+            ``wrap``; ``None`` names every direct child after its attribute.
+        example_inputs: positional arguments for one traced forward pass, so a backward
+            probe on a component that returns a tuple or mapping fails when attached.
         config: your run configuration; stored in ``config.json`` and the W&B run's config.
-        optimizer, scheduler, loss_fn, model_context: the loop's training objects, as
-            :meth:`bind` takes them (a loop that builds them after the session, as the
-            built-in trainer does, calls :meth:`bind` itself).
+        optimizer, scheduler, loss_fn, model_context: as :meth:`bind` takes them (a loop
+            that builds them after the session calls :meth:`bind` itself).
         loop: the loop type the lifecycle hooks see (``loop_points``).
     """
 
@@ -119,22 +110,18 @@ class ProbeSession:
         self.model_context: ModelDataContext | None = None
         self.epoch = 0  # epochs ended; the records number the current one epoch + 1
         self.agent_step: int | None = None
-        self.closed = False
+        self.closed = self._rollout_seen = self._epoch_started = False
+        self._watching = self._started = False
         self._handles: list[ProbeHandle] = []
         self._probes: list[ProbeSpec] = []
         self._logged: dict[str, Any] = {}
         self._sums: dict[str, tuple[Any, int]] = {}
         self._pending: dict[str, Any] = {}
         self._step = 0
-        self._rollout_seen = False
-        self._epoch_started = False
         self._step_hooks: list[Any] = []  # on the optimizer (pass ends, PRE_EPOCH)
         #: remedies added before the loop bound its optimizer: (pattern, remedy, seed)
         self._unbound_remedies: list[tuple[str, Remedy, int | None]] = []
-        self._watching = False
-        self._started = False
-        #: remedies fired at every epoch_end (policy_probes.remedies)
-        self.remedies = RemedyRunner()
+        self.remedies = RemedyRunner()  # fired at every epoch_end
         #: the records emitted so far, their findings and figures (for the sinks)
         self.analysis = LiveAnalysis(max_epochs=self.probing.wandb.heatmap_history)
         selected = self.probing.lifecycle_hooks()
@@ -172,20 +159,17 @@ class ProbeSession:
             raise
 
     def _open_run(self) -> None:
-        """Open the run (lock, claim); go on after the last recorded epoch of a resumed
-        run. Its sinks open when the first epoch starts (:meth:`epoch_start`)."""
+        """Open the run; a resumed run goes on after its last recorded epoch."""
         run = self.run
         if not run.opened:
             run.open()
-        last = run.last_recorded_epoch() if run.resume else None
+        if run.resume and (last := run.last_recorded_epoch()) is not None:
+            self.epoch = last
         # no set_phase() yet: forwards without gradients are not training passes
         self.context.infer_phase = True
-        #: the run's sinks (filled when the first epoch starts)
-        self.sinks = run.sinks
+        self.sinks = run.sinks  # the run's sinks (filled when the first epoch starts)
         self.sinks.draw_figures = self.analysis.figures
         self.sampler.on_choice = run.choice_recorder()  # the probe budget's choice
-        if last is not None:
-            self.epoch = last
 
     def bind(
         self,
@@ -196,14 +180,11 @@ class ProbeSession:
         model_context: ModelDataContext | None = None,
     ) -> ProbeSession:
         """The loop's training objects: ``optimizer`` (its steps end the probes' passes;
-        ``adam_dynamics``, remedies and the interventions' checkpoints need it), its
-        learning-rate ``scheduler``, and ``loss_fn(model, minibatch) -> loss`` (mean over
-        the minibatch, the exact loss the loop trains with), which with ``optimizer``
-        enables the interventions (``counterfactual``, ``policy_fisher``, ``hessian``;
-        they also need the epoch's data: :meth:`set_data` or :meth:`rollout_end`) and
-        ``probe_batch`` schedules; or ``model_context``, a ready
-        :class:`ModelDataContext` (or a zero-argument function that builds one) instead
-        of ``loss_fn``. Returns self."""
+        remedies and interventions need it), its ``scheduler``, and ``loss_fn(model,
+        minibatch) -> loss`` (the exact mean loss the loop trains with), which enables the
+        interventions (given the epoch's data, :meth:`set_data`) and ``probe_batch``
+        schedules; or ``model_context``, a ready :class:`ModelDataContext` (or a
+        zero-argument factory) instead of ``loss_fn``. Returns self."""
         if loss_fn is not None and model_context is None:
             if optimizer is None:
                 raise ValueError("loss_fn=... needs optimizer=... (interventions replay updates)")
@@ -230,8 +211,7 @@ class ProbeSession:
         return self
 
     def _watch_passes(self) -> None:
-        """End a probe pass at every optimizer step, once a probe and the optimizer are
-        there (a loop without probes pays nothing per step)."""
+        """End a probe pass at every optimizer step, once there are probes."""
         if not self._watching and self.optimizer is not None and self._probes:
             self._step_hooks.append(self.sampler.watch_optimizer(self.optimizer))
             self._watching = True
@@ -242,8 +222,7 @@ class ProbeSession:
             self.epoch_start()
 
     def _check_hooks(self) -> None:
-        """Refuse a lifecycle hook the loop cannot serve (an intervention without a loss,
-        ``adam_dynamics`` without an optimizer, a SNAPSHOT hook without snapshots)."""
+        """Refuse a lifecycle hook the loop cannot serve."""
         for hook in self.hooks.hooks:
             if isinstance(hook, InterventionHook) and self.model_context is None:
                 raise ValueError(
@@ -278,29 +257,23 @@ class ProbeSession:
 
     @property
     def wants_observations(self) -> bool:
-        """Whether a probe or lifecycle hook reads the rollout's observations at
-        :meth:`rollout_end` (a loop may skip building them otherwise)."""
+        """Whether a probe or lifecycle hook reads the observations :meth:`rollout_end` takes."""
         return bool(self.hooks.hooks_at(HookPoint.POST_ROLLOUT)) or any(
             hasattr(t, "rollout_end") for t in self.context.model_metrics.values()
         )
 
-    # ------------------------------------------------------------------ probes
     def add_training_hook(
         self, pattern: str, builder: ProbeBuilder, **placement: Any
     ) -> ProbeSession:
-        """Attach a probe to a component name or glob now, forward or backward as the
-        probe says (a plain hook closure: forward); ``placement``: ``phases``,
-        ``extractor``, ``layout``, ``per_layer``, ``schedule`` (those the probe takes,
-        :class:`~policy_probes.probes.probe.Placement`). Returns self.
-
-        An unknown name raises ``KeyError`` listing the available names."""
+        """Attach a probe (or a plain forward hook closure) to a component name or glob
+        now; ``placement``: those of :class:`~policy_probes.probes.probe.Placement` the
+        probe takes. Returns self; an unknown name raises ``KeyError`` listing the names."""
         return self._attach(pattern, builder, None, placement)
 
     def add_training_backward_hook(
         self, pattern: str, builder: ProbeBuilder, **placement: Any
     ) -> ProbeSession:
-        """Attach a backward probe (or plain backward hook closure) now; a forward probe
-        is refused. Returns self."""
+        """Attach a backward probe (or plain backward hook closure) now; returns self."""
         return self._attach(pattern, builder, True, placement)
 
     def _attach(
@@ -325,13 +298,9 @@ class ProbeSession:
         return self
 
     def add_remedy(self, pattern: str, remedy: Remedy, *, seed: int | None = None) -> ProbeSession:
-        """Attach a remedy (``policy_probes.remedies``: ``redo``, ``shrink_and_perturb``,
-        ``reset_layers``, ...) to a component name or glob; returns self. It fires in
-        :meth:`epoch_end` after the epoch's metrics and before its records. Remedies
-        change the weights the optimizer trains, so the session binds one when the loop
-        binds its optimizer (:meth:`bind`; before that it waits; a loop that starts
-        without one, e.g. evaluation only, is refused). ``seed``: of the remedy's
-        generator when the remedy has none (default ``torch.initial_seed()``)."""
+        """Attach a remedy (:mod:`policy_probes.remedies`) to a component name or glob,
+        fired in :meth:`epoch_end` before the records, once the loop binds its optimizer.
+        ``seed``: of its generator if it has none (default ``torch.initial_seed()``)."""
         if self.closed:
             raise RuntimeError("this ProbeSession is closed; start a new one to add remedies")
         if self.optimizer is None:
@@ -342,9 +311,7 @@ class ProbeSession:
         return self
 
     def next_pass(self) -> None:
-        """End a training pass (a loop without an optimizer calls this after each update
-        step): the probes that observe the next pass get their torch hooks, the others
-        none (:mod:`policy_probes.sampling`)."""
+        """End a training pass (a loop without an optimizer calls it after each update)."""
         self.sampler.next_pass()
 
     @property
@@ -352,14 +319,12 @@ class ProbeSession:
         """Every name a probe can be attached to."""
         return self.policy.component_names()
 
-    # ------------------------------------------------------------------ phases
     @property
     def current_phase(self) -> str:
         return self.context.phase
 
     def set_phase(self, name: str) -> None:
-        """``"rollout"`` while collecting experience, ``"train"`` while updating,
-        ``"eval"`` while evaluating. Probes record only in their ``phases``
+        """``"rollout"``, ``"train"`` or ``"eval"``: probes record only in their ``phases``
         (default ``("train",)``)."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"phase must be a non-empty string such as {PHASES}, got {name!r}")
@@ -381,16 +346,15 @@ class ProbeSession:
         finally:
             self.context.phase = previous
 
-    # --------------------------------------------------------------- row masks
     @contextmanager
     def row_mask(
         self, mask: torch.Tensor | None, *, loss_samples: float | torch.Tensor | None = None
     ) -> Iterator[None]:
         """Leave out of every probe the rows the loss masks, for the forward and backward
         inside the block. ``mask`` is ``(rows,)`` or ``(batch, time)``, 1 (or True) where
-        the loss uses the row; ``None`` keeps every row. ``loss_samples`` is how many
-        samples the loss averages over (default: the kept rows). How the mask lines up with
-        each probed tensor (time-major LSTM outputs, per-step calls): ``docs/external.md``."""
+        the loss uses the row; ``None`` keeps every row. ``loss_samples``: how many samples
+        the loss averages over (default: the kept rows). How a mask lines up with each
+        probed tensor: ``docs/external.md``."""
         previous = (self.context.row_mask, self.context.loss_samples)
         self.context.row_mask = mask  # a fresh RowMask: per-step counts start at 0
         if loss_samples is not None:
@@ -402,29 +366,21 @@ class ProbeSession:
 
     def set_loss_samples(self, n: float | torch.Tensor | None) -> None:
         """State how many samples the loss averages over (the Fisher probe's per-sample
-        factor), until changed; ``None`` restores the default (the kept rows of the row
-        mask, else the rows of each probed pass)."""
+        factor) until changed; ``None``: the row mask's kept rows, else each pass's rows."""
         if n is not None and not isinstance(n, torch.Tensor) and not n > 0:
             raise ValueError(f"loss_samples must be a positive number of samples, got {n!r}")
         self.context.loss_samples = n
 
     def scale_loss(self, loss: torch.Tensor, scaler: torch.amp.GradScaler) -> torch.Tensor:
-        """``scaler.scale(loss)`` for mixed precision (``torch.autocast`` with
-        ``torch.amp.GradScaler``), telling the probes the factor: ``context.loss_scale``
-        becomes the scaler's current scale as a 0-dim device tensor, which the Fisher
-        probe divides out on the device (no host sync). Call it instead of
-        ``scaler.scale(loss)`` before each ``backward()``; ``docs/probes/fisher.md``."""
+        """``scaler.scale(loss)`` (mixed precision) that also tells the probes the factor as
+        a 0-dim device tensor (``context.loss_scale``); call it before each backward."""
         self.context.loss_scale = scaler.scale(torch.ones((), device=loss.device))
         return scaler.scale(loss)
 
-    # ----------------------------------------------------------------- metrics
     def log(self, metrics: Mapping[str, Any], *, reduce: Literal["last", "mean"] = "last") -> None:
-        """Add the loop's own scalars (losses, returns, ...) to the current epoch's record.
-
-        ``reduce="last"``: a key logged again replaces the earlier value. ``"mean"``: the
-        record holds the mean of every value logged under the key this epoch. Tensors are
-        kept as they are (no host synchronisation) and read once at :meth:`epoch_end`.
-        """
+        """Add the loop's own scalars to the current epoch's record: ``reduce="last"``
+        keeps the last value logged under a key, ``"mean"`` the mean of this epoch's.
+        Tensors are kept (no host synchronisation) and read once at :meth:`epoch_end`."""
         if reduce not in ("last", "mean"):
             raise ValueError(f"reduce must be 'last' or 'mean', got {reduce!r}")
         for key, value in metrics.items():
@@ -438,7 +394,6 @@ class ProbeSession:
                 self._sums[key] = (total + value, n + 1)
                 self._logged.pop(key, None)
 
-    # --------------------------------------------------------- lifecycle points
     def set_data(
         self,
         *,
@@ -467,12 +422,10 @@ class ProbeSession:
         minibatch_size: int | None = None,
         **fields: Any,
     ) -> dict[str, Any]:
-        """After the rollout and before the update: the probes that read the rollout get
-        ``observations`` (the rollout's observations, flat ``(samples, *obs_shape)``; the
-        churn probe records its held-out outputs), then POST_ROLLOUT fires
-        (``feature_rank``, ``policy_fisher``); its metrics join this epoch's record. The
-        data arguments go to :meth:`set_data` when given. ``fields`` are more
-        ``RunDataContext`` fields for the hooks (``agent_step``, ``stats``, ...)."""
+        """After the rollout, before the update: the probes that read the rollout get
+        ``observations`` (flat ``(samples, *obs_shape)``), then POST_ROLLOUT fires; its
+        metrics join this epoch's record. The data arguments go to :meth:`set_data` when
+        given; ``fields`` are more ``RunDataContext`` fields for the hooks."""
         self.epoch_start()
         self._rollout_seen = True
         for tracker in list(self.context.model_metrics.values()):
@@ -485,22 +438,11 @@ class ProbeSession:
                     tracker.errors["rollout_end"] = f"{type(exc).__name__}: {exc}"
         if minibatches is not None or data is not None:
             self.set_data(minibatches=minibatches, data=data, minibatch_size=minibatch_size)
-        out = self.hooks.fire(
-            HookPoint.POST_ROLLOUT,
-            epoch=self.record_epoch,
-            step=self._step,
-            observations=observations,
-            model_ctx=self.model_context,
-            **fields,
-        )
-        self._pending.update(out)
-        return out
+        return self._fire(HookPoint.POST_ROLLOUT, pending=True, observations=observations, **fields)
 
     @property
     def optimizer_step(self) -> int:
-        """The loop's optimizer steps so far (what step points and epoch points see as
-        ``step``). :meth:`post_step` advances it; a loop that does not call
-        :meth:`post_step` at every step sets it before the epoch points."""
+        """The loop's optimizer steps so far (the hooks' ``step``; :meth:`post_step`)."""
         return self._step
 
     @optimizer_step.setter
@@ -515,17 +457,15 @@ class ProbeSession:
         step: int | None = None,
         **fields: Any,
     ) -> None:
-        """Fire PRE_STEP: after ``loss.backward()``, before clipping and ``optimizer.step()``
-        (``norms`` reads the gradient norm here). Metrics are buffered on the device.
-        ``step``: the loop's global optimizer step (default: the session's count);
-        ``fields``: more ``RunDataContext`` fields (``update_epoch``, ``minibatch``, ...)."""
+        """Fire PRE_STEP: after ``loss.backward()``, before clipping and ``optimizer.step()``;
+        metrics are buffered on the device. ``step``: the loop's global optimizer step
+        (default: the session's count); ``fields``: more ``RunDataContext`` fields."""
         if loss is not None:
             fields["loss"] = loss.detach()
         self._fire_step(HookPoint.PRE_STEP, batch, step, fields)
 
     def post_step(self, *, batch: Any = None, step: int | None = None, **fields: Any) -> None:
-        """Fire POST_STEP right after ``optimizer.step()`` and count the optimizer step
-        (``step`` and ``fields`` as in :meth:`pre_step`)."""
+        """Fire POST_STEP right after ``optimizer.step()`` and count the step (as pre_step)."""
         self._fire_step(HookPoint.POST_STEP, batch, step, fields)
         self._step += 1
 
@@ -535,23 +475,22 @@ class ProbeSession:
         self.epoch_start()
         if step is not None:
             self._step = int(step)
-        self.hooks.fire(
-            point,
-            epoch=self.record_epoch,
-            step=self._step,
-            batch=batch,
-            model_ctx=self.model_context,
-            **fields,
+        self._fire(point, batch=batch, **fields)
+
+    def _fire(self, point: HookPoint, *, pending: bool = False, **fields: Any) -> dict[str, Any]:
+        """Fire ``point`` now; ``pending``: its metrics join this epoch's record."""
+        out = self.hooks.fire(
+            point, epoch=self.record_epoch, step=self._step, model_ctx=self.model_context, **fields
         )
+        if pending:
+            self._pending.update(out)
+        return out
 
     def epoch_start(self, **fields: Any) -> dict[str, Any]:
-        """Start the current epoch: fire PRE_EPOCH (once; later calls in the same epoch do
-        nothing); its metrics join this epoch's record. The session calls it at the first
-        call of an epoch (a phase, :meth:`rollout_end`, a step point, :meth:`epoch_end`); a
-        loop calls it itself to pass ``fields`` (more ``RunDataContext`` fields:
-        ``agent_step``, ...). When a lifecycle hook fires at PRE_EPOCH, the loop's first
-        optimizer step of an epoch calls it too, so it always precedes the epoch's updates. The first epoch's start writes ``config.json`` and opens the
-        sinks."""
+        """Start the current epoch: fire PRE_EPOCH once (its metrics join the epoch's
+        record). Every session call of an epoch (and with a PRE_EPOCH hook its first
+        optimizer step) calls it; a loop calls it to pass ``fields`` (``RunDataContext``
+        fields). The first epoch's start writes ``config.json`` and opens the sinks."""
         if not self._started:  # the loop starts training: a refused start writes nothing
             if self.closed:
                 raise RuntimeError("this ProbeSession is closed")
@@ -572,50 +511,39 @@ class ProbeSession:
             return {}
         self._epoch_started = True
         fields.setdefault("agent_step", self.agent_step)
-        out = self.hooks.fire(
-            HookPoint.PRE_EPOCH,
-            epoch=self.record_epoch,
-            step=self._step,
-            model_ctx=self.model_context,
-            **fields,
-        )
-        self._pending.update(out)
-        return out
+        return self._fire(HookPoint.PRE_EPOCH, pending=True, **fields)
 
     @property
     def record_epoch(self) -> int:
-        """The current epoch as records number it (from 1); lifecycle hooks, their
-        schedules and windows get the same number."""
+        """The current epoch as records (and lifecycle hooks) number it, from 1."""
         return self.epoch + 1
 
-    # --------------------------------------------------------------- epoch end
     def epoch_end(self, step: int, **extra: Any) -> dict[str, Any]:
-        """Close the current epoch and emit its records to every sink; returns the
-        epoch's metrics as host values (floats and lists).
-
-        ``step`` is the agent step (environment steps so far); ``extra`` are more metrics
-        for the record (``epoch_end(step, **{"rollout/episode_return": r})``). The order
-        is the same for every loop (``docs/external.md``): the probes' trackers are
-        collected (:class:`StatsReporter`), POST_EPOCH fires, SNAPSHOT fires when due, and
-        the buffered step-point metrics are read; then one record per step point that
-        reported (``PRE_STEP``, ``POST_STEP``: that point's per-epoch means), the epoch's
-        ``POST_EPOCH`` record (everything), and in SNAPSHOT epochs a ``SNAPSHOT`` record.
-        """
+        """Close the current epoch, emit its records to every sink and return its metrics
+        (host values). ``step``: the agent step (environment steps so far); ``extra``: more
+        metrics. Records, in order (``docs/external.md``): one per step point that
+        reported, the ``POST_EPOCH`` record, and in SNAPSHOT epochs a ``SNAPSHOT`` record."""
         if self.closed:
             raise RuntimeError("this ProbeSession is closed")
         self.epoch_start()
         self.agent_step = int(step)
-        logged = self._take_logged()
+        logged = dict(self._logged)  # and the means of what was logged with reduce="mean"
+        logged.update((key, total / n) for key, (total, n) in self._sums.items())
+        self._logged, self._sums = {}, {}
         logged.update(extra)
         sampler = self.sampler
         start, collected = time.perf_counter(), sampler.collect_seconds
         metrics, snapshot, steps = self._fire_epoch_points(logged)
         if self.remedies:  # after the epoch's metrics (ReDo reads its scores), before records
             metrics.update(plain_metrics(self.remedies.end_epoch(self.epoch + 1, metrics)))
-        self._emit(metrics, snapshot, steps)
+        records = [*steps.items(), (POST_EPOCH, metrics)]
+        if snapshot is not None:
+            records.append(("SNAPSHOT", snapshot))
+        for point, values in records:  # through the live analysis (the run's findings)
+            record = Record(self.record_epoch, point, self.agent_step, values)
+            self.sinks.emit(self.analysis.add(record))
         if not self.hooks.active:
-            # with no lifecycle hook, the epoch's end is the probes' reporting: record
-            # conversion and sinks (the collection is counted already)
+            # no lifecycle hook: the epoch end beyond the collection is the probes' cost
             collected = sampler.collect_seconds - collected
             sampler.charge(time.perf_counter() - start - collected)
         self._pending = {}
@@ -633,22 +561,23 @@ class ProbeSession:
         steps: dict[str, dict[str, Any]] = {}
         metrics.update(StatsReporter(self.context).collect())  # every rank: a collective
         if self.hooks.active:
-            self._warn_missing_rollout_end()
+            rollout_hooks = [h.name for h in self.hooks.hooks_at(HookPoint.POST_ROLLOUT)]
+            if rollout_hooks and not self._rollout_seen:
+                log.warning(
+                    "lifecycle hooks %s fire at POST_ROLLOUT: call session.rollout_end("
+                    "observations=...) after each rollout",
+                    rollout_hooks,
+                )
+                self._rollout_seen = True  # warn once
             metrics.update(self._pending)
-            common = {"epoch": self.record_epoch, "step": self._step, "agent_step": self.agent_step}
+            lr = self._epoch_learning_rate(logged)
             metrics.update(
-                self.hooks.fire(
-                    HookPoint.POST_EPOCH,
-                    stats=logged,
-                    learning_rate=self._epoch_learning_rate(logged),
-                    model_ctx=self.model_context,
-                    **common,
+                self._fire(
+                    HookPoint.POST_EPOCH, agent_step=self.agent_step, stats=logged, learning_rate=lr
                 )
             )
             if snapshot_due(self.epoch, self.probing.snapshot_every):
-                snapshot = self.hooks.fire(
-                    HookPoint.SNAPSHOT, model_ctx=self.model_context, **common
-                )
+                snapshot = self._fire(HookPoint.SNAPSHOT, agent_step=self.agent_step)
                 metrics.update(snapshot)
             flushed = self.hooks.flush()
             metrics.update(flushed.summary)
@@ -657,29 +586,13 @@ class ProbeSession:
             snapshot = {}
         # plain once, for every sink and the analysis (flat keys, Python values)
         plain = plain_metrics(metrics)
-        if snapshot is not None:
-            snapshot = plain_metrics(snapshot)
+        snapshot = None if snapshot is None else plain_metrics(snapshot)
         steps = {point: plain_metrics(values) for point, values in steps.items()}
         return plain, snapshot, steps
 
-    def _emit(
-        self,
-        metrics: dict[str, Any],
-        snapshot: dict[str, Any] | None,
-        steps: dict[str, dict[str, Any]],
-    ) -> None:
-        """The epoch's records, in the documented order, through the live analysis (the
-        epoch's record carries the run's findings) to the sinks."""
-        epoch, step = self.record_epoch, self.agent_step
-        records = [*steps.items(), (POST_EPOCH, metrics)]
-        if snapshot is not None:
-            records.append(("SNAPSHOT", snapshot))
-        for point, values in records:
-            self.sinks.emit(self.analysis.add(Record(epoch, point, step, values)))
-
     def _epoch_learning_rate(self, logged: Mapping[str, Any]) -> float | None:
-        """The rate the epoch trained with: the logged ``train/learning_rate`` when the
-        loop logs one (its scheduler may have stepped already), else the optimizer's."""
+        """The logged ``train/learning_rate`` (the scheduler may have stepped), else the
+        optimizer's."""
         lr = logged.get("train/learning_rate")
         if lr is not None:
             return float(lr)
@@ -687,32 +600,10 @@ class ProbeSession:
             return float(self.optimizer.param_groups[0]["lr"])
         return None
 
-    def _warn_missing_rollout_end(self) -> None:
-        if self.hooks.hooks_at(HookPoint.POST_ROLLOUT) and not self._rollout_seen:
-            log.warning(
-                "lifecycle hooks %s fire at POST_ROLLOUT: call session.rollout_end("
-                "observations=...) after each rollout",
-                [h.name for h in self.hooks.hooks_at(HookPoint.POST_ROLLOUT)],
-            )
-            self._rollout_seen = True  # warn once
-
-    def _take_logged(self) -> dict[str, Any]:
-        out = dict(self._logged)
-        for key, (total, n) in self._sums.items():
-            out[key] = total / n
-        self._logged, self._sums = {}, {}
-        return out
-
-    # ------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        """The session's state (tensors and plain containers), for a checkpoint: the
-        epoch and step counters, what was logged or reported this epoch so far, the
-        lifecycle hooks' state (:meth:`HookManager.state_dict`) and every tracker's sums
-        and counts (``ProbeState.state_dict``). Probes, hooks and sinks are
-        configuration: a resumed loop builds them again and then loads this.
-
-        The sinks are flushed first (files fsynced): the records a checkpoint covers are
-        on disk before it is, so a resume never finds fewer records than its epoch."""
+        """The session's state for a checkpoint (probes, hooks and sinks are configuration:
+        a resumed loop builds them, then loads this). The sinks are flushed first, so a
+        resume never finds fewer records than its epoch."""
         self.sinks.flush()
         return {
             "epoch": self.epoch,
@@ -734,9 +625,8 @@ class ProbeSession:
         }
 
     def load_state_dict(self, state: Mapping[str, Any], *, trackers: bool = True) -> None:
-        """Inverse of :meth:`state_dict`. ``trackers=False`` keeps the trackers as they
-        are (ranks other than 0 of a distributed run: the saved sums are rank 0's, and
-        the all-reduce would count them twice)."""
+        """Inverse of :meth:`state_dict`. ``trackers=False`` keeps the trackers (ranks
+        other than 0: the saved sums are rank 0's, the all-reduce would count them twice)."""
         self.epoch = int(state["epoch"])
         self._step = int(state["optimizer_step"])
         agent_step = state["agent_step"]
@@ -748,6 +638,7 @@ class ProbeSession:
         self.hooks.load_state_dict(state["hooks"])
         self.sampler.load_state_dict(state["sampler"])
         self.remedies.load_state_dict(state["remedies"])
+        device = next((p.device for p in self.module.parameters()), torch.device("cpu"))
         for name, saved in state["trackers"].items() if trackers else ():
             tracker = self.context.model_metrics.get(name)
             if tracker is None:
@@ -755,14 +646,8 @@ class ProbeSession:
                     "the saved state holds tracker %r, which this run does not attach", name
                 )
                 continue
-            tracker.load_state_dict(saved, device=self._device())
+            tracker.load_state_dict(saved, device=device)
 
-    def _device(self) -> torch.device:
-        for p in self.module.parameters():
-            return p.device
-        return torch.device("cpu")
-
-    # ------------------------------------------------------------------- close
     def remove_hooks(self) -> None:
         """Remove every torch hook this session installed (its trackers keep their data)."""
         while self._handles:
@@ -771,8 +656,7 @@ class ProbeSession:
             self._step_hooks.pop().remove()
 
     def close(self) -> None:
-        """Remove every hook and close the run (its sinks and lock). Idempotent. Metrics logged
-        since the last :meth:`epoch_end` are not emitted."""
+        """Remove every hook and close the run (idempotent; unemitted metrics are lost)."""
         if self.closed:
             return
         self.closed = True
@@ -784,18 +668,12 @@ class ProbeSession:
     def __enter__(self) -> ProbeSession:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __repr__(self) -> str:
         return (
-            f"ProbeSession(model={type(self.module).__name__}, "
-            f"run_dir={str(self.run_dir)!r}, "
+            f"ProbeSession(model={type(self.module).__name__}, run_dir={str(self.run_dir)!r}, "
             f"epoch={self.epoch}, probes={len(self._probes)}, "
             f"hooks={[h.name for h in self.hooks.hooks]}, closed={self.closed})"
         )
@@ -806,8 +684,7 @@ def _probeable(
     components: Mapping[str, nn.Module | str] | None,
     example_inputs: tuple[Any, ...] | None,
 ) -> PolicyAutoBuilder:
-    """``model`` as a :class:`PolicyAutoBuilder` (wrapped unless it is one), traced on
-    ``example_inputs`` when given."""
+    """``model`` as a :class:`PolicyAutoBuilder`, traced on ``example_inputs`` if given."""
     if isinstance(model, PolicyAutoBuilder):
         if components is not None:
             raise ValueError(

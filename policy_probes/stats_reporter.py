@@ -13,13 +13,11 @@ log = logging.getLogger("policy_probes")
 
 
 class StatsReporter:
-    """Reads every tracker in ``context.model_metrics`` at the end of every epoch.
-
-    :meth:`collect` all-reduces each tracker across processes (when
-    ``torch.distributed`` is initialised), calls ``to_metrics()`` then ``reset()``, and
-    returns one merged flat dict ``probes/<probe>/<component>/<metric>``. Probes disabled
-    after a fault appear as ``probes/errors/<probe>/<component> = 1.0``.
-    """
+    """Reads every tracker in ``context.model_metrics`` at the end of every epoch:
+    :meth:`collect` all-reduces each across processes (under ``torch.distributed``), calls
+    ``to_metrics()`` then ``reset()``, and returns one flat dict
+    ``probes/<probe>/<component>/<metric>``, with ``probes/errors/<key> = 1.0`` per
+    disabled probe."""
 
     def __init__(self, context: ComponentContext, *, all_reduce: bool = True) -> None:
         self.context = context
@@ -36,8 +34,16 @@ class StatsReporter:
 
     def _collect(self, sampler: Any) -> dict[str, Any]:
         metrics: dict[str, Any] = {}
-        if sampler is not None:
-            self._probe_batch(sampler)
+        if sampler is not None:  # the dedicated pass of probe_batch probes
+            try:
+                sampler.before_collect()
+            except ValueError:
+                raise  # a probe batch larger than the epoch's data: the configuration must change
+            except Exception as exc:  # a probe must never take training down
+                if self.context.strict:
+                    raise
+                self.context.probe_errors["probe_batch"] = f"{type(exc).__name__}: {exc}"
+                log.error("the probe batch failed and is skipped: %s", exc)
         trackers = [
             t
             for t in self.context.model_metrics.values()
@@ -69,18 +75,6 @@ class StatsReporter:
         for key in self.context.probe_errors:
             metrics[f"probes/errors/{key}"] = 1.0
         return metrics
-
-    def _probe_batch(self, sampler: Any) -> None:
-        """The dedicated pass of ``probe_batch`` probes (policy_probes.sampling)."""
-        try:
-            sampler.before_collect()
-        except ValueError:
-            raise  # a probe batch larger than the epoch's data: the configuration must change
-        except Exception as exc:  # a probe must never take training down
-            if self.context.strict:
-                raise
-            self.context.probe_errors["probe_batch"] = f"{type(exc).__name__}: {exc}"
-            log.error("the probe batch failed and is skipped: %s", exc)
 
     def _take_errors(self, tracker: Any) -> None:
         """Move reduction failures of ``tracker`` into the context (fatal when strict)."""

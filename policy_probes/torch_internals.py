@@ -1,10 +1,8 @@
 """Every use of torch's private API in policy-probes, in one place.
 
-torch keeps these names out of its public API, so a torch upgrade may change them;
-``tests/test_torch_internals.py`` pins the behaviour each helper relies on for the
-installed version, so such a change fails there, in one place, instead of deep inside a
-probe. Code elsewhere in the toolkit (and in ``trainers/``) calls these helpers and never
-touches the private names itself.
+A torch upgrade may change these names; ``tests/test_torch_internals.py`` pins what each
+helper relies on, so such a change fails there instead of deep inside a probe. The rest of
+the toolkit (and ``trainers/``) calls these helpers, never the private names.
 """
 
 from __future__ import annotations
@@ -19,36 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.modules import module as torch_module
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten  # noqa: F401 - re-exported
 from torch.utils.hooks import RemovableHandle
-
-__all__ = [
-    "HOOK_DICTS",
-    "OUTPUT_ONLY_BACKWARD_WARNING",
-    "child_modules",
-    "compiled_call",
-    "compiled_original",
-    "force_eager_stance",
-    "is_compiled_wrapper",
-    "conv_padding",
-    "global_module_hooks_installed",
-    "hooks_set_aside",
-    "in_backward_pass",
-    "init_unbound_handle",
-    "module_hook_count",
-    "module_hooks_installed",
-    "own_parameter_twin",
-    "set_last_lr",
-    "queue_after_backward",
-    "quiet_output_only_backward_hooks",
-    "tensor_slot",
-    "set_tensor_slot",
-    "tree_flatten",
-    "tree_flatten_cached",
-    "tree_leaves",
-    "tree_unflatten",
-    "version_counter",
-]
 
 #: the per-module dicts that hold forward, forward-pre, backward and backward-pre hooks
 HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
@@ -70,10 +40,8 @@ def child_modules(module: nn.Module) -> list[tuple[str, nn.Module | None]]:
 
 
 def module_hooks_installed(module: nn.Module) -> bool:
-    """True if any module in ``module``'s subtree has a torch hook of any kind.
-
-    An explicit walk of the child dicts, about half the cost of ``modules()``: trainers
-    call it once per minibatch to pick a hook-free path."""
+    """True if any module in ``module``'s subtree has a torch hook of any kind (a walk of
+    the child dicts, half the cost of ``modules()``: trainers call it per minibatch)."""
     stack: list[nn.Module | None] = [module]
     while stack:
         m = stack.pop()
@@ -111,15 +79,13 @@ def module_hook_count(module: nn.Module) -> int:
 
 
 def global_module_hooks_installed() -> bool:
-    """True if torch has global module hooks (``register_module_forward_hook`` and
-    friends); they fire on every module call."""
+    """True if torch has global module hooks (``register_module_forward_hook``, ...)."""
     return any(getattr(torch_module, d) for d in _GLOBAL_HOOK_DICTS)
 
 
 class hooks_set_aside:
-    """The module hooks of ``module``'s subtree set aside inside the ``with`` block (for
-    re-running the module on single samples without the probes reading those passes),
-    and put back, the same dict objects, on exit."""
+    """The module hooks of ``module``'s subtree set aside inside the ``with`` block (a
+    re-run the probes must not read), and the same dict objects put back on exit."""
 
     def __init__(self, module: nn.Module) -> None:
         self.modules = list(module.modules())
@@ -144,9 +110,7 @@ def init_unbound_handle(handle: RemovableHandle) -> None:
 
 @contextmanager
 def quiet_output_only_backward_hooks() -> Iterator[None]:
-    """Silence :data:`OUTPUT_ONLY_BACKWARD_WARNING` inside the block only: a full backward
-    hook on a policy's first component sees its output gradient, which is what a probe
-    reads, so the warning says nothing the probes do not expect."""
+    """Silence :data:`OUTPUT_ONLY_BACKWARD_WARNING` (probes read output gradients)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=OUTPUT_ONLY_BACKWARD_WARNING)
         yield
@@ -170,8 +134,7 @@ def compiled_call(module: nn.Module) -> Callable[..., Any] | None:
 
 def force_eager_stance() -> Callable[[], None]:
     """Set ``torch.compiler.set_stance("force_eager")`` now; returns the function that
-    restores the stance that was set before (``set_stance`` applies when called, and its
-    context manager's exit restores the previous stance)."""
+    restores the previous stance (the exit of ``set_stance``'s context manager)."""
     stance = torch.compiler.set_stance("force_eager")
     return lambda: stance.__exit__(None, None, None)
 
@@ -184,8 +147,7 @@ def version_counter(tensor: torch.Tensor) -> int:
 
 
 def tensor_slot(tensor: torch.Tensor, name: str) -> Any:
-    """The Python attribute ``name`` stored on ``tensor`` by :func:`set_tensor_slot`, or
-    None (the attribute lives as long as the tensor object)."""
+    """The attribute ``name`` :func:`set_tensor_slot` stored on ``tensor``, or None."""
     return tensor.__dict__.get(name)
 
 
@@ -201,8 +163,7 @@ def queue_after_backward(callback: Callable[[], None]) -> None:
 
 
 def in_backward_pass() -> bool:
-    """True while autograd runs a backward pass on this thread (inside a tensor or
-    module backward hook)."""
+    """True while autograd runs a backward pass on this thread."""
     return torch._C._current_graph_task_id() != -1
 
 
@@ -214,19 +175,16 @@ def conv_padding(conv: nn.Conv1d | nn.Conv2d | nn.Conv3d) -> tuple[int, ...]:
 
 def tree_leaves(tree: Any) -> list[Any]:
     """The leaves of ``tree`` in ``tree_flatten``'s order. Plain tuples, lists and dicts
-    (an LSTM's ``(out, (h, c))``, a module's ``(args, kwargs)``) are walked here, in
-    microseconds, where torch's pytree takes about 20 per call and leaves a reference
-    cycle behind (its recursive helper), garbage that only the GC frees: a step-by-step
-    LSTM calls a hook per step. Anything else (namedtuples, registered nodes) goes
-    through ``tree_flatten``."""
+    are walked here, in microseconds (torch's pytree takes about 20 per call and leaves a
+    reference cycle only the GC frees; a step-by-step LSTM calls a hook per step);
+    anything else goes through ``tree_flatten``."""
     leaves: list[Any] = []
     return leaves if _walk(tree, leaves) is not None else tree_flatten(tree)[0]
 
 
 def tree_flatten_cached(tree: Any) -> tuple[list[Any], Any]:
-    """``tree_flatten(tree)``, its spec built once per structure of plain tuples, lists
-    and dicts of tensors and Python scalars (see :func:`tree_leaves`); other trees are
-    flattened by torch."""
+    """``tree_flatten(tree)``, its spec built once per structure of plain containers of
+    tensors and scalars (:func:`tree_leaves`); other trees are flattened by torch."""
     leaves: list[Any] = []
     key = _walk(tree, leaves)
     if key is None:
