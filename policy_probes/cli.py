@@ -1,14 +1,10 @@
 """The ``policy-probes`` command line.
 
-``policy-probes run TARGET [key=value ...]`` loads a recipe (``package.module.function``
-or ``path/to/file.py:function``), calls it, applies the overrides to the configuration it
-returns, and trains. The recipe must return a :class:`~policy_probes.runnable.Runnable`
-(a ``trainers.TrainTool``); this module never imports ``trainers`` itself, so the toolkit
-stays independent of the built-in trainer. Overrides are parsed by
-:mod:`policy_probes.overrides`.
-
-Each subcommand is one ``add_<name>_subcommand(subparsers)`` function registered in
-:data:`SUBCOMMANDS`; adding a subcommand means writing one such function.
+``policy-probes run TARGET [key=value ...]`` loads a recipe (``package.module.function`` or
+``path/to/file.py:function``) returning a :class:`~policy_probes.runnable.Runnable` (a
+``trainers.TrainTool``; this module never imports ``trainers``), applies the overrides
+(:mod:`policy_probes.overrides`) and trains. Each subcommand is one
+``add_<name>_subcommand(subparsers)`` function in :data:`SUBCOMMANDS`.
 """
 
 from __future__ import annotations
@@ -74,7 +70,6 @@ EXIT_USAGE = 2
 #: a run that trained but could not write some of its outputs (disk full ...)
 EXIT_LOST_OUTPUT = 1
 
-#: the override engine's names, importable from here as before (policy_probes.overrides)
 __all__ = ["CLIError", "apply_overrides", "check_key", "main", "parse_value", "valid_keys"]
 
 RUN_EPILOG = """\
@@ -101,8 +96,8 @@ examples:
 
 
 class RunEnded(Exception):
-    """The run stopped before its end on request (signal, ``ctl stop``) after writing a
-    checkpoint; the CLI prints the message and exits with ``exit_code``."""
+    """The run stopped on request (signal, ``ctl stop``) after a checkpoint; the CLI
+    prints the message and exits with ``exit_code``."""
 
     def __init__(self, message: str, exit_code: int) -> None:
         super().__init__(message)
@@ -136,23 +131,17 @@ def load_recipe(target: str) -> Callable[[], Any]:
             )
         try:
             module = importlib.import_module(module_path)
-        except ModuleNotFoundError as exc:
-            if exc.name and module_path.startswith(exc.name):
+        except Exception as exc:
+            missing = exc.name if isinstance(exc, ModuleNotFoundError) else None
+            if missing and module_path.startswith(missing):
                 raise CLIError(
                     f"cannot import recipe module {module_path!r} ({exc}); run from the "
                     f"directory that contains it or give path/to/file.py:function"
                 ) from None
             raise recipe_error(f"recipe module {module_path!r} failed to import", exc) from exc
-        except Exception as exc:
-            raise recipe_error(f"recipe module {module_path!r} failed to import", exc) from exc
     fn = getattr(module, func_name, None)
-    if inspect.ismodule(fn) or (fn is None and _is_module(target)):
-        inner = importlib.import_module(target)  # `run recipes.cartpole`: a module
-        names = [
-            f"{target}.{n}"
-            for n, f in inspect.getmembers(inner, inspect.isfunction)
-            if f.__module__ == inner.__name__ and returns_runnable(f) and _no_arguments(f)
-        ]
+    if inspect.ismodule(fn) or (fn is None and _is_module(target)):  # `run recipes.cartpole`
+        names = [f"{target}.{n}" for n, _ in _recipes_in(importlib.import_module(target))]
         raise CLIError(
             f"{target!r} is a module, not a recipe function; give "
             f"{' or '.join(names) if names else 'package.module.function'}"
@@ -222,24 +211,29 @@ def _is_module(name: str) -> bool:
         return False
 
 
-def _no_arguments(fn: Callable[..., Any]) -> bool:
-    """Whether ``fn()`` can be called as a recipe: no parameter without a default
-    (``recipes.atari.add_probes(cfg)`` is a helper, not a recipe)."""
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return True
-    required = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    kw_only = inspect.Parameter.KEYWORD_ONLY
-    return not any(
-        p.default is inspect.Parameter.empty and p.kind in (*required, kw_only) for p in params
-    )
+def _recipes_in(module: Any) -> list[tuple[str, Callable[..., Any]]]:
+    """``(name, function)`` of the recipes defined in ``module``: functions returning a
+    :class:`Runnable` class whose parameters all have defaults (``recipes.atari.add_probes
+    (cfg)`` is a helper, not a recipe)."""
+
+    def no_arguments(fn: Callable[..., Any]) -> bool:
+        try:
+            params = inspect.signature(fn).parameters.values()
+        except (TypeError, ValueError):
+            return True
+        variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+        return all(p.default is not p.empty or p.kind in variadic for p in params)
+
+    return [
+        (name, fn)
+        for name, fn in inspect.getmembers(module, inspect.isfunction)
+        if fn.__module__ == module.__name__ and returns_runnable(fn) and no_arguments(fn)
+    ]
 
 
 def find_recipes(package: str = "recipes") -> list[tuple[str, str]]:
-    """``(target, first docstring line)`` of every function in ``package``'s modules whose
-    return annotation is a :class:`Runnable` class (``TrainTool``). Modules are imported;
-    functions are not called."""
+    """``(target, first docstring paragraph)`` of every recipe (:func:`_recipes_in`) in
+    ``package``'s modules (imported; the functions are not called)."""
     try:
         pkg = importlib.import_module(package)
     except ModuleNotFoundError as exc:
@@ -252,10 +246,9 @@ def find_recipes(package: str = "recipes") -> list[tuple[str, str]]:
         except Exception as exc:
             found.append((f"{name}.*", f"[import failed: {type(exc).__name__}: {exc}]"))
             continue
-        for fname, fn in inspect.getmembers(module, inspect.isfunction):
-            if fn.__module__ == module.__name__ and returns_runnable(fn) and _no_arguments(fn):
-                paragraph = (inspect.getdoc(fn) or "").strip().split("\n\n")[0]
-                found.append((f"{name}.{fname}", " ".join(paragraph.split())))
+        for fname, fn in _recipes_in(module):
+            paragraph = (inspect.getdoc(fn) or "").strip().split("\n\n")[0]
+            found.append((f"{name}.{fname}", " ".join(paragraph.split())))
     return found
 
 
@@ -294,11 +287,10 @@ def print_recipes(package: str) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    recipes = find_recipes(package)
     table = Table(title=f"recipes in {package}")
     table.add_column("target")
     table.add_column("description")
-    for target, doc in recipes:
+    for target, doc in find_recipes(package):
         table.add_row(target, doc)
     Console().print(table)
     return 0
@@ -369,8 +361,7 @@ def prepare_tool(
     selection: HookSelection | None = None,
 ) -> Runnable:
     """The recipe's tool with ``overrides`` (and the CLI's hook selection) applied and
-    the launch recorded: what ``run`` and ``resume`` both train. ``progress`` follows
-    ``--no-progress`` unless an override sets it."""
+    the launch recorded; ``progress`` follows ``--no-progress`` unless an override sets it."""
     tool = build_from_recipe(target)
     overrides = list(overrides)
     if selection is not None:
@@ -420,11 +411,10 @@ def report_outputs(console: Any, result: RunResult) -> None:
         return
     console.print(f"\n[bold]run directory:[/bold] {run_dir}", soft_wrap=True)
     for entry in sorted(Path(run_dir).iterdir()):
-        if entry.is_dir():
-            count = sum(1 for p in entry.rglob("*") if p.is_file())
-            console.print(f"  {entry}/  ({count} files)", soft_wrap=True)
-        else:
-            console.print(f"  {entry}", soft_wrap=True)
+        count = sum(p.is_file() for p in entry.rglob("*")) if entry.is_dir() else None
+        console.print(
+            f"  {entry}" if count is None else f"  {entry}/  ({count} files)", soft_wrap=True
+        )
     last = result.last_checkpoint
     if last is not None:
         console.print(f"last checkpoint: {last}", soft_wrap=True)
@@ -452,9 +442,8 @@ def report_outputs(console: Any, result: RunResult) -> None:
 
 
 def program_name() -> str:
-    """How the user can call this command line from their shell: ``policy-probes`` when
-    it is on PATH, else the script beside this Python (``.venv/bin/policy-probes`` when
-    the environment is not activated), else ``python -m policy_probes.cli``."""
+    """How the user's shell calls this command line: ``policy-probes`` on PATH, else the
+    script beside this Python (an environment not activated), else ``python -m``."""
     if shutil.which("policy-probes"):
         return "policy-probes"
     script = Path(sys.executable).parent / "policy-probes"
@@ -476,15 +465,11 @@ def call_tool(method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
 
 def invoke_tool(tool: Runnable, **options: Any) -> RunResult:
-    """``tool.invoke(**options)`` for the options that are set. A run directory conflict
-    or an unusable checkpoint (exceptions with ``usage_error = True``) is a usage error; a
+    """``tool.invoke(**options)`` for the options that are set (:func:`call_tool`); a
     requested stop (an exception with an ``exit_code``) becomes :class:`RunEnded`."""
-    wanted = {k: v for k, v in options.items() if v}
     try:
-        return tool.invoke(**wanted)
+        return call_tool(tool.invoke, **{k: v for k, v in options.items() if v})
     except BaseException as exc:
-        if is_usage_error(exc):
-            raise CLIError(one_line(exc)) from exc
         code = getattr(exc, "exit_code", None)
         if isinstance(code, int) and not isinstance(exc, SystemExit):
             raise RunEnded(one_line(exc), code) from None
@@ -557,10 +542,8 @@ def resume_command(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     config, target = read_run_config(run_dir, "resume it with tool.invoke(resume=True)")
     tool = prepare_tool(target, launch_overrides(config, args.overrides, run_dir), args.no_progress)
-    parent = fork_point(config)
-    if parent is not None and supports_fork(tool):  # keeps its parent; none written: refork
-        return run_tool(tool, resume=args.checkpoint or True, fork_from=parent)
-    return run_tool(tool, resume=args.checkpoint or True)
+    parent = fork_point(config) if supports_fork(tool) else None  # a fork keeps its parent
+    return run_tool(tool, resume=args.checkpoint or True, fork_from=parent)
 
 
 def add_fork_subcommand(subparsers: argparse._SubParsersAction) -> None:

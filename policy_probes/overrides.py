@@ -1,9 +1,8 @@
 """``key=value`` overrides: how command-line text becomes configuration values.
 
-One rule for every ``key=value`` the command line takes (``policy-probes run`` overrides
-and ``--hook-config`` entries): the text splits at the first ``=``, key and value are
-stripped of surrounding whitespace, and the value is read by :func:`parse_value`.
-Dotted keys address nested pydantic models (:func:`check_key` says which keys exist);
+One rule for every ``key=value`` of the command line (``run`` overrides, ``--hook-config``
+entries): split at the first ``=``, both sides stripped, the value read by
+:func:`parse_value`. Dotted keys address nested pydantic models (:func:`check_key`);
 :func:`apply_overrides` re-validates the whole configuration.
 """
 
@@ -29,17 +28,15 @@ M = TypeVar("M", bound=BaseModel)
 
 def parse_value(text: Any) -> Any:
     """A value from the command line: JSON first (numbers, ``true``/``false``, ``null``,
-    lists, objects), then Python's ``True``/``False``/``None``, else the text itself as a
-    string. Surrounding whitespace is ignored; a value that is not a string is returned
-    as it is (configuration given from Python)."""
+    lists, objects), then Python's ``True``/``False``/``None``, else the stripped text; a
+    value that is not a string (given from Python) is returned as it is."""
     if not isinstance(text, str):
         return text
     text = text.strip()
     try:
         return json.loads(text)
     except ValueError:
-        pass
-    return PYTHON_CONSTANTS.get(text, text)
+        return PYTHON_CONSTANTS.get(text, text)
 
 
 def split_assignment(
@@ -50,8 +47,8 @@ def split_assignment(
     example: str = "seed=3",
     error: type[Exception] = CLIError,
 ) -> tuple[str, Any]:
-    """``(key, parsed value)`` of ``"key=value"``; raises ``error`` ("``what`` ... must
-    look like ``shape`` (e.g. ``example``)") when the text has no ``=`` or no key."""
+    """``(key, parsed value)`` of ``"key=value"``; ``error`` saying what it must look
+    like when the text has no ``=`` or no key."""
     key, sep, raw = str(item).partition("=")
     key = key.strip()
     if not sep or not key:
@@ -119,8 +116,7 @@ def check_key(model: type[BaseModel], key: str) -> None:
 
 
 def check_repeated_keys(overrides: Sequence[str]) -> None:
-    """Raise :class:`CLIError` when one command line sets a key twice (``seed=1
-    seed=2``): which one the user meant is not for us to guess."""
+    """Raise :class:`CLIError` when one command line sets a key twice (``seed=1 seed=2``)."""
     seen: dict[str, str] = {}
     for item in overrides:
         key = str(item).partition("=")[0].strip()
@@ -130,10 +126,8 @@ def check_repeated_keys(overrides: Sequence[str]) -> None:
 
 
 def apply_overrides(tool: M, overrides: Sequence[str]) -> M:
-    """A new, fully re-validated model with ``key=value`` overrides applied.
-
-    Private attributes (the probe builders a recipe added) are carried over.
-    """
+    """A new, fully re-validated model with ``key=value`` overrides applied (private
+    attributes, the probe builders a recipe added, are carried over)."""
     data = tool.model_dump()
     for item in overrides:
         key, value = split_assignment(item)

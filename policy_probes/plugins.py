@@ -1,13 +1,11 @@
 """Plugins: the probes, remedies and metric sinks a run selects by name.
 
 Each plugin is a class that says what it is (``kind`` and ``name``; a probe also its loop
-events, metrics, findings rules, console defaults and docs page) and registers itself by
-declaration with :func:`register`, as lifecycle hooks do with ``HookRegistry.register``.
-Everything that needs to know the plugins asks this registry: configuration selects them
-by name (``probes=[...]``, ``remedies=[...]``, ``sinks.<name>=true``), the findings engine
-reads the probes' rules, the console their default metrics, and ``policy-probes plugins``
-lists them. A plugin of your own, registered in a module your recipe imports, is
-selectable exactly like a built-in one.
+events, metrics, findings rules, console defaults and docs page) and registers itself with
+:func:`register`. Configuration selects plugins by name (``probes=[...]``,
+``remedies=[...]``, ``sinks.<name>=true``), the findings engine reads the probes' rules,
+the console their default metrics, ``policy-probes plugins`` lists them; one of your own,
+registered in a module your recipe imports, is selectable like a built-in one.
 """
 
 from __future__ import annotations
@@ -126,21 +124,16 @@ def get(kind: str, name: str) -> type:
 
 
 def own_modules() -> list[str]:
-    """The modules outside this package that registered plugins: a run records them
-    (``config.json``'s ``plugin_modules``) so that a later ``diagnose`` or ``report``
-    applies their findings rules too (:func:`import_modules`)."""
-    found = {
-        cls.__module__
-        for plugins in _REGISTRY.values()
-        for cls in plugins.values()
-        if not cls.__module__.startswith("policy_probes.") and cls.__module__ != "__main__"
-    }
-    return sorted(found)
+    """The modules outside this package that registered plugins (a run records them in
+    ``config.json``'s ``plugin_modules`` so that ``diagnose`` and ``report`` apply their
+    rules too: :func:`import_modules`)."""
+    modules = {cls.__module__ for plugins in _REGISTRY.values() for cls in plugins.values()}
+    return sorted(m for m in modules if not m.startswith("policy_probes.") and m != "__main__")
 
 
 def import_modules(names: Any) -> None:
-    """Import the modules a run recorded (:func:`own_modules`); one that cannot be
-    imported is named in a warning, since its rules are then not applied."""
+    """Import the modules a run recorded (:func:`own_modules`); one that fails is named
+    in a warning (its rules are then not applied)."""
     for name in names if isinstance(names, list) else ():
         try:
             importlib.import_module(name)
@@ -176,9 +169,9 @@ LIST_KEYS = ("layers", "consumer", "taus")
 
 def parse_spec(spec: str, kind: str) -> tuple[str, str, dict[str, Any]]:
     """``"name@component[:key=value,...]"`` -> ``(name, component, arguments)`` for a
-    registered plugin of ``kind``; a ``ValueError`` says what is wrong. Values are read as
-    integers, floats, ``true``/``false``/``none``, or text; a list separates its items
-    with ``|`` (``layers=layer_1.linear|layer_0.linear``)."""
+    registered plugin of ``kind`` (a ``ValueError`` says what is wrong). Values are
+    integers, floats, ``true``/``false``/``none`` or text; list items are separated by
+    ``|`` (``layers=layer_1.linear|layer_0.linear``)."""
     if not isinstance(spec, str):
         raise ValueError(
             f"a {kind} spec is a string 'name@component[:key=value,...]', got {spec!r}"
@@ -207,9 +200,9 @@ def parse_spec(spec: str, kind: str) -> tuple[str, str, dict[str, Any]]:
 
 def from_spec(spec: str, kind: str) -> tuple[str, Any, dict[str, Any]]:
     """``"name@component[:key=value,...]"`` -> ``(component, plugin, rest)``: the plugin
-    built from the arguments its constructor takes (a class's ``spec_keys`` name what its
-    ``**kwargs`` take); for a probe, ``rest`` holds the placement arguments. A
-    ``ValueError`` says what is wrong (unknown plugin or key, bad value)."""
+    built from the arguments its constructor takes (``spec_keys``: what its ``**kwargs``
+    take); for a probe ``rest`` holds the placement arguments. A ``ValueError`` says what
+    is wrong."""
     name, component, kwargs = parse_spec(spec, kind)
     cls = get(kind, name)
     params = inspect.signature(cls).parameters.values()
@@ -232,11 +225,9 @@ def from_spec(spec: str, kind: str) -> tuple[str, Any, dict[str, Any]]:
 def _value(key: str, text: str) -> Any:
     if key in LIST_KEYS:
         return [_value("", item.strip()) for item in text.split("|") if item.strip()]
-    lowered = text.lower()
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    if lowered in ("none", "null"):
-        return None
+    constants = {"true": True, "false": False, "none": None, "null": None}
+    if text.lower() in constants:
+        return constants[text.lower()]
     for cast in (int, float):
         try:
             return cast(text)

@@ -1,14 +1,11 @@
 """RunDirLock: one live run per run directory.
 
-A training run (``policy-probes run``/``resume``, ``TrainTool.invoke``, a
-:class:`~policy_probes.session.ProbeSession`) holds ``run_dir/run.lock`` while it runs.
-The file says who holds it (pid, host, process start time, command line); it is created
-with ``O_EXCL``, so of two processes starting at once exactly one gets it, and removed
-when the run ends, whichever way it ends short of ``kill -9``. A lock left behind by a
-killed process is *stale*: on the same host its pid no longer runs (``os.kill(pid, 0)``)
-or now belongs to a younger process (pid reuse, seen through the start time in
-``/proc``); a stale lock is taken over with a warning. A lock from another host cannot
-be checked from here and is refused with the path to delete if that run is gone.
+A training run holds ``run_dir/run.lock`` while it runs: a file saying who holds it (pid,
+host, process start time, command line), created with ``O_EXCL`` (of two processes starting
+at once exactly one gets it) and removed when the run ends short of ``kill -9``. A lock left
+by a killed process is *stale* (on this host its pid no longer runs, or belongs to a younger
+process: pid reuse, seen through the start time in ``/proc``) and is taken over with a
+warning; a lock from another host is refused with the path to delete if that run is gone.
 """
 
 from __future__ import annotations
@@ -21,7 +18,6 @@ import socket
 import sys
 import time
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 log = logging.getLogger("policy_probes")
@@ -52,11 +48,9 @@ def _process_start_ticks(pid: int) -> int | None:
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
     except PermissionError:  # alive, owned by another user
         return True
-    except OSError:
+    except OSError:  # ProcessLookupError: gone
         return False
     return True
 
@@ -84,11 +78,9 @@ def lock_is_live(owner: dict[str, Any]) -> bool:
 
 def describe_owner(owner: dict[str, Any]) -> str:
     started = owner.get("started")
-    when = (
-        time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started))
-        if isinstance(started, int | float)
-        else "an unknown time"
-    )
+    when = "an unknown time"
+    if isinstance(started, int | float):
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started))
     command = owner.get("command") or "?"
     return f"pid {owner.get('pid')} on {owner.get('host')} since {when} ({command})"
 
@@ -136,15 +128,11 @@ class RunDirLock:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
                 owner = lock_owner(self.run_dir)
-                if owner is None:
-                    # being written this instant, or garbage left by a crash mid-write
+                if owner is None:  # being written this instant, or left by a crash mid-write
                     time.sleep(0.05)
                     owner = lock_owner(self.run_dir)
-                if (
-                    owner is not None
-                    and owner.get("pid") == me["pid"]
-                    and (owner.get("host") == me["host"])
-                ):
+                ours = owner is not None and owner.get("pid") == me["pid"]
+                if ours and owner.get("host") == me["host"]:
                     raise RunDirLocked(
                         f"run_dir {str(self.run_dir)!r} is already in use by this process "
                         f"(another TrainTool.invoke or ProbeSession still open); close it first"
@@ -175,10 +163,5 @@ class RunDirLock:
     def __enter__(self) -> RunDirLock:
         return self.acquire()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.release()

@@ -1,21 +1,14 @@
 """Forked arms: a causal test of plasticity loss (Nikishin et al. 2023's diagnostic, done
 with exact forks).
 
-``policy-probes arms RUN_DIR [RUN_DIR ...] --epoch N --arm none --arm 'remedies=[...]'``
-forks every given run at the end of epoch ``N`` into one child per arm (``policy-probes
-fork``, one subprocess per child: a parent directory is only read), trains each child to
-the parent's end, and compares the arms on the epochs after the fork: per arm the mean
-training return, the mean return of the last quarter of those epochs and the mean of
-every probe metric, each with its difference to the ``none`` arm of the same parent, as
-mean and standard deviation over the parents (several parents: several seeds). The
-``none`` arm repeats the parent's later epochs bit for bit (an unchanged fork), so each
-difference is the effect of the arm's change from epoch ``N`` on.
-
-An arm is ``none`` (no change) or ``[NAME:]key=value [key=value ...]`` (overrides, split
-like a shell line); without a name it is named after its remedies. Children live in
-``OUT/<parent>/<arm>``; a child that is already complete is reused and an incomplete one
-resumed, so a rerun after an interruption trains only what is missing. Outputs:
-``OUT/arms.json`` (every measure, per parent), ``OUT/arms.md`` (the table) and
+``policy-probes arms RUN_DIR ... --epoch N --arm none --arm 'remedies=[...]'`` forks every
+run at the end of epoch ``N`` into one child per arm (``policy-probes fork`` subprocesses;
+parents are only read), trains each to the parent's end and compares the arms after the
+fork: mean return, return of the last quarter and every probe metric, with the difference
+to the ``none`` arm of the same parent (which repeats the parent bit for bit), as mean and
+standard deviation over the parents. An arm is ``none`` or ``[NAME:]key=value ...``
+(overrides). Children live in ``OUT/<parent>/<arm>``; a complete one is reused and an
+incomplete one resumed. Outputs: ``OUT/arms.json``, ``OUT/arms.md`` and
 ``OUT/report-<parent>.html`` (the ``none`` child with the other arms overlaid).
 """
 
@@ -92,11 +85,7 @@ def default_name(overrides: Sequence[str]) -> str:
             names += re.findall(r"([A-Za-z0-9_]+)@", value)
         else:
             names.append(re.sub(r"[^A-Za-z0-9_.+-]+", "_", item).strip("_"))
-    out = []
-    for n in names:  # keep order, drop repeats (one remedy on two components)
-        if n not in out:
-            out.append(n)
-    return "+".join(out) or "arm"
+    return "+".join(dict.fromkeys(names)) or "arm"  # one remedy on two components: once
 
 
 def unique_arms(arms: Sequence[Arm]) -> list[Arm]:
@@ -129,14 +118,12 @@ def measures(records: RunRecords, after: int) -> dict[str, float]:
         values = [float(v) for e in which if math.isfinite(v := series.get(e, math.nan))]
         return sum(values) / len(values) if values else None
 
-    for name, key, which in (("return", RETURN_KEY, epochs), ("return_last", RETURN_KEY, last)):
+    wanted = [("return", RETURN_KEY, epochs), ("return_last", RETURN_KEY, last)]
+    wanted += [(k, k, epochs) for k in sorted(records.scalars) if k.startswith("probes/")]
+    for name, key, which in wanted:
         value = mean(key, which)
         if value is not None:
             out[name] = value
-    for key in sorted(k for k in records.scalars if k.startswith("probes/")):
-        value = mean(key, epochs)
-        if value is not None:
-            out[key] = value
     return out
 
 
@@ -189,16 +176,8 @@ def child_command(child: Child, epoch: int) -> list[str]:
     cli = [sys.executable, "-m", "policy_probes.cli"]
     if held_outputs(child.run_dir):
         return [*cli, "resume", str(child.run_dir), "--no-progress"]
-    return [
-        *cli,
-        "fork",
-        str(child.parent),
-        "--epoch",
-        str(epoch),
-        str(child.run_dir),
-        *child.arm.overrides,
-        "--no-progress",
-    ]
+    fork = ["fork", str(child.parent), "--epoch", str(epoch), str(child.run_dir)]
+    return [*cli, *fork, *child.arm.overrides, "--no-progress"]
 
 
 def train_child(child: Child, epoch: int, end: int) -> Child:
@@ -224,23 +203,18 @@ def parent_labels(parents: Sequence[Path]) -> list[str]:
 
 # ---------------------------------------------------------------------- output
 def _fmt(entry: dict[str, Any] | None, diff: bool = False) -> str:
-    if entry is None:
+    prefix = "diff_" if diff else ""
+    if entry is None or f"{prefix}mean" not in entry:
         return "-"
-    if diff:
-        if "diff_mean" not in entry:
-            return "-"
-        mu, sd, n = entry["diff_mean"], entry["diff_std"], len(entry["diff_per_parent"])
-        return f"{mu:+.4g}" + (f" ± {sd:.2g}" if n > 1 else "")
-    mu, sd, n = entry["mean"], entry["std"], len(entry["per_parent"])
-    return f"{mu:.4g}" + (f" ± {sd:.2g}" if n > 1 else "")
+    mu, sd, n = entry[f"{prefix}mean"], entry[f"{prefix}std"], len(entry[f"{prefix}per_parent"])
+    sign = "+" if diff else ""
+    return f"{mu:{sign}.4g}" + (f" ± {sd:.2g}" if n > 1 else "")
 
 
 def table_rows(
     comparison: dict[str, dict[str, dict[str, Any]]], shown: Sequence[str]
 ) -> tuple[list[str], list[list[str]]]:
-    header = ["arm", "runs"]
-    for key in shown:
-        header += [key, f"Δ {key} vs none"]
+    header = ["arm", "runs", *(c for key in shown for c in (key, f"Δ {key} vs none"))]
     rows = []
     for arm, by_key in comparison.items():
         runs = max((len(e["per_parent"]) for e in by_key.values()), default=0)
@@ -252,8 +226,8 @@ def table_rows(
 
 
 def shown_measures(comparison: dict[str, dict[str, Any]], wanted: Sequence[str]) -> list[str]:
-    """``return``, ``return_last``, then the ``--measure`` keys (default: the probes'
-    ``dormant_fraction`` of whole components, at most four)."""
+    """``return``, ``return_last``, then the ``--measure`` keys (default: at most four
+    ``dormant_fraction`` of whole components)."""
     keys = sorted({k for by_key in comparison.values() for k in by_key})
     if wanted:
         chosen = [k for k in keys if any(k == w or k.endswith(w) for w in wanted)]
@@ -282,8 +256,8 @@ def run_arms(
     wanted: Sequence[str] = (),
     report: bool = True,
 ) -> tuple[dict[str, Any], list[Child]]:
-    """Fork, train and compare (see the module docstring); returns the comparison as
-    written to ``out/arms.json`` and the children."""
+    """Fork, train and compare (see the module doc); returns the comparison written to
+    ``out/arms.json`` and the children."""
     parents = [Path(p) for p in parents]
     for parent in parents:
         if not (parent / "config.json").is_file() or not (parent / METRICS_JSONL).is_file():
@@ -346,7 +320,7 @@ def run_arms(
 
 
 def write_reports(out: Path, arms: Sequence[Arm], labels: Sequence[str], children: list[Child]):
-    """One report per parent: the first arm's child (``none`` when given) with the other
+    """One report per parent: the ``none`` child (else the first arm's) with the other
     arms overlaid (and the parent, dashed)."""
     from policy_probes.analysis.report import build_report
 

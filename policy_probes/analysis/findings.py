@@ -2,19 +2,15 @@
 
 A *finding* is a statement a user can act on: which measure crossed which threshold, for
 which component or layer, since which epoch, how it has moved, where the threshold comes
-from, which docs page explains the measure and which remedies address it
-(:mod:`policy_probes.remedies`). The rules read trends, not single epochs: every rule
-works on the rolling median over ``window`` epochs (one noisy epoch moves nothing),
-compares it with the median of the run's first ``window`` epochs (the baseline), and
-fires only when the condition holds at the run's last epoch and has held without a
-break since; the *onset* is the first epoch of that stretch whose own value meets the
-condition (where a climb crossed the threshold).
+from, which docs page explains the measure and which remedies address it. The rules read
+trends, not single epochs: the rolling median over ``window`` epochs, compared with the
+median of the run's first ``window`` epochs (the baseline); a rule fires only when its
+condition holds at the last epoch and has held without a break since; the *onset* is the
+first epoch of that stretch whose own value meets the condition.
 
-A :class:`FindingsEngine` follows the rules over a run's records as they come: a
-training session evaluates it once per epoch and hands the findings to its sinks (shown
-at the end of a run on the console and in the W&B run summary); ``report.html`` opens with
-them and ``policy-probes diagnose RUN_DIR [--json]`` (:mod:`policy_probes.analysis.diagnose`)
-prints them, both from ``metrics.jsonl`` as it stands (also while the run trains).
+A :class:`FindingsEngine` follows the rules as records come (a training session hands the
+findings to its sinks every epoch); ``report.html`` and ``policy-probes diagnose`` read
+them from ``metrics.jsonl`` as it stands (also while the run trains).
 """
 
 from __future__ import annotations
@@ -36,9 +32,7 @@ from policy_probes.records import RunRecords
 #: epochs of the rolling median and of the baseline
 WINDOW = 5
 #: a series needs this many windows of epochs before a rule reads it: the baseline, the
-#: rolling median at the end, and one window between them (shorter: too short to call a
-#: trend; at the probes' default of one observed pass per epoch, shorter windows fired on
-#: healthy 8-epoch runs)
+#: rolling median at the end, and one window between them (shorter fired on healthy runs)
 MIN_WINDOWS = 3
 
 
@@ -118,16 +112,14 @@ def _num(v: float) -> str:
 
 
 def default_rules() -> tuple[Rule, ...]:
-    """The rules :class:`FindingsEngine` and :func:`diagnose` apply unless given others:
-    every registered probe's (:func:`policy_probes.plugins.findings_rules`, a probe of
-    your own included) and :data:`RUN_RULES`."""
+    """The rules applied unless others are given: every registered probe's
+    (:func:`policy_probes.plugins.findings_rules`) and :data:`RUN_RULES`."""
     return plugins.findings_rules() + RUN_RULES
 
 
 class _Trend:
-    """One rule on one series, followed point by point: the baseline (the median of the
-    first ``window`` values), the last ``2 * window`` points (the rolling median and the
-    slope read them), and the onset of the stretch over which the rule has held since."""
+    """One rule on one series, followed point by point: the baseline, the last
+    ``2 * window`` points (the rolling median and the slope read them), and the onset."""
 
     def __init__(self, rule: Rule, key: str, component: str, window: int) -> None:
         self.rule, self.key, self.component = rule, key, component
@@ -145,16 +137,14 @@ class _Trend:
         self.last.append(value)
         if len(self.last) < self.last.maxlen:
             return
-        # medians: one noisy epoch (or two in a window of 5) moves neither
-        if self.baseline is None:  # the first window's
+        if self.baseline is None:  # medians: one noisy epoch moves neither
             self.baseline = statistics.median(self.last)
         self.rolling = statistics.median(self.last)
         holds = self.rule.holds
         if not holds(self.rolling, self.baseline):
             self.onset = None
         elif self.onset is None:
-            # the stretch starts with this window: the onset is its first epoch whose own
-            # value meets the condition too (where a step up or down happened)
+            # the stretch starts with this window: at its first epoch that meets it too
             window = itertools.islice(self.tail, len(self.tail) - len(self.last), None)
             self.onset = next((e for e, v in window if holds(v, self.baseline)), epoch)
 
@@ -201,12 +191,10 @@ def _slope(points: Sequence[tuple[int, float]]) -> float:
 class FindingsEngine:
     """The rules over a :class:`~policy_probes.records.RunRecords` as it grows.
 
-    Each :meth:`update` reads only the points the store gained since the last one (one per
-    series and epoch while a run trains) and moves each rule's rolling window on by them,
-    so an epoch costs the same however long the run is, and what it keeps per series is
-    the baseline and the last two windows. :meth:`findings` are what :func:`diagnose`
-    finds on the same records. A store that rewrote an epoch it held (its ``revision``
-    moved) is read afresh.
+    Each :meth:`update` reads only the points the store gained since the last one, so an
+    epoch costs the same however long the run is (a store that rewrote an epoch, its
+    ``revision`` moved, is read afresh); :meth:`findings` are what :func:`diagnose` finds
+    on the same records.
     """
 
     def __init__(self, rules: Sequence[Rule] | None = None, window: int = WINDOW) -> None:
@@ -341,14 +329,26 @@ def render_text(findings: Sequence[Finding]) -> str:
         return "no findings: no plasticity measure crossed its threshold as a trend"
     lines = [f"{len(findings)} finding(s):"]
     for f in findings:
-        lines.append(f"- {f.summary()}")
-        lines.append(f"    why it matters: {f.meaning}")
-        lines.append(
+        lines += [
+            f"- {f.summary()}",
+            f"    why it matters: {f.meaning}",
             f"    trend: {_num(f.slope)} per epoch over the last epochs; rolling median of "
-            f"{f.window} epochs; threshold from: {f.threshold_source}"
-        )
-        lines.append(f"    read: {f.docs}; remedies: {', '.join(f.remedies)}")
+            f"{f.window} epochs; threshold from: {f.threshold_source}",
+            f"    read: {f.docs}; remedies: {', '.join(f.remedies)}",
+        ]
     return "\n".join(lines)
+
+
+_HTML_COLUMNS = (
+    "component",
+    "finding",
+    "evidence (baseline → now)",
+    "trend",
+    "since epoch",
+    "threshold",
+    "remedies",
+    "read",
+)
 
 
 def render_html(findings: Sequence[Finding]) -> str:
@@ -362,39 +362,20 @@ def render_html(findings: Sequence[Finding]) -> str:
         )
     rows = []
     for f in findings:
-        rows.append(
-            "<tr>"
-            + "".join(
-                f"<td>{html.escape(str(c))}</td>"
-                for c in (
-                    f.component,
-                    f.title,
-                    f"{f.metric.rsplit('/', 1)[-1]}: {_num(f.baseline)} → {_num(f.value)}",
-                    f"{_num(f.slope)}/epoch",
-                    f.onset_epoch,
-                    f"{f.condition()} ({f.threshold_source})",
-                    ", ".join(f.remedies),
-                )
-            )
-            + f'<td><a href="{html.escape(f.docs)}">{html.escape(f.docs)}</a></td></tr>'
+        cells = (
+            f.component,
+            f.title,
+            f"{f.metric.rsplit('/', 1)[-1]}: {_num(f.baseline)} → {_num(f.value)}",
+            f"{_num(f.slope)}/epoch",
+            f.onset_epoch,
+            f"{f.condition()} ({f.threshold_source})",
+            ", ".join(f.remedies),
         )
-    head = "".join(
-        f"<th>{h}</th>"
-        for h in (
-            "component",
-            "finding",
-            "evidence (baseline → now)",
-            "trend",
-            "since epoch",
-            "threshold",
-            "remedies",
-            "read",
-        )
-    )
+        tds = "".join(f"<td>{html.escape(str(c))}</td>" for c in cells)
+        docs = html.escape(f.docs)
+        rows.append(f'<tr>{tds}<td><a href="{docs}">{docs}</a></td></tr>')
+    head = "".join(f"<th>{h}</th>" for h in _HTML_COLUMNS)
     return (
-        '<h2 id="findings">Findings</h2><table class="findings"><thead><tr>'
-        + head
-        + "</tr></thead><tbody>"
-        + "".join(rows)
-        + "</tbody></table>"
+        f'<h2 id="findings">Findings</h2><table class="findings"><thead><tr>{head}</tr>'
+        f"</thead><tbody>{''.join(rows)}</tbody></table>"
     )

@@ -3,11 +3,9 @@ dying" is one look.
 
 A probe attached with ``per_layer=True`` reports ``probes/<probe>/<component>/<metric>``
 and ``probes/<probe>/<component>.<layer>/<metric>`` for every activation layer inside the
-component. These figures put a component's layers side by side: one figure per probe
-section and component, one panel per metric, one line per layer. One implementation with
-two consumers, as :mod:`~policy_probes.analysis.heatmaps`: the local report embeds them
-and the session draws them for the sinks that log them as images under
-``layers/<section>/<component>`` (W&B, TensorBoard).
+component. One figure per probe section and component, one panel per metric, one line per
+layer; the report embeds them and the session draws them for the sinks that log images
+(``layers/<section>/<component>``).
 """
 
 from __future__ import annotations
@@ -38,14 +36,19 @@ class Panel(NamedTuple):
     per_layer: bool = False
 
 
+def _per_layer(probe: str, metric: str, title: str, log: bool = False) -> Panel:
+    """A :class:`Panel` also drawn per layer."""
+    return Panel(probe, metric, title, log, per_layer=True)
+
+
 #: the report's probe sections: (slug, title, panels)
 PROBE_SECTIONS: tuple[tuple[str, str, tuple[Panel, ...]], ...] = (
     (
         "relu",
         "Dead and dormant ReLU units",
         (
-            Panel("relu", "dead_fraction", "dead fraction (active rate 0)", per_layer=True),
-            Panel("relu", "dormant_fraction", "dormant fraction (ReDo, tau)", per_layer=True),
+            _per_layer("relu", "dead_fraction", "dead fraction (active rate 0)"),
+            _per_layer("relu", "dormant_fraction", "dormant fraction (ReDo, tau)"),
             Panel("relu", "rarely_active_fraction", "rarely active fraction (< 5%)"),
             Panel("relu", "zero_fraction", "zero fraction (elements <= 0)"),
         ),
@@ -55,18 +58,10 @@ PROBE_SECTIONS: tuple[tuple[str, str, tuple[Panel, ...]], ...] = (
         "Saturated activations",
         (
             Panel("saturation_tanh", "saturated_fraction", "tanh: saturated elements"),
-            Panel(
-                "saturation_tanh",
-                "saturated_units_fraction",
-                "tanh: saturated units",
-                per_layer=True,
-            ),
+            _per_layer("saturation_tanh", "saturated_units_fraction", "tanh: saturated units"),
             Panel("saturation_sigmoid", "saturated_fraction", "sigmoid: saturated elements"),
-            Panel(
-                "saturation_sigmoid",
-                "saturated_units_fraction",
-                "sigmoid: saturated units",
-                per_layer=True,
+            _per_layer(
+                "saturation_sigmoid", "saturated_units_fraction", "sigmoid: saturated units"
             ),
         ),
     ),
@@ -83,20 +78,10 @@ PROBE_SECTIONS: tuple[tuple[str, str, tuple[Panel, ...]], ...] = (
         "gradients",
         "Gradient flow",
         (
-            Panel(
-                "gradient_flow", "mean", "gradient RMS, mean over units", log=True, per_layer=True
-            ),
-            Panel(
-                "gradient_flow",
-                "blocked_fraction",
-                "blocked units (gradient RMS < 1e-8)",
-                per_layer=True,
-            ),
-            Panel(
-                "relu_gradient_flow",
-                "blocked_fraction",
-                "units no gradient passed through (ReLU)",
-                per_layer=True,
+            _per_layer("gradient_flow", "mean", "gradient RMS, mean over units", log=True),
+            _per_layer("gradient_flow", "blocked_fraction", "blocked units (gradient RMS < 1e-8)"),
+            _per_layer(
+                "relu_gradient_flow", "blocked_fraction", "units no gradient passed through (ReLU)"
             ),
         ),
     ),

@@ -1,22 +1,12 @@
 """The local dashboard: ``policy-probes report RUN_DIR`` -> ``RUN_DIR/report.html``.
 
-Built from ``metrics.jsonl`` alone (read once into a
-:class:`~policy_probes.records.RunRecords`, plus ``config.json`` when present), so it works
-for any run, finished, interrupted or still going. One self-contained HTML file: every figure is a
-PNG drawn with matplotlib and embedded as base64, no network or external files needed.
-
-Sections (each only when the run recorded its metrics): returns, PPO losses and
-statistics, dead/dormant ReLU fractions per component, saturation, Fisher information,
-gradient flow, the same per layer (one figure per component, one line per activation
-layer inside it: :mod:`~policy_probes.analysis.layer_figures`), units x epochs heatmaps
-(ReLU active rate, per-unit Fisher, gradient RMS, the figures the W&B sink logs), and a
-table of every scalar's last, min and max value.
-
-Overlays: the returns, losses and per-component probe figures also draw, in the colour of
-each of the run's lines, the same series of the run's parent (a run started by
-``policy-probes fork``, whose ``config.json`` names its ``parent``; dashed, with a vertical
-line at the fork epoch) and of the runs given with ``--compare`` (dotted, dash-dotted...),
-on the same epoch axis.
+Built from ``metrics.jsonl`` alone (plus ``config.json`` when present), so it works for any
+run, finished, interrupted or still going: one self-contained HTML file, every figure a
+matplotlib PNG embedded as base64. Sections, each only when the run recorded its metrics:
+the findings, returns, PPO losses, the probe sections per component and per layer
+(:mod:`~policy_probes.analysis.layer_figures`), the units x epochs heatmaps, and every
+scalar's last, min and max. A forked run's parent (dashed, with a line at the fork epoch)
+and the ``--compare`` runs are overlaid on the same axes in the colour of each line.
 """
 
 from __future__ import annotations
@@ -26,6 +16,7 @@ import base64
 import html
 import json
 import math
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -91,8 +82,7 @@ def series(run: RunRecords, key: str) -> tuple[np.ndarray, np.ndarray]:
 def components(run: RunRecords, probe: str, metric: str, layers: bool = True) -> list[str]:
     """Names with a ``probes/<probe>/<name>/<metric>`` series; ``layers=False`` leaves out
     the layers of another recorded name (see :func:`layer_groups`)."""
-    prefix = f"probes/{probe}/"
-    suffix = f"/{metric}"
+    prefix, suffix = f"probes/{probe}/", f"/{metric}"
     names = sorted(
         k[len(prefix) : -len(suffix)]
         for k in run.scalars
@@ -157,35 +147,32 @@ def _png_b64(fig: Figure) -> str:
     return base64.b64encode(figure_png(fig)).decode("ascii")
 
 
-def _overlay(
-    ax, key: str, line: Any, overlays: Sequence[Overlay], label: str | None, log: bool = False
+def _plot(
+    ax,
+    run: RunRecords,
+    key: str,
+    overlays: Sequence[Overlay],
+    name: str | None = None,
+    log: bool = False,
+    label: str | None = None,
 ) -> None:
-    """Draw ``key`` of each overlaid run in ``line``'s colour and the overlay's style."""
+    """Draw ``key`` of ``run`` (labelled ``label``, default ``name``) and, in its colour
+    and their own style, of each overlaid run that has it (labelled ``name [overlay]``)."""
+    x, y = series(run, key)
+    line = plot_series(ax, x, y, label=label or name, log=log)
     for o in overlays:
         if key in o.run.scalars:
             x, y = series(o.run, key)
-            plot_series(
-                ax,
-                x,
-                y,
-                label=None if label is None else f"{label} [{o.label}]",
-                log=log,
-                color=line.get_color(),
-                linestyle=o.linestyle,
-                alpha=OVERLAY_ALPHA,
-            )
+            tagged = None if name is None else f"{name} [{o.label}]"
+            style = {"color": line.get_color(), "linestyle": o.linestyle, "alpha": OVERLAY_ALPHA}
+            plot_series(ax, x, y, label=tagged, log=log, **style)
 
 
 def _fork_lines(ax, overlays: Sequence[Overlay]) -> None:
     for o in overlays:
         if o.fork_epoch is not None:
-            ax.axvline(
-                o.fork_epoch,
-                color="0.35",
-                linestyle=":",
-                linewidth=1.2,
-                label=f"fork after epoch {o.fork_epoch}",
-            )
+            label = f"fork after epoch {o.fork_epoch}"
+            ax.axvline(o.fork_epoch, color="0.35", linestyle=":", linewidth=1.2, label=label)
 
 
 def returns_figure(run: RunRecords, overlays: Sequence[Overlay] = ()) -> Figure | None:
@@ -194,9 +181,7 @@ def returns_figure(run: RunRecords, overlays: Sequence[Overlay] = ()) -> Figure 
         return None
     fig, (ax,) = panel_grid(1, cols=1, height=3.4, width=10.4)
     for key, label in present:
-        x, y = series(run, key)
-        line = plot_series(ax, x, y, label=f"{label} ({key})")
-        _overlay(ax, key, line, overlays, label)
+        _plot(ax, run, key, overlays, label, label=f"{label} ({key})")
     _fork_lines(ax, overlays)
     style_axes(ax, "Episode return", ylabel="return")
     ax.legend(fontsize=8)
@@ -209,9 +194,7 @@ def training_figure(run: RunRecords, overlays: Sequence[Overlay] = ()) -> Figure
         return None
     fig, axes = panel_grid(len(present), cols=3, height=2.5)
     for ax, (key, title, log) in zip(axes, present, strict=True):
-        x, y = series(run, key)
-        line = plot_series(ax, x, y, log=log)
-        _overlay(ax, key, line, overlays, None, log=log)
+        _plot(ax, run, key, overlays, log=log)
         _fork_lines(ax, overlays)
         style_axes(ax, f"{title}\n{key}", log=log)
     return fig
@@ -229,10 +212,7 @@ def probe_figure(
     fig, axes = panel_grid(len(present), cols=2, height=3.0)
     for ax, (probe, metric, title, log, _) in zip(axes, present, strict=True):
         for comp in components(run, probe, metric, layers=False):
-            key = f"probes/{probe}/{comp}/{metric}"
-            x, y = series(run, key)
-            line = plot_series(ax, x, y, label=comp, log=log)
-            _overlay(ax, key, line, overlays, comp, log=log)
+            _plot(ax, run, f"probes/{probe}/{comp}/{metric}", overlays, comp, log=log)
         _fork_lines(ax, overlays)
         if not log and metric.endswith("fraction"):
             ax.set_ylim(-0.03, 1.03)
@@ -297,12 +277,9 @@ def _scalar_table(run: RunRecords) -> str:
         values = [v for _, v in sorted(run.scalars[key].items())]
         finite = [v for v in values if math.isfinite(v)]
         last = values[-1] if values else math.nan
-        lo = min(finite) if finite else math.nan
-        hi = max(finite) if finite else math.nan
-        rows.append(
-            f"<tr><td>{html.escape(key)}</td><td>{_fmt(last)}</td><td>{_fmt(lo)}</td>"
-            f"<td>{_fmt(hi)}</td><td>{len(values)}</td></tr>"
-        )
+        cells = (last, min(finite, default=math.nan), max(finite, default=math.nan))
+        shown = "".join(f"<td>{_fmt(v)}</td>" for v in cells)
+        rows.append(f"<tr><td>{html.escape(key)}</td>{shown}<td>{len(values)}</td></tr>")
     return (
         "<table><tr><th>metric</th><th>last</th><th>min</th><th>max</th><th>epochs</th></tr>"
         + "".join(rows)
@@ -318,9 +295,9 @@ def build_report(
     compare: Sequence[Path] = (),
 ) -> Path:
     """Write the HTML dashboard of ``run_dir`` (default ``run_dir/report.html``) and
-    return its path; the run's parent (a fork's) and the runs in ``compare`` are overlaid
-    on its returns, losses and probe figures. Raises ``FileNotFoundError`` when the run
-    has no metrics.jsonl and ``ValueError`` when ``max_heatmap_epochs`` is not None or >= 1."""
+    return its path, a fork's parent and the ``compare`` runs overlaid. Raises
+    ``FileNotFoundError`` without metrics.jsonl, ``ValueError`` when ``max_heatmap_epochs``
+    is neither None nor >= 1."""
     if max_heatmap_epochs is not None and max_heatmap_epochs < 1:
         raise ValueError(
             f"max_heatmap_epochs must be >= 1 (or None for every epoch), got {max_heatmap_epochs}"
@@ -371,26 +348,19 @@ def build_report(
     else:  # what is going wrong, first (policy_probes.analysis.findings)
         parts.append(render_findings_html(diagnose(run, run_rules(run_dir))))
     missing: list[str] = []
-
-    fig = returns_figure(run, overlays)
-    if fig is not None:
-        parts += ["<h2>Returns</h2>", _img(fig, "episode return per epoch")]
-    else:
-        missing.append("returns")
-    fig = training_figure(run, overlays)
-    if fig is not None:
-        parts += ["<h2>Losses and PPO statistics</h2>", _img(fig, "losses per epoch")]
-    else:
-        missing.append("losses")
+    losses = training_figure(run, overlays)
+    sections = [
+        (returns_figure(run, overlays), "<h2>Returns</h2>", "episode return per epoch", "returns"),
+        (losses, "<h2>Losses and PPO statistics</h2>", "losses per epoch", "losses"),
+    ]
     for slug, section, panels in PROBE_SECTIONS:
-        fig = probe_figure(run, panels, overlays)
+        heading = f'<h2 id="{slug}">{html.escape(section)} per component</h2>'
+        sections.append((probe_figure(run, panels, overlays), heading, section, section.lower()))
+    for fig, heading, alt, name in sections:
         if fig is not None:
-            parts += [
-                f'<h2 id="{slug}">{html.escape(section)} per component</h2>',
-                _img(fig, section),
-            ]
+            parts += [heading, _img(fig, alt)]
         else:
-            missing.append(section.lower())
+            missing.append(name)
     per_layer = layer_figures(run)
     for slug, section, _ in LAYER_SECTIONS:
         figures = [(comp, f) for s, comp, f in per_layer if s == slug]
@@ -465,8 +435,6 @@ def add_report_subcommand(subparsers: argparse._SubParsersAction) -> None:
 
 def report_command(args: argparse.Namespace) -> int:
     """Handler of ``report``: 0 on success, 2 when the run directory has no metrics."""
-    import sys
-
     missing = [str(c) for c in args.compare if not (Path(c) / METRICS_JSONL).is_file()]
     if missing:
         print(

@@ -1,16 +1,12 @@
 """Metric sinks: where per-epoch metrics go (JSONL, CSV, W&B, TensorBoard, the console).
 
-Typical use (a :class:`~policy_probes.session.ProbeSession` does this for a training
-loop, adding the run's findings and figures)::
+Each sink is a plugin (:mod:`policy_probes.plugins`): a run opens every registered sink its
+configuration switches on (``sinks.<name>=true``), one of your own as well; heavy libraries
+are imported when a sink starts. A :class:`~policy_probes.session.ProbeSession` does::
 
     group = build_sink_group(run_dir, SinksConfig(), WandbConfig(), config=resolved_config)
     group.emit(Record.of(metrics, epoch, "POST_EPOCH", agent_step))
-    ...
     group.close()
-
-Each sink is a plugin (:mod:`policy_probes.plugins`): the run opens every registered sink
-its configuration switches on (``sinks.<name>=true``), a sink of your own as well. The
-heavy libraries (wandb, tensorboard, matplotlib) are imported when a sink starts.
 """
 
 from __future__ import annotations
@@ -66,20 +62,11 @@ def build_sinks(
     console: Console | None = None,
     failures: dict[str, str] | None = None,
 ) -> list[MetricSink]:
-    """Create the sinks that ``sinks`` switches on, writing under ``run_dir``.
-
-    Each sink starts inside its own ``try``: one that cannot start (read-only directory,
-    W&B init error, missing package) is reported once with the reason (logged at error
-    level and stored in ``failures`` when given) and left out; the others go on.
-
-    Args:
-        run_dir: the run directory (created if absent).
-        sinks: which sinks to create.
-        wandb: the W&B run settings (``mode="disabled"`` creates no W&B sink).
-        config: the resolved run configuration, stored in the W&B run's config.
-        console: a rich Console to share with a progress bar (the console sink's output).
-        failures: filled with ``sink name -> reason`` for every sink that failed to start.
-    """
+    """Create the sinks that ``sinks`` switches on, writing under ``run_dir`` (created if
+    absent); ``config`` (the resolved run configuration) goes to the W&B run, ``console``
+    (shared with a progress bar) to the console sink. A sink that cannot start (read-only
+    directory, W&B init error, missing package) is logged with the reason, recorded in
+    ``failures`` (sink name -> reason) when given, and left out; the others go on."""
     setup = SinkSetup(Path(run_dir), sinks, wandb, config, console)
     built: list[MetricSink] = []
     for name, cls in plugins.registered("sink").items():
@@ -117,9 +104,8 @@ def build_sink_group(
 ) -> SinkGroup:
     """:func:`build_sinks` wrapped in a fault-isolating :class:`SinkGroup` whose
     ``failures`` already lists the sinks that could not start."""
-    failures: dict[str, str] = {}
-    group = SinkGroup(
-        build_sinks(run_dir, sinks, wandb, config, console=console, failures=failures)
+    group = SinkGroup()
+    group.sinks = build_sinks(
+        run_dir, sinks, wandb, config, console=console, failures=group.failures
     )
-    group.failures.update(failures)
     return group

@@ -1,16 +1,12 @@
 """ConsoleSink: the run's main figures in the terminal (rich).
 
-- A live view during training: one line per chosen metric with its latest value, a trend
-  arrow against the previous epoch and a sparkline of the recent epochs. It is a rich
-  ``Live`` on the console it is given; rich (>= 14) stacks it under a progress bar that is
-  already live on the same console, so pass the trainer's console to share the terminal.
-  Shown only on an interactive terminal.
-- At each SNAPSHOT emit (and once when the sink closes) a compact table of the main
-  figures: the chosen metrics plus the SNAPSHOT's own shallow scalar keys (for example
-  ``hessian/top_eigenvalue``). Per-unit vectors and deep keys (per-parameter Fisher, ...)
-  are left out; they are in the files and dashboards.
-- When the sink closes, the run's findings as the session handed them over with its last
-  epoch record (``docs/findings.md``).
+- On an interactive terminal, a live view: one line per chosen metric with its latest
+  value, a trend arrow against the previous epoch and a sparkline of the recent epochs; a
+  rich ``Live`` that rich (>= 14) stacks under a progress bar live on the same console
+  (pass the trainer's console).
+- At each SNAPSHOT emit and at close, a table of the chosen metrics plus the SNAPSHOT's
+  own shallow scalar keys (``hessian/top_eigenvalue``); vectors and deep keys are left out.
+- At close, the run's findings as the session handed them over (``docs/findings.md``).
 """
 
 from __future__ import annotations
@@ -43,15 +39,8 @@ SHALLOW_PARTS = 2
 
 def pattern_regex(pattern: str) -> re.Pattern[str]:
     """A glob where ``*`` matches within one ``/``-separated part (``?`` one character)."""
-    out = []
-    for ch in pattern:
-        if ch == "*":
-            out.append("[^/]*")
-        elif ch == "?":
-            out.append("[^/]")
-        else:
-            out.append(re.escape(ch))
-    return re.compile("".join(out) + r"\Z")
+    wildcards = {"*": "[^/]*", "?": "[^/]"}
+    return re.compile("".join(wildcards.get(ch) or re.escape(ch) for ch in pattern) + r"\Z")
 
 
 def trend_arrow(previous: float | None, current: float, rtol: float = 1e-3) -> str:
@@ -68,17 +57,16 @@ def sparkline(values: Sequence[float]) -> str:
     finite = [v for v in values if math.isfinite(v)]
     if not finite:
         return ""
-    lo, hi = min(finite), max(finite)
-    span = hi - lo
-    chars = []
-    for v in values:
+    lo, span = min(finite), max(finite) - min(finite)
+
+    def char(v: float) -> str:
         if not math.isfinite(v):
-            chars.append(" ")
-        elif span <= 0:
-            chars.append(SPARK[len(SPARK) // 2])
-        else:
-            chars.append(SPARK[min(len(SPARK) - 1, int((v - lo) / span * len(SPARK)))])
-    return "".join(chars)
+            return " "
+        if span <= 0:
+            return SPARK[len(SPARK) // 2]
+        return SPARK[min(len(SPARK) - 1, int((v - lo) / span * len(SPARK)))]
+
+    return "".join(map(char, values))
 
 
 class _LiveView:
@@ -132,7 +120,7 @@ class ConsoleSink(MetricSink):
         self.history = history
         self.refresh_seconds = refresh_seconds
         #: the live view as drawn (segments), its width, the data version it shows and
-        #: when it was drawn: redrawn at most every ``refresh_seconds`` (see _LiveView)
+        #: when it was drawn (:meth:`_live_segments`)
         self._drawn: tuple[list[Any], int, int, float] | None = None
         self._version = 0
         self._lock = threading.Lock()
@@ -153,13 +141,10 @@ class ConsoleSink(MetricSink):
     # ------------------------------------------------------------------ selection
     def chosen(self, key: str) -> int | None:
         """Index of the first pattern that selects ``key`` (its display order), else None."""
-        try:
-            return self._chosen[key]
-        except KeyError:
-            index = self._chosen[key] = next(
-                (i for i, regex in enumerate(self.patterns) if regex.match(key)), None
-            )
-            return index
+        if key not in self._chosen:
+            matching = (i for i, regex in enumerate(self.patterns) if regex.match(key))
+            self._chosen[key] = next(matching, None)
+        return self._chosen[key]
 
     # ------------------------------------------------------------------ emit
     def emit(self, record: Record) -> None:
@@ -198,10 +183,7 @@ class ConsoleSink(MetricSink):
         if self.live_enabled and self.console.is_terminal and not self._closed:
             if self._live is None:
                 self._live = Live(
-                    _LiveView(self),
-                    console=self.console,
-                    auto_refresh=False,
-                    transient=True,
+                    _LiveView(self), console=self.console, auto_refresh=False, transient=True
                 )
                 self._live.start()
             if self._redraw_due():
@@ -218,11 +200,9 @@ class ConsoleSink(MetricSink):
         return version != self._version and time.monotonic() - at >= self.refresh_seconds
 
     def _live_segments(self, console: Console, options: ConsoleOptions) -> list[Any]:
-        """The live view drawn for ``options``: drawn again only when :meth:`_redraw_due`
-        (or the width changed). Laying out its table costs ~6 ms for the cartpole
-        recipe's 34 rows, and a progress bar on the same console redraws it ten times a
-        second, so drawing it for every epoch or every refresh cost more than a short
-        epoch's training."""
+        """The live view drawn for ``options``, drawn again only when :meth:`_redraw_due`
+        or the width changed (a progress bar on the same console redraws it ten times a
+        second, and laying out its table costs milliseconds)."""
         drawn = self._drawn
         if drawn is None or drawn[1] != options.max_width or self._redraw_due():
             with self._lock:  # a consistent view of the series emit() is adding to

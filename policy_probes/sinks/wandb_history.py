@@ -1,17 +1,13 @@
 """What a W&B run already holds on disk: the last epoch and step in its run files.
 
 Every ``wandb.init`` of a resumed training run writes a new run folder
-(``run_dir/wandb/offline-run-<time>-<id>/run-<id>.wandb`` offline, ``run-...`` online)
-under the same run id, and W&B counts its ``_step`` from 0 in each one. A run killed
-after its last checkpoint logged epochs that the resumed run trains and logs again. To
-upload each epoch once with steps that keep increasing, :class:`~.wandb_sink.WandbSink`
-reads back the history records of the earlier folders of its run id: it skips the epochs
-they hold and continues the step after theirs.
-
-The run file is a LevelDB-style log (a 7-byte header, then 32 KiB blocks of chunks, each
-with a crc32, a length and a FULL/FIRST/MIDDLE/LAST type) of serialized
-``wandb_internal_pb2.Record`` messages. Reading stops at the first damaged chunk: what
-follows a crash mid-write was never complete, so W&B does not have it either.
+(``run_dir/wandb/offline-run-<time>-<id>/run-<id>.wandb``, ``run-...`` online) under the
+same run id, and W&B counts ``_step`` from 0 in each. So that every epoch is uploaded once
+on increasing steps, :class:`~.wandb_sink.WandbSink` reads back the history records of the
+earlier folders. A run file is a LevelDB-style log (a 7-byte header, then 32 KiB blocks of
+chunks, each with a crc32, a length and a FULL/FIRST/MIDDLE/LAST type) of serialized
+``wandb_internal_pb2.Record`` messages; reading stops at the first damaged chunk (what
+follows a crash mid-write was never complete, so W&B does not have it either).
 """
 
 from __future__ import annotations
@@ -27,8 +23,6 @@ logger = logging.getLogger("policy_probes.sinks")
 
 _BLOCK, _CHUNK_HEADER = 32768, 7
 _FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
-
-
 #: keys of the image-only rows a sink logs when it closes (not records of metrics.jsonl)
 _IMAGE_PREFIXES = ("heatmaps/", "layers/")
 _ROW_FIELDS = {"epoch", "_step", "_runtime", "_timestamp"}

@@ -1,17 +1,12 @@
 """WandbSink: one Weights & Biases run per training run, files under ``run_dir/wandb/``.
 
-Offline without an API key (``wandb sync`` uploads later). Every row carries ``epoch``
-(every metric's x axis) and ``agent_step``. Scalars are logged every epoch; per-unit
-vectors as ``wandb.Histogram`` objects only every ``histogram_every`` epochs and for the last
-epoch at close (building them cost more than all the scalars). The run's figures
-(heatmaps, per-layer figures), drawn by the session when :meth:`WandbSink.wants_figures`
-asks, are logged as images at close and every ``heatmap_every`` epochs; the findings the
-session hands over go to the run summary at close. A resumed training run appends to the
-same W&B run (the id is kept in ``run_dir/wandb/policy_probes_run_id``): the sink reads
-back what earlier processes logged (:mod:`.wandb_history`) and lines it up with
-``metrics.jsonl`` (:meth:`WandbSink._settle_resume`), so every epoch is uploaded once on
-one increasing step axis. Credential-like config values are redacted. ``docs/sinks.md``
-has the details.
+Offline without an API key (``wandb sync`` uploads later). Every row carries ``epoch`` (every
+metric's x axis) and ``agent_step``; scalars are logged every epoch, per-unit vectors as
+histograms every ``histogram_every`` epochs and for the last epoch, the run's figures every
+``heatmap_every`` epochs and at close, the findings to the run summary at close. A resumed
+run appends to the same W&B run (id in ``run_dir/wandb/policy_probes_run_id``), lined up
+with ``metrics.jsonl`` so that every epoch is uploaded once (:meth:`WandbSink._settle_resume`).
+Credential-like config values are redacted. ``docs/sinks.md`` has the details.
 """
 
 from __future__ import annotations
@@ -79,11 +74,11 @@ class WandbSink(MetricSink):
         self.run_id = load_or_create_run_id(self.run_dir)
         # read before wandb.init creates this process's run folder
         position = run_history_position(self.run_dir / "wandb", self.run_id)
-        #: epochs up to this one are in W&B already (logged before a crash): not again
-        #: (the rule when metrics.jsonl is not there to count records against)
+        #: epochs up to this one are in W&B already: not logged again (the rule when
+        #: there is no metrics.jsonl to count records against)
         self.skip_through: int | None = None
-        #: records W&B holds from earlier processes of this run; how many of the next
-        #: emits repeat them (settled by :meth:`_settle_resume` at the first rewind or emit)
+        #: records W&B holds from earlier processes; how many of the next emits repeat
+        #: them is settled by :meth:`_settle_resume` at the first rewind or emit
         self._held_records = position.records
         self._held_last_epoch = position.last_epoch
         self._skip_emits = 0
@@ -91,8 +86,8 @@ class WandbSink(MetricSink):
         self._step = position.next_step
         self._last_heatmap_epoch: int | None = None
         self._last_epoch: int | None = None
-        #: (epoch, per-unit vectors) of the last logged row that left its histograms out
-        #: (not a ``histogram_every`` epoch): logged at close if that epoch is the last
+        #: (epoch, per-unit vectors) of the last row logged without its histograms:
+        #: logged at close if that epoch is the last
         self._unlogged_vectors: tuple[int, dict[str, list[float]]] | None = None
         #: the run's findings as last handed over, for the run summary at close
         self.findings: tuple[Mapping[str, Any], ...] | None = None
@@ -161,9 +156,8 @@ class WandbSink(MetricSink):
             self._log(row)
 
     def wants_figures(self, record: Record | None) -> bool:
-        """The figures at the epoch record of every ``heatmap_every``-th epoch (images at
-        a slower cadence than the scalars: matplotlib takes ~0.1 s a figure, 14 for the
-        cartpole recipe's probes), and at close unless the last epoch's are logged."""
+        """The figures at the epoch record of every ``heatmap_every``-th epoch (a figure
+        takes ~0.1 s), and at close unless the last epoch's are logged."""
         if record is None:
             return self._last_epoch is not None and self._last_epoch != self._last_heatmap_epoch
         every = self.cfg.heatmap_every
@@ -174,8 +168,8 @@ class WandbSink(MetricSink):
 
     def rewind(self, last_epoch: int) -> int:
         """A resume from the checkpoint of ``last_epoch``: W&B cannot drop rows, so the
-        records it holds beyond that epoch are skipped when the resumed run emits them
-        again (see :meth:`_settle_resume`). Returns 0 (no rows dropped)."""
+        records it holds beyond that epoch are skipped when emitted again
+        (:meth:`_settle_resume`). Returns 0 (no rows dropped)."""
         if self._unsettled:
             self._settle_resume(last_epoch)
         return 0
@@ -183,14 +177,11 @@ class WandbSink(MetricSink):
     def _settle_resume(self, last_epoch: int | None) -> None:
         """Line W&B up with ``metrics.jsonl`` once, when a resumed run starts.
 
-        Both sinks get the same records in the same order, and the JSONL sink writes and
-        syncs each one before W&B's service has written it, so W&B holds the first N
-        records of the run. The resumed run continues after the records of epochs up to
-        ``last_epoch`` (the checkpoint; None: all of them), K of them, emitting exactly
-        what the killed run emitted next. So: N < K, log the JSONL records N+1..K that a
-        ``kill -9`` took from W&B; N > K, skip the next N - K emits, which W&B holds.
-        Counting records, not epochs, keeps an epoch that W&B holds only in part (its
-        first hook point's row) whole."""
+        The JSONL sink writes each record before W&B's service does, so W&B holds the
+        first N records. The resumed run continues after the K records of epochs up to
+        ``last_epoch`` (the checkpoint; None: all), emitting what the killed run emitted
+        next: N < K, log the JSONL records N+1..K; N > K, skip the next N - K emits.
+        Counting records, not epochs, keeps an epoch W&B holds only in part whole."""
         self._unsettled = False
         path = self.run_dir / METRICS_JSONL
         if not path.is_file():  # nothing to count against: skip whole epochs W&B has
@@ -224,12 +215,9 @@ class WandbSink(MetricSink):
         self._step += 1
 
     def _images(self, figures: Figures, epoch: int, folder: Path) -> dict[str, Any]:
-        """``key -> wandb.Image`` of each figure. The PNGs are written to files in
-        ``folder``, which must outlive the row's ``log`` (W&B copies them there): made
-        from a file, an image is not decoded and encoded again as from a PIL image."""
-        # one file per drawing (equal histories share one); ``figures`` holds the bytes,
-        # so no other drawing can take their id while this runs
-        files: dict[int, str] = {}
+        """``key -> wandb.Image`` of each figure, from PNG files in ``folder`` (which must
+        outlive the row's ``log``): made from a file, an image is not encoded again."""
+        files: dict[int, str] = {}  # one file per drawing (equal histories share one)
 
         def image(png: bytes, caption: str) -> Any:
             path = files.get(id(png))
@@ -262,28 +250,18 @@ class WandbSink(MetricSink):
                 if final:
                     run.log({"epoch": self._last_epoch, **final}, step=self._step)
                     self._step += 1
-            self._summarise_findings(run)
+            if self.findings is not None:  # the run summary (docs/findings.md)
+                run.summary["findings/count"] = len(self.findings)
+                run.summary["findings/list"] = [dict(f) for f in self.findings]
         finally:
             run.finish()
             self._wait_for_service()
 
-    def _summarise_findings(self, run: Any) -> None:
-        """The run's findings as last handed over (docs/findings.md) in the run summary:
-        ``findings/count`` and ``findings/list`` (one dict per finding)."""
-        if self.findings is not None:
-            run.summary["findings/count"] = len(self.findings)
-            run.summary["findings/list"] = [dict(f) for f in self.findings]
-
     def _wait_for_service(self) -> None:
-        """Make the run's files complete before returning.
-
-        ``run.finish()`` only *informs* W&B's service process that the run is done; the
-        service closes the run's stream (and flushes ``run-<id>.wandb``) later, at the
-        latest at interpreter exit. When no other W&B run is active in this process we
-        tear the service down, which waits for every stream to be written; a later
-        ``wandb.init`` starts a new one. With another run active (for example one the
-        user opened) the file is completed by the service in the background instead.
-        """
+        """Make the run's files complete: ``run.finish()`` only tells W&B's service
+        process, which writes ``run-<id>.wandb`` later. With no other W&B run active in
+        this process (one the user opened) the service is torn down, which waits for
+        every stream; a later ``wandb.init`` starts a new one."""
         wandb = self._wandb
         try:
             from wandb.sdk import wandb_setup
@@ -308,12 +286,6 @@ def histograms(wandb: Any, vectors: Mapping[str, list[float]]) -> dict[str, Any]
     return out
 
 
-def generate_run_id(length: int = 8) -> str:
-    """A random W&B run id (lowercase letters and digits, as W&B's own ids)."""
-    alphabet = string.ascii_lowercase + string.digits
-    return "".join(secrets.choice(alphabet) for _ in range(length))
-
-
 def load_or_create_run_id(run_dir: Path) -> str:
     """The W&B run id stored in ``run_dir/wandb/policy_probes_run_id``, created on first use,
     so resuming a training run resumes the same W&B run."""
@@ -324,7 +296,8 @@ def load_or_create_run_id(run_dir: Path) -> str:
         run_id = ""
     if run_id:
         return run_id
-    run_id = generate_run_id()
+    alphabet = string.ascii_lowercase + string.digits  # as W&B's own ids
+    run_id = "".join(secrets.choice(alphabet) for _ in range(8))
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, run_id + "\n")
     return run_id
