@@ -1,10 +1,8 @@
-"""The ``policy-probes`` command line.
-
-``policy-probes run TARGET [key=value ...]`` loads a recipe (``package.module.function`` or
-``path/to/file.py:function``) returning a :class:`~policy_probes.runnable.Runnable` (a
-``trainers.TrainTool``; this module never imports ``trainers``), applies the overrides
-(:mod:`policy_probes.overrides`) and trains. Each subcommand is one
-``add_<name>_subcommand(subparsers)`` function in :data:`SUBCOMMANDS`.
+"""The ``policy-probes`` command line: ``run TARGET [key=value ...]`` loads a recipe
+(``package.module.function`` or ``path/to/file.py:function``) returning a
+:class:`~policy_probes.runnable.Runnable` (``trainers`` is never imported here), applies
+the overrides (:mod:`policy_probes.overrides`) and trains. Each subcommand is one
+``add_<name>_subcommand(subparsers)`` in :data:`SUBCOMMANDS`.
 """
 
 from __future__ import annotations
@@ -30,7 +28,7 @@ from pydantic import BaseModel
 
 from policy_probes import plugins
 from policy_probes.analysis.arms import add_arms_subcommand
-from policy_probes.analysis.diagnose import add_diagnose_subcommand
+from policy_probes.analysis.findings import add_diagnose_subcommand
 from policy_probes.analysis.report import add_report_subcommand
 from policy_probes.control_channel import COMMANDS, ControlError, send_command
 from policy_probes.lifecycle.cli import (
@@ -160,9 +158,8 @@ def load_recipe(target: str) -> Callable[[], Any]:
 
 
 def recipe_error(what: str, exc: BaseException) -> CLIError:
-    """A :class:`CLIError` for an exception raised by the user's recipe code: its type,
-    message and the innermost line of the user's own files (not this package's, nor
-    importlib's); ``-v`` prints the whole traceback."""
+    """A :class:`CLIError` for an exception of the user's recipe code: its type, message
+    and the innermost line of the user's own files (``-v`` prints the whole traceback)."""
     package = Path(__file__).resolve().parent
 
     def users(filename: str) -> bool:
@@ -185,9 +182,8 @@ def recipe_error(what: str, exc: BaseException) -> CLIError:
 
 
 def build_from_recipe(target: str) -> BaseModel:
-    """Call the recipe and check that it returned a :class:`Runnable` pydantic model. A
-    recipe that raises one of the configuration errors (a builder passed without its
-    parentheses, a bad value) is a usage error naming the recipe."""
+    """Call the recipe and check that it returned a :class:`Runnable` pydantic model (a
+    configuration error it raises is a usage error naming the recipe)."""
     recipe = load_recipe(target)
     try:
         tool = recipe()
@@ -213,8 +209,7 @@ def _is_module(name: str) -> bool:
 
 def _recipes_in(module: Any) -> list[tuple[str, Callable[..., Any]]]:
     """``(name, function)`` of the recipes defined in ``module``: functions returning a
-    :class:`Runnable` class whose parameters all have defaults (``recipes.atari.add_probes
-    (cfg)`` is a helper, not a recipe)."""
+    :class:`Runnable` class, callable without arguments (not helpers such as ``f(cfg)``)."""
 
     def no_arguments(fn: Callable[..., Any]) -> bool:
         try:
@@ -232,8 +227,7 @@ def _recipes_in(module: Any) -> list[tuple[str, Callable[..., Any]]]:
 
 
 def find_recipes(package: str = "recipes") -> list[tuple[str, str]]:
-    """``(target, first docstring paragraph)`` of every recipe (:func:`_recipes_in`) in
-    ``package``'s modules (imported; the functions are not called)."""
+    """``(target, first docstring paragraph)`` of every recipe in ``package``'s modules."""
     try:
         pkg = importlib.import_module(package)
     except ModuleNotFoundError as exc:
@@ -300,9 +294,8 @@ HOOK_FIELDS = ("hooks", "with_hooks", "hook_config")
 
 
 def hook_overrides(tool: BaseModel, selection: HookSelection) -> list[str]:
-    """``key=value`` overrides that add the CLI's hook selection to the recipe's:
-    ``--hooks`` extends ``hooks``, ``--with-hooks`` replaces ``with_hooks``,
-    ``--hook-config`` entries are merged into ``hook_config`` (flat ``name.param`` keys)."""
+    """``key=value`` overrides that add the CLI's hook selection to the recipe's (``--hooks``
+    extends, ``--with-hooks`` replaces, ``--hook-config`` entries are merged)."""
     if not (selection.hooks or selection.with_hooks or selection.hook_config):
         return []
     missing = [f for f in HOOK_FIELDS if f not in type(tool).model_fields]
@@ -442,8 +435,7 @@ def report_outputs(console: Any, result: RunResult) -> None:
 
 
 def program_name() -> str:
-    """How the user's shell calls this command line: ``policy-probes`` on PATH, else the
-    script beside this Python (an environment not activated), else ``python -m``."""
+    """How the user's shell calls this command line (on PATH, beside this Python, -m)."""
     if shutil.which("policy-probes"):
         return "policy-probes"
     script = Path(sys.executable).parent / "policy-probes"
@@ -454,8 +446,7 @@ def program_name() -> str:
 
 # ---------------------------------------------------------------------- resume, ctl
 def call_tool(method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """``method(...)`` with the tool's usage errors (exceptions tagged ``usage_error``:
-    unknown components, builder mistakes, a run_dir in use ...) as :class:`CLIError`."""
+    """``method(...)`` with the tool's usage errors as :class:`CLIError`."""
     try:
         return method(*args, **kwargs)
     except Exception as exc:
@@ -495,8 +486,8 @@ def add_resume_subcommand(subparsers: argparse._SubParsersAction) -> None:
 
 
 def read_run_config(run_dir: Path, how: str) -> tuple[dict[str, Any], str]:
-    """``(config.json, recipe target)`` of the run in ``run_dir``; ``how`` is the Python
-    call that does the same for a run the CLI did not start (for the message)."""
+    """``(config.json, recipe target)`` of the run in ``run_dir``; ``how``: the Python call
+    for a run the CLI did not start."""
     config_path = run_dir / "config.json"
     if not config_path.is_file():
         if held_outputs(run_dir):  # metric files only: killed before its first step
@@ -520,8 +511,7 @@ def read_run_config(run_dir: Path, how: str) -> tuple[dict[str, Any], str]:
 
 
 def launch_overrides(config: dict[str, Any], new: Sequence[str], run_dir: Path) -> list[str]:
-    """The recorded run's overrides, then ``new``, then ``run_dir`` (``run_dir``
-    overrides in ``new`` are refused: the subcommand names the directory)."""
+    """The recorded run's overrides, then ``new`` (without ``run_dir``), then ``run_dir``."""
     check_repeated_keys(new)
     for item in new:
         if item.partition("=")[0].strip() == "run_dir":

@@ -1,17 +1,14 @@
 """The command channel into a running training run: request and acknowledgement files.
 
-A run that serves it (``trainers.run_control.RunControl``) announces itself in
-``run_dir/control/run.json`` and looks for requests at its minibatch boundaries;
-``policy-probes ctl RUN_DIR COMMAND`` (:func:`send_command`) drops a request and waits for
-the acknowledgement::
+The run (``trainers.run_control.RunControl``) announces itself and polls at its minibatch
+boundaries; ``policy-probes ctl`` (:func:`send_command`) writes a request and waits::
 
     run_dir/control/run.json                 {"pid": ..., "host": ..., "started": ...}
     run_dir/control/<id>.request             {"id": ..., "command": "pause", "sent": ...}
     run_dir/control/<id>.ack                 {"id": ..., "command": ..., "ok": true, "message": ...}
 
-Every file is written atomically (:func:`~policy_probes.atomic_write.write_text_atomic`).
-The run claims a request by renaming it (``<id>.taken``) before acting, so a request a
-timed-out ``ctl`` withdrew is never half-served.
+Files are written atomically; the run claims a request by renaming it (``<id>.taken``), so
+one withdrawn by a timed-out ``ctl`` is never half-served.
 """
 
 from __future__ import annotations
@@ -48,7 +45,6 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-# ---------------------------------------------------------------------- run side
 def announce_run(run_dir: str | Path) -> Path:
     """Create ``run_dir/control`` and record this process as the run serving it."""
     directory = control_dir(run_dir)
@@ -109,7 +105,6 @@ def acknowledge(
     )
 
 
-# ---------------------------------------------------------------------- ctl side
 class ControlError(Exception):
     """The command could not be delivered (no run, run not alive); says what to do."""
 

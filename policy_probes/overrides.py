@@ -1,9 +1,6 @@
-"""``key=value`` overrides: how command-line text becomes configuration values.
-
-One rule for every ``key=value`` of the command line (``run`` overrides, ``--hook-config``
-entries): split at the first ``=``, both sides stripped, the value read by
-:func:`parse_value`. Dotted keys address nested pydantic models (:func:`check_key`);
-:func:`apply_overrides` re-validates the whole configuration.
+"""``key=value`` overrides (``run`` overrides, ``--hook-config`` entries): split at the first
+``=``, both sides stripped, the value read by :func:`parse_value`; dotted keys address
+nested pydantic models (:func:`check_key`), and :func:`apply_overrides` re-validates.
 """
 
 from __future__ import annotations
@@ -47,8 +44,7 @@ def split_assignment(
     example: str = "seed=3",
     error: type[Exception] = CLIError,
 ) -> tuple[str, Any]:
-    """``(key, parsed value)`` of ``"key=value"``; ``error`` saying what it must look
-    like when the text has no ``=`` or no key."""
+    """``(key, parsed value)`` of ``"key=value"`` (``error`` without ``=`` or key)."""
     key, sep, raw = str(item).partition("=")
     key = key.strip()
     if not sep or not key:

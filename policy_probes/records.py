@@ -1,10 +1,6 @@
-"""Records: what a run emits, made plain once, and the store of their series.
-
-A :class:`Record` is one emit (one ``metrics.jsonl`` line); a :class:`RunRecords` holds the
-series by key of a run's records, read from ``metrics.jsonl`` or fed while the run trains.
-The helpers that make values plain live here, so every reader and writer agrees on one
-form. A leaf module: it imports nothing from ``policy_probes``.
-"""
+"""Records: what a run emits (:class:`Record`, one ``metrics.jsonl`` line), made plain once,
+and the store of their series (:class:`RunRecords`), with the helpers every reader and
+writer shares. A leaf module: it imports nothing from ``policy_probes``."""
 
 from __future__ import annotations
 
@@ -60,8 +56,7 @@ class Record:
 
     @classmethod
     def from_json(cls, line: Mapping[str, Any]) -> Record:
-        """The record of one ``metrics.jsonl`` line (a line without a hook point is an
-        epoch's record)."""
+        """The record of one ``metrics.jsonl`` line (without a hook point: ``POST_EPOCH``)."""
         step = line.get("agent_step")
         return cls.of(line, line["epoch"], line.get("hook_point", POST_EPOCH), step)
 
@@ -82,14 +77,11 @@ class RunRecords:
         self.max_epochs = max_epochs
         self.scalars: dict[str, dict[int, float]] = {}
         self.vectors: dict[str, dict[int, list[Any]]] = {}
-        #: agent step by epoch
-        self.agent_step: dict[int, int] = {}
-        #: records added, every hook point
-        self.records = 0
+        self.agent_step: dict[int, int] = {}  # by epoch
+        self.records = 0  # added, of every hook point
         #: the newest epoch of a POST_EPOCH record (None: none yet)
         self.last_epoch: int | None = None
-        #: counts the adds that rewrote an epoch already held: a reader that follows the
-        #: store incrementally then reads it afresh
+        #: counts the adds that rewrote an epoch already held (readers start afresh)
         self.revision = 0
         self._seen: set[str] = set()
         self._kept: list[str] = []
@@ -162,11 +154,9 @@ class RunRecords:
         return sorted(seen.union(*(v.keys() for v in self.vectors.values())))
 
 
-# ---------------------------------------------------------------------- metrics.jsonl
 def iter_jsonl(path: str | Path) -> Iterator[dict[str, Any]]:
-    """The JSON objects of a ``metrics.jsonl`` file, one at a time. A last line without
-    its newline (a record being written) is skipped quietly, another invalid line with a
-    warning."""
+    """The JSON objects of a ``metrics.jsonl`` file; an unfinished last line is skipped
+    quietly, another invalid line with a warning."""
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -186,11 +176,10 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     return list(iter_jsonl(path))
 
 
-# ---------------------------------------------------------------------- plain values
 def flatten_metrics(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     """Flatten nested mappings into ``a/b/c`` keys (lifecycle hooks may return nested dicts)."""
     if not prefix and _flat(metrics):
-        return dict(metrics)  # already flat: every emit of the built-in loops
+        return dict(metrics)
     out: dict[str, Any] = {}
     for key, value in metrics.items():
         full = f"{prefix}/{key}" if prefix else str(key)
@@ -202,8 +191,7 @@ def flatten_metrics(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, A
 
 
 def plain_metrics(metrics: Mapping[str, Any]) -> dict[str, Any]:
-    """``{a/b/c key: plain value}`` of every metric (:func:`flatten_metrics`,
-    :func:`to_plain`) but those named like a record's own fields (:data:`RESERVED_KEYS`)."""
+    """Every metric flattened and made plain, but those named like a record's own fields."""
     flat = metrics if _flat(metrics) else flatten_metrics(metrics)
     return {
         k: v if type(v) in _PLAIN_SCALARS else to_plain(v)
@@ -213,14 +201,12 @@ def plain_metrics(metrics: Mapping[str, Any]) -> dict[str, Any]:
 
 
 _RESERVED = frozenset(RESERVED_KEYS)
-#: the exact types that are plain as they are; a list holding any other type (numpy
-#: scalars, tensors, nested lists) is converted element by element
+#: the exact types that are plain as they are (a list of others is converted element-wise)
 _PLAIN_SCALARS = frozenset({float, int, bool, str, type(None)})
 
 
 def _flat(metrics: Mapping[str, Any]) -> bool:
-    """Whether ``metrics`` has only string keys and no mapping among its values (asked
-    once per distinct type: an emit holds hundreds of values of a handful of types)."""
+    """Whether ``metrics`` has only string keys and no mapping values (asked per type)."""
     return set(map(type, metrics)) <= {str} and not any(
         kind is dict
         or (kind not in _PLAIN_SCALARS and kind is not list and issubclass(kind, Mapping))
@@ -271,11 +257,10 @@ def is_finite_number(value: Any) -> bool:
 
 
 def finite_values(values: Iterable[Any]) -> list[float]:
-    """The finite numeric elements of a per-unit vector (a list of finite floats is
-    returned as it is: callers only read it)."""
+    """The finite numeric elements of a per-unit vector (as it is when all are floats)."""
     if type(values) is not list:
         values = list(values)
-    try:  # the common case, every element a finite float: C-level passes only
+    try:  # the common case, every element a finite float
         kinds = set(map(type, values))
         if kinds <= _FLOATS and all(map(math.isfinite, values)):
             return values if kinds <= {float} else list(map(float, values))
@@ -288,10 +273,9 @@ _FLOATS = frozenset({float, int})
 
 
 def vector_stats(values: list[Any]) -> tuple[float, float, float] | None:
-    """Mean, min and max of the finite numeric elements of a per-unit vector (None when
-    it has none); the mean is ``math.fsum``'s exact sum over the count. A finite ``fsum``
-    of the whole list means every element is a finite number, so the common case needs
-    no pass to filter them."""
+    """Mean (exact ``math.fsum`` over the count), min and max of the finite numeric
+    elements of a per-unit vector, None when it has none (a finite ``fsum`` of the whole
+    list means every element is a finite number: no filtering pass)."""
     try:
         total = math.fsum(values)
     except (TypeError, ValueError, OverflowError):
@@ -303,6 +287,6 @@ def vector_stats(values: list[Any]) -> tuple[float, float, float] | None:
         return None
     try:
         mean = math.fsum(finite) / len(finite)
-    except OverflowError:  # the sum leaves the float range, the mean does not
+    except OverflowError:  # the sum leaves the float range
         mean = math.fsum(v / len(finite) for v in finite)
     return mean, min(finite), max(finite)

@@ -1,8 +1,5 @@
-"""Run: one run directory, owned by whichever loop trains into it.
-
-``TrainTool``, the SB3 ``ProbeCallback`` and a loop of one's own each open a :class:`Run`
-(lock, claim, ``config.json``, metric sinks) and hand it to their
-:class:`~policy_probes.session.ProbeSession`, which closes it:
+"""Run: one run directory (lock, claim, ``config.json``, metric sinks), opened by whichever
+loop trains into it and closed by its :class:`~policy_probes.session.ProbeSession`:
 ``ProbeSession(agent, run=Run("runs/ppo", resume=True))``.
 """
 
@@ -55,7 +52,7 @@ RUN_MARKERS = {
 class RunDirConflict(FileExistsError):
     """``run_dir`` already holds a run and neither resume nor overwrite was asked for."""
 
-    usage_error = True  # the CLI prints it without a traceback (exit status 2)
+    usage_error = True
 
 
 def held_outputs(run_dir: str | Path) -> list[str]:
@@ -106,8 +103,7 @@ def _short(text: str, keep: int = 40) -> str:
 
 
 def make_run_dir(run_dir: str | Path) -> Path:
-    """Create ``run_dir`` and check that files can be written in it (a usage error
-    naming it otherwise)."""
+    """Create ``run_dir`` and check that it is writable (a usage error otherwise)."""
     path = Path(run_dir)
     check_run_dir_path(path)
     try:
@@ -171,7 +167,6 @@ class Run:
         self._lock = RunDirLock(self.dir)
         self._created: list[Path] = []
 
-    # ------------------------------------------------------------------ claim
     def open(self, *, claim: bool = True) -> Run:
         """Create the directory and take its lock (main process only; until :meth:`close`),
         then :meth:`claim` it unless ``claim=False``; a refusal leaves nothing behind."""
@@ -213,8 +208,7 @@ class Run:
         log.warning("removed the previous run's %s from %s (%s)", ", ".join(held), self.dir, why)
 
     def check(self) -> None:
-        """Raise what :meth:`open` would (a bad path, a live lock, a claim refused),
-        writing nothing (``policy-probes run --dry-run``)."""
+        """Raise what :meth:`open` would, writing nothing (``run --dry-run``)."""
         check_run_dir_path(self.dir)
         refuse_if_locked(self.dir)
         main, self.main = self.main, False  # the claim reads only
@@ -224,8 +218,7 @@ class Run:
             self.main = main
 
     def discard_records(self) -> None:
-        """Delete the run's metric files on the main process (a resumed run without a
-        checkpoint starts again from its beginning)."""
+        """Delete the run's metric files (main process; a resume without a checkpoint)."""
         if self.main:
             remove_outputs(self.dir, ("metrics.jsonl", "metrics.csv", "tensorboard"))
 
@@ -241,7 +234,6 @@ class Run:
             return None
         return max(epochs) if epochs else None
 
-    # ------------------------------------------------------------------ files
     def write_config(self) -> None:
         """Write :attr:`config` to ``config.json`` (atomically; main process only)."""
         if not self.main:
@@ -258,8 +250,8 @@ class Run:
     def open_sinks(
         self, sinks: SinksConfig | None = None, wandb: WandbConfig | None = None
     ) -> SinkGroup:
-        """Build the metric sinks (main process only) into :attr:`sinks` (a group others
-        may hold already), then apply a :meth:`rewind` asked for before."""
+        """Build the metric sinks (main process only) into :attr:`sinks` (a group others may
+        hold already) and apply a :meth:`rewind` asked for before."""
         if self.main:
             sinks, wandb = sinks or SinksConfig(), wandb or WandbConfig()
             failures = self.sinks.failures
@@ -289,8 +281,7 @@ class Run:
                 log.warning("%s: dropped %d records after epoch %d", sink.name, dropped, epoch)
 
     def choice_recorder(self) -> Callable[[dict[str, Any]], None]:
-        """What the sampler calls with its one-time choice (:func:`record_sampling_choice`;
-        the sampler must not hold the run and its open files)."""
+        """:func:`record_sampling_choice` of this directory (the sampler must not hold the run)."""
         return functools.partial(record_sampling_choice, self.dir)
 
     def close(self, *, refused: bool = False) -> None:
@@ -320,8 +311,8 @@ def record_sampling_choice(run_dir: Path | None, choice: dict[str, Any]) -> None
 
 
 def _aborted_start(run_dir: Path, held: list[str]) -> bool:
-    """Whether ``run_dir`` holds only what a run killed before its first step leaves:
-    metric files without a single epoch record, no ``config.json``, no checkpoint."""
+    """Whether ``run_dir`` holds only what a run killed before its first step leaves
+    (metric files without a record, no ``config.json``, no checkpoint)."""
     if "config.json" in held or "checkpoints" in held:
         return False
     jsonl, csv = run_dir / "metrics.jsonl", run_dir / "metrics.csv"
@@ -338,8 +329,7 @@ def _aborted_start(run_dir: Path, held: list[str]) -> bool:
 
 
 def _missing_directories(run_dir: Path) -> list[Path]:
-    """``run_dir`` and its parents that do not exist yet, deepest first (empty when the
-    file system refuses the name)."""
+    """``run_dir`` and its parents that do not exist yet, deepest first."""
     try:
         return list(itertools.takewhile(lambda p: not p.exists(), (run_dir, *run_dir.parents)))
     except OSError:  # a name too long: make_run_dir says so

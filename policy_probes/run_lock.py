@@ -1,11 +1,9 @@
 """RunDirLock: one live run per run directory.
 
-A training run holds ``run_dir/run.lock`` while it runs: a file saying who holds it (pid,
-host, process start time, command line), created with ``O_EXCL`` (of two processes starting
-at once exactly one gets it) and removed when the run ends short of ``kill -9``. A lock left
-by a killed process is *stale* (on this host its pid no longer runs, or belongs to a younger
-process: pid reuse, seen through the start time in ``/proc``) and is taken over with a
-warning; a lock from another host is refused with the path to delete if that run is gone.
+``run_dir/run.lock`` (pid, host, process start time, command line) is created with
+``O_EXCL`` and removed when the run ends short of ``kill -9``. A lock whose process is gone
+(or whose pid now belongs to a younger process) is stale and taken over with a warning; a
+lock from another host cannot be checked and is refused with the path to delete.
 """
 
 from __future__ import annotations
@@ -65,8 +63,7 @@ def lock_owner(run_dir: str | Path) -> dict[str, Any] | None:
 
 
 def lock_is_live(owner: dict[str, Any]) -> bool:
-    """Whether the process recorded in a lock still runs (True when it cannot be checked:
-    another host)."""
+    """Whether the lock's process still runs (True on another host: it cannot be checked)."""
     if owner.get("host") != socket.gethostname():
         return True
     pid = owner.get("pid")
@@ -105,8 +102,7 @@ def refuse_if_locked(run_dir: str | Path) -> None:
 
 
 class RunDirLock:
-    """The lock on ``run_dir`` (see the module doc). Use as a context manager or call
-    :meth:`acquire` / :meth:`release`; ``release`` is idempotent."""
+    """The lock on ``run_dir``: a context manager, or :meth:`acquire` / :meth:`release`."""
 
     def __init__(self, run_dir: str | Path) -> None:
         self.run_dir = Path(run_dir)
@@ -114,8 +110,7 @@ class RunDirLock:
         self.held = False
 
     def acquire(self) -> RunDirLock:
-        """Take the lock, replacing a stale one; raise :class:`RunDirLocked` naming the
-        live owner otherwise."""
+        """Take the lock, replacing a stale one (:class:`RunDirLocked` naming a live owner)."""
         me = {
             "pid": os.getpid(),
             "host": socket.gethostname(),

@@ -1,9 +1,8 @@
 """User errors: exceptions whose message is the whole story for the person at the keyboard.
 
-An exception raised while a run is set up (an unknown component, a builder passed without
-its parentheses, ``device=cuda`` without CUDA, an unwritable ``run_dir``) is the user's to
-fix: the command line prints its message on one line and exits with status 2, without a
-traceback. It keeps its type and is tagged ``usage_error = True``, which the CLI looks for.
+What fails while a run is set up (an unknown component, a builder without parentheses, an
+unwritable ``run_dir``) is the user's to fix: tagged ``usage_error = True``, keeping its
+type, it is printed on one line by the CLI (exit status 2, no traceback).
 """
 
 from __future__ import annotations
@@ -45,8 +44,7 @@ def mark_usage_error(exc: BaseException) -> BaseException:
 
 @contextlib.contextmanager
 def usage_errors() -> Iterator[None]:
-    """Tag the :data:`SETUP_ERROR_TYPES` raised inside the block (which sets a run up)
-    as usage errors."""
+    """Tag the :data:`SETUP_ERROR_TYPES` raised inside the block as usage errors."""
     try:
         yield
     except SETUP_ERROR_TYPES as exc:

@@ -1,15 +1,11 @@
-"""Forked arms: a causal test of plasticity loss (Nikishin et al. 2023's diagnostic, done
-with exact forks).
+"""Forked arms: a causal test of plasticity loss (Nikishin et al. 2023's diagnostic, with
+exact forks; ``docs/run_control.md``).
 
-``policy-probes arms RUN_DIR ... --epoch N --arm none --arm 'remedies=[...]'`` forks every
-run at the end of epoch ``N`` into one child per arm (``policy-probes fork`` subprocesses;
-parents are only read), trains each to the parent's end and compares the arms after the
-fork: mean return, return of the last quarter and every probe metric, with the difference
-to the ``none`` arm of the same parent (which repeats the parent bit for bit), as mean and
-standard deviation over the parents. An arm is ``none`` or ``[NAME:]key=value ...``
-(overrides). Children live in ``OUT/<parent>/<arm>``; a complete one is reused and an
-incomplete one resumed. Outputs: ``OUT/arms.json``, ``OUT/arms.md`` and
-``OUT/report-<parent>.html`` (the ``none`` child with the other arms overlaid).
+``policy-probes arms RUN_DIR ... --epoch N --arm none --arm ...`` forks every run after
+epoch ``N`` into one child per arm (``OUT/<parent>/<arm>``; a complete child is reused, an
+incomplete one resumed), trains each to the parent's end and compares the arms after the
+fork against the ``none`` arm (which repeats the parent bit for bit), as mean and standard
+deviation over the parents: ``OUT/arms.json``, ``OUT/arms.md``, ``OUT/report-<parent>.html``.
 """
 
 from __future__ import annotations
@@ -55,9 +51,8 @@ class Arm:
 
 
 def parse_arm(text: str) -> Arm:
-    """``"none"`` or ``"[NAME:]key=value [key=value ...]"`` (an override ends at
-    whitespace followed by the next ``key=``; values are taken as written, quotes and
-    all, as after a shell's own quoting)."""
+    """``"none"`` or ``"[NAME:]key=value [key=value ...]"`` (an override ends at whitespace
+    before the next ``key=``; values are taken as written, quotes and all)."""
     text = text.strip()
     if text == NONE:
         return Arm(NONE, [])
@@ -98,7 +93,6 @@ def unique_arms(arms: Sequence[Arm]) -> list[Arm]:
     return out
 
 
-# ---------------------------------------------------------------------- metrics
 def last_epoch(run_dir: Path) -> int:
     """The last epoch of a run's records (0: none)."""
     return RunRecords.read(run_dir).last_epoch or 0
@@ -159,7 +153,6 @@ def compare(
     return out
 
 
-# ---------------------------------------------------------------------- children
 @dataclass
 class Child:
     arm: Arm
@@ -201,7 +194,6 @@ def parent_labels(parents: Sequence[Path]) -> list[str]:
     return [f"{i}-{n}" for i, n in enumerate(names)]
 
 
-# ---------------------------------------------------------------------- output
 def _fmt(entry: dict[str, Any] | None, diff: bool = False) -> str:
     prefix = "diff_" if diff else ""
     if entry is None or f"{prefix}mean" not in entry:
@@ -246,7 +238,6 @@ def markdown(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-# ---------------------------------------------------------------------- command
 def run_arms(
     parents: Sequence[Path],
     epoch: int,
@@ -256,8 +247,7 @@ def run_arms(
     wanted: Sequence[str] = (),
     report: bool = True,
 ) -> tuple[dict[str, Any], list[Child]]:
-    """Fork, train and compare (see the module doc); returns the comparison written to
-    ``out/arms.json`` and the children."""
+    """Fork, train and compare; returns what ``out/arms.json`` holds and the children."""
     parents = [Path(p) for p in parents]
     for parent in parents:
         if not (parent / "config.json").is_file() or not (parent / METRICS_JSONL).is_file():
@@ -281,19 +271,16 @@ def run_arms(
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         done = list(pool.map(lambda c: train_child(c, epoch, end), children))
     per_arm: dict[str, dict[str, dict[str, float]]] = {a.name: {} for a in arms}
-    for child, label in zip(done, labels * len(arms), strict=True):
+    for child in done:
         records = RunRecords.read(child.run_dir) if child.returncode == 0 else None
-        if records is not None and (records.last_epoch or 0) >= end:
-            if records.epochs[0] != epoch + 1:
-                child.errors.append(
-                    f"its records start at epoch {records.epochs[0]}, not {epoch + 1}"
-                )
-                continue
-            per_arm[child.arm.name][label] = measures(records, epoch)
-        else:
+        if records is None or (records.last_epoch or 0) < end:
             child.errors.append(
                 f"training failed (exit status {child.returncode}; see {child.log})"
             )
+        elif records.epochs[0] != epoch + 1:
+            child.errors.append(f"its records start at epoch {records.epochs[0]}, not {epoch + 1}")
+        else:
+            per_arm[child.arm.name][child.run_dir.parent.name] = measures(records, epoch)
     comparison = compare(per_arm, labels)
     result = {
         "parents": {label: str(p) for label, p in zip(labels, parents, strict=True)},
@@ -301,8 +288,8 @@ def run_arms(
         "end": end,
         "arms": {a.name: {"overrides": a.overrides} for a in arms},
         "children": {
-            f"{c.arm.name}/{label}": {"run_dir": str(c.run_dir), "errors": c.errors}
-            for c, label in zip(done, labels * len(arms), strict=True)
+            f"{c.arm.name}/{c.run_dir.parent.name}": {"run_dir": str(c.run_dir), "errors": c.errors}
+            for c in done
         },
         "comparison": comparison,
     }
@@ -320,20 +307,14 @@ def run_arms(
 
 
 def write_reports(out: Path, arms: Sequence[Arm], labels: Sequence[str], children: list[Child]):
-    """One report per parent: the ``none`` child (else the first arm's) with the other
-    arms overlaid (and the parent, dashed)."""
+    """One report per parent: the ``none`` child (else the first) with the others overlaid."""
     from policy_probes.analysis.report import build_report
 
-    order = sorted(arms, key=lambda a: a.name != NONE)
+    order = [a.name for a in sorted(arms, key=lambda a: a.name != NONE)]
     for label in labels:
-        dirs = [
-            c.run_dir
-            for arm in order
-            for c in children
-            if c.arm.name == arm.name
-            and c.run_dir.parent.name == label
-            and (c.run_dir / METRICS_JSONL).is_file()
-        ]
+        mine = [c for c in children if c.run_dir.parent.name == label and c.arm.name in order]
+        mine.sort(key=lambda c: order.index(c.arm.name))
+        dirs = [c.run_dir for c in mine if (c.run_dir / METRICS_JSONL).is_file()]
         if dirs:
             build_report(dirs[0], out / f"report-{label}.html", compare=dirs[1:])
 
@@ -383,9 +364,8 @@ def arms_command(args: argparse.Namespace) -> int:
     result, children = run_arms(
         args.run_dirs, args.epoch, arms, out, args.jobs, args.measure, not args.no_report
     )
-    header, rows = table_rows(
-        result["comparison"], shown_measures(result["comparison"], args.measure)
-    )
+    comparison = result["comparison"]
+    header, rows = table_rows(comparison, shown_measures(comparison, args.measure))
     table = Table(title=f"arms forked at epoch {result['epoch']} of {result['end']}")
     for col in header:
         table.add_column(col)

@@ -1,8 +1,6 @@
-"""Units x epochs heatmaps of per-unit probe vectors (active rate, Fisher, gradient RMS).
-
-A column is one epoch, a row one unit, so a person sees which units died and when. The
-session draws them for the sinks that log images (W&B, TensorBoard) and the report embeds
-them; figures are built without pyplot, so no global matplotlib state is touched.
+"""Units x epochs heatmaps of per-unit probe vectors (active rate, Fisher, gradient RMS): a
+row per unit, a column per epoch, so one sees which units died and when. Drawn without
+pyplot (no global matplotlib state) for the report and the sinks that log images.
 """
 
 from __future__ import annotations
@@ -64,8 +62,7 @@ def component_of(key: str) -> str:
 def units_by_epochs(
     rows: Iterable[tuple[int, Sequence[float | None]]],
 ) -> tuple[np.ndarray, list[int]]:
-    """Stack ``(epoch, vector)`` rows into a ``units x epochs`` array (NaN where a vector is
-    shorter or an element is missing) and the list of epochs."""
+    """``(epoch, vector)`` rows as a ``units x epochs`` array (NaN where missing) and epochs."""
     rows = list(rows)
     epochs = [int(e) for e, _ in rows]
     units = max((len(v) for _, v in rows), default=0)
@@ -193,10 +190,9 @@ def fixed_margins(
 
 
 def render_heatmaps(records: RunRecords) -> dict[str, tuple[bytes, str]]:
-    """PNG bytes and caption of the heatmap of every per-unit key of ``records`` that has
-    one, keyed ``heatmaps/<probe>/<component>/<metric>`` (what the W&B and TensorBoard
-    sinks log). Keys with equal histories (a component's output and its last layer's)
-    share one drawing titled with both names."""
+    """``heatmaps/<probe>/<component>/<metric>`` -> (PNG, caption) of every per-unit key of
+    ``records`` with a heatmap; equal histories (a component and its last layer) share
+    one drawing titled with both names."""
     drawn: dict[tuple[Any, ...], tuple[list[str], np.ndarray, list[int], HeatmapSpec]] = {}
     for key, vectors in records.vectors.items():
         spec = heatmap_spec(key)

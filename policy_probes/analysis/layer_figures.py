@@ -1,11 +1,7 @@
 """Per-layer figures: one line per layer of a component over epochs, so "which layer is
-dying" is one look.
-
-A probe attached with ``per_layer=True`` reports ``probes/<probe>/<component>/<metric>``
-and ``probes/<probe>/<component>.<layer>/<metric>`` for every activation layer inside the
-component. One figure per probe section and component, one panel per metric, one line per
-layer; the report embeds them and the session draws them for the sinks that log images
-(``layers/<section>/<component>``).
+dying" is one look (probes attached with ``per_layer=True`` report
+``probes/<probe>/<component>.<layer>/<metric>``). One figure per probe section and
+component, embedded by the report and logged by sinks as ``layers/<section>/<component>``.
 """
 
 from __future__ import annotations
@@ -117,9 +113,8 @@ def _natural(name: str) -> list:
 
 
 def layer_groups(names: Iterable[str]) -> dict[str, list[str]]:
-    """``component -> [its layers]`` among ``names``: a name is a layer of the longest
-    other name that is a dotted prefix of it (``actor_mlp.layer_0`` of ``actor_mlp``).
-    Components without a recorded layer are left out; layers in natural order."""
+    """``component -> [its layers]`` (natural order) among ``names``: a name is a layer of
+    the longest other name that is a dotted prefix of it (``actor_mlp.layer_0``)."""
     names = set(names)
     groups: dict[str, list[str]] = {}
     for name in names:
@@ -133,8 +128,7 @@ def layer_groups(names: Iterable[str]) -> dict[str, list[str]]:
 
 
 def layer_figures(records: RunRecords) -> list[tuple[str, str, Figure]]:
-    """``(section slug, component, figure)`` for every section and component of
-    ``records`` with layers."""
+    """``(section slug, component, figure)`` of every section and component with layers."""
     series = {k: records.series(k) for k in records.scalars if is_layer_metric(k)}
     out = []
     for slug, _title, panels in LAYER_SECTIONS:

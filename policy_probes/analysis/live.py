@@ -1,10 +1,6 @@
-"""LiveAnalysis: what a training session makes of its records while the run trains.
-
-A :class:`~policy_probes.session.ProbeSession` passes every record through one
-:class:`LiveAnalysis` before its sinks get it: the record joins a live
-:class:`~policy_probes.records.RunRecords` (only the series the findings and figures read),
-each epoch's record gets the findings (:class:`~.findings.FindingsEngine`), and the figures
-are drawn from the same store when a sink asks (``SinkGroup.draw_figures``).
+"""LiveAnalysis: what a training session makes of its records while the run trains: a live
+:class:`~policy_probes.records.RunRecords` of the series the findings and figures read, the
+findings on each epoch's record, and the figures when a sink asks (the sinks only write).
 """
 
 from __future__ import annotations
@@ -55,8 +51,7 @@ class LiveAnalysis:
         return Record(r.epoch, r.hook_point, r.agent_step, r.metrics, findings, render_text(found))
 
     def figures(self) -> dict[str, tuple[bytes, str]]:
-        """The run's figures so far: the heatmaps (``heatmaps/...``) and the per-layer
-        figures (``layers/...``)."""
+        """The run's figures so far (``heatmaps/...``, ``layers/...``)."""
         out = render_heatmaps(self.records)
         epoch = self.records.last_epoch
         for slug, component, fig in layer_figures(self.records):

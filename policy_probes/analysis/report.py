@@ -1,12 +1,9 @@
 """The local dashboard: ``policy-probes report RUN_DIR`` -> ``RUN_DIR/report.html``.
 
-Built from ``metrics.jsonl`` alone (plus ``config.json`` when present), so it works for any
-run, finished, interrupted or still going: one self-contained HTML file, every figure a
-matplotlib PNG embedded as base64. Sections, each only when the run recorded its metrics:
-the findings, returns, PPO losses, the probe sections per component and per layer
-(:mod:`~policy_probes.analysis.layer_figures`), the units x epochs heatmaps, and every
-scalar's last, min and max. A forked run's parent (dashed, with a line at the fork epoch)
-and the ``--compare`` runs are overlaid on the same axes in the colour of each line.
+One self-contained HTML file (matplotlib PNGs inlined) built from ``metrics.jsonl`` (and
+``config.json``), so it works for any run, finished or still going: the findings, returns,
+losses, probe sections per component and per layer, heatmaps and every scalar's range. A
+fork's parent (dashed) and the ``--compare`` runs are overlaid in each line's colour.
 """
 
 from __future__ import annotations
@@ -46,6 +43,7 @@ from policy_probes.analysis.layer_figures import (
     plot_series,
     style_axes,
 )
+from policy_probes.atomic_write import write_text_atomic
 from policy_probes.records import METRICS_JSONL, RunRecords
 from policy_probes.user_errors import positive_int
 
@@ -96,8 +94,7 @@ def components(run: RunRecords, probe: str, metric: str, layers: bool = True) ->
 
 @dataclass
 class Overlay:
-    """Another run drawn over the report's run: its parent (``fork_epoch`` set) or a run
-    to compare with."""
+    """Another run drawn over the report's: its parent (``fork_epoch`` set) or a compared one."""
 
     label: str
     run: RunRecords
@@ -108,9 +105,8 @@ class Overlay:
 def find_overlays(
     run_dir: Path, config: dict[str, Any] | None, compare: Sequence[Path] = ()
 ) -> tuple[list[Overlay], list[str]]:
-    """The parent named in ``config`` (when its metrics are found) and the runs in
-    ``compare``, as overlays; and a note for each that could not be read. A relative
-    parent path is tried from the working directory, then from ``run_dir``'s parent."""
+    """The parent named in ``config`` (a relative path from the working directory, else
+    beside ``run_dir``) and the ``compare`` runs as overlays, and a note for each unread."""
     overlays: list[Overlay] = []
     notes: list[str] = []
     styles = iter(OVERLAY_STYLES * (1 + len(compare)))
@@ -122,15 +118,9 @@ def find_overlays(
         if found is None:
             notes.append(f"parent run {where} (no {METRICS_JSONL} found)")
         else:
-            fork_epoch = parent.get("epoch")
-            overlays.append(
-                Overlay(
-                    f"parent {found.resolve().name}",
-                    RunRecords.read(found),
-                    next(styles),
-                    fork_epoch if isinstance(fork_epoch, int) else None,
-                )
-            )
+            epoch = parent.get("epoch") if isinstance(parent.get("epoch"), int) else None
+            label = f"parent {found.resolve().name}"
+            overlays.append(Overlay(label, RunRecords.read(found), next(styles), epoch))
     else:
         next(styles)  # the dashed style stays the parent's
     for other in compare:
@@ -142,7 +132,6 @@ def find_overlays(
     return overlays, notes
 
 
-# ---------------------------------------------------------------------- figures
 def _png_b64(fig: Figure) -> str:
     return base64.b64encode(figure_png(fig)).decode("ascii")
 
@@ -246,7 +235,6 @@ def _style_name(linestyle: Any) -> str:
     return {"--": "dashed", ":": "dotted", "-.": "dash-dotted"}.get(linestyle, "dashed pattern")
 
 
-# ---------------------------------------------------------------------- HTML
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px auto;max-width:1120px;
 color:#222;padding:0 16px}
@@ -316,8 +304,7 @@ def build_report(
         meta.append(f"epochs {epochs[0]}-{epochs[-1]} ({len(epochs)})")
     if steps is not None:
         meta.append(f"{steps:,} environment steps")
-    meta.append(f"{run.records} records")
-    meta.append(f"generated {time.strftime('%Y-%m-%d %H:%M:%S')}")
+    meta += [f"{run.records} records", f"generated {time.strftime('%Y-%m-%d %H:%M:%S')}"]
     parts.append(f'<p class="meta">{" &middot; ".join(meta)}</p>')
     config_path = run_dir / "config.json"
     config: dict[str, Any] | None = None
@@ -369,13 +356,13 @@ def build_report(
             parts += [_img(f, f"{section} per layer: {comp}") for comp, f in figures]
     heatmaps = heatmap_figures(run, max_heatmap_epochs)
     if heatmaps:
-        parts.append('<h2 id="heatmaps">Units x epochs</h2>')
-        parts.append(
+        parts += [
+            '<h2 id="heatmaps">Units x epochs</h2>',
             '<p class="note">One row per unit, one column per epoch. Red: ReLU units with active '
             "rate 0 (dead) in that epoch; black: per-unit Fisher or gradient RMS of exactly 0; "
-            "grey: not recorded.</p>"
-        )
-        parts += [_img(f, key) for key, f in heatmaps]
+            "grey: not recorded.</p>",
+            *(_img(f, key) for key, f in heatmaps),
+        ]
     else:
         missing.append("per-unit heatmaps")
     if missing:
@@ -392,17 +379,10 @@ def build_report(
         + "\n</body></html>\n"
     )
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    try:
-        tmp.write_text(document, encoding="utf-8")
-        tmp.replace(out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # a failed report leaves nothing behind
-        raise
+    write_text_atomic(out, document)  # a failed report leaves nothing behind
     return out
 
 
-# ---------------------------------------------------------------------- CLI
 def add_report_subcommand(subparsers: argparse._SubParsersAction) -> None:
     """``policy-probes report RUN_DIR [--out FILE]``."""
     p = subparsers.add_parser(

@@ -1,22 +1,13 @@
-"""Stable-Baselines3: probes on an SB3 policy through a callback (``docs/external.md``).
+"""Stable-Baselines3: probes on an SB3 policy through :class:`ProbeCallback` (see
+``docs/external.md``)::
 
-::
+    callback = ProbeCallback(probes=[("actor_mlp", attach_relu_activation_hooks())])
+    PPO("MlpPolicy", "CartPole-v1").learn(100_000, callback=callback)
 
-    model = PPO("MlpPolicy", "CartPole-v1", policy_kwargs=dict(activation_fn=nn.ReLU))
-    callback = ProbeCallback(
-        probes=[("actor_mlp", attach_relu_activation_hooks())],
-        backward_probes=[("actor_mlp", attach_fisher_information_hooks())],
-        run_dir="runs/sb3-ppo",
-    )
-    model.learn(100_000, callback=callback)
-
-One rollout/update cycle of an on-policy algorithm (PPO, A2C): ``_on_rollout_start``
-reports the previous cycle (phase "rollout": forwards under no_grad are not recorded),
-``_on_rollout_end`` switches to phase "train", whose minibatch passes the probes observe;
-``_on_training_end`` reports the last cycle. Component names: :data:`SB3_COMPONENTS`.
-sb3-contrib's ``RecurrentPPO``: its LSTMs are ``lstm_actor`` and ``lstm_critic``, and the
-padded steps its loss masks out are left out of every probe (each minibatch's ``mask`` is
-the session's row mask while ``train()`` uses it).
+Each rollout/update cycle is one record: probes record ``train()``'s minibatch passes (not
+the no-grad rollout) and the cycle is reported at the next ``_on_rollout_start`` or at
+``_on_training_end``. Component names: :data:`SB3_COMPONENTS`; ``RecurrentPPO``'s LSTMs are
+``lstm_actor``/``lstm_critic``, and the padded steps its loss masks out are masked here too.
 """
 
 from __future__ import annotations
@@ -161,7 +152,6 @@ class ProbeCallback(BaseCallback):
         self._trained = False  # a train() ran since the last report
         self._masked_buffer: Any = None
 
-    # ------------------------------------------------------------------ probes
     def add_training_hook(
         self, pattern: str, builder: ProbeBuilder, **placement: Any
     ) -> ProbeCallback:
@@ -183,7 +173,6 @@ class ProbeCallback(BaseCallback):
         add_probe(self._probes, pattern, builder, backward, placement)
         return self
 
-    # --------------------------------------------------------------- callbacks
     def _init_callback(self) -> None:
         """Called by ``learn()`` before training: wrap the policy and attach the probes."""
         if self.session is not None and not self.session.closed:
@@ -248,7 +237,6 @@ class ProbeCallback(BaseCallback):
         finally:
             self.close()
 
-    # ------------------------------------------------------------------ report
     def _report(self) -> None:
         """Report the cycle that just trained (every cycle reports every probe)."""
         if self.session is None or self.session.closed or not self._trained:
@@ -280,7 +268,6 @@ class ProbeCallback(BaseCallback):
             out["rollout/ep_len_mean"] = float(sum(e["l"] for e in episodes) / len(episodes))
         return out
 
-    # ----------------------------------------------------------------- helpers
     def _trace(self, session: ProbeSession) -> None:
         """Learn what each component returns from one forward pass on a sample observation
         (eval mode, every RNG restored), so that a backward probe on a component that
@@ -344,7 +331,6 @@ class ProbeCallback(BaseCallback):
             out[name] = value
         return out
 
-    # ------------------------------------------------------------------- close
     def close(self) -> None:
         """Remove the hooks and close the sinks (done at the end of ``learn()``; call it, or
         use the callback as a context manager, if ``learn()`` may raise)."""

@@ -1,8 +1,7 @@
 """Metric sinks: where per-epoch metrics go (JSONL, CSV, W&B, TensorBoard, the console).
 
-Each sink is a plugin (:mod:`policy_probes.plugins`): a run opens every registered sink its
-configuration switches on (``sinks.<name>=true``), one of your own as well; heavy libraries
-are imported when a sink starts. A :class:`~policy_probes.session.ProbeSession` does::
+Each sink is a plugin (:mod:`policy_probes.plugins`) a run opens when its configuration
+switches it on (``sinks.<name>=true``); a :class:`~policy_probes.session.ProbeSession` does::
 
     group = build_sink_group(run_dir, SinksConfig(), WandbConfig(), config=resolved_config)
     group.emit(Record.of(metrics, epoch, "POST_EPOCH", agent_step))
@@ -62,11 +61,10 @@ def build_sinks(
     console: Console | None = None,
     failures: dict[str, str] | None = None,
 ) -> list[MetricSink]:
-    """Create the sinks that ``sinks`` switches on, writing under ``run_dir`` (created if
-    absent); ``config`` (the resolved run configuration) goes to the W&B run, ``console``
-    (shared with a progress bar) to the console sink. A sink that cannot start (read-only
-    directory, W&B init error, missing package) is logged with the reason, recorded in
-    ``failures`` (sink name -> reason) when given, and left out; the others go on."""
+    """Create the sinks that ``sinks`` switches on, writing under ``run_dir``; ``config``
+    goes to the W&B run, ``console`` (shared with a progress bar) to the console sink. A
+    sink that cannot start is logged with the reason, recorded in ``failures`` (name ->
+    reason) when given, and left out; the others go on."""
     setup = SinkSetup(Path(run_dir), sinks, wandb, config, console)
     built: list[MetricSink] = []
     for name, cls in plugins.registered("sink").items():
@@ -102,8 +100,7 @@ def build_sink_group(
     *,
     console: Console | None = None,
 ) -> SinkGroup:
-    """:func:`build_sinks` wrapped in a fault-isolating :class:`SinkGroup` whose
-    ``failures`` already lists the sinks that could not start."""
+    """:func:`build_sinks` in a :class:`SinkGroup` whose ``failures`` lists those that failed."""
     group = SinkGroup()
     group.sinks = build_sinks(
         run_dir, sinks, wandb, config, console=console, failures=group.failures

@@ -1,9 +1,6 @@
-"""MetricSink: where records go, and SinkGroup: the fan-out that isolates faults.
-
-The session makes each emit one plain :class:`~policy_probes.records.Record` (with the
-run's findings on the epoch's record) and hands it to a :class:`SinkGroup`, which switches
-off a sink that raises so that a broken output never stops training or the other outputs.
-Sinks only write; the figures a sink asks for are drawn by the session's analysis.
+"""MetricSink: where records go, and SinkGroup: the fan-out that isolates faults, so a
+broken output never stops training or the other outputs. Sinks only write; the figures a
+sink asks for are drawn by the session's analysis.
 """
 
 from __future__ import annotations
@@ -30,13 +27,11 @@ logger = logging.getLogger("policy_probes.sinks")
 
 
 class MetricSink(ABC):
-    """One output for records (a file, a dashboard, the console).
-
-    A sink class registered with :func:`policy_probes.plugins.register` is switched on by
-    ``sinks.<name>=true`` and made with :meth:`from_setup`. Lifecycle: ``set_run_context``
-    whenever the run's context changes, ``emit(record)`` once per hook point and epoch,
-    ``flush()`` at epoch end and on interruption, ``final_figures(...)`` just before
-    ``close()`` when the sink asked for them, ``close()`` once at the end.
+    """One output for records (a file, a dashboard, the console); registered with
+    :func:`policy_probes.plugins.register`, it is switched on by ``sinks.<name>=true``.
+    Calls: ``set_run_context`` when the run's context changes, ``emit`` per hook point and
+    epoch, ``flush`` at epoch end and on interruption, ``final_figures`` before ``close``
+    when asked for, ``close`` once at the end.
     """
 
     kind: ClassVar[str] = "sink"
@@ -52,14 +47,12 @@ class MetricSink(ABC):
 
     @classmethod
     def from_setup(cls, setup: SinkSetup) -> MetricSink | None:
-        """The sink of a run that switched it on (None: nothing to do). By default made
-        without arguments; :meth:`set_run_context` then gives it the run directory and
-        configuration before the first record."""
+        """The sink of a run that switched it on (None: nothing to do); by default made
+        without arguments (:meth:`set_run_context` gives it the run directory)."""
         return cls()
 
     def set_run_context(self, **kwargs: Any) -> None:
-        """Update the run context: ``run_dir``, ``config`` (resolved config dict),
-        ``ended`` (how the run ended), ... Later calls update earlier ones."""
+        """Update the run context: ``run_dir``, ``config``, ``ended`` (how the run ended) ..."""
         self.run_context.update(kwargs)
 
     @abstractmethod
@@ -67,14 +60,12 @@ class MetricSink(ABC):
         """Write one record (plain already; never changed by a sink)."""
 
     def wants_figures(self, record: Record | None) -> bool:
-        """Whether this sink logs the run's figures with ``record`` (it then arrives with
-        ``record.figures``), or, for None, when it closes (:meth:`final_figures`). The
-        figures are drawn once for every sink that asks (seconds: ask seldom)."""
+        """Whether this sink logs the run's figures with ``record`` (``record.figures``) or,
+        for None, at close (:meth:`final_figures`); drawing takes seconds: ask seldom."""
         return False
 
     def final_figures(self, figures: Figures) -> None:  # noqa: B027 - optional
-        """The run's figures as it ends, just before :meth:`close` when
-        ``wants_figures(None)``."""
+        """The run's figures as it ends, when ``wants_figures(None)``."""
 
     def flush(self) -> None:  # noqa: B027 - optional for sinks without buffers
         """Push buffered data to durable storage."""
@@ -92,13 +83,10 @@ FSYNC_SECONDS = 30.0
 
 
 class AppendFileSink(MetricSink):
-    """A sink that appends to one file, ``self.path``, held open between emits.
-
-    Every emit reaches the operating system at once (a killed process loses nothing);
-    :meth:`flush` reaches the disk (``fsync``), at epoch ends at most once per
-    ``fsync_seconds`` (an fsync can cost a large share of a short epoch; only a machine
-    crash loses what is not fsynced). Checkpoints flush first, so a checkpoint never
-    covers records that are not on disk.
+    """A sink that appends to one file, ``self.path``, held open between emits. Every emit
+    reaches the OS at once (a killed process loses nothing); :meth:`flush` fsyncs, at
+    epoch ends at most once per ``fsync_seconds`` (an fsync can cost a large share of a
+    short epoch; only a machine crash loses what is not fsynced). Checkpoints flush first.
     """
 
     #: ``newline`` argument of ``open`` ("" for the csv module)
@@ -117,8 +105,7 @@ class AppendFileSink(MetricSink):
         self._synced_at = -math.inf
 
     def written(self, hook_point: str) -> None:
-        """After a record was written: hand it to the operating system, and fsync at an
-        epoch end (``POST_EPOCH``) when the last fsync is ``fsync_seconds`` old."""
+        """After a record: hand it to the OS, and fsync at an epoch end that is due."""
         if hook_point == "POST_EPOCH" and (
             time.monotonic() - self._synced_at >= self.fsync_seconds
         ):
@@ -148,13 +135,10 @@ class AppendFileSink(MetricSink):
 
 
 class SinkGroup(MetricSink):
-    """Fan-out to several sinks with fault isolation.
-
-    A sink whose ``emit``, ``flush``, ``set_run_context``, ``wants_figures``,
-    ``final_figures`` or ``close`` raises is logged once (error level, with the
-    traceback), recorded in :attr:`failures` and removed; the other sinks go on, and the
-    group itself never raises from these methods. Before each emit and at close, the
-    sinks that want the run's figures get them, drawn once by :attr:`draw_figures`.
+    """Fan-out to several sinks with fault isolation: a sink whose method raises is logged
+    once (with the traceback), recorded in :attr:`failures` and removed; the others go on
+    and the group itself never raises. The sinks that want the run's figures get them,
+    drawn once by :attr:`draw_figures`.
     """
 
     name = "group"
@@ -224,7 +208,7 @@ class SinkGroup(MetricSink):
 
     def _figures_for(self, record: Record | None) -> tuple[list[MetricSink], Figures | None]:
         """The sinks that want the figures with ``record`` (None: at close), and the
-        figures drawn once for them (None when none asks or the drawing failed)."""
+        figures (None when none asks or the drawing failed)."""
         if self.draw_figures is None:
             return [], None
         asking = [s for s in list(self.sinks) if self._isolated(s, "wants_figures", record)]
@@ -268,15 +252,12 @@ class SinkGroup(MetricSink):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ------------------------------------------------------------------ signals
     def install_signal_flush(
         self, signals: Iterable[int] = (signal.SIGINT, signal.SIGTERM)
     ) -> Callable[[], None]:
         """Flush every sink when one of ``signals`` arrives, then hand the signal to the
-        handler installed before (Ctrl-C still raises ``KeyboardInterrupt``). Main thread
-        only (elsewhere: a warning, nothing done). Returns the function that restores the
-        previous handlers (:meth:`close` does too). A trainer with its own run control
-        should call :meth:`flush` from its handler instead."""
+        previous handler (main thread only); returns the function that restores the
+        previous handlers (:meth:`close` does too)."""
         if threading.current_thread() is not threading.main_thread():
             logger.warning("install_signal_flush() called outside the main thread; ignored")
             return lambda: None

@@ -32,8 +32,7 @@ RUN_CONSOLE_METRICS: tuple[str, ...] = (
 
 
 def default_console_metrics() -> list[str]:
-    """:data:`RUN_CONSOLE_METRICS` and the console metrics every registered probe declares
-    (:func:`policy_probes.plugins.console_metrics`, a probe of your own included)."""
+    """:data:`RUN_CONSOLE_METRICS` and every registered probe's console metrics."""
     return [*RUN_CONSOLE_METRICS, *plugins.console_metrics()]
 
 
@@ -41,9 +40,8 @@ WandbMode = Literal["online", "offline", "disabled"]
 
 
 class SinksConfig(BaseModel):
-    """Which outputs a run writes. All files go to ``run_dir``. A sink of your own,
-    registered with :func:`policy_probes.plugins.register`, is switched on like a built-in
-    one: ``sinks.<its name>=true``."""
+    """Which outputs a run writes (into ``run_dir``); a registered sink of your own is
+    switched on like a built-in one: ``sinks.<its name>=true``."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -152,8 +150,7 @@ class WandbConfig(BaseModel):
 
 
 def api_key_configured() -> bool:
-    """True when W&B has an API key: ``WANDB_API_KEY`` or a netrc entry for its host
-    (only its presence is checked; the key is never read into our configuration)."""
+    """Whether W&B has an API key (``WANDB_API_KEY`` or a netrc entry; never read)."""
     if os.environ.get("WANDB_API_KEY"):
         return True
     url = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")

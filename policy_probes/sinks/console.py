@@ -1,12 +1,9 @@
 """ConsoleSink: the run's main figures in the terminal (rich).
 
-- On an interactive terminal, a live view: one line per chosen metric with its latest
-  value, a trend arrow against the previous epoch and a sparkline of the recent epochs; a
-  rich ``Live`` that rich (>= 14) stacks under a progress bar live on the same console
-  (pass the trainer's console).
-- At each SNAPSHOT emit and at close, a table of the chosen metrics plus the SNAPSHOT's
-  own shallow scalar keys (``hessian/top_eigenvalue``); vectors and deep keys are left out.
-- At close, the run's findings as the session handed them over (``docs/findings.md``).
+On an interactive terminal a live view (latest value, trend arrow and sparkline of each
+chosen metric; pass the trainer's console to share it with a progress bar); at each
+SNAPSHOT and at close a table of the chosen metrics and the SNAPSHOT's shallow scalar keys;
+at close the run's findings.
 """
 
 from __future__ import annotations
@@ -16,7 +13,7 @@ import re
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from rich.console import Console, ConsoleOptions, Group, RenderResult
@@ -138,7 +135,6 @@ class ConsoleSink(MetricSink):
         #: the run's findings as text, as last handed over, printed at close
         self.findings_text: str | None = None
 
-    # ------------------------------------------------------------------ selection
     def chosen(self, key: str) -> int | None:
         """Index of the first pattern that selects ``key`` (its display order), else None."""
         if key not in self._chosen:
@@ -146,7 +142,6 @@ class ConsoleSink(MetricSink):
             self._chosen[key] = next(matching, None)
         return self._chosen[key]
 
-    # ------------------------------------------------------------------ emit
     def emit(self, record: Record) -> None:
         # the live view is drawn on the progress bar's thread too: it reads the series
         # under the lock (and never takes a rich lock while holding it)
@@ -189,10 +184,8 @@ class ConsoleSink(MetricSink):
             if self._redraw_due():
                 self._live.refresh()
 
-    # ------------------------------------------------------------------ renderables
     def _redraw_due(self) -> bool:
-        """Whether the live view shows older data than the sink holds and was drawn at
-        least ``refresh_seconds`` ago (or never)."""
+        """Whether the live view is stale and ``refresh_seconds`` old (or never drawn)."""
         drawn = self._drawn
         if drawn is None:
             return True
@@ -211,8 +204,11 @@ class ConsoleSink(MetricSink):
             drawn = self._drawn = (segments, options.max_width, version, time.monotonic())
         return drawn[0]
 
-    def _ordered(self) -> list[str]:
-        return sorted(self._latest, key=lambda k: (self.chosen(k) or 0, k))
+    def _rows(self) -> Iterator[tuple[str, str, str]]:
+        """(key, value, trend arrow) of the chosen metrics, in their patterns' order."""
+        for key in sorted(self._latest, key=lambda k: (self.chosen(k) or 0, k)):
+            value = self._latest[key]
+            yield key, format_value(value), trend_arrow(self._previous.get(key), float(value))
 
     def summary_table(self, title: str | None = None) -> Table:
         """Compact table of the chosen metrics (and the SNAPSHOT's shallow scalars)."""
@@ -222,11 +218,8 @@ class ConsoleSink(MetricSink):
         table.add_column("metric", style="cyan", no_wrap=True)
         table.add_column("value", justify="right", no_wrap=True)
         table.add_column("", no_wrap=True)
-        for key in self._ordered():
-            value = self._latest[key]
-            table.add_row(
-                key, format_value(value), trend_arrow(self._previous.get(key), float(value))
-            )
+        for row in self._rows():
+            table.add_row(*row)
         for key in sorted(self._snapshot):
             table.add_row(key, format_value(self._snapshot[key]), "")
         return table
@@ -238,19 +231,14 @@ class ConsoleSink(MetricSink):
         table.add_column(justify="right", no_wrap=True)
         table.add_column(no_wrap=True)
         table.add_column(style="dim", no_wrap=True)
-        for key in self._ordered():
-            value = self._latest[key]
-            arrow = trend_arrow(self._previous.get(key), float(value))
-            table.add_row(key, format_value(value), arrow, sparkline(list(self._series[key])))
+        for key, value, arrow in self._rows():
+            table.add_row(key, value, arrow, sparkline(list(self._series[key])))
         return table
 
     def __rich__(self) -> Group:
-        header = Text(
-            f"epoch {self.epoch}" if self.epoch is not None else "no epoch yet", style="bold"
-        )
-        return Group(header, self.live_view())
+        header = f"epoch {self.epoch}" if self.epoch is not None else "no epoch yet"
+        return Group(Text(header, style="bold"), self.live_view())
 
-    # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
         if self._closed:
             return

@@ -1,10 +1,7 @@
-"""CSVSink: ``run_dir/metrics.csv``, one row per emit, scalars only.
-
-Columns are ``epoch, agent_step, hook_point, time``, then the metrics in order of first
-appearance; a per-unit vector becomes ``<key>/mean``, ``<key>/min`` and ``<key>/max`` of
-its finite elements. An emit that brings new columns rewrites the file with the wider
-header, streaming (:func:`~policy_probes.sinks.jsonl.rewrite_atomic`: a reader or a crash
-only ever sees a complete CSV, memory stays one row).
+"""CSVSink: ``run_dir/metrics.csv``, one row per emit, scalars only (a vector becomes
+``<key>/mean``, ``/min``, ``/max`` of its finite elements). Columns are ``epoch, agent_step,
+hook_point, time``, then the metrics in order of first appearance; new columns rewrite the
+file with the wider header (streaming and atomic: :func:`~.jsonl.rewrite_atomic`).
 """
 
 from __future__ import annotations
@@ -88,8 +85,7 @@ class CSVSink(AppendFileSink):
         self.rewrites += 1
 
     def _rewrite(self, header: list[str], change: Callable[[list[str]], list[str] | None]) -> None:
-        """Rewrite the file with ``header`` and ``change(row)`` of each row (None drops
-        the row)."""
+        """Rewrite the file with ``header`` and ``change(row)`` of each row (None: drop it)."""
 
         def write(dst: IO[str]) -> None:
             writer = csv.writer(dst)

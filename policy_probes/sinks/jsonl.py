@@ -1,10 +1,8 @@
 """JSONLSink: ``run_dir/metrics.jsonl``, one JSON object per emit.
 
-Each line is ``{"epoch": .., "agent_step": .., "hook_point": .., "time": .., <metrics>}``
-with per-unit vectors kept as lists, written with one ``write`` and flushed per emit
-(fsynced as :class:`~policy_probes.sinks.base.AppendFileSink` says). Non-finite floats
-become ``null`` and their keys are listed in the record's ``"_nonfinite"`` field. On open
-a truncated last line (a crash mid-write) is cut off, so the file holds whole records.
+``{"epoch", "agent_step", "hook_point", "time", <metrics>}`` with vectors as lists, written
+with one ``write`` per emit; non-finite floats become ``null``, their keys listed under
+``"_nonfinite"``. A truncated last line (a crash mid-write) is cut off on open.
 """
 
 from __future__ import annotations
@@ -69,8 +67,7 @@ class JSONLSink(AppendFileSink):
         self.written(record.hook_point)
 
     def rewind(self, last_epoch: int) -> int:
-        """Drop the records of epochs after ``last_epoch`` (a resumed run repeats them);
-        returns how many (:func:`rewind_jsonl`)."""
+        """Drop the records of epochs after ``last_epoch`` (:func:`rewind_jsonl`)."""
         with self.reopened():
             return rewind_jsonl(self.path, last_epoch)
 
@@ -116,7 +113,6 @@ def _finite_or_none(value: Any) -> tuple[Any, bool]:
     return value, False
 
 
-# ---------------------------------------------------------------------- file helpers
 def repair_truncated_tail(path: Path, chunk: int = 1 << 16) -> int:
     """Cut an incomplete last line (no trailing newline) off ``path``, reading only the
     file's tail; returns the number of bytes removed (0: absent, empty or whole)."""
@@ -147,8 +143,7 @@ def repair_truncated_tail(path: Path, chunk: int = 1 << 16) -> int:
 
 
 def rewind_jsonl(path: str | Path, last_epoch: int) -> int:
-    """Rewrite ``path`` without the records of epochs after ``last_epoch``
-    (:func:`rewrite_atomic`); returns the number of records dropped."""
+    """Rewrite ``path`` without the records of epochs after ``last_epoch``; returns how many."""
     path = Path(path)
     if not path.exists():
         return 0

@@ -1,9 +1,7 @@
-"""TensorBoardSink: event files in ``run_dir/tensorboard`` (``tensorboard --logdir``).
+"""TensorBoardSink: event files in ``run_dir/tensorboard`` (needs ``tensorboard``).
 
-Needs the ``tensorboard`` package. Scalars go to ``add_scalar``, per-unit vectors to
-``add_histogram``, and the run's figures (``heatmaps/...``, ``layers/...``) at SNAPSHOT
-emits and at close (unless the last epoch's are logged) to ``add_image``. The x axis is
-``agent_step`` (CleanRL's ``global_step``), else the epoch; the epoch is the scalar ``epoch``.
+Scalars, per-unit vectors as histograms, and the run's figures at SNAPSHOT emits and at
+close as images; the x axis is ``agent_step`` (CleanRL's ``global_step``), else the epoch.
 """
 
 from __future__ import annotations

@@ -1,23 +1,29 @@
-"""WandbSink: one Weights & Biases run per training run, files under ``run_dir/wandb/``.
+"""WandbSink: one Weights & Biases run per training run, files under ``run_dir/wandb/``
+(offline without an API key; ``docs/sinks.md``).
 
-Offline without an API key (``wandb sync`` uploads later). Every row carries ``epoch`` (every
-metric's x axis) and ``agent_step``; scalars are logged every epoch, per-unit vectors as
-histograms every ``histogram_every`` epochs and for the last epoch, the run's figures every
-``heatmap_every`` epochs and at close, the findings to the run summary at close. A resumed
-run appends to the same W&B run (id in ``run_dir/wandb/policy_probes_run_id``), lined up
-with ``metrics.jsonl`` so that every epoch is uploaded once (:meth:`WandbSink._settle_resume`).
-Credential-like config values are redacted. ``docs/sinks.md`` has the details.
+Scalars every epoch, per-unit vectors as histograms every ``histogram_every`` epochs and
+for the last, figures every ``heatmap_every`` epochs and at close, findings in the run
+summary; credential-like config values are redacted. A resumed run appends to the same W&B
+run (id in ``run_dir/wandb/policy_probes_run_id``); since every ``wandb.init`` writes a new
+run folder counting ``_step`` from 0, the sink reads the earlier folders' history back
+(:func:`run_history_position`: a LevelDB-style log of ``wandb_internal_pb2.Record``, read
+up to its first damaged chunk) and lines it up with ``metrics.jsonl``
+(:meth:`WandbSink._settle_resume`), so every epoch is uploaded once on increasing steps.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
 import secrets
 import string
+import struct
 import tempfile
+import zlib
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +40,6 @@ from policy_probes.records import (
 )
 from policy_probes.sinks.base import MetricSink
 from policy_probes.sinks.config import SinkSetup, WandbConfig
-from policy_probes.sinks.wandb_history import run_history_position
 
 logger = logging.getLogger("policy_probes.sinks")
 
@@ -118,7 +123,6 @@ class WandbSink(MetricSink):
         self.run.define_metric("agent_step")
         self.run.define_metric("*", step_metric="epoch")
 
-    # ------------------------------------------------------------------ emit
     def emit(self, record: Record) -> None:
         if self._unsettled:
             self._settle_resume(None)
@@ -167,9 +171,8 @@ class WandbSink(MetricSink):
         self._final_figures = figures
 
     def rewind(self, last_epoch: int) -> int:
-        """A resume from the checkpoint of ``last_epoch``: W&B cannot drop rows, so the
-        records it holds beyond that epoch are skipped when emitted again
-        (:meth:`_settle_resume`). Returns 0 (no rows dropped)."""
+        """W&B cannot drop rows: the records after ``last_epoch`` it holds are skipped when
+        emitted again (:meth:`_settle_resume`). Returns 0."""
         if self._unsettled:
             self._settle_resume(last_epoch)
         return 0
@@ -229,7 +232,6 @@ class WandbSink(MetricSink):
         self._last_heatmap_epoch = epoch
         return {key: image(png, caption) for key, (png, caption) in figures.items()}
 
-    # ------------------------------------------------------------------ lifecycle
     def flush(self) -> None:
         """W&B writes from its own service process; nothing is buffered here."""
 
@@ -276,8 +278,7 @@ class WandbSink(MetricSink):
 
 
 def histograms(wandb: Any, vectors: Mapping[str, list[float]]) -> dict[str, Any]:
-    """``key -> wandb.Histogram`` of the finite values of each per-unit vector (none for a
-    vector without one)."""
+    """``key -> wandb.Histogram`` of the finite values of each per-unit vector that has any."""
     out = {}
     for key, value in vectors.items():
         finite = finite_values(value)
@@ -287,8 +288,7 @@ def histograms(wandb: Any, vectors: Mapping[str, list[float]]) -> dict[str, Any]
 
 
 def load_or_create_run_id(run_dir: Path) -> str:
-    """The W&B run id stored in ``run_dir/wandb/policy_probes_run_id``, created on first use,
-    so resuming a training run resumes the same W&B run."""
+    """The W&B run id in ``run_dir/wandb/policy_probes_run_id``, created on first use."""
     path = run_dir / "wandb" / RUN_ID_FILE
     try:
         run_id = path.read_text(encoding="utf-8").strip()
@@ -317,3 +317,97 @@ def redact_secrets(config: Any) -> Any:
     if key and isinstance(config, str) and key in config:
         return config.replace(key, REDACTED)
     return config
+
+
+# ---------------------------------------------------------------------- earlier run files
+_BLOCK, _CHUNK_HEADER = 32768, 7
+_FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
+#: keys of the image-only rows a sink logs when it closes (not records of metrics.jsonl)
+_IMAGE_PREFIXES = ("heatmaps/", "layers/")
+_ROW_FIELDS = {"epoch", "_step", "_runtime", "_timestamp"}
+
+
+@dataclass(frozen=True)
+class WandbHistoryPosition:
+    """Where a W&B run's history stands: the highest ``epoch`` logged (None: none), the
+    ``_step`` the next row gets, and ``records``: how many rows hold a record (one per
+    emitted record, in the order ``metrics.jsonl`` holds them; the image-only rows a
+    closing sink adds are not counted)."""
+
+    last_epoch: int | None = None
+    next_step: int = 0
+    records: int = 0
+
+
+def _records(data: bytes) -> list[bytes]:
+    """The complete records of a run file (stops at the first damaged chunk)."""
+    if len(data) < 7 or data[:4] != b":W&B":
+        return []
+    pos, pending, out = 7, b"", []
+    while pos + _CHUNK_HEADER <= len(data):
+        left = _BLOCK - pos % _BLOCK
+        if left < _CHUNK_HEADER:  # block trailer
+            pos += left
+            continue
+        crc, length, kind = struct.unpack("<IHB", data[pos : pos + _CHUNK_HEADER])
+        if kind == 0:  # zero padding up to the block's end
+            pos += left
+            continue
+        chunk = data[pos + _CHUNK_HEADER : pos + _CHUNK_HEADER + length]
+        if len(chunk) < length or zlib.crc32(chunk, zlib.crc32(bytes([kind]))) != crc:
+            break
+        pos += _CHUNK_HEADER + length
+        if kind in (_FULL, _FIRST):
+            pending = chunk
+        else:
+            pending += chunk
+        if kind in (_FULL, _LAST):
+            out.append(pending)
+            pending = b""
+    return out
+
+
+def history_position(run_file: Path) -> WandbHistoryPosition:
+    """The last ``epoch`` and next ``_step`` of the history rows in one run file."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    last_epoch: int | None = None
+    next_step = records = 0
+    for raw in _records(run_file.read_bytes()):
+        record = pb.Record()
+        try:
+            record.ParseFromString(raw)
+        except Exception:  # noqa: BLE001 - a record we cannot parse is not history we own
+            continue
+        if record.WhichOneof("record_type") != "history":
+            continue
+        next_step = max(next_step, record.history.step.num + 1)
+        images_only = True
+        for item in record.history.item:
+            key = item.key or "/".join(item.nested_key)
+            if key not in _ROW_FIELDS and not key.startswith(_IMAGE_PREFIXES):
+                images_only = False
+            if key == "_step":
+                next_step = max(next_step, int(json.loads(item.value_json)) + 1)
+            elif key == "epoch":
+                epoch = int(json.loads(item.value_json))
+                last_epoch = epoch if last_epoch is None else max(last_epoch, epoch)
+        records += not images_only
+    return WandbHistoryPosition(last_epoch, next_step, records)
+
+
+def run_history_position(wandb_dir: Path, run_id: str) -> WandbHistoryPosition:
+    """:func:`history_position` over every earlier run folder of ``run_id``."""
+    last_epoch: int | None = None
+    next_step = records = 0
+    for run_file in sorted(Path(wandb_dir).glob(f"*run-*-{run_id}/run-{run_id}.wandb")):
+        try:
+            pos = history_position(run_file)
+        except OSError as exc:
+            logger.warning("could not read the earlier W&B run file %s: %s", run_file, exc)
+            continue
+        next_step = max(next_step, pos.next_step)
+        records += pos.records
+        if pos.last_epoch is not None:
+            last_epoch = pos.last_epoch if last_epoch is None else max(last_epoch, pos.last_epoch)
+    return WandbHistoryPosition(last_epoch, next_step, records)
