@@ -26,7 +26,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from policy_probes import plugins
+from policy_probes import plugins, runnable
 from policy_probes.analysis.arms import add_arms_subcommand
 from policy_probes.analysis.findings import add_diagnose_subcommand
 from policy_probes.analysis.report import add_report_subcommand
@@ -46,16 +46,6 @@ from policy_probes.overrides import (
     valid_keys,
 )
 from policy_probes.run import held_outputs
-from policy_probes.runnable import (
-    ForkPoint,
-    Runnable,
-    RunResult,
-    describe_contract,
-    result_problems,
-    returns_runnable,
-    runnable_problems,
-    supports_fork,
-)
 from policy_probes.user_errors import (
     SETUP_ERROR_TYPES,
     CLIError,
@@ -138,7 +128,11 @@ def load_recipe(target: str) -> Callable[[], Any]:
                 ) from None
             raise recipe_error(f"recipe module {module_path!r} failed to import", exc) from exc
     fn = getattr(module, func_name, None)
-    if inspect.ismodule(fn) or (fn is None and _is_module(target)):  # `run recipes.cartpole`
+    try:
+        is_module = inspect.ismodule(fn) or (fn is None and importlib.util.find_spec(target))
+    except (ImportError, ValueError):
+        is_module = False
+    if is_module:  # `run recipes.cartpole`
         names = [f"{target}.{n}" for n, _ in _recipes_in(importlib.import_module(target))]
         raise CLIError(
             f"{target!r} is a module, not a recipe function; give "
@@ -191,20 +185,14 @@ def build_from_recipe(target: str) -> BaseModel:
         raise CLIError(f"recipe {target}: {one_line(exc)}") from exc
     except Exception as exc:  # a bug in the recipe: its own line, not ours
         raise recipe_error(f"recipe {target} raised", exc) from exc
-    problems = runnable_problems(tool)
+    problems = runnable.runnable_problems(tool)
     if problems:
         name = type(tool).__name__
         raise CLIError(
-            f"recipe {target} returned {name}; {describe_contract()}; {name} {'; '.join(problems)}"
+            f"recipe {target} returned {name}; {runnable.describe_contract()}; "
+            f"{name} {'; '.join(problems)}"
         )
     return tool
-
-
-def _is_module(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        return False
 
 
 def _recipes_in(module: Any) -> list[tuple[str, Callable[..., Any]]]:
@@ -222,7 +210,7 @@ def _recipes_in(module: Any) -> list[tuple[str, Callable[..., Any]]]:
     return [
         (name, fn)
         for name, fn in inspect.getmembers(module, inspect.isfunction)
-        if fn.__module__ == module.__name__ and returns_runnable(fn) and no_arguments(fn)
+        if fn.__module__ == module.__name__ and runnable.returns_runnable(fn) and no_arguments(fn)
     ]
 
 
@@ -310,14 +298,9 @@ def hook_overrides(tool: BaseModel, selection: HookSelection) -> list[str]:
         out.append(f"hooks={json.dumps(merged)}")
     if selection.with_hooks:
         out.append(f"with_hooks={json.dumps(selection.with_hooks)}")
-    if selection.hook_config:
-        config = {
-            f"{hook}.{param}": value
-            for hook, params in parse_hook_config(tool.hook_config).items()
-            for param, value in params.items()
-        }
-        for hook, params in selection.hook_config.items():
-            config.update({f"{hook}.{param}": value for param, value in params.items()})
+    if selection.hook_config:  # the recipe's entries, then the CLI's (flat name.param keys)
+        merged = [*parse_hook_config(tool.hook_config).items(), *selection.hook_config.items()]
+        config = {f"{hook}.{p}": v for hook, params in merged for p, v in params.items()}
         out.append(f"hook_config={json.dumps(config)}")
     return out
 
@@ -352,7 +335,7 @@ def prepare_tool(
     overrides: Sequence[str],
     no_progress: bool,
     selection: HookSelection | None = None,
-) -> Runnable:
+) -> runnable.Runnable:
     """The recipe's tool with ``overrides`` (and the CLI's hook selection) applied and
     the launch recorded; ``progress`` follows ``--no-progress`` unless an override sets it."""
     tool = build_from_recipe(target)
@@ -368,12 +351,12 @@ def prepare_tool(
     return tool
 
 
-def run_tool(tool: Runnable, **options: Any) -> int:
+def run_tool(tool: runnable.Runnable, **options: Any) -> int:
     """Train ``tool`` and, on rank 0 (one report under torchrun), say where the outputs are."""
     from rich.console import Console
 
     result = invoke_tool(tool, **options)
-    missing = result_problems(result)
+    missing = runnable.result_problems(result)
     if missing:
         print(
             f"policy-probes: {type(tool).__name__}.invoke() returned {type(result).__name__} "
@@ -397,7 +380,7 @@ def run_tool(tool: Runnable, **options: Any) -> int:
     return 0
 
 
-def report_outputs(console: Any, result: RunResult) -> None:
+def report_outputs(console: Any, result: runnable.RunResult) -> None:
     """Tell the user where the run's outputs are."""
     run_dir = result.run_dir
     if run_dir is None:
@@ -455,7 +438,7 @@ def call_tool(method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         raise
 
 
-def invoke_tool(tool: Runnable, **options: Any) -> RunResult:
+def invoke_tool(tool: runnable.Runnable, **options: Any) -> runnable.RunResult:
     """``tool.invoke(**options)`` for the options that are set (:func:`call_tool`); a
     requested stop (an exception with an ``exit_code``) becomes :class:`RunEnded`."""
     try:
@@ -520,20 +503,14 @@ def launch_overrides(config: dict[str, Any], new: Sequence[str], run_dir: Path) 
     return [*previous, *new, f"run_dir={json.dumps(str(run_dir))}"]
 
 
-def fork_point(config: dict[str, Any]) -> ForkPoint | None:
-    """The ``parent`` a forked run recorded in its config.json, or None."""
-    parent = config.get("parent")
-    if not isinstance(parent, dict):
-        return None
-    return ForkPoint(Path(parent["run_dir"]), int(parent["epoch"]))
-
-
 def resume_command(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     config, target = read_run_config(run_dir, "resume it with tool.invoke(resume=True)")
     tool = prepare_tool(target, launch_overrides(config, args.overrides, run_dir), args.no_progress)
-    parent = fork_point(config) if supports_fork(tool) else None  # a fork keeps its parent
-    return run_tool(tool, resume=args.checkpoint or True, fork_from=parent)
+    parent, fork_from = config.get("parent"), None
+    if isinstance(parent, dict) and runnable.supports_fork(tool):  # a fork keeps its parent
+        fork_from = runnable.ForkPoint(Path(parent["run_dir"]), int(parent["epoch"]))
+    return run_tool(tool, resume=args.checkpoint or True, fork_from=fork_from)
 
 
 def add_fork_subcommand(subparsers: argparse._SubParsersAction) -> None:
@@ -580,12 +557,12 @@ def fork_command(args: argparse.Namespace) -> int:
         )
     overrides = launch_overrides(config, args.overrides, new_run_dir)
     tool = prepare_tool(target, overrides, args.no_progress)
-    if not supports_fork(tool):
+    if not runnable.supports_fork(tool):
         raise CLIError(
             f"{type(tool).__name__}.invoke() takes no fork_from keyword "
             f"(policy_probes.runnable.ForkPoint); this Runnable cannot be forked"
         )
-    return run_tool(tool, fork_from=ForkPoint(run_dir, args.epoch))
+    return run_tool(tool, fork_from=runnable.ForkPoint(run_dir, args.epoch))
 
 
 def add_ctl_subcommand(subparsers: argparse._SubParsersAction) -> None:

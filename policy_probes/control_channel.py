@@ -47,9 +47,8 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 
 def announce_run(run_dir: str | Path) -> Path:
     """Create ``run_dir/control`` and record this process as the run serving it."""
-    directory = control_dir(run_dir)
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / RUN_FILE
+    path = control_dir(run_dir) / RUN_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(
         path, {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
     )
@@ -145,9 +144,8 @@ def send_command(
     run_info(run_dir)
     directory = control_dir(run_dir)
     req_id = f"{time.time_ns():020d}-{os.getpid()}"
-    write_json_atomic(
-        directory / f"{req_id}.request", {"id": req_id, "command": command, "sent": time.time()}
-    )
+    request = {"id": req_id, "command": command, "sent": time.time()}
+    write_json_atomic(directory / f"{req_id}.request", request)
     ack_path = directory / f"{req_id}.ack"
     deadline = time.monotonic() + timeout
     while True:

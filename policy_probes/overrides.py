@@ -55,11 +55,8 @@ def split_assignment(
 def _model_class(annotation: Any) -> type[BaseModel] | None:
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
-    for arg in typing.get_args(annotation):
-        cls = _model_class(arg)
-        if cls is not None:
-            return cls
-    return None
+    found = (_model_class(arg) for arg in typing.get_args(annotation))
+    return next((cls for cls in found if cls is not None), None)
 
 
 def _is_mapping(annotation: Any) -> bool:
@@ -76,10 +73,9 @@ def valid_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
         key = f"{prefix}{name}"
         sub = _model_class(info.annotation)
         if sub is not None:
-            out.append(key)
-            out.extend(valid_keys(sub, key + "."))
+            out += [key, *valid_keys(sub, key + ".")]
         elif _is_mapping(info.annotation):
-            out.extend([key, key + ".*"])
+            out += [key, key + ".*"]
         else:
             out.append(key)
     extra = getattr(model, "extra_keys", None)  # names a model accepts besides its fields

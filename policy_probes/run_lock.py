@@ -8,7 +8,6 @@ lock from another host cannot be checked and is refused with the path to delete.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -26,7 +25,7 @@ LOCK_FILE = "run.lock"
 class RunDirLocked(RuntimeError):
     """``run_dir`` is in use by a live run; the message names it."""
 
-    usage_error = True  # the CLI prints it without a traceback (exit status 2)
+    usage_error = True
 
 
 def _process_start_ticks(pid: int) -> int | None:
@@ -84,13 +83,10 @@ def describe_owner(owner: dict[str, Any]) -> str:
 
 def locked_message(run_dir: str | Path, owner: dict[str, Any]) -> str:
     """Why ``run_dir`` is refused: who holds it and what to do."""
-    path = Path(run_dir) / LOCK_FILE
-    hint = (
-        f"if that run is gone, delete {path}"
-        if owner.get("host") != socket.gethostname()
-        else f"wait for it to finish, stop it with `policy-probes ctl {run_dir} stop`, or "
-        f"choose another run_dir"
-    )
+    hint = f"if that run is gone, delete {Path(run_dir) / LOCK_FILE}"
+    if owner.get("host") == socket.gethostname():
+        hint = f"wait for it to finish, stop it with `policy-probes ctl {run_dir} stop`, or "
+        hint += "choose another run_dir"
     return f"run_dir {str(run_dir)!r} is in use by a live run: {describe_owner(owner)}; {hint}"
 
 
@@ -136,8 +132,7 @@ class RunDirLock:
                     raise RunDirLocked(locked_message(self.run_dir, owner)) from None
                 what = describe_owner(owner) if owner else "unreadable"
                 log.warning("removing the stale lock %s (%s: not running)", self.path, what)
-                with contextlib.suppress(FileNotFoundError):
-                    self.path.unlink()
+                self.path.unlink(missing_ok=True)
                 continue
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(json.dumps(me) + "\n")
@@ -152,8 +147,7 @@ class RunDirLock:
         self.held = False
         owner = lock_owner(self.run_dir)
         if owner is None or owner.get("pid") == os.getpid():
-            with contextlib.suppress(FileNotFoundError):
-                self.path.unlink()
+            self.path.unlink(missing_ok=True)
 
     def __enter__(self) -> RunDirLock:
         return self.acquire()

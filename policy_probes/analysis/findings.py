@@ -89,7 +89,7 @@ class Finding:
         return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
 
     def condition(self) -> str:
-        """The threshold as a phrase (``>= 0.1``, ``x2 of baseline``)."""
+        """The threshold as a phrase (``>= 0.1``, ``>= 2 x baseline``)."""
         op = ">=" if self.direction == "rising" else "<="
         if self.threshold_kind == "ratio":
             return f"{op} {self.threshold:g} x baseline"

@@ -95,11 +95,8 @@ def _colours(matrix: np.ndarray, spec: HeatmapSpec) -> tuple[np.ndarray, Any, No
     data = np.ma.masked_invalid(matrix)
     if spec.log:
         positive = matrix[np.isfinite(matrix) & (matrix > 0)]
-        if positive.size:
-            vmax = float(positive.max())
-            vmin = max(float(positive.min()), vmax * 1e-8)
-        else:
-            vmin, vmax = 1e-12, 1.0
+        vmax = float(positive.max()) if positive.size else 1.0
+        vmin = max(float(positive.min()), vmax * 1e-8) if positive.size else 1e-12
         if vmin >= vmax:
             vmin = vmax / 10
         cmap = cmap.with_extremes(under="black")

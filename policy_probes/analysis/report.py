@@ -69,6 +69,7 @@ TRAIN_KEYS = (
 #: line styles of the overlaid runs: the parent, then each compared run in turn
 OVERLAY_STYLES: tuple[Any, ...] = ("--", ":", "-.", (0, (5, 1, 1, 1, 1, 1)), (0, (1, 3)))
 OVERLAY_ALPHA = 0.55
+_STYLE_NAMES = {"--": "dashed", ":": "dotted", "-.": "dash-dotted"}
 
 
 def series(run: RunRecords, key: str) -> tuple[np.ndarray, np.ndarray]:
@@ -130,10 +131,6 @@ def find_overlays(
             continue
         overlays.append(Overlay(Path(other).resolve().name, RunRecords.read(other), next(styles)))
     return overlays, notes
-
-
-def _png_b64(fig: Figure) -> str:
-    return base64.b64encode(figure_png(fig)).decode("ascii")
 
 
 def _plot(
@@ -231,10 +228,6 @@ def heatmap_figures(run: RunRecords, max_epochs: int | None = None) -> list[tupl
     return out
 
 
-def _style_name(linestyle: Any) -> str:
-    return {"--": "dashed", ":": "dotted", "-.": "dash-dotted"}.get(linestyle, "dashed pattern")
-
-
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px auto;max-width:1120px;
 color:#222;padding:0 16px}
@@ -256,7 +249,8 @@ def _fmt(v: float) -> str:
 
 
 def _img(fig: Figure, alt: str) -> str:
-    return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{_png_b64(fig)}">'
+    png = base64.b64encode(figure_png(fig)).decode("ascii")
+    return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{png}">'
 
 
 def _scalar_table(run: RunRecords) -> str:
@@ -268,11 +262,8 @@ def _scalar_table(run: RunRecords) -> str:
         cells = (last, min(finite, default=math.nan), max(finite, default=math.nan))
         shown = "".join(f"<td>{_fmt(v)}</td>" for v in cells)
         rows.append(f"<tr><td>{html.escape(key)}</td>{shown}<td>{len(values)}</td></tr>")
-    return (
-        "<table><tr><th>metric</th><th>last</th><th>min</th><th>max</th><th>epochs</th></tr>"
-        + "".join(rows)
-        + "</table>"
-    )
+    head = "<tr><th>metric</th><th>last</th><th>min</th><th>max</th><th>epochs</th></tr>"
+    return f"<table>{head}{''.join(rows)}</table>"
 
 
 def build_report(
@@ -320,7 +311,7 @@ def build_report(
     overlays, unread = find_overlays(run_dir, config if isinstance(config, dict) else None, compare)
     if overlays:
         drawn = "; ".join(
-            f"{html.escape(o.label)}: {_style_name(o.linestyle)}"
+            f"{html.escape(o.label)}: {_STYLE_NAMES.get(o.linestyle, 'dashed pattern')}"
             + (f", forked after epoch {o.fork_epoch}" if o.fork_epoch is not None else "")
             for o in overlays
         )

@@ -81,9 +81,8 @@ log = logging.getLogger("policy_probes")
 def sb3_components(
     policy: nn.Module, extra: Mapping[str, nn.Module | str] | None = None
 ) -> dict[str, nn.Module | str]:
-    """Component names for an SB3 policy: every direct child under its attribute name (so
-    dotted paths such as ``mlp_extractor.policy_net.0`` resolve), the names of
-    :data:`SB3_COMPONENTS` that exist on it, and ``extra`` (which wins)."""
+    """Component names for an SB3 policy: every direct child by attribute name (so dotted
+    paths resolve), the :data:`SB3_COMPONENTS` it has, and ``extra`` (which wins)."""
     out: dict[str, nn.Module | str] = {}
     for name, child in child_modules(policy):  # every attribute, shared modules included
         if child is not None:
@@ -103,20 +102,16 @@ class ProbeCallback(BaseCallback):
     per rollout/update cycle to the sinks.
 
     Args:
-        probes: ``(pattern, builder)`` probes, each placed forward or backward as it says,
-            or ``(pattern, builder, placement)`` with a dict as ``add_training_hook`` takes.
+        probes: ``(pattern, builder)`` or ``(pattern, builder, placement dict)`` probes,
+            each placed forward or backward as it says.
         backward_probes: backward probes (plain backward hook closures too).
-        components: more component names (name -> submodule or dotted path) besides
-            :func:`sb3_components`'.
+        components: more component names (name -> submodule or dotted path).
         run_dir: where the sinks write; default ``runs/sb3-<algo>-<time>``.
-        probing: the :class:`~policy_probes.probe_settings.ProbeSettings`, as in
-            :class:`~policy_probes.session.ProbeSession`. Lifecycle observers get the
-            policy and its optimizer; interventions are not available (SB3's loss is
-            internal to ``train()``), nor ``probe_batch`` schedules (no loss function).
-        config: the run configuration (``config.json``; with the algorithm's
-            hyperparameters under ``"sb3"``).
-        log_sb3: add SB3's logger values of the cycle (``train/*``) and the episode
-            statistics (``rollout/ep_rew_mean``, ``rollout/ep_len_mean``) to each record.
+        probing: the :class:`~policy_probes.probe_settings.ProbeSettings`. Lifecycle
+            observers get the policy and its optimizer; interventions and ``probe_batch``
+            schedules are not available (SB3's loss is internal to ``train()``).
+        config: the run configuration (``config.json``; SB3's hyperparameters under ``"sb3"``).
+        log_sb3: add SB3's logger values of the cycle (``train/*``) and episode statistics.
         verbose: SB3 verbosity; 1 prints the run directory once.
 
     After ``learn()`` the session is closed and :attr:`history` holds every record; a
@@ -155,8 +150,7 @@ class ProbeCallback(BaseCallback):
     def add_training_hook(
         self, pattern: str, builder: ProbeBuilder, **placement: Any
     ) -> ProbeCallback:
-        """Add a probe, placed by its direction and ``placement`` (attached when
-        ``learn()`` starts, or now if it runs)."""
+        """Add a probe, placed by its direction and ``placement`` (attached now if it runs)."""
         return self._add(pattern, builder, None, placement)
 
     def add_training_backward_hook(
@@ -254,9 +248,8 @@ class ProbeCallback(BaseCallback):
             sampler.charge(logged)
 
     def _sb3_values(self) -> dict[str, float]:
-        """SB3's logger values recorded since its last dump (``train()`` records its
-        ``train/*`` values after ``dump_logs`` ran, so they are all still there) and the
-        episode statistics over SB3's episode buffer, as ``dump_logs`` computes them."""
+        """SB3's logger values since its last dump (all of ``train()``'s ``train/*``) and
+        the episode statistics of its episode buffer, as ``dump_logs`` computes them."""
         out: dict[str, float] = {}
         logger = getattr(self.model, "_logger", None)
         for key, value in dict(getattr(logger, "name_to_value", {}) or {}).items():
@@ -270,10 +263,8 @@ class ProbeCallback(BaseCallback):
 
     def _trace(self, session: ProbeSession) -> None:
         """Learn what each component returns from one forward pass on a sample observation
-        (eval mode, every RNG restored), so that a backward probe on a component that
-        returns a tuple (``mlp_extractor``) fails when attached; a policy whose
-        ``forward`` needs arguments the callback cannot make is checked on its first
-        forward instead."""
+        (eval mode, RNGs restored), so that a backward probe on a component returning a
+        tuple fails when attached (else at its first forward)."""
         policy = self.model.policy
         try:
             space = copy.deepcopy(policy.observation_space)  # keep the space's own RNG

@@ -73,9 +73,9 @@ def build_sinks(
         try:
             setup.run_dir.mkdir(parents=True, exist_ok=True)
             sink = cls.from_setup(setup)
-            if sink is None:
-                continue
-            sink.set_run_context(run_dir=setup.run_dir, config=config)
+            if sink is not None:
+                sink.set_run_context(run_dir=setup.run_dir, config=config)
+                built.append(sink)
         except Exception as exc:  # noqa: BLE001 - a sink must never stop the run
             reason = f"{type(exc).__name__}: {exc}"
             if failures is not None:
@@ -87,8 +87,6 @@ def build_sinks(
                 reason,
                 exc_info=exc,
             )
-            continue
-        built.append(sink)
     return built
 
 

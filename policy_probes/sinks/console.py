@@ -94,11 +94,7 @@ class ConsoleSink(MetricSink):
 
     @classmethod
     def from_setup(cls, setup: SinkSetup) -> ConsoleSink:
-        return cls(
-            console=setup.console,
-            metrics=setup.sinks.console_metrics,
-            live=setup.sinks.console_live,
-        )
+        return cls(setup.console, setup.sinks.console_metrics, setup.sinks.console_live)
 
     def __init__(
         self,

@@ -279,12 +279,8 @@ class WandbSink(MetricSink):
 
 def histograms(wandb: Any, vectors: Mapping[str, list[float]]) -> dict[str, Any]:
     """``key -> wandb.Histogram`` of the finite values of each per-unit vector that has any."""
-    out = {}
-    for key, value in vectors.items():
-        finite = finite_values(value)
-        if finite:
-            out[key] = wandb.Histogram(finite)
-    return out
+    finite = {key: finite_values(value) for key, value in vectors.items()}
+    return {key: wandb.Histogram(values) for key, values in finite.items() if values}
 
 
 def load_or_create_run_id(run_dir: Path) -> str:
@@ -357,10 +353,7 @@ def _records(data: bytes) -> list[bytes]:
         if len(chunk) < length or zlib.crc32(chunk, zlib.crc32(bytes([kind]))) != crc:
             break
         pos += _CHUNK_HEADER + length
-        if kind in (_FULL, _FIRST):
-            pending = chunk
-        else:
-            pending += chunk
+        pending = chunk if kind in (_FULL, _FIRST) else pending + chunk
         if kind in (_FULL, _LAST):
             out.append(pending)
             pending = b""
@@ -398,16 +391,12 @@ def history_position(run_file: Path) -> WandbHistoryPosition:
 
 def run_history_position(wandb_dir: Path, run_id: str) -> WandbHistoryPosition:
     """:func:`history_position` over every earlier run folder of ``run_id``."""
-    last_epoch: int | None = None
-    next_step = records = 0
+    found: list[WandbHistoryPosition] = []
     for run_file in sorted(Path(wandb_dir).glob(f"*run-*-{run_id}/run-{run_id}.wandb")):
         try:
-            pos = history_position(run_file)
+            found.append(history_position(run_file))
         except OSError as exc:
             logger.warning("could not read the earlier W&B run file %s: %s", run_file, exc)
-            continue
-        next_step = max(next_step, pos.next_step)
-        records += pos.records
-        if pos.last_epoch is not None:
-            last_epoch = pos.last_epoch if last_epoch is None else max(last_epoch, pos.last_epoch)
-    return WandbHistoryPosition(last_epoch, next_step, records)
+    last = max((p.last_epoch for p in found if p.last_epoch is not None), default=None)
+    step = max((p.next_step for p in found), default=0)
+    return WandbHistoryPosition(last, step, sum(p.records for p in found))
