@@ -7,8 +7,7 @@ from pathlib import Path
 
 
 def write_text_atomic(path: str | Path, text: str) -> None:
-    """Write ``text`` to ``path`` so that ``path`` holds either its old content or all of
-    the new: a temporary file in the same directory, fsynced, then ``os.replace``."""
+    """Write ``text`` to ``path`` whole or not at all (a fsynced temporary file, renamed)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:

@@ -1,14 +1,8 @@
-"""The ``policy-probes`` command line.
-
-``policy-probes run TARGET [key=value ...]`` loads a recipe (``package.module.function``
-or ``path/to/file.py:function``), calls it, applies the overrides to the configuration it
-returns, and trains. The recipe must return a :class:`~policy_probes.runnable.Runnable`
-(a ``trainers.TrainTool``); this module never imports ``trainers`` itself, so the toolkit
-stays independent of the built-in trainer. Overrides are parsed by
-:mod:`policy_probes.overrides`.
-
-Each subcommand is one ``add_<name>_subcommand(subparsers)`` function registered in
-:data:`SUBCOMMANDS`; adding a subcommand means writing one such function.
+"""The ``policy-probes`` command line: ``run TARGET [key=value ...]`` loads a recipe
+(``package.module.function`` or ``path/to/file.py:function``) returning a
+:class:`~policy_probes.runnable.Runnable` (``trainers`` is never imported here), applies
+the overrides (:mod:`policy_probes.overrides`) and trains. Each subcommand is one
+``add_<name>_subcommand(subparsers)`` in :data:`SUBCOMMANDS`.
 """
 
 from __future__ import annotations
@@ -32,9 +26,9 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from policy_probes import plugins
+from policy_probes import plugins, runnable
 from policy_probes.analysis.arms import add_arms_subcommand
-from policy_probes.analysis.diagnose import add_diagnose_subcommand
+from policy_probes.analysis.findings import add_diagnose_subcommand
 from policy_probes.analysis.report import add_report_subcommand
 from policy_probes.control_channel import COMMANDS, ControlError, send_command
 from policy_probes.lifecycle.cli import (
@@ -52,16 +46,6 @@ from policy_probes.overrides import (
     valid_keys,
 )
 from policy_probes.run import held_outputs
-from policy_probes.runnable import (
-    ForkPoint,
-    Runnable,
-    RunResult,
-    describe_contract,
-    result_problems,
-    returns_runnable,
-    runnable_problems,
-    supports_fork,
-)
 from policy_probes.user_errors import (
     SETUP_ERROR_TYPES,
     CLIError,
@@ -74,7 +58,6 @@ EXIT_USAGE = 2
 #: a run that trained but could not write some of its outputs (disk full ...)
 EXIT_LOST_OUTPUT = 1
 
-#: the override engine's names, importable from here as before (policy_probes.overrides)
 __all__ = ["CLIError", "apply_overrides", "check_key", "main", "parse_value", "valid_keys"]
 
 RUN_EPILOG = """\
@@ -101,8 +84,8 @@ examples:
 
 
 class RunEnded(Exception):
-    """The run stopped before its end on request (signal, ``ctl stop``) after writing a
-    checkpoint; the CLI prints the message and exits with ``exit_code``."""
+    """The run stopped on request (signal, ``ctl stop``) after a checkpoint; the CLI
+    prints the message and exits with ``exit_code``."""
 
     def __init__(self, message: str, exit_code: int) -> None:
         super().__init__(message)
@@ -136,23 +119,21 @@ def load_recipe(target: str) -> Callable[[], Any]:
             )
         try:
             module = importlib.import_module(module_path)
-        except ModuleNotFoundError as exc:
-            if exc.name and module_path.startswith(exc.name):
+        except Exception as exc:
+            missing = exc.name if isinstance(exc, ModuleNotFoundError) else None
+            if missing and module_path.startswith(missing):
                 raise CLIError(
                     f"cannot import recipe module {module_path!r} ({exc}); run from the "
                     f"directory that contains it or give path/to/file.py:function"
                 ) from None
             raise recipe_error(f"recipe module {module_path!r} failed to import", exc) from exc
-        except Exception as exc:
-            raise recipe_error(f"recipe module {module_path!r} failed to import", exc) from exc
     fn = getattr(module, func_name, None)
-    if inspect.ismodule(fn) or (fn is None and _is_module(target)):
-        inner = importlib.import_module(target)  # `run recipes.cartpole`: a module
-        names = [
-            f"{target}.{n}"
-            for n, f in inspect.getmembers(inner, inspect.isfunction)
-            if f.__module__ == inner.__name__ and returns_runnable(f) and _no_arguments(f)
-        ]
+    try:
+        is_module = inspect.ismodule(fn) or (fn is None and importlib.util.find_spec(target))
+    except (ImportError, ValueError):
+        is_module = False
+    if is_module:  # `run recipes.cartpole`
+        names = [f"{target}.{n}" for n, _ in _recipes_in(importlib.import_module(target))]
         raise CLIError(
             f"{target!r} is a module, not a recipe function; give "
             f"{' or '.join(names) if names else 'package.module.function'}"
@@ -171,9 +152,8 @@ def load_recipe(target: str) -> Callable[[], Any]:
 
 
 def recipe_error(what: str, exc: BaseException) -> CLIError:
-    """A :class:`CLIError` for an exception raised by the user's recipe code: its type,
-    message and the innermost line of the user's own files (not this package's, nor
-    importlib's); ``-v`` prints the whole traceback."""
+    """A :class:`CLIError` for an exception of the user's recipe code: its type, message
+    and the innermost line of the user's own files (``-v`` prints the whole traceback)."""
     package = Path(__file__).resolve().parent
 
     def users(filename: str) -> bool:
@@ -196,9 +176,8 @@ def recipe_error(what: str, exc: BaseException) -> CLIError:
 
 
 def build_from_recipe(target: str) -> BaseModel:
-    """Call the recipe and check that it returned a :class:`Runnable` pydantic model. A
-    recipe that raises one of the configuration errors (a builder passed without its
-    parentheses, a bad value) is a usage error naming the recipe."""
+    """Call the recipe and check that it returned a :class:`Runnable` pydantic model (a
+    configuration error it raises is a usage error naming the recipe)."""
     recipe = load_recipe(target)
     try:
         tool = recipe()
@@ -206,40 +185,37 @@ def build_from_recipe(target: str) -> BaseModel:
         raise CLIError(f"recipe {target}: {one_line(exc)}") from exc
     except Exception as exc:  # a bug in the recipe: its own line, not ours
         raise recipe_error(f"recipe {target} raised", exc) from exc
-    problems = runnable_problems(tool)
+    problems = runnable.runnable_problems(tool)
     if problems:
         name = type(tool).__name__
         raise CLIError(
-            f"recipe {target} returned {name}; {describe_contract()}; {name} {'; '.join(problems)}"
+            f"recipe {target} returned {name}; {runnable.describe_contract()}; "
+            f"{name} {'; '.join(problems)}"
         )
     return tool
 
 
-def _is_module(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        return False
+def _recipes_in(module: Any) -> list[tuple[str, Callable[..., Any]]]:
+    """``(name, function)`` of the recipes defined in ``module``: functions returning a
+    :class:`Runnable` class, callable without arguments (not helpers such as ``f(cfg)``)."""
 
+    def no_arguments(fn: Callable[..., Any]) -> bool:
+        try:
+            params = inspect.signature(fn).parameters.values()
+        except (TypeError, ValueError):
+            return True
+        variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+        return all(p.default is not p.empty or p.kind in variadic for p in params)
 
-def _no_arguments(fn: Callable[..., Any]) -> bool:
-    """Whether ``fn()`` can be called as a recipe: no parameter without a default
-    (``recipes.atari.add_probes(cfg)`` is a helper, not a recipe)."""
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return True
-    required = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    kw_only = inspect.Parameter.KEYWORD_ONLY
-    return not any(
-        p.default is inspect.Parameter.empty and p.kind in (*required, kw_only) for p in params
-    )
+    return [
+        (name, fn)
+        for name, fn in inspect.getmembers(module, inspect.isfunction)
+        if fn.__module__ == module.__name__ and runnable.returns_runnable(fn) and no_arguments(fn)
+    ]
 
 
 def find_recipes(package: str = "recipes") -> list[tuple[str, str]]:
-    """``(target, first docstring line)`` of every function in ``package``'s modules whose
-    return annotation is a :class:`Runnable` class (``TrainTool``). Modules are imported;
-    functions are not called."""
+    """``(target, first docstring paragraph)`` of every recipe in ``package``'s modules."""
     try:
         pkg = importlib.import_module(package)
     except ModuleNotFoundError as exc:
@@ -252,10 +228,9 @@ def find_recipes(package: str = "recipes") -> list[tuple[str, str]]:
         except Exception as exc:
             found.append((f"{name}.*", f"[import failed: {type(exc).__name__}: {exc}]"))
             continue
-        for fname, fn in inspect.getmembers(module, inspect.isfunction):
-            if fn.__module__ == module.__name__ and returns_runnable(fn) and _no_arguments(fn):
-                paragraph = (inspect.getdoc(fn) or "").strip().split("\n\n")[0]
-                found.append((f"{name}.{fname}", " ".join(paragraph.split())))
+        for fname, fn in _recipes_in(module):
+            paragraph = (inspect.getdoc(fn) or "").strip().split("\n\n")[0]
+            found.append((f"{name}.{fname}", " ".join(paragraph.split())))
     return found
 
 
@@ -294,11 +269,10 @@ def print_recipes(package: str) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    recipes = find_recipes(package)
     table = Table(title=f"recipes in {package}")
     table.add_column("target")
     table.add_column("description")
-    for target, doc in recipes:
+    for target, doc in find_recipes(package):
         table.add_row(target, doc)
     Console().print(table)
     return 0
@@ -308,9 +282,8 @@ HOOK_FIELDS = ("hooks", "with_hooks", "hook_config")
 
 
 def hook_overrides(tool: BaseModel, selection: HookSelection) -> list[str]:
-    """``key=value`` overrides that add the CLI's hook selection to the recipe's:
-    ``--hooks`` extends ``hooks``, ``--with-hooks`` replaces ``with_hooks``,
-    ``--hook-config`` entries are merged into ``hook_config`` (flat ``name.param`` keys)."""
+    """``key=value`` overrides that add the CLI's hook selection to the recipe's (``--hooks``
+    extends, ``--with-hooks`` replaces, ``--hook-config`` entries are merged)."""
     if not (selection.hooks or selection.with_hooks or selection.hook_config):
         return []
     missing = [f for f in HOOK_FIELDS if f not in type(tool).model_fields]
@@ -325,14 +298,9 @@ def hook_overrides(tool: BaseModel, selection: HookSelection) -> list[str]:
         out.append(f"hooks={json.dumps(merged)}")
     if selection.with_hooks:
         out.append(f"with_hooks={json.dumps(selection.with_hooks)}")
-    if selection.hook_config:
-        config = {
-            f"{hook}.{param}": value
-            for hook, params in parse_hook_config(tool.hook_config).items()
-            for param, value in params.items()
-        }
-        for hook, params in selection.hook_config.items():
-            config.update({f"{hook}.{param}": value for param, value in params.items()})
+    if selection.hook_config:  # the recipe's entries, then the CLI's (flat name.param keys)
+        merged = [*parse_hook_config(tool.hook_config).items(), *selection.hook_config.items()]
+        config = {f"{hook}.{p}": v for hook, params in merged for p, v in params.items()}
         out.append(f"hook_config={json.dumps(config)}")
     return out
 
@@ -367,10 +335,9 @@ def prepare_tool(
     overrides: Sequence[str],
     no_progress: bool,
     selection: HookSelection | None = None,
-) -> Runnable:
+) -> runnable.Runnable:
     """The recipe's tool with ``overrides`` (and the CLI's hook selection) applied and
-    the launch recorded: what ``run`` and ``resume`` both train. ``progress`` follows
-    ``--no-progress`` unless an override sets it."""
+    the launch recorded; ``progress`` follows ``--no-progress`` unless an override sets it."""
     tool = build_from_recipe(target)
     overrides = list(overrides)
     if selection is not None:
@@ -384,12 +351,12 @@ def prepare_tool(
     return tool
 
 
-def run_tool(tool: Runnable, **options: Any) -> int:
+def run_tool(tool: runnable.Runnable, **options: Any) -> int:
     """Train ``tool`` and, on rank 0 (one report under torchrun), say where the outputs are."""
     from rich.console import Console
 
     result = invoke_tool(tool, **options)
-    missing = result_problems(result)
+    missing = runnable.result_problems(result)
     if missing:
         print(
             f"policy-probes: {type(tool).__name__}.invoke() returned {type(result).__name__} "
@@ -413,18 +380,17 @@ def run_tool(tool: Runnable, **options: Any) -> int:
     return 0
 
 
-def report_outputs(console: Any, result: RunResult) -> None:
+def report_outputs(console: Any, result: runnable.RunResult) -> None:
     """Tell the user where the run's outputs are."""
     run_dir = result.run_dir
     if run_dir is None:
         return
     console.print(f"\n[bold]run directory:[/bold] {run_dir}", soft_wrap=True)
     for entry in sorted(Path(run_dir).iterdir()):
-        if entry.is_dir():
-            count = sum(1 for p in entry.rglob("*") if p.is_file())
-            console.print(f"  {entry}/  ({count} files)", soft_wrap=True)
-        else:
-            console.print(f"  {entry}", soft_wrap=True)
+        count = sum(p.is_file() for p in entry.rglob("*")) if entry.is_dir() else None
+        console.print(
+            f"  {entry}" if count is None else f"  {entry}/  ({count} files)", soft_wrap=True
+        )
     last = result.last_checkpoint
     if last is not None:
         console.print(f"last checkpoint: {last}", soft_wrap=True)
@@ -452,9 +418,7 @@ def report_outputs(console: Any, result: RunResult) -> None:
 
 
 def program_name() -> str:
-    """How the user can call this command line from their shell: ``policy-probes`` when
-    it is on PATH, else the script beside this Python (``.venv/bin/policy-probes`` when
-    the environment is not activated), else ``python -m policy_probes.cli``."""
+    """How the user's shell calls this command line (on PATH, beside this Python, -m)."""
     if shutil.which("policy-probes"):
         return "policy-probes"
     script = Path(sys.executable).parent / "policy-probes"
@@ -465,8 +429,7 @@ def program_name() -> str:
 
 # ---------------------------------------------------------------------- resume, ctl
 def call_tool(method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """``method(...)`` with the tool's usage errors (exceptions tagged ``usage_error``:
-    unknown components, builder mistakes, a run_dir in use ...) as :class:`CLIError`."""
+    """``method(...)`` with the tool's usage errors as :class:`CLIError`."""
     try:
         return method(*args, **kwargs)
     except Exception as exc:
@@ -475,16 +438,12 @@ def call_tool(method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         raise
 
 
-def invoke_tool(tool: Runnable, **options: Any) -> RunResult:
-    """``tool.invoke(**options)`` for the options that are set. A run directory conflict
-    or an unusable checkpoint (exceptions with ``usage_error = True``) is a usage error; a
+def invoke_tool(tool: runnable.Runnable, **options: Any) -> runnable.RunResult:
+    """``tool.invoke(**options)`` for the options that are set (:func:`call_tool`); a
     requested stop (an exception with an ``exit_code``) becomes :class:`RunEnded`."""
-    wanted = {k: v for k, v in options.items() if v}
     try:
-        return tool.invoke(**wanted)
+        return call_tool(tool.invoke, **{k: v for k, v in options.items() if v})
     except BaseException as exc:
-        if is_usage_error(exc):
-            raise CLIError(one_line(exc)) from exc
         code = getattr(exc, "exit_code", None)
         if isinstance(code, int) and not isinstance(exc, SystemExit):
             raise RunEnded(one_line(exc), code) from None
@@ -510,8 +469,8 @@ def add_resume_subcommand(subparsers: argparse._SubParsersAction) -> None:
 
 
 def read_run_config(run_dir: Path, how: str) -> tuple[dict[str, Any], str]:
-    """``(config.json, recipe target)`` of the run in ``run_dir``; ``how`` is the Python
-    call that does the same for a run the CLI did not start (for the message)."""
+    """``(config.json, recipe target)`` of the run in ``run_dir``; ``how``: the Python call
+    for a run the CLI did not start."""
     config_path = run_dir / "config.json"
     if not config_path.is_file():
         if held_outputs(run_dir):  # metric files only: killed before its first step
@@ -535,8 +494,7 @@ def read_run_config(run_dir: Path, how: str) -> tuple[dict[str, Any], str]:
 
 
 def launch_overrides(config: dict[str, Any], new: Sequence[str], run_dir: Path) -> list[str]:
-    """The recorded run's overrides, then ``new``, then ``run_dir`` (``run_dir``
-    overrides in ``new`` are refused: the subcommand names the directory)."""
+    """The recorded run's overrides, then ``new`` (without ``run_dir``), then ``run_dir``."""
     check_repeated_keys(new)
     for item in new:
         if item.partition("=")[0].strip() == "run_dir":
@@ -545,22 +503,14 @@ def launch_overrides(config: dict[str, Any], new: Sequence[str], run_dir: Path) 
     return [*previous, *new, f"run_dir={json.dumps(str(run_dir))}"]
 
 
-def fork_point(config: dict[str, Any]) -> ForkPoint | None:
-    """The ``parent`` a forked run recorded in its config.json, or None."""
-    parent = config.get("parent")
-    if not isinstance(parent, dict):
-        return None
-    return ForkPoint(Path(parent["run_dir"]), int(parent["epoch"]))
-
-
 def resume_command(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     config, target = read_run_config(run_dir, "resume it with tool.invoke(resume=True)")
     tool = prepare_tool(target, launch_overrides(config, args.overrides, run_dir), args.no_progress)
-    parent = fork_point(config)
-    if parent is not None and supports_fork(tool):  # keeps its parent; none written: refork
-        return run_tool(tool, resume=args.checkpoint or True, fork_from=parent)
-    return run_tool(tool, resume=args.checkpoint or True)
+    parent, fork_from = config.get("parent"), None
+    if isinstance(parent, dict) and runnable.supports_fork(tool):  # a fork keeps its parent
+        fork_from = runnable.ForkPoint(Path(parent["run_dir"]), int(parent["epoch"]))
+    return run_tool(tool, resume=args.checkpoint or True, fork_from=fork_from)
 
 
 def add_fork_subcommand(subparsers: argparse._SubParsersAction) -> None:
@@ -607,12 +557,12 @@ def fork_command(args: argparse.Namespace) -> int:
         )
     overrides = launch_overrides(config, args.overrides, new_run_dir)
     tool = prepare_tool(target, overrides, args.no_progress)
-    if not supports_fork(tool):
+    if not runnable.supports_fork(tool):
         raise CLIError(
             f"{type(tool).__name__}.invoke() takes no fork_from keyword "
             f"(policy_probes.runnable.ForkPoint); this Runnable cannot be forked"
         )
-    return run_tool(tool, fork_from=ForkPoint(run_dir, args.epoch))
+    return run_tool(tool, fork_from=runnable.ForkPoint(run_dir, args.epoch))
 
 
 def add_ctl_subcommand(subparsers: argparse._SubParsersAction) -> None:

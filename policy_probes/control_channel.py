@@ -1,19 +1,14 @@
 """The command channel into a running training run: request and acknowledgement files.
 
-A run that serves the channel (the built-in trainer's ``trainers.run_control.RunControl``)
-advertises itself in ``run_dir/control/run.json`` (its pid) and looks for requests at its
-minibatch boundaries. ``policy-probes ctl RUN_DIR COMMAND`` (:func:`send_command`) drops a
-request file there and waits for the run's acknowledgement file::
+The run (``trainers.run_control.RunControl``) announces itself and polls at its minibatch
+boundaries; ``policy-probes ctl`` (:func:`send_command`) writes a request and waits::
 
     run_dir/control/run.json                 {"pid": ..., "host": ..., "started": ...}
     run_dir/control/<id>.request             {"id": ..., "command": "pause", "sent": ...}
     run_dir/control/<id>.ack                 {"id": ..., "command": ..., "ok": true, "message": ...}
 
-Every file is written to a temporary name and renamed into place, so neither side ever
-reads a half-written file. The run claims a request by renaming it (``<id>.taken``) before
-acting on it, so a request withdrawn by a timed-out ``ctl`` is never half-served. Plain
-files work on every platform and in any directory, need no listener thread, and cost
-the run one directory listing per poll.
+Files are written atomically; the run claims a request by renaming it (``<id>.taken``), so
+one withdrawn by a timed-out ``ctl`` is never half-served.
 """
 
 from __future__ import annotations
@@ -39,7 +34,6 @@ def control_dir(run_dir: str | Path) -> Path:
 
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    """Write ``data`` as JSON to ``path`` through a temporary file and a rename."""
     write_text_atomic(path, json.dumps(data) + "\n")
 
 
@@ -51,12 +45,10 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-# ---------------------------------------------------------------------- run side
 def announce_run(run_dir: str | Path) -> Path:
     """Create ``run_dir/control`` and record this process as the run serving it."""
-    directory = control_dir(run_dir)
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / RUN_FILE
+    path = control_dir(run_dir) / RUN_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(
         path, {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
     )
@@ -112,14 +104,12 @@ def acknowledge(
     )
 
 
-# ---------------------------------------------------------------------- ctl side
 class ControlError(Exception):
     """The command could not be delivered (no run, run not alive); says what to do."""
 
 
 def run_info(run_dir: str | Path) -> dict[str, Any]:
-    """The live run's announcement; raises :class:`ControlError` if no run serves
-    ``run_dir`` on this machine."""
+    """The live run's announcement (:class:`ControlError` if no run serves ``run_dir``)."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise ControlError(f"run directory {str(run_dir)!r} does not exist")
@@ -147,16 +137,15 @@ def send_command(
     run_dir: str | Path, command: str, timeout: float = 30.0, poll: float = 0.05
 ) -> dict[str, Any] | None:
     """Send ``command`` to the run in ``run_dir`` and wait up to ``timeout`` seconds for
-    its acknowledgement (a dict with ``ok`` and ``message``); ``None`` when none came (the
-    request is withdrawn if the run had not claimed it yet)."""
+    its acknowledgement (``ok``, ``message``); None when none came (the request withdrawn
+    if the run had not claimed it)."""
     if command not in COMMANDS:
         raise ControlError(f"unknown command {command!r}; choose one of {', '.join(COMMANDS)}")
     run_info(run_dir)
     directory = control_dir(run_dir)
     req_id = f"{time.time_ns():020d}-{os.getpid()}"
-    write_json_atomic(
-        directory / f"{req_id}.request", {"id": req_id, "command": command, "sent": time.time()}
-    )
+    request = {"id": req_id, "command": command, "sent": time.time()}
+    write_json_atomic(directory / f"{req_id}.request", request)
     ack_path = directory / f"{req_id}.ack"
     deadline = time.monotonic() + timeout
     while True:

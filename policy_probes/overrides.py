@@ -1,10 +1,6 @@
-"""``key=value`` overrides: how command-line text becomes configuration values.
-
-One rule for every ``key=value`` the command line takes (``policy-probes run`` overrides
-and ``--hook-config`` entries): the text splits at the first ``=``, key and value are
-stripped of surrounding whitespace, and the value is read by :func:`parse_value`.
-Dotted keys address nested pydantic models (:func:`check_key` says which keys exist);
-:func:`apply_overrides` re-validates the whole configuration.
+"""``key=value`` overrides (``run`` overrides, ``--hook-config`` entries): split at the first
+``=``, both sides stripped, the value read by :func:`parse_value`; dotted keys address
+nested pydantic models (:func:`check_key`), and :func:`apply_overrides` re-validates.
 """
 
 from __future__ import annotations
@@ -29,17 +25,15 @@ M = TypeVar("M", bound=BaseModel)
 
 def parse_value(text: Any) -> Any:
     """A value from the command line: JSON first (numbers, ``true``/``false``, ``null``,
-    lists, objects), then Python's ``True``/``False``/``None``, else the text itself as a
-    string. Surrounding whitespace is ignored; a value that is not a string is returned
-    as it is (configuration given from Python)."""
+    lists, objects), then Python's ``True``/``False``/``None``, else the stripped text; a
+    value that is not a string (given from Python) is returned as it is."""
     if not isinstance(text, str):
         return text
     text = text.strip()
     try:
         return json.loads(text)
     except ValueError:
-        pass
-    return PYTHON_CONSTANTS.get(text, text)
+        return PYTHON_CONSTANTS.get(text, text)
 
 
 def split_assignment(
@@ -50,8 +44,7 @@ def split_assignment(
     example: str = "seed=3",
     error: type[Exception] = CLIError,
 ) -> tuple[str, Any]:
-    """``(key, parsed value)`` of ``"key=value"``; raises ``error`` ("``what`` ... must
-    look like ``shape`` (e.g. ``example``)") when the text has no ``=`` or no key."""
+    """``(key, parsed value)`` of ``"key=value"`` (``error`` without ``=`` or key)."""
     key, sep, raw = str(item).partition("=")
     key = key.strip()
     if not sep or not key:
@@ -62,11 +55,8 @@ def split_assignment(
 def _model_class(annotation: Any) -> type[BaseModel] | None:
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
-    for arg in typing.get_args(annotation):
-        cls = _model_class(arg)
-        if cls is not None:
-            return cls
-    return None
+    found = (_model_class(arg) for arg in typing.get_args(annotation))
+    return next((cls for cls in found if cls is not None), None)
 
 
 def _is_mapping(annotation: Any) -> bool:
@@ -83,10 +73,9 @@ def valid_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
         key = f"{prefix}{name}"
         sub = _model_class(info.annotation)
         if sub is not None:
-            out.append(key)
-            out.extend(valid_keys(sub, key + "."))
+            out += [key, *valid_keys(sub, key + ".")]
         elif _is_mapping(info.annotation):
-            out.extend([key, key + ".*"])
+            out += [key, key + ".*"]
         else:
             out.append(key)
     extra = getattr(model, "extra_keys", None)  # names a model accepts besides its fields
@@ -119,8 +108,7 @@ def check_key(model: type[BaseModel], key: str) -> None:
 
 
 def check_repeated_keys(overrides: Sequence[str]) -> None:
-    """Raise :class:`CLIError` when one command line sets a key twice (``seed=1
-    seed=2``): which one the user meant is not for us to guess."""
+    """Raise :class:`CLIError` when one command line sets a key twice (``seed=1 seed=2``)."""
     seen: dict[str, str] = {}
     for item in overrides:
         key = str(item).partition("=")[0].strip()
@@ -130,10 +118,8 @@ def check_repeated_keys(overrides: Sequence[str]) -> None:
 
 
 def apply_overrides(tool: M, overrides: Sequence[str]) -> M:
-    """A new, fully re-validated model with ``key=value`` overrides applied.
-
-    Private attributes (the probe builders a recipe added) are carried over.
-    """
+    """A new, fully re-validated model with ``key=value`` overrides applied (private
+    attributes, the probe builders a recipe added, are carried over)."""
     data = tool.model_dump()
     for item in overrides:
         key, value = split_assignment(item)

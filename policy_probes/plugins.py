@@ -1,13 +1,9 @@
 """Plugins: the probes, remedies and metric sinks a run selects by name.
 
-Each plugin is a class that says what it is (``kind`` and ``name``; a probe also its loop
-events, metrics, findings rules, console defaults and docs page) and registers itself by
-declaration with :func:`register`, as lifecycle hooks do with ``HookRegistry.register``.
-Everything that needs to know the plugins asks this registry: configuration selects them
-by name (``probes=[...]``, ``remedies=[...]``, ``sinks.<name>=true``), the findings engine
-reads the probes' rules, the console their default metrics, and ``policy-probes plugins``
-lists them. A plugin of your own, registered in a module your recipe imports, is
-selectable exactly like a built-in one.
+A plugin class says what it is (``kind``, ``name``; a probe also its events, metrics,
+findings rules, console defaults, docs page) and registers with :func:`register`.
+Configuration selects plugins by name (``probes=[...]``, ``remedies=[...]``,
+``sinks.<name>=true``); one of your own is selectable like a built-in one.
 """
 
 from __future__ import annotations
@@ -29,15 +25,15 @@ log = logging.getLogger("policy_probes")
 
 @dataclass(frozen=True)
 class Rule:
-    """A findings rule a probe declares: its per-epoch ``metric`` (a metric name of the
-    probe, read for every component and layer it reports; or, with ``key``, one record key
-    of the run) and the condition that makes it a finding.
+    """A findings rule: the per-epoch ``metric`` it reads (a metric of ``probe``, for every
+    component and layer it reports; without a probe, one record key of the run) and the
+    condition that makes it a finding.
 
     ``kind="level"``: the rolling median is at or beyond ``threshold`` (above for
     ``"rising"``, below for ``"falling"``) and has moved by at least ``min_change`` from
-    the baseline in that direction. ``kind="ratio"``: the rolling median divided by the
-    baseline is at or beyond ``threshold`` (a factor: 2.0 = doubled, 0.2 = fell to a fifth),
-    and the rolling median is at least ``floor`` in size (values near 0 make ratios noise)."""
+    the baseline that way. ``kind="ratio"``: the rolling median over the baseline is at or
+    beyond ``threshold`` (2.0 = doubled); a baseline at or below ``floor`` counts as
+    ``floor`` for a rising rule and never holds for a falling one (ratios near 0 are noise)."""
 
     name: str
     title: str
@@ -51,8 +47,7 @@ class Rule:
     meaning: str
     min_change: float = 0.0
     floor: float = 0.0
-    #: the probe whose metric this is (set when the probe registers); None: ``metric``
-    #: is a key of the run's records (``train/value_target_std``)
+    #: the probe whose metric this is (set when the probe registers)
     probe: str | None = None
 
     @property
@@ -65,12 +60,9 @@ class Rule:
         )
 
     def matches(self, key: str) -> str | None:
-        """The component (or the key itself for a run-level rule) when this rule reads
-        ``key``, else None."""
+        """The component (a run-level rule: the key) when this rule reads ``key``, else None."""
         m = self.pattern.fullmatch(key)
-        if m is None:
-            return None
-        return m.groupdict().get("component") or key
+        return None if m is None else m.groupdict().get("component") or key
 
     def holds(self, value: float, baseline: float) -> bool:
         if self.kind == "level":
@@ -78,11 +70,8 @@ class Rule:
                 return value >= self.threshold and value - baseline >= self.min_change
             return value <= self.threshold and baseline - value >= self.min_change
         if baseline <= self.floor:  # too small to divide by (ratio rules read sizes >= 0)
-            return (
-                self.direction == "rising"
-                and self.floor > 0
-                and value >= self.threshold * self.floor
-            )
+            rising = self.direction == "rising"
+            return rising and self.floor > 0 and value >= self.threshold * self.floor
         ratio = value / baseline
         return ratio >= self.threshold if self.direction == "rising" else ratio <= self.threshold
 
@@ -126,21 +115,15 @@ def get(kind: str, name: str) -> type:
 
 
 def own_modules() -> list[str]:
-    """The modules outside this package that registered plugins: a run records them
-    (``config.json``'s ``plugin_modules``) so that a later ``diagnose`` or ``report``
-    applies their findings rules too (:func:`import_modules`)."""
-    found = {
-        cls.__module__
-        for plugins in _REGISTRY.values()
-        for cls in plugins.values()
-        if not cls.__module__.startswith("policy_probes.") and cls.__module__ != "__main__"
-    }
-    return sorted(found)
+    """The modules outside this package that registered plugins (``config.json``'s
+    ``plugin_modules``: ``diagnose`` and ``report`` import them for their rules)."""
+    modules = {cls.__module__ for plugins in _REGISTRY.values() for cls in plugins.values()}
+    return sorted(m for m in modules if not m.startswith("policy_probes.") and m != "__main__")
 
 
 def import_modules(names: Any) -> None:
-    """Import the modules a run recorded (:func:`own_modules`); one that cannot be
-    imported is named in a warning, since its rules are then not applied."""
+    """Import the modules a run recorded (:func:`own_modules`); one that fails is named
+    in a warning (its rules are then not applied)."""
     for name in names if isinstance(names, list) else ():
         try:
             importlib.import_module(name)
@@ -160,8 +143,7 @@ def findings_rules() -> tuple[Rule, ...]:
 
 
 def console_metrics() -> tuple[str, ...]:
-    """The console's default metric patterns the registered probes declare
-    (``probes/<probe>/*/<metric>``)."""
+    """The registered probes' console patterns (``probes/<probe>/*/<metric>``)."""
     return tuple(
         f"probes/{name}/*/{metric}"
         for name, cls in _REGISTRY["probe"].items()
@@ -169,16 +151,15 @@ def console_metrics() -> tuple[str, ...]:
     )
 
 
-# ---------------------------------------------------------------------- specs
 #: arguments whose values are lists, written with ``|`` between items
 LIST_KEYS = ("layers", "consumer", "taus")
 
 
 def parse_spec(spec: str, kind: str) -> tuple[str, str, dict[str, Any]]:
     """``"name@component[:key=value,...]"`` -> ``(name, component, arguments)`` for a
-    registered plugin of ``kind``; a ``ValueError`` says what is wrong. Values are read as
-    integers, floats, ``true``/``false``/``none``, or text; a list separates its items
-    with ``|`` (``layers=layer_1.linear|layer_0.linear``)."""
+    registered plugin of ``kind`` (a ``ValueError`` says what is wrong). Values are
+    integers, floats, ``true``/``false``/``none`` or text; list items are separated by
+    ``|`` (``layers=layer_1.linear|layer_0.linear``)."""
     if not isinstance(spec, str):
         raise ValueError(
             f"a {kind} spec is a string 'name@component[:key=value,...]', got {spec!r}"
@@ -207,9 +188,9 @@ def parse_spec(spec: str, kind: str) -> tuple[str, str, dict[str, Any]]:
 
 def from_spec(spec: str, kind: str) -> tuple[str, Any, dict[str, Any]]:
     """``"name@component[:key=value,...]"`` -> ``(component, plugin, rest)``: the plugin
-    built from the arguments its constructor takes (a class's ``spec_keys`` name what its
-    ``**kwargs`` take); for a probe, ``rest`` holds the placement arguments. A
-    ``ValueError`` says what is wrong (unknown plugin or key, bad value)."""
+    built from the arguments its constructor takes (``spec_keys``: what its ``**kwargs``
+    take); for a probe ``rest`` holds the placement arguments. A ``ValueError`` says what
+    is wrong."""
     name, component, kwargs = parse_spec(spec, kind)
     cls = get(kind, name)
     params = inspect.signature(cls).parameters.values()
@@ -232,11 +213,9 @@ def from_spec(spec: str, kind: str) -> tuple[str, Any, dict[str, Any]]:
 def _value(key: str, text: str) -> Any:
     if key in LIST_KEYS:
         return [_value("", item.strip()) for item in text.split("|") if item.strip()]
-    lowered = text.lower()
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    if lowered in ("none", "null"):
-        return None
+    constants = {"true": True, "false": False, "none": None, "null": None}
+    if text.lower() in constants:
+        return constants[text.lower()]
     for cast in (int, float):
         try:
             return cast(text)

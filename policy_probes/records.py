@@ -1,11 +1,6 @@
-"""Records: what a run emits, made plain once, and the store of their series.
-
-A :class:`Record` is one emit, what every sink writes (``metrics.jsonl`` one line per
-record); a :class:`RunRecords` holds the series by key of a run's records, read from
-``metrics.jsonl`` or fed while the run trains. The helpers that make values plain live
-here too, so that every reader and writer agrees on one form. A leaf module: it imports
-nothing from ``policy_probes``.
-"""
+"""Records: what a run emits (:class:`Record`, one ``metrics.jsonl`` line), made plain once,
+and the store of their series (:class:`RunRecords`), with the helpers every reader and
+writer shares. A leaf module: it imports nothing from ``policy_probes``."""
 
 from __future__ import annotations
 
@@ -23,8 +18,7 @@ METRICS_JSONL = "metrics.jsonl"
 _ABSENT = object()
 #: key of the JSONL field listing the metrics whose values were NaN or infinite
 NONFINITE_KEY = "_nonfinite"
-#: the fields a record carries beside its metrics (a metric of one of these names is left
-#: out: the record's own field wins)
+#: the fields a record carries beside its metrics (a metric of such a name is left out)
 RESERVED_KEYS = ("epoch", "agent_step", "hook_point", "time", NONFINITE_KEY)
 #: the hook point of the epoch's own record; the series read these records only
 POST_EPOCH = "POST_EPOCH"
@@ -36,9 +30,9 @@ Figures = Mapping[str, tuple[bytes, str]]
 @dataclass(frozen=True, slots=True)
 class Record:
     """One emit: ``metrics`` flat (``a/b/c`` keys) and plain (Python numbers, bools,
-    strings, None and flat lists of them). What the session's analysis hands over: on
-    epoch (``POST_EPOCH``) records the run's ``findings`` (plain dicts, earliest onset
-    first) and their ``findings_text``; ``figures`` for a sink that asked for them."""
+    strings, None and flat lists of them); on epoch (``POST_EPOCH``) records the run's
+    ``findings`` (plain dicts, earliest onset first) and ``findings_text``; ``figures``
+    for a sink that asked for them."""
 
     epoch: int
     hook_point: str
@@ -62,21 +56,18 @@ class Record:
 
     @classmethod
     def from_json(cls, line: Mapping[str, Any]) -> Record:
-        """The record of one ``metrics.jsonl`` line (a line without a hook point is an
-        epoch's record)."""
+        """The record of one ``metrics.jsonl`` line (without a hook point: ``POST_EPOCH``)."""
         step = line.get("agent_step")
         return cls.of(line, line["epoch"], line.get("hook_point", POST_EPOCH), step)
 
 
 class RunRecords:
     """The series by key of a run's ``POST_EPOCH`` records: ``scalars[key][epoch]`` (a
-    float, a bool as it is, NaN where the value was None or not finite and no other
-    value came) and ``vectors[key][epoch]`` (a per-unit list). The last record of an epoch
-    wins. Records of other hook points count in :attr:`records` and :attr:`agent_step`.
-
-    ``keep``: which keys to keep (None: every key). ``max_epochs``: the epochs kept per
-    key (None: all); with it, epochs must come in order, and the oldest are dropped, so a
-    store fed for a whole run stays bounded.
+    float, a bool as it is, NaN where the value was None or not finite and no other value
+    came) and ``vectors[key][epoch]`` (a per-unit list); the last record of an epoch wins.
+    Records of other hook points count in :attr:`records` and :attr:`agent_step`.
+    ``keep``: which keys to keep (None: all). ``max_epochs``: the epochs kept per key
+    (None: all); epochs must then come in order, the oldest are dropped.
     """
 
     def __init__(
@@ -86,14 +77,11 @@ class RunRecords:
         self.max_epochs = max_epochs
         self.scalars: dict[str, dict[int, float]] = {}
         self.vectors: dict[str, dict[int, list[Any]]] = {}
-        #: agent step by epoch
-        self.agent_step: dict[int, int] = {}
-        #: records added, every hook point
-        self.records = 0
+        self.agent_step: dict[int, int] = {}  # by epoch
+        self.records = 0  # added, of every hook point
         #: the newest epoch of a POST_EPOCH record (None: none yet)
         self.last_epoch: int | None = None
-        #: counts the adds that rewrote an epoch already held (an epoch again, or an
-        #: earlier one): a reader that follows the store incrementally reads it afresh
+        #: counts the adds that rewrote an epoch already held (readers start afresh)
         self.revision = 0
         self._seen: set[str] = set()
         self._kept: list[str] = []
@@ -166,11 +154,9 @@ class RunRecords:
         return sorted(seen.union(*(v.keys() for v in self.vectors.values())))
 
 
-# ---------------------------------------------------------------------- metrics.jsonl
 def iter_jsonl(path: str | Path) -> Iterator[dict[str, Any]]:
-    """The JSON objects of a ``metrics.jsonl`` file, one at a time. A last line without
-    its newline (a record being written: a run in progress) is skipped quietly; another
-    line that is not a JSON object is skipped with a warning."""
+    """The JSON objects of a ``metrics.jsonl`` file; an unfinished last line is skipped
+    quietly, another invalid line with a warning."""
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -190,11 +176,10 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     return list(iter_jsonl(path))
 
 
-# ---------------------------------------------------------------------- plain values
 def flatten_metrics(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     """Flatten nested mappings into ``a/b/c`` keys (lifecycle hooks may return nested dicts)."""
     if not prefix and _flat(metrics):
-        return dict(metrics)  # already flat: every emit of the built-in loops
+        return dict(metrics)
     out: dict[str, Any] = {}
     for key, value in metrics.items():
         full = f"{prefix}/{key}" if prefix else str(key)
@@ -206,8 +191,7 @@ def flatten_metrics(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, A
 
 
 def plain_metrics(metrics: Mapping[str, Any]) -> dict[str, Any]:
-    """``{a/b/c key: plain value}`` of every metric (:func:`flatten_metrics`,
-    :func:`to_plain`) but those named like a record's own fields (:data:`RESERVED_KEYS`)."""
+    """Every metric flattened and made plain, but those named like a record's own fields."""
     flat = metrics if _flat(metrics) else flatten_metrics(metrics)
     return {
         k: v if type(v) in _PLAIN_SCALARS else to_plain(v)
@@ -217,15 +201,12 @@ def plain_metrics(metrics: Mapping[str, Any]) -> dict[str, Any]:
 
 
 _RESERVED = frozenset(RESERVED_KEYS)
-#: the exact types that are plain as they are; a list holding any other type (numpy
-#: scalars, tensors, nested lists) is converted element by element
+#: the exact types that are plain as they are (a list of others is converted element-wise)
 _PLAIN_SCALARS = frozenset({float, int, bool, str, type(None)})
 
 
 def _flat(metrics: Mapping[str, Any]) -> bool:
-    """Whether ``metrics`` has only string keys and no mapping to flatten among its
-    values, asked once per distinct type: an emit holds hundreds of values of a handful
-    of types."""
+    """Whether ``metrics`` has only string keys and no mapping values (asked per type)."""
     return set(map(type, metrics)) <= {str} and not any(
         kind is dict
         or (kind not in _PLAIN_SCALARS and kind is not list and issubclass(kind, Mapping))
@@ -234,15 +215,10 @@ def _flat(metrics: Mapping[str, Any]) -> bool:
 
 
 def to_plain(value: Any) -> Any:
-    """A JSON-safe copy of ``value``: Python floats, ints, bools, strings, lists, dicts
-    with string keys, or None.
-
-    Tensors and arrays with more than one element become flat lists; numpy scalars (a
-    ``np.float64`` is a ``float`` subclass that JSON writers refuse) and other subclasses
-    of the plain types become the plain type; mappings keep their structure; anything
-    else becomes its ``str`` (paths in a configuration; a sink must never crash on an odd
-    value).
-    """
+    """A JSON-safe copy of ``value`` (Python floats, ints, bools, strings, lists, dicts
+    with string keys, None): tensors and arrays of several elements become flat lists,
+    numpy scalars and other subclasses of the plain types the plain type, mappings keep
+    their structure, anything else becomes its ``str`` (a sink must never crash on it)."""
     if type(value) in _PLAIN_SCALARS:
         return value
     if isinstance(value, Mapping):
@@ -277,17 +253,14 @@ def _flatten_list(values: list[Any]) -> Iterable[Any]:
 
 def is_finite_number(value: Any) -> bool:
     """True for ints and finite floats (bools count as numbers)."""
-    if isinstance(value, bool | int):
-        return True
-    return isinstance(value, float) and math.isfinite(value)
+    return isinstance(value, int) or (isinstance(value, float) and math.isfinite(value))
 
 
 def finite_values(values: Iterable[Any]) -> list[float]:
-    """The finite numeric elements of a per-unit vector (None and NaN/inf left out). A
-    list of finite floats is returned as it is (callers only read it)."""
+    """The finite numeric elements of a per-unit vector (as it is when all are floats)."""
     if type(values) is not list:
         values = list(values)
-    try:  # the common case, every element a finite float: C-level passes only
+    try:  # the common case, every element a finite float
         kinds = set(map(type, values))
         if kinds <= _FLOATS and all(map(math.isfinite, values)):
             return values if kinds <= {float} else list(map(float, values))
@@ -300,13 +273,9 @@ _FLOATS = frozenset({float, int})
 
 
 def vector_stats(values: list[Any]) -> tuple[float, float, float] | None:
-    """Mean, min and max of the finite numeric elements of a per-unit vector (None when
-    it has none). The mean is ``math.fsum``'s exact sum over the count (of the elements
-    over the count where that sum leaves the float range).
-
-    A finite ``fsum`` of the whole list means every element is a finite number (a NaN
-    makes it NaN, an infinity infinite or a ValueError, anything else a TypeError), so
-    the common case needs no separate pass to check or filter the elements."""
+    """Mean (exact ``math.fsum`` over the count), min and max of the finite numeric
+    elements of a per-unit vector, None when it has none (a finite ``fsum`` of the whole
+    list means every element is a finite number: no filtering pass)."""
     try:
         total = math.fsum(values)
     except (TypeError, ValueError, OverflowError):
@@ -318,6 +287,6 @@ def vector_stats(values: list[Any]) -> tuple[float, float, float] | None:
         return None
     try:
         mean = math.fsum(finite) / len(finite)
-    except OverflowError:  # the sum leaves the float range, the mean does not
+    except OverflowError:  # the sum leaves the float range
         mean = math.fsum(v / len(finite) for v in finite)
     return mean, min(finite), max(finite)

@@ -1,10 +1,6 @@
-"""Run: one run directory, owned by whichever loop trains into it.
-
-The built-in trainer (``TrainTool``), the Stable-Baselines3 ``ProbeCallback`` and a loop
-of one's own each open a :class:`Run` (lock, claim, ``config.json``, metric sinks, their
-records) and hand it to their :class:`~policy_probes.session.ProbeSession`, which closes
-it: ``ProbeSession(agent, run=Run("runs/ppo", resume=True))``. Which checkpoint a resumed
-trainer starts from is the trainer's business (``trainers/``).
+"""Run: one run directory (lock, claim, ``config.json``, metric sinks), opened by whichever
+loop trains into it and closed by its :class:`~policy_probes.session.ProbeSession`:
+``ProbeSession(agent, run=Run("runs/ppo", resume=True))``.
 """
 
 from __future__ import annotations
@@ -56,7 +52,7 @@ RUN_MARKERS = {
 class RunDirConflict(FileExistsError):
     """``run_dir`` already holds a run and neither resume nor overwrite was asked for."""
 
-    usage_error = True  # the CLI prints it without a traceback (exit status 2)
+    usage_error = True
 
 
 def held_outputs(run_dir: str | Path) -> list[str]:
@@ -76,8 +72,8 @@ def remove_outputs(run_dir: str | Path, names: tuple[str, ...] = RUN_OUTPUTS) ->
 
 
 def check_run_dir_path(run_dir: str | Path) -> None:
-    """Raise ``NotADirectoryError`` (tagged a usage error) when ``run_dir`` or one of its
-    parents is a file, so the user hears about the path, not about ``mkdir``."""
+    """Raise a usage error naming the path when ``run_dir`` has a name too long or one of
+    its parents is a file (``NotADirectoryError``), before ``mkdir`` does."""
     path = Path(run_dir)
     longest = max(path.parts, key=len, default="")
     if len(longest.encode()) > NAME_MAX:
@@ -107,8 +103,7 @@ def _short(text: str, keep: int = 40) -> str:
 
 
 def make_run_dir(run_dir: str | Path) -> Path:
-    """Create ``run_dir`` and check that files can be written in it; a usage error naming
-    the directory otherwise."""
+    """Create ``run_dir`` and check that it is writable (a usage error otherwise)."""
     path = Path(run_dir)
     check_run_dir_path(path)
     try:
@@ -138,12 +133,11 @@ def default_run_dir(name: str = "session") -> Path:
 class Run:
     """One run directory: its lock, the claim on it, ``config.json``, the metric sinks.
 
-    ``resume``: continue the run the directory holds (its records stay; :meth:`rewind`
-    drops those a loop writes again); ``overwrite``: replace it. ``config`` goes to
-    ``config.json`` and the W&B run. ``main``: this process writes the run's files (rank 0
-    of a distributed run; the others create, lock and write nothing and get no sinks).
-    ``console``: a rich ``Console`` for the console sink. ``name``: the default
-    directory's prefix (``runs/<name>-<time>``).
+    ``resume``: continue the run the directory holds (:meth:`rewind` drops the records a
+    loop writes again); ``overwrite``: replace it. ``config`` goes to ``config.json`` and
+    the W&B run. ``main``: this process writes the run's files (rank 0; the other ranks
+    create, lock and write nothing). ``console``: a rich ``Console`` for the console sink.
+    ``name``: the default directory's prefix (``runs/<name>-<time>``).
     """
 
     def __init__(
@@ -157,7 +151,7 @@ class Run:
         console: Any = None,
         name: str = "session",
     ) -> None:
-        if resume and overwrite:  # the user's to fix (the CLI prints it, exit status 2)
+        if resume and overwrite:
             raise mark_usage_error(
                 ValueError("resume and overwrite exclude each other; choose one")
             )
@@ -165,8 +159,7 @@ class Run:
         self.resume, self.overwrite, self.main = bool(resume), bool(overwrite), main
         self.config: dict[str, Any] = dict(config or {})
         self.console = console
-        #: the run's metric sinks (:meth:`open_sinks` fills the group; empty until then and
-        #: off rank 0)
+        #: the run's metric sinks (filled by :meth:`open_sinks` on the main process)
         self.sinks = SinkGroup()
         #: the epoch a :meth:`rewind` before the sinks opened asked for
         self._rewind: int | None = None
@@ -174,11 +167,9 @@ class Run:
         self._lock = RunDirLock(self.dir)
         self._created: list[Path] = []
 
-    # ------------------------------------------------------------------ claim
     def open(self, *, claim: bool = True) -> Run:
-        """Create the directory and take its lock (main process only; held until
-        :meth:`close`), then :meth:`claim` it unless ``claim=False``. A refusal leaves
-        no lock and no directory it created behind."""
+        """Create the directory and take its lock (main process only; until :meth:`close`),
+        then :meth:`claim` it unless ``claim=False``; a refusal leaves nothing behind."""
         try:
             if self.main:
                 self._created = _missing_directories(self.dir)
@@ -193,11 +184,10 @@ class Run:
         return self
 
     def claim(self) -> None:
-        """The one decision about a directory that holds a run already: continue it
-        (``resume``), replace it (``overwrite``: its outputs are deleted on the main
-        process), start again where a run was killed while starting (metric files without
-        a record, no ``config.json`` or checkpoint), or refuse with
-        :class:`RunDirConflict`. Reads only on the other processes."""
+        """For a directory that holds a run already: continue it (``resume``), replace it
+        (``overwrite``: the main process deletes its outputs), start again where a run
+        was killed while starting (:func:`_aborted_start`), or refuse with
+        :class:`RunDirConflict`."""
         held = held_outputs(self.dir)
         if not held or self.resume:
             return
@@ -218,8 +208,7 @@ class Run:
         log.warning("removed the previous run's %s from %s (%s)", ", ".join(held), self.dir, why)
 
     def check(self) -> None:
-        """Raise what :meth:`open` would (a bad path, a live lock, a claim refused),
-        writing nothing (``policy-probes run --dry-run``)."""
+        """Raise what :meth:`open` would, writing nothing (``run --dry-run``)."""
         check_run_dir_path(self.dir)
         refuse_if_locked(self.dir)
         main, self.main = self.main, False  # the claim reads only
@@ -229,8 +218,7 @@ class Run:
             self.main = main
 
     def discard_records(self) -> None:
-        """Delete the run's metric files (a resumed run that wrote no checkpoint yet starts
-        again from its beginning; same seed, same run). Main process only."""
+        """Delete the run's metric files (main process; a resume without a checkpoint)."""
         if self.main:
             remove_outputs(self.dir, ("metrics.jsonl", "metrics.csv", "tensorboard"))
 
@@ -246,7 +234,6 @@ class Run:
             return None
         return max(epochs) if epochs else None
 
-    # ------------------------------------------------------------------ files
     def write_config(self) -> None:
         """Write :attr:`config` to ``config.json`` (atomically; main process only)."""
         if not self.main:
@@ -263,27 +250,23 @@ class Run:
     def open_sinks(
         self, sinks: SinksConfig | None = None, wandb: WandbConfig | None = None
     ) -> SinkGroup:
-        """Build the metric sinks (main process only) into :attr:`sinks` (the group that
-        holders of it, such as run control, already have), then apply a :meth:`rewind`
-        asked for before."""
+        """Build the metric sinks (main process only) into :attr:`sinks` (a group others may
+        hold already) and apply a :meth:`rewind` asked for before."""
         if self.main:
             sinks, wandb = sinks or SinksConfig(), wandb or WandbConfig()
-            failures: dict[str, str] = {}
-            built = build_sinks(
+            failures = self.sinks.failures
+            for sink in build_sinks(
                 self.dir, sinks, wandb, self.config, console=self.console, failures=failures
-            )
-            for sink in built:
+            ):
                 self.sinks.add(sink)
-            self.sinks.failures.update(failures)
         self.sinks.set_run_context(run_dir=self.dir, config=self.config)
         if self._rewind is not None:
             self.rewind(self._rewind)
         return self.sinks
 
     def rewind(self, epoch: int) -> None:
-        """Drop every sink's records of epochs after ``epoch`` (a loop resumed from the end
-        of ``epoch`` writes them again), when the sinks open if they are not open yet; a
-        sink that fails is logged and left as it is."""
+        """Drop every sink's records of epochs after ``epoch`` (a loop resumed from there
+        writes them again), now or when the sinks open; a sink that fails is logged."""
         self._rewind = epoch
         for sink in self.sinks:
             rewind = getattr(sink, "rewind", None)
@@ -298,13 +281,12 @@ class Run:
                 log.warning("%s: dropped %d records after epoch %d", sink.name, dropped, epoch)
 
     def choice_recorder(self) -> Callable[[dict[str, Any]], None]:
-        """What the sampler calls with its one-time choice: :func:`record_sampling_choice`
-        of this directory (the sampler must not hold the run and its open files)."""
+        """:func:`record_sampling_choice` of this directory (the sampler must not hold the run)."""
         return functools.partial(record_sampling_choice, self.dir)
 
     def close(self, *, refused: bool = False) -> None:
-        """Close the sinks and release the lock (idempotent); ``refused``: a start that
-        was refused also removes the directories :meth:`open` created."""
+        """Close the sinks and release the lock (idempotent); ``refused`` also removes the
+        directories :meth:`open` created."""
         try:
             self.sinks.close()
         finally:
@@ -316,8 +298,7 @@ class Run:
 
 def record_sampling_choice(run_dir: Path | None, choice: dict[str, Any]) -> None:
     """Add the probe budget's one-time choice (:mod:`policy_probes.sampling`) to
-    ``run_dir/config.json`` as ``probe_sampling`` (a function of the path: the sampler
-    holding it must not hold the run, whose open files ``copy.deepcopy`` would copy)."""
+    ``run_dir/config.json`` as ``probe_sampling`` (rank 0 only)."""
     path = None if run_dir is None else Path(run_dir) / "config.json"
     if current_rank() != 0 or path is None or not path.is_file():
         return  # rank 0 writes the run's files
@@ -330,8 +311,8 @@ def record_sampling_choice(run_dir: Path | None, choice: dict[str, Any]) -> None
 
 
 def _aborted_start(run_dir: Path, held: list[str]) -> bool:
-    """Whether ``run_dir`` holds only what a run killed before its first step leaves:
-    metric files without a single epoch record, no ``config.json``, no checkpoint."""
+    """Whether ``run_dir`` holds only what a run killed before its first step leaves
+    (metric files without a record, no ``config.json``, no checkpoint)."""
     if "config.json" in held or "checkpoints" in held:
         return False
     jsonl, csv = run_dir / "metrics.jsonl", run_dir / "metrics.csv"
@@ -348,8 +329,7 @@ def _aborted_start(run_dir: Path, held: list[str]) -> bool:
 
 
 def _missing_directories(run_dir: Path) -> list[Path]:
-    """``run_dir`` and its parents that do not exist yet, deepest first (what creating
-    it makes); empty when it exists or its name is one the file system refuses."""
+    """``run_dir`` and its parents that do not exist yet, deepest first."""
     try:
         return list(itertools.takewhile(lambda p: not p.exists(), (run_dir, *run_dir.parents)))
     except OSError:  # a name too long: make_run_dir says so

@@ -1,19 +1,13 @@
 """RunDirLock: one live run per run directory.
 
-A training run (``policy-probes run``/``resume``, ``TrainTool.invoke``, a
-:class:`~policy_probes.session.ProbeSession`) holds ``run_dir/run.lock`` while it runs.
-The file says who holds it (pid, host, process start time, command line); it is created
-with ``O_EXCL``, so of two processes starting at once exactly one gets it, and removed
-when the run ends, whichever way it ends short of ``kill -9``. A lock left behind by a
-killed process is *stale*: on the same host its pid no longer runs (``os.kill(pid, 0)``)
-or now belongs to a younger process (pid reuse, seen through the start time in
-``/proc``); a stale lock is taken over with a warning. A lock from another host cannot
-be checked from here and is refused with the path to delete if that run is gone.
+``run_dir/run.lock`` (pid, host, process start time, command line) is created with
+``O_EXCL`` and removed when the run ends short of ``kill -9``. A lock whose process is gone
+(or whose pid now belongs to a younger process) is stale and taken over with a warning; a
+lock from another host cannot be checked and is refused with the path to delete.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -21,7 +15,6 @@ import socket
 import sys
 import time
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 log = logging.getLogger("policy_probes")
@@ -32,7 +25,7 @@ LOCK_FILE = "run.lock"
 class RunDirLocked(RuntimeError):
     """``run_dir`` is in use by a live run; the message names it."""
 
-    usage_error = True  # the CLI prints it without a traceback (exit status 2)
+    usage_error = True
 
 
 def _process_start_ticks(pid: int) -> int | None:
@@ -52,11 +45,9 @@ def _process_start_ticks(pid: int) -> int | None:
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
     except PermissionError:  # alive, owned by another user
         return True
-    except OSError:
+    except OSError:  # ProcessLookupError: gone
         return False
     return True
 
@@ -71,8 +62,7 @@ def lock_owner(run_dir: str | Path) -> dict[str, Any] | None:
 
 
 def lock_is_live(owner: dict[str, Any]) -> bool:
-    """Whether the process recorded in a lock still runs (True when it cannot be checked:
-    another host)."""
+    """Whether the lock's process still runs (True on another host: it cannot be checked)."""
     if owner.get("host") != socket.gethostname():
         return True
     pid = owner.get("pid")
@@ -84,24 +74,19 @@ def lock_is_live(owner: dict[str, Any]) -> bool:
 
 def describe_owner(owner: dict[str, Any]) -> str:
     started = owner.get("started")
-    when = (
-        time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started))
-        if isinstance(started, int | float)
-        else "an unknown time"
-    )
+    when = "an unknown time"
+    if isinstance(started, int | float):
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started))
     command = owner.get("command") or "?"
     return f"pid {owner.get('pid')} on {owner.get('host')} since {when} ({command})"
 
 
 def locked_message(run_dir: str | Path, owner: dict[str, Any]) -> str:
     """Why ``run_dir`` is refused: who holds it and what to do."""
-    path = Path(run_dir) / LOCK_FILE
-    hint = (
-        f"if that run is gone, delete {path}"
-        if owner.get("host") != socket.gethostname()
-        else f"wait for it to finish, stop it with `policy-probes ctl {run_dir} stop`, or "
-        f"choose another run_dir"
-    )
+    hint = f"if that run is gone, delete {Path(run_dir) / LOCK_FILE}"
+    if owner.get("host") == socket.gethostname():
+        hint = f"wait for it to finish, stop it with `policy-probes ctl {run_dir} stop`, or "
+        hint += "choose another run_dir"
     return f"run_dir {str(run_dir)!r} is in use by a live run: {describe_owner(owner)}; {hint}"
 
 
@@ -113,8 +98,7 @@ def refuse_if_locked(run_dir: str | Path) -> None:
 
 
 class RunDirLock:
-    """The lock on ``run_dir`` (see the module doc). Use as a context manager or call
-    :meth:`acquire` / :meth:`release`; ``release`` is idempotent."""
+    """The lock on ``run_dir``: a context manager, or :meth:`acquire` / :meth:`release`."""
 
     def __init__(self, run_dir: str | Path) -> None:
         self.run_dir = Path(run_dir)
@@ -122,8 +106,7 @@ class RunDirLock:
         self.held = False
 
     def acquire(self) -> RunDirLock:
-        """Take the lock, replacing a stale one; raise :class:`RunDirLocked` naming the
-        live owner otherwise."""
+        """Take the lock, replacing a stale one (:class:`RunDirLocked` naming a live owner)."""
         me = {
             "pid": os.getpid(),
             "host": socket.gethostname(),
@@ -136,15 +119,11 @@ class RunDirLock:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
                 owner = lock_owner(self.run_dir)
-                if owner is None:
-                    # being written this instant, or garbage left by a crash mid-write
+                if owner is None:  # being written this instant, or left by a crash mid-write
                     time.sleep(0.05)
                     owner = lock_owner(self.run_dir)
-                if (
-                    owner is not None
-                    and owner.get("pid") == me["pid"]
-                    and (owner.get("host") == me["host"])
-                ):
+                ours = owner is not None and owner.get("pid") == me["pid"]
+                if ours and owner.get("host") == me["host"]:
                     raise RunDirLocked(
                         f"run_dir {str(self.run_dir)!r} is already in use by this process "
                         f"(another TrainTool.invoke or ProbeSession still open); close it first"
@@ -153,8 +132,7 @@ class RunDirLock:
                     raise RunDirLocked(locked_message(self.run_dir, owner)) from None
                 what = describe_owner(owner) if owner else "unreadable"
                 log.warning("removing the stale lock %s (%s: not running)", self.path, what)
-                with contextlib.suppress(FileNotFoundError):
-                    self.path.unlink()
+                self.path.unlink(missing_ok=True)
                 continue
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(json.dumps(me) + "\n")
@@ -169,16 +147,10 @@ class RunDirLock:
         self.held = False
         owner = lock_owner(self.run_dir)
         if owner is None or owner.get("pid") == os.getpid():
-            with contextlib.suppress(FileNotFoundError):
-                self.path.unlink()
+            self.path.unlink(missing_ok=True)
 
     def __enter__(self) -> RunDirLock:
         return self.acquire()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.release()

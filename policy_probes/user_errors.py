@@ -1,11 +1,8 @@
 """User errors: exceptions whose message is the whole story for the person at the keyboard.
 
-An exception raised while a run is being set up (a recipe naming an unknown component, a
-builder passed without its parentheses, ``device=cuda`` on a machine without CUDA, a
-``run_dir`` that cannot be written) is the user's to fix, not a bug: the command line
-prints its message on one line and exits with status 2, without a traceback. Such an
-exception keeps its type (a ``KeyError`` stays a ``KeyError`` for Python callers) and is
-tagged with ``usage_error = True``, the attribute the CLI looks for.
+What fails while a run is set up (an unknown component, a builder without parentheses, an
+unwritable ``run_dir``) is the user's to fix: tagged ``usage_error = True``, keeping its
+type, it is printed on one line by the CLI (exit status 2, no traceback).
 """
 
 from __future__ import annotations
@@ -47,8 +44,7 @@ def mark_usage_error(exc: BaseException) -> BaseException:
 
 @contextlib.contextmanager
 def usage_errors() -> Iterator[None]:
-    """Tag the :data:`SETUP_ERROR_TYPES` raised inside the block as usage errors (the
-    block sets a run up: what fails there is the configuration)."""
+    """Tag the :data:`SETUP_ERROR_TYPES` raised inside the block as usage errors."""
     try:
         yield
     except SETUP_ERROR_TYPES as exc:
@@ -63,11 +59,10 @@ def is_usage_error(exc: BaseException) -> bool:
 def one_line(exc: BaseException) -> str:
     """The exception's message on one line (``KeyError`` without its quotes; a multi-line
     message, such as pydantic's, joined with ``; ``)."""
+    text = str(exc)
     if isinstance(exc, KeyError) and len(exc.args) == 1 and isinstance(exc.args[0], str):
         text = exc.args[0]
-    else:
-        text = str(exc)
-    if isinstance(exc, ValidationError):
+    elif isinstance(exc, ValidationError):
         text = "; ".join(
             f"{'.'.join(str(p) for p in err['loc']) or '<config>'}: {_message(err)}"
             for err in exc.errors()

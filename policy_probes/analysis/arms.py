@@ -1,22 +1,11 @@
-"""Forked arms: a causal test of plasticity loss (Nikishin et al. 2023's diagnostic, done
-with exact forks).
+"""Forked arms: a causal test of plasticity loss (Nikishin et al. 2023's diagnostic, with
+exact forks; ``docs/run_control.md``).
 
-``policy-probes arms RUN_DIR [RUN_DIR ...] --epoch N --arm none --arm 'remedies=[...]'``
-forks every given run at the end of epoch ``N`` into one child per arm (``policy-probes
-fork``, one subprocess per child: a parent directory is only read), trains each child to
-the parent's end, and compares the arms on the epochs after the fork: per arm the mean
-training return, the mean return of the last quarter of those epochs and the mean of
-every probe metric, each with its difference to the ``none`` arm of the same parent, as
-mean and standard deviation over the parents (several parents: several seeds). The
-``none`` arm repeats the parent's later epochs bit for bit (an unchanged fork), so each
-difference is the effect of the arm's change from epoch ``N`` on.
-
-An arm is ``none`` (no change) or ``[NAME:]key=value [key=value ...]`` (overrides, split
-like a shell line); without a name it is named after its remedies. Children live in
-``OUT/<parent>/<arm>``; a child that is already complete is reused and an incomplete one
-resumed, so a rerun after an interruption trains only what is missing. Outputs:
-``OUT/arms.json`` (every measure, per parent), ``OUT/arms.md`` (the table) and
-``OUT/report-<parent>.html`` (the ``none`` child with the other arms overlaid).
+``policy-probes arms RUN_DIR ... --epoch N --arm none --arm ...`` forks every run after
+epoch ``N`` into one child per arm (``OUT/<parent>/<arm>``; a complete child is reused, an
+incomplete one resumed), trains each to the parent's end and compares the arms after the
+fork against the ``none`` arm (which repeats the parent bit for bit), as mean and standard
+deviation over the parents: ``OUT/arms.json``, ``OUT/arms.md``, ``OUT/report-<parent>.html``.
 """
 
 from __future__ import annotations
@@ -62,9 +51,8 @@ class Arm:
 
 
 def parse_arm(text: str) -> Arm:
-    """``"none"`` or ``"[NAME:]key=value [key=value ...]"`` (an override ends at
-    whitespace followed by the next ``key=``; values are taken as written, quotes and
-    all, as after a shell's own quoting)."""
+    """``"none"`` or ``"[NAME:]key=value [key=value ...]"`` (an override ends at whitespace
+    before the next ``key=``; values are taken as written, quotes and all)."""
     text = text.strip()
     if text == NONE:
         return Arm(NONE, [])
@@ -92,11 +80,7 @@ def default_name(overrides: Sequence[str]) -> str:
             names += re.findall(r"([A-Za-z0-9_]+)@", value)
         else:
             names.append(re.sub(r"[^A-Za-z0-9_.+-]+", "_", item).strip("_"))
-    out = []
-    for n in names:  # keep order, drop repeats (one remedy on two components)
-        if n not in out:
-            out.append(n)
-    return "+".join(out) or "arm"
+    return "+".join(dict.fromkeys(names)) or "arm"  # one remedy on two components: once
 
 
 def unique_arms(arms: Sequence[Arm]) -> list[Arm]:
@@ -109,7 +93,6 @@ def unique_arms(arms: Sequence[Arm]) -> list[Arm]:
     return out
 
 
-# ---------------------------------------------------------------------- metrics
 def last_epoch(run_dir: Path) -> int:
     """The last epoch of a run's records (0: none)."""
     return RunRecords.read(run_dir).last_epoch or 0
@@ -129,14 +112,12 @@ def measures(records: RunRecords, after: int) -> dict[str, float]:
         values = [float(v) for e in which if math.isfinite(v := series.get(e, math.nan))]
         return sum(values) / len(values) if values else None
 
-    for name, key, which in (("return", RETURN_KEY, epochs), ("return_last", RETURN_KEY, last)):
+    wanted = [("return", RETURN_KEY, epochs), ("return_last", RETURN_KEY, last)]
+    wanted += [(k, k, epochs) for k in sorted(records.scalars) if k.startswith("probes/")]
+    for name, key, which in wanted:
         value = mean(key, which)
         if value is not None:
             out[name] = value
-    for key in sorted(k for k in records.scalars if k.startswith("probes/")):
-        value = mean(key, epochs)
-        if value is not None:
-            out[key] = value
     return out
 
 
@@ -172,7 +153,6 @@ def compare(
     return out
 
 
-# ---------------------------------------------------------------------- children
 @dataclass
 class Child:
     arm: Arm
@@ -189,16 +169,8 @@ def child_command(child: Child, epoch: int) -> list[str]:
     cli = [sys.executable, "-m", "policy_probes.cli"]
     if held_outputs(child.run_dir):
         return [*cli, "resume", str(child.run_dir), "--no-progress"]
-    return [
-        *cli,
-        "fork",
-        str(child.parent),
-        "--epoch",
-        str(epoch),
-        str(child.run_dir),
-        *child.arm.overrides,
-        "--no-progress",
-    ]
+    fork = ["fork", str(child.parent), "--epoch", str(epoch), str(child.run_dir)]
+    return [*cli, *fork, *child.arm.overrides, "--no-progress"]
 
 
 def train_child(child: Child, epoch: int, end: int) -> Child:
@@ -222,25 +194,19 @@ def parent_labels(parents: Sequence[Path]) -> list[str]:
     return [f"{i}-{n}" for i, n in enumerate(names)]
 
 
-# ---------------------------------------------------------------------- output
 def _fmt(entry: dict[str, Any] | None, diff: bool = False) -> str:
-    if entry is None:
+    prefix = "diff_" if diff else ""
+    if entry is None or f"{prefix}mean" not in entry:
         return "-"
-    if diff:
-        if "diff_mean" not in entry:
-            return "-"
-        mu, sd, n = entry["diff_mean"], entry["diff_std"], len(entry["diff_per_parent"])
-        return f"{mu:+.4g}" + (f" ± {sd:.2g}" if n > 1 else "")
-    mu, sd, n = entry["mean"], entry["std"], len(entry["per_parent"])
-    return f"{mu:.4g}" + (f" ± {sd:.2g}" if n > 1 else "")
+    mu, sd, n = entry[f"{prefix}mean"], entry[f"{prefix}std"], len(entry[f"{prefix}per_parent"])
+    sign = "+" if diff else ""
+    return f"{mu:{sign}.4g}" + (f" ± {sd:.2g}" if n > 1 else "")
 
 
 def table_rows(
     comparison: dict[str, dict[str, dict[str, Any]]], shown: Sequence[str]
 ) -> tuple[list[str], list[list[str]]]:
-    header = ["arm", "runs"]
-    for key in shown:
-        header += [key, f"Δ {key} vs none"]
+    header = ["arm", "runs", *(c for key in shown for c in (key, f"Δ {key} vs none"))]
     rows = []
     for arm, by_key in comparison.items():
         runs = max((len(e["per_parent"]) for e in by_key.values()), default=0)
@@ -252,8 +218,8 @@ def table_rows(
 
 
 def shown_measures(comparison: dict[str, dict[str, Any]], wanted: Sequence[str]) -> list[str]:
-    """``return``, ``return_last``, then the ``--measure`` keys (default: the probes'
-    ``dormant_fraction`` of whole components, at most four)."""
+    """``return``, ``return_last``, then the ``--measure`` keys (default: at most four
+    ``dormant_fraction`` of whole components)."""
     keys = sorted({k for by_key in comparison.values() for k in by_key})
     if wanted:
         chosen = [k for k in keys if any(k == w or k.endswith(w) for w in wanted)]
@@ -272,7 +238,6 @@ def markdown(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-# ---------------------------------------------------------------------- command
 def run_arms(
     parents: Sequence[Path],
     epoch: int,
@@ -282,8 +247,7 @@ def run_arms(
     wanted: Sequence[str] = (),
     report: bool = True,
 ) -> tuple[dict[str, Any], list[Child]]:
-    """Fork, train and compare (see the module docstring); returns the comparison as
-    written to ``out/arms.json`` and the children."""
+    """Fork, train and compare; returns what ``out/arms.json`` holds and the children."""
     parents = [Path(p) for p in parents]
     for parent in parents:
         if not (parent / "config.json").is_file() or not (parent / METRICS_JSONL).is_file():
@@ -307,19 +271,16 @@ def run_arms(
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         done = list(pool.map(lambda c: train_child(c, epoch, end), children))
     per_arm: dict[str, dict[str, dict[str, float]]] = {a.name: {} for a in arms}
-    for child, label in zip(done, labels * len(arms), strict=True):
+    for child in done:
         records = RunRecords.read(child.run_dir) if child.returncode == 0 else None
-        if records is not None and (records.last_epoch or 0) >= end:
-            if records.epochs[0] != epoch + 1:
-                child.errors.append(
-                    f"its records start at epoch {records.epochs[0]}, not {epoch + 1}"
-                )
-                continue
-            per_arm[child.arm.name][label] = measures(records, epoch)
-        else:
+        if records is None or (records.last_epoch or 0) < end:
             child.errors.append(
                 f"training failed (exit status {child.returncode}; see {child.log})"
             )
+        elif records.epochs[0] != epoch + 1:
+            child.errors.append(f"its records start at epoch {records.epochs[0]}, not {epoch + 1}")
+        else:
+            per_arm[child.arm.name][child.run_dir.parent.name] = measures(records, epoch)
     comparison = compare(per_arm, labels)
     result = {
         "parents": {label: str(p) for label, p in zip(labels, parents, strict=True)},
@@ -327,8 +288,8 @@ def run_arms(
         "end": end,
         "arms": {a.name: {"overrides": a.overrides} for a in arms},
         "children": {
-            f"{c.arm.name}/{label}": {"run_dir": str(c.run_dir), "errors": c.errors}
-            for c, label in zip(done, labels * len(arms), strict=True)
+            f"{c.arm.name}/{c.run_dir.parent.name}": {"run_dir": str(c.run_dir), "errors": c.errors}
+            for c in done
         },
         "comparison": comparison,
     }
@@ -346,20 +307,14 @@ def run_arms(
 
 
 def write_reports(out: Path, arms: Sequence[Arm], labels: Sequence[str], children: list[Child]):
-    """One report per parent: the first arm's child (``none`` when given) with the other
-    arms overlaid (and the parent, dashed)."""
+    """One report per parent: the ``none`` child (else the first) with the others overlaid."""
     from policy_probes.analysis.report import build_report
 
-    order = sorted(arms, key=lambda a: a.name != NONE)
+    order = [a.name for a in sorted(arms, key=lambda a: a.name != NONE)]
     for label in labels:
-        dirs = [
-            c.run_dir
-            for arm in order
-            for c in children
-            if c.arm.name == arm.name
-            and c.run_dir.parent.name == label
-            and (c.run_dir / METRICS_JSONL).is_file()
-        ]
+        mine = [c for c in children if c.run_dir.parent.name == label and c.arm.name in order]
+        mine.sort(key=lambda c: order.index(c.arm.name))
+        dirs = [c.run_dir for c in mine if (c.run_dir / METRICS_JSONL).is_file()]
         if dirs:
             build_report(dirs[0], out / f"report-{label}.html", compare=dirs[1:])
 
@@ -409,9 +364,8 @@ def arms_command(args: argparse.Namespace) -> int:
     result, children = run_arms(
         args.run_dirs, args.epoch, arms, out, args.jobs, args.measure, not args.no_report
     )
-    header, rows = table_rows(
-        result["comparison"], shown_measures(result["comparison"], args.measure)
-    )
+    comparison = result["comparison"]
+    header, rows = table_rows(comparison, shown_measures(comparison, args.measure))
     table = Table(title=f"arms forked at epoch {result['epoch']} of {result['end']}")
     for col in header:
         table.add_column(col)

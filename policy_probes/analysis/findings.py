@@ -1,28 +1,21 @@
-"""Findings: rules over a run's per-epoch metrics that say what is going wrong, with evidence.
+"""Findings: rules over a run's per-epoch metrics that say what is going wrong, with evidence
+(``docs/findings.md``), and ``policy-probes diagnose``.
 
-A *finding* is a statement a user can act on: which measure crossed which threshold, for
-which component or layer, since which epoch, how it has moved, where the threshold comes
-from, which docs page explains the measure and which remedies address it
-(:mod:`policy_probes.remedies`). The rules read trends, not single epochs: every rule
-works on the rolling median over ``window`` epochs (one noisy epoch moves nothing),
-compares it with the median of the run's first ``window`` epochs (the baseline), and
-fires only when the condition holds at the run's last epoch and has held without a
-break since; the *onset* is the first epoch of that stretch whose own value meets the
-condition (where a climb crossed the threshold).
-
-A :class:`FindingsEngine` follows the rules over a run's records as they come: a
-training session evaluates it once per epoch and hands the findings to its sinks (shown
-at the end of a run on the console and in the W&B run summary); ``report.html`` opens with
-them and ``policy-probes diagnose RUN_DIR [--json]`` (:mod:`policy_probes.analysis.diagnose`)
-prints them, both from ``metrics.jsonl`` as it stands (also while the run trains).
+A rule reads trends: the rolling median over ``window`` epochs against the median of the
+first ``window`` (the baseline). It fires when its condition holds at the last epoch and
+has held without a break since; the *onset* is the first epoch of that stretch whose own
+value meets it. A finding says what crossed which threshold, where, since when, the
+threshold's source, the docs page and the remedies.
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import math
 import statistics
+import sys
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -36,9 +29,7 @@ from policy_probes.records import RunRecords
 #: epochs of the rolling median and of the baseline
 WINDOW = 5
 #: a series needs this many windows of epochs before a rule reads it: the baseline, the
-#: rolling median at the end, and one window between them (shorter: too short to call a
-#: trend; at the probes' default of one observed pass per epoch, shorter windows fired on
-#: healthy 8-epoch runs)
+#: rolling median at the end, and one window between them (shorter fired on healthy runs)
 MIN_WINDOWS = 3
 
 
@@ -98,7 +89,7 @@ class Finding:
         return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
 
     def condition(self) -> str:
-        """The threshold as a phrase (``>= 0.1``, ``x2 of baseline``)."""
+        """The threshold as a phrase (``>= 0.1``, ``>= 2 x baseline``)."""
         op = ">=" if self.direction == "rising" else "<="
         if self.threshold_kind == "ratio":
             return f"{op} {self.threshold:g} x baseline"
@@ -118,16 +109,13 @@ def _num(v: float) -> str:
 
 
 def default_rules() -> tuple[Rule, ...]:
-    """The rules :class:`FindingsEngine` and :func:`diagnose` apply unless given others:
-    every registered probe's (:func:`policy_probes.plugins.findings_rules`, a probe of
-    your own included) and :data:`RUN_RULES`."""
+    """Every registered probe's rules and :data:`RUN_RULES` (the default rules)."""
     return plugins.findings_rules() + RUN_RULES
 
 
 class _Trend:
-    """One rule on one series, followed point by point: the baseline (the median of the
-    first ``window`` values), the last ``2 * window`` points (the rolling median and the
-    slope read them), and the onset of the stretch over which the rule has held since."""
+    """One rule on one series, followed point by point: the baseline, the last
+    ``2 * window`` points (the rolling median and the slope read them), and the onset."""
 
     def __init__(self, rule: Rule, key: str, component: str, window: int) -> None:
         self.rule, self.key, self.component = rule, key, component
@@ -145,22 +133,19 @@ class _Trend:
         self.last.append(value)
         if len(self.last) < self.last.maxlen:
             return
-        # medians: one noisy epoch (or two in a window of 5) moves neither
-        if self.baseline is None:  # the first window's
+        if self.baseline is None:  # medians: one noisy epoch moves neither
             self.baseline = statistics.median(self.last)
         self.rolling = statistics.median(self.last)
         holds = self.rule.holds
         if not holds(self.rolling, self.baseline):
             self.onset = None
         elif self.onset is None:
-            # the stretch starts with this window: the onset is its first epoch whose own
-            # value meets the condition too (where a step up or down happened)
+            # the stretch starts with this window: at its first epoch that meets it too
             window = itertools.islice(self.tail, len(self.tail) - len(self.last), None)
             self.onset = next((e for e, v in window if holds(v, self.baseline)), epoch)
 
     def holds(self, window: int) -> bool:
-        """Whether the rule holds at the last epoch of a series of at least
-        :data:`MIN_WINDOWS` windows."""
+        """Whether the rule holds at the last epoch (of :data:`MIN_WINDOWS` windows at least)."""
         return self.onset is not None and self.count >= MIN_WINDOWS * window
 
     def finding(self, window: int) -> Finding:
@@ -199,14 +184,9 @@ def _slope(points: Sequence[tuple[int, float]]) -> float:
 
 
 class FindingsEngine:
-    """The rules over a :class:`~policy_probes.records.RunRecords` as it grows.
-
-    Each :meth:`update` reads only the points the store gained since the last one (one per
-    series and epoch while a run trains) and moves each rule's rolling window on by them,
-    so an epoch costs the same however long the run is, and what it keeps per series is
-    the baseline and the last two windows. :meth:`findings` are what :func:`diagnose`
-    finds on the same records. A store that rewrote an epoch it held (its ``revision``
-    moved) is read afresh.
+    """The rules over a :class:`~policy_probes.records.RunRecords` as it grows: each
+    :meth:`update` reads only the points gained since the last one (all again when the
+    store's ``revision`` moved), so an epoch costs the same however long the run is.
     """
 
     def __init__(self, rules: Sequence[Rule] | None = None, window: int = WINDOW) -> None:
@@ -256,8 +236,7 @@ class FindingsEngine:
                 self._twins[pair] = fed[pair[0]] == fed[pair[1]]
 
     def _pair(self, trend: _Trend, other: _Trend) -> None:
-        """Follow whether a component's series and one of its layers' are equal (the
-        component is then reported under the layer): both must be new to be equal."""
+        """Follow whether a component's series equals one of its layers' (both new)."""
         if other.rule is not trend.rule:
             return
         equal = not other.tail
@@ -267,9 +246,8 @@ class FindingsEngine:
             self._twins[(other, trend)] = equal
 
     def findings(self) -> list[Finding]:
-        """Every finding at the last update, earliest onset first. A component whose
-        series is the same as one of its layers' (``actor_mlp`` is its last layer's
-        output) is reported once, under the layer."""
+        """Every finding at the last update, earliest onset first; a component whose series
+        equals one of its layers' (its last layer's output) is reported under the layer."""
         held = {t for t in self._trends.values() if t.holds(self.window)}
         held -= {outer for (outer, inner), equal in self._twins.items() if equal and inner in held}
         ordered = sorted(held, key=lambda t: (self.rules.index(t.rule), t.key))
@@ -279,8 +257,7 @@ class FindingsEngine:
 
 
 def _points_after(series: Mapping[int, Any], epoch: int | None) -> list[tuple[int, float]]:
-    """The finite numbers (bools are not) of ``series`` after ``epoch`` (None: every
-    epoch), in epoch order. A series grown in epoch order is read from its end."""
+    """The finite floats of ``series`` after ``epoch`` (None: all), in epoch order."""
     if epoch is None:
         items = sorted(series.items())
     else:
@@ -298,9 +275,8 @@ def diagnose(
     rules: Sequence[Rule] | None = None,
     window: int = WINDOW,
 ) -> list[Finding]:
-    """Every finding of ``rules`` (default :func:`default_rules`) on a run's records (a
-    :class:`~policy_probes.records.RunRecords` or ``metrics.jsonl`` lines), earliest onset
-    first (:meth:`FindingsEngine.findings`)."""
+    """Every finding of ``rules`` (default :func:`default_rules`) on a run's records or
+    ``metrics.jsonl`` lines, earliest onset first."""
     if not isinstance(records, RunRecords):
         records = RunRecords().extend(records)
     engine = FindingsEngine(rules, window)
@@ -309,15 +285,13 @@ def diagnose(
 
 
 def diagnose_run(run_dir: Path, window: int = WINDOW) -> list[Finding]:
-    """:func:`diagnose` on ``run_dir/metrics.jsonl`` (``FileNotFoundError`` without one),
-    with the rules of the plugins the run registered (:func:`run_rules`)."""
+    """:func:`diagnose` on ``run_dir/metrics.jsonl`` with :func:`run_rules`."""
     records = RunRecords.read(run_dir)
     return diagnose(records, run_rules(run_dir), window=window)
 
 
 def run_rules(run_dir: Path) -> tuple[Rule, ...]:
-    """:func:`default_rules` once the modules that registered the run's own plugins
-    (``config.json``'s ``plugin_modules``) are imported."""
+    """:func:`default_rules` once the run's ``plugin_modules`` (config.json) are imported."""
     path = Path(run_dir) / "config.json"
     try:
         config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
@@ -341,14 +315,26 @@ def render_text(findings: Sequence[Finding]) -> str:
         return "no findings: no plasticity measure crossed its threshold as a trend"
     lines = [f"{len(findings)} finding(s):"]
     for f in findings:
-        lines.append(f"- {f.summary()}")
-        lines.append(f"    why it matters: {f.meaning}")
-        lines.append(
+        lines += [
+            f"- {f.summary()}",
+            f"    why it matters: {f.meaning}",
             f"    trend: {_num(f.slope)} per epoch over the last epochs; rolling median of "
-            f"{f.window} epochs; threshold from: {f.threshold_source}"
-        )
-        lines.append(f"    read: {f.docs}; remedies: {', '.join(f.remedies)}")
+            f"{f.window} epochs; threshold from: {f.threshold_source}",
+            f"    read: {f.docs}; remedies: {', '.join(f.remedies)}",
+        ]
     return "\n".join(lines)
+
+
+_HTML_COLUMNS = (
+    "component",
+    "finding",
+    "evidence (baseline → now)",
+    "trend",
+    "since epoch",
+    "threshold",
+    "remedies",
+    "read",
+)
 
 
 def render_html(findings: Sequence[Finding]) -> str:
@@ -362,39 +348,54 @@ def render_html(findings: Sequence[Finding]) -> str:
         )
     rows = []
     for f in findings:
-        rows.append(
-            "<tr>"
-            + "".join(
-                f"<td>{html.escape(str(c))}</td>"
-                for c in (
-                    f.component,
-                    f.title,
-                    f"{f.metric.rsplit('/', 1)[-1]}: {_num(f.baseline)} → {_num(f.value)}",
-                    f"{_num(f.slope)}/epoch",
-                    f.onset_epoch,
-                    f"{f.condition()} ({f.threshold_source})",
-                    ", ".join(f.remedies),
-                )
-            )
-            + f'<td><a href="{html.escape(f.docs)}">{html.escape(f.docs)}</a></td></tr>'
+        cells = (
+            f.component,
+            f.title,
+            f"{f.metric.rsplit('/', 1)[-1]}: {_num(f.baseline)} → {_num(f.value)}",
+            f"{_num(f.slope)}/epoch",
+            f.onset_epoch,
+            f"{f.condition()} ({f.threshold_source})",
+            ", ".join(f.remedies),
         )
-    head = "".join(
-        f"<th>{h}</th>"
-        for h in (
-            "component",
-            "finding",
-            "evidence (baseline → now)",
-            "trend",
-            "since epoch",
-            "threshold",
-            "remedies",
-            "read",
-        )
-    )
+        tds = "".join(f"<td>{html.escape(str(c))}</td>" for c in cells)
+        docs = html.escape(f.docs)
+        rows.append(f'<tr>{tds}<td><a href="{docs}">{docs}</a></td></tr>')
+    head = "".join(f"<th>{h}</th>" for h in _HTML_COLUMNS)
     return (
-        '<h2 id="findings">Findings</h2><table class="findings"><thead><tr>'
-        + head
-        + "</tr></thead><tbody>"
-        + "".join(rows)
-        + "</tbody></table>"
+        f'<h2 id="findings">Findings</h2><table class="findings"><thead><tr>{head}</tr>'
+        f"</thead><tbody>{''.join(rows)}</tbody></table>"
     )
+
+
+def add_diagnose_subcommand(subparsers: argparse._SubParsersAction) -> None:
+    """``policy-probes diagnose RUN_DIR [--json] [--window N]``."""
+    p = subparsers.add_parser(
+        "diagnose",
+        help="what is going wrong in a run: findings with evidence and remedies",
+        description="Read RUN_DIR/metrics.jsonl (also while the run is training) and print "
+        "the findings of the plasticity rules: which measure crossed which threshold as a "
+        "trend, for which component or layer, since which epoch, and what to do about it.",
+    )
+    p.add_argument("run_dir", type=Path, help="run directory holding metrics.jsonl")
+    p.add_argument("--json", action="store_true", help="print the findings as JSON")
+    p.add_argument(
+        "--window",
+        type=int,
+        default=WINDOW,
+        help=f"epochs of the rolling median and of the baseline (default {WINDOW})",
+    )
+    p.set_defaults(handler=diagnose_command)
+
+
+def diagnose_command(args: argparse.Namespace) -> int:
+    """Handler of ``diagnose``: 0 (findings or none), 2 when RUN_DIR has no metrics."""
+    if args.window < 1:
+        print("policy-probes diagnose: error: --window must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        findings = diagnose_run(args.run_dir, window=args.window)
+    except FileNotFoundError as exc:
+        print(f"policy-probes diagnose: error: {exc}", file=sys.stderr)
+        return 2
+    print(to_json(findings) if args.json else render_text(findings))
+    return 0

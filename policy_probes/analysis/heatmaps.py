@@ -1,11 +1,6 @@
-"""Units x epochs heatmaps of per-unit probe vectors (active rate, Fisher, gradient RMS).
-
-One implementation with two consumers: the session draws them from its live store for the
-sinks that log them as images (W&B, TensorBoard), and the local report embeds them as
-PNGs. Figures are built as
-``matplotlib.figure.Figure`` objects without pyplot, so no global backend or figure state
-is touched (safe inside training loops and threads). A column is one epoch, a row one unit,
-so a person sees which units died and when.
+"""Units x epochs heatmaps of per-unit probe vectors (active rate, Fisher, gradient RMS): a
+row per unit, a column per epoch, so one sees which units died and when. Drawn without
+pyplot (no global matplotlib state) for the report and the sinks that log images.
 """
 
 from __future__ import annotations
@@ -67,8 +62,7 @@ def component_of(key: str) -> str:
 def units_by_epochs(
     rows: Iterable[tuple[int, Sequence[float | None]]],
 ) -> tuple[np.ndarray, list[int]]:
-    """Stack ``(epoch, vector)`` rows into a ``units x epochs`` array (NaN where a vector is
-    shorter or an element is missing) and the list of epochs."""
+    """``(epoch, vector)`` rows as a ``units x epochs`` array (NaN where missing) and epochs."""
     rows = list(rows)
     epochs = [int(e) for e, _ in rows]
     units = max((len(v) for _, v in rows), default=0)
@@ -92,32 +86,6 @@ def heatmap_figure(
     return _Canvas(matrix, epochs, spec, component, figsize).figure
 
 
-def draw_heatmap(
-    ax, matrix: np.ndarray, epochs: Sequence[int], spec: HeatmapSpec, component: str
-) -> tuple[Any, Any, Any]:
-    """Draw ``matrix`` (units x epochs) on ``ax`` with a colour bar; returns the image,
-    the colour bar and the title, which :class:`_Canvas` updates for the next matrix of
-    the same shape."""
-    units, _ = matrix.shape
-    data, cmap, norm = _colours(matrix, spec)
-    first = epochs[0] if len(epochs) else 0
-    last = epochs[-1] if len(epochs) else 0
-    extent = (first - 0.5, last + 0.5, units - 0.5, -0.5)
-    img = ax.imshow(
-        data, aspect="auto", interpolation="nearest", cmap=cmap, norm=norm, extent=extent
-    )
-    cbar = ax.figure.colorbar(
-        img, ax=ax, extend="min" if (spec.log or spec.zero_color) else "neither"
-    )
-    cbar.set_label(spec.colorbar)
-    title = ax.set_title(_title(matrix, epochs, spec, component), fontsize=10)
-    ax.set_xlabel("epoch")
-    ax.set_ylabel("unit")
-    ax.locator_params(axis="x", integer=True)
-    ax.locator_params(axis="y", integer=True)
-    return img, cbar, title
-
-
 def _colours(matrix: np.ndarray, spec: HeatmapSpec) -> tuple[np.ndarray, Any, Normalize]:
     """The masked data, colour map and norm of ``matrix`` under ``spec``."""
     import matplotlib
@@ -127,11 +95,8 @@ def _colours(matrix: np.ndarray, spec: HeatmapSpec) -> tuple[np.ndarray, Any, No
     data = np.ma.masked_invalid(matrix)
     if spec.log:
         positive = matrix[np.isfinite(matrix) & (matrix > 0)]
-        if positive.size:
-            vmax = float(positive.max())
-            vmin = max(float(positive.min()), vmax * 1e-8)
-        else:
-            vmin, vmax = 1e-12, 1.0
+        vmax = float(positive.max()) if positive.size else 1.0
+        vmin = max(float(positive.min()), vmax * 1e-8) if positive.size else 1e-12
         if vmin >= vmax:
             vmin = vmax / 10
         cmap = cmap.with_extremes(under="black")
@@ -155,9 +120,8 @@ def _title(matrix: np.ndarray, epochs: Sequence[int], spec: HeatmapSpec, compone
 
 
 class _Canvas:
-    """One heatmap figure redrawn for every matrix of the same metric, shape and epochs:
-    building a figure (its axes, colour bar and tick artists) is half of what drawing
-    one costs, and the sinks draw a dozen alike at a time."""
+    """One heatmap figure, redrawn for every matrix of the same metric, shape and epochs
+    (building a figure is half of what drawing one costs; the sinks draw a dozen alike)."""
 
     def __init__(
         self,
@@ -173,14 +137,25 @@ class _Canvas:
         self.epochs = list(epochs)
         self.figure = Figure(figsize=figsize, dpi=100)
         fixed_margins(self.figure)
-        self.image, self.colorbar, self.title = draw_heatmap(
-            self.figure.add_subplot(), matrix, epochs, spec, component
+        ax = self.figure.add_subplot()
+        data, cmap, norm = _colours(matrix, spec)
+        first, last = (epochs[0], epochs[-1]) if len(epochs) else (0, 0)
+        extent = (first - 0.5, last + 0.5, matrix.shape[0] - 0.5, -0.5)
+        self.image = ax.imshow(
+            data, aspect="auto", interpolation="nearest", cmap=cmap, norm=norm, extent=extent
         )
+        extend = "min" if (spec.log or spec.zero_color) else "neither"
+        self.colorbar = self.figure.colorbar(self.image, ax=ax, extend=extend)
+        self.colorbar.set_label(spec.colorbar)
+        self.title = ax.set_title(_title(matrix, epochs, spec, component), fontsize=10)
+        ax.set_xlabel("epoch")
+        ax.set_ylabel("unit")
+        ax.locator_params(axis="x", integer=True)
+        ax.locator_params(axis="y", integer=True)
         self.fresh = True
 
     def png(self, matrix: np.ndarray, component: str) -> bytes:
-        """PNG bytes of ``matrix`` drawn on this canvas (the shape and epochs it was made
-        for)."""
+        """PNG bytes of ``matrix`` (of the shape and epochs the canvas was made for)."""
         if not self.fresh:
             data, cmap, norm = _colours(matrix, self.spec)
             self.image.set_data(data)
@@ -193,19 +168,11 @@ class _Canvas:
 
 
 def fixed_margins(
-    fig: Figure,
-    rows: int = 1,
-    cols: int = 1,
-    *,
-    left: float = 0.75,
-    right: float = 0.15,
-    top: float = 0.45,
-    bottom: float = 0.55,
-    hgap: float = 0.85,
-    wgap: float = 0.75,
+    fig: Figure, rows: int = 1, cols: int = 1, *, top: float = 0.45, hgap: float = 0.85
 ) -> None:
-    """Margins and gaps in inches (matplotlib's layout engines cost ~0.5 s per figure;
-    fixed margins are enough for these regular grids). Call before adding axes."""
+    """Margins and gaps in inches (left 0.75, right 0.15, bottom 0.55, between columns
+    0.75; matplotlib's layout engines cost ~0.5 s a figure). Call before adding axes."""
+    left, right, bottom, wgap = 0.75, 0.15, 0.55, 0.75
     w, h = fig.get_size_inches()
     axes_h = (h - top - bottom - hgap * (rows - 1)) / rows
     axes_w = (w - left - right - wgap * (cols - 1)) / cols
@@ -220,13 +187,9 @@ def fixed_margins(
 
 
 def render_heatmaps(records: RunRecords) -> dict[str, tuple[bytes, str]]:
-    """PNG bytes and a caption of the heatmap of every per-unit key of ``records`` that
-    has one, keyed ``heatmaps/<probe>/<component>/<metric>`` (what the W&B and TensorBoard
-    sinks log).
-
-    Keys whose histories are equal (a component's output and its last layer's) share one
-    drawing, titled with both names; heatmaps of one metric, shape and epochs are drawn on
-    one reused figure (:class:`_Canvas`)."""
+    """``heatmaps/<probe>/<component>/<metric>`` -> (PNG, caption) of every per-unit key of
+    ``records`` with a heatmap; equal histories (a component and its last layer) share
+    one drawing titled with both names."""
     drawn: dict[tuple[Any, ...], tuple[list[str], np.ndarray, list[int], HeatmapSpec]] = {}
     for key, vectors in records.vectors.items():
         spec = heatmap_spec(key)
@@ -235,8 +198,7 @@ def render_heatmaps(records: RunRecords) -> dict[str, tuple[bytes, str]]:
         matrix, epochs = units_by_epochs(sorted(vectors.items()))
         if matrix.size == 0:
             continue
-        # units_by_epochs writes one NaN for every missing or non-finite value: equal
-        # histories have equal bytes
+        # one NaN for every missing or non-finite value: equal histories have equal bytes
         same = (spec, matrix.shape, tuple(epochs), matrix.tobytes())
         drawn.setdefault(same, ([], matrix, epochs, spec))[0].append(key)
     canvases: dict[tuple[Any, ...], _Canvas] = {}

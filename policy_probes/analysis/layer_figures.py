@@ -1,13 +1,7 @@
 """Per-layer figures: one line per layer of a component over epochs, so "which layer is
-dying" is one look.
-
-A probe attached with ``per_layer=True`` reports ``probes/<probe>/<component>/<metric>``
-and ``probes/<probe>/<component>.<layer>/<metric>`` for every activation layer inside the
-component. These figures put a component's layers side by side: one figure per probe
-section and component, one panel per metric, one line per layer. One implementation with
-two consumers, as :mod:`~policy_probes.analysis.heatmaps`: the local report embeds them
-and the session draws them for the sinks that log them as images under
-``layers/<section>/<component>`` (W&B, TensorBoard).
+dying" is one look (probes attached with ``per_layer=True`` report
+``probes/<probe>/<component>.<layer>/<metric>``). One figure per probe section and
+component, embedded by the report and logged by sinks as ``layers/<section>/<component>``.
 """
 
 from __future__ import annotations
@@ -38,14 +32,19 @@ class Panel(NamedTuple):
     per_layer: bool = False
 
 
+def _per_layer(probe: str, metric: str, title: str, log: bool = False) -> Panel:
+    """A :class:`Panel` also drawn per layer."""
+    return Panel(probe, metric, title, log, per_layer=True)
+
+
 #: the report's probe sections: (slug, title, panels)
 PROBE_SECTIONS: tuple[tuple[str, str, tuple[Panel, ...]], ...] = (
     (
         "relu",
         "Dead and dormant ReLU units",
         (
-            Panel("relu", "dead_fraction", "dead fraction (active rate 0)", per_layer=True),
-            Panel("relu", "dormant_fraction", "dormant fraction (ReDo, tau)", per_layer=True),
+            _per_layer("relu", "dead_fraction", "dead fraction (active rate 0)"),
+            _per_layer("relu", "dormant_fraction", "dormant fraction (ReDo, tau)"),
             Panel("relu", "rarely_active_fraction", "rarely active fraction (< 5%)"),
             Panel("relu", "zero_fraction", "zero fraction (elements <= 0)"),
         ),
@@ -55,18 +54,10 @@ PROBE_SECTIONS: tuple[tuple[str, str, tuple[Panel, ...]], ...] = (
         "Saturated activations",
         (
             Panel("saturation_tanh", "saturated_fraction", "tanh: saturated elements"),
-            Panel(
-                "saturation_tanh",
-                "saturated_units_fraction",
-                "tanh: saturated units",
-                per_layer=True,
-            ),
+            _per_layer("saturation_tanh", "saturated_units_fraction", "tanh: saturated units"),
             Panel("saturation_sigmoid", "saturated_fraction", "sigmoid: saturated elements"),
-            Panel(
-                "saturation_sigmoid",
-                "saturated_units_fraction",
-                "sigmoid: saturated units",
-                per_layer=True,
+            _per_layer(
+                "saturation_sigmoid", "saturated_units_fraction", "sigmoid: saturated units"
             ),
         ),
     ),
@@ -83,20 +74,10 @@ PROBE_SECTIONS: tuple[tuple[str, str, tuple[Panel, ...]], ...] = (
         "gradients",
         "Gradient flow",
         (
-            Panel(
-                "gradient_flow", "mean", "gradient RMS, mean over units", log=True, per_layer=True
-            ),
-            Panel(
-                "gradient_flow",
-                "blocked_fraction",
-                "blocked units (gradient RMS < 1e-8)",
-                per_layer=True,
-            ),
-            Panel(
-                "relu_gradient_flow",
-                "blocked_fraction",
-                "units no gradient passed through (ReLU)",
-                per_layer=True,
+            _per_layer("gradient_flow", "mean", "gradient RMS, mean over units", log=True),
+            _per_layer("gradient_flow", "blocked_fraction", "blocked units (gradient RMS < 1e-8)"),
+            _per_layer(
+                "relu_gradient_flow", "blocked_fraction", "units no gradient passed through (ReLU)"
             ),
         ),
     ),
@@ -132,9 +113,8 @@ def _natural(name: str) -> list:
 
 
 def layer_groups(names: Iterable[str]) -> dict[str, list[str]]:
-    """``component -> [its layers]`` among ``names``: a name is a layer of the longest
-    other name that is a dotted prefix of it (``actor_mlp.layer_0`` of ``actor_mlp``).
-    Components without a recorded layer are left out; layers in natural order."""
+    """``component -> [its layers]`` (natural order) among ``names``: a name is a layer of
+    the longest other name that is a dotted prefix of it (``actor_mlp.layer_0``)."""
     names = set(names)
     groups: dict[str, list[str]] = {}
     for name in names:
@@ -148,8 +128,7 @@ def layer_groups(names: Iterable[str]) -> dict[str, list[str]]:
 
 
 def layer_figures(records: RunRecords) -> list[tuple[str, str, Figure]]:
-    """``(section slug, component, figure)`` for every section and component of
-    ``records`` with layers."""
+    """``(section slug, component, figure)`` of every section and component with layers."""
     series = {k: records.series(k) for k in records.scalars if is_layer_metric(k)}
     out = []
     for slug, _title, panels in LAYER_SECTIONS:

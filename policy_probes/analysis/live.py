@@ -1,12 +1,6 @@
-"""LiveAnalysis: what a training session makes of its records while the run trains.
-
-A :class:`~policy_probes.session.ProbeSession` passes every record it emits through one
-:class:`LiveAnalysis` before its sinks get it: the record joins a live
-:class:`~policy_probes.records.RunRecords` (only the series the findings and figures read,
-the last ``max_epochs`` epochs of each), the findings are evaluated once per epoch record
-(incrementally, :class:`~policy_probes.analysis.findings.FindingsEngine`) and travel with
-it, and the figures are drawn from the same store when a sink asks for them
-(:attr:`policy_probes.sinks.base.SinkGroup.draw_figures`). The sinks only write.
+"""LiveAnalysis: what a training session makes of its records while the run trains: a live
+:class:`~policy_probes.records.RunRecords` of the series the findings and figures read, the
+findings on each epoch's record, and the figures when a sink asks (the sinks only write).
 """
 
 from __future__ import annotations
@@ -21,19 +15,15 @@ from policy_probes.records import METRICS_JSONL, POST_EPOCH, Record, RunRecords,
 
 
 class LiveAnalysis:
-    """The live store of a run's records, its findings and its figures.
-
-    ``rules`` and ``window``: the findings' (default
-    :func:`~policy_probes.analysis.findings.default_rules`); ``max_epochs``: the epochs
-    kept per series (the heatmaps and per-layer figures show that many)."""
+    """The live store of a run's records, its findings and its figures: ``rules`` and
+    ``window`` as :class:`~.findings.FindingsEngine`'s, ``max_epochs`` kept per series."""
 
     def __init__(
         self, rules: Sequence[Rule] | None = None, window: int = WINDOW, max_epochs: int = 1000
     ) -> None:
         self.findings = FindingsEngine(rules, window)
         self.records = RunRecords(keep=self.keeps, max_epochs=max_epochs)
-        #: whether to keep the series the figures draw (a sink may ask for them); set
-        #: before the first record (the store decides once per key)
+        #: whether to keep the series the figures draw; set before the first record
         self.with_figures = True
 
     def keeps(self, key: str) -> bool:
@@ -42,16 +32,15 @@ class LiveAnalysis:
         return figure or bool(self.findings.rules_of(key))
 
     def load(self, run_dir: str | Path) -> None:
-        """The records a resumed run holds already (its ``metrics.jsonl`` as rewound), so
-        the findings and figures cover the whole run."""
+        """Add the records a resumed run holds already (its rewound ``metrics.jsonl``)."""
         path = Path(run_dir) / METRICS_JSONL
         for line in iter_jsonl(path) if path.is_file() else ():
             if isinstance(line.get("epoch"), int):
                 self.add(Record.from_json(line))
 
     def add(self, record: Record) -> Record:
-        """Keep ``record``; an epoch's record (``POST_EPOCH``) moves the findings on and is
-        returned with them (plain dicts and their text), any other as it is."""
+        """Keep ``record``; an epoch's record (``POST_EPOCH``) is returned with the
+        findings (plain dicts and their text), any other as it is."""
         self.records.add(record)
         if record.hook_point != POST_EPOCH:
             return record
@@ -62,8 +51,7 @@ class LiveAnalysis:
         return Record(r.epoch, r.hook_point, r.agent_step, r.metrics, findings, render_text(found))
 
     def figures(self) -> dict[str, tuple[bytes, str]]:
-        """The run's figures so far, keyed as the sinks log them: the units x epochs
-        heatmaps (``heatmaps/...``) and the per-layer figures (``layers/...``)."""
+        """The run's figures so far (``heatmaps/...``, ``layers/...``)."""
         out = render_heatmaps(self.records)
         epoch = self.records.last_epoch
         for slug, component, fig in layer_figures(self.records):

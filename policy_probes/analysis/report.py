@@ -1,22 +1,9 @@
 """The local dashboard: ``policy-probes report RUN_DIR`` -> ``RUN_DIR/report.html``.
 
-Built from ``metrics.jsonl`` alone (read once into a
-:class:`~policy_probes.records.RunRecords`, plus ``config.json`` when present), so it works
-for any run, finished, interrupted or still going. One self-contained HTML file: every figure is a
-PNG drawn with matplotlib and embedded as base64, no network or external files needed.
-
-Sections (each only when the run recorded its metrics): returns, PPO losses and
-statistics, dead/dormant ReLU fractions per component, saturation, Fisher information,
-gradient flow, the same per layer (one figure per component, one line per activation
-layer inside it: :mod:`~policy_probes.analysis.layer_figures`), units x epochs heatmaps
-(ReLU active rate, per-unit Fisher, gradient RMS, the figures the W&B sink logs), and a
-table of every scalar's last, min and max value.
-
-Overlays: the returns, losses and per-component probe figures also draw, in the colour of
-each of the run's lines, the same series of the run's parent (a run started by
-``policy-probes fork``, whose ``config.json`` names its ``parent``; dashed, with a vertical
-line at the fork epoch) and of the runs given with ``--compare`` (dotted, dash-dotted...),
-on the same epoch axis.
+One self-contained HTML file (matplotlib PNGs inlined) built from ``metrics.jsonl`` (and
+``config.json``), so it works for any run, finished or still going: the findings, returns,
+losses, probe sections per component and per layer, heatmaps and every scalar's range. A
+fork's parent (dashed) and the ``--compare`` runs are overlaid in each line's colour.
 """
 
 from __future__ import annotations
@@ -26,6 +13,7 @@ import base64
 import html
 import json
 import math
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -55,6 +43,7 @@ from policy_probes.analysis.layer_figures import (
     plot_series,
     style_axes,
 )
+from policy_probes.atomic_write import write_text_atomic
 from policy_probes.records import METRICS_JSONL, RunRecords
 from policy_probes.user_errors import positive_int
 
@@ -80,6 +69,7 @@ TRAIN_KEYS = (
 #: line styles of the overlaid runs: the parent, then each compared run in turn
 OVERLAY_STYLES: tuple[Any, ...] = ("--", ":", "-.", (0, (5, 1, 1, 1, 1, 1)), (0, (1, 3)))
 OVERLAY_ALPHA = 0.55
+_STYLE_NAMES = {"--": "dashed", ":": "dotted", "-.": "dash-dotted"}
 
 
 def series(run: RunRecords, key: str) -> tuple[np.ndarray, np.ndarray]:
@@ -91,8 +81,7 @@ def series(run: RunRecords, key: str) -> tuple[np.ndarray, np.ndarray]:
 def components(run: RunRecords, probe: str, metric: str, layers: bool = True) -> list[str]:
     """Names with a ``probes/<probe>/<name>/<metric>`` series; ``layers=False`` leaves out
     the layers of another recorded name (see :func:`layer_groups`)."""
-    prefix = f"probes/{probe}/"
-    suffix = f"/{metric}"
+    prefix, suffix = f"probes/{probe}/", f"/{metric}"
     names = sorted(
         k[len(prefix) : -len(suffix)]
         for k in run.scalars
@@ -106,8 +95,7 @@ def components(run: RunRecords, probe: str, metric: str, layers: bool = True) ->
 
 @dataclass
 class Overlay:
-    """Another run drawn over the report's run: its parent (``fork_epoch`` set) or a run
-    to compare with."""
+    """Another run drawn over the report's: its parent (``fork_epoch`` set) or a compared one."""
 
     label: str
     run: RunRecords
@@ -118,9 +106,8 @@ class Overlay:
 def find_overlays(
     run_dir: Path, config: dict[str, Any] | None, compare: Sequence[Path] = ()
 ) -> tuple[list[Overlay], list[str]]:
-    """The parent named in ``config`` (when its metrics are found) and the runs in
-    ``compare``, as overlays; and a note for each that could not be read. A relative
-    parent path is tried from the working directory, then from ``run_dir``'s parent."""
+    """The parent named in ``config`` (a relative path from the working directory, else
+    beside ``run_dir``) and the ``compare`` runs as overlays, and a note for each unread."""
     overlays: list[Overlay] = []
     notes: list[str] = []
     styles = iter(OVERLAY_STYLES * (1 + len(compare)))
@@ -132,15 +119,9 @@ def find_overlays(
         if found is None:
             notes.append(f"parent run {where} (no {METRICS_JSONL} found)")
         else:
-            fork_epoch = parent.get("epoch")
-            overlays.append(
-                Overlay(
-                    f"parent {found.resolve().name}",
-                    RunRecords.read(found),
-                    next(styles),
-                    fork_epoch if isinstance(fork_epoch, int) else None,
-                )
-            )
+            epoch = parent.get("epoch") if isinstance(parent.get("epoch"), int) else None
+            label = f"parent {found.resolve().name}"
+            overlays.append(Overlay(label, RunRecords.read(found), next(styles), epoch))
     else:
         next(styles)  # the dashed style stays the parent's
     for other in compare:
@@ -152,40 +133,32 @@ def find_overlays(
     return overlays, notes
 
 
-# ---------------------------------------------------------------------- figures
-def _png_b64(fig: Figure) -> str:
-    return base64.b64encode(figure_png(fig)).decode("ascii")
-
-
-def _overlay(
-    ax, key: str, line: Any, overlays: Sequence[Overlay], label: str | None, log: bool = False
+def _plot(
+    ax,
+    run: RunRecords,
+    key: str,
+    overlays: Sequence[Overlay],
+    name: str | None = None,
+    log: bool = False,
+    label: str | None = None,
 ) -> None:
-    """Draw ``key`` of each overlaid run in ``line``'s colour and the overlay's style."""
+    """Draw ``key`` of ``run`` (labelled ``label``, default ``name``) and, in its colour
+    and their own style, of each overlaid run that has it (labelled ``name [overlay]``)."""
+    x, y = series(run, key)
+    line = plot_series(ax, x, y, label=label or name, log=log)
     for o in overlays:
         if key in o.run.scalars:
             x, y = series(o.run, key)
-            plot_series(
-                ax,
-                x,
-                y,
-                label=None if label is None else f"{label} [{o.label}]",
-                log=log,
-                color=line.get_color(),
-                linestyle=o.linestyle,
-                alpha=OVERLAY_ALPHA,
-            )
+            tagged = None if name is None else f"{name} [{o.label}]"
+            style = {"color": line.get_color(), "linestyle": o.linestyle, "alpha": OVERLAY_ALPHA}
+            plot_series(ax, x, y, label=tagged, log=log, **style)
 
 
 def _fork_lines(ax, overlays: Sequence[Overlay]) -> None:
     for o in overlays:
         if o.fork_epoch is not None:
-            ax.axvline(
-                o.fork_epoch,
-                color="0.35",
-                linestyle=":",
-                linewidth=1.2,
-                label=f"fork after epoch {o.fork_epoch}",
-            )
+            label = f"fork after epoch {o.fork_epoch}"
+            ax.axvline(o.fork_epoch, color="0.35", linestyle=":", linewidth=1.2, label=label)
 
 
 def returns_figure(run: RunRecords, overlays: Sequence[Overlay] = ()) -> Figure | None:
@@ -194,9 +167,7 @@ def returns_figure(run: RunRecords, overlays: Sequence[Overlay] = ()) -> Figure 
         return None
     fig, (ax,) = panel_grid(1, cols=1, height=3.4, width=10.4)
     for key, label in present:
-        x, y = series(run, key)
-        line = plot_series(ax, x, y, label=f"{label} ({key})")
-        _overlay(ax, key, line, overlays, label)
+        _plot(ax, run, key, overlays, label, label=f"{label} ({key})")
     _fork_lines(ax, overlays)
     style_axes(ax, "Episode return", ylabel="return")
     ax.legend(fontsize=8)
@@ -209,9 +180,7 @@ def training_figure(run: RunRecords, overlays: Sequence[Overlay] = ()) -> Figure
         return None
     fig, axes = panel_grid(len(present), cols=3, height=2.5)
     for ax, (key, title, log) in zip(axes, present, strict=True):
-        x, y = series(run, key)
-        line = plot_series(ax, x, y, log=log)
-        _overlay(ax, key, line, overlays, None, log=log)
+        _plot(ax, run, key, overlays, log=log)
         _fork_lines(ax, overlays)
         style_axes(ax, f"{title}\n{key}", log=log)
     return fig
@@ -229,10 +198,7 @@ def probe_figure(
     fig, axes = panel_grid(len(present), cols=2, height=3.0)
     for ax, (probe, metric, title, log, _) in zip(axes, present, strict=True):
         for comp in components(run, probe, metric, layers=False):
-            key = f"probes/{probe}/{comp}/{metric}"
-            x, y = series(run, key)
-            line = plot_series(ax, x, y, label=comp, log=log)
-            _overlay(ax, key, line, overlays, comp, log=log)
+            _plot(ax, run, f"probes/{probe}/{comp}/{metric}", overlays, comp, log=log)
         _fork_lines(ax, overlays)
         if not log and metric.endswith("fraction"):
             ax.set_ylim(-0.03, 1.03)
@@ -262,11 +228,6 @@ def heatmap_figures(run: RunRecords, max_epochs: int | None = None) -> list[tupl
     return out
 
 
-def _style_name(linestyle: Any) -> str:
-    return {"--": "dashed", ":": "dotted", "-.": "dash-dotted"}.get(linestyle, "dashed pattern")
-
-
-# ---------------------------------------------------------------------- HTML
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px auto;max-width:1120px;
 color:#222;padding:0 16px}
@@ -288,7 +249,8 @@ def _fmt(v: float) -> str:
 
 
 def _img(fig: Figure, alt: str) -> str:
-    return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{_png_b64(fig)}">'
+    png = base64.b64encode(figure_png(fig)).decode("ascii")
+    return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{png}">'
 
 
 def _scalar_table(run: RunRecords) -> str:
@@ -297,17 +259,11 @@ def _scalar_table(run: RunRecords) -> str:
         values = [v for _, v in sorted(run.scalars[key].items())]
         finite = [v for v in values if math.isfinite(v)]
         last = values[-1] if values else math.nan
-        lo = min(finite) if finite else math.nan
-        hi = max(finite) if finite else math.nan
-        rows.append(
-            f"<tr><td>{html.escape(key)}</td><td>{_fmt(last)}</td><td>{_fmt(lo)}</td>"
-            f"<td>{_fmt(hi)}</td><td>{len(values)}</td></tr>"
-        )
-    return (
-        "<table><tr><th>metric</th><th>last</th><th>min</th><th>max</th><th>epochs</th></tr>"
-        + "".join(rows)
-        + "</table>"
-    )
+        cells = (last, min(finite, default=math.nan), max(finite, default=math.nan))
+        shown = "".join(f"<td>{_fmt(v)}</td>" for v in cells)
+        rows.append(f"<tr><td>{html.escape(key)}</td>{shown}<td>{len(values)}</td></tr>")
+    head = "<tr><th>metric</th><th>last</th><th>min</th><th>max</th><th>epochs</th></tr>"
+    return f"<table>{head}{''.join(rows)}</table>"
 
 
 def build_report(
@@ -318,9 +274,9 @@ def build_report(
     compare: Sequence[Path] = (),
 ) -> Path:
     """Write the HTML dashboard of ``run_dir`` (default ``run_dir/report.html``) and
-    return its path; the run's parent (a fork's) and the runs in ``compare`` are overlaid
-    on its returns, losses and probe figures. Raises ``FileNotFoundError`` when the run
-    has no metrics.jsonl and ``ValueError`` when ``max_heatmap_epochs`` is not None or >= 1."""
+    return its path, a fork's parent and the ``compare`` runs overlaid. Raises
+    ``FileNotFoundError`` without metrics.jsonl, ``ValueError`` when ``max_heatmap_epochs``
+    is neither None nor >= 1."""
     if max_heatmap_epochs is not None and max_heatmap_epochs < 1:
         raise ValueError(
             f"max_heatmap_epochs must be >= 1 (or None for every epoch), got {max_heatmap_epochs}"
@@ -339,8 +295,7 @@ def build_report(
         meta.append(f"epochs {epochs[0]}-{epochs[-1]} ({len(epochs)})")
     if steps is not None:
         meta.append(f"{steps:,} environment steps")
-    meta.append(f"{run.records} records")
-    meta.append(f"generated {time.strftime('%Y-%m-%d %H:%M:%S')}")
+    meta += [f"{run.records} records", f"generated {time.strftime('%Y-%m-%d %H:%M:%S')}"]
     parts.append(f'<p class="meta">{" &middot; ".join(meta)}</p>')
     config_path = run_dir / "config.json"
     config: dict[str, Any] | None = None
@@ -356,7 +311,7 @@ def build_report(
     overlays, unread = find_overlays(run_dir, config if isinstance(config, dict) else None, compare)
     if overlays:
         drawn = "; ".join(
-            f"{html.escape(o.label)}: {_style_name(o.linestyle)}"
+            f"{html.escape(o.label)}: {_STYLE_NAMES.get(o.linestyle, 'dashed pattern')}"
             + (f", forked after epoch {o.fork_epoch}" if o.fork_epoch is not None else "")
             for o in overlays
         )
@@ -371,26 +326,19 @@ def build_report(
     else:  # what is going wrong, first (policy_probes.analysis.findings)
         parts.append(render_findings_html(diagnose(run, run_rules(run_dir))))
     missing: list[str] = []
-
-    fig = returns_figure(run, overlays)
-    if fig is not None:
-        parts += ["<h2>Returns</h2>", _img(fig, "episode return per epoch")]
-    else:
-        missing.append("returns")
-    fig = training_figure(run, overlays)
-    if fig is not None:
-        parts += ["<h2>Losses and PPO statistics</h2>", _img(fig, "losses per epoch")]
-    else:
-        missing.append("losses")
+    losses = training_figure(run, overlays)
+    sections = [
+        (returns_figure(run, overlays), "<h2>Returns</h2>", "episode return per epoch", "returns"),
+        (losses, "<h2>Losses and PPO statistics</h2>", "losses per epoch", "losses"),
+    ]
     for slug, section, panels in PROBE_SECTIONS:
-        fig = probe_figure(run, panels, overlays)
+        heading = f'<h2 id="{slug}">{html.escape(section)} per component</h2>'
+        sections.append((probe_figure(run, panels, overlays), heading, section, section.lower()))
+    for fig, heading, alt, name in sections:
         if fig is not None:
-            parts += [
-                f'<h2 id="{slug}">{html.escape(section)} per component</h2>',
-                _img(fig, section),
-            ]
+            parts += [heading, _img(fig, alt)]
         else:
-            missing.append(section.lower())
+            missing.append(name)
     per_layer = layer_figures(run)
     for slug, section, _ in LAYER_SECTIONS:
         figures = [(comp, f) for s, comp, f in per_layer if s == slug]
@@ -399,13 +347,13 @@ def build_report(
             parts += [_img(f, f"{section} per layer: {comp}") for comp, f in figures]
     heatmaps = heatmap_figures(run, max_heatmap_epochs)
     if heatmaps:
-        parts.append('<h2 id="heatmaps">Units x epochs</h2>')
-        parts.append(
+        parts += [
+            '<h2 id="heatmaps">Units x epochs</h2>',
             '<p class="note">One row per unit, one column per epoch. Red: ReLU units with active '
             "rate 0 (dead) in that epoch; black: per-unit Fisher or gradient RMS of exactly 0; "
-            "grey: not recorded.</p>"
-        )
-        parts += [_img(f, key) for key, f in heatmaps]
+            "grey: not recorded.</p>",
+            *(_img(f, key) for key, f in heatmaps),
+        ]
     else:
         missing.append("per-unit heatmaps")
     if missing:
@@ -422,17 +370,10 @@ def build_report(
         + "\n</body></html>\n"
     )
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    try:
-        tmp.write_text(document, encoding="utf-8")
-        tmp.replace(out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # a failed report leaves nothing behind
-        raise
+    write_text_atomic(out, document)  # a failed report leaves nothing behind
     return out
 
 
-# ---------------------------------------------------------------------- CLI
 def add_report_subcommand(subparsers: argparse._SubParsersAction) -> None:
     """``policy-probes report RUN_DIR [--out FILE]``."""
     p = subparsers.add_parser(
@@ -465,8 +406,6 @@ def add_report_subcommand(subparsers: argparse._SubParsersAction) -> None:
 
 def report_command(args: argparse.Namespace) -> int:
     """Handler of ``report``: 0 on success, 2 when the run directory has no metrics."""
-    import sys
-
     missing = [str(c) for c in args.compare if not (Path(c) / METRICS_JSONL).is_file()]
     if missing:
         print(

@@ -1,36 +1,13 @@
-"""Stable-Baselines3: probes on an SB3 policy through a callback.
+"""Stable-Baselines3: probes on an SB3 policy through :class:`ProbeCallback` (see
+``docs/external.md``)::
 
-::
+    callback = ProbeCallback(probes=[("actor_mlp", attach_relu_activation_hooks())])
+    PPO("MlpPolicy", "CartPole-v1").learn(100_000, callback=callback)
 
-    from stable_baselines3 import PPO
-    from policy_probes import attach_fisher_information_hooks, attach_relu_activation_hooks
-    from policy_probes.integrations.sb3 import ProbeCallback
-
-    model = PPO("MlpPolicy", "CartPole-v1", policy_kwargs=dict(activation_fn=nn.ReLU))
-    callback = ProbeCallback(
-        probes=[("actor_mlp", attach_relu_activation_hooks())],
-        backward_probes=[("actor_mlp", attach_fisher_information_hooks())],
-        run_dir="runs/sb3-ppo",
-    )
-    model.learn(100_000, callback=callback)
-
-What happens in one rollout/update cycle of an on-policy algorithm (PPO, A2C)::
-
-    _on_rollout_start   report the previous cycle (its train() has finished); phase "rollout"
-    rollout             policy forwards under no_grad: probes do not record
-    _on_rollout_end     phase "train"
-    dump_logs, train()  the minibatch passes the probes observe are recorded
-    ... next _on_rollout_start, or _on_training_end for the last cycle: report
-
-Component names for ``ActorCriticPolicy`` (``MlpPolicy`` of PPO and A2C) are in
-:data:`SB3_COMPONENTS`; see ``docs/external.md``.
-
-sb3-contrib's ``RecurrentPPO`` works the same way: its LSTMs are the components
-``lstm_actor`` and ``lstm_critic`` (probes read their output sequence, see
-:mod:`policy_probes.recurrent`), and the padded steps of its sequence minibatches, which
-its loss masks out, are left out of every probe: the callback reads each minibatch's
-``mask`` from the rollout buffer and sets it as the session's row mask while ``train()``
-uses that minibatch.
+Each rollout/update cycle is one record: probes record ``train()``'s minibatch passes (not
+the no-grad rollout) and the cycle is reported at the next ``_on_rollout_start`` or at
+``_on_training_end``. Component names: :data:`SB3_COMPONENTS`; ``RecurrentPPO``'s LSTMs are
+``lstm_actor``/``lstm_critic``, and the padded steps its loss masks out are masked here too.
 """
 
 from __future__ import annotations
@@ -95,8 +72,7 @@ _HYPERPARAMETERS = (
     "policy_kwargs",
 )
 
-#: ``(pattern, builder)`` or ``(pattern, builder, placement)`` (a dict of ``per_layer``,
-#: ``phases``, ... as ``add_training_hook`` takes them)
+#: ``(pattern, builder)`` or ``(pattern, builder, placement)``
 Probe = tuple[str, ProbeBuilder] | tuple[str, ProbeBuilder, Mapping[str, Any]]
 
 log = logging.getLogger("policy_probes")
@@ -105,9 +81,8 @@ log = logging.getLogger("policy_probes")
 def sb3_components(
     policy: nn.Module, extra: Mapping[str, nn.Module | str] | None = None
 ) -> dict[str, nn.Module | str]:
-    """Component names for an SB3 policy: every direct child under its attribute name
-    (so raw dotted paths such as ``mlp_extractor.policy_net.0`` resolve), the short names
-    of :data:`SB3_COMPONENTS` that exist on it, and ``extra`` (which wins)."""
+    """Component names for an SB3 policy: every direct child by attribute name (so dotted
+    paths resolve), the :data:`SB3_COMPONENTS` it has, and ``extra`` (which wins)."""
     out: dict[str, nn.Module | str] = {}
     for name, child in child_modules(policy):  # every attribute, shared modules included
         if child is not None:
@@ -124,33 +99,23 @@ def sb3_components(
 
 class ProbeCallback(BaseCallback):
     """Attach probes to an SB3 policy, record them during ``train()``, and report once
-    per rollout/update cycle to the sinks (JSONL, CSV, W&B, console).
+    per rollout/update cycle to the sinks.
 
     Args:
-        probes: ``(pattern, builder)`` probes, each placed forward or backward as it says,
-            e.g. ``("actor_mlp", attach_relu_activation_hooks())``.
-        backward_probes: ``(pattern, builder)`` backward probes (plain backward hook
-            closures too), e.g. ``("actor_mlp", attach_fisher_information_hooks())``.
-        components: more component names (name -> submodule or dotted path); the SB3
-            names of :func:`sb3_components` are always there.
+        probes: ``(pattern, builder)`` or ``(pattern, builder, placement dict)`` probes,
+            each placed forward or backward as it says.
+        backward_probes: backward probes (plain backward hook closures too).
+        components: more component names (name -> submodule or dotted path).
         run_dir: where the sinks write; default ``runs/sb3-<algo>-<time>``.
-        probing: the probe settings (:class:`~policy_probes.probe_settings.ProbeSettings`:
-            sinks, W&B, strict, lifecycle hooks, sampling, snapshots), as in
-            :class:`~policy_probes.session.ProbeSession`. Lifecycle observers get the
-            policy and its optimizer; interventions are not available (SB3's loss is
-            internal to ``train()``). The default samples passes 0, 16, 32, ... of every
-            cycle's ``train()``, every cycle reporting (the 5 % budget is checked once,
-            after the third cycle; passes end at SB3's ``optimizer.step()``); SB3 has no
-            loss function to give, so ``probe_batch`` schedules fall back to the default.
-        config: the run configuration (``config.json``; it also gets the algorithm's
-            hyperparameters under ``"sb3"``).
-        log_sb3: add SB3's own logger values of the cycle (``train/*``) and the episode
-            statistics (``rollout/ep_rew_mean``, ``rollout/ep_len_mean``) to each record.
-        verbose: SB3 verbosity; 1 prints the record's path once.
+        probing: the :class:`~policy_probes.probe_settings.ProbeSettings`. Lifecycle
+            observers get the policy and its optimizer; interventions and ``probe_batch``
+            schedules are not available (SB3's loss is internal to ``train()``).
+        config: the run configuration (``config.json``; SB3's hyperparameters under ``"sb3"``).
+        log_sb3: add SB3's logger values of the cycle (``train/*``) and episode statistics.
+        verbose: SB3 verbosity; 1 prints the run directory once.
 
-    After ``learn()`` the session is closed (hooks removed, sinks closed) and
-    :attr:`history` holds every record. A later ``learn()`` with the same callback opens
-    a new session on the same ``run_dir`` and continues the cycle count.
+    After ``learn()`` the session is closed and :attr:`history` holds every record; a
+    later ``learn()`` continues the same ``run_dir`` and cycle count.
     """
 
     def __init__(
@@ -182,12 +147,10 @@ class ProbeCallback(BaseCallback):
         self._trained = False  # a train() ran since the last report
         self._masked_buffer: Any = None
 
-    # ------------------------------------------------------------------ probes
     def add_training_hook(
         self, pattern: str, builder: ProbeBuilder, **placement: Any
     ) -> ProbeCallback:
-        """Add a probe, placed by its direction and ``placement`` (attached when
-        ``learn()`` starts, or now if it runs)."""
+        """Add a probe, placed by its direction and ``placement`` (attached now if it runs)."""
         return self._add(pattern, builder, None, placement)
 
     def add_training_backward_hook(
@@ -204,7 +167,6 @@ class ProbeCallback(BaseCallback):
         add_probe(self._probes, pattern, builder, backward, placement)
         return self
 
-    # --------------------------------------------------------------- callbacks
     def _init_callback(self) -> None:
         """Called by ``learn()`` before training: wrap the policy and attach the probes."""
         if self.session is not None and not self.session.closed:
@@ -244,15 +206,14 @@ class ProbeCallback(BaseCallback):
             print(f"policy-probes: writing to {run_dir}")
 
     def _on_rollout_start(self) -> None:
-        """The previous cycle's ``train()`` has finished: report it, then stop recording."""
+        """Report the previous cycle (its ``train()`` has finished), then stop recording."""
         self._report()
         if self.session is not None:
             self.session.set_phase("rollout")
 
     def _on_rollout_end(self) -> None:
-        """SB3 calls ``train()`` next: the session's ``rollout_end`` (with the rollout
-        buffer's observations when a probe or lifecycle hook reads them), then record
-        from here."""
+        """SB3 calls ``train()`` next: the session's ``rollout_end`` (with the buffer's
+        observations when something reads them), then record from here."""
         session = self.session
         if session is not None:
             observations = _buffer_observations(self.model) if session.wants_observations else None
@@ -270,7 +231,6 @@ class ProbeCallback(BaseCallback):
         finally:
             self.close()
 
-    # ------------------------------------------------------------------ report
     def _report(self) -> None:
         """Report the cycle that just trained (every cycle reports every probe)."""
         if self.session is None or self.session.closed or not self._trained:
@@ -288,9 +248,8 @@ class ProbeCallback(BaseCallback):
             sampler.charge(logged)
 
     def _sb3_values(self) -> dict[str, float]:
-        """SB3's logger values recorded since its last dump (``train()`` records its
-        ``train/*`` values after ``dump_logs`` ran, so they are all still there) and the
-        episode statistics over SB3's episode buffer, as ``dump_logs`` computes them."""
+        """SB3's logger values since its last dump (all of ``train()``'s ``train/*``) and
+        the episode statistics of its episode buffer, as ``dump_logs`` computes them."""
         out: dict[str, float] = {}
         logger = getattr(self.model, "_logger", None)
         for key, value in dict(getattr(logger, "name_to_value", {}) or {}).items():
@@ -302,14 +261,10 @@ class ProbeCallback(BaseCallback):
             out["rollout/ep_len_mean"] = float(sum(e["l"] for e in episodes) / len(episodes))
         return out
 
-    # ----------------------------------------------------------------- helpers
     def _trace(self, session: ProbeSession) -> None:
-        """Learn what each component returns with one forward pass on a sample
-        observation (no_grad, eval mode, every RNG restored), so that a backward probe on
-        a component that returns a tuple (``mlp_extractor``) fails when attached. A
-        recurrent policy (``RecurrentPPO``) also gets zero LSTM states and an episode
-        start; a policy whose ``forward`` needs arguments the callback cannot make is not
-        traced (its components' output kinds are then checked on the first forward)."""
+        """Learn what each component returns from one forward pass on a sample observation
+        (eval mode, RNGs restored), so that a backward probe on a component returning a
+        tuple fails when attached (else at its first forward)."""
         policy = self.model.policy
         try:
             space = copy.deepcopy(policy.observation_space)  # keep the space's own RNG
@@ -333,9 +288,9 @@ class ProbeCallback(BaseCallback):
             policy.train(was_training)
 
     def _mask_minibatches(self, session: ProbeSession) -> None:
-        """Set each minibatch's ``mask`` (recurrent rollout buffers: 0 at padded steps)
-        as the session's row mask while ``train()`` uses it. The buffer's ``get`` is
-        wrapped for this session (an instance attribute, removed by :meth:`close`)."""
+        """Set each minibatch's ``mask`` (recurrent buffers: 0 at padded steps) as the
+        session's row mask while ``train()`` uses it, by wrapping the buffer's ``get``
+        (an instance attribute, removed by :meth:`close`)."""
         buffer = getattr(self.model, "rollout_buffer", None)
         get = getattr(buffer, "get", None)
         if buffer is None or get is None or "get" in vars(buffer):
@@ -367,10 +322,9 @@ class ProbeCallback(BaseCallback):
             out[name] = value
         return out
 
-    # ------------------------------------------------------------------- close
     def close(self) -> None:
-        """Remove the hooks and close the sinks (done at the end of ``learn()``; call it
-        yourself, or use the callback as a context manager, if ``learn()`` may raise)."""
+        """Remove the hooks and close the sinks (done at the end of ``learn()``; call it, or
+        use the callback as a context manager, if ``learn()`` may raise)."""
         buffer = getattr(self, "_masked_buffer", None)
         if buffer is not None:
             vars(buffer).pop("get", None)
@@ -387,7 +341,7 @@ class ProbeCallback(BaseCallback):
 
 def _buffer_observations(model: Any) -> torch.Tensor | None:
     """The rollout buffer's observations as flat rows on the model's device (None for
-    dict observation spaces: the churn probe then needs ``ChurnState.fix_batch``)."""
+    dict spaces: the churn probe then needs ``ChurnState.fix_batch``)."""
     obs = getattr(getattr(model, "rollout_buffer", None), "observations", None)
     if not isinstance(obs, np.ndarray):
         return None
@@ -412,7 +366,7 @@ def _forward_args(policy: nn.Module, obs: Any) -> tuple[Any, ...]:
 
 def _sequence_mask(mask: torch.Tensor, sample: Any) -> torch.Tensor:
     """A recurrent minibatch's flat mask as ``(sequences, steps)`` (its rows are the
-    padded sequences one after the other), so per-step LSTM calls read one column."""
+    padded sequences in turn), so per-step LSTM calls read one column."""
     states = getattr(sample, "lstm_states", None)
     pi = getattr(states, "pi", None)
     if pi is None:

@@ -1,16 +1,11 @@
 """Metric sinks: where per-epoch metrics go (JSONL, CSV, W&B, TensorBoard, the console).
 
-Typical use (a :class:`~policy_probes.session.ProbeSession` does this for a training
-loop, adding the run's findings and figures)::
+Each sink is a plugin (:mod:`policy_probes.plugins`) a run opens when its configuration
+switches it on (``sinks.<name>=true``); a :class:`~policy_probes.session.ProbeSession` does::
 
     group = build_sink_group(run_dir, SinksConfig(), WandbConfig(), config=resolved_config)
     group.emit(Record.of(metrics, epoch, "POST_EPOCH", agent_step))
-    ...
     group.close()
-
-Each sink is a plugin (:mod:`policy_probes.plugins`): the run opens every registered sink
-its configuration switches on (``sinks.<name>=true``), a sink of your own as well. The
-heavy libraries (wandb, tensorboard, matplotlib) are imported when a sink starts.
 """
 
 from __future__ import annotations
@@ -66,20 +61,10 @@ def build_sinks(
     console: Console | None = None,
     failures: dict[str, str] | None = None,
 ) -> list[MetricSink]:
-    """Create the sinks that ``sinks`` switches on, writing under ``run_dir``.
-
-    Each sink starts inside its own ``try``: one that cannot start (read-only directory,
-    W&B init error, missing package) is reported once with the reason (logged at error
-    level and stored in ``failures`` when given) and left out; the others go on.
-
-    Args:
-        run_dir: the run directory (created if absent).
-        sinks: which sinks to create.
-        wandb: the W&B run settings (``mode="disabled"`` creates no W&B sink).
-        config: the resolved run configuration, stored in the W&B run's config.
-        console: a rich Console to share with a progress bar (the console sink's output).
-        failures: filled with ``sink name -> reason`` for every sink that failed to start.
-    """
+    """Create the sinks that ``sinks`` switches on, writing under ``run_dir``; ``config``
+    goes to the W&B run, ``console`` (shared with a progress bar) to the console sink. A
+    sink that cannot start is logged with the reason, recorded in ``failures`` (name ->
+    reason) when given, and left out; the others go on."""
     setup = SinkSetup(Path(run_dir), sinks, wandb, config, console)
     built: list[MetricSink] = []
     for name, cls in plugins.registered("sink").items():
@@ -88,9 +73,9 @@ def build_sinks(
         try:
             setup.run_dir.mkdir(parents=True, exist_ok=True)
             sink = cls.from_setup(setup)
-            if sink is None:
-                continue
-            sink.set_run_context(run_dir=setup.run_dir, config=config)
+            if sink is not None:
+                sink.set_run_context(run_dir=setup.run_dir, config=config)
+                built.append(sink)
         except Exception as exc:  # noqa: BLE001 - a sink must never stop the run
             reason = f"{type(exc).__name__}: {exc}"
             if failures is not None:
@@ -102,8 +87,6 @@ def build_sinks(
                 reason,
                 exc_info=exc,
             )
-            continue
-        built.append(sink)
     return built
 
 
@@ -115,11 +98,9 @@ def build_sink_group(
     *,
     console: Console | None = None,
 ) -> SinkGroup:
-    """:func:`build_sinks` wrapped in a fault-isolating :class:`SinkGroup` whose
-    ``failures`` already lists the sinks that could not start."""
-    failures: dict[str, str] = {}
-    group = SinkGroup(
-        build_sinks(run_dir, sinks, wandb, config, console=console, failures=failures)
+    """:func:`build_sinks` in a :class:`SinkGroup` whose ``failures`` lists those that failed."""
+    group = SinkGroup()
+    group.sinks = build_sinks(
+        run_dir, sinks, wandb, config, console=console, failures=group.failures
     )
-    group.failures.update(failures)
     return group

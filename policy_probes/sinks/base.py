@@ -1,12 +1,6 @@
-"""MetricSink: where per-epoch records go, and SinkGroup: the fan-out that isolates faults.
-
-Probes, trackers and lifecycle hooks produce metrics; the session makes each emit one
-plain :class:`~policy_probes.records.Record` (with the run's findings on the epoch's
-record) and hands it to a :class:`SinkGroup`, which hands it to each sink and switches
-off a sink that raises (reported once, with the reason) so that a broken output can never
-stop training or keep the other outputs from receiving every epoch. Sinks only write:
-they never compute findings or keep histories; the figures a sink wants (heatmaps,
-per-layer figures) are drawn by the session's analysis when the sink asks for them.
+"""MetricSink: where records go, and SinkGroup: the fan-out that isolates faults, so a
+broken output never stops training or the other outputs. Sinks only write; the figures a
+sink asks for are drawn by the session's analysis.
 """
 
 from __future__ import annotations
@@ -20,7 +14,7 @@ import signal
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -33,14 +27,11 @@ logger = logging.getLogger("policy_probes.sinks")
 
 
 class MetricSink(ABC):
-    """One output for records (a file, a dashboard, the console).
-
-    A sink class registered with :func:`policy_probes.plugins.register` is selected by
-    configuration like the built-in ones: ``sinks.<name>=true`` makes it with
-    :meth:`from_setup`. Lifecycle: ``set_run_context(...)`` whenever the run's context
-    changes, ``emit(record)`` once per hook point and epoch, ``flush()`` at epoch end and
-    on interruption, ``final_figures(...)`` just before ``close()`` when the sink asked for
-    them, ``close()`` once at the end.
+    """One output for records (a file, a dashboard, the console); registered with
+    :func:`policy_probes.plugins.register`, it is switched on by ``sinks.<name>=true``.
+    Calls: ``set_run_context`` when the run's context changes, ``emit`` per hook point and
+    epoch, ``flush`` at epoch end and on interruption, ``final_figures`` before ``close``
+    when asked for, ``close`` once at the end.
     """
 
     kind: ClassVar[str] = "sink"
@@ -56,14 +47,12 @@ class MetricSink(ABC):
 
     @classmethod
     def from_setup(cls, setup: SinkSetup) -> MetricSink | None:
-        """The sink of a run that switched it on (None: the configuration leaves it
-        nothing to do). By default made without arguments: :meth:`set_run_context` then
-        tells it the run directory and configuration before the first record."""
+        """The sink of a run that switched it on (None: nothing to do); by default made
+        without arguments (:meth:`set_run_context` gives it the run directory)."""
         return cls()
 
     def set_run_context(self, **kwargs: Any) -> None:
-        """Update the run context: ``run_dir``, ``config`` (resolved config dict),
-        ``ended`` (how the run ended), ... Later calls update earlier ones."""
+        """Update the run context: ``run_dir``, ``config``, ``ended`` (how the run ended) ..."""
         self.run_context.update(kwargs)
 
     @abstractmethod
@@ -71,14 +60,12 @@ class MetricSink(ABC):
         """Write one record (plain already; never changed by a sink)."""
 
     def wants_figures(self, record: Record | None) -> bool:
-        """Whether this sink logs the run's figures with ``record`` (then it arrives with
-        ``record.figures``), or, for None, when it closes (:meth:`final_figures`). The
-        figures are drawn once for every sink that asks (seconds: ask seldom)."""
+        """Whether this sink logs the run's figures with ``record`` (``record.figures``) or,
+        for None, at close (:meth:`final_figures`); drawing takes seconds: ask seldom."""
         return False
 
     def final_figures(self, figures: Figures) -> None:  # noqa: B027 - optional
-        """The run's figures as it ends, handed just before :meth:`close` when
-        ``wants_figures(None)``."""
+        """The run's figures as it ends, when ``wants_figures(None)``."""
 
     def flush(self) -> None:  # noqa: B027 - optional for sinks without buffers
         """Push buffered data to durable storage."""
@@ -91,22 +78,15 @@ class MetricSink(ABC):
         return f"{type(self).__name__}()"
 
 
-#: default seconds between the fsyncs of an append-only file at epoch ends (an fsync took
-#: 0.3 to 20 ms here: every 2 s it was ~2 % of a RecurrentPPO + ProbeCallback run)
+#: default seconds between the fsyncs of an append-only file at epoch ends
 FSYNC_SECONDS = 30.0
 
 
 class AppendFileSink(MetricSink):
-    """A sink that appends to one file, ``self.path``, held open between emits.
-
-    Every emit is flushed to the operating system at once (a killed process loses
-    nothing written); :meth:`flush` reaches the disk (``fsync``). At epoch ends
-    (:meth:`written`) the file is fsynced at most once per :attr:`fsync_seconds`: an
-    fsync took 0.3 to 20 ms on the benchmark machine, a large share of a short epoch,
-    and only a machine crash can lose what is flushed but not fsynced (at most
-    the last ``fsync_seconds``). Checkpoints flush first
-    (:meth:`policy_probes.session.ProbeSession.state_dict`), so a checkpoint never covers
-    records that are not on disk.
+    """A sink that appends to one file, ``self.path``, held open between emits. Every emit
+    reaches the OS at once (a killed process loses nothing); :meth:`flush` fsyncs, at
+    epoch ends at most once per ``fsync_seconds`` (an fsync can cost a large share of a
+    short epoch; only a machine crash loses what is not fsynced). Checkpoints flush first.
     """
 
     #: ``newline`` argument of ``open`` ("" for the csv module)
@@ -125,14 +105,22 @@ class AppendFileSink(MetricSink):
         self._synced_at = -math.inf
 
     def written(self, hook_point: str) -> None:
-        """After a record was written: hand it to the operating system, and fsync at an
-        epoch end (``POST_EPOCH``) when the last fsync is ``fsync_seconds`` old."""
+        """After a record: hand it to the OS, and fsync at an epoch end that is due."""
         if hook_point == "POST_EPOCH" and (
             time.monotonic() - self._synced_at >= self.fsync_seconds
         ):
-            self.flush()  # hands it over and fsyncs
+            self.flush()
         else:
             self._file.flush()
+
+    @contextlib.contextmanager
+    def reopened(self) -> Iterator[None]:
+        """Close the file for a rewrite inside the block; open it for appending after."""
+        self.close()
+        try:
+            yield
+        finally:
+            self._open_append()
 
     def flush(self) -> None:
         if not self._file.closed:
@@ -147,16 +135,10 @@ class AppendFileSink(MetricSink):
 
 
 class SinkGroup(MetricSink):
-    """Fan-out to several sinks with fault isolation.
-
-    A sink whose ``emit``, ``flush``, ``set_run_context``, ``wants_figures``,
-    ``final_figures`` or ``close`` raises is logged once (error level, with the exception
-    and traceback), recorded in :attr:`failures` and removed from the group; the other
-    sinks go on. The group itself never raises from these methods.
-
-    The figures: before each emit (and at close) the group asks every sink whether it
-    wants the run's figures; when one does, :attr:`draw_figures` draws them once and
-    the sinks that asked get them (``record.figures``, ``final_figures``).
+    """Fan-out to several sinks with fault isolation: a sink whose method raises is logged
+    once (with the traceback), recorded in :attr:`failures` and removed; the others go on
+    and the group itself never raises. The sinks that want the run's figures get them,
+    drawn once by :attr:`draw_figures`.
     """
 
     name = "group"
@@ -169,15 +151,13 @@ class SinkGroup(MetricSink):
         #: sink name -> (epoch, hook point) of the first record it did not take (None:
         #: switched off outside emit, e.g. at flush or close)
         self.failed_at: dict[str, tuple[int, str] | None] = {}
-        #: draws the run's figures when a sink asks for them (set by the session that
-        #: feeds the group; None: no figures)
+        #: draws the run's figures when a sink asks (set by the session; None: no figures)
         self.draw_figures: Callable[[], Figures] | None = None
         self._record: tuple[int, str] | None = None
         self._lock = threading.RLock()
         self._closed = False
         self._previous_handlers: dict[int, Any] = {}
 
-    # ------------------------------------------------------------------ membership
     def add(self, sink: MetricSink) -> None:
         with self._lock:
             self.sinks.append(sink)
@@ -222,14 +202,13 @@ class SinkGroup(MetricSink):
         )
         if sink in self.sinks:
             self.sinks.remove(sink)
-        # best effort: let the sink release what it holds, ignore any second fault
-        if method != "close":
+        if method != "close":  # let it release what it holds; a second fault is ignored
             with contextlib.suppress(Exception):
                 sink.close()
 
     def _figures_for(self, record: Record | None) -> tuple[list[MetricSink], Figures | None]:
         """The sinks that want the figures with ``record`` (None: at close), and the
-        figures drawn once for them (None when none asks or the drawing failed)."""
+        figures (None when none asks or the drawing failed)."""
         if self.draw_figures is None:
             return [], None
         asking = [s for s in list(self.sinks) if self._isolated(s, "wants_figures", record)]
@@ -241,7 +220,6 @@ class SinkGroup(MetricSink):
             logger.error("drawing the run's figures failed: %s", exc, exc_info=exc)
             return [], None
 
-    # ------------------------------------------------------------------ MetricSink API
     def set_run_context(self, **kwargs: Any) -> None:
         super().set_run_context(**kwargs)
         self._call("set_run_context", **kwargs)
@@ -268,26 +246,18 @@ class SinkGroup(MetricSink):
             self._call("close")
             self.restore_signal_handlers()
 
-    # ------------------------------------------------------------------ context manager
     def __enter__(self) -> SinkGroup:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ------------------------------------------------------------------ signals
     def install_signal_flush(
         self, signals: Iterable[int] = (signal.SIGINT, signal.SIGTERM)
     ) -> Callable[[], None]:
         """Flush every sink when one of ``signals`` arrives, then hand the signal to the
-        handler that was installed before (so Ctrl-C still raises ``KeyboardInterrupt`` and
-        SIGTERM still terminates unless the caller installed its own handler).
-
-        Only possible from the main thread; elsewhere this logs and does nothing. Returns a
-        function that restores the previous handlers (also done by :meth:`close`). A trainer
-        with its own run control (finish the minibatch, checkpoint, exit 130/143) should
-        call :meth:`flush` from its handler instead of using this.
-        """
+        previous handler (main thread only); returns the function that restores the
+        previous handlers (:meth:`close` does too)."""
         if threading.current_thread() is not threading.main_thread():
             logger.warning("install_signal_flush() called outside the main thread; ignored")
             return lambda: None

@@ -1,8 +1,5 @@
-"""Configuration of the metric sinks (``sinks.*``) and of the W&B run (``wandb.*``).
-
-Both models reject unknown fields, so ``wandb.projct=x`` on the command line fails with
-the list of valid keys instead of being ignored.
-"""
+"""Configuration of the metric sinks (``sinks.*``) and of the W&B run (``wandb.*``); both
+reject unknown keys (``wandb.projct=x`` fails naming the valid ones)."""
 
 from __future__ import annotations
 
@@ -35,8 +32,7 @@ RUN_CONSOLE_METRICS: tuple[str, ...] = (
 
 
 def default_console_metrics() -> list[str]:
-    """:data:`RUN_CONSOLE_METRICS` and the console metrics every registered probe declares
-    (:func:`policy_probes.plugins.console_metrics`, a probe of your own included)."""
+    """:data:`RUN_CONSOLE_METRICS` and every registered probe's console metrics."""
     return [*RUN_CONSOLE_METRICS, *plugins.console_metrics()]
 
 
@@ -44,9 +40,8 @@ WandbMode = Literal["online", "offline", "disabled"]
 
 
 class SinksConfig(BaseModel):
-    """Which outputs a run writes. All files go to ``run_dir``. A sink of your own,
-    registered with :func:`policy_probes.plugins.register`, is switched on like a built-in
-    one: ``sinks.<its name>=true``."""
+    """Which outputs a run writes (into ``run_dir``); a registered sink of your own is
+    switched on like a built-in one: ``sinks.<its name>=true``."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -107,12 +102,9 @@ class SinksConfig(BaseModel):
 
 
 class WandbConfig(BaseModel):
-    """The W&B run of a training run. One run per training run, files in ``run_dir/wandb``.
-
-    ``mode=None`` (the default) resolves to ``online`` when an API key is configured
-    (``WANDB_API_KEY`` or a ``api.wandb.ai`` entry in ``~/.netrc``) and ``offline``
-    otherwise; offline runs are uploaded later with ``wandb sync run_dir/wandb/offline-run-*``.
-    """
+    """The W&B run of a training run (files in ``run_dir/wandb``). ``mode=None`` resolves
+    to ``WANDB_MODE``, else ``online`` with an API key (:func:`api_key_configured`), else
+    ``offline`` (uploaded later with ``wandb sync run_dir/wandb/offline-run-*``)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -158,18 +150,11 @@ class WandbConfig(BaseModel):
 
 
 def api_key_configured() -> bool:
-    """True when W&B has an API key: ``WANDB_API_KEY`` or a netrc entry for its host.
-
-    Only checks presence; the key itself is never read into our configuration.
-    """
+    """Whether W&B has an API key (``WANDB_API_KEY`` or a netrc entry; never read)."""
     if os.environ.get("WANDB_API_KEY"):
         return True
-    host = (
-        os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
-        .split("://")[-1]
-        .split("/")[0]
-        .split(":")[0]
-    )
+    url = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
+    host = url.split("://")[-1].split("/")[0].split(":")[0]
     path = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
     try:
         auth = netrc.netrc(str(path)).authenticators(host)

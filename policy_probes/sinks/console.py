@@ -1,16 +1,9 @@
 """ConsoleSink: the run's main figures in the terminal (rich).
 
-- A live view during training: one line per chosen metric with its latest value, a trend
-  arrow against the previous epoch and a sparkline of the recent epochs. It is a rich
-  ``Live`` on the console it is given; rich (>= 14) stacks it under a progress bar that is
-  already live on the same console, so pass the trainer's console to share the terminal.
-  Shown only on an interactive terminal.
-- At each SNAPSHOT emit (and once when the sink closes) a compact table of the main
-  figures: the chosen metrics plus the SNAPSHOT's own shallow scalar keys (for example
-  ``hessian/top_eigenvalue``). Per-unit vectors and deep keys (per-parameter Fisher, ...)
-  are left out; they are in the files and dashboards.
-- When the sink closes, the run's findings as the session handed them over with its last
-  epoch record (``docs/findings.md``).
+On an interactive terminal a live view (latest value, trend arrow and sparkline of each
+chosen metric; pass the trainer's console to share it with a progress bar); at each
+SNAPSHOT and at close a table of the chosen metrics and the SNAPSHOT's shallow scalar keys;
+at close the run's findings.
 """
 
 from __future__ import annotations
@@ -20,7 +13,7 @@ import re
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from rich.console import Console, ConsoleOptions, Group, RenderResult
@@ -43,15 +36,8 @@ SHALLOW_PARTS = 2
 
 def pattern_regex(pattern: str) -> re.Pattern[str]:
     """A glob where ``*`` matches within one ``/``-separated part (``?`` one character)."""
-    out = []
-    for ch in pattern:
-        if ch == "*":
-            out.append("[^/]*")
-        elif ch == "?":
-            out.append("[^/]")
-        else:
-            out.append(re.escape(ch))
-    return re.compile("".join(out) + r"\Z")
+    wildcards = {"*": "[^/]*", "?": "[^/]"}
+    return re.compile("".join(wildcards.get(ch) or re.escape(ch) for ch in pattern) + r"\Z")
 
 
 def trend_arrow(previous: float | None, current: float, rtol: float = 1e-3) -> str:
@@ -68,17 +54,16 @@ def sparkline(values: Sequence[float]) -> str:
     finite = [v for v in values if math.isfinite(v)]
     if not finite:
         return ""
-    lo, hi = min(finite), max(finite)
-    span = hi - lo
-    chars = []
-    for v in values:
+    lo, span = min(finite), max(finite) - min(finite)
+
+    def char(v: float) -> str:
         if not math.isfinite(v):
-            chars.append(" ")
-        elif span <= 0:
-            chars.append(SPARK[len(SPARK) // 2])
-        else:
-            chars.append(SPARK[min(len(SPARK) - 1, int((v - lo) / span * len(SPARK)))])
-    return "".join(chars)
+            return " "
+        if span <= 0:
+            return SPARK[len(SPARK) // 2]
+        return SPARK[min(len(SPARK) - 1, int((v - lo) / span * len(SPARK)))]
+
+    return "".join(map(char, values))
 
 
 class _LiveView:
@@ -109,11 +94,7 @@ class ConsoleSink(MetricSink):
 
     @classmethod
     def from_setup(cls, setup: SinkSetup) -> ConsoleSink:
-        return cls(
-            console=setup.console,
-            metrics=setup.sinks.console_metrics,
-            live=setup.sinks.console_live,
-        )
+        return cls(setup.console, setup.sinks.console_metrics, setup.sinks.console_live)
 
     def __init__(
         self,
@@ -132,7 +113,7 @@ class ConsoleSink(MetricSink):
         self.history = history
         self.refresh_seconds = refresh_seconds
         #: the live view as drawn (segments), its width, the data version it shows and
-        #: when it was drawn: redrawn at most every ``refresh_seconds`` (see _LiveView)
+        #: when it was drawn (:meth:`_live_segments`)
         self._drawn: tuple[list[Any], int, int, float] | None = None
         self._version = 0
         self._lock = threading.Lock()
@@ -150,18 +131,13 @@ class ConsoleSink(MetricSink):
         #: the run's findings as text, as last handed over, printed at close
         self.findings_text: str | None = None
 
-    # ------------------------------------------------------------------ selection
     def chosen(self, key: str) -> int | None:
         """Index of the first pattern that selects ``key`` (its display order), else None."""
-        try:
-            return self._chosen[key]
-        except KeyError:
-            index = self._chosen[key] = next(
-                (i for i, regex in enumerate(self.patterns) if regex.match(key)), None
-            )
-            return index
+        if key not in self._chosen:
+            matching = (i for i, regex in enumerate(self.patterns) if regex.match(key))
+            self._chosen[key] = next(matching, None)
+        return self._chosen[key]
 
-    # ------------------------------------------------------------------ emit
     def emit(self, record: Record) -> None:
         # the live view is drawn on the progress bar's thread too: it reads the series
         # under the lock (and never takes a rich lock while holding it)
@@ -198,19 +174,14 @@ class ConsoleSink(MetricSink):
         if self.live_enabled and self.console.is_terminal and not self._closed:
             if self._live is None:
                 self._live = Live(
-                    _LiveView(self),
-                    console=self.console,
-                    auto_refresh=False,
-                    transient=True,
+                    _LiveView(self), console=self.console, auto_refresh=False, transient=True
                 )
                 self._live.start()
             if self._redraw_due():
                 self._live.refresh()
 
-    # ------------------------------------------------------------------ renderables
     def _redraw_due(self) -> bool:
-        """Whether the live view shows older data than the sink holds and was drawn at
-        least ``refresh_seconds`` ago (or never)."""
+        """Whether the live view is stale and ``refresh_seconds`` old (or never drawn)."""
         drawn = self._drawn
         if drawn is None:
             return True
@@ -218,11 +189,9 @@ class ConsoleSink(MetricSink):
         return version != self._version and time.monotonic() - at >= self.refresh_seconds
 
     def _live_segments(self, console: Console, options: ConsoleOptions) -> list[Any]:
-        """The live view drawn for ``options``: drawn again only when :meth:`_redraw_due`
-        (or the width changed). Laying out its table costs ~6 ms for the cartpole
-        recipe's 34 rows, and a progress bar on the same console redraws it ten times a
-        second, so drawing it for every epoch or every refresh cost more than a short
-        epoch's training."""
+        """The live view drawn for ``options``, drawn again only when :meth:`_redraw_due`
+        or the width changed (a progress bar on the same console redraws it ten times a
+        second, and laying out its table costs milliseconds)."""
         drawn = self._drawn
         if drawn is None or drawn[1] != options.max_width or self._redraw_due():
             with self._lock:  # a consistent view of the series emit() is adding to
@@ -231,8 +200,11 @@ class ConsoleSink(MetricSink):
             drawn = self._drawn = (segments, options.max_width, version, time.monotonic())
         return drawn[0]
 
-    def _ordered(self) -> list[str]:
-        return sorted(self._latest, key=lambda k: (self.chosen(k) or 0, k))
+    def _rows(self) -> Iterator[tuple[str, str, str]]:
+        """(key, value, trend arrow) of the chosen metrics, in their patterns' order."""
+        for key in sorted(self._latest, key=lambda k: (self.chosen(k) or 0, k)):
+            value = self._latest[key]
+            yield key, format_value(value), trend_arrow(self._previous.get(key), float(value))
 
     def summary_table(self, title: str | None = None) -> Table:
         """Compact table of the chosen metrics (and the SNAPSHOT's shallow scalars)."""
@@ -242,11 +214,8 @@ class ConsoleSink(MetricSink):
         table.add_column("metric", style="cyan", no_wrap=True)
         table.add_column("value", justify="right", no_wrap=True)
         table.add_column("", no_wrap=True)
-        for key in self._ordered():
-            value = self._latest[key]
-            table.add_row(
-                key, format_value(value), trend_arrow(self._previous.get(key), float(value))
-            )
+        for row in self._rows():
+            table.add_row(*row)
         for key in sorted(self._snapshot):
             table.add_row(key, format_value(self._snapshot[key]), "")
         return table
@@ -258,19 +227,14 @@ class ConsoleSink(MetricSink):
         table.add_column(justify="right", no_wrap=True)
         table.add_column(no_wrap=True)
         table.add_column(style="dim", no_wrap=True)
-        for key in self._ordered():
-            value = self._latest[key]
-            arrow = trend_arrow(self._previous.get(key), float(value))
-            table.add_row(key, format_value(value), arrow, sparkline(list(self._series[key])))
+        for key, value, arrow in self._rows():
+            table.add_row(key, value, arrow, sparkline(list(self._series[key])))
         return table
 
     def __rich__(self) -> Group:
-        header = Text(
-            f"epoch {self.epoch}" if self.epoch is not None else "no epoch yet", style="bold"
-        )
-        return Group(header, self.live_view())
+        header = f"epoch {self.epoch}" if self.epoch is not None else "no epoch yet"
+        return Group(Text(header, style="bold"), self.live_view())
 
-    # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
         if self._closed:
             return

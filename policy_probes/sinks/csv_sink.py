@@ -1,29 +1,23 @@
-"""CSVSink: ``run_dir/metrics.csv``, one row per emit, scalars only.
-
-Per-unit vectors are summarised as ``<key>/mean``, ``<key>/min`` and ``<key>/max`` over
-their finite elements. Columns are ``epoch, agent_step, hook_point, time`` followed by the
-metric columns in order of first appearance. When an emit brings new columns the file is
-rewritten with the wider header: the old file is streamed row by row into a temporary file
-in the same directory, which is fsynced and renamed over the original (``os.replace``), so
-a reader or a crash only ever sees a complete CSV, and memory stays O(one row) however long
-the file is.
+"""CSVSink: ``run_dir/metrics.csv``, one row per emit, scalars only (a vector becomes
+``<key>/mean``, ``/min``, ``/max`` of its finite elements). Columns are ``epoch, agent_step,
+hook_point, time``, then the metrics in order of first appearance; new columns rewrite the
+file with the wider header (streaming and atomic: :func:`~.jsonl.rewrite_atomic`).
 """
 
 from __future__ import annotations
 
 import csv
 import logging
-import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from policy_probes.plugins import register
 from policy_probes.records import Record, vector_stats
 from policy_probes.sinks.base import FSYNC_SECONDS, AppendFileSink
 from policy_probes.sinks.config import SinkSetup
-from policy_probes.sinks.jsonl import fsync_dir, repair_truncated_tail
+from policy_probes.sinks.jsonl import repair_truncated_tail, rewrite_atomic
 
 logger = logging.getLogger("policy_probes.sinks")
 
@@ -64,7 +58,6 @@ class CSVSink(AppendFileSink):
     def from_setup(cls, setup: SinkSetup) -> CSVSink:
         return cls(setup.run_dir, fsync_seconds=setup.sinks.fsync_seconds)
 
-    # ------------------------------------------------------------------ emit
     def emit(self, record: Record) -> None:
         values = scalar_columns(record.metrics)
         values["epoch"] = record.epoch
@@ -83,67 +76,57 @@ class CSVSink(AppendFileSink):
         self.written(record.hook_point)
 
     def _widen(self, new_columns: list[str]) -> None:
-        """Rewrite the file with ``new_columns`` appended to the header (atomic, streaming)."""
-        self._file.close()
+        """Rewrite the file with ``new_columns`` appended to the header."""
         columns = self.columns + new_columns
-        try:
-            with open(self.tmp_path, "w", encoding="utf-8", newline="") as dst:
-                writer = csv.writer(dst)
-                writer.writerow(columns)
-                pad = [""] * len(new_columns)
-                if self.columns:
-                    with open(self.path, encoding="utf-8", newline="") as src:
-                        reader = csv.reader(src)
-                        next(reader, None)  # old header
-                        for row in reader:
-                            writer.writerow(row + pad)
-                dst.flush()
-                os.fsync(dst.fileno())
-            os.replace(self.tmp_path, self.path)
-            fsync_dir(self.path.parent)
-        except BaseException:
-            if self.tmp_path.exists():
-                self.tmp_path.unlink()
-            raise
-        finally:
-            self._open_append()
+        pad = [""] * len(new_columns)
+        self._rewrite(columns, lambda row: row + pad)
         self.columns = columns
         self._index = {c: i for i, c in enumerate(columns)}
         self.rewrites += 1
 
-    # ------------------------------------------------------------------ lifecycle
+    def _rewrite(self, header: list[str], change: Callable[[list[str]], list[str] | None]) -> None:
+        """Rewrite the file with ``header`` and ``change(row)`` of each row (None: drop it)."""
+
+        def write(dst: IO[str]) -> None:
+            writer = csv.writer(dst)
+            writer.writerow(header)
+            for row in self._rows():
+                changed = change(row)
+                if changed is not None:
+                    writer.writerow(changed)
+
+        with self.reopened():
+            rewrite_atomic(self.path, write, newline="")
+
+    def _rows(self) -> Iterator[list[str]]:
+        """The rows of the file under its header (none without a header)."""
+        if self.columns:
+            with open(self.path, encoding="utf-8", newline="") as src:
+                reader = csv.reader(src)
+                next(reader, None)
+                yield from reader
+
     def _open_append(self) -> None:
         super()._open_append()
         self._writer = csv.writer(self._file)
 
     def rewind(self, last_epoch: int) -> int:
-        """Drop rows of epochs after ``last_epoch`` (atomic, streaming). Returns rows dropped."""
-        self.close()
-        dropped = 0
-        try:
-            if self.columns:
-                col = self._index["epoch"]
-                with (
-                    open(self.path, encoding="utf-8", newline="") as src,
-                    open(self.tmp_path, "w", encoding="utf-8", newline="") as dst,
-                ):
-                    reader, writer = csv.reader(src), csv.writer(dst)
-                    writer.writerow(next(reader))
-                    for row in reader:
-                        try:
-                            later = int(row[col]) > last_epoch
-                        except (ValueError, IndexError):
-                            later = True
-                        if later:
-                            dropped += 1
-                        else:
-                            writer.writerow(row)
-                    dst.flush()
-                    os.fsync(dst.fileno())
-                os.replace(self.tmp_path, self.path)
-                fsync_dir(self.path.parent)
-        finally:
-            self._open_append()
+        """Drop the rows of epochs after ``last_epoch``; returns how many."""
+        if not self.columns:
+            return 0
+        col, dropped = self._index["epoch"], 0
+
+        def earlier(row: list[str]) -> list[str] | None:
+            nonlocal dropped
+            try:
+                if int(row[col]) <= last_epoch:
+                    return row
+            except (ValueError, IndexError):
+                pass
+            dropped += 1
+            return None
+
+        self._rewrite(self.columns, earlier)
         return dropped
 
     def __repr__(self) -> str:
@@ -161,8 +144,8 @@ def read_header(path: Path) -> list[str]:
 
 def scalar_columns(metrics: Mapping[str, Any]) -> dict[str, Any]:
     """The CSV cells of a record's plain metrics: scalars as they are (None -> empty, bool
-    -> 0/1), vectors as ``/mean``, ``/min``, ``/max`` of their finite elements (empty when
-    none)."""
+    -> 0/1, line breaks in strings -> spaces), vectors as ``/mean``, ``/min``, ``/max`` of
+    their finite elements (empty when none)."""
     out: dict[str, Any] = {}
     for key, value in metrics.items():
         if isinstance(value, list):

@@ -1,25 +1,21 @@
 """JSONLSink: ``run_dir/metrics.jsonl``, one JSON object per emit.
 
-Each line is ``{"epoch": .., "agent_step": .., "hook_point": .., "time": .., <metrics>}``
-with per-unit vectors kept as lists. A line is written with one ``write`` and flushed per
-emit; the file is fsynced by ``flush()`` and at epoch ends at most every
-``fsync_seconds`` (:class:`~policy_probes.sinks.base.AppendFileSink`). Non-finite
-floats cannot be written as JSON: they become ``null`` and their keys are listed in the
-record's ``"_nonfinite"`` field.
-
-On open the file is appended to; a truncated last line (a crash in the middle of a write)
-is cut off first, so the file always holds whole records.
+``{"epoch", "agent_step", "hook_point", "time", <metrics>}`` with vectors as lists, written
+with one ``write`` per emit; non-finite floats become ``null``, their keys listed under
+``"_nonfinite"``. A truncated last line (a crash mid-write) is cut off on open.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import orjson
 
@@ -65,23 +61,15 @@ class JSONLSink(AppendFileSink):
             if key not in self._warned_nonfinite:
                 self._warned_nonfinite.add(key)
                 logger.warning("metric %r has non-finite values; written as null", key)
-        # orjson: ~15x faster than json on a record of per-unit vectors (1.1 ms -> 0.07 ms
-        # for the cartpole recipe's 37 kB records); the same floats, shortest round-trip
-        # digits, non-finite values already replaced by None (json_line)
+        # orjson: ~15x faster than json on a record of per-unit vectors, the same floats
+        # (shortest round-trip digits)
         self._file.write(orjson.dumps(line, option=orjson.OPT_APPEND_NEWLINE).decode())
         self.written(record.hook_point)
 
     def rewind(self, last_epoch: int) -> int:
-        """Drop records of epochs after ``last_epoch`` (a resumed run repeats them).
-
-        Returns the number of records dropped. The file is rewritten atomically.
-        """
-        self.flush()
-        self._file.close()
-        try:
+        """Drop the records of epochs after ``last_epoch`` (:func:`rewind_jsonl`)."""
+        with self.reopened():
             return rewind_jsonl(self.path, last_epoch)
-        finally:
-            self._open_append()
 
     def __repr__(self) -> str:
         return f"JSONLSink({str(self.path)!r})"
@@ -107,8 +95,12 @@ def json_line(record: Record) -> dict[str, Any]:
     return line
 
 
+def _nonfinite(value: Any) -> bool:
+    return isinstance(value, float) and not math.isfinite(value)
+
+
 def _finite_or_none(value: Any) -> tuple[Any, bool]:
-    if isinstance(value, float) and not math.isfinite(value):
+    if _nonfinite(value):
         return None, True
     if isinstance(value, list):
         try:  # the common case, every element a finite number: one C-level pass
@@ -116,25 +108,14 @@ def _finite_or_none(value: Any) -> tuple[Any, bool]:
                 return value, False
         except TypeError:  # None, strings or nested lists among the elements
             pass
-        bad = False
-        out = []
-        for v in value:
-            if isinstance(v, float) and not math.isfinite(v):
-                out.append(None)
-                bad = True
-            else:
-                out.append(v)
-        return out, bad
+        if any(map(_nonfinite, value)):
+            return [None if _nonfinite(v) else v for v in value], True
     return value, False
 
 
-# ---------------------------------------------------------------------- file helpers
 def repair_truncated_tail(path: Path, chunk: int = 1 << 16) -> int:
-    """Cut an incomplete last line (no trailing newline) off ``path``.
-
-    Returns the number of bytes removed (0 when the file is absent, empty or whole).
-    Reads only the tail of the file, so it is cheap on large files.
-    """
+    """Cut an incomplete last line (no trailing newline) off ``path``, reading only the
+    file's tail; returns the number of bytes removed (0: absent, empty or whole)."""
     try:
         f = open(path, "rb+")  # noqa: SIM115
     except FileNotFoundError:
@@ -146,13 +127,11 @@ def repair_truncated_tail(path: Path, chunk: int = 1 << 16) -> int:
         f.seek(size - 1)
         if f.read(1) == b"\n":
             return 0
-        pos = size
-        keep = 0
+        pos, keep = size, 0
         while pos > 0:
             start = max(0, pos - chunk)
             f.seek(start)
-            block = f.read(pos - start)
-            nl = block.rfind(b"\n")
+            nl = f.read(pos - start).rfind(b"\n")
             if nl >= 0:
                 keep = start + nl + 1
                 break
@@ -164,41 +143,55 @@ def repair_truncated_tail(path: Path, chunk: int = 1 << 16) -> int:
 
 
 def rewind_jsonl(path: str | Path, last_epoch: int) -> int:
-    """Rewrite ``path`` without the records of epochs after ``last_epoch``, streaming
-    through a temporary file and an atomic rename. Returns the number of records dropped."""
+    """Rewrite ``path`` without the records of epochs after ``last_epoch``; returns how many."""
     path = Path(path)
     if not path.exists():
         return 0
     repair_truncated_tail(path)
-    tmp = path.with_name(path.name + ".tmp")
     dropped = 0
-    with open(path, encoding="utf-8") as src, open(tmp, "w", encoding="utf-8") as dst:
-        for line in src:
-            try:
-                epoch = json.loads(line).get("epoch")
-            except (json.JSONDecodeError, AttributeError):
-                dropped += 1
-                continue
-            if isinstance(epoch, int) and epoch > last_epoch:
-                dropped += 1
-                continue
-            dst.write(line)
-        dst.flush()
-        os.fsync(dst.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+
+    def keep_earlier(dst: IO[str]) -> None:
+        nonlocal dropped
+        with open(path, encoding="utf-8") as src:
+            for line in src:
+                try:
+                    epoch = json.loads(line).get("epoch")
+                except (json.JSONDecodeError, AttributeError):  # not a record
+                    dropped += 1
+                    continue
+                if isinstance(epoch, int) and epoch > last_epoch:
+                    dropped += 1
+                else:
+                    dst.write(line)
+
+    rewrite_atomic(path, keep_earlier)
     return dropped
+
+
+def rewrite_atomic(
+    path: Path, write: Callable[[IO[str]], None], newline: str | None = None
+) -> None:
+    """Replace ``path`` by what ``write(file)`` writes, streaming: a temporary file beside
+    it (``<name>.tmp``), fsynced and renamed over it, so a reader or a crash only ever sees
+    a whole file (the temporary file is removed on failure)."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8", newline=newline) as dst:
+            write(dst)
+            dst.flush()
+            os.fsync(dst.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def fsync_dir(directory: Path) -> None:
     """Make a rename inside ``directory`` durable (no-op where directories can't be opened)."""
-    try:
+    with contextlib.suppress(OSError):
         fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

@@ -1,14 +1,7 @@
-"""TensorBoardSink: event files in ``run_dir/tensorboard`` for CleanRL-style tooling.
+"""TensorBoardSink: event files in ``run_dir/tensorboard`` (needs ``tensorboard``).
 
-Needs the ``tensorboard`` package (``pip install policy-probes[tensorboard]``). Scalars go
-to ``add_scalar``, per-unit vectors to ``add_histogram``, and at SNAPSHOT emits (and when
-the sink closes, unless the last epoch's are logged) the run's figures, drawn by the
-session (units x epochs heatmaps under ``heatmaps/...``, per-layer figures under
-``layers/...``), to ``add_image``. The x axis is the environment step (``agent_step``, as
-CleanRL's ``global_step``), or the epoch when no step is known; the epoch itself is logged
-as the scalar ``epoch``.
-
-View with ``tensorboard --logdir run_dir/tensorboard``.
+Scalars, per-unit vectors as histograms, and the run's figures at SNAPSHOT emits and at
+close as images; the x axis is ``agent_step`` (CleanRL's ``global_step``), else the epoch.
 """
 
 from __future__ import annotations

@@ -1,28 +1,29 @@
-"""WandbSink: one Weights & Biases run per training run, files under ``run_dir/wandb/``.
+"""WandbSink: one Weights & Biases run per training run, files under ``run_dir/wandb/``
+(offline without an API key; ``docs/sinks.md``).
 
-Offline without an API key (``wandb sync`` uploads later). Every row carries ``epoch``
-(every metric's x axis) and ``agent_step``. Scalars are logged every epoch; per-unit
-vectors as ``wandb.Histogram`` objects only every ``histogram_every`` epochs and for the last
-epoch at close (building them cost more than all the scalars). The run's figures
-(heatmaps, per-layer figures), drawn by the session when :meth:`WandbSink.wants_figures`
-asks, are logged as images at close and every ``heatmap_every`` epochs; the findings the
-session hands over go to the run summary at close. A resumed training run appends to the
-same W&B run (the id is kept in ``run_dir/wandb/policy_probes_run_id``): the sink reads
-back what earlier processes logged (:mod:`.wandb_history`) and lines it up with
-``metrics.jsonl`` (:meth:`WandbSink._settle_resume`), so every epoch is uploaded once on
-one increasing step axis. Credential-like config values are redacted. ``docs/sinks.md``
-has the details.
+Scalars every epoch, per-unit vectors as histograms every ``histogram_every`` epochs and
+for the last, figures every ``heatmap_every`` epochs and at close, findings in the run
+summary; credential-like config values are redacted. A resumed run appends to the same W&B
+run (id in ``run_dir/wandb/policy_probes_run_id``); since every ``wandb.init`` writes a new
+run folder counting ``_step`` from 0, the sink reads the earlier folders' history back
+(:func:`run_history_position`: a LevelDB-style log of ``wandb_internal_pb2.Record``, read
+up to its first damaged chunk) and lines it up with ``metrics.jsonl``
+(:meth:`WandbSink._settle_resume`), so every epoch is uploaded once on increasing steps.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
 import secrets
 import string
+import struct
 import tempfile
+import zlib
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,6 @@ from policy_probes.records import (
 )
 from policy_probes.sinks.base import MetricSink
 from policy_probes.sinks.config import SinkSetup, WandbConfig
-from policy_probes.sinks.wandb_history import run_history_position
 
 logger = logging.getLogger("policy_probes.sinks")
 
@@ -79,11 +79,11 @@ class WandbSink(MetricSink):
         self.run_id = load_or_create_run_id(self.run_dir)
         # read before wandb.init creates this process's run folder
         position = run_history_position(self.run_dir / "wandb", self.run_id)
-        #: epochs up to this one are in W&B already (logged before a crash): not again
-        #: (the rule when metrics.jsonl is not there to count records against)
+        #: epochs up to this one are in W&B already: not logged again (the rule when
+        #: there is no metrics.jsonl to count records against)
         self.skip_through: int | None = None
-        #: records W&B holds from earlier processes of this run; how many of the next
-        #: emits repeat them (settled by :meth:`_settle_resume` at the first rewind or emit)
+        #: records W&B holds from earlier processes; how many of the next emits repeat
+        #: them is settled by :meth:`_settle_resume` at the first rewind or emit
         self._held_records = position.records
         self._held_last_epoch = position.last_epoch
         self._skip_emits = 0
@@ -91,8 +91,8 @@ class WandbSink(MetricSink):
         self._step = position.next_step
         self._last_heatmap_epoch: int | None = None
         self._last_epoch: int | None = None
-        #: (epoch, per-unit vectors) of the last logged row that left its histograms out
-        #: (not a ``histogram_every`` epoch): logged at close if that epoch is the last
+        #: (epoch, per-unit vectors) of the last row logged without its histograms:
+        #: logged at close if that epoch is the last
         self._unlogged_vectors: tuple[int, dict[str, list[float]]] | None = None
         #: the run's findings as last handed over, for the run summary at close
         self.findings: tuple[Mapping[str, Any], ...] | None = None
@@ -123,7 +123,6 @@ class WandbSink(MetricSink):
         self.run.define_metric("agent_step")
         self.run.define_metric("*", step_metric="epoch")
 
-    # ------------------------------------------------------------------ emit
     def emit(self, record: Record) -> None:
         if self._unsettled:
             self._settle_resume(None)
@@ -161,9 +160,8 @@ class WandbSink(MetricSink):
             self._log(row)
 
     def wants_figures(self, record: Record | None) -> bool:
-        """The figures at the epoch record of every ``heatmap_every``-th epoch (images at
-        a slower cadence than the scalars: matplotlib takes ~0.1 s a figure, 14 for the
-        cartpole recipe's probes), and at close unless the last epoch's are logged."""
+        """The figures at the epoch record of every ``heatmap_every``-th epoch (a figure
+        takes ~0.1 s), and at close unless the last epoch's are logged."""
         if record is None:
             return self._last_epoch is not None and self._last_epoch != self._last_heatmap_epoch
         every = self.cfg.heatmap_every
@@ -173,9 +171,8 @@ class WandbSink(MetricSink):
         self._final_figures = figures
 
     def rewind(self, last_epoch: int) -> int:
-        """A resume from the checkpoint of ``last_epoch``: W&B cannot drop rows, so the
-        records it holds beyond that epoch are skipped when the resumed run emits them
-        again (see :meth:`_settle_resume`). Returns 0 (no rows dropped)."""
+        """W&B cannot drop rows: the records after ``last_epoch`` it holds are skipped when
+        emitted again (:meth:`_settle_resume`). Returns 0."""
         if self._unsettled:
             self._settle_resume(last_epoch)
         return 0
@@ -183,14 +180,11 @@ class WandbSink(MetricSink):
     def _settle_resume(self, last_epoch: int | None) -> None:
         """Line W&B up with ``metrics.jsonl`` once, when a resumed run starts.
 
-        Both sinks get the same records in the same order, and the JSONL sink writes and
-        syncs each one before W&B's service has written it, so W&B holds the first N
-        records of the run. The resumed run continues after the records of epochs up to
-        ``last_epoch`` (the checkpoint; None: all of them), K of them, emitting exactly
-        what the killed run emitted next. So: N < K, log the JSONL records N+1..K that a
-        ``kill -9`` took from W&B; N > K, skip the next N - K emits, which W&B holds.
-        Counting records, not epochs, keeps an epoch that W&B holds only in part (its
-        first hook point's row) whole."""
+        The JSONL sink writes each record before W&B's service does, so W&B holds the
+        first N records. The resumed run continues after the K records of epochs up to
+        ``last_epoch`` (the checkpoint; None: all), emitting what the killed run emitted
+        next: N < K, log the JSONL records N+1..K; N > K, skip the next N - K emits.
+        Counting records, not epochs, keeps an epoch W&B holds only in part whole."""
         self._unsettled = False
         path = self.run_dir / METRICS_JSONL
         if not path.is_file():  # nothing to count against: skip whole epochs W&B has
@@ -224,12 +218,9 @@ class WandbSink(MetricSink):
         self._step += 1
 
     def _images(self, figures: Figures, epoch: int, folder: Path) -> dict[str, Any]:
-        """``key -> wandb.Image`` of each figure. The PNGs are written to files in
-        ``folder``, which must outlive the row's ``log`` (W&B copies them there): made
-        from a file, an image is not decoded and encoded again as from a PIL image."""
-        # one file per drawing (equal histories share one); ``figures`` holds the bytes,
-        # so no other drawing can take their id while this runs
-        files: dict[int, str] = {}
+        """``key -> wandb.Image`` of each figure, from PNG files in ``folder`` (which must
+        outlive the row's ``log``): made from a file, an image is not encoded again."""
+        files: dict[int, str] = {}  # one file per drawing (equal histories share one)
 
         def image(png: bytes, caption: str) -> Any:
             path = files.get(id(png))
@@ -241,7 +232,6 @@ class WandbSink(MetricSink):
         self._last_heatmap_epoch = epoch
         return {key: image(png, caption) for key, (png, caption) in figures.items()}
 
-    # ------------------------------------------------------------------ lifecycle
     def flush(self) -> None:
         """W&B writes from its own service process; nothing is buffered here."""
 
@@ -262,28 +252,18 @@ class WandbSink(MetricSink):
                 if final:
                     run.log({"epoch": self._last_epoch, **final}, step=self._step)
                     self._step += 1
-            self._summarise_findings(run)
+            if self.findings is not None:  # the run summary (docs/findings.md)
+                run.summary["findings/count"] = len(self.findings)
+                run.summary["findings/list"] = [dict(f) for f in self.findings]
         finally:
             run.finish()
             self._wait_for_service()
 
-    def _summarise_findings(self, run: Any) -> None:
-        """The run's findings as last handed over (docs/findings.md) in the run summary:
-        ``findings/count`` and ``findings/list`` (one dict per finding)."""
-        if self.findings is not None:
-            run.summary["findings/count"] = len(self.findings)
-            run.summary["findings/list"] = [dict(f) for f in self.findings]
-
     def _wait_for_service(self) -> None:
-        """Make the run's files complete before returning.
-
-        ``run.finish()`` only *informs* W&B's service process that the run is done; the
-        service closes the run's stream (and flushes ``run-<id>.wandb``) later, at the
-        latest at interpreter exit. When no other W&B run is active in this process we
-        tear the service down, which waits for every stream to be written; a later
-        ``wandb.init`` starts a new one. With another run active (for example one the
-        user opened) the file is completed by the service in the background instead.
-        """
+        """Make the run's files complete: ``run.finish()`` only tells W&B's service
+        process, which writes ``run-<id>.wandb`` later. With no other W&B run active in
+        this process (one the user opened) the service is torn down, which waits for
+        every stream; a later ``wandb.init`` starts a new one."""
         wandb = self._wandb
         try:
             from wandb.sdk import wandb_setup
@@ -298,25 +278,13 @@ class WandbSink(MetricSink):
 
 
 def histograms(wandb: Any, vectors: Mapping[str, list[float]]) -> dict[str, Any]:
-    """``key -> wandb.Histogram`` of the finite values of each per-unit vector (none for a
-    vector without one)."""
-    out = {}
-    for key, value in vectors.items():
-        finite = finite_values(value)
-        if finite:
-            out[key] = wandb.Histogram(finite)
-    return out
-
-
-def generate_run_id(length: int = 8) -> str:
-    """A random W&B run id (lowercase letters and digits, as W&B's own ids)."""
-    alphabet = string.ascii_lowercase + string.digits
-    return "".join(secrets.choice(alphabet) for _ in range(length))
+    """``key -> wandb.Histogram`` of the finite values of each per-unit vector that has any."""
+    finite = {key: finite_values(value) for key, value in vectors.items()}
+    return {key: wandb.Histogram(values) for key, values in finite.items() if values}
 
 
 def load_or_create_run_id(run_dir: Path) -> str:
-    """The W&B run id stored in ``run_dir/wandb/policy_probes_run_id``, created on first use,
-    so resuming a training run resumes the same W&B run."""
+    """The W&B run id in ``run_dir/wandb/policy_probes_run_id``, created on first use."""
     path = run_dir / "wandb" / RUN_ID_FILE
     try:
         run_id = path.read_text(encoding="utf-8").strip()
@@ -324,7 +292,8 @@ def load_or_create_run_id(run_dir: Path) -> str:
         run_id = ""
     if run_id:
         return run_id
-    run_id = generate_run_id()
+    alphabet = string.ascii_lowercase + string.digits  # as W&B's own ids
+    run_id = "".join(secrets.choice(alphabet) for _ in range(8))
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, run_id + "\n")
     return run_id
@@ -344,3 +313,90 @@ def redact_secrets(config: Any) -> Any:
     if key and isinstance(config, str) and key in config:
         return config.replace(key, REDACTED)
     return config
+
+
+# ---------------------------------------------------------------------- earlier run files
+_BLOCK, _CHUNK_HEADER = 32768, 7
+_FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
+#: keys of the image-only rows a sink logs when it closes (not records of metrics.jsonl)
+_IMAGE_PREFIXES = ("heatmaps/", "layers/")
+_ROW_FIELDS = {"epoch", "_step", "_runtime", "_timestamp"}
+
+
+@dataclass(frozen=True)
+class WandbHistoryPosition:
+    """Where a W&B run's history stands: the highest ``epoch`` logged (None: none), the
+    ``_step`` the next row gets, and ``records``: how many rows hold a record (one per
+    emitted record, in the order ``metrics.jsonl`` holds them; the image-only rows a
+    closing sink adds are not counted)."""
+
+    last_epoch: int | None = None
+    next_step: int = 0
+    records: int = 0
+
+
+def _records(data: bytes) -> list[bytes]:
+    """The complete records of a run file (stops at the first damaged chunk)."""
+    if len(data) < 7 or data[:4] != b":W&B":
+        return []
+    pos, pending, out = 7, b"", []
+    while pos + _CHUNK_HEADER <= len(data):
+        left = _BLOCK - pos % _BLOCK
+        if left < _CHUNK_HEADER:  # block trailer
+            pos += left
+            continue
+        crc, length, kind = struct.unpack("<IHB", data[pos : pos + _CHUNK_HEADER])
+        if kind == 0:  # zero padding up to the block's end
+            pos += left
+            continue
+        chunk = data[pos + _CHUNK_HEADER : pos + _CHUNK_HEADER + length]
+        if len(chunk) < length or zlib.crc32(chunk, zlib.crc32(bytes([kind]))) != crc:
+            break
+        pos += _CHUNK_HEADER + length
+        pending = chunk if kind in (_FULL, _FIRST) else pending + chunk
+        if kind in (_FULL, _LAST):
+            out.append(pending)
+            pending = b""
+    return out
+
+
+def history_position(run_file: Path) -> WandbHistoryPosition:
+    """The last ``epoch`` and next ``_step`` of the history rows in one run file."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    last_epoch: int | None = None
+    next_step = records = 0
+    for raw in _records(run_file.read_bytes()):
+        record = pb.Record()
+        try:
+            record.ParseFromString(raw)
+        except Exception:  # noqa: BLE001 - a record we cannot parse is not history we own
+            continue
+        if record.WhichOneof("record_type") != "history":
+            continue
+        next_step = max(next_step, record.history.step.num + 1)
+        images_only = True
+        for item in record.history.item:
+            key = item.key or "/".join(item.nested_key)
+            if key not in _ROW_FIELDS and not key.startswith(_IMAGE_PREFIXES):
+                images_only = False
+            if key == "_step":
+                next_step = max(next_step, int(json.loads(item.value_json)) + 1)
+            elif key == "epoch":
+                epoch = int(json.loads(item.value_json))
+                last_epoch = epoch if last_epoch is None else max(last_epoch, epoch)
+        records += not images_only
+    return WandbHistoryPosition(last_epoch, next_step, records)
+
+
+def run_history_position(wandb_dir: Path, run_id: str) -> WandbHistoryPosition:
+    """:func:`history_position` over every earlier run folder of ``run_id``."""
+    found: list[WandbHistoryPosition] = []
+    for run_file in sorted(Path(wandb_dir).glob(f"*run-*-{run_id}/run-{run_id}.wandb")):
+        try:
+            found.append(history_position(run_file))
+        except OSError as exc:
+            logger.warning("could not read the earlier W&B run file %s: %s", run_file, exc)
+    last = max((p.last_epoch for p in found if p.last_epoch is not None), default=None)
+    step = max((p.next_step for p in found), default=0)
+    return WandbHistoryPosition(last, step, sum(p.records for p in found))
