@@ -13,16 +13,39 @@ transitions.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from policy_probes.lifecycle import LoopModelDataContext
 from policy_probes.lifecycle.model_context import Grads
-from trainers.rollout import Minibatch
+from trainers.config import PPOConfig
+from trainers.policy import ActorCriticPolicy
+from trainers.rollout import Minibatch, RolloutStorage
 
-if TYPE_CHECKING:
-    from trainers.ppo import PPOTrainer
+
+class PPOLoop(Protocol):
+    """What :class:`PPOModelDataContext` uses of :class:`~trainers.ppo.PPOTrainer` (this
+    module does not import it)."""
+
+    cfg: PPOConfig
+    policy: ActorCriticPolicy
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    storage: RolloutStorage
+    sample_generator: torch.Generator
+    shuffle_generator: torch.Generator
+    rollout_ready: bool
+
+    def minibatch_loss(
+        self, batch: Minibatch, policy: ActorCriticPolicy | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def accumulate_gradients(self, batch: Minibatch, *, sync: bool = False) -> torch.Tensor: ...
+
+    def clip_and_step(self, step: bool = True) -> torch.Tensor: ...
+
+    def kl_exceeds_target(self, stats: torch.Tensor) -> bool: ...
 
 
 class PPOModelDataContext(LoopModelDataContext):
@@ -32,7 +55,7 @@ class PPOModelDataContext(LoopModelDataContext):
     order), so not even a hook that draws from them can change the trajectory.
     """
 
-    def __init__(self, trainer: PPOTrainer) -> None:
+    def __init__(self, trainer: PPOLoop) -> None:
         cfg = trainer.cfg
         super().__init__(
             trainer.policy,

@@ -28,9 +28,9 @@ import numpy as np
 import torch
 from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
+from policy_probes import ProbeBuilder
 from policy_probes.components import ProbeSpec, add_probe
 from policy_probes.probe_settings import ProbeSettings
-from policy_probes.probes.probe import ProbeBuilder
 from policy_probes.remedies import Remedy, check_remedy
 from policy_probes.run import Run, default_run_dir
 from policy_probes.run_lock import RunDirLocked

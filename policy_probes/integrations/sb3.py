@@ -32,10 +32,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from policy_probes import ProbeBuilder
 from policy_probes.components import ProbeSpec, add_probe
 from policy_probes.lifecycle import preserved_rng
 from policy_probes.probe_settings import ProbeSettings
-from policy_probes.probes.probe import ProbeBuilder
 from policy_probes.run import Run, default_run_dir, held_outputs, remove_outputs
 from policy_probes.session import ProbeSession
 from policy_probes.torch_internals import child_modules

@@ -16,12 +16,10 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from policy_probes.records import Figures, Record
-
-if TYPE_CHECKING:
-    from policy_probes.sinks.config import SinkSetup
+from policy_probes.sinks.config import FSYNC_SECONDS, SinkSetup
 
 logger = logging.getLogger("policy_probes.sinks")
 
@@ -76,10 +74,6 @@ class MetricSink(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
-
-
-#: default seconds between the fsyncs of an append-only file at epoch ends
-FSYNC_SECONDS = 30.0
 
 
 class AppendFileSink(MetricSink):

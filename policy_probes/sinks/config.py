@@ -12,11 +12,12 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from policy_probes import plugins
-from policy_probes.sinks.base import FSYNC_SECONDS
 
 if TYPE_CHECKING:
     from rich.console import Console
 
+#: default seconds between the fsyncs of an append-only file at epoch ends
+FSYNC_SECONDS = 30.0
 #: the training loop's keys the console follows by default, before every registered
 #: probe's console metrics (missing ones are simply not shown)
 RUN_CONSOLE_METRICS: tuple[str, ...] = (

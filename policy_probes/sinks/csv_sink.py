@@ -15,8 +15,8 @@ from typing import IO, Any
 
 from policy_probes.plugins import register
 from policy_probes.records import Record, vector_stats
-from policy_probes.sinks.base import FSYNC_SECONDS, AppendFileSink
-from policy_probes.sinks.config import SinkSetup
+from policy_probes.sinks.base import AppendFileSink
+from policy_probes.sinks.config import FSYNC_SECONDS, SinkSetup
 from policy_probes.sinks.jsonl import repair_truncated_tail, rewrite_atomic
 
 logger = logging.getLogger("policy_probes.sinks")

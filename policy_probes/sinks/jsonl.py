@@ -21,8 +21,8 @@ import orjson
 
 from policy_probes.plugins import register
 from policy_probes.records import METRICS_JSONL, NONFINITE_KEY, Record
-from policy_probes.sinks.base import FSYNC_SECONDS, AppendFileSink
-from policy_probes.sinks.config import SinkSetup
+from policy_probes.sinks.base import AppendFileSink
+from policy_probes.sinks.config import FSYNC_SECONDS, SinkSetup
 
 logger = logging.getLogger("policy_probes.sinks")
 
