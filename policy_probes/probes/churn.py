@@ -156,9 +156,7 @@ class Churn(Probe):
         if forward is not None:
             self.forward = forward
         current = self.held_out(observations) if observations is not None else None
-        batch = self.fixed if self.fixed is not None else self.pending
-        if batch is None:
-            batch = current
+        batch = next((b for b in (self.fixed, self.pending, current) if b is not None), None)
         if self.fixed is None and current is not None:
             self.pending = current
         if batch is None or self.forward is None or not self.modules:
@@ -233,9 +231,8 @@ class Churn(Probe):
         if not multi_process(group):
             return
         for maxima in self.maxima.values():
-            for metric, m in maxima.items():
+            for m in maxima.values():
                 dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-                maxima[metric] = m
 
     def to_metrics(self) -> dict[str, float | list[float]]:
         self.end_epoch()

@@ -190,8 +190,21 @@ class FisherInformation(Probe):
         (every ``update_*``): the row-mask rows of the gradient."""
         g = as_rows(grad_output)
         self.out_rows[component] = g.shape[0]
+        self._push_grad(component, "out", (), g, loss_scale, weight)
+
+    def _push_grad(
+        self,
+        component: str,
+        stream: str,
+        held: tuple[torch.Tensor, ...],
+        g: torch.Tensor,
+        loss_scale: float | torch.Tensor,
+        weight: torch.Tensor | None,
+    ) -> None:
+        """Hold the ``held`` blocks and the gradient rows ``g``, scaled by their per-sample
+        factor (:meth:`sample_factor`)."""
         f = self.sample_factor(component, g.shape[0], loss_scale, g)
-        self._push(component, "out", (g,), (f,), weight)
+        self._push(component, stream, (*held, g), (*(None for _ in held), f), weight)
 
     def update_layer(
         self,
@@ -205,28 +218,8 @@ class FisherInformation(Probe):
         weight: torch.Tensor | None = None,
     ) -> None:
         """One backward pass through an ``nn.Linear`` (``names``: weight, bias or None)."""
-        g = as_rows(grad_output)
-        f = self.sample_factor(component, g.shape[0], loss_scale, g)
         stream = f"{kind}:{names[0] or ''}:{names[1] or ''}"
-        self._push(component, stream, (as_rows(x), g), (None, f), weight)
-
-    def update_rule(
-        self,
-        component: str,
-        stream: str,
-        rule: LayerRule,
-        x: torch.Tensor,
-        grad_output: torch.Tensor,
-        loss_scale: float | torch.Tensor = 1.0,
-        *,
-        weight: torch.Tensor | None = None,
-    ) -> None:
-        """One backward pass through a layer with a closed-form ``rule``: its rows (one per
-        sample, :class:`~policy_probes.probes.fisher_rules.LayerKind`) and output gradient."""
-        self.rules_of[(component, stream)] = rule
-        g = grad_output.detach().reshape(x.shape[0], -1)
-        f = self.sample_factor(component, g.shape[0], loss_scale, g)
-        self._push(component, stream, (x, g), (None, f), weight)
+        self._push_grad(component, stream, (as_rows(x),), as_rows(grad_output), loss_scale, weight)
 
     def update_generic(
         self,
@@ -257,13 +250,9 @@ class FisherInformation(Probe):
             ]
             checks += [(g, d) for g, d in zip(c.grads, lay.out_dims, strict=True) if g is not None]
         ok = row_finite(checks, n)
-        kept = None
-        for call in calls:
-            if call.weight is not None:
-                cw = call.weight.to(ok.dtype)
-                kept = cw if kept is None else torch.maximum(kept, cw)
-        if kept is not None:
-            ok = ok * kept
+        masks = [c.weight.to(ok.dtype) for c in calls if c.weight is not None]
+        if masks:
+            ok = ok * functools.reduce(torch.maximum, masks)
         w = ok * f  # the per-row weight of this backward
         calls = [
             Call(
@@ -278,26 +267,6 @@ class FisherInformation(Probe):
         for local, value in per_sample_squares(module, calls, w, chunk).items():
             self._add(component, f"param:{names[local]}", value)
             self._add(component, f"param_samples:{names[local]}", samples, COUNT)
-
-    def update_through_activation(
-        self,
-        component: str,
-        activation: str,
-        names: Names,
-        x: torch.Tensor,
-        act_out: torch.Tensor,
-        act_grad: torch.Tensor,
-        loss_scale: float | torch.Tensor = 1.0,
-        *,
-        weight: torch.Tensor | None = None,
-    ) -> None:
-        """One backward pass through ``act(linear(x))`` (:data:`ACTIVATIONS`): the Linear's
-        output gradient ``act_grad * act'(act_out)`` is formed at the drain, from tensors
-        other probes read too (no autograd hook on the Linear's output)."""
-        g = as_rows(act_grad)
-        f = self.sample_factor(component, g.shape[0], loss_scale, g)
-        stream = f"linear@{activation}:{names[0] or ''}:{names[1] or ''}"
-        self._push(component, stream, (as_rows(x), as_rows(act_out), g), (None, None, f), weight)
 
     def batches(self, stream: str) -> bool:
         """Only the output gradients' stream (per-unit accumulators) is reduced alike."""
@@ -394,14 +363,7 @@ class FisherInformation(Probe):
     def param_fisher(self, component: str) -> dict[str, torch.Tensor]:
         """Per-entry diagonal Fisher of every covered parameter in the window, on the host."""
         self.flush()
-        st = self.state[component]
-        out = {}
-        for key, total in st.items():
-            if key.startswith("param:"):
-                name = key.removeprefix("param:")
-                n = int(st[f"param_samples:{name}"])
-                out[name] = (total / max(n, 1)).cpu()
-        return out
+        return {name: (t / max(n, 1)).cpu() for name, t, n in _params(self.state[component])}
 
     def summarize(self, component: str, s: dict[str, torch.Tensor], cfg: dict[str, Any]) -> dict:
         # numpy on the host copies (see ReLUActivation.summarize_alike)
@@ -418,11 +380,7 @@ class FisherInformation(Probe):
         traces: dict[str, float] = {}
         entries = dead = 0
         peak = -math.inf
-        for key, total in a.items():
-            if not key.startswith("param:"):
-                continue
-            name = key.removeprefix("param:")
-            n = int(a[f"param_samples:{name}"])
+        for name, total, n in _params(a):
             fisher = total / n if n else np.zeros_like(total)
             traces[name] = out[f"{name}.trace"] = float(fisher.sum())
             if fisher.size:
@@ -453,11 +411,7 @@ def noise_scale(s: dict[str, np.ndarray], traces: dict[str, float]) -> dict[str,
     ``traces``: every parameter's S (the Fisher's per-parameter trace)."""
     out: dict[str, float] = {}
     total_sq, total_gsq, n_min = 0.0, 0.0, None
-    for key, gsum in s.items():
-        if not key.startswith("param_gsum:"):
-            continue
-        name = key.removeprefix("param_gsum:")
-        n = int(s[f"param_samples:{name}"])
+    for name, gsum, n in _params(s, "param_gsum"):
         if n < 2:
             continue
         sq = traces[name]  # S
@@ -471,6 +425,14 @@ def noise_scale(s: dict[str, np.ndarray], traces: dict[str, float]) -> dict[str,
     return out
 
 
+def _params(s: dict[str, Any], kind: str = "param") -> Iterator[tuple[str, Any, int]]:
+    """``(name, accumulator, samples)`` of every ``<kind>:<name>`` accumulator in ``s``."""
+    for key, total in s.items():
+        if key.startswith(f"{kind}:"):
+            name = key.removeprefix(f"{kind}:")
+            yield name, total, int(s[f"param_samples:{name}"])
+
+
 def _noise(prefix: str, n: int, sq: float, gsq: float) -> dict[str, float]:
     grad_sq = (n * gsq - sq) / (n - 1)
     var_trace = n * (sq - gsq) / (n - 1)
@@ -480,24 +442,19 @@ def _noise(prefix: str, n: int, sq: float, gsq: float) -> dict[str, float]:
     return out
 
 
+@dataclasses.dataclass(slots=True, eq=False)
 class _GenericDelivery:
     """Records a generic-route pass (:class:`Call`) when its tapped outputs' gradients
-    arrive, under the fault rule (slotted: one per pass, alive until the backward)."""
+    arrive, under the fault rule (slotted: one per pass, alive until the backward; the
+    outputs are not held)."""
 
-    __slots__ = ("obs", "arrived", "layout", "tapped", "width", "rows", "weight")
-
-    def __init__(
-        self,
-        obs: Observation,
-        arrived: Callable[[Call, float | torch.Tensor], None],
-        layout: Layout,
-        tapped: tuple[int, ...],
-        width: int,
-        rows: int | None,
-        weight: torch.Tensor | None,
-    ) -> None:
-        self.obs, self.arrived, self.layout, self.tapped = obs, arrived, layout, tapped
-        self.width, self.rows, self.weight = width, rows, weight  # outputs are not held
+    obs: Observation
+    arrived: Callable[[Call, float | torch.Tensor], None]
+    layout: Layout
+    tapped: tuple[int, ...]
+    width: int
+    rows: int | None
+    weight: torch.Tensor | None
 
     def __call__(self, grads: tuple[torch.Tensor | None, ...]) -> None:
         obs = self.obs
@@ -535,7 +492,9 @@ class _FisherHooks:
                 continue
             prefix = f"{sub_name}." if sub_name else ""
             own = list(sub.parameters(recurse=False))
-            generic = settings["generic"] == "auto" and _owns_uncovered_parameters(sub)
+            kind = layer_kind(sub)  # nothing to learn without parameters (a norm without affine)
+            # parameters of its own that no closed-form rule covers
+            generic = settings["generic"] == "auto" and kind is None and own
             if generic and _generic_capable(sub):
                 # the whole subtree goes through torch.func (a forward may use a child's
                 # parameters without calling it: nn.MultiheadAttention's out_proj)
@@ -557,7 +516,6 @@ class _FisherHooks:
                     pair = self._sequential_pair_hooks
                     plan.append(functools.partial(pair, linear, act, activation, names))
                     covered.update(id(p) for p in linear.parameters(recurse=False))
-            kind = layer_kind(sub)  # nothing to learn without parameters (a norm without affine)
             if kind is not None and own and not any(id(p) in covered for p in own):
                 make = self._layer_hook
                 plan.append(
@@ -693,15 +651,17 @@ class _FisherHooks:
     def _tap(
         self,
         output: torch.Tensor,
-        update: Callable[..., None],
-        args: tuple[Any, ...],
-        layer: Any = None,
+        stream: str,
+        held: tuple[torch.Tensor, ...],
+        layer: Any,
         samples: tuple[int, int] | None = None,
     ) -> None:
-        """On the gradient of ``output`` call ``update(*args, grad, loss_scale, weight=)``
-        (``args`` hold no autograd graph), the row-mask rows bound now; ``samples =
-        (samples, rows)``: samples holding ``rows`` mask rows (:meth:`RowMask.per_sample`)."""
-        obs = self.obs
+        """On the gradient of ``output`` hold ``held`` (no autograd graph) and the gradient's
+        rows as ``stream`` (:meth:`FisherInformation._push_grad`), the row-mask rows bound
+        now; ``samples = (samples, rows)``: ``held`` has a row per sample, each holding
+        ``rows`` mask rows (:meth:`RowMask.per_sample`), and so is the gradient read."""
+        obs, probe, component = self.obs, self.probe, self.component
+        n = None if samples is None else samples[0]
         key, mask = (id(obs), layer), obs.context.row_mask
         try:
             if mask is None:
@@ -715,7 +675,8 @@ class _FisherHooks:
             return
 
         def compute(grad: torch.Tensor, weight: Any, loss_scale: Any) -> None:
-            update(*args, grad, loss_scale, weight=weight)
+            g = as_rows(grad) if n is None else grad.detach().reshape(n, -1)
+            probe._push_grad(component, stream, held, g, loss_scale, weight)
 
         obs.tap(output, weight, compute)
 
@@ -732,10 +693,12 @@ class _FisherHooks:
     def _tap_through_activation(
         self, activation: str, names: Names, x: torch.Tensor, output: torch.Tensor
     ) -> None:
-        """:meth:`FisherInformation.update_through_activation` on ``output``'s gradient."""
+        """Read ``act(linear(x))`` (:data:`ACTIVATIONS`): the Linear's output gradient
+        ``grad * act'(output)`` is formed at the drain, from tensors other probes read too
+        (no autograd hook on the Linear's output)."""
         # detached: a hook held by the output must not hold it (a cycle never freed)
-        args = (self.component, activation, names, x.detach(), output.detach())
-        self._tap(output, self.probe.update_through_activation, args, names)
+        stream = f"linear@{activation}:{names[0] or ''}:{names[1] or ''}"
+        self._tap(output, stream, (as_rows(x), as_rows(output)), names)
 
     def _sequential_pair_hooks(
         self, linear: nn.Linear, act: nn.Module, activation: str, names: Names
@@ -769,14 +732,15 @@ class _FisherHooks:
             if not self._recorded(output, passes):
                 return
             x = inputs[0].detach()
+            stream = f"{kind.name}:{names[0] or ''}:{names[1] or ''}"
             if kind.rows is None:  # nn.Linear: its input rows as they are
-                self._tap(output, probe.update_layer, (component, kind.name, names, x), names)
+                self._tap(output, stream, (as_rows(x),), names)
                 return
             rule, rows, shape = kind.rows(mod, names, x, output.detach())
-            stream = f"{kind.name}:{names[0] or ''}:{names[1] or ''}:{shape}"
+            stream = f"{stream}:{shape}"
+            probe.rules_of[(component, stream)] = rule
             n = rows.shape[0]
-            samples = (n, n * kind.positions(mod, rows, output))
-            self._tap(output, probe.update_rule, (component, stream, rule, rows), names, samples)
+            self._tap(output, stream, (rows,), names, (n, n * kind.positions(mod, rows, output)))
 
         return hook
 
@@ -844,11 +808,6 @@ def _names(prefix: str, layer: nn.Module) -> Names:
     )
 
 
-def _owns_uncovered_parameters(module: nn.Module) -> bool:
-    """Whether ``module`` holds parameters of its own that no closed-form rule covers."""
-    return layer_kind(module) is None and next(module.parameters(recurse=False), None) is not None
-
-
 def _generic_capable(module: nn.Module) -> bool:
     """Whether the generic route can take ``module``: a forward of its own (not an
     ``nn.ParameterList``) and per-sample gradients (not batch norm or
@@ -860,7 +819,7 @@ def _generic_capable(module: nn.Module) -> bool:
     return not (isinstance(module, nn.Embedding) and module.scale_grad_by_freq)
 
 
-#: activations whose derivative follows exactly from their output (update_through_activation)
+#: activations whose derivative follows exactly from their output (_tap_through_activation)
 ACTIVATIONS: dict[type[nn.Module], str] = {
     nn.ReLU: "relu",
     nn.Tanh: "tanh",

@@ -54,24 +54,15 @@ def _cell(
 @dataclass
 class _Direction:
     """One layer and direction of a re-run: its parameters' name suffix, input ``x``
-    (time, batch, features), per step the previous hidden state and pre-activations."""
+    (time, batch, features), per step the previous hidden state ``prev`` and the
+    pre-activations ``ax``, ``ah`` (lists during the re-run; after :func:`_gate_grads`
+    stacked in time order, ``ax``/``ah`` then holding their gradients)."""
 
     suffix: str
     x: torch.Tensor
-    ax: torch.Tensor
-    prev: list[torch.Tensor]
-    ah: list[torch.Tensor]
-
-
-@dataclass
-class _GateGrads:
-    """A direction's per-step tensors stacked in time order, with their gradients."""
-
-    suffix: str
-    x: torch.Tensor
-    prev: torch.Tensor
-    dax: torch.Tensor
-    dah: torch.Tensor
+    prev: Any
+    ax: Any
+    ah: Any
 
 
 def _rerun(
@@ -92,7 +83,7 @@ def _rerun(
             b_hh = getattr(module, "bias_hh" + sfx) if module.bias else None
             ax = F.linear(layer_in, w_ih.detach(), _detach(b_ih))
             h, c = h0[layer * dirs + d], None if c0 is None else c0[layer * dirs + d]
-            step = _Direction(sfx, layer_in.detach(), ax, [h] * steps, [h] * steps)
+            step = _Direction(sfx, layer_in.detach(), [h] * steps, ax, [h] * steps)
             hs = [h] * steps
             for t in range(steps - 1, -1, -1) if d else range(steps):
                 step.prev[t] = h.detach()
@@ -112,7 +103,7 @@ def _detach(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.detach()
 
 
-def _gate_grads(module: nn.Module, call: Any, w: torch.Tensor) -> list[_GateGrads]:
+def _gate_grads(module: nn.Module, call: Any, w: torch.Tensor) -> list[_Direction]:
     """Re-run one pass (``call``: inputs, h_0 and c_0, output gradients) and
     backpropagate ``<outputs, w g>`` to every pre-activation."""
     lstm = isinstance(module, nn.LSTM)
@@ -142,7 +133,7 @@ def _gate_grads(module: nn.Module, call: Any, w: torch.Tensor) -> list[_GateGrad
         pos += len(own)
         got = [torch.zeros_like(t) if g is None else g for g, t in zip(mine, own, strict=True)]
         out_grads.append(
-            _GateGrads(s.suffix, s.x, torch.stack(s.prev), got[0], torch.stack(got[1:]))
+            _Direction(s.suffix, s.x, torch.stack(s.prev), got[0], torch.stack(got[1:]))
         )
     return out_grads
 
@@ -157,13 +148,13 @@ def rnn_per_sample_squares(
         per_call = [_gate_grads(module, call, w) for call in calls]
     else:  # one re-run and one backward for all the calls
         per_call = [_by_call(_gate_grads(module, joined, w.repeat(len(calls))), len(calls))]
-    width = sum(d.dax.shape[-1] * (d.x.shape[-1] + d.prev.shape[-1]) for d in per_call[0])
+    width = sum(d.ax.shape[-1] * (d.x.shape[-1] + d.prev.shape[-1]) for d in per_call[0])
     acc: dict[str, torch.Tensor] = {}
     for j, first in enumerate(per_call[0]):
         # a sample's gradient sums over every call's steps: one time axis for all calls
         dax, x, dah, prev = (
             torch.cat([getattr(directions[j], k) for directions in per_call])
-            for k in ("dax", "x", "dah", "prev")
+            for k in ("ax", "x", "ah", "prev")
         )
         for lo, hi in chunks(w.shape[0], 3 * width * w.element_size(), chunk_bytes):
             b = slice(lo, hi)
@@ -175,8 +166,7 @@ def rnn_per_sample_squares(
                 sample_grads["bias_ih"] = dax[:, b].sum(0)
                 sample_grads["bias_hh"] = dah[:, b].sum(0)
             for k, v in sample_grads.items():
-                name = k + first.suffix
-                accumulate(acc, name, v.square().sum(0))
+                accumulate(acc, k + first.suffix, v.square().sum(0))
     return acc
 
 
@@ -217,7 +207,7 @@ def _joined(calls: Sequence[Any]) -> Any | None:
     return dataclasses.replace(calls[0], layout=layout, grads=grads, weight=None)
 
 
-def _by_call(directions: list[_GateGrads], calls: int) -> list[_GateGrads]:
+def _by_call(directions: list[_Direction], calls: int) -> list[_Direction]:
     """The joined re-run's (time, calls x batch, ...) as (calls x time, batch, ...)."""
 
     def steps(t: torch.Tensor) -> torch.Tensor:
@@ -225,6 +215,6 @@ def _by_call(directions: list[_GateGrads], calls: int) -> list[_GateGrads]:
         return t.reshape(time_, calls, rows, -1).transpose(0, 1).reshape(calls * time_, rows, -1)
 
     return [
-        _GateGrads(d.suffix, steps(d.x), steps(d.prev), steps(d.dax), steps(d.dah))
+        _Direction(d.suffix, steps(d.x), steps(d.prev), steps(d.ax), steps(d.ah))
         for d in directions
     ]

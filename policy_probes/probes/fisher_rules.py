@@ -122,12 +122,10 @@ class ConvRule(LayerRule):
         )
 
     def squares(
-        self, x: Tensor, gw: Tensor, chunk_bytes: int, method: str | None = None
+        self, x: Tensor, gw: Tensor, chunk_bytes: int, method: str = "correlate"
     ) -> dict[str, Tensor]:
         """See :meth:`LayerRule.squares`. ``method``: ``"correlate"`` (the default) or
         ``"unfold"`` (im2col + einsum). Both are exact."""
-        if method is None:
-            method = "correlate"
         if method not in ("correlate", "unfold"):
             raise ValueError(f"method must be 'correlate' or 'unfold', got {method!r}")
         one_d = len(self.kernel) == 1
@@ -310,7 +308,6 @@ class LayerKind:
     positions: Callable[[nn.Module, Tensor, Tensor], int] = lambda m, r, o: 1
 
 
-LINEAR = LayerKind("linear")
 _CONV = LayerKind(
     "conv", _conv_rows, lambda m, r, o: o.numel() // max(r.shape[0] * m.out_channels, 1)
 )
@@ -318,7 +315,7 @@ _CONV = LayerKind(
 #: module type -> how the Fisher reads it in closed form (BackPACK's module -> extension
 #: table); a subclass counts when it keeps the type's ``forward``
 LAYER_KINDS: dict[type[nn.Module], LayerKind] = {
-    nn.Linear: LINEAR,
+    nn.Linear: LayerKind("linear"),
     nn.Conv1d: _CONV,
     nn.Conv2d: _CONV,
     nn.Embedding: LayerKind("embedding", _embedding_rows, lambda m, r, o: r.shape[1]),

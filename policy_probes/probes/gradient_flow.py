@@ -141,9 +141,6 @@ class GradientFlow(PerLayerProbe):
 
         obs.tap(output, weight, compute)
 
-    def summarize(self, component: str, s: dict[str, torch.Tensor], cfg: dict[str, Any]) -> dict:
-        return self.summarize_alike([component], s, cfg)[0]
-
     def summarize_alike(
         self, components: list[str], s: dict[str, torch.Tensor], cfg: dict[str, Any]
     ) -> list[dict]:

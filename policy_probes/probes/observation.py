@@ -317,16 +317,12 @@ class Observation:
             self.backward = in_backward_pass()
         if not self.attached:
             if in_backward_pass() != self.backward:
-                want = (
-                    ("backward", "module.register_full_backward_hook(closure)")
-                    if self.backward
-                    else ("forward", "module.register_forward_hook(closure)")
-                )
+                kind, other = ("backward", "forward") if self.backward else ("forward", "backward")
+                register = "full_backward" if self.backward else "forward"
                 raise ProbeError(
-                    f"probe {self.probe!r} on component {self.component!r} is a {want[0]} "
-                    f"probe but was registered as a "
-                    f"{'forward' if self.backward else 'backward'} hook; register it with "
-                    f"{want[1]}, or {self._attach_advice()}"
+                    f"probe {self.probe!r} on component {self.component!r} is a {kind} probe "
+                    f"but was registered as a {other} hook; register it with "
+                    f"module.register_{register}_hook(closure), or {self._attach_advice()}"
                 )
             gaps = "" if self.tracker is None else self.tracker.plain_call_gaps(self, module)
             if not gaps:  # attach() now installs nothing and resolves layouts, settings
@@ -379,26 +375,26 @@ class Observation:
         return f"Observation({self.probe!r} on {self.component!r})"
 
 
+@dataclass(slots=True, eq=False)
 class _ComponentGrad:
     """``grad -> obs._deliver(module, None, (grad,), weight)``, slotted: a module called
     step by step makes one per step, alive until the backward (fewer objects than a closure)."""
 
-    __slots__ = ("obs", "module", "weight")
-
-    def __init__(self, obs: Observation, module: nn.Module, weight: torch.Tensor | None) -> None:
-        self.obs, self.module, self.weight = obs, module, weight
+    obs: Observation
+    module: nn.Module
+    weight: torch.Tensor | None
 
     def __call__(self, grad: torch.Tensor) -> None:
         self.obs._deliver(self.module, None, (grad,), self.weight)
 
 
+@dataclass(slots=True, eq=False)
 class _GradCall:
     """A gradient subscription of :meth:`Observation.tap` (slotted like :class:`_ComponentGrad`)."""
 
-    __slots__ = ("obs", "compute", "weight")
-
-    def __init__(self, obs: Observation, compute: Callable, weight: torch.Tensor | None) -> None:
-        self.obs, self.compute, self.weight = obs, compute, weight
+    obs: Observation
+    compute: Callable
+    weight: torch.Tensor | None
 
     def __call__(self, grad: torch.Tensor) -> None:
         obs = self.obs

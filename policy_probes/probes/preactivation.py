@@ -29,7 +29,7 @@ from torch.utils.hooks import RemovableHandle
 from policy_probes.plugins import Rule, register
 from policy_probes.probes.probe import Probe
 from policy_probes.probes.rows import COUNT
-from policy_probes.probes.state import SUM, Device, Drained, as_rows
+from policy_probes.probes.state import SUM, Drained, as_rows
 from policy_probes.probes.weighted import Weighted
 
 if TYPE_CHECKING:
@@ -46,6 +46,7 @@ class Preactivation(Probe):
     name = "preactivation"
     maker = "attach_preactivation_hooks()"
     placements = ("phases", "schedule")
+    saved_attributes = ("reference",)
     docs = "docs/probes/preactivation.md"
     metrics = {
         "mean_drift": "per linear layer: mean |mu - mu0| / sigma0 over its units",
@@ -162,18 +163,6 @@ class Preactivation(Probe):
             )
             for layer, sub in self.linears[component]
         ]
-
-    def state_dict(self) -> dict[str, Any]:
-        out = super().state_dict()
-        out["reference"] = {k: dict(v) for k, v in self.reference.items()}
-        return out
-
-    def load_state_dict(self, state: dict[str, Any], device: Device = None) -> None:
-        super().load_state_dict(state, device)
-        self.reference = {
-            k: {n: t.clone() for n, t in v.items()}
-            for k, v in (state.get("reference") or {}).items()
-        }
 
 
 def _moments(total: torch.Tensor, sq: torch.Tensor, count: torch.Tensor) -> tuple:

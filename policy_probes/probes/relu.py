@@ -120,9 +120,6 @@ class ReLUActivation(ActivationProbe):
         self._add(component, "abs_sum", kept.sums(torch.abs(h.clean, out=self.scratch(h.clean))))
         self._add(component, "nonfinite", kept.nonfinite_counts(), COUNT)
 
-    def summarize(self, component: str, s: dict[str, torch.Tensor], cfg: dict[str, Any]) -> dict:
-        return self.summarize_alike([component], s, cfg)[0]
-
     def summarize_alike(
         self, components: list[str], s: dict[str, torch.Tensor], cfg: dict[str, Any]
     ) -> list[dict]:

@@ -90,9 +90,8 @@ class ReLUGradientFlow(Probe):
     def summarize(self, component: str, s: dict[str, torch.Tensor], cfg: dict[str, Any]) -> dict:
         out: dict[str, Any] = {}
         a = {key: t.numpy() for key, t in s.items()}  # numpy: see ReLUActivation
-        layers = [layer for layer in cfg["layers"] if f"count:{layer}" in a]
         all_rates, finite_total, nonfinite = [], 0, 0
-        for layer in layers:
+        for layer in [layer for layer in cfg["layers"] if f"count:{layer}" in a]:
             count, bad = a[f"count:{layer}"], int(a[f"nonfinite:{layer}"].sum())
             rate = unit_rates(a[f"passed:{layer}"], count)
             all_rates.append(rate)
@@ -100,8 +99,8 @@ class ReLUGradientFlow(Probe):
             nonfinite += bad
             named = cfg["layer_names"].get(layer)
             if named is not None:  # per layer: probes/<probe>/<component>.<layer>/<metric>
-                for metric, value in _pass_metrics(rate, int(count.sum()), bad).items():
-                    out[(named, metric)] = value
+                metrics = _pass_metrics(rate, int(count.sum()), bad)
+                out.update(((named, metric), value) for metric, value in metrics.items())
             elif len(cfg["layers"]) > 1 and not cfg.get("per_layer", False):
                 out[f"{layer or '<self>'}.pass_rate"] = rate.tolist()
                 out[f"{layer or '<self>'}.blocked_fraction"] = unit_share(rate == 0)

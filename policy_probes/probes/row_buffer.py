@@ -182,8 +182,8 @@ class RowBuffer:
 
             def materialise(refs: list[torch.Tensor] = refs, col: int = col) -> Rows:
                 width = layout[col][0] * parts
-                aux = lambda k: first._alike_slot(col, 2 + k, width, rows)  # noqa: E731
-                values = first._alike_slot(col, 0, width, rows)
+                aux = lambda k: first._slot(col, 2 + k, width, rows)[:rows]  # noqa: E731
+                values = first._slot(col, 0, width, rows)[:rows]
                 start = 0
                 for i, n in enumerate(segments):
                     torch.cat(
@@ -192,20 +192,10 @@ class RowBuffer:
                     start += n
                 if _finite_on_cpu(values):
                     return Rows.finite(values, aux)
-                return Rows.split(values, first._alike_slot(col, 1, width, rows), aux)
+                return Rows.split(values, first._slot(col, 1, width, rows)[:rows], aux)
 
             out.append(drain_round.rows(refs, materialise))
         return tuple(out), segments, scales, None
-
-    def _alike_slot(self, col: int, slot: int, width: int, rows: int) -> torch.Tensor:
-        """:meth:`_slot` of a :meth:`take_alike` led by this buffer, ``rows`` x ``width``."""
-        key = (col, slot, width)
-        t = self.storage.get(key)
-        if t is None or t.shape[0] < rows:
-            _, dtype, device = self.layout[col]
-            dtype = dtype if torch.empty((), dtype=dtype).element_size() >= 4 else torch.float32
-            t = self.storage[key] = torch.empty((rows, width), dtype=dtype, device=device)
-        return t[:rows]
 
     def _weight_column(
         self, weights: list[torch.Tensor | None], segments: list[int], rows: int
@@ -229,15 +219,17 @@ class RowBuffer:
             lo += n
         return col
 
-    def _slot(self, col: int, slot: int) -> torch.Tensor:
+    def _slot(self, col: int, slot: int, width: int | None = None, rows: int = 0) -> torch.Tensor:
         """Storage ``slot`` of block column ``col`` (values, non-finite indicator, derived
-        quantities) at the buffer's capacity; half precision widened to float32."""
-        key = (col, slot)
+        quantities), half precision widened to float32: ``(capacity, columns)``, or with a
+        ``width`` (a :meth:`take_alike` led by this buffer) at least ``rows`` x ``width``."""
+        key = (col, slot) if width is None else (col, slot, width)
         t = self.storage.get(key)
-        if t is None:
-            width, dtype, device = self.layout[col]
+        if t is None or t.shape[0] < rows:
+            columns, dtype, device = self.layout[col]
             dtype = dtype if torch.empty((), dtype=dtype).element_size() >= 4 else torch.float32
-            t = self.storage[key] = torch.empty((self.capacity, width), dtype=dtype, device=device)
+            shape = (self.capacity, columns) if width is None else (rows, width)
+            t = self.storage[key] = torch.empty(shape, dtype=dtype, device=device)
         return t
 
     def clear(self) -> None:

@@ -21,7 +21,6 @@ from policy_probes.probes.state import SUM, Drained, indicator_, unit_rates
 from policy_probes.probes.weighted import Weighted
 from policy_probes.sampling import standard_error
 
-SATURATING = ("tanh", "sigmoid")
 #: the activation module of each kind (the layers a per-layer saturation probe reads)
 SATURATING_MODULES: dict[str, type[nn.Module]] = {"tanh": nn.Tanh, "sigmoid": nn.Sigmoid}
 
@@ -126,6 +125,6 @@ def attach_saturated_activation_hooks(
     if activation not in probes:
         raise ValueError(
             f"unsupported activation {activation!r} for attach_saturated_activation_hooks; "
-            f"choose one of {list(SATURATING)}"
+            f"choose one of {list(probes)}"
         )
     return probes[activation](threshold=threshold, unit_threshold=unit_threshold)

@@ -76,6 +76,8 @@ class ProbeState:
     #: reductions, so alike streams (:meth:`RowBuffer.alike_signature`, equal settings) are
     #: reduced as one, side by side (:meth:`_consume_alike`, :meth:`summarize_alike`)
     batch_units: bool = False
+    #: attributes (tensors in nested dicts) saved beside the window, as copies
+    saved_attributes: tuple[str, ...] = ()
 
     def __init__(self) -> None:
         self.state: dict[str, dict[str, torch.Tensor]] = {}
@@ -289,19 +291,16 @@ class ProbeState:
         signatures: list[Any] = []
         for key, buf in held:
             signature = buf.alike_signature() if self.batches(key[1]) else None
-            if signature is not None:
-                for i, other in enumerate(signatures):
-                    if (
-                        other == signature
-                        and self.settings[groups[i][0][0][0]] == self.settings[key[0]]
-                    ):
-                        groups[i].append((key, buf))
-                        break
-                else:
-                    signatures.append(signature)
-                    groups.append([(key, buf)])
+            for i, other in enumerate(signatures):
+                if (
+                    signature is not None
+                    and other == signature
+                    and self.settings[groups[i][0][0][0]] == self.settings[key[0]]
+                ):
+                    groups[i].append((key, buf))
+                    break
             else:
-                signatures.append(None)
+                signatures.append(signature)
                 groups.append([(key, buf)])
         return groups
 
@@ -454,9 +453,10 @@ class ProbeState:
 
     # ----------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """The window so far: accumulators (held rows reduced first) and failures."""
+        """The window so far: accumulators (held rows reduced first), failures and
+        :attr:`saved_attributes`."""
         self.flush()
-        return {
+        out = {
             # a shared window is saved as two (a copy), so a resumed run's components
             # accumulate apart until they share again
             "state": {
@@ -465,6 +465,8 @@ class ProbeState:
             },
             "errors": dict(self.errors),
         }
+        out.update((name, _copied(getattr(self, name))) for name in self.saved_attributes)
+        return out
 
     def load_state_dict(self, state: dict[str, Any], device: Device = None) -> None:
         """Replace the window with a saved one, the accumulators moved to ``device``. A
@@ -484,6 +486,8 @@ class ProbeState:
             }
             self._loaded.add(component)
         self.errors.update(state.get("errors") or {})
+        for name in self.saved_attributes:
+            setattr(self, name, _copied(state.get(name) or {}))
 
     # ----------------------------------------------------------- reporting
     def key(self, component: str, metric: str) -> str:
@@ -519,7 +523,12 @@ class ProbeState:
     def summarize(
         self, component: str, state: dict[str, torch.Tensor], settings: dict[str, Any]
     ) -> dict[str, float | list[float]]:
-        raise NotImplementedError
+        """The metrics of one component's accumulators (default: :meth:`summarize_alike`
+        of it alone)."""
+        summaries = self.summarize_alike([component], state, settings)
+        if summaries is None:
+            raise NotImplementedError
+        return summaries[0]
 
     def summarize_alike(
         self, components: list[str], state: dict[str, torch.Tensor], settings: dict[str, Any]
@@ -585,6 +594,11 @@ def _to_host(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             out[k] = flat[offset : offset + n].reshape(t.shape)
             offset += n
     return out
+
+
+def _copied(tree: Any) -> Any:
+    """``tree`` (tensors in nested dicts) with every tensor cloned."""
+    return {k: _copied(v) for k, v in tree.items()} if isinstance(tree, dict) else tree.clone()
 
 
 def rates(count: torch.Tensor, total: torch.Tensor) -> torch.Tensor:

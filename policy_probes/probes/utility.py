@@ -29,7 +29,7 @@ from policy_probes.plugins import Rule, register
 from policy_probes.probes.per_layer import activation_layers
 from policy_probes.probes.probe import Probe
 from policy_probes.probes.rows import COUNT
-from policy_probes.probes.state import SUM, Device, Drained, as_floats, as_rows
+from policy_probes.probes.state import SUM, Drained, as_floats, as_rows
 from policy_probes.probes.weighted import Weighted
 from policy_probes.user_errors import ProbeError
 
@@ -48,6 +48,7 @@ class Utility(Probe):
     maker = "attach_utility_hooks()"
     placements = ("phases", "schedule")
     component_hook = False
+    saved_attributes = ("scores",)
     docs = "docs/probes/utility.md"
     metrics = {
         "utility": "per unit: CBP's running contribution utility",
@@ -168,15 +169,6 @@ class Utility(Probe):
                 self.outgoing[name] = nxt.weight
                 out.append((name, layer.module))
         return out
-
-    def state_dict(self) -> dict[str, Any]:
-        out = super().state_dict()
-        out["scores"] = {k: v.clone() for k, v in self.scores.items()}
-        return out
-
-    def load_state_dict(self, state: dict[str, Any], device: Device = None) -> None:
-        super().load_state_dict(state, device)
-        self.scores = {k: v.clone() for k, v in (state.get("scores") or {}).items()}
 
 
 def attach_utility_hooks(

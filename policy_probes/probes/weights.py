@@ -103,14 +103,10 @@ class Weights(Probe):
         """Record ``module``'s layers and their parameters now as θ₀ and θ_prev (once)."""
         if component in self.layers:
             return
-        layers: dict[str, list[nn.Parameter]] = {}
-        for name, sub in module.named_modules():
-            params = [p for p in sub.parameters(recurse=False)]
-            if params:
-                layers[name] = params
-        self.layers[component] = layers
-        self.init[component] = {k: [p.detach().clone() for p in ps] for k, ps in layers.items()}
-        self.prev[component] = {k: [p.detach().clone() for p in ps] for k, ps in layers.items()}
+        layers = {name: list(sub.parameters(recurse=False)) for name, sub in module.named_modules()}
+        layers = self.layers[component] = {name: ps for name, ps in layers.items() if ps}
+        for table in (self.init, self.prev):
+            table[component] = {k: [p.detach().clone() for p in ps] for k, ps in layers.items()}
 
     def sums(self, component: str) -> torch.Tensor:
         """``(layers, len(SUMS))`` float64 sums on the parameters' device."""
