@@ -83,15 +83,13 @@ examples:
 
 
 class RunEnded(Exception):
-    """The run stopped on request (signal, ``ctl stop``) after a checkpoint; the CLI
-    prints the message and exits with ``exit_code``."""
+    """A requested stop (signal, ``ctl stop``) after a checkpoint; exits with ``exit_code``."""
 
     def __init__(self, message: str, exit_code: int) -> None:
         super().__init__(message)
         self.exit_code = exit_code
 
 
-# ---------------------------------------------------------------------- recipes
 def load_recipe(target: str) -> Callable[[], Any]:
     """The function named by ``package.module.function`` or ``path/to/file.py:function``."""
     if ":" in target:
@@ -232,7 +230,6 @@ def find_recipes(package: str = "recipes") -> list[tuple[str, str]]:
     return found
 
 
-# ---------------------------------------------------------------------- run
 def add_run_subcommand(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "run",
@@ -422,7 +419,6 @@ def program_name() -> str:
     return f"{shlex.quote(sys.executable)} -m policy_probes.cli"
 
 
-# ---------------------------------------------------------------------- resume, ctl
 def call_tool(method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``method(...)`` with the tool's usage errors as :class:`CLIError`."""
     try:
@@ -597,7 +593,6 @@ def ctl_command(args: argparse.Namespace) -> int:
     return 0 if ack.get("ok") else 1
 
 
-# ---------------------------------------------------------------------- entry point
 def add_plugins_subcommand(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "plugins",
@@ -640,14 +635,8 @@ def plugins_command(args: argparse.Namespace) -> int:
 
 
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    add_run_subcommand,
-    add_resume_subcommand,
-    add_fork_subcommand,
-    add_arms_subcommand,
-    add_ctl_subcommand,
-    add_report_subcommand,
-    add_hooks_subcommand,
-    add_diagnose_subcommand,
+    *(add_run_subcommand, add_resume_subcommand, add_fork_subcommand, add_arms_subcommand),
+    *(add_ctl_subcommand, add_report_subcommand, add_hooks_subcommand, add_diagnose_subcommand),
     add_plugins_subcommand,
 ]
 

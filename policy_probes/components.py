@@ -34,9 +34,8 @@ GLOB_CHARS = set("*?[")
 
 
 class ProbeHandle(RemovableHandle):
-    """A ``RemovableHandle`` for everything one registration installed (the component
-    hook and a probe's hooks on submodules); :meth:`sync` installs them while the probe
-    records in the current phase and pass and removes them otherwise."""
+    """A ``RemovableHandle`` for everything one registration installed; :meth:`sync`
+    installs it while the probe records in the current phase and pass, removes it otherwise."""
 
     def __init__(
         self,
@@ -112,9 +111,9 @@ def output_kind(output: Any) -> str:
 
 
 class PolicyAutoBuilder(nn.Module):
-    """An ``nn.Module`` whose named parts can be probed: build one from a component spec
-    (name -> ``nn.Module`` or a spec such as :class:`~policy_probes.layers.MLPSpec`) and
-    define ``forward`` in a subclass, or make any module probe-able with :meth:`wrap`."""
+    """An ``nn.Module`` whose named parts can be probed: built from a component spec (name ->
+    ``nn.Module`` or a :class:`~policy_probes.layers.MLPSpec`...) with your ``forward``, or
+    any module made probe-able by :meth:`wrap`."""
 
     def __init__(self, spec: Mapping[str, nn.Module | MLPSpec | LinearSpec] | None = None) -> None:
         super().__init__()
@@ -138,9 +137,8 @@ class PolicyAutoBuilder(nn.Module):
         components: Mapping[str, nn.Module | str] | None = None,
         example_inputs: tuple[Any, ...] | None = None,
     ) -> PolicyAutoBuilder:
-        """Make an existing module probe-able without changing it. ``components`` maps
-        names to submodules or dotted paths of ``module`` (``None``: every direct child by
-        attribute name); ``example_inputs``: one :meth:`trace_outputs` forward."""
+        """Make an existing module probe-able without changing it: ``components`` maps names to
+        submodules or paths (``None``: its children); ``example_inputs``: :meth:`trace_outputs`."""
         inner = unwrap(module)  # torch.compile(module): hooks go on the module it runs
         if inner is not module and isinstance(inner, PolicyAutoBuilder) and components is None:
             if example_inputs is not None:
@@ -256,8 +254,7 @@ class PolicyAutoBuilder(nn.Module):
     def register_component_hook_rule(
         self, *, component_name: str, hook: Observation
     ) -> ProbeHandle:
-        """Install ``hook`` as a forward hook on one component, with the hooks its probe
-        installs inside it."""
+        """Install ``hook`` as a forward hook on one component, with its probe's hooks in it."""
         module = self.get_component(component_name)
 
         def install() -> list[RemovableHandle]:
@@ -379,8 +376,7 @@ class PolicyAutoBuilder(nn.Module):
         self._hold_eager()
 
     def _hold_eager(self) -> None:
-        """Compiled code runs eagerly while a probe is armed or lifecycle hooks run
-        (:mod:`policy_probes.compiled`)."""
+        """Compiled code runs eagerly while a probe is armed or lifecycle hooks run."""
         lifecycle = any(c.phase == "hook" for c in self._contexts)
         hold_eager(self, lifecycle or any(h.armed for h in self._handles))
 

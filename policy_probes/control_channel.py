@@ -131,9 +131,8 @@ def run_info(run_dir: str | Path) -> dict[str, Any]:
 def send_command(
     run_dir: str | Path, command: str, timeout: float = 30.0, poll: float = 0.05
 ) -> dict[str, Any] | None:
-    """Send ``command`` to the run in ``run_dir`` and wait up to ``timeout`` seconds for
-    its acknowledgement (``ok``, ``message``); None when none came (the request withdrawn
-    if the run had not claimed it)."""
+    """Send ``command`` to the run in ``run_dir`` and wait up to ``timeout`` seconds for its
+    acknowledgement (``ok``, ``message``); None when none came (withdrawn if unclaimed)."""
     if command not in COMMANDS:
         raise ControlError(f"unknown command {command!r}; choose one of {', '.join(COMMANDS)}")
     run_info(run_dir)

@@ -57,9 +57,8 @@ class HiddenLayer(nn.Module):
 
 
 class ConvLayer(nn.Module):
-    """``act(conv(x))`` (an unpadded 2-d convolution), the convolutional counterpart of
-    :class:`HiddenLayer`. With ``layer_norm=True`` ``act(norm(conv(x)))``, ``norm`` a
-    ``nn.GroupNorm(1, C)``: statistics over each sample's channels and positions."""
+    """``act(conv(x))``, an unpadded 2-d convolution; with ``layer_norm=True``
+    ``act(norm(conv(x)))``, ``norm`` a ``nn.GroupNorm(1, C)`` (per sample: channels, positions)."""
 
     def __init__(
         self,

@@ -113,8 +113,7 @@ def get(kind: str, name: str) -> type:
 
 
 def own_modules() -> list[str]:
-    """The modules outside this package that registered plugins (``config.json``'s
-    ``plugin_modules``)."""
+    """The modules outside this package that registered plugins (``plugin_modules``)."""
     modules = {cls.__module__ for plugins in _REGISTRY.values() for cls in plugins.values()}
     return sorted(m for m in modules if not m.startswith("policy_probes.") and m != "__main__")
 
@@ -185,9 +184,8 @@ def parse_spec(spec: str, kind: str) -> tuple[str, str, dict[str, Any]]:
 
 
 def from_spec(spec: str, kind: str) -> tuple[str, Any, dict[str, Any]]:
-    """``"name@component[:key=value,...]"`` -> ``(component, plugin, rest)``: the plugin
-    built from the arguments its constructor (or ``spec_keys``) takes; ``rest``: a probe's
-    placement arguments."""
+    """``"name@component[:key=value,...]"`` -> ``(component, plugin, rest)``: the plugin built
+    from the arguments it takes (``spec_keys`` too), ``rest`` a probe's placement arguments."""
     name, component, kwargs = parse_spec(spec, kind)
     cls = get(kind, name)
     params = inspect.signature(cls).parameters.values()

@@ -29,10 +29,9 @@ Figures = Mapping[str, tuple[bytes, str]]
 
 @dataclass(frozen=True, slots=True)
 class Record:
-    """One emit: ``metrics`` flat (``a/b/c`` keys) and plain (Python numbers, bools,
-    strings, None and flat lists of them); on epoch (``POST_EPOCH``) records the run's
-    ``findings`` (plain dicts, earliest onset first) and ``findings_text``; ``figures``
-    for a sink that asked for them."""
+    """One emit: ``metrics`` flat (``a/b/c`` keys) and plain (:func:`to_plain`); on
+    ``POST_EPOCH`` records the run's ``findings`` (plain dicts, earliest onset first) and
+    ``findings_text``; ``figures`` for a sink that asked for them."""
 
     epoch: int
     hook_point: str
@@ -213,9 +212,8 @@ def _flat(metrics: Mapping[str, Any]) -> bool:
 
 
 def to_plain(value: Any) -> Any:
-    """A JSON-safe copy of ``value``: tensors and arrays become flat lists (0-d ones a
-    number), subclasses of the plain types the plain type, mappings keep their structure,
-    anything else becomes its ``str`` (a sink must never crash on it)."""
+    """A JSON-safe copy of ``value``: tensors and arrays as flat lists (0-d: a number), plain
+    types' subclasses as the plain type, mappings as dicts, anything else as its ``str``."""
     if type(value) in _PLAIN_SCALARS:
         return value
     if isinstance(value, Mapping):

@@ -22,9 +22,8 @@ _serials = itertools.count()
 
 
 class RowMask:
-    """A 0/1 row mask held as float weights, with the step counters of per-step calls.
-    ``mask`` is ``(rows,)`` or ``(batch, time)``, bool or numeric (non-zero = kept); the
-    float copy is made once here, on the mask's device, and hooks only take views of it."""
+    """A 0/1 row mask, ``(rows,)`` or ``(batch, time)`` (non-zero = kept), held once as float
+    weights on its device (hooks take views), with the step counters of per-step calls."""
 
     def __init__(self, mask: torch.Tensor) -> None:
         if not isinstance(mask, torch.Tensor):
@@ -78,9 +77,8 @@ class RowMask:
         key: Any,
         channels_first: bool = False,
     ) -> torch.Tensor:
-        """The mask entries of ``tensor``'s rows, ``(rows,)`` (``key``: the caller, for
-        per-step calls). With ``channels_first`` (a conv output ``(B, C, *spatial)``):
-        ``(B, positions)``, each sample's entry expanded over its positions."""
+        """The ``(rows,)`` mask entries of ``tensor``'s rows (``key``: the caller, for per-step
+        calls); with ``channels_first`` (``(B, C, *spatial)``) ``(B, positions)``, expanded."""
         if channels_first and tensor.dim() >= 3:
             per_sample = math.prod(tensor.shape[2:])
             weight = self._sample_weight(tensor, (tensor.shape[0],), None, component, key)
@@ -96,9 +94,8 @@ class RowMask:
         component: str,
         key: Any,
     ) -> torch.Tensor:
-        """The mask entries of ``samples`` samples of ``rows / samples`` rows each (a
-        conv's positions, an ``nn.LSTM``'s steps), ``(samples,)``: a sample is kept when
-        any of its rows is."""
+        """The ``(samples,)`` mask entries of samples of ``rows / samples`` rows each (a conv's
+        positions, an ``nn.LSTM``'s steps): a sample is kept when any of its rows is."""
         mask = self.on(tensor.device)
         if self.numel == samples:
             return mask._flat
@@ -176,9 +173,8 @@ def bound_weight(
 
 
 def loss_samples(context: Any, rows: int, like: torch.Tensor) -> float | torch.Tensor:
-    """How many samples the loss averages over: ``context.loss_samples`` if the loop set
-    it, else the kept rows of ``context.row_mask`` (a device tensor, no sync), else
-    ``rows`` (the rows of the pass)."""
+    """How many samples the loss averages over: ``context.loss_samples`` if set, else the
+    row mask's kept rows (a device tensor, no sync), else ``rows``."""
     stated = getattr(context, "loss_samples", None)
     if stated is not None:
         return stated

@@ -29,16 +29,8 @@ log = logging.getLogger("policy_probes")
 
 #: what a training run writes into its run_dir (overwrite removes exactly these)
 RUN_OUTPUTS = (
-    "config.json",
-    "metrics.jsonl",
-    "metrics.jsonl.tmp",
-    "metrics.csv",
-    "metrics.csv.tmp",
-    "checkpoints",
-    "wandb",
-    "tensorboard",
-    "control",
-    "report.html",
+    *("config.json", "metrics.jsonl", "metrics.jsonl.tmp", "metrics.csv", "metrics.csv.tmp"),
+    *("checkpoints", "wandb", "tensorboard", "control", "report.html"),
 )
 #: what a run leaves behind: files, and the checkpoints directory
 RUN_MARKERS = {
@@ -134,8 +126,7 @@ class Run:
 
     ``resume``: continue the run it holds; ``overwrite``: replace it. ``config``: for
     ``config.json`` and the W&B run. ``main``: this process writes the run's files (rank 0).
-    ``console``: a rich ``Console`` for the console sink. ``name``: the default directory's
-    prefix (``runs/<name>-<time>``).
+    ``console``: a rich ``Console`` for the console sink. ``name``: ``runs/<name>-<time>``.
     """
 
     def __init__(
@@ -182,9 +173,8 @@ class Run:
         return self
 
     def claim(self) -> None:
-        """For a directory that holds a run: continue it (``resume``), replace it
-        (``overwrite``), start again after a run killed while starting, or refuse with
-        :class:`RunDirConflict`."""
+        """For a directory holding a run: continue it (``resume``), replace it (``overwrite``),
+        restart a run killed while starting, or raise :class:`RunDirConflict`."""
         held = held_outputs(self.dir)
         if not held or self.resume:
             return
@@ -291,8 +281,7 @@ class Run:
 
 
 def record_sampling_choice(run_dir: Path | None, choice: dict[str, Any]) -> None:
-    """Add the probe budget's choice to ``run_dir/config.json`` as ``probe_sampling``
-    (rank 0 only)."""
+    """Add the probe budget's choice to ``config.json`` as ``probe_sampling`` (rank 0 only)."""
     path = None if run_dir is None else Path(run_dir) / "config.json"
     if current_rank() != 0 or path is None or not path.is_file():
         return  # rank 0 writes the run's files

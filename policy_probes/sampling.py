@@ -39,14 +39,12 @@ CALIBRATION_EPOCH = 2
 #: the calibration aims at this share of the budget: some costs no timer sees
 AIM = 0.5
 
-Kind = Literal["every", "every_k", "per_epoch", "probe_batch", "budget"]
-
 
 @dataclass(frozen=True)
 class Schedule:
     """Which passes a probe observes (build one with the functions of this module)."""
 
-    kind: Kind
+    kind: Literal["every", "every_k", "per_epoch", "probe_batch", "budget"]
     #: every_k: observe every k-th pass
     k: int = 1
     #: per_epoch: passes per epoch
@@ -81,8 +79,7 @@ def per_epoch(n: int) -> Schedule:
 
 
 def probe_batch(rows: int) -> Schedule:
-    """Observe one dedicated forward and backward on ``rows`` rows of the epoch's data at
-    its end (:func:`run_probe_batch`)."""
+    """Observe one dedicated forward and backward on ``rows`` rows at the epoch's end."""
     return Schedule("probe_batch", rows=_positive_int(rows, "probe_batch(rows): rows"))
 
 
@@ -141,8 +138,7 @@ def _shares(passes_seconds: float, parts: dict[str, float], wall: float) -> str:
 @functools.cache
 def dispatch_costs() -> tuple[float, float]:
     """Seconds torch spends dispatching one forward hook on a module call, and one tensor
-    hook (registered and called), measured once per process against the same work without
-    the hook (fastest of 3 rounds; about 5 ms, in the first epoch's overhead)."""
+    hook, measured once per process against the same work without it (fastest of 3 rounds)."""
     module = nn.Identity()
     x = torch.ones(4, 4)
     w = torch.ones(4, 4, requires_grad=True)
@@ -379,9 +375,8 @@ class Sampler:
             run_probe_batch(self, source, self.generator)
 
     def end_epoch(self, trackers: list[Any], *, report_seconds: float = 0.0) -> dict[str, float]:
-        """Close the epoch's accounting (the report took ``report_seconds``): the overhead
-        metrics, ``passes_observed`` / ``rows_observed`` per probe and component,
-        ``observe_every`` of budgeted probes; calibrates once (:meth:`_calibrate`)."""
+        """Close the epoch's accounting (``report_seconds``: the report's): the overhead, passes
+        and rows observed, ``observe_every``; calibrates once (:meth:`_calibrate`)."""
         if not self.handles:  # no probe attached: nothing to report
             self.epoch_start = time.perf_counter()
             return {}
@@ -449,9 +444,8 @@ class Sampler:
         return out
 
     def overhead_parts(self, cost: dict[str, float], report_seconds: float) -> dict[str, float]:
-        """The epoch's ``probes/overhead_seconds`` in parts: ``passes.<probe>`` (its hooks,
-        dispatch and drains), ``report``, ``arming`` (installing and removing hooks),
-        ``sampler`` (this bookkeeping, the probe batch), ``records`` (the last sinks' emit)."""
+        """The epoch's ``probes/overhead_seconds`` in parts: ``passes.<probe>`` (hooks, dispatch,
+        drains), ``report``, ``arming`` (hook installs), ``sampler`` (bookkeeping), ``records``."""
         parts = {f"passes.{probe}": seconds for probe, seconds in sorted(cost.items())}
         parts["report"] = report_seconds
         parts["arming"] = self.sync_seconds
@@ -476,9 +470,8 @@ class Sampler:
     def _calibrate(
         self, cost: dict[str, float], observed: dict[str, int], wall: float, parts: dict[str, float]
     ) -> None:
-        """Choose the budgeted probes' strides once: double the stride of the probe with
-        the largest projected cost until the projection is within :data:`AIM` of the
-        budget, or every budgeted probe observes one pass per epoch (then a warning)."""
+        """Choose the budgeted probes' strides once: double the stride of the probe with the
+        largest projected cost until within :data:`AIM` of the budget (or one pass per epoch)."""
         overhead = sum(parts.values())
         fixed = overhead - sum(cost.values())  # the parts besides the observed passes
         probes = self.budgeted_probes()
@@ -525,8 +518,7 @@ class Sampler:
         }
 
     def state_dict(self) -> dict[str, Any]:
-        """Pass counters, strides and this epoch's counts, so a resumed run observes what
-        the uninterrupted run would have."""
+        """Pass counters, strides and this epoch's counts (a resume observes the same passes)."""
         counts = {
             name: [c.passes, c.rows + held, c.total_passes, c.total_rows + held]
             for name, c, held in self._held_counts()
@@ -560,8 +552,7 @@ class Sampler:
         }
 
     def _held_counts(self) -> list[tuple[str, _HookCount, int]]:
-        """``("<probe>/<component>", counts, rows its hook holds)`` of every probe, after
-        counting the pass under way."""
+        """``("<probe>/<component>", counts, rows its hook holds)``, the pass under way counted."""
         self._account()
         return [
             (f"{c.probe}/{c.component}", c, self.handles[key].hook.rows)

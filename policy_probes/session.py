@@ -158,8 +158,7 @@ class ProbeSession:
             run.open()
         if run.resume and (last := run.last_recorded_epoch()) is not None:
             self.epoch = last
-        # no set_phase() yet: forwards without gradients are not training passes
-        self.context.infer_phase = True
+        self.context.infer_phase = True  # until set_phase(): no-grad forwards are not training
         self.sinks = run.sinks  # the run's sinks (filled when the first epoch starts)
         self.sinks.draw_figures = self.analysis.figures
         self.sampler.on_choice = run.choice_recorder()  # the probe budget's choice
@@ -257,9 +256,8 @@ class ProbeSession:
     def add_training_hook(
         self, pattern: str, builder: ProbeBuilder, **placement: Any
     ) -> ProbeSession:
-        """Attach a probe (or a plain forward hook closure) to a component name or glob
-        now; ``placement``: those of :class:`~policy_probes.probes.probe.Placement` the
-        probe takes. Returns self; an unknown name raises ``KeyError`` listing the names."""
+        """Attach a probe (or a plain forward hook closure) to a component name or glob now
+        (``placement``: see ``Placement``); returns self, an unknown name raises ``KeyError``."""
         return self._attach(pattern, builder, None, placement)
 
     def add_training_backward_hook(
@@ -286,9 +284,8 @@ class ProbeSession:
         return self
 
     def add_remedy(self, pattern: str, remedy: Remedy, *, seed: int | None = None) -> ProbeSession:
-        """Attach a remedy (:mod:`policy_probes.remedies`) to a component name or glob,
-        fired in :meth:`epoch_end` before the records, once the loop binds its optimizer.
-        ``seed``: of its generator if it has none (default ``torch.initial_seed()``)."""
+        """Attach a remedy (:mod:`policy_probes.remedies`) to a component name or glob, fired in
+        :meth:`epoch_end` once the loop binds its optimizer; ``seed``: its generator's if none."""
         if self.closed:
             raise RuntimeError("this ProbeSession is closed; start a new one to add remedies")
         if self.optimizer is None:
@@ -312,8 +309,7 @@ class ProbeSession:
         return self.context.phase
 
     def set_phase(self, name: str) -> None:
-        """``"rollout"``, ``"train"`` or ``"eval"``: probes record only in their ``phases``
-        (default ``("train",)``)."""
+        """``"rollout"``, ``"train"`` or ``"eval"``: probes record only in their ``phases``."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"phase must be a non-empty string such as {PHASES}, got {name!r}")
         if name not in PHASES:
@@ -338,9 +334,9 @@ class ProbeSession:
     def row_mask(
         self, mask: torch.Tensor | None, *, loss_samples: float | torch.Tensor | None = None
     ) -> Iterator[None]:
-        """Leave the rows the loss masks out of every probe inside the block: ``mask`` is
-        ``(rows,)`` or ``(batch, time)``, 1 where the loss uses the row (``None``: every
-        row); ``loss_samples``: the loss's sample count (default: the kept rows)."""
+        """Leave the rows the loss masks out of every probe in the block: ``mask`` is ``(rows,)``
+        or ``(batch, time)``, 1 where the loss uses a row (None: all); ``loss_samples``: as in
+        :meth:`set_loss_samples` (default: the kept rows)."""
         previous = (self.context.row_mask, self.context.loss_samples)
         self.context.row_mask = mask  # a fresh RowMask: per-step counts start at 0
         if loss_samples is not None:
@@ -407,9 +403,8 @@ class ProbeSession:
         minibatch_size: int | None = None,
         **fields: Any,
     ) -> dict[str, Any]:
-        """After the rollout: the probes that read it get ``observations`` (flat ``(samples,
-        *obs_shape)``), then POST_ROLLOUT fires (``fields``: more ``RunDataContext``
-        fields); the data arguments go to :meth:`set_data`."""
+        """After the rollout: the probes that read it get ``observations`` (flat rows), then
+        POST_ROLLOUT fires with ``fields``; the data arguments go to :meth:`set_data`."""
         self.epoch_start()
         self._rollout_seen = True
         for tracker in list(self.context.model_metrics.values()):
@@ -441,9 +436,8 @@ class ProbeSession:
         step: int | None = None,
         **fields: Any,
     ) -> None:
-        """Fire PRE_STEP after ``loss.backward()``, before clipping and ``optimizer.step()``.
-        ``step``: the loop's optimizer step (default: the session's count); ``fields``:
-        more ``RunDataContext`` fields."""
+        """Fire PRE_STEP after ``loss.backward()``, before clipping and ``optimizer.step()``
+        (``step``: default the session's count; ``fields``: more ``RunDataContext`` fields)."""
         if loss is not None:
             fields["loss"] = loss.detach()
         self._fire_step(HookPoint.PRE_STEP, batch, step, fields)
@@ -501,9 +495,8 @@ class ProbeSession:
         return self.epoch + 1
 
     def epoch_end(self, step: int, **extra: Any) -> dict[str, Any]:
-        """Close the epoch, emit its records and return its metrics (host values). ``step``:
-        the agent step; ``extra``: more metrics. Records: one per step point that reported,
-        ``POST_EPOCH``, and in SNAPSHOT epochs ``SNAPSHOT``."""
+        """Close the epoch, emit its records (per step point, ``POST_EPOCH``, ``SNAPSHOT`` when
+        due) and return its metrics; ``step``: the agent step; ``extra``: more metrics."""
         if self.closed:
             raise RuntimeError("this ProbeSession is closed")
         self.epoch_start()
@@ -575,8 +568,7 @@ class ProbeSession:
             "logged": dict(self._logged),
             "sums": {k: [total, n] for k, (total, n) in self._sums.items()},
             "hooks": self.hooks.state_dict(),
-            # pass counters and sampling rates: a resumed run observes the same passes
-            "sampler": self.sampler.state_dict(),
+            "sampler": self.sampler.state_dict(),  # a resumed run observes the same passes
             "remedies": self.remedies.state_dict(),  # generators and firing records
             "trackers": {
                 name: tracker.state_dict()

@@ -36,8 +36,7 @@ def child_modules(module: nn.Module) -> list[tuple[str, nn.Module | None]]:
 
 
 def module_hooks_installed(module: nn.Module) -> bool:
-    """True if any module in ``module``'s subtree has a torch hook of any kind (a walk of
-    the child dicts: half the cost of ``modules()``)."""
+    """True if any module in ``module``'s subtree has a torch hook (a walk of the child dicts)."""
     stack: list[nn.Module | None] = [module]
     while stack:
         m = stack.pop()
@@ -50,9 +49,8 @@ def module_hooks_installed(module: nn.Module) -> bool:
 
 
 def own_parameter_twin(module: nn.Module) -> nn.Module:
-    """A shallow copy of ``module`` without children, with fresh uninitialised CPU tensors
-    in place of its own parameters: its ``reset_parameters()`` writes the twin, never
-    ``module`` (:mod:`policy_probes.remedies.fresh_init`)."""
+    """A childless shallow copy of ``module`` with fresh uninitialised CPU parameters: its
+    ``reset_parameters()`` writes the twin, never ``module``."""
     twin = copy.copy(module)  # shallow: the dicts below are replaced before any write
     twin.__dict__["_parameters"] = {
         name: None if p is None else nn.Parameter(torch.empty(p.shape, dtype=p.dtype))
@@ -167,9 +165,8 @@ def conv_padding(conv: nn.Conv1d | nn.Conv2d | nn.Conv3d) -> tuple[int, ...]:
 
 
 def tree_leaves(tree: Any) -> list[Any]:
-    """The leaves of ``tree`` in ``tree_flatten``'s order; plain tuples, lists and dicts
-    are walked here (torch's pytree takes about 20 us per call and leaves a reference
-    cycle only the GC frees), anything else goes through ``tree_flatten``."""
+    """The leaves of ``tree`` in ``tree_flatten``'s order: plain tuples, lists and dicts walked
+    here (torch's pytree is slower and leaves a reference cycle), anything else by torch."""
     leaves: list[Any] = []
     return leaves if _walk(tree, leaves) is not None else tree_flatten(tree)[0]
 
@@ -194,9 +191,8 @@ _SPECS: dict[Any, Any] = {}
 
 
 def _walk(tree: Any, leaves: list[Any]) -> Any:
-    """Append ``tree``'s leaves to ``leaves`` and return a hashable key of its pytree
-    structure; None when it is not plain containers of tensors and scalars (``leaves``
-    then holds part of them and is not to be used)."""
+    """Append ``tree``'s leaves to ``leaves`` and return a hashable key of its structure;
+    None when it is not plain containers of tensors and scalars (``leaves`` then unusable)."""
     kind = type(tree)
     if kind is tuple or kind is list or kind is dict:
         keys = tuple(tree) if kind is dict else None

@@ -53,22 +53,9 @@ SB3_COMPONENTS: dict[str, str] = {
 
 #: SB3 hyperparameters copied into the run config when the algorithm has them
 _HYPERPARAMETERS = (
-    "learning_rate",
-    "n_steps",
-    "batch_size",
-    "n_epochs",
-    "gamma",
-    "gae_lambda",
-    "ent_coef",
-    "vf_coef",
-    "max_grad_norm",
-    "clip_range",
-    "normalize_advantage",
-    "target_kl",
-    "n_envs",
-    "seed",
-    "device",
-    "policy_kwargs",
+    *("learning_rate", "n_steps", "batch_size", "n_epochs", "gamma", "gae_lambda", "ent_coef"),
+    *("vf_coef", "max_grad_norm", "clip_range", "normalize_advantage", "target_kl", "n_envs"),
+    *("seed", "device", "policy_kwargs"),
 )
 
 #: ``(pattern, builder)`` or ``(pattern, builder, placement)``
@@ -233,8 +220,7 @@ class ProbeCallback(BaseCallback):
             self.session.log(self._sb3_values())
         logged = time.perf_counter() - start
         self.session.set_phase("rollout")
-        record = self.session.epoch_end(step=int(self.model.num_timesteps))
-        self.history.append(record)
+        self.history.append(self.session.epoch_end(step=int(self.model.num_timesteps)))
         sampler = self.session.context.sampler
         if sampler is not None:  # the callback's own work, for the probes
             sampler.charge(logged)
@@ -351,8 +337,7 @@ def _forward_args(policy: nn.Module, obs: Any) -> tuple[Any, ...]:
 
 
 def _sequence_mask(mask: torch.Tensor, sample: Any) -> torch.Tensor:
-    """A recurrent minibatch's flat mask as ``(sequences, steps)``, so per-step LSTM calls
-    read one column."""
+    """A recurrent minibatch's flat mask as ``(sequences, steps)`` (a per-step call: a column)."""
     states = getattr(sample, "lstm_states", None)
     pi = getattr(states, "pi", None)
     if pi is None:
