@@ -1,8 +1,7 @@
 """The ``policy-probes`` command line: ``run TARGET [key=value ...]`` loads a recipe
 (``package.module.function`` or ``path/to/file.py:function``) returning a
-:class:`~policy_probes.runnable.Runnable` (``trainers`` is never imported here), applies
-the overrides (:mod:`policy_probes.overrides`) and trains. Each subcommand is one
-``add_<name>_subcommand(subparsers)`` in :data:`SUBCOMMANDS`.
+:class:`~policy_probes.runnable.Runnable`, applies the overrides and trains. Each
+subcommand is one ``add_<name>_subcommand(subparsers)`` in :data:`SUBCOMMANDS`.
 """
 
 from __future__ import annotations
@@ -84,15 +83,13 @@ examples:
 
 
 class RunEnded(Exception):
-    """The run stopped on request (signal, ``ctl stop``) after a checkpoint; the CLI
-    prints the message and exits with ``exit_code``."""
+    """A requested stop (signal, ``ctl stop``) after a checkpoint; exits with ``exit_code``."""
 
     def __init__(self, message: str, exit_code: int) -> None:
         super().__init__(message)
         self.exit_code = exit_code
 
 
-# ---------------------------------------------------------------------- recipes
 def load_recipe(target: str) -> Callable[[], Any]:
     """The function named by ``package.module.function`` or ``path/to/file.py:function``."""
     if ":" in target:
@@ -153,7 +150,7 @@ def load_recipe(target: str) -> Callable[[], Any]:
 
 def recipe_error(what: str, exc: BaseException) -> CLIError:
     """A :class:`CLIError` for an exception of the user's recipe code: its type, message
-    and the innermost line of the user's own files (``-v`` prints the whole traceback)."""
+    and the innermost line of the user's own files."""
     package = Path(__file__).resolve().parent
 
     def users(filename: str) -> bool:
@@ -176,8 +173,7 @@ def recipe_error(what: str, exc: BaseException) -> CLIError:
 
 
 def build_from_recipe(target: str) -> BaseModel:
-    """Call the recipe and check that it returned a :class:`Runnable` pydantic model (a
-    configuration error it raises is a usage error naming the recipe)."""
+    """Call the recipe and check that it returned a :class:`Runnable` pydantic model."""
     recipe = load_recipe(target)
     try:
         tool = recipe()
@@ -197,7 +193,7 @@ def build_from_recipe(target: str) -> BaseModel:
 
 def _recipes_in(module: Any) -> list[tuple[str, Callable[..., Any]]]:
     """``(name, function)`` of the recipes defined in ``module``: functions returning a
-    :class:`Runnable` class, callable without arguments (not helpers such as ``f(cfg)``)."""
+    :class:`Runnable` class, callable without arguments."""
 
     def no_arguments(fn: Callable[..., Any]) -> bool:
         try:
@@ -234,7 +230,6 @@ def find_recipes(package: str = "recipes") -> list[tuple[str, str]]:
     return found
 
 
-# ---------------------------------------------------------------------- run
 def add_run_subcommand(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "run",
@@ -331,13 +326,10 @@ def run_command(args: argparse.Namespace) -> int:
 
 
 def prepare_tool(
-    target: str,
-    overrides: Sequence[str],
-    no_progress: bool,
-    selection: HookSelection | None = None,
+    target: str, overrides: Sequence[str], no_progress: bool, selection: HookSelection | None = None
 ) -> runnable.Runnable:
-    """The recipe's tool with ``overrides`` (and the CLI's hook selection) applied and
-    the launch recorded; ``progress`` follows ``--no-progress`` unless an override sets it."""
+    """The recipe's tool with ``overrides`` and the hook selection applied, the launch
+    recorded; ``progress`` follows ``--no-progress`` unless an override sets it."""
     tool = build_from_recipe(target)
     overrides = list(overrides)
     if selection is not None:
@@ -427,7 +419,6 @@ def program_name() -> str:
     return f"{shlex.quote(sys.executable)} -m policy_probes.cli"
 
 
-# ---------------------------------------------------------------------- resume, ctl
 def call_tool(method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``method(...)`` with the tool's usage errors as :class:`CLIError`."""
     try:
@@ -469,7 +460,7 @@ def add_resume_subcommand(subparsers: argparse._SubParsersAction) -> None:
 
 
 def read_run_config(run_dir: Path, how: str) -> tuple[dict[str, Any], str]:
-    """``(config.json, recipe target)`` of the run in ``run_dir``; ``how``: the Python call
+    """``(config.json, recipe target)`` of the run in ``run_dir``; ``how``: what to call
     for a run the CLI did not start."""
     config_path = run_dir / "config.json"
     if not config_path.is_file():
@@ -496,9 +487,8 @@ def read_run_config(run_dir: Path, how: str) -> tuple[dict[str, Any], str]:
 def launch_overrides(config: dict[str, Any], new: Sequence[str], run_dir: Path) -> list[str]:
     """The recorded run's overrides, then ``new`` (without ``run_dir``), then ``run_dir``."""
     check_repeated_keys(new)
-    for item in new:
-        if item.partition("=")[0].strip() == "run_dir":
-            raise CLIError("the run directory is given as an argument; drop the run_dir override")
+    if any(item.partition("=")[0].strip() == "run_dir" for item in new):
+        raise CLIError("the run directory is given as an argument; drop the run_dir override")
     previous = [o for o in config.get("overrides", []) if o.partition("=")[0].strip() != "run_dir"]
     return [*previous, *new, f"run_dir={json.dumps(str(run_dir))}"]
 
@@ -603,7 +593,6 @@ def ctl_command(args: argparse.Namespace) -> int:
     return 0 if ack.get("ok") else 1
 
 
-# ---------------------------------------------------------------------- entry point
 def add_plugins_subcommand(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "plugins",
@@ -646,14 +635,8 @@ def plugins_command(args: argparse.Namespace) -> int:
 
 
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    add_run_subcommand,
-    add_resume_subcommand,
-    add_fork_subcommand,
-    add_arms_subcommand,
-    add_ctl_subcommand,
-    add_report_subcommand,
-    add_hooks_subcommand,
-    add_diagnose_subcommand,
+    *(add_run_subcommand, add_resume_subcommand, add_fork_subcommand, add_arms_subcommand),
+    *(add_ctl_subcommand, add_report_subcommand, add_hooks_subcommand, add_diagnose_subcommand),
     add_plugins_subcommand,
 ]
 

@@ -1,10 +1,8 @@
 """Probes on policies compiled with ``torch.compile``: observed passes run eagerly.
 
-Dynamo cannot trace what probes do, and hooks that come and go would change what a graph
-guards on. So while any probe of a policy is armed, ``torch.compiler.set_stance(
-"force_eager")`` makes compiled code run its Python, where the hooks fire; unobserved
-passes run the compiled graph untouched. CUDA graphs are refused when probes attach (an
-eager pass between replays is unverified). See ``docs/compile.md``.
+Dynamo cannot trace what probes do, so while any probe of a policy is armed the
+``force_eager`` stance makes compiled code run its Python, where the hooks fire;
+unobserved passes run the compiled graph. CUDA graphs are refused. See ``docs/compile.md``.
 """
 
 from __future__ import annotations
@@ -103,9 +101,8 @@ def _uses_cuda_graphs(compiled: Any) -> bool:
 
 
 def check_compiled(module: nn.Module, *extra: Any) -> None:
-    """Refuse probes on a compiled part that uses CUDA graphs (called at attach time):
-    ``torch.compile(module)`` wrappers and ``module.compile()`` calls in ``module``'s
-    tree, and ``extra`` ``torch.compile`` results (functions) the loop calls."""
+    """Refuse probes on a compiled part that uses CUDA graphs: ``torch.compile`` wrappers and
+    ``module.compile()`` calls in ``module``'s tree, and ``extra`` compiled functions."""
     tree = module.named_modules()
     parts = [(name, sub if is_compiled_wrapper(sub) else compiled_call(sub)) for name, sub in tree]
     for name, part in [*parts, *(("", fn) for fn in extra)]:

@@ -34,10 +34,8 @@ GLOB_CHARS = set("*?[")
 
 
 class ProbeHandle(RemovableHandle):
-    """A ``RemovableHandle`` for everything one registration installed (the component
-    hook and any hooks a probe put on submodules). For a probe, :meth:`sync` installs the
-    torch hooks while the probe records in the current phase and pass and removes them
-    otherwise, so modules run hook-free then. :meth:`remove` is final."""
+    """A ``RemovableHandle`` for everything one registration installed; :meth:`sync`
+    installs it while the probe records in the current phase and pass, removes it otherwise."""
 
     def __init__(
         self,
@@ -63,9 +61,7 @@ class ProbeHandle(RemovableHandle):
         hook = self.hook
         if hook is None:
             return True
-        if not hook.enabled:
-            return False
-        if hook.phases is not None and hook.context.phase not in hook.phases:
+        if not hook.enabled or (hook.phases is not None and hook.context.phase not in hook.phases):
             return False
         sampler = getattr(hook.context, "sampler", None)  # which passes it observes
         return sampler is None or sampler.observes(self)
@@ -110,19 +106,14 @@ def glob_to_regex(pattern: str) -> re.Pattern[str]:
 
 
 def output_kind(output: Any) -> str:
-    if isinstance(output, torch.Tensor):
-        return "tensor"
-    if isinstance(output, Mapping):
-        return "mapping"
-    if isinstance(output, tuple | list):
-        return "sequence"
-    return "object"
+    kinds = (("tensor", torch.Tensor), ("mapping", Mapping), ("sequence", tuple | list))
+    return next((kind for kind, types in kinds if isinstance(output, types)), "object")
 
 
 class PolicyAutoBuilder(nn.Module):
-    """An ``nn.Module`` whose named parts can be probed: build one from a component spec
-    (name -> ``nn.Module`` or a spec such as :class:`~policy_probes.layers.MLPSpec`) and
-    define ``forward`` in a subclass, or make any module probe-able with :meth:`wrap`."""
+    """An ``nn.Module`` whose named parts can be probed: built from a component spec (name ->
+    ``nn.Module`` or a :class:`~policy_probes.layers.MLPSpec`...) with your ``forward``, or
+    any module made probe-able by :meth:`wrap`."""
 
     def __init__(self, spec: Mapping[str, nn.Module | MLPSpec | LinearSpec] | None = None) -> None:
         super().__init__()
@@ -146,10 +137,8 @@ class PolicyAutoBuilder(nn.Module):
         components: Mapping[str, nn.Module | str] | None = None,
         example_inputs: tuple[Any, ...] | None = None,
     ) -> PolicyAutoBuilder:
-        """Make an existing module probe-able without changing it. ``components`` maps
-        names to submodules or dotted submodule paths of ``module``; ``None`` takes every
-        direct child under its attribute name. ``example_inputs``: one traced forward
-        (:meth:`trace_outputs`), so backward probes that cannot fire fail when attached."""
+        """Make an existing module probe-able without changing it: ``components`` maps names to
+        submodules or paths (``None``: its children); ``example_inputs``: :meth:`trace_outputs`."""
         inner = unwrap(module)  # torch.compile(module): hooks go on the module it runs
         if inner is not module and isinstance(inner, PolicyAutoBuilder) and components is None:
             if example_inputs is not None:
@@ -159,9 +148,7 @@ class PolicyAutoBuilder(nn.Module):
         wrapper = cls()
         wrapper.module = module
         if components is None:
-            components = dict(module.named_children())
-            if not components:
-                components = {type(module).__name__.lower(): module}
+            components = dict(module.named_children()) or {type(module).__name__.lower(): module}
         owned = {id(m) for m in module.modules()}
         for name, target in components.items():
             if isinstance(target, str):
@@ -204,10 +191,8 @@ class PolicyAutoBuilder(nn.Module):
         top, _, rest = name.partition(".")
         module = self._component_modules.get(top)
         if module is not None:
-            if not rest:
-                return module
             try:
-                return module.get_submodule(rest)
+                return module.get_submodule(rest)  # "" is the component itself
             except AttributeError:
                 pass
         raise KeyError(self._unknown_message(name))
@@ -269,8 +254,7 @@ class PolicyAutoBuilder(nn.Module):
     def register_component_hook_rule(
         self, *, component_name: str, hook: Observation
     ) -> ProbeHandle:
-        """Install ``hook`` as a forward hook on one component, with the hooks its probe
-        installs inside it."""
+        """Install ``hook`` as a forward hook on one component, with its probe's hooks in it."""
         module = self.get_component(component_name)
 
         def install() -> list[RemovableHandle]:
@@ -284,10 +268,9 @@ class PolicyAutoBuilder(nn.Module):
     ) -> ProbeHandle:
         """Install ``hook`` to receive the gradient of one component's output: a plain
         closure on a tensor-returning component through ``register_full_backward_hook``,
-        anything else through a tensor hook a forward hook registers (``grad_input=None``;
-        nothing installed while the probe is inactive). Non-tensor outputs need the
-        placement's ``extractor``; without one, attaching raises :class:`ProbeError` if the
-        output type is known (:meth:`trace_outputs`), else the first forward does."""
+        anything else through a tensor hook a forward hook registers. A non-tensor output
+        needs the placement's ``extractor``: :class:`ProbeError` when attached if the
+        output type is known (:meth:`trace_outputs`), else at the first forward."""
         module = self.get_component(component_name)
         _check_inplace(module, component_name)
         # the recurrent default applies only when the placement gives no extractor
@@ -321,12 +304,10 @@ class PolicyAutoBuilder(nn.Module):
         backward: bool | None = None,
         **placement: Any,
     ) -> list[ProbeHandle]:
-        """Attach ``builder`` to each name ``pattern`` resolves to: a
-        :class:`~policy_probes.probes.probe.Probe`, or a plain builder ``(component,
-        context) -> hook closure | None`` whose closures go through the same path (fault
-        rule, clock). ``backward`` is for closures (forward unless True); for a probe, when
-        given, it must agree with the probe's direction. ``placement``: those of
-        :class:`~policy_probes.probes.probe.Placement` the probe takes."""
+        """Attach ``builder`` (a :class:`~policy_probes.probes.probe.Probe`, or a plain
+        ``(component, context) -> hook closure | None``) to each name ``pattern`` resolves
+        to. ``backward``: for closures (forward unless True); for a probe, when given, it
+        must agree with its direction. ``placement``: see ``Placement``."""
         check_builder(builder, pattern)
         check_compiled(self)
         place = placement_of(builder, **placement)
@@ -390,14 +371,12 @@ class PolicyAutoBuilder(nn.Module):
                 break
 
     def _release(self, handle: ProbeHandle) -> None:
-        """Forget ``handle`` (removed by its holder)."""
         if handle in self._handles:
             self._handles.remove(handle)
         self._hold_eager()
 
     def _hold_eager(self) -> None:
-        """Compiled code runs eagerly while a probe is armed or lifecycle hooks run
-        (:mod:`policy_probes.compiled`)."""
+        """Compiled code runs eagerly while a probe is armed or lifecycle hooks run."""
         lifecycle = any(c.phase == "hook" for c in self._contexts)
         hold_eager(self, lifecycle or any(h.armed for h in self._handles))
 
@@ -432,8 +411,8 @@ def add_probe(
     backward: bool | None,
     placement: dict[str, Any],
 ) -> None:
-    """Check a probe a driver is given (a pattern, a builder, a placement it takes, not
-    the same builder on the same pattern twice) and add it to ``probes``."""
+    """Check a probe a driver is given (pattern, builder, placement, not the same builder
+    on the same pattern twice) and add it to ``probes``."""
     if not isinstance(pattern, str) or not pattern:
         raise TypeError(f"component pattern must be a non-empty string, got {pattern!r}")
     check_builder(builder, pattern)
@@ -474,8 +453,7 @@ def check_builder(builder: Any, pattern: str) -> None:
 
 
 #: torch modules whose ``inplace=True`` overwrites their input, the activation a backward
-#: probe reads; ``inplace`` on other modules (a TensorDictModule writing its outputs into
-#: the input TensorDict) says nothing about activations
+#: probe reads (``inplace`` on other modules, a TensorDictModule's, says nothing of that)
 INPLACE_OVERWRITING = (
     *(nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.RReLU, nn.ELU, nn.CELU, nn.SELU, nn.SiLU, nn.Mish),
     *(nn.Hardtanh, nn.Hardsigmoid, nn.Hardswish, nn.Threshold),

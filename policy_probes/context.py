@@ -20,8 +20,7 @@ class ComponentContext:
         model_metrics: trackers keyed by probe name (``"relu"``, ``"fisher"``, ...), read
             by :class:`StatsReporter`.
         phase: what the loop is doing now (``"rollout"``, ``"train"``, ``"eval"``; the
-            lifecycle layer's ``"hook"``); probes record only in their ``phases``. A new
-            phase arms the hooks of the probes that record in it and removes the others.
+            lifecycle layer's ``"hook"``); probes record only in their ``phases``.
         loss_scale: the factor the loop multiplied the mean loss by before ``backward()``
             (``1/k`` for ``k`` micro-batches; a 0-dim device tensor is never read back).
         loss_samples: how many samples the loss averages over when that is not the rows

@@ -1,14 +1,13 @@
-"""The command channel into a running training run: request and acknowledgement files.
-
-The run (``trainers.run_control.RunControl``) announces itself and polls at its minibatch
-boundaries; ``policy-probes ctl`` (:func:`send_command`) writes a request and waits::
+"""The command channel into a running training run: the run announces itself and polls
+at its minibatch boundaries; ``policy-probes ctl`` (:func:`send_command`) writes a
+request and waits::
 
     run_dir/control/run.json                 {"pid": ..., "host": ..., "started": ...}
     run_dir/control/<id>.request             {"id": ..., "command": "pause", "sent": ...}
     run_dir/control/<id>.ack                 {"id": ..., "command": ..., "ok": true, "message": ...}
 
-Files are written atomically; the run claims a request by renaming it (``<id>.taken``), so
-one withdrawn by a timed-out ``ctl`` is never half-served.
+The run claims a request by renaming it (``<id>.taken``), so one withdrawn by a timed-out
+``ctl`` is never half-served.
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from policy_probes.atomic_write import write_text_atomic
+from policy_probes.run_lock import pid_alive
 
 CONTROL_DIR = "control"
 RUN_FILE = "run.json"
@@ -120,25 +120,19 @@ def run_info(run_dir: str | Path) -> dict[str, Any]:
             f"a finished or stopped run continues with `policy-probes resume {run_dir}`"
         )
     pid = info.get("pid")
-    if info.get("host") == socket.gethostname() and isinstance(pid, int):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            raise ControlError(
-                f"the run in {str(run_dir)!r} (pid {pid}) is no longer running; continue it "
-                f"with `policy-probes resume {run_dir}`"
-            ) from None
-        except PermissionError:
-            pass  # alive, owned by another user
+    if info.get("host") == socket.gethostname() and isinstance(pid, int) and not pid_alive(pid):
+        raise ControlError(
+            f"the run in {str(run_dir)!r} (pid {pid}) is no longer running; continue it "
+            f"with `policy-probes resume {run_dir}`"
+        )
     return info
 
 
 def send_command(
     run_dir: str | Path, command: str, timeout: float = 30.0, poll: float = 0.05
 ) -> dict[str, Any] | None:
-    """Send ``command`` to the run in ``run_dir`` and wait up to ``timeout`` seconds for
-    its acknowledgement (``ok``, ``message``); None when none came (the request withdrawn
-    if the run had not claimed it)."""
+    """Send ``command`` to the run in ``run_dir`` and wait up to ``timeout`` seconds for its
+    acknowledgement (``ok``, ``message``); None when none came (withdrawn if unclaimed)."""
     if command not in COMMANDS:
         raise ControlError(f"unknown command {command!r}; choose one of {', '.join(COMMANDS)}")
     run_info(run_dir)

@@ -1,11 +1,7 @@
-"""Extractors: how a probe picks the tensor it reads out of a component's output.
-
-A builder's ``extractor`` is a callable ``output -> torch.Tensor``, a key of a mapping or
-TensorDict output (``"hidden"``), a nested key as a tuple of strings (``("next",
-"hidden")``; a plain mapping of mappings is walked level by level), or an index into a
-tuple or list output (``0`` for ``(output, hidden_state)``). :func:`as_extractor` checks
-it when the builder is created (``TypeError``); a key or index that does not match the
-output raises :class:`ProbeError` from the hook, under the probe fault rule.
+"""Extractors: how a probe picks the tensor it reads out of a component's output: a
+callable ``output -> torch.Tensor``, a key of a mapping or TensorDict (``"hidden"``), a
+nested key (``("next", "hidden")``), or a tuple index (``0``). A key or index that does
+not match the output raises :class:`ProbeError` from the hook.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""One autograd tensor hook per tensor, shared by every probe that wants its gradient.
-
-Several probes often read the gradient of the same tensor, and each
-``Tensor.register_hook`` costs a registration and a call into Python, so :func:`on_grad`
-registers one hook per tensor and fans the gradient out to the subscribers in order. The
-subscriber list lives on the tensor, freed with it.
+"""One autograd tensor hook per tensor, shared by every probe that wants its gradient
+(:func:`on_grad` fans it out to the subscribers, a list that lives on the tensor).
 """
 
 from __future__ import annotations
@@ -41,8 +37,7 @@ def on_grad(tensor: torch.Tensor, callback: GradCallback) -> None:
 
 
 class _FanOut:
-    """The one tensor hook of a tapped tensor: hands the gradient to every subscriber (a
-    slotted object, lighter than a closure: a per-step module taps a tensor per step)."""
+    """The one tensor hook of a tapped tensor (a slotted object, lighter than a closure)."""
 
     __slots__ = ("subscribers",)
 

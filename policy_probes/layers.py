@@ -1,8 +1,6 @@
-"""Building blocks and component specs for policies made of named parts.
-
-An MLP built here names every hidden layer ``layer_<i>`` with children ``linear`` and
-``act``, so a probe can address ``actor_mlp`` (the last layer's activation),
-``actor_mlp.layer_0`` (the first's) or ``actor_mlp.layer_0.linear`` (its pre-activation).
+"""Building blocks and component specs for policies made of named parts: an MLP names its
+hidden layers ``layer_<i>`` with children ``linear`` and ``act`` (``actor_mlp.layer_0.linear``:
+the first layer's pre-activation).
 """
 
 from __future__ import annotations
@@ -59,9 +57,8 @@ class HiddenLayer(nn.Module):
 
 
 class ConvLayer(nn.Module):
-    """``act(conv(x))`` (an unpadded 2-d convolution), the convolutional counterpart of
-    :class:`HiddenLayer`. With ``layer_norm=True`` ``act(norm(conv(x)))``, ``norm`` a
-    ``nn.GroupNorm(1, C)``: statistics over each sample's channels and positions."""
+    """``act(conv(x))``, an unpadded 2-d convolution; with ``layer_norm=True``
+    ``act(norm(conv(x)))``, ``norm`` a ``nn.GroupNorm(1, C)`` (per sample: channels, positions)."""
 
     def __init__(
         self,

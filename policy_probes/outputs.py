@@ -1,9 +1,6 @@
-"""Short descriptions of what a component returned, for error messages.
-
-Messages name the keys or the length, never the contents: a TensorDict is a ``Mapping``
-whose iteration yields its batch rows, so it is read through ``keys()`` only. TensorDict
-is recognised without importing it (an object can only be one if ``tensordict`` is
-already loaded).
+"""Short descriptions of what a component returned, for error messages: the keys or the
+length, never the contents (a TensorDict, recognised without importing it, is read
+through ``keys()`` only).
 """
 
 from __future__ import annotations
@@ -57,9 +54,8 @@ def describe_output(obj: Any) -> str:
 
 
 def extractor_example(obj: Any, module: Any = None) -> str:
-    """An ``extractor=`` for error messages: the first of ``module.out_keys`` (a
-    TensorDictModule's outputs) in ``obj``, else the first key (or index) holding a float
-    tensor that requires grad (computed, not a passed-through input), else the form."""
+    """An ``extractor=`` for error messages: the first of ``module.out_keys`` in ``obj``,
+    else the first key (or index) holding a float tensor that requires grad, else the form."""
     if isinstance(obj, Mapping):
         for key in getattr(module, "out_keys", None) or ():
             if isinstance(_get(obj, key), torch.Tensor):

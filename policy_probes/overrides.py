@@ -24,9 +24,8 @@ M = TypeVar("M", bound=BaseModel)
 
 
 def parse_value(text: Any) -> Any:
-    """A value from the command line: JSON first (numbers, ``true``/``false``, ``null``,
-    lists, objects), then Python's ``True``/``False``/``None``, else the stripped text; a
-    value that is not a string (given from Python) is returned as it is."""
+    """A command-line value: JSON first, then Python's ``True``/``False``/``None``, else the
+    stripped text; a value that is not a string (given from Python) is returned as it is."""
     if not isinstance(text, str):
         return text
     text = text.strip()

@@ -1,9 +1,7 @@
-"""Plugins: the probes, remedies and metric sinks a run selects by name.
-
-A plugin class says what it is (``kind``, ``name``; a probe also its events, metrics,
-findings rules, console defaults, docs page) and registers with :func:`register`.
-Configuration selects plugins by name (``probes=[...]``, ``remedies=[...]``,
-``sinks.<name>=true``); one of your own is selectable like a built-in one.
+"""Plugins: the probes, remedies and metric sinks a run selects by name (``probes=[...]``,
+``remedies=[...]``, ``sinks.<name>=true``). A plugin class says what it is (``kind``,
+``name``; a probe also its events, metrics, findings rules, console defaults, docs page)
+and registers with :func:`register`.
 """
 
 from __future__ import annotations
@@ -115,8 +113,7 @@ def get(kind: str, name: str) -> type:
 
 
 def own_modules() -> list[str]:
-    """The modules outside this package that registered plugins (``config.json``'s
-    ``plugin_modules``: ``diagnose`` and ``report`` import them for their rules)."""
+    """The modules outside this package that registered plugins (``plugin_modules``)."""
     modules = {cls.__module__ for plugins in _REGISTRY.values() for cls in plugins.values()}
     return sorted(m for m in modules if not m.startswith("policy_probes.") and m != "__main__")
 
@@ -187,10 +184,8 @@ def parse_spec(spec: str, kind: str) -> tuple[str, str, dict[str, Any]]:
 
 
 def from_spec(spec: str, kind: str) -> tuple[str, Any, dict[str, Any]]:
-    """``"name@component[:key=value,...]"`` -> ``(component, plugin, rest)``: the plugin
-    built from the arguments its constructor takes (``spec_keys``: what its ``**kwargs``
-    take); for a probe ``rest`` holds the placement arguments. A ``ValueError`` says what
-    is wrong."""
+    """``"name@component[:key=value,...]"`` -> ``(component, plugin, rest)``: the plugin built
+    from the arguments it takes (``spec_keys`` too), ``rest`` a probe's placement arguments."""
     name, component, kwargs = parse_spec(spec, kind)
     cls = get(kind, name)
     params = inspect.signature(cls).parameters.values()

@@ -11,9 +11,7 @@ import torch
 def current_rank() -> int:
     """Rank in the default process group; 0 when torch.distributed is not initialised."""
     dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return 0
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def multi_process(group: Any = None) -> bool:

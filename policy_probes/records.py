@@ -29,10 +29,9 @@ Figures = Mapping[str, tuple[bytes, str]]
 
 @dataclass(frozen=True, slots=True)
 class Record:
-    """One emit: ``metrics`` flat (``a/b/c`` keys) and plain (Python numbers, bools,
-    strings, None and flat lists of them); on epoch (``POST_EPOCH``) records the run's
-    ``findings`` (plain dicts, earliest onset first) and ``findings_text``; ``figures``
-    for a sink that asked for them."""
+    """One emit: ``metrics`` flat (``a/b/c`` keys) and plain (:func:`to_plain`); on
+    ``POST_EPOCH`` records the run's ``findings`` (plain dicts, earliest onset first) and
+    ``findings_text``; ``figures`` for a sink that asked for them."""
 
     epoch: int
     hook_point: str
@@ -63,11 +62,9 @@ class Record:
 
 class RunRecords:
     """The series by key of a run's ``POST_EPOCH`` records: ``scalars[key][epoch]`` (a
-    float, a bool as it is, NaN where the value was None or not finite and no other value
-    came) and ``vectors[key][epoch]`` (a per-unit list); the last record of an epoch wins.
-    Records of other hook points count in :attr:`records` and :attr:`agent_step`.
-    ``keep``: which keys to keep (None: all). ``max_epochs``: the epochs kept per key
-    (None: all); epochs must then come in order, the oldest are dropped.
+    float, a bool as it is, NaN for None or non-finite) and ``vectors[key][epoch]`` (a
+    per-unit list); the last record of an epoch wins. ``keep``: which keys to keep (None:
+    all); ``max_epochs``: the newest epochs kept per key (None: all; epochs in order).
     """
 
     def __init__(
@@ -215,10 +212,8 @@ def _flat(metrics: Mapping[str, Any]) -> bool:
 
 
 def to_plain(value: Any) -> Any:
-    """A JSON-safe copy of ``value`` (Python floats, ints, bools, strings, lists, dicts
-    with string keys, None): tensors and arrays of several elements become flat lists,
-    numpy scalars and other subclasses of the plain types the plain type, mappings keep
-    their structure, anything else becomes its ``str`` (a sink must never crash on it)."""
+    """A JSON-safe copy of ``value``: tensors and arrays as flat lists (0-d: a number), plain
+    types' subclasses as the plain type, mappings as dicts, anything else as its ``str``."""
     if type(value) in _PLAIN_SCALARS:
         return value
     if isinstance(value, Mapping):
@@ -273,9 +268,8 @@ _FLOATS = frozenset({float, int})
 
 
 def vector_stats(values: list[Any]) -> tuple[float, float, float] | None:
-    """Mean (exact ``math.fsum`` over the count), min and max of the finite numeric
-    elements of a per-unit vector, None when it has none (a finite ``fsum`` of the whole
-    list means every element is a finite number: no filtering pass)."""
+    """Mean (``math.fsum`` over the count), min and max of the finite numeric elements of a
+    per-unit vector, None when it has none."""
     try:
         total = math.fsum(values)
     except (TypeError, ValueError, OverflowError):

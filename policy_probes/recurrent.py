@@ -1,11 +1,8 @@
-"""Recurrent cores (LSTM, GRU, RNN and their cells): the tensor a probe reads by default.
-
-A probe attached without an ``extractor`` reads the per-step ``output`` of ``nn.LSTM`` /
-``nn.GRU`` / ``nn.RNN`` (a ``PackedSequence``'s ``.data``: the real steps only) and the
-``h`` of ``nn.LSTMCell`` (``nn.GRUCell``/``nn.RNNCell`` return it). Every call is a pass
-and every ``(step, sequence)`` row a sample, so a sequence called at once or per step
-gives the same statistics; a cell's ``h`` gradient also carries what flows back from
-later steps. See ``docs/components.md``.
+"""Recurrent cores: the tensor a probe without an ``extractor`` reads, the per-step
+``output`` of ``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN`` (a ``PackedSequence``'s ``.data``) and
+the ``h`` of ``nn.LSTMCell`` (``nn.GRUCell``/``nn.RNNCell`` return it). Every ``(step,
+sequence)`` row is a sample, so a sequence called at once or per step gives the same
+statistics. See ``docs/components.md``.
 """
 
 from __future__ import annotations
@@ -30,8 +27,7 @@ def cell_hidden(out: Any) -> torch.Tensor:
 
 
 def default_extractor(module: nn.Module | None) -> Callable[[Any], torch.Tensor] | None:
-    """The documented default extractor for a recurrent ``module``, or None (read the
-    output itself)."""
+    """The default extractor for a recurrent ``module``, or None (the output itself)."""
     if isinstance(module, nn.RNNBase):  # nn.LSTM, nn.GRU, nn.RNN
         return sequence_output
     if isinstance(module, nn.LSTMCell):

@@ -1,13 +1,9 @@
 """Row masks: rows the loss leaves out (padded sequence steps) are left out of every probe.
 
-A loop whose loss masks rows states the mask around its forward and backward (``with
-session.row_mask(mask): ...``); every built-in tracker then weighs each row by its mask
-entry at the drain, so a masked row changes no statistic and no ``samples`` count.
-Nothing is indexed in a hook (no host sync): the hook binds a view of the mask to its
-tensor and pushes it with the rows (``weight=``). How a mask lines up with a probed
-tensor (row order, time-major sequence outputs, per-step calls, conv outputs read per
-channel) is in ``docs/external.md``, "Masked rows"; a mismatch is an error that says
-which shapes to pass. The Fisher probe's per-sample factor comes from :func:`loss_samples`.
+Inside ``with session.row_mask(mask): ...`` every built-in tracker weighs each row by its
+mask entry at the drain, so a masked row changes no statistic and no ``samples`` count;
+hooks only bind a view of the mask to their tensor (no host sync). How a mask lines up
+with a probed tensor: ``docs/external.md``, "Masked rows".
 """
 
 from __future__ import annotations
@@ -26,9 +22,8 @@ _serials = itertools.count()
 
 
 class RowMask:
-    """A 0/1 row mask held as float weights, with the step counters of per-step calls.
-    ``mask`` is ``(rows,)`` or ``(batch, time)``, bool or numeric (non-zero = kept); the
-    float copy is made once here, on the mask's device, and hooks only take views of it."""
+    """A 0/1 row mask, ``(rows,)`` or ``(batch, time)`` (non-zero = kept), held once as float
+    weights on its device (hooks take views), with the step counters of per-step calls."""
 
     def __init__(self, mask: torch.Tensor) -> None:
         if not isinstance(mask, torch.Tensor):
@@ -82,11 +77,8 @@ class RowMask:
         key: Any,
         channels_first: bool = False,
     ) -> torch.Tensor:
-        """The mask entries of ``tensor``'s rows, ``(rows,)``: a view of the mask (for
-        time-major rows a copy made once per mask). ``key`` identifies the caller for
-        per-step calls. With ``channels_first`` (a conv output ``(B, C, *spatial)``) the
-        result is ``(B, positions)``: each sample's entry expanded over its positions, in
-        the row order of the ``(B, *spatial, C)`` view the probes push."""
+        """The ``(rows,)`` mask entries of ``tensor``'s rows (``key``: the caller, for per-step
+        calls); with ``channels_first`` (``(B, C, *spatial)``) ``(B, positions)``, expanded."""
         if channels_first and tensor.dim() >= 3:
             per_sample = math.prod(tensor.shape[2:])
             weight = self._sample_weight(tensor, (tensor.shape[0],), None, component, key)
@@ -102,10 +94,8 @@ class RowMask:
         component: str,
         key: Any,
     ) -> torch.Tensor:
-        """The mask entries of ``samples`` samples of ``rows / samples`` rows each (a
-        conv's positions, an ``nn.LSTM``'s steps), ``(samples,)``: a sample is kept when
-        any of its rows is. A mask of one entry per sample is read as is, one of one
-        entry per row in the module's row order; a per-step call reads one column."""
+        """The ``(samples,)`` mask entries of samples of ``rows / samples`` rows each (a conv's
+        positions, an ``nn.LSTM``'s steps): a sample is kept when any of its rows is."""
         mask = self.on(tensor.device)
         if self.numel == samples:
             return mask._flat
@@ -176,19 +166,15 @@ def bound_weight(
     key: Any,
     channels_first: bool = False,
 ) -> torch.Tensor | None:
-    """The mask rows of ``tensor`` under ``context.row_mask`` (None without a mask), units
-    on the last axis (axis 1 with ``channels_first``). Call it when the tensor is
-    produced (the forward), so per-step calls count in order."""
+    """The mask rows of ``tensor`` under ``context.row_mask`` (None without a mask); call
+    it when the tensor is produced, so per-step calls count in order."""
     mask = getattr(context, "row_mask", None)
-    if mask is None:
-        return None
-    return mask.weight_for(tensor, module, component, key, channels_first)
+    return None if mask is None else mask.weight_for(tensor, module, component, key, channels_first)
 
 
 def loss_samples(context: Any, rows: int, like: torch.Tensor) -> float | torch.Tensor:
-    """How many samples the loss averages over: ``context.loss_samples`` if the loop set
-    it, else the kept rows of ``context.row_mask`` (a device tensor, no sync), else
-    ``rows`` (the rows of the pass)."""
+    """How many samples the loss averages over: ``context.loss_samples`` if set, else the
+    row mask's kept rows (a device tensor, no sync), else ``rows``."""
     stated = getattr(context, "loss_samples", None)
     if stated is not None:
         return stated

@@ -29,16 +29,8 @@ log = logging.getLogger("policy_probes")
 
 #: what a training run writes into its run_dir (overwrite removes exactly these)
 RUN_OUTPUTS = (
-    "config.json",
-    "metrics.jsonl",
-    "metrics.jsonl.tmp",
-    "metrics.csv",
-    "metrics.csv.tmp",
-    "checkpoints",
-    "wandb",
-    "tensorboard",
-    "control",
-    "report.html",
+    *("config.json", "metrics.jsonl", "metrics.jsonl.tmp", "metrics.csv", "metrics.csv.tmp"),
+    *("checkpoints", "wandb", "tensorboard", "control", "report.html"),
 )
 #: what a run leaves behind: files, and the checkpoints directory
 RUN_MARKERS = {
@@ -72,8 +64,7 @@ def remove_outputs(run_dir: str | Path, names: tuple[str, ...] = RUN_OUTPUTS) ->
 
 
 def check_run_dir_path(run_dir: str | Path) -> None:
-    """Raise a usage error naming the path when ``run_dir`` has a name too long or one of
-    its parents is a file (``NotADirectoryError``), before ``mkdir`` does."""
+    """Raise a usage error when ``run_dir`` has a name too long or a parent that is a file."""
     path = Path(run_dir)
     longest = max(path.parts, key=len, default="")
     if len(longest.encode()) > NAME_MAX:
@@ -133,11 +124,9 @@ def default_run_dir(name: str = "session") -> Path:
 class Run:
     """One run directory: its lock, the claim on it, ``config.json``, the metric sinks.
 
-    ``resume``: continue the run the directory holds (:meth:`rewind` drops the records a
-    loop writes again); ``overwrite``: replace it. ``config`` goes to ``config.json`` and
-    the W&B run. ``main``: this process writes the run's files (rank 0; the other ranks
-    create, lock and write nothing). ``console``: a rich ``Console`` for the console sink.
-    ``name``: the default directory's prefix (``runs/<name>-<time>``).
+    ``resume``: continue the run it holds; ``overwrite``: replace it. ``config``: for
+    ``config.json`` and the W&B run. ``main``: this process writes the run's files (rank 0).
+    ``console``: a rich ``Console`` for the console sink. ``name``: ``runs/<name>-<time>``.
     """
 
     def __init__(
@@ -184,10 +173,8 @@ class Run:
         return self
 
     def claim(self) -> None:
-        """For a directory that holds a run already: continue it (``resume``), replace it
-        (``overwrite``: the main process deletes its outputs), start again where a run
-        was killed while starting (:func:`_aborted_start`), or refuse with
-        :class:`RunDirConflict`."""
+        """For a directory holding a run: continue it (``resume``), replace it (``overwrite``),
+        restart a run killed while starting, or raise :class:`RunDirConflict`."""
         held = held_outputs(self.dir)
         if not held or self.resume:
             return
@@ -200,11 +187,8 @@ class Run:
             )
         if self.main:
             remove_outputs(self.dir)
-        why = (
-            "overwrite"
-            if self.overwrite
-            else "a run killed while it started; it starts again from its beginning"
-        )
+        killed = "a run killed while it started; it starts again from its beginning"
+        why = "overwrite" if self.overwrite else killed
         log.warning("removed the previous run's %s from %s (%s)", ", ".join(held), self.dir, why)
 
     def check(self) -> None:
@@ -250,8 +234,8 @@ class Run:
     def open_sinks(
         self, sinks: SinksConfig | None = None, wandb: WandbConfig | None = None
     ) -> SinkGroup:
-        """Build the metric sinks (main process only) into :attr:`sinks` (a group others may
-        hold already) and apply a :meth:`rewind` asked for before."""
+        """Build the metric sinks (main process only) into :attr:`sinks` and apply a
+        :meth:`rewind` asked for before."""
         if self.main:
             sinks, wandb = sinks or SinksConfig(), wandb or WandbConfig()
             failures = self.sinks.failures
@@ -265,8 +249,8 @@ class Run:
         return self.sinks
 
     def rewind(self, epoch: int) -> None:
-        """Drop every sink's records of epochs after ``epoch`` (a loop resumed from there
-        writes them again), now or when the sinks open; a sink that fails is logged."""
+        """Drop every sink's records of epochs after ``epoch`` (a resumed loop writes them
+        again), now or when the sinks open; a sink that fails is logged."""
         self._rewind = epoch
         for sink in self.sinks:
             rewind = getattr(sink, "rewind", None)
@@ -297,8 +281,7 @@ class Run:
 
 
 def record_sampling_choice(run_dir: Path | None, choice: dict[str, Any]) -> None:
-    """Add the probe budget's one-time choice (:mod:`policy_probes.sampling`) to
-    ``run_dir/config.json`` as ``probe_sampling`` (rank 0 only)."""
+    """Add the probe budget's choice to ``config.json`` as ``probe_sampling`` (rank 0 only)."""
     path = None if run_dir is None else Path(run_dir) / "config.json"
     if current_rank() != 0 or path is None or not path.is_file():
         return  # rank 0 writes the run's files

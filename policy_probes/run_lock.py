@@ -1,9 +1,7 @@
-"""RunDirLock: one live run per run directory.
-
-``run_dir/run.lock`` (pid, host, process start time, command line) is created with
-``O_EXCL`` and removed when the run ends short of ``kill -9``. A lock whose process is gone
-(or whose pid now belongs to a younger process) is stale and taken over with a warning; a
-lock from another host cannot be checked and is refused with the path to delete.
+"""RunDirLock: one live run per run directory, ``run_dir/run.lock`` (pid, host, start
+time, command line) created with ``O_EXCL``. A lock whose process is gone (or whose pid
+now belongs to a younger process) is stale and taken over; one from another host is
+refused with the path to delete.
 """
 
 from __future__ import annotations
@@ -42,7 +40,8 @@ def _process_start_ticks(pid: int) -> int | None:
         return None
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host runs (owned by any user)."""
     try:
         os.kill(pid, 0)
     except PermissionError:  # alive, owned by another user
@@ -66,7 +65,7 @@ def lock_is_live(owner: dict[str, Any]) -> bool:
     if owner.get("host") != socket.gethostname():
         return True
     pid = owner.get("pid")
-    if not isinstance(pid, int) or not _pid_alive(pid):
+    if not isinstance(pid, int) or not pid_alive(pid):
         return False
     recorded, now = owner.get("start_ticks"), _process_start_ticks(pid)
     return recorded is None or now is None or recorded == now

@@ -1,10 +1,7 @@
-"""The written contract between ``policy-probes run`` and what a recipe returns.
-
-A recipe returns a :class:`Runnable`: a pydantic model (the CLI applies ``key=value``
-overrides to its fields and re-validates it) with the methods below; ``invoke`` returns a
-:class:`RunResult`. ``trainers.TrainTool`` is the built-in one; the toolkit never imports
-``trainers``, so any trainer implementing this protocol can be driven from the CLI. One
-whose ``invoke`` also takes ``fork_from`` (a :class:`ForkPoint`) can be forked.
+"""The contract between ``policy-probes run`` and what a recipe returns: a
+:class:`Runnable` pydantic model (the CLI overrides its fields) whose ``invoke`` returns a
+:class:`RunResult`; ``trainers.TrainTool`` is the built-in one. One whose ``invoke`` also
+takes ``fork_from`` (a :class:`ForkPoint`) can be forked.
 """
 
 from __future__ import annotations

@@ -1,18 +1,13 @@
 """Which training passes the probes observe, and what observing costs (docs/sampling.md).
 
-A :class:`Schedule` (:func:`every`, :func:`every_k`, :func:`per_epoch`,
-:func:`probe_batch`, the default :func:`budgeted`) says which passes a probe observes; a
-:class:`Sampler` (``context.sampler``) applies it. A pass ends at the optimizer's step
-post-hook or an explicit :meth:`Sampler.next_pass`; the sampler then arms the torch hooks
-of the probes that observe the next pass and removes the others, so an unobserved pass
-runs the bare modules. Which passes are observed depends only on pass counters and
-settings stored with the run, never on an RNG or wall time.
+A :class:`Schedule` says which passes a probe observes; a :class:`Sampler`
+(``context.sampler``) applies it: at each pass end (the optimizer's step post-hook or
+:meth:`Sampler.next_pass`) it arms the hooks of the probes that observe the next pass and
+removes the others. The choice depends only on pass counters and stored settings.
 
-Cost is measured without host synchronisation (``time.perf_counter`` around the probes'
-work, plus torch's hook dispatch estimated by :func:`dispatch_costs`; host-side times on
-a GPU). It is reported and steers nothing but the budget's one-time calibration at the
-end of :data:`CALIBRATION_EPOCH` (:meth:`Sampler._calibrate`), kept in
-:meth:`Sampler.state_dict` and never revised.
+Cost is host time (``time.perf_counter``, plus :func:`dispatch_costs`), measured without
+host synchronisation; it steers only the budget's one-time calibration
+(:meth:`Sampler._calibrate`).
 """
 
 from __future__ import annotations
@@ -36,25 +31,20 @@ log = logging.getLogger("policy_probes")
 #: default fraction of wall time the probes may take (ProbeSession, ProbeCallback, TrainTool)
 DEFAULT_BUDGET = 0.05
 #: a budgeted probe observes passes 0, k, 2k, ... of every epoch, with this k unless the
-#: budget's calibration chose a larger one (one pass in 16: one per epoch on CleanRL's
-#: 4 x 4 minibatches, 20 of SB3 PPO's 320)
+#: calibration chose a larger one (one per epoch on CleanRL's 4 x 4 minibatches)
 DEFAULT_STRIDE = 16
-#: the epoch (counted from 0) at whose end the budget is checked and the strides chosen
-#: once. Epochs 0 and 1 are a warm-up: epoch 0's end (first-time allocations, the
-#: dispatch-cost calibration, the sinks' first records) is counted in epoch 1's cost
+#: the epoch (from 0) at whose end the strides are chosen once; epochs 0 and 1 are a
+#: warm-up (epoch 0's end, with its first-time costs, is counted in epoch 1's)
 CALIBRATION_EPOCH = 2
-#: the calibration aims at this share of the budget: some costs no timer sees (page
-#: faults of fresh buffers, session start and close, cache effects)
+#: the calibration aims at this share of the budget: some costs no timer sees
 AIM = 0.5
-
-Kind = Literal["every", "every_k", "per_epoch", "probe_batch", "budget"]
 
 
 @dataclass(frozen=True)
 class Schedule:
     """Which passes a probe observes (build one with the functions of this module)."""
 
-    kind: Kind
+    kind: Literal["every", "every_k", "per_epoch", "probe_batch", "budget"]
     #: every_k: observe every k-th pass
     k: int = 1
     #: per_epoch: passes per epoch
@@ -89,8 +79,7 @@ def per_epoch(n: int) -> Schedule:
 
 
 def probe_batch(rows: int) -> Schedule:
-    """Observe one dedicated forward and backward on ``rows`` rows of the epoch's data at
-    the epoch's end (parameters, gradients, optimiser state and RNGs untouched)."""
+    """Observe one dedicated forward and backward on ``rows`` rows at the epoch's end."""
     return Schedule("probe_batch", rows=_positive_int(rows, "probe_batch(rows): rows"))
 
 
@@ -149,9 +138,7 @@ def _shares(passes_seconds: float, parts: dict[str, float], wall: float) -> str:
 @functools.cache
 def dispatch_costs() -> tuple[float, float]:
     """Seconds torch spends dispatching one forward hook on a module call, and one tensor
-    hook (registration plus its call from the autograd engine), measured once per process
-    against the same work without the hook (fastest of 3 rounds; about 5 ms in all,
-    counted in the first epoch's overhead). No RNG is touched."""
+    hook, measured once per process against the same work without it (fastest of 3 rounds)."""
     module = nn.Identity()
     x = torch.ones(4, 4)
     w = torch.ones(4, 4, requires_grad=True)
@@ -239,8 +226,7 @@ class Sampler:
         self.last_epoch_passes: int | None = None
         #: inside the dedicated probe-batch pass (only probe_batch schedules observe it)
         self.in_probe_batch = False
-        #: a model context with ``loss``, ``num_samples`` and ``rows``, or a zero-argument
-        #: function that builds one (``None``: probe_batch schedules are budgeted)
+        #: a model context (``loss``, ``num_samples``, ``rows``) or a function that builds one
         self.probe_batch_source: Any = None
         self.generator = torch.Generator().manual_seed(0)  # the probe batch's rows
         #: probe -> k the calibration chose (the other budgeted probes: DEFAULT_STRIDE)
@@ -261,8 +247,7 @@ class Sampler:
         self.pinned: set[str] = set()  # components whose probes feed remedies (:meth:`pin`)
         self._warned = False
         self._restored: dict[str, list[int]] = {}  # checkpoint counts of unregistered probes
-        #: the distinct rules of the registered probes and their answers for the pass
-        #: under way (None: recompute; see next_pass)
+        #: the registered probes' distinct rules and their answers for this pass (next_pass)
         self._rules: list[tuple[str, int]] | None = None
         self._answers: tuple[bool, ...] | None = None
         self.epoch_start = time.perf_counter()
@@ -390,10 +375,8 @@ class Sampler:
             run_probe_batch(self, source, self.generator)
 
     def end_epoch(self, trackers: list[Any], *, report_seconds: float = 0.0) -> dict[str, float]:
-        """Close the epoch's accounting (the trackers' ``to_metrics`` took ``report_seconds``):
-        ``probes/overhead_fraction``, ``probes/overhead_seconds`` and its parts
-        (:meth:`overhead_parts`), ``passes_observed`` / ``rows_observed`` per probe and
-        component, ``observe_every`` of budgeted probes; calibrates once (:meth:`_calibrate`)."""
+        """Close the epoch's accounting (``report_seconds``: the report's): the overhead, passes
+        and rows observed, ``observe_every``; calibrates once (:meth:`_calibrate`)."""
         if not self.handles:  # no probe attached: nothing to report
             self.epoch_start = time.perf_counter()
             return {}
@@ -461,10 +444,8 @@ class Sampler:
         return out
 
     def overhead_parts(self, cost: dict[str, float], report_seconds: float) -> dict[str, float]:
-        """The epoch's ``probes/overhead_seconds`` in parts (seconds) that add up to it:
-        ``passes.<probe>`` (its hooks in observed passes: bodies, estimated dispatch,
-        drains), ``report``, ``arming`` (installing and removing hooks), ``sampler`` (this
-        bookkeeping, the probe batch's own pass), ``records`` (the last epoch end's sinks)."""
+        """The epoch's ``probes/overhead_seconds`` in parts: ``passes.<probe>`` (hooks, dispatch,
+        drains), ``report``, ``arming`` (hook installs), ``sampler`` (bookkeeping), ``records``."""
         parts = {f"passes.{probe}": seconds for probe, seconds in sorted(cost.items())}
         parts["report"] = report_seconds
         parts["arming"] = self.sync_seconds
@@ -487,16 +468,10 @@ class Sampler:
         }
 
     def _calibrate(
-        self,
-        cost: dict[str, float],
-        observed: dict[str, int],
-        wall: float,
-        parts: dict[str, float],
+        self, cost: dict[str, float], observed: dict[str, int], wall: float, parts: dict[str, float]
     ) -> None:
-        """Choose the budgeted probes' strides once, from this epoch's costs (``parts``:
-        :meth:`overhead_parts`): double the stride of the probe with the largest projected
-        cost until an epoch's projection is within :data:`AIM` of the budget, or every
-        budgeted probe observes one pass per epoch (then a warning)."""
+        """Choose the budgeted probes' strides once: double the stride of the probe with the
+        largest projected cost until within :data:`AIM` of the budget (or one pass per epoch)."""
         overhead = sum(parts.values())
         fixed = overhead - sum(cost.values())  # the parts besides the observed passes
         probes = self.budgeted_probes()
@@ -543,30 +518,22 @@ class Sampler:
         }
 
     def state_dict(self) -> dict[str, Any]:
-        """Pass counters, strides and this epoch's counts, so a resumed run observes what
-        the uninterrupted run would have."""
+        """Pass counters, strides and this epoch's counts (a resume observes the same passes)."""
         counts = {
             name: [c.passes, c.rows + held, c.total_passes, c.total_rows + held]
             for name, c, held in self._held_counts()
         }
         return {
-            "passes": self.passes,
-            "epochs": self.epochs,
-            "epoch_passes": self.epoch_passes,
-            "last_epoch_passes": self.last_epoch_passes,
+            **{name: getattr(self, name) for name in _COUNTERS},
             "observe_every": dict(self.observe_every),
             "cost_per_pass": dict(self.cost_per_pass),
-            "calibrated_epoch": self.calibrated_epoch,
             "counts": counts,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from :meth:`state_dict` (counts apply as the probes register)."""
-        self.passes = int(state["passes"])
-        self.epochs = int(state["epochs"])
-        self.epoch_passes = int(state["epoch_passes"])
-        last = state["last_epoch_passes"]
-        self.last_epoch_passes = None if last is None else int(last)
+        for name in _COUNTERS:
+            setattr(self, name, None if state[name] is None else int(state[name]))
         self.observe_every = {k: int(v) for k, v in state["observe_every"].items()}
         self.cost_per_pass = {k: float(v) for k, v in state["cost_per_pass"].items()}
         self._restored = {k: [int(x) for x in v] for k, v in state["counts"].items()}
@@ -574,8 +541,6 @@ class Sampler:
             saved = self._restored.pop(f"{count.probe}/{count.component}", None)
             if saved is not None:
                 _restore_count(count, saved)
-        calibrated = state["calibrated_epoch"]
-        self.calibrated_epoch = None if calibrated is None else int(calibrated)
         self._rules = self._answers = None
         self.context.resync()
 
@@ -587,13 +552,16 @@ class Sampler:
         }
 
     def _held_counts(self) -> list[tuple[str, _HookCount, int]]:
-        """``("<probe>/<component>", counts, rows its hook holds)`` of every probe, after
-        counting the pass under way."""
+        """``("<probe>/<component>", counts, rows its hook holds)``, the pass under way counted."""
         self._account()
         return [
             (f"{c.probe}/{c.component}", c, self.handles[key].hook.rows)
             for key, c in self.counts.items()
         ]
+
+
+#: the Sampler's integer state (last_epoch_passes and calibrated_epoch may be None)
+_COUNTERS = ("passes", "epochs", "epoch_passes", "last_epoch_passes", "calibrated_epoch")
 
 
 def _restore_count(count: _HookCount, saved: list[int]) -> None:
@@ -604,16 +572,14 @@ def _restore_count(count: _HookCount, saved: list[int]) -> None:
 def standard_error(rate: float, n: float) -> float:
     """Standard error of a proportion ``rate`` over ``n`` rows, sqrt(p (1 - p) / n), rows
     taken as independent (rows of one pass are correlated, so read it as a lower bound)."""
-    if n <= 0:
-        return 0.0
-    return math.sqrt(max(rate * (1.0 - rate), 0.0) / n)
+    return 0.0 if n <= 0 else math.sqrt(max(rate * (1.0 - rate), 0.0) / n)
 
 
 def run_probe_batch(sampler: Sampler, model_ctx: Any, generator: torch.Generator) -> int:
-    """Run this epoch's probe batch: rows drawn with ``generator`` (never a global RNG)
-    from ``model_ctx``'s data, one forward and ``torch.autograd.grad`` through its
-    ``loss`` with only the probe-batch probes armed; no ``.grad`` written, every global
-    RNG and module buffer restored. Returns the rows used (0: no probe waits for one)."""
+    """Run this epoch's probe batch: rows of ``model_ctx``'s data drawn with ``generator``,
+    one forward and ``torch.autograd.grad`` through its ``loss`` with only the probe-batch
+    probes armed; no ``.grad`` written, global RNGs and buffers restored. Returns the rows
+    used (0: no probe waits for one)."""
     rows = sampler.probe_batch_rows()
     if rows is None:
         return 0

@@ -1,7 +1,5 @@
-"""ProbeSession: the probes, lifecycle observers and sinks, driven by any training loop.
-
-Every loop drives its probes through one session: the built-in trainer, the
-Stable-Baselines3 ``ProbeCallback``, and a loop of your own (CleanRL-style)::
+"""ProbeSession: the probes, lifecycle observers and sinks of any training loop (the
+built-in trainer, the SB3 ``ProbeCallback``, a loop of your own)::
 
     probing = ProbeSettings(sinks=SinksConfig(console=False))
     with ProbeSession(agent, run="runs/ppo", probing=probing, optimizer=opt) as session:
@@ -14,10 +12,8 @@ Stable-Baselines3 ``ProbeCallback``, and a loop of your own (CleanRL-style)::
             session.log({"train/value_loss": v_loss})
             session.epoch_end(step=global_step) # one record per epoch to every sink
 
-Records number epochs from 1; PRE_EPOCH fires at an epoch's first session call, so a loop
-resumed from :meth:`~ProbeSession.load_state_dict` fires it on the loaded state. Leaving
-the ``with`` block (even by an exception) removes every hook and closes the run. See
-``docs/external.md``.
+Records number epochs from 1; PRE_EPOCH fires at an epoch's first session call. Leaving
+the ``with`` block removes every hook and closes the run. See ``docs/external.md``.
 """
 
 from __future__ import annotations
@@ -67,13 +63,11 @@ class ProbeSession:
         model: the policy, any ``nn.Module`` (wrapped, not changed, unless it is a
             :class:`PolicyAutoBuilder`).
         run: a :class:`~policy_probes.run.Run` or a path (default ``runs/session-<time>``),
-            opened now (a resumed run goes on after its last recorded epoch); its
-            ``config.json`` and sinks are written when the first epoch starts.
+            opened now; ``config.json`` and the sinks are written when the first epoch starts.
         probing: the probe settings (:class:`~policy_probes.probe_settings.ProbeSettings`).
         components: names for parts of ``model`` (``{"actor_mlp": "actor.0"}``), passed to
             ``wrap``; ``None`` names every direct child after its attribute.
-        example_inputs: positional arguments for one traced forward pass, so a backward
-            probe on a component that returns a tuple or mapping fails when attached.
+        example_inputs: positional arguments for one :meth:`PolicyAutoBuilder.trace_outputs`.
         config: your run configuration; stored in ``config.json`` and the W&B run's config.
         optimizer, scheduler, loss_fn, model_context: as :meth:`bind` takes them (a loop
             that builds them after the session calls :meth:`bind` itself).
@@ -159,14 +153,12 @@ class ProbeSession:
             raise
 
     def _open_run(self) -> None:
-        """Open the run; a resumed run goes on after its last recorded epoch."""
         run = self.run
         if not run.opened:
             run.open()
         if run.resume and (last := run.last_recorded_epoch()) is not None:
             self.epoch = last
-        # no set_phase() yet: forwards without gradients are not training passes
-        self.context.infer_phase = True
+        self.context.infer_phase = True  # until set_phase(): no-grad forwards are not training
         self.sinks = run.sinks  # the run's sinks (filled when the first epoch starts)
         self.sinks.draw_figures = self.analysis.figures
         self.sampler.on_choice = run.choice_recorder()  # the probe budget's choice
@@ -243,13 +235,12 @@ class ProbeSession:
 
     @property
     def run_dir(self) -> Path:
-        """The run's directory (``run.dir``)."""
         return self.run.dir
 
     @property
     def wants_steps(self) -> bool:
-        """Whether a selected lifecycle hook fires at (or reads gradients of) the step
-        points: a loop may skip :meth:`pre_step` and :meth:`post_step` otherwise."""
+        """Whether a lifecycle hook fires at (or reads gradients of) the step points (else a
+        loop may skip :meth:`pre_step` and :meth:`post_step`)."""
         m = self.hooks
         return bool(
             any(m.hooks_at(p) for p in STEP_POINTS) or m.needs_grads or m.needs_prev_step_grads
@@ -265,9 +256,8 @@ class ProbeSession:
     def add_training_hook(
         self, pattern: str, builder: ProbeBuilder, **placement: Any
     ) -> ProbeSession:
-        """Attach a probe (or a plain forward hook closure) to a component name or glob
-        now; ``placement``: those of :class:`~policy_probes.probes.probe.Placement` the
-        probe takes. Returns self; an unknown name raises ``KeyError`` listing the names."""
+        """Attach a probe (or a plain forward hook closure) to a component name or glob now
+        (``placement``: see ``Placement``); returns self, an unknown name raises ``KeyError``."""
         return self._attach(pattern, builder, None, placement)
 
     def add_training_backward_hook(
@@ -277,11 +267,7 @@ class ProbeSession:
         return self._attach(pattern, builder, True, placement)
 
     def _attach(
-        self,
-        pattern: str,
-        builder: ProbeBuilder,
-        backward: bool | None,
-        placement: dict[str, Any],
+        self, pattern: str, builder: ProbeBuilder, backward: bool | None, placement: dict[str, Any]
     ) -> ProbeSession:
         if self.closed:
             raise RuntimeError("this ProbeSession is closed; start a new one to attach probes")
@@ -298,9 +284,8 @@ class ProbeSession:
         return self
 
     def add_remedy(self, pattern: str, remedy: Remedy, *, seed: int | None = None) -> ProbeSession:
-        """Attach a remedy (:mod:`policy_probes.remedies`) to a component name or glob,
-        fired in :meth:`epoch_end` before the records, once the loop binds its optimizer.
-        ``seed``: of its generator if it has none (default ``torch.initial_seed()``)."""
+        """Attach a remedy (:mod:`policy_probes.remedies`) to a component name or glob, fired in
+        :meth:`epoch_end` once the loop binds its optimizer; ``seed``: its generator's if none."""
         if self.closed:
             raise RuntimeError("this ProbeSession is closed; start a new one to add remedies")
         if self.optimizer is None:
@@ -311,7 +296,7 @@ class ProbeSession:
         return self
 
     def next_pass(self) -> None:
-        """End a training pass (a loop without an optimizer calls it after each update)."""
+        """End a training pass (for a loop without an optimizer)."""
         self.sampler.next_pass()
 
     @property
@@ -324,8 +309,7 @@ class ProbeSession:
         return self.context.phase
 
     def set_phase(self, name: str) -> None:
-        """``"rollout"``, ``"train"`` or ``"eval"``: probes record only in their ``phases``
-        (default ``("train",)``)."""
+        """``"rollout"``, ``"train"`` or ``"eval"``: probes record only in their ``phases``."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"phase must be a non-empty string such as {PHASES}, got {name!r}")
         if name not in PHASES:
@@ -338,7 +322,7 @@ class ProbeSession:
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        """Set the phase inside the block and restore the previous one afterwards."""
+        """:meth:`set_phase` inside the block, the previous phase restored after it."""
         previous = self.context.phase
         self.set_phase(name)
         try:
@@ -350,11 +334,9 @@ class ProbeSession:
     def row_mask(
         self, mask: torch.Tensor | None, *, loss_samples: float | torch.Tensor | None = None
     ) -> Iterator[None]:
-        """Leave out of every probe the rows the loss masks, for the forward and backward
-        inside the block. ``mask`` is ``(rows,)`` or ``(batch, time)``, 1 (or True) where
-        the loss uses the row; ``None`` keeps every row. ``loss_samples``: how many samples
-        the loss averages over (default: the kept rows). How a mask lines up with each
-        probed tensor: ``docs/external.md``."""
+        """Leave the rows the loss masks out of every probe in the block: ``mask`` is ``(rows,)``
+        or ``(batch, time)``, 1 where the loss uses a row (None: all); ``loss_samples``: as in
+        :meth:`set_loss_samples` (default: the kept rows)."""
         previous = (self.context.row_mask, self.context.loss_samples)
         self.context.row_mask = mask  # a fresh RowMask: per-step counts start at 0
         if loss_samples is not None:
@@ -378,9 +360,8 @@ class ProbeSession:
         return scaler.scale(loss)
 
     def log(self, metrics: Mapping[str, Any], *, reduce: Literal["last", "mean"] = "last") -> None:
-        """Add the loop's own scalars to the current epoch's record: ``reduce="last"``
-        keeps the last value logged under a key, ``"mean"`` the mean of this epoch's.
-        Tensors are kept (no host synchronisation) and read once at :meth:`epoch_end`."""
+        """Add the loop's scalars to the epoch's record: the last value logged under a key,
+        or the epoch's mean (``reduce="mean"``); tensors are read at :meth:`epoch_end`."""
         if reduce not in ("last", "mean"):
             raise ValueError(f"reduce must be 'last' or 'mean', got {reduce!r}")
         for key, value in metrics.items():
@@ -422,10 +403,8 @@ class ProbeSession:
         minibatch_size: int | None = None,
         **fields: Any,
     ) -> dict[str, Any]:
-        """After the rollout, before the update: the probes that read the rollout get
-        ``observations`` (flat ``(samples, *obs_shape)``), then POST_ROLLOUT fires; its
-        metrics join this epoch's record. The data arguments go to :meth:`set_data` when
-        given; ``fields`` are more ``RunDataContext`` fields for the hooks."""
+        """After the rollout: the probes that read it get ``observations`` (flat rows), then
+        POST_ROLLOUT fires with ``fields``; the data arguments go to :meth:`set_data`."""
         self.epoch_start()
         self._rollout_seen = True
         for tracker in list(self.context.model_metrics.values()):
@@ -457,9 +436,8 @@ class ProbeSession:
         step: int | None = None,
         **fields: Any,
     ) -> None:
-        """Fire PRE_STEP: after ``loss.backward()``, before clipping and ``optimizer.step()``;
-        metrics are buffered on the device. ``step``: the loop's global optimizer step
-        (default: the session's count); ``fields``: more ``RunDataContext`` fields."""
+        """Fire PRE_STEP after ``loss.backward()``, before clipping and ``optimizer.step()``
+        (``step``: default the session's count; ``fields``: more ``RunDataContext`` fields)."""
         if loss is not None:
             fields["loss"] = loss.detach()
         self._fire_step(HookPoint.PRE_STEP, batch, step, fields)
@@ -487,10 +465,8 @@ class ProbeSession:
         return out
 
     def epoch_start(self, **fields: Any) -> dict[str, Any]:
-        """Start the current epoch: fire PRE_EPOCH once (its metrics join the epoch's
-        record). Every session call of an epoch (and with a PRE_EPOCH hook its first
-        optimizer step) calls it; a loop calls it to pass ``fields`` (``RunDataContext``
-        fields). The first epoch's start writes ``config.json`` and opens the sinks."""
+        """Fire PRE_EPOCH once per epoch (every session call does; a loop calls it to pass
+        ``RunDataContext`` ``fields``). The first writes ``config.json``, opens the sinks."""
         if not self._started:  # the loop starts training: a refused start writes nothing
             if self.closed:
                 raise RuntimeError("this ProbeSession is closed")
@@ -519,10 +495,8 @@ class ProbeSession:
         return self.epoch + 1
 
     def epoch_end(self, step: int, **extra: Any) -> dict[str, Any]:
-        """Close the current epoch, emit its records to every sink and return its metrics
-        (host values). ``step``: the agent step (environment steps so far); ``extra``: more
-        metrics. Records, in order (``docs/external.md``): one per step point that
-        reported, the ``POST_EPOCH`` record, and in SNAPSHOT epochs a ``SNAPSHOT`` record."""
+        """Close the epoch, emit its records (per step point, ``POST_EPOCH``, ``SNAPSHOT`` when
+        due) and return its metrics; ``step``: the agent step; ``extra``: more metrics."""
         if self.closed:
             raise RuntimeError("this ProbeSession is closed")
         self.epoch_start()
@@ -533,10 +507,40 @@ class ProbeSession:
         logged.update(extra)
         sampler = self.sampler
         start, collected = time.perf_counter(), sampler.collect_seconds
-        metrics, snapshot, steps = self._fire_epoch_points(logged)
+        metrics = dict(logged)
+        metrics.update(StatsReporter(self.context).collect())  # every rank: a collective
+        snapshot: dict[str, Any] | None = None
+        records: list[tuple[str, dict[str, Any]]] = []  # the step points' means first
+        if self.hooks.active:
+            rollout_hooks = [h.name for h in self.hooks.hooks_at(HookPoint.POST_ROLLOUT)]
+            if rollout_hooks and not self._rollout_seen:
+                log.warning(
+                    "lifecycle hooks %s fire at POST_ROLLOUT: call session.rollout_end("
+                    "observations=...) after each rollout",
+                    rollout_hooks,
+                )
+                self._rollout_seen = True  # warn once
+            metrics.update(self._pending)
+            lr = logged.get("train/learning_rate")  # (the scheduler may have stepped)
+            if lr is None and self.optimizer is not None and self.optimizer.param_groups:
+                lr = self.optimizer.param_groups[0]["lr"]
+            lr = None if lr is None else float(lr)
+            fields = {"agent_step": self.agent_step, "stats": logged, "learning_rate": lr}
+            metrics.update(self._fire(HookPoint.POST_EPOCH, **fields))
+            if snapshot_due(self.epoch, self.probing.snapshot_every):
+                snapshot = self._fire(HookPoint.SNAPSHOT, agent_step=self.agent_step)
+                metrics.update(snapshot)
+            flushed = self.hooks.flush()
+            metrics.update(flushed.summary)
+            records = [(pt.value, plain_metrics(vals)) for pt, vals in flushed.by_point.items()]
+        elif snapshot_due(self.epoch, self.probing.snapshot_every):
+            snapshot = {}
+        # plain once, for every sink and the analysis (flat keys, Python values)
+        metrics = plain_metrics(metrics)
+        snapshot = None if snapshot is None else plain_metrics(snapshot)
         if self.remedies:  # after the epoch's metrics (ReDo reads its scores), before records
             metrics.update(plain_metrics(self.remedies.end_epoch(self.epoch + 1, metrics)))
-        records = [*steps.items(), (POST_EPOCH, metrics)]
+        records.append((POST_EPOCH, metrics))
         if snapshot is not None:
             records.append(("SNAPSHOT", snapshot))
         for point, values in records:  # through the live analysis (the run's findings)
@@ -551,59 +555,9 @@ class ProbeSession:
         self._epoch_started = False
         return metrics
 
-    def _fire_epoch_points(
-        self, logged: dict[str, Any]
-    ) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, dict[str, Any]]]:
-        """POST_EPOCH, SNAPSHOT (when due) and the step-point flush: the epoch's metrics,
-        the SNAPSHOT metrics (None when not due) and the per-point step means."""
-        metrics = dict(logged)
-        snapshot: dict[str, Any] | None = None
-        steps: dict[str, dict[str, Any]] = {}
-        metrics.update(StatsReporter(self.context).collect())  # every rank: a collective
-        if self.hooks.active:
-            rollout_hooks = [h.name for h in self.hooks.hooks_at(HookPoint.POST_ROLLOUT)]
-            if rollout_hooks and not self._rollout_seen:
-                log.warning(
-                    "lifecycle hooks %s fire at POST_ROLLOUT: call session.rollout_end("
-                    "observations=...) after each rollout",
-                    rollout_hooks,
-                )
-                self._rollout_seen = True  # warn once
-            metrics.update(self._pending)
-            lr = self._epoch_learning_rate(logged)
-            metrics.update(
-                self._fire(
-                    HookPoint.POST_EPOCH, agent_step=self.agent_step, stats=logged, learning_rate=lr
-                )
-            )
-            if snapshot_due(self.epoch, self.probing.snapshot_every):
-                snapshot = self._fire(HookPoint.SNAPSHOT, agent_step=self.agent_step)
-                metrics.update(snapshot)
-            flushed = self.hooks.flush()
-            metrics.update(flushed.summary)
-            steps = {point.value: values for point, values in flushed.by_point.items()}
-        elif snapshot_due(self.epoch, self.probing.snapshot_every):
-            snapshot = {}
-        # plain once, for every sink and the analysis (flat keys, Python values)
-        plain = plain_metrics(metrics)
-        snapshot = None if snapshot is None else plain_metrics(snapshot)
-        steps = {point: plain_metrics(values) for point, values in steps.items()}
-        return plain, snapshot, steps
-
-    def _epoch_learning_rate(self, logged: Mapping[str, Any]) -> float | None:
-        """The logged ``train/learning_rate`` (the scheduler may have stepped), else the
-        optimizer's."""
-        lr = logged.get("train/learning_rate")
-        if lr is not None:
-            return float(lr)
-        if self.optimizer is not None and self.optimizer.param_groups:
-            return float(self.optimizer.param_groups[0]["lr"])
-        return None
-
     def state_dict(self) -> dict[str, Any]:
-        """The session's state for a checkpoint (probes, hooks and sinks are configuration:
-        a resumed loop builds them, then loads this). The sinks are flushed first, so a
-        resume never finds fewer records than its epoch."""
+        """The session's state for a checkpoint (a resumed loop attaches its probes, then
+        loads it); the sinks are flushed first, so a resume finds every record."""
         self.sinks.flush()
         return {
             "epoch": self.epoch,
@@ -614,8 +568,7 @@ class ProbeSession:
             "logged": dict(self._logged),
             "sums": {k: [total, n] for k, (total, n) in self._sums.items()},
             "hooks": self.hooks.state_dict(),
-            # pass counters and sampling rates: a resumed run observes the same passes
-            "sampler": self.sampler.state_dict(),
+            "sampler": self.sampler.state_dict(),  # a resumed run observes the same passes
             "remedies": self.remedies.state_dict(),  # generators and firing records
             "trackers": {
                 name: tracker.state_dict()
@@ -625,8 +578,8 @@ class ProbeSession:
         }
 
     def load_state_dict(self, state: Mapping[str, Any], *, trackers: bool = True) -> None:
-        """Inverse of :meth:`state_dict`. ``trackers=False`` keeps the trackers (ranks
-        other than 0: the saved sums are rank 0's, the all-reduce would count them twice)."""
+        """Inverse of :meth:`state_dict`; ``trackers=False`` keeps the trackers (ranks but
+        0: the saved sums are rank 0's, the all-reduce would count them twice)."""
         self.epoch = int(state["epoch"])
         self._step = int(state["optimizer_step"])
         agent_step = state["agent_step"]
@@ -635,9 +588,8 @@ class ProbeSession:
         self._pending = dict(state["pending"])
         self._logged = dict(state["logged"])
         self._sums = {k: (v[0], int(v[1])) for k, v in state["sums"].items()}
-        self.hooks.load_state_dict(state["hooks"])
-        self.sampler.load_state_dict(state["sampler"])
-        self.remedies.load_state_dict(state["remedies"])
+        for part in ("hooks", "sampler", "remedies"):
+            getattr(self, part).load_state_dict(state[part])
         device = next((p.device for p in self.module.parameters()), torch.device("cpu"))
         for name, saved in state["trackers"].items() if trackers else ():
             tracker = self.context.model_metrics.get(name)
@@ -649,7 +601,7 @@ class ProbeSession:
             tracker.load_state_dict(saved, device=device)
 
     def remove_hooks(self) -> None:
-        """Remove every torch hook this session installed (its trackers keep their data)."""
+        """Remove every torch hook this session installed (trackers keep their data)."""
         while self._handles:
             self._handles.pop().remove()
         while self._step_hooks:
@@ -684,7 +636,6 @@ def _probeable(
     components: Mapping[str, nn.Module | str] | None,
     example_inputs: tuple[Any, ...] | None,
 ) -> PolicyAutoBuilder:
-    """``model`` as a :class:`PolicyAutoBuilder`, traced on ``example_inputs`` if given."""
     if isinstance(model, PolicyAutoBuilder):
         if components is not None:
             raise ValueError(

@@ -1,8 +1,5 @@
-"""Every use of torch's private API in policy-probes, in one place.
-
-A torch upgrade may change these names; ``tests/test_torch_internals.py`` pins what each
-helper relies on, so such a change fails there instead of deep inside a probe. The rest of
-the toolkit (and ``trainers/``) calls these helpers, never the private names.
+"""Every use of torch's private API in policy-probes, in one place (pinned by
+``tests/test_torch_internals.py``, so a torch upgrade that changes one fails there).
 """
 
 from __future__ import annotations
@@ -24,9 +21,8 @@ from torch.utils.hooks import RemovableHandle
 HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _GLOBAL_HOOK_DICTS = tuple(f"_global{d}" for d in HOOK_DICTS)
 
-#: the start of the warning torch emits on every backward through a full backward hook
-#: on a module none of whose inputs requires grad (a policy's first component: the
-#: observations do not); the hook then fires for the module's outputs only
+#: the start of torch's warning on every backward through a full backward hook on a module
+#: none of whose inputs requires grad (a policy's first component)
 OUTPUT_ONLY_BACKWARD_WARNING = (
     "Full backward hook is firing when gradients are computed with respect to module outputs"
 )
@@ -40,8 +36,7 @@ def child_modules(module: nn.Module) -> list[tuple[str, nn.Module | None]]:
 
 
 def module_hooks_installed(module: nn.Module) -> bool:
-    """True if any module in ``module``'s subtree has a torch hook of any kind (a walk of
-    the child dicts, half the cost of ``modules()``: trainers call it per minibatch)."""
+    """True if any module in ``module``'s subtree has a torch hook (a walk of the child dicts)."""
     stack: list[nn.Module | None] = [module]
     while stack:
         m = stack.pop()
@@ -54,10 +49,8 @@ def module_hooks_installed(module: nn.Module) -> bool:
 
 
 def own_parameter_twin(module: nn.Module) -> nn.Module:
-    """A shallow copy of ``module`` with fresh, uninitialised CPU tensors of the same
-    names, shapes and dtypes in place of its own parameters, and no children: its
-    ``reset_parameters()`` writes the twin, never ``module`` (remedies draw fresh initial
-    values this way, :mod:`policy_probes.remedies.fresh_init`)."""
+    """A childless shallow copy of ``module`` with fresh uninitialised CPU parameters: its
+    ``reset_parameters()`` writes the twin, never ``module``."""
     twin = copy.copy(module)  # shallow: the dicts below are replaced before any write
     twin.__dict__["_parameters"] = {
         name: None if p is None else nn.Parameter(torch.empty(p.shape, dtype=p.dtype))
@@ -83,21 +76,19 @@ def global_module_hooks_installed() -> bool:
     return any(getattr(torch_module, d) for d in _GLOBAL_HOOK_DICTS)
 
 
-class hooks_set_aside:
+@contextmanager
+def hooks_set_aside(module: nn.Module) -> Iterator[None]:
     """The module hooks of ``module``'s subtree set aside inside the ``with`` block (a
     re-run the probes must not read), and the same dict objects put back on exit."""
-
-    def __init__(self, module: nn.Module) -> None:
-        self.modules = list(module.modules())
-
-    def __enter__(self) -> None:
-        self.saved = [[getattr(m, d) for d in HOOK_DICTS] for m in self.modules]
-        for m in self.modules:
-            for d in HOOK_DICTS:
-                setattr(m, d, OrderedDict())
-
-    def __exit__(self, *exc: object) -> None:
-        for m, dicts in zip(self.modules, self.saved, strict=True):
+    modules = list(module.modules())
+    saved = [[getattr(m, d) for d in HOOK_DICTS] for m in modules]
+    for m in modules:
+        for d in HOOK_DICTS:
+            setattr(m, d, OrderedDict())
+    try:
+        yield
+    finally:
+        for m, dicts in zip(modules, saved, strict=True):
             for d, value in zip(HOOK_DICTS, dicts, strict=True):
                 setattr(m, d, value)
 
@@ -174,10 +165,8 @@ def conv_padding(conv: nn.Conv1d | nn.Conv2d | nn.Conv3d) -> tuple[int, ...]:
 
 
 def tree_leaves(tree: Any) -> list[Any]:
-    """The leaves of ``tree`` in ``tree_flatten``'s order. Plain tuples, lists and dicts
-    are walked here, in microseconds (torch's pytree takes about 20 per call and leaves a
-    reference cycle only the GC frees; a step-by-step LSTM calls a hook per step);
-    anything else goes through ``tree_flatten``."""
+    """The leaves of ``tree`` in ``tree_flatten``'s order: plain tuples, lists and dicts walked
+    here (torch's pytree is slower and leaves a reference cycle), anything else by torch."""
     leaves: list[Any] = []
     return leaves if _walk(tree, leaves) is not None else tree_flatten(tree)[0]
 
@@ -202,9 +191,8 @@ _SPECS: dict[Any, Any] = {}
 
 
 def _walk(tree: Any, leaves: list[Any]) -> Any:
-    """Append ``tree``'s leaves to ``leaves`` and return a hashable key of its pytree
-    structure; None when it is not plain containers of tensors and scalars (``leaves``
-    then holds part of them and is not to be used)."""
+    """Append ``tree``'s leaves to ``leaves`` and return a hashable key of its structure;
+    None when it is not plain containers of tensors and scalars (``leaves`` then unusable)."""
     kind = type(tree)
     if kind is tuple or kind is list or kind is dict:
         keys = tuple(tree) if kind is dict else None

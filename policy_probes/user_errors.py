@@ -1,8 +1,6 @@
-"""User errors: exceptions whose message is the whole story for the person at the keyboard.
-
-What fails while a run is set up (an unknown component, a builder without parentheses, an
-unwritable ``run_dir``) is the user's to fix: tagged ``usage_error = True``, keeping its
-type, it is printed on one line by the CLI (exit status 2, no traceback).
+"""User errors: what fails while a run is set up (an unknown component, an unwritable
+``run_dir``) is tagged ``usage_error = True`` and printed on one line by the CLI (exit
+status 2, no traceback).
 """
 
 from __future__ import annotations
@@ -20,13 +18,7 @@ class ProbeError(RuntimeError):
 
 
 #: the exception types that mean "the configuration is wrong" when raised during set-up
-SETUP_ERROR_TYPES: tuple[type[BaseException], ...] = (
-    KeyError,
-    TypeError,
-    ValueError,
-    ProbeError,
-    OSError,
-)
+SETUP_ERROR_TYPES = (KeyError, TypeError, ValueError, ProbeError, OSError)
 
 
 class CLIError(Exception):

@@ -4,10 +4,9 @@
     callback = ProbeCallback(probes=[("actor_mlp", attach_relu_activation_hooks())])
     PPO("MlpPolicy", "CartPole-v1").learn(100_000, callback=callback)
 
-Each rollout/update cycle is one record: probes record ``train()``'s minibatch passes (not
-the no-grad rollout) and the cycle is reported at the next ``_on_rollout_start`` or at
-``_on_training_end``. Component names: :data:`SB3_COMPONENTS`; ``RecurrentPPO``'s LSTMs are
-``lstm_actor``/``lstm_critic``, and the padded steps its loss masks out are masked here too.
+Each rollout/update cycle is one record of ``train()``'s passes. Component names:
+:data:`SB3_COMPONENTS`; ``RecurrentPPO``'s LSTMs are ``lstm_actor``/``lstm_critic``, with the
+padded steps its loss masks out masked here too.
 """
 
 from __future__ import annotations
@@ -54,22 +53,9 @@ SB3_COMPONENTS: dict[str, str] = {
 
 #: SB3 hyperparameters copied into the run config when the algorithm has them
 _HYPERPARAMETERS = (
-    "learning_rate",
-    "n_steps",
-    "batch_size",
-    "n_epochs",
-    "gamma",
-    "gae_lambda",
-    "ent_coef",
-    "vf_coef",
-    "max_grad_norm",
-    "clip_range",
-    "normalize_advantage",
-    "target_kl",
-    "n_envs",
-    "seed",
-    "device",
-    "policy_kwargs",
+    *("learning_rate", "n_steps", "batch_size", "n_epochs", "gamma", "gae_lambda", "ent_coef"),
+    *("vf_coef", "max_grad_norm", "clip_range", "normalize_advantage", "target_kl", "n_envs"),
+    *("seed", "device", "policy_kwargs"),
 )
 
 #: ``(pattern, builder)`` or ``(pattern, builder, placement)``
@@ -81,8 +67,8 @@ log = logging.getLogger("policy_probes")
 def sb3_components(
     policy: nn.Module, extra: Mapping[str, nn.Module | str] | None = None
 ) -> dict[str, nn.Module | str]:
-    """Component names for an SB3 policy: every direct child by attribute name (so dotted
-    paths resolve), the :data:`SB3_COMPONENTS` it has, and ``extra`` (which wins)."""
+    """Component names for an SB3 policy: every direct child by attribute name, the
+    :data:`SB3_COMPONENTS` it has, and ``extra`` (which wins)."""
     out: dict[str, nn.Module | str] = {}
     for name, child in child_modules(policy):  # every attribute, shared modules included
         if child is not None:
@@ -102,14 +88,12 @@ class ProbeCallback(BaseCallback):
     per rollout/update cycle to the sinks.
 
     Args:
-        probes: ``(pattern, builder)`` or ``(pattern, builder, placement dict)`` probes,
-            each placed forward or backward as it says.
+        probes: ``(pattern, builder)`` or ``(pattern, builder, placement dict)`` probes.
         backward_probes: backward probes (plain backward hook closures too).
         components: more component names (name -> submodule or dotted path).
         run_dir: where the sinks write; default ``runs/sb3-<algo>-<time>``.
-        probing: the :class:`~policy_probes.probe_settings.ProbeSettings`. Lifecycle
-            observers get the policy and its optimizer; interventions and ``probe_batch``
-            schedules are not available (SB3's loss is internal to ``train()``).
+        probing: the :class:`~policy_probes.probe_settings.ProbeSettings` (without
+            interventions and ``probe_batch`` schedules: SB3's loss is internal to ``train()``).
         config: the run configuration (``config.json``; SB3's hyperparameters under ``"sb3"``).
         log_sb3: add SB3's logger values of the cycle (``train/*``) and episode statistics.
         verbose: SB3 verbosity; 1 prints the run directory once.
@@ -174,19 +158,15 @@ class ProbeCallback(BaseCallback):
                 return  # learn() called again while the session is open
             self.close()
         policy = self.model.policy
-        algo = type(self.model).__name__
-        run_dir = self.run_dir or default_run_dir(f"sb3-{algo.lower()}")
-        self.run_dir = run_dir
-        config = {"sb3": self._hyperparameters(), **self.user_config}
+        algo = type(self.model).__name__.lower()
+        run_dir = self.run_dir = self.run_dir or default_run_dir(f"sb3-{algo}")
         fresh = not self.history and not held_outputs(run_dir)  # a new run of ours
-        # a later learn(): this callback's own run goes on after its last cycle
-        run = Run(run_dir, resume=bool(self.history))
         session = ProbeSession(
             policy,
-            run=run,
+            run=Run(run_dir, resume=bool(self.history)),  # a later learn() goes on
             probing=self.probing,
             components=sb3_components(policy, self.components),
-            config=config,
+            config={"sb3": self._hyperparameters(), **self.user_config},
             optimizer=getattr(policy, "optimizer", None),
         )
         try:
@@ -206,14 +186,13 @@ class ProbeCallback(BaseCallback):
             print(f"policy-probes: writing to {run_dir}")
 
     def _on_rollout_start(self) -> None:
-        """Report the previous cycle (its ``train()`` has finished), then stop recording."""
+        """Report the previous cycle, then stop recording."""
         self._report()
         if self.session is not None:
             self.session.set_phase("rollout")
 
     def _on_rollout_end(self) -> None:
-        """SB3 calls ``train()`` next: the session's ``rollout_end`` (with the buffer's
-        observations when something reads them), then record from here."""
+        """``train()`` comes next: the session's ``rollout_end``, then record from here."""
         session = self.session
         if session is not None:
             observations = _buffer_observations(self.model) if session.wants_observations else None
@@ -225,14 +204,14 @@ class ProbeCallback(BaseCallback):
         return True
 
     def _on_training_end(self) -> None:
-        """Report the last cycle and close the session (hooks removed, sinks closed)."""
+        """Report the last cycle and close the session."""
         try:
             self._report()
         finally:
             self.close()
 
     def _report(self) -> None:
-        """Report the cycle that just trained (every cycle reports every probe)."""
+        """Report the cycle that just trained."""
         if self.session is None or self.session.closed or not self._trained:
             return
         self._trained = False
@@ -241,15 +220,14 @@ class ProbeCallback(BaseCallback):
             self.session.log(self._sb3_values())
         logged = time.perf_counter() - start
         self.session.set_phase("rollout")
-        record = self.session.epoch_end(step=int(self.model.num_timesteps))
-        self.history.append(record)
+        self.history.append(self.session.epoch_end(step=int(self.model.num_timesteps)))
         sampler = self.session.context.sampler
         if sampler is not None:  # the callback's own work, for the probes
             sampler.charge(logged)
 
     def _sb3_values(self) -> dict[str, float]:
-        """SB3's logger values since its last dump (all of ``train()``'s ``train/*``) and
-        the episode statistics of its episode buffer, as ``dump_logs`` computes them."""
+        """SB3's logger values since its last dump (``train/*``) and the episode statistics
+        of its episode buffer, as ``dump_logs`` computes them."""
         out: dict[str, float] = {}
         logger = getattr(self.model, "_logger", None)
         for key, value in dict(getattr(logger, "name_to_value", {}) or {}).items():
@@ -262,9 +240,8 @@ class ProbeCallback(BaseCallback):
         return out
 
     def _trace(self, session: ProbeSession) -> None:
-        """Learn what each component returns from one forward pass on a sample observation
-        (eval mode, RNGs restored), so that a backward probe on a component returning a
-        tuple fails when attached (else at its first forward)."""
+        """Trace one forward pass on a sample observation, so that a backward probe on a
+        component returning a tuple fails when attached (else at its first forward)."""
         policy = self.model.policy
         try:
             space = copy.deepcopy(policy.observation_space)  # keep the space's own RNG
@@ -272,10 +249,8 @@ class ProbeCallback(BaseCallback):
             args = _forward_args(policy, obs)
         except Exception:  # exotic spaces: kinds stay unknown, checked on first forward
             return
-        was_training = policy.training
         try:
-            with preserved_rng():
-                policy.train(False)
+            with preserved_rng():  # trace_outputs runs in eval mode and restores the modes
                 session.policy.trace_outputs(*args)
         except TypeError as exc:
             log.warning(
@@ -284,13 +259,10 @@ class ProbeCallback(BaseCallback):
                 type(policy).__name__,
                 exc,
             )
-        finally:
-            policy.train(was_training)
 
     def _mask_minibatches(self, session: ProbeSession) -> None:
-        """Set each minibatch's ``mask`` (recurrent buffers: 0 at padded steps) as the
-        session's row mask while ``train()`` uses it, by wrapping the buffer's ``get``
-        (an instance attribute, removed by :meth:`close`)."""
+        """Use each minibatch's ``mask`` (recurrent buffers: 0 at padded steps) as the row
+        mask while ``train()`` uses it: the buffer's ``get`` wrapped until :meth:`close`."""
         buffer = getattr(self.model, "rollout_buffer", None)
         get = getattr(buffer, "get", None)
         if buffer is None or get is None or "get" in vars(buffer):
@@ -323,8 +295,8 @@ class ProbeCallback(BaseCallback):
         return out
 
     def close(self) -> None:
-        """Remove the hooks and close the sinks (done at the end of ``learn()``; call it, or
-        use the callback as a context manager, if ``learn()`` may raise)."""
+        """Remove the hooks and close the sinks (``learn()``'s end does; call it, or use the
+        callback as a context manager, if ``learn()`` may raise)."""
         buffer = getattr(self, "_masked_buffer", None)
         if buffer is not None:
             vars(buffer).pop("get", None)
@@ -365,8 +337,7 @@ def _forward_args(policy: nn.Module, obs: Any) -> tuple[Any, ...]:
 
 
 def _sequence_mask(mask: torch.Tensor, sample: Any) -> torch.Tensor:
-    """A recurrent minibatch's flat mask as ``(sequences, steps)`` (its rows are the
-    padded sequences in turn), so per-step LSTM calls read one column."""
+    """A recurrent minibatch's flat mask as ``(sequences, steps)`` (a per-step call: a column)."""
     states = getattr(sample, "lstm_states", None)
     pi = getattr(states, "pi", None)
     if pi is None:
