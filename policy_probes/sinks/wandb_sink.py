@@ -8,8 +8,7 @@ run (id in ``run_dir/wandb/policy_probes_run_id``); since every ``wandb.init`` w
 run folder counting ``_step`` from 0, the sink reads the earlier folders' history back
 (:func:`run_history_position`: a LevelDB-style log of ``wandb_internal_pb2.Record``, read
 up to its first damaged chunk) and lines it up with ``metrics.jsonl``
-(:meth:`WandbSink._settle_resume`), so every epoch is uploaded once on increasing steps.
-"""
+(:meth:`WandbSink._settle_resume`), so every epoch is uploaded once on increasing steps."""
 
 from __future__ import annotations
 
@@ -240,7 +239,6 @@ class WandbSink(MetricSink):
         run = getattr(self, "run", None)
         if run is None:
             return
-        self.run = None
         try:
             final: dict[str, Any] = {}
             unlogged = self._unlogged_vectors
@@ -250,12 +248,12 @@ class WandbSink(MetricSink):
                 if self._final_figures and self._last_epoch is not None:
                     final.update(self._images(self._final_figures, self._last_epoch, Path(folder)))
                 if final:
-                    run.log({"epoch": self._last_epoch, **final}, step=self._step)
-                    self._step += 1
+                    self._log({"epoch": self._last_epoch, **final})
             if self.findings is not None:  # the run summary (docs/findings.md)
                 run.summary["findings/count"] = len(self.findings)
                 run.summary["findings/list"] = [dict(f) for f in self.findings]
         finally:
+            self.run = None
             run.finish()
             self._wait_for_service()
 
@@ -360,43 +358,36 @@ def _records(data: bytes) -> list[bytes]:
     return out
 
 
-def history_position(run_file: Path) -> WandbHistoryPosition:
-    """The last ``epoch`` and next ``_step`` of the history rows in one run file."""
+def run_history_position(wandb_dir: Path, run_id: str) -> WandbHistoryPosition:
+    """Where the history rows of every earlier run folder of ``run_id`` leave it."""
     from wandb.proto import wandb_internal_pb2 as pb
 
     last_epoch: int | None = None
     next_step = records = 0
-    for raw in _records(run_file.read_bytes()):
-        record = pb.Record()
-        try:
-            record.ParseFromString(raw)
-        except Exception:  # noqa: BLE001 - a record we cannot parse is not history we own
-            continue
-        if record.WhichOneof("record_type") != "history":
-            continue
-        next_step = max(next_step, record.history.step.num + 1)
-        images_only = True
-        for item in record.history.item:
-            key = item.key or "/".join(item.nested_key)
-            if key not in _ROW_FIELDS and not key.startswith(_IMAGE_PREFIXES):
-                images_only = False
-            if key == "_step":
-                next_step = max(next_step, int(json.loads(item.value_json)) + 1)
-            elif key == "epoch":
-                epoch = int(json.loads(item.value_json))
-                last_epoch = epoch if last_epoch is None else max(last_epoch, epoch)
-        records += not images_only
-    return WandbHistoryPosition(last_epoch, next_step, records)
-
-
-def run_history_position(wandb_dir: Path, run_id: str) -> WandbHistoryPosition:
-    """:func:`history_position` over every earlier run folder of ``run_id``."""
-    found: list[WandbHistoryPosition] = []
     for run_file in sorted(Path(wandb_dir).glob(f"*run-*-{run_id}/run-{run_id}.wandb")):
         try:
-            found.append(history_position(run_file))
+            data = run_file.read_bytes()
         except OSError as exc:
             logger.warning("could not read the earlier W&B run file %s: %s", run_file, exc)
-    last = max((p.last_epoch for p in found if p.last_epoch is not None), default=None)
-    step = max((p.next_step for p in found), default=0)
-    return WandbHistoryPosition(last, step, sum(p.records for p in found))
+            continue
+        for raw in _records(data):
+            record = pb.Record()
+            try:
+                record.ParseFromString(raw)
+            except Exception:  # noqa: BLE001 - a record we cannot parse is not history we own
+                continue
+            if record.WhichOneof("record_type") != "history":
+                continue
+            next_step = max(next_step, record.history.step.num + 1)
+            images_only = True
+            for item in record.history.item:
+                key = item.key or "/".join(item.nested_key)
+                if key not in _ROW_FIELDS and not key.startswith(_IMAGE_PREFIXES):
+                    images_only = False
+                if key == "_step":
+                    next_step = max(next_step, int(json.loads(item.value_json)) + 1)
+                elif key == "epoch":
+                    epoch = int(json.loads(item.value_json))
+                    last_epoch = epoch if last_epoch is None else max(last_epoch, epoch)
+            records += not images_only
+    return WandbHistoryPosition(last_epoch, next_step, records)
