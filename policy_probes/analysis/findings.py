@@ -259,12 +259,8 @@ def _points_after(series: Mapping[int, Any], epoch: int | None) -> list[tuple[in
     """The finite floats of ``series`` after ``epoch`` (None: all), in epoch order."""
     if epoch is None:
         items = sorted(series.items())
-    else:
-        items = []
-        for item in reversed(series.items()):  # the newest first, as far as ``epoch``
-            if item[0] <= epoch:
-                break
-            items.append(item)
+    else:  # from the newest back as far as ``epoch``
+        items = list(itertools.takewhile(lambda it: it[0] > epoch, reversed(series.items())))
         items.reverse()
     return [(e, v) for e, v in items if type(v) is float and math.isfinite(v)]
 

@@ -76,18 +76,16 @@ class WandbSink(MetricSink):
         self.mode = self.cfg.resolved_mode()
         continued = (self.run_dir / "wandb" / RUN_ID_FILE).is_file()  # a resumed run
         self.run_id = load_or_create_run_id(self.run_dir)
-        # read before wandb.init creates this process's run folder
-        position = run_history_position(self.run_dir / "wandb", self.run_id)
         #: epochs up to this one are in W&B already: not logged again (the rule when
         #: there is no metrics.jsonl to count records against)
         self.skip_through: int | None = None
-        #: records W&B holds from earlier processes; how many of the next emits repeat
-        #: them is settled by :meth:`_settle_resume` at the first rewind or emit
-        self._held_records = position.records
-        self._held_last_epoch = position.last_epoch
+        #: what W&B holds from earlier processes (read before wandb.init creates this
+        #: process's run folder); how many of the next emits repeat its records is
+        #: settled by :meth:`_settle_resume` at the first rewind or emit
+        self._held = run_history_position(self.run_dir / "wandb", self.run_id)
         self._skip_emits = 0
         self._unsettled = continued
-        self._step = position.next_step
+        self._step = self._held.next_step
         self._last_heatmap_epoch: int | None = None
         self._last_epoch: int | None = None
         #: (epoch, per-unit vectors) of the last row logged without its histograms:
@@ -187,14 +185,14 @@ class WandbSink(MetricSink):
         self._unsettled = False
         path = self.run_dir / METRICS_JSONL
         if not path.is_file():  # nothing to count against: skip whole epochs W&B has
-            self.skip_through = self._held_last_epoch
+            self.skip_through = self._held.last_epoch
             return
         records = [
             Record.from_json(r)
             for r in iter_jsonl(path)
             if isinstance(r.get("epoch"), int) and (last_epoch is None or r["epoch"] <= last_epoch)
         ]
-        held = self._held_records
+        held = self._held.records
         if held >= len(records):
             self._skip_emits = held - len(records)
             return
