@@ -5,8 +5,7 @@ exact forks; ``docs/run_control.md``).
 epoch ``N`` into one child per arm (``OUT/<parent>/<arm>``; a complete child is reused, an
 incomplete one resumed), trains each to the parent's end and compares the arms after the
 fork against the ``none`` arm (which repeats the parent bit for bit), as mean and standard
-deviation over the parents: ``OUT/arms.json``, ``OUT/arms.md``, ``OUT/report-<parent>.html``.
-"""
+deviation over the parents: ``OUT/arms.json``, ``OUT/arms.md``, ``OUT/report-<parent>.html``."""
 
 from __future__ import annotations
 
@@ -160,7 +159,6 @@ class Child:
     run_dir: Path
     log: Path
     returncode: int | None = None
-    reused: bool = False
     errors: list[str] = field(default_factory=list)
 
 
@@ -175,7 +173,7 @@ def child_command(child: Child, epoch: int) -> list[str]:
 
 def train_child(child: Child, epoch: int, end: int) -> Child:
     if held_outputs(child.run_dir) and last_epoch(child.run_dir) >= end:
-        child.reused, child.returncode = True, 0
+        child.returncode = 0  # complete already: reused
         return child
     child.run_dir.parent.mkdir(parents=True, exist_ok=True)
     with open(child.log, "w") as log:

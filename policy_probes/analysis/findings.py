@@ -5,12 +5,12 @@ A rule reads trends: the rolling median over ``window`` epochs against the media
 first ``window`` (the baseline). It fires when its condition holds at the last epoch and
 has held without a break since; the *onset* is the first epoch of that stretch whose own
 value meets it. A finding says what crossed which threshold, where, since when, the
-threshold's source, the docs page and the remedies.
-"""
+threshold's source, the docs page and the remedies."""
 
 from __future__ import annotations
 
 import argparse
+import html
 import itertools
 import json
 import math
@@ -186,8 +186,7 @@ def _slope(points: Sequence[tuple[int, float]]) -> float:
 class FindingsEngine:
     """The rules over a :class:`~policy_probes.records.RunRecords` as it grows: each
     :meth:`update` reads only the points gained since the last one (all again when the
-    store's ``revision`` moved), so an epoch costs the same however long the run is.
-    """
+    store's ``revision`` moved), so an epoch costs the same however long the run is."""
 
     def __init__(self, rules: Sequence[Rule] | None = None, window: int = WINDOW) -> None:
         self.rules = tuple(default_rules() if rules is None else rules)
@@ -260,12 +259,8 @@ def _points_after(series: Mapping[int, Any], epoch: int | None) -> list[tuple[in
     """The finite floats of ``series`` after ``epoch`` (None: all), in epoch order."""
     if epoch is None:
         items = sorted(series.items())
-    else:
-        items = []
-        for item in reversed(series.items()):  # the newest first, as far as ``epoch``
-            if item[0] <= epoch:
-                break
-            items.append(item)
+    else:  # from the newest back as far as ``epoch``
+        items = list(itertools.takewhile(lambda it: it[0] > epoch, reversed(series.items())))
         items.reverse()
     return [(e, v) for e, v in items if type(v) is float and math.isfinite(v)]
 
@@ -325,22 +320,12 @@ def render_text(findings: Sequence[Finding]) -> str:
     return "\n".join(lines)
 
 
-_HTML_COLUMNS = (
-    "component",
-    "finding",
-    "evidence (baseline → now)",
-    "trend",
-    "since epoch",
-    "threshold",
-    "remedies",
-    "read",
-)
+_HTML_COLUMNS = ("component", "finding", "evidence (baseline → now)", "trend", "since epoch")
+_HTML_COLUMNS += ("threshold", "remedies", "read")
 
 
 def render_html(findings: Sequence[Finding]) -> str:
     """An HTML section for the top of ``report.html``."""
-    import html
-
     if not findings:
         return (
             '<h2 id="findings">Findings</h2><p class="note">No findings: no plasticity '
@@ -387,15 +372,19 @@ def add_diagnose_subcommand(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=diagnose_command)
 
 
+def cli_error(command: str, message: str) -> int:
+    """Print ``policy-probes COMMAND: error: MESSAGE`` to stderr; returns the exit status 2."""
+    print(f"policy-probes {command}: error: {message}", file=sys.stderr)
+    return 2
+
+
 def diagnose_command(args: argparse.Namespace) -> int:
     """Handler of ``diagnose``: 0 (findings or none), 2 when RUN_DIR has no metrics."""
     if args.window < 1:
-        print("policy-probes diagnose: error: --window must be >= 1", file=sys.stderr)
-        return 2
+        return cli_error("diagnose", "--window must be >= 1")
     try:
         findings = diagnose_run(args.run_dir, window=args.window)
     except FileNotFoundError as exc:
-        print(f"policy-probes diagnose: error: {exc}", file=sys.stderr)
-        return 2
+        return cli_error("diagnose", str(exc))
     print(to_json(findings) if args.json else render_text(findings))
     return 0

@@ -1,12 +1,11 @@
 """Units x epochs heatmaps of per-unit probe vectors (active rate, Fisher, gradient RMS): a
 row per unit, a column per epoch, so one sees which units died and when. Drawn without
-pyplot (no global matplotlib state) for the report and the sinks that log images.
-"""
+pyplot (no global matplotlib state) for the report and the sinks that log images."""
 
 from __future__ import annotations
 
 import io
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -87,7 +86,6 @@ def heatmap_figure(
 
 
 def _colours(matrix: np.ndarray, spec: HeatmapSpec) -> tuple[np.ndarray, Any, Normalize]:
-    """The masked data, colour map and norm of ``matrix`` under ``spec``."""
     import matplotlib
     from matplotlib.colors import LogNorm, Normalize
 
@@ -186,18 +184,26 @@ def fixed_margins(
     )
 
 
+def heatmap_matrices(
+    records: RunRecords, max_epochs: int | None = None
+) -> Iterator[tuple[str, HeatmapSpec, np.ndarray, list[int]]]:
+    """``(key, spec, units x epochs matrix, epochs)`` of every per-unit key of ``records``
+    with a heatmap and any values (of its last ``max_epochs`` epochs; None: all)."""
+    for key, vectors in records.vectors.items():
+        spec = heatmap_spec(key)
+        if spec is not None:
+            rows = sorted(vectors.items())
+            matrix, epochs = units_by_epochs(rows if max_epochs is None else rows[-max_epochs:])
+            if matrix.size:
+                yield key, spec, matrix, epochs
+
+
 def render_heatmaps(records: RunRecords) -> dict[str, tuple[bytes, str]]:
     """``heatmaps/<probe>/<component>/<metric>`` -> (PNG, caption) of every per-unit key of
     ``records`` with a heatmap; equal histories (a component and its last layer) share
     one drawing titled with both names."""
     drawn: dict[tuple[Any, ...], tuple[list[str], np.ndarray, list[int], HeatmapSpec]] = {}
-    for key, vectors in records.vectors.items():
-        spec = heatmap_spec(key)
-        if spec is None:
-            continue
-        matrix, epochs = units_by_epochs(sorted(vectors.items()))
-        if matrix.size == 0:
-            continue
+    for key, spec, matrix, epochs in heatmap_matrices(records):
         # one NaN for every missing or non-finite value: equal histories have equal bytes
         same = (spec, matrix.shape, tuple(epochs), matrix.tobytes())
         drawn.setdefault(same, ([], matrix, epochs, spec))[0].append(key)

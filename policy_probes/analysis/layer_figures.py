@@ -1,8 +1,7 @@
 """Per-layer figures: one line per layer of a component over epochs, so "which layer is
 dying" is one look (probes attached with ``per_layer=True`` report
 ``probes/<probe>/<component>.<layer>/<metric>``). One figure per probe section and
-component, embedded by the report and logged by sinks as ``layers/<section>/<component>``.
-"""
+component, embedded by the report and logged by sinks as ``layers/<section>/<component>``."""
 
 from __future__ import annotations
 
@@ -33,7 +32,6 @@ class Panel(NamedTuple):
 
 
 def _per_layer(probe: str, metric: str, title: str, log: bool = False) -> Panel:
-    """A :class:`Panel` also drawn per layer."""
     return Panel(probe, metric, title, log, per_layer=True)
 
 
@@ -130,15 +128,11 @@ def layer_groups(names: Iterable[str]) -> dict[str, list[str]]:
 def layer_figures(records: RunRecords) -> list[tuple[str, str, Figure]]:
     """``(section slug, component, figure)`` of every section and component with layers."""
     series = {k: records.series(k) for k in records.scalars if is_layer_metric(k)}
+    keys = [key.split("/") for key in series]  # probes/<probe>/<name>/<metric>
     out = []
     for slug, _title, panels in LAYER_SECTIONS:
-        names = {
-            k.split("/")[2]
-            for k in series
-            if any(
-                k.startswith(f"probes/{p.probe}/") and k.endswith(f"/{p.metric}") for p in panels
-            )
-        }
+        wanted = {(p.probe, p.metric) for p in panels}
+        names = {name for _, probe, name, metric in keys if (probe, metric) in wanted}
         for component, layers in layer_groups(names).items():
             present = [
                 p
@@ -161,8 +155,7 @@ def _figure(
         for layer in layers:
             points = series.get(f"probes/{probe}/{layer}/{metric}")
             if points:
-                x, y = np.array([e for e, _ in points]), np.array([v for _, v in points], float)
-                plot_series(ax, x, y, label=layer[len(component) + 1 :], log=log)
+                plot_series(ax, points, label=layer[len(component) + 1 :], log=log)
         if not log and metric.endswith("fraction"):
             ax.set_ylim(-0.03, 1.03)
         style_axes(ax, f"{title}: {component}", log=log)
@@ -197,9 +190,11 @@ def style_axes(ax: Any, title: str, log: bool = False, ylabel: str | None = None
 
 
 def plot_series(
-    ax: Any, x: np.ndarray, y: np.ndarray, label: str | None = None, log: bool = False, **style: Any
+    ax: Any, points: Series, label: str | None = None, log: bool = False, **style: Any
 ) -> Any:
-    """One line over epochs (markers on short series; values <= 0 left out on a log axis)."""
+    """One line of ``(epoch, value)`` points (markers on short series; values <= 0 left
+    out on a log axis)."""
+    x, y = np.array([e for e, _ in points]), np.array([v for _, v in points], dtype=float)
     if log:
         y = np.where(y > 0, y, np.nan)
     marker = "o" if len(x) <= 30 else None

@@ -1,7 +1,6 @@
 """LiveAnalysis: what a training session makes of its records while the run trains: a live
 :class:`~policy_probes.records.RunRecords` of the series the findings and figures read, the
-findings on each epoch's record, and the figures when a sink asks (the sinks only write).
-"""
+findings on each epoch's record, and the figures when a sink asks (the sinks only write)."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 One self-contained HTML file (matplotlib PNGs inlined) built from ``metrics.jsonl`` (and
 ``config.json``), so it works for any run, finished or still going: the findings, returns,
 losses, probe sections per component and per layer, heatmaps and every scalar's range. A
-fork's parent (dashed) and the ``--compare`` runs are overlaid in each line's colour.
-"""
+fork's parent (dashed) and the ``--compare`` runs are overlaid in each line's colour."""
 
 from __future__ import annotations
 
@@ -13,25 +12,22 @@ import base64
 import html
 import json
 import math
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from matplotlib.figure import Figure
 
-from policy_probes.analysis.findings import diagnose, run_rules
+from policy_probes.analysis.findings import cli_error, diagnose, run_rules
 from policy_probes.analysis.findings import render_html as render_findings_html
 from policy_probes.analysis.heatmaps import (
     HEATMAP_SPECS,
     component_of,
     figure_png,
     heatmap_figure,
-    heatmap_spec,
-    units_by_epochs,
+    heatmap_matrices,
 )
 from policy_probes.analysis.layer_figures import (
     LAYER_SECTIONS,
@@ -70,12 +66,6 @@ TRAIN_KEYS = (
 OVERLAY_STYLES: tuple[Any, ...] = ("--", ":", "-.", (0, (5, 1, 1, 1, 1, 1)), (0, (1, 3)))
 OVERLAY_ALPHA = 0.55
 _STYLE_NAMES = {"--": "dashed", ":": "dotted", "-.": "dash-dotted"}
-
-
-def series(run: RunRecords, key: str) -> tuple[np.ndarray, np.ndarray]:
-    """Epochs and values of a scalar key as arrays."""
-    points = run.series(key)
-    return np.array([e for e, _ in points]), np.array([v for _, v in points], dtype=float)
 
 
 def components(run: RunRecords, probe: str, metric: str, layers: bool = True) -> list[str]:
@@ -144,14 +134,12 @@ def _plot(
 ) -> None:
     """Draw ``key`` of ``run`` (labelled ``label``, default ``name``) and, in its colour
     and their own style, of each overlaid run that has it (labelled ``name [overlay]``)."""
-    x, y = series(run, key)
-    line = plot_series(ax, x, y, label=label or name, log=log)
+    line = plot_series(ax, run.series(key), label=label or name, log=log)
     for o in overlays:
         if key in o.run.scalars:
-            x, y = series(o.run, key)
             tagged = None if name is None else f"{name} [{o.label}]"
             style = {"color": line.get_color(), "linestyle": o.linestyle, "alpha": OVERLAY_ALPHA}
-            plot_series(ax, x, y, label=tagged, log=log, **style)
+            plot_series(ax, o.run.series(key), label=tagged, log=log, **style)
 
 
 def _fork_lines(ax, overlays: Sequence[Overlay]) -> None:
@@ -209,20 +197,10 @@ def probe_figure(
 
 def heatmap_figures(run: RunRecords, max_epochs: int | None = None) -> list[tuple[str, Figure]]:
     """One units x epochs heatmap per component and per-unit metric of :data:`HEATMAP_SPECS`."""
+    order = list(HEATMAP_SPECS.values())
+    found = sorted(heatmap_matrices(run, max_epochs), key=lambda h: (order.index(h[1]), h[0]))
     out = []
-    order = {spec: i for i, spec in enumerate(HEATMAP_SPECS)}
-    keys = sorted(
-        (k for k in run.vectors if heatmap_spec(k) is not None),
-        key=lambda k: (order[(k.split("/")[1], k.split("/")[-1])], k),
-    )
-    for key in keys:
-        spec = heatmap_spec(key)
-        rows = sorted(run.vectors[key].items())
-        if max_epochs is not None:
-            rows = rows[-max_epochs:]
-        matrix, epochs = units_by_epochs(rows)
-        if matrix.size == 0:
-            continue
+    for key, spec, matrix, epochs in found:
         figsize = (10.4, min(2.2 + 0.06 * matrix.shape[0], 7.5))
         out.append((key, heatmap_figure(matrix, epochs, spec, component_of(key), figsize=figsize)))
     return out
@@ -285,7 +263,6 @@ def build_report(
     run = RunRecords.read(run_dir)
     out = Path(out) if out is not None else run_dir / REPORT_HTML
     epochs = run.epochs
-
     parts: list[str] = []
     title = f"policy-probes report: {run_dir.resolve().name}"
     steps = max(run.agent_step.values()) if run.agent_step else None
@@ -320,7 +297,6 @@ def build_report(
         )
     if unread:
         parts.append(f'<p class="note">Not overlaid: {html.escape("; ".join(unread))}.</p>')
-
     if not epochs:
         parts.append('<p class="note">metrics.jsonl holds no epoch yet.</p>')
     else:  # what is going wrong, first (policy_probes.analysis.findings)
@@ -362,7 +338,6 @@ def build_report(
         )
     if run.scalars:
         parts += ["<h2>All scalar metrics</h2>", _scalar_table(run)]
-
     document = (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         f"<title>{html.escape(title)}</title><style>{CSS}</style></head><body>\n"
@@ -408,30 +383,19 @@ def report_command(args: argparse.Namespace) -> int:
     """Handler of ``report``: 0 on success, 2 when the run directory has no metrics."""
     missing = [str(c) for c in args.compare if not (Path(c) / METRICS_JSONL).is_file()]
     if missing:
-        print(
-            f"policy-probes report: error: --compare {', '.join(missing)}: no {METRICS_JSONL} "
-            f"there; give the directories of runs",
-            file=sys.stderr,
+        return cli_error(
+            "report",
+            f"--compare {', '.join(missing)}: no {METRICS_JSONL} there; give the directories of runs",
         )
-        return 2
     if args.out is not None and args.out.is_dir():
         args.out = args.out / "report.html"  # --out DIR/: the report inside it
     try:
         path = build_report(
-            args.run_dir,
-            args.out,
-            max_heatmap_epochs=args.max_heatmap_epochs,
-            compare=args.compare,
+            args.run_dir, args.out, max_heatmap_epochs=args.max_heatmap_epochs, compare=args.compare
         )
     except FileNotFoundError as exc:
-        print(f"policy-probes report: error: {exc}", file=sys.stderr)
-        return 2
+        return cli_error("report", str(exc))
     except OSError as exc:  # --out in a missing or read-only directory
-        print(
-            f"policy-probes report: error: cannot write the report ({exc}); choose a writable "
-            f"--out",
-            file=sys.stderr,
-        )
-        return 2
+        return cli_error("report", f"cannot write the report ({exc}); choose a writable --out")
     print(f"report written to {path}")
     return 0

@@ -1,7 +1,6 @@
 """Lifecycle hooks: code run at well-defined points of a training loop. Observers read the
 run; interventions change training state only inside a guardian checkpoint that is always
-restored, so they never alter the trajectory (``docs/lifecycle.md``).
-"""
+restored, so they never alter the trajectory (``docs/lifecycle.md``)."""
 
 import policy_probes.lifecycle.hooks  # noqa: F401  (registers the built-in hooks)
 from policy_probes.lifecycle.hook import (

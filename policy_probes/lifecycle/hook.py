@@ -3,8 +3,7 @@
 
 The manager namespaces a hook's metrics as ``name/metric``. Values may be floats, 0-d
 tensors (kept on the device and transferred once per epoch at step points), lists of
-floats or nested dicts (flattened with ``/``).
-"""
+floats or nested dicts (flattened with ``/``)."""
 
 from __future__ import annotations
 
@@ -65,8 +64,7 @@ class TrainingHook:
     point; ``namespaced = False`` keeps keys as returned (``train/...``); ``order`` ranks
     dispatch (observers 100, interventions 200, debug 300); ``run_on_all_ranks`` (else rank
     0 only) is for hooks in collectives; ``runs_model = False`` (hooks that only read
-    state) leaves the probes' phase alone while it runs.
-    """
+    state) leaves the probes' phase alone while it runs."""
 
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""

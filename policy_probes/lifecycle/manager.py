@@ -1,7 +1,6 @@
 """HookManager: dispatches lifecycle hooks at the loop's hook points (the protocol:
 ``docs/lifecycle.md``). A hook that raises is logged (traceback the first time), reported
-as ``hook_name/error = 1.0``, and training goes on.
-"""
+as ``hook_name/error = 1.0``, and training goes on."""
 
 from __future__ import annotations
 
@@ -62,8 +61,7 @@ class HookManager:
     ``component_context`` are bound here (or with :meth:`bind`) and handed to every
     :class:`RunDataContext`. ``offload_state``: the hooks' state tensors wait on the CPU
     between firings; ``strict``: hook exceptions are re-raised; ``rank`` (default: the
-    ``torch.distributed`` rank, else 0): off rank 0 only ``run_on_all_ranks`` hooks are kept.
-    """
+    ``torch.distributed`` rank, else 0): off rank 0 only ``run_on_all_ranks`` hooks are kept."""
 
     def __init__(
         self,
@@ -139,8 +137,7 @@ class HookManager:
         are buffered for :meth:`flush` and ``{}`` is returned. ``model_ctx`` (a
         :class:`ModelDataContext` or a zero-argument factory) is used only when an
         intervention is due or a hook needs the pre-epoch state. Other keyword arguments
-        are :class:`RunDataContext` fields (``batch``, ``loss``, ``stats``, ...).
-        """
+        are :class:`RunDataContext` fields (``batch``, ``loss``, ``stats``, ...)."""
         if not self.hooks:
             return {}
         point = point if isinstance(point, HookPoint) else HookPoint.parse(point)
@@ -433,13 +430,11 @@ def _records_to_host(records: list[StepRecord]) -> list[StepRecord]:
 
 
 def _summarise(records: list[StepRecord]) -> dict[str, Any]:
-    """Per-key means over ``records`` (host values)."""
     values: dict[str, list[Any]] = {}
     for r in records:
         for k, v in r.metrics.items():
             values.setdefault(k, []).append(v)
-    means = {k: _mean(vs) for k, vs in values.items()}
-    return {k: v for k, v in means.items() if v is not None}
+    return {k: mean for k, vs in values.items() if (mean := _mean(vs)) is not None}
 
 
 def _mean(values: list[Any]) -> Any:

@@ -1,7 +1,6 @@
 """ModelDataContext: what an intervention may do to the model and the current data (it
 reaches the optimizer and the data only through it); :class:`LoopModelDataContext`
-implements it for any minibatch loop (the PPO trainer and ProbeSession build on it).
-"""
+implements it for any minibatch loop (the PPO trainer and ProbeSession build on it)."""
 
 from __future__ import annotations
 
@@ -34,8 +33,7 @@ class ModelDataContext(ABC):
 
     @property
     def device(self) -> torch.device:
-        first = next(self.model.parameters(), None)
-        return first.device if first is not None else torch.device("cpu")
+        return device_of(self.model)
 
     @property
     def update_epochs(self) -> int:
@@ -184,8 +182,7 @@ class LoopModelDataContext(ModelDataContext):
     ``max_grad_norm``: global gradient-norm clipping before ``optimizer.step()``;
     ``obs_key``: where a minibatch holds the observations (key or attribute);
     ``sample_fn(model, obs)``, ``log_prob_fn(model, obs, actions)``: the action
-    distribution (for ``policy_fisher``; default: the model's ``get_distribution(obs)``).
-    """
+    distribution (for ``policy_fisher``; default: the model's ``get_distribution(obs)``)."""
 
     def __init__(
         self,
@@ -245,18 +242,16 @@ class LoopModelDataContext(ModelDataContext):
         return token
 
     def restore_checkpoint(self, token: int) -> None:
-        restore_training_state(self._snapshot(token), self.model, self.optimizer, self.scheduler)
-
-    def discard_checkpoint(self, token: int) -> None:
-        self._checkpoints.pop(token, None)
-
-    def _snapshot(self, token: int) -> TrainingSnapshot:
         if token not in self._checkpoints:
             raise KeyError(
                 f"no checkpoint with token {token!r} (discarded or never saved); live tokens: "
                 f"{sorted(self._checkpoints)}"
             )
-        return self._checkpoints[token]
+        snapshot = self._checkpoints[token]
+        restore_training_state(snapshot, self.model, self.optimizer, self.scheduler)
+
+    def discard_checkpoint(self, token: int) -> None:
+        self._checkpoints.pop(token, None)
 
     def capture_pre_epoch(self) -> None:
         self._pre_epoch = capture_training_state(

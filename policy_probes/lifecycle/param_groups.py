@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 from torch import nn
 
@@ -11,13 +12,7 @@ def layer_groups(model: nn.Module, trainable: bool = True) -> OrderedDict[str, l
     """``layer -> parameter names``: a layer is the module that owns the parameter
     (``actor_mlp.layer_0.linear`` owns ``.weight`` and ``.bias``); a parameter owned by
     the model itself (a Gaussian ``log_std``) is its own group."""
-    out: OrderedDict[str, list[str]] = OrderedDict()
-    for name, p in model.named_parameters():
-        if trainable and not p.requires_grad:
-            continue
-        owner = name.rpartition(".")[0] or name
-        out.setdefault(owner, []).append(name)
-    return out
+    return _grouped(model, trainable, lambda name, _: name.rpartition(".")[0] or name)
 
 
 def component_groups(model: nn.Module, trainable: bool = True) -> OrderedDict[str, list[str]]:
@@ -32,9 +27,14 @@ def component_groups(model: nn.Module, trainable: bool = True) -> OrderedDict[st
     for comp, module in comps.items():
         for p in module.parameters():
             owner.setdefault(id(p), comp)
+    return _grouped(model, trainable, lambda name, p: owner.get(id(p), name))
+
+
+def _grouped(
+    model: nn.Module, trainable: bool, group_of: Callable[[str, nn.Parameter], str]
+) -> OrderedDict[str, list[str]]:
     out: OrderedDict[str, list[str]] = OrderedDict()
     for name, p in model.named_parameters():
-        if trainable and not p.requires_grad:
-            continue
-        out.setdefault(owner.get(id(p), name), []).append(name)
+        if p.requires_grad or not trainable:
+            out.setdefault(group_of(name, p), []).append(name)
     return out

@@ -85,17 +85,12 @@ def resolve_points(
     loop: str, hook_points: Iterable[HookPoint | str], loop_points: LoopPointsSpec | None
 ) -> dict[HookPoint, EpochWindow]:
     """A hook's points (with windows) in a ``loop``: its ``hook_points``, or its ``loop_points``."""
-    if loop_points is None:
-        return {HookPoint.parse(p): ALWAYS for p in hook_points}
-    spec = loop_points.get(loop)
-    if spec is None:
-        return {}
-    if isinstance(spec, Mapping):
-        return {
-            HookPoint.parse(p): ALWAYS if win is None else EpochWindow(*win)
-            for p, win in spec.items()
-        }
-    return {HookPoint.parse(p): ALWAYS for p in spec}
+    spec = hook_points if loop_points is None else loop_points.get(loop) or ()
+    windows = spec if isinstance(spec, Mapping) else dict.fromkeys(spec)
+    return {
+        HookPoint.parse(p): ALWAYS if win is None else EpochWindow(*win)
+        for p, win in windows.items()
+    }
 
 
 def snapshot_due(epoch: int, snapshot_every: int) -> bool:

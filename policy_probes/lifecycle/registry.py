@@ -2,8 +2,7 @@
 
 Groups: ``none``, ``minimal`` (training_metrics, norms), ``observers``, ``interventions``
 (without debug ones), ``full`` (both); keywords ``all`` (= full) and ``with_debug`` (full
-and the debug interventions). ``training_metrics`` joins any non-empty selection.
-"""
+and the debug interventions). ``training_metrics`` joins any non-empty selection."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Capture and restore every global RNG a training loop uses: torch (CPU and every
-initialised CUDA device), numpy's global generator and Python's ``random``.
-"""
+initialised CUDA device), numpy's global generator and Python's ``random``."""
 
 from __future__ import annotations
 

@@ -28,8 +28,7 @@ class RunDataContext:
     PRE_STEP the live pre-clip ``param.grad`` (read only), elsewhere the mean of the
     epoch's PRE_STEP gradients so far; ``prev_step_grads`` (``needs_prev_step_grads``):
     copies of the previous step's. ``last_metrics``: the latest metrics per point, with
-    this firing's so far. ``docs/lifecycle.md`` lists what the trainer passes.
-    """
+    this firing's so far. ``docs/lifecycle.md`` lists what the trainer passes."""
 
     point: HookPoint
     epoch: int

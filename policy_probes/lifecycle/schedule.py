@@ -5,8 +5,7 @@
 * ``burst``: ``length`` consecutive indices out of every ``every`` from ``warmup`` on.
 
 At PRE_STEP/POST_STEP the index is the global optimizer step (counted from 0 over the
-whole run); at the epoch points the index is the epoch as the records number it.
-"""
+whole run); at the epoch points the index is the epoch as the records number it."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """TrainingSnapshot: a deep copy of everything an intervention could change (parameters,
 buffers, train flags, optimizer and scheduler state, ``param.grad``, every RNG). Restoring
 writes back *in place* where the structure still matches, so references the loop holds
-(parameters, optimizer state tensors, parameter-group dicts) stay valid.
-"""
+(parameters, optimizer state tensors, parameter-group dicts) stay valid."""
 
 from __future__ import annotations
 
@@ -72,9 +71,7 @@ def _clone(t: torch.Tensor | None) -> torch.Tensor | None:
 @torch.no_grad()
 def _restore_model(model: nn.Module, saved: dict[str, torch.Tensor]) -> None:
     live = model.state_dict()
-    if live.keys() != saved.keys() or any(
-        live[k].shape != v.shape or live[k].dtype != v.dtype for k, v in saved.items()
-    ):
+    if live.keys() != saved.keys() or not all(_same_layout(live[k], v) for k, v in saved.items()):
         model.load_state_dict({k: v.clone() for k, v in saved.items()})
         return
     for k, v in saved.items():
@@ -84,12 +81,7 @@ def _restore_model(model: nn.Module, saved: dict[str, torch.Tensor]) -> None:
 @torch.no_grad()
 def _restore_grads(model: nn.Module, saved: list[torch.Tensor | None]) -> None:
     for p, g in zip(model.parameters(), saved, strict=True):
-        if g is None:
-            p.grad = None
-        elif p.grad is not None and p.grad.shape == g.shape and p.grad.dtype == g.dtype:
-            p.grad.copy_(g)
-        else:
-            p.grad = g.clone()
+        p.grad = None if g is None else _copied(p.grad, g)
 
 
 def restore_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
@@ -97,8 +89,7 @@ def restore_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict[str, A
 
     Tensors are copied into the live state tensors and hyperparameters into the live
     parameter-group dicts, so code holding ``optimizer.param_groups[0]`` keeps working.
-    Falls back to ``load_state_dict`` on a deep copy when the layout changed.
-    """
+    Falls back to ``load_state_dict`` on a deep copy when the layout changed."""
     groups = optimizer.param_groups
     saved_groups = saved["param_groups"]
     if len(groups) != len(saved_groups) or any(
@@ -109,9 +100,7 @@ def restore_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict[str, A
     for group, sgroup in zip(groups, saved_groups, strict=True):
         for key, value in sgroup.items():
             if key != "params":
-                current = group.get(key)
-                same = _same_layout(current, value)
-                group[key] = current.copy_(value) if same else copy.deepcopy(value)
+                group[key] = _copied(group.get(key), value)
         for key in [k for k in group if k not in sgroup and k != "params"]:
             del group[key]
     params = [p for g in groups for p in g["params"]]

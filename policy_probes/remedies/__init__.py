@@ -1,7 +1,6 @@
 """Remedies for lost plasticity, fired from the probes' own measurements; unlike lifecycle
 interventions they change the trajectory on purpose. Attach one with ``add_remedy`` or a
-``remedies=`` spec (``"redo@critic_mlp:tau=0.025,every_epochs=25"``; ``docs/remedies.md``).
-"""
+``remedies=`` spec (``"redo@critic_mlp:tau=0.025,every_epochs=25"``; ``docs/remedies.md``)."""
 
 from policy_probes.remedies.base import (
     BoundRemedy,

@@ -2,8 +2,7 @@
 
 A :class:`Remedy` is configuration (``redo(tau=0.025, every_epochs=25)``); attaching it to
 a component binds it (:class:`BoundRemedy`: the component's layers, the optimiser, its own
-``torch.Generator`` and its firing record, which checkpoints store).
-"""
+``torch.Generator`` and its firing record, which checkpoints store)."""
 
 from __future__ import annotations
 
@@ -50,6 +49,7 @@ class Remedy:
 
     kind = "remedy"
     name: str = "remedy"
+    docs = "docs/remedies.md"
     #: the keywords a spec may give besides the constructor's own (its ``**trigger``)
     spec_keys = ("every_epochs", "when", "start_epoch", "cooldown", "seed")
     #: the attributes holding its own arguments (:meth:`settings`)
@@ -107,11 +107,8 @@ class Remedy:
         """Inverse of :meth:`state_dict`."""
 
     def __repr__(self) -> str:
-        args = {**self.settings()}
-        if (t := self.trigger) is not None:
-            args.update(every_epochs=t.every_epochs, when=t.when)
-            args.update(start_epoch=t.start_epoch, cooldown=t.cooldown)
-        args["seed"] = self.seed
+        trigger = {} if self.trigger is None else vars(self.trigger)
+        args = {**self.settings(), **trigger, "seed": self.seed}
         text = ", ".join(
             f"{k}={(str(v) if k == 'when' else v)!r}" for k, v in args.items() if v is not None
         )

@@ -9,8 +9,7 @@ with ``age > maturity_threshold``) accumulates into a count whose integer part `
 replaced: the ``n`` lowest ``u_i / (1 - eta^age_i)`` get fresh incoming weights, zero
 outgoing weights and moments, utility and age 0 (outputs unchanged). Defaults: the paper's
 PPO settings. How it differs from the reference code, and why it needs no host sync per
-step: ``docs/remedies.md``.
-"""
+step: ``docs/remedies.md``."""
 
 from __future__ import annotations
 
@@ -48,8 +47,9 @@ class CBPLayer:
     replaced_epoch: int = 0
 
 
-#: the per-unit tensors of a :class:`CBPLayer`
+#: the per-unit tensors of a :class:`CBPLayer`, and its scalars with their types
 _TENSORS = ("util", "ages", "h_sum")
+_SCALARS = {"h_count": int, "pending": float, "replaced_epoch": int}
 
 
 @dataclass
@@ -75,7 +75,6 @@ class ContinualBackprop(StepRemedy):
     """Continual backprop (Dohare et al., Nature 2024): after every optimizer step, replace
     the component's lowest-utility mature units (build with :func:`continual_backprop`)."""
 
-    docs = "docs/remedies.md"
     name = "continual_backprop"
     setting_names = ("replacement_rate", "maturity_threshold", "decay", "consumer")
 
@@ -187,10 +186,8 @@ class ContinualBackprop(StepRemedy):
         layers = {
             e.layer.name: {
                 **{k: getattr(e, k).clone() for k in _TENSORS},
-                "h_count": e.h_count,
-                "pending": e.pending,
+                **{k: getattr(e, k) for k in _SCALARS},
                 "recent": list(e.recent),
-                "replaced_epoch": e.replaced_epoch,
             }
             for e in prepared.layers
         }
@@ -203,10 +200,9 @@ class ContinualBackprop(StepRemedy):
             saved = state["layers"][e.layer.name]
             for k in _TENSORS:
                 getattr(e, k).copy_(saved[k])
-            e.h_count = int(saved["h_count"])
-            e.pending = float(saved["pending"])
+            for k, cast in _SCALARS.items():
+                setattr(e, k, cast(saved[k]))
             e.recent = deque((int(s), int(n)) for s, n in saved["recent"])
-            e.replaced_epoch = int(saved["replaced_epoch"])
 
 
 def continual_backprop(

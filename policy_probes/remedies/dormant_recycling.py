@@ -7,8 +7,7 @@ the layer's own initialiser (row ``u``, bias entry ``u``; for an LSTM/GRU rows `
 of every gate ``g``), zeroes its outgoing weights (the consumer's input columns of ``u``,
 :mod:`~policy_probes.remedies.structure`; for an LSTM/GRU also column ``u`` of its own
 ``weight_hh``), so the outputs are unchanged at the firing, and zeroes the optimiser's
-moment entries of exactly those weights (``step`` kept).
-"""
+moment entries of exactly those weights (``step`` kept)."""
 
 from __future__ import annotations
 
@@ -34,7 +33,6 @@ class ReDo(Remedy):
     """ReDo (Sokar et al., ICML 2023): at its trigger, recycle the component's dormant units:
     fresh incoming weights, zero outgoing ones (build with :func:`redo`)."""
 
-    docs = "docs/remedies.md"
     name = "redo"
     setting_names = ("tau", "consumer")
 

@@ -1,18 +1,17 @@
 """Fresh initial values for a layer from a remedy's own generator: the layer's
 ``reset_parameters()`` on a parameter-only CPU twin, with the CPU generator seeded with
 one draw from the remedy's ``torch.Generator`` inside ``torch.random.fork_rng`` (the
-process-wide RNG is left alone; the values are the same on every device and on resume).
-"""
+process-wide RNG is left alone; the values are the same on every device and on resume)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
 from policy_probes.remedies.base import Remedy, RemedyTarget
-from policy_probes.remedies.structure import layer_units
+from policy_probes.remedies.structure import chosen_leaves, layer_units
 from policy_probes.torch_internals import own_parameter_twin
 
 
@@ -38,12 +37,22 @@ def fresh_parameters(module: nn.Module, seed: int) -> dict[str, torch.Tensor]:
     return {name: p.detach() for name, p in twin.named_parameters(recurse=False)}
 
 
-def check_resettable(remedy: str, layers: list[tuple[str, nn.Module]]) -> None:
+def resettable_leaves(
+    remedy: str, target: RemedyTarget, layers: Sequence[str] | None = None
+) -> list[tuple[str, nn.Module]]:
+    """:func:`~.structure.chosen_leaves`, refusing a layer without ``reset_parameters()``
+    (no initialiser to draw from)."""
+    chosen = chosen_leaves(remedy, target, layers)
+    check_resettable(f"{remedy} on {target.component!r}", chosen)
+    return chosen
+
+
+def check_resettable(where: str, layers: list[tuple[str, nn.Module]]) -> None:
     """Refuse a layer without ``reset_parameters()`` (no initialiser to draw from)."""
     for name, module in layers:
         if not callable(getattr(module, "reset_parameters", None)):
             raise ValueError(
-                f"{remedy}: {name!r} ({type(module).__name__}) has no reset_parameters() to "
+                f"{where}: {name!r} ({type(module).__name__}) has no reset_parameters() to "
                 f"draw fresh values from; leave it out of the remedy"
             )
 

@@ -6,8 +6,7 @@ Learning").
 Before every optimizer step (after the loop's clipping) each parameter of the chosen
 layers with a gradient gets ``grad <- grad + coef * (theta - theta_0)``, the gradient of
 ``coef / 2 * ||theta - theta_0||^2``; the loss the loop logs is unchanged. ``theta_0``:
-the parameters when the remedy is attached (the run's initialisation, also on resume).
-"""
+the parameters when the remedy is attached (the run's initialisation, also on resume)."""
 
 from __future__ import annotations
 
@@ -26,8 +25,8 @@ from policy_probes.remedies.structure import chosen_leaves
 
 @dataclass
 class L2State(StepState):
-    params: list[tuple[str, nn.Parameter]] = field(default_factory=list)
-    anchors: list[torch.Tensor] = field(default_factory=list)
+    #: (name in the policy, parameter, its value when attached: theta_0) of each chosen one
+    params: list[tuple[str, nn.Parameter, torch.Tensor]] = field(default_factory=list)
 
 
 @register
@@ -35,7 +34,6 @@ class L2Init(StepRemedy):
     """L2 Init (Kumar et al., 2023): before every optimizer step, pull the chosen layers'
     parameters towards their initial values (build with :func:`l2_init`)."""
 
-    docs = "docs/remedies.md"
     name = "l2_init"
     setting_names = ("coef", "layers")
 
@@ -54,30 +52,28 @@ class L2Init(StepRemedy):
         state = L2State()
         for name, module in chosen_leaves("l2_init", target, self.layers):
             for pname, p in module.named_parameters(recurse=False):
-                state.params.append((f"{name}.{pname}", p))
-                state.anchors.append(p.detach().clone())
+                state.params.append((f"{name}.{pname}", p, p.detach().clone()))
         return state
 
     def before_step(self, target: RemedyTarget, prepared: L2State, generator: Any) -> None:
         with torch.no_grad():
-            for (_, p), anchor in zip(prepared.params, prepared.anchors, strict=True):
+            for _, p, anchor in prepared.params:
                 if p.grad is not None:
                     p.grad.add_(p.detach() - anchor, alpha=self.coef)
 
     def epoch_report(self, target: RemedyTarget, prepared: L2State) -> dict[str, float]:
-        pairs = zip(prepared.params, prepared.anchors, strict=True)
         with torch.no_grad():
-            total = sum((p.detach() - a).double().square().sum() for (_, p), a in pairs)
+            total = sum((p.detach() - a).double().square().sum() for _, p, a in prepared.params)
         return {"distance": float(torch.as_tensor(total).sqrt())}  # once per epoch
 
     def state_dict(self, prepared: L2State) -> dict[str, Any]:
-        pairs = zip(prepared.params, prepared.anchors, strict=True)
-        return {**super().state_dict(prepared), "anchors": {n: a.clone() for (n, _), a in pairs}}
+        anchors = {n: a.clone() for n, _, a in prepared.params}
+        return {**super().state_dict(prepared), "anchors": anchors}
 
     def load_state_dict(self, prepared: L2State, state: Any) -> None:
         super().load_state_dict(prepared, state)
         saved = state.get("anchors") or {}
-        for (name, _), anchor in zip(prepared.params, prepared.anchors, strict=True):
+        for name, _, anchor in prepared.params:
             if name in saved:
                 anchor.copy_(saved[name])
 

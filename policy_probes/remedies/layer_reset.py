@@ -1,7 +1,6 @@
 """Layer resets (Nikishin et al. 2022, "The Primacy Bias in Deep Reinforcement Learning"):
 at a firing the chosen layers (``layers=[...]`` or the ``last=n``) get fresh values from
-their ``reset_parameters()`` and a fresh optimiser state (moments and ``step`` zeroed).
-"""
+their ``reset_parameters()`` and a fresh optimiser state (moments and ``step`` zeroed)."""
 
 from __future__ import annotations
 
@@ -14,9 +13,9 @@ from typing_extensions import Unpack
 
 from policy_probes.plugins import register
 from policy_probes.remedies.base import RemedyOptions, RemedyTarget, name_list
-from policy_probes.remedies.fresh_init import LayerRefresh, check_resettable
+from policy_probes.remedies.fresh_init import LayerRefresh, check_resettable, resettable_leaves
 from policy_probes.remedies.optim_state import reset_entries
-from policy_probes.remedies.structure import chosen_leaves, parametrised_leaves
+from policy_probes.remedies.structure import parametrised_leaves
 from policy_probes.remedies.trigger import Threshold
 
 
@@ -25,7 +24,6 @@ class ResetLayers(LayerRefresh):
     """Layer resets (Nikishin et al., 2022): at its trigger, give the chosen layers fresh
     initial values and reset their optimizer state (build with :func:`reset_layers`)."""
 
-    docs = "docs/remedies.md"
     name = "reset_layers"
     setting_names = ("layers", "last")
 
@@ -52,10 +50,9 @@ class ResetLayers(LayerRefresh):
                     f"{len(found)} parametrised layers ({[n for n, _ in found]})"
                 )
             chosen = found[-self.last :]
-        else:
-            chosen = chosen_leaves("reset_layers", target, self.layers or [])
-        check_resettable(f"reset_layers on {target.component!r}", chosen)
-        return chosen
+            check_resettable(f"reset_layers on {target.component!r}", chosen)
+            return chosen
+        return resettable_leaves(self.name, target, self.layers or [])
 
     def update(self, target: RemedyTarget, param: nn.Parameter, fresh: torch.Tensor) -> None:
         param.copy_(fresh)

@@ -1,8 +1,7 @@
 """Optimiser state of the weights a remedy changes: the supported optimisers and how their
 per-parameter entries are reset. Changing some entries of a tensor zeroes exactly those
 moment entries and keeps ``step`` (as ReDo's reference code does); re-initialising a
-whole tensor also sets ``step`` to 0, restarting Adam's bias correction.
-"""
+whole tensor also sets ``step`` to 0, restarting Adam's bias correction."""
 
 from __future__ import annotations
 

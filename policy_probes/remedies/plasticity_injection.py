@@ -7,8 +7,7 @@ frozen and its output becomes ``h_theta(x) + h_theta'(x) - h_theta'_0(x)``, with
 it: the outputs are bit-identical at the injection, and only ``theta'`` trains, with an
 optimizer of the loop's class stepped right after the loop's. The copies and that
 optimizer live in the remedy's state (checkpoints carry it). Limitations (no clipping of
-``theta'``, one process, a single ``nn.Linear``): ``docs/remedies.md``.
-"""
+``theta'``, one process, a single ``nn.Linear``): ``docs/remedies.md``."""
 
 from __future__ import annotations
 
@@ -23,8 +22,7 @@ from typing_extensions import Unpack
 from policy_probes.plugins import register
 from policy_probes.processes import multi_process
 from policy_probes.remedies.base import Remedy, RemedyOptions, RemedyTarget
-from policy_probes.remedies.fresh_init import check_resettable, refresh_layers
-from policy_probes.remedies.structure import parametrised_leaves
+from policy_probes.remedies.fresh_init import refresh_layers, resettable_leaves
 from policy_probes.remedies.trigger import Threshold
 from policy_probes.torch_internals import hooks_set_aside
 
@@ -61,13 +59,10 @@ class PlasticityInjection(Remedy):
     add a fresh trainable copy minus a frozen one (build with
     :func:`plasticity_injection`)."""
 
-    docs = "docs/remedies.md"
     name = "plasticity_injection"
 
     def prepare(self, target: RemedyTarget) -> Injection:
-        layers = parametrised_leaves(target.component, target.module)
-        check_resettable(f"plasticity_injection on {target.component!r}", layers)
-        return Injection(layers)
+        return Injection(resettable_leaves(self.name, target))
 
     def apply(
         self, target: RemedyTarget, prepared: Injection, generator: torch.Generator

@@ -2,8 +2,7 @@
 
 At a firing each parameter of the component's parametrised layers becomes
 ``theta <- shrink * theta + noise * theta_init`` (``theta_init``: a fresh initialisation
-of the layer, :mod:`~policy_probes.remedies.fresh_init`); the optimiser state is kept.
-"""
+of the layer, :mod:`~policy_probes.remedies.fresh_init`); the optimiser state is kept."""
 
 from __future__ import annotations
 
@@ -15,8 +14,7 @@ from typing_extensions import Unpack
 
 from policy_probes.plugins import register
 from policy_probes.remedies.base import RemedyOptions, RemedyTarget, checked
-from policy_probes.remedies.fresh_init import LayerRefresh, check_resettable
-from policy_probes.remedies.structure import parametrised_leaves
+from policy_probes.remedies.fresh_init import LayerRefresh, resettable_leaves
 from policy_probes.remedies.trigger import Threshold
 
 
@@ -26,7 +24,6 @@ class ShrinkAndPerturb(LayerRefresh):
     noise * theta_init for every layer of the component (build with
     :func:`shrink_and_perturb`)."""
 
-    docs = "docs/remedies.md"
     name = "shrink_and_perturb"
     setting_names = ("shrink", "noise")
 
@@ -36,9 +33,7 @@ class ShrinkAndPerturb(LayerRefresh):
         super().__init__(**trigger)
 
     def prepare(self, target: RemedyTarget) -> list[tuple[str, nn.Module]]:
-        layers = parametrised_leaves(target.component, target.module)
-        check_resettable(f"shrink_and_perturb on {target.component!r}", layers)
-        return layers
+        return resettable_leaves(self.name, target)
 
     def update(self, target: RemedyTarget, param: nn.Parameter, fresh: torch.Tensor) -> None:
         param.mul_(self.shrink).add_(fresh, alpha=self.noise)

@@ -2,8 +2,7 @@
 Study of Plasticity Loss in On-Policy Deep Reinforcement Learning", for applying it every
 step in PPO): after every optimizer step each parameter of the chosen layers becomes
 ``theta <- shrink * theta + noise * theta_init`` (one fresh initialisation per layer and
-step, :mod:`~policy_probes.remedies.fresh_init`); the optimizer state is kept.
-"""
+step, :mod:`~policy_probes.remedies.fresh_init`); the optimizer state is kept."""
 
 from __future__ import annotations
 
@@ -15,9 +14,8 @@ from torch import nn
 
 from policy_probes.plugins import register
 from policy_probes.remedies.base import RemedyTarget, checked, name_list
-from policy_probes.remedies.fresh_init import check_resettable, refresh_layers
+from policy_probes.remedies.fresh_init import refresh_layers, resettable_leaves
 from policy_probes.remedies.step_remedy import StepRemedy, StepState
-from policy_probes.remedies.structure import chosen_leaves
 
 
 @dataclass
@@ -30,7 +28,6 @@ class SoftShrinkPerturb(StepRemedy):
     """Soft shrink-and-perturb (Juliani & Ash, 2024): a small shrink-and-perturb after
     every optimizer step (build with :func:`soft_shrink_perturb`)."""
 
-    docs = "docs/remedies.md"
     name = "soft_shrink_perturb"
     setting_names = ("shrink", "noise", "layers")
 
@@ -48,9 +45,7 @@ class SoftShrinkPerturb(StepRemedy):
         self.layers = name_list(layers)
 
     def prepare(self, target: RemedyTarget) -> SoftState:
-        layers = chosen_leaves("soft_shrink_perturb", target, self.layers)
-        check_resettable(f"soft_shrink_perturb on {target.component!r}", layers)
-        return SoftState(layers=layers)
+        return SoftState(layers=resettable_leaves(self.name, target, self.layers))
 
     def after_step(
         self, target: RemedyTarget, prepared: SoftState, generator: torch.Generator

@@ -1,7 +1,6 @@
 """Remedies that act at every optimizer step instead of at triggered epoch ends: bound,
 they hook the loop's optimizer (step pre/post hooks), so they act on every
-``optimizer.step()`` whatever loop calls it; every epoch end reports what they did.
-"""
+``optimizer.step()`` whatever loop calls it; every epoch end reports what they did."""
 
 from __future__ import annotations
 
@@ -19,11 +18,6 @@ class StepState:
 
     handles: list[Any] = field(default_factory=list)
     steps: int = 0
-
-    def remove(self) -> None:
-        """Take the optimizer hooks off."""
-        while self.handles:
-            self.handles.pop().remove()
 
 
 class StepRemedy(Remedy):

@@ -4,8 +4,7 @@ convolution followed by an activation, or a recurrent layer giving the output) a
 consumers), found from the component's leaves in registration order. Only elementwise
 modules, pooling and ``nn.Flatten`` may run in between, so a unit's outgoing weights are
 its consumer's input columns (after a channel-major flatten of ``(B, C, H, W)``, columns
-``u*H*W ... (u+1)*H*W - 1``); ``docs/remedies.md`` has the details.
-"""
+``u*H*W ... (u+1)*H*W - 1``); ``docs/remedies.md`` has the details."""
 
 from __future__ import annotations
 
@@ -19,6 +18,7 @@ from torch.nn.modules import conv, pooling
 from policy_probes.layers import LAYER_BLOCKS
 from policy_probes.probes.layout import ACTIVATION_MODULES, ELEMENTWISE_MODULES
 from policy_probes.probes.per_layer import activation_layers
+from policy_probes.remedies.base import name_list
 
 #: layers whose units the remedies can recycle one by one
 RECURRENT = (nn.LSTM, nn.GRU)
@@ -191,10 +191,8 @@ def target_unit_layers(
     """:func:`unit_layers` of a target (consumers: ``consumer``, else the policy's)."""
     names = consumer
     if names is None:
-        names = (getattr(target.policy, "component_consumers", None) or {}).get(
-            target.component, ()
-        )
-        names = (names,) if isinstance(names, str) else names
+        consumers = getattr(target.policy, "component_consumers", None) or {}
+        names = name_list(consumers.get(target.component, ()))
     external = [(n, target.policy.get_component(n)) for n in names]
     return unit_layers(target.component, target.module, external, remedy=remedy)
 

@@ -2,8 +2,7 @@
 metrics): ``every_epochs=k`` at epochs k, 2k, ...; ``when="<metric key><op><number>"``
 when the epoch's metric compares true (not in an epoch without it); both: at the
 scheduled epochs where it holds; never before ``start_epoch``, and at least ``cooldown``
-epochs between firings (``docs/remedies.md``).
-"""
+epochs between firings (``docs/remedies.md``)."""
 
 from __future__ import annotations
 

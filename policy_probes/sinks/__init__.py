@@ -5,8 +5,7 @@ switches it on (``sinks.<name>=true``); a :class:`~policy_probes.session.ProbeSe
 
     group = build_sink_group(run_dir, SinksConfig(), WandbConfig(), config=resolved_config)
     group.emit(Record.of(metrics, epoch, "POST_EPOCH", agent_step))
-    group.close()
-"""
+    group.close()"""
 
 from __future__ import annotations
 
@@ -15,12 +14,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from policy_probes import plugins
-from policy_probes.sinks.base import MetricSink, SinkGroup
+from policy_probes.sinks.base import MetricSink, SinkGroup, repair_truncated_tail
 from policy_probes.sinks.config import SinksConfig, SinkSetup, WandbConfig, default_console_metrics
 
 # the built-in sinks register in this order, the order a run opens them in
 # isort: off
-from policy_probes.sinks.jsonl import JSONLSink, repair_truncated_tail, rewind_jsonl
+from policy_probes.sinks.jsonl import JSONLSink, rewind_jsonl
 from policy_probes.sinks.csv_sink import CSVSink
 from policy_probes.sinks.tensorboard import TensorBoardSink
 from policy_probes.sinks.wandb_sink import WandbSink

@@ -1,7 +1,6 @@
 """MetricSink: where records go, and SinkGroup: the fan-out that isolates faults, so a
 broken output never stops training or the other outputs. Sinks only write; the figures a
-sink asks for are drawn by the session's analysis.
-"""
+sink asks for are drawn by the session's analysis."""
 
 from __future__ import annotations
 
@@ -29,8 +28,7 @@ class MetricSink(ABC):
     :func:`policy_probes.plugins.register`, it is switched on by ``sinks.<name>=true``.
     Calls: ``set_run_context`` when the run's context changes, ``emit`` per hook point and
     epoch, ``flush`` at epoch end and on interruption, ``final_figures`` before ``close``
-    when asked for, ``close`` once at the end.
-    """
+    when asked for, ``close`` once at the end."""
 
     kind: ClassVar[str] = "sink"
     #: the name configuration selects it by (``sinks.<name>``) and fault reports use
@@ -80,11 +78,12 @@ class AppendFileSink(MetricSink):
     """A sink that appends to one file, ``self.path``, held open between emits. Every emit
     reaches the OS at once (a killed process loses nothing); :meth:`flush` fsyncs, at
     epoch ends at most once per ``fsync_seconds`` (an fsync can cost a large share of a
-    short epoch; only a machine crash loses what is not fsynced). Checkpoints flush first.
-    """
+    short epoch; only a machine crash loses what is not fsynced). Checkpoints flush first."""
 
     #: ``newline`` argument of ``open`` ("" for the csv module)
     newline: str | None = None
+    #: what one entry of the file is called in the warning about a truncated one
+    entry: ClassVar[str] = "line"
 
     def __init__(self, path: Path, fsync_seconds: float = FSYNC_SECONDS) -> None:
         super().__init__()
@@ -92,6 +91,18 @@ class AppendFileSink(MetricSink):
         self.path.parent.mkdir(parents=True, exist_ok=True)
         #: at most one fsync per this many seconds at epoch ends (0: at every epoch end)
         self.fsync_seconds = fsync_seconds
+        dropped = repair_truncated_tail(self.path)
+        if dropped:
+            logger.warning(
+                "%s ended in a truncated %s (%d bytes, an interrupted write); it was removed",
+                self.path,
+                self.entry,
+                dropped,
+            )
+
+    @classmethod
+    def from_setup(cls, setup: SinkSetup) -> AppendFileSink:
+        return cls(setup.run_dir, fsync_seconds=setup.sinks.fsync_seconds)
 
     def _open_append(self) -> None:
         """(Re)open ``self.path`` for appending, e.g. after a rewrite replaced the file."""
@@ -127,13 +138,44 @@ class AppendFileSink(MetricSink):
             self.flush()
             self._file.close()
 
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({str(self.path)!r})"
+
+
+def repair_truncated_tail(path: Path, chunk: int = 1 << 16) -> int:
+    """Cut an incomplete last line (no trailing newline) off ``path``, reading only the
+    file's tail; returns the number of bytes removed (0: absent, empty or whole)."""
+    try:
+        f = open(path, "rb+")  # noqa: SIM115
+    except FileNotFoundError:
+        return 0
+    with f:
+        size = f.seek(0, os.SEEK_END)
+        if size == 0:
+            return 0
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            return 0
+        pos, keep = size, 0
+        while pos > 0:
+            start = max(0, pos - chunk)
+            f.seek(start)
+            nl = f.read(pos - start).rfind(b"\n")
+            if nl >= 0:
+                keep = start + nl + 1
+                break
+            pos = start
+        f.truncate(keep)
+        f.flush()
+        os.fsync(f.fileno())
+        return size - keep
+
 
 class SinkGroup(MetricSink):
     """Fan-out to several sinks with fault isolation: a sink whose method raises is logged
     once (with the traceback), recorded in :attr:`failures` and removed; the others go on
     and the group itself never raises. The sinks that want the run's figures get them,
-    drawn once by :attr:`draw_figures`.
-    """
+    drawn once by :attr:`draw_figures`."""
 
     name = "group"
 

@@ -3,8 +3,7 @@
 On an interactive terminal a live view (latest value, trend arrow and sparkline of each
 chosen metric; pass the trainer's console to share it with a progress bar); at each
 SNAPSHOT and at close a table of the chosen metrics and the SNAPSHOT's shallow scalar keys;
-at close the run's findings.
-"""
+at close the run's findings."""
 
 from __future__ import annotations
 

@@ -1,13 +1,11 @@
 """CSVSink: ``run_dir/metrics.csv``, one row per emit, scalars only (a vector becomes
 ``<key>/mean``, ``/min``, ``/max`` of its finite elements). Columns are ``epoch, agent_step,
 hook_point, time``, then the metrics in order of first appearance; new columns rewrite the
-file with the wider header (streaming and atomic: :func:`~.jsonl.rewrite_atomic`).
-"""
+file with the wider header (streaming and atomic: :func:`~.jsonl.rewrite_atomic`)."""
 
 from __future__ import annotations
 
 import csv
-import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -16,10 +14,8 @@ from typing import IO, Any
 from policy_probes.plugins import register
 from policy_probes.records import Record, vector_stats
 from policy_probes.sinks.base import AppendFileSink
-from policy_probes.sinks.config import FSYNC_SECONDS, SinkSetup
-from policy_probes.sinks.jsonl import repair_truncated_tail, rewrite_atomic
-
-logger = logging.getLogger("policy_probes.sinks")
+from policy_probes.sinks.config import FSYNC_SECONDS
+from policy_probes.sinks.jsonl import rewrite_atomic
 
 METRICS_CSV = "metrics.csv"
 BASE_COLUMNS = ("epoch", "agent_step", "hook_point", "time")
@@ -31,6 +27,7 @@ class CSVSink(AppendFileSink):
 
     name = "csv"
     newline = ""
+    entry = "row"
 
     def __init__(
         self,
@@ -43,20 +40,11 @@ class CSVSink(AppendFileSink):
         self.tmp_path = self.path.with_name(self.path.name + ".tmp")
         if self.tmp_path.exists():  # left by a crash during a rewrite; the original is whole
             self.tmp_path.unlink()
-        dropped = repair_truncated_tail(self.path)
-        if dropped:
-            logger.warning(
-                "%s ended in a truncated row (%d bytes); it was removed", self.path, dropped
-            )
         self.columns: list[str] = read_header(self.path)
         self._index: dict[str, int] = {c: i for i, c in enumerate(self.columns)}
         self._open_append()
         #: number of header rewrites so far (for tests and diagnostics)
         self.rewrites = 0
-
-    @classmethod
-    def from_setup(cls, setup: SinkSetup) -> CSVSink:
-        return cls(setup.run_dir, fsync_seconds=setup.sinks.fsync_seconds)
 
     def emit(self, record: Record) -> None:
         values = scalar_columns(record.metrics)
@@ -76,7 +64,6 @@ class CSVSink(AppendFileSink):
         self.written(record.hook_point)
 
     def _widen(self, new_columns: list[str]) -> None:
-        """Rewrite the file with ``new_columns`` appended to the header."""
         columns = self.columns + new_columns
         pad = [""] * len(new_columns)
         self._rewrite(columns, lambda row: row + pad)
@@ -99,7 +86,6 @@ class CSVSink(AppendFileSink):
             rewrite_atomic(self.path, write, newline="")
 
     def _rows(self) -> Iterator[list[str]]:
-        """The rows of the file under its header (none without a header)."""
         if self.columns:
             with open(self.path, encoding="utf-8", newline="") as src:
                 reader = csv.reader(src)
@@ -128,9 +114,6 @@ class CSVSink(AppendFileSink):
 
         self._rewrite(self.columns, earlier)
         return dropped
-
-    def __repr__(self) -> str:
-        return f"CSVSink({str(self.path)!r})"
 
 
 def read_header(path: Path) -> list[str]:

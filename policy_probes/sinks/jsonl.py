@@ -2,8 +2,7 @@
 
 ``{"epoch", "agent_step", "hook_point", "time", <metrics>}`` with vectors as lists, written
 with one ``write`` per emit; non-finite floats become ``null``, their keys listed under
-``"_nonfinite"``. A truncated last line (a crash mid-write) is cut off on open.
-"""
+``"_nonfinite"``. A truncated last line (a crash mid-write) is cut off on open."""
 
 from __future__ import annotations
 
@@ -21,8 +20,8 @@ import orjson
 
 from policy_probes.plugins import register
 from policy_probes.records import METRICS_JSONL, NONFINITE_KEY, Record
-from policy_probes.sinks.base import AppendFileSink
-from policy_probes.sinks.config import FSYNC_SECONDS, SinkSetup
+from policy_probes.sinks.base import AppendFileSink, repair_truncated_tail
+from policy_probes.sinks.config import FSYNC_SECONDS
 
 logger = logging.getLogger("policy_probes.sinks")
 
@@ -41,19 +40,8 @@ class JSONLSink(AppendFileSink):
         fsync_seconds: float = FSYNC_SECONDS,
     ) -> None:
         super().__init__(Path(run_dir) / filename, fsync_seconds)
-        dropped = repair_truncated_tail(self.path)
-        if dropped:
-            logger.warning(
-                "%s ended in a truncated line (%d bytes, an interrupted write); it was removed",
-                self.path,
-                dropped,
-            )
         self._open_append()
         self._warned_nonfinite: set[str] = set()
-
-    @classmethod
-    def from_setup(cls, setup: SinkSetup) -> JSONLSink:
-        return cls(setup.run_dir, fsync_seconds=setup.sinks.fsync_seconds)
 
     def emit(self, record: Record) -> None:
         line = json_line(record)
@@ -70,9 +58,6 @@ class JSONLSink(AppendFileSink):
         """Drop the records of epochs after ``last_epoch`` (:func:`rewind_jsonl`)."""
         with self.reopened():
             return rewind_jsonl(self.path, last_epoch)
-
-    def __repr__(self) -> str:
-        return f"JSONLSink({str(self.path)!r})"
 
 
 def json_line(record: Record) -> dict[str, Any]:
@@ -111,35 +96,6 @@ def _finite_or_none(value: Any) -> tuple[Any, bool]:
         if any(map(_nonfinite, value)):
             return [None if _nonfinite(v) else v for v in value], True
     return value, False
-
-
-def repair_truncated_tail(path: Path, chunk: int = 1 << 16) -> int:
-    """Cut an incomplete last line (no trailing newline) off ``path``, reading only the
-    file's tail; returns the number of bytes removed (0: absent, empty or whole)."""
-    try:
-        f = open(path, "rb+")  # noqa: SIM115
-    except FileNotFoundError:
-        return 0
-    with f:
-        size = f.seek(0, os.SEEK_END)
-        if size == 0:
-            return 0
-        f.seek(size - 1)
-        if f.read(1) == b"\n":
-            return 0
-        pos, keep = size, 0
-        while pos > 0:
-            start = max(0, pos - chunk)
-            f.seek(start)
-            nl = f.read(pos - start).rfind(b"\n")
-            if nl >= 0:
-                keep = start + nl + 1
-                break
-            pos = start
-        f.truncate(keep)
-        f.flush()
-        os.fsync(f.fileno())
-        return size - keep
 
 
 def rewind_jsonl(path: str | Path, last_epoch: int) -> int:

@@ -1,8 +1,7 @@
 """TensorBoardSink: event files in ``run_dir/tensorboard`` (needs ``tensorboard``).
 
 Scalars, per-unit vectors as histograms, and the run's figures at SNAPSHOT emits and at
-close as images; the x axis is ``agent_step`` (CleanRL's ``global_step``), else the epoch.
-"""
+close as images; the x axis is ``agent_step`` (CleanRL's ``global_step``), else the epoch."""
 
 from __future__ import annotations
 

@@ -8,8 +8,7 @@ run (id in ``run_dir/wandb/policy_probes_run_id``); since every ``wandb.init`` w
 run folder counting ``_step`` from 0, the sink reads the earlier folders' history back
 (:func:`run_history_position`: a LevelDB-style log of ``wandb_internal_pb2.Record``, read
 up to its first damaged chunk) and lines it up with ``metrics.jsonl``
-(:meth:`WandbSink._settle_resume`), so every epoch is uploaded once on increasing steps.
-"""
+(:meth:`WandbSink._settle_resume`), so every epoch is uploaded once on increasing steps."""
 
 from __future__ import annotations
 
@@ -77,18 +76,16 @@ class WandbSink(MetricSink):
         self.mode = self.cfg.resolved_mode()
         continued = (self.run_dir / "wandb" / RUN_ID_FILE).is_file()  # a resumed run
         self.run_id = load_or_create_run_id(self.run_dir)
-        # read before wandb.init creates this process's run folder
-        position = run_history_position(self.run_dir / "wandb", self.run_id)
         #: epochs up to this one are in W&B already: not logged again (the rule when
         #: there is no metrics.jsonl to count records against)
         self.skip_through: int | None = None
-        #: records W&B holds from earlier processes; how many of the next emits repeat
-        #: them is settled by :meth:`_settle_resume` at the first rewind or emit
-        self._held_records = position.records
-        self._held_last_epoch = position.last_epoch
+        #: what W&B holds from earlier processes (read before wandb.init creates this
+        #: process's run folder); how many of the next emits repeat its records is
+        #: settled by :meth:`_settle_resume` at the first rewind or emit
+        self._held = run_history_position(self.run_dir / "wandb", self.run_id)
         self._skip_emits = 0
         self._unsettled = continued
-        self._step = position.next_step
+        self._step = self._held.next_step
         self._last_heatmap_epoch: int | None = None
         self._last_epoch: int | None = None
         #: (epoch, per-unit vectors) of the last row logged without its histograms:
@@ -188,14 +185,14 @@ class WandbSink(MetricSink):
         self._unsettled = False
         path = self.run_dir / METRICS_JSONL
         if not path.is_file():  # nothing to count against: skip whole epochs W&B has
-            self.skip_through = self._held_last_epoch
+            self.skip_through = self._held.last_epoch
             return
         records = [
             Record.from_json(r)
             for r in iter_jsonl(path)
             if isinstance(r.get("epoch"), int) and (last_epoch is None or r["epoch"] <= last_epoch)
         ]
-        held = self._held_records
+        held = self._held.records
         if held >= len(records):
             self._skip_emits = held - len(records)
             return
@@ -240,7 +237,6 @@ class WandbSink(MetricSink):
         run = getattr(self, "run", None)
         if run is None:
             return
-        self.run = None
         try:
             final: dict[str, Any] = {}
             unlogged = self._unlogged_vectors
@@ -250,12 +246,12 @@ class WandbSink(MetricSink):
                 if self._final_figures and self._last_epoch is not None:
                     final.update(self._images(self._final_figures, self._last_epoch, Path(folder)))
                 if final:
-                    run.log({"epoch": self._last_epoch, **final}, step=self._step)
-                    self._step += 1
+                    self._log({"epoch": self._last_epoch, **final})
             if self.findings is not None:  # the run summary (docs/findings.md)
                 run.summary["findings/count"] = len(self.findings)
                 run.summary["findings/list"] = [dict(f) for f in self.findings]
         finally:
+            self.run = None
             run.finish()
             self._wait_for_service()
 
@@ -360,43 +356,36 @@ def _records(data: bytes) -> list[bytes]:
     return out
 
 
-def history_position(run_file: Path) -> WandbHistoryPosition:
-    """The last ``epoch`` and next ``_step`` of the history rows in one run file."""
+def run_history_position(wandb_dir: Path, run_id: str) -> WandbHistoryPosition:
+    """Where the history rows of every earlier run folder of ``run_id`` leave it."""
     from wandb.proto import wandb_internal_pb2 as pb
 
     last_epoch: int | None = None
     next_step = records = 0
-    for raw in _records(run_file.read_bytes()):
-        record = pb.Record()
-        try:
-            record.ParseFromString(raw)
-        except Exception:  # noqa: BLE001 - a record we cannot parse is not history we own
-            continue
-        if record.WhichOneof("record_type") != "history":
-            continue
-        next_step = max(next_step, record.history.step.num + 1)
-        images_only = True
-        for item in record.history.item:
-            key = item.key or "/".join(item.nested_key)
-            if key not in _ROW_FIELDS and not key.startswith(_IMAGE_PREFIXES):
-                images_only = False
-            if key == "_step":
-                next_step = max(next_step, int(json.loads(item.value_json)) + 1)
-            elif key == "epoch":
-                epoch = int(json.loads(item.value_json))
-                last_epoch = epoch if last_epoch is None else max(last_epoch, epoch)
-        records += not images_only
-    return WandbHistoryPosition(last_epoch, next_step, records)
-
-
-def run_history_position(wandb_dir: Path, run_id: str) -> WandbHistoryPosition:
-    """:func:`history_position` over every earlier run folder of ``run_id``."""
-    found: list[WandbHistoryPosition] = []
     for run_file in sorted(Path(wandb_dir).glob(f"*run-*-{run_id}/run-{run_id}.wandb")):
         try:
-            found.append(history_position(run_file))
+            data = run_file.read_bytes()
         except OSError as exc:
             logger.warning("could not read the earlier W&B run file %s: %s", run_file, exc)
-    last = max((p.last_epoch for p in found if p.last_epoch is not None), default=None)
-    step = max((p.next_step for p in found), default=0)
-    return WandbHistoryPosition(last, step, sum(p.records for p in found))
+            continue
+        for raw in _records(data):
+            record = pb.Record()
+            try:
+                record.ParseFromString(raw)
+            except Exception:  # noqa: BLE001 - a record we cannot parse is not history we own
+                continue
+            if record.WhichOneof("record_type") != "history":
+                continue
+            next_step = max(next_step, record.history.step.num + 1)
+            images_only = True
+            for item in record.history.item:
+                key = item.key or "/".join(item.nested_key)
+                if key not in _ROW_FIELDS and not key.startswith(_IMAGE_PREFIXES):
+                    images_only = False
+                if key == "_step":
+                    next_step = max(next_step, int(json.loads(item.value_json)) + 1)
+                elif key == "epoch":
+                    epoch = int(json.loads(item.value_json))
+                    last_epoch = epoch if last_epoch is None else max(last_epoch, epoch)
+            records += not images_only
+    return WandbHistoryPosition(last_epoch, next_step, records)

@@ -1,6 +1,5 @@
 """The built-in lifecycle hooks (importing this package registers them); within one firing
-they run by ``order``, ties in the import order below.
-"""
+they run by ``order``, ties in the import order below."""
 
 from policy_probes.lifecycle.hooks.adam_dynamics import AdamDynamicsHook
 from policy_probes.lifecycle.hooks.counterfactual import CounterfactualHook

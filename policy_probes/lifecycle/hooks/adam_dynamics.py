@@ -8,7 +8,6 @@ import torch
 
 from policy_probes.lifecycle.hook import HookConfig, TrainingHook
 from policy_probes.lifecycle.param_groups import layer_groups
-from policy_probes.lifecycle.points import HookPoint
 from policy_probes.lifecycle.registry import HookRegistry
 from policy_probes.lifecycle.run_context import RunDataContext
 
@@ -26,8 +25,6 @@ class AdamDynamicsHook(TrainingHook):
     name = "adam_dynamics"
     runs_model = False  # reads state only
     description = "Adam first/second moments, effective step, eps-dominated fraction"
-    hook_points = (HookPoint.POST_EPOCH,)
-    cost = "cheap"
     Config = AdamDynamicsConfig
     metrics = {
         "m_abs_mean": "mean |m_hat| over all parameter elements",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from statistics import fmean
 from typing import Any
 
 import torch
@@ -15,7 +16,6 @@ from pydantic import Field
 
 from policy_probes.lifecycle.hook import HookConfig, InterventionHook
 from policy_probes.lifecycle.model_context import ModelDataContext
-from policy_probes.lifecycle.points import HookPoint
 from policy_probes.lifecycle.registry import HookRegistry
 from policy_probes.lifecycle.run_context import RunDataContext
 
@@ -43,9 +43,7 @@ class CounterfactualHook(InterventionHook):
 
     name = "counterfactual"
     description = "replays the update with shuffled minibatch orders; distance to the real update"
-    hook_points = (HookPoint.POST_EPOCH,)
     needs_pre_epoch_state = True
-    cost = "expensive"
     Config = CounterfactualConfig
     metrics = {
         "param_distance": "mean over replays of ||theta_r - theta_real||",
@@ -84,19 +82,15 @@ class CounterfactualHook(InterventionHook):
         cosines = [float(cosine(r - pre, update, dim=0, eps=1e-30)) for r in replays]
         pairs = [float(norm(a - b)) for a, b in itertools.combinations(replays, 2)]
         out: dict[str, Any] = {
-            "param_distance": _mean(dists),
+            "param_distance": fmean(dists),
             "param_distance_max": max(dists),
             "update_norm": update_norm,
-            "relative_distance": _mean(dists) / update_norm if update_norm > 0 else math.nan,
-            "update_cosine": _mean(cosines),
+            "relative_distance": fmean(dists) / update_norm if update_norm > 0 else math.nan,
+            "update_cosine": fmean(cosines),
             "loss_real": loss_real,
-            "loss_replay": _mean(losses),
-            "loss_delta": _mean([x - loss_real for x in losses]),
+            "loss_replay": fmean(losses),
+            "loss_delta": fmean([x - loss_real for x in losses]),
         }
         if pairs:
-            out["replay_spread"] = _mean(pairs)
+            out["replay_spread"] = fmean(pairs)
         return out
-
-
-def _mean(values: list[float]) -> float:
-    return math.fsum(values) / len(values)

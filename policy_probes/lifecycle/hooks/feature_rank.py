@@ -7,8 +7,7 @@ With sigma_1 >= ... >= sigma_d the singular values of the feature matrix Phi
 * ``effective_rank`` (Roy & Vetterli, 2007): exp(H(p)), p_k = sigma_k / sum_j sigma_j.
 * ``srank`` (Kumar et al., 2021, delta=0.01): min k with sum_{i<=k} sigma_i >= (1-delta) sum_i sigma_i.
 * ``stable_rank``: sum_k sigma_k^2 / sigma_1^2.
-* ``feature_rank`` (Lyle et al., 2022, epsilon=0.01): #{k : sigma_k / sqrt(N) > epsilon}.
-"""
+* ``feature_rank`` (Lyle et al., 2022, epsilon=0.01): #{k : sigma_k / sqrt(N) > epsilon}."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@ Power iteration on Hessian-vector products gives the eigenvalue of largest magni
 lambda = v^T H v with v <- Hv / ||Hv||; Hutchinson's estimator gives the trace,
 tr(H) = E_z[z^T H z] with Rademacher z. Each HVP is one double-backward
 (Pearlmutter's trick via ``torch.autograd.grad`` on the gradient with
-``create_graph=True``); the gradient graph is built once per firing.
-"""
+``create_graph=True``); the gradient graph is built once per firing."""
 
 from __future__ import annotations
 
@@ -100,7 +99,6 @@ class HessianHook(InterventionHook):
     name = "hessian"
     description = "top Hessian eigenvalue (power iteration on HVPs) and Hutchinson trace"
     hook_points = (HookPoint.SNAPSHOT,)
-    cost = "expensive"
     Config = HessianConfig
     metrics = {
         "top_eigenvalue": "eigenvalue of largest magnitude of the loss Hessian (signed)",

@@ -41,7 +41,6 @@ class NormsHook(TrainingHook):
     runs_model = False  # reads state only; no passes through the model
     description = "gradient norm (pre-clip), weight norm, update/weight ratio, distance from init"
     hook_points = (HookPoint.PRE_EPOCH, HookPoint.PRE_STEP, HookPoint.POST_EPOCH)
-    cost = "cheap"
     groups = ("minimal",)
     Config = NormsConfig
     metrics = {

@@ -5,8 +5,7 @@ F = E_{s ~ rollout, a ~ pi(.|s)} [ (grad_theta log pi(a|s))^2 ]   (diagonal)
 Actions are *sampled from the policy* (true Fisher), not taken from the rollout
 (empirical Fisher). Per-sample gradients come from ``torch.func.vmap(torch.func.grad)``
 through the model context's ``action_log_prob`` (falling back to one backward per sample
-when the model cannot be vmapped).
-"""
+when the model cannot be vmapped)."""
 
 from __future__ import annotations
 
@@ -102,7 +101,6 @@ class PolicyFisherHook(InterventionHook):
     name = "policy_fisher"
     description = "true Fisher of the action distribution (sampled actions), per component trace"
     hook_points = (HookPoint.POST_ROLLOUT,)
-    cost = "expensive"
     Config = PolicyFisherConfig
     metrics = {
         "trace": "sum over all parameters of E[(d log pi(a|s) / d theta)^2]",

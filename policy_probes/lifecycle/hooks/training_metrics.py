@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 from policy_probes.lifecycle.hook import TrainingHook
-from policy_probes.lifecycle.points import HookPoint
 from policy_probes.lifecycle.registry import HookRegistry
 from policy_probes.lifecycle.run_context import RunDataContext
 
@@ -17,7 +16,6 @@ class TrainingMetricsHook(TrainingHook):
     name = "training_metrics"
     runs_model = False  # reads state only; no passes through the model
     description = "losses, KL, clip fraction, explained variance, learning rate, returns, SPS"
-    hook_points = (HookPoint.POST_EPOCH,)
     cost = "free"
     namespaced = False
     auto_include = True
