@@ -67,9 +67,7 @@ class DistributedRun:
     default group (gloo on the CPU, nccl for CUDA) when launched by torchrun and none exists
     yet, and destroys it on exit (also after an error). A group that already existed is
     used and left alone. Outside torchrun it is rank 0 of a world of 1 and does nothing.
-
-    Attributes: ``rank``, ``world_size``, ``local_rank``, ``device`` (for CUDA the GPU
-    ``cuda:<local_rank>``), ``owns_group`` (this object created the group).
+    On CUDA ``device`` is ``cuda:<local_rank>``.
     """
 
     def __init__(self, device: torch.device | str = "cpu", timeout_s: float | None = None) -> None:

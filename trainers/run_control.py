@@ -74,10 +74,7 @@ class RunStopped(BaseException):
 
 
 class RunControl(TrainerHook):
-    """Serves signals and ``ctl`` commands at minibatch boundaries (see the module doc).
-
-    ``run_dir``'s ``control/`` folder is the command channel; ``checkpointer`` writes the
-    checkpoints (also when periodic ones are off); ``sinks`` are flushed before a stop;
+    """Serves signals and ``ctl`` commands (``run_dir/control/``) at minibatch boundaries.
     ``poll_interval``: seconds between looks at the channel while training (signals are
     checked at every boundary); ``max_pause_poll``: longest sleep between looks while paused.
     """
