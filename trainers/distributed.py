@@ -139,14 +139,11 @@ class DistributedRun:
         self.owns_group = True
 
     def close(self, barrier: bool = False) -> None:
-        """Destroy the process group if :meth:`start` created it.
-
-        A rank must not tear down its gloo connections while another still uses them, or at
-        interpreter exit (a rank then aborts with "terminate called without an active
-        exception"). So: collect garbage (the trainer's DDP sits in reference cycles and its
-        reducer holds the group open), then ``barrier`` (a run that ended cleanly), then
-        destroy the group.
-        """
+        """Destroy the process group if :meth:`start` created it: collect garbage (the
+        trainer's DDP sits in reference cycles and its reducer holds the group open), then
+        ``barrier`` (a run that ended cleanly), so that no rank tears down its gloo
+        connections while another still uses them (it would abort with "terminate called
+        without an active exception")."""
         owned, self.owns_group = self.owns_group and dist.is_initialized(), False
         if not owned:
             return
