@@ -200,11 +200,9 @@ _SUMMED_LOSS = ("batch_size",)
 
 class RankStatisticsHook(TrainerHook):
     """Makes the statistics of a multi-process run describe all ranks together:
-    ``agent_step`` counts every rank's steps (``on_rollout_start``), and once per epoch
-    (``on_train_phase_end``) the episode statistics cover every rank's episodes
-    (``episodes``, ``rollout_sps`` and ``batch_size`` summed, return/length means weighted
-    by episodes, max/min over ranks) while the other statistics are averaged over ranks.
-    It runs on every rank (a collective) and before the other hooks.
+    ``agent_step`` counts every rank's steps, and once per epoch the statistics combine
+    over ranks as the tables above say (other loss statistics averaged; the return's max
+    and min over ranks). It runs on every rank (a collective), before the other hooks.
     """
 
     run_on_all_ranks = True
