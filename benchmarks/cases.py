@@ -14,11 +14,9 @@ line.
   (and :func:`recurrent_probe_builders`);
 * ``cleanrl_atari``: :mod:`benchmarks.cleanrl_style`.
 
-Parameters: :data:`DEFAULTS` updated with the JSON given. The timed region is building the
-run and training it; interpreter start and imports are outside it. Each case reports the
-region's wall time (``seconds``, the measurement) and its process's CPU time
-(``cpu_seconds``), and the probed ones the sampler's figures (:func:`sampling_of`,
-:class:`OverheadTotal`).
+Parameters: :data:`DEFAULTS` updated with the JSON given. The timed region (building the
+run and training it; not interpreter start and imports) is reported by :class:`Clocks`; the
+probed cases add the sampler's figures (:func:`sampling_of`, :class:`OverheadTotal`).
 """
 
 from __future__ import annotations

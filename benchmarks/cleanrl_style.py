@@ -5,13 +5,10 @@
 trainer (the ``ours`` case of :mod:`benchmarks.cases`) can be timed against it on the same
 machine and device. It is a **timing baseline, not a learning reference**.
 
-Settings as ``ppo_atari.py``: NatureCNN with orthogonal init, pixels / 255; Adam (lr
-2.5e-4 annealed linearly to 0, eps 1e-5); gamma 0.99, GAE lambda 0.95; clip 0.1, clipped
-value loss, per-minibatch advantage normalisation, entropy 0.01, value 0.5, grad-norm clip
-0.5; ``cudnn.deterministic`` (restored on return). Rollout storage lives on the device, one
-``.cpu().numpy()`` per step for the env, and CleanRL's ``.item()`` calls are kept (its
-TensorBoard writes are not). ``p`` is ``cases.DEFAULTS`` with the benchmark's params; the
-steps are whole rollouts, as the trainer counts them.
+Settings as ``ppo_atari.py`` (the constants below; ``cudnn.deterministic``, restored on
+return). Rollout storage lives on the device, one ``.cpu().numpy()`` per step for the env,
+and CleanRL's ``.item()`` calls are kept (its TensorBoard writes are not). ``p`` is
+``cases.DEFAULTS`` with the benchmark's params; the steps are whole rollouts.
 
 Differences from CleanRL's script, so that only the loop differs from the trainer's run:
 the environment is the trainer's (:func:`trainers.envs.make_vector_env`, sync, the
@@ -26,7 +23,6 @@ negligible difference in work on Atari-length episodes).
 
 from __future__ import annotations
 
-import random
 from typing import Any
 
 import numpy as np
@@ -92,8 +88,7 @@ class NatureAgent(nn.Module):
 
 def cleanrl_atari(p: dict[str, Any]) -> dict[str, Any]:
     """Train with the CleanRL-style loop; the JSON line of a case (:class:`Clocks`), with
-    the last iteration's logged losses, whether every logged loss was finite, and the
-    episodes that ended."""
+    the last logged losses, whether every logged loss was finite, and the episodes."""
     previous_deterministic = torch.backends.cudnn.deterministic
     try:
         return _train(p)
@@ -104,6 +99,7 @@ def cleanrl_atari(p: dict[str, Any]) -> dict[str, Any]:
 def _train(p: dict[str, Any]) -> dict[str, Any]:
     from trainers.config import AtariConfig, EnvConfig
     from trainers.envs import make_vector_env
+    from trainers.train_tool import seed_everything
 
     num_envs, num_steps = p["num_envs"], p["num_steps"]
     batch_size = num_envs * num_steps
@@ -119,9 +115,7 @@ def _train(p: dict[str, Any]) -> dict[str, Any]:
 
     clocks = Clocks()
     # ---- seeding (CleanRL: random, numpy, torch, cudnn.deterministic)
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
+    seed_everything(seed)
     torch.backends.cudnn.deterministic = True
 
     # ---- environment: exactly the trainer's

@@ -78,12 +78,7 @@ def seconds(step: Callable[[], None], passes: int) -> float:
 
 
 def measure(
-    name: str,
-    body: Callable[[], nn.Module],
-    width: int,
-    x: torch.Tensor,
-    repeats: int,
-    passes: int,
+    name: str, body: Callable[[], nn.Module], width: int, x: torch.Tensor, repeats: int, passes: int
 ) -> dict:
     """Plain and probed passes of a new ``body()`` each, alternating, ``repeats`` pairs."""
     plain, probed = make_pass(body(), width, x, False), make_pass(body(), width, x, True)

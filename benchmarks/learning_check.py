@@ -24,18 +24,8 @@ from typing import Any
 from benchmarks.ab import write_json
 
 CHECKS: dict[str, dict[str, Any]] = {
-    "cartpole": {
-        "target": "recipes.cartpole.train",
-        "threshold": 475.0,
-        "budget": 200_000,
-        "need": 4,
-    },
-    "pendulum": {
-        "target": "recipes.pendulum.train",
-        "threshold": -400.0,
-        "budget": 1_000_000,
-        "need": 3,
-    },
+    "cartpole": dict(target="recipes.cartpole.train", threshold=475.0, budget=200_000, need=4),
+    "pendulum": dict(target="recipes.pendulum.train", threshold=-400.0, budget=1_000_000, need=3),
 }
 
 

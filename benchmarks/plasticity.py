@@ -377,12 +377,7 @@ def first_fires(run_dir: Path) -> list[dict[str, Any]]:
             first.setdefault((f.rule, f.component), line["epoch"])
     at_end = {(f.rule, f.component): f.onset_epoch for f in engine.findings()}
     return [
-        {
-            "rule": rule,
-            "component": comp,
-            "first_epoch": epoch,
-            "onset_at_end": at_end.get((rule, comp)),
-        }
+        dict(rule=rule, component=comp, first_epoch=epoch, onset_at_end=at_end.get((rule, comp)))
         for (rule, comp), epoch in first.items()
     ]
 

@@ -2,7 +2,7 @@
 
 from trainers.callbacks import CallbackList, TrainerHook, TrainerState
 from trainers.checkpoint import CheckpointHook, load_checkpoint, restore_trainer
-from trainers.cnn_policy import CNNActorCriticPolicy
+from trainers.cnn_policy import CNNActorCriticPolicy, make_policy
 from trainers.config import (
     AtariConfig,
     CheckpointConfig,
@@ -15,7 +15,6 @@ from trainers.evaluation import EvaluationHook
 from trainers.model_context import PPOModelDataContext
 from trainers.nature_cnn import NatureCNN
 from trainers.policy import ActorCriticPolicy
-from trainers.policy_factory import make_policy
 from trainers.ppo import PPOTrainer, ppo_loss
 from trainers.progress import ProgressHook
 from trainers.rollout import Minibatch, RolloutStorage, compute_gae

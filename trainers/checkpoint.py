@@ -1,13 +1,10 @@
 """Checkpoints: the full training state, written atomically, read safely, resumed exactly.
 
-A checkpoint is :meth:`PPOTrainer.state_dict` (which holds
-:meth:`ProbeSession.state_dict`, which holds the lifecycle hooks' and trackers' states) made
-a plain dict of tensors and Python containers, so it loads with
-``torch.load(path, weights_only=True)`` (no code runs on load), plus ``format``, ``rng``
-(the process RNGs) and ``config`` (the run configuration, JSON). ``mid_epoch`` is None
-unless it was written at a minibatch boundary (``ctl checkpoint``, ``ctl stop``, a signal).
-What each part holds and why: ``docs/run_control.md``. A checkpoint of any other format
-fails with one :class:`CheckpointError` that names its format (:func:`check_format`).
+A checkpoint is :meth:`PPOTrainer.state_dict` (session, hooks and trackers included) as
+tensors and plain containers, so it loads with ``torch.load(path, weights_only=True)`` (no
+code runs on load), plus ``format``, ``rng`` (the process RNGs) and ``config`` (JSON).
+``mid_epoch`` is None unless it was written at a minibatch boundary; what each part holds
+and why: ``docs/run_control.md``. Other formats are refused (:func:`check_format`).
 
 Files: ``epoch_<E>.pt`` after epoch E completed; ``epoch_<E>-step_<S>.pt`` in the middle
 of epoch E at optimizer step S (it sorts after ``epoch_<E-1>.pt``, before ``epoch_<E>.pt``).

@@ -1,5 +1,5 @@
 """The pixel actor-critic: a NatureCNN encoder shared by a linear actor head and a linear
-critic head (CleanRL ``ppo_atari.py``).
+critic head (CleanRL ``ppo_atari.py``); and :func:`make_policy`, the policy a config selects.
 
 Components (``docs/policies.md``): ``encoder`` (:class:`~trainers.nature_cnn.NatureCNN`),
 ``actor_head`` and ``critic_head``, both reading the encoder's 512 features. Observations
@@ -96,3 +96,23 @@ class CNNActorCriticPolicy(ActorCriticPolicy):
 
     def _forward_direct(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self(obs)
+
+
+def make_policy(
+    observation_space: gym.spaces.Space,
+    action_space: gym.spaces.Space,
+    cfg: PolicyConfig | None = None,
+) -> ActorCriticPolicy:
+    """The policy ``cfg.encoder`` selects: :class:`~trainers.policy.ActorCriticPolicy`
+    (``none``) or :class:`CNNActorCriticPolicy` (``nature_cnn``)."""
+    cfg = cfg or PolicyConfig()
+    if cfg.encoder == "nature_cnn":
+        return CNNActorCriticPolicy(observation_space, action_space, cfg)
+    shape = getattr(observation_space, "shape", None) or ()
+    if len(shape) == 3 and getattr(observation_space, "dtype", None) == np.uint8:
+        raise ValueError(
+            f"observation space {observation_space} looks like stacked image frames; the MLP "
+            f"policy would flatten {int(np.prod(shape))} pixels into its first layer. Set "
+            f"policy.encoder=nature_cnn"
+        )
+    return ActorCriticPolicy(observation_space, action_space, cfg)

@@ -12,14 +12,7 @@ import typing
 from typing import Any, Literal
 
 import gymnasium as gym
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationInfo,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from policy_probes.layers import ACTIVATIONS
 
@@ -125,18 +118,15 @@ class EnvConfig(Section):
     @field_validator("id")
     @classmethod
     def _known_env(cls, v: str) -> str:
-        try:
-            gym.spec(v)
-        except Exception:  # gymnasium raises several error types for unknown ids
-            if _retry_with_ale(v):
-                return v
-            close = difflib.get_close_matches(v, list(gym.registry), n=3, cutoff=0.5)
-            hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
-            raise ValueError(
-                f"unknown gymnasium environment id {v!r}.{hint} "
-                f"(`python -c 'import gymnasium; gymnasium.pprint_registry()'` lists them)"
-            ) from None
-        return v
+        # ale-py's ids are registered lazily, only for an id gymnasium does not know yet
+        if _registered(v) or (register_ale_envs() and _registered(v)):
+            return v
+        close = difflib.get_close_matches(v, list(gym.registry), n=3, cutoff=0.5)
+        hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+        raise ValueError(
+            f"unknown gymnasium environment id {v!r}.{hint} "
+            f"(`python -c 'import gymnasium; gymnasium.pprint_registry()'` lists them)"
+        )
 
     @model_validator(mode="after")
     def _atari_settings_need_an_atari_id(self) -> EnvConfig:
@@ -154,14 +144,10 @@ class EnvConfig(Section):
         return self
 
 
-def _retry_with_ale(env_id: str) -> bool:
-    """True if ``env_id`` is known once ale-py's ids are registered (lazily: importing
-    ale-py costs time)."""
-    if not register_ale_envs():
-        return False
+def _registered(env_id: str) -> bool:
     try:
         gym.spec(env_id)
-    except Exception:
+    except Exception:  # gymnasium raises several error types for unknown ids
         return False
     return True
 

@@ -67,9 +67,7 @@ class DistributedRun:
     default group (gloo on the CPU, nccl for CUDA) when launched by torchrun and none exists
     yet, and destroys it on exit (also after an error). A group that already existed is
     used and left alone. Outside torchrun it is rank 0 of a world of 1 and does nothing.
-
-    Attributes: ``rank``, ``world_size``, ``local_rank``, ``device`` (for CUDA the GPU
-    ``cuda:<local_rank>``), ``owns_group`` (this object created the group).
+    On CUDA ``device`` is ``cuda:<local_rank>``.
     """
 
     def __init__(self, device: torch.device | str = "cpu", timeout_s: float | None = None) -> None:
@@ -141,14 +139,11 @@ class DistributedRun:
         self.owns_group = True
 
     def close(self, barrier: bool = False) -> None:
-        """Destroy the process group if :meth:`start` created it.
-
-        A rank must not tear down its gloo connections while another still uses them, or at
-        interpreter exit (a rank then aborts with "terminate called without an active
-        exception"). So: collect garbage (the trainer's DDP sits in reference cycles and its
-        reducer holds the group open), then ``barrier`` (a run that ended cleanly), then
-        destroy the group.
-        """
+        """Destroy the process group if :meth:`start` created it: collect garbage (the
+        trainer's DDP sits in reference cycles and its reducer holds the group open), then
+        ``barrier`` (a run that ended cleanly), so that no rank tears down its gloo
+        connections while another still uses them (it would abort with "terminate called
+        without an active exception")."""
         owned, self.owns_group = self.owns_group and dist.is_initialized(), False
         if not owned:
             return
@@ -205,11 +200,9 @@ _SUMMED_LOSS = ("batch_size",)
 
 class RankStatisticsHook(TrainerHook):
     """Makes the statistics of a multi-process run describe all ranks together:
-    ``agent_step`` counts every rank's steps (``on_rollout_start``), and once per epoch
-    (``on_train_phase_end``) the episode statistics cover every rank's episodes
-    (``episodes``, ``rollout_sps`` and ``batch_size`` summed, return/length means weighted
-    by episodes, max/min over ranks) while the other statistics are averaged over ranks.
-    It runs on every rank (a collective) and before the other hooks.
+    ``agent_step`` counts every rank's steps, and once per epoch the statistics combine
+    over ranks as the tables above say (other loss statistics averaged; the return's max
+    and min over ranks). It runs on every rank (a collective), before the other hooks.
     """
 
     run_on_all_ranks = True

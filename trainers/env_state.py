@@ -2,11 +2,10 @@
 
 Gymnasium has no state API, but the classic-control envs, their vector implementations
 and the standard wrappers keep their whole state in plain attributes (numpy arrays,
-numbers, ``np.random.Generator`` objects, deques). :func:`capture_env_state` walks the
-wrapper stack (and the sub-envs of a ``SyncVectorEnv``) and records those as tensors and
-plain containers (loadable with ``torch.load(weights_only=True)``);
-:func:`restore_env_state` writes them back into a freshly built env of the same
-configuration. An ale-py ``AtariEnv``'s emulator state is saved with ALE's
+numbers, ``np.random.Generator`` objects, deques). :func:`capture_env_state` records those
+of every object in the wrapper stack (sub-envs of a ``SyncVectorEnv`` included) as tensors
+and plain containers; :func:`restore_env_state` writes them back into a freshly built env
+of the same configuration. An ale-py ``AtariEnv``'s emulator state is saved with ALE's
 ``cloneState`` (it lacks the action sticky actions repeat, so only games with
 ``repeat_action_probability=0`` are captured). An env whose state lives elsewhere (a
 physics engine, another process as in ``AsyncVectorEnv``) raises :class:`EnvStateError`,

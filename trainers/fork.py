@@ -17,12 +17,7 @@ from typing import TYPE_CHECKING, Any
 from policy_probes.run import held_outputs
 from policy_probes.runnable import ForkPoint
 from policy_probes.torch_internals import set_last_lr
-from trainers.checkpoint import (
-    CheckpointError,
-    checkpoint_name,
-    list_checkpoints,
-    load_checkpoint,
-)
+from trainers.checkpoint import CheckpointError, checkpoint_name, list_checkpoints, load_checkpoint
 
 if TYPE_CHECKING:
     from trainers.config import PPOConfig

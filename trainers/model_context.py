@@ -139,12 +139,10 @@ class PPOModelDataContext(LoopModelDataContext):
         the gradients before clipping."""
         trainer = self.trainer
         self._last_stats = trainer.accumulate_gradients(batch)
-        grads = [None if p.grad is None else p.grad.detach().clone() for p in self._params()]
+        params = self.named_parameters().values()
+        grads = [None if p.grad is None else p.grad.detach().clone() for p in params]
         trainer.clip_and_step(step=step)
         return grads
-
-    def _params(self) -> list[torch.nn.Parameter]:
-        return list(self.named_parameters().values())
 
     def run_training_epoch(self, order: Any = None, step: bool = True) -> Grads:
         """One update epoch as the loop runs it. Like the loop, once an epoch ends with

@@ -1,12 +1,10 @@
 """The non-finite guard: NaN or infinite observations and rewards stop the run.
 
-One NaN in an observation feature makes the loss NaN, then every parameter after one
-optimizer step, and every checkpoint after that worthless. So the trainer checks what the
-environments returned once per rollout, before the update (one device reduction and one
-host read); a non-finite value stops the run with :class:`NonFiniteInputError` naming the
-env, the feature (or the reward) and the step, and the run directory keeps its last finite
-checkpoint. :func:`check_finite_parameters` is the second line of defence: a checkpoint is
-never written with non-finite parameters.
+One NaN in an observation feature makes the loss NaN, then every parameter and every later
+checkpoint. So the trainer checks what the environments returned once per rollout, before
+the update; a non-finite value stops the run with :class:`NonFiniteInputError` naming the
+env, the feature (or the reward) and the step. :func:`check_finite_parameters` is the
+second line of defence: a checkpoint is never written with non-finite parameters.
 """
 
 from __future__ import annotations

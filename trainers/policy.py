@@ -125,8 +125,7 @@ class ActorCriticPolicy(PolicyAutoBuilder):
     # ------------------------------------------------------------------ networks
     def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(logits or Gaussian mean, value)`` for a batch of flat observations."""
-        out = self.actor_head(self.actor_mlp(obs))
-        return out, self.critic_head(self.critic_mlp(obs)).squeeze(-1)
+        return self.actor_head(self.actor_mlp(obs)), self.value(obs)
 
     def value(self, obs: torch.Tensor) -> torch.Tensor:
         return self.critic_head(self.critic_mlp(obs)).squeeze(-1)
@@ -152,13 +151,11 @@ class ActorCriticPolicy(PolicyAutoBuilder):
         )
 
     def rollout_forward(self, example: torch.Tensor) -> Forward:
-        """The forward for a rollout of hook-free steps: ``obs -> (logits or mean, value)``.
-
-        Call it once per rollout, under ``torch.inference_mode()`` and only when
-        :meth:`hooks_idle` (the parameters must not change while it is in use). On the CPU
-        it is :class:`StackedMLPs` when that reproduces :meth:`forward` bit for bit on
-        ``example`` (a batch of the rollout's shape; the rounding of the stacked products
-        depends on the BLAS kernels the shapes select), else :meth:`_forward_direct`.
+        """The forward for a rollout of hook-free steps: ``obs -> (logits or mean, value)``;
+        call it once per rollout, under ``torch.inference_mode()`` and only when
+        :meth:`hooks_idle`. On the CPU it is :class:`StackedMLPs` when that reproduces
+        :meth:`forward` bit for bit on ``example`` (a batch of the rollout's shape: the
+        rounding depends on the BLAS kernels the shapes select), else :meth:`_forward_direct`.
         """
         if example.device.type == "cpu":
             stacked = StackedMLPs.build(self)
@@ -221,13 +218,10 @@ class ActorCriticPolicy(PolicyAutoBuilder):
 @dataclass(eq=False)
 class StackedMLPs:
     """Actor and critic MLPs of the same shape evaluated as one network (rollout steps):
-    about half the tensor ops of the two networks.
-
-    The first hidden layer is one ``F.linear`` on both weight matrices concatenated
-    (``[B, 2h]``); every later one a ``torch.baddbmm`` over the two halves (``[2, B, h]``)
-    with the weights stacked to ``[2, h_in, h_out]``; the activation runs once on both.
-    The stacked weights are copies: build it per rollout
-    (:meth:`ActorCriticPolicy.rollout_forward`), use it only once :meth:`reproduces` holds.
+    about half the tensor ops of the two networks: the first hidden layer is one
+    ``F.linear`` on both weight matrices concatenated (``[B, 2h]``), every later one a
+    ``torch.baddbmm`` over the two halves (``[2, B, h]``); the activation runs once on both.
+    The stacked weights are copies: build it per rollout, use it once :meth:`reproduces` holds.
     """
 
     first: tuple[torch.Tensor, torch.Tensor]

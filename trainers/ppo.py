@@ -253,12 +253,10 @@ class PPOTrainer:
     *epoch* is one rollout of ``num_steps`` x ``num_envs`` steps, then ``update_epochs``
     passes of ``num_minibatches`` minibatches over it.
 
-    Probes, lifecycle hooks (``docs/lifecycle.md``) and sinks reach the loop through
-    ``session``, a :class:`~policy_probes.session.ProbeSession` on ``policy``, driven with
-    the calls every loop makes (``docs/external.md``): ``epoch_start``, phases
-    ``"rollout"`` and ``"train"``, ``rollout_end``, ``pre_step``/``post_step`` (only when a
-    selected hook fires there), ``epoch_end``. Without a session the trainer makes one
-    that writes nothing (the records are only returned, in ``state.metrics``).
+    Probes, lifecycle hooks and sinks reach the loop through ``session`` (a
+    :class:`~policy_probes.session.ProbeSession` on ``policy``, driven with the calls of
+    ``docs/external.md``); without one the trainer makes one that writes nothing (the
+    records are only returned, in ``state.metrics``).
     """
 
     def __init__(
@@ -698,8 +696,9 @@ class PPOTrainer:
             wrapper = find_wrapper(self.envs, cls)
             if key in state and wrapper is not None:
                 rms = getattr(wrapper, key)
-                rms.mean = state[key]["mean"].numpy().astype(np.asarray(rms.mean).dtype)
-                rms.var = state[key]["var"].numpy().astype(np.asarray(rms.var).dtype)
+                for stat in ("mean", "var"):
+                    dtype = np.asarray(getattr(rms, stat)).dtype
+                    setattr(rms, stat, state[key][stat].numpy().astype(dtype))
                 rms.count = state[key]["count"]
 
     def state_dict(self) -> dict[str, Any]:
@@ -789,9 +788,8 @@ class PPOTrainer:
         mid = state["mid_epoch"]
         self.update_progress = None
         if mid:
-            u = {
-                k: v.to(self.device) if torch.is_tensor(v) else v for k, v in mid["update"].items()
-            }
+            update = mid["update"].items()
+            u = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in update}
             self.update_progress = UpdateProgress(**u)
             self.storage.load_state_dict(mid["storage"])
             s.rollout_stats = dict(mid["rollout_stats"])

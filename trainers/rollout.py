@@ -183,8 +183,4 @@ class RolloutStorage:
         var_y = torch.var(y, unbiased=False)
         ev = torch.where(var_y > 0, 1 - torch.var(y - v, unbiased=False) / var_y, torch.nan)
         ev, abs_mean, std = torch.stack([ev, y.abs().mean(), var_y.sqrt()]).tolist()
-        return {
-            "explained_variance": ev,
-            "value_target_abs_mean": abs_mean,
-            "value_target_std": std,
-        }
+        return dict(explained_variance=ev, value_target_abs_mean=abs_mean, value_target_std=std)

@@ -5,13 +5,10 @@
 optimizer step) and at epoch ends. A signal only sets a flag; at the next boundary the run
 writes a (mid-epoch) checkpoint, flushes every sink and raises :class:`RunStopped` (exit
 status 130 for SIGINT, 143 for SIGTERM); a second signal stops at once. Commands
-(:mod:`policy_probes.control_channel`): ``checkpoint``, ``pause`` (sleeping with backoff
-until ``resume``, serving ``checkpoint`` and ``stop`` meanwhile), ``stop`` (exit status 0).
-
-In a ``torch.distributed`` run every rank runs this hook: rank 0 reads the channel, and
-each boundary's decision (the highest signal any rank received, rank 0's command) is
-all-reduced over a gloo group, so all ranks act at the same minibatch; rank 0 writes the
-checkpoint.
+(:mod:`policy_probes.control_channel`): ``checkpoint``, ``pause`` (until ``resume``,
+serving ``checkpoint`` and ``stop`` meanwhile), ``stop`` (exit status 0). In a distributed
+run every rank runs this hook; each boundary's decision (the highest signal of any rank,
+rank 0's command) is all-reduced over a gloo group, and rank 0 writes the checkpoint.
 """
 
 from __future__ import annotations
@@ -74,10 +71,7 @@ class RunStopped(BaseException):
 
 
 class RunControl(TrainerHook):
-    """Serves signals and ``ctl`` commands at minibatch boundaries (see the module doc).
-
-    ``run_dir``'s ``control/`` folder is the command channel; ``checkpointer`` writes the
-    checkpoints (also when periodic ones are off); ``sinks`` are flushed before a stop;
+    """Serves signals and ``ctl`` commands (``run_dir/control/``) at minibatch boundaries.
     ``poll_interval``: seconds between looks at the channel while training (signals are
     checked at every boundary); ``max_pause_poll``: longest sleep between looks while paused.
     """

@@ -46,6 +46,7 @@ from policy_probes.user_errors import (
 )
 from trainers.callbacks import TrainerHook
 from trainers.checkpoint import CheckpointHook
+from trainers.cnn_policy import make_policy
 from trainers.config import (
     CheckpointConfig,
     EnvConfig,
@@ -59,7 +60,6 @@ from trainers.envs import make_vector_env
 from trainers.evaluation import EvaluationHook, final_evaluation_bound
 from trainers.fork import apply_optimizer_config, check_fork_length, fork_checkpoint, parent_record
 from trainers.policy import ActorCriticPolicy
-from trainers.policy_factory import make_policy
 from trainers.ppo import LOOP, PPOTrainer, check_rollout_size
 from trainers.run_control import RunControl, resume_trainer, select_checkpoint
 
@@ -324,15 +324,14 @@ class TrainTool(Section, ProbeSettings):
         """Build envs, policy, probes, sinks and trainer; train; always clean up (hook
         handles removed, envs and sinks closed, also after a failure or interruption).
 
-        The run holds ``run_dir/run.lock`` (:mod:`policy_probes.run_lock`). A ``run_dir``
-        that already holds a run is refused unless ``overwrite`` (its outputs are deleted
-        first) or ``resume`` (``True``: from its newest valid checkpoint; a path: from that
-        one; ``docs/run_control.md``). SIGINT/SIGTERM and ``policy-probes ctl stop`` end
-        the run at a minibatch boundary with a checkpoint, raising
-        :class:`~trainers.run_control.RunStopped`. ``fork_from``: start from the end of
-        that epoch of another run (:mod:`trainers.fork`; with ``resume``, a fork that wrote
-        no checkpoint yet starts again from its parent's). Under torchrun every process
-        calls it; rank 0 alone writes outputs (``docs/distributed.md``).
+        The run holds ``run_dir/run.lock``; a ``run_dir`` that already holds a run is
+        refused unless ``overwrite`` (its outputs deleted first) or ``resume`` (``True``: its
+        newest valid checkpoint; a path: that one). A signal or ``policy-probes ctl stop``
+        ends the run at a minibatch boundary with a checkpoint, raising
+        :class:`~trainers.run_control.RunStopped` (``docs/run_control.md``). ``fork_from``:
+        start from the end of that epoch of another run (:mod:`trainers.fork`; with
+        ``resume``, a fork without a checkpoint yet starts again from its parent's). Under
+        torchrun every process calls it; rank 0 alone writes outputs (``docs/distributed.md``).
         """
         with usage_errors():
             device = resolve_device(self.device)
@@ -360,9 +359,8 @@ class TrainTool(Section, ProbeSettings):
                 run.close(refused=refused)
 
     def _attach_probes(self, session: ProbeSession) -> dict[str, list[str]]:
-        """Attach this run's probes and remedies (those its recipe added; ``probes`` and
-        ``remedies`` specs are the session's) through ``session``; returns the
-        components each probe pattern resolved to."""
+        """Attach the probes and remedies the recipe added (the ``probes`` and ``remedies``
+        specs are the session's); returns the components each probe pattern resolved to."""
         for pattern, remedy in self._remedies:  # bound with the trainer's optimizer
             session.add_remedy(pattern, remedy, seed=self.seed)
         attached: dict[str, list[str]] = {}
@@ -459,8 +457,7 @@ class TrainTool(Section, ProbeSettings):
         fork_from: ForkPoint | None,
         resumed_from: tuple[Path, Any] | None,
     ) -> dict[str, Any]:
-        """:meth:`resolved_config` and where this run came from (directory, fork parent,
-        resumed checkpoint, process group)."""
+        """:meth:`resolved_config` and where the run came from (fork, resume, process group)."""
         config = self.resolved_config()
         config["run_dir"] = str(run.dir)
         if fork_from is not None:
@@ -474,9 +471,7 @@ class TrainTool(Section, ProbeSettings):
     def _trainer_hooks(
         self, dist_run: DistributedRun, run: Run
     ) -> tuple[list[TrainerHook], CheckpointHook, RunControl]:
-        """The trainer's callbacks in firing order (rank statistics, evaluation,
-        checkpoints, progress bar, the recipe's own hooks, run control), with the
-        checkpointer and run control."""
+        """The trainer's callbacks in firing order, with the checkpointer and run control."""
         hooks: list[TrainerHook] = []
         if dist_run.distributed:
             hooks.append(RankStatisticsHook(dist_run.world_size))
