@@ -21,7 +21,7 @@ non-finite parameters does). Only rank 0 runs a hook unless it sets
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -134,6 +134,27 @@ class CallbackList(TrainerHook):
     def __len__(self) -> int:
         return len(self.hooks)
 
+    def on_new_training_run(self, state: TrainerState) -> None:
+        self._each("on_new_training_run", state)
+
+    def on_rollout_start(self, state: TrainerState) -> None:
+        self._each("on_rollout_start", state)
+
+    def on_rollout_end(self, state: TrainerState) -> None:
+        self._each("on_rollout_end", state)
+
+    def on_mb_end(self, state: TrainerState) -> None:
+        self._each("on_mb_end", state)
+
+    def on_train_phase_end(self, state: TrainerState) -> None:
+        self._each("on_train_phase_end", state)
+
+    def on_epoch_end(self, state: TrainerState) -> None:
+        self._each("on_epoch_end", state)
+
+    def on_training_end(self, state: TrainerState) -> None:
+        self._each("on_training_end", state)
+
     def _each(self, event: str, state: TrainerState) -> None:
         """Call ``event`` on every hook that implements it and runs on this rank."""
         listeners = self._listeners.get(event)
@@ -159,16 +180,4 @@ class CallbackList(TrainerHook):
                 name = getattr(hook, "name", type(hook).__name__)
                 state.hook_errors[f"{name}.{event}"] = f"{type(exc).__name__}: {exc}"
                 where = f"{name} raised in {event} (epoch {state.epoch})"
-                log.exception(f"trainer hook {where}; training goes on")
-
-
-def _dispatch(event: str) -> Callable[[CallbackList, TrainerState], None]:
-    def method(self: CallbackList, state: TrainerState) -> None:
-        self._each(event, state)
-
-    method.__name__ = method.__qualname__ = event
-    return method
-
-
-for _event in HOOK_METHODS:  # each event method calls that method of every hook
-    setattr(CallbackList, _event, _dispatch(_event))
+                log.exception("trainer hook %s; training goes on", where)
