@@ -141,11 +141,11 @@ def findings_rules() -> tuple[Rule, ...]:
 
 def console_metrics() -> tuple[str, ...]:
     """The registered probes' console patterns (``probes/<probe>/*/<metric>``)."""
-    return tuple(
-        f"probes/{name}/*/{metric}"
-        for name, cls in _REGISTRY["probe"].items()
-        for metric in cls.console
-    )
+    return tuple(key for cls in _REGISTRY["probe"].values() for key in _console_keys(cls))
+
+
+def _console_keys(cls: type) -> list[str]:
+    return [f"probes/{cls.name}/*/{metric}" for metric in cls.console]
 
 
 #: arguments whose values are lists, written with ``|`` between items
@@ -250,7 +250,7 @@ def info(cls: type) -> dict[str, Any]:
             placements=list(cls.placements),
             metrics=dict(cls.metrics),
             findings=[rule.name for rule in cls.rules],
-            console=[f"probes/{cls.name}/*/{m}" for m in cls.console],
+            console=_console_keys(cls),
         )
     out["docs"] = getattr(cls, "docs", "")
     return out

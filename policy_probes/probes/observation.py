@@ -177,29 +177,27 @@ class Observation:
             return
         if not self.attached or (self.backward and first is not None):
             self.check_plain_call(module, first, second)  # registered as a torch hook
-        if not self.component_hook:
-            return  # it measures through the hooks attach() installed
-        start = time.perf_counter()
-        try:
-            self.calls += 1
-            if self.closure is not None:
-                self.closure(module, first, second)
-            elif self.backward:
-                grad = second[0] if isinstance(second, tuple | list) else second
-                if grad is not None:
-                    self.rows += tensor_rows(grad, self.channels_first)
-                    self.tracker.record_grad(
-                        self, module, _detached(grad), weight, self.context.loss_scale
-                    )
-            else:
-                tensor = self.extract(second, module)
-                self.rows += tensor_rows(tensor, self.channels_first)
-                weight = self.bind(tensor, module, self.component, self.channels_first)
-                self.tracker.record(self, module, _detached(tensor), weight)
-        except Exception as exc:  # a probe must never take training down
-            self.fail(exc)
-        finally:
-            self.seconds += time.perf_counter() - start
+        if self.component_hook:  # else it measures through the hooks attach() installed
+            self.call(self._record, module, first, second, weight)
+
+    def _record(
+        self, module: nn.Module, first: Any, second: Any, weight: torch.Tensor | None
+    ) -> None:
+        self.calls += 1
+        if self.closure is not None:
+            self.closure(module, first, second)
+        elif self.backward:
+            grad = second[0] if isinstance(second, tuple | list) else second
+            if grad is not None:
+                self.rows += tensor_rows(grad, self.channels_first)
+                self.tracker.record_grad(
+                    self, module, _detached(grad), weight, self.context.loss_scale
+                )
+        else:
+            tensor = self.extract(second, module)
+            self.rows += tensor_rows(tensor, self.channels_first)
+            weight = self.bind(tensor, module, self.component, self.channels_first)
+            self.tracker.record(self, module, _detached(tensor), weight)
 
     def bind(
         self,
@@ -405,26 +403,20 @@ class _GradCall:
 def grad_tap(obs: Observation, extractor: Callable | None) -> Callable:
     """The forward hook handing a backward observation its output's gradient."""
 
+    def subscribe(module: nn.Module, output: Any) -> None:
+        tensor = gradient_target(output, extractor, obs.component, module)
+        if tensor.requires_grad and torch.is_grad_enabled():
+            if obs.closure is not None:
+                closure = obs.closure
+                on_grad(tensor, lambda g: obs.call(closure, module, None, (g,)))
+            else:
+                callback = obs.grad_delivery(module, tensor)
+                if callback is not None:
+                    on_grad(tensor, callback)
+
     def tap(module: nn.Module, _inputs: Any, output: Any) -> None:
-        if not obs.active():
-            return
-        start = time.perf_counter()  # the tensor-hook registration is the probe's cost
-        try:
-            try:
-                tensor = gradient_target(output, extractor, obs.component, module)
-            except Exception as exc:
-                obs.fail(exc)  # the probe fault rule; re-raised when strict
-                return
-            if tensor.requires_grad and torch.is_grad_enabled():
-                if obs.closure is not None:
-                    closure = obs.closure
-                    on_grad(tensor, lambda g: obs.call(closure, module, None, (g,)))
-                else:
-                    callback = obs.grad_delivery(module, tensor)
-                    if callback is not None:
-                        on_grad(tensor, callback)
-        finally:
-            obs.seconds += time.perf_counter() - start
+        if obs.active():  # the tensor-hook registration is the probe's cost, under its fault rule
+            obs.call(subscribe, module, output)
 
     return tap
 

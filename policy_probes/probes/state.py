@@ -237,7 +237,7 @@ class ProbeState:
             start = time.perf_counter()
             tracker._drain_buffers(drain_round)
             if timed:
-                tracker.seconds = getattr(tracker, "seconds", 0.0) + time.perf_counter() - start
+                tracker.seconds += time.perf_counter() - start
 
     def _drain_buffers(self, drain_round: DrainRound) -> None:
         held = [(key, buf) for key, buf in self.buffers.items() if buf.rows]
