@@ -147,7 +147,7 @@ class ProbeCallback(BaseCallback):
         self, pattern: str, builder: ProbeBuilder, backward: bool | None, placement: dict
     ) -> ProbeCallback:
         if self.session is not None and not self.session.closed:
-            self.session._attach(pattern, builder, backward, placement)
+            _attach(self.session, pattern, builder, backward, placement)
         add_probe(self._probes, pattern, builder, backward, placement)
         return self
 
@@ -172,7 +172,7 @@ class ProbeCallback(BaseCallback):
         try:
             self._trace(session)
             for pattern, builder, backward, placement in self._probes:
-                session._attach(pattern, builder, backward, placement)
+                _attach(session, pattern, builder, backward, placement)
         except BaseException:
             session.close()
             if fresh:  # a failed start leaves nothing that blocks the corrected script
@@ -344,6 +344,18 @@ def _sequence_mask(mask: torch.Tensor, sample: Any) -> torch.Tensor:
         return mask
     n_seq = pi[0].shape[1]
     return mask.reshape(n_seq, -1) if n_seq and mask.numel() % n_seq == 0 else mask
+
+
+def _attach(
+    session: ProbeSession,
+    pattern: str,
+    builder: ProbeBuilder,
+    backward: bool | None,
+    placement: dict,
+) -> None:
+    """Attach through the session's public methods, as any loop does."""
+    add = session.add_training_backward_hook if backward else session.add_training_hook
+    add(pattern, builder, **placement)
 
 
 def _pairs(items: Iterable[Probe], what: str) -> list[tuple[str, ProbeBuilder, dict]]:
