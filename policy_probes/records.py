@@ -188,18 +188,63 @@ def flatten_metrics(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, A
 
 
 def plain_metrics(metrics: Mapping[str, Any]) -> dict[str, Any]:
-    """Every metric flattened and made plain, but those named like a record's own fields."""
+    """Every metric flattened and made plain, but those named like a record's own fields.
+
+    A value that cannot be made plain (its ``str`` raises) is dropped from the record with a
+    warning naming its key, so one bad value never costs a sink or the rest of the record."""
     flat = metrics if _flat(metrics) else flatten_metrics(metrics)
-    return {
-        k: v if type(v) in _PLAIN_SCALARS else to_plain(v)
-        for k, v in flat.items()
-        if k not in _RESERVED
-    }
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        if key in _RESERVED:
+            continue
+        if not key.isascii():
+            key = _plain_str(key)
+        if type(value) in _AS_THEY_ARE:
+            out[key] = value
+            continue
+        try:
+            out[key] = to_plain(value)
+        except Exception as exc:  # noqa: BLE001 - a user's value must not stop the record
+            logger.warning(
+                "metric %r dropped from the epoch's record: its value (%s) cannot be written "
+                "(%s: %s)",
+                key,
+                type(value).__name__,
+                type(exc).__name__,
+                exc,
+            )
+    return out
 
 
 _RESERVED = frozenset(RESERVED_KEYS)
 #: the exact types that are plain as they are (a list of others is converted element-wise)
 _PLAIN_SCALARS = frozenset({float, int, bool, str, type(None)})
+#: those that need no look at their value (an int may be too wide, a str not encodable)
+_AS_THEY_ARE = frozenset({float, bool, type(None)})
+#: the integers every sink writes as integers (JSON writers such as orjson stop at 64 bits)
+_INT_RANGE = (-(2**63), 2**64 - 1)
+
+
+def _plain_str(value: str) -> str:
+    """``value``, or with its unencodable characters (lone surrogates) as escapes."""
+    if value.isascii():
+        return value
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    return value
+
+
+def _plain_int(value: int) -> int | float | str:
+    """``value`` if a 64-bit integer, else the nearest float (its digits where even a float
+    cannot hold it)."""
+    if _INT_RANGE[0] <= value <= _INT_RANGE[1]:
+        return value
+    try:
+        return float(value)
+    except OverflowError:
+        return str(value)
 
 
 def _flat(metrics: Mapping[str, Any]) -> bool:
@@ -212,14 +257,20 @@ def _flat(metrics: Mapping[str, Any]) -> bool:
 
 
 def to_plain(value: Any) -> Any:
-    """A JSON-safe copy of ``value``: tensors and arrays as flat lists (0-d: a number), plain
-    types' subclasses as the plain type, mappings as dicts, anything else as its ``str``."""
-    if type(value) in _PLAIN_SCALARS:
+    """A JSON-safe copy of ``value``: tensors, numpy arrays and scalars as numbers or flat
+    lists, plain types' subclasses as the plain type, integers wider than 64 bits as floats,
+    lone surrogates in strings escaped, mappings as dicts, anything else as its ``str``."""
+    kind = type(value)
+    if kind in _AS_THEY_ARE:
         return value
+    if kind is int:
+        return _plain_int(value)
+    if kind is str:
+        return _plain_str(value)
     if isinstance(value, Mapping):
-        return {str(k): to_plain(v) for k, v in value.items()}
+        return {_plain_str(str(k)): to_plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        if _PLAIN_SCALARS.issuperset(map(type, value)):  # a per-unit vector: copy it
+        if _AS_THEY_ARE.issuperset(map(type, value)):  # a per-unit vector: copy it
             return list(value)
         return [to_plain(v) for v in value]
     tolist = getattr(value, "tolist", None)  # torch.Tensor, numpy arrays and scalars
@@ -232,9 +283,9 @@ def to_plain(value: Any) -> Any:
         if isinstance(plain, list):
             return [to_plain(v) for v in _flatten_list(plain)]
         return to_plain(plain)
-    for kind in (bool, int, float, str):  # subclasses (an IntEnum, a str Enum)
-        if isinstance(value, kind):
-            return kind(value)
+    for plain in (bool, int, float, str):  # subclasses (an IntEnum, a str Enum)
+        if isinstance(value, plain):
+            return to_plain(plain(value))
     return str(value)
 
 
