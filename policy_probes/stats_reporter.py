@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from policy_probes.context import ComponentContext
+from policy_probes.probes.state import all_reduce_trackers
 from policy_probes.processes import multi_process
 
 log = logging.getLogger("policy_probes")
@@ -14,8 +15,8 @@ log = logging.getLogger("policy_probes")
 
 class StatsReporter:
     """Reads every tracker in ``context.model_metrics`` at the end of every epoch:
-    :meth:`collect` all-reduces each across processes (under ``torch.distributed``), calls
-    ``to_metrics()`` then ``reset()``, and returns one flat dict
+    :meth:`collect` all-reduces them across processes (under ``torch.distributed``, in one
+    exchange), calls ``to_metrics()`` then ``reset()``, and returns one flat dict
     ``probes/<probe>/<component>/<metric>``, with ``probes/errors/<key> = 1.0`` per
     disabled probe."""
 
@@ -54,10 +55,9 @@ class StatsReporter:
         drained_before = [getattr(t, "seconds", 0.0) for t in trackers]
         start = time.perf_counter()
         # single process: all_reduce would only drain the held rows, as to_metrics does
-        reduce = self.all_reduce and multi_process()
+        if self.all_reduce and multi_process():
+            self._all_reduce(trackers)
         for tracker in trackers:
-            if reduce and hasattr(tracker, "all_reduce"):
-                tracker.all_reduce()
             metrics.update(tracker.to_metrics())
             tracker.reset()
             self._take_errors(tracker)
@@ -75,6 +75,21 @@ class StatsReporter:
         for key in self.context.probe_errors:
             metrics[f"probes/errors/{key}"] = 1.0
         return metrics
+
+    def _all_reduce(self, trackers: list[Any]) -> None:
+        """Combine the trackers across processes: those with ``reduced_tensors`` (every
+        :class:`ProbeState`) in one exchange (:func:`all_reduce_trackers`), any other with
+        its own ``all_reduce()``."""
+        taken = {id(t) for t in trackers if hasattr(t, "reduced_tensors")}
+        states: dict[str, Any] = {}
+        for name, tracker in self.context.model_metrics.items():
+            if id(tracker) in taken:  # each tracker once, under its first name
+                taken.discard(id(tracker))
+                states[name] = tracker
+        all_reduce_trackers(states)
+        for tracker in trackers:
+            if not hasattr(tracker, "reduced_tensors") and hasattr(tracker, "all_reduce"):
+                tracker.all_reduce()
 
     def _take_errors(self, tracker: Any) -> None:
         """Move reduction failures of ``tracker`` into the context (fatal when strict)."""

@@ -71,10 +71,29 @@ def worker(rank: int, init_file: str, out_dir: str, device: str = "cpu") -> None
     try:
         policy, ctx = probed_policy(device)
         run(policy, rank_batches(rank, device))
+        slots = [e for t in ctx.model_metrics.values() for e in t.reduced_tensors().values()]
+        kinds = {(str(tensor.dtype), how) for tensor, how in slots}
+        calls = count_collectives()
         metrics = StatsReporter(ctx).collect()
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(metrics))
+        counts = {**calls, "tensors": len(slots), "kinds": len(kinds)}
+        Path(out_dir, f"calls{rank}.json").write_text(json.dumps(counts))
     finally:
         dist.destroy_process_group()
+
+
+def count_collectives() -> dict[str, int]:
+    """Count the calls of the two collectives the report makes (they still run)."""
+    calls = {"all_reduce": 0, "all_gather_object": 0}
+    for name in calls:
+        collective = getattr(dist, name)
+
+        def counted(*args, _collective=collective, _name=name, **kwargs):
+            calls[_name] += 1
+            return _collective(*args, **kwargs)
+
+        setattr(dist, name, counted)
+    return calls
 
 
 def test_all_reduced_metrics_equal_union_of_ranks(tmp_path: Path, device: torch.device) -> None:
@@ -84,6 +103,12 @@ def test_all_reduced_metrics_equal_union_of_ranks(tmp_path: Path, device: torch.
     r0 = json.loads((tmp_path / "rank0.json").read_text())
     r1 = json.loads((tmp_path / "rank1.json").read_text())
     assert r0 == r1  # every rank reports the global figures
+    # one exchange of layouts, then one all_reduce per dtype and way of combining (sums,
+    # counts, gradient_flow's means), however many accumulators there are
+    for rank in (0, 1):
+        calls = json.loads((tmp_path / f"calls{rank}.json").read_text())
+        assert calls["all_gather_object"] == 1
+        assert calls["all_reduce"] == calls["kinds"] <= 4 < calls["tensors"]
 
     policy, ctx = probed_policy(device)  # one process over the union of both ranks' samples
     run(policy, rank_batches(0, device) + rank_batches(1, device))

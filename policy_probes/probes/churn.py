@@ -27,7 +27,6 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
@@ -35,8 +34,7 @@ from policy_probes.lifecycle.rng import preserved_rng
 from policy_probes.plugins import Rule, register
 from policy_probes.probes.probe import Probe
 from policy_probes.probes.rows import COUNT
-from policy_probes.probes.state import SUM, Device
-from policy_probes.processes import multi_process
+from policy_probes.probes.state import BY_MAX, SUM, Device
 
 if TYPE_CHECKING:
     from policy_probes.probes.observation import Observation
@@ -225,14 +223,18 @@ class Churn(Probe):
         super().reset()
         self.maxima = {}
 
-    def all_reduce(self, group: Any = None) -> None:
+    def reduced_tensors(self) -> dict[tuple[str, ...], tuple[torch.Tensor, str]]:
         self.end_epoch()  # the report: the epoch's updates are done
-        super().all_reduce(group)
-        if not multi_process(group):
-            return
-        for maxima in self.maxima.values():
-            for m in maxima.values():
-                dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        out = super().reduced_tensors()
+        for comp, maxima in self.maxima.items():
+            out.update(((comp, metric, BY_MAX), (m, BY_MAX)) for metric, m in maxima.items())
+        return out
+
+    def set_reduced(self, slot: tuple[str, ...], value: torch.Tensor) -> None:
+        if len(slot) == 3:  # (component, metric, BY_MAX): a maximum
+            self.maxima.setdefault(slot[0], {})[slot[1]] = value
+        else:
+            super().set_reduced(slot, value)
 
     def to_metrics(self) -> dict[str, float | list[float]]:
         self.end_epoch()

@@ -39,6 +39,8 @@ ALIKE = "<alike>"
 Member = tuple[str, str]
 #: where loaded accumulators go (None: where they were saved)
 Device = torch.device | str | None
+#: how an accumulator is combined across processes (:meth:`ProbeState.reduced_tensors`)
+BY_SUM, BY_MEAN, BY_MAX = "sum", "mean", "max"
 
 
 @dataclass(frozen=True)
@@ -423,33 +425,24 @@ class ProbeState:
 
     def all_reduce(self, group: Any = None) -> None:
         """Add every accumulator across the processes of ``group`` (zeros for a key a rank
-        lacks; no-op when not distributed)."""
+        lacks; no-op when not distributed); see :func:`all_reduce_trackers`."""
+        all_reduce_trackers({self.probe: self}, group)
+
+    def reduced_tensors(self) -> dict[tuple[str, ...], tuple[torch.Tensor, str]]:
+        """Every accumulator to combine across processes, held rows reduced first:
+        ``(component, key) -> (tensor, BY_SUM or BY_MEAN)``; :meth:`set_reduced` takes them back."""
         self.flush()
-        if not multi_process(group):
-            return
         self._unmirror_all()  # each component's accumulators are reduced once
-        layout = sorted(
-            (c, k, tuple(t.shape), str(t.dtype))
+        return {
+            (c, k): (t, BY_MEAN if k in self.mean_reduced else BY_SUM)
             for c, st in self.state.items()
             for k, t in st.items()
-        )
-        layouts: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(layouts, layout, group=group)
-        union = sorted({entry for lay in layouts for entry in lay})
-        nccl = dist.get_backend(group) == "nccl" and torch.cuda.is_available()
-        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-        world = dist.get_world_size(group)
-        for comp, key, shape, dtype_name in union:
-            dtype = getattr(torch, dtype_name.removeprefix("torch."))
-            st = self.state.setdefault(comp, {})
-            t = st.get(key)
-            if t is None:
-                t = st[key] = torch.zeros(shape, dtype=dtype, device=device)
-            moved = t.to(device)
-            dist.all_reduce(moved, op=dist.ReduceOp.SUM, group=group)
-            if key in self.mean_reduced:
-                moved /= world
-            st[key] = moved.to(t.device)
+        }
+
+    def set_reduced(self, slot: tuple[str, ...], value: torch.Tensor) -> None:
+        """Store the combined ``value`` of one :meth:`reduced_tensors` slot."""
+        component, key = slot
+        self.state.setdefault(component, {})[key] = value
 
     # ----------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -668,3 +661,50 @@ def unit_parts(t: torch.Tensor, parts: int) -> tuple[torch.Tensor, ...]:
 def _view_key(t: torch.Tensor) -> tuple[Any, ...]:
     """What tells a held tensor's rows apart from another's (the same memory viewed alike)."""
     return (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
+
+
+def all_reduce_trackers(trackers: dict[str, Any], group: Any = None) -> None:
+    """Combine the accumulators of every tracker (``name -> tracker`` with
+    ``reduced_tensors``/``set_reduced``, the same names on every rank) across the processes
+    of ``group``: one ``all_gather_object`` of their layouts, then one ``all_reduce`` of one
+    flat buffer per dtype and way of combining (zeros for a slot a rank lacks; on the
+    current CUDA device for NCCL, else the CPU). A no-op but the held rows' reduction when
+    not distributed."""
+    slots = {
+        (name, *slot): entry
+        for name, tracker in trackers.items()
+        for slot, entry in tracker.reduced_tensors().items()
+    }
+    if not multi_process(group):
+        return
+    world = dist.get_world_size(group)
+    layout = sorted((key, tuple(t.shape), str(t.dtype), how) for key, (t, how) in slots.items())
+    layouts: list[Any] = [None] * world
+    dist.all_gather_object(layouts, layout, group=group)
+    union = sorted({entry for lay in layouts for entry in lay})
+    nccl = dist.get_backend(group) == "nccl" and torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    buffers: dict[tuple[str, str], list[tuple[tuple[str, ...], tuple[int, ...]]]] = {}
+    for key, shape, dtype_name, how in union:
+        buffers.setdefault((dtype_name, how), []).append((key, shape))
+    for (dtype_name, how), entries in buffers.items():
+        dtype = getattr(torch, dtype_name.removeprefix("torch."))
+        parts = [
+            slots[key][0].reshape(-1)
+            if key in slots
+            else torch.zeros(math.prod(shape), dtype=dtype)
+            for key, shape in entries
+        ]
+        flat = torch.cat([part.to(device) for part in parts])
+        dist.all_reduce(
+            flat, op=dist.ReduceOp.MAX if how == BY_MAX else dist.ReduceOp.SUM, group=group
+        )
+        if how == BY_MEAN:
+            flat /= world
+        offset = 0
+        for key, shape in entries:
+            size = math.prod(shape)
+            value = flat[offset : offset + size].view(shape)
+            offset += size
+            home = slots[key][0].device if key in slots else device
+            trackers[key[0]].set_reduced(key[1:], value.to(home))
