@@ -134,13 +134,15 @@ class Churn(Probe):
         self.fixed = observations.detach().clone()
 
     def held_out(self, observations: torch.Tensor) -> torch.Tensor:
-        """``batch_size`` rows evenly spaced through ``observations`` (a copy)."""
-        rows = observations.shape[0]
-        if rows <= self.batch_size:
+        """``batch_size`` rows evenly spaced through ``observations`` (a copy): rows
+        ``(i * (R - 1)) // (batch_size - 1)`` of its ``R``, in exact integer arithmetic;
+        all of them when ``R <= batch_size``, the first when ``batch_size == 1``."""
+        rows, size = observations.shape[0], self.batch_size
+        if rows <= size:
             return observations.detach().clone()
-        idx = torch.linspace(
-            0, rows - 1, self.batch_size, dtype=torch.float64, device=observations.device
-        ).long()
+        idx = torch.arange(size, dtype=torch.long, device=observations.device) * (rows - 1)
+        if size > 1:
+            idx = idx.div(size - 1, rounding_mode="floor")
         return observations.detach()[idx].clone()
 
     def rollout_end(
@@ -205,11 +207,11 @@ class Churn(Probe):
             b2, a2 = b.reshape(b.shape[0], -1), a.reshape(a.shape[0], -1)
             if kind == "auto":
                 kind = "value" if b2.shape[1] == 1 else "output"
-            change = (a2 - b2).abs().mean(1)
+            # an entry that did not change (a masked -inf logit both times) changes by 0
+            change = torch.where(a2 == b2, 0.0, a2 - b2).abs().mean(1)
             per_state = {"value_change" if kind == "value" else "output_change": change}
             if kind == "categorical":
-                logp, logq = b2.log_softmax(1), a2.log_softmax(1)
-                per_state["policy_kl"] = (logp.exp() * (logp - logq)).sum(1)
+                per_state["policy_kl"] = policy_kl(b2, a2)
             self._add(comp, "states", torch.tensor(change.shape[0], device=change.device), COUNT)
             maxima = self.maxima.setdefault(comp, {})
             for metric, v in per_state.items():
@@ -279,6 +281,15 @@ class Churn(Probe):
         self.maxima = {
             c: {k: placed(t) for k, t in m.items()} for c, m in (state.get("maxima") or {}).items()
         }
+
+
+def policy_kl(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+    """Per row, KL(softmax(before) || softmax(after)) = sum_a p_a (log p_a - log q_a) over
+    logits ``(rows, actions)``: actions with p_a = 0 (masked with -inf) add 0, an action
+    with p_a > 0 and q_a = 0 makes it +inf."""
+    logp, logq = before.log_softmax(1), after.log_softmax(1)
+    p = logp.exp()
+    return torch.where(p > 0, p * (logp - logq), 0.0).sum(1)
 
 
 def attach_churn_hooks(*, kind: str = "auto", batch_size: int = 256) -> Churn:

@@ -6,8 +6,9 @@ After every optimizer step each unit ``i`` of the component's unit layers ages b
 ``u_i <- eta * u_i + (1 - eta) * mean|h_i| * sum_k |w_ik|`` (activations of the step's
 training forwards, outgoing weights after it). ``replacement_rate * |E|`` (``E``: units
 with ``age > maturity_threshold``) accumulates into a count whose integer part ``n`` is
-replaced: the ``n`` lowest ``u_i / (1 - eta^age_i)`` get fresh incoming weights, zero
-outgoing weights and moments, utility and age 0 (outputs unchanged). Defaults: the paper's
+replaced: the ``n`` lowest ``u_i / (1 - eta^age_i)`` (ranked in the model's precision, at
+least float32) get fresh incoming weights, a zero bias (as the paper's GnT), zero outgoing
+weights and moments, utility and age 0 (outputs unchanged). Defaults: the paper's
 PPO settings. How it differs from the reference code, and why it needs no host sync per
 step: ``docs/remedies.md``."""
 
@@ -108,9 +109,12 @@ class ContinualBackprop(StepRemedy):
                     f"continual_backprop on {target.component!r}: {layer.producer_name!r} is a "
                     f"recurrent layer; CBP replaces units of nn.Linear and nn.Conv1d/2d/3d layers"
                 )
-            device = layer.producer.weight.device
-            util = torch.zeros(layer.units, device=device, dtype=torch.float32)
-            ages = torch.zeros(layer.units, device=device, dtype=torch.long)
+            weight = layer.producer.weight
+            # utilities in the model's precision, at least float32: a float64 model's units
+            # whose utilities differ below float32's resolution still rank apart
+            dtype = torch.promote_types(weight.dtype, torch.float32)
+            util = torch.zeros(layer.units, device=weight.device, dtype=dtype)
+            ages = torch.zeros(layer.units, device=weight.device, dtype=torch.long)
             state.layers.append(CBPLayer(layer, util, ages, h_sum=util.clone()))
         return state
 
@@ -133,11 +137,11 @@ class ContinualBackprop(StepRemedy):
                 return
             h = output.detach().abs()
             if conv_layer:  # (N, C, *spatial): mean over positions, sum over samples
-                entry.h_sum += h.flatten(2).mean(2).sum(0).float()
+                entry.h_sum += h.flatten(2).mean(2).sum(0).to(entry.h_sum.dtype)
                 entry.h_count += h.shape[0]
             else:  # (..., units)
                 rows = h.reshape(-1, entry.layer.units)
-                entry.h_sum += rows.sum(0).float()
+                entry.h_sum += rows.sum(0).to(entry.h_sum.dtype)
                 entry.h_count += rows.shape[0]
 
         return hook
@@ -168,7 +172,7 @@ class ContinualBackprop(StepRemedy):
             corrected = entry.util / (1.0 - torch.pow(torch.full_like(entry.util, eta), ages))
             corrected = torch.where(ages > m, corrected, torch.full_like(corrected, float("inf")))
             units = torch.sort(corrected, stable=True).indices[:n]
-            recycle(entry.layer, units, draw_seed(generator), target.optimizer)
+            recycle(entry.layer, units, draw_seed(generator), target.optimizer, zero_bias=True)
             entry.util.index_fill_(0, units, 0.0)
             entry.ages.index_fill_(0, units, 0)
             entry.recent.append((t, n))

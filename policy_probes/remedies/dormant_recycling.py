@@ -101,8 +101,11 @@ class ReDo(Remedy):
         return scores
 
 
-def recycle(layer: UnitLayer, units: torch.Tensor, seed: int, optimizer: Any) -> None:
-    """Fresh incoming and zero outgoing weights and moments for ``units`` of ``layer``."""
+def recycle(
+    layer: UnitLayer, units: torch.Tensor, seed: int, optimizer: Any, *, zero_bias: bool = False
+) -> None:
+    """Fresh incoming and zero outgoing weights and moments for ``units`` of ``layer``;
+    ``zero_bias``: the units' biases 0 instead of fresh (continual backprop's GnT)."""
     producer = layer.producer
     fresh = fresh_parameters(producer, seed)
     rows = torch.cat([units + g * layer.units for g in range(layer.gates)])
@@ -112,7 +115,10 @@ def recycle(layer: UnitLayer, units: torch.Tensor, seed: int, optimizer: Any) ->
             # the fresh values are drawn on the host; copied without waiting for the device
             # (continual backprop recycles inside the optimizer step)
             fresh_values = fresh[name].to(param, non_blocking=True)
-            param.index_copy_(0, idx, fresh_values.index_select(0, idx))
+            if zero_bias and name.startswith("bias"):
+                param.index_fill_(0, idx, 0)
+            else:
+                param.index_copy_(0, idx, fresh_values.index_select(0, idx))
             reset_entries(optimizer, param, 0, idx)
         if isinstance(producer, RECURRENT):  # the unit's own recurrent outputs
             zero_columns(producer.weight_hh_l0, units, 1, optimizer)

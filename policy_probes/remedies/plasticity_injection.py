@@ -5,7 +5,8 @@ At its firing (once: the first epoch its trigger is due) the component ``h_theta
 frozen and its output becomes ``h_theta(x) + h_theta'(x) - h_theta'_0(x)``, with
 ``theta'`` a fresh initialisation (one seed per layer) and ``theta'_0`` a frozen copy of
 it: the outputs are bit-identical at the injection, and only ``theta'`` trains, with an
-optimizer of the loop's class stepped right after the loop's. The copies and that
+optimizer of the loop's class stepped right after the loop's. The sum is added by a forward
+hook that runs before the component's other hooks (the probes see it). The copies and that
 optimizer live in the remedy's state (checkpoints carry it). Limitations (no clipping of
 ``theta'``, one process, a single ``nn.Linear``): ``docs/remedies.md``."""
 
@@ -105,8 +106,10 @@ class PlasticityInjection(Remedy):
             opt.step()
             opt.zero_grad(set_to_none=True)
 
+        # first among the component's forward hooks: the probes' hooks, whenever they are
+        # (re-)installed, read the injected output
         prepared.handles = [
-            target.module.register_forward_hook(add_copy, with_kwargs=True),
+            target.module.register_forward_hook(add_copy, with_kwargs=True, prepend=True),
             main.register_step_post_hook(step_copy),
         ]
 
