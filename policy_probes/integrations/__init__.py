@@ -1,2 +1,3 @@
 """Integrations with other training libraries (:mod:`.sb3`: Stable-Baselines3's
-``ProbeCallback``); each imports its library only when its own module is imported."""
+``ProbeCallback``; :mod:`.torchrl`: TorchRL's ``ProbeTrainerHook``); each imports its
+library only when its own module is imported."""
