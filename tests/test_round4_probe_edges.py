@@ -371,3 +371,35 @@ def test_utility_refusal_raises_when_strict_and_an_outgoing_module_starting_with
     assert "head.0 (LayerNorm) runs between it" in session.context.probe_errors["utility/body.7"]
     assert "probes/utility/body.1/utility" in got
     assert not any(k.startswith("probes/utility/body.7/") for k in got)
+
+
+def test_utility_conv_window_resumed_from_a_checkpoint_reports_without_another_forward(
+    tmp_path: Path,
+) -> None:
+    """A conv layer read by a Linear after a flatten needs its positions per sample: a
+    window saved mid-epoch and loaded into a new session reports the same utilities."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Sequential(nn.Conv1d(2, 3, 3), nn.ReLU(), nn.Flatten(), nn.Linear(12, 2))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.body(x)
+
+    torch.manual_seed(0)
+    net = Net()
+    x = torch.randn(4, 2, 6, generator=torch.Generator().manual_seed(5))
+    with ProbeSession(net, run=tmp_path / "a", probing=EVERY_PASS) as session:
+        session.add_training_hook("body", attach_utility_hooks())
+        session.set_phase("train")
+        net(x).sum().backward()
+        session.next_pass()
+        saved = session.state_dict()
+        want = session.epoch_end(step=0)["probes/utility/body.1/utility"]
+    with ProbeSession(net, run=tmp_path / "b", probing=EVERY_PASS) as session:
+        session.add_training_hook("body", attach_utility_hooks())
+        session.load_state_dict(saved)
+        got = session.epoch_end(step=0)
+    assert got["probes/utility/body.1/utility"] == want
+    assert not any(k.startswith("probes/errors/") for k in got)

@@ -38,7 +38,7 @@ from policy_probes.probes.layout import as_unit_rows, positions
 from policy_probes.probes.per_layer import activation_layers
 from policy_probes.probes.probe import Probe
 from policy_probes.probes.rows import COUNT
-from policy_probes.probes.state import SUM, Drained, as_floats
+from policy_probes.probes.state import SUM, Device, Drained, as_floats
 from policy_probes.probes.weighted import Weighted
 from policy_probes.user_errors import ProbeError
 
@@ -239,6 +239,15 @@ class Utility(Probe):
             "contribution_mean": float(contribution[seen].mean()),
             "low_utility_fraction": float((low & seen).sum()) / units,
         }
+
+    def state_dict(self) -> dict[str, Any]:
+        """The window and running scores, and each conv layer's positions per sample (a
+        window resumed from a checkpoint can be reported before another forward)."""
+        return {**super().state_dict(), "positions": dict(self.positions)}
+
+    def load_state_dict(self, state: dict[str, Any], device: Device = None) -> None:
+        super().load_state_dict(state, device)
+        self.positions = {k: int(v) for k, v in (state.get("positions") or {}).items()}
 
     def plain_call_gaps(self, obs: Observation, module: nn.Module) -> str:
         return "the activation layers inside it, read through hooks of their own"
