@@ -403,3 +403,34 @@ def test_utility_conv_window_resumed_from_a_checkpoint_reports_without_another_f
         got = session.epoch_end(step=0)
     assert got["probes/utility/body.1/utility"] == want
     assert not any(k.startswith("probes/errors/") for k in got)
+
+
+def test_utility_conv_channels_read_after_a_global_pooling_in_forward(tmp_path: Path) -> None:
+    """Conv2d -> ReLU, then ``x.mean((2, 3))`` in forward and a Linear with one input per
+    channel: channel c's outgoing weights are the Linear's column c."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Sequential(nn.Conv2d(2, 5, 3), nn.ReLU())
+            self.head = nn.Linear(5, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.body(x).mean((2, 3)))
+
+    torch.manual_seed(0)
+    net = Net()
+    seen, handles = recorder({"h": net.body[1]})
+    x = torch.randn(3, 2, 6, 6, generator=torch.Generator().manual_seed(6))
+    with ProbeSession(net, run=tmp_path / "r", probing=EVERY_PASS) as session:
+        session.add_training_hook("body", attach_utility_hooks(outgoing="head"))
+        session.set_phase("train")
+        net(x).sum().backward()
+        session.next_pass()
+        got = session.epoch_end(step=0)
+    for h in handles:
+        h.remove()
+    w = net.head.weight.detach().double()
+    mag = [sum(abs(float(w[k, c])) for k in range(3)) for c in range(5)]
+    want = [m * v for m, v in zip(channel_means(seen["h"]), mag, strict=True)]
+    assert got["probes/utility/body.1/utility"] == pytest.approx(want, rel=1e-5, abs=1e-12)

@@ -116,16 +116,20 @@ def unit_magnitude(
     per_input: torch.Tensor, units: int, out: Outgoing, positions: int
 ) -> torch.Tensor | str:
     """``sum_k |w_ki|`` per unit i from the reader's per-input sums, or why the widths do
-    not fit: a conv layer's channel c owns the reader's input channel c, or after a
-    channel-major flatten the Linear's columns ``c*P .. (c+1)*P - 1`` (P positions)."""
+    not fit: a conv layer's channel c owns the reader's input channel c, after a
+    channel-major flatten the Linear's columns ``c*P .. (c+1)*P - 1`` (P positions), or
+    column c of a Linear reading one value per channel (a global pooling in ``forward``)."""
     inputs = per_input.numel()
     if out.channels_first and isinstance(out.module, nn.Linear):
         if inputs == units * positions:
             return per_input.view(units, positions).sum(1)
+        if inputs == units:
+            return per_input
         return (
             f"{units} channels x {positions} positions flattened are {units * positions} "
             f"inputs but {out.name} reads {inputs}; the probe reads a conv layer's channels "
-            f"and needs the Linear to read them flattened channel-major (x.flatten(1))"
+            f"and needs the Linear to read them flattened channel-major (x.flatten(1)) or "
+            f"one value per channel"
         )
     if inputs == units:
         return per_input
