@@ -7,7 +7,8 @@ Definitions (h the probed post-activation output, N samples in the window, U uni
 * ``dormant_fraction`` = ReDo tau-dormant fraction (Sokar et al., 2023): score
   s_u = mean|h_u| / ((1/U) sum_k mean|h_k|), dormant when s_u <= tau
 * ``dormant_fraction_tau_<t>`` = the same fraction at each threshold t of ``taus``
-  (default 0, 0.025, 0.1, the thresholds ReDo's reference code logs together)
+  (default 0, 0.025, 0.1, the thresholds ReDo's reference code logs together); ``<t>`` is
+  :func:`tau_key`, one distinct name for every distinct threshold
 * ``rarely_active_fraction`` (active_rate < 0.05), ``always_active_fraction`` (> 0.95)
 * ``zero_fraction`` = fraction of elements <= 0
 * ``active_rate_se`` = mean over units of the standard error sqrt(p (1 - p) / N) of
@@ -36,6 +37,15 @@ from policy_probes.sampling import standard_error
 DORMANT_EPS = 1e-9
 #: the thresholds ReDo's reference code (google/dopamine labs/redo) logs at once
 DORMANT_TAUS: tuple[float, ...] = (0.0, 0.025, 0.1)
+
+
+def tau_key(tau: float) -> str:
+    """The ``<t>`` of ``dormant_fraction_tau_<t>``: ``%g`` (``0``, ``0.025``, ``1e-05``) when
+    that reads back as exactly ``tau``, else the shortest string that does (``repr``:
+    ``0.1000001``). Distinct thresholds get distinct names; -0.0 is named as 0."""
+    tau = float(tau) + 0.0  # -0.0 -> 0.0
+    short = f"{tau:g}"
+    return short if float(short) == tau else repr(tau)
 
 
 @register
@@ -99,6 +109,12 @@ class ReLUActivation(ActivationProbe):
         taus = tuple(float(t) for t in taus)
         if not all(t >= 0 for t in taus):
             raise ValueError(f"every threshold in taus must be >= 0, got {taus}")
+        if len(set(taus)) != len(taus):
+            repeated = sorted({t for t in taus if taus.count(t) > 1})
+            raise ValueError(
+                f"taus holds the threshold(s) {repeated} more than once, got {taus}; each "
+                f"threshold names one key (dormant_fraction_tau_<t>), so list each once"
+            )
         super().__init__(
             tau=tau, taus=taus, rarely_active=rarely_active, always_active=always_active
         )
@@ -138,7 +154,10 @@ class ReLUActivation(ActivationProbe):
         # standard errors as for independent rows (policy_probes.sampling.standard_error)
         se = row_means(np.sqrt(active_rate * (1 - active_rate) / np.maximum(count, 1)), seen)
         masks = {
-            **{f"dormant_fraction_tau_{t:g}": score <= t for t in cfg.get("taus", DORMANT_TAUS)},
+            **{
+                f"dormant_fraction_tau_{tau_key(t)}": score <= t
+                for t in cfg.get("taus", DORMANT_TAUS)
+            },
             "dead_fraction": active_rate == 0,
             "dormant_fraction": score <= cfg["tau"],
             "rarely_active_fraction": active_rate < cfg["rarely_active"],
@@ -181,8 +200,9 @@ def attach_relu_activation_hooks(
 ) -> ReLUActivation:
     """The ``relu`` probe (:class:`ReLUActivation`), for a component whose output is
     post-activation (``actor_mlp``; on a pre-activation the metrics describe its sign).
-    ``taus``: the thresholds of the ``dormant_fraction_tau_<t>`` keys, beside
-    ``dormant_fraction`` (at ``tau``). Placed with every placement argument."""
+    ``taus``: the thresholds of the ``dormant_fraction_tau_<t>`` keys (``<t>``:
+    :func:`tau_key`), each listed once, beside ``dormant_fraction`` (at ``tau``). Placed
+    with every placement argument."""
     return ReLUActivation(
         tau=tau, taus=taus, rarely_active=rarely_active, always_active=always_active
     )

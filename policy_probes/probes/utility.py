@@ -13,23 +13,32 @@ report) folded into the running score with ``decay`` η (the first report starts
 A unit is *low-utility* when its score is at most ``tau`` of the layer's mean score
 (normalised like ReDo's dormancy score).
 
-Layers: every activation layer inside the component followed by an ``nn.Linear`` inside it
-(the next in module order), and the last one when ``outgoing`` names the module reading it.
+Layers: every activation layer inside the component whose output the next parametrised
+leaf (in registration order; for the last layer the first one of the module ``outgoing``
+names) reads: an ``nn.Linear`` or a convolution, with only dropout, ``nn.Identity`` or
+``nn.Flatten`` in between. A conv layer's units are its channels (mean |h| over samples and
+positions); their outgoing weights are the next convolution's input channels, or the next
+``nn.Linear``'s columns of each channel after a channel-major flatten. Anything else in
+between (a norm, pooling, a second activation) leaves the layer unscored, refused at attach.
 """
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.nn.modules import conv
 from torch.utils.hooks import RemovableHandle
 
 from policy_probes.plugins import Rule, register
+from policy_probes.probes.layout import as_unit_rows, positions
 from policy_probes.probes.per_layer import activation_layers
 from policy_probes.probes.probe import Probe
 from policy_probes.probes.rows import COUNT
-from policy_probes.probes.state import SUM, Drained, as_floats, as_rows
+from policy_probes.probes.state import SUM, Device, Drained, as_floats
 from policy_probes.probes.weighted import Weighted
 from policy_probes.user_errors import ProbeError
 
@@ -37,6 +46,99 @@ if TYPE_CHECKING:
     from policy_probes.probes.observation import Observation
 
 UTILITY_EPS = 1e-12
+#: layers whose weight holds a unit's outgoing weights
+READERS = (nn.Linear, conv._ConvNd)
+#: modules that may run between an activation and its reader: each passes every unit's
+#: values on as they are (dropout: unchanged in expectation) and keeps the units apart
+PASS_THROUGH = (nn.Identity, nn.Flatten, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
+
+log = logging.getLogger("policy_probes")
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    """The layer reading a scored layer's units: its dotted name and module, whether an
+    ``nn.Flatten`` runs in between, and whether the units are channels (axis 1)."""
+
+    name: str
+    module: nn.Module
+    flattened: bool
+    channels_first: bool
+
+
+def input_magnitude(module: nn.Module) -> torch.Tensor:
+    """``sum_k |w_kj|`` for every input column (Linear) or input channel (convolution) j
+    of ``module``, in the weight's dtype and device: over the output rows and the kernel."""
+    w = module.weight.detach().abs()
+    if isinstance(module, nn.Linear):
+        return w.sum(0)
+    if isinstance(module, conv._ConvTransposeNd):  # (in, out / groups, *kernel)
+        return w.flatten(1).sum(1)
+    # (out, in / groups, *kernel): group g's outputs read inputs g * in/groups ...
+    per = w.flatten(2).sum(2)
+    groups = module.groups
+    return per.view(groups, -1, per.shape[1]).sum(1).flatten()
+
+
+def leaves(module: nn.Module, prefix: str) -> list[tuple[str, nn.Module]]:
+    """``module``'s leaf modules in registration order, named ``prefix.<path>``."""
+    return [
+        (f"{prefix}.{n}" if n else prefix, m)
+        for n, m in module.named_modules()
+        if not any(True for _ in m.children())
+    ]
+
+
+def find_reader(
+    layer: str, after: list[tuple[str, nn.Module]]
+) -> tuple[str, nn.Module, bool] | str | None:
+    """The first Linear or convolution in ``after`` (the leaves that run after ``layer``'s
+    activation) and whether an ``nn.Flatten`` runs before it; None when only pass-through
+    modules follow (nothing reads the layer where the probe can see it); the refusal, one
+    line, when something else runs in between."""
+    flattened = False
+    for name, module in after:
+        if isinstance(module, READERS):
+            return name, module, flattened
+        if isinstance(module, PASS_THROUGH):
+            flattened = flattened or isinstance(module, nn.Flatten)
+            continue
+        return (
+            f"utility probe: {layer} is not scored: {name} ({type(module).__name__}) runs "
+            f"between it and the layer that reads it, so no outgoing weights act on its units "
+            f"directly. Only dropout, nn.Identity or nn.Flatten may run in between "
+            f"(docs/probes/utility.md)"
+        )
+    return None
+
+
+def unit_magnitude(
+    per_input: torch.Tensor, units: int, out: Outgoing, positions: int
+) -> torch.Tensor | str:
+    """``sum_k |w_ki|`` per unit i from the reader's per-input sums, or why the widths do
+    not fit: a conv layer's channel c owns the reader's input channel c, after a
+    channel-major flatten the Linear's columns ``c*P .. (c+1)*P - 1`` (P positions), or
+    column c of a Linear reading one value per channel (a global pooling in ``forward``)."""
+    inputs = per_input.numel()
+    if out.channels_first and isinstance(out.module, nn.Linear):
+        if inputs == units * positions:
+            return per_input.view(units, positions).sum(1)
+        if inputs == units:
+            return per_input
+        return (
+            f"{units} channels x {positions} positions flattened are {units * positions} "
+            f"inputs but {out.name} reads {inputs}; the probe reads a conv layer's channels "
+            f"and needs the Linear to read them flattened channel-major (x.flatten(1)) or "
+            f"one value per channel"
+        )
+    if inputs == units:
+        return per_input
+    if out.flattened and inputs % units == 0:  # (B, T, U) flattened: column t * U + i
+        return per_input.view(inputs // units, units).sum(0)
+    return (
+        f"{units} units but {out.name} reads {inputs} inputs; pass outgoing= naming the "
+        f"module that reads this layer"
+    )
 
 
 @register
@@ -79,15 +181,28 @@ class Utility(Probe):
         if not tau >= 0:
             raise ValueError(f"tau must be >= 0, got {tau}")
         super().__init__(outgoing=outgoing, decay=decay, tau=tau)
-        #: layer -> the weight whose columns are the layer's outgoing weights
-        self.outgoing: dict[str, torch.Tensor] = {}
+        #: layer -> the layer reading its units (whose weight holds their outgoing weights)
+        self.outgoing: dict[str, Outgoing] = {}
         #: layer -> running utility per unit
         self.scores: dict[str, torch.Tensor] = {}
         #: component -> its scored layers (reported name, module), found at attach
         self.scored: dict[str, list[tuple[str, nn.Module]]] = {}
+        #: conv layer -> positions per sample of its last output
+        self.positions: dict[str, int] = {}
 
-    def update(self, layer: str, h: torch.Tensor, *, weight: torch.Tensor | None = None) -> None:
-        self._push(layer, "h", (as_rows(h),), weight=weight)
+    def update(
+        self,
+        layer: str,
+        h: torch.Tensor,
+        *,
+        channels_first: bool = False,
+        weight: torch.Tensor | None = None,
+    ) -> None:
+        """Add a batch of ``layer``'s activations: units last, or on axis 1 with
+        ``channels_first`` (every sample and position a row)."""
+        if channels_first and h.dim() >= 3:
+            self.positions[layer] = positions(h, channels_first)
+        self._push(layer, "h", (as_unit_rows(h, channels_first),), weight=weight)
 
     def consume(self, batch: Drained) -> None:
         layer, (h,), weight = batch.component, batch.cols, batch.weight
@@ -97,16 +212,14 @@ class Utility(Probe):
         self._add(layer, "count", kept.finite_count(), COUNT)
 
     def summarize(self, layer: str, s: dict[str, torch.Tensor], cfg: dict[str, Any]) -> dict:
-        w = self.outgoing.get(layer)
-        if w is None or "count" not in s:
+        out = self.outgoing.get(layer)
+        if out is None or "count" not in s:
             return {}
-        out_sum = w.detach().abs().sum(0).to(SUM).cpu()  # Σ_k |w_ki| per unit i
         count = s["count"]
-        if out_sum.shape != count.shape:  # reported like a lost window, training goes on
-            self.errors[layer] = (
-                f"{count.numel()} units but the outgoing weight has {out_sum.numel()} input "
-                f"columns; pass outgoing= naming the module that reads this layer"
-            )
+        per_input = input_magnitude(out.module).to(SUM).cpu()
+        out_sum = unit_magnitude(per_input, count.numel(), out, self.positions.get(layer, 1))
+        if isinstance(out_sum, str):  # reported like a lost window, training goes on
+            self.errors[layer] = out_sum
             return {}
         seen = count > 0
         mean_abs = s["abs_sum"] / count.clamp(min=1).to(SUM)
@@ -131,42 +244,60 @@ class Utility(Probe):
             "low_utility_fraction": float((low & seen).sum()) / units,
         }
 
+    def state_dict(self) -> dict[str, Any]:
+        """The window and running scores, and each conv layer's positions per sample (a
+        window resumed from a checkpoint can be reported before another forward)."""
+        return {**super().state_dict(), "positions": dict(self.positions)}
+
+    def load_state_dict(self, state: dict[str, Any], device: Device = None) -> None:
+        super().load_state_dict(state, device)
+        self.positions = {k: int(v) for k, v in (state.get("positions") or {}).items()}
+
     def plain_call_gaps(self, obs: Observation, module: nn.Module) -> str:
         return "the activation layers inside it, read through hooks of their own"
 
     def attach(self, obs: Observation, module: nn.Module) -> list[RemovableHandle]:
         if obs.component not in self.scored:
             self.scored[obs.component] = self._scored_layers(obs, module)
-        return [
-            obs.inner_hook(
-                name, sub, lambda h, weight, name=name: self.update(name, h, weight=weight)
-            )
-            for name, sub in self.scored[obs.component]
-        ]
+        handles = []
+        for name, sub in self.scored[obs.component]:
+            cf = self.outgoing[name].channels_first
+
+            def record(h: torch.Tensor, weight: Any, name: str = name, cf: bool = cf) -> None:
+                self.update(name, h, channels_first=cf, weight=weight)
+
+            handles.append(obs.inner_hook(name, sub, record, cf))
+        return handles
 
     def _scored_layers(self, obs: Observation, module: nn.Module) -> list[tuple[str, nn.Module]]:
-        order = {id(m): i for i, (_, m) in enumerate(module.named_modules())}
-        linears = [(order[id(m)], m) for m in module.modules() if isinstance(m, nn.Linear)]
         settings = self.settings[obs.component]
-        tail: nn.Linear | None = None
+        tail: list[tuple[str, nn.Module]] = []
         if settings["outgoing"] is not None:
             if obs.locate is None:
                 raise ProbeError(
                     f"utility probe on {obs.component!r}: outgoing={settings['outgoing']!r} "
                     f"needs the policy to look it up; attach through PolicyAutoBuilder.attach"
                 )
-            target = obs.locate(settings["outgoing"])
-            tail = next((m for m in target.modules() if isinstance(m, nn.Linear)), None)
+            tail = leaves(obs.locate(settings["outgoing"]), settings["outgoing"])
+        inside = leaves(module, obs.component)
+        index = {id(m): i for i, (_, m) in enumerate(inside)}
         out = []
         for layer in activation_layers(module):
-            at = order[id(layer.module)]
-            nxt = next((m for i, m in linears if i > at and m not in layer.module.modules()), None)
-            nxt = nxt if nxt is not None else tail
-            if nxt is None:
-                continue  # nothing reads it inside the component and no outgoing= given
             name = f"{obs.component}.{layer.name}"
+            at = index.get(id(layer.act))
+            found = None if at is None else find_reader(name, inside[at + 1 :] + tail)
+            if found is None:
+                continue  # nothing reads it inside the component and no outgoing= given
+            if isinstance(found, str):  # refused once, here; the other layers are scored
+                if obs.context.strict:
+                    raise ProbeError(found)
+                obs.context.probe_errors[f"{self.name}/{name}"] = found
+                log.error("%s", found)
+                continue
+            reader, reader_module, flattened = found
+            channels_first = obs.resolve_layout(module, layer.name)
             if self.register_component(name, **settings):
-                self.outgoing[name] = nxt.weight
+                self.outgoing[name] = Outgoing(reader, reader_module, flattened, channels_first)
                 out.append((name, layer.module))
         return out
 
