@@ -158,6 +158,12 @@ def in_backward_pass() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def is_functorch_wrapped_tensor(tensor: torch.Tensor) -> bool:
+    """True for a tensor inside a ``torch.func`` transform (``vmap``'s batched tensors,
+    ``grad``'s tracking tensors): a view without storage of its own."""
+    return torch._C._functorch.is_functorch_wrapped_tensor(tensor)
+
+
 def conv_padding(conv: nn.Conv1d | nn.Conv2d | nn.Conv3d) -> tuple[int, ...]:
     """``F.pad`` padding of a convolution: (last-dim left, last-dim right, ...), as the
     module computes it from ``padding`` (``"same"`` resolved)."""

@@ -23,6 +23,7 @@ from policy_probes.torch_internals import (
     conv_padding,
     global_module_hooks_installed,
     hooks_set_aside,
+    is_functorch_wrapped_tensor,
     module_hook_count,
     module_hooks_installed,
     own_parameter_twin,
@@ -301,3 +302,17 @@ def test_tree_leaves_are_tree_flattens_leaves(make) -> None:
     rebuilt = tree_unflatten(leaves, spec)
     assert tree_flatten(rebuilt)[1] == want_spec
     assert all(a is b for a, b in zip(tree_flatten(rebuilt)[0], leaves, strict=True))
+
+
+def test_functorch_wrapped_tensors_are_those_inside_vmap_and_grad() -> None:
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+    seen: list[bool] = []
+
+    def look(v: torch.Tensor) -> torch.Tensor:
+        seen.append(is_functorch_wrapped_tensor(v))
+        return v.sum()
+
+    torch.vmap(look)(x)
+    torch.func.grad(look)(x)
+    look(x)
+    assert seen == [True, True, False]

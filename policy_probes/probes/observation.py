@@ -32,7 +32,7 @@ from policy_probes.probes.layout import check_layout, output_channels_first, res
 from policy_probes.recurrent import default_extractor
 from policy_probes.row_mask import bound_weight
 from policy_probes.sampling import Schedule, as_schedule, tensor_rows
-from policy_probes.torch_internals import in_backward_pass
+from policy_probes.torch_internals import in_backward_pass, is_functorch_wrapped_tensor
 from policy_probes.user_errors import ProbeError
 
 #: the phases a probe records in unless its placement says otherwise
@@ -130,6 +130,7 @@ class Observation:
         self.calls = 0
         self.rows = 0
         self.seconds = 0.0
+        self._warned_transformed = False
 
     # ------------------------------------------------------------- the path
     def active(self) -> bool:
@@ -183,11 +184,14 @@ class Observation:
     def _record(
         self, module: nn.Module, first: Any, second: Any, weight: torch.Tensor | None
     ) -> None:
-        self.calls += 1
         if self.closure is not None:
+            self.calls += 1
             self.closure(module, first, second)
         elif self.backward:
             grad = second[0] if isinstance(second, tuple | list) else second
+            if grad is not None and self.transformed(grad):
+                return
+            self.calls += 1
             if grad is not None:
                 self.rows += tensor_rows(grad, self.channels_first)
                 self.tracker.record_grad(
@@ -195,9 +199,28 @@ class Observation:
                 )
         else:
             tensor = self.extract(second, module)
+            if self.transformed(tensor):
+                return
+            self.calls += 1
             self.rows += tensor_rows(tensor, self.channels_first)
             weight = self.bind(tensor, module, self.component, self.channels_first)
             self.tracker.record(self, module, _detached(tensor), weight)
+
+    def transformed(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` lives inside a ``torch.func`` transform (``vmap``, ``grad``):
+        a pass such as TorchRL's vmapped value estimate, whose rows are not the batch's
+        and have no storage to hold; it is not recorded (a warning says so once)."""
+        if not is_functorch_wrapped_tensor(tensor):
+            return False
+        if not self._warned_transformed:
+            self._warned_transformed = True
+            log.warning(
+                "probe %r on component %r: passes inside a torch.func transform (vmap, "
+                "grad) are not recorded",
+                self.probe,
+                self.component,
+            )
+        return True
 
     def bind(
         self,
@@ -250,7 +273,8 @@ class Observation:
             record(output, self.bind(output, mod, name, channels_first))
 
         def hook(mod: nn.Module, _inputs: Any, output: Any) -> None:
-            if self.active() and isinstance(output, torch.Tensor):
+            tensor = isinstance(output, torch.Tensor)
+            if self.active() and tensor and not self.transformed(output):
                 self.call(bound, output, mod)
 
         return module.register_forward_hook(hook)
@@ -396,7 +420,7 @@ class _GradCall:
 
     def __call__(self, grad: torch.Tensor) -> None:
         obs = self.obs
-        if obs.enabled:
+        if obs.enabled and not obs.transformed(grad):
             obs.call(self.compute, grad, self.weight, obs.context.loss_scale)
 
 
@@ -405,7 +429,7 @@ def grad_tap(obs: Observation, extractor: Callable | None) -> Callable:
 
     def subscribe(module: nn.Module, output: Any) -> None:
         tensor = gradient_target(output, extractor, obs.component, module)
-        if tensor.requires_grad and torch.is_grad_enabled():
+        if tensor.requires_grad and torch.is_grad_enabled() and not obs.transformed(tensor):
             if obs.closure is not None:
                 closure = obs.closure
                 on_grad(tensor, lambda g: obs.call(closure, module, None, (g,)))

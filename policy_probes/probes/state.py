@@ -24,6 +24,7 @@ from policy_probes.probes.row_buffer import InPlaceModified, RowBuffer, Scales, 
 from policy_probes.probes.rows import COUNT as COUNT  # re-exported for custom trackers
 from policy_probes.probes.rows import DrainRound, Rows
 from policy_probes.processes import multi_process
+from policy_probes.torch_internals import is_functorch_wrapped_tensor
 
 log = logging.getLogger("policy_probes")
 
@@ -70,6 +71,8 @@ class ProbeState:
     buffer_elements: int = 1 << 20
     #: seconds spent draining since the sampler (:mod:`policy_probes.sampling`) last looked
     seconds: float = 0.0
+    #: whether rows from inside a ``torch.func`` transform were refused (warned once)
+    _warned_transformed: bool = False
     #: whether :meth:`consume` writes nothing but the component's accumulators, so a
     #: component holding the very rows of another (its output is its last layer's) can
     #: share that one's accumulators instead of reducing the same rows twice (:meth:`_mirrored`)
@@ -189,7 +192,19 @@ class ProbeState:
         weight: torch.Tensor | None = None,
     ) -> None:
         """Hold aligned row blocks for :meth:`consume`, with ``scales`` (None = as is) and
-        ``weight`` (row-mask rows); a full buffer drains every tracker of the context first."""
+        ``weight`` (row-mask rows); a full buffer drains every tracker of the context first.
+        Rows from inside a ``torch.func`` transform (``vmap``, ``grad``) are not held
+        (:meth:`Observation.transformed <policy_probes.probes.observation.Observation.transformed>`)."""
+        if any(map(is_functorch_wrapped_tensor, blocks)):
+            if not self._warned_transformed:
+                self._warned_transformed = True
+                log.warning(
+                    "probe %r on component %r: rows from inside a torch.func transform "
+                    "(vmap, grad) are not recorded",
+                    self.probe,
+                    component,
+                )
+            return
         if weight is not None and weight.numel() != block_rows(blocks[0]):
             raise ValueError(
                 f"probe {self.probe!r} on component {component!r}: the row mask bound to this "
