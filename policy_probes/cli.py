@@ -44,7 +44,7 @@ from policy_probes.overrides import (
     parse_value,
     valid_keys,
 )
-from policy_probes.run import held_outputs
+from policy_probes.run import check_run_dir_path, held_outputs
 from policy_probes.user_errors import (
     SETUP_ERROR_TYPES,
     CLIError,
@@ -533,7 +533,13 @@ def add_fork_subcommand(subparsers: argparse._SubParsersAction) -> None:
 
 
 def fork_command(args: argparse.Namespace) -> int:
+    if not args.new_run_dir.strip():  # Path("") is ".": the fork would fill this directory
+        raise CLIError(
+            f"the fork's directory NEW_RUN_DIR is empty ({args.new_run_dir!r}; it would write "
+            f"the fork into the current directory); give a directory such as runs/cp-fork"
+        )
     run_dir, new_run_dir = Path(args.run_dir), Path(args.new_run_dir)
+    check_run_dir_path(new_run_dir)  # what run_dir= refuses: a name too long, a file
     if not run_dir.is_dir():
         raise CLIError(f"{run_dir} does not exist; give the directory of the run to fork")
     config, target = read_run_config(

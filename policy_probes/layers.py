@@ -116,7 +116,7 @@ class MLP(nn.Module):
 class MLPSpec(BaseModel):
     """A component that is an :class:`MLP`."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     kind: Literal["mlp"] = "mlp"
     in_features: int = Field(gt=0)
     hidden_sizes: list[int] = Field(min_length=1)
@@ -130,7 +130,7 @@ class MLPSpec(BaseModel):
 class LinearSpec(BaseModel):
     """A component that is one ``nn.Linear`` (a policy or value head)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     kind: Literal["linear"] = "linear"
     in_features: int = Field(gt=0)
     out_features: int = Field(gt=0)

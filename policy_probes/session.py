@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
@@ -43,9 +43,10 @@ from policy_probes.lifecycle import (
 )
 from policy_probes.plugins import from_spec
 from policy_probes.probe_settings import ProbeSettings
-from policy_probes.probes.probe import ProbeBuilder
-from policy_probes.records import POST_EPOCH, Record, plain_metrics
+from policy_probes.probes.probe import Probe, ProbeBuilder
+from policy_probes.records import POST_EPOCH, RESERVED_KEYS, Record, plain_metrics
 from policy_probes.remedies.base import Remedy, RemedyRunner
+from policy_probes.remedies.trigger import Produced
 from policy_probes.run import Run
 from policy_probes.sampling import Sampler
 from policy_probes.stats_reporter import StatsReporter
@@ -232,6 +233,38 @@ class ProbeSession:
                     f"lifecycle hook {hook.name!r} fires at SNAPSHOT; set snapshot_every=N "
                     f"(every N epochs) or deselect it"
                 )
+
+    def check_remedy_triggers(self, namespaces: Collection[str] | None = None) -> None:
+        """Refuse a remedy whose ``when=`` key no record of this run can hold: a probe that
+        is not attached, a component that probe does not observe, or, given the first
+        segments of the loop's own keys (``namespaces``), a key under any other. Called
+        before the first epoch (a refused start writes nothing); a loop that knows its
+        keys calls it once its remedies are bound."""
+        probes: dict[str, list[str] | None] = {}
+        declared: dict[str, list[str]] = {}
+        for name, tracker in self.context.model_metrics.items():
+            probe = str(getattr(tracker, "probe", name))
+            components = getattr(tracker, "components", None)
+            probes[probe] = None if components is None else list(components)
+            declared[probe] = list(getattr(type(tracker), "metrics", None) or ())
+        hooks = self.hooks.hooks
+        if namespaces is not None and all(h.namespaced for h in hooks):
+            namespaces = {
+                *namespaces,
+                *RESERVED_KEYS,
+                "probes",
+                "remedies",
+                *(h.name for h in hooks),
+            }
+        else:  # a hook that keeps its keys as returned may write under any namespace
+            namespaces = None
+        complete = all(isinstance(builder, Probe) for _, builder, _, _ in self._probes)
+        produced = Produced(probes, declared, complete, namespaces)
+        for bound in self.remedies.bound:
+            when = bound.remedy.trigger.when if bound.remedy.trigger is not None else None
+            problem = None if when is None else when.unproduced(produced)
+            if problem is not None:
+                raise ValueError(f"remedy {bound.key}: {problem}")
 
     @property
     def run_dir(self) -> Path:
@@ -477,6 +510,7 @@ class ProbeSession:
                     "run them. Pass the loop's optimizer to ProbeSession"
                 )
             self._check_hooks()
+            self.check_remedy_triggers()
             self.run.write_config()
             self.run.open_sinks(self.probing.sinks, self.probing.wandb)
             self.analysis.with_figures = any(s.logs_figures for s in self.sinks)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from policy_probes.analysis.findings import (
+    FindingsEngine,
     default_rules,
     diagnose,
     diagnose_run,
@@ -22,7 +23,7 @@ from policy_probes.analysis.findings import (
 )
 from policy_probes.analysis.live import LiveAnalysis
 from policy_probes.cli import main
-from policy_probes.records import Record, read_jsonl
+from policy_probes.records import Record, RunRecords, read_jsonl
 
 EPOCHS = 30
 
@@ -287,7 +288,10 @@ def test_the_live_findings_are_those_of_the_records_so_far_at_every_epoch() -> N
         so_far.append(r)
         record = analysis.add(Record.from_json(r))
         assert as_tuples(record.findings) == rules_afresh(so_far), r["epoch"]
-        assert record.findings_text == render_text(diagnose(so_far))
+        afresh = FindingsEngine()  # what `diagnose` prints for these records
+        afresh.update(RunRecords().extend(so_far))
+        coverage = afresh.coverage(len(so_far))
+        assert record.findings_text == render_text(diagnose(so_far), coverage)
         seen |= {(f["rule"], f["component"]) for f in record.findings}
         snapshot = {
             "epoch": r["epoch"],

@@ -54,6 +54,8 @@ log = logging.getLogger("trainers")
 
 #: the loop type lifecycle hooks see (``loop_points``)
 LOOP = "ppo"
+#: the first segments of the keys this loop writes into a record (``epoch_statistics``)
+METRIC_NAMESPACES = ("train", "rollout", "perf", "eval", "trainer")
 
 #: order of the statistics that ppo_loss returns stacked in one tensor
 LOSS_STATS = ("policy_loss", "value_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac")

@@ -324,9 +324,11 @@ def select_checkpoint(run: Run, resume: bool | str | Path) -> tuple[Path, dict[s
 
 def resume_trainer(
     trainer: Any, run: Run, resume_from: tuple[Path, dict[str, Any]], *, own_envs: bool
-) -> None:
+) -> bool:
     """Restore ``trainer`` from the checkpoint and rewind the metric files to it (records
-    of later epochs, written before a crash, are dropped: every epoch appears once)."""
+    of later epochs, written before a crash, are dropped: every epoch appears once).
+    Returns whether anything is left to train: False for a run at its last epoch, which
+    the caller leaves as it is (no file rewritten)."""
     path, ckpt = resume_from
     done, planned = completed_epochs(ckpt), trainer.num_epochs
     if done > planned:  # before anything changes: the run stays as it was
@@ -336,16 +338,18 @@ def resume_trainer(
             f"nothing would be trained; raise trainer.total_timesteps above "
             f"{ckpt['agent_step']} to continue the run"
         )
+    restore_trainer(trainer, ckpt, restore_envs=own_envs)
+    trainer.state.last_checkpoint = path  # the newest finite one until the run writes more
     if done == planned and not ckpt.get("mid_epoch"):
         log.warning(
             f"{path} is at the run's last epoch ({done} of trainer.total_timesteps="
-            f"{trainer.cfg.total_timesteps}): nothing is left to train; raise "
-            f"trainer.total_timesteps to train further"
+            f"{trainer.cfg.total_timesteps}): nothing is left to train, and the run is left "
+            f"as it was (no file changed); raise trainer.total_timesteps to train further"
         )
-    restore_trainer(trainer, ckpt, restore_envs=own_envs)
-    trainer.state.last_checkpoint = path  # the newest finite one until the run writes more
+        return False
     run.rewind(done)
     mid = " (mid-epoch)" if ckpt.get("mid_epoch") else ""
     log.warning(
         f"resuming from {path}: epoch {ckpt['epoch']}{mid}, optimizer step {ckpt['optimizer_step']}"
     )
+    return True

@@ -60,7 +60,7 @@ from trainers.envs import make_vector_env
 from trainers.evaluation import EvaluationHook, final_evaluation_bound
 from trainers.fork import apply_optimizer_config, check_fork_length, fork_checkpoint, parent_record
 from trainers.policy import ActorCriticPolicy
-from trainers.ppo import LOOP, PPOTrainer, check_rollout_size
+from trainers.ppo import LOOP, METRIC_NAMESPACES, PPOTrainer, check_rollout_size
 from trainers.run_control import RunControl, resume_trainer, select_checkpoint
 
 log = logging.getLogger("trainers")
@@ -307,6 +307,7 @@ class TrainTool(Section, ProbeSettings):
                     attached = self._attach_probes(session)
                     # the trainer binds the loop: every remedy checks its names and probes
                     PPOTrainer(envs, policy, self.trainer, session=session)
+                    session.check_remedy_triggers(self._metric_namespaces())
                 finally:
                     session.close()
             finally:
@@ -393,6 +394,8 @@ class TrainTool(Section, ProbeSettings):
             if forked:
                 resume_from = fork_checkpoint(fork_from, run.dir)
                 check_fork_length(fork_from, self.trainer.total_timesteps // self.rollout_size)
+            if resume_from is not None:
+                self._check_seed(*resume_from, forked=fork_from is not None)
         config = self._run_config(run, dist_run, fork_from, None if forked else resume_from)
         dist_run.barrier()  # every rank checked run_dir before rank 0 writes into it
         seed_everything(self.seed)  # same on every rank: same initial policy
@@ -421,10 +424,13 @@ class TrainTool(Section, ProbeSettings):
                 device=dist_run.device,
                 seed=dist_run.seed(self.seed, self.env.num_envs),  # distinct envs per rank
             )
+            session.check_remedy_triggers(self._metric_namespaces())
             if dist_run.distributed:
                 trainer.wrap_ddp(dist_run.ddp_device_ids())
             if resume_from is not None:
-                resume_trainer(trainer, run, resume_from, own_envs=dist_run.is_main)
+                left = resume_trainer(trainer, run, resume_from, own_envs=dist_run.is_main)
+                if not left:  # a finished run: nothing written, nothing changed
+                    return train_result(trainer.state, session, run, checkpointer, dist_run)
             if forked:
                 apply_optimizer_config(trainer, trainer.cfg)
                 trainer.state.last_checkpoint = None  # the parent's is not this run's
@@ -444,6 +450,28 @@ class TrainTool(Section, ProbeSettings):
                     hook.envs.close()
             run.sinks.close()
         return train_result(state, session, run, checkpointer, dist_run)
+
+    def _metric_namespaces(self) -> tuple[str, ...] | None:
+        """The first segments of the loop's keys; None when a trainer hook of the recipe's
+        own may log others."""
+        return None if self._added_hooks else METRIC_NAMESPACES
+
+    def _check_seed(self, path: Path, ckpt: dict[str, Any], *, forked: bool) -> None:
+        """Refuse a :attr:`seed` other than the checkpoint's: a resumed run or a fork
+        continues the random streams the checkpoint holds, so another seed would only be
+        recorded, changing nothing."""
+        saved = ckpt.get("seed")
+        if saved is None or int(saved) == self.seed:
+            return
+        what = (
+            f"a fork continues its parent's random streams (seed {saved}, restored from {path})"
+            if forked
+            else f"a resumed run continues the random streams of {path} (seed {saved})"
+        )
+        raise ValueError(
+            f"seed={self.seed} cannot take effect: {what}; drop seed={self.seed}, or start a "
+            f"new run with seed={self.seed} to train with another seed"
+        )
 
     @property
     def rollout_size(self) -> int:

@@ -67,6 +67,12 @@ def parse_arm(text: str) -> Arm:
         )
     if name == NONE:
         raise ArmsError(f"--arm {text!r}: the name 'none' is the arm without overrides")
+    if any(o.partition("=")[0].strip() == "seed" for o in overrides):
+        raise ArmsError(
+            f"--arm {text!r}: an arm is a fork, which continues its parent's random streams, "
+            f"so seed= would change nothing; drop it, and compare seeds by giving one parent "
+            f"run per seed"
+        )
     return Arm(name or default_name(overrides), overrides)
 
 

@@ -18,7 +18,7 @@ import statistics
 import sys
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -234,6 +234,16 @@ class FindingsEngine:
             if equal:  # still equal: equal as long as they gain the same points
                 self._twins[pair] = fed[pair[0]] == fed[pair[1]]
 
+    def coverage(self, epochs: int) -> Coverage:
+        """Which rules could judge the ``epochs`` epoch records read so far."""
+        needed = MIN_WINDOWS * self.window
+        most: dict[str, int] = {}
+        for trend in self._trends.values():
+            most[trend.rule.name] = max(most.get(trend.rule.name, 0), trend.count)
+        judged = [rule for rule, n in most.items() if n >= needed]
+        short = {rule: n for rule, n in most.items() if n < needed}
+        return Coverage(epochs, needed, self.window, judged, short)
+
     def _pair(self, trend: _Trend, other: _Trend) -> None:
         """Follow whether a component's series equals one of its layers' (both new)."""
         if other.rule is not trend.rule:
@@ -253,6 +263,50 @@ class FindingsEngine:
         found = [t.finding(self.window) for t in ordered]
         found.sort(key=lambda f: (f.onset_epoch, f.rule, f.component))
         return found
+
+
+@dataclass
+class Coverage:
+    """What the rules could judge: a rule judges once one of its series spans
+    :data:`MIN_WINDOWS` windows; ``diagnose`` says so when none could."""
+
+    #: epochs with a record in the run
+    epochs: int
+    #: epochs a rule's series needs (``MIN_WINDOWS * window``)
+    needed: int
+    window: int
+    #: rules that read a series long enough
+    judged: list[str] = field(default_factory=list)
+    #: rule -> the most epochs any of its series holds, for rules that read none long enough
+    too_short: dict[str, int] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def unjudged(self) -> str | None:
+        """Why nothing, or what, could not be judged (None: every rule that read a series
+        judged it)."""
+        if not self.too_short and self.judged:
+            return None
+        if self.epochs == 0:
+            return "nothing could be judged: the run has no epoch record"
+        if not self.judged and not self.too_short:
+            return (
+                f"nothing could be judged: none of the {self.epochs} epoch records holds a "
+                f"measure a rule reads (the rules read the probes' metrics; attach probes: "
+                f"`policy-probes plugins --kind probe`)"
+            )
+        rules = ", ".join(f"{rule} ({n} epochs)" for rule, n in sorted(self.too_short.items()))
+        need = (
+            f"a rule needs {self.needed} epochs of its measure ({MIN_WINDOWS} windows of "
+            f"{self.window} epochs, the window)"
+        )
+        if self.judged:
+            return f"not judged, too few epochs ({need}): {rules}"
+        return (
+            f"nothing could be judged: the run has {self.epochs} epoch records and {need}; "
+            f"too few epochs for {rules}"
+        )
 
 
 def _points_after(series: Mapping[int, Any], epoch: int | None) -> list[tuple[int, float]]:
@@ -281,8 +335,15 @@ def diagnose(
 
 def diagnose_run(run_dir: Path, window: int = WINDOW) -> list[Finding]:
     """:func:`diagnose` on ``run_dir/metrics.jsonl`` with :func:`run_rules`."""
+    return diagnose_with_coverage(run_dir, window)[0]
+
+
+def diagnose_with_coverage(run_dir: Path, window: int = WINDOW) -> tuple[list[Finding], Coverage]:
+    """:func:`diagnose_run` and what its rules could judge (:class:`Coverage`)."""
     records = RunRecords.read(run_dir)
-    return diagnose(records, run_rules(run_dir), window=window)
+    engine = FindingsEngine(run_rules(run_dir), window)
+    engine.update(records)
+    return engine.findings(), engine.coverage(len(records.epochs))
 
 
 def run_rules(run_dir: Path) -> tuple[Rule, ...]:
@@ -296,16 +357,25 @@ def run_rules(run_dir: Path) -> tuple[Rule, ...]:
     return default_rules()
 
 
-def to_json(findings: Sequence[Finding]) -> str:
-    return json.dumps({"findings": [f.to_dict() for f in findings]}, indent=2)
+def to_json(findings: Sequence[Finding], coverage: Coverage | None = None) -> str:
+    out: dict[str, Any] = {"findings": [f.to_dict() for f in findings]}
+    if coverage is not None:
+        out["coverage"] = coverage.to_dict()
+    return json.dumps(out, indent=2)
 
 
 def from_json(text: str) -> list[Finding]:
     return [Finding.from_dict(d) for d in json.loads(text)["findings"]]
 
 
-def render_text(findings: Sequence[Finding]) -> str:
-    """Plain text for terminals and logs: one block per finding."""
+def render_text(findings: Sequence[Finding], coverage: Coverage | None = None) -> str:
+    """Plain text for terminals and logs: one block per finding; with ``coverage``, what
+    could not be judged (a run too short for every rule gets that alone)."""
+    unjudged = None if coverage is None else coverage.unjudged()
+    if unjudged is not None and not coverage.judged:
+        return unjudged
+    if unjudged is not None:
+        return f"{render_text(findings)}\n{unjudged}"
     if not findings:
         return "no findings: no plasticity measure crossed its threshold as a trend"
     lines = [f"{len(findings)} finding(s):"]
@@ -372,6 +442,10 @@ def add_diagnose_subcommand(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=diagnose_command)
 
 
+#: ``diagnose``'s exit status when no rule had enough epochs to judge (docs/findings.md)
+EXIT_NOT_JUDGED = 3
+
+
 def cli_error(command: str, message: str) -> int:
     """Print ``policy-probes COMMAND: error: MESSAGE`` to stderr; returns the exit status 2."""
     print(f"policy-probes {command}: error: {message}", file=sys.stderr)
@@ -379,12 +453,13 @@ def cli_error(command: str, message: str) -> int:
 
 
 def diagnose_command(args: argparse.Namespace) -> int:
-    """Handler of ``diagnose``: 0 (findings or none), 2 when RUN_DIR has no metrics."""
+    """Handler of ``diagnose``: 0 (findings or none), 2 when RUN_DIR has no metrics,
+    :data:`EXIT_NOT_JUDGED` when no rule had enough epochs to judge."""
     if args.window < 1:
         return cli_error("diagnose", "--window must be >= 1")
     try:
-        findings = diagnose_run(args.run_dir, window=args.window)
+        findings, coverage = diagnose_with_coverage(args.run_dir, window=args.window)
     except FileNotFoundError as exc:
         return cli_error("diagnose", str(exc))
-    print(to_json(findings) if args.json else render_text(findings))
-    return 0
+    print(to_json(findings, coverage) if args.json else render_text(findings, coverage))
+    return 0 if coverage.judged else EXIT_NOT_JUDGED

@@ -24,6 +24,7 @@ class LiveAnalysis:
         self.records = RunRecords(keep=self.keeps, max_epochs=max_epochs)
         #: whether to keep the series the figures draw; set before the first record
         self.with_figures = True
+        self._epochs: set[int] = set()  # with a record: what the findings could judge
 
     def keeps(self, key: str) -> bool:
         """Whether the store keeps ``key``: a rule reads it or a figure draws it."""
@@ -43,11 +44,13 @@ class LiveAnalysis:
         self.records.add(record)
         if record.hook_point != POST_EPOCH:
             return record
+        self._epochs.add(record.epoch)
         self.findings.update(self.records)
         found = self.findings.findings()
         findings = tuple(f.to_dict() for f in found)
+        text = render_text(found, self.findings.coverage(len(self._epochs)))
         r = record
-        return Record(r.epoch, r.hook_point, r.agent_step, r.metrics, findings, render_text(found))
+        return Record(r.epoch, r.hook_point, r.agent_step, r.metrics, findings, text)
 
     def figures(self) -> dict[str, tuple[bytes, str]]:
         """The run's figures so far (``heatmaps/...``, ``layers/...``)."""

@@ -40,7 +40,7 @@ class HookConfig(BaseModel):
     epoch points) and the inclusive epoch window ``min_epoch`` / ``max_epoch`` (the
     records' epoch numbers)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
     schedule: str | None = None
     epochs: str | None = None
     min_epoch: int | None = Field(None, ge=0)

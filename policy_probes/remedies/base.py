@@ -7,6 +7,7 @@ a component binds it (:class:`BoundRemedy`: the component's layers, the optimise
 from __future__ import annotations
 
 import logging
+import math
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from torch import nn
 
 from policy_probes.context import ComponentContext
 from policy_probes.remedies.optim_state import check_optimizer
-from policy_probes.remedies.trigger import Threshold, Trigger
+from policy_probes.remedies.trigger import Threshold, Trigger, whole_number
 
 log = logging.getLogger("policy_probes")
 
@@ -66,9 +67,7 @@ class Remedy:
         seed: int | None = None,
     ) -> None:
         self.trigger = Trigger.build(every_epochs, when, start_epoch, cooldown)
-        if seed is not None and (isinstance(seed, bool) or int(seed) < 0):
-            raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
-        self.seed = None if seed is None else int(seed)
+        self.seed = None if seed is None else whole_number("seed", seed, 0)
 
     def reads_components(self, component: str) -> list[str]:
         """The components a ``when=`` on a ``probes/`` key reads (the sampler pins them)."""
@@ -116,7 +115,11 @@ class Remedy:
 
 
 def checked(name: str, value: Any, ok: Callable[[float], bool], rule: str) -> float:
-    """``float(value)`` if ``ok`` holds (never for a bool), else a ValueError: name must be rule."""
+    """``float(value)`` if it is finite and ``ok`` holds (never for a bool), else a
+    ValueError: name must be rule (``tau=inf`` would also reach ``config.json`` as a
+    number JSON has not)."""
+    if not isinstance(value, bool) and not math.isfinite(float(value)):
+        raise ValueError(f"{name} must be finite and {rule}, got {value!r}")
     if isinstance(value, bool) or not ok(float(value)):
         raise ValueError(f"{name} must be {rule}, got {value!r}")
     return float(value)

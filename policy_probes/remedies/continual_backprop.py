@@ -30,6 +30,7 @@ from policy_probes.remedies.dormant_recycling import recycle
 from policy_probes.remedies.fresh_init import draw_seed
 from policy_probes.remedies.step_remedy import StepRemedy, StepState
 from policy_probes.remedies.structure import RECURRENT, UnitLayer, target_unit_layers
+from policy_probes.remedies.trigger import whole_number
 
 
 @dataclass
@@ -91,11 +92,7 @@ class ContinualBackprop(StepRemedy):
         self.replacement_rate = checked(
             "replacement_rate", replacement_rate, lambda v: 0 < v <= 1, "in (0, 1]"
         )
-        if isinstance(maturity_threshold, bool) or int(maturity_threshold) != maturity_threshold:
-            raise ValueError(f"maturity_threshold must be an integer, got {maturity_threshold!r}")
-        if int(maturity_threshold) < 0:
-            raise ValueError(f"maturity_threshold must be >= 0, got {maturity_threshold!r}")
-        self.maturity_threshold = int(maturity_threshold)
+        self.maturity_threshold = whole_number("maturity_threshold", maturity_threshold, 0)
         self.decay = checked("decay", decay, lambda v: 0 <= v < 1, "in [0, 1)")
         super().__init__(seed=seed)
         self.consumer = name_list(consumer)

@@ -16,7 +16,7 @@ from policy_probes.remedies.base import RemedyOptions, RemedyTarget, name_list
 from policy_probes.remedies.fresh_init import LayerRefresh, check_resettable, resettable_leaves
 from policy_probes.remedies.optim_state import reset_entries
 from policy_probes.remedies.structure import parametrised_leaves
-from policy_probes.remedies.trigger import Threshold
+from policy_probes.remedies.trigger import Threshold, whole_number
 
 
 @register
@@ -35,11 +35,9 @@ class ResetLayers(LayerRefresh):
                 "reset_layers needs exactly one of layers=[names inside the component] or "
                 "last=<n> (the last n parametrised layers)"
             )
-        if last is not None and (isinstance(last, bool) or int(last) < 1):
-            raise ValueError(f"last must be a positive integer, got {last!r}")
         super().__init__(**trigger)
         self.layers = name_list(layers)
-        self.last = None if last is None else int(last)
+        self.last = None if last is None else whole_number("last", last, 1)
 
     def prepare(self, target: RemedyTarget) -> list[tuple[str, nn.Module]]:
         if self.last is not None:

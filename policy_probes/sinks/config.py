@@ -44,7 +44,7 @@ class SinksConfig(BaseModel):
     """Which outputs a run writes (into ``run_dir``); a registered sink of your own is
     switched on like a built-in one: ``sinks.<its name>=true``."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     console: bool = Field(True, description="Rich table at each SNAPSHOT and a live trend view.")
     console_metrics: list[str] | None = Field(
@@ -107,7 +107,7 @@ class WandbConfig(BaseModel):
     to ``WANDB_MODE``, else ``online`` with an API key (:func:`api_key_configured`), else
     ``offline`` (uploaded later with ``wandb sync run_dir/wandb/offline-run-*``)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     mode: WandbMode | None = Field(None, description="online | offline | disabled | null=auto")
     project: str = "policy-probes"
