@@ -44,7 +44,8 @@ from policy_probes.overrides import (
     parse_value,
     valid_keys,
 )
-from policy_probes.run import check_run_dir_path, held_outputs
+from policy_probes.run import check_run_dir_path, held_outputs, holds_progress
+from policy_probes.run_lock import lock_owner
 from policy_probes.user_errors import (
     SETUP_ERROR_TYPES,
     CLIError,
@@ -465,10 +466,14 @@ def read_run_config(run_dir: Path, how: str) -> tuple[dict[str, Any], str]:
     config_path = run_dir / "config.json"
     if not config_path.is_file():
         if held_outputs(run_dir):  # metric files only: killed before its first step
+            owner = lock_owner(run_dir)
+            started = f" (its lock says: {owner.get('command')})" if owner else ""
             raise CLIError(
                 f"{run_dir} holds no config.json: its run was stopped while it started, "
-                f"before training; start it again with `policy-probes run RECIPE "
-                f"run_dir={run_dir}` (it starts from the beginning)"
+                f"before training{started}; start it again with the command that started "
+                f"it: `policy-probes run RECIPE run_dir={run_dir}`, or for a fork "
+                f"`policy-probes fork PARENT --epoch N {run_dir}` (it starts from the "
+                f"beginning)"
             )
         raise CLIError(f"{run_dir} holds no config.json; give the directory of a training run")
     try:
@@ -545,12 +550,7 @@ def fork_command(args: argparse.Namespace) -> int:
     config, target = read_run_config(
         run_dir, "fork it with tool.invoke(fork_from=ForkPoint(run_dir, epoch))"
     )
-    held = held_outputs(new_run_dir)
-    if held:
-        raise CLIError(
-            f"{new_run_dir} already holds a run ({', '.join(held)}); give a new directory "
-            f"for the fork"
-        )
+    again = fork_started_before(run_dir, args.epoch, new_run_dir)
     overrides = launch_overrides(config, args.overrides, new_run_dir)
     tool = prepare_tool(target, overrides, args.no_progress)
     if not runnable.supports_fork(tool):
@@ -558,7 +558,35 @@ def fork_command(args: argparse.Namespace) -> int:
             f"{type(tool).__name__}.invoke() takes no fork_from keyword "
             f"(policy_probes.runnable.ForkPoint); this Runnable cannot be forked"
         )
-    return run_tool(tool, fork_from=runnable.ForkPoint(run_dir, args.epoch))
+    # started before and stopped before its first epoch: as `resume` would, fork again
+    return run_tool(tool, resume=again, fork_from=runnable.ForkPoint(run_dir, args.epoch))
+
+
+def fork_started_before(parent: Path, epoch: int, new_run_dir: Path) -> bool:
+    """Whether ``new_run_dir`` holds this very fork (parent and epoch in its config.json),
+    stopped or refused before its first epoch record and checkpoint: the fork command
+    then starts it again. Empty, or a start killed before config.json (the run's own
+    claim clears that): False. Any other run: :class:`CLIError` saying what to do."""
+    held = held_outputs(new_run_dir)
+    if not held or "config.json" not in held and not holds_progress(new_run_dir):
+        return False
+    try:
+        recorded = json.loads((new_run_dir / "config.json").read_text()).get("parent") or {}
+    except (OSError, ValueError, AttributeError):
+        recorded = {}
+    same = (
+        isinstance(recorded, dict)
+        and recorded.get("epoch") == epoch
+        and Path(str(recorded.get("run_dir"))).resolve() == parent.resolve()
+    )
+    if same and not holds_progress(new_run_dir):
+        return True
+    resume = f"{program_name()} resume {shlex.quote(str(new_run_dir))}"
+    what = f"this fork of {parent} at epoch {epoch}" if same else "a run"
+    raise CLIError(
+        f"{new_run_dir} already holds {what} ({', '.join(held)}); continue it with "
+        f"`{resume}` (a fork keeps its parent), or give a new directory for the fork"
+    )
 
 
 def add_ctl_subcommand(subparsers: argparse._SubParsersAction) -> None:

@@ -11,7 +11,9 @@ import functools
 import itertools
 import json
 import logging
+import os
 import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -64,7 +66,8 @@ def remove_outputs(run_dir: str | Path, names: tuple[str, ...] = RUN_OUTPUTS) ->
 
 
 def check_run_dir_path(run_dir: str | Path) -> None:
-    """Raise a usage error when ``run_dir`` has a name too long or a parent that is a file."""
+    """Raise a usage error when ``run_dir`` has a name too long, a parent that is a file,
+    or is (or lies under) a symbolic link to nothing."""
     path = Path(run_dir)
     longest = max(path.parts, key=len, default="")
     if len(longest.encode()) > NAME_MAX:
@@ -76,6 +79,14 @@ def check_run_dir_path(run_dir: str | Path) -> None:
             )
         )
     for candidate in (path, *path.parents):
+        if candidate.is_symlink() and not candidate.exists():
+            raise mark_usage_error(
+                FileNotFoundError(
+                    f"run_dir {str(path)!r} cannot be created: {str(candidate)!r} is a "
+                    f"symbolic link to {os.readlink(candidate)!r}, which does not exist; "
+                    f"create its target or choose another run_dir"
+                )
+            )
         if candidate.exists() and not candidate.is_dir():
             raise mark_usage_error(
                 NotADirectoryError(
@@ -83,6 +94,29 @@ def check_run_dir_path(run_dir: str | Path) -> None:
                     f"choose a directory path for run_dir"
                 )
             )
+
+
+def check_run_dir_writable(run_dir: str | Path) -> None:
+    """Raise a usage error unless a file can be created in ``run_dir`` or, while it does
+    not exist, in its nearest existing parent (``/proc``, a read-only mount); an unnamed
+    temporary file is the test, so nothing is left behind."""
+    path = Path(run_dir)
+    existing = next((p for p in (path, *path.parents) if p.is_dir()), Path.cwd())
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as exc:
+        raise not_writable(path, exc) from None
+
+
+def not_writable(run_dir: Path, exc: OSError) -> PermissionError:
+    """The usage error of a ``run_dir`` that cannot be created or written."""
+    return mark_usage_error(
+        PermissionError(
+            f"run_dir {str(run_dir)!r} is not writable ({exc.strerror or exc}); choose a "
+            f"directory you can write to for run_dir"
+        )
+    )
 
 
 #: the longest file name most file systems take (ext4, xfs, btrfs, tmpfs, APFS, NTFS)
@@ -94,21 +128,18 @@ def _short(text: str, keep: int = 40) -> str:
 
 
 def make_run_dir(run_dir: str | Path) -> Path:
-    """Create ``run_dir`` and check that it is writable (a usage error otherwise)."""
+    """Create ``run_dir`` and check that it is writable (a usage error otherwise); the
+    checks are :meth:`Run.check`'s (``--dry-run``), so both refuse the same paths."""
     path = Path(run_dir)
     check_run_dir_path(path)
+    check_run_dir_writable(path)
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = path / ".write_test"
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as exc:
-        raise mark_usage_error(
-            PermissionError(
-                f"run_dir {str(path)!r} is not writable ({exc.strerror or exc}); choose a "
-                f"directory you can write to for run_dir"
-            )
-        ) from None
+        raise not_writable(path, exc) from None
     return path
 
 
@@ -172,34 +203,33 @@ class Run:
         self.opened = True
         return self
 
-    def claim(self) -> None:
+    def claim(self, *, dry_run: bool = False) -> None:
         """For a directory holding a run: continue it (``resume``), replace it (``overwrite``),
-        restart a run killed while starting, or raise :class:`RunDirConflict`."""
+        restart a run killed while starting, or raise :class:`RunDirConflict`. ``dry_run``:
+        remove nothing, log what would be removed."""
         held = held_outputs(self.dir)
         if not held or self.resume:
             return
         if not self.overwrite and not _aborted_start(self.dir, held):
             raise RunDirConflict(
                 f"run_dir {str(self.dir)!r} already holds a run ({', '.join(held)}); pass "
-                f"resume=True to continue it, overwrite=True to replace it (command line: "
-                f"`policy-probes resume {self.dir}`, `policy-probes run ... --overwrite`), "
-                f"or choose another run_dir"
+                f"resume=True to continue it, overwrite=True to replace it (to Run, "
+                f"ProbeCallback or TrainTool.invoke; command line: `policy-probes resume "
+                f"{self.dir}`, `policy-probes run ... --overwrite`), or choose another run_dir"
             )
-        if self.main:
+        if self.main and not dry_run:
             remove_outputs(self.dir)
         killed = "a run killed while it started; it starts again from its beginning"
         why = "overwrite" if self.overwrite else killed
-        log.warning("removed the previous run's %s from %s (%s)", ", ".join(held), self.dir, why)
+        done = "would remove" if dry_run else "removed"
+        log.warning("%s the previous run's %s from %s (%s)", done, ", ".join(held), self.dir, why)
 
     def check(self) -> None:
         """Raise what :meth:`open` would, writing nothing (``run --dry-run``)."""
         check_run_dir_path(self.dir)
+        check_run_dir_writable(self.dir)
         refuse_if_locked(self.dir)
-        main, self.main = self.main, False  # the claim reads only
-        try:
-            self.claim()
-        finally:
-            self.main = main
+        self.claim(dry_run=True)
 
     def discard_records(self) -> None:
         """Delete the run's metric files (main process; a resume without a checkpoint)."""
@@ -293,22 +323,30 @@ def record_sampling_choice(run_dir: Path | None, choice: dict[str, Any]) -> None
         log.error("could not record the probe sampling choice in %s: %s", path, exc)
 
 
+def holds_progress(run_dir: str | Path) -> bool:
+    """Whether ``run_dir`` holds what starting its run again would lose: an epoch record
+    (``metrics.jsonl``, or a data row of ``metrics.csv``) or a checkpoints directory
+    (unreadable files count as progress)."""
+    run_dir = Path(run_dir)
+    if (run_dir / "checkpoints").is_dir():
+        return True
+    jsonl, table = run_dir / "metrics.jsonl", run_dir / "metrics.csv"
+    try:
+        if jsonl.is_file() and any(True for _ in iter_jsonl(jsonl)):
+            return True
+        if table.is_file():  # a header at most: no row
+            with open(table, encoding="utf-8", errors="replace") as f:
+                if len(f.readlines(2**16)) > 1:
+                    return True
+    except (OSError, ValueError):
+        return True
+    return False
+
+
 def _aborted_start(run_dir: Path, held: list[str]) -> bool:
     """Whether ``run_dir`` holds only what a run killed before its first step leaves
     (metric files without a record, no ``config.json``, no checkpoint)."""
-    if "config.json" in held or "checkpoints" in held:
-        return False
-    jsonl, csv = run_dir / "metrics.jsonl", run_dir / "metrics.csv"
-    try:
-        if jsonl.is_file() and any(True for _ in iter_jsonl(jsonl)):
-            return False
-        if csv.is_file():  # a header at most: no row
-            with open(csv, encoding="utf-8", errors="replace") as f:
-                if len(f.readlines(2**16)) > 1:
-                    return False
-    except (OSError, ValueError):
-        return False
-    return True
+    return "config.json" not in held and not holds_progress(run_dir)
 
 
 def _missing_directories(run_dir: Path) -> list[Path]:

@@ -302,8 +302,13 @@ def select_checkpoint(run: Run, resume: bool | str | Path) -> tuple[Path, dict[s
         remove_stale_temp_files(directory)
     if resume is True:
         if not list_checkpoints(directory):
+            last = run.last_recorded_epoch()
+            dropped = f"its records of epochs 1-{last} are dropped and " if last else ""
             log.warning(
-                "no checkpoint in %s yet: the run starts again from its beginning", directory
+                "no checkpoint in %s: nothing to resume from; %sthe run trains again from its "
+                "beginning (a fork: from its parent's checkpoint)",
+                directory,
+                dropped,
             )
             run.discard_records()
             return None
@@ -320,6 +325,24 @@ def select_checkpoint(run: Run, resume: bool | str | Path) -> tuple[Path, dict[s
             f"use the newest valid one)"
         )
     return path, load_checkpoint(path)
+
+
+def refuse_finished_without_checkpoint(run: Run, num_epochs: int) -> None:
+    """Raise ``ValueError`` when a resume finds a run whose records reach its last epoch
+    (``num_epochs``) but no checkpoint: nothing to resume from, and training it again
+    would only replace what it recorded."""
+    if list_checkpoints(run.dir / "checkpoints"):
+        return
+    last = run.last_recorded_epoch()
+    if last is None or last < num_epochs:
+        return
+    raise ValueError(
+        f"{run.dir} finished its {last} epochs and holds no checkpoint (it ran with "
+        f"checkpoint.at_end=false, or they were deleted): there is nothing to resume "
+        f"from. To train it again from its beginning: `policy-probes run RECIPE "
+        f"run_dir={run.dir} --overwrite` (Python: invoke(overwrite=True)); a run to be "
+        f"resumed or extended later needs checkpoint.at_end=true (the default)"
+    )
 
 
 def resume_trainer(

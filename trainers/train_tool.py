@@ -61,7 +61,12 @@ from trainers.evaluation import EvaluationHook, final_evaluation_bound
 from trainers.fork import apply_optimizer_config, check_fork_length, fork_checkpoint, parent_record
 from trainers.policy import ActorCriticPolicy
 from trainers.ppo import LOOP, METRIC_NAMESPACES, PPOTrainer, check_rollout_size
-from trainers.run_control import RunControl, resume_trainer, select_checkpoint
+from trainers.run_control import (
+    RunControl,
+    refuse_finished_without_checkpoint,
+    resume_trainer,
+    select_checkpoint,
+)
 
 log = logging.getLogger("trainers")
 
@@ -389,6 +394,9 @@ class TrainTool(Section, ProbeSettings):
             torch.set_num_threads(self.torch_threads)
         with usage_errors():
             run.claim()
+            if resume is True and fork_from is None:
+                num_epochs = self.trainer.total_timesteps // self.rollout_size
+                refuse_finished_without_checkpoint(run, num_epochs)
             resume_from = select_checkpoint(run, resume)
             forked = fork_from is not None and resume_from is None
             if forked:

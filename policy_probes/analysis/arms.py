@@ -10,13 +10,19 @@ deviation over the parents: ``OUT/arms.json``, ``OUT/arms.md``, ``OUT/report-<pa
 from __future__ import annotations
 
 import argparse
+import contextlib
+import difflib
 import json
 import math
 import os
 import re
+import shlex
+import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +30,7 @@ from typing import Any
 
 from policy_probes.records import METRICS_JSONL, RunRecords
 from policy_probes.run import held_outputs
+from policy_probes.run_lock import describe_owner, lock_is_live, lock_owner
 from policy_probes.user_errors import positive_int
 
 #: the training return the comparison leads with
@@ -169,24 +176,135 @@ class Child:
 
 
 def child_command(child: Child, epoch: int) -> list[str]:
-    """``policy-probes fork`` for a new child; ``resume`` for one a previous call left."""
+    """``policy-probes fork`` for a new child (or one stopped before its config.json);
+    ``resume`` for one a previous call started (a child without a checkpoint forks again)."""
     cli = [sys.executable, "-m", "policy_probes.cli"]
-    if held_outputs(child.run_dir):
+    if (child.run_dir / "config.json").is_file():
         return [*cli, "resume", str(child.run_dir), "--no-progress"]
     fork = ["fork", str(child.parent), "--epoch", str(epoch), str(child.run_dir)]
     return [*cli, *fork, *child.arm.overrides, "--no-progress"]
 
 
-def train_child(child: Child, epoch: int, end: int) -> Child:
+#: runs a child's command once it is bound to this process: on Linux the kernel sends the
+#: child SIGTERM when the arms process dies, even by SIGKILL (``PR_SET_PDEATHSIG``), and
+#: a child whose arms process is already gone does not start
+_LAUNCHER = """
+import ctypes, os, signal, sys
+try:
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+except (AttributeError, OSError):  # not Linux: arms' signal handlers stop the children
+    pass
+if os.getppid() != int(sys.argv[1]):
+    sys.exit(143)
+os.execv(sys.executable, [sys.executable, *sys.argv[2:]])
+"""
+
+
+class Children:
+    """The children being trained: started in their own session (a terminal's Ctrl-C
+    reaches arms alone), bound to this process's life, and sent the signal that stops
+    arms (each checkpoints at its next minibatch boundary and exits; no orphan)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._live: set[subprocess.Popen] = set()
+        #: the signal that stopped arms (None: running); no child starts after it
+        self.stopped_by: int | None = None
+
+    def run(self, command: list[str], log: Path) -> int | None:
+        """Run ``command`` to its end, its output appended to ``log`` (None: not started)."""
+        launcher = [sys.executable, "-c", _LAUNCHER, str(os.getpid()), *command[1:]]
+        # append: an earlier attempt's lines stay, and no writer can leave a hole of NULs
+        with open(log, "a", encoding="utf-8") as out:
+            out.write(f"--- policy-probes arms, {time.strftime('%Y-%m-%d %H:%M:%S')}: ")
+            out.write(" ".join(shlex.quote(c) for c in command[1:]) + "\n")
+            out.flush()
+            with self._lock:
+                if self.stopped_by is not None:
+                    return None
+                proc = subprocess.Popen(
+                    launcher, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                )
+                self._live.add(proc)
+            try:
+                return proc.wait()
+            finally:
+                with self._lock:
+                    self._live.discard(proc)
+
+    def stop(self, signum: int) -> None:
+        """Send ``signum`` to every live child; start no other."""
+        with self._lock:
+            self.stopped_by = signum
+            for proc in self._live:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signum)
+
+
+class ArmsStopped(Exception):
+    """arms was stopped by a signal after its children were; ``exit_code``: 128 + signal."""
+
+    def __init__(self, signum: int) -> None:
+        name = signal.Signals(signum).name
+        super().__init__(
+            f"stopped by {name}: every child was sent {name} and has stopped (a child "
+            f"writes a checkpoint at its next minibatch); run the same command again to "
+            f"continue them"
+        )
+        self.exit_code = 128 + signum
+
+
+@contextlib.contextmanager
+def stopping_children_on_signals(children: Children) -> Iterator[None]:
+    """While training (main thread only): SIGTERM and SIGINT stop the children, then
+    raise :class:`ArmsStopped` once the children have exited."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signals = (signal.SIGTERM, signal.SIGINT)
+    previous = {sig: signal.getsignal(sig) for sig in signals}
+
+    def on_signal(signum: int, frame: Any) -> None:
+        if children.stopped_by is None:
+            children.stop(signum)
+        else:  # a second signal: at once
+            children.stop(signal.SIGKILL)
+
+    for sig in signals:
+        signal.signal(sig, on_signal)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+    if children.stopped_by is not None:
+        raise ArmsStopped(children.stopped_by)
+
+
+def refuse_live_children(children: Sequence[Child]) -> None:
+    """:class:`ArmsError` when a child's directory is held by a live run (an earlier arms
+    stopped while a child trained, on an older version or another host)."""
+    busy = []
+    for child in children:
+        owner = lock_owner(child.run_dir)
+        if owner is not None and lock_is_live(owner):
+            busy.append(f"{child.run_dir} ({describe_owner(owner)})")
+    if busy:
+        raise ArmsError(
+            f"{len(busy)} child run(s) are still training: {'; '.join(busy)}. Wait for them "
+            f"to finish or stop each with `policy-probes ctl RUN_DIR stop`, then run this "
+            f"command again (finished children are reused, stopped ones resumed)"
+        )
+
+
+def train_child(child: Child, epoch: int, end: int, children: Children) -> Child:
     if held_outputs(child.run_dir) and last_epoch(child.run_dir) >= end:
         child.returncode = 0  # complete already: reused
         return child
     child.run_dir.parent.mkdir(parents=True, exist_ok=True)
-    with open(child.log, "w") as log:
-        proc = subprocess.run(
-            child_command(child, epoch), stdout=log, stderr=subprocess.STDOUT, env=os.environ
-        )
-    child.returncode = proc.returncode
+    child.returncode = children.run(child_command(child, epoch), child.log)
+    if child.returncode is None:
+        child.errors.append("not started: arms was stopped")
     return child
 
 
@@ -236,6 +354,23 @@ def shown_measures(comparison: dict[str, dict[str, Any]], wanted: Sequence[str])
     return [k for k in ("return", "return_last") if k in keys] + chosen
 
 
+def check_measures(wanted: Sequence[str], keys: Sequence[str], where: str) -> None:
+    """:class:`ArmsError` for a ``--measure`` that names (or ends) none of ``keys``, with
+    the close matches among the keys and their endings."""
+    endings = {k.split("/", i)[-1]: k for k in keys for i in range(k.count("/") + 1)}
+    for w in wanted:
+        if any(k == w or k.endswith(w) for k in keys):
+            continue
+        close = difflib.get_close_matches(w, list(endings), n=3, cutoff=0.6)
+        hint = f"did you mean {', '.join(dict.fromkeys(close))}? " if close else ""
+        names = sorted({k.rsplit("/", 1)[-1] for k in keys if k.startswith("probes/")})
+        shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "") or "none"
+        raise ArmsError(
+            f"--measure {w!r} is not a measure of {where}; {hint}a measure is a metric key "
+            f"or its ending: return, return_last, or a probes/ key (endings: {shown})"
+        )
+
+
 def markdown(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
@@ -266,14 +401,20 @@ def run_arms(
     if not 1 <= epoch < end:
         raise ArmsError(f"--epoch must be in 1 .. {end - 1} (the parents end at epoch {end})")
     labels = parent_labels(parents)
+    adds_probes = any(o.partition("=")[0].strip() == "probes" for a in arms for o in a.overrides)
+    if wanted and not adds_probes:  # the children measure what the parents measured
+        known = {k for p in parents for k in measures(RunRecords.read(p), epoch)}
+        check_measures(wanted, sorted(known | {"return", "return_last"}), "the parent runs")
     out.mkdir(parents=True, exist_ok=True)
     children = [
         Child(arm, parent, out / label / arm.name, out / label / f"{arm.name}.log")
         for arm in arms
         for parent, label in zip(parents, labels, strict=True)
     ]
-    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        done = list(pool.map(lambda c: train_child(c, epoch, end), children))
+    refuse_live_children(children)
+    running = Children()
+    with stopping_children_on_signals(running), ThreadPoolExecutor(max(1, jobs)) as pool:
+        done = list(pool.map(lambda c: train_child(c, epoch, end, running), children))
     per_arm: dict[str, dict[str, dict[str, float]]] = {a.name: {} for a in arms}
     for child in done:
         records = RunRecords.read(child.run_dir) if child.returncode == 0 else None
@@ -286,6 +427,10 @@ def run_arms(
         else:
             per_arm[child.arm.name][child.run_dir.parent.name] = measures(records, epoch)
     comparison = compare(per_arm, labels)
+    if wanted and any(per_arm.values()):
+        keys = sorted({k for by_key in comparison.values() for k in by_key})
+        where = "the children (trained now: run again with a corrected --measure, they are reused)"
+        check_measures(wanted, keys, where)
     result = {
         "parents": {label: str(p) for label, p in zip(labels, parents, strict=True)},
         "epoch": epoch,
@@ -365,9 +510,13 @@ def arms_command(args: argparse.Namespace) -> int:
     arms = unique_arms([parse_arm(a) for a in args.arm])
     first = args.run_dirs[0]
     out = args.out or first.parent / f"{first.resolve().name}-arms-e{args.epoch}"
-    result, children = run_arms(
-        args.run_dirs, args.epoch, arms, out, args.jobs, args.measure, not args.no_report
-    )
+    try:
+        result, children = run_arms(
+            args.run_dirs, args.epoch, arms, out, args.jobs, args.measure, not args.no_report
+        )
+    except ArmsStopped as exc:
+        print(f"policy-probes arms: {exc}", file=sys.stderr)
+        return exc.exit_code
     comparison = result["comparison"]
     header, rows = table_rows(comparison, shown_measures(comparison, args.measure))
     table = Table(title=f"arms forked at epoch {result['epoch']} of {result['end']}")

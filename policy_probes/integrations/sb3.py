@@ -97,6 +97,10 @@ class ProbeCallback(BaseCallback):
         config: the run configuration (``config.json``; SB3's hyperparameters under ``"sb3"``).
         log_sb3: add SB3's logger values of the cycle (``train/*``) and episode statistics.
         verbose: SB3 verbosity; 1 prints the run directory once.
+        resume: ``run_dir`` holds the run of an earlier script (the model loaded with
+            ``PPO.load`` and ``learn(reset_num_timesteps=False)``): append to its records,
+            cycles numbered on from its last one.
+        overwrite: ``run_dir`` holds a run to replace (its metrics, checkpoints, W&B files).
 
     After ``learn()`` the session is closed and :attr:`history` holds every record; a
     later ``learn()`` continues the same ``run_dir`` and cycle count.
@@ -113,8 +117,13 @@ class ProbeCallback(BaseCallback):
         config: Mapping[str, Any] | None = None,
         log_sb3: bool = True,
         verbose: int = 0,
+        resume: bool = False,
+        overwrite: bool = False,
     ) -> None:
         super().__init__(verbose)
+        if resume and overwrite:
+            raise ValueError("resume and overwrite exclude each other; choose one")
+        self.resume, self.overwrite = resume, overwrite
         self.probing = probing if probing is not None else ProbeSettings()
         self._probes: list[ProbeSpec] = []
         for pattern, builder, placement in _pairs(probes, "probes"):
@@ -163,7 +172,12 @@ class ProbeCallback(BaseCallback):
         fresh = not self.history and not held_outputs(run_dir)  # a new run of ours
         session = ProbeSession(
             policy,
-            run=Run(run_dir, resume=bool(self.history)),  # a later learn() goes on
+            # a later learn() goes on; the first follows resume / overwrite
+            run=Run(
+                run_dir,
+                resume=self.resume or bool(self.history),
+                overwrite=self.overwrite and not self.history,
+            ),
             probing=self.probing,
             components=sb3_components(policy, self.components),
             config={"sb3": self._hyperparameters(), **self.user_config},
