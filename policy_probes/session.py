@@ -477,6 +477,8 @@ class ProbeSession:
                     "run them. Pass the loop's optimizer to ProbeSession"
                 )
             self._check_hooks()
+            if self.run.main and self.probing.sinks.enabled("wandb"):
+                self.probing.wandb.check_credentials()  # wandb.mode=online without a key
             self.run.write_config()
             self.run.open_sinks(self.probing.sinks, self.probing.wandb)
             self.analysis.with_figures = any(s.logs_figures for s in self.sinks)

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 from policy_probes.records import METRICS_JSONL, RunRecords
-from policy_probes.run import held_outputs
 from policy_probes.user_errors import positive_int
 
 #: the training return the comparison leads with
@@ -164,6 +163,8 @@ class Child:
 
 def child_command(child: Child, epoch: int) -> list[str]:
     """``policy-probes fork`` for a new child; ``resume`` for one a previous call left."""
+    from policy_probes.run import held_outputs  # imports torch: not for `--help`
+
     cli = [sys.executable, "-m", "policy_probes.cli"]
     if held_outputs(child.run_dir):
         return [*cli, "resume", str(child.run_dir), "--no-progress"]
@@ -171,7 +172,41 @@ def child_command(child: Child, epoch: int) -> list[str]:
     return [*cli, *fork, *child.arm.overrides, "--no-progress"]
 
 
+def check_children(children: Sequence[Child]) -> None:
+    """Refuse before any child starts: each child to fork gets the configuration its
+    ``policy-probes fork`` would build (the parent's recipe and overrides, then the arm's)
+    and that fork's set-up checks (``run --dry-run``'s); an :class:`ArmsError` names the
+    arm that fails. Children left by an earlier call resume their own configuration."""
+    from policy_probes import runnable
+    from policy_probes.cli import build_from_recipe, call_tool, launch_overrides, read_run_config
+    from policy_probes.overrides import apply_overrides
+    from policy_probes.run import held_outputs
+    from policy_probes.user_errors import CLIError
+
+    recipes: dict[str, Any] = {}  # a recipe file is imported once, as one CLI call would
+    for child in children:
+        if held_outputs(child.run_dir):
+            continue
+        try:
+            config, target = read_run_config(child.parent, "fork it from Python")
+            if target not in recipes:
+                recipes[target] = build_from_recipe(target)
+            overrides = launch_overrides(config, child.arm.overrides, child.run_dir)
+            tool = apply_overrides(recipes[target], overrides)
+            if not runnable.supports_fork(tool):
+                raise CLIError(f"{type(tool).__name__}.invoke() takes no fork_from keyword")
+            call_tool(tool.check_setup, overwrite=True)  # reads only
+        except CLIError as exc:
+            arm = child.arm
+            what = f"{arm.name!r} ({' '.join(arm.overrides)})" if arm.overrides else repr(arm.name)
+            raise ArmsError(
+                f"arm {what} cannot fork {child.parent}: {exc}; no child was started"
+            ) from exc
+
+
 def train_child(child: Child, epoch: int, end: int) -> Child:
+    from policy_probes.run import held_outputs
+
     if held_outputs(child.run_dir) and last_epoch(child.run_dir) >= end:
         child.returncode = 0  # complete already: reused
         return child
@@ -201,18 +236,24 @@ def _fmt(entry: dict[str, Any] | None, diff: bool = False) -> str:
     return f"{mu:{sign}.4g}" + (f" ± {sd:.2g}" if n > 1 else "")
 
 
+#: the width of the printed table when stdout is not a terminal
+TABLE_WIDTH = 120
+#: the columns of :func:`table_rows`
+TABLE_HEADER = ("arm", "measure", "runs", "mean ± std", "Δ vs none")
+
+
 def table_rows(
     comparison: dict[str, dict[str, dict[str, Any]]], shown: Sequence[str]
 ) -> tuple[list[str], list[list[str]]]:
-    header = ["arm", "runs", *(c for key in shown for c in (key, f"Δ {key} vs none"))]
+    """One row per measure and arm, the measures in ``shown``'s order (a long table:
+    five columns however many measures, so it fits a terminal)."""
     rows = []
-    for arm, by_key in comparison.items():
-        runs = max((len(e["per_parent"]) for e in by_key.values()), default=0)
-        row = [arm, str(runs)]
-        for key in shown:
-            row += [_fmt(by_key.get(key)), _fmt(by_key.get(key), diff=True)]
-        rows.append(row)
-    return header, rows
+    for key in shown:
+        for arm, by_key in comparison.items():
+            entry = by_key.get(key)
+            runs = len(entry["per_parent"]) if entry else 0
+            rows.append([arm, key, str(runs), _fmt(entry), _fmt(entry, diff=True)])
+    return list(TABLE_HEADER), rows
 
 
 def shown_measures(comparison: dict[str, dict[str, Any]], wanted: Sequence[str]) -> list[str]:
@@ -260,12 +301,18 @@ def run_arms(
     if not 1 <= epoch < end:
         raise ArmsError(f"--epoch must be in 1 .. {end - 1} (the parents end at epoch {end})")
     labels = parent_labels(parents)
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise ArmsError(f"--out {str(out)!r} is a file; give a directory for the arms' runs")
     children = [
         Child(arm, parent, out / label / arm.name, out / label / f"{arm.name}.log")
         for arm in arms
         for parent, label in zip(parents, labels, strict=True)
     ]
+    check_children(children)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ArmsError(f"cannot create --out {str(out)!r}: {exc.strerror or exc}") from None
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         done = list(pool.map(lambda c: train_child(c, epoch, end), children))
     per_arm: dict[str, dict[str, dict[str, float]]] = {a.name: {} for a in arms}
@@ -365,13 +412,18 @@ def arms_command(args: argparse.Namespace) -> int:
     comparison = result["comparison"]
     header, rows = table_rows(comparison, shown_measures(comparison, args.measure))
     table = Table(title=f"arms forked at epoch {result['epoch']} of {result['end']}")
-    for col in header:
-        table.add_column(col)
-    for row in rows:
+    for col in header:  # names fold onto a second line; numbers stay whole
+        numeric = col not in ("arm", "measure")
+        table.add_column(
+            col, overflow="fold", no_wrap=numeric, justify="right" if numeric else "left"
+        )
+    for i, row in enumerate(rows):
+        if i and row[1] != rows[i - 1][1]:
+            table.add_section()  # one block per measure
         table.add_row(*row)
     console = Console()
     if not console.is_terminal:
-        console = Console(width=max(console.width, 200))  # a log: no column squeezed
+        console = Console(width=TABLE_WIDTH)  # a log: as wide as a wide terminal
     console.print(table)
     console.print(f"comparison: {out / 'arms.json'}, {out / 'arms.md'}", soft_wrap=True)
     failed = [c for c in children if c.errors]

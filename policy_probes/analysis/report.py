@@ -16,9 +16,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-from matplotlib.figure import Figure
+from typing import TYPE_CHECKING, Any
 
 from policy_probes.analysis.findings import cli_error, diagnose, run_rules
 from policy_probes.analysis.findings import render_html as render_findings_html
@@ -42,6 +40,9 @@ from policy_probes.analysis.layer_figures import (
 from policy_probes.atomic_write import write_text_atomic
 from policy_probes.records import METRICS_JSONL, RunRecords
 from policy_probes.user_errors import positive_int
+
+if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn, not for `--help`
+    from matplotlib.figure import Figure
 
 REPORT_HTML = "report.html"
 
@@ -264,10 +265,11 @@ def build_report(
     out = Path(out) if out is not None else run_dir / REPORT_HTML
     epochs = run.epochs
     parts: list[str] = []
-    title = f"policy-probes report: {run_dir.resolve().name}"
+    name = run_dir.resolve().name
+    title = f"policy-probes report: {name}"
     steps = max(run.agent_step.values()) if run.agent_step else None
     parts.append(f"<h1>{html.escape(title)}</h1>")
-    meta = [f"run directory <code>{html.escape(str(run_dir.resolve()))}</code>"]
+    meta = [f"run <code>{html.escape(name)}</code>"]  # no local path in a shared file
     if epochs:
         meta.append(f"epochs {epochs[0]}-{epochs[-1]} ({len(epochs)})")
     if steps is not None:
@@ -282,6 +284,8 @@ def build_report(
             config_text = json.dumps(config, indent=2)
         except (json.JSONDecodeError, OSError):
             config_text = config_path.read_text(errors="replace")
+        for where in {str(run_dir.resolve()), str(run_dir.absolute())}:  # run_dir=/abs/path
+            config_text = config_text.replace(where, name)
         parts.append(
             f"<details><summary>configuration</summary><pre>{html.escape(config_text)}</pre></details>"
         )
