@@ -165,11 +165,12 @@ def physical_memory() -> int | None:
 
 
 def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if n < 1024 or unit == "PiB":
-            return f"{n:.3g} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
+    """``n`` bytes in binary units."""
+    units = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+    i = 0
+    while n >= 1024 and i < len(units) - 1:
+        n, i = n / 1024, i + 1
+    return f"{n:,.1f} {units[i]}"
 
 
 def check_spec_memory(spec: Mapping[str, object]) -> None:

@@ -63,7 +63,7 @@ def post_epoch(run_dir: Path) -> dict[int, dict]:
 # --------------------------------------------------------------------------- item 22: --help
 
 
-HEAVY = ("torch", "matplotlib", "wandb", "gymnasium", "trainers")
+HEAVY = ("torch", "numpy", "matplotlib", "wandb", "gymnasium", "trainers")
 PROBE_IMPORTS = """
 import json, sys
 from policy_probes.cli import main
@@ -78,8 +78,8 @@ print(json.dumps(heavy), file=sys.stderr)
 
 
 def test_help_imports_no_torch():
-    """``--help`` (and each subcommand's) needs argparse, not torch, matplotlib or W&B: the
-    modules a subprocess has imported after printing them."""
+    """``--help`` (and each subcommand's) needs argparse, not torch, numpy, matplotlib or
+    W&B: the modules a subprocess has imported after printing them."""
     ran = python("-c", PROBE_IMPORTS.format(heavy=HEAVY))
     assert ran.returncode == 0, ran.stderr
     assert "policy-probes" in ran.stdout and "--dry-run" in ran.stdout
@@ -187,7 +187,8 @@ def test_a_policy_larger_than_memory_is_refused_before_allocating(parent, tmp_pa
         err = capsys.readouterr().err
         assert f"{total:,} parameters" in err, err
         assert f"'actor_mlp' (hidden_sizes=[{h}, {h}]) alone: {mlp:,}" in err
-        assert "PiB as float32" in err and "make the layers smaller" in err
+        assert f"{total * 4 / 2**50:,.1f} PiB as float32" in err  # 4 bytes a parameter
+        assert "make the layers smaller" in err
         assert not (run_dir / METRICS_JSONL).exists()
 
 

@@ -20,29 +20,16 @@ from typing import TYPE_CHECKING, Any
 
 from policy_probes.analysis.findings import cli_error, diagnose, run_rules
 from policy_probes.analysis.findings import render_html as render_findings_html
-from policy_probes.analysis.heatmaps import (
-    HEATMAP_SPECS,
-    component_of,
-    figure_png,
-    heatmap_figure,
-    heatmap_matrices,
-)
-from policy_probes.analysis.layer_figures import (
-    LAYER_SECTIONS,
-    PROBE_SECTIONS,
-    Panel,
-    layer_figures,
-    layer_groups,
-    panel_grid,
-    plot_series,
-    style_axes,
-)
 from policy_probes.atomic_write import write_text_atomic
 from policy_probes.records import METRICS_JSONL, RunRecords
 from policy_probes.user_errors import positive_int
 
-if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn, not for `--help`
+# the figures' modules (numpy, matplotlib) are imported where a figure is drawn, so that
+# `policy-probes --help` does not wait for them
+if TYPE_CHECKING:
     from matplotlib.figure import Figure
+
+    from policy_probes.analysis.layer_figures import Panel
 
 REPORT_HTML = "report.html"
 
@@ -72,6 +59,8 @@ _STYLE_NAMES = {"--": "dashed", ":": "dotted", "-.": "dash-dotted"}
 def components(run: RunRecords, probe: str, metric: str, layers: bool = True) -> list[str]:
     """Names with a ``probes/<probe>/<name>/<metric>`` series; ``layers=False`` leaves out
     the layers of another recorded name (see :func:`layer_groups`)."""
+    from policy_probes.analysis.layer_figures import layer_groups
+
     prefix, suffix = f"probes/{probe}/", f"/{metric}"
     names = sorted(
         k[len(prefix) : -len(suffix)]
@@ -135,6 +124,8 @@ def _plot(
 ) -> None:
     """Draw ``key`` of ``run`` (labelled ``label``, default ``name``) and, in its colour
     and their own style, of each overlaid run that has it (labelled ``name [overlay]``)."""
+    from policy_probes.analysis.layer_figures import plot_series
+
     line = plot_series(ax, run.series(key), label=label or name, log=log)
     for o in overlays:
         if key in o.run.scalars:
@@ -151,6 +142,8 @@ def _fork_lines(ax, overlays: Sequence[Overlay]) -> None:
 
 
 def returns_figure(run: RunRecords, overlays: Sequence[Overlay] = ()) -> Figure | None:
+    from policy_probes.analysis.layer_figures import panel_grid, style_axes
+
     present = [(k, label) for k, label in RETURN_KEYS if k in run.scalars]
     if not present:
         return None
@@ -164,6 +157,8 @@ def returns_figure(run: RunRecords, overlays: Sequence[Overlay] = ()) -> Figure 
 
 
 def training_figure(run: RunRecords, overlays: Sequence[Overlay] = ()) -> Figure | None:
+    from policy_probes.analysis.layer_figures import panel_grid, style_axes
+
     present = [(k, t, log) for k, t, log in TRAIN_KEYS if k in run.scalars]
     if not present:
         return None
@@ -181,6 +176,8 @@ def probe_figure(
     overlays: Sequence[Overlay] = (),
 ) -> Figure | None:
     """One panel per metric, one line per component (its layers are drawn per layer)."""
+    from policy_probes.analysis.layer_figures import panel_grid, style_axes
+
     present = [p for p in panels if components(run, p.probe, p.metric)]
     if not present:
         return None
@@ -198,6 +195,13 @@ def probe_figure(
 
 def heatmap_figures(run: RunRecords, max_epochs: int | None = None) -> list[tuple[str, Figure]]:
     """One units x epochs heatmap per component and per-unit metric of :data:`HEATMAP_SPECS`."""
+    from policy_probes.analysis.heatmaps import (
+        HEATMAP_SPECS,
+        component_of,
+        heatmap_figure,
+        heatmap_matrices,
+    )
+
     order = list(HEATMAP_SPECS.values())
     found = sorted(heatmap_matrices(run, max_epochs), key=lambda h: (order.index(h[1]), h[0]))
     out = []
@@ -228,6 +232,8 @@ def _fmt(v: float) -> str:
 
 
 def _img(fig: Figure, alt: str) -> str:
+    from policy_probes.analysis.heatmaps import figure_png
+
     png = base64.b64encode(figure_png(fig)).decode("ascii")
     return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{png}">'
 
@@ -256,6 +262,8 @@ def build_report(
     return its path, a fork's parent and the ``compare`` runs overlaid. Raises
     ``FileNotFoundError`` without metrics.jsonl, ``ValueError`` when ``max_heatmap_epochs``
     is neither None nor >= 1."""
+    from policy_probes.analysis.layer_figures import LAYER_SECTIONS, PROBE_SECTIONS, layer_figures
+
     if max_heatmap_epochs is not None and max_heatmap_epochs < 1:
         raise ValueError(
             f"max_heatmap_epochs must be >= 1 (or None for every epoch), got {max_heatmap_epochs}"

@@ -151,13 +151,15 @@ class WandbConfig(BaseModel):
         return "online" if api_key_configured() else "offline"
 
     def check_credentials(self) -> None:
-        """Refuse a run whose mode resolves to ``online`` when W&B has no credentials
-        (:func:`wandb_credentials`), before it trains: W&B would fail at ``wandb.init`` and
-        the run would go on without its W&B run. A usage error saying what to do."""
-        if self.resolved_mode() != "online" or wandb_credentials():
-            return
+        """Refuse a run asked to go online (``wandb.mode=online``, or ``WANDB_MODE=online``
+        with ``mode`` unset) when W&B has no credentials (:func:`wandb_credentials`), before
+        it trains: W&B would fail at ``wandb.init`` and the run would go on without its W&B
+        run. A usage error saying what to do."""
         env_mode = os.environ.get("WANDB_MODE")
-        given = "wandb.mode=online" if self.mode else f"WANDB_MODE={env_mode}"
+        asked = self.mode == "online" or (self.mode is None and env_mode == "online")
+        if not asked or wandb_credentials():
+            return
+        given = "wandb.mode=online" if self.mode else "WANDB_MODE=online"
         raise mark_usage_error(
             ValueError(
                 f"{given} needs W&B credentials and none were found (WANDB_API_KEY, the "
