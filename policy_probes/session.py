@@ -477,7 +477,7 @@ class ProbeSession:
                     "run them. Pass the loop's optimizer to ProbeSession"
                 )
             self._check_hooks()
-            if self.run.main and self.probing.sinks.enabled("wandb"):
+            if self.probing.sinks.enabled("wandb"):  # every rank: all of them stop
                 self.probing.wandb.check_credentials()  # wandb.mode=online without a key
             self.run.write_config()
             self.run.open_sinks(self.probing.sinks, self.probing.wandb)
