@@ -14,6 +14,7 @@ import importlib.util
 import inspect
 import json
 import logging
+import os
 import pkgutil
 import shlex
 import shutil
@@ -44,7 +45,6 @@ from policy_probes.overrides import (
     parse_value,
     valid_keys,
 )
-from policy_probes.run import check_run_dir_path, held_outputs, holds_progress
 from policy_probes.run_lock import lock_owner
 from policy_probes.user_errors import (
     SETUP_ERROR_TYPES,
@@ -57,6 +57,9 @@ from policy_probes.user_errors import (
 EXIT_USAGE = 2
 #: a run that trained but could not write some of its outputs (disk full ...)
 EXIT_LOST_OUTPUT = 1
+#: the reader of stdout left (`policy-probes diagnose RUN | head`): the status a shell
+#: reports for a tool that SIGPIPE (13) ended
+EXIT_BROKEN_PIPE = 128 + 13
 
 __all__ = ["CLIError", "apply_overrides", "check_key", "main", "parse_value", "valid_keys"]
 
@@ -463,6 +466,8 @@ def add_resume_subcommand(subparsers: argparse._SubParsersAction) -> None:
 def read_run_config(run_dir: Path, how: str) -> tuple[dict[str, Any], str]:
     """``(config.json, recipe target)`` of the run in ``run_dir``; ``how``: what to call
     for a run the CLI did not start."""
+    from policy_probes.run import held_outputs  # imports torch: not at `--help`
+
     config_path = run_dir / "config.json"
     if not config_path.is_file():
         if held_outputs(run_dir):  # metric files only: killed before its first step
@@ -543,6 +548,8 @@ def fork_command(args: argparse.Namespace) -> int:
             f"the fork's directory NEW_RUN_DIR is empty ({args.new_run_dir!r}; it would write "
             f"the fork into the current directory); give a directory such as runs/cp-fork"
         )
+    from policy_probes.run import check_run_dir_path
+
     run_dir, new_run_dir = Path(args.run_dir), Path(args.new_run_dir)
     check_run_dir_path(new_run_dir)  # what run_dir= refuses: a name too long, a file
     if not run_dir.is_dir():
@@ -567,6 +574,8 @@ def fork_started_before(parent: Path, epoch: int, new_run_dir: Path) -> bool:
     stopped or refused before its first epoch record and checkpoint: the fork command
     then starts it again. Empty, or a start killed before config.json (the run's own
     claim clears that): False. Any other run: :class:`CLIError` saying what to do."""
+    from policy_probes.run import held_outputs, holds_progress  # imports torch: not at `--help`
+
     held = held_outputs(new_run_dir)
     if not held or "config.json" not in held and not holds_progress(new_run_dir):
         return False
@@ -733,7 +742,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if handler is None:
             parser.print_help()
             return EXIT_USAGE
-        return handler(args)
+        status = handler(args)
+        sys.stdout.flush()  # a closed pipe fails here, not at the interpreter's exit
+        return status
+    except BrokenPipeError:  # quiet, like a Unix tool; Python's exit flush writes nowhere
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
     except CLIError as exc:
         if args.verbose and exc.__cause__ is not None:
             traceback.print_exception(exc.__cause__, file=sys.stderr)

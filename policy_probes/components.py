@@ -22,7 +22,7 @@ from torch.utils.hooks import RemovableHandle
 
 from policy_probes.compiled import check_compiled, eager_block, hold_eager, unwrap
 from policy_probes.context import ComponentContext
-from policy_probes.layers import LinearSpec, MLPSpec, build_component
+from policy_probes.layers import LinearSpec, MLPSpec, build_component, check_spec_memory
 from policy_probes.outputs import describe_output, extractor_example
 from policy_probes.probes.observation import Observation, grad_tap
 from policy_probes.probes.probe import Probe, ProbeBuilder, placement_of
@@ -123,6 +123,7 @@ class PolicyAutoBuilder(nn.Module):
         self._output_notes: dict[str, tuple[str, str]] = {}
         self._handles: list[ProbeHandle] = []
         self._contexts: list[ComponentContext] = []
+        check_spec_memory(spec or {})  # before any part is allocated
         for name, part in (spec or {}).items():
             module = build_component(name, part)
             if "." in name or not name:

@@ -6,12 +6,15 @@ the first layer's pre-activation).
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable, Sequence
+import os
+from collections.abc import Callable, Mapping, Sequence
 from typing import Annotated, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 from torch import nn
+
+from policy_probes.user_errors import mark_usage_error
 
 ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
     "relu": nn.ReLU,
@@ -126,6 +129,13 @@ class MLPSpec(BaseModel):
     def build(self) -> nn.Module:
         return MLP(self.in_features, self.hidden_sizes, self.activation, self.layer_norm)
 
+    def parameter_count(self) -> int:
+        """The parameters :meth:`build` allocates, from the sizes (nothing is built):
+        weight and bias of each linear layer, and each LayerNorm's weight and bias."""
+        sizes = [self.in_features, *self.hidden_sizes]
+        linear = sum(a * b + b for a, b in zip(sizes[:-1], sizes[1:], strict=True))
+        return linear + (2 * sum(self.hidden_sizes) if self.layer_norm else 0)
+
 
 class LinearSpec(BaseModel):
     """A component that is one ``nn.Linear`` (a policy or value head)."""
@@ -138,8 +148,63 @@ class LinearSpec(BaseModel):
     def build(self) -> nn.Module:
         return nn.Linear(self.in_features, self.out_features)
 
+    def parameter_count(self) -> int:
+        """The parameters :meth:`build` allocates: weight and bias."""
+        return self.in_features * self.out_features + self.out_features
+
 
 ComponentSpec = Annotated[MLPSpec | LinearSpec, Field(discriminator="kind")]
+
+
+def physical_memory() -> int | None:
+    """Bytes of this machine's memory (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def _bytes(n: float) -> str:
+    """``n`` bytes in binary units."""
+    units = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+    i = 0
+    while n >= 1024 and i < len(units) - 1:
+        n, i = n / 1024, i + 1
+    return f"{n:,.1f} {units[i]}"
+
+
+def check_spec_memory(spec: Mapping[str, object]) -> None:
+    """Refuse component specs whose parameters alone do not fit in this machine's memory,
+    counted from their sizes before anything is allocated (``hidden_sizes=[10**8, 10**8]``
+    would otherwise ask torch for petabytes); a usage error stating the size."""
+    counts = {}
+    for name, part in spec.items():
+        if isinstance(part, dict):
+            try:
+                part = TypeAdapter(ComponentSpec).validate_python(part)
+            except ValueError:
+                continue  # build_component says what is wrong with it
+        if isinstance(part, MLPSpec | LinearSpec):
+            counts[name] = part.parameter_count()
+    memory = physical_memory()
+    dtype = torch.get_default_dtype()
+    total = sum(counts.values())
+    if memory is None or total * dtype.itemsize <= memory:
+        return
+    largest = max(counts, key=counts.__getitem__)
+    part = spec[largest]
+    sizes = (
+        part.get("hidden_sizes") if isinstance(part, dict) else getattr(part, "hidden_sizes", None)
+    )
+    what = f"{largest!r} (hidden_sizes={sizes})" if sizes else repr(largest)
+    raise mark_usage_error(
+        ValueError(
+            f"the policy's components would hold {total:,} parameters, "
+            f"{_bytes(total * dtype.itemsize)} as {str(dtype).removeprefix('torch.')}, more "
+            f"than this machine's {_bytes(memory)} of memory ({what} alone: "
+            f"{counts[largest]:,}); make the layers smaller"
+        )
+    )
 
 
 def build_component(name: str, part: object) -> nn.Module:

@@ -153,16 +153,18 @@ class RunRecords:
 
 def iter_jsonl(path: str | Path) -> Iterator[dict[str, Any]]:
     """The JSON objects of a ``metrics.jsonl`` file; an unfinished last line is skipped
-    quietly, another invalid line with a warning."""
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+    quietly, another invalid line (not UTF-8, not JSON) with a warning naming it."""
+    with open(path, "rb") as f:  # decoded line by line: one bad byte costs one line
+        for lineno, raw in enumerate(f, 1):
             try:
+                line = raw.decode("utf-8")
+                if not line.strip():
+                    continue
                 record = json.loads(line)
-            except json.JSONDecodeError:
-                if line.endswith("\n"):
-                    logger.warning("%s:%d is not valid JSON; skipped", path, lineno)
+            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+                if raw.endswith(b"\n"):
+                    what = "UTF-8" if isinstance(exc, UnicodeDecodeError) else "JSON"
+                    logger.warning("%s:%d is not valid %s; skipped", path, lineno, what)
                 continue
             if isinstance(record, dict):
                 yield record

@@ -511,6 +511,8 @@ class ProbeSession:
                 )
             self._check_hooks()
             self.check_remedy_triggers()
+            if self.probing.sinks.enabled("wandb"):  # every rank: all of them stop
+                self.probing.wandb.check_credentials()  # wandb.mode=online without a key
             self.run.write_config()
             self.run.open_sinks(self.probing.sinks, self.probing.wandb)
             self.analysis.with_figures = any(s.logs_figures for s in self.sinks)

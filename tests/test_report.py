@@ -14,9 +14,8 @@ from matplotlib.image import AxesImage
 from PIL import Image
 from sinks_support import DEAD_UNITS, emit_probe_run, tiny_cartpole
 
-from policy_probes.analysis.layer_figures import layer_figures, layer_groups
+from policy_probes.analysis.layer_figures import PROBE_SECTIONS, layer_figures, layer_groups
 from policy_probes.analysis.report import (
-    PROBE_SECTIONS,
     REPORT_HTML,
     add_report_subcommand,
     build_report,

@@ -301,6 +301,8 @@ class TrainTool(Section, ProbeSettings):
             resolve_device(self.device)
             if self.run_dir is not None:
                 Run(self.run_dir, overwrite=overwrite).check()  # reads only
+            if self.sinks.enabled("wandb"):
+                self.wandb.check_credentials()
             seed_everything(self.seed)
             envs = make_vector_env(self.env, gamma=self.trainer.gamma)
             try:

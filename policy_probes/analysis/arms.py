@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 from policy_probes.records import METRICS_JSONL, RunRecords
-from policy_probes.run import held_outputs
 from policy_probes.run_lock import describe_owner, lock_is_live, lock_owner
 from policy_probes.user_errors import positive_int
 
@@ -297,7 +296,41 @@ def refuse_live_children(children: Sequence[Child]) -> None:
         )
 
 
+def check_children(children: Sequence[Child]) -> None:
+    """Refuse before any child starts: each child to fork gets the configuration its
+    ``policy-probes fork`` would build (the parent's recipe and overrides, then the arm's)
+    and that fork's set-up checks (``run --dry-run``'s); an :class:`ArmsError` names the
+    arm that fails. Children left by an earlier call resume their own configuration."""
+    from policy_probes import runnable
+    from policy_probes.cli import build_from_recipe, call_tool, launch_overrides, read_run_config
+    from policy_probes.overrides import apply_overrides
+    from policy_probes.run import held_outputs
+    from policy_probes.user_errors import CLIError
+
+    recipes: dict[str, Any] = {}  # a recipe file is imported once, as one CLI call would
+    for child in children:
+        if held_outputs(child.run_dir):
+            continue
+        try:
+            config, target = read_run_config(child.parent, "fork it from Python")
+            if target not in recipes:
+                recipes[target] = build_from_recipe(target)
+            overrides = launch_overrides(config, child.arm.overrides, child.run_dir)
+            tool = apply_overrides(recipes[target], overrides)
+            if not runnable.supports_fork(tool):
+                raise CLIError(f"{type(tool).__name__}.invoke() takes no fork_from keyword")
+            call_tool(tool.check_setup, overwrite=True)  # reads only
+        except CLIError as exc:
+            arm = child.arm
+            what = f"{arm.name!r} ({' '.join(arm.overrides)})" if arm.overrides else repr(arm.name)
+            raise ArmsError(
+                f"arm {what} cannot fork {child.parent}: {exc}; no child was started"
+            ) from exc
+
+
 def train_child(child: Child, epoch: int, end: int, children: Children) -> Child:
+    from policy_probes.run import held_outputs
+
     if held_outputs(child.run_dir) and last_epoch(child.run_dir) >= end:
         child.returncode = 0  # complete already: reused
         return child
@@ -325,18 +358,24 @@ def _fmt(entry: dict[str, Any] | None, diff: bool = False) -> str:
     return f"{mu:{sign}.4g}" + (f" ± {sd:.2g}" if n > 1 else "")
 
 
+#: the width of the printed table when stdout is not a terminal
+TABLE_WIDTH = 120
+#: the columns of :func:`table_rows`
+TABLE_HEADER = ("arm", "measure", "runs", "mean ± std", "Δ vs none")
+
+
 def table_rows(
     comparison: dict[str, dict[str, dict[str, Any]]], shown: Sequence[str]
 ) -> tuple[list[str], list[list[str]]]:
-    header = ["arm", "runs", *(c for key in shown for c in (key, f"Δ {key} vs none"))]
+    """One row per measure and arm, the measures in ``shown``'s order (a long table:
+    five columns however many measures, so it fits a terminal)."""
     rows = []
-    for arm, by_key in comparison.items():
-        runs = max((len(e["per_parent"]) for e in by_key.values()), default=0)
-        row = [arm, str(runs)]
-        for key in shown:
-            row += [_fmt(by_key.get(key)), _fmt(by_key.get(key), diff=True)]
-        rows.append(row)
-    return header, rows
+    for key in shown:
+        for arm, by_key in comparison.items():
+            entry = by_key.get(key)
+            runs = len(entry["per_parent"]) if entry else 0
+            rows.append([arm, key, str(runs), _fmt(entry), _fmt(entry, diff=True)])
+    return list(TABLE_HEADER), rows
 
 
 def shown_measures(comparison: dict[str, dict[str, Any]], wanted: Sequence[str]) -> list[str]:
@@ -401,17 +440,23 @@ def run_arms(
     if not 1 <= epoch < end:
         raise ArmsError(f"--epoch must be in 1 .. {end - 1} (the parents end at epoch {end})")
     labels = parent_labels(parents)
+    if out.exists() and not out.is_dir():
+        raise ArmsError(f"--out {str(out)!r} is a file; give a directory for the arms' runs")
     adds_probes = any(o.partition("=")[0].strip() == "probes" for a in arms for o in a.overrides)
     if wanted and not adds_probes:  # the children measure what the parents measured
         known = {k for p in parents for k in measures(RunRecords.read(p), epoch)}
         check_measures(wanted, sorted(known | {"return", "return_last"}), "the parent runs")
-    out.mkdir(parents=True, exist_ok=True)
     children = [
         Child(arm, parent, out / label / arm.name, out / label / f"{arm.name}.log")
         for arm in arms
         for parent, label in zip(parents, labels, strict=True)
     ]
     refuse_live_children(children)
+    check_children(children)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ArmsError(f"cannot create --out {str(out)!r}: {exc.strerror or exc}") from None
     running = Children()
     with stopping_children_on_signals(running), ThreadPoolExecutor(max(1, jobs)) as pool:
         done = list(pool.map(lambda c: train_child(c, epoch, end, running), children))
@@ -520,13 +565,18 @@ def arms_command(args: argparse.Namespace) -> int:
     comparison = result["comparison"]
     header, rows = table_rows(comparison, shown_measures(comparison, args.measure))
     table = Table(title=f"arms forked at epoch {result['epoch']} of {result['end']}")
-    for col in header:
-        table.add_column(col)
-    for row in rows:
+    for col in header:  # names fold onto a second line; numbers stay whole
+        numeric = col not in ("arm", "measure")
+        table.add_column(
+            col, overflow="fold", no_wrap=numeric, justify="right" if numeric else "left"
+        )
+    for i, row in enumerate(rows):
+        if i and row[1] != rows[i - 1][1]:
+            table.add_section()  # one block per measure
         table.add_row(*row)
     console = Console()
     if not console.is_terminal:
-        console = Console(width=max(console.width, 200))  # a log: no column squeezed
+        console = Console(width=TABLE_WIDTH)  # a log: as wide as a wide terminal
     console.print(table)
     console.print(f"comparison: {out / 'arms.json'}, {out / 'arms.md'}", soft_wrap=True)
     failed = [c for c in children if c.errors]

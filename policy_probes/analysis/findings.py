@@ -110,6 +110,8 @@ def _num(v: float) -> str:
 
 def default_rules() -> tuple[Rule, ...]:
     """Every registered probe's rules and :data:`RUN_RULES` (the default rules)."""
+    import policy_probes.probes  # noqa: F401 - the built-in probes register their rules
+
     return plugins.findings_rules() + RUN_RULES
 
 

@@ -16,32 +16,20 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-from matplotlib.figure import Figure
+from typing import TYPE_CHECKING, Any
 
 from policy_probes.analysis.findings import cli_error, diagnose, run_rules
 from policy_probes.analysis.findings import render_html as render_findings_html
-from policy_probes.analysis.heatmaps import (
-    HEATMAP_SPECS,
-    component_of,
-    figure_png,
-    heatmap_figure,
-    heatmap_matrices,
-)
-from policy_probes.analysis.layer_figures import (
-    LAYER_SECTIONS,
-    PROBE_SECTIONS,
-    Panel,
-    layer_figures,
-    layer_groups,
-    panel_grid,
-    plot_series,
-    style_axes,
-)
 from policy_probes.atomic_write import write_text_atomic
 from policy_probes.records import METRICS_JSONL, RunRecords
 from policy_probes.user_errors import positive_int
+
+# the figures' modules (numpy, matplotlib) are imported where a figure is drawn, so that
+# `policy-probes --help` does not wait for them
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+    from policy_probes.analysis.layer_figures import Panel
 
 REPORT_HTML = "report.html"
 
@@ -71,6 +59,8 @@ _STYLE_NAMES = {"--": "dashed", ":": "dotted", "-.": "dash-dotted"}
 def components(run: RunRecords, probe: str, metric: str, layers: bool = True) -> list[str]:
     """Names with a ``probes/<probe>/<name>/<metric>`` series; ``layers=False`` leaves out
     the layers of another recorded name (see :func:`layer_groups`)."""
+    from policy_probes.analysis.layer_figures import layer_groups
+
     prefix, suffix = f"probes/{probe}/", f"/{metric}"
     names = sorted(
         k[len(prefix) : -len(suffix)]
@@ -134,6 +124,8 @@ def _plot(
 ) -> None:
     """Draw ``key`` of ``run`` (labelled ``label``, default ``name``) and, in its colour
     and their own style, of each overlaid run that has it (labelled ``name [overlay]``)."""
+    from policy_probes.analysis.layer_figures import plot_series
+
     line = plot_series(ax, run.series(key), label=label or name, log=log)
     for o in overlays:
         if key in o.run.scalars:
@@ -150,6 +142,8 @@ def _fork_lines(ax, overlays: Sequence[Overlay]) -> None:
 
 
 def returns_figure(run: RunRecords, overlays: Sequence[Overlay] = ()) -> Figure | None:
+    from policy_probes.analysis.layer_figures import panel_grid, style_axes
+
     present = [(k, label) for k, label in RETURN_KEYS if k in run.scalars]
     if not present:
         return None
@@ -163,6 +157,8 @@ def returns_figure(run: RunRecords, overlays: Sequence[Overlay] = ()) -> Figure 
 
 
 def training_figure(run: RunRecords, overlays: Sequence[Overlay] = ()) -> Figure | None:
+    from policy_probes.analysis.layer_figures import panel_grid, style_axes
+
     present = [(k, t, log) for k, t, log in TRAIN_KEYS if k in run.scalars]
     if not present:
         return None
@@ -180,6 +176,8 @@ def probe_figure(
     overlays: Sequence[Overlay] = (),
 ) -> Figure | None:
     """One panel per metric, one line per component (its layers are drawn per layer)."""
+    from policy_probes.analysis.layer_figures import panel_grid, style_axes
+
     present = [p for p in panels if components(run, p.probe, p.metric)]
     if not present:
         return None
@@ -197,6 +195,13 @@ def probe_figure(
 
 def heatmap_figures(run: RunRecords, max_epochs: int | None = None) -> list[tuple[str, Figure]]:
     """One units x epochs heatmap per component and per-unit metric of :data:`HEATMAP_SPECS`."""
+    from policy_probes.analysis.heatmaps import (
+        HEATMAP_SPECS,
+        component_of,
+        heatmap_figure,
+        heatmap_matrices,
+    )
+
     order = list(HEATMAP_SPECS.values())
     found = sorted(heatmap_matrices(run, max_epochs), key=lambda h: (order.index(h[1]), h[0]))
     out = []
@@ -227,6 +232,8 @@ def _fmt(v: float) -> str:
 
 
 def _img(fig: Figure, alt: str) -> str:
+    from policy_probes.analysis.heatmaps import figure_png
+
     png = base64.b64encode(figure_png(fig)).decode("ascii")
     return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{png}">'
 
@@ -255,6 +262,8 @@ def build_report(
     return its path, a fork's parent and the ``compare`` runs overlaid. Raises
     ``FileNotFoundError`` without metrics.jsonl, ``ValueError`` when ``max_heatmap_epochs``
     is neither None nor >= 1."""
+    from policy_probes.analysis.layer_figures import LAYER_SECTIONS, PROBE_SECTIONS, layer_figures
+
     if max_heatmap_epochs is not None and max_heatmap_epochs < 1:
         raise ValueError(
             f"max_heatmap_epochs must be >= 1 (or None for every epoch), got {max_heatmap_epochs}"
@@ -264,10 +273,11 @@ def build_report(
     out = Path(out) if out is not None else run_dir / REPORT_HTML
     epochs = run.epochs
     parts: list[str] = []
-    title = f"policy-probes report: {run_dir.resolve().name}"
+    name = run_dir.resolve().name
+    title = f"policy-probes report: {name}"
     steps = max(run.agent_step.values()) if run.agent_step else None
     parts.append(f"<h1>{html.escape(title)}</h1>")
-    meta = [f"run directory <code>{html.escape(str(run_dir.resolve()))}</code>"]
+    meta = [f"run <code>{html.escape(name)}</code>"]  # no local path in a shared file
     if epochs:
         meta.append(f"epochs {epochs[0]}-{epochs[-1]} ({len(epochs)})")
     if steps is not None:
@@ -282,6 +292,8 @@ def build_report(
             config_text = json.dumps(config, indent=2)
         except (json.JSONDecodeError, OSError):
             config_text = config_path.read_text(errors="replace")
+        for where in {str(run_dir.resolve()), str(run_dir.absolute())}:  # run_dir=/abs/path
+            config_text = config_text.replace(where, name)
         parts.append(
             f"<details><summary>configuration</summary><pre>{html.escape(config_text)}</pre></details>"
         )

@@ -6,9 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from policy_probes.lifecycle.hook import COST_CLASSES, TrainingHook
 from policy_probes.lifecycle.registry import (
     GROUPS,
     KEYWORDS,
@@ -18,6 +17,9 @@ from policy_probes.lifecycle.registry import (
     resolve_hook_names,
     select_hooks,
 )
+
+if TYPE_CHECKING:
+    from policy_probes.lifecycle.hook import TrainingHook
 
 EXIT_USAGE = 2
 _DESCRIBED = ("hook_points", "intervention_points", "loop_points", "step_schedule")
@@ -98,6 +100,8 @@ def _help(parser: argparse.ArgumentParser) -> int:
 def hooks_list_command(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
+
+    from policy_probes.lifecycle.hook import COST_CLASSES
 
     table = Table(title="lifecycle hooks")
     for column in ("name", "kind", "points", "cost", "groups", "description"):

@@ -7,14 +7,17 @@ and the debug interventions). ``training_metrics`` joins any non-empty selection
 from __future__ import annotations
 
 import difflib
+import importlib
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from policy_probes.lifecycle.hook import COST_CLASSES, InterventionHook, TrainingHook
 from policy_probes.lifecycle.points import HookPoint
 from policy_probes.overrides import split_assignment
+
+if TYPE_CHECKING:
+    from policy_probes.lifecycle.hook import TrainingHook
 
 GROUPS: tuple[str, ...] = ("none", "minimal", "observers", "interventions", "full")
 KEYWORDS: tuple[str, ...] = ("all", "observers", "with_debug")
@@ -35,8 +38,17 @@ class HookRegistry:
     _hooks: dict[str, type[TrainingHook]] = {}
 
     @classmethod
+    def _registered(cls) -> dict[str, type[TrainingHook]]:
+        """:attr:`_hooks`, once the built-in hooks have registered (their modules import
+        torch, so they are imported on the first lookup, not with the package)."""
+        importlib.import_module("policy_probes.lifecycle.hooks")
+        return cls._hooks
+
+    @classmethod
     def register(cls, hook_cls: type[TrainingHook]) -> type[TrainingHook]:
         """Class decorator: validate the declarations and store the class."""
+        from policy_probes.lifecycle.hook import COST_CLASSES, InterventionHook
+
         name = hook_cls.name
         if not name or "/" in name or "." in name or name in GROUPS + KEYWORDS:
             raise ValueError(
@@ -77,21 +89,25 @@ class HookRegistry:
     @classmethod
     def get(cls, name: str) -> type[TrainingHook]:
         try:
-            return cls._hooks[name]
+            return cls._registered()[name]
         except KeyError:
             raise HookSelectionError(
-                f"unknown hook {name!r}.{_suggest(name, cls._hooks)} Registered hooks: "
+                f"unknown hook {name!r}.{_suggest(name, cls._registered())} Registered hooks: "
                 f"{', '.join(c.name for c in cls.classes())}; groups: {', '.join(GROUPS)}; keywords: "
                 f"{', '.join(KEYWORDS)}"
             ) from None
 
     @classmethod
     def classes(cls) -> list[type[TrainingHook]]:
-        return sorted(cls._hooks.values(), key=lambda c: c.order)  # stable: ties keep registration
+        return sorted(
+            cls._registered().values(), key=lambda c: c.order
+        )  # stable: ties keep registration
 
     @classmethod
     def expand(cls, group: str) -> list[str]:
         """Hook names of a group or keyword (registration order)."""
+        from policy_probes.lifecycle.hook import InterventionHook
+
         hooks = cls.classes()
         observers = [h.name for h in hooks if not issubclass(h, InterventionHook)]
         interventions = [h.name for h in hooks if issubclass(h, InterventionHook) and not h.debug]

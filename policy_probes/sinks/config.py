@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from policy_probes import plugins
+from policy_probes.user_errors import mark_usage_error
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -148,6 +149,40 @@ class WandbConfig(BaseModel):
         if env_mode == "dryrun":
             return "offline"
         return "online" if api_key_configured() else "offline"
+
+    def check_credentials(self) -> None:
+        """Refuse a run asked to go online (``wandb.mode=online``, or ``WANDB_MODE=online``
+        with ``mode`` unset) when W&B has no credentials (:func:`wandb_credentials`), before
+        it trains: W&B would fail at ``wandb.init`` and the run would go on without its W&B
+        run. A usage error saying what to do."""
+        env_mode = os.environ.get("WANDB_MODE")
+        asked = self.mode == "online" or (self.mode is None and env_mode == "online")
+        if not asked or wandb_credentials():
+            return
+        given = "wandb.mode=online" if self.mode else "WANDB_MODE=online"
+        raise mark_usage_error(
+            ValueError(
+                f"{given} needs W&B credentials and none were found (WANDB_API_KEY, the "
+                f"netrc entry `wandb login` writes, W&B's settings files); set WANDB_API_KEY, "
+                f"run `wandb login`, or use wandb.mode=offline (then `wandb sync` uploads "
+                f"the run)"
+            )
+        )
+
+
+def wandb_credentials() -> bool:
+    """Whether W&B finds credentials for an online run, asked as W&B recommends
+    (``wandb.login(prompt=False, verify=False)``: its environment variables, settings files
+    and netrc; no prompt, no request to the server). Under ``WANDB_MODE=offline`` W&B
+    answers no question, so :func:`api_key_configured` does."""
+    if os.environ.get("WANDB_MODE") in ("offline", "dryrun", "disabled"):
+        return api_key_configured()
+    import wandb  # slow to import: only for a run that goes online
+
+    try:
+        return bool(wandb.login(prompt=False, verify=False))
+    except wandb.errors.AuthenticationError as exc:  # e.g. a malformed WANDB_API_KEY
+        raise mark_usage_error(ValueError(f"W&B credentials: {exc}")) from None
 
 
 def api_key_configured() -> bool:
