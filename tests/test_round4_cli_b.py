@@ -151,11 +151,12 @@ def test_non_utf8_metrics_line_is_skipped_with_a_warning(parent, tmp_path):
     (clean / METRICS_JSONL).write_bytes(b"".join(kept))
 
     ran = python("-m", "policy_probes.cli", "diagnose", str(bad), "--json")
-    assert ran.returncode == 0, ran.stderr
+    reference = python("-m", "policy_probes.cli", "diagnose", str(clean), "--json")
+    # 0: judged; 3: too few epochs to judge (docs/findings.md); either way as the clean file
+    assert ran.returncode == reference.returncode in (0, 3), ran.stderr
     assert f"{bad / METRICS_JSONL}:{index + 1} is not valid UTF-8; skipped" in ran.stderr
     assert "Traceback" not in ran.stderr
     assert ran.stderr.count("skipped") == 1  # the torn last line: quietly
-    reference = python("-m", "policy_probes.cli", "diagnose", str(clean), "--json")
     assert json.loads(ran.stdout) == json.loads(reference.stdout)
 
     ran = python("-m", "policy_probes.cli", "report", str(bad))
