@@ -1,0 +1,224 @@
+"""RLlib (new API stack) integration, for real: PPO on CartPole with ``num_learners=0`` and
+``num_learners=2`` (two Ray actors, gloo), records checked against plain torch hooks on the
+same minibatches with RLlib's loss mask applied, and a restore in a new process.
+
+Runs in the RLlib venv (``make test`` builds ``.venv-rllib``); the main venv has no ray and
+leaves this file out (``tests/conftest.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+from ray import cloudpickle
+from ray.rllib.algorithms.ppo import PPOConfig
+from ray.rllib.core.columns import Columns
+from ray.rllib.core.rl_module.default_model_config import DefaultModelConfig
+
+from policy_probes import ProbeSettings
+from policy_probes.integrations.rllib import probe_config
+from policy_probes.records import read_jsonl
+from policy_probes.sinks import SinksConfig, WandbConfig
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the reference hooks, to actors
+
+ACTOR = "encoder.actor_encoder.net.mlp"  # RLLIB_COMPONENTS["actor_mlp"], spelled out
+ITERATIONS = 2
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+
+
+def make_config(run_dir: Path, num_learners: int) -> PPOConfig:
+    config = (
+        PPOConfig()
+        .environment("CartPole-v1")
+        .env_runners(num_env_runners=0)
+        .learners(num_learners=num_learners)
+        .training(train_batch_size_per_learner=64, minibatch_size=32, num_epochs=2)
+        .rl_module(
+            model_config=DefaultModelConfig(
+                fcnet_hiddens=[16, 16], fcnet_activation="relu", vf_share_layers=False
+            )
+        )
+        .debugging(seed=3)
+    )
+    probing = ProbeSettings(
+        probe_budget=None,  # every pass: the reference sees every minibatch too
+        sinks=SinksConfig(console=False),
+        wandb=WandbConfig(mode="disabled"),
+    )
+    return probe_config(
+        config,
+        run_dir=run_dir,
+        probes=["relu@actor_mlp", "fisher@actor_mlp"],
+        probing=probing,
+    )
+
+
+# -- the reference: plain torch hooks in every learner, independent of policy_probes --------
+
+
+def install_reference(learner) -> None:
+    """Record, for every minibatch update, the loss mask, the last ReLU's output and each
+    Linear's input and output gradient of the actor MLP."""
+    module = learner.module["default_policy"]
+    module = module.unwrapped() if hasattr(module, "unwrapped") else module
+    mlp = module.get_submodule(ACTOR)
+    learner._ref_passes, learner._ref_now = [], None
+    update = learner._update
+
+    def recording_update(batch, **kwargs):
+        mask = batch["default_policy"][Columns.LOSS_MASK].detach().to(torch.float64)
+        learner._ref_now = {"mask": mask, "relu": [], "linear": {}}
+        try:
+            return update(batch, **kwargs)
+        finally:
+            learner._ref_passes.append(learner._ref_now)
+            learner._ref_now = None
+
+    def on_relu(mod, inputs, output):
+        if learner._ref_now is not None:
+            learner._ref_now["relu"].append(output.detach().to(torch.float64))
+
+    def on_linear(name):
+        def hook(mod, inputs, output):
+            now = learner._ref_now
+            if now is None or not output.requires_grad:
+                return
+            entry = now["linear"].setdefault(name, [])
+            x = inputs[0].detach().to(torch.float64)
+
+            def on_grad(grad):
+                entry.append((x, grad.detach().to(torch.float64)))
+
+            output.register_hook(on_grad)
+
+        return hook
+
+    last_relu = [m for m in mlp if isinstance(m, torch.nn.ReLU)][-1]
+    last_relu.register_forward_hook(on_relu)
+    for name, layer in mlp.named_children():
+        if isinstance(layer, torch.nn.Linear):
+            layer.register_forward_hook(on_linear(name))
+    learner._update = recording_update
+
+
+def take_reference(learner):
+    passes, learner._ref_passes = learner._ref_passes, []
+    return passes
+
+
+def reference_values(passes: list[dict]) -> tuple[float, float]:
+    """Dead fraction of the actor MLP's output and its Fisher trace over the kept rows of
+    every pass (docs/probes/relu.md, docs/probes/fisher.md: f = kept rows of the pass)."""
+    active = None
+    sums: dict[str, torch.Tensor] = {}
+    counts: dict[str, torch.Tensor] = {}
+    for p in passes:
+        keep = p["mask"] > 0
+        for out in p["relu"]:
+            hit = (out[keep] > 0).any(dim=0)
+            active = hit if active is None else active | hit
+        f = keep.sum().to(torch.float64)  # a masked mean loss: n = the kept rows
+        for name, pairs in p["linear"].items():
+            for x, g in pairs:
+                g2 = ((f * g[keep]) ** 2).sum(dim=1)
+                x2 = (x[keep] ** 2).sum(dim=1)
+                sums[name] = sums.get(name, 0.0) + (g2 * (x2 + 1.0)).sum()  # W and b
+                counts[name] = counts.get(name, 0.0) + keep.sum()
+    dead = float((~active).sum()) / active.numel()
+    trace = sum(float(sums[n] / counts[n]) for n in sums)
+    return dead, trace
+
+
+def train_and_compare(run_dir: Path, num_learners: int) -> list[dict]:
+    algo = make_config(run_dir, num_learners).build_algo()
+    try:
+        algo.learner_group.foreach_learner(install_reference)
+        expected = []
+        for _ in range(ITERATIONS):
+            result = algo.train()
+            passes = [
+                p for r in algo.learner_group.foreach_learner(take_reference) for p in r.get()
+            ]
+            assert any((p["mask"] == 0).any() for p in passes)  # phantom rows to leave out
+            expected.append(reference_values(passes))
+            learner_result = result["learners"]["default_policy"]
+            assert "probes/relu/actor_mlp/dead_fraction" in learner_result
+            assert "probes/fisher/actor_mlp/trace" in learner_result
+    finally:
+        algo.stop()
+    records = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["hook_point"] == "POST_EPOCH"]
+    assert [r["epoch"] for r in records] == list(range(1, ITERATIONS + 1))
+    for record, (dead, trace) in zip(records, expected, strict=True):
+        assert record["probes/relu/actor_mlp/dead_fraction"] == dead
+        assert record["probes/fisher/actor_mlp/trace"] == pytest.approx(trace, rel=1e-6)
+        assert len(record["probes/relu/actor_mlp/active_rate"]) == 16  # per-unit vectors
+    return records
+
+
+def test_one_local_learner_records_match_plain_hooks_on_the_masked_minibatches(
+    ray_cluster, tmp_path
+):
+    records = train_and_compare(tmp_path / "run", num_learners=0)
+    assert [r["agent_step"] for r in records] == [64, 128]
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["rllib"]
+
+
+def test_two_learners_records_are_the_union_of_both_learners_data(ray_cluster, tmp_path):
+    records = train_and_compare(tmp_path / "run", num_learners=2)
+    assert [r["agent_step"] for r in records] == [128, 256]
+
+
+RESTORE = textwrap.dedent(
+    """
+    import json, sys
+    import ray
+    sys.path.insert(0, {tests!r})
+    from test_rllib import make_config
+    from pathlib import Path
+    ray.init(address={address!r}, log_to_driver=False)
+    algo = make_config(Path({run_dir!r}), 0).build_algo()
+    algo.restore_from_path({checkpoint!r})
+    for _ in range(2):
+        algo.train()
+    algo.stop()
+    """
+)
+
+
+def test_restore_in_a_new_process_continues_the_run_directory(ray_cluster, tmp_path):
+    run_dir, checkpoint = tmp_path / "run", tmp_path / "checkpoint"
+    algo = make_config(run_dir, 0).build_algo()
+    try:
+        algo.train()
+        algo.train()
+        algo.save_to_path(checkpoint)
+        algo.train()  # after the checkpoint: dropped when the restored run goes on
+    finally:
+        algo.stop()
+    script = RESTORE.format(
+        tests=str(Path(__file__).parent),
+        address=ray_cluster,
+        run_dir=str(run_dir),
+        checkpoint=str(checkpoint),
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    subprocess.run([sys.executable, "-c", script], check=True, env=env, timeout=600)
+    records = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["hook_point"] == "POST_EPOCH"]
+    assert [r["epoch"] for r in records] == [1, 2, 3, 4]
+    assert [r["agent_step"] for r in records] == [64, 128, 192, 256]
+    assert all("probes/fisher/actor_mlp/trace" in r for r in records)
