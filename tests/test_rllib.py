@@ -41,7 +41,7 @@ def ray_cluster():
     ray.shutdown()
 
 
-def make_config(run_dir: Path, num_learners: int) -> PPOConfig:
+def make_config(run_dir: Path, num_learners: int, remedies: tuple[str, ...] = ()) -> PPOConfig:
     config = (
         PPOConfig()
         .environment("CartPole-v1")
@@ -64,6 +64,7 @@ def make_config(run_dir: Path, num_learners: int) -> PPOConfig:
         config,
         run_dir=run_dir,
         probes=["relu@actor_mlp", "fisher@actor_mlp"],
+        remedies=remedies,
         probing=probing,
     )
 
@@ -144,8 +145,18 @@ def reference_values(passes: list[dict]) -> tuple[float, float]:
     return dead, trace
 
 
-def train_and_compare(run_dir: Path, num_learners: int) -> list[dict]:
-    algo = make_config(run_dir, num_learners).build_algo()
+def inner_weights(learner) -> dict[str, torch.Tensor]:
+    module = learner.module["default_policy"]
+    module = module.unwrapped() if hasattr(module, "unwrapped") else module
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def train_and_compare(
+    run_dir: Path, num_learners: int, remedies: tuple[str, ...] = ()
+) -> tuple[list[dict], list[dict[str, torch.Tensor]]]:
+    """Train ITERATIONS iterations; check every record against the reference; return the
+    records and every learner's weights at the end."""
+    algo = make_config(run_dir, num_learners, remedies).build_algo()
     try:
         algo.learner_group.foreach_learner(install_reference)
         expected = []
@@ -159,6 +170,7 @@ def train_and_compare(run_dir: Path, num_learners: int) -> list[dict]:
             learner_result = result["learners"]["default_policy"]
             assert "probes/relu/actor_mlp/dead_fraction" in learner_result
             assert "probes/fisher/actor_mlp/trace" in learner_result
+        weights = [r.get() for r in algo.learner_group.foreach_learner(inner_weights)]
     finally:
         algo.stop()
     records = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["hook_point"] == "POST_EPOCH"]
@@ -167,20 +179,34 @@ def train_and_compare(run_dir: Path, num_learners: int) -> list[dict]:
         assert record["probes/relu/actor_mlp/dead_fraction"] == dead
         assert record["probes/fisher/actor_mlp/trace"] == pytest.approx(trace, rel=1e-6)
         assert len(record["probes/relu/actor_mlp/active_rate"]) == 16  # per-unit vectors
-    return records
+    return records, weights
 
 
 def test_one_local_learner_records_match_plain_hooks_on_the_masked_minibatches(
     ray_cluster, tmp_path
 ):
-    records = train_and_compare(tmp_path / "run", num_learners=0)
+    records, _ = train_and_compare(tmp_path / "run", num_learners=0)
     assert [r["agent_step"] for r in records] == [64, 128]
     assert json.loads((tmp_path / "run" / "config.json").read_text())["rllib"]
 
 
-def test_two_learners_records_are_the_union_of_both_learners_data(ray_cluster, tmp_path):
-    records = train_and_compare(tmp_path / "run", num_learners=2)
+def test_two_learners_records_are_the_union_of_both_learners_data_and_remedies_stay_in_sync(
+    ray_cluster, tmp_path
+):
+    remedies = (
+        "redo@actor_mlp:tau=0.1,every_epochs=1,consumer=actor_head",
+        "shrink_and_perturb@critic_mlp:every_epochs=1",
+    )
+    records, weights = train_and_compare(tmp_path / "run", num_learners=2, remedies=remedies)
     assert [r["agent_step"] for r in records] == [128, 256]
+    for record in records:  # both remedies fired at every epoch end, on both learners
+        assert record["remedies/redo/actor_mlp/fired"] == 1
+        assert record["remedies/shrink_and_perturb/critic_mlp/fired"] == 1
+    assert records[0]["remedies/redo/actor_mlp/units_reset"] > 0
+    first, second = weights
+    assert first.keys() == second.keys()
+    for name in first:  # the same seeded draws on the same weights: identical learners
+        assert torch.equal(first[name], second[name]), name
 
 
 RESTORE = textwrap.dedent(
