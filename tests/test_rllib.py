@@ -23,14 +23,18 @@ from ray.rllib.algorithms.ppo import PPOConfig
 from ray.rllib.core.columns import Columns
 from ray.rllib.core.rl_module.default_model_config import DefaultModelConfig
 
-from policy_probes import ProbeSettings
+from policy_probes import ProbeSettings, attach_relu_activation_hooks
 from policy_probes.integrations.rllib import probe_config
 from policy_probes.records import read_jsonl
+from policy_probes.run import Run
+from policy_probes.session import ProbeSession
 from policy_probes.sinks import SinksConfig, WandbConfig
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the reference hooks, to actors
+pytestmark = pytest.mark.timeout(900)  # Ray's start on a loaded 2-core machine
 
 ACTOR = "encoder.actor_encoder.net.mlp"  # RLLIB_COMPONENTS["actor_mlp"], spelled out
+CRITIC = "encoder.critic_encoder.net.mlp"  # RLLIB_COMPONENTS["critic_mlp"]
 ITERATIONS = 2
 
 
@@ -63,7 +67,7 @@ def make_config(run_dir: Path, num_learners: int, remedies: tuple[str, ...] = ()
     return probe_config(
         config,
         run_dir=run_dir,
-        probes=["relu@actor_mlp", "fisher@actor_mlp"],
+        probes=["relu@actor_mlp", "relu@critic_mlp", "fisher@actor_mlp"],
         remedies=remedies,
         probing=probing,
     )
@@ -73,8 +77,8 @@ def make_config(run_dir: Path, num_learners: int, remedies: tuple[str, ...] = ()
 
 
 def install_reference(learner) -> None:
-    """Record, for every minibatch update, the loss mask, the last ReLU's output and each
-    Linear's input and output gradient of the actor MLP."""
+    """Record, for every minibatch update, the loss mask, the last ReLU's output of the
+    actor and critic MLPs and each Linear's input and output gradient of the actor MLP."""
     module = learner.module["default_policy"]
     module = module.unwrapped() if hasattr(module, "unwrapped") else module
     mlp = module.get_submodule(ACTOR)
@@ -83,16 +87,19 @@ def install_reference(learner) -> None:
 
     def recording_update(batch, **kwargs):
         mask = batch["default_policy"][Columns.LOSS_MASK].detach().to(torch.float64)
-        learner._ref_now = {"mask": mask, "relu": [], "linear": {}}
+        learner._ref_now = {"mask": mask, "actor": [], "critic": [], "linear": {}}
         try:
             return update(batch, **kwargs)
         finally:
             learner._ref_passes.append(learner._ref_now)
             learner._ref_now = None
 
-    def on_relu(mod, inputs, output):
-        if learner._ref_now is not None:
-            learner._ref_now["relu"].append(output.detach().to(torch.float64))
+    def on_relu(which):
+        def hook(mod, inputs, output):
+            if learner._ref_now is not None:
+                learner._ref_now[which].append(output.detach().to(torch.float64))
+
+        return hook
 
     def on_linear(name):
         def hook(mod, inputs, output):
@@ -109,8 +116,9 @@ def install_reference(learner) -> None:
 
         return hook
 
-    last_relu = [m for m in mlp if isinstance(m, torch.nn.ReLU)][-1]
-    last_relu.register_forward_hook(on_relu)
+    for which, path in (("actor", ACTOR), ("critic", CRITIC)):
+        last_relu = [m for m in module.get_submodule(path) if isinstance(m, torch.nn.ReLU)][-1]
+        last_relu.register_forward_hook(on_relu(which))
     for name, layer in mlp.named_children():
         if isinstance(layer, torch.nn.Linear):
             layer.register_forward_hook(on_linear(name))
@@ -122,17 +130,25 @@ def take_reference(learner):
     return passes
 
 
-def reference_values(passes: list[dict]) -> tuple[float, float]:
-    """Dead fraction of the actor MLP's output and its Fisher trace over the kept rows of
-    every pass (docs/probes/relu.md, docs/probes/fisher.md: f = kept rows of the pass)."""
-    active = None
+def reference_values(passes: list[dict]) -> dict[str, float]:
+    """Dead fractions and samples of the actor and critic MLPs' outputs and the actor's
+    Fisher trace over the kept rows of every pass (docs/probes/relu.md,
+    docs/probes/fisher.md: a masked mean loss, so f = the kept rows of the pass)."""
+    out: dict[str, float] = {}
+    for which in ("actor", "critic"):
+        active, samples = None, 0
+        for p in passes:
+            keep = p["mask"] > 0
+            for h in p[which]:
+                hit = (h[keep] > 0).any(dim=0)
+                active = hit if active is None else active | hit
+                samples += int(keep.sum())
+        out[f"probes/relu/{which}_mlp/dead_fraction"] = float((~active).sum()) / active.numel()
+        out[f"probes/relu/{which}_mlp/samples"] = samples
     sums: dict[str, torch.Tensor] = {}
     counts: dict[str, torch.Tensor] = {}
     for p in passes:
         keep = p["mask"] > 0
-        for out in p["relu"]:
-            hit = (out[keep] > 0).any(dim=0)
-            active = hit if active is None else active | hit
         f = keep.sum().to(torch.float64)  # a masked mean loss: n = the kept rows
         for name, pairs in p["linear"].items():
             for x, g in pairs:
@@ -140,9 +156,8 @@ def reference_values(passes: list[dict]) -> tuple[float, float]:
                 x2 = (x[keep] ** 2).sum(dim=1)
                 sums[name] = sums.get(name, 0.0) + (g2 * (x2 + 1.0)).sum()  # W and b
                 counts[name] = counts.get(name, 0.0) + keep.sum()
-    dead = float((~active).sum()) / active.numel()
-    trace = sum(float(sums[n] / counts[n]) for n in sums)
-    return dead, trace
+    out["probes/fisher/actor_mlp/trace"] = sum(float(sums[n] / counts[n]) for n in sums)
+    return out
 
 
 def inner_weights(learner) -> dict[str, torch.Tensor]:
@@ -175,9 +190,12 @@ def train_and_compare(
         algo.stop()
     records = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["hook_point"] == "POST_EPOCH"]
     assert [r["epoch"] for r in records] == list(range(1, ITERATIONS + 1))
-    for record, (dead, trace) in zip(records, expected, strict=True):
-        assert record["probes/relu/actor_mlp/dead_fraction"] == dead
-        assert record["probes/fisher/actor_mlp/trace"] == pytest.approx(trace, rel=1e-6)
+    for record, values in zip(records, expected, strict=True):
+        for key, value in values.items():
+            if key.endswith("/trace"):
+                assert record[key] == pytest.approx(value, rel=1e-6), key
+            else:  # fractions and counts: exact
+                assert record[key] == value, key
         assert len(record["probes/relu/actor_mlp/active_rate"]) == 16  # per-unit vectors
     return records, weights
 
@@ -248,3 +266,39 @@ def test_restore_in_a_new_process_continues_the_run_directory(ray_cluster, tmp_p
     assert [r["epoch"] for r in records] == [1, 2, 3, 4]
     assert [r["agent_step"] for r in records] == [64, 128, 192, 256]
     assert all("probes/fisher/actor_mlp/trace" in r for r in records)
+
+
+def snapshot(root: Path) -> dict[str, tuple[int, int]]:
+    return {str(p): (p.stat().st_mtime_ns, p.stat().st_size) for p in sorted(root.rglob("*"))}
+
+
+def test_a_worker_session_never_touches_the_filesystem(tmp_path, monkeypatch):
+    """A learner's session next to a run the driver continues: no RunDirConflict, no lock,
+    no file read back or written, in the run directory or the working directory."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text("{}\n")
+    (run_dir / "metrics.jsonl").write_text('{"epoch": 1, "agent_step": 8}\n')
+    monkeypatch.chdir(tmp_path)
+    before = snapshot(tmp_path)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    session = ProbeSession(
+        model,
+        run=Run.worker(run_dir),
+        probing=ProbeSettings(probe_budget=None),
+        optimizer=optimizer,
+    )
+    with session:
+        session.add_training_hook("0", attach_relu_activation_hooks())
+        h = model(torch.randn(5, 3))
+        expected = float(((h > 0).sum(dim=0) == 0).float().mean())
+        h.sum().backward()
+        optimizer.step()
+        metrics = session.epoch_end(step=5)
+        state = session.state_dict()
+    assert metrics["probes/relu/0/samples"] == 5
+    assert metrics["probes/relu/0/dead_fraction"] == expected
+    assert state["epoch"] == 1  # counts from 0: a worker does not read the driver's records
+    assert snapshot(tmp_path) == before

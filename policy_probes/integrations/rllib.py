@@ -64,6 +64,9 @@ RLLIB_COMPONENTS: dict[str, str] = {
     "critic_head": "vf.net.mlp",
 }
 
+#: algorithms whose Learners update asynchronously: refused (docs/rllib.md, Limits)
+ASYNC_ALGORITHMS = ("APPO", "IMPALA")
+
 #: the key of the probe settings in ``config.learner_config_dict`` and of the probe state
 #: in a Learner's checkpoint state
 CONFIG_KEY = "policy_probes"
@@ -124,6 +127,13 @@ def probe_config(
         }
     )
     ProbeSettings.model_validate(probing.model_dump(mode="json"))  # bad specs fail here
+    algo = type(config).__name__.removesuffix("Config")
+    if algo in ASYNC_ALGORITHMS:
+        raise ValueError(
+            f"probe_config: {algo} updates its Learners asynchronously (many update calls "
+            f"per iteration, no common point at which every Learner can close an epoch); "
+            f"probes support the synchronous PPO Learners only (docs/rllib.md, Limits)"
+        )
     learner_class = config.learner_class
     if not issubclass(learner_class, ProbeLearnerMixin):
         if learner_class is not PPOTorchLearner:
@@ -319,6 +329,8 @@ class ProbeRLlibCallback(RLlibCallback):
         first = min(reported, key=lambda r: r["rank"])
         epoch, probe_metrics = int(first["epoch"]), first["metrics"]
         writer = self.writer or self._open(epoch)
+        if epoch != writer.epoch + 1:  # restored in this process: go on after its epoch
+            writer.rewind(epoch - 1)
         runners = result.get(ENV_RUNNER_RESULTS, {}) or {}
         step = runners.get(
             NUM_ENV_STEPS_SAMPLED_LIFETIME, result.get(NUM_ENV_STEPS_SAMPLED_LIFETIME)
@@ -350,8 +362,6 @@ class ProbeRLlibCallback(RLlibCallback):
             **self.settings["run_config"],
         }
         self.writer = RecordWriter(run, probing=self.probing, config=config)
-        if epoch > 1:
-            self.writer.rewind(epoch - 1)
         return self.writer
 
     def close(self) -> None:
