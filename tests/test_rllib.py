@@ -251,9 +251,13 @@ def test_restore_in_a_new_process_continues_the_run_directory(ray_cluster, tmp_p
         algo.train()
         algo.train()
         algo.save_to_path(checkpoint)
-        algo.train()  # after the checkpoint: dropped when the restored run goes on
+        algo.train()  # after the checkpoint: dropped when a restored run goes on
+        algo.restore_from_path(checkpoint)  # in this process: epoch 3 again
+        algo.train()
     finally:
         algo.stop()
+    records = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["hook_point"] == "POST_EPOCH"]
+    assert [(r["epoch"], r["agent_step"]) for r in records] == [(1, 64), (2, 128), (3, 192)]
     script = RESTORE.format(
         tests=str(Path(__file__).parent),
         address=ray_cluster,
