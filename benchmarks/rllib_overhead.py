@@ -75,13 +75,14 @@ def case(params: dict[str, Any]) -> dict[str, Any]:
         run_dir = tempfile.mkdtemp(prefix="pp-bench-rllib-")
         config = probe_config(config, run_dir=run_dir, probes=PROBES, probing=probing)
     algo = config.build_algo()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for _ in range(params["iterations"]):
         algo.train()
     train_seconds = time.perf_counter() - start
+    cpu_seconds = time.process_time() - cpu  # the driver's (with 0 Learners: the Learner's too)
     algo.stop()
     ray.shutdown()
-    return {"train_seconds": train_seconds}
+    return {"train_seconds": train_seconds, "cpu_seconds": cpu_seconds}
 
 
 def comparisons(quick: bool, iterations: int) -> list[Comparison]:

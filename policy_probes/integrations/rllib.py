@@ -300,6 +300,7 @@ class ProbeRLlibCallback(RLlibCallback):
         super().__init__()
         self.run: Run | None = None
         self.writer: RecordWriter | None = None
+        self._warned = False
         #: what was written, one dict per iteration
         self.history: list[dict[str, Any]] = []
 
@@ -325,6 +326,13 @@ class ProbeRLlibCallback(RLlibCallback):
         ]
         reported = [r for r in reported if r is not None]
         if not reported or self.run is None:
+            if not self._warned:
+                log.warning(
+                    "policy-probes: no Learner reports probe metrics; its class %s lacks "
+                    "ProbeLearnerMixin (call probe_config after setting learner_class)",
+                    algorithm.config.learner_class.__name__,
+                )
+                self._warned = True
             return
         first = min(reported, key=lambda r: r["rank"])
         epoch, probe_metrics = int(first["epoch"]), first["metrics"]
