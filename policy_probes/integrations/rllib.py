@@ -197,6 +197,7 @@ class ProbeLearnerMixin:
     probe_module_id: str | None = None
 
     def build(self, *args: Any, **kwargs: Any) -> None:
+        """RLlib's build (module, optimizers, DDP), then the probe session on the module."""
         super().build(*args, **kwargs)  # type: ignore[misc]
         if self.probe_session is None:
             self.probe_session = self._make_probe_session()
@@ -236,6 +237,7 @@ class ProbeLearnerMixin:
         return session
 
     def _update(self, batch: dict[str, Any], **kwargs: Any) -> Any:
+        """One minibatch update, recorded: phase ``"train"``, the loss mask as row mask."""
         session = self.probe_session
         if session is None:
             return super()._update(batch, **kwargs)  # type: ignore[misc]
@@ -251,6 +253,7 @@ class ProbeLearnerMixin:
             session.set_phase("rollout")
 
     def update(self, *args: Any, **kwargs: Any) -> Any:
+        """RLlib's update, then the epoch's end (the same point on every Learner)."""
         results = super().update(*args, **kwargs)  # type: ignore[misc]
         session = self.probe_session
         if session is not None:
@@ -261,7 +264,10 @@ class ProbeLearnerMixin:
             self.probe_metrics = {"epoch": epoch, "rank": _rank(), "metrics": metrics}
         return results
 
-    def get_state(self, components: Any = None, *, not_components: Any = None, **kwargs: Any):
+    def get_state(
+        self, components: Any = None, *, not_components: Any = None, **kwargs: Any
+    ) -> dict[str, Any]:
+        """RLlib's Learner state and, as a component, the probe session's."""
         state = super().get_state(components, not_components=not_components, **kwargs)  # type: ignore[misc]
         session = self.probe_session
         if session is not None and self._check_component(CONFIG_KEY, components, not_components):  # type: ignore[attr-defined]
@@ -269,6 +275,7 @@ class ProbeLearnerMixin:
         return state
 
     def set_state(self, state: dict[str, Any]) -> None:
+        """Restore RLlib's Learner state and the probe session's (tracker sums on rank 0)."""
         super().set_state(state)  # type: ignore[misc]
         saved = state.get(CONFIG_KEY)
         if saved is not None and self.probe_session is not None:
@@ -305,6 +312,7 @@ class ProbeRLlibCallback(RLlibCallback):
         self.history: list[dict[str, Any]] = []
 
     def on_algorithm_init(self, *, algorithm: Any, **kwargs: Any) -> None:
+        """Take the run directory's lock; ``algo.stop()`` will close the run."""
         settings = _settings(algorithm.config)
         self.settings = settings
         self.probing = ProbeSettings.model_validate(settings["probing"])
@@ -321,6 +329,7 @@ class ProbeRLlibCallback(RLlibCallback):
         algorithm.cleanup = cleanup_and_close
 
     def on_train_result(self, *, algorithm: Any, result: dict, **kwargs: Any) -> None:
+        """Write the iteration's record; add the probe scalars to RLlib's result."""
         reported = [
             r.get() for r in algorithm.learner_group.foreach_learner(_learner_metrics) if r.ok
         ]
