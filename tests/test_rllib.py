@@ -306,3 +306,14 @@ def test_a_worker_session_never_touches_the_filesystem(tmp_path, monkeypatch):
     assert metrics["probes/relu/0/dead_fraction"] == expected
     assert state["epoch"] == 1  # counts from 0: a worker does not read the driver's records
     assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("algo", ["APPO", "IMPALA"])
+def test_asynchronous_learners_are_refused_with_a_message(algo, tmp_path):
+    from ray.rllib.algorithms.appo import APPOConfig
+    from ray.rllib.algorithms.impala import IMPALAConfig
+
+    config = {"APPO": APPOConfig, "IMPALA": IMPALAConfig}[algo]().environment("CartPole-v1")
+    with pytest.raises(ValueError, match=f"{algo} updates its Learners asynchronously"):
+        probe_config(config, run_dir=tmp_path / "run", probes=["relu@actor_mlp"])
+    assert not (tmp_path / "run").exists()
