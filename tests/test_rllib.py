@@ -45,7 +45,9 @@ def ray_cluster():
     ray.shutdown()
 
 
-def make_config(run_dir: Path, num_learners: int, remedies: tuple[str, ...] = ()) -> PPOConfig:
+def make_config(
+    run_dir: Path, num_learners: int, remedies: tuple[str, ...] = (), wandb: str = "disabled"
+) -> PPOConfig:
     config = (
         PPOConfig()
         .environment("CartPole-v1")
@@ -62,7 +64,7 @@ def make_config(run_dir: Path, num_learners: int, remedies: tuple[str, ...] = ()
     probing = ProbeSettings(
         probe_budget=None,  # every pass: the reference sees every minibatch too
         sinks=SinksConfig(console=False),
-        wandb=WandbConfig(mode="disabled"),
+        wandb=WandbConfig(mode=wandb),
     )
     return probe_config(
         config,
@@ -167,11 +169,11 @@ def inner_weights(learner) -> dict[str, torch.Tensor]:
 
 
 def train_and_compare(
-    run_dir: Path, num_learners: int, remedies: tuple[str, ...] = ()
+    run_dir: Path, num_learners: int, remedies: tuple[str, ...] = (), wandb: str = "disabled"
 ) -> tuple[list[dict], list[dict[str, torch.Tensor]]]:
     """Train ITERATIONS iterations; check every record against the reference; return the
     records and every learner's weights at the end."""
-    algo = make_config(run_dir, num_learners, remedies).build_algo()
+    algo = make_config(run_dir, num_learners, remedies, wandb).build_algo()
     try:
         algo.learner_group.foreach_learner(install_reference)
         expected = []
@@ -203,9 +205,17 @@ def train_and_compare(
 def test_one_local_learner_records_match_plain_hooks_on_the_masked_minibatches(
     ray_cluster, tmp_path
 ):
-    records, _ = train_and_compare(tmp_path / "run", num_learners=0)
+    from wandb_reader import history_rows, run_file, wandb_records
+
+    run_dir = tmp_path / "run"
+    records, _ = train_and_compare(run_dir, num_learners=0, wandb="offline")
     assert [r["agent_step"] for r in records] == [64, 128]
-    assert json.loads((tmp_path / "run" / "config.json").read_text())["rllib"]
+    assert json.loads((run_dir / "config.json").read_text())["rllib"]
+    csv_rows = (run_dir / "metrics.csv").read_text().splitlines()
+    assert len(csv_rows) == 1 + ITERATIONS  # a header and one row per iteration
+    key = "probes/fisher/actor_mlp/trace"  # the driver's W&B run holds the same records
+    rows = [r for r in history_rows(wandb_records(run_file(run_dir))) if key in r]
+    assert [r[key] for r in rows] == [r[key] for r in records]
 
 
 def test_two_learners_records_are_the_union_of_both_learners_data_and_remedies_stay_in_sync(
