@@ -158,6 +158,7 @@ class Run:
     ``resume``: continue the run it holds; ``overwrite``: replace it. ``config``: for
     ``config.json`` and the W&B run. ``main``: this process writes the run's files (rank 0).
     ``console``: a rich ``Console`` for the console sink. ``name``: ``runs/<name>-<time>``.
+    :meth:`worker` makes the run of a worker process, which never touches the filesystem.
     """
 
     def __init__(
@@ -177,6 +178,8 @@ class Run:
             )
         self.dir = Path(run_dir) if run_dir is not None else default_run_dir(name)
         self.resume, self.overwrite, self.main = bool(resume), bool(overwrite), main
+        #: whether this process reads or writes the run directory at all (False: a worker)
+        self.files = True
         self.config: dict[str, Any] = dict(config or {})
         self.console = console
         #: the run's metric sinks (filled by :meth:`open_sinks` on the main process)
@@ -187,9 +190,22 @@ class Run:
         self._lock = RunDirLock(self.dir)
         self._created: list[Path] = []
 
+    @classmethod
+    def worker(cls, run_dir: str | Path = "<worker>") -> Run:
+        """The run of a worker process (an RLlib learner actor, a process whose records a
+        driver writes): no lock, no claim, no ``config.json``, no sinks; it never reads or
+        writes the filesystem, so it cannot conflict with the run the driver continues.
+        ``run_dir``: the driver's directory, for messages only."""
+        run = cls(run_dir, main=False)  # (a given run_dir is not looked at)
+        run.files = False
+        return run
+
     def open(self, *, claim: bool = True) -> Run:
         """Create the directory and take its lock (main process only; until :meth:`close`),
         then :meth:`claim` it unless ``claim=False``; a refusal leaves nothing behind."""
+        if not self.files:  # a worker: nothing on disk
+            self.opened = True
+            return self
         try:
             if self.main:
                 self._created = _missing_directories(self.dir)
@@ -207,7 +223,7 @@ class Run:
         """For a directory holding a run: continue it (``resume``), replace it (``overwrite``),
         restart a run killed while starting, or raise :class:`RunDirConflict`. ``dry_run``:
         remove nothing, log what would be removed."""
-        held = held_outputs(self.dir)
+        held = held_outputs(self.dir) if self.files else []
         if not held or self.resume:
             return
         if not self.overwrite and not _aborted_start(self.dir, held):
@@ -239,6 +255,8 @@ class Run:
     def last_recorded_epoch(self) -> int | None:
         """The last epoch in ``metrics.jsonl``, or ``metrics.csv`` without it (None: none)."""
         jsonl, table = self.dir / "metrics.jsonl", self.dir / "metrics.csv"
+        if not self.files:
+            return None
         if jsonl.is_file():
             epochs = [r["epoch"] for r in iter_jsonl(jsonl) if isinstance(r.get("epoch"), int)]
         elif table.is_file():
@@ -296,6 +314,8 @@ class Run:
 
     def choice_recorder(self) -> Callable[[dict[str, Any]], None]:
         """:func:`record_sampling_choice` of this directory (the sampler must not hold the run)."""
+        if not self.files:
+            return _ignore
         return functools.partial(record_sampling_choice, self.dir)
 
     def close(self, *, refused: bool = False) -> None:
@@ -341,6 +361,10 @@ def holds_progress(run_dir: str | Path) -> bool:
     except (OSError, ValueError):
         return True
     return False
+
+
+def _ignore(_choice: dict[str, Any]) -> None:
+    """A worker's sampling choice: in its records and checkpoints, not in ``config.json``."""
 
 
 def _aborted_start(run_dir: Path, held: list[str]) -> bool:

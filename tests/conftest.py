@@ -4,6 +4,7 @@ remedy draws, snapshots of weights and moments) and the CLI run as a subprocess.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -36,6 +37,11 @@ ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 torch.set_num_threads(1)
+
+#: tests that need another venv: ``make test`` runs them there (tests/test_rllib.py in
+#: ``.venv-rllib``, whose ray[rllib] pins its own gymnasium); a venv without ray leaves them
+#: out here, it does not skip them
+collect_ignore = [] if importlib.util.find_spec("ray") else ["test_rllib.py"]
 
 #: where the tests that take a ``device`` run: ``pytest --device cuda`` or
 #: ``POLICY_PROBES_TEST_DEVICE=cuda``; every other test runs on the CPU either way
