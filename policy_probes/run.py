@@ -302,9 +302,9 @@ def _aborted_start(run_dir: Path, held: list[str]) -> bool:
     try:
         if jsonl.is_file() and any(True for _ in iter_jsonl(jsonl)):
             return False
-        if csv.is_file():  # a header at most: no row
+        if csv.is_file():  # a header at most: no row (lines of any length)
             with open(csv, encoding="utf-8", errors="replace") as f:
-                if len(f.readlines(2**16)) > 1:
+                if len(list(itertools.islice(f, 2))) > 1:
                     return False
     except (OSError, ValueError):
         return False
