@@ -354,9 +354,9 @@ def holds_progress(run_dir: str | Path) -> bool:
     try:
         if jsonl.is_file() and any(True for _ in iter_jsonl(jsonl)):
             return True
-        if table.is_file():  # a header at most: no row
+        if table.is_file():  # a header at most: no row (lines of any length)
             with open(table, encoding="utf-8", errors="replace") as f:
-                if len(f.readlines(2**16)) > 1:
+                if len(list(itertools.islice(f, 2))) > 1:
                     return True
     except (OSError, ValueError):
         return True

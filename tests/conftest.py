@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import random
 import subprocess
 import sys
 import zlib
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -259,6 +261,23 @@ def cli(*args: str, cwd: Path = ROOT, **popen: object) -> subprocess.CompletedPr
         timeout=120,
         **popen,
     )
+
+
+def seed_of_test(nodeid: str) -> int:
+    """The seed a test starts from: crc32 of its node id (stable across runs, machines and
+    the order tests run in; each test, and each parameter of one, gets its own numbers)."""
+    return zlib.crc32(nodeid.encode())
+
+
+@pytest.fixture(autouse=True)
+def _seeded(request: pytest.FixtureRequest) -> None:
+    """Seed ``random``, numpy and torch (every device) before every test, so that a test
+    drawing random numbers without a generator of its own draws the same ones every run.
+    A test that seeds itself is unchanged (its seed comes after this one)."""
+    seed = seed_of_test(request.node.nodeid)
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
 
 
 @pytest.fixture

@@ -61,6 +61,7 @@ def test_every_threshold_per_layer_and_under_a_row_mask(device: torch.device) ->
 
 
 def test_custom_thresholds_and_bad_ones(device: torch.device) -> None:
+    torch.manual_seed(3)  # scores at least 0.1 from the threshold 0.5 (checked below)
     policy = TinyPolicy().to(device)
     ctx = ComponentContext()
     policy.attach("actor_mlp", attach_relu_activation_hooks(taus=(0.5,)), ctx, per_layer=False)
@@ -68,6 +69,11 @@ def test_custom_thresholds_and_bad_ones(device: torch.device) -> None:
     policy(x)
     got = StatsReporter(ctx).collect()
     h = layer_outputs(policy, x)[1]
+    means = h.double().abs().mean(0)
+    scores = means / (means.mean() + 1e-9)
+    # no unit near the threshold: float32 rounding cannot move one across it
+    assert float((scores - 0.5).abs().min()) > 0.1
+    assert 0 < dormant_by_loops(h.double(), 0.5) < 1
     assert got["probes/relu/actor_mlp/dormant_fraction_tau_0.5"] == pytest.approx(
         dormant_by_loops(h.double(), 0.5)
     )
