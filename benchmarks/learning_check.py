@@ -34,7 +34,7 @@ def run_seed(args: tuple[str, int, bool, str]) -> dict[str, Any]:
     name, seed, early_stop, out_root = args
     import torch
 
-    from policy_probes.cli import load_recipe
+    from policy_probes.recipe_launch import load_recipe
     from trainers import TrainerHook
 
     check = CHECKS[name]

@@ -135,7 +135,8 @@ def run_one(job: tuple[str, int, int, int, str]) -> dict[str, Any]:
     import torch
 
     from policy_probes.analysis.findings import diagnose_run
-    from policy_probes.cli import apply_overrides, load_recipe
+    from policy_probes.overrides import apply_overrides
+    from policy_probes.recipe_launch import load_recipe
 
     torch.set_num_threads(1)
     run_dir = Path(out_root) / f"{arm}-seed{seed}"

@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from policy_probes.cli import apply_overrides, build_from_recipe
+from policy_probes.cli import apply_overrides
+from policy_probes.recipe_launch import build_from_recipe
 from trainers.checkpoint import list_checkpoints, load_checkpoint
 
 EPOCHS = 6

@@ -16,7 +16,8 @@ import pytest
 import torch
 from wandb_reader import history_rows, run_file, wandb_records
 
-from policy_probes.cli import apply_overrides, build_from_recipe
+from policy_probes.cli import apply_overrides
+from policy_probes.recipe_launch import build_from_recipe
 from policy_probes.records import read_jsonl
 from policy_probes.sampling import DEFAULT_STRIDE
 

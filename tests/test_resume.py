@@ -25,7 +25,8 @@ from run_control_support import (
 )
 from wandb_reader import history_rows, wandb_records
 
-from policy_probes.cli import apply_overrides, build_from_recipe, main
+from policy_probes.cli import apply_overrides, main
+from policy_probes.recipe_launch import build_from_recipe
 from trainers import TrainerHook
 from trainers.checkpoint import (
     SLOW_SAVE_ENV,

@@ -28,7 +28,8 @@ from run_control_support import (
     wait_for,
 )
 
-from policy_probes.cli import apply_overrides, build_from_recipe, main
+from policy_probes.cli import apply_overrides, main
+from policy_probes.recipe_launch import build_from_recipe
 from policy_probes.records import read_jsonl
 from policy_probes.run_lock import RunDirLock, lock_owner, pid_alive
 

@@ -302,8 +302,13 @@ def check_children(children: Sequence[Child]) -> None:
     and that fork's set-up checks (``run --dry-run``'s); an :class:`ArmsError` names the
     arm that fails. Children left by an earlier call resume their own configuration."""
     from policy_probes import runnable
-    from policy_probes.cli import build_from_recipe, call_tool, launch_overrides, read_run_config
     from policy_probes.overrides import apply_overrides
+    from policy_probes.recipe_launch import (
+        build_from_recipe,
+        call_tool,
+        launch_overrides,
+        read_run_config,
+    )
     from policy_probes.run import held_outputs
     from policy_probes.user_errors import CLIError
 

@@ -7,7 +7,6 @@ and the debug interventions). ``training_metrics`` joins any non-empty selection
 from __future__ import annotations
 
 import difflib
-import importlib
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -36,12 +35,19 @@ class HookRegistry:
     """Stores hook classes by name; instances are made only when a hook is selected."""
 
     _hooks: dict[str, type[TrainingHook]] = {}
+    _builtins_registered = False
 
     @classmethod
     def _registered(cls) -> dict[str, type[TrainingHook]]:
-        """:attr:`_hooks`, once the built-in hooks have registered (their modules import
-        torch, so they are imported on the first lookup, not with the package)."""
-        importlib.import_module("policy_probes.lifecycle.hooks")
+        """:attr:`_hooks`, once the built-in hooks are registered (``BUILTIN_HOOKS`` of
+        :mod:`policy_probes.lifecycle.hooks`; their modules import torch, so they are
+        imported at the first lookup, not with the package)."""
+        if not cls._builtins_registered:
+            cls._builtins_registered = True
+            from policy_probes.lifecycle.hooks import BUILTIN_HOOKS
+
+            for hook_cls in BUILTIN_HOOKS:
+                cls.register(hook_cls)
         return cls._hooks
 
     @classmethod

@@ -1,5 +1,6 @@
-"""The built-in lifecycle hooks (importing this package registers them); within one firing
-they run by ``order``, ties in the import order below."""
+"""The built-in lifecycle hooks, :data:`BUILTIN_HOOKS`: the registry registers them at its
+first lookup (:meth:`~policy_probes.lifecycle.registry.HookRegistry.get`); within one
+firing they run by ``order``, ties in the order of that tuple."""
 
 from policy_probes.lifecycle.hooks.adam_dynamics import AdamDynamicsHook
 from policy_probes.lifecycle.hooks.counterfactual import CounterfactualHook
@@ -10,7 +11,20 @@ from policy_probes.lifecycle.hooks.norms import NormsHook
 from policy_probes.lifecycle.hooks.policy_fisher import PolicyFisherHook
 from policy_probes.lifecycle.hooks.training_metrics import TrainingMetricsHook
 
+#: every built-in hook class, in the order the registry registers them
+BUILTIN_HOOKS = (
+    AdamDynamicsHook,
+    CounterfactualHook,
+    DebugCorruptHook,
+    FeatureRankHook,
+    HessianHook,
+    NormsHook,
+    PolicyFisherHook,
+    TrainingMetricsHook,
+)
+
 __all__ = [
+    "BUILTIN_HOOKS",
     "AdamDynamicsHook",
     "CounterfactualHook",
     "DebugCorruptHook",

@@ -8,7 +8,6 @@ import torch
 
 from policy_probes.lifecycle.hook import HookConfig, TrainingHook
 from policy_probes.lifecycle.param_groups import layer_groups
-from policy_probes.lifecycle.registry import HookRegistry
 from policy_probes.lifecycle.run_context import RunDataContext
 
 
@@ -16,7 +15,6 @@ class AdamDynamicsConfig(HookConfig):
     per_layer: bool = True
 
 
-@HookRegistry.register
 class AdamDynamicsHook(TrainingHook):
     """Bias-corrected moments m_hat = m / (1 - beta1^t), v_hat = v / (1 - beta2^t) and
     the effective step lr * m_hat / (sqrt(v_hat) + eps) that Adam applies next (the

@@ -16,7 +16,6 @@ from pydantic import Field
 
 from policy_probes.lifecycle.hook import HookConfig, InterventionHook
 from policy_probes.lifecycle.model_context import ModelDataContext
-from policy_probes.lifecycle.registry import HookRegistry
 from policy_probes.lifecycle.run_context import RunDataContext
 
 
@@ -35,7 +34,6 @@ def order_generator(seed: int, epoch: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + epoch)
 
 
-@HookRegistry.register
 class CounterfactualHook(InterventionHook):
     """theta_r = update phase replayed from the pre-epoch state with random orders drawn
     from ``torch.Generator().manual_seed(seed * 1_000_003 + epoch)``; losses are the

@@ -11,7 +11,6 @@ import torch
 from policy_probes.lifecycle.hook import DebugInterventionHook, HookConfig
 from policy_probes.lifecycle.model_context import ModelDataContext
 from policy_probes.lifecycle.points import HookPoint
-from policy_probes.lifecycle.registry import HookRegistry
 from policy_probes.lifecycle.run_context import RunDataContext
 
 
@@ -19,7 +18,6 @@ class DebugCorruptConfig(HookConfig):
     raise_error: bool = True
 
 
-@HookRegistry.register
 class DebugCorruptHook(DebugInterventionHook):
     """Overwrites the weights with NaN and noise, scrambles the gradients, Adam's
     moments, step counts and learning rates, steps the scheduler, reseeds every RNG,

@@ -20,7 +20,6 @@ from torch import nn
 
 from policy_probes.lifecycle.hook import HookConfig, TrainingHook
 from policy_probes.lifecycle.points import HookPoint
-from policy_probes.lifecycle.registry import HookRegistry
 from policy_probes.lifecycle.run_context import RunDataContext
 
 
@@ -81,7 +80,6 @@ def _grab(outputs: dict[str, torch.Tensor], name: str, _m: nn.Module, _i: Any, o
         outputs.setdefault(name, out.detach())
 
 
-@HookRegistry.register
 class FeatureRankHook(TrainingHook):
     """The ranks of the chosen components' outputs on (evenly spaced) rollout observations."""
 

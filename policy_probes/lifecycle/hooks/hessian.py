@@ -17,7 +17,6 @@ from pydantic import Field
 from policy_probes.lifecycle.hook import HookConfig, InterventionHook
 from policy_probes.lifecycle.model_context import ModelDataContext, batch_size
 from policy_probes.lifecycle.points import HookPoint
-from policy_probes.lifecycle.registry import HookRegistry
 from policy_probes.lifecycle.run_context import RunDataContext
 
 
@@ -92,7 +91,6 @@ def hutchinson_trace(hvp: HessianOperator, samples: int) -> tuple[float, float]:
     return mean, math.sqrt(var / len(values))
 
 
-@HookRegistry.register
 class HessianHook(InterventionHook):
     """Top eigenvalue (warm-started power iteration) and Hutchinson trace of the loss Hessian."""
 

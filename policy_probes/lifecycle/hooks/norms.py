@@ -10,7 +10,6 @@ import torch
 from policy_probes.lifecycle.hook import HookConfig, TrainingHook
 from policy_probes.lifecycle.param_groups import layer_groups
 from policy_probes.lifecycle.points import HookPoint
-from policy_probes.lifecycle.registry import HookRegistry
 from policy_probes.lifecycle.run_context import RunDataContext
 
 
@@ -31,7 +30,6 @@ def _group_norms(
     return total, per
 
 
-@HookRegistry.register
 class NormsHook(TrainingHook):
     """PRE_STEP: gradient norms of the minibatch before clipping (buffered; the epoch
     value is the mean over its steps). POST_EPOCH: weight norms, ratio of the epoch's

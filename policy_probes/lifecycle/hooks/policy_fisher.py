@@ -23,7 +23,6 @@ from policy_probes.lifecycle.hook import HookConfig, InterventionHook
 from policy_probes.lifecycle.model_context import ModelDataContext
 from policy_probes.lifecycle.param_groups import component_groups
 from policy_probes.lifecycle.points import HookPoint
-from policy_probes.lifecycle.registry import HookRegistry
 from policy_probes.lifecycle.run_context import RunDataContext
 
 log = logging.getLogger("policy_probes.lifecycle")
@@ -94,7 +93,6 @@ def per_sample_log_prob_grads_loop(
     return {n: torch.stack(r) for n, r in rows.items()}
 
 
-@HookRegistry.register
 class PolicyFisherHook(InterventionHook):
     """Diagonal true Fisher over (evenly spaced) rollout states, one sampled action each."""
 

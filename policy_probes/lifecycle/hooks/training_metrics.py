@@ -5,11 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from policy_probes.lifecycle.hook import TrainingHook
-from policy_probes.lifecycle.registry import HookRegistry
 from policy_probes.lifecycle.run_context import RunDataContext
 
 
-@HookRegistry.register
 class TrainingMetricsHook(TrainingHook):
     """``RunDataContext.stats`` as they are, plus ``train/learning_rate``."""
 
