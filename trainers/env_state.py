@@ -8,8 +8,8 @@ and plain containers; :func:`restore_env_state` writes them back into a freshly 
 of the same configuration. An ale-py ``AtariEnv``'s emulator state is saved with ALE's
 ``cloneState`` (it lacks the action sticky actions repeat, so only games with
 ``repeat_action_probability=0`` are captured). An env whose state lives elsewhere (a
-physics engine, another process as in ``AsyncVectorEnv``, EnvPool's C++ engine) raises :class:`EnvStateError`,
-and the trainer then falls back to re-seeding.
+physics engine, another process as in ``AsyncVectorEnv``, EnvPool's C++ engine) raises
+:class:`EnvStateError`, and the trainer then falls back to re-seeding.
 """
 
 from __future__ import annotations

@@ -10,10 +10,11 @@ route (:func:`trainers.envs.atari_wrappers`).
 route: episode statistics on the raw rewards (full games, as episodic life is off),
 then reward clipping. ``envpool`` is imported only when this backend is built.
 
-What is the same, bit for bit (``tests/test_envpool.py``): the emulator (ALE's reset, the
-game's frames), one to ``noop_max`` no-op frames after reset, ``frame_skip`` repeats of
-the action with the max of the last two frames, ALE's grey palette, ``INTER_AREA``
-resize, the stacked frames (the reset frame repeated after a reset), sticky actions per
+What is the same, bit for bit with sticky actions off and one no-op frame
+(``tests/test_envpool.py``): the emulator (ALE's reset, the game's frames), the no-op
+frames after reset (one to ``noop_max``), ``frame_skip`` repeats of the action with the
+max of the last two frames, ALE's grey palette, ``INTER_AREA`` resize, the stacked frames
+(the reset frame repeated after a reset); sticky actions are ALE's own on both, per
 emulator frame. What differs: the random draws (no-op counts and sticky actions come
 from EnvPool's generators, seeded ``seed + i`` for env ``i``, not from numpy's), the
 observation that ends an episode when the game ends before the last skipped frame (it is

@@ -4,10 +4,9 @@ The stack, innermost first: the Atari preprocessing of ALE ids (:func:`atari_wra
 the vector env (``gym.make_vec``; with ``env.backend=envpool``, EnvPool's C++ engine doing
 the same preprocessing, :mod:`trainers.envpool_envs`), episode statistics on the raw
 rewards, then the optional action clipping, observation permutation and normalisation
-wrappers. The trainer
-relies on gymnasium's default ``NEXT_STEP`` autoreset (after a step that ends an episode,
-the next ``step()`` returns the reset observation and ignores its action) and refuses any
-other mode.
+wrappers. The trainer relies on gymnasium's default ``NEXT_STEP`` autoreset (after a step
+that ends an episode, the next ``step()`` returns the reset observation and ignores its
+action) and refuses any other mode.
 """
 
 from __future__ import annotations
