@@ -265,7 +265,7 @@ def train_atari(tmp_path: Path, name: str, probes: bool) -> tuple[dict, dict]:
     return result.policy.state_dict(), result.metrics
 
 
-@pytest.mark.timeout(900)  # two 2,048-step runs: ~20 s when idle (~220 sps), minutes loaded
+@pytest.mark.timeout(900)  # two 2,048-step runs: 45 s at load 2, 4.5 minutes at load 10
 def test_atari_recipe_probes_do_not_change_its_training(tmp_path: Path):
     """``recipes.atari.train`` (gymnasium route, sticky actions, 8 envs x 128 steps) at
     2,048 steps, seed fixed: the final parameters with the recipe's probes observing every
