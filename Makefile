@@ -16,7 +16,7 @@ $(PY):
 
 $(STAMP): $(PY) pyproject.toml constraints.txt
 	$(PY) -m pip install -q -c constraints.txt "torch==2.13.0"
-	$(PY) -m pip install -q -c constraints.txt -e ".[dev,sb3,recurrent,torchrl,atari]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[dev,sb3,recurrent,torchrl,atari,envpool]"
 	@touch $(STAMP)
 
 $(RLLIB_STAMP): pyproject.toml constraints.txt

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from policy_probes.layers import ACTIVATIONS
 
 VectorizationMode = Literal["auto", "sync", "async", "vector_entry_point"]
+EnvBackend = Literal["gymnasium", "envpool"]
 
 #: entry point of the Arcade Learning Environment's single-game env (ale-py)
 ALE_ENTRY_POINT = "ale_py.env:AtariEnv"
@@ -86,6 +87,12 @@ class EnvConfig(Section):
 
     id: str = Field("CartPole-v1", description="Gymnasium environment id.")
     num_envs: int = Field(4, gt=0, description="Parallel environments.")
+    backend: EnvBackend = Field(
+        "gymnasium",
+        description="gymnasium: gymnasium's vector env and wrappers; envpool: EnvPool's C++ "
+        "Atari engine with the same preprocessing (ALE ids only; the envpool extra; "
+        "trainers.envpool_envs).",
+    )
     vectorization: VectorizationMode = Field(
         "auto",
         description="sync | async | vector_entry_point (the env's own batched implementation) | "
@@ -140,6 +147,15 @@ class EnvConfig(Section):
                 f"{', '.join(changed)} applies to Atari (ALE/...) ids only and env.id="
                 f"{self.id!r} is not one; drop {changed[0]} or use an ALE id such as "
                 f"ALE/Breakout-v5"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _envpool_runs_atari_only(self) -> EnvConfig:
+        if self.backend == "envpool" and not is_atari(self.id):
+            raise ValueError(
+                f"env.backend=envpool runs ALE games only and env.id={self.id!r} is not one; "
+                f"use env.backend=gymnasium or an ALE id such as ALE/Breakout-v5"
             )
         return self
 

@@ -8,8 +8,8 @@ and plain containers; :func:`restore_env_state` writes them back into a freshly 
 of the same configuration. An ale-py ``AtariEnv``'s emulator state is saved with ALE's
 ``cloneState`` (it lacks the action sticky actions repeat, so only games with
 ``repeat_action_probability=0`` are captured). An env whose state lives elsewhere (a
-physics engine, another process as in ``AsyncVectorEnv``) raises :class:`EnvStateError`,
-and the trainer then falls back to re-seeding.
+physics engine, another process as in ``AsyncVectorEnv``, EnvPool's C++ engine) raises
+:class:`EnvStateError`, and the trainer then falls back to re-seeding.
 """
 
 from __future__ import annotations
@@ -24,8 +24,13 @@ import torch
 PLAIN = (bool, int, float, str, type(None))
 # Attributes that are configuration, caches of spaces or rendering handles, not state.
 SKIPPED = {"spec", "metadata", "render_mode", "env_fns", "_saved_kwargs", "_cached_spec"}
-# Env classes known to keep state outside plain attributes.
-OPAQUE = ("AsyncVectorEnv",)
+# Env classes known to keep state outside plain attributes, and where it is.
+OPAQUE = {
+    "AsyncVectorEnv": "keeps its environments in other processes; exact resume needs "
+    "env.vectorization=sync or the env's own vector implementation",
+    "EnvPoolVectorEnv": "keeps its games in EnvPool's C++ engine, which cannot save them; "
+    "exact resume needs env.backend=gymnasium",
+}
 
 
 class EnvStateError(RuntimeError):
@@ -38,10 +43,7 @@ def _nodes(env: Any, path: str = "env") -> list[tuple[str, Any]]:
     while env is not None:
         name = type(env).__name__
         if name in OPAQUE:
-            raise EnvStateError(
-                f"{name} keeps its environments in other processes; exact resume needs "
-                f"env.vectorization=sync or the env's own vector implementation"
-            )
+            raise EnvStateError(f"{name} {OPAQUE[name]}")
         out.append((path, env))
         subs = getattr(env, "envs", None)
         if isinstance(subs, list | tuple):

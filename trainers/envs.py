@@ -1,11 +1,12 @@
 """Gymnasium vector environments for training and evaluation.
 
 The stack, innermost first: the Atari preprocessing of ALE ids (:func:`atari_wrappers`),
-the vector env (``gym.make_vec``), episode statistics on the raw rewards, then the
-optional action clipping, observation permutation and normalisation wrappers. The trainer
-relies on gymnasium's default ``NEXT_STEP`` autoreset (after a step that ends an episode,
-the next ``step()`` returns the reset observation and ignores its action) and refuses any
-other mode.
+the vector env (``gym.make_vec``; with ``env.backend=envpool``, EnvPool's C++ engine doing
+the same preprocessing, :mod:`trainers.envpool_envs`), episode statistics on the raw
+rewards, then the optional action clipping, observation permutation and normalisation
+wrappers. The trainer relies on gymnasium's default ``NEXT_STEP`` autoreset (after a step
+that ends an episode, the next ``step()`` returns the reset observation and ignores its
+action) and refuses any other mode.
 """
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ def make_vector_env(cfg: EnvConfig, num_envs: int | None = None, gamma: float = 
     """The wrapped vector env described by ``cfg``, not reset yet (``num_envs`` overrides
     its count; ``gamma`` is the discount of the return whose std scales rewards)."""
     n = cfg.num_envs if num_envs is None else num_envs
+    if cfg.backend == "envpool":
+        from trainers.envpool_envs import make_envpool_env  # imports envpool
+
+        return _wrap(make_envpool_env(cfg, n), cfg, gamma)
     mode = None if cfg.vectorization == "auto" else cfg.vectorization
     if mode == "vector_entry_point" and gym.spec(cfg.id).vector_entry_point is None:
         raise ValueError(
@@ -72,6 +77,12 @@ def make_vector_env(cfg: EnvConfig, num_envs: int | None = None, gamma: float = 
             f"environment {cfg.id!r} uses autoreset mode {autoreset}; the PPO trainer needs "
             f"gymnasium's default AutoresetMode.NEXT_STEP"
         )
+    return _wrap(env, cfg, gamma)
+
+
+def _wrap(env: VectorEnv, cfg: EnvConfig, gamma: float) -> VectorEnv:
+    """The wrappers every backend gets: episode statistics on the raw rewards, then the
+    optional action clipping, permutation, normalisation and clipping of ``cfg``."""
     env = vw.RecordEpisodeStatistics(env)
     if isinstance(env.single_action_space, gym.spaces.Box):
         env = vw.ClipAction(env)
