@@ -29,6 +29,7 @@ from policy_probes import (
     attach_relu_gradient_flow_hooks,
     attach_saturated_activation_hooks,
 )
+from policy_probes.cli import main
 from policy_probes.probe_settings import ProbeSettings
 from policy_probes.session import ProbeSession
 from policy_probes.sinks import SinksConfig, WandbConfig
@@ -44,6 +45,19 @@ torch.set_num_threads(1)
 #: ``.venv-rllib``, whose ray[rllib] pins its own gymnasium); a venv without ray leaves them
 #: out here, it does not skip them
 collect_ignore = [] if importlib.util.find_spec("ray") else ["test_rllib.py"]
+
+
+def cli_error_line(capsys: pytest.CaptureFixture, *args: str) -> str:
+    """``policy-probes ARGS`` in-process must exit 2 with one ``error:`` line and no
+    traceback; returns that line."""
+    capsys.readouterr()
+    assert main(list(args)) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    lines = [ln for ln in err.splitlines() if ln.startswith("policy-probes")]
+    assert len(lines) == 1, err
+    return lines[0]
+
 
 #: where the tests that take a ``device`` run: ``pytest --device cuda`` or
 #: ``POLICY_PROBES_TEST_DEVICE=cuda``; every other test runs on the CPU either way

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import cli_error_line
 from run_control_support import write_recipe
 
 from policy_probes import ProbeSettings, Run
@@ -24,18 +25,6 @@ from policy_probes.records import read_jsonl
 from trainers import TrainTool
 
 torch.set_num_threads(1)
-
-
-def error_line(capsys: pytest.CaptureFixture, *args: str) -> str:
-    """``policy-probes ARGS`` in-process must exit 2 with one ``error:`` line and no
-    traceback; returns that line."""
-    capsys.readouterr()
-    assert main(list(args)) == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err, err
-    lines = [ln for ln in err.splitlines() if ln.startswith("policy-probes")]
-    assert len(lines) == 1, err
-    return lines[0]
 
 
 def files_under(directory: Path) -> set[str]:
@@ -81,7 +70,7 @@ def test_values_that_ran_silently_exit_2_in_one_line_and_write_nothing(
     overrides, fragment = BAD_VALUES[case]
     monkeypatch.chdir(tmp_path)  # an empty run_dir would have written here
     run_dir = [] if case == "empty_run_dir" else [f"run_dir={tmp_path / 'run'}"]
-    line = error_line(capsys, "run", tiny, *overrides, *run_dir, "--no-progress")
+    line = cli_error_line(capsys, "run", tiny, *overrides, *run_dir, "--no-progress")
     assert fragment in line
     assert files_under(tmp_path) == set()
 
@@ -97,7 +86,7 @@ def test_report_compare_with_a_missing_run_exits_2_and_writes_nothing(
     finished_run: Path, tmp_path: Path, capsys
 ) -> None:
     out = tmp_path / "r.html"
-    line = error_line(
+    line = cli_error_line(
         capsys, "report", str(finished_run), "--compare", str(tmp_path / "typo"), "--out", str(out)
     )
     assert "--compare" in line and "typo" in line and "no metrics.jsonl" in line
@@ -129,7 +118,7 @@ def test_resume_to_fewer_steps_than_done_exits_2_and_leaves_the_run_as_it_was(
     finished_run: Path, capsys
 ) -> None:
     before = {p: p.read_bytes() for p in finished_run.rglob("*") if p.is_file()}
-    line = error_line(capsys, "resume", str(finished_run), "trainer.total_timesteps=128")
+    line = cli_error_line(capsys, "resume", str(finished_run), "trainer.total_timesteps=128")
     assert "epoch 6 (384 agent steps)" in line
     assert "raise trainer.total_timesteps above 384" in line
     after = {p: p.read_bytes() for p in finished_run.rglob("*") if p.is_file()}
@@ -234,7 +223,7 @@ def test_a_run_killed_while_starting_is_run_again_from_its_beginning(
     proc = subprocess.run([sys.executable, "-c", STARTED_SINKS, str(run_dir)], timeout=60)
     assert proc.returncode == -signal.SIGKILL
     assert {"metrics.jsonl", "metrics.csv", "run.lock"} <= files_under(run_dir)
-    line = error_line(capsys, "resume", str(run_dir))
+    line = cli_error_line(capsys, "resume", str(run_dir))
     assert "stopped while it started" in line and "policy-probes run RECIPE" in line
     with caplog.at_level(logging.WARNING):
         assert main(["run", tiny, f"run_dir={run_dir}", "--no-progress"]) == 0
@@ -255,7 +244,7 @@ def test_a_run_with_epochs_but_no_config_is_still_refused(
         run_dir = tmp_path / name
         run_dir.mkdir()
         (run_dir / name).write_text(text)
-        line = error_line(capsys, "run", tiny, f"run_dir={run_dir}", "--no-progress")
+        line = cli_error_line(capsys, "run", tiny, f"run_dir={run_dir}", "--no-progress")
         assert "already holds a run" in line
         assert (run_dir / name).read_text() == text
 
@@ -296,7 +285,7 @@ def test_a_refused_fork_leaves_no_child_directory(
     finished_run: Path, tmp_path: Path, epoch: str, capsys
 ) -> None:
     child = tmp_path / "child"
-    line = error_line(capsys, "fork", str(finished_run), "--epoch", epoch, str(child))
+    line = cli_error_line(capsys, "fork", str(finished_run), "--epoch", epoch, str(child))
     assert "epoch" in line
     assert not child.exists()
 
@@ -311,7 +300,7 @@ def test_report_out_a_directory_writes_into_it_and_a_failed_report_leaves_no_tem
     assert files_under(tmp_path) == {"out", "out/report.html"}
     blocked = tmp_path / "blocked"
     blocked.write_text("a file")  # --out blocked/r.html: its directory is a file
-    line = error_line(capsys, "report", str(finished_run), "--out", str(blocked / "r.html"))
+    line = cli_error_line(capsys, "report", str(finished_run), "--out", str(blocked / "r.html"))
     assert "cannot write the report" in line
     assert files_under(tmp_path) == {"out", "out/report.html", "blocked"}
 
@@ -321,7 +310,7 @@ def test_a_run_dir_name_over_255_bytes_is_one_line_like_the_dry_run(
 ) -> None:
     run_dir = tmp_path / ("x" * 300)
     for extra in ([], ["--dry-run"]):
-        line = error_line(capsys, "run", tiny, f"run_dir={run_dir}", "--no-progress", *extra)
+        line = cli_error_line(capsys, "run", tiny, f"run_dir={run_dir}", "--no-progress", *extra)
         assert "has a name of 300 bytes" in line and "choose a shorter run_dir" in line
     assert files_under(tmp_path) == set()
 
@@ -469,9 +458,9 @@ def test_list_run_module_verbose_after_the_subcommand_and_a_target_without_run(
     assert main(["run", "--list"]) == 0
     listed = capsys.readouterr().out
     assert "recipes.atari.train" in listed and "add_probes" not in listed
-    line = error_line(capsys, "run", "recipes.cartpole")
+    line = cli_error_line(capsys, "run", "recipes.cartpole")
     assert "'recipes.cartpole' is a module" in line and "recipes.cartpole.train" in line
-    line = error_line(capsys, "recipes.cartpole.train")
+    line = cli_error_line(capsys, "recipes.cartpole.train")
     assert "is not a command; to train a recipe: policy-probes run recipes.cartpole.train" in line
     # -v after the subcommand: the error comes with its traceback
     path = tmp_path / "r.py"

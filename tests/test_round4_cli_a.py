@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import cli_error_line
 from torch import nn
 
 from policy_probes import ProbeSession, ProbeSettings, Run
@@ -46,18 +47,6 @@ def train() -> TrainTool:
     tool.add_training_hook("actor_mlp", attach_relu_activation_hooks())
     return tool
 """.replace("EPOCHS", str(EPOCHS)).replace("SEED", str(SEED))
-
-
-def error_line(capsys: pytest.CaptureFixture, *args: str) -> str:
-    """``policy-probes ARGS`` in-process must exit 2 with one ``error:`` line and no
-    traceback; returns that line."""
-    capsys.readouterr()
-    assert main(list(args)) == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err, err
-    lines = [ln for ln in err.splitlines() if ln.startswith("policy-probes")]
-    assert len(lines) == 1, err
-    return lines[0]
 
 
 def contents(directory: Path) -> dict[str, bytes | None]:
@@ -115,7 +104,7 @@ def test_fork_into_a_refused_destination_exits_2_and_writes_nothing(
     (cwd / "a_file").write_text("not a directory\n")
     monkeypatch.chdir(cwd)
     parent = contents(finished_run)
-    line = error_line(capsys, "fork", str(finished_run), "--epoch", "2", destination)
+    line = cli_error_line(capsys, "fork", str(finished_run), "--epoch", "2", destination)
     assert said in line
     assert sorted(os.listdir(cwd)) == ["a_file"]  # nothing written where the user stands
     assert contents(finished_run) == parent
@@ -153,7 +142,7 @@ def test_resume_of_a_finished_run_changes_no_file_and_refused_resumes_add_no_wan
         "trainer.learning_rate=-1": "trainer.learning_rate",
     }
     for override, message in refusals.items():
-        line = error_line(capsys, "resume", str(run_dir), override)
+        line = cli_error_line(capsys, "resume", str(run_dir), override)
         assert message in line, line
         assert contents(run_dir) == before, override  # no new offline-run-* folder either
 
@@ -162,7 +151,9 @@ def test_resume_with_another_seed_is_refused_before_anything_changes(
     finished_run: Path, capsys: pytest.CaptureFixture
 ) -> None:
     before = contents(finished_run)
-    line = error_line(capsys, "resume", str(finished_run), "seed=7", "trainer.total_timesteps=512")
+    line = cli_error_line(
+        capsys, "resume", str(finished_run), "seed=7", "trainer.total_timesteps=512"
+    )
     assert "seed=7 cannot take effect" in line and f"(seed {SEED})" in line
     assert "start a new run with seed=7" in line
     assert contents(finished_run) == before
@@ -174,7 +165,7 @@ def test_a_fork_with_another_seed_is_refused_and_one_with_its_parents_runs(
 ) -> None:
     parent = contents(finished_run)
     child = tmp_path / "child"
-    line = error_line(capsys, "fork", str(finished_run), "--epoch", "2", str(child), "seed=6")
+    line = cli_error_line(capsys, "fork", str(finished_run), "--epoch", "2", str(child), "seed=6")
     assert "a fork continues its parent's random streams" in line and f"(seed {SEED}" in line
     assert not child.exists()
     assert contents(finished_run) == parent
@@ -200,7 +191,7 @@ def test_an_arm_with_a_seed_is_refused_before_any_child_starts(
 ) -> None:
     out = tmp_path / "arms"
     argv = ["arms", str(finished_run), "--epoch", "2", "--arm", "none", "--arm", "seed=6"]
-    line = error_line(capsys, *argv, "--out", str(out))
+    line = cli_error_line(capsys, *argv, "--out", str(out))
     assert "an arm is a fork, which continues its parent's random streams" in line
     assert "one parent run per seed" in line
     assert not out.exists()
@@ -237,7 +228,7 @@ def test_fractional_epochs_and_non_finite_values_exit_2_and_write_nothing(
     tiny: str, tmp_path: Path, capsys: pytest.CaptureFixture, overrides: list[str], said: str
 ) -> None:
     run_dir = tmp_path / "r"
-    line = error_line(capsys, "run", tiny, f"run_dir={run_dir}", *overrides)
+    line = cli_error_line(capsys, "run", tiny, f"run_dir={run_dir}", *overrides)
     assert said in line, line
     assert not run_dir.exists()
 
@@ -293,7 +284,7 @@ def test_a_threshold_no_record_can_hold_is_refused_at_set_up(
     run_dir = tmp_path / "r"
     spec = f"remedies=redo@actor_mlp:when={when}"
     args = ["run", tiny, f"run_dir={run_dir}", spec, *(["--dry-run"] if dry_run else [])]
-    line = error_line(capsys, *args)
+    line = cli_error_line(capsys, *args)
     assert "remedy redo@actor_mlp" in line and said in line, line
     assert "so this remedy would never fire" in line
     if when != "probes/fisher/actor_mlp/trace>1":  # a key of the relu probe is named

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import cli_error_line
 from run_control_support import (
     EPOCHS,
     RECIPE,
@@ -53,17 +54,6 @@ def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
     full = {**os.environ, "WANDB_MODE": "disabled", **(env or {})}
     command = [sys.executable, "-m", "policy_probes.cli", *args]
     return subprocess.run(command, env=full, capture_output=True, text=True, timeout=600)
-
-
-def error_of(capsys: pytest.CaptureFixture, *args: str) -> str:
-    """``policy-probes ARGS`` in-process exits 2 with one error line; returns it."""
-    capsys.readouterr()
-    assert main(list(args)) == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err, err
-    lines = [line for line in err.splitlines() if line.startswith("policy-probes")]
-    assert len(lines) == 1, err
-    return lines[0]
 
 
 def digests(directory: Path) -> dict[str, str]:
@@ -107,7 +97,7 @@ def test_a_fork_killed_while_starting_is_started_again_by_the_same_fork_command(
     assert sorted(set(epoch_lines(child))) == list(range(FORK_EPOCH + 1, EPOCHS + 1))
 
     # a fork with epochs of its own is kept; the advice continues it with its parent
-    line = error_of(capsys, *fork)
+    line = cli_error_line(capsys, *fork)
     assert "already holds this fork" in line and f"resume {child}" in line
 
 
@@ -131,7 +121,7 @@ def test_a_fork_stopped_before_its_config_is_retried_and_resume_names_the_fork(
     )
     proc = subprocess.run([sys.executable, "-c", leave, str(child)], timeout=120)
     assert proc.returncode == -signal.SIGKILL
-    line = error_of(capsys, "resume", str(child))
+    line = cli_error_line(capsys, "resume", str(child))
     assert f"policy-probes fork PARENT --epoch N {child}" in line
     assert "its lock says" in line
 
@@ -182,7 +172,7 @@ def test_killing_arms_stops_its_children_and_a_rerun_continues_them(
 
     # a live run in a child's directory: refused up front, saying what to do
     with RunDirLock(out / "parent" / "none"):
-        line = error_of(capsys, *args)
+        line = cli_error_line(capsys, *args)
     assert "still training" in line and "ctl" in line
 
     assert main(args) == 0
@@ -203,10 +193,10 @@ def test_arms_refuses_an_unknown_measure_before_training(
 ) -> None:
     out = tmp_path / "arms"
     args = ["arms", str(parent), "--epoch", "2", "--arm", "none", "--out", str(out)]
-    line = error_of(capsys, *args, "--measure", "dormant_fracton")
+    line = cli_error_line(capsys, *args, "--measure", "dormant_fracton")
     assert "'dormant_fracton'" in line and "did you mean dormant_fraction" in line
     assert not (out / "parent").exists()  # no child was started
-    line = error_of(capsys, *args, "--measure", "no_such_metric_at_all")
+    line = cli_error_line(capsys, *args, "--measure", "no_such_metric_at_all")
     assert "is not a measure" in line and "did you mean" not in line
     assert "return_last" in line and "dormant_fraction" in line
 
@@ -256,7 +246,7 @@ def test_resume_refuses_a_finished_run_without_a_checkpoint(
     no_checkpoints = ["checkpoint.every_epochs=0", "checkpoint.at_end=false"]
     assert main(["run", target, f"run_dir={run_dir}", *no_checkpoints, "--no-progress"]) == 0
     before = digests(run_dir)
-    line = error_of(capsys, "resume", str(run_dir), "--no-progress")
+    line = cli_error_line(capsys, "resume", str(run_dir), "--no-progress")
     assert f"finished its {EPOCHS} epochs and holds no checkpoint" in line
     assert "nothing to resume from" in line and "--overwrite" in line
     assert digests(run_dir) == before  # nothing retrained, nothing rewritten
@@ -269,8 +259,8 @@ def test_dry_run_refuses_the_run_dirs_run_refuses(target: str, tmp_path: Path, c
     dangling.symlink_to(tmp_path / "gone")
     for run_dir in (dangling, dangling / "sub", Path("/proc"), Path("/proc/policy-probes-x")):
         argv = ["run", target, f"run_dir={run_dir}", "--no-progress"]
-        line = error_of(capsys, *argv)
-        assert error_of(capsys, *argv, "--dry-run") == line
+        line = cli_error_line(capsys, *argv)
+        assert cli_error_line(capsys, *argv, "--dry-run") == line
         assert "symbolic link" in line if "link" in str(run_dir) else "not writable" in line
     assert not (tmp_path / "gone").exists()
 
