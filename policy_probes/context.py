@@ -53,6 +53,8 @@ class ComponentContext:
         self.infer_phase = False
         self._inferred_once = False
         self.sampler: Any = None  # which passes probes observe (None: every pass)
+        #: the run's fixed reference states, a ``ReferenceStates`` (a session sets it)
+        self.reference_states: Any = None
 
     @property
     def row_mask(self) -> Any:

@@ -45,6 +45,7 @@ from policy_probes.plugins import from_spec
 from policy_probes.probe_settings import ProbeSettings
 from policy_probes.probes.probe import Probe, ProbeBuilder
 from policy_probes.records import POST_EPOCH, RESERVED_KEYS, Record, plain_metrics
+from policy_probes.reference_states import ReferenceStates
 from policy_probes.remedies.base import Remedy, RemedyRunner
 from policy_probes.remedies.trigger import Produced
 from policy_probes.run import Run
@@ -98,6 +99,7 @@ class ProbeSession:
         self.loop = loop
         self.policy = _probeable(model, components, example_inputs)
         self.context = ComponentContext(strict=self.probing.strict)
+        self.context.reference_states = ReferenceStates()
         self.sampler = Sampler(
             self.context, schedule=self.probing.probe_schedule, budget=self.probing.probe_budget
         )
@@ -282,8 +284,10 @@ class ProbeSession:
     @property
     def wants_observations(self) -> bool:
         """Whether a probe or lifecycle hook reads the observations :meth:`rollout_end` takes."""
-        return bool(self.hooks.hooks_at(HookPoint.POST_ROLLOUT)) or any(
-            hasattr(t, "rollout_end") for t in self.context.model_metrics.values()
+        return (
+            bool(self.hooks.hooks_at(HookPoint.POST_ROLLOUT))
+            or self.context.reference_states.wanted
+            or any(hasattr(t, "rollout_end") for t in self.context.model_metrics.values())
         )
 
     def add_training_hook(
@@ -427,6 +431,13 @@ class ProbeSession:
             minibatches=minibatches, data=data, minibatch_size=minibatch_size
         )
 
+    def fix_reference_states(self, observations: torch.Tensor) -> ProbeSession:
+        """Use ``observations`` (rows the policy takes) as the run's reference states
+        instead of rows of the first rollout (docs/reference_states.md); returns self."""
+        self.context.reference_states.fix(observations, self.epoch)
+        self.context.reference_states.forward = self.policy
+        return self
+
     def rollout_end(
         self,
         *,
@@ -440,6 +451,9 @@ class ProbeSession:
         POST_ROLLOUT fires with ``fields``; the data arguments go to :meth:`set_data`."""
         self.epoch_start()
         self._rollout_seen = True
+        reference = self.context.reference_states
+        if reference.wanted:
+            reference.offer(observations, self.policy, self.epoch)
         for tracker in list(self.context.model_metrics.values()):
             if hasattr(tracker, "rollout_end"):
                 try:
@@ -606,6 +620,7 @@ class ProbeSession:
             "hooks": self.hooks.state_dict(),
             "sampler": self.sampler.state_dict(),  # a resumed run observes the same passes
             "remedies": self.remedies.state_dict(),  # generators and firing records
+            "reference_states": self.context.reference_states.state_dict(),
             "trackers": {
                 name: tracker.state_dict()
                 for name, tracker in self.context.model_metrics.items()
@@ -627,6 +642,10 @@ class ProbeSession:
         for part in ("hooks", "sampler", "remedies"):
             getattr(self, part).load_state_dict(state[part])
         device = next((p.device for p in self.module.parameters()), torch.device("cpu"))
+        if "reference_states" in state:
+            reference = self.context.reference_states
+            reference.load_state_dict(state["reference_states"], device)
+            reference.forward = reference.forward or self.policy
         for name, saved in state["trackers"].items() if trackers else ():
             tracker = self.context.model_metrics.get(name)
             if tracker is None:

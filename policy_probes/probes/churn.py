@@ -35,6 +35,7 @@ from policy_probes.plugins import Rule, register
 from policy_probes.probes.probe import Probe
 from policy_probes.probes.rows import COUNT
 from policy_probes.probes.state import BY_MAX, SUM, Device
+from policy_probes.reference_states import evenly_spaced
 
 if TYPE_CHECKING:
     from policy_probes.probes.observation import Observation
@@ -134,16 +135,9 @@ class Churn(Probe):
         self.fixed = observations.detach().clone()
 
     def held_out(self, observations: torch.Tensor) -> torch.Tensor:
-        """``batch_size`` rows evenly spaced through ``observations`` (a copy): rows
-        ``(i * (R - 1)) // (batch_size - 1)`` of its ``R``, in exact integer arithmetic;
-        all of them when ``R <= batch_size``, the first when ``batch_size == 1``."""
-        rows, size = observations.shape[0], self.batch_size
-        if rows <= size:
-            return observations.detach().clone()
-        idx = torch.arange(size, dtype=torch.long, device=observations.device) * (rows - 1)
-        if size > 1:
-            idx = idx.div(size - 1, rounding_mode="floor")
-        return observations.detach()[idx].clone()
+        """``batch_size`` rows evenly spaced through ``observations`` (a copy; the rule of
+        :func:`~policy_probes.reference_states.evenly_spaced`)."""
+        return evenly_spaced(observations, self.batch_size)
 
     def rollout_end(
         self,

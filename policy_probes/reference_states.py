@@ -1,0 +1,153 @@
+"""The run's reference states: one fixed set of observations, chosen once per run.
+
+Unit scores measured on each epoch's rollout mix two things: units that stopped working
+and a state distribution that narrowed as the policy improved (a unit silent on the
+states a good policy visits may be alive on others). Scores on a fixed set of states
+separate the two, and the trainability probe fits its new targets on the same set.
+
+The set is ``size`` rows evenly spaced through the first rollout handed to
+:meth:`ReferenceStates.offer` (``ProbeSession.rollout_end``), or rows the user gives
+(:meth:`ReferenceStates.fix`, ``ProbeSession.fix_reference_states``). It is part of the
+session's state, so a checkpoint carries it and a resumed or forked run keeps the same
+set. The forwards on it run without gradients in the phase ``"reference"``, every global
+random generator restored: training is unchanged (docs/reference_states.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+from policy_probes.lifecycle.rng import preserved_rng
+
+#: the phase of the forwards on the reference states (probes record only in theirs)
+REFERENCE_PHASE = "reference"
+#: rows of the set unless a probe asks for more
+DEFAULT_SIZE = 512
+
+
+def evenly_spaced(observations: torch.Tensor, size: int) -> torch.Tensor:
+    """``size`` rows of ``observations`` evenly spaced from the first to the last (a
+    detached copy): rows ``(i * (R - 1)) // (size - 1)`` of its ``R``, in exact integer
+    arithmetic; all of them when ``R <= size``, the first when ``size == 1``."""
+    rows = observations.shape[0]
+    if rows <= size:
+        return observations.detach().clone()
+    idx = torch.arange(size, dtype=torch.long, device=observations.device) * (rows - 1)
+    if size > 1:
+        idx = idx.div(size - 1, rounding_mode="floor")
+    return observations.detach()[idx].clone()
+
+
+class ReferenceStates:
+    """The fixed observations and the forward that runs the policy on them.
+
+    ``wanted`` is set when a probe that reads the set is attached (the session then hands
+    it the first rollout); :meth:`capture` runs the policy once on the set and returns what
+    the given modules received or produced."""
+
+    def __init__(self, size: int = DEFAULT_SIZE) -> None:
+        self.size = size
+        self.wanted = False
+        #: the set, on the device the loop gave it on (None: not chosen yet)
+        self.observations: torch.Tensor | None = None
+        #: ``"first rollout"`` or ``"given"``
+        self.source: str | None = None
+        #: the epoch of the session when the set was chosen
+        self.chosen_at: int | None = None
+        self.forward: Callable[[torch.Tensor], Any] | None = None
+
+    def want(self, size: int) -> None:
+        """A probe reads the set, with at least ``size`` rows (before it is chosen)."""
+        if not (isinstance(size, int) and size >= 1):
+            raise ValueError(f"reference_rows must be an integer >= 1, got {size!r}")
+        self.size = max(self.size, size) if self.wanted else size
+        self.wanted = True
+
+    def offer(
+        self,
+        observations: torch.Tensor | None,
+        forward: Callable[[torch.Tensor], Any] | None = None,
+        epoch: int | None = None,
+    ) -> None:
+        """A rollout's observations (flat rows): the first one offered becomes the set;
+        ``forward`` (the policy) runs the captures."""
+        if forward is not None:
+            self.forward = forward
+        if self.observations is None and isinstance(observations, torch.Tensor):
+            if observations.ndim == 0 or observations.shape[0] == 0:
+                return
+            self.observations = evenly_spaced(observations, self.size)
+            self.source, self.chosen_at = "first rollout", epoch
+
+    def fix(self, observations: torch.Tensor, epoch: int | None = None) -> None:
+        """Use ``observations`` (rows of states the policy takes) as the set from now on."""
+        if not isinstance(observations, torch.Tensor) or observations.ndim == 0:
+            raise TypeError(
+                "reference states must be a tensor of rows (batch first), got "
+                f"{type(observations).__name__}"
+            )
+        if observations.shape[0] == 0:
+            raise ValueError("reference states need at least one row")
+        self.observations = observations.detach().clone()
+        self.source, self.chosen_at = "given", epoch
+
+    @property
+    def ready(self) -> bool:
+        return self.observations is not None and self.forward is not None
+
+    def capture(
+        self, modules: Mapping[str, nn.Module], context: Any = None, *, inputs: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """Run the policy on the set once and return, per name of ``modules``, the tensor
+        each module produced (``inputs=True``: its first positional argument), detached.
+        Modules whose output is not a tensor are left out. ``context`` (a
+        ``ComponentContext``) is switched to the phase ``"reference"`` meanwhile."""
+        if not self.ready:
+            return {}
+        captured: dict[str, torch.Tensor] = {}
+
+        def keep(name: str, _m: nn.Module, args: Any, out: Any = None) -> None:
+            value = (args[0] if args else None) if inputs else out
+            if isinstance(value, torch.Tensor):
+                captured[name] = value.detach()
+
+        handles = [
+            m.register_forward_pre_hook(partial(keep, n))
+            if inputs
+            else m.register_forward_hook(partial(keep, n))
+            for n, m in modules.items()
+        ]
+        phase = context.phase if context is not None else None
+        try:
+            if context is not None:
+                context.phase = REFERENCE_PHASE
+            with preserved_rng(), torch.no_grad():
+                assert self.forward is not None and self.observations is not None
+                self.forward(self.observations)
+        finally:
+            for h in handles:
+                h.remove()
+            if context is not None and phase is not None:
+                context.phase = phase
+        return captured
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "size": self.size,
+            "observations": self.observations,
+            "source": self.source,
+            "chosen_at": self.chosen_at,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any], device: Any = None) -> None:
+        self.size = int(state.get("size", self.size))
+        obs = state.get("observations")
+        if isinstance(obs, torch.Tensor) and device is not None:
+            obs = obs.to(device)
+        self.observations = obs
+        self.source, self.chosen_at = state.get("source"), state.get("chosen_at")
