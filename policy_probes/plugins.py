@@ -25,13 +25,20 @@ log = logging.getLogger("policy_probes")
 class Rule:
     """A findings rule: the per-epoch ``metric`` it reads (a metric of ``probe``, for every
     component and layer it reports; without a probe, one record key of the run) and the
-    condition that makes it a finding.
+    condition that makes it a finding (docs/findings.md).
 
-    ``kind="level"``: the rolling median is at or beyond ``threshold`` (above for
-    ``"rising"``, below for ``"falling"``) and has moved by at least ``min_change`` from
-    the baseline that way. ``kind="ratio"``: the rolling median over the baseline is at or
-    beyond ``threshold`` (2.0 = doubled); a baseline at or below ``floor`` counts as
-    ``floor`` for a rising rule and never holds for a falling one (ratios near 0 are noise)."""
+    ``tier``: ``"finding"`` for a direct test of what its text claims, ``"observation"``
+    for a measure's unusual trend that claims no harm. The rolling median over ``window``
+    points is compared with a **trailing baseline**: the median of the ``window`` points
+    that end ``lag`` points earlier, never from the run's first ``window`` points (the
+    start of learning). ``kind="level"``: the rolling median is at or beyond
+    ``threshold`` (above for ``"rising"``, below for ``"falling"``) and has moved by at
+    least ``min_change`` from the baseline that way (``min_change=0``: no baseline, the
+    level alone). ``kind="ratio"``: the rolling median over the baseline is at or beyond
+    ``threshold`` (2.0 = doubled); a baseline at or below ``floor`` counts as ``floor`` for
+    a rising rule and never holds for a falling one (ratios near 0 are noise).
+    ``divide_by``: a record key the series is divided by epoch by epoch (an update ratio
+    per unit of learning rate reads an annealed rate as no change)."""
 
     name: str
     title: str
@@ -45,6 +52,12 @@ class Rule:
     meaning: str
     min_change: float = 0.0
     floor: float = 0.0
+    tier: Literal["finding", "observation"] = "observation"
+    #: points of the rolling median (None: the engine's window)
+    window: int | None = None
+    #: points from the end of the baseline window to the last point (None: 3 windows)
+    lag: int | None = None
+    divide_by: str | None = None
     #: the probe whose metric this is (set when the probe registers)
     probe: str | None = None
 
@@ -62,16 +75,27 @@ class Rule:
         m = self.pattern.fullmatch(key)
         return None if m is None else m.groupdict().get("component") or key
 
-    def holds(self, value: float, baseline: float) -> bool:
+    @property
+    def needs_baseline(self) -> bool:
+        return self.kind == "ratio" or self.min_change > 0
+
+    def holds(self, value: float, baseline: float | None) -> bool:
+        """Whether ``value`` (a rolling median) meets the condition against ``baseline``
+        (None for a level rule without ``min_change``)."""
+        rising = self.direction == "rising"
         if self.kind == "level":
-            if self.direction == "rising":
-                return value >= self.threshold and value - baseline >= self.min_change
-            return value <= self.threshold and baseline - value >= self.min_change
+            if not (value >= self.threshold if rising else value <= self.threshold):
+                return False
+            if not self.needs_baseline:
+                return True
+            assert baseline is not None
+            change = value - baseline if rising else baseline - value
+            return change >= self.min_change
+        assert baseline is not None
         if baseline <= self.floor:  # too small to divide by (ratio rules read sizes >= 0)
-            rising = self.direction == "rising"
             return rising and self.floor > 0 and value >= self.threshold * self.floor
         ratio = value / baseline
-        return ratio >= self.threshold if self.direction == "rising" else ratio <= self.threshold
+        return ratio >= self.threshold if rising else ratio <= self.threshold
 
 
 def register(cls: T) -> T:

@@ -221,7 +221,7 @@ def test_the_sb3_callback_runs_it(tmp_path: Path) -> None:
 
 def switching_off_run(run_dir: Path, epochs: int) -> tuple[list[dict], list[dict]]:
     """A CleanRL-style loop whose ReLU layer is driven off: every unit is positive for
-    the first third of the run, then only for the rows of a shrinking share of inputs.
+    the first two thirds of the run, then only for the rows of a shrinking share of inputs.
     Returns the records and the findings the session handed the sinks at the end."""
     layer = nn.Sequential(nn.Linear(1, 8), nn.ReLU())
     with torch.no_grad():
@@ -236,7 +236,8 @@ def switching_off_run(run_dir: Path, epochs: int) -> tuple[list[dict], list[dict
     with ProbeSession(agent, run=Run(run_dir), probing=probing, optimizer=optimizer) as session:
         session.add_training_hook("actor_mlp", PositiveShare())
         for epoch in range(epochs):
-            positive = 1.0 if epoch < epochs // 3 else max(0.0, 1.0 - 0.1 * (epoch - epochs // 3))
+            on = 2 * epochs // 3
+            positive = 1.0 if epoch < on else max(0.0, 1.0 - 0.1 * (epoch - on))
             rows = 40
             x = torch.where(torch.arange(rows) < round(positive * rows), 1.0, -1.0)[:, None]
             with session.phase("train"):
@@ -265,7 +266,7 @@ def switching_off_run(run_dir: Path, epochs: int) -> tuple[list[dict], list[dict
 
 
 def test_a_cleanrl_style_loop_runs_it_and_its_rule_becomes_a_finding(tmp_path, capsys) -> None:
-    records, handed = switching_off_run(tmp_path / "run", epochs=18)
+    records, handed = switching_off_run(tmp_path / "run", epochs=36)
     (finding,) = handed
     assert finding["rule"] == "outputs_switching_off" and finding["component"] == "actor_mlp"
     assert finding["baseline"] == 1.0 and finding["value"] <= 0.5

@@ -44,14 +44,14 @@ def test_the_builtins_are_registered_and_declare_their_rules_and_console_metrics
     ]
     relu = plugins.get("probe", "relu")
     assert relu is ReLUActivation and relu.direction == "forward"
-    assert [r.name for r in relu.rules] == ["dormant_units", "dead_units"]
-    dead = relu.rules[1]
+    assert [r.name for r in relu.rules] == ["dead_units", "dormant_units"]
+    dead = relu.rules[0]
     assert dead.probe == "relu"  # bound to its probe when registered
-    assert dead.matches("probes/relu/actor_mlp.layer_0/dead_fraction") == "actor_mlp.layer_0"
-    assert dead.matches("probes/relu/actor_mlp/dormant_fraction") is None
+    assert dead.matches("probes/relu/actor_mlp.layer_0/dead_fraction_ref") == "actor_mlp.layer_0"
+    assert dead.matches("probes/relu/actor_mlp/dead_fraction") is None
     assert "probes/relu/*/dead_fraction" in plugins.console_metrics()
     names = [r.name for r in plugins.findings_rules()]
-    assert len(names) == len(set(names)) and {"fisher_collapse", "churn_rising"} <= set(names)
+    assert len(names) == len(set(names)) and {"dead_units", "churn_rising"} <= set(names)
     with pytest.raises(ValueError, match=r"unknown probe 'rellu'. Did you mean 'relu'\?"):
         plugins.get("probe", "rellu")
 
@@ -116,7 +116,8 @@ def test_the_plugins_command_lists_what_is_registered(capsys) -> None:
     listed = json.loads(capsys.readouterr().out)
     assert set(listed["probe"]) >= BUILTIN_PROBES
     assert {"jsonl", "csv", "tensorboard", "wandb", "console"} <= set(listed["sink"])
-    assert listed["probe"]["fisher"]["findings"] == ["fisher_collapse", "gradient_noise_rising"]
+    assert listed["probe"]["relu"]["findings"] == ["dead_units", "dormant_units"]
+    assert listed["probe"]["fisher"]["findings"] == []  # its rules were noise (docs/findings.md)
     assert listed["probe"]["relu"]["console"] == [
         "probes/relu/*/dead_fraction",
         "probes/relu/*/dormant_fraction",

@@ -1,11 +1,16 @@
 """Findings: rules over a run's per-epoch metrics that say what is going wrong, with evidence
 (``docs/findings.md``), and ``policy-probes diagnose``.
 
-A rule reads trends: the rolling median over ``window`` epochs against the median of the
-first ``window`` (the baseline). It fires when its condition holds at the last epoch and
-has held without a break since; the *onset* is the first epoch of that stretch whose own
-value meets it. A finding says what crossed which threshold, where, since when, the
-threshold's source, the docs page and the remedies."""
+Two tiers. A **finding** is a direct test of what its text says (the trainability probe's
+fit of new targets for "plasticity is lost", the value targets' own spread for their
+scale). An **observation** is a measure's unusual trend, stated without a claim of harm.
+
+A rule reads one series: the rolling median over ``window`` points against a trailing
+baseline, the median of the ``window`` points that end ``lag`` points earlier (never the
+run's first ``window`` points, the start of learning). Once the condition holds the
+baseline is frozen: the rule keeps holding while the rolling median meets the condition
+against the level before the change, and clears when it no longer does. The *onset* is
+the first point of the window that fired whose own value meets the condition."""
 
 from __future__ import annotations
 
@@ -26,28 +31,33 @@ from policy_probes import plugins
 from policy_probes.plugins import Rule
 from policy_probes.records import RunRecords
 
-#: epochs of the rolling median and of the baseline
+#: points of the rolling median and of the baseline window
 WINDOW = 5
-#: a series needs this many windows of epochs before a rule reads it: the baseline, the
-#: rolling median at the end, and one window between them (shorter fired on healthy runs)
-MIN_WINDOWS = 3
+#: the trailing baseline ends this many windows before the last point
+LAG_WINDOWS = 3
+#: the run's first windows that never make a baseline (the start of learning)
+SKIP_WINDOWS = 1
+TIERS = ("finding", "observation")
 
 
 #: the run-level rules: a key of the trainer's records, not a probe's metric
 RUN_RULES: tuple[Rule, ...] = (
     Rule(
         name="value_target_scale",
-        title="the value targets' scale keeps growing",
+        title="the value targets' spread grew fourfold",
         metric="train/value_target_std",
         direction="rising",
         kind="ratio",
         threshold=4.0,
         floor=1e-6,
+        tier="finding",
         threshold_source="policy-probes default, not from a paper; target scale is one of "
-        "the three mechanisms of Lyle et al., 2024",
+        "the three mechanisms of plasticity loss in Lyle et al., 2024",
         docs="docs/trainer.md",
         remedies=("return / reward normalisation", "policy.layer_norm=true"),
-        meaning="the value head regresses on targets four times as spread as at the start",
+        meaning="the value head now regresses on targets four times as spread as a few "
+        "epochs before (the std of the value targets is measured directly): rewards or "
+        "returns changed scale, which the critic's weights and the optimizer must follow",
     ),
 )
 
@@ -62,11 +72,11 @@ class Finding:
     metric: str
     #: the component or layer (``actor_mlp.layer_0``), or the key for run-level metrics
     component: str
-    #: rolling median over ``window`` epochs at the last epoch
+    #: rolling median over ``window`` points at the last epoch
     value: float
-    #: median of the run's first ``window`` epochs
+    #: median of the baseline window before the change (NaN: a level rule without one)
     baseline: float
-    #: least-squares slope per epoch over the last ``2 * window`` epochs
+    #: least-squares slope per epoch over the last ``2 * window`` points
     slope: float
     window: int
     #: the first epoch from which the condition has held to the end
@@ -79,6 +89,12 @@ class Finding:
     docs: str
     remedies: list[str] = field(default_factory=list)
     meaning: str = ""
+    #: ``"finding"`` (a direct test) or ``"observation"`` (a trend, no claim of harm)
+    tier: str = "observation"
+    #: first and last epoch of the baseline window (None: no baseline)
+    baseline_epochs: list[int] | None = None
+    #: the record key the series was divided by
+    divide_by: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The finding as a plain dict (the fields in order; what ``--json`` writes)."""
@@ -97,9 +113,16 @@ class Finding:
 
     def summary(self) -> str:
         """One line: what, where, how much, since when."""
+        name = self.metric.rsplit("/", 1)[-1]
+        if self.divide_by is not None:
+            name += f" / {self.divide_by.rsplit('/', 1)[-1]}"
+        if self.baseline_epochs is None:
+            moved = f"{name} {_num(self.value)}"
+        else:
+            first, last = self.baseline_epochs
+            moved = f"{name} {_num(self.baseline)} (epochs {first}-{last}) -> {_num(self.value)}"
         return (
-            f"{self.component}: {self.title} ({self.metric.rsplit('/', 1)[-1]} "
-            f"{_num(self.baseline)} -> {_num(self.value)}, {self.condition()}, "
+            f"{self.component}: {self.title} ({moved}, {self.condition()}, "
             f"since epoch {self.onset_epoch})"
         )
 
@@ -116,54 +139,73 @@ def default_rules() -> tuple[Rule, ...]:
 
 
 class _Trend:
-    """One rule on one series, followed point by point: the baseline, the last
-    ``2 * window`` points (the rolling median and the slope read them), and the onset."""
+    """One rule on one series, followed point by point: the last ``lag + window`` points
+    (the rolling window, the trailing baseline window and the slope read them), the frozen
+    baseline while the rule holds, and the onset."""
 
     def __init__(self, rule: Rule, key: str, component: str, window: int) -> None:
         self.rule, self.key, self.component = rule, key, component
+        self.window = w = rule.window or window
+        self.lag = rule.lag if rule.lag is not None else LAG_WINDOWS * w
+        baseline = rule.needs_baseline
+        #: points before the rule first judges: the skipped start, the baseline, the lag
+        self.needed = SKIP_WINDOWS * w + w + self.lag if baseline else w
         self.count = 0
-        self.last: deque[float] = deque(maxlen=window)  # the rolling window's values
-        self.tail: deque[tuple[int, float]] = deque(maxlen=2 * window)
-        self.baseline: float | None = None
+        self.points: deque[tuple[int, float]] = deque(maxlen=max(self.lag + w, 2 * w))
         self.rolling = math.nan
-        #: the stretch's onset epoch (None: the rule does not hold at the last epoch)
+        #: while the rule holds: the baseline it fired against and that window's epochs
+        self.frozen: tuple[float, int, int] | None = None
+        #: the stretch's onset epoch (None: the rule does not hold at the last point)
         self.onset: int | None = None
 
     def add(self, epoch: int, value: float) -> None:
         self.count += 1
-        self.tail.append((epoch, value))
-        self.last.append(value)
-        if len(self.last) < self.last.maxlen:
+        self.points.append((epoch, value))
+        if self.count < self.needed:
             return
-        if self.baseline is None:  # medians: one noisy epoch moves neither
-            self.baseline = statistics.median(self.last)
-        self.rolling = statistics.median(self.last)
-        holds = self.rule.holds
-        if not holds(self.rolling, self.baseline):
-            self.onset = None
-        elif self.onset is None:
-            # the stretch starts with this window: at its first epoch that meets it too
-            window = itertools.islice(self.tail, len(self.tail) - len(self.last), None)
-            self.onset = next((e for e, v in window if holds(v, self.baseline)), epoch)
+        w, holds = self.window, self.rule.holds
+        window = list(itertools.islice(self.points, len(self.points) - w, None))
+        self.rolling = statistics.median(v for _, v in window)  # one odd point moves nothing
+        if self.onset is not None:
+            if not holds(self.rolling, self.frozen[0] if self.frozen else None):
+                self.onset, self.frozen = None, None
+            return
+        base: float | None = None
+        if self.rule.needs_baseline:
+            start = len(self.points) - self.lag - w
+            before = list(itertools.islice(self.points, start, start + w))
+            base = statistics.median(v for _, v in before)
+        if holds(self.rolling, base):
+            self.onset = next((e for e, v in window if holds(v, base)), epoch)
+            self.frozen = None if base is None else (base, before[0][0], before[-1][0])
 
-    def holds(self, window: int) -> bool:
-        """Whether the rule holds at the last epoch (of :data:`MIN_WINDOWS` windows at least)."""
-        return self.onset is not None and self.count >= MIN_WINDOWS * window
+    def holds(self) -> bool:
+        """Whether the rule holds at the last point."""
+        return self.onset is not None
 
-    def finding(self, window: int) -> Finding:
+    def finding(self) -> Finding:
         """The finding, with its evidence, of a trend that :meth:`holds`."""
         rule = self.rule
+        base, epochs = (
+            (math.nan, None)
+            if self.frozen is None
+            else (
+                self.frozen[0],
+                [self.frozen[1], self.frozen[2]],
+            )
+        )
+        tail = list(itertools.islice(self.points, max(0, len(self.points) - 2 * self.window), None))
         return Finding(
             rule=rule.name,
             title=rule.title,
             metric=self.key,
             component=self.component,
             value=self.rolling,
-            baseline=self.baseline,
-            slope=_slope(self.tail),
-            window=window,
+            baseline=base,
+            slope=_slope(tail),
+            window=self.window,
             onset_epoch=self.onset,
-            last_epoch=self.tail[-1][0],
+            last_epoch=self.points[-1][0],
             threshold=rule.threshold,
             threshold_kind=rule.kind,
             direction=rule.direction,
@@ -171,6 +213,9 @@ class _Trend:
             docs=rule.docs,
             remedies=list(rule.remedies),
             meaning=rule.meaning,
+            tier=rule.tier,
+            baseline_epochs=epochs,
+            divide_by=rule.divide_by,
         )
 
 
@@ -194,6 +239,7 @@ class FindingsEngine:
         self.rules = tuple(default_rules() if rules is None else rules)
         self.window = window
         self._matches: dict[str, list[tuple[Rule, str]]] = {}
+        self._divisors = {r.divide_by for r in self.rules if r.divide_by is not None}
         self._reset()
 
     def _reset(self) -> None:
@@ -212,6 +258,10 @@ class FindingsEngine:
             ]
         return found
 
+    def reads(self, key: str) -> bool:
+        """Whether a rule reads ``key`` (its series, or a series it divides by)."""
+        return key in self._divisors or bool(self.rules_of(key))
+
     def update(self, records: RunRecords) -> None:
         """Read the points ``records`` gained since the last update."""
         if records.revision != self._revision:
@@ -228,8 +278,11 @@ class FindingsEngine:
                     self._trends[(rule.name, key)] = trend
         fed: dict[_Trend, list[tuple[int, float]]] = {}
         for trend in self._trends.values():
-            since = trend.tail[-1][0] if trend.tail else None
-            points = fed[trend] = _points_after(scalars[trend.key], since)
+            since = trend.points[-1][0] if trend.points else None
+            points = _points_after(scalars[trend.key], since)
+            if trend.rule.divide_by is not None:
+                points = _divided(points, scalars.get(trend.rule.divide_by, {}))
+            fed[trend] = points
             for epoch, value in points:
                 trend.add(epoch, value)
         for pair, equal in self._twins.items():
@@ -238,48 +291,64 @@ class FindingsEngine:
 
     def coverage(self, epochs: int) -> Coverage:
         """Which rules could judge the ``epochs`` epoch records read so far."""
-        needed = MIN_WINDOWS * self.window
-        most: dict[str, int] = {}
+        most: dict[str, tuple[int, int]] = {}  # rule -> (most points, points needed)
         for trend in self._trends.values():
-            most[trend.rule.name] = max(most.get(trend.rule.name, 0), trend.count)
-        judged = [rule for rule, n in most.items() if n >= needed]
-        short = {rule: n for rule, n in most.items() if n < needed}
+            n, _ = most.get(trend.rule.name, (0, trend.needed))
+            most[trend.rule.name] = (max(n, trend.count), trend.needed)
+        judged = [rule for rule, (n, need) in most.items() if n >= need]
+        short = {rule: n for rule, (n, need) in most.items() if n < need}
+        needed = {rule: need for rule, (n, need) in most.items() if n < need}
         return Coverage(epochs, needed, self.window, judged, short)
 
     def _pair(self, trend: _Trend, other: _Trend) -> None:
         """Follow whether a component's series equals one of its layers' (both new)."""
         if other.rule is not trend.rule:
             return
-        equal = not other.tail
+        equal = not other.points
         if other.component.startswith(trend.component + "."):
             self._twins[(trend, other)] = equal
         elif trend.component.startswith(other.component + "."):
             self._twins[(other, trend)] = equal
 
     def findings(self) -> list[Finding]:
-        """Every finding at the last update, earliest onset first; a component whose series
-        equals one of its layers' (its last layer's output) is reported under the layer."""
-        held = {t for t in self._trends.values() if t.holds(self.window)}
+        """Every finding and observation at the last update, findings first, then by
+        earliest onset; a component whose series equals one of its layers' (its last
+        layer's output) is reported under the layer."""
+        held = {t for t in self._trends.values() if t.holds()}
         held -= {outer for (outer, inner), equal in self._twins.items() if equal and inner in held}
         ordered = sorted(held, key=lambda t: (self.rules.index(t.rule), t.key))
-        found = [t.finding(self.window) for t in ordered]
-        found.sort(key=lambda f: (f.onset_epoch, f.rule, f.component))
+        found = [t.finding() for t in ordered]
+        found.sort(key=lambda f: (TIERS.index(f.tier), f.onset_epoch, f.rule, f.component))
         return found
+
+
+def _divided(
+    points: list[tuple[int, float]], divisor: Mapping[int, Any]
+) -> list[tuple[int, float]]:
+    """``points`` divided by ``divisor``'s value at the same epoch (points without a
+    finite, non-zero divisor are left out)."""
+    out = []
+    for epoch, value in points:
+        d = divisor.get(epoch)
+        if type(d) is float and math.isfinite(d) and d != 0.0:
+            out.append((epoch, value / d))
+    return out
 
 
 @dataclass
 class Coverage:
-    """What the rules could judge: a rule judges once one of its series spans
-    :data:`MIN_WINDOWS` windows; ``diagnose`` says so when none could."""
+    """What the rules could judge: a rule judges once one of its series holds the points
+    it needs (the skipped start, the baseline window and the lag; a level rule without a
+    baseline, one window); ``diagnose`` says so when none could."""
 
     #: epochs with a record in the run
     epochs: int
-    #: epochs a rule's series needs (``MIN_WINDOWS * window``)
-    needed: int
+    #: rule -> points its series needs, for the rules in ``too_short``
+    needed: dict[str, int]
     window: int
     #: rules that read a series long enough
     judged: list[str] = field(default_factory=list)
-    #: rule -> the most epochs any of its series holds, for rules that read none long enough
+    #: rule -> the most points any of its series holds, for rules that read none long enough
     too_short: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -298,13 +367,15 @@ class Coverage:
                 f"measure a rule reads (the rules read the probes' metrics; attach probes: "
                 f"`policy-probes plugins --kind probe`)"
             )
-        rules = ", ".join(f"{rule} ({n} epochs)" for rule, n in sorted(self.too_short.items()))
+        rules = ", ".join(
+            f"{rule} ({n} of {self.needed[rule]})" for rule, n in sorted(self.too_short.items())
+        )
         need = (
-            f"a rule needs {self.needed} epochs of its measure ({MIN_WINDOWS} windows of "
-            f"{self.window} epochs, the window)"
+            f"a rule compares its last {self.window} epochs with {self.window} epochs "
+            f"{LAG_WINDOWS} windows earlier, never the first {SKIP_WINDOWS * self.window}"
         )
         if self.judged:
-            return f"not judged, too few epochs ({need}): {rules}"
+            return f"not judged, too few epochs of their measure ({need}): {rules}"
         return (
             f"nothing could be judged: the run has {self.epochs} epoch records and {need}; "
             f"too few epochs for {rules}"
@@ -371,28 +442,43 @@ def from_json(text: str) -> list[Finding]:
 
 
 def render_text(findings: Sequence[Finding], coverage: Coverage | None = None) -> str:
-    """Plain text for terminals and logs: one block per finding; with ``coverage``, what
-    could not be judged (a run too short for every rule gets that alone)."""
+    """Plain text for terminals and logs: the findings, then the observations, one block
+    each; with ``coverage``, what could not be judged (a run too short for every rule gets
+    that alone)."""
     unjudged = None if coverage is None else coverage.unjudged()
     if unjudged is not None and not coverage.judged:
         return unjudged
     if unjudged is not None:
         return f"{render_text(findings)}\n{unjudged}"
-    if not findings:
-        return "no findings: no plasticity measure crossed its threshold as a trend"
-    lines = [f"{len(findings)} finding(s):"]
-    for f in findings:
-        lines += [
-            f"- {f.summary()}",
-            f"    why it matters: {f.meaning}",
-            f"    trend: {_num(f.slope)} per epoch over the last epochs; rolling median of "
-            f"{f.window} epochs; threshold from: {f.threshold_source}",
-            f"    read: {f.docs}; remedies: {', '.join(f.remedies)}",
-        ]
+    tiers = {t: [f for f in findings if f.tier == t] for t in TIERS}
+    lines = []
+    if tiers["finding"]:
+        lines.append(f"{len(tiers['finding'])} finding(s):")
+    else:
+        lines.append("no findings: no direct test shows a problem")
+    for f in tiers["finding"]:
+        lines += _block(f)
+    if tiers["observation"]:
+        lines.append(
+            f"{len(tiers['observation'])} observation(s): unusual trends, not evidence of "
+            f"harm by themselves:"
+        )
+    for f in tiers["observation"]:
+        lines += _block(f)
     return "\n".join(lines)
 
 
-_HTML_COLUMNS = ("component", "finding", "evidence (baseline → now)", "trend", "since epoch")
+def _block(f: Finding) -> list[str]:
+    return [
+        f"- {f.summary()}",
+        f"    what it shows: {f.meaning}",
+        f"    trend: {_num(f.slope)} per epoch over the last epochs; rolling median of "
+        f"{f.window} points; threshold from: {f.threshold_source}",
+        f"    read: {f.docs}; remedies: {', '.join(f.remedies)}",
+    ]
+
+
+_HTML_COLUMNS = ("tier", "component", "what", "evidence (baseline → now)", "trend", "since epoch")
 _HTML_COLUMNS += ("threshold", "remedies", "read")
 
 
@@ -400,12 +486,14 @@ def render_html(findings: Sequence[Finding]) -> str:
     """An HTML section for the top of ``report.html``."""
     if not findings:
         return (
-            '<h2 id="findings">Findings</h2><p class="note">No findings: no plasticity '
-            "measure crossed its threshold as a trend (rolling medians, not single epochs).</p>"
+            '<h2 id="findings">Findings</h2><p class="note">No findings and no observations: '
+            "no rule's condition holds at the last epoch (rolling medians against trailing "
+            "baselines, not single epochs).</p>"
         )
     rows = []
     for f in findings:
         cells = (
+            f.tier,
             f.component,
             f.title,
             f"{f.metric.rsplit('/', 1)[-1]}: {_num(f.baseline)} → {_num(f.value)}",

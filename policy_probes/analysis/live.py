@@ -29,7 +29,7 @@ class LiveAnalysis:
     def keeps(self, key: str) -> bool:
         """Whether the store keeps ``key``: a rule reads it or a figure draws it."""
         figure = self.with_figures and (heatmap_spec(key) is not None or is_layer_metric(key))
-        return figure or bool(self.findings.rules_of(key))
+        return figure or self.findings.reads(key)
 
     def load(self, run_dir: str | Path) -> None:
         """Add the records a resumed run holds already (its rewound ``metrics.jsonl``)."""

@@ -63,7 +63,7 @@ class Churn(Probe):
     rules = (
         Rule(
             name="churn_rising",
-            title="policy churn is rising",
+            title="policy churn doubled",
             metric="policy_kl",
             direction="rising",
             kind="ratio",
@@ -73,12 +73,13 @@ class Churn(Probe):
             "with plasticity loss in C-CHAIN (Tang et al., ICML 2025)",
             docs="docs/probes/churn.md",
             remedies=("churn reduction loss (C-CHAIN; not in policy_probes.remedies)",),
-            meaning="one epoch of updates changes the policy more and more on states it did "
-            "not train on: the updates interfere instead of generalise",
+            meaning="one epoch of updates changes the policy on held-out states at least twice "
+            "as much as a few epochs before (C-CHAIN links rising churn with plasticity loss; "
+            "probes/trainability tests that directly)",
         ),
         Rule(
             name="value_churn_rising",
-            title="value churn is rising",
+            title="value churn doubled",
             metric="value_change",
             direction="rising",
             kind="ratio",
@@ -88,7 +89,8 @@ class Churn(Probe):
             "ICML 2025) measures |dV| on held-out states",
             docs="docs/probes/churn.md",
             remedies=("churn reduction loss (C-CHAIN; not in policy_probes.remedies)",),
-            meaning="one epoch of updates moves the value on states outside its data more and more",
+            meaning="one epoch of updates moves the value on held-out states at least twice as "
+            "much as a few epochs before",
         ),
     )
 

@@ -36,7 +36,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from policy_probes.layers import HiddenLayer
-from policy_probes.plugins import Rule, register
+from policy_probes.plugins import register
 from policy_probes.probes.fisher_generic import (
     Call,
     Layout,
@@ -84,37 +84,6 @@ class FisherInformation(Probe):
         "grad_noise_scale": "B_simple = tr(Sigma) / |G|^2 (McCandlish et al., 2018)",
     }
     console = ("trace",)
-    rules = (
-        Rule(
-            name="fisher_collapse",
-            title="the loss no longer depends on these parameters (Fisher trace collapsed)",
-            metric="trace",
-            direction="falling",
-            kind="ratio",
-            threshold=0.1,
-            floor=1e-12,
-            threshold_source="policy-probes default, not from a paper",
-            docs="docs/probes/fisher.md",
-            remedies=("redo", "shrink_and_perturb", "reset_layers"),
-            meaning="the per-sample gradients of the component's parameters fell to a tenth "
-            "of their early size",
-        ),
-        Rule(
-            name="gradient_noise_rising",
-            title="gradient noise is drowning the gradient signal",
-            metric="grad_noise_scale",
-            direction="rising",
-            kind="ratio",
-            threshold=10.0,
-            floor=1e-3,
-            threshold_source="policy-probes default, not from a paper; B_simple is "
-            "McCandlish et al., 2018",
-            docs="docs/probes/fisher.md",
-            remedies=("larger minibatches", "lower learning rate"),
-            meaning="the noise scale (the batch size at which the gradient signal matches its "
-            "noise) grew tenfold: minibatch gradients point in ever more random directions",
-        ),
-    )
 
     def __init__(
         self,

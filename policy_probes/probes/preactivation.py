@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from policy_probes.plugins import Rule, register
+from policy_probes.plugins import register
 from policy_probes.probes.probe import Probe
 from policy_probes.probes.rows import COUNT
 from policy_probes.probes.state import SUM, Drained, as_rows
@@ -53,24 +53,6 @@ class Preactivation(Probe):
         "std_ratio": "per linear layer: mean sigma / sigma0 over its units",
         "feature_norm": "mean L2 norm of the component's output rows",
     }
-    rules = (
-        Rule(
-            name="preactivation_drift",
-            title="pre-activations drift away from their early distribution",
-            metric="mean_drift",
-            direction="rising",
-            kind="level",
-            threshold=1.0,
-            min_change=0.5,
-            threshold_source="policy-probes default, not from a paper; pre-activation shift "
-            "is one of the three mechanisms of Lyle et al., 2024",
-            docs="docs/probes/preactivation.md",
-            remedies=("policy.layer_norm=true", "soft_shrink_perturb", "reset_layers"),
-            meaning="the mean pre-activation of the layer's units moved by more than one "
-            "early standard deviation: units drift into saturation or into the dead side of "
-            "the ReLU",
-        ),
-    )
 
     def __init__(self, *, reference_epochs: int = 3) -> None:
         if not (isinstance(reference_epochs, int) and reference_epochs >= 1):

@@ -66,33 +66,36 @@ class ReLUActivation(ActivationProbe):
     console = ("dead_fraction", "dormant_fraction")
     rules = (
         Rule(
-            name="dormant_units",
-            title="dormant units are accumulating",
-            metric="dormant_fraction",
+            name="dead_units",
+            title="units went silent on the reference states",
+            metric="dead_fraction_ref",
             direction="rising",
             kind="level",
             threshold=0.1,
-            min_change=0.05,
+            min_change=0.1,
+            threshold_source="policy-probes default, not from a paper; read on the run's "
+            "fixed reference states so a narrowing state distribution does not count",
+            docs="docs/probes/relu.md",
+            remedies=("redo", "reset_layers"),
+            meaning="a tenth of the layer's units or more became zero on every one of the run's "
+            "fixed reference states, within a few epochs: they get no gradient there. Whether "
+            "the network lost plasticity is what probes/trainability tests",
+        ),
+        Rule(
+            name="dormant_units",
+            title="units went dormant on the reference states",
+            metric="dormant_fraction_ref",
+            direction="rising",
+            kind="level",
+            threshold=0.2,
+            min_change=0.1,
             threshold_source="policy-probes default, not from a paper; the dormancy score "
             "and tau = 0.025 are ReDo's (Sokar et al., ICML 2023)",
             docs="docs/probes/relu.md",
             remedies=("redo", "shrink_and_perturb", "reset_layers"),
-            meaning="units whose mean |h| is at most tau of the layer mean: they pass almost "
-            "no signal forward and get almost no gradient, so the layer has lost capacity",
-        ),
-        Rule(
-            name="dead_units",
-            title="dead ReLU units are accumulating",
-            metric="dead_fraction",
-            direction="rising",
-            kind="level",
-            threshold=0.05,
-            min_change=0.05,
-            threshold_source="policy-probes default, not from a paper",
-            docs="docs/probes/relu.md",
-            remedies=("redo", "reset_layers"),
-            meaning="units never positive in an epoch get no gradient at all; they do not "
-            "recover by themselves",
+            meaning="more units pass almost no signal (mean |h| at most tau of the layer mean) "
+            "on the run's fixed reference states than a few epochs before. Whether the network "
+            "lost plasticity is what probes/trainability tests",
         ),
     )
 

@@ -159,17 +159,18 @@ class Utility(Probe):
     rules = (
         Rule(
             name="low_utility_units",
-            title="units with no contribution are accumulating",
-            metric="low_utility_fraction",
+            title="units stopped contributing on the reference states",
+            metric="low_utility_fraction_ref",
             direction="rising",
             kind="level",
-            threshold=0.1,
-            min_change=0.05,
+            threshold=0.2,
+            min_change=0.1,
             threshold_source="policy-probes default, not from a paper; the utility is "
             "continual backprop's (Dohare et al., Nature 2024)",
             docs="docs/probes/utility.md",
             remedies=("continual_backprop", "redo"),
-            meaning="units whose contribution |h| * sum|w_out| is negligible next to the layer's",
+            meaning="more units' contribution |h| * sum|w_out| on the run's fixed reference "
+            "states is negligible next to the layer's than a few epochs before",
         ),
     )
 

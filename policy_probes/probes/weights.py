@@ -53,32 +53,35 @@ class Weights(Probe):
     rules = (
         Rule(
             name="weight_norm_growth",
-            title="weight norm keeps growing",
+            title="weight norm grew by half within a few epochs",
             metric="norm",
             direction="rising",
             kind="ratio",
             threshold=1.5,
             floor=1e-6,
             threshold_source="policy-probes default, not from a paper; parameter-norm growth "
-            "is one of the three mechanisms of Lyle et al., 2024",
+            "is one of the three mechanisms of plasticity loss in Lyle et al., 2024",
             docs="docs/probes/weights.md",
             remedies=("l2_init", "soft_shrink_perturb", "policy.layer_norm=true"),
-            meaning="larger weights make units harder to move and the loss surface sharper",
+            meaning="the layer's parameter norm is 1.5 times what it was a few epochs before; "
+            "large weights make units harder to move, which probes/trainability tests",
         ),
         Rule(
             name="updates_stalled",
-            title="updates barely move the weights",
+            title="updates per unit of learning rate fell fivefold",
             metric="update_ratio",
             direction="falling",
             kind="ratio",
             threshold=0.2,
             floor=1e-9,
-            threshold_source="policy-probes default, not from a paper (an annealed learning "
-            "rate lowers it by design)",
+            divide_by="train/learning_rate",
+            threshold_source="policy-probes default, not from a paper; divided by the "
+            "learning rate, so an annealed rate is no change",
             docs="docs/probes/weights.md",
             remedies=("soft_shrink_perturb", "l2_init", "reset_layers"),
-            meaning="each epoch's updates move the layer by a fifth or less of what they did "
-            "at the start",
+            meaning="for the same learning rate, each epoch's updates move the layer a fifth "
+            "or less of what they did a few epochs before (gradients vanished or the "
+            "optimizer's second moments grew)",
         ),
     )
 

@@ -248,7 +248,9 @@ class WandbSink(MetricSink):
                 if final:
                     self._log({"epoch": self._last_epoch, **final})
             if self.findings is not None:  # the run summary (docs/findings.md)
-                run.summary["findings/count"] = len(self.findings)
+                tiers = [f.get("tier") for f in self.findings]
+                run.summary["findings/count"] = tiers.count("finding")
+                run.summary["findings/observations"] = tiers.count("observation")
                 run.summary["findings/list"] = [dict(f) for f in self.findings]
         finally:
             self.run = None
