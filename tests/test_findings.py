@@ -374,6 +374,10 @@ def test_report_html_opens_with_the_findings(tmp_path: Path) -> None:
     assert "<td>observation</td>" in page
     write_run(tmp_path / "healthy", healthy_run())
     assert "No findings and no observations" in build_report(tmp_path / "healthy").read_text()
+    write_run(tmp_path / "short", healthy_run(epochs=8))  # too short to judge: it says so
+    page = build_report(tmp_path / "short").read_text()
+    assert "No findings" not in page
+    assert "nothing could be judged: the run has 8 epoch records" in page
 
 
 def rules_afresh(records: list[dict], window: int = WINDOW) -> list[tuple]:

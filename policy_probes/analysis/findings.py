@@ -482,8 +482,15 @@ _HTML_COLUMNS = ("tier", "component", "what", "evidence (baseline → now)", "tr
 _HTML_COLUMNS += ("threshold", "remedies", "read")
 
 
-def render_html(findings: Sequence[Finding]) -> str:
-    """An HTML section for the top of ``report.html``."""
+def render_html(findings: Sequence[Finding], coverage: Coverage | None = None) -> str:
+    """An HTML section for the top of ``report.html``; with ``coverage``, what could not
+    be judged (a run too short for every rule says so instead of "no findings")."""
+    unjudged = None if coverage is None else coverage.unjudged()
+    if unjudged is not None and not coverage.judged:
+        return f'<h2 id="findings">Findings</h2><p class="note">{html.escape(unjudged)}.</p>'
+    if unjudged is not None:
+        note = f'<p class="note">{html.escape(unjudged)}.</p>'
+        return render_html(findings).replace("</h2>", "</h2>" + note, 1)
     if not findings:
         return (
             '<h2 id="findings">Findings</h2><p class="note">No findings and no observations: '
