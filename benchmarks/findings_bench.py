@@ -385,9 +385,12 @@ def label_runs(runs: list[dict[str, Any]], inject: int) -> None:
             lab["return_std_vs_healthy"] = 1.0
         else:
             ref_final = final_return(ref["return"]) - base
-            lab["return_vs_healthy"] = final / ref_final if ref_final > 0 else math.nan
-            lab["harms_learning"] = bool(final < HARM * ref_final)
-            lab["decline_epoch"] = decline_epoch(r["return"], ref["return"], base, inject)
+            learnt = ref_final > 0  # else the healthy run never beat random: no harm label
+            lab["return_vs_healthy"] = final / ref_final if learnt else math.nan
+            lab["harms_learning"] = bool(final < HARM * ref_final) if learnt else None
+            lab["decline_epoch"] = (
+                decline_epoch(r["return"], ref["return"], base, inject) if learnt else None
+            )
             with np.errstate(all="ignore"):
                 after = np.nanmean(np.asarray(r["return_std"][inject - 1 :], float))
                 ref_after = np.nanmean(np.asarray(ref["return_std"][inject - 1 :], float))
@@ -492,7 +495,7 @@ def score(runs: list[dict[str, Any]], inject: int) -> dict[str, Any]:
             mine = [r for r in runs if r["pathology"] == p]
             per[p] = {
                 "seeds": len(mine),
-                "harmed": sum(r["labels"]["harms_learning"] for r in mine),
+                "harmed": sum(bool(r["labels"]["harms_learning"]) for r in mine),
                 "with_finding_after_injection": sum(any_of(r, after=True) for r in mine),
             }
         tiers[tier] = {
@@ -522,7 +525,9 @@ def label_table(runs: list[dict[str, Any]]) -> str:
                 str(r["seed"]),
                 _f(lab["final_return"], "{:.0f}"),
                 _f(lab["return_vs_healthy"]),
-                "yes" if lab["harms_learning"] else "no",
+                {True: "yes", False: "no", None: "n/a (healthy run at random)"}[
+                    lab["harms_learning"]
+                ],
                 _f(lab["decline_epoch"], "{}"),
                 f"{_f(r.get('ratio_actor_inject'))} / {_f(r.get('ratio_critic_inject'))}",
                 f"{_f(r.get('ratio_actor_end'))} / {_f(r.get('ratio_critic_end'))}",

@@ -84,6 +84,12 @@ def test_labels_harm_decline_and_target_scale() -> None:
     assert lab["value_target_scale_grew"] is True
     assert healthy["labels"]["harms_learning"] is False
     assert healthy["labels"]["decline_epoch"] is None
+    # a healthy run that never beat random (20) labels no harm
+    stuck = _run("healthy", 2, [20.0] * 100)
+    other = _run("p", 2, [20.0] * 100)
+    fb.label_runs([stuck, other], inject=50)
+    assert other["labels"]["harms_learning"] is None
+    assert other["labels"]["decline_epoch"] is None
 
 
 def test_labels_plasticity_lost_needs_ratio_above_every_healthy_run() -> None:
