@@ -464,10 +464,12 @@ def score(runs: list[dict[str, Any]], inject: int) -> dict[str, Any]:
             "healthy_runs": len(healthy),
             "recall": {},
         }
-        delays, leads = [], []
+        delays, leads, after = [], [], [0, 0]
         for p in pathologies:
             harmed = [r for r in runs if r["pathology"] == p and r["labels"]["harms_learning"]]
             entry["recall"][p] = [sum(bool(carrying(r)) for r in harmed), len(harmed)]
+            after[0] += sum(any(f["onset_epoch"] >= inject for f in carrying(r)) for r in harmed)
+            after[1] += len(harmed)
             for r in (r for r in runs if r["pathology"] == p):
                 found = carrying(r)
                 if not found:
@@ -476,6 +478,8 @@ def score(runs: list[dict[str, Any]], inject: int) -> dict[str, Any]:
                 decline = r["labels"]["decline_epoch"]
                 if decline is not None:
                     leads.append(decline - min(f["first_epoch"] for f in found))
+        #: harmed runs (all pathologies) carrying it with an onset at or after the injection
+        entry["harmed_from_injection"] = after
         entry["onset_delay_median"] = float(np.median(delays)) if delays else None
         entry["onset_delays"] = delays
         entry["lead_median"] = float(np.median(leads)) if leads else None
@@ -567,6 +571,7 @@ def rules_table(scored: dict[str, Any], pathologies: list[str]) -> str:
                 e["tier"],
                 f"{e['healthy_flagged']}/{e['healthy_runs']}",
                 *(f"{k}/{n}" for k, n in (e["recall"].get(p, [0, 0]) for p in pathologies)),
+                "{}/{}".format(*e["harmed_from_injection"]),
                 _f(e["onset_delay_median"], "{:+.0f}"),
                 _f(e["lead_median"], "{:+.0f}"),
             ]
@@ -576,6 +581,7 @@ def rules_table(scored: dict[str, Any], pathologies: list[str]) -> str:
         "tier",
         "healthy runs flagged",
         *(f"recall, {p} (of harmed)" for p in pathologies),
+        "harmed runs with onset >= injection",
         "median onset - injection",
         "median lead over decline",
     ]

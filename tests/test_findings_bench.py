@@ -133,7 +133,8 @@ def test_score_counts_on_constructed_findings() -> None:
     s = fb.score(runs, inject=50)
     a, b = s["rules"]["A/finding"], s["rules"]["B/observation"]
     assert (a["healthy_flagged"], a["healthy_runs"], a["recall"]["p"]) == (1, 2, [1, 2])
-    assert (a["onset_delays"], a["leads"]) == ([2], [5])
+    assert (a["onset_delays"], a["leads"], a["harmed_from_injection"]) == ([2], [5], [1, 2])
+    assert b["harmed_from_injection"] == [0, 2]
     assert (b["healthy_flagged"], b["recall"]["p"], b["onset_delays"], b["leads"]) == (
         0,
         [1, 2],
