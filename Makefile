@@ -7,7 +7,7 @@ RLLIB_VENV := .venv-rllib
 RLLIB_PY := $(RLLIB_VENV)/bin/python
 RLLIB_STAMP := $(RLLIB_VENV)/.installed
 
-.PHONY: setup setup-rllib test-rllib demo test lint format bench learning-check plasticity plasticity-ppo clean
+.PHONY: setup setup-rllib test-rllib demo test lint format bench learning-check plasticity plasticity-ppo findings-bench clean
 
 $(PY):
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) (or set PYTHON=...)"; exit 1; }
@@ -42,6 +42,9 @@ plasticity: $(STAMP)
 
 plasticity-ppo: $(STAMP)
 	nice $(PY) -m benchmarks.plasticity_ppo --seeds 1,2,3,4,5
+
+findings-bench: $(STAMP)
+	nice $(PY) -m benchmarks.findings_bench --seeds 1,2,3,4 --jobs 2
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

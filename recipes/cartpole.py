@@ -11,13 +11,19 @@ network its ``saturation_tanh`` keys would read as saturated tanh units.)
 
 from __future__ import annotations
 
+from policy_probes.probes.churn import attach_churn_hooks
 from policy_probes.probes.fisher import attach_fisher_information_hooks
 from policy_probes.probes.gradient_flow import attach_gradient_flow_hooks
+from policy_probes.probes.preactivation import attach_preactivation_hooks
 from policy_probes.probes.relu import attach_relu_activation_hooks
 from policy_probes.probes.relu_gradient_flow import attach_relu_gradient_flow_hooks
+from policy_probes.probes.utility import attach_utility_hooks
+from policy_probes.probes.weights import attach_weights_hooks
 from trainers import EnvConfig, EvalConfig, PolicyConfig, PPOConfig, TrainTool
 
 PROBED = ("actor_mlp", "critic_mlp")
+#: each probed MLP and the head its outputs feed (the utility probe's outgoing weights)
+HEADS = {"actor_mlp": "actor_head", "critic_mlp": "critic_head"}
 
 
 def train() -> TrainTool:
@@ -51,4 +57,25 @@ def add_probes(
         cfg.add_training_backward_hook(
             component, attach_relu_gradient_flow_hooks(), per_layer=per_layer
         )
+    return cfg
+
+
+def train_measured() -> TrainTool:
+    """:func:`train` with every plasticity measure, for the labelled findings benchmark
+    (``benchmarks/findings_bench.py``): besides the four probes of :func:`train` (ReLU
+    activations with the dormant fractions, Fisher information, gradient flow, ReLU
+    gradient flow), weights, preactivation and utility on both MLPs and churn on both
+    heads; every pass observed (``probe_budget=None``), no evaluation. Any classic-control
+    env with discrete actions runs through ``env.id=`` (``env.id=Acrobot-v1``). The probes
+    never change the training trajectory: the returns are those of :func:`train`."""
+    cfg = train()
+    cfg.probe_budget = None
+    cfg.evaluation = EvalConfig(every_epochs=0, at_end=False)
+    for component, head in HEADS.items():
+        # one line here adds a probe to both MLPs
+        cfg.add_training_hook(component, attach_weights_hooks())
+        cfg.add_training_hook(component, attach_preactivation_hooks())
+        cfg.add_training_hook(component, attach_utility_hooks(outgoing=head))
+    cfg.add_training_hook("actor_head", attach_churn_hooks(kind="categorical"))
+    cfg.add_training_hook("critic_head", attach_churn_hooks())
     return cfg
