@@ -44,18 +44,18 @@ TIERS = ("finding", "observation")
 RUN_RULES: tuple[Rule, ...] = (
     Rule(
         name="value_target_scale",
-        title="the value targets' spread grew fourfold",
+        title="the value targets' spread grew tenfold",
         metric="train/value_target_std",
         direction="rising",
         kind="ratio",
-        threshold=4.0,
+        threshold=10.0,
         floor=1e-6,
         tier="finding",
         threshold_source="policy-probes default, not from a paper; target scale is one of "
         "the three mechanisms of plasticity loss in Lyle et al., 2024",
         docs="docs/trainer.md",
         remedies=("return / reward normalisation", "policy.layer_norm=true"),
-        meaning="the value head now regresses on targets four times as spread as a few "
+        meaning="the value head now regresses on targets ten times as spread as a few "
         "epochs before (the std of the value targets is measured directly): rewards or "
         "returns changed scale, which the critic's weights and the optimizer must follow",
     ),

@@ -63,34 +63,34 @@ class Churn(Probe):
     rules = (
         Rule(
             name="churn_rising",
-            title="policy churn doubled",
+            title="policy churn grew twentyfold",
             metric="policy_kl",
             direction="rising",
             kind="ratio",
-            threshold=2.0,
+            threshold=20.0,
             floor=1e-4,
             threshold_source="policy-probes default, not from a paper; rising churn comes "
             "with plasticity loss in C-CHAIN (Tang et al., ICML 2025)",
             docs="docs/probes/churn.md",
             remedies=("churn reduction loss (C-CHAIN; not in policy_probes.remedies)",),
-            meaning="one epoch of updates changes the policy on held-out states at least twice "
-            "as much as a few epochs before (C-CHAIN links rising churn with plasticity loss; "
+            meaning="one epoch of updates changes the policy on held-out states at least 20 "
+            "times as much as a few epochs before (C-CHAIN links rising churn with plasticity loss; "
             "probes/trainability tests that directly)",
         ),
         Rule(
             name="value_churn_rising",
-            title="value churn doubled",
+            title="value churn grew sixfold",
             metric="value_change",
             direction="rising",
             kind="ratio",
-            threshold=2.0,
+            threshold=6.0,
             floor=1e-4,
             threshold_source="policy-probes default, not from a paper; C-CHAIN (Tang et al., "
             "ICML 2025) measures |dV| on held-out states",
             docs="docs/probes/churn.md",
             remedies=("churn reduction loss (C-CHAIN; not in policy_probes.remedies)",),
-            meaning="one epoch of updates moves the value on held-out states at least twice as "
-            "much as a few epochs before",
+            meaning="one epoch of updates moves the value on held-out states at least six "
+            "times as much as a few epochs before",
         ),
     )
 

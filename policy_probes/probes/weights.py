@@ -68,18 +68,18 @@ class Weights(Probe):
         ),
         Rule(
             name="updates_stalled",
-            title="updates per unit of learning rate fell fivefold",
+            title="updates per unit of learning rate fell thirtyfold",
             metric="update_ratio",
             direction="falling",
             kind="ratio",
-            threshold=0.2,
+            threshold=0.03,
             floor=1e-9,
             divide_by="train/learning_rate",
             threshold_source="policy-probes default, not from a paper; divided by the "
             "learning rate, so an annealed rate is no change",
             docs="docs/probes/weights.md",
             remedies=("soft_shrink_perturb", "l2_init", "reset_layers"),
-            meaning="for the same learning rate, each epoch's updates move the layer a fifth "
+            meaning="for the same learning rate, each epoch's updates move the layer a thirtieth "
             "or less of what they did a few epochs before (gradients vanished or the "
             "optimizer's second moments grew)",
         ),
