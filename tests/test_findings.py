@@ -268,10 +268,11 @@ def test_updates_stalled_reads_the_learning_rate() -> None:
         r[LR] = 2.5e-4 * (1 - 0.9 * r["epoch"] / EPOCHS)
         r[key] = 40.0 * r[LR]
     assert diagnose(annealed) == []
-    stalled = with_series(healthy_run(), key, lambda e: 0.01 if e <= 30 else 0.001)
+    low = 0.01 * rule_named("updates_stalled").threshold / 2  # half the threshold's ratio
+    stalled = with_series(healthy_run(), key, lambda e: 0.01 if e <= 30 else low)
     (f,) = diagnose(stalled)
     assert (f.rule, f.divide_by, f.onset_epoch) == ("updates_stalled", LR, 31)
-    assert f.value == pytest.approx(0.001 / 2.5e-4) and f.baseline == pytest.approx(0.01 / 2.5e-4)
+    assert f.value == pytest.approx(low / 2.5e-4) and f.baseline == pytest.approx(0.01 / 2.5e-4)
     for r in stalled:
         del r[LR]
     assert diagnose(stalled) == []  # without the learning rate the rule cannot read it
@@ -279,7 +280,7 @@ def test_updates_stalled_reads_the_learning_rate() -> None:
 
 def test_findings_come_before_observations() -> None:
     run = with_series(healthy_run(), DORMANT, dormant_jump)
-    with_series(run, "train/value_target_std", lambda e: 3.0 if e <= 30 else 12.0)
+    with_series(run, "train/value_target_std", lambda e: 3.0 if e <= 30 else 30.0)
     found = diagnose(run)
     assert [(f.tier, f.rule) for f in found] == [
         ("finding", "value_target_scale"),
@@ -287,7 +288,7 @@ def test_findings_come_before_observations() -> None:
     ]
     text = render_text(found)
     assert text.startswith("1 finding(s):\n- train/value_target_std:")
-    assert text.index("spread grew fourfold") < text.index("1 observation(s): unusual trends")
+    assert text.index("spread grew tenfold") < text.index("1 observation(s): unusual trends")
 
 
 def write_run(run_dir: Path, records: list[dict], partial: str = "") -> None:
@@ -349,7 +350,7 @@ def test_the_wandb_run_summary_holds_the_findings(tmp_path: Path) -> None:
     from policy_probes.sinks.config import WandbConfig
     from policy_probes.sinks.wandb_sink import WandbSink
 
-    run = with_series(jump_run(), "train/value_target_std", lambda e: 3.0 if e <= 30 else 12.0)
+    run = with_series(jump_run(), "train/value_target_std", lambda e: 3.0 if e <= 30 else 30.0)
     sink = WandbSink(tmp_path, WandbConfig(mode="offline"), {})
     emit_all(sink, run)
     sink.close()
