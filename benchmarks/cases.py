@@ -79,6 +79,8 @@ DEFAULTS: dict[str, Any] = {
     # the probes of ``recipe``: "shipped" or "one_component" (its four on ``actor_mlp``
     # alone, ``per_layer=False``: the least a report of these probes can reduce)
     "recipe_probes": "shipped",
+    # probe specs ``recipe`` attaches besides its own (``"trainability@actor_mlp"``)
+    "extra_probes": [],
     # the components the five probes of ``sb3`` (ProbeCallback) watch
     "probe_components": ["actor_mlp", "critic_mlp"],
 }
@@ -439,6 +441,7 @@ def recipe(p: dict[str, Any]) -> dict[str, Any]:
     tool.run_dir = tempfile.mkdtemp(prefix="pp-bench-")
     tool.probe_budget = p["probe_budget"]
     tool.probe_schedule = p["probe_schedule"]
+    tool.probes = [*tool.probes, *p["extra_probes"]]
     clocks = Clocks()
     with OverheadTotal() as overhead:
         result = tool.invoke()

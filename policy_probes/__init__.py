@@ -25,6 +25,7 @@ if TYPE_CHECKING:
         SaturatedActivation,
         SaturatedSigmoid,
         SaturatedTanh,
+        Trainability,
         Utility,
         Weights,
         attach_churn_hooks,
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
         attach_relu_activation_hooks,
         attach_relu_gradient_flow_hooks,
         attach_saturated_activation_hooks,
+        attach_trainability_hooks,
         attach_utility_hooks,
         attach_weights_hooks,
     )
@@ -76,6 +78,7 @@ __all__ = [
     "SaturatedActivation",
     "SaturatedSigmoid",
     "SaturatedTanh",
+    "Trainability",
     "Utility",
     "Weights",
     "attach_churn_hooks",
@@ -85,6 +88,7 @@ __all__ = [
     "attach_relu_activation_hooks",
     "attach_relu_gradient_flow_hooks",
     "attach_saturated_activation_hooks",
+    "attach_trainability_hooks",
     "attach_utility_hooks",
     "attach_weights_hooks",
 ]

@@ -29,6 +29,7 @@ from policy_probes import plugins, runnable
 from policy_probes.analysis.arms import add_arms_subcommand
 from policy_probes.analysis.findings import add_diagnose_subcommand
 from policy_probes.analysis.report import add_report_subcommand
+from policy_probes.analysis.trainability_check import add_trainability_subcommand
 from policy_probes.control_channel import COMMANDS, ControlError, send_command
 from policy_probes.lifecycle.cli import (
     HookSelection,
@@ -515,7 +516,7 @@ def plugins_command(args: argparse.Namespace) -> int:
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     *(add_run_subcommand, add_resume_subcommand, add_fork_subcommand, add_arms_subcommand),
     *(add_ctl_subcommand, add_report_subcommand, add_hooks_subcommand, add_diagnose_subcommand),
-    add_plugins_subcommand,
+    *(add_trainability_subcommand, add_plugins_subcommand),
 ]
 
 

@@ -21,6 +21,7 @@ BUILTIN_PROBES = {
     "relu_gradient_flow",
     "saturation_sigmoid",
     "saturation_tanh",
+    "trainability",
     "utility",
     "weights",
 }

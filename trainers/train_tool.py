@@ -321,6 +321,19 @@ class TrainTool(Section, ProbeSettings):
                 envs.close()
         return attached
 
+    def build_policy(self) -> ActorCriticPolicy:
+        """The run's policy as :meth:`invoke` builds it, on the CPU, without probes
+        (``policy-probes trainability`` loads a checkpoint's parameters into it)."""
+        with usage_errors():
+            seed_everything(self.seed)
+            envs = make_vector_env(self.env, num_envs=1, gamma=self.trainer.gamma)
+            try:
+                return make_policy(
+                    envs.single_observation_space, envs.single_action_space, self.policy
+                )
+            finally:
+                envs.close()
+
     @quiet_output_only_backward_hooks()
     def invoke(
         self,

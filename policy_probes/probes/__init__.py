@@ -17,6 +17,7 @@ from policy_probes.probes.saturation import (
     SaturatedTanh,
     attach_saturated_activation_hooks,
 )
+from policy_probes.probes.trainability import Trainability, attach_trainability_hooks
 from policy_probes.probes.utility import Utility, attach_utility_hooks
 from policy_probes.probes.weights import Weights, attach_weights_hooks
 
@@ -30,6 +31,7 @@ __all__ = [
     "SaturatedActivation",
     "SaturatedSigmoid",
     "SaturatedTanh",
+    "Trainability",
     "Utility",
     "Weights",
     "attach_churn_hooks",
@@ -39,6 +41,7 @@ __all__ = [
     "attach_relu_activation_hooks",
     "attach_relu_gradient_flow_hooks",
     "attach_saturated_activation_hooks",
+    "attach_trainability_hooks",
     "attach_utility_hooks",
     "attach_weights_hooks",
 ]
