@@ -17,6 +17,7 @@ from policy_probes.probes.gradient_flow import attach_gradient_flow_hooks
 from policy_probes.probes.preactivation import attach_preactivation_hooks
 from policy_probes.probes.relu import attach_relu_activation_hooks
 from policy_probes.probes.relu_gradient_flow import attach_relu_gradient_flow_hooks
+from policy_probes.probes.trainability import attach_trainability_hooks
 from policy_probes.probes.utility import attach_utility_hooks
 from policy_probes.probes.weights import attach_weights_hooks
 from trainers import EnvConfig, EvalConfig, PolicyConfig, PPOConfig, TrainTool
@@ -76,6 +77,7 @@ def train_measured() -> TrainTool:
         cfg.add_training_hook(component, attach_weights_hooks())
         cfg.add_training_hook(component, attach_preactivation_hooks())
         cfg.add_training_hook(component, attach_utility_hooks(outgoing=head))
+        cfg.add_training_hook(component, attach_trainability_hooks(every_epochs=10))
     cfg.add_training_hook("actor_head", attach_churn_hooks(kind="categorical"))
     cfg.add_training_hook("critic_head", attach_churn_hooks())
     return cfg
