@@ -64,6 +64,8 @@ MEASURES: dict[str, str] = {
     **_both("fisher_trace", "probes/fisher/{c}/trace"),
     **_both("noise_scale", "probes/fisher/{c}/grad_noise_scale"),
     "value_target_std": "train/value_target_std",
+    **_both("trainability", "probes/trainability/{c}/ratio"),
+    **_both("dead_ref", "probes/relu/{c}/dead_fraction_ref"),
 }
 ARMS: dict[str, list[str]] = {
     "none": [],
@@ -451,7 +453,13 @@ def measures_block(
         f"{findings_table(runs, arms, period)}\n\n"
         f"Per seed without a remedy (return decline epochs: {none_declines}); each cell: the "
         "epoch a live `diagnose` first showed the finding (its lead in epochs):\n\n"
-        f"{lead_table(runs, period)}"
+        f"{lead_table(runs, period)}\n\n"
+        + "\n\n".join(
+            f"Trainability ratio of {c} per period (`probes/trainability/{c}/ratio`, measured "
+            f"every 10 epochs; mean over seeds):\n\n"
+            + period_table(runs, arms, f"trainability_{c.removesuffix('_mlp')}", period, "{:.2f}")
+            for c in COMPONENTS
+        )
     )
 
 

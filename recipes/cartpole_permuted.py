@@ -17,6 +17,7 @@ from policy_probes.probes.churn import attach_churn_hooks
 from policy_probes.probes.fisher import attach_fisher_information_hooks
 from policy_probes.probes.preactivation import attach_preactivation_hooks
 from policy_probes.probes.relu import attach_relu_activation_hooks
+from policy_probes.probes.trainability import attach_trainability_hooks
 from policy_probes.probes.utility import attach_utility_hooks
 from policy_probes.probes.weights import attach_weights_hooks
 from trainers import EnvConfig, EvalConfig, PolicyConfig, PPOConfig, TrainTool
@@ -59,7 +60,8 @@ def train_measured() -> TrainTool:
     """:func:`train` with every plasticity measure (docs/plasticity.md, "Which measure
     predicts the decline"): besides the ReLU probe (dormant fractions at tau 0, 0.025,
     0.1), the Fisher probe (trace, gradient noise scale), weights, preactivation and
-    utility on both MLPs, and churn on both heads. The probes never change the training
+    utility on both MLPs, churn on both heads, and the trainability probe on both MLPs
+    every 10 epochs (docs/probes/trainability.md). The probes never change the training
     trajectory: the returns are those of :func:`train`."""
     cfg = train()
     for component, head in (("actor_mlp", "actor_head"), ("critic_mlp", "critic_head")):
@@ -67,6 +69,7 @@ def train_measured() -> TrainTool:
         cfg.add_training_hook(component, attach_weights_hooks())
         cfg.add_training_hook(component, attach_preactivation_hooks())
         cfg.add_training_hook(component, attach_utility_hooks(outgoing=head))
+        cfg.add_training_hook(component, attach_trainability_hooks(every_epochs=10))
     cfg.add_training_hook("actor_head", attach_churn_hooks(kind="categorical"))
     cfg.add_training_hook("critic_head", attach_churn_hooks())
     return cfg
