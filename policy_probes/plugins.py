@@ -37,8 +37,10 @@ class Rule:
     level alone). ``kind="ratio"``: the rolling median over the baseline is at or beyond
     ``threshold`` (2.0 = doubled); a baseline at or below ``floor`` counts as ``floor`` for
     a rising rule and never holds for a falling one (ratios near 0 are noise).
-    ``divide_by``: a record key the series is divided by epoch by epoch (an update ratio
-    per unit of learning rate reads an annealed rate as no change)."""
+    ``level``: a ratio rule also needs the rolling median at or beyond this level (a jump
+    from a low level to a still ordinary one is no finding). ``divide_by``: a record key
+    the series is divided by epoch by epoch (an update ratio per unit of learning rate
+    reads an annealed rate as no change)."""
 
     name: str
     title: str
@@ -58,6 +60,7 @@ class Rule:
     #: points from the end of the baseline window to the last point (None: 3 windows)
     lag: int | None = None
     divide_by: str | None = None
+    level: float | None = None
     #: the probe whose metric this is (set when the probe registers)
     probe: str | None = None
 
@@ -92,6 +95,8 @@ class Rule:
             change = value - baseline if rising else baseline - value
             return change >= self.min_change
         assert baseline is not None
+        if self.level is not None and not (value >= self.level if rising else value <= self.level):
+            return False
         if baseline <= self.floor:  # too small to divide by (ratio rules read sizes >= 0)
             return rising and self.floor > 0 and value >= self.threshold * self.floor
         ratio = value / baseline

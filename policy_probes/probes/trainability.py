@@ -38,7 +38,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from policy_probes.lifecycle.rng import preserved_rng
-from policy_probes.plugins import register
+from policy_probes.plugins import Rule, register
 from policy_probes.probes.probe import Probe
 from policy_probes.probes.rows import COUNT
 from policy_probes.probes.state import Device
@@ -264,6 +264,31 @@ class Trainability(Probe):
         "ratio": "loss / fresh_loss (> 1: fits new targets worse than a fresh network)",
     }
     console = ("ratio",)
+    rules = (
+        Rule(
+            name="plasticity_lost",
+            title="plasticity is lost: it fits new targets much worse than before",
+            metric="ratio",
+            direction="rising",
+            kind="ratio",
+            threshold=1.5,
+            level=1.5,
+            floor=1e-6,
+            window=1,
+            lag=1,
+            tier="finding",
+            threshold_source="policy-probes default, not from a paper, set above the healthy "
+            "runs of the labelled benchmark (docs/findings.md); the test is the target-fitting "
+            "capacity of Lyle, Rowland & Dabney (ICLR 2022)",
+            docs="docs/probes/trainability.md",
+            remedies=("reset_layers", "shrink_and_perturb", "plasticity_injection", "redo"),
+            meaning="a copy of the component, trained on new random targets over the run's "
+            "reference states, ends with a loss at least 1.5 times that of fresh "
+            "initialisations of the same architecture and at least 1.5 times its own ratio at "
+            "the previous measurement: it lost much of its ability to fit new functions "
+            "between the two",
+        ),
+    )
 
     def __init__(
         self,
