@@ -317,7 +317,9 @@ def check_children(children: Sequence[Child]) -> None:
         if held_outputs(child.run_dir):
             continue
         try:
-            config, target = read_run_config(child.parent, "fork it from Python")
+            config, target = read_run_config(
+                child.parent, "fork it with tool.invoke(fork_from=ForkPoint(run_dir, epoch))"
+            )
             if target not in recipes:
                 recipes[target] = build_from_recipe(target)
             overrides = launch_overrides(config, child.arm.overrides, child.run_dir)
