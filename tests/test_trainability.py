@@ -340,3 +340,17 @@ def test_bad_settings_and_inputs_say_what_to_change() -> None:
     got = StatsReporter(lone).collect()
     assert "no reference states" in lone.probe_errors["trainability/body"]
     assert not any(k.startswith("probes/trainability/") for k in got)
+
+
+def test_the_cost_benchmark_adds_the_probe_at_its_defaults_to_the_recipe() -> None:
+    from benchmarks import trainability_cost
+    from policy_probes.plugins import from_spec
+
+    (comp,) = trainability_cost.comparisons(quick=False)
+    assert comp.a.case == comp.b.case == "recipe"
+    assert comp.b.params == {**comp.a.params, "extra_probes": trainability_cost.SPECS}
+    assert comp.a.params["total_timesteps"] == 200_000 and comp.a.params["probes"]
+    for spec in trainability_cost.SPECS:
+        component, probe, placement = from_spec(spec, "probe")
+        assert component in ("actor_mlp", "critic_mlp") and placement == {}
+        assert isinstance(probe, Trainability) and probe.options["every_epochs"] == 50

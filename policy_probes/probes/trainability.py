@@ -51,8 +51,8 @@ log = logging.getLogger("policy_probes")
 
 #: the settings and their defaults (docs/probes/trainability.md says why these)
 DEFAULTS: dict[str, Any] = {
-    "steps": 50,
-    "lr": 1e-3,
+    "steps": 30,
+    "lr": 3e-3,
     "targets": 16,
     "fresh": 3,
     "reference_rows": 256,
@@ -304,9 +304,10 @@ class Trainability(Probe):
         return super().register_component(name, **check_settings({**self.options, **settings}))
 
     def attach(self, obs: Observation, module: nn.Module) -> list[RemovableHandle]:
+        known = self.modules.get(obs.component) is module
         self.modules[obs.component] = module
         reference = getattr(obs.context, "reference_states", None)
-        if reference is not None:
+        if reference is not None and not known:  # attach runs at every re-arming
             reference.want(self.settings[obs.component]["reference_rows"])
         return []
 
