@@ -354,3 +354,21 @@ def test_the_cost_benchmark_adds_the_probe_at_its_defaults_to_the_recipe() -> No
         component, probe, placement = from_spec(spec, "probe")
         assert component in ("actor_mlp", "critic_mlp") and placement == {}
         assert isinstance(probe, Trainability) and probe.options["every_epochs"] == 50
+
+
+def test_the_copy_carries_no_hook_and_fires_no_probe() -> None:
+    from policy_probes import attach_relu_activation_hooks
+    from policy_probes.probes.trainability import hook_free_copy
+
+    torch.manual_seed(5)
+    net = Net()
+    ctx = ComponentContext()
+    net.attach("body", attach_relu_activation_hooks(), ctx)
+    assert net.body._forward_hooks  # armed in the training phase
+    twin = hook_free_copy(net.body)
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in twin.modules())
+    assert all(p is not q for p, q in zip(twin.parameters(), net.body.parameters(), strict=True))
+    twin(torch.randn(8, 3))
+    assert not any(k.startswith("probes/relu/") for k in StatsReporter(ctx).collect())
+    net.body(torch.randn(8, 3))  # the original still records
+    assert "probes/relu/body/dead_fraction" in StatsReporter(ctx).collect()

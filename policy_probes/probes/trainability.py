@@ -63,6 +63,8 @@ NO_SET = (
     "no reference states: attach it through a ProbeSession (or TrainTool) whose loop calls "
     "session.rollout_end(observations=...), or fix them with session.fix_reference_states()"
 )
+#: lists a nested PolicyAutoBuilder keeps its probe handles and contexts in (not copied)
+HOLDERS = ("_handles", "_contexts")
 #: seed offsets of the draws of one component: the targets, the copy's head, fresh net i
 TARGET_DRAW, HEAD_DRAW, FRESH_DRAW = 0, 1, 2
 
@@ -96,6 +98,8 @@ def hook_free_copy(module: nn.Module) -> nn.Module:
         for name, value in vars(sub).items():
             if "_hooks" in name and isinstance(value, dict):
                 memo[id(value)] = type(value)()
+            elif name in HOLDERS and isinstance(value, list):
+                memo[id(value)] = []
     return copy.deepcopy(module, memo)
 
 
