@@ -59,7 +59,9 @@ def rebuild_policy(run_dir: Path) -> Any:
     from policy_probes.overrides import apply_overrides
     from policy_probes.recipe_launch import build_from_recipe, call_tool, read_run_config
 
-    config, target = read_run_config(run_dir, "measure it from Python")
+    config, target = read_run_config(
+        run_dir, "measure it with trainability_check.measure_checkpoint(policy, path, components)"
+    )
     overrides = [o for o in config.get("overrides", []) if o.partition("=")[0].strip() != "run_dir"]
     tool = call_tool(apply_overrides, build_from_recipe(target), overrides)
     build = getattr(tool, "build_policy", None)
