@@ -340,3 +340,35 @@ def test_bad_settings_and_inputs_say_what_to_change() -> None:
     got = StatsReporter(lone).collect()
     assert "no reference states" in lone.probe_errors["trainability/body"]
     assert not any(k.startswith("probes/trainability/") for k in got)
+
+
+def test_the_cost_benchmark_adds_the_probe_at_its_defaults_to_the_recipe() -> None:
+    from benchmarks import trainability_cost
+    from policy_probes.plugins import from_spec
+
+    (comp,) = trainability_cost.comparisons(quick=False)
+    assert comp.a.case == comp.b.case == "recipe"
+    assert comp.b.params == {**comp.a.params, "extra_probes": trainability_cost.SPECS}
+    assert comp.a.params["total_timesteps"] == 200_000 and comp.a.params["probes"]
+    for spec in trainability_cost.SPECS:
+        component, probe, placement = from_spec(spec, "probe")
+        assert component in ("actor_mlp", "critic_mlp") and placement == {}
+        assert isinstance(probe, Trainability) and probe.options["every_epochs"] == 50
+
+
+def test_the_copy_carries_no_hook_and_fires_no_probe() -> None:
+    from policy_probes import attach_relu_activation_hooks
+    from policy_probes.probes.trainability import hook_free_copy
+
+    torch.manual_seed(5)
+    net = Net()
+    ctx = ComponentContext()
+    net.attach("body", attach_relu_activation_hooks(), ctx)
+    assert net.body._forward_hooks  # armed in the training phase
+    twin = hook_free_copy(net.body)
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in twin.modules())
+    assert all(p is not q for p, q in zip(twin.parameters(), net.body.parameters(), strict=True))
+    twin(torch.randn(8, 3))
+    assert not any(k.startswith("probes/relu/") for k in StatsReporter(ctx).collect())
+    net.body(torch.randn(8, 3))  # the original still records
+    assert "probes/relu/body/dead_fraction" in StatsReporter(ctx).collect()

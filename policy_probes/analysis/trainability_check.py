@@ -60,7 +60,7 @@ def rebuild_policy(run_dir: Path) -> Any:
     from policy_probes.recipe_launch import build_from_recipe, call_tool, read_run_config
 
     config, target = read_run_config(
-        run_dir, "measure it with policy_probes.analysis.trainability_check.measure_checkpoint"
+        run_dir, "measure it with trainability_check.measure_checkpoint(policy, path, components)"
     )
     overrides = [o for o in config.get("overrides", []) if o.partition("=")[0].strip() != "run_dir"]
     tool = call_tool(apply_overrides, build_from_recipe(target), overrides)

@@ -51,8 +51,8 @@ log = logging.getLogger("policy_probes")
 
 #: the settings and their defaults (docs/probes/trainability.md says why these)
 DEFAULTS: dict[str, Any] = {
-    "steps": 50,
-    "lr": 1e-3,
+    "steps": 30,
+    "lr": 3e-3,
     "targets": 16,
     "fresh": 3,
     "reference_rows": 256,
@@ -63,6 +63,8 @@ NO_SET = (
     "no reference states: attach it through a ProbeSession (or TrainTool) whose loop calls "
     "session.rollout_end(observations=...), or fix them with session.fix_reference_states()"
 )
+#: lists a nested PolicyAutoBuilder keeps its probe handles and contexts in (not copied)
+HOLDERS = ("_handles", "_contexts")
 #: seed offsets of the draws of one component: the targets, the copy's head, fresh net i
 TARGET_DRAW, HEAD_DRAW, FRESH_DRAW = 0, 1, 2
 
@@ -96,6 +98,8 @@ def hook_free_copy(module: nn.Module) -> nn.Module:
         for name, value in vars(sub).items():
             if "_hooks" in name and isinstance(value, dict):
                 memo[id(value)] = type(value)()
+            elif name in HOLDERS and isinstance(value, list):
+                memo[id(value)] = []
     return copy.deepcopy(module, memo)
 
 
@@ -329,9 +333,10 @@ class Trainability(Probe):
         return super().register_component(name, **check_settings({**self.options, **settings}))
 
     def attach(self, obs: Observation, module: nn.Module) -> list[RemovableHandle]:
+        known = self.modules.get(obs.component) is module
         self.modules[obs.component] = module
         reference = getattr(obs.context, "reference_states", None)
-        if reference is not None:
+        if reference is not None and not known:  # attach runs at every re-arming
             reference.want(self.settings[obs.component]["reference_rows"])
         return []
 
