@@ -425,3 +425,21 @@ def test_scores_of_several_processes_are_those_of_the_union_of_their_sets(tmp_pa
     assert r0["probes/utility/body.1/low_utility_fraction_ref"] == pytest.approx(
         low_utility_share(h1, out_sum)
     )
+
+
+def test_non_finite_values_on_the_set_are_left_out_per_unit():
+    from policy_probes.probes.reference_scores import UnitValues
+
+    h = torch.tensor(
+        [[[1.0, -2.0], [float("nan"), 0.0]], [[float("inf"), 3.0], [0.5, -0.5]]]
+    )  # (B=2, C=2, L=2), channels first
+    values = UnitValues.of(h, channels_first=True)
+    per_channel = h.transpose(0, 1).reshape(2, -1).double()  # channel c: its 4 values
+    finite = per_channel.isfinite()
+    clean = torch.where(finite, per_channel, 0.0)
+    assert values.count().tolist() == finite.sum(1).tolist() == [3, 3]
+    assert values.positive().tolist() == (clean > 0).sum(1).tolist() == [2, 1]
+    assert values.abs_sum().tolist() == clean.abs().sum(1).tolist() == [6.0, 1.0]
+    dense = UnitValues.of(torch.tensor([[1.0, -1.0], [0.0, 2.0]]), channels_first=False)
+    assert dense.count().tolist() == [2, 2] and dense.positive().tolist() == [1, 1]
+    assert dense.abs_sum().tolist() == [1.0, 3.0]
