@@ -15,13 +15,15 @@ random generator restored: training is unchanged (docs/reference_states.md).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 
+from policy_probes.compiled import eager_block
 from policy_probes.lifecycle.rng import preserved_rng
 
 #: the phase of the forwards on the reference states (probes record only in theirs)
@@ -60,6 +62,11 @@ class ReferenceStates:
         #: the epoch of the session when the set was chosen
         self.chosen_at: int | None = None
         self.forward: Callable[[torch.Tensor], Any] | None = None
+        #: modules whose outputs the report's shared forward keeps (:meth:`outputs`)
+        self.tracked: dict[int, nn.Module] = {}
+        self._outputs: dict[int, Any] | None = None
+        #: why the policy cannot run on the set (its forward raised; not retried)
+        self.unusable: str | None = None
 
     def want(self, size: int) -> None:
         """A probe reads the set, with at least ``size`` rows (before it is chosen)."""
@@ -98,7 +105,50 @@ class ReferenceStates:
 
     @property
     def ready(self) -> bool:
-        return self.observations is not None and self.forward is not None
+        return self.observations is not None and self.forward is not None and not self.unusable
+
+    def missing(self) -> str:
+        """Why there is no set to measure on (one line that says what to change)."""
+        if self.unusable:
+            return (
+                f"the policy's forward does not run on the reference states alone "
+                f"({self.unusable}), so the _ref keys are not reported; a policy whose "
+                f"forward needs more than the observations (a recurrent state) cannot be "
+                f"scored on them: attach the probe with reference=False "
+                f"(docs/reference_states.md)"
+            )
+        if self.observations is None:
+            return (
+                "no reference states: the loop never handed a rollout's observations to "
+                "session.rollout_end(observations=...) nor called "
+                "session.fix_reference_states(...), so the _ref keys are not reported "
+                "(docs/reference_states.md)"
+            )
+        return (
+            "reference states are set but no forward runs the policy on them; set them with "
+            "session.fix_reference_states(...) (docs/reference_states.md)"
+        )
+
+    def track(self, module: nn.Module) -> None:
+        """Keep ``module``'s output in the report's shared forward (:meth:`outputs`)."""
+        self.tracked[id(module)] = module
+
+    def outputs(self, context: Any = None) -> dict[int, Any]:
+        """What every :meth:`track`-ed module returned on the set (its first call), by
+        ``id(module)``: one forward per report, shared by every probe that reads it, until
+        :meth:`release` (the report's end). Empty when not :attr:`ready`, or when the
+        forward raises (:attr:`unusable` then says why, and no later report tries again)."""
+        if self._outputs is None:
+            try:
+                self._outputs = self._run(self.tracked, context, inputs=False, raw=True)
+            except Exception as exc:  # the policy cannot take the set: said, not retried
+                self.unusable = f"{type(exc).__name__}: {exc}"
+                self._outputs = {}
+        return self._outputs
+
+    def release(self) -> None:
+        """End the report: drop the shared forward's outputs."""
+        self._outputs = None
 
     def capture(
         self, modules: Mapping[str, nn.Module], context: Any = None, *, inputs: bool = False
@@ -107,26 +157,38 @@ class ReferenceStates:
         each module produced (``inputs=True``: its first positional argument), detached.
         Modules whose output is not a tensor are left out. ``context`` (a
         ``ComponentContext``) is switched to the phase ``"reference"`` meanwhile."""
-        if not self.ready:
-            return {}
-        captured: dict[str, torch.Tensor] = {}
+        return self._run(dict(modules), context, inputs=inputs, raw=False)
 
-        def keep(name: str, _m: nn.Module, args: Any, out: Any = None) -> None:
+    def _run(
+        self, modules: Mapping[Any, nn.Module], context: Any, *, inputs: bool, raw: bool
+    ) -> dict[Any, Any]:
+        """One forward on the set, keeping each module's output (``inputs``: its first
+        argument) under its key: detached tensors, or (``raw``) whatever it returned."""
+        if not self.ready or not modules:
+            return {}
+        captured: dict[Any, Any] = {}
+
+        def keep(key: Any, _m: nn.Module, args: Any, out: Any = None) -> None:
             value = (args[0] if args else None) if inputs else out
+            if key in captured:
+                return  # a module called twice: its first call
             if isinstance(value, torch.Tensor):
-                captured[name] = value.detach()
+                captured[key] = value.detach()
+            elif raw and value is not None:
+                captured[key] = value
 
         handles = [
-            m.register_forward_pre_hook(partial(keep, n))
+            m.register_forward_pre_hook(partial(keep, k))
             if inputs
-            else m.register_forward_hook(partial(keep, n))
-            for n, m in modules.items()
+            else m.register_forward_hook(partial(keep, k))
+            for k, m in modules.items()
         ]
         phase = context.phase if context is not None else None
         try:
             if context is not None:
                 context.phase = REFERENCE_PHASE
-            with preserved_rng(), torch.no_grad():
+            # eager: a compiled policy runs its Python (the hooks fire; no new graph)
+            with preserved_rng(), torch.no_grad(), _preserved_buffers(self.forward), eager_block():
                 assert self.forward is not None and self.observations is not None
                 self.forward(self.observations)
         finally:
@@ -151,3 +213,17 @@ class ReferenceStates:
             obs = obs.to(device)
         self.observations = obs
         self.source, self.chosen_at = state.get("source"), state.get("chosen_at")
+
+
+@contextmanager
+def _preserved_buffers(forward: Any) -> Iterator[None]:
+    """Restore the buffers of ``forward`` (an ``nn.Module``) afterwards: a forward in
+    training mode updates running statistics (batch norm), which training must not see."""
+    buffers = list(forward.buffers()) if isinstance(forward, nn.Module) else []
+    saved = [b.clone() for b in buffers]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, v in zip(buffers, saved, strict=True):
+                b.copy_(v)

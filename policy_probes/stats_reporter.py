@@ -54,6 +54,7 @@ class StatsReporter:
         # with fewer rows): charged to the report, not to the probes' observed passes
         drained_before = [getattr(t, "seconds", 0.0) for t in trackers]
         start = time.perf_counter()
+        self._measure_reference(trackers)  # before the all-reduce, which carries its sums
         # single process: all_reduce would only drain the held rows, as to_metrics does
         if self.all_reduce and multi_process():
             self._all_reduce(trackers)
@@ -75,6 +76,30 @@ class StatsReporter:
         for key in self.context.probe_errors:
             metrics[f"probes/errors/{key}"] = 1.0
         return metrics
+
+    def _measure_reference(self, trackers: list[Any]) -> None:
+        """The trackers that score units on the run's reference states measure them, on
+        one shared forward (docs/reference_states.md); a failure is reported once under
+        ``probes/errors/<probe>/reference_states`` and training goes on."""
+        states = getattr(self.context, "reference_states", None)
+        if states is None:
+            return
+        try:
+            for tracker in trackers:
+                measure = getattr(tracker, "measure_reference", None)
+                if measure is None:
+                    continue
+                try:
+                    measure()
+                except Exception as exc:  # a probe must never take training down
+                    if self.context.strict:
+                        raise
+                    key = f"{tracker.probe}/reference_states"
+                    if key not in self.context.probe_errors:
+                        log.error("probe %s on the reference states failed: %s", key, exc)
+                    self.context.probe_errors[key] = f"{type(exc).__name__}: {exc}"
+        finally:
+            states.release()
 
     def _all_reduce(self, trackers: list[Any]) -> None:
         """Combine the trackers across processes: those with ``reduced_tensors`` (every

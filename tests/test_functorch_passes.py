@@ -32,7 +32,8 @@ def _session(tmp_path, name: str) -> tuple[ProbeSession, nn.Sequential]:
         run=tmp_path / name,
         probing=settings,
     )
-    session.add_training_hook("mlp", attach_relu_activation_hooks())
+    # no rollout handed over: no reference states to score on
+    session.add_training_hook("mlp", attach_relu_activation_hooks(reference=False))
     session.add_training_backward_hook("mlp", attach_fisher_information_hooks())
     session.set_phase("train")
     return session, mlp

@@ -88,6 +88,7 @@ def cleanrl_records(run_dir: Path) -> list[dict]:
             with session.phase("rollout"), torch.no_grad():
                 obs = torch.randn(32, 4)
                 actions, _, _ = agent.act(obs)
+            session.rollout_end(observations=obs)  # the reference states (relu's _ref keys)
             with session.phase("train"):
                 for mb_obs, mb_actions in zip(obs.split(16), actions.split(16), strict=True):
                     logprob, entropy, value = agent.evaluate_actions(mb_obs, mb_actions)

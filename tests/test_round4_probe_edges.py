@@ -162,7 +162,7 @@ def test_utility_scores_the_cnn_policys_conv_channels(tmp_path: Path) -> None:
     reports = []
     with ProbeSession(policy, run=tmp_path / "r", probing=EVERY_PASS, optimizer=opt) as session:
         session.add_training_hook(
-            "encoder", attach_utility_hooks(outgoing="actor_head", decay=decay)
+            "encoder", attach_utility_hooks(outgoing="actor_head", decay=decay, reference=False)
         )
         session.set_phase("train")
         for epoch in range(2):
@@ -245,7 +245,7 @@ def test_utility_scores_a_conv1d_stack_per_channel_under_a_row_mask(tmp_path: Pa
     g = torch.Generator().manual_seed(3)
     mask = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0])
     with ProbeSession(net, run=tmp_path / "r", probing=EVERY_PASS, optimizer=opt) as session:
-        session.add_training_hook("body", attach_utility_hooks())
+        session.add_training_hook("body", attach_utility_hooks(reference=False))
         session.set_phase("train")
         x = torch.randn(5, 3, 10, generator=g)
         with session.row_mask(mask):
@@ -391,14 +391,14 @@ def test_utility_conv_window_resumed_from_a_checkpoint_reports_without_another_f
     net = Net()
     x = torch.randn(4, 2, 6, generator=torch.Generator().manual_seed(5))
     with ProbeSession(net, run=tmp_path / "a", probing=EVERY_PASS) as session:
-        session.add_training_hook("body", attach_utility_hooks())
+        session.add_training_hook("body", attach_utility_hooks(reference=False))
         session.set_phase("train")
         net(x).sum().backward()
         session.next_pass()
         saved = session.state_dict()
         want = session.epoch_end(step=0)["probes/utility/body.1/utility"]
     with ProbeSession(net, run=tmp_path / "b", probing=EVERY_PASS) as session:
-        session.add_training_hook("body", attach_utility_hooks())
+        session.add_training_hook("body", attach_utility_hooks(reference=False))
         session.load_state_dict(saved)
         got = session.epoch_end(step=0)
     assert got["probes/utility/body.1/utility"] == want

@@ -197,7 +197,8 @@ def test_tanh_normal_actor_is_probed_through_its_tensordict_keys(tmp_path) -> No
     ) as session:
         with pytest.raises(ProbeError, match=r"TensorDict with keys .*Pass extractor=\"loc\""):
             session.add_training_backward_hook("policy", attach_fisher_information_hooks())
-        session.add_training_hook("actor_mlp.1", attach_relu_activation_hooks())
+        # a TensorDict policy cannot run on reference states: no _ref keys asked for
+        session.add_training_hook("actor_mlp.1", attach_relu_activation_hooks(reference=False))
         fisher = attach_fisher_information_hooks()
         session.add_training_backward_hook("policy", fisher, extractor="loc")
         for idx in torch.randperm(96).split(32):

@@ -15,6 +15,10 @@ Definitions (h the probed post-activation output, N samples in the window, U uni
   ``active_rate``; ``zero_fraction_se`` likewise over the elements
 * ``samples`` = the rows N these rest on. On sampled passes (:mod:`policy_probes.sampling`)
   a dead unit is one never active in the N observed rows
+* ``dead_fraction_ref``, ``dormant_fraction_ref`` = ``dead_fraction`` and
+  ``dormant_fraction`` (at ``tau``) on the run's fixed reference states instead of the
+  window's rows (:mod:`policy_probes.reference_states`): the same tensor, measured once
+  per report (``reference=False``: not at all)
 """
 
 from __future__ import annotations
@@ -25,9 +29,13 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from policy_probes.plugins import Rule, register
+from policy_probes.probes.observation import Observation
 from policy_probes.probes.per_layer import ActivationProbe
+from policy_probes.probes.reference_scores import ReferenceScores, UnitValues
 from policy_probes.probes.rows import COUNT
 from policy_probes.probes.state import Drained, row_means, unit_rates
 from policy_probes.probes.weighted import Weighted
@@ -49,10 +57,11 @@ def tau_key(tau: float) -> str:
 
 
 @register
-class ReLUActivation(ActivationProbe):
+class ReLUActivation(ReferenceScores, ActivationProbe):
     """Dead, dormant, rarely and always active ReLU units: per-unit counts of positive
-    elements and sums of |h| over the window. :attr:`scores` keeps the per-unit ReDo
-    scores of the last report (NaN for units with no finite value) for the remedies."""
+    elements and sums of |h| over the window, and on the reference states at each report.
+    :attr:`scores` keeps the per-unit ReDo scores of the last report (NaN for units with
+    no finite value) for the remedies."""
 
     name = "relu"
     batch_units = True
@@ -62,6 +71,9 @@ class ReLUActivation(ActivationProbe):
         "dead_fraction": "share of units never positive",
         "dormant_fraction": "share of units whose ReDo score is at most tau",
         "active_rate": "per unit: share of samples where it is positive",
+        "dead_fraction_ref": "share of units never positive on the reference states",
+        "dormant_fraction_ref": "share of units whose ReDo score on the reference states "
+        "is at most tau",
     }
     console = ("dead_fraction", "dormant_fraction")
     rules = (
@@ -106,6 +118,7 @@ class ReLUActivation(ActivationProbe):
         taus: Iterable[float] = DORMANT_TAUS,
         rarely_active: float = 0.05,
         always_active: float = 0.95,
+        reference: bool = True,
     ) -> None:
         if not tau >= 0:
             raise ValueError(f"tau must be >= 0, got {tau}")
@@ -119,13 +132,35 @@ class ReLUActivation(ActivationProbe):
                 f"threshold names one key (dormant_fraction_tau_<t>), so list each once"
             )
         super().__init__(
-            tau=tau, taus=taus, rarely_active=rarely_active, always_active=always_active
+            tau=tau,
+            taus=taus,
+            rarely_active=rarely_active,
+            always_active=always_active,
+            reference=bool(reference),
         )
         self.scores: dict[str, torch.Tensor] = {}
 
+    def attach(self, obs: Observation, module: nn.Module) -> list[RemovableHandle]:
+        handles = super().attach(obs, module)
+        self.read_reference(obs.component, obs, module, obs.channels_first, obs.extract)
+        for layer in self.layers[obs.component]:
+            if self.owns(layer.component, obs):
+                self.read_reference(layer.component, obs, layer.module, layer.channels_first)
+        return handles
+
+    def reference_sums(self, name: str, values: UnitValues) -> dict[str, torch.Tensor]:
+        return {"count": values.count(), "active": values.positive(), "abs_sum": values.abs_sum()}
+
     def to_metrics(self) -> dict[str, float | list[float]]:
         self.scores = {}  # only this window's components
-        return super().to_metrics()
+        out = super().to_metrics()
+        for name, s in self.reference_host().items():
+            if self.key(name, "dead_fraction") in out:  # beside the window's keys
+                out.update(
+                    (self.key(name, k), v)
+                    for k, v in reference_fractions(s, self.settings[name]["tau"]).items()
+                )
+        return out
 
     def _mirror_summary(self, component: str, source: str, summary: dict) -> dict:
         self.scores[component] = self.scores[source]
@@ -187,6 +222,24 @@ class ReLUActivation(ActivationProbe):
         return out
 
 
+def reference_fractions(s: dict[str, torch.Tensor], tau: float) -> dict[str, float]:
+    """``dead_fraction_ref`` and ``dormant_fraction_ref`` of the reference sums ``s``
+    (host): the window's formulas over the units with a finite value on the set."""
+    count = s["count"].numpy()
+    seen = count > 0
+    units = int(np.count_nonzero(seen))
+    if not units:
+        return {}
+    mean_abs = unit_rates(s["abs_sum"].numpy(), count)
+    score = mean_abs / (mean_abs[seen].mean() + DORMANT_EPS)
+    dead = (s["active"].numpy() == 0) & seen
+    dormant = (score <= tau) & seen
+    return {
+        "dead_fraction_ref": int(np.count_nonzero(dead)) / units,
+        "dormant_fraction_ref": int(np.count_nonzero(dormant)) / units,
+    }
+
+
 def samples(count: torch.Tensor | np.ndarray, cfg: dict[str, Any]) -> float:
     """Batch rows recorded: the largest per-unit finite count over positions per sample."""
     rows = int(count.max()) if math.prod(count.shape) else 0
@@ -200,12 +253,19 @@ def attach_relu_activation_hooks(
     taus: Iterable[float] = DORMANT_TAUS,
     rarely_active: float = 0.05,
     always_active: float = 0.95,
+    reference: bool = True,
 ) -> ReLUActivation:
     """The ``relu`` probe (:class:`ReLUActivation`), for a component whose output is
     post-activation (``actor_mlp``; on a pre-activation the metrics describe its sign).
     ``taus``: the thresholds of the ``dormant_fraction_tau_<t>`` keys (``<t>``:
-    :func:`tau_key`), each listed once, beside ``dormant_fraction`` (at ``tau``). Placed
-    with every placement argument."""
+    :func:`tau_key`), each listed once, beside ``dormant_fraction`` (at ``tau``).
+    ``reference``: also report ``dead_fraction_ref`` and ``dormant_fraction_ref`` on the
+    run's reference states (docs/reference_states.md). Placed with every placement
+    argument."""
     return ReLUActivation(
-        tau=tau, taus=taus, rarely_active=rarely_active, always_active=always_active
+        tau=tau,
+        taus=taus,
+        rarely_active=rarely_active,
+        always_active=always_active,
+        reference=reference,
     )

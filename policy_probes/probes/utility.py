@@ -13,6 +13,11 @@ report) folded into the running score with ``decay`` η (the first report starts
 A unit is *low-utility* when its score is at most ``tau`` of the layer's mean score
 (normalised like ReDo's dormancy score).
 
+``low_utility_fraction_ref``: the same criterion on the *instantaneous* contribution on the
+run's fixed reference states (:mod:`policy_probes.reference_states`), c_i^ref = mean over
+the set of |h_i| × Σ_k |w_ki| with the weights at the report, not folded into the running
+score (``reference=False``: not measured).
+
 Layers: every activation layer inside the component whose output the next parametrised
 leaf (in registration order; for the last layer the first one of the module ``outgoing``
 names) reads: an ``nn.Linear`` or a convolution, with only dropout, ``nn.Identity`` or
@@ -36,7 +41,7 @@ from torch.utils.hooks import RemovableHandle
 from policy_probes.plugins import Rule, register
 from policy_probes.probes.layout import as_unit_rows, positions
 from policy_probes.probes.per_layer import activation_layers
-from policy_probes.probes.probe import Probe
+from policy_probes.probes.reference_scores import ReferenceScores, UnitValues
 from policy_probes.probes.rows import COUNT
 from policy_probes.probes.state import SUM, Device, Drained, as_floats
 from policy_probes.probes.weighted import Weighted
@@ -142,7 +147,7 @@ def unit_magnitude(
 
 
 @register
-class Utility(Probe):
+class Utility(ReferenceScores):
     """Per-unit sums of |h| and counts per scored layer (read through hooks of its own);
     each layer's outgoing weights; the running utility per unit (host, float64)."""
 
@@ -155,6 +160,8 @@ class Utility(Probe):
     metrics = {
         "utility": "per unit: CBP's running contribution utility",
         "low_utility_fraction": "share of units whose utility is at most tau of the layer mean",
+        "low_utility_fraction_ref": "share of units whose contribution on the reference "
+        "states is at most tau of the layer mean",
     }
     rules = (
         Rule(
@@ -175,13 +182,18 @@ class Utility(Probe):
     )
 
     def __init__(
-        self, *, outgoing: str | None = None, decay: float = 0.9, tau: float = 0.025
+        self,
+        *,
+        outgoing: str | None = None,
+        decay: float = 0.9,
+        tau: float = 0.025,
+        reference: bool = True,
     ) -> None:
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"decay must be in [0, 1), got {decay}")
         if not tau >= 0:
             raise ValueError(f"tau must be >= 0, got {tau}")
-        super().__init__(outgoing=outgoing, decay=decay, tau=tau)
+        super().__init__(outgoing=outgoing, decay=decay, tau=tau, reference=bool(reference))
         #: layer -> the layer reading its units (whose weight holds their outgoing weights)
         self.outgoing: dict[str, Outgoing] = {}
         #: layer -> running utility per unit
@@ -212,13 +224,40 @@ class Utility(Probe):
         self._add(layer, "abs_sum", kept.sums(abs_h))
         self._add(layer, "count", kept.finite_count(), COUNT)
 
+    def reference_sums(self, name: str, values: UnitValues) -> dict[str, torch.Tensor]:
+        return {"count": values.count(), "abs_sum": values.abs_sum()}
+
+    def outgoing_magnitude(self, layer: str, units: int, positions: int) -> torch.Tensor | str:
+        """``sum_k |w_ki|`` per unit of ``layer`` (host, float64), or why not."""
+        out = self.outgoing[layer]
+        per_input = input_magnitude(out.module).to(SUM).cpu()
+        return unit_magnitude(per_input, units, out, positions)
+
+    def to_metrics(self) -> dict[str, float | list[float]]:
+        out = super().to_metrics()
+        for layer, s in self.reference_host().items():
+            if self.key(layer, "low_utility_fraction") not in out:  # beside the window's
+                continue
+            count = s["count"]
+            out_sum = self.outgoing_magnitude(
+                layer, count.numel(), self.reference_positions.get(layer, 1)
+            )
+            seen = count > 0
+            units = int(seen.sum())
+            if isinstance(out_sum, str) or not units:
+                continue
+            contribution = s["abs_sum"] / count.clamp(min=1).to(SUM) * out_sum
+            mean = float(contribution[seen].mean())
+            low = contribution / (mean + UTILITY_EPS) <= self.settings[layer]["tau"]
+            out[self.key(layer, "low_utility_fraction_ref")] = float((low & seen).sum()) / units
+        return out
+
     def summarize(self, layer: str, s: dict[str, torch.Tensor], cfg: dict[str, Any]) -> dict:
         out = self.outgoing.get(layer)
         if out is None or "count" not in s:
             return {}
         count = s["count"]
-        per_input = input_magnitude(out.module).to(SUM).cpu()
-        out_sum = unit_magnitude(per_input, count.numel(), out, self.positions.get(layer, 1))
+        out_sum = self.outgoing_magnitude(layer, count.numel(), self.positions.get(layer, 1))
         if isinstance(out_sum, str):  # reported like a lost window, training goes on
             self.errors[layer] = out_sum
             return {}
@@ -268,6 +307,7 @@ class Utility(Probe):
                 self.update(name, h, channels_first=cf, weight=weight)
 
             handles.append(obs.inner_hook(name, sub, record, cf))
+            self.read_reference(name, obs, sub, cf)
         return handles
 
     def _scored_layers(self, obs: Observation, module: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -304,10 +344,16 @@ class Utility(Probe):
 
 
 def attach_utility_hooks(
-    *, outgoing: str | None = None, decay: float = 0.9, tau: float = 0.025
+    *,
+    outgoing: str | None = None,
+    decay: float = 0.9,
+    tau: float = 0.025,
+    reference: bool = True,
 ) -> Utility:
     """The ``utility`` probe (:class:`Utility`, docs/probes/utility.md): CBP's contribution
     utility and the low-utility fraction (at most ``tau`` of the layer mean). ``outgoing``
     names the module reading the component's output (``"actor_head"``) so its last layer
-    is scored too; ``decay``: η, once per report. Placed with ``phases`` and ``schedule``."""
-    return Utility(outgoing=outgoing, decay=decay, tau=tau)
+    is scored too; ``decay``: η, once per report; ``reference``: also report
+    ``low_utility_fraction_ref`` on the run's reference states (docs/reference_states.md).
+    Placed with ``phases`` and ``schedule``."""
+    return Utility(outgoing=outgoing, decay=decay, tau=tau, reference=reference)
