@@ -162,6 +162,20 @@ def test_a_level_rule_needs_its_change_over_the_baseline_exactly() -> None:
     assert not diagnose(step_run(falling, math.nextafter(0.625, 0), 0.5, needed), rules=[falling])
 
 
+def test_plasticity_lost_needs_the_jump_and_the_level_both() -> None:
+    """The trainability ratio x1.75 from 0.8 to 1.4 is a jump to a level fresh networks
+    about match: no finding; to 1.5 exactly (x1.875) it is one; from 1.2 to 1.75 (below
+    x1.5) it is not."""
+    rule = rule_named("plasticity_lost")
+    assert (rule.tier, rule.threshold, rule.level) == ("finding", 1.5, 1.5)
+    _, _, needed = sizes(rule)
+    assert needed == 3  # the first measurement skipped, the baseline, the one judged
+    assert rules_found(step_run(rule, 0.8, 1.4, needed)) == []
+    assert rules_found(step_run(rule, 0.8, 1.5, needed)) == ["plasticity_lost"]
+    assert rules_found(step_run(rule, 1.2, 1.75, needed)) == []
+    assert rules_found(step_run(rule, 1.2, 1.8, needed)) == ["plasticity_lost"]
+
+
 def test_a_healthy_run_yields_nothing() -> None:
     for seed in range(5):
         assert diagnose(healthy_run(seed)) == [], seed
