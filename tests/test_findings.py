@@ -254,6 +254,22 @@ def test_a_duplicated_epoch_counts_once_the_last_written() -> None:
     assert [f.to_dict() for f in diagnose(rewrite)] == [f.to_dict() for f in diagnose(fixed)]
 
 
+def test_a_live_analysis_rereads_an_epoch_written_again() -> None:
+    """A resumed or rewound loop writes epoch 35 again, after 36-38: the live findings
+    are those of the run with the last value of every epoch (the engine reads all again)."""
+    run = jump_run()
+    analysis = LiveAnalysis()
+    rewritten = dict(run[34], **{DORMANT: 0.4})
+    for r in run[:38] + [dict(rewritten, **{DORMANT: 0.02})]:
+        analysis.add(Record.from_json(r))
+    expected = [dict(r) for r in run[:38]]
+    expected[34][DORMANT] = 0.02
+    live = [f.to_dict() for f in analysis.findings.findings()]
+    assert live == [f.to_dict() for f in diagnose(expected)]
+    # the same 38 epochs without the rewrite would give a different onset
+    assert live != [f.to_dict() for f in diagnose(run[:38])]
+
+
 def test_a_component_is_reported_under_its_layer_only_while_their_series_are_equal() -> None:
     comp = "probes/relu/actor_mlp/dormant_fraction_ref"
     run = with_series(healthy_run(), DORMANT, dormant_jump)
