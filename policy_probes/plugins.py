@@ -61,6 +61,8 @@ class Rule:
     lag: int | None = None
     divide_by: str | None = None
     level: float | None = None
+    #: the series' first points that never make a baseline (None: the engine's)
+    skip: int | None = None
     #: the probe whose metric this is (set when the probe registers)
     probe: str | None = None
 

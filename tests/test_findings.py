@@ -32,7 +32,7 @@ from policy_probes.cli import main
 from policy_probes.plugins import Rule
 from policy_probes.records import Record, RunRecords, read_jsonl
 
-EPOCHS = 40
+EPOCHS = 60
 LR = "train/learning_rate"
 DORMANT = "probes/relu/actor_mlp.layer_1/dormant_fraction_ref"
 
@@ -74,15 +74,16 @@ def with_series(records: list[dict], key: str, value_at) -> list[dict]:
 
 
 def dormant_jump(epoch: int) -> float:
-    """0.05 until epoch 30, 0.4 from epoch 31 on."""
-    return 0.05 if epoch <= 30 else 0.4
+    """0.05 until epoch 45, 0.4 from epoch 46 on."""
+    return 0.05 if epoch <= 45 else 0.4
 
 
 def sizes(rule: Rule) -> tuple[int, int, int]:
     """(window, lag, points needed) of ``rule`` as docs/findings.md states them."""
     w = rule.window or WINDOW
     lag = LAG_WINDOWS * w if rule.lag is None else rule.lag
-    needed = SKIP_WINDOWS * w + w + lag if rule.kind == "ratio" or rule.min_change > 0 else w
+    skip = SKIP_WINDOWS * w if rule.skip is None else rule.skip
+    needed = skip + w + lag if rule.kind == "ratio" or rule.min_change > 0 else w
     return w, lag, needed
 
 
@@ -96,7 +97,8 @@ def step_run(rule: Rule, before: float, after: float, n: int, lr: float = 0.5) -
     """``n`` epochs of ``rule``'s series: ``before`` for the skipped start and the baseline
     window, ``after`` from then on (with the learning rate ``lr`` it may divide by)."""
     w, _, _ = sizes(rule)
-    change = (SKIP_WINDOWS + 1) * w if rule.kind == "ratio" or rule.min_change > 0 else 0
+    skip = SKIP_WINDOWS * w if rule.skip is None else rule.skip
+    change = skip + w if rule.kind == "ratio" or rule.min_change > 0 else 0
     # the series as the rule reads it is value / lr: give it value * lr
     scale = lr if rule.divide_by is not None else 1.0
     run = []
@@ -152,7 +154,7 @@ def test_a_level_rule_needs_its_change_over_the_baseline_exactly() -> None:
         probe="p",
     )
     _, _, needed = sizes(rule)
-    assert needed == 25  # 5 skipped + 5 of baseline + 15 of lag
+    assert needed == 40  # 20 skipped + 5 of baseline + 15 of lag
     # 0.5 - 0.375 is 0.125 exactly; the next float above 0.375 leaves less than 0.125
     assert diagnose(step_run(rule, 0.375, 0.5, needed), rules=[rule])
     assert not diagnose(step_run(rule, math.nextafter(0.375, 1), 0.5, needed), rules=[rule])
@@ -164,16 +166,16 @@ def test_a_level_rule_needs_its_change_over_the_baseline_exactly() -> None:
 
 def test_plasticity_lost_needs_the_jump_and_the_level_both() -> None:
     """The trainability ratio x1.75 from 0.8 to 1.4 is a jump to a level fresh networks
-    about match: no finding; to 1.5 exactly (x1.875) it is one; from 1.2 to 1.75 (below
-    x1.5) it is not."""
+    about match: no finding; to 1.5 exactly (x1.875) it is one; from 1.2 to 1.9 (x1.58,
+    short of x1.65) it is not; from 2.0 to 3.3 (x1.65 exactly) it is."""
     rule = rule_named("plasticity_lost")
-    assert (rule.tier, rule.threshold, rule.level) == ("finding", 1.5, 1.5)
+    assert (rule.tier, rule.threshold, rule.level) == ("finding", 1.65, 1.5)
     _, _, needed = sizes(rule)
     assert needed == 3  # the first measurement skipped, the baseline, the one judged
     assert rules_found(step_run(rule, 0.8, 1.4, needed)) == []
     assert rules_found(step_run(rule, 0.8, 1.5, needed)) == ["plasticity_lost"]
-    assert rules_found(step_run(rule, 1.2, 1.75, needed)) == []
-    assert rules_found(step_run(rule, 1.2, 1.8, needed)) == ["plasticity_lost"]
+    assert rules_found(step_run(rule, 1.2, 1.9, needed)) == []
+    assert rules_found(step_run(rule, 2.0, 3.3, needed)) == ["plasticity_lost"]
 
 
 def test_a_healthy_run_yields_nothing() -> None:
@@ -182,10 +184,10 @@ def test_a_healthy_run_yields_nothing() -> None:
 
 
 def test_the_start_of_learning_is_never_a_baseline() -> None:
-    """Units dormant from the first epochs' 0.0 to 0.4 by epoch 5 (what learning does at
+    """Units dormant from the first epochs' 0.0 to 0.4 by epoch 20 (what learning does at
     the start), flat after: the old rule (median of the first 5 epochs) fired; the
-    baselines now start after the first window, so nothing holds."""
-    run = with_series(healthy_run(), DORMANT, lambda e: min(0.1 * (e - 1), 0.4))
+    baselines now start after the first 4 windows, so nothing holds."""
+    run = with_series(healthy_run(), DORMANT, lambda e: min(0.02 * (e - 1), 0.4))
     start = statistics.median(r[DORMANT] for r in run[:WINDOW])
     assert rule_named("dormant_units").holds(0.4, start)  # against the start it would fire
     assert diagnose(run) == []
@@ -195,9 +197,9 @@ def test_a_jump_is_found_against_the_trailing_window_with_its_onset() -> None:
     run = with_series(healthy_run(), DORMANT, dormant_jump)
     (f,) = diagnose(run)
     assert (f.rule, f.component, f.tier) == ("dormant_units", "actor_mlp.layer_1", "observation")
-    # first fired at epoch 33 (3 of its 5 points at 0.4), against epochs 14-18 (15 before)
-    assert f.baseline_epochs == [14, 18] and f.baseline == pytest.approx(0.05)
-    assert f.onset_epoch == 31  # the first point of that window at 0.4
+    # first fired at epoch 48 (3 of its 5 points at 0.4), against epochs 29-33 (15 before)
+    assert f.baseline_epochs == [29, 33] and f.baseline == pytest.approx(0.05)
+    assert f.onset_epoch == 46  # the first point of that window at 0.4
     assert f.value == pytest.approx(0.4) and f.last_epoch == EPOCHS
     assert f.metric == DORMANT and "redo" in f.remedies and f.docs.endswith("relu.md")
 
@@ -205,27 +207,27 @@ def test_a_jump_is_found_against_the_trailing_window_with_its_onset() -> None:
 def test_a_fired_rule_holds_against_the_level_before_the_change_until_it_returns() -> None:
     """15 epochs after the jump the trailing window holds 0.4 too: the rule still holds,
     against the frozen 0.05; once the measure is back at 0.05 the rule clears."""
-    run = with_series(healthy_run(epochs=70), DORMANT, dormant_jump)
+    run = with_series(healthy_run(epochs=90), DORMANT, dormant_jump)
     (f,) = diagnose(run)
-    assert (f.onset_epoch, f.baseline_epochs) == (31, [14, 18])
-    back = with_series(healthy_run(epochs=70), DORMANT, lambda e: 0.4 if 30 < e <= 50 else 0.05)
-    assert diagnose(back[:50])[0].onset_epoch == 31
-    assert diagnose(back) == []  # at 70 the last five are 0.05 again
+    assert (f.onset_epoch, f.baseline_epochs) == (46, [29, 33])
+    back = with_series(healthy_run(epochs=90), DORMANT, lambda e: 0.4 if 45 < e <= 70 else 0.05)
+    assert diagnose(back[:70])[0].onset_epoch == 46
+    assert diagnose(back) == []  # at 90 the last five are 0.05 again
 
 
 def test_a_slow_drift_is_no_change_over_the_lag() -> None:
-    """Weight norm x 1.02 per epoch: 2.2x over 40 epochs, 1.02^15 = 1.35 < 1.5 between a
+    """Weight norm x 1.02 per epoch: 3.3x over 60 epochs, 1.02^15 = 1.35 < 1.5 between a
     window and the one 15 epochs before: no finding; a step x 1.5 is one."""
     key = "probes/weights/actor_mlp.layer_0.linear/norm"
-    assert 1.02**15 < 1.5 < 1.02**39
+    assert 1.02**15 < 1.5 < 1.02**59
     assert diagnose(with_series(healthy_run(), key, lambda e: 5.0 * 1.02**e)) == []
-    (f,) = diagnose(with_series(healthy_run(), key, lambda e: 4.0 if e <= 30 else 6.0))
-    assert (f.rule, f.onset_epoch, f.baseline) == ("weight_norm_growth", 31, 4.0)
+    (f,) = diagnose(with_series(healthy_run(), key, lambda e: 4.0 if e <= 45 else 6.0))
+    assert (f.rule, f.onset_epoch, f.baseline) == ("weight_norm_growth", 46, 4.0)
 
 
 def test_medians_ignore_an_outlier_in_the_baseline_and_two_in_the_last_window() -> None:
     run = with_series(healthy_run(), DORMANT, dormant_jump)
-    run[15][DORMANT] = 0.9  # epoch 16, inside the baseline window 14-18
+    run[30][DORMANT] = 0.9  # epoch 31, inside the baseline window 29-33
     (f,) = diagnose(run)
     assert f.baseline == pytest.approx(0.05)
     calm = healthy_run()
@@ -237,37 +239,36 @@ def test_medians_ignore_an_outlier_in_the_baseline_and_two_in_the_last_window() 
 def test_the_slope_reads_the_last_two_windows() -> None:
     """Flat, then +0.02 per epoch over the last 10 epochs: the slope is 0.02 exactly
     (least squares over the last 2 x 5 points), not the whole run's."""
-    run = with_series(healthy_run(), DORMANT, lambda e: 0.05 if e <= 30 else 0.3 + 0.02 * e)
+    run = with_series(healthy_run(), DORMANT, lambda e: 0.05 if e <= 50 else 0.3 + 0.02 * e)
     (f,) = diagnose(run)
     assert f.slope == pytest.approx(0.02)
 
 
 def test_a_duplicated_epoch_counts_once_the_last_written() -> None:
     run = with_series(healthy_run(), DORMANT, dormant_jump)
-    again = dict(run[34], **{DORMANT: 0.4})
-    twice = run[:35] + [dict(run[34], **{DORMANT: 0.01}), again] + run[35:]
+    again = dict(run[49], **{DORMANT: 0.4})
+    twice = run[:50] + [dict(run[49], **{DORMANT: 0.01}), again] + run[50:]
     assert [f.to_dict() for f in diagnose(twice)] == [f.to_dict() for f in diagnose(run)]
-    # the rewritten epoch's last value counts: 0.01 written last at epoch 35 instead
-    rewrite = run[:35] + [dict(run[34], **{DORMANT: 0.01})] + run[35:]
+    # the rewritten epoch's last value counts: 0.01 written last at epoch 50 instead
+    rewrite = run[:50] + [dict(run[49], **{DORMANT: 0.01})] + run[50:]
     fixed = [dict(r) for r in run]
-    fixed[34][DORMANT] = 0.01
+    fixed[49][DORMANT] = 0.01
     assert [f.to_dict() for f in diagnose(rewrite)] == [f.to_dict() for f in diagnose(fixed)]
 
 
 def test_a_live_analysis_rereads_an_epoch_written_again() -> None:
-    """A resumed or rewound loop writes epoch 35 again, after 36-38: the live findings
+    """A resumed or rewound loop writes epoch 50 again, after 51-53: the live findings
     are those of the run with the last value of every epoch (the engine reads all again)."""
     run = jump_run()
     analysis = LiveAnalysis()
-    rewritten = dict(run[34], **{DORMANT: 0.4})
-    for r in run[:38] + [dict(rewritten, **{DORMANT: 0.02})]:
+    for r in run[:53] + [dict(run[49], **{DORMANT: 0.02})]:
         analysis.add(Record.from_json(r))
-    expected = [dict(r) for r in run[:38]]
-    expected[34][DORMANT] = 0.02
+    expected = [dict(r) for r in run[:53]]
+    expected[49][DORMANT] = 0.02
     live = [f.to_dict() for f in analysis.findings.findings()]
     assert live == [f.to_dict() for f in diagnose(expected)]
-    # the same 38 epochs without the rewrite would give a different onset
-    assert live != [f.to_dict() for f in diagnose(run[:38])]
+    # the same 53 epochs without the rewrite give other evidence
+    assert live != [f.to_dict() for f in diagnose(run[:53])]
 
 
 def test_a_component_is_reported_under_its_layer_only_while_their_series_are_equal() -> None:
@@ -299,9 +300,9 @@ def test_updates_stalled_reads_the_learning_rate() -> None:
         r[key] = 40.0 * r[LR]
     assert diagnose(annealed) == []
     low = 0.01 * rule_named("updates_stalled").threshold / 2  # half the threshold's ratio
-    stalled = with_series(healthy_run(), key, lambda e: 0.01 if e <= 30 else low)
+    stalled = with_series(healthy_run(), key, lambda e: 0.01 if e <= 45 else low)
     (f,) = diagnose(stalled)
-    assert (f.rule, f.divide_by, f.onset_epoch) == ("updates_stalled", LR, 31)
+    assert (f.rule, f.divide_by, f.onset_epoch) == ("updates_stalled", LR, 46)
     assert f.value == pytest.approx(low / 2.5e-4) and f.baseline == pytest.approx(0.01 / 2.5e-4)
     for r in stalled:
         del r[LR]
@@ -310,7 +311,7 @@ def test_updates_stalled_reads_the_learning_rate() -> None:
 
 def test_findings_come_before_observations() -> None:
     run = with_series(healthy_run(), DORMANT, dormant_jump)
-    with_series(run, "train/value_target_std", lambda e: 3.0 if e <= 30 else 30.0)
+    with_series(run, "train/value_target_std", lambda e: 3.0 if e <= 45 else 30.0)
     found = diagnose(run)
     assert [(f.tier, f.rule) for f in found] == [
         ("finding", "value_target_scale"),
@@ -334,17 +335,17 @@ def jump_run() -> list[dict]:
 def test_diagnose_json_round_trips_on_a_run_still_training(tmp_path: Path, capsys) -> None:
     run = jump_run()
     # the line the run is writing now: cut off mid-record
-    write_run(tmp_path / "run", run, partial='{"epoch": 41, "probes/relu/act')
+    write_run(tmp_path / "run", run, partial='{"epoch": 61, "probes/relu/act')
     assert main(["diagnose", str(tmp_path / "run"), "--json"]) == 0
     printed = capsys.readouterr().out
     found = from_json(printed)
     assert found == diagnose_run(tmp_path / "run") == diagnose(run)
-    assert [(f.component, f.onset_epoch) for f in found] == [("actor_mlp.layer_1", 31)]
+    assert [(f.component, f.onset_epoch) for f in found] == [("actor_mlp.layer_1", 46)]
     assert main(["diagnose", str(tmp_path / "run")]) == 0
     text = capsys.readouterr().out
     assert text == render_text(found) + "\n"
     assert text.startswith("no findings: no direct test shows a problem\n1 observation(s)")
-    assert "actor_mlp.layer_1" in text and "since epoch 31" in text
+    assert "actor_mlp.layer_1" in text and "since epoch 46" in text
 
 
 def test_diagnose_without_metrics_says_what_to_change(tmp_path: Path, capsys) -> None:
@@ -380,7 +381,7 @@ def test_the_wandb_run_summary_holds_the_findings(tmp_path: Path) -> None:
     from policy_probes.sinks.config import WandbConfig
     from policy_probes.sinks.wandb_sink import WandbSink
 
-    run = with_series(jump_run(), "train/value_target_std", lambda e: 3.0 if e <= 30 else 30.0)
+    run = with_series(jump_run(), "train/value_target_std", lambda e: 3.0 if e <= 45 else 30.0)
     sink = WandbSink(tmp_path, WandbConfig(mode="offline"), {})
     emit_all(sink, run)
     sink.close()
@@ -429,7 +430,8 @@ def rules_afresh(records: list[dict], window: int = WINDOW) -> list[tuple]:
         w = rule.window or window
         lag = LAG_WINDOWS * w if rule.lag is None else rule.lag
         based = rule.kind == "ratio" or rule.min_change > 0
-        needed = SKIP_WINDOWS * w + w + lag if based else w
+        skip = SKIP_WINDOWS * w if rule.skip is None else rule.skip
+        needed = skip + w + lag if based else w
         hits = []
         for key in sorted(table):
             component = rule.matches(key)
@@ -475,16 +477,16 @@ def test_the_live_findings_are_those_of_the_records_so_far_at_every_epoch() -> N
     the records so far: also with a layer whose probe starts reporting later, values that
     are no numbers (a bool, None), SNAPSHOT records between the epochs, a component
     whose series is its last layer's until it is not, and a rule that fires and clears."""
-    records = with_series(healthy_run(epochs=60), DORMANT, lambda e: 0.4 if 30 < e <= 45 else 0.05)
+    records = with_series(healthy_run(epochs=80), DORMANT, lambda e: 0.4 if 45 < e <= 60 else 0.05)
     norm = "probes/weights/actor_mlp/norm"
     for r in records:
         r["probes/relu/actor_mlp/dormant_fraction_ref"] = r[DORMANT]
         r[norm] = r["probes/weights/actor_mlp.layer_1.linear/norm"] = (
-            2.0 if r["epoch"] <= 20 else 4.0
+            2.0 if r["epoch"] <= 35 else 4.0
         )
     records[-1][norm] = 4.1  # no longer the layer's series
     for r in records[10:]:  # a layer whose probe starts reporting later
-        r["probes/relu/critic_mlp.layer_0/dead_fraction_ref"] = 0.0 if r["epoch"] < 40 else 0.5
+        r["probes/relu/critic_mlp.layer_0/dead_fraction_ref"] = 0.0 if r["epoch"] < 55 else 0.5
     records[20]["probes/relu/critic_mlp.layer_0/dead_fraction_ref"] = True  # not a number
     records[21]["probes/relu/critic_mlp.layer_0/dead_fraction_ref"] = None
     analysis = LiveAnalysis(max_epochs=25)
@@ -501,7 +503,7 @@ def test_the_live_findings_are_those_of_the_records_so_far_at_every_epoch() -> N
         snapshot = {"epoch": r["epoch"], "hook_point": "SNAPSHOT", norm: 9.0}
         assert analysis.add(Record.from_json(snapshot)).findings is None
     assert seen >= {
-        ("dormant_units", "actor_mlp.layer_1"),  # fired at 33, cleared at 48
+        ("dormant_units", "actor_mlp.layer_1"),  # fired at 48, cleared at 63
         ("weight_norm_growth", "actor_mlp.layer_1.linear"),
         ("weight_norm_growth", "actor_mlp"),  # at the last epoch: its own series now
         ("dead_units", "critic_mlp.layer_0"),
@@ -561,17 +563,17 @@ def test_a_resumed_session_finds_over_the_whole_run(tmp_path: Path) -> None:
         sinks=SinksConfig(console=False, csv=False, wandb=False), wandb=WandbConfig(mode="disabled")
     )
     run = jump_run()
-    for part, resume in ((run[:32], False), (run[32:], True)):
+    for part, resume in ((run[:47], False), (run[47:], True)):
         with ProbeSession(nn.Linear(2, 2), run=Run(tmp_path, resume=resume), probing=probing) as s:
             for rec in part:
                 s.log({k: v for k, v in rec.items() if k not in ("epoch", "hook_point")})
                 s.epoch_end(step=rec["agent_step"])
             found = [f.to_dict() for f in s.analysis.findings.findings()]
             assert not s.analysis.with_figures  # no sink draws figures: their series not kept
-    assert [r["epoch"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == list(range(1, 41))
+    assert [r["epoch"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == list(range(1, 61))
     assert (
         found
         == [f.to_dict() for f in diagnose(run)]
         == [f.to_dict() for f in diagnose_run(tmp_path)]
     )
-    assert [(f["component"], f["onset_epoch"]) for f in found] == [("actor_mlp.layer_1", 31)]
+    assert [(f["component"], f["onset_epoch"]) for f in found] == [("actor_mlp.layer_1", 46)]

@@ -266,7 +266,7 @@ def switching_off_run(run_dir: Path, epochs: int) -> tuple[list[dict], list[dict
 
 
 def test_a_cleanrl_style_loop_runs_it_and_its_rule_becomes_a_finding(tmp_path, capsys) -> None:
-    records, handed = switching_off_run(tmp_path / "run", epochs=36)
+    records, handed = switching_off_run(tmp_path / "run", epochs=60)
     (finding,) = handed
     assert finding["rule"] == "outputs_switching_off" and finding["component"] == "actor_mlp"
     assert finding["baseline"] == 1.0 and finding["value"] <= 0.5

@@ -354,9 +354,9 @@ def test_diagnose_of_a_run_too_short_says_nothing_could_be_judged_and_exits_3(
     assert status == 3
     assert "no findings" not in out
     assert f"nothing could be judged: the run has {epochs} epoch records" in out
-    # the last 5 epochs against 5 epochs 3 windows earlier, never the first 5: 25 epochs
-    assert "with 5 epochs 3 windows earlier, never the first 5" in out
-    assert f"dormant_units ({epochs} of 25)" in out and f"dead_units ({epochs} of 25)" in out
+    # the last 5 epochs against 5 epochs 3 windows earlier, never the first 20: 40 epochs
+    assert "with 5 epochs 3 windows earlier, never the first 20" in out
+    assert f"dormant_units ({epochs} of 40)" in out and f"dead_units ({epochs} of 40)" in out
 
 
 def test_diagnose_of_an_empty_file_says_there_is_no_epoch_record(
@@ -376,14 +376,14 @@ def test_diagnose_window_100_on_100_epochs_cannot_judge_and_window_5_can(
     status, out = diagnose(capsys, str(run_dir), "--window", "100")
     assert status == 3
     assert "the run has 100 epoch records and a rule compares its last 100 epochs" in out
-    assert "dormant_units (100 of 500)" in out  # 100 skipped + 100 of baseline + 300 of lag
+    assert "dormant_units (100 of 800)" in out  # 400 skipped + 100 of baseline + 300 of lag
 
     status, out = diagnose(capsys, str(run_dir), "--window", "100", "--json")
     assert status == 3
     coverage = json.loads(out)["coverage"]
     assert coverage["epochs"] == 100 and not coverage["judged"]
-    assert coverage["needed"] == {"dormant_units": 500}
+    assert coverage["needed"] == {"dormant_units": 800}
 
-    status, out = diagnose(capsys, str(run_dir))  # 100 >= 25: judged, and steady
+    status, out = diagnose(capsys, str(run_dir))  # 100 >= 40: judged, and steady
     assert status == 0
     assert out.strip() == "no findings: no direct test shows a problem"

@@ -36,7 +36,7 @@ WINDOW = 5
 #: the trailing baseline ends this many windows before the last point
 LAG_WINDOWS = 3
 #: the run's first windows that never make a baseline (the start of learning)
-SKIP_WINDOWS = 1
+SKIP_WINDOWS = 4
 TIERS = ("finding", "observation")
 
 
@@ -149,7 +149,8 @@ class _Trend:
         self.lag = rule.lag if rule.lag is not None else LAG_WINDOWS * w
         baseline = rule.needs_baseline
         #: points before the rule first judges: the skipped start, the baseline, the lag
-        self.needed = SKIP_WINDOWS * w + w + self.lag if baseline else w
+        skip = SKIP_WINDOWS * w if rule.skip is None else rule.skip
+        self.needed = skip + w + self.lag if baseline else w
         self.count = 0
         self.points: deque[tuple[int, float]] = deque(maxlen=max(self.lag + w, 2 * w))
         self.rolling = math.nan

@@ -275,11 +275,12 @@ class Trainability(Probe):
             metric="ratio",
             direction="rising",
             kind="ratio",
-            threshold=1.5,
+            threshold=1.65,
             level=1.5,
             floor=1e-6,
             window=1,
             lag=1,
+            skip=1,
             tier="finding",
             threshold_source="policy-probes default, not from a paper, set above the healthy "
             "runs of the labelled benchmark (docs/findings.md); the test is the target-fitting "
