@@ -38,7 +38,9 @@ class Rule:
     ``threshold`` (2.0 = doubled); a baseline at or below ``floor`` counts as ``floor`` for
     a rising rule and never holds for a falling one (ratios near 0 are noise).
     ``level``: a ratio rule also needs the rolling median at or beyond this level (a jump
-    from a low level to a still ordinary one is no finding). ``divide_by``: a record key
+    from a low level to a still ordinary one is no finding). ``release``: once the rule
+    holds, it keeps holding while the condition is met at this threshold instead of
+    ``threshold`` (a measure that settles just below its trigger does not flicker). ``divide_by``: a record key
     the series is divided by epoch by epoch (an update ratio per unit of learning rate
     reads an annealed rate as no change)."""
 
@@ -63,6 +65,7 @@ class Rule:
     level: float | None = None
     #: the series' first points that never make a baseline (None: the engine's)
     skip: int | None = None
+    release: float | None = None
     #: the probe whose metric this is (set when the probe registers)
     probe: str | None = None
 
@@ -84,12 +87,14 @@ class Rule:
     def needs_baseline(self) -> bool:
         return self.kind == "ratio" or self.min_change > 0
 
-    def holds(self, value: float, baseline: float | None) -> bool:
+    def holds(self, value: float, baseline: float | None, *, held: bool = False) -> bool:
         """Whether ``value`` (a rolling median) meets the condition against ``baseline``
-        (None for a level rule without ``min_change``)."""
+        (None for a level rule without ``min_change``); ``held``: the rule holds already,
+        so its ``release`` threshold applies."""
         rising = self.direction == "rising"
+        threshold = self.release if held and self.release is not None else self.threshold
         if self.kind == "level":
-            if not (value >= self.threshold if rising else value <= self.threshold):
+            if not (value >= threshold if rising else value <= threshold):
                 return False
             if not self.needs_baseline:
                 return True
@@ -100,9 +105,9 @@ class Rule:
         if self.level is not None and not (value >= self.level if rising else value <= self.level):
             return False
         if baseline <= self.floor:  # too small to divide by (ratio rules read sizes >= 0)
-            return rising and self.floor > 0 and value >= self.threshold * self.floor
+            return rising and self.floor > 0 and value >= threshold * self.floor
         ratio = value / baseline
-        return ratio >= self.threshold if rising else ratio <= self.threshold
+        return ratio >= threshold if rising else ratio <= threshold
 
 
 def register(cls: T) -> T:

@@ -165,17 +165,33 @@ def test_a_level_rule_needs_its_change_over_the_baseline_exactly() -> None:
 
 
 def test_plasticity_lost_needs_the_jump_and_the_level_both() -> None:
-    """The trainability ratio x1.75 from 0.8 to 1.4 is a jump to a level fresh networks
-    about match: no finding; to 1.5 exactly (x1.875) it is one; from 1.2 to 1.9 (x1.58,
-    short of x1.65) it is not; from 2.0 to 3.3 (x1.65 exactly) it is."""
+    """The trainability ratio x2.5 from 0.56 to 1.4 is a jump to a level fresh networks
+    about match: no finding; to 1.5 exactly (x2.68) it is one; from 1.2 to 2.3 (x1.92,
+    short of x2) it is not; from 2.0 to 4.0 (x2 exactly) it is."""
     rule = rule_named("plasticity_lost")
-    assert (rule.tier, rule.threshold, rule.level) == ("finding", 1.65, 1.5)
+    assert (rule.tier, rule.threshold, rule.release, rule.level) == ("finding", 2.0, 1.4, 1.5)
     _, _, needed = sizes(rule)
     assert needed == 3  # the first measurement skipped, the baseline, the one judged
-    assert rules_found(step_run(rule, 0.8, 1.4, needed)) == []
-    assert rules_found(step_run(rule, 0.8, 1.5, needed)) == ["plasticity_lost"]
-    assert rules_found(step_run(rule, 1.2, 1.9, needed)) == []
-    assert rules_found(step_run(rule, 2.0, 3.3, needed)) == ["plasticity_lost"]
+    assert rules_found(step_run(rule, 0.56, 1.4, needed)) == []
+    assert rules_found(step_run(rule, 0.56, 1.5, needed)) == ["plasticity_lost"]
+    assert rules_found(step_run(rule, 1.2, 2.3, needed)) == []
+    assert rules_found(step_run(rule, 2.0, 4.0, needed)) == ["plasticity_lost"]
+
+
+def test_a_rule_that_holds_releases_at_its_release_threshold() -> None:
+    """plasticity_lost fires at x2 and then holds down to x1.4 of the frozen baseline
+    (and the 1.5 level): 1.0 -> 2.0 -> 1.4 still holds, -> the next float below 1.4 clears."""
+    rule = rule_named("plasticity_lost")
+    run = step_run(rule, 1.0, 2.0, 3)
+    key = key_of(rule)
+    after = [dict(run[-1], epoch=4, **{key: 1.6}), dict(run[-1], epoch=5, **{key: 1.4 * 1.0})]
+    assert rules_found(run + after[:1]) == ["plasticity_lost"]  # x1.6: held
+    low = dict(after[0], epoch=5, **{key: math.nextafter(1.5, 0)})  # below the level
+    assert rules_found(run + [after[0], low]) == []
+    rel = Rule(**{**vars(rule), "level": None})  # the release alone: x1.4 exactly holds
+    assert diagnose(run + [after[0], dict(after[0], epoch=5, **{key: 1.4})], rules=[rel])
+    short = dict(after[0], epoch=5, **{key: math.nextafter(1.4, 0)})
+    assert not diagnose(run + [after[0], short], rules=[rel])
 
 
 def test_a_healthy_run_yields_nothing() -> None:

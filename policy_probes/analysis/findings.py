@@ -168,7 +168,7 @@ class _Trend:
         window = list(itertools.islice(self.points, len(self.points) - w, None))
         self.rolling = statistics.median(v for _, v in window)  # one odd point moves nothing
         if self.onset is not None:
-            if not holds(self.rolling, self.frozen[0] if self.frozen else None):
+            if not holds(self.rolling, self.frozen[0] if self.frozen else None, held=True):
                 self.onset, self.frozen = None, None
             return
         base: float | None = None

@@ -275,7 +275,8 @@ class Trainability(Probe):
             metric="ratio",
             direction="rising",
             kind="ratio",
-            threshold=1.65,
+            threshold=2.0,
+            release=1.4,
             level=1.5,
             floor=1e-6,
             window=1,
@@ -289,9 +290,9 @@ class Trainability(Probe):
             remedies=("reset_layers", "shrink_and_perturb", "plasticity_injection", "redo"),
             meaning="a copy of the component, trained on new random targets over the run's "
             "reference states, ends with a loss at least 1.5 times that of fresh "
-            "initialisations of the same architecture and at least 1.5 times its own ratio at "
-            "the previous measurement: it lost much of its ability to fit new functions "
-            "between the two",
+            "initialisations of the same architecture and (when first found) at least twice "
+            "its own ratio at the previous measurement: it lost much of its ability to fit "
+            "new functions between the two, faster than healthy training does",
         ),
     )
 
