@@ -65,8 +65,8 @@ def train_measured() -> TrainTool:
     """:func:`train` with every plasticity measure, for the labelled findings benchmark
     (``benchmarks/findings_bench.py``): besides the four probes of :func:`train` (ReLU
     activations with the dormant fractions, Fisher information, gradient flow, ReLU
-    gradient flow), weights, preactivation and utility on both MLPs and churn on both
-    heads; every pass observed (``probe_budget=None``), no evaluation. Any classic-control
+    gradient flow), weights, preactivation, utility and trainability (every 10 epochs) on
+    both MLPs and churn on both heads; every pass observed (``probe_budget=None``), no evaluation. Any classic-control
     env with discrete actions runs through ``env.id=`` (``env.id=Acrobot-v1``). The probes
     never change the training trajectory: the returns are those of :func:`train`."""
     cfg = train()
