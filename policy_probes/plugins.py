@@ -30,7 +30,7 @@ class Rule:
     ``tier``: ``"finding"`` for a direct test of what its text claims, ``"observation"``
     for a measure's unusual trend that claims no harm. The rolling median over ``window``
     points is compared with a **trailing baseline**: the median of the ``window`` points
-    that end ``lag`` points earlier, never from the run's first ``window`` points (the
+    that end ``lag`` points earlier, never from the run's first ``skip`` points (the
     start of learning). ``kind="level"``: the rolling median is at or beyond
     ``threshold`` (above for ``"rising"``, below for ``"falling"``) and has moved by at
     least ``min_change`` from the baseline that way (``min_change=0``: no baseline, the

@@ -7,7 +7,7 @@ scale). An **observation** is a measure's unusual trend, stated without a claim 
 
 A rule reads one series: the rolling median over ``window`` points against a trailing
 baseline, the median of the ``window`` points that end ``lag`` points earlier (never the
-run's first ``window`` points, the start of learning). Once the condition holds the
+run's first ``SKIP_WINDOWS`` windows, the start of learning). Once the condition holds the
 baseline is frozen: the rule keeps holding while the rolling median meets the condition
 against the level before the change, and clears when it no longer does. The *onset* is
 the first point of the window that fired whose own value meets the condition."""
