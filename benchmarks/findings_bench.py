@@ -31,7 +31,7 @@ import torch
 
 from benchmarks.ab import write_json
 from benchmarks.injections import INJECTIONS, RolloutRecorder
-from benchmarks.plasticity import command, load_results, markdown, plain, write_doc
+from benchmarks.plasticity import command, load_results, markdown, moving_mean, plain, write_doc
 
 RECIPE = "recipes.cartpole.train_measured"
 MLPS = ("actor_mlp", "critic_mlp")
@@ -336,23 +336,13 @@ def run_one(job: tuple[str, str, int, int, int, str]) -> dict[str, Any]:
 
 
 # ====================================================================== labelling
-def rolling(values: list[float], width: int = ROLL) -> np.ndarray:
-    """Trailing NaN-aware mean over ``width`` epochs (NaN until an epoch has a value)."""
-    v = np.asarray(values, dtype=float)
-    out = np.full(len(v), np.nan)
-    for i in range(len(v)):
-        window = v[max(0, i - width + 1) : i + 1]
-        if np.isfinite(window).any():
-            out[i] = np.nanmean(window)
-    return out
-
-
 def decline_epoch(
     ret: list[float], healthy: list[float], baseline: float, inject: int
 ) -> int | None:
     """The first epoch from ``inject`` on whose ``ROLL``-epoch rolling mean return, above
     the random ``baseline``, is below ``HARM`` of the healthy run's at the same epoch."""
-    mine, ref = rolling(ret) - baseline, rolling(healthy) - baseline
+    mine = moving_mean(np.asarray(ret, dtype=float), ROLL) - baseline
+    ref = moving_mean(np.asarray(healthy, dtype=float), ROLL) - baseline
     for e in range(inject, len(ret) + 1):
         if np.isfinite(mine[e - 1]) and np.isfinite(ref[e - 1]) and mine[e - 1] < HARM * ref[e - 1]:
             return e
