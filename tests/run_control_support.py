@@ -17,12 +17,26 @@ import torch
 
 from policy_probes.cli import apply_overrides
 from policy_probes.recipe_launch import build_from_recipe
+from trainers import TrainerHook
 from trainers.checkpoint import list_checkpoints, load_checkpoint
 
 EPOCHS = 6
 #: seconds the recipe's SlowDown hook sleeps after each minibatch in a subprocess run
 #: (8 minibatches per epoch: ~0.25 s per epoch, so a test can act between epochs)
 MB_SLEEP = "0.03"
+
+
+class StopAfter(TrainerHook):
+    """Stops an in-process run at the end of epoch ``epoch`` (its checkpoint written):
+    the first half of a stop-and-resume comparison."""
+
+    def __init__(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def on_epoch_end(self, state) -> None:
+        if state.epoch == self.epoch:
+            state.stop_training = True
+
 
 RECIPE = '''
 import os

@@ -8,24 +8,16 @@ import json
 
 import pytest
 import torch
+from run_control_support import StopAfter
 
 from policy_probes.cli import apply_overrides
 from policy_probes.plugins import from_spec
 from policy_probes.probes.relu import attach_relu_activation_hooks
 from policy_probes.remedies import shrink_and_perturb
-from trainers import EnvConfig, PolicyConfig, PPOConfig, TrainerHook, TrainTool
+from trainers import EnvConfig, PolicyConfig, PPOConfig, TrainTool
 
 torch.set_num_threads(1)
 EPOCHS = 4
-
-
-class StopAfter(TrainerHook):
-    def __init__(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def on_epoch_end(self, state) -> None:
-        if state.epoch == self.epoch:
-            state.stop_training = True
 
 
 def tool(run_dir, device: torch.device = torch.device("cpu")) -> TrainTool:

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import cli_error_line
+from run_control_support import StopAfter
 from torch import nn
 
 from policy_probes import (
@@ -30,7 +31,7 @@ from policy_probes import (
 from policy_probes.cli import main
 from policy_probes.probes.trainability import Trainability
 from policy_probes.reference_states import ReferenceStates
-from trainers import EnvConfig, PolicyConfig, PPOConfig, TrainerHook, TrainTool
+from trainers import EnvConfig, PolicyConfig, PPOConfig, TrainTool
 
 torch.set_num_threads(1)
 EPOCHS = 4
@@ -179,15 +180,6 @@ def test_the_cached_baseline_travels_in_the_state_dict() -> None:
 
 
 # ------------------------------------------------------------- through the trainer
-class StopAfter(TrainerHook):
-    def __init__(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def on_epoch_end(self, state) -> None:
-        if state.epoch == self.epoch:
-            state.stop_training = True
-
-
 def tool(run_dir: Path, probe: bool = True) -> TrainTool:
     t = TrainTool(
         env=EnvConfig(id="CartPole-v1", num_envs=2),
