@@ -457,21 +457,11 @@ def measures_block(
         + "\n\n".join(
             f"Trainability ratio of {c} per period (`probes/trainability/{c}/ratio`, measured "
             f"every 10 epochs; mean over seeds):\n\n"
-            + kept_period_table(runs, arms, f"trainability_{c.removesuffix('_mlp')}")
+            # kept as per-period means already (MEASURES): periods of one value each
+            + period_table(runs, arms, f"trainability_{c.removesuffix('_mlp')}", 1, "{:.2f}")
             for c in COMPONENTS
         )
     )
-
-
-def kept_period_table(runs: list[dict[str, Any]], arms: list[str], name: str) -> str:
-    """Markdown table of a measure kept as per-period means (:data:`MEASURES`): one row
-    per arm, the mean over seeds of each period."""
-    rows = []
-    for arm in arms:
-        means = np.vstack([np.asarray(r[name], dtype=float) for r in runs if r["arm"] == arm])
-        with np.errstate(all="ignore"):
-            rows.append([arm, *(f"{v:.2f}" for v in np.nanmean(means, 0))])
-    return markdown(["arm", *(str(k + 1) for k in range(len(runs[0][name])))], rows)
 
 
 def period_table(
