@@ -414,8 +414,14 @@ def diagnose_run(run_dir: Path, window: int = WINDOW) -> list[Finding]:
 
 def diagnose_with_coverage(run_dir: Path, window: int = WINDOW) -> tuple[list[Finding], Coverage]:
     """:func:`diagnose_run` and what its rules could judge (:class:`Coverage`)."""
-    records = RunRecords.read(run_dir)
-    engine = FindingsEngine(run_rules(run_dir), window)
+    return judge(RunRecords.read(run_dir), run_rules(run_dir), window)
+
+
+def judge(
+    records: RunRecords, rules: Sequence[Rule], window: int = WINDOW
+) -> tuple[list[Finding], Coverage]:
+    """The findings of ``rules`` on ``records`` and what they could judge."""
+    engine = FindingsEngine(rules, window)
     engine.update(records)
     return engine.findings(), engine.coverage(len(records.epochs))
 

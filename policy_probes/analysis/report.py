@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from policy_probes.analysis.findings import FindingsEngine, cli_error, run_rules
+from policy_probes.analysis.findings import cli_error, judge, run_rules
 from policy_probes.analysis.findings import render_html as render_findings_html
 from policy_probes.atomic_write import write_text_atomic
 from policy_probes.records import METRICS_JSONL, RunRecords
@@ -312,10 +312,7 @@ def build_report(
     if not epochs:
         parts.append('<p class="note">metrics.jsonl holds no epoch yet.</p>')
     else:  # what is going wrong, first (policy_probes.analysis.findings)
-        engine = FindingsEngine(run_rules(run_dir))
-        engine.update(run)
-        coverage = engine.coverage(len(epochs))
-        parts.append(render_findings_html(engine.findings(), coverage))
+        parts.append(render_findings_html(*judge(run, run_rules(run_dir))))
     missing: list[str] = []
     losses = training_figure(run, overlays)
     sections = [
