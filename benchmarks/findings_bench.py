@@ -31,7 +31,15 @@ import torch
 
 from benchmarks.ab import write_json
 from benchmarks.injections import INJECTIONS, RolloutRecorder
-from benchmarks.plasticity import command, load_results, markdown, moving_mean, plain, write_doc
+from benchmarks.plasticity import (
+    command,
+    load_results,
+    markdown,
+    moving_mean,
+    plain,
+    replay_findings,
+    write_doc,
+)
 
 RECIPE = "recipes.cartpole.train_measured"
 MLPS = ("actor_mlp", "critic_mlp")
@@ -403,32 +411,22 @@ def label_runs(runs: list[dict[str, Any]], inject: int) -> None:
 
 # ====================================================================== findings
 def first_fires(run_dir: Path) -> list[dict[str, Any]]:
-    """Every finding of ``diagnose_run`` at the run's end (rule, tier, component, onset,
-    last epoch) with the first epoch at which a live ``diagnose`` of the records up to that
-    epoch showed it (the incremental engine, one update per epoch)."""
-    from policy_probes.analysis import findings as fm
-    from policy_probes.records import POST_EPOCH, Record, RunRecords, iter_jsonl
+    """Every finding at the run's end (rule, tier, component, onset, last epoch) with the
+    first epoch at which a live ``diagnose`` of the records up to that epoch showed it
+    (:func:`benchmarks.plasticity.replay_findings`, with the run's own rules)."""
+    from policy_probes.analysis.findings import run_rules
 
-    rules = fm.run_rules(run_dir) if hasattr(fm, "run_rules") else None
-    records, engine = RunRecords(), fm.FindingsEngine(rules)
-    first: dict[tuple[str, str], int] = {}
-    for line in iter_jsonl(run_dir / "metrics.jsonl"):
-        if line.get("hook_point") != POST_EPOCH:
-            continue
-        records.add(Record.from_json(line))
-        engine.update(records)
-        for f in engine.findings():
-            first.setdefault((f.rule, f.component), line["epoch"])
+    first, end = replay_findings(run_dir, run_rules(run_dir))
     return [
         {
             "rule": f.rule,
-            "tier": getattr(f, "tier", "finding"),
+            "tier": f.tier,
             "component": f.component,
             "onset_epoch": f.onset_epoch,
             "last_epoch": f.last_epoch,
             "first_epoch": first.get((f.rule, f.component), f.onset_epoch),
         }
-        for f in fm.diagnose_run(run_dir)
+        for f in end
     ]
 
 

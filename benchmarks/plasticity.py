@@ -361,15 +361,14 @@ def decline_epoch(values: list[float], period: int) -> int | None:
     return (peak + 1) * period + 1
 
 
-def first_fires(run_dir: Path) -> list[dict[str, Any]]:
-    """Every finding a live ``policy-probes diagnose`` would have shown during the run:
-    for each rule and component, the first epoch at which diagnosing the run's records
-    up to that epoch yields it, and whether it still holds at the run's end (with its
-    onset then)."""
+def replay_findings(run_dir: Path, rules: Any = None) -> tuple[dict[tuple[str, str], int], list]:
+    """The run's epoch records fed one by one to the incremental engine, as a live
+    ``policy-probes diagnose`` would have read them (``rules``: the default rules when
+    None): the first epoch each (rule, component) showed, and the findings at the end."""
     from policy_probes.analysis.findings import FindingsEngine
     from policy_probes.records import POST_EPOCH, Record, RunRecords, iter_jsonl
 
-    records, engine = RunRecords(), FindingsEngine()
+    records, engine = RunRecords(), FindingsEngine(rules)
     first: dict[tuple[str, str], int] = {}
     for line in iter_jsonl(run_dir / "metrics.jsonl"):
         if line.get("hook_point") != POST_EPOCH:
@@ -378,7 +377,16 @@ def first_fires(run_dir: Path) -> list[dict[str, Any]]:
         engine.update(records)  # what a diagnose of the records so far finds
         for f in engine.findings():
             first.setdefault((f.rule, f.component), line["epoch"])
-    at_end = {(f.rule, f.component): f.onset_epoch for f in engine.findings()}
+    return first, engine.findings()
+
+
+def first_fires(run_dir: Path) -> list[dict[str, Any]]:
+    """Every finding a live ``policy-probes diagnose`` would have shown during the run:
+    for each rule and component, the first epoch at which diagnosing the run's records
+    up to that epoch yields it, and whether it still holds at the run's end (with its
+    onset then)."""
+    first, end = replay_findings(run_dir)
+    at_end = {(f.rule, f.component): f.onset_epoch for f in end}
     return [
         dict(rule=rule, component=comp, first_epoch=epoch, onset_at_end=at_end.get((rule, comp)))
         for (rule, comp), epoch in first.items()
