@@ -1,10 +1,15 @@
 """RLlib overhead: RLlib PPO on CartPole with the default probes against RLlib alone.
 
 Each side is a whole process (Ray's start, the Algorithm's build, ``--iterations``
-training iterations, ``algo.stop()``), run interleaved A B B A ..., for 1 and 2 Learners
-(``num_learners=0`` and ``2``). Side B is ``probe_config`` with ``relu``, ``fisher`` and
-``gradient_flow`` on ``actor_mlp`` and ``critic_mlp`` and the default ``probe_budget``.
-Run it with the RLlib venv's interpreter (``.venv-rllib/bin/python``):
+training iterations, ``algo.stop()``), run interleaved A B B A ..., for one Learner in
+the driver (``num_learners=0``), one remote Learner (``1``) and two (``2``). Side B is
+``probe_config`` with ``relu``, ``fisher`` and ``gradient_flow`` on ``actor_mlp`` and
+``critic_mlp`` and the default ``probe_budget``; it also reports what the run measured of
+itself: the Learners' ``probes/overhead_fraction`` per record (hooks, drains, the report and
+its all-reduce, over the Learner's time between reports) and the driver's seconds in
+:class:`ProbeRLlibCallback` (collecting the Learners' metrics, writing the record).
+Results are written after every round. Run it with the RLlib venv's interpreter
+(``.venv-rllib/bin/python``):
 
     .venv-rllib/bin/python -m benchmarks.rllib_overhead [--quick] [--repeats N] [--out PATH]
 """
@@ -17,6 +22,7 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 from benchmarks.ab import (
@@ -64,9 +70,10 @@ def case(params: dict[str, Any]) -> dict[str, Any]:
         )
         .debugging(seed=1)
     )
+    run_dir, driver = None, [0.0]
     if params["probes"]:
         from policy_probes import ProbeSettings
-        from policy_probes.integrations.rllib import probe_config
+        from policy_probes.integrations.rllib import ProbeRLlibCallback, probe_config
         from policy_probes.sinks import SinksConfig, WandbConfig
 
         probing = ProbeSettings(
@@ -74,6 +81,16 @@ def case(params: dict[str, Any]) -> dict[str, Any]:
         )
         run_dir = tempfile.mkdtemp(prefix="pp-bench-rllib-")
         config = probe_config(config, run_dir=run_dir, probes=PROBES, probing=probing)
+        on_train_result = ProbeRLlibCallback.on_train_result
+
+        def timed(self: Any, **kwargs: Any) -> None:  # the driver's share, measured
+            start = time.perf_counter()
+            try:
+                on_train_result(self, **kwargs)
+            finally:
+                driver[0] += time.perf_counter() - start
+
+        ProbeRLlibCallback.on_train_result = timed  # type: ignore[method-assign]
     algo = config.build_algo()
     start, cpu = time.perf_counter(), time.process_time()
     for _ in range(params["iterations"]):
@@ -82,12 +99,32 @@ def case(params: dict[str, Any]) -> dict[str, Any]:
     cpu_seconds = time.process_time() - cpu  # the driver's (with 0 Learners: the Learner's too)
     algo.stop()
     ray.shutdown()
-    return {"train_seconds": train_seconds, "cpu_seconds": cpu_seconds}
+    out = {"train_seconds": train_seconds, "cpu_seconds": cpu_seconds}
+    if run_dir is not None:
+        out.update(own_measures(Path(run_dir) / "metrics.jsonl", params["iterations"]))
+        out["driver_callback_seconds"] = driver[0]
+    return out
+
+
+def own_measures(path: Path, iterations: int) -> dict[str, Any]:
+    """What the probed run's records say of their own cost, and that every iteration has
+    the headline keys (the benchmark refuses a run that lost records)."""
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    headline = ("probes/relu/actor_mlp/dead_fraction", "probes/fisher/actor_mlp/trace")
+    complete = [r for r in records if all(k in r for k in headline)]
+    if len(complete) != iterations:
+        raise RuntimeError(f"{len(complete)} of {iterations} records carry {headline}")
+    fractions = [r["probes/overhead_fraction"] for r in records]
+    return {
+        "records": len(records),
+        "overhead_fraction_median": statistics.median(fractions),
+        "overhead_seconds_total": sum(r["probes/overhead_seconds"] for r in records),
+    }
 
 
 def comparisons(quick: bool, iterations: int) -> list[Comparison]:
     out = []
-    for learners in (0, 2):
+    for learners in (0, 1, 2):
         base = {"num_learners": learners, "iterations": 2 if quick else iterations}
         a = Side(f"rllib-{learners}", "rllib", {**base, "probes": False})
         b = Side(f"rllib-{learners} + probes", "rllib", {**base, "probes": True})
@@ -103,17 +140,30 @@ def main(argv: list[str] | None = None) -> None:
         return
     args = parse_args(__doc__.splitlines()[0], 6, "rllib_overhead.json", argv)
     comps = comparisons(args.quick, iterations=10)
-    interleave(comps, args.repeats, run=run_side)
-    print_table("rllib overhead (whole process, wall time with / without)", comps)
-    train = {  # the training loop alone (without Ray's start and the build)
-        c.name: statistics.median(
-            b["train_seconds"] / a["train_seconds"]
-            for a, b in zip(c.extra_a, c.extra_b, strict=True)
+
+    def save() -> None:
+        write_results(
+            args.out,
+            "rllib overhead: t(B)/t(A)",
+            comps,
+            overhead=summary(comps),
+            train_loop={c.name: train_loop_ratio(c) for c in comps},
         )
-        for c in comps
-    }
-    write_results(
-        args.out, "rllib overhead: t(B)/t(A)", comps, overhead=summary(comps), train_loop=train
+
+    interleave(comps, args.repeats, run=run_side, after_round=save)
+    print_table("rllib overhead (whole process, wall time with / without)", comps)
+    for c in comps:
+        fractions = [b["overhead_fraction_median"] for b in c.extra_b]
+        print(
+            f"{c.name}: training loop B/A {train_loop_ratio(c):.3f}; the Learners' own "
+            f"overhead fraction (median per run) {statistics.median(fractions):.4f}"
+        )
+
+
+def train_loop_ratio(c: Comparison) -> float:
+    """Median B/A of the training loop alone (without Ray's start and the build)."""
+    return statistics.median(
+        b["train_seconds"] / a["train_seconds"] for a, b in zip(c.extra_a, c.extra_b, strict=True)
     )
 
 
