@@ -55,8 +55,8 @@ class _Attach:
         self.policy.attach(pattern, builder, self.context, backward=True, **placement)
 
 
-def _per_tensor(trackers: dict[str, Any]) -> None:
-    """One layout exchange per tracker and one all_reduce per accumulator."""
+def per_tensor(trackers: dict[str, Any]) -> None:
+    """How e48ca4f reduced: one layout exchange per tracker, one all_reduce per accumulator."""
     world = dist.get_world_size()
     for tracker in trackers.values():
         slots = tracker.reduced_tensors()
@@ -69,6 +69,21 @@ def _per_tensor(trackers: dict[str, Any]) -> None:
             t = t.clone()
             dist.all_reduce(t, op=dist.ReduceOp.MAX if how == BY_MAX else dist.ReduceOp.SUM)
             tracker.set_reduced(key, t / world if how == BY_MEAN else t)
+
+
+def count_collectives() -> dict[str, int]:
+    """Count this process's ``all_reduce`` and ``all_gather_object`` calls from now on
+    (``torch.distributed``'s functions wrapped; the counts are the returned dict's)."""
+    calls = {"all_reduce": 0, "all_gather_object": 0}
+    for name in calls:
+        collective = getattr(dist, name)
+
+        def counted(*args: Any, _c: Any = collective, _n: str = name, **kw: Any) -> Any:
+            calls[_n] += 1
+            return _c(*args, **kw)
+
+        setattr(dist, name, counted)
+    return calls
 
 
 def _feed(policy: ActorCriticPolicy, rank: int, report: int) -> None:
@@ -94,15 +109,7 @@ def _worker(rank: int, init_file: str, reports: int, out: str) -> None:
         context = ComponentContext()
         recipe.add_probes(_Attach(policy, context), ("actor_mlp", "critic_mlp"))
         trackers = dict(context.model_metrics)
-        calls = {"all_reduce": 0, "all_gather_object": 0}
-        for name in calls:
-            collective = getattr(dist, name)
-
-            def counted(*args: Any, _c: Any = collective, _n: str = name, **kw: Any) -> Any:
-                calls[_n] += 1
-                return _c(*args, **kw)
-
-            setattr(dist, name, counted)
+        calls = count_collectives()
         times: dict[str, list[float]] = {"per_tensor": [], "one_buffer": []}
         counts: dict[str, dict[str, int]] = {}
         for report in range(2 * reports):
@@ -112,7 +119,7 @@ def _worker(rank: int, init_file: str, reports: int, out: str) -> None:
             dist.barrier()
             before = dict(calls)
             start = time.perf_counter()
-            (_per_tensor if way == "per_tensor" else all_reduce_trackers)(trackers)
+            (per_tensor if way == "per_tensor" else all_reduce_trackers)(trackers)
             times[way].append(time.perf_counter() - start)
             counts[way] = {k: calls[k] - before[k] for k in calls}
             for tracker in trackers.values():

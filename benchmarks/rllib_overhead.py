@@ -12,6 +12,14 @@ Results are written after every round. Run it with the RLlib venv's interpreter
 (``.venv-rllib/bin/python``):
 
     .venv-rllib/bin/python -m benchmarks.rllib_overhead [--quick] [--repeats N] [--out PATH]
+
+Whole processes on a shared machine scatter by more than the probes cost, so
+``--alternate [ITERATIONS]`` measures the training loop alone more closely: per Learner
+count one process builds a plain and a probed Algorithm side by side (the same settings
+and seed; they share the process's global generators, so their episodes differ) and
+alternates their training iterations (plain, probed, probed, plain, ...); the figures are
+the median of the per-iteration ratios and the ratio of the totals
+(``benchmarks/results/rllib_overhead_alternating.json``).
 """
 
 from __future__ import annotations
@@ -26,10 +34,12 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.ab import (
+    RESULTS,
     Comparison,
     Side,
     interleave,
     json_result,
+    machine,
     parse_args,
     print_table,
     summary,
@@ -50,18 +60,18 @@ def run_side(side: Side) -> dict[str, Any]:
     return {"seconds": time.perf_counter() - start, **result}
 
 
-def case(params: dict[str, Any]) -> dict[str, Any]:
-    """Train RLlib PPO (probed or not) and report the training loop's own seconds."""
-    import ray
+def ppo_config(num_learners: int, run_dir: str | None = None) -> Any:
+    """The benchmarks' RLlib PPO on CartPole (ReLU MLP 64x64, separate actor and critic,
+    1,000 steps per Learner per iteration, minibatch 128, 4 epochs), probed with
+    :data:`PROBES` and the default budget when ``run_dir`` is given."""
     from ray.rllib.algorithms.ppo import PPOConfig
     from ray.rllib.core.rl_module.default_model_config import DefaultModelConfig
 
-    ray.init(num_cpus=max(2, params["num_learners"] + 1), include_dashboard=False)
     config = (
         PPOConfig()
         .environment("CartPole-v1")
         .env_runners(num_env_runners=0)
-        .learners(num_learners=params["num_learners"])
+        .learners(num_learners=num_learners)
         .training(train_batch_size_per_learner=1000, minibatch_size=128, num_epochs=4)
         .rl_module(
             model_config=DefaultModelConfig(
@@ -70,17 +80,26 @@ def case(params: dict[str, Any]) -> dict[str, Any]:
         )
         .debugging(seed=1)
     )
+    if run_dir is None:
+        return config
+    from policy_probes import ProbeSettings
+    from policy_probes.integrations.rllib import probe_config
+    from policy_probes.sinks import SinksConfig, WandbConfig
+
+    probing = ProbeSettings(sinks=SinksConfig(console=False), wandb=WandbConfig(mode="disabled"))
+    return probe_config(config, run_dir=run_dir, probes=PROBES, probing=probing)
+
+
+def case(params: dict[str, Any]) -> dict[str, Any]:
+    """Train RLlib PPO (probed or not) and report the training loop's own seconds."""
+    import ray
+
+    ray.init(num_cpus=max(2, params["num_learners"] + 1), include_dashboard=False)
     run_dir, driver = None, [0.0]
     if params["probes"]:
-        from policy_probes import ProbeSettings
-        from policy_probes.integrations.rllib import ProbeRLlibCallback, probe_config
-        from policy_probes.sinks import SinksConfig, WandbConfig
+        from policy_probes.integrations.rllib import ProbeRLlibCallback
 
-        probing = ProbeSettings(
-            sinks=SinksConfig(console=False), wandb=WandbConfig(mode="disabled")
-        )
         run_dir = tempfile.mkdtemp(prefix="pp-bench-rllib-")
-        config = probe_config(config, run_dir=run_dir, probes=PROBES, probing=probing)
         on_train_result = ProbeRLlibCallback.on_train_result
 
         def timed(self: Any, **kwargs: Any) -> None:  # the driver's share, measured
@@ -91,7 +110,7 @@ def case(params: dict[str, Any]) -> dict[str, Any]:
                 driver[0] += time.perf_counter() - start
 
         ProbeRLlibCallback.on_train_result = timed  # type: ignore[method-assign]
-    algo = config.build_algo()
+    algo = ppo_config(params["num_learners"], run_dir).build_algo()
     start, cpu = time.perf_counter(), time.process_time()
     for _ in range(params["iterations"]):
         algo.train()
@@ -104,6 +123,37 @@ def case(params: dict[str, Any]) -> dict[str, Any]:
         out.update(own_measures(Path(run_dir) / "metrics.jsonl", params["iterations"]))
         out["driver_callback_seconds"] = driver[0]
     return out
+
+
+def alternate(params: dict[str, Any]) -> dict[str, Any]:
+    """A plain and a probed Algorithm in this process, their iterations alternated."""
+    import ray
+
+    learners = params["num_learners"]
+    ray.init(num_cpus=max(2, 2 * learners + 1), include_dashboard=False)
+    run_dir = tempfile.mkdtemp(prefix="pp-bench-rllib-alt-")
+    algos = {
+        "plain": ppo_config(learners).build_algo(),
+        "probed": ppo_config(learners, run_dir).build_algo(),
+    }
+    seconds: dict[str, list[float]] = {"plain": [], "probed": []}
+    for i in range(params["iterations"]):
+        for side in ("plain", "probed") if i % 2 == 0 else ("probed", "plain"):
+            start = time.perf_counter()
+            algos[side].train()
+            seconds[side].append(time.perf_counter() - start)
+    for algo in algos.values():
+        algo.stop()
+    ray.shutdown()
+    ratios = [b / a for a, b in zip(seconds["plain"], seconds["probed"], strict=True)]
+    return {
+        "num_learners": learners,
+        "seconds": seconds,
+        "ratios": ratios,
+        "median_ratio": statistics.median(ratios),
+        "total_ratio": sum(seconds["probed"]) / sum(seconds["plain"]),
+        **own_measures(Path(run_dir) / "metrics.jsonl", params["iterations"]),
+    }
 
 
 def own_measures(path: Path, iterations: int) -> dict[str, Any]:
@@ -137,6 +187,26 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--case"]:
         print(json.dumps(case(json.loads(argv[1]))))
+        return
+    if argv[:1] == ["--alternate-case"]:
+        print(json.dumps(alternate(json.loads(argv[1]))))
+        return
+    if argv[:1] == ["--alternate"]:
+        iterations = int(argv[1]) if len(argv) > 1 else 30
+        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", WANDB_MODE="disabled")
+        rows = []
+        for learners in (0, 1, 2):
+            params = {"num_learners": learners, "iterations": iterations}
+            cmd = [sys.executable, "-m", "benchmarks.rllib_overhead", "--alternate-case"]
+            row = json_result([*cmd, json.dumps(params)], env, f"alternate {params}", timeout=3600)
+            rows.append(row)
+            print(
+                f"num_learners={learners}: per-iteration probed/plain median "
+                f"{row['median_ratio']:.3f}, total {row['total_ratio']:.3f}, the Learners' own "
+                f"overhead fraction (median) {row['overhead_fraction_median']:.4f}"
+            )
+        out = RESULTS / "rllib_overhead_alternating.json"
+        out.write_text(json.dumps({"machine": machine(), "rows": rows}, indent=2) + "\n")
         return
     args = parse_args(__doc__.splitlines()[0], 6, "rllib_overhead.json", argv)
     comps = comparisons(args.quick, iterations=10)

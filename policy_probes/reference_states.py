@@ -52,8 +52,11 @@ class ReferenceStates:
     it the first rollout); :meth:`capture` runs the policy once on the set and returns what
     the given modules received or produced."""
 
-    def __init__(self, size: int = DEFAULT_SIZE) -> None:
+    def __init__(self, size: int = DEFAULT_SIZE, module: nn.Module | None = None) -> None:
         self.size = size
+        #: the policy whose buffers a forward on the set must leave as they were (default:
+        #: the forward itself when it is a module)
+        self.module = module
         self.wanted = False
         #: the set, on the device the loop gave it on (None: not chosen yet)
         self.observations: torch.Tensor | None = None
@@ -112,9 +115,10 @@ class ReferenceStates:
         if self.unusable:
             return (
                 f"the policy's forward does not run on the reference states alone "
-                f"({self.unusable}), so the _ref keys are not reported; a policy whose "
-                f"forward needs more than the observations (a recurrent state) cannot be "
-                f"scored on them: attach the probe with reference=False "
+                f"({self.unusable}), so the _ref keys are not reported; pass "
+                f"ProbeSession(forward=...), a function that runs the policy on a batch of "
+                f"observation rows, or, for a policy that needs more than the observations "
+                f"(a recurrent state), attach the probe with reference=False "
                 f"(docs/reference_states.md)"
             )
         if self.observations is None:
@@ -188,7 +192,8 @@ class ReferenceStates:
             if context is not None:
                 context.phase = REFERENCE_PHASE
             # eager: a compiled policy runs its Python (the hooks fire; no new graph)
-            with preserved_rng(), torch.no_grad(), _preserved_buffers(self.forward), eager_block():
+            owner = self.module if self.module is not None else self.forward
+            with preserved_rng(), torch.no_grad(), _preserved_buffers(owner), eager_block():
                 assert self.forward is not None and self.observations is not None
                 self.forward(self.observations)
         finally:

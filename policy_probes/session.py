@@ -70,6 +70,10 @@ class ProbeSession:
         components: names for parts of ``model`` (``{"actor_mlp": "actor.0"}``), passed to
             ``wrap``; ``None`` names every direct child after its attribute.
         example_inputs: positional arguments for one :meth:`PolicyAutoBuilder.trace_outputs`.
+        forward: runs the policy on a batch of observation rows (the reference states,
+            churn's held-out batch); default ``model`` itself. A model whose forward takes
+            more than a tensor (RLlib's RLModule, a TensorDict module, a ``ModuleDict``)
+            needs one, e.g. ``lambda obs: (actor(obs), critic(obs))``.
         config: your run configuration; stored in ``config.json`` and the W&B run's config.
         optimizer, scheduler, loss_fn, model_context: as :meth:`bind` takes them (a loop
             that builds them after the session calls :meth:`bind` itself).
@@ -84,6 +88,7 @@ class ProbeSession:
         probing: ProbeSettings | None = None,
         components: Mapping[str, nn.Module | str] | None = None,
         example_inputs: tuple[Any, ...] | None = None,
+        forward: Callable[[torch.Tensor], Any] | None = None,
         config: Mapping[str, Any] | None = None,
         optimizer: torch.optim.Optimizer | None = None,
         scheduler: Any = None,
@@ -98,8 +103,12 @@ class ProbeSession:
         self.run = run if isinstance(run, Run) else Run(run)
         self.loop = loop
         self.policy = _probeable(model, components, example_inputs)
+        if forward is not None and not callable(forward):
+            raise TypeError(f"forward must be callable, got {type(forward).__name__}")
+        #: runs the policy on observation rows (reference states, held-out batches)
+        self.forward: Callable[[torch.Tensor], Any] = forward or self.policy
         self.context = ComponentContext(strict=self.probing.strict)
-        self.context.reference_states = ReferenceStates()
+        self.context.reference_states = ReferenceStates(module=self.policy)
         self.sampler = Sampler(
             self.context, schedule=self.probing.probe_schedule, budget=self.probing.probe_budget
         )
@@ -435,7 +444,7 @@ class ProbeSession:
         """Use ``observations`` (rows the policy takes) as the run's reference states
         instead of rows of the first rollout (docs/reference_states.md); returns self."""
         self.context.reference_states.fix(observations, self.epoch)
-        self.context.reference_states.forward = self.policy
+        self.context.reference_states.forward = self.forward
         return self
 
     def rollout_end(
@@ -453,11 +462,11 @@ class ProbeSession:
         self._rollout_seen = True
         reference = self.context.reference_states
         if reference.wanted:
-            reference.offer(observations, self.policy, self.epoch)
+            reference.offer(observations, self.forward, self.epoch)
         for tracker in list(self.context.model_metrics.values()):
             if hasattr(tracker, "rollout_end"):
                 try:
-                    tracker.rollout_end(observations, self.policy)
+                    tracker.rollout_end(observations, self.forward)
                 except Exception as exc:  # a probe must never take training down
                     if self.context.strict:
                         raise
@@ -645,7 +654,7 @@ class ProbeSession:
         if "reference_states" in state:
             reference = self.context.reference_states
             reference.load_state_dict(state["reference_states"], device)
-            reference.forward = reference.forward or self.policy
+            reference.forward = reference.forward or self.forward
         for name, saved in state["trackers"].items() if trackers else ():
             tracker = self.context.model_metrics.get(name)
             if tracker is None:

@@ -332,6 +332,58 @@ def test_a_loop_without_rollout_end_reports_no_ref_key_and_says_so_once(tmp_path
     assert len(warned) == 2  # once per probe, not per epoch
 
 
+class DictPolicy(nn.Module):
+    """A policy whose forward takes a dict (as RLlib's RLModule and TensorDict modules do),
+    with a batch norm whose running statistics a forward in training mode moves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = DenseNet().body
+        self.norm = nn.BatchNorm1d(5)
+
+    def forward(self, batch: dict) -> torch.Tensor:
+        return self.norm(self.body(batch["obs"]))
+
+
+def test_a_model_whose_forward_takes_no_tensor_is_scored_through_the_forward_given(
+    tmp_path, caplog
+):
+    caplog.set_level(logging.WARNING, logger="policy_probes")
+    torch.manual_seed(7)
+    rollout = torch.rand(600, 2) * 2 - 1
+    scored = []
+    for give in (False, True):
+        model = DictPolicy()
+        forward = (lambda obs, m=model: m({"obs": obs})) if give else None
+        session = ProbeSession(
+            model,
+            run=tmp_path / f"run{len(scored)}",
+            probing=ProbeSettings(sinks=JSONL_ONLY, probe_budget=None),
+            forward=forward,
+        )
+        session.add_training_hook("body", attach_relu_activation_hooks())
+        session.rollout_end(observations=rollout)
+        with session.phase("train"):
+            model({"obs": torch.rand(32, 2)}).sum().backward()
+        stats = model.norm.running_mean.clone(), model.norm.running_var.clone()
+        scored.append(session.epoch_end(step=1))
+        session.close()
+        # the set's forward in training mode leaves the batch norm's statistics as they were
+        assert torch.equal(model.norm.running_mean, stats[0])
+        assert torch.equal(model.norm.running_var, stats[1])
+    without, given = scored
+    assert "probes/relu/body/dead_fraction_ref" not in without
+    said = [r.getMessage() for r in caplog.records if "reference states alone" in r.getMessage()]
+    assert len(said) == 1 and "ProbeSession(forward=...)" in said[0]
+    with torch.no_grad():
+        h = model.body(expected_rows(rollout))
+    assert given["probes/relu/body/dead_fraction_ref"] == pytest.approx(dead_share(h))
+    assert given["probes/relu/body/dormant_fraction_ref"] == pytest.approx(dormant_share(h))
+    assert "probes/errors/relu/reference_states" not in given
+    with pytest.raises(TypeError, match="forward must be callable"):
+        ProbeSession(DictPolicy(), run=tmp_path / "bad", forward="model")  # type: ignore[arg-type]
+
+
 # ----------------------------------------------------------------- training unchanged
 def tiny_tool(run_dir: Path, reference: bool) -> TrainTool:
     tool = TrainTool(

@@ -126,10 +126,46 @@ def install_reference(learner) -> None:
             layer.register_forward_hook(on_linear(name))
     learner._update = recording_update
 
+    # the reference states: the first train batch's observations the loss keeps (fewer
+    # than 512 rows here, so all of them), scored with the weights the update ends with
+    make_batch, after_update = learner._make_batch_if_necessary, learner.after_gradient_based_update
+    learner._ref_set, learner._ref_alive = None, {}
+
+    def recording_batch(training_data):
+        batch = make_batch(training_data)
+        if learner._ref_set is None:
+            rows = batch.policy_batches["default_policy"]
+            learner._ref_set = rows[Columns.OBS][rows[Columns.LOSS_MASK].to(torch.bool)].clone()
+        return batch
+
+    def scoring_after_update(**kwargs):
+        with torch.no_grad():
+            for which, path in (("actor", ACTOR), ("critic", CRITIC)):
+                h, layers = learner._ref_set, list(module.get_submodule(path))
+                last = max(i for i, m in enumerate(layers) if isinstance(m, torch.nn.ReLU))
+                for layer in layers[: last + 1]:
+                    h = layer(h)
+                learner._ref_alive[which] = (h > 0).any(dim=0)
+        return after_update(**kwargs)
+
+    learner._make_batch_if_necessary = recording_batch
+    learner.after_gradient_based_update = scoring_after_update
+
 
 def take_reference(learner):
     passes, learner._ref_passes = learner._ref_passes, []
-    return passes
+    assert learner._ref_set is not None and learner._ref_set.shape[0] <= 512
+    return {"passes": passes, "alive": dict(learner._ref_alive)}
+
+
+def reference_set_values(alive: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    """Dead fractions on the reference states: units with no positive output on any
+    learner's set (the union of the learners' sets)."""
+    out = {}
+    for which in ("actor", "critic"):
+        union = torch.stack([a[which] for a in alive]).any(dim=0)
+        out[f"probes/relu/{which}_mlp/dead_fraction_ref"] = float((~union).sum()) / union.numel()
+    return out
 
 
 def reference_values(passes: list[dict]) -> dict[str, float]:
@@ -179,11 +215,12 @@ def train_and_compare(
         expected = []
         for _ in range(ITERATIONS):
             result = algo.train()
-            passes = [
-                p for r in algo.learner_group.foreach_learner(take_reference) for p in r.get()
-            ]
+            taken = [r.get() for r in algo.learner_group.foreach_learner(take_reference)]
+            passes = [p for t in taken for p in t["passes"]]
             assert any((p["mask"] == 0).any() for p in passes)  # phantom rows to leave out
-            expected.append(reference_values(passes))
+            expected.append(
+                {**reference_values(passes), **reference_set_values([t["alive"] for t in taken])}
+            )
             learner_result = result["learners"]["default_policy"]
             assert "probes/relu/actor_mlp/dead_fraction" in learner_result
             assert "probes/fisher/actor_mlp/trace" in learner_result
@@ -199,6 +236,7 @@ def train_and_compare(
             else:  # fractions and counts: exact
                 assert record[key] == value, key
         assert len(record["probes/relu/actor_mlp/active_rate"]) == 16  # per-unit vectors
+        assert not [k for k in record if k.startswith("probes/errors")]
     return records, weights
 
 

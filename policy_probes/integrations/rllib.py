@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import numbers
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +86,22 @@ def rllib_components(
         out[alias] = path
     out.update(extra or {})
     return out
+
+
+def rlmodule_forward(module: nn.Module) -> Callable[[torch.Tensor], Any]:
+    """Run an RLModule on observation rows as its loss does: ``forward_train`` and, when it
+    has a value function, ``compute_values`` on the embeddings that pass returned (the
+    forward of the reference states and churn's held-out batch)."""
+
+    def forward(observations: torch.Tensor) -> Any:
+        batch = {Columns.OBS: observations}
+        out = module.forward_train(batch)  # type: ignore[operator]
+        if hasattr(module, "compute_values"):
+            embeddings = out.get(Columns.EMBEDDINGS) if isinstance(out, Mapping) else None
+            out = {**out, Columns.VF_PREDS: module.compute_values(batch, embeddings=embeddings)}
+        return out
+
+    return forward
 
 
 def probe_config(
@@ -228,6 +244,7 @@ class ProbeLearnerMixin:
             run=Run.worker(settings["run_dir"]),
             probing=probing,
             components=rllib_components(inner, settings["components"]),
+            forward=rlmodule_forward(inner),
             optimizer=optimizer,
         )
         for spec in remedies:  # one seed on every Learner: the same draws, in sync
@@ -235,6 +252,21 @@ class ProbeLearnerMixin:
             session.add_remedy(component, remedy, seed=settings["seed"])
         session.set_phase("rollout")  # until a minibatch update
         return session
+
+    def _make_batch_if_necessary(self, training_data: Any) -> Any:
+        """RLlib's train batch (after the learner connector and its value pass); its
+        loss-masked observations are the session's rollout (``rollout_end``: the first
+        becomes the reference states) when a probe or hook reads observations."""
+        batch = super()._make_batch_if_necessary(training_data)  # type: ignore[misc]
+        session = self.probe_session
+        rows = getattr(batch, "policy_batches", {}).get(self.probe_module_id)
+        if session is not None and rows is not None and session.wants_observations:
+            obs = rows.get(Columns.OBS)
+            mask = rows.get(Columns.LOSS_MASK)
+            if isinstance(obs, torch.Tensor):
+                kept = obs[mask.to(torch.bool)] if isinstance(mask, torch.Tensor) else obs
+                session.rollout_end(observations=kept.detach())
+        return batch
 
     def _update(self, batch: dict[str, Any], **kwargs: Any) -> Any:
         """One minibatch update, recorded: phase ``"train"``, the loss mask as row mask."""
@@ -406,4 +438,5 @@ __all__ = [
     "ProbedPPOTorchLearner",
     "probe_config",
     "rllib_components",
+    "rlmodule_forward",
 ]

@@ -32,7 +32,7 @@ from policy_probes.probes.layout import positions
 from policy_probes.probes.observation import Observation
 from policy_probes.probes.probe import Probe
 from policy_probes.probes.rows import COUNT
-from policy_probes.probes.state import BY_SUM, SUM, _to_host, as_rows
+from policy_probes.probes.state import BY_SUM, SUM, as_rows, to_host
 from policy_probes.reference_states import DEFAULT_SIZE
 
 log = logging.getLogger("policy_probes")
@@ -149,7 +149,7 @@ class ReferenceScores(Probe):
         """This report's sums on the host: one transfer per dtype for every name."""
         flat = {(c, k): t for c, st in self.reference_state.items() for k, t in st.items()}
         out: dict[str, dict[str, torch.Tensor]] = {}
-        for (c, k), t in _to_host(flat).items():  # type: ignore[arg-type]
+        for (c, k), t in to_host(flat).items():  # type: ignore[arg-type]
             out.setdefault(c, {})[k] = t
         return out
 

@@ -508,14 +508,14 @@ class ProbeState:
         summaries = self._summarize_alike()
         for comp, st in self.state.items():
             if st and comp not in self.mirrors and comp not in summaries:
-                summaries[comp] = self.summarize(comp, _to_host(st), self.settings[comp])
+                summaries[comp] = self.summarize(comp, to_host(st), self.settings[comp])
         for comp, source in self.mirrors.items():
             shared = summaries.get(source)
             if shared is not None:  # the same accumulators and settings: the same summary
                 summaries[comp] = self._mirror_summary(comp, source, shared)
             elif self.state[comp]:
                 summaries[comp] = self.summarize(
-                    comp, _to_host(self.state[comp]), self.settings[comp]
+                    comp, to_host(self.state[comp]), self.settings[comp]
                 )
         out: dict[str, float | list[float]] = {}
         root = f"probes/{self.probe}/"
@@ -558,7 +558,7 @@ class ProbeState:
                 for m in members
             ):
                 continue
-            summaries = self.summarize_alike(components, _to_host(shared), settings)
+            summaries = self.summarize_alike(components, to_host(shared), settings)
             if summaries is not None:
                 out.update(zip(components, summaries, strict=True))
         return out
@@ -586,7 +586,7 @@ class ProbeState:
         )
 
 
-def _to_host(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def to_host(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """One device-to-host transfer per dtype of a component's accumulators (none on the CPU)."""
     if all(t.device.type == "cpu" for t in state.values()):
         return dict(state)
