@@ -200,7 +200,10 @@ class ProbeSession:
         m = self.hooks
         if optimizer is not None and (m.hooks_at(HookPoint.PRE_EPOCH) or m.needs_pre_epoch_state):
             # PRE_EPOCH before the epoch's first update, whatever the loop calls first
-            self._step_hooks.append(optimizer.register_step_pre_hook(self._before_step))
+            # eager in a compiled update step (a graph break); decorated here, not at the
+            # class: that would import dynamo with this module (policy_probes/grad_tap.py)
+            before_step = torch.compiler.disable(self._before_step)
+            self._step_hooks.append(optimizer.register_step_pre_hook(before_step))
         if callable(model_context) or hasattr(model_context, "rows"):
             self.sampler.probe_batch_source = model_context  # probe batches through its loss
         self._watch_passes()
@@ -220,7 +223,6 @@ class ProbeSession:
             self._step_hooks.append(self.sampler.watch_optimizer(self.optimizer))
             self._watching = True
 
-    @torch.compiler.disable  # in a compiled update step: runs at a graph break
     def _before_step(self, *_args: Any) -> None:
         if self.context.phase != "hook":  # lifecycle replays are not the loop's updates
             self.epoch_start()
