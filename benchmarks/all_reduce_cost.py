@@ -151,10 +151,15 @@ def main(argv: list[str] | None = None) -> int:
             join=True,
         )
         result = json.loads(Path(result_file).read_text())
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+    write_result(args.out, result)
     return 0
+
+
+def write_result(out: Path, result: dict[str, Any]) -> None:
+    """Write ``result`` to ``out`` as indented JSON and print it (both all-reduce scripts)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":

@@ -20,13 +20,13 @@ cost) and its collectives are counted. Writes the median milliseconds per report
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.all_reduce_cost import write_result
 from benchmarks.rllib_overhead import ppo_config
 
 OUT = Path(__file__).parent / "results" / "rllib_all_reduce.json"
@@ -94,9 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "collectives_per_report": first["calls"],
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+    write_result(args.out, result)
     return 0
 
 

@@ -106,7 +106,9 @@ class ProbeSession:
         if forward is not None and not callable(forward):
             raise TypeError(f"forward must be callable, got {type(forward).__name__}")
         #: runs the policy on observation rows (reference states, held-out batches)
-        self.forward: Callable[[torch.Tensor], Any] = forward or self.policy
+        self.forward: Callable[[torch.Tensor], Any] = (
+            forward if forward is not None else self.policy
+        )
         self.context = ComponentContext(strict=self.probing.strict)
         self.context.reference_states = ReferenceStates(module=self.policy)
         self.sampler = Sampler(
